@@ -1,0 +1,21 @@
+"""kfac_jax_dist: distributed K-FAC (and Shampoo) as pure optax transforms."""
+
+from kfac_jax_dist import linen
+from kfac_jax_dist import losses
+from kfac_jax_dist import nnx
+from kfac_jax_dist import tags
+from kfac_jax_dist.capture import value_and_grad
+from kfac_jax_dist.capture import ValueAndGrad
+from kfac_jax_dist.describe import describe
+from kfac_jax_dist.kfac import kfac
+from kfac_jax_dist.kfac import scale_by_kfac
+from kfac_jax_dist.kfac import ScaleByKfacState
+from kfac_jax_dist.registry import LayerRegistry
+from kfac_jax_dist.registry import TaggedLayer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LayerRegistry", "ScaleByKfacState", "TaggedLayer", "ValueAndGrad", "describe",
+    "kfac", "linen", "losses", "nnx", "scale_by_kfac", "tags", "value_and_grad",
+]

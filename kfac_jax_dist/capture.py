@@ -1,0 +1,137 @@
+"""`kd.value_and_grad`: gradients plus the curvature statistics of tagged layers.
+
+The loss function is traced once abstractly to discover its tagged layers and
+its registered loss, then evaluated under `jax.vjp` with one zero "probe" per
+factor: the probes' cotangents are the statistics (see `tags`). Gradients are
+exactly `jax.value_and_grad`'s.
+
+Fisher estimates (Martens & Grosse, 2015):
+
+* "empirical": `G` from the gradients of the loss on the true targets (one
+  backward pass serves gradients and statistics);
+* "mc": `G` from the gradients of the loss on targets drawn from the model's
+  predictive distribution (one more backward pass over the same forward).
+
+Given `opt_state`, the statistics are skipped at run time (`lax.cond` in the
+backward pass) unless the K-FAC state's `update_factors` is set, and diagonal
+factors are computed as diagonals.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from kfac_jax_dist import _context
+from kfac_jax_dist import factors
+from kfac_jax_dist import kfac
+from kfac_jax_dist import registry
+
+FISHERS = ("empirical", "mc")
+
+
+def _leaf_ids(params) -> dict[int, str]:
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  return {id(leaf): registry.path_str(path) for path, leaf in flat}
+
+
+def _one_loss(trace: _context.Trace) -> _context.RegisteredLoss:
+  if not trace.losses:
+    raise ValueError(
+        "The loss function registered no loss: compute it with kd.losses."
+        "softmax_cross_entropy, sigmoid_cross_entropy or squared_error so that K-FAC "
+        "knows the number of examples and the predictive distribution.")
+  if len(trace.losses) > 1:
+    names = [l.name for l in trace.losses]
+    raise ValueError(f"The loss function registered {len(names)} losses ({names}); "
+                     "K-FAC needs exactly one.")
+  return trace.losses[0]
+
+
+class ValueAndGrad:
+  """Callable returned by `kd.value_and_grad`; see there."""
+
+  def __init__(self, fun: Callable, has_aux: bool, fisher: str):
+    if fisher not in FISHERS:
+      raise ValueError(f"fisher must be one of {FISHERS}, got {fisher!r}")
+    self.fun, self.has_aux, self.fisher = fun, has_aux, fisher
+    functools.update_wrapper(self, fun)
+
+  def discover(self, params, *args, **kwargs) -> registry.LayerRegistry:
+    """The tagged layers of `fun(params, *args, **kwargs)` (an abstract trace)."""
+    found = []
+
+    def traced(p):
+      trace = _context.Trace(mode="discover", leaf_paths=_leaf_ids(p))
+      with _context.active(trace):
+        out = self.fun(p, *args, **kwargs)
+      _one_loss(trace)
+      found.append(trace)
+      return out
+
+    jax.eval_shape(traced, params)
+    layers = tuple(found[0].layers)
+    if not layers:
+      raise ValueError("The loss function ran no tagged layer (kd.tags / kd.linen / "
+                       "kd.nnx); K-FAC has nothing to precondition.")
+    return registry.LayerRegistry(layers)
+
+  def __call__(self, params, *args, rng=None, opt_state=None, **kwargs):
+    if self.fisher == "mc" and rng is None:
+      raise ValueError('fisher="mc" samples targets from the model: pass rng=.')
+    layers = self.discover(params, *args, **kwargs)
+    states = kfac.find_states(opt_state) if opt_state is not None else []
+    if len(states) > 1:
+      raise ValueError("opt_state holds several K-FAC states; pass the one to use.")
+    state = states[0] if states else None
+
+    probes = {}
+    for layer in layers:
+      if state is None:
+        forms = (factors.FULL, factors.FULL)
+      else:
+        plan = state.layout.plan(layer.name)
+        if plan is None:          # skipped by the optimizer: no statistics
+          continue
+        forms = (plan.a_form, plan.g_form)
+      probes[layer.name] = tuple(
+          jnp.zeros((d, d) if form == factors.FULL else (d,), jnp.float32)
+          for d, form in zip((layer.a_dim, layer.g_dim), forms))
+    compute_stats = jnp.asarray(True) if state is None else state.update_factors
+
+    def evaluate(p, probes):
+      trace = _context.Trace(mode="capture", leaf_paths=_leaf_ids(p), probes=probes,
+                             compute_stats=compute_stats)
+      with _context.active(trace):
+        out = self.fun(p, *args, **kwargs)
+      loss, aux = out if self.has_aux else (out, None)
+      registered = _one_loss(trace)
+      sampled = registered.sampled_loss(rng) if self.fisher == "mc" else None
+      return (loss, sampled), (aux, registered.num_examples)
+
+    (loss, sampled), vjp, (aux, n) = jax.vjp(evaluate, params, probes, has_aux=True)
+    if self.fisher == "empirical":
+      grads, probe_bar = vjp((jnp.ones_like(loss), None))
+    else:
+      grads, _ = vjp((jnp.ones_like(loss), jnp.zeros_like(sampled)))
+      _, probe_bar = vjp((jnp.zeros_like(loss), jnp.ones_like(sampled)))
+    stats = {name: {"A": a, "G": g * n} for name, (a, g) in probe_bar.items()}
+    value = (loss, aux) if self.has_aux else loss
+    return value, grads, stats
+
+
+def value_and_grad(fun: Callable, has_aux: bool = False,
+                   fisher: str = "empirical") -> ValueAndGrad:
+  """Like `jax.value_and_grad(fun, has_aux)` w.r.t. the first argument, plus stats.
+
+  `grad_fn(params, *args, rng=None, opt_state=None, **kwargs)` returns
+  `(loss, grads, stats)` (`((loss, aux), grads, stats)` with `has_aux`), where
+  `stats[layer] = {"A": A, "G": G}` for every tagged layer (see `factors` for
+  the normalisation). `fun` must compute its loss with one `kd.losses` function.
+  `grad_fn.discover(params, *args, **kwargs)` returns the tagged layers, which
+  `kd.scale_by_kfac(layers=...)` needs to lay out its state.
+  """
+  return ValueAndGrad(fun, has_aux, fisher)

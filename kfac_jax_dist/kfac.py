@@ -1,0 +1,348 @@
+"""K-FAC as an optax transform: running factors, cadence, preconditioning, KL clip.
+
+`scale_by_kfac` replaces each tagged layer's gradient `∇` (kernel rows, bias as
+the last row, shape `(d_A, d_G)`) by `(A ⊗ G + γ I)⁻¹ vec(∇)` (method "eigen",
+KAISA §4.1) or by its π-damped factored form (method "inverse"); see `linalg`.
+Parameters of no tagged layer pass through unchanged.
+
+Running factors (KAISA Eq. 2.10 with `factor_decay` = the weight of the *old*
+value): with `w` the total weight so far,
+
+    w' = decay·w + (1 − decay),   F' = (decay·w·F + (1 − decay)·F_batch) / w',
+
+so the first update gives exactly the first batch's statistics.
+
+Cadence: with `count` the number of updates so far (from 0), factors are
+updated when `count % factor_update_every == 0`, the eigenbases/inverses when
+`count % inverse_update_every == 0`, both via `lax.cond`. Step 0 therefore
+already preconditions. Intervals and damping may be optax schedules of `count`.
+
+KL clip (KAISA Eq. 5.1): `ν = min(1, sqrt(κ / (η² Σ_l |⟨V_l, ∇_l⟩|)))` scales
+every preconditioned gradient; `η` is `learning_rate` (float or schedule).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from typing import Any, Callable, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import optax
+
+from kfac_jax_dist import factors as factors_lib
+from kfac_jax_dist import layout as layout_lib
+from kfac_jax_dist import linalg
+from kfac_jax_dist import registry
+
+ScalarOrSchedule = Union[float, int, Callable[[jax.Array], Any]]
+METHODS = ("eigen", "inverse")
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["count", "factor_weight", "update_factors", "factors", "eigvecs",
+                 "eigvals", "inverses"],
+    meta_fields=["layout"])
+@dataclasses.dataclass(frozen=True)
+class ScaleByKfacState:
+  """State of `scale_by_kfac`. Factor arrays are keyed by bucket (see `layout`).
+
+  Attributes:
+    count: number of updates so far.
+    factor_weight: total weight `w` of the running factor averages.
+    update_factors: whether the *next* update refreshes the factors; the capture
+      reads it to skip the statistics work on other steps.
+    factors: running factors, `[n, d, d]` (or `[n, d]` diagonal) per bucket.
+    eigvecs, eigvals: eigenbases (full buckets) and eigenvalues ("eigen").
+    inverses: damped inverses ("inverse").
+    layout: static placement of every layer's factors.
+  """
+
+  count: jax.Array
+  factor_weight: jax.Array
+  update_factors: jax.Array
+  factors: dict[str, jax.Array]
+  eigvecs: dict[str, jax.Array]
+  eigvals: dict[str, jax.Array]
+  inverses: dict[str, jax.Array]
+  layout: layout_lib.Layout
+
+
+def _at(value: ScalarOrSchedule, count: jax.Array):
+  return value(count) if callable(value) else value
+
+
+def is_factor_step(every: ScalarOrSchedule, count: jax.Array) -> jax.Array:
+  return jnp.asarray(count % jnp.asarray(_at(every, count), count.dtype) == 0)
+
+
+def find_states(tree: Any) -> list[ScaleByKfacState]:
+  """Every `ScaleByKfacState` inside an optax state tree."""
+  leaves = jax.tree_util.tree_leaves(
+      tree, is_leaf=lambda x: isinstance(x, ScaleByKfacState))
+  return [x for x in leaves if isinstance(x, ScaleByKfacState)]
+
+
+def _identity_slots(bucket: layout_lib.Bucket, dtype) -> jax.Array:
+  if bucket.form == factors_lib.DIAG:
+    return jnp.ones(bucket.shape, dtype)
+  return jnp.broadcast_to(jnp.eye(bucket.dim, dtype=dtype), bucket.shape)
+
+
+def _gradient_matrix(plan: layout_lib.LayerPlan, leaves: dict[str, Any]) -> jax.Array:
+  layer = plan.layer
+  kernel = leaves[layer.kernel_path].astype(jnp.float32)
+  m = kernel.reshape(layer.a_dim - layer.has_bias, layer.g_dim)
+  if layer.has_bias:
+    m = jnp.concatenate([m, leaves[layer.bias_path].astype(jnp.float32)[None]], axis=0)
+  return m
+
+
+def _write_back(plan: layout_lib.LayerPlan, m: jax.Array, leaves: dict[str, Any]):
+  layer = plan.layer
+  kernel = leaves[layer.kernel_path]
+  rows = layer.a_dim - layer.has_bias
+  leaves[layer.kernel_path] = m[:rows].reshape(kernel.shape).astype(kernel.dtype)
+  if layer.has_bias:
+    bias = leaves[layer.bias_path]
+    leaves[layer.bias_path] = m[rows].astype(bias.dtype)
+
+
+def _check_stats(layout: layout_lib.Layout, stats: Any) -> None:
+  if stats is None:
+    raise ValueError(
+        "scale_by_kfac.update needs the curvature statistics: call "
+        "tx.update(grads, opt_state, params, kfac_stats=stats) with the stats "
+        "returned by kd.value_and_grad.")
+  for plan in layout.plans:
+    name = plan.layer.name
+    if name not in stats:
+      raise ValueError(f"kfac_stats has no statistics for tagged layer '{name}' "
+                       f"(it has {sorted(stats)}).")
+
+
+def _layer_stat(stat: jax.Array, form: str, dim: int, name: str, which: str) -> jax.Array:
+  full_shape, diag_shape = (dim, dim), (dim,)
+  if form == factors_lib.DIAG and stat.shape == full_shape:
+    return jnp.diagonal(stat)
+  if stat.shape != (full_shape if form == factors_lib.FULL else diag_shape):
+    raise ValueError(f"Statistic {which} of layer '{name}' has shape {stat.shape}; "
+                     f"the optimizer state expects {form} factors of dimension {dim}.")
+  return stat
+
+
+def stack_stats(layout: layout_lib.Layout, stats: dict, dtype) -> dict[str, jax.Array]:
+  """Per-layer statistics `{name: {"A", "G"}}` stacked into padded buckets."""
+  per_slot: dict[str, dict[int, jax.Array]] = {b.key: {} for b in layout.buckets}
+  for plan in layout.plans:
+    layer, layer_stats = plan.layer, stats[plan.layer.name]
+    per_slot[plan.a.bucket][plan.a.index] = _layer_stat(
+        layer_stats["A"], plan.a_form, layer.a_dim, layer.name, "A")
+    per_slot[plan.g.bucket][plan.g.index] = _layer_stat(
+        layer_stats["G"], plan.g_form, layer.g_dim, layer.name, "G")
+  stacked = {}
+  for bucket in layout.buckets:
+    pad = _identity_slots(bucket, dtype)
+    stacked[bucket.key] = jnp.stack([
+        per_slot[bucket.key][i].astype(dtype) if i in per_slot[bucket.key] else pad[i]
+        for i in range(bucket.size)])
+  return stacked
+
+
+def _slot(tree: dict[str, jax.Array], slot: layout_lib.Slot) -> jax.Array:
+  return tree[slot.bucket][slot.index]
+
+
+def scale_by_kfac(
+    layers: registry.LayerRegistry | None = None,
+    *,
+    damping: ScalarOrSchedule = 1e-3,
+    factor_decay: float = 0.95,
+    factor_update_every: ScalarOrSchedule = 1,
+    inverse_update_every: ScalarOrSchedule = 1,
+    method: str = "eigen",
+    kl_clip: ScalarOrSchedule | None = None,
+    learning_rate: ScalarOrSchedule | None = None,
+    factor_dtype: Any = jnp.float32,
+    skip: Sequence[str] = (),
+    max_factor_dim: int | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Preconditions the gradients of tagged layers with damped K-FAC.
+
+  Args:
+    layers: the tagged layers, from `kd.value_and_grad(loss_fn).discover(params,
+      batch)`; they fix the state's layout at `init`.
+    damping: `γ`, a float or a schedule of the update count.
+    factor_decay: weight of the old value in the running factor averages.
+    factor_update_every: refresh the factors when `count % this == 0`.
+    inverse_update_every: refresh eigenbases/inverses when `count % this == 0`.
+    method: "eigen" (exact `(A⊗G + γI)⁻¹`) or "inverse" (π-damped Cholesky).
+    kl_clip: `κ` of KAISA's KL clip (None: no clipping); needs `learning_rate`.
+    learning_rate: `η` for the KL clip, a float or a schedule.
+    factor_dtype: storage dtype of the running factors; decompositions run in
+      float32 at least.
+    skip: regular expressions; tagged layers whose name matches one (e.g. a
+      vocabulary-sized output layer) pass through unpreconditioned.
+    max_factor_dim: factors of larger dimension are kept diagonal (see
+      `factors`), so that `A` of a huge layer is never formed.
+
+  Returns:
+    A `GradientTransformationExtraArgs` whose `update` takes `kfac_stats=`.
+  """
+  if method not in METHODS:
+    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+  if not 0.0 <= factor_decay < 1.0:
+    raise ValueError(f"factor_decay must be in [0, 1), got {factor_decay}")
+  if kl_clip is not None and learning_rate is None:
+    raise ValueError("kl_clip needs the learning_rate (KAISA Eq. 5.1 uses η²).")
+  skip = tuple(skip)
+
+  def init_fn(params):
+    if layers is None:
+      raise ValueError(
+          "scale_by_kfac needs the tagged layers to lay out its state: pass "
+          "layers=kd.value_and_grad(loss_fn).discover(params, batch).")
+    leaves = registry.leaves_by_path(params)
+    for layer in layers:
+      for path, shape in ((layer.kernel_path, layer.kernel_shape),
+                          (layer.bias_path, (layer.g_dim,))):
+        if path is None:
+          continue
+        if path not in leaves:
+          raise ValueError(f"Tagged layer '{layer.name}': parameter '{path}' is not in "
+                           "the tree given to init.")
+        if tuple(jnp.shape(leaves[path])) != tuple(shape):
+          raise ValueError(f"Tagged layer '{layer.name}': parameter '{path}' has shape "
+                           f"{jnp.shape(leaves[path])}, expected {shape}.")
+    layout = layout_lib.build(layers, tuple(leaves), skip=skip,
+                              max_factor_dim=max_factor_dim)
+    for pattern in skip:
+      if not any(re.search(pattern, n) for n in layout.skipped):
+        raise ValueError(f"skip pattern {pattern!r} matches no tagged layer "
+                         f"(layers: {list(layers.names())}).")
+    identity = {b.key: _identity_slots(b, factor_dtype) for b in layout.buckets}
+    full = [b for b in layout.buckets if b.form == factors_lib.FULL]
+    eigen = method == "eigen"
+    return ScaleByKfacState(
+        count=jnp.zeros([], jnp.int32),
+        factor_weight=jnp.zeros([], jnp.float32),
+        update_factors=jnp.asarray(True),
+        factors=identity,
+        eigvecs={b.key: _identity_slots(b, jnp.float32) for b in full} if eigen else {},
+        eigvals={b.key: jnp.ones(b.shape[:2], jnp.float32)
+                 for b in layout.buckets} if eigen else {},
+        inverses={} if eigen else {b.key: _identity_slots(b, jnp.float32)
+                                   for b in layout.buckets},
+        layout=layout)
+
+  def update_factors(state, stats):
+    batch = stack_stats(state.layout, stats, jnp.float32)
+    w = state.factor_weight
+    new_w = factor_decay * w + (1.0 - factor_decay)
+    def mix(old, new):
+      return ((factor_decay * w * old.astype(jnp.float32) + (1.0 - factor_decay) * new)
+              / new_w).astype(factor_dtype)
+    return jax.tree_util.tree_map(mix, state.factors, batch), new_w
+
+  def eigen_second_order(running, state, gamma):
+    del state, gamma
+    eigvecs, eigvals = {}, {}
+    for key, f in running.items():
+      vectors, values = linalg.eigh(f)
+      if vectors is not None:
+        eigvecs[key] = vectors
+      eigvals[key] = values
+    return eigvecs, eigvals, {}
+
+  def inverse_second_order(running, state, gamma):
+    lay = state.layout
+    damping = {b.key: jnp.ones(b.size, jnp.float32) for b in lay.buckets}
+    for plan in lay.plans:
+      d_a, d_g = linalg.pi_adjusted_damping(
+          _slot(running, plan.a), _slot(running, plan.g), gamma)
+      damping[plan.a.bucket] = damping[plan.a.bucket].at[plan.a.index].set(d_a)
+      damping[plan.g.bucket] = damping[plan.g.bucket].at[plan.g.index].set(d_g)
+    inverses = {k: linalg.damped_inverse(f, damping[k]) for k, f in running.items()}
+    return {}, {}, inverses
+
+  second_order = eigen_second_order if method == "eigen" else inverse_second_order
+
+  def precondition(state, gamma, grads: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    def basis(slot):
+      return _slot(state.eigvecs, slot) if slot.bucket in state.eigvecs else None
+    out = {}
+    for plan in state.layout.plans:
+      m = grads[plan.layer.name]
+      if method == "eigen":
+        out[plan.layer.name] = linalg.precondition_eigen(
+            m, basis(plan.a), _slot(state.eigvals, plan.a),
+            basis(plan.g), _slot(state.eigvals, plan.g), gamma)
+      else:
+        out[plan.layer.name] = linalg.precondition_inverse(
+            m, _slot(state.inverses, plan.a), _slot(state.inverses, plan.g))
+    return out
+
+  def update_fn(updates, state: ScaleByKfacState, params=None, *, kfac_stats=None,
+                **extra_args):
+    del params, extra_args
+    lay = state.layout
+    _check_stats(lay, kfac_stats)
+    count = state.count
+    gamma = jnp.asarray(_at(damping, count), jnp.float32)
+
+    running, weight = lax.cond(
+        state.update_factors, lambda: update_factors(state, kfac_stats),
+        lambda: (state.factors, state.factor_weight))
+    eigvecs, eigvals, inverses = lax.cond(
+        is_factor_step(inverse_update_every, count),
+        lambda: second_order(running, state, gamma),
+        lambda: (state.eigvecs, state.eigvals, state.inverses))
+    new_state = dataclasses.replace(
+        state, count=count + 1, factor_weight=weight,
+        update_factors=is_factor_step(factor_update_every, count + 1),
+        factors=running, eigvecs=eigvecs, eigvals=eigvals, inverses=inverses)
+
+    flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    leaves = {registry.path_str(p): leaf for p, leaf in flat}
+    for plan in lay.plans:
+      for path in (plan.layer.kernel_path, plan.layer.bias_path):
+        if path is not None and path not in leaves:
+          raise ValueError(f"Tagged layer '{plan.layer.name}': '{path}' is missing "
+                           "from the updates given to scale_by_kfac.")
+    grads = {plan.layer.name: _gradient_matrix(plan, leaves) for plan in lay.plans}
+    preconditioned = precondition(new_state, gamma, grads)
+    if kl_clip is not None:
+      eta = jnp.asarray(_at(learning_rate, count), jnp.float32)
+      vg = sum(jnp.abs(jnp.vdot(preconditioned[n], grads[n])) for n in grads)
+      kappa = jnp.asarray(_at(kl_clip, count), jnp.float32)
+      nu = jnp.where(vg > 0, jnp.minimum(1.0, jnp.sqrt(kappa / (eta ** 2 * vg))), 1.0)
+      preconditioned = {n: nu * v for n, v in preconditioned.items()}
+    for plan in lay.plans:
+      _write_back(plan, preconditioned[plan.layer.name], leaves)
+    new_updates = jax.tree_util.tree_unflatten(
+        treedef, [leaves[registry.path_str(p)] for p, _ in flat])
+    return new_updates, new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def kfac(learning_rate: ScalarOrSchedule, momentum: float | None = 0.9,
+         weight_decay: float = 0.0, nesterov: bool = False,
+         kl_clip: ScalarOrSchedule | None = 1e-3, **kfac_options
+         ) -> optax.GradientTransformationExtraArgs:
+  """K-FAC preconditioning followed by SGD with momentum, as in KAISA.
+
+  `optax.chain(scale_by_kfac(...), add_decayed_weights(weight_decay),
+  sgd(learning_rate, momentum))`: weight decay is added to the preconditioned
+  gradient and goes through momentum, like PyTorch SGD after KAISA's
+  `preconditioner.step()`. `kl_clip` defaults to KAISA's 1e-3.
+  """
+  parts = [scale_by_kfac(learning_rate=learning_rate, kl_clip=kl_clip, **kfac_options)]
+  if weight_decay:
+    parts.append(optax.add_decayed_weights(weight_decay))
+  parts.append(optax.sgd(learning_rate, momentum=momentum or None, nesterov=nesterov))
+  return optax.chain(*parts)

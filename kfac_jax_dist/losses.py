@@ -1,0 +1,94 @@
+"""Registered losses: the mean loss plus the predictive distribution it implies.
+
+Each function returns the mean loss over the examples (the positions of every
+axis but the last, weighted by `mask`) exactly as an ordinary loss would. Inside
+`kd.value_and_grad` it also registers
+
+* `n`, the number of examples the mean runs over, which rescales the captured
+  output cotangents `ĝ = g / n` into per-example gradients for `G`;
+* how to draw targets from the model's predictive distribution, which the Monte
+  Carlo Fisher (`fisher="mc"`) uses: categorical for softmax, Bernoulli for
+  sigmoid, a unit-variance Gaussian for the squared error (Martens & Grosse,
+  2015, §5).
+
+Exactly one loss must be registered per evaluation of the loss function.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kfac_jax_dist import _context
+
+
+def _mean(per_example: jax.Array, mask: jax.Array | None):
+  if mask is None:
+    return jnp.mean(per_example), jnp.asarray(per_example.size, jnp.float32)
+  mask = jnp.broadcast_to(mask, per_example.shape).astype(per_example.dtype)
+  n = jnp.sum(mask)
+  return jnp.sum(per_example * mask) / jnp.maximum(n, 1.0), n.astype(jnp.float32)
+
+
+def _register(name: str, loss_of_targets, targets, sample, mask):
+  value, n = _mean(loss_of_targets(targets), mask)
+  trace = _context.current()
+  if trace is not None:
+    def sampled_loss(rng):
+      drawn = jax.lax.stop_gradient(sample(rng))
+      return _mean(loss_of_targets(drawn), mask)[0]
+    trace.losses.append(_context.RegisteredLoss(name, value, n, sampled_loss))
+  return value
+
+
+def softmax_cross_entropy(logits: jax.Array, labels: jax.Array,
+                          mask: jax.Array | None = None) -> jax.Array:
+  """Mean of `-log softmax(logits)[label]`; `labels` are integer classes of shape
+  `logits.shape[:-1]` or target distributions of shape `logits.shape`."""
+  logits32 = logits.astype(jnp.float32)
+  log_probs = jax.nn.log_softmax(logits32, axis=-1)
+
+  def loss_of(targets):
+    if jnp.issubdtype(targets.dtype, jnp.integer):
+      return -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    return -jnp.sum(targets * log_probs, axis=-1)
+
+  def sample(rng):
+    return jax.random.categorical(rng, jax.lax.stop_gradient(logits32), axis=-1)
+
+  return _register("softmax_cross_entropy", loss_of, labels, sample, mask)
+
+
+def sigmoid_cross_entropy(logits: jax.Array, labels: jax.Array,
+                          mask: jax.Array | None = None) -> jax.Array:
+  """Mean over examples of the binary cross-entropies summed over the last axis
+  (independent Bernoulli outputs); `labels` in [0, 1], shaped like `logits`."""
+  logits32 = logits.astype(jnp.float32)
+
+  def loss_of(targets):
+    targets = targets.astype(jnp.float32)
+    per_output = (jnp.maximum(logits32, 0) - logits32 * targets
+                  + jnp.log1p(jnp.exp(-jnp.abs(logits32))))
+    return jnp.sum(per_output, axis=-1)
+
+  def sample(rng):
+    probs = jax.nn.sigmoid(jax.lax.stop_gradient(logits32))
+    return jax.random.bernoulli(rng, probs).astype(jnp.float32)
+
+  return _register("sigmoid_cross_entropy", loss_of, labels, sample, mask)
+
+
+def squared_error(predictions: jax.Array, targets: jax.Array,
+                  mask: jax.Array | None = None) -> jax.Array:
+  """Mean over examples of `½ Σ (prediction − target)²` over the last axis: the
+  negative log-likelihood of a unit-variance Gaussian, up to a constant."""
+  predictions32 = predictions.astype(jnp.float32)
+
+  def loss_of(t):
+    return 0.5 * jnp.sum(jnp.square(predictions32 - t.astype(jnp.float32)), axis=-1)
+
+  def sample(rng):
+    mean = jax.lax.stop_gradient(predictions32)
+    return mean + jax.random.normal(rng, mean.shape, mean.dtype)
+
+  return _register("squared_error", loss_of, targets, sample, mask)
