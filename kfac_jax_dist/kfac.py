@@ -95,10 +95,11 @@ def _identity_slots(bucket: layout_lib.Bucket, dtype) -> jax.Array:
 
 def _gradient_matrix(plan: layout_lib.LayerPlan, leaves: dict[str, Any]) -> jax.Array:
   layer = plan.layer
-  kernel = leaves[layer.kernel_path].astype(jnp.float32)
-  m = kernel.reshape(layer.a_dim - layer.has_bias, layer.g_dim)
+  kernel = leaves[layer.kernel_path]
+  dtype = jnp.promote_types(kernel.dtype, jnp.float32)
+  m = kernel.astype(dtype).reshape(layer.a_dim - layer.has_bias, layer.g_dim)
   if layer.has_bias:
-    m = jnp.concatenate([m, leaves[layer.bias_path].astype(jnp.float32)[None]], axis=0)
+    m = jnp.concatenate([m, leaves[layer.bias_path].astype(dtype)[None]], axis=0)
   return m
 
 
@@ -167,7 +168,7 @@ def scale_by_kfac(
     method: str = "eigen",
     kl_clip: ScalarOrSchedule | None = None,
     learning_rate: ScalarOrSchedule | None = None,
-    factor_dtype: Any = jnp.float32,
+    factor_dtype: Any = None,
     skip: Sequence[str] = (),
     max_factor_dim: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
@@ -183,8 +184,8 @@ def scale_by_kfac(
     method: "eigen" (exact `(A⊗G + γI)⁻¹`) or "inverse" (π-damped Cholesky).
     kl_clip: `κ` of KAISA's KL clip (None: no clipping); needs `learning_rate`.
     learning_rate: `η` for the KL clip, a float or a schedule.
-    factor_dtype: storage dtype of the running factors; decompositions run in
-      float32 at least.
+    factor_dtype: storage dtype of the running factors (default float32);
+      decompositions run in float32 at least.
     skip: regular expressions; tagged layers whose name matches one (e.g. a
       vocabulary-sized output layer) pass through unpreconditioned.
     max_factor_dim: factors of larger dimension are kept diagonal (see
@@ -195,11 +196,13 @@ def scale_by_kfac(
   """
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-  if not 0.0 <= factor_decay < 1.0:
+  if isinstance(factor_decay, (int, float)) and not 0.0 <= factor_decay < 1.0:
     raise ValueError(f"factor_decay must be in [0, 1), got {factor_decay}")
   if kl_clip is not None and learning_rate is None:
     raise ValueError("kl_clip needs the learning_rate (KAISA Eq. 5.1 uses η²).")
   skip = tuple(skip)
+  factor_dtype = jnp.float32 if factor_dtype is None else factor_dtype
+  compute_dtype = jnp.promote_types(factor_dtype, jnp.float32)
 
   def init_fn(params):
     if layers is None:
@@ -229,22 +232,22 @@ def scale_by_kfac(
     eigen = method == "eigen"
     return ScaleByKfacState(
         count=jnp.zeros([], jnp.int32),
-        factor_weight=jnp.zeros([], jnp.float32),
+        factor_weight=jnp.zeros([], compute_dtype),
         update_factors=jnp.asarray(True),
         factors=identity,
-        eigvecs={b.key: _identity_slots(b, jnp.float32) for b in full} if eigen else {},
-        eigvals={b.key: jnp.ones(b.shape[:2], jnp.float32)
+        eigvecs={b.key: _identity_slots(b, compute_dtype) for b in full} if eigen else {},
+        eigvals={b.key: jnp.ones(b.shape[:2], compute_dtype)
                  for b in layout.buckets} if eigen else {},
-        inverses={} if eigen else {b.key: _identity_slots(b, jnp.float32)
+        inverses={} if eigen else {b.key: _identity_slots(b, compute_dtype)
                                    for b in layout.buckets},
         layout=layout)
 
   def update_factors(state, stats):
-    batch = stack_stats(state.layout, stats, jnp.float32)
+    batch = stack_stats(state.layout, stats, compute_dtype)
     w = state.factor_weight
     new_w = factor_decay * w + (1.0 - factor_decay)
     def mix(old, new):
-      return ((factor_decay * w * old.astype(jnp.float32) + (1.0 - factor_decay) * new)
+      return ((factor_decay * w * old.astype(compute_dtype) + (1.0 - factor_decay) * new)
               / new_w).astype(factor_dtype)
     return jax.tree_util.tree_map(mix, state.factors, batch), new_w
 
@@ -260,7 +263,7 @@ def scale_by_kfac(
 
   def inverse_second_order(running, state, gamma):
     lay = state.layout
-    damping = {b.key: jnp.ones(b.size, jnp.float32) for b in lay.buckets}
+    damping = {b.key: jnp.ones(b.size, compute_dtype) for b in lay.buckets}
     for plan in lay.plans:
       d_a, d_g = linalg.pi_adjusted_damping(
           _slot(running, plan.a), _slot(running, plan.g), gamma)
@@ -269,7 +272,13 @@ def scale_by_kfac(
     inverses = {k: linalg.damped_inverse(f, damping[k]) for k, f in running.items()}
     return {}, {}, inverses
 
-  second_order = eigen_second_order if method == "eigen" else inverse_second_order
+  def cast_second_order(fn):
+    def wrapped(*args):
+      return jax.tree_util.tree_map(lambda x: x.astype(compute_dtype), fn(*args))
+    return wrapped
+
+  second_order = cast_second_order(
+      eigen_second_order if method == "eigen" else inverse_second_order)
 
   def precondition(state, gamma, grads: dict[str, jax.Array]) -> dict[str, jax.Array]:
     def basis(slot):
@@ -292,7 +301,7 @@ def scale_by_kfac(
     lay = state.layout
     _check_stats(lay, kfac_stats)
     count = state.count
-    gamma = jnp.asarray(_at(damping, count), jnp.float32)
+    gamma = jnp.asarray(_at(damping, count), compute_dtype)
 
     running, weight = lax.cond(
         state.update_factors, lambda: update_factors(state, kfac_stats),
@@ -316,9 +325,9 @@ def scale_by_kfac(
     grads = {plan.layer.name: _gradient_matrix(plan, leaves) for plan in lay.plans}
     preconditioned = precondition(new_state, gamma, grads)
     if kl_clip is not None:
-      eta = jnp.asarray(_at(learning_rate, count), jnp.float32)
+      eta = jnp.asarray(_at(learning_rate, count), compute_dtype)
       vg = sum(jnp.abs(jnp.vdot(preconditioned[n], grads[n])) for n in grads)
-      kappa = jnp.asarray(_at(kl_clip, count), jnp.float32)
+      kappa = jnp.asarray(_at(kl_clip, count), compute_dtype)
       nu = jnp.where(vg > 0, jnp.minimum(1.0, jnp.sqrt(kappa / (eta ** 2 * vg))), 1.0)
       preconditioned = {n: nu * v for n, v in preconditioned.items()}
     for plan in lay.plans:
@@ -332,17 +341,28 @@ def scale_by_kfac(
 
 def kfac(learning_rate: ScalarOrSchedule, momentum: float | None = 0.9,
          weight_decay: float = 0.0, nesterov: bool = False,
-         kl_clip: ScalarOrSchedule | None = 1e-3, **kfac_options
+         layers: registry.LayerRegistry | None = None, *,
+         damping: ScalarOrSchedule = 1e-3, factor_decay: float = 0.95,
+         factor_update_every: ScalarOrSchedule = 1,
+         inverse_update_every: ScalarOrSchedule = 1, method: str = "eigen",
+         kl_clip: ScalarOrSchedule | None = 1e-3, factor_dtype: Any = None,
+         skip: Sequence[str] = (), max_factor_dim: int | None = None,
          ) -> optax.GradientTransformationExtraArgs:
   """K-FAC preconditioning followed by SGD with momentum, as in KAISA.
 
   `optax.chain(scale_by_kfac(...), add_decayed_weights(weight_decay),
   sgd(learning_rate, momentum))`: weight decay is added to the preconditioned
   gradient and goes through momentum, like PyTorch SGD after KAISA's
-  `preconditioner.step()`. `kl_clip` defaults to KAISA's 1e-3.
+  `preconditioner.step()`. `kl_clip` defaults to KAISA's 1e-3 and uses
+  `learning_rate` as η. The other options are `scale_by_kfac`'s. Works with
+  `optax.inject_hyperparams`.
   """
-  parts = [scale_by_kfac(learning_rate=learning_rate, kl_clip=kl_clip, **kfac_options)]
-  if weight_decay:
-    parts.append(optax.add_decayed_weights(weight_decay))
-  parts.append(optax.sgd(learning_rate, momentum=momentum or None, nesterov=nesterov))
-  return optax.chain(*parts)
+  return optax.chain(
+      scale_by_kfac(
+          layers, damping=damping, factor_decay=factor_decay,
+          factor_update_every=factor_update_every,
+          inverse_update_every=inverse_update_every, method=method, kl_clip=kl_clip,
+          learning_rate=learning_rate, factor_dtype=factor_dtype, skip=skip,
+          max_factor_dim=max_factor_dim),
+      optax.add_decayed_weights(weight_decay),
+      optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov))

@@ -1,0 +1,403 @@
+"""Step time of K-FAC against optax SGD and Adam, measured side by side.
+
+Two models, both built from `kd.linen` layers (outside `kd.value_and_grad` the
+tags are plain Flax computations, so SGD and Adam run the very same model):
+
+* mlp: 784-512-512-10 ReLU MLP, batch 256, synthetic MNIST-shaped data;
+* cnn: Conv(32)-pool-Conv(64)-pool-Conv(64)-global mean-Dense(10), 3x3 kernels,
+  ReLU, on 32x32x3 inputs, batch 128, synthetic CIFAR-shaped data.
+
+For each model every method is one jitted training step
+`value_and_grad -> tx.update -> optax.apply_updates`, run with
+`jax.block_until_ready` after every step:
+
+* sgd: `optax.sgd(lr, momentum=0.9)`; adam: `optax.adam(lr)`;
+* kfac_every: `kd.kfac(..., factor_update_every=1, inverse_update_every=1)`;
+* kfac_amortised: `factor_update_every=10, inverse_update_every=100`, timed over
+  a run of consecutive steps that is a whole number of inverse periods, so the
+  mix of plain, factor and inverse steps is the real one;
+* kfac_plain / kfac_factor / kfac_inverse: one step of the amortised optimizer
+  from a fixed state whose next step updates nothing / the factors only / the
+  factors and the eigenbases; `kfac_mix` is their cadence-weighted mean (a check
+  on kfac_amortised);
+* pieces: `jax.value_and_grad` alone, `kd.value_and_grad` alone on a plain and a
+  factor step (with `opt_state`), and the K-FAC `tx.update` alone on a plain step.
+
+The machine is shared and noisy, so the methods are interleaved (round r runs
+every method once) and each ratio is the median over rounds of the per-round
+ratio to SGD (and to Adam). Compile time is `jit(step).lower(...).compile()`.
+
+Usage: python benchmarks/step_time.py [--quick] [--models mlp,cnn] [--rounds R]
+       [--reps N] [--cycles C] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import kfac_jax_dist as kd
+
+FACTOR_EVERY, INVERSE_EVERY = 10, 100
+LR = 1e-2
+
+
+# --------------------------------------------------------------------- models
+
+class MLP(nn.Module):
+  widths: tuple[int, ...] = (512, 512)
+  classes: int = 10
+
+  @nn.compact
+  def __call__(self, x):
+    x = x.reshape(x.shape[0], -1)
+    for w in self.widths:
+      x = nn.relu(kd.linen.Dense(w)(x))
+    return kd.linen.Dense(self.classes)(x)
+
+
+class CNN(nn.Module):
+  classes: int = 10
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(kd.linen.Conv(32, (3, 3))(x))
+    x = nn.max_pool(x, (2, 2), (2, 2))
+    x = nn.relu(kd.linen.Conv(64, (3, 3))(x))
+    x = nn.max_pool(x, (2, 2), (2, 2))
+    x = nn.relu(kd.linen.Conv(64, (3, 3))(x))
+    x = jnp.mean(x, axis=(1, 2))
+    return kd.linen.Dense(self.classes)(x)
+
+
+def make_problem(name: str):
+  """(model, params, x, y, description) with a fixed synthetic batch."""
+  kx, ky, kp = jax.random.split(jax.random.key(0), 3)
+  if name == "mlp":
+    model, shape, batch = MLP(), (784,), 256
+    desc = "MLP 784-512-512-10, ReLU, batch 256, synthetic data"
+  elif name == "cnn":
+    model, shape, batch = CNN(), (32, 32, 3), 128
+    desc = ("CNN conv3x3(32)-pool-conv3x3(64)-pool-conv3x3(64)-mean-dense(10), "
+            "32x32x3, batch 128, synthetic data")
+  else:
+    raise ValueError(f"unknown model {name!r}")
+  x = jax.random.normal(kx, (batch,) + shape, jnp.float32)
+  y = jax.random.randint(ky, (batch,), 0, 10)
+  params = model.init(kp, x)
+  return model, params, x, y, desc
+
+
+# ---------------------------------------------------------------------- steps
+
+def optax_step(loss_fn, tx):
+  def step(params, opt_state, x, y):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+  return step
+
+
+def kfac_step(grad_fn, tx):
+  def step(params, opt_state, x, y):
+    loss, grads, stats = grad_fn(params, x, y, opt_state=opt_state)
+    updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats)
+    return optax.apply_updates(params, updates), opt_state, loss
+  return step
+
+
+def kfac_state(opt_state) -> kd.ScaleByKfacState:
+  """The K-FAC state inside an optax state tree."""
+  leaves = jax.tree_util.tree_leaves(
+      opt_state, is_leaf=lambda s: isinstance(s, kd.ScaleByKfacState))
+  return next(s for s in leaves if isinstance(s, kd.ScaleByKfacState))
+
+
+def advance(step, params, opt_state, x, y, n):
+  for _ in range(n):
+    params, opt_state, _ = step(params, opt_state, x, y)
+  return jax.block_until_ready((params, opt_state))
+
+
+def compile_time(fn, *args) -> dict[str, float]:
+  """Seconds to trace+lower and to compile a fresh `jax.jit(fn)`."""
+  jitted = jax.jit(fn)
+  t0 = time.perf_counter()
+  lowered = jitted.lower(*args)
+  t1 = time.perf_counter()
+  lowered.compile()
+  t2 = time.perf_counter()
+  return {"lower_s": t1 - t0, "compile_s": t2 - t1, "total_s": t2 - t0}
+
+
+class Runner:
+  """A measurement: `run()` returns seconds per step of one timed block."""
+
+  def __init__(self, name: str, run: Callable[[], float], group: str, note: str):
+    self.name, self.run, self.group, self.note = name, run, group, note
+
+
+def fixed_runner(fn, args, reps: int):
+  """Calls `fn(*args)` `reps` times from the same inputs; seconds per call."""
+  def run():
+    t = time.perf_counter()
+    for _ in range(reps):
+      jax.block_until_ready(fn(*args))
+    return (time.perf_counter() - t) / reps
+  return run
+
+
+def chained_runner(step, init, reps: int):
+  """Runs `reps` consecutive steps carrying (params, opt_state); s per step."""
+  carry = [init]
+  def run():
+    params, opt_state, x, y = carry[0]
+    t = time.perf_counter()
+    for _ in range(reps):
+      params, opt_state, loss = step(params, opt_state, x, y)
+      jax.block_until_ready((params, opt_state, loss))
+    elapsed = time.perf_counter() - t
+    carry[0] = (params, opt_state, x, y)
+    carry.append(float(loss))
+    return elapsed / reps
+  run.carry = carry
+  return run
+
+
+def build(model_name: str, args):
+  model, params, x, y, desc = make_problem(model_name)
+
+  def loss_fn(p, x, y):
+    return kd.losses.softmax_cross_entropy(model.apply(p, x), y)
+
+  grad_fn = kd.value_and_grad(loss_fn)
+  layers = grad_fn.discover(params, x, y)
+  txs = {
+      "sgd": optax.sgd(LR, momentum=0.9),
+      "adam": optax.adam(1e-3),
+      "kfac_every": kd.kfac(LR, layers=layers, factor_update_every=1,
+                            inverse_update_every=1),
+      "kfac_amortised": kd.kfac(LR, layers=layers, factor_update_every=FACTOR_EVERY,
+                                inverse_update_every=INVERSE_EVERY),
+  }
+  steps = {
+      "sgd": optax_step(loss_fn, txs["sgd"]),
+      "adam": optax_step(loss_fn, txs["adam"]),
+      "kfac_every": kfac_step(grad_fn, txs["kfac_every"]),
+      "kfac_amortised": kfac_step(grad_fn, txs["kfac_amortised"]),
+  }
+  states = {k: tx.init(params) for k, tx in txs.items()}
+
+  # Compile time of each step (fresh jit each time; median of a few).
+  compile_times = {}
+  for _ in range(args.compile_reps):
+    for k, step in steps.items():
+      compile_times.setdefault(k, []).append(compile_time(step, params, states[k], x, y))
+  compile_med = {k: {f: statistics.median(r[f] for r in v) for f in v[0]}
+                 for k, v in compile_times.items()}
+
+  jitted = {k: jax.jit(s) for k, s in steps.items()}
+
+  # Fixed K-FAC states of the amortised optimizer at each kind of step.
+  amort = jitted["kfac_amortised"]
+  st0 = states["kfac_amortised"]                                    # count 0
+  p1, st1 = advance(amort, params, st0, x, y, 1)                    # count 1
+  p10, st10 = advance(amort, p1, st1, x, y, FACTOR_EVERY - 1)       # count 10
+  pre = jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, (p1, st1)))
+  kinds = {"kfac_plain": (pre[0], pre[1]), "kfac_factor": (p10, st10),
+           "kfac_inverse": (params, st0)}
+  for name, (_, s) in kinds.items():
+    ks = kfac_state(s)
+    inv = int(ks.count) % INVERSE_EVERY == 0
+    assert bool(ks.update_factors) == (name != "kfac_plain"), name
+    assert inv == (name == "kfac_inverse"), name
+
+  # Pieces: the capture alone and the update alone.
+  jax_vg = jax.jit(jax.value_and_grad(loss_fn))
+  kd_vg = jax.jit(lambda p, s, x, y: grad_fn(p, x, y, opt_state=s))
+  _, _, plain_stats = jax.block_until_ready(kd_vg(p1, st1, x, y))
+  _, grads1 = jax.block_until_ready(jax_vg(p1, x, y))
+  tx_a = txs["kfac_amortised"]
+  kfac_update = jax.jit(lambda g, s, p, st: tx_a.update(g, s, p, kfac_stats=st))
+  sgd_update = jax.jit(lambda g, s, p: txs["sgd"].update(g, s, p))
+
+  reps, cycle = args.reps, args.cycles * INVERSE_EVERY
+  runners = [
+      Runner("sgd", chained_runner(jitted["sgd"], (params, states["sgd"], x, y), reps),
+             "main", "optax.sgd(momentum=0.9)"),
+      Runner("adam", chained_runner(jitted["adam"], (params, states["adam"], x, y), reps),
+             "main", "optax.adam"),
+      Runner("kfac_every", chained_runner(
+          jitted["kfac_every"], (params, states["kfac_every"], x, y),
+          max(1, reps // 2)), "main", "factors + eigh every step"),
+      Runner("kfac_amortised", chained_runner(amort, (params, st0, x, y), cycle),
+             "main", f"factors every {FACTOR_EVERY}, eigh every {INVERSE_EVERY}; "
+             f"{cycle} consecutive steps"),
+  ]
+  for name, (p, s) in kinds.items():
+    note = {"kfac_plain": "no factor, no eigh", "kfac_factor": "factors, no eigh",
+            "kfac_inverse": "factors + eigh"}[name]
+    runners.append(Runner(name, fixed_runner(amort, (p, s, x, y), reps), "kind", note))
+  runners += [
+      Runner("jax.value_and_grad", fixed_runner(jax_vg, (p1, x, y), reps), "piece",
+             "capture-free gradient"),
+      Runner("kd.value_and_grad plain", fixed_runner(kd_vg, (p1, st1, x, y), reps),
+             "piece", "opt_state on a non-factor step"),
+      Runner("kd.value_and_grad factor", fixed_runner(kd_vg, (p10, st10, x, y), reps),
+             "piece", "opt_state on a factor step"),
+      Runner("sgd tx.update", fixed_runner(sgd_update, (grads1, states["sgd"], p1), reps),
+             "piece", "optax.sgd update alone"),
+      Runner("kfac tx.update plain", fixed_runner(
+          kfac_update, (grads1, st1, p1, plain_stats), reps), "piece",
+          "K-FAC update alone, plain step"),
+  ]
+
+  return dict(desc=desc, layers=layers, runners=runners, compile=compile_med,
+              steps_per_cycle=cycle, x=x)
+
+
+def measure(model_name: str, args) -> dict:
+  b = build(model_name, args)
+  runners = b["runners"]
+  for r in runners:            # warm-up: one untimed block each
+    r.run()
+  times = {r.name: [] for r in runners}
+  for i in range(args.rounds):
+    for r in runners:
+      times[r.name].append(r.run())
+    print(f"  [{model_name}] round {i + 1}/{args.rounds}: "
+          + ", ".join(f"{k} {1e3 * v[-1]:.1f}" for k, v in times.items()), flush=True)
+
+  def ratio(name, base):
+    return statistics.median(a / b for a, b in zip(times[name], times[base]))
+
+  plain, fac, inv = (statistics.median(times[k]) for k in
+                     ("kfac_plain", "kfac_factor", "kfac_inverse"))
+  n_inv = 1
+  n_fac = INVERSE_EVERY // FACTOR_EVERY - 1
+  n_plain = INVERSE_EVERY - n_fac - n_inv
+  per_round_mix = [(i + n_fac * f + n_plain * p) / INVERSE_EVERY for p, f, i in zip(
+      times["kfac_plain"], times["kfac_factor"], times["kfac_inverse"])]
+  times["kfac_mix"] = per_round_mix
+
+  rows = []
+  for r in runners[:4] + [Runner("kfac_mix", None, "kind",
+                                 f"({n_inv}·inverse + {n_fac}·factor + {n_plain}·plain)"
+                                 f"/{INVERSE_EVERY} of the rows above")] + runners[4:]:
+    rows.append(dict(name=r.name, group=r.group, note=r.note,
+                     ms=1e3 * statistics.median(times[r.name]),
+                     ms_min=1e3 * min(times[r.name]), ms_max=1e3 * max(times[r.name]),
+                     vs_sgd=ratio(r.name, "sgd"), vs_adam=ratio(r.name, "adam"),
+                     compile=b["compile"].get(r.name)))
+  final_losses = {r.name: r.run.carry[-1] for r in runners
+                  if hasattr(r.run, "carry") and len(r.run.carry) > 1}
+  return dict(model=model_name, description=b["desc"],
+              layers=[dict(name=l.name, kind=l.kind, a_dim=l.a_dim, g_dim=l.g_dim)
+                      for l in b["layers"]],
+              rows=rows, raw_seconds=times, final_losses=final_losses,
+              steps_in_amortised_run=b["steps_per_cycle"])
+
+
+# -------------------------------------------------------------------- report
+
+def cpu_name() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or "unknown"
+
+
+def environment() -> dict:
+  try:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=os.path.dirname(__file__)).stdout.strip()
+  except OSError:
+    commit = ""
+  return dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
+              jax=jax.__version__, jaxlib=getattr(jax.lib, "__version__", ""),
+              optax=optax.__version__, backend=jax.default_backend(),
+              devices=str(jax.devices()), cpu=cpu_name(), cpu_count=os.cpu_count(),
+              python=platform.python_version(), commit=commit)
+
+
+def markdown(results: list[dict], env: dict, args) -> str:
+  lines = ["# Step time: K-FAC vs optax SGD and Adam", "",
+           f"- date: {env['date']}; jax {env['jax']} ({env['backend']}); "
+           f"CPU: {env['cpu']} ({env['cpu_count']} cores, shared); commit {env['commit']}",
+           f"- {args.rounds} interleaved rounds; ms = median time per step (min-max); "
+           "ratios = median over rounds of the per-round ratio.",
+           f"- K-FAC amortised: factor_update_every={FACTOR_EVERY}, "
+           f"inverse_update_every={INVERSE_EVERY}, method eigen, KL clip 1e-3.",
+           "- Generated by `python benchmarks/step_time.py"
+           + (" --quick" if args.quick else "") + "`.", ""]
+  for res in results:
+    lines += [f"## {res['model']}: {res['description']}", "",
+              "Tagged layers: " + ", ".join(
+                  f"{l['name'].split('/')[-1]} (A {l['a_dim']}, G {l['g_dim']})"
+                  for l in res["layers"]), "",
+              "| method | what | ms/step | × SGD | × Adam | compile s |",
+              "|---|---|---|---|---|---|"]
+    for row in res["rows"]:
+      comp = f"{row['compile']['total_s']:.2f}" if row["compile"] else ""
+      lines.append(f"| {row['name']} | {row['note']} | {row['ms']:.2f} "
+                   f"({row['ms_min']:.1f}-{row['ms_max']:.1f}) | "
+                   f"{row['vs_sgd']:.2f} | {row['vs_adam']:.2f} | {comp} |")
+    lines.append("")
+  return "\n".join(lines)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--quick", action="store_true",
+                      help="few rounds and steps (a smoke run; noisy numbers)")
+  parser.add_argument("--models", default="mlp,cnn")
+  parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
+  parser.add_argument("--reps", type=int, default=None,
+                      help="steps per timed block (fixed-state and short runs)")
+  parser.add_argument("--cycles", type=int, default=None,
+                      help=f"inverse periods ({INVERSE_EVERY} steps) per amortised block")
+  parser.add_argument("--compile-reps", type=int, default=None)
+  parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+  args = parser.parse_args()
+  defaults = dict(rounds=2, reps=3, cycles=1, compile_reps=1) if args.quick else dict(
+      rounds=5, reps=10, cycles=2, compile_reps=2)
+  for k, v in defaults.items():
+    if getattr(args, k) is None:
+      setattr(args, k, v)
+
+  env = environment()
+  print(f"jax {env['jax']} on {env['cpu']} ({env['cpu_count']} cores)", flush=True)
+  results = []
+  for name in args.models.split(","):
+    results.append(measure(name.strip(), args))
+  text = markdown(results, env, args)
+  print(text)
+  os.makedirs(args.out, exist_ok=True)
+  stem = "step_time_quick" if args.quick else "step_time"
+  with open(os.path.join(args.out, stem + ".md"), "w") as f:
+    f.write(text + "\n")
+  with open(os.path.join(args.out, stem + ".json"), "w") as f:
+    json.dump(dict(environment=env, args=vars(args), factor_update_every=FACTOR_EVERY,
+                   inverse_update_every=INVERSE_EVERY, results=results), f, indent=1)
+  print(f"wrote {os.path.join(args.out, stem + '.md')} and .json")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,293 @@
+"""The K-FAC transform against float64 oracles: preconditioning, averages, cadence."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import kfac_jax_dist as kd
+from kfac_jax_dist import registry
+
+jax.config.update("jax_enable_x64", True)
+
+F64 = jnp.float64
+
+
+def _layer(name, d_in, d_out, bias=True):
+  return kd.TaggedLayer(
+      name=name, kind="dense", kernel_path=f"{name}/kernel",
+      bias_path=f"{name}/bias" if bias else None, kernel_shape=(d_in, d_out),
+      a_dim=d_in + bias, g_dim=d_out)
+
+
+def _spd(rng, d, scale=1.0):
+  m = rng.normal(size=(d, 2 * d))
+  return scale * m @ m.T / (2 * d)
+
+
+def _setup(seed=0, dims=((4, 3, True), (3, 5, False), (4, 2, True))):
+  rng = np.random.default_rng(seed)
+  layers = kd.LayerRegistry(tuple(
+      _layer(f"l{i}", di, do, b) for i, (di, do, b) in enumerate(dims)))
+  params = {}
+  for layer in layers:
+    d_in = layer.a_dim - layer.has_bias
+    params[layer.name] = {"kernel": jnp.asarray(rng.normal(size=(d_in, layer.g_dim)), F64)}
+    if layer.has_bias:
+      params[layer.name]["bias"] = jnp.asarray(rng.normal(size=(layer.g_dim,)), F64)
+  return rng, layers, params
+
+
+def _stats(rng, layers, scale=1.0):
+  return {l.name: {"A": jnp.asarray(_spd(rng, l.a_dim, scale), F64),
+                   "G": jnp.asarray(_spd(rng, l.g_dim, scale), F64)} for l in layers}
+
+
+def _grad_matrix(layer, grads):
+  m = np.asarray(grads[layer.name]["kernel"])
+  if layer.has_bias:
+    m = np.concatenate([m, np.asarray(grads[layer.name]["bias"])[None]], axis=0)
+  return m
+
+
+def _random_grads(rng, params):
+  return jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), F64), params)
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_single_step_matches_dense_oracle(method):
+  rng, layers, params = _setup()
+  gamma = 0.03
+  tx = kd.scale_by_kfac(layers=layers, damping=gamma, method=method,
+                        factor_dtype=F64)
+  state = tx.init(params)
+  stats = _stats(rng, layers)
+  grads = _random_grads(rng, params)
+  updates, _ = tx.update(grads, state, kfac_stats=stats)
+  for layer in layers:
+    a = np.asarray(stats[layer.name]["A"])
+    g = np.asarray(stats[layer.name]["G"])
+    grad = _grad_matrix(layer, grads)
+    if method == "eigen":
+      # (A ⊗ G + γI)⁻¹ vec(∇), vec row-major: (A ⊗ G) vec(∇) = vec(A ∇ G).
+      big = np.kron(a, g) + gamma * np.eye(a.shape[0] * g.shape[0])
+      expected = np.linalg.solve(big, grad.reshape(-1)).reshape(grad.shape)
+    else:
+      pi = np.sqrt((np.trace(a) / a.shape[0]) / (np.trace(g) / g.shape[0]))
+      expected = (np.linalg.inv(a + pi * np.sqrt(gamma) * np.eye(a.shape[0])) @ grad
+                  @ np.linalg.inv(g + np.sqrt(gamma) / pi * np.eye(g.shape[0])))
+    got = _grad_matrix(layer, updates)
+    np.testing.assert_allclose(got, expected, rtol=1e-8, atol=1e-10)
+
+
+def test_diagonal_fallback_matches_dense_oracle():
+  rng, layers, params = _setup(dims=((6, 3, True),))
+  gamma = 0.01
+  tx = kd.scale_by_kfac(layers=layers, damping=gamma, max_factor_dim=4,
+                        factor_dtype=F64)
+  state = tx.init(params)
+  assert state.layout.plans[0].a_form == "diag"
+  assert state.layout.plans[0].g_form == "full"
+  stats = _stats(rng, layers)
+  grads = _random_grads(rng, params)
+  updates, _ = tx.update(grads, state, kfac_stats=stats)
+  a = np.diag(np.diag(np.asarray(stats["l0"]["A"])))
+  g = np.asarray(stats["l0"]["G"])
+  grad = _grad_matrix(layers.layers[0], grads)
+  big = np.kron(a, g) + gamma * np.eye(a.shape[0] * g.shape[0])
+  expected = np.linalg.solve(big, grad.reshape(-1)).reshape(grad.shape)
+  np.testing.assert_allclose(_grad_matrix(layers.layers[0], updates), expected,
+                             rtol=1e-8)
+
+
+def test_running_average_and_cadence_step_by_step():
+  rng, layers, params = _setup()
+  decay, gamma, f_every, i_every = 0.7, 0.05, 2, 3
+  tx = kd.scale_by_kfac(layers=layers, damping=gamma, factor_decay=decay,
+                        factor_update_every=f_every, inverse_update_every=i_every,
+                        factor_dtype=F64)
+  state = tx.init(params)
+  running = {l.name: None for l in layers}
+  weight = 0.0
+  decomposed = {}
+  for count in range(8):
+    assert bool(state.update_factors) == (count % f_every == 0)
+    stats = _stats(rng, layers, scale=1.0 + count)
+    grads = _random_grads(rng, params)
+    updates, state = tx.update(grads, state, kfac_stats=stats)
+    if count % f_every == 0:
+      new_weight = decay * weight + (1 - decay)
+      for l in layers:
+        old = running[l.name] or {"A": 0.0, "G": 0.0}
+        running[l.name] = {
+            k: (decay * weight * old[k] + (1 - decay) * np.asarray(stats[l.name][k]))
+            / new_weight for k in ("A", "G")}
+      weight = new_weight
+    if count % i_every == 0:
+      decomposed = {n: dict(v) for n, v in running.items()}
+    assert int(state.count) == count + 1
+    for l in layers:
+      plan = state.layout.plan(l.name)
+      np.testing.assert_allclose(state.factors[plan.a.bucket][plan.a.index],
+                                 running[l.name]["A"], rtol=1e-12)
+      np.testing.assert_allclose(state.factors[plan.g.bucket][plan.g.index],
+                                 running[l.name]["G"], rtol=1e-12)
+      a, g = decomposed[l.name]["A"], decomposed[l.name]["G"]
+      grad = _grad_matrix(l, grads)
+      big = np.kron(a, g) + gamma * np.eye(a.shape[0] * g.shape[0])
+      expected = np.linalg.solve(big, grad.reshape(-1)).reshape(grad.shape)
+      np.testing.assert_allclose(_grad_matrix(l, updates), expected, rtol=1e-7,
+                                 err_msg=f"step {count} layer {l.name}")
+  # The first update gives exactly the first batch (no bias toward identity).
+  assert weight > 0
+
+
+def test_schedules_for_damping_and_intervals():
+  rng, layers, params = _setup(dims=((3, 2, True),))
+  damping = lambda c: 0.1 / (1.0 + c)
+  tx = kd.scale_by_kfac(layers=layers, damping=damping,
+                        factor_update_every=lambda c: jnp.where(c < 2, 1, 4),
+                        inverse_update_every=lambda c: jnp.where(c < 2, 1, 4),
+                        factor_dtype=F64)
+  state = tx.init(params)
+  flags = []
+  for count in range(9):
+    flags.append(bool(state.update_factors))
+    stats = _stats(rng, layers)
+    grads = _random_grads(rng, params)
+    updates, state = tx.update(grads, state, kfac_stats=stats)
+    if count == 1:   # factors and inverses from this batch only after step 0's
+      pass
+  assert flags == [True, True, False, False, True, False, False, False, True]
+  # Damping is applied at preconditioning time with the current value.
+  stats = _stats(rng, layers)
+  grads = _random_grads(rng, params)
+  tx1 = kd.scale_by_kfac(layers=layers, damping=damping, factor_dtype=F64)
+  s = tx1.init(params)
+  _, s = tx1.update(grads, s, kfac_stats=stats)
+  updates, _ = tx1.update(grads, s, kfac_stats=stats)   # count 1: γ = 0.05
+  a, g = np.asarray(stats["l0"]["A"]), np.asarray(stats["l0"]["G"])
+  grad = _grad_matrix(layers.layers[0], grads)
+  big = np.kron(a, g) + 0.05 * np.eye(a.shape[0] * g.shape[0])
+  expected = np.linalg.solve(big, grad.reshape(-1)).reshape(grad.shape)
+  np.testing.assert_allclose(_grad_matrix(layers.layers[0], updates), expected,
+                             rtol=1e-7)
+
+
+def test_kl_clip_formula():
+  rng, layers, params = _setup()
+  gamma, kappa, eta = 0.01, 1e-4, 0.5
+  plain = kd.scale_by_kfac(layers=layers, damping=gamma, factor_dtype=F64)
+  clipped = kd.scale_by_kfac(layers=layers, damping=gamma, kl_clip=kappa,
+                             learning_rate=eta, factor_dtype=F64)
+  stats = _stats(rng, layers)
+  grads = _random_grads(rng, params)
+  v, _ = plain.update(grads, plain.init(params), kfac_stats=stats)
+  c, _ = clipped.update(grads, clipped.init(params), kfac_stats=stats)
+  vg = sum(abs(float(np.sum(_grad_matrix(l, v) * _grad_matrix(l, grads))))
+           for l in layers)
+  nu = min(1.0, np.sqrt(kappa / (eta ** 2 * vg)))
+  assert nu < 1.0
+  for l in layers:
+    np.testing.assert_allclose(_grad_matrix(l, c), nu * _grad_matrix(l, v), rtol=1e-10)
+  with pytest.raises(ValueError, match="learning_rate"):
+    kd.scale_by_kfac(layers=layers, kl_clip=1e-3)
+
+
+def test_untagged_and_skipped_parameters_pass_through():
+  rng, layers, params = _setup()
+  params["extra"] = {"scale": jnp.ones((3,), F64)}
+  tx = kd.scale_by_kfac(layers=layers, skip=("^l1$",), factor_dtype=F64)
+  state = tx.init(params)
+  assert state.layout.skipped == ("l1",)
+  assert "extra/scale" in state.layout.passthrough
+  assert "l1/kernel" in state.layout.passthrough
+  grads = _random_grads(rng, params)
+  updates, _ = tx.update(grads, state, kfac_stats=_stats(rng, layers))
+  np.testing.assert_array_equal(updates["extra"]["scale"], grads["extra"]["scale"])
+  np.testing.assert_array_equal(updates["l1"]["kernel"], grads["l1"]["kernel"])
+  assert not np.allclose(updates["l0"]["kernel"], grads["l0"]["kernel"])
+  text = kd.describe(state, print_table=False)
+  for needle in ("l0", "skipped", "untagged", "extra/scale", "5x5"):
+    assert needle in text
+  with pytest.raises(ValueError, match="matches no tagged layer"):
+    kd.scale_by_kfac(layers=layers, skip=("nothing",)).init(params)
+
+
+def test_clear_errors():
+  rng, layers, params = _setup()
+  with pytest.raises(ValueError, match="layers="):
+    kd.scale_by_kfac().init(params)
+  tx = kd.scale_by_kfac(layers=layers)
+  state = tx.init(params)
+  grads = _random_grads(rng, params)
+  with pytest.raises(ValueError, match="kfac_stats"):
+    tx.update(grads, state)
+  stats = _stats(rng, layers)
+  del stats["l1"]
+  with pytest.raises(ValueError, match="'l1'"):
+    tx.update(grads, state, kfac_stats=stats)
+  bad = dict(params)
+  bad["l0"] = {"kernel": jnp.zeros((5, 3))}
+  with pytest.raises(ValueError, match="l0"):
+    tx.init(bad)
+  with pytest.raises(ValueError, match="method"):
+    kd.scale_by_kfac(layers=layers, method="cholesky")
+
+
+def test_jit_and_state_stability():
+  rng, layers, params = _setup()
+  tx = kd.scale_by_kfac(layers=layers, factor_update_every=2, inverse_update_every=3)
+  params32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+  state_eager = state_jit = tx.init(params32)
+  structure = jax.tree.structure(state_eager)
+  shapes = jax.tree.map(lambda x: (x.shape, x.dtype), state_eager)
+  update = jax.jit(tx.update)
+  for _ in range(7):
+    stats = jax.tree.map(lambda x: x.astype(jnp.float32), _stats(rng, layers))
+    grads = jax.tree.map(lambda p: p.astype(jnp.float32), _random_grads(rng, params))
+    u_eager, state_eager = tx.update(grads, state_eager, kfac_stats=stats)
+    u_jit, state_jit = update(grads, state_jit, kfac_stats=stats)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-5),
+                 u_eager, u_jit)
+    assert jax.tree.structure(state_jit) == structure
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), state_jit) == shapes
+
+
+def test_chains_with_optax_transforms():
+  rng, layers, params = _setup()
+  params = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+  stats = jax.tree.map(lambda x: x.astype(jnp.float32), _stats(rng, layers))
+  grads = jax.tree.map(lambda p: p.astype(jnp.float32), _random_grads(rng, params))
+  txs = [
+      optax.chain(optax.clip_by_global_norm(1.0), kd.scale_by_kfac(layers=layers),
+                  optax.sgd(0.1, 0.9)),
+      optax.inject_hyperparams(kd.kfac)(learning_rate=0.1, layers=layers),
+      optax.apply_if_finite(kd.kfac(0.1, layers=layers), max_consecutive_errors=3),
+  ]
+  for tx in txs:
+    state = tx.init(params)
+    for _ in range(2):
+      updates, state = jax.jit(tx.update)(grads, state, params, kfac_stats=stats)
+    assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))
+    assert len(kd.describe(state, print_table=False)) > 0
+  # apply_if_finite skips a non-finite step and leaves the K-FAC state alone.
+  tx = txs[2]
+  state = tx.init(params)
+  bad = jax.tree.map(lambda g: g * jnp.nan, grads)
+  updates, new_state = tx.update(bad, state, params, kfac_stats=stats)
+  np.testing.assert_array_equal(jax.tree.leaves(new_state.inner_state)[0],
+                                jax.tree.leaves(state.inner_state)[0])
+
+
+def test_factor_dtype_storage():
+  rng, layers, params = _setup()
+  tx = kd.scale_by_kfac(layers=layers, factor_dtype=jnp.bfloat16)
+  params32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+  state = tx.init(params32)
+  stats = jax.tree.map(lambda x: x.astype(jnp.float32), _stats(rng, layers))
+  grads = jax.tree.map(lambda p: p.astype(jnp.float32), _random_grads(rng, params))
+  _, state = tx.update(grads, state, kfac_stats=stats)
+  assert all(f.dtype == jnp.bfloat16 for f in state.factors.values())
+  assert all(v.dtype == jnp.float32 for v in state.eigvals.values())
