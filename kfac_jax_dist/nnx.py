@@ -16,7 +16,10 @@ from kfac_jax_dist import tags
 
 def _raw(variable):
   """The array a Variable holds, not a copy (tags match it by identity)."""
-  return None if variable is None else variable.value
+  if variable is None:
+    return None
+  get = getattr(variable, "get_value", None)
+  return get() if get is not None else variable.value
 
 
 class Linear(nnx.Linear):

@@ -1,0 +1,856 @@
+"""Oracle tests for the statistics capture (`kd.value_and_grad`, tags, losses).
+
+Every statistic is checked against a brute-force, per-example construction in
+float64 that does not use the library's code: layer inputs are recorded by a
+plain-jnp reference forward, conv patches are built with explicit Python loops,
+and the per-example output gradients `g_p = Σ_e ∂ℓ_e/∂s_p` come from the full
+Jacobian of the vector of per-example losses w.r.t. a zero perturbation added
+to each layer output. The conventions under test (see `factors`):
+
+    A = (1/N) Σ_p a_p a_pᵀ     (a = [x, 1] with a bias, bias coordinate last)
+    G = (1/n) Σ_p g_p g_pᵀ     (n: examples of the mean loss, unmasked ones)
+
+with N the number of positions the layer is applied at (examples, tokens or
+output pixels). The library keeps factors in float32, so comparisons allow
+float32 rounding; every broken convention (scaling, order, bias position) is
+off by far more than that.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax import lax
+
+import kfac_jax_dist as kd
+
+HIGHEST = lax.Precision.HIGHEST
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _enable_x64():
+  previous = jax.config.jax_enable_x64
+  jax.config.update("jax_enable_x64", True)
+  yield
+  jax.config.update("jax_enable_x64", previous)
+
+
+def f64(x) -> np.ndarray:
+  return np.asarray(x, np.float64)
+
+
+def assert_factor_close(actual, desired, what=""):
+  """Equality up to float32 rounding (the library stores factors in float32)."""
+  actual, desired = f64(actual), f64(desired)
+  assert actual.shape == desired.shape, (what, actual.shape, desired.shape)
+  scale = max(np.abs(desired).max(), 1e-30)
+  np.testing.assert_allclose(actual, desired, rtol=2e-5, atol=2e-6 * scale,
+                             err_msg=what)
+
+
+def assert_trees_equal(actual, desired, rtol=1e-12):
+  """Tight equality of two pytrees with the same structure."""
+  assert jax.tree_util.tree_structure(actual) == jax.tree_util.tree_structure(desired)
+  for a, d in zip(jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(desired)):
+    assert jnp.shape(a) == jnp.shape(d)
+    np.testing.assert_allclose(f64(a), f64(d), rtol=rtol, atol=rtol * 1e-2)
+
+
+def randn(key, shape, scale=1.0):
+  return scale * jax.random.normal(key, shape, jnp.float64)
+
+
+# ---------------------------------------------------------------------------
+# Brute force.
+# ---------------------------------------------------------------------------
+
+def explicit_conv_padding(in_size, k, stride, dilation, padding):
+  """(lo, hi) padding of one spatial axis, XLA's SAME/VALID convention."""
+  k_eff = (k - 1) * dilation + 1
+  if padding == "VALID":
+    return (0, 0)
+  if padding == "SAME":
+    out = -(-in_size // stride)
+    total = max((out - 1) * stride + k_eff - in_size, 0)
+    return (total // 2, total - total // 2)
+  return tuple(padding)
+
+
+def brute_patches(x, kernel_hw, strides, padding, dilation):
+  """im2col with explicit loops: `[B, Ho, Wo, kh*kw*C]`, features (kh, kw, C)."""
+  x = f64(x)
+  b, h, w, c = x.shape
+  kh, kw = kernel_hw
+  if isinstance(padding, str):
+    pads = [explicit_conv_padding(h, kh, strides[0], dilation[0], padding),
+            explicit_conv_padding(w, kw, strides[1], dilation[1], padding)]
+  else:
+    pads = [tuple(p) for p in padding]
+  (ph_lo, ph_hi), (pw_lo, pw_hi) = pads
+  xp = np.zeros((b, h + ph_lo + ph_hi, w + pw_lo + pw_hi, c))
+  xp[:, ph_lo:ph_lo + h, pw_lo:pw_lo + w, :] = x
+  ho = (xp.shape[1] - ((kh - 1) * dilation[0] + 1)) // strides[0] + 1
+  wo = (xp.shape[2] - ((kw - 1) * dilation[1] + 1)) // strides[1] + 1
+  out = np.zeros((b, ho, wo, kh * kw * c))
+  for n in range(b):
+    for i in range(ho):
+      for j in range(wo):
+        feature = []
+        for di in range(kh):
+          for dj in range(kw):
+            for ch in range(c):
+              feature.append(xp[n, i * strides[0] + di * dilation[0],
+                                j * strides[1] + dj * dilation[1], ch])
+        out[n, i, j] = feature
+  return out
+
+
+class Ref:
+  """Plain-jnp layers: record each layer's input rows `a_p` and output, and add a
+  perturbation `eps[name]` to the output (to differentiate w.r.t. it)."""
+
+  def __init__(self, eps=None, record=False):
+    self.eps = eps or {}
+    self.record = record
+    self.rows = {}
+    self.outputs = {}
+
+  def _finish(self, name, rows, y, has_bias):
+    if self.record:
+      rows = rows.reshape(-1, rows.shape[-1])
+      if has_bias:
+        rows = np.concatenate([rows, np.ones((rows.shape[0], 1))], axis=1)
+      self.rows[name] = rows
+      self.outputs[name] = y
+    return y + self.eps[name] if name in self.eps else y
+
+  def dense(self, x, kernel, bias=None, *, name):
+    y = jnp.einsum("...i,io->...o", x, kernel, precision=HIGHEST)
+    if bias is not None:
+      y = y + bias
+    return self._finish(name, f64(x) if self.record else None, y, bias is not None)
+
+  def conv2d(self, x, kernel, bias=None, *, name, strides=(1, 1), padding="SAME",
+             dilation=(1, 1)):
+    y = lax.conv_general_dilated(x, kernel, strides, padding, rhs_dilation=dilation,
+                                 dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                 precision=HIGHEST)
+    if bias is not None:
+      y = y + bias
+    rows = (brute_patches(x, kernel.shape[:2], strides, padding, dilation)
+            if self.record else None)
+    return self._finish(name, rows, y, bias is not None)
+
+
+class Tagged:
+  """The same layers through `kd.tags` (names left to the default: the path)."""
+
+  def dense(self, x, kernel, bias=None, *, name):
+    del name
+    return kd.tags.dense(x, kernel, bias)
+
+  def conv2d(self, x, kernel, bias=None, *, name, strides=(1, 1), padding="SAME",
+             dilation=(1, 1)):
+    del name
+    return kd.tags.conv2d(x, kernel, bias, strides=strides, padding=padding,
+                          dilation=dilation)
+
+
+def ce_per_example(logits, labels):
+  """Softmax cross-entropy of every example (float64, flattened)."""
+  logits = logits.reshape(-1, logits.shape[-1])
+  labels = labels.reshape(-1)
+  logp = logits - jax.scipy.special.logsumexp(logits, axis=-1, keepdims=True)
+  return -jnp.take_along_axis(logp, labels[:, None], axis=-1)[:, 0]
+
+
+def brute_force(model, params, x, per_example_loss, weights=None):
+  """Per-layer `(A, G)` and the mean loss, from per-example gradients.
+
+  `model(layers, params, x)` is the network; `per_example_loss(output)` the
+  vector of per-example losses; `weights` the 0/1 mask over those examples.
+  """
+  ref = Ref(record=True)
+  out = model(ref, params, x)
+  losses = f64(per_example_loss(out))
+  weights = np.ones_like(losses) if weights is None else f64(weights).reshape(-1)
+  n = weights.sum()
+  eps0 = {name: jnp.zeros(y.shape, jnp.float64) for name, y in ref.outputs.items()}
+  jac = jax.jacrev(lambda eps: per_example_loss(model(Ref(eps), params, x)))(eps0)
+  stats = {}
+  for name, rows in ref.rows.items():
+    j = f64(jac[name]).reshape(losses.shape[0], -1, eps0[name].shape[-1])
+    g = np.einsum("e,epo->po", weights, j)          # g_p = Σ_e w_e ∂ℓ_e/∂s_p
+    stats[name] = {"A": rows.T @ rows / rows.shape[0], "G": g.T @ g / n}
+  return float((weights * losses).sum() / n), stats
+
+
+def check_against_brute_force(stats, bf_stats, names=None):
+  names = names or {k: k for k in bf_stats}
+  assert set(stats) == set(names.values())
+  for bf_name, name in names.items():
+    for factor in ("A", "G"):
+      assert_factor_close(stats[name][factor], bf_stats[bf_name][factor],
+                          f"{factor} of {name}")
+
+
+# ---------------------------------------------------------------------------
+# Models.
+# ---------------------------------------------------------------------------
+
+def mlp_params(key, dims, biases):
+  keys = jax.random.split(key, 2 * len(biases))
+  params = {}
+  for i, use_bias in enumerate(biases):
+    layer = {"kernel": randn(keys[2 * i], (dims[i], dims[i + 1]), 1 / math.sqrt(dims[i]))}
+    if use_bias:
+      layer["bias"] = randn(keys[2 * i + 1], (dims[i + 1],), 0.5)
+    params[f"l{i + 1}"] = layer
+  return params
+
+
+def mlp(layers, p, x, pool=False):
+  """dense → tanh → [mean over tokens] → dense: l1's g depends on l2."""
+  h = jnp.tanh(layers.dense(x, p["l1"]["kernel"], p["l1"].get("bias"), name="l1"))
+  if pool:
+    h = h.mean(axis=1)
+  return layers.dense(h, p["l2"]["kernel"], p["l2"].get("bias"), name="l2")
+
+
+def conv_net(layers, p, x, conv_kwargs):
+  """conv → tanh → mean over pixels → dense."""
+  h = jnp.tanh(layers.conv2d(x, p["conv"]["kernel"], p["conv"].get("bias"),
+                             name="conv", **conv_kwargs))
+  return layers.dense(h.mean(axis=(1, 2)), p["dense"]["kernel"], None, name="dense")
+
+
+def conv_params(key, kernel_shape, use_bias, classes):
+  k1, k2, k3 = jax.random.split(key, 3)
+  p = {"conv": {"kernel": randn(k1, kernel_shape, 0.5)},
+       "dense": {"kernel": randn(k3, (kernel_shape[-1], classes))}}
+  if use_bias:
+    p["conv"]["bias"] = randn(k2, (kernel_shape[-1],), 0.5)
+  return p
+
+
+# ---------------------------------------------------------------------------
+# 1. Dense.
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("biases", [(True, True), (False, False), (True, False)])
+def test_dense_2d(biases):
+  kp, kx, ky = jax.random.split(jax.random.PRNGKey(0), 3)
+  params = mlp_params(kp, (3, 4, 5), biases)
+  x = randn(kx, (6, 3))
+  y = jax.random.randint(ky, (6,), 0, 5)
+
+  def loss_fn(p, x, y):
+    return kd.losses.softmax_cross_entropy(mlp(Tagged(), p, x), y)
+
+  loss, _, stats = kd.value_and_grad(loss_fn)(params, x, y)
+  bf_loss, bf = brute_force(lambda l, p, x: mlp(l, p, x), params, x,
+                            lambda out: ce_per_example(out, y))
+  np.testing.assert_allclose(float(loss), bf_loss, rtol=1e-6)
+  check_against_brute_force(stats, bf)
+  # Bias folded in as the *last* coordinate: its A row is the mean input.
+  if biases[0]:
+    a = f64(stats["l1"]["A"])
+    np.testing.assert_allclose(a[-1, -1], 1.0, rtol=1e-6)
+    np.testing.assert_allclose(a[-1, :-1], f64(x).mean(0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_dense_3d_per_token_loss(use_bias):
+  """Tokens are positions and examples: N = n = B·T."""
+  kp, kx, ky = jax.random.split(jax.random.PRNGKey(1), 3)
+  params = mlp_params(kp, (3, 4, 5), (use_bias, use_bias))
+  x = randn(kx, (2, 4, 3))
+  y = jax.random.randint(ky, (2, 4), 0, 5)
+
+  def loss_fn(p, x, y):
+    return kd.losses.softmax_cross_entropy(mlp(Tagged(), p, x), y)
+
+  loss, _, stats = kd.value_and_grad(loss_fn)(params, x, y)
+  bf_loss, bf = brute_force(lambda l, p, x: mlp(l, p, x), params, x,
+                            lambda out: ce_per_example(out, y))
+  assert bf["l1"]["A"].shape == (3 + use_bias,) * 2
+  np.testing.assert_allclose(float(loss), bf_loss, rtol=1e-6)
+  check_against_brute_force(stats, bf)
+
+
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_dense_3d_per_sequence_loss(use_bias):
+  """Mean-pool after l1: l1 has N = B·T positions but n = B examples."""
+  kp, kx, ky = jax.random.split(jax.random.PRNGKey(2), 3)
+  params = mlp_params(kp, (3, 4, 5), (use_bias, use_bias))
+  x = randn(kx, (3, 4, 3))
+  y = jax.random.randint(ky, (3,), 0, 5)
+
+  def loss_fn(p, x, y):
+    return kd.losses.softmax_cross_entropy(mlp(Tagged(), p, x, pool=True), y)
+
+  loss, _, stats = kd.value_and_grad(loss_fn)(params, x, y)
+  bf_loss, bf = brute_force(lambda l, p, x: mlp(l, p, x, pool=True), params, x,
+                            lambda out: ce_per_example(out, y))
+  np.testing.assert_allclose(float(loss), bf_loss, rtol=1e-6)
+  check_against_brute_force(stats, bf)
+
+
+# ---------------------------------------------------------------------------
+# 2. Conv2d.
+# ---------------------------------------------------------------------------
+
+CONV_CASES = {
+    "s1_same_bias": dict(strides=(1, 1), padding="SAME", dilation=(1, 1), bias=True),
+    "s2_same": dict(strides=(2, 2), padding="SAME", dilation=(1, 1), bias=False),
+    "s1_valid": dict(strides=(1, 1), padding="VALID", dilation=(1, 1), bias=False),
+    "s2_valid_bias": dict(strides=(2, 1), padding="VALID", dilation=(1, 1), bias=True),
+    "explicit_bias": dict(strides=(1, 1), padding=((1, 2), (0, 1)), dilation=(1, 1),
+                          bias=True),
+    "s2_explicit": dict(strides=(2, 2), padding=((2, 0), (1, 1)), dilation=(1, 1),
+                        bias=False),
+    "dilated_same_bias": dict(strides=(1, 1), padding="SAME", dilation=(2, 2),
+                              bias=True),
+    "dilated_s2_explicit": dict(strides=(2, 1), padding=((1, 1), (2, 1)),
+                                dilation=(2, 2), bias=False),
+}
+
+
+@pytest.mark.parametrize("case", list(CONV_CASES))
+def test_conv2d(case):
+  cfg = dict(CONV_CASES[case])
+  use_bias = cfg.pop("bias")
+  kp, kx, ky = jax.random.split(jax.random.PRNGKey(3), 3)
+  kernel_shape = (3, 2, 2, 3)          # kh != kw and cin > 1: order matters
+  params = conv_params(kp, kernel_shape, use_bias, classes=4)
+  x = randn(kx, (2, 7, 6, 2))          # odd/even sizes: asymmetric SAME padding
+  y = jax.random.randint(ky, (2,), 0, 4)
+  kernel, bias = params["conv"]["kernel"], params["conv"].get("bias")
+
+  # Forward: the tag equals lax, flax.linen.Conv and the brute-force patches.
+  out = kd.tags.conv2d(x, kernel, bias, **cfg)
+  ref = lax.conv_general_dilated(x, kernel, cfg["strides"], cfg["padding"],
+                                 rhs_dilation=cfg["dilation"],
+                                 dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                 precision=HIGHEST)
+  if use_bias:
+    ref = ref + bias
+  np.testing.assert_allclose(f64(out), f64(ref), rtol=1e-10, atol=1e-10)
+  flax_conv = nn.Conv(3, kernel_size=(3, 2), strides=cfg["strides"],
+                      padding=cfg["padding"], kernel_dilation=cfg["dilation"],
+                      use_bias=use_bias, param_dtype=jnp.float64,
+                      precision=HIGHEST)
+  flax_vars = {"params": {"kernel": kernel, **({"bias": bias} if use_bias else {})}}
+  np.testing.assert_allclose(f64(flax_conv.apply(flax_vars, x)), f64(out),
+                             rtol=1e-10, atol=1e-10)
+  patches = brute_patches(x, (3, 2), cfg["strides"], cfg["padding"], cfg["dilation"])
+  by_patches = patches @ f64(kernel).reshape(-1, 3) + (f64(bias) if use_bias else 0)
+  np.testing.assert_allclose(by_patches, f64(out), rtol=1e-10, atol=1e-10)
+
+  # Statistics: N = B·Ho·Wo positions for A, n = B examples for G.
+  def loss_fn(p, x, y):
+    return kd.losses.softmax_cross_entropy(conv_net(Tagged(), p, x, cfg), y)
+
+  loss, _, stats = kd.value_and_grad(loss_fn)(params, x, y)
+  bf_loss, bf = brute_force(lambda l, p, x: conv_net(l, p, x, cfg), params, x,
+                            lambda o: ce_per_example(o, y))
+  assert bf["conv"]["A"].shape == (3 * 2 * 2 + use_bias,) * 2
+  np.testing.assert_allclose(float(loss), bf_loss, rtol=1e-6)
+  check_against_brute_force(stats, bf)
+
+
+# ---------------------------------------------------------------------------
+# 3. Gradients equal jax.value_and_grad's.
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("has_aux", [False, True])
+@pytest.mark.parametrize("jit", [False, True])
+def test_gradients_match_jax(has_aux, jit):
+  kp, kc, kx, ky, kz = jax.random.split(jax.random.PRNGKey(4), 5)
+  params = {"mlp": mlp_params(kp, (3, 4, 5), (True, False)),
+            "cnn": conv_params(kc, (2, 2, 2, 3), True, classes=5)}
+  x = randn(kx, (3, 2, 3))
+  img = randn(kz, (3, 5, 5, 2))
+  y = jax.random.randint(ky, (3,), 0, 5)
+  cfg = dict(strides=(2, 2), padding="SAME")
+
+  def loss_fn(p, x, img, y):
+    logits = (mlp(Tagged(), p["mlp"], x, pool=True)
+              + conv_net(Tagged(), p["cnn"], img, cfg))
+    loss = kd.losses.softmax_cross_entropy(logits, y)
+    return (loss, {"logits": logits}) if has_aux else loss
+
+  grad_fn = kd.value_and_grad(loss_fn, has_aux=has_aux)
+  call = (lambda p, *a: grad_fn(p, *a))
+  ref_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
+  if jit:
+    call, ref_fn = jax.jit(call), jax.jit(ref_fn)
+  value, grads, stats = call(params, x, img, y)
+  ref_value, ref_grads = ref_fn(params, x, img, y)
+  assert_trees_equal(value, ref_value)
+  assert_trees_equal(grads, ref_grads)
+  if has_aux:
+    assert isinstance(value, tuple) and set(value[1]) == {"logits"}
+  assert set(stats) == {"mlp/l1", "mlp/l2", "cnn/conv", "cnn/dense"}
+
+
+# ---------------------------------------------------------------------------
+# 4. Monte Carlo Fisher.
+# ---------------------------------------------------------------------------
+
+NUM_DRAWS = 4000
+
+
+def check_mc_estimate(samples, exact, what):
+  """The mean of the draws is within 5 standard errors of the exact value,
+  and the same test rejects the exact value scaled by 2 or 1/2."""
+  samples, exact = f64(samples), f64(exact)
+  mean = samples.mean(0)
+  tol = 5.0 * samples.std(0) / math.sqrt(samples.shape[0]) + 1e-6 * np.abs(exact).max()
+
+  def within(target):
+    return bool(np.all(np.abs(mean - target) <= tol))
+
+  assert within(exact), (what, np.abs(mean - exact).max(), tol.max())
+  assert not within(2.0 * exact), f"{what}: tolerance too loose to see a factor 2"
+  assert not within(0.5 * exact), f"{what}: tolerance too loose to see a factor 1/2"
+
+
+def mc_draws(grad_fn, params, *args):
+  keys = jax.random.split(jax.random.PRNGKey(123), NUM_DRAWS)
+  return jax.jit(jax.vmap(lambda r: grad_fn(params, *args, rng=r)))(keys)
+
+
+def enumerated_fisher(model, params, x, per_example_loss, targets, probs):
+  """`(1/n) Σ_i Σ_t p(t|x_i) g_i(t) g_i(t)ᵀ` for every layer (2-D inputs: n = B)."""
+  exact = {}
+  for t, p_t in zip(targets, probs):       # p_t: [B] probability of target t
+    ref = Ref(record=True)
+    model(ref, params, x)
+    eps0 = {k: jnp.zeros(v.shape, jnp.float64) for k, v in ref.outputs.items()}
+    jac = jax.jacrev(lambda e: per_example_loss(model(Ref(e), params, x), t))(eps0)
+    for name, j in jac.items():
+      g = np.einsum("ii...->i...", f64(j))   # example i's loss w.r.t. its own output
+      term = np.einsum("i,io,ip->op", f64(p_t), g, g) / g.shape[0]
+      exact[name] = exact.get(name, 0.0) + term
+  return exact
+
+
+def test_mc_fisher_softmax():
+  kp, kx, ky = jax.random.split(jax.random.PRNGKey(5), 3)
+  params = mlp_params(kp, (3, 4, 3), (True, True))
+  x = randn(kx, (5, 3))
+  y = jax.random.randint(ky, (5,), 0, 3)
+  model = lambda l, p, x: mlp(l, p, x)
+
+  def loss_fn(p, x, y):
+    return kd.losses.softmax_cross_entropy(model(Tagged(), p, x), y)
+
+  loss, grads, stats = mc_draws(kd.value_and_grad(loss_fn, fisher="mc"), params, x, y)
+  emp_loss, emp_grads, emp_stats = kd.value_and_grad(loss_fn)(params, x, y)
+  # The loss, gradients and A do not depend on the draw.
+  # (jit vs eager: float32 rounding of the loss.)
+  np.testing.assert_allclose(f64(loss), float(emp_loss), rtol=1e-6)
+  assert_trees_equal(jax.tree.map(lambda g: g[0], grads), emp_grads, rtol=1e-6)
+  for name in stats:
+    np.testing.assert_allclose(f64(stats[name]["A"]),
+                               np.broadcast_to(f64(emp_stats[name]["A"]),
+                                               stats[name]["A"].shape), rtol=1e-6)
+
+  probs = jax.nn.softmax(model(Ref(), params, x))
+  classes = [jnp.full((5,), c) for c in range(3)]
+  exact = enumerated_fisher(model, params, x, ce_per_example, classes,
+                            [probs[:, c] for c in range(3)])
+  # Closed form on the logits side: (1/n) Σ_i diag(p_i) − p_i p_iᵀ.
+  p = f64(probs)
+  np.testing.assert_allclose(
+      exact["l2"], (np.einsum("io,op->op", p, np.eye(3)) - p.T @ p) / 5, atol=1e-12)
+  for name in ("l1", "l2"):
+    check_mc_estimate(stats[name]["G"], exact[name], f"G of {name}")
+
+
+def test_mc_fisher_sigmoid():
+  kp, kx, ky = jax.random.split(jax.random.PRNGKey(6), 3)
+  params = mlp_params(kp, (3, 4, 3), (True, True))
+  x = randn(kx, (5, 3))
+  y = jax.random.bernoulli(ky, 0.5, (5, 3)).astype(jnp.float64)
+  model = lambda l, p, x: mlp(l, p, x)
+
+  def loss_fn(p, x, y):
+    return kd.losses.sigmoid_cross_entropy(model(Tagged(), p, x), y)
+
+  def per_example(logits, t):
+    return jnp.sum(jax.nn.softplus(logits) - logits * t, axis=-1)
+
+  _, _, stats = mc_draws(kd.value_and_grad(loss_fn, fisher="mc"), params, x, y)
+  probs = jax.nn.sigmoid(model(Ref(), params, x))
+  targets, weights = [], []
+  for bits in itertools.product((0.0, 1.0), repeat=3):
+    t = jnp.broadcast_to(jnp.asarray(bits), (5, 3))
+    targets.append(t)
+    weights.append(jnp.prod(jnp.where(t == 1.0, probs, 1.0 - probs), axis=-1))
+  exact = enumerated_fisher(model, params, x, per_example, targets, weights)
+  p = f64(probs)
+  np.testing.assert_allclose(exact["l2"], np.diag((p * (1 - p)).mean(0)), atol=1e-12)
+  for name in ("l1", "l2"):
+    check_mc_estimate(stats[name]["G"], exact[name], f"G of {name}")
+
+
+def test_mc_fisher_squared_error():
+  kp, kx, ky = jax.random.split(jax.random.PRNGKey(7), 3)
+  params = mlp_params(kp, (3, 4, 3), (True, True))
+  x = randn(kx, (5, 3))
+  y = randn(ky, (5, 3))
+  model = lambda l, p, x: mlp(l, p, x)
+
+  def loss_fn(p, x, y):
+    return kd.losses.squared_error(model(Tagged(), p, x), y)
+
+  _, _, stats = mc_draws(kd.value_and_grad(loss_fn, fisher="mc"), params, x, y)
+  # Unit-variance Gaussian: E[(μ − t)(μ − t)ᵀ] = I on the output side, and
+  # J_iᵀ J_i for l1 with J_i = ∂μ_i/∂s1_i.
+  ref = Ref(record=True)
+  model(ref, params, x)
+  eps0 = {"l1": jnp.zeros(ref.outputs["l1"].shape, jnp.float64)}
+  jac = f64(jax.jacrev(lambda e: model(Ref(e), params, x))(eps0)["l1"])  # [B,3,B,4]
+  j = np.einsum("iaib->iab", jac)
+  exact = {"l2": np.eye(3), "l1": np.einsum("iab,iac->bc", j, j) / 5}
+  for name in ("l1", "l2"):
+    check_mc_estimate(stats[name]["G"], exact[name], f"G of {name}")
+
+
+# ---------------------------------------------------------------------------
+# 5. Masked loss.
+# ---------------------------------------------------------------------------
+
+def test_masked_loss_2d():
+  kp, kx, ky = jax.random.split(jax.random.PRNGKey(8), 3)
+  params = mlp_params(kp, (3, 4, 5), (True, True))
+  x = randn(kx, (6, 3))
+  y = jax.random.randint(ky, (6,), 0, 5)
+  mask = jnp.array([1, 0, 1, 1, 0, 1], jnp.float64)
+
+  def loss_fn(p, x, y, mask):
+    return kd.losses.softmax_cross_entropy(mlp(Tagged(), p, x), y, mask=mask)
+
+  loss, _, stats = kd.value_and_grad(loss_fn)(params, x, y, mask)
+  bf_loss, bf = brute_force(lambda l, p, x: mlp(l, p, x), params, x,
+                            lambda out: ce_per_example(out, y), weights=mask)
+  np.testing.assert_allclose(float(loss), bf_loss, rtol=1e-6)
+  # G averages over the n = 4 unmasked examples. A, which the tag computes
+  # without knowing the mask, averages over all N = 6 positions.
+  check_against_brute_force(stats, bf)
+
+
+def test_masked_loss_per_token():
+  kp, kx, ky = jax.random.split(jax.random.PRNGKey(9), 3)
+  params = mlp_params(kp, (3, 4, 5), (False, True))
+  x = randn(kx, (2, 4, 3))
+  y = jax.random.randint(ky, (2, 4), 0, 5)
+  mask = jnp.array([[1, 1, 1, 0], [1, 0, 0, 0]], jnp.float64)
+
+  def loss_fn(p, x, y, mask):
+    return kd.losses.softmax_cross_entropy(mlp(Tagged(), p, x), y, mask=mask)
+
+  loss, _, stats = kd.value_and_grad(loss_fn)(params, x, y, mask)
+  bf_loss, bf = brute_force(lambda l, p, x: mlp(l, p, x), params, x,
+                            lambda out: ce_per_example(out, y), weights=mask)
+  np.testing.assert_allclose(float(loss), bf_loss, rtol=1e-6)
+  check_against_brute_force(stats, bf)
+
+
+# ---------------------------------------------------------------------------
+# 6. Errors.
+# ---------------------------------------------------------------------------
+
+def _small_problem():
+  params = mlp_params(jax.random.PRNGKey(10), (3, 4, 5), (True, True))
+  return params, jnp.ones((2, 3)), jnp.array([0, 1])
+
+
+def test_mc_without_rng_raises():
+  params, x, y = _small_problem()
+  grad_fn = kd.value_and_grad(
+      lambda p, x, y: kd.losses.softmax_cross_entropy(mlp(Tagged(), p, x), y),
+      fisher="mc")
+  with pytest.raises(ValueError, match="rng"):
+    grad_fn(params, x, y)
+
+
+def test_no_registered_loss_raises():
+  params, x, y = _small_problem()
+
+  def loss_fn(p, x, y):
+    logits = mlp(Tagged(), p, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  with pytest.raises(ValueError, match="registered no loss"):
+    kd.value_and_grad(loss_fn)(params, x, y)
+
+
+def test_two_registered_losses_raise():
+  params, x, y = _small_problem()
+
+  def loss_fn(p, x, y):
+    logits = mlp(Tagged(), p, x)
+    return (kd.losses.softmax_cross_entropy(logits, y)
+            + kd.losses.squared_error(logits, jnp.zeros_like(logits)))
+
+  with pytest.raises(ValueError, match="registered 2 losses"):
+    kd.value_and_grad(loss_fn)(params, x, y)
+
+
+def test_unknown_fisher_raises():
+  with pytest.raises(ValueError, match="fisher"):
+    kd.value_and_grad(lambda p: p, fisher="exact")
+
+
+# ---------------------------------------------------------------------------
+# 7. Skipping the statistics on steps that update no factor.
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_statistics_skipped_between_factor_updates(jit):
+  kp, kx, ky = jax.random.split(jax.random.PRNGKey(11), 3)
+  params = mlp_params(kp, (3, 4, 5), (True, False))
+  x = randn(kx, (6, 3))
+  y = jax.random.randint(ky, (6,), 0, 5)
+
+  def loss_fn(p, x, y):
+    return kd.losses.softmax_cross_entropy(mlp(Tagged(), p, x), y)
+
+  grad_fn = kd.value_and_grad(loss_fn)
+  tx = kd.scale_by_kfac(layers=grad_fn.discover(params, x, y), factor_update_every=2)
+  state = tx.init(params)
+  call = lambda p, s: grad_fn(p, x, y, opt_state=s)
+  update = tx.update
+  if jit:
+    call, update = jax.jit(call), jax.jit(lambda g, s, st: tx.update(g, s, kfac_stats=st))
+  else:
+    update = lambda g, s, st: tx.update(g, s, kfac_stats=st)
+  ref_loss, ref_grads = jax.value_and_grad(loss_fn)(params, x, y)
+  _, bf = brute_force(lambda l, p, x: mlp(l, p, x), params, x,
+                      lambda out: ce_per_example(out, y))
+
+  for count in range(4):
+    loss, grads, stats = call(params, state)
+    assert int(state.count) == count
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-12)
+    assert_trees_equal(grads, ref_grads)
+    assert set(stats) == {"l1", "l2"}
+    if count % 2 == 0:      # factor step: the full statistics
+      check_against_brute_force(stats, bf)
+    else:                   # skipped: zeros of the right shapes
+      for name in stats:
+        for factor in ("A", "G"):
+          assert stats[name][factor].shape == bf[name][factor].shape
+          assert not np.any(f64(stats[name][factor])), (count, name, factor)
+    _, state = update(grads, state, stats)
+
+
+# ---------------------------------------------------------------------------
+# 8. Drop-in Flax layers.
+# ---------------------------------------------------------------------------
+
+def _shapes(tree):
+  return jax.tree.map(jnp.shape, tree)
+
+
+@pytest.mark.parametrize("kwargs,shape", [
+    (dict(features=4), (2, 3)),
+    (dict(features=4, use_bias=False), (2, 5, 3)),
+])
+def test_linen_dense_drop_in(kwargs, shape):
+  x = jax.random.normal(jax.random.PRNGKey(0), shape)
+  flax_vars = nn.Dense(**kwargs).init(jax.random.PRNGKey(1), x)
+  kd_vars = kd.linen.Dense(**kwargs).init(jax.random.PRNGKey(1), x)
+  assert _shapes(kd_vars) == _shapes(flax_vars)
+  assert_trees_equal(kd_vars, flax_vars)          # same initialisers too
+  np.testing.assert_allclose(kd.linen.Dense(**kwargs).apply(flax_vars, x),
+                             nn.Dense(**kwargs).apply(flax_vars, x), rtol=1e-6, atol=1e-6)
+
+
+CONV_KWARGS = [
+    dict(features=3, kernel_size=(3, 2)),
+    dict(features=3, kernel_size=(3, 3), strides=2, padding="VALID", use_bias=False),
+    dict(features=2, kernel_size=(2, 3), strides=(2, 1), padding=((1, 2), (0, 1))),
+    dict(features=2, kernel_size=(3, 3), kernel_dilation=2, padding=1),
+]
+
+
+@pytest.mark.parametrize("kwargs", CONV_KWARGS)
+def test_linen_conv_drop_in(kwargs):
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 7, 6, 2))
+  flax_vars = nn.Conv(**kwargs).init(jax.random.PRNGKey(1), x)
+  kd_vars = kd.linen.Conv(**kwargs).init(jax.random.PRNGKey(1), x)
+  assert _shapes(kd_vars) == _shapes(flax_vars)
+  assert_trees_equal(kd_vars, flax_vars)
+  np.testing.assert_allclose(kd.linen.Conv(**kwargs).apply(flax_vars, x),
+                             nn.Conv(**kwargs).apply(flax_vars, x), rtol=1e-5, atol=1e-5)
+  # Extra batch axes are flattened like Flax does.
+  x5 = x.reshape((1,) + x.shape)
+  np.testing.assert_allclose(kd.linen.Conv(**kwargs).apply(flax_vars, x5),
+                             nn.Conv(**kwargs).apply(flax_vars, x5), rtol=1e-5, atol=1e-5)
+
+
+def _nnx_pair(kd_cls, flax_cls, *args, **kwargs):
+  ours = kd_cls(*args, **kwargs, rngs=nnx.Rngs(1))
+  theirs = flax_cls(*args, **kwargs, rngs=nnx.Rngs(1))
+  ours_state, theirs_state = nnx.state(ours), nnx.state(theirs)
+  assert _shapes(ours_state) == _shapes(theirs_state)
+  assert_trees_equal(ours_state, theirs_state)
+  nnx.update(ours, nnx.state(theirs))
+  return ours, theirs
+
+
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_nnx_linear_drop_in(use_bias):
+  ours, theirs = _nnx_pair(kd.nnx.Linear, nnx.Linear, 3, 4, use_bias=use_bias)
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 3))
+  np.testing.assert_allclose(ours(x), theirs(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs", CONV_KWARGS)
+def test_nnx_conv_drop_in(kwargs):
+  kwargs = dict(kwargs)
+  ours, theirs = _nnx_pair(kd.nnx.Conv, nnx.Conv, 2, kwargs.pop("features"), **kwargs)
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 7, 6, 2))
+  np.testing.assert_allclose(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
+
+
+CNN_CONV = dict(kernel_size=(3, 2), strides=(2, 1), padding="SAME")
+
+
+class LinenCNN(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = jnp.tanh(kd.linen.Conv(3, param_dtype=jnp.float64, precision=HIGHEST,
+                               **CNN_CONV)(x))
+    h = h.mean(axis=(1, 2))
+    h = jnp.tanh(kd.linen.Dense(4, param_dtype=jnp.float64, precision=HIGHEST)(h))
+    return kd.linen.Dense(5, use_bias=False, param_dtype=jnp.float64,
+                          precision=HIGHEST)(h)
+
+
+class NnxCNN(nnx.Module):
+  def __init__(self, rngs):
+    kw = dict(param_dtype=jnp.float64, precision=HIGHEST, rngs=rngs)
+    self.conv = kd.nnx.Conv(2, 3, **CNN_CONV, **kw)
+    self.hidden = kd.nnx.Linear(3, 4, **kw)
+    self.out = kd.nnx.Linear(4, 5, use_bias=False, **kw)
+
+  def __call__(self, x):
+    h = jnp.tanh(self.conv(x)).mean(axis=(1, 2))
+    return self.out(jnp.tanh(self.hidden(h)))
+
+
+def plain_cnn(layers, p, x):
+  h = jnp.tanh(layers.conv2d(x, p["conv"]["kernel"], p["conv"]["bias"], name="conv",
+                             strides=(2, 1), padding="SAME"))
+  h = jnp.tanh(layers.dense(h.mean(axis=(1, 2)), p["hidden"]["kernel"],
+                            p["hidden"]["bias"], name="hidden"))
+  return layers.dense(h, p["out"]["kernel"], None, name="out")
+
+
+def test_linen_nnx_and_tags_agree():
+  kx, ky = jax.random.split(jax.random.PRNGKey(12))
+  x = randn(kx, (3, 5, 4, 2))
+  y = jax.random.randint(ky, (3,), 0, 5)
+  linen_params = LinenCNN().init(jax.random.PRNGKey(13), x)["params"]
+  plain_params = {"conv": linen_params["Conv_0"], "hidden": linen_params["Dense_0"],
+                  "out": linen_params["Dense_1"]}
+  model = NnxCNN(nnx.Rngs(0))
+  nnx.update(model, {
+      name: {k: v for k, v in layer.items()} for name, layer in plain_params.items()})
+  graphdef, nnx_state = nnx.split(model)
+
+  def linen_loss(p, x, y):
+    return kd.losses.softmax_cross_entropy(LinenCNN().apply({"params": p}, x), y)
+
+  def nnx_loss(state, x, y):
+    return kd.losses.softmax_cross_entropy(nnx.merge(graphdef, state)(x), y)
+
+  def plain_loss(p, x, y):
+    return kd.losses.softmax_cross_entropy(plain_cnn(Tagged(), p, x), y)
+
+  results = {}
+  for key, fn, p in (("linen", linen_loss, linen_params), ("nnx", nnx_loss, nnx_state),
+                     ("plain", plain_loss, plain_params)):
+    loss, grads, stats = kd.value_and_grad(fn)(p, x, y)
+    ref_loss, ref_grads = jax.value_and_grad(fn)(p, x, y)
+    assert_trees_equal(grads, ref_grads)
+    results[key] = (loss, grads, stats)
+
+  names = {"linen": {"conv": "Conv_0", "hidden": "Dense_0", "out": "Dense_1"},
+           "nnx": {"conv": "conv", "hidden": "hidden", "out": "out"},
+           "plain": {"conv": "conv", "hidden": "hidden", "out": "out"}}
+  _, bf = brute_force(plain_cnn, plain_params, x, lambda o: ce_per_example(o, y))
+  plain_grads = results["plain"][1]
+  nnx_grads = nnx.to_pure_dict(results["nnx"][1])
+  for key, (loss, grads, stats) in results.items():
+    np.testing.assert_allclose(float(loss), float(results["plain"][0]), rtol=1e-12)
+    check_against_brute_force(stats, bf, names[key])
+    for layer, name in names[key].items():
+      np.testing.assert_allclose(f64(stats[name]["A"]),
+                                 f64(results["plain"][2][layer]["A"]), rtol=1e-12)
+      np.testing.assert_allclose(f64(stats[name]["G"]),
+                                 f64(results["plain"][2][layer]["G"]), rtol=1e-12)
+  for layer in names["plain"]:
+    for leaf in plain_grads[layer]:
+      np.testing.assert_allclose(f64(results["linen"][1][names["linen"][layer]][leaf]),
+                                 f64(plain_grads[layer][leaf]), rtol=1e-12)
+      np.testing.assert_allclose(f64(nnx_grads[layer][leaf]),
+                                 f64(plain_grads[layer][leaf]), rtol=1e-12)
+
+
+# ---------------------------------------------------------------------------
+# 9. Grouped convolutions.
+# ---------------------------------------------------------------------------
+
+def test_grouped_conv_tag_raises():
+  x = jnp.ones((1, 4, 4, 4))
+  kernel = jnp.ones((3, 3, 2, 4))
+  with pytest.raises(ValueError, match="feature_group_count"):
+    kd.tags.conv2d(x, kernel, feature_group_count=2)
+
+
+def test_grouped_linen_conv_passes_through():
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = kd.linen.Conv(4, (3, 3), feature_group_count=2)(x)
+      return kd.linen.Dense(3)(h.mean(axis=(1, 2)))
+
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 5, 4))
+  y = jnp.array([0, 2])
+  with pytest.warns(UserWarning, match="not tagged"):
+    variables = Net().init(jax.random.PRNGKey(1), x)
+  assert variables["params"]["Conv_0"]["kernel"].shape == (3, 3, 2, 4)
+  flax_out = nn.Conv(4, (3, 3), feature_group_count=2).apply(
+      {"params": variables["params"]["Conv_0"]}, x)
+  with pytest.warns(UserWarning, match="not tagged"):
+    ours = kd.linen.Conv(4, (3, 3), feature_group_count=2).apply(
+        {"params": variables["params"]["Conv_0"]}, x)
+  np.testing.assert_allclose(ours, flax_out, rtol=1e-6, atol=1e-6)
+
+  def loss_fn(p, x, y):
+    return kd.losses.softmax_cross_entropy(Net().apply({"params": p}, x), y)
+
+  grad_fn = kd.value_and_grad(loss_fn)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    layers = grad_fn.discover(variables["params"], x, y)
+    _, grads, stats = grad_fn(variables["params"], x, y)
+    _, ref_grads = jax.value_and_grad(loss_fn)(variables["params"], x, y)
+  assert layers.names() == ("Dense_0",)
+  assert set(stats) == {"Dense_0"}
+  assert_trees_equal(grads, ref_grads)

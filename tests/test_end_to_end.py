@@ -1,0 +1,122 @@
+"""Whole training steps: linen, NNX and plain-JAX tags agree; jit equals eager."""
+
+import flax.linen as nn
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import kfac_jax_dist as kd
+
+
+class LinenNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(kd.linen.Conv(4, (3, 3), strides=2, name="conv")(x))
+    x = x.reshape(x.shape[0], -1)
+    x = nn.tanh(kd.linen.Dense(8, name="hidden")(x))
+    return kd.linen.Dense(5, use_bias=False, name="out")(x)
+
+
+class NnxNet(nnx.Module):
+  def __init__(self, rngs):
+    self.conv = kd.nnx.Conv(2, 4, (3, 3), strides=2, rngs=rngs)
+    self.hidden = kd.nnx.Linear(64, 8, rngs=rngs)
+    self.out = kd.nnx.Linear(8, 5, use_bias=False, rngs=rngs)
+
+  def __call__(self, x):
+    x = nn.relu(self.conv(x))
+    x = nn.tanh(self.hidden(x.reshape(x.shape[0], -1)))
+    return self.out(x)
+
+
+def plain_net(p, x):
+  x = nn.relu(kd.tags.conv2d(x, p["conv"]["kernel"], p["conv"]["bias"], strides=(2, 2),
+                             name="conv"))
+  x = x.reshape(x.shape[0], -1)
+  x = nn.tanh(kd.tags.dense(x, p["hidden"]["kernel"], p["hidden"]["bias"], name="hidden"))
+  return kd.tags.dense(x, p["out"]["kernel"], name="out")
+
+
+def _data():
+  k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+  x = jax.random.normal(k1, (16, 8, 8, 2))
+  y = jax.random.randint(k2, (16,), 0, 5)
+  return x, y
+
+
+def _train(loss_fn, params, x, y, steps=5, jit=True):
+  grad_fn = kd.value_and_grad(loss_fn)
+  tx = kd.kfac(0.2, layers=grad_fn.discover(params, x, y), damping=1e-2,
+               factor_update_every=2, inverse_update_every=3)
+  state = tx.init(params)
+
+  def step(params, state):
+    loss, grads, stats = grad_fn(params, x, y, opt_state=state)
+    updates, state = tx.update(grads, state, params, kfac_stats=stats)
+    return optax.apply_updates(params, updates), state, loss
+
+  step = jax.jit(step) if jit else step
+  losses = []
+  for _ in range(steps):
+    params, state, loss = step(params, state)
+    losses.append(float(loss))
+  return params, state, losses
+
+
+def test_linen_nnx_and_plain_tags_take_the_same_steps():
+  x, y = _data()
+  linen = LinenNet()
+  variables = linen.init(jax.random.PRNGKey(1), x)
+  p = variables["params"]
+  plain = {"conv": dict(p["conv"]), "hidden": dict(p["hidden"]), "out": dict(p["out"])}
+
+  model = NnxNet(nnx.Rngs(0))
+  graphdef, state = nnx.split(model, nnx.Param)
+  nnx_params = nnx.to_pure_dict(state)
+  for layer in ("conv", "hidden", "out"):
+    for name, value in p[layer].items():
+      nnx_params[layer][name] = value
+  nnx.replace_by_pure_dict(state, nnx_params)
+
+  def linen_loss(v, x, y):
+    return kd.losses.softmax_cross_entropy(linen.apply(v, x), y)
+
+  def nnx_loss(s, x, y):
+    return kd.losses.softmax_cross_entropy(nnx.merge(graphdef, s)(x), y)
+
+  def plain_loss(q, x, y):
+    return kd.losses.softmax_cross_entropy(plain_net(q, x), y)
+
+  lp, _, l_losses = _train(linen_loss, variables, x, y)
+  pp, _, p_losses = _train(plain_loss, plain, x, y)
+  np_, _, n_losses = _train(nnx_loss, state, x, y)
+  np.testing.assert_allclose(l_losses, p_losses, rtol=1e-5)
+  np.testing.assert_allclose(l_losses, n_losses, rtol=1e-5)
+  assert l_losses[-1] < l_losses[0]
+  n_pure = nnx.to_pure_dict(np_)
+  for layer in ("conv", "hidden", "out"):
+    for name in p[layer]:
+      np.testing.assert_allclose(lp["params"][layer][name], pp[layer][name], atol=1e-5)
+      np.testing.assert_allclose(lp["params"][layer][name], n_pure[layer][name], atol=1e-5)
+
+
+def test_jit_equals_eager_and_state_is_stable():
+  x, y = _data()
+  linen = LinenNet()
+  variables = linen.init(jax.random.PRNGKey(1), x)
+
+  def loss_fn(v, x, y):
+    return kd.losses.softmax_cross_entropy(linen.apply(v, x), y)
+
+  pj, sj, lj = _train(loss_fn, variables, x, y, steps=4, jit=True)
+  pe, se, le = _train(loss_fn, variables, x, y, steps=4, jit=False)
+  np.testing.assert_allclose(lj, le, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), pj, pe)
+  grad_fn = kd.value_and_grad(loss_fn)
+  tx = kd.kfac(0.2, layers=grad_fn.discover(variables, x, y))
+  s0 = tx.init(variables)
+  assert jax.tree.structure(s0) == jax.tree.structure(sj)
+  assert (jax.tree.map(lambda a: (a.shape, a.dtype), s0)
+          == jax.tree.map(lambda a: (a.shape, a.dtype), sj))
