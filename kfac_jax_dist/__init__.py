@@ -7,6 +7,9 @@ from kfac_jax_dist import tags
 from kfac_jax_dist.capture import value_and_grad
 from kfac_jax_dist.capture import ValueAndGrad
 from kfac_jax_dist.describe import describe
+from kfac_jax_dist.distributed import Distribution
+from kfac_jax_dist.distributed import partition_specs
+from kfac_jax_dist.distributed import shard_state
 from kfac_jax_dist.kfac import kfac
 from kfac_jax_dist.kfac import scale_by_kfac
 from kfac_jax_dist.kfac import ScaleByKfacState
@@ -16,6 +19,7 @@ from kfac_jax_dist.registry import TaggedLayer
 __version__ = "0.1.0"
 
 __all__ = [
-    "LayerRegistry", "ScaleByKfacState", "TaggedLayer", "ValueAndGrad", "describe",
-    "kfac", "linen", "losses", "nnx", "scale_by_kfac", "tags", "value_and_grad",
+    "Distribution", "LayerRegistry", "ScaleByKfacState", "TaggedLayer", "ValueAndGrad",
+    "describe", "kfac", "linen", "losses", "nnx", "partition_specs", "scale_by_kfac",
+    "shard_state", "tags", "value_and_grad",
 ]

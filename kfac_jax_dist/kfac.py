@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 import optax
 
+from kfac_jax_dist import distributed
 from kfac_jax_dist import factors as factors_lib
 from kfac_jax_dist import layout as layout_lib
 from kfac_jax_dist import linalg
@@ -154,8 +155,18 @@ def stack_stats(layout: layout_lib.Layout, stats: dict, dtype) -> dict[str, jax.
   return stacked
 
 
-def _slot(tree: dict[str, jax.Array], slot: layout_lib.Slot) -> jax.Array:
-  return tree[slot.bucket][slot.index]
+def _gradient_offsets(lay: layout_lib.Layout) -> tuple[dict[str, int], int]:
+  """Offsets of each layer's gradient in its group's flat buffer, and the
+  buffer size S (the largest group's, rounded up to a multiple of m)."""
+  offsets, sizes = {}, []
+  for g in range(lay.num_groups):
+    offset = 0
+    for plan in lay.group_plans(g):
+      offsets[plan.layer.name] = offset
+      offset += plan.layer.a_dim * plan.layer.g_dim
+    sizes.append(offset)
+  m = lay.group_size
+  return offsets, -(-max(sizes + [1]) // m) * m
 
 
 def scale_by_kfac(
@@ -171,6 +182,7 @@ def scale_by_kfac(
     factor_dtype: Any = None,
     skip: Sequence[str] = (),
     max_factor_dim: int | None = None,
+    distribution: distributed.Distribution | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Preconditions the gradients of tagged layers with damped K-FAC.
 
@@ -190,6 +202,9 @@ def scale_by_kfac(
       vocabulary-sized output layer) pass through unpreconditioned.
     max_factor_dim: factors of larger dimension are kept diagonal (see
       `factors`), so that `A` of a huge layer is never formed.
+    distribution: a `kd.Distribution` (strategy over a mesh axis); `update`
+      then runs inside `shard_map` over that axis, with per-device statistics
+      and gradients. None: one device.
 
   Returns:
     A `GradientTransformationExtraArgs` whose `update` takes `kfac_stats=`.
@@ -203,6 +218,8 @@ def scale_by_kfac(
   skip = tuple(skip)
   factor_dtype = jnp.float32 if factor_dtype is None else factor_dtype
   compute_dtype = jnp.promote_types(factor_dtype, jnp.float32)
+  comm = distributed.Collectives(distribution)
+  reduce_grads = "none" if distribution is None else distribution.gradient_reduction
 
   def init_fn(params):
     if layers is None:
@@ -222,78 +239,103 @@ def scale_by_kfac(
           raise ValueError(f"Tagged layer '{layer.name}': parameter '{path}' has shape "
                            f"{jnp.shape(leaves[path])}, expected {shape}.")
     layout = layout_lib.build(layers, tuple(leaves), skip=skip,
-                              max_factor_dim=max_factor_dim)
+                              max_factor_dim=max_factor_dim,
+                              num_devices=comm.num_devices, group_size=comm.group_size,
+                              axis=None if distribution is None else distribution.axis)
     for pattern in skip:
       if not any(re.search(pattern, n) for n in layout.skipped):
         raise ValueError(f"skip pattern {pattern!r} matches no tagged layer "
                          f"(layers: {list(layers.names())}).")
-    identity = {b.key: _identity_slots(b, factor_dtype) for b in layout.buckets}
+    m = layout.group_size
+
+    def second(bucket, make):   # the owner group's slots on each device: m copies
+      return jnp.concatenate([make(bucket)] * m) if m > 1 else make(bucket)
+
+    def ones(bucket):
+      return jnp.ones((bucket.size, bucket.dim), compute_dtype)
+
+    def eye(bucket):
+      return _identity_slots(bucket, compute_dtype)
+
     full = [b for b in layout.buckets if b.form == factors_lib.FULL]
     eigen = method == "eigen"
     return ScaleByKfacState(
         count=jnp.zeros([], jnp.int32),
         factor_weight=jnp.zeros([], compute_dtype),
         update_factors=jnp.asarray(True),
-        factors=identity,
-        eigvecs={b.key: _identity_slots(b, compute_dtype) for b in full} if eigen else {},
-        eigvals={b.key: jnp.ones(b.shape[:2], compute_dtype)
-                 for b in layout.buckets} if eigen else {},
-        inverses={} if eigen else {b.key: _identity_slots(b, compute_dtype)
-                                   for b in layout.buckets},
+        factors={b.key: _identity_slots(b, factor_dtype) for b in layout.buckets},
+        eigvecs={b.key: second(b, eye) for b in full} if eigen else {},
+        eigvals={b.key: second(b, ones) for b in layout.buckets} if eigen else {},
+        inverses={} if eigen else {b.key: second(b, eye) for b in layout.buckets},
         layout=layout)
 
   def update_factors(state, stats):
-    batch = stack_stats(state.layout, stats, compute_dtype)
+    lay = state.layout
+    batch = comm.reduce_factors(stack_stats(lay, stats, compute_dtype),
+                                {b.key: b.per_device for b in lay.buckets})
     w = state.factor_weight
     new_w = factor_decay * w + (1.0 - factor_decay)
     def mix(old, new):
-      return ((factor_decay * w * old.astype(compute_dtype) + (1.0 - factor_decay) * new)
-              / new_w).astype(factor_dtype)
+      return ((factor_decay * w * old.astype(compute_dtype) + (1.0 - factor_decay)
+               * new.astype(compute_dtype)) / new_w).astype(factor_dtype)
     return jax.tree_util.tree_map(mix, state.factors, batch), new_w
 
-  def eigen_second_order(running, state, gamma):
-    del state, gamma
+  def eigen_second_order(owned, lay, gamma):
+    del lay, gamma
     eigvecs, eigvals = {}, {}
-    for key, f in running.items():
+    for key, f in owned.items():
       vectors, values = linalg.eigh(f)
       if vectors is not None:
         eigvecs[key] = vectors
       eigvals[key] = values
     return eigvecs, eigvals, {}
 
-  def inverse_second_order(running, state, gamma):
-    lay = state.layout
-    damping = {b.key: jnp.ones(b.size, compute_dtype) for b in lay.buckets}
+  def inverse_second_order(owned, lay, gamma):
+    # π couples a layer's A and G, which may sit on different devices: share
+    # the (scalar) traces of all slots, then damp the owned ones.
+    traces = comm.all_gather_owned({k: linalg.mean_traces(f) for k, f in owned.items()})
+    damping_all = {b.key: jnp.ones(b.size, compute_dtype) for b in lay.buckets}
     for plan in lay.plans:
       d_a, d_g = linalg.pi_adjusted_damping(
-          _slot(running, plan.a), _slot(running, plan.g), gamma)
-      damping[plan.a.bucket] = damping[plan.a.bucket].at[plan.a.index].set(d_a)
-      damping[plan.g.bucket] = damping[plan.g.bucket].at[plan.g.index].set(d_g)
-    inverses = {k: linalg.damped_inverse(f, damping[k]) for k, f in running.items()}
+          traces[plan.a.bucket][plan.a.index], traces[plan.g.bucket][plan.g.index], gamma)
+      damping_all[plan.a.bucket] = damping_all[plan.a.bucket].at[plan.a.index].set(d_a)
+      damping_all[plan.g.bucket] = damping_all[plan.g.bucket].at[plan.g.index].set(d_g)
+    device = comm.device_index()
+    inverses = {}
+    for key, f in owned.items():
+      c = lay.bucket(key).per_device
+      own = lax.dynamic_slice_in_dim(damping_all[key], device * c, c)
+      inverses[key] = linalg.damped_inverse(f, own)
     return {}, {}, inverses
 
-  def cast_second_order(fn):
-    def wrapped(*args):
-      return jax.tree_util.tree_map(lambda x: x.astype(compute_dtype), fn(*args))
-    return wrapped
+  def decompose(owned, lay, gamma):
+    make = eigen_second_order if method == "eigen" else inverse_second_order
+    local = jax.tree_util.tree_map(lambda x: x.astype(compute_dtype),
+                                   make(owned, lay, gamma))
+    return comm.gather_group(local)
 
-  second_order = cast_second_order(
-      eigen_second_order if method == "eigen" else inverse_second_order)
+  def precondition_group(state, gamma, group, grad_of):
+    """Preconditioned gradients of one owner group's layers and Σ|⟨V, ∇⟩|."""
+    lay = state.layout
 
-  def precondition(state, gamma, grads: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    def at(tree, slot):
+      return tree[slot.bucket][lay.group_index(slot, group)]
+
     def basis(slot):
-      return _slot(state.eigvecs, slot) if slot.bucket in state.eigvecs else None
-    out = {}
-    for plan in state.layout.plans:
-      m = grads[plan.layer.name]
+      return at(state.eigvecs, slot) if slot.bucket in state.eigvecs else None
+
+    out, vg = {}, jnp.zeros([], compute_dtype)
+    for plan in lay.group_plans(group):
+      grad = grad_of(plan)
       if method == "eigen":
-        out[plan.layer.name] = linalg.precondition_eigen(
-            m, basis(plan.a), _slot(state.eigvals, plan.a),
-            basis(plan.g), _slot(state.eigvals, plan.g), gamma)
+        v = linalg.precondition_eigen(grad, basis(plan.a), at(state.eigvals, plan.a),
+                                      basis(plan.g), at(state.eigvals, plan.g), gamma)
       else:
-        out[plan.layer.name] = linalg.precondition_inverse(
-            m, _slot(state.inverses, plan.a), _slot(state.inverses, plan.g))
-    return out
+        v = linalg.precondition_inverse(grad, at(state.inverses, plan.a),
+                                        at(state.inverses, plan.g))
+      out[plan.layer.name] = v
+      vg = vg + jnp.abs(jnp.vdot(v, grad)).astype(compute_dtype)
+    return out, vg
 
   def update_fn(updates, state: ScaleByKfacState, params=None, *, kfac_stats=None,
                 **extra_args):
@@ -308,7 +350,7 @@ def scale_by_kfac(
         lambda: (state.factors, state.factor_weight))
     eigvecs, eigvals, inverses = lax.cond(
         is_factor_step(inverse_update_every, count),
-        lambda: second_order(running, state, gamma),
+        lambda: decompose(running, lay, gamma),
         lambda: (state.eigvecs, state.eigvals, state.inverses))
     new_state = dataclasses.replace(
         state, count=count + 1, factor_weight=weight,
@@ -322,11 +364,50 @@ def scale_by_kfac(
         if path is not None and path not in leaves:
           raise ValueError(f"Tagged layer '{plan.layer.name}': '{path}' is missing "
                            "from the updates given to scale_by_kfac.")
-    grads = {plan.layer.name: _gradient_matrix(plan, leaves) for plan in lay.plans}
-    preconditioned = precondition(new_state, gamma, grads)
+    tagged = {p for plan in lay.plans
+              for p in (plan.layer.kernel_path, plan.layer.bias_path) if p is not None}
+    offsets, size = _gradient_offsets(lay)
+
+    if reduce_grads == "reduce_scatter" and lay.plans:
+      # SP-NGD: raw local gradients go to their owner group only.
+      pieces = []
+      for g in range(lay.num_groups):
+        group = [_gradient_matrix(p, leaves).ravel() for p in lay.group_plans(g)]
+        used = sum(x.size for x in group)
+        pieces += group + [jnp.zeros(size - used, compute_dtype)]
+      segment = comm.reduce_scatter_groups(jnp.concatenate(pieces).astype(compute_dtype))
+
+      def grad_of(plan):
+        layer, start = plan.layer, offsets[plan.layer.name]
+        return segment[start:start + layer.a_dim * layer.g_dim].reshape(
+            layer.a_dim, layer.g_dim)
+      leaves = {k: (v if k in tagged else comm.mean(v)) for k, v in leaves.items()}
+    else:
+      if reduce_grads == "all_reduce":
+        leaves = comm.mean(leaves)
+
+      def grad_of(plan):
+        return _gradient_matrix(plan, leaves).astype(compute_dtype)
+
+    if lay.num_groups == 1:
+      preconditioned, vg = precondition_group(new_state, gamma, 0, grad_of)
+    else:
+      def branch(g):
+        out, vg = precondition_group(new_state, gamma, g, grad_of)
+        flat_v = [out[p.layer.name].ravel() for p in lay.group_plans(g)]
+        used = sum(x.size for x in flat_v)
+        return jnp.concatenate(flat_v + [jnp.zeros(size - used, compute_dtype), vg[None]])
+      buffers = comm.gather_groups(lax.switch(
+          comm.group_index(), [functools.partial(branch, g) for g in range(lay.num_groups)]))
+      vg = jnp.sum(buffers[:, size])
+      preconditioned = {}
+      for plan in lay.plans:
+        layer, start = plan.layer, offsets[plan.layer.name]
+        preconditioned[layer.name] = buffers[plan.group, start:start + layer.a_dim
+                                             * layer.g_dim].reshape(layer.a_dim, layer.g_dim)
+
     if kl_clip is not None:
       eta = jnp.asarray(_at(learning_rate, count), compute_dtype)
-      vg = sum(jnp.abs(jnp.vdot(preconditioned[n], grads[n])) for n in grads)
       kappa = jnp.asarray(_at(kl_clip, count), compute_dtype)
       nu = jnp.where(vg > 0, jnp.minimum(1.0, jnp.sqrt(kappa / (eta ** 2 * vg))), 1.0)
       preconditioned = {n: nu * v for n, v in preconditioned.items()}
@@ -347,6 +428,7 @@ def kfac(learning_rate: ScalarOrSchedule, momentum: float | None = 0.9,
          inverse_update_every: ScalarOrSchedule = 1, method: str = "eigen",
          kl_clip: ScalarOrSchedule | None = 1e-3, factor_dtype: Any = None,
          skip: Sequence[str] = (), max_factor_dim: int | None = None,
+         distribution: distributed.Distribution | None = None,
          ) -> optax.GradientTransformationExtraArgs:
   """K-FAC preconditioning followed by SGD with momentum, as in KAISA.
 
@@ -363,6 +445,6 @@ def kfac(learning_rate: ScalarOrSchedule, momentum: float | None = 0.9,
           factor_update_every=factor_update_every,
           inverse_update_every=inverse_update_every, method=method, kl_clip=kl_clip,
           learning_rate=learning_rate, factor_dtype=factor_dtype, skip=skip,
-          max_factor_dim=max_factor_dim),
+          max_factor_dim=max_factor_dim, distribution=distribution),
       optax.add_decayed_weights(weight_decay),
       optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov))

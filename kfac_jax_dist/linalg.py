@@ -49,13 +49,19 @@ def damped_inverse(factors: jax.Array, damping: jax.Array) -> jax.Array:
   return solve(chol)
 
 
-def pi_adjusted_damping(a: jax.Array, g: jax.Array, damping) -> tuple[jax.Array, jax.Array]:
-  """`(π√γ, √γ/π)` with `π² = (tr A/d_A)/(tr G/d_G)` (full or diagonal factors)."""
-  def mean_trace(f):
-    f = _at_least_f32(f)
-    return jnp.mean(f) if f.ndim == 1 else jnp.trace(f) / f.shape[-1]
+def mean_traces(factors: jax.Array) -> jax.Array:
+  """`tr F / dim F` of each slot of a bucket (full `[n, d, d]` or diagonal `[n, d]`)."""
+  factors = _at_least_f32(factors)
+  if factors.ndim == 2:
+    return jnp.mean(factors, axis=-1)
+  return jnp.trace(factors, axis1=-2, axis2=-1) / factors.shape[-1]
+
+
+def pi_adjusted_damping(trace_a: jax.Array, trace_g: jax.Array, damping
+                        ) -> tuple[jax.Array, jax.Array]:
+  """`(π√γ, √γ/π)` with `π² = (tr A/d_A)/(tr G/d_G)`, from the mean traces."""
   tiny = jnp.finfo(jnp.float32).tiny
-  pi = jnp.sqrt(jnp.maximum(mean_trace(a), tiny) / jnp.maximum(mean_trace(g), tiny))
+  pi = jnp.sqrt(jnp.maximum(trace_a, tiny) / jnp.maximum(trace_g, tiny))
   root = jnp.sqrt(damping)
   return pi * root, root / pi
 

@@ -1,0 +1,242 @@
+"""`kd.Distribution`: which devices own which factors, and how data travels.
+
+A data axis of size P is viewed as `P/m` owner groups of `m` gradient workers
+each, `m = grad_worker_fraction · P` (KAISA §4.3): every layer belongs to one
+group; the group's `m` devices share its eigendecompositions and then all hold
+its second-order state, and precondition its gradients.
+
+| grad_worker_fraction | name (KAISA) | second-order state | extra per-step traffic |
+|---|---|---|---|
+| 1      | COMM-OPT   | replicated              | none                         |
+| 1/P    | MEM-OPT    | sharded over P          | all_gather of preconditioned |
+| between| HYBRID-OPT | sharded over P/m groups | all_gather across groups     |
+
+`factor_reduction` chooses how the per-device statistics reach the factors'
+owners: "all_reduce" (`psum`, as KAISA), "reduce_scatter" (`psum_scatter`: each
+device receives only the factors it owns; exact, about half the bytes) or
+"local" (DP-KFAC, Zhang et al.: an owner builds its factors from its own local
+batch; no factor traffic). `gradient_reduction` says whether the caller already
+averaged the gradients ("none"), or `update` should: "all_reduce", or
+"reduce_scatter" (SP-NGD, Osawa et al.: raw gradients are reduce-scattered to
+their owners, preconditioned there and all-gathered). `symmetric_comm` sends
+only the upper triangle of each factor (Ueno et al.; KAISA §5.4.1);
+`comm_dtype` casts factor traffic (the papers found 16-bit floats lose small
+eigenvalues: decompositions stay in float32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+FACTOR_REDUCTIONS = ("all_reduce", "reduce_scatter", "local")
+GRADIENT_REDUCTIONS = ("none", "all_reduce", "reduce_scatter")
+
+
+@dataclasses.dataclass(frozen=True)
+class Distribution:
+  """How K-FAC's state and work are spread over one named mesh axis."""
+
+  mesh: jax.sharding.Mesh
+  axis: str = "data"
+  grad_worker_fraction: float = 1.0
+  factor_reduction: str = "reduce_scatter"
+  gradient_reduction: str = "none"
+  symmetric_comm: bool = True
+  comm_dtype: Any = None
+
+  def __post_init__(self):
+    if self.axis not in self.mesh.axis_names:
+      raise ValueError(f"Distribution: axis {self.axis!r} is not an axis of the mesh "
+                       f"{dict(self.mesh.shape)}.")
+    if self.factor_reduction not in FACTOR_REDUCTIONS:
+      raise ValueError(f"factor_reduction must be one of {FACTOR_REDUCTIONS}, got "
+                       f"{self.factor_reduction!r}")
+    if self.gradient_reduction not in GRADIENT_REDUCTIONS:
+      raise ValueError(f"gradient_reduction must be one of {GRADIENT_REDUCTIONS}, got "
+                       f"{self.gradient_reduction!r}")
+    workers = self.grad_worker_fraction * self.num_devices
+    if (not 0 < self.grad_worker_fraction <= 1 or abs(workers - round(workers)) > 1e-6
+        or self.num_devices % round(workers)):
+      raise ValueError(
+          f"grad_worker_fraction={self.grad_worker_fraction} on an axis of "
+          f"{self.num_devices} devices gives {workers:g} gradient workers per layer; it "
+          f"must be an integer dividing {self.num_devices} (e.g. 1/{self.num_devices} "
+          "for MEM-OPT, 1 for COMM-OPT).")
+    if self.comm_dtype is not None and jnp.finfo(self.comm_dtype).bits < 32:
+      warnings.warn("comm_dtype below 32 bits: the K-FAC papers found that 16-bit "
+                    "factor communication can lose small eigenvalues.", stacklevel=3)
+
+  @property
+  def num_devices(self) -> int:
+    return int(self.mesh.shape[self.axis])
+
+  @property
+  def group_size(self) -> int:
+    """`m`, the gradient workers of each layer."""
+    return int(round(self.grad_worker_fraction * self.num_devices))
+
+  @property
+  def num_groups(self) -> int:
+    return self.num_devices // self.group_size
+
+
+def _pack_upper(x: jax.Array) -> jax.Array:
+  d = x.shape[-1]
+  rows, cols = jnp.triu_indices(d)
+  return x[..., rows, cols]
+
+
+def _unpack_upper(v: jax.Array, d: int) -> jax.Array:
+  rows, cols = jnp.triu_indices(d)
+  upper = jnp.zeros(v.shape[:-1] + (d, d), v.dtype).at[..., rows, cols].set(v)
+  diag = jnp.diagonal(upper, axis1=-2, axis2=-1)
+  return upper + jnp.swapaxes(upper, -1, -2) - diag[..., None] * jnp.eye(d, dtype=v.dtype)
+
+
+class Collectives:
+  """The collectives of one layout over one mesh axis; identities when P = 1.
+
+  Must run inside `shard_map` over `distribution.axis` when P > 1.
+  """
+
+  def __init__(self, distribution: Distribution | None):
+    self.dist = distribution
+    self.num_devices = 1 if distribution is None else distribution.num_devices
+    self.group_size = 1 if distribution is None else distribution.group_size
+    self.num_groups = self.num_devices // self.group_size
+
+  @property
+  def active(self) -> bool:
+    return self.num_devices > 1
+
+  def device_index(self) -> jax.Array:
+    if not self.active:
+      return jnp.zeros([], jnp.int32)
+    try:
+      return jax.lax.axis_index(self.dist.axis)
+    except NameError as e:
+      raise ValueError(
+          f"This K-FAC state is distributed over mesh axis {self.dist.axis!r} "
+          f"({self.num_devices} devices): call update inside jax.shard_map over that "
+          "axis, with in_specs/out_specs from kd.partition_specs(opt_state).") from e
+
+  def group_index(self) -> jax.Array:
+    return self.device_index() // self.group_size
+
+  def _groups_within(self):
+    """Axis index groups of the m devices of each owner group (consecutive)."""
+    m = self.group_size
+    return [list(range(g * m, (g + 1) * m)) for g in range(self.num_groups)]
+
+  def _groups_across(self):
+    """Axis index groups with one device of every owner group."""
+    m = self.group_size
+    return [[g * m + r for g in range(self.num_groups)] for r in range(m)]
+
+  def reduce_factors(self, stacked: dict[str, jax.Array], per_device: dict[str, int]
+                     ) -> dict[str, jax.Array]:
+    """Per-device statistics `[P·c, ...]` → this device's owned slots `[c, ...]`,
+    averaged over the devices (or its own, for "local")."""
+    if not self.active:
+      return stacked
+    dist, axis = self.dist, self.dist.axis
+    out = {}
+    for key, x in stacked.items():
+      c = per_device[key]
+      if dist.factor_reduction == "local":
+        out[key] = jax.lax.dynamic_slice_in_dim(x, self.device_index() * c, c)
+        continue
+      full = x.ndim == 3
+      dtype = x.dtype
+      payload = _pack_upper(x) if (full and dist.symmetric_comm) else x
+      if dist.comm_dtype is not None:
+        payload = payload.astype(dist.comm_dtype)
+      if dist.factor_reduction == "reduce_scatter":
+        payload = jax.lax.psum_scatter(payload, axis, scatter_dimension=0, tiled=True)
+      else:
+        payload = jax.lax.dynamic_slice_in_dim(
+            jax.lax.psum(payload, axis), self.device_index() * c, c)
+      payload = payload.astype(dtype) / self.num_devices
+      out[key] = _unpack_upper(payload, x.shape[-1]) if (
+          full and dist.symmetric_comm) else payload
+    return out
+
+  def gather_group(self, tree):
+    """Owned slots `[c, ...]` → the owner group's slots `[m·c, ...]`."""
+    if not self.active or self.group_size == 1:
+      return tree
+    groups = None if self.num_groups == 1 else self._groups_within()
+    return jax.tree_util.tree_map(
+        lambda x: jax.lax.all_gather(x, self.dist.axis, axis_index_groups=groups,
+                                     tiled=True), tree)
+
+  def all_gather_owned(self, x: jax.Array) -> jax.Array:
+    """Per-device `[c, ...]` → every device's, `[P·c, ...]`."""
+    if not self.active:
+      return x
+    return jax.lax.all_gather(x, self.dist.axis, tiled=True)
+
+  def mean(self, tree):
+    if not self.active:
+      return tree
+    return jax.tree_util.tree_map(lambda x: jax.lax.pmean(x, self.dist.axis), tree)
+
+  def reduce_scatter_groups(self, buffer: jax.Array) -> jax.Array:
+    """Per-device `[G·S]` (group-major) → the device's group segment `[S]`,
+    averaged over the devices: `psum_scatter`, then `all_gather` in the group."""
+    if not self.active:
+      return buffer
+    piece = jax.lax.psum_scatter(buffer, self.dist.axis, scatter_dimension=0,
+                                 tiled=True) / self.num_devices
+    if self.group_size == 1:
+      return piece
+    groups = None if self.num_groups == 1 else self._groups_within()
+    return jax.lax.all_gather(piece, self.dist.axis, axis_index_groups=groups,
+                              tiled=True)
+
+  def gather_groups(self, buffer: jax.Array) -> jax.Array:
+    """Each group's `[S]` → `[G, S]` on every device."""
+    if self.num_groups == 1:
+      return buffer[None]
+    groups = None if self.group_size == 1 else self._groups_across()
+    return jax.lax.all_gather(buffer, self.dist.axis, axis_index_groups=groups)
+
+
+def partition_specs(opt_state: Any) -> Any:
+  """A `PartitionSpec` for every leaf of an optax state holding K-FAC states.
+
+  K-FAC bucket arrays are sharded over their distribution's axis (each device
+  holds its slots; see `layout`); every other leaf — counters, and the states
+  of other transforms, e.g. momentum — is replicated (`P()`). Use the result as
+  `shard_map` in_specs/out_specs and with `shard_state`.
+  """
+  from kfac_jax_dist import kfac  # pylint: disable=import-outside-toplevel
+  replicated = jax.sharding.PartitionSpec()
+
+  def spec(node):
+    if not isinstance(node, kfac.ScaleByKfacState):
+      return replicated
+    axis = node.layout.axis
+    sharded = replicated if axis is None else jax.sharding.PartitionSpec(axis)
+    by_field = lambda tree: jax.tree_util.tree_map(lambda _: sharded, tree)
+    return dataclasses.replace(
+        node, count=replicated, factor_weight=replicated, update_factors=replicated,
+        factors=by_field(node.factors), eigvecs=by_field(node.eigvecs),
+        eigvals=by_field(node.eigvals), inverses=by_field(node.inverses))
+
+  return jax.tree_util.tree_map(
+      spec, opt_state, is_leaf=lambda x: isinstance(x, kfac.ScaleByKfacState))
+
+
+def shard_state(opt_state: Any, mesh: jax.sharding.Mesh) -> Any:
+  """Places a global optax state (e.g. fresh from `tx.init`) on `mesh` with the
+  specs of `partition_specs`."""
+  specs = partition_specs(opt_state)
+  return jax.tree_util.tree_map(
+      lambda s, x: jax.device_put(x, jax.sharding.NamedSharding(mesh, s)), specs,
+      opt_state)
