@@ -25,9 +25,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from kfac_jax_dist import _compat
 from kfac_jax_dist import _context
 from kfac_jax_dist import factors
-from kfac_jax_dist import kfac
+from kfac_jax_dist.kfac import find_states
 from kfac_jax_dist import registry
 
 FISHERS = ("empirical", "mc")
@@ -83,7 +84,7 @@ class ValueAndGrad:
     if self.fisher == "mc" and rng is None:
       raise ValueError('fisher="mc" samples targets from the model: pass rng=.')
     layers = self.discover(params, *args, **kwargs)
-    states = kfac.find_states(opt_state) if opt_state is not None else []
+    states = find_states(opt_state) if opt_state is not None else []
     if len(states) > 1:
       raise ValueError("opt_state holds several K-FAC states; pass the one to use.")
     state = states[0] if states else None
@@ -100,6 +101,13 @@ class ValueAndGrad:
       probes[layer.name] = tuple(
           jnp.zeros((d, d) if form == factors.FULL else (d,), jnp.float32)
           for d, form in zip((layer.a_dim, layer.g_dim), forms))
+    # Inside shard_map the statistics vary with the local batch: so must the
+    # probes. Parameters are made varying too, so that the gradients are the
+    # local ones (autodiff would otherwise psum the gradient of a replicated
+    # parameter); `kd.Distribution.gradient_reduction` says who averages them.
+    local_axes = _compat.varying_axes(params, args, kwargs)
+    probes = _compat.as_varying(probes, local_axes)
+    params = _compat.as_varying(params, local_axes)
     compute_stats = jnp.asarray(True) if state is None else state.update_factors
 
     def evaluate(p, probes):

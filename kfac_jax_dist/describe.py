@@ -7,11 +7,12 @@ from typing import Any
 import numpy as np
 
 from kfac_jax_dist import factors
-from kfac_jax_dist import kfac
+from kfac_jax_dist.kfac import ScaleByKfacState
+from kfac_jax_dist.kfac import find_states
 from kfac_jax_dist import layout as layout_lib
 
 
-def _slot_bytes(state: kfac.ScaleByKfacState, slot: layout_lib.Slot) -> int:
+def _slot_bytes(state: ScaleByKfacState, slot: layout_lib.Slot) -> int:
   total = 0
   for tree in (state.factors, state.eigvecs, state.eigvals, state.inverses):
     if slot.bucket in tree:
@@ -24,7 +25,7 @@ def _factor(form: str, dim: int) -> str:
   return f"{dim}x{dim}" if form == factors.FULL else f"diag({dim})"
 
 
-def table(state: kfac.ScaleByKfacState) -> str:
+def table(state: ScaleByKfacState) -> str:
   lay = state.layout
   rows = [("layer", "kind", "parameters", "A", "G", "owner", "bytes")]
   for plan in lay.plans:
@@ -52,7 +53,7 @@ def table(state: kfac.ScaleByKfacState) -> str:
 def describe(opt_state: Any, print_table: bool = True) -> str:
   """Prints (and returns) layer, parameter paths, factor shapes, owner and bytes
   of every tagged layer, and the parameters passed through unpreconditioned."""
-  states = kfac.find_states(opt_state)
+  states = find_states(opt_state)
   if not states:
     raise ValueError("opt_state holds no K-FAC state.")
   text = "\n\n".join(table(s) for s in states)

@@ -33,6 +33,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from kfac_jax_dist import _compat
+
 FACTOR_REDUCTIONS = ("all_reduce", "reduce_scatter", "local")
 GRADIENT_REDUCTIONS = ("none", "all_reduce", "reduce_scatter")
 
@@ -112,7 +114,7 @@ class Collectives:
 
   @property
   def active(self) -> bool:
-    return self.num_devices > 1
+    return self.dist is not None
 
   def device_index(self) -> jax.Array:
     if not self.active:
@@ -128,15 +130,20 @@ class Collectives:
   def group_index(self) -> jax.Array:
     return self.device_index() // self.group_size
 
-  def _groups_within(self):
-    """Axis index groups of the m devices of each owner group (consecutive)."""
+  def _within_groups(self):
+    """Axis index groups of the m consecutive devices of each owner group."""
     m = self.group_size
     return [list(range(g * m, (g + 1) * m)) for g in range(self.num_groups)]
 
-  def _groups_across(self):
-    """Axis index groups with one device of every owner group."""
-    m = self.group_size
-    return [[g * m + r for g in range(self.num_groups)] for r in range(m)]
+  def _gather_within_group(self, x: jax.Array) -> jax.Array:
+    """`[k, ...]` per device → its group's `[m·k, ...]`; with one group the
+    result is typed invariant over the axis."""
+    if self.num_groups == 1:
+      return _compat.all_gather_invariant(x, self.dist.axis, tiled=True)
+    if self.group_size == 1:
+      return x
+    return jax.lax.all_gather(x, self.dist.axis, axis_index_groups=self._within_groups(),
+                              tiled=True)
 
   def reduce_factors(self, stacked: dict[str, jax.Array], per_device: dict[str, int]
                      ) -> dict[str, jax.Array]:
@@ -168,18 +175,16 @@ class Collectives:
 
   def gather_group(self, tree):
     """Owned slots `[c, ...]` → the owner group's slots `[m·c, ...]`."""
-    if not self.active or self.group_size == 1:
+    if not self.active:
       return tree
-    groups = None if self.num_groups == 1 else self._groups_within()
-    return jax.tree_util.tree_map(
-        lambda x: jax.lax.all_gather(x, self.dist.axis, axis_index_groups=groups,
-                                     tiled=True), tree)
+    return jax.tree_util.tree_map(self._gather_within_group, tree)
 
-  def all_gather_owned(self, x: jax.Array) -> jax.Array:
+  def all_gather_owned(self, x):
     """Per-device `[c, ...]` → every device's, `[P·c, ...]`."""
     if not self.active:
       return x
-    return jax.lax.all_gather(x, self.dist.axis, tiled=True)
+    return jax.tree_util.tree_map(
+        lambda v: _compat.all_gather_invariant(v, self.dist.axis, tiled=True), x)
 
   def mean(self, tree):
     if not self.active:
@@ -193,44 +198,49 @@ class Collectives:
       return buffer
     piece = jax.lax.psum_scatter(buffer, self.dist.axis, scatter_dimension=0,
                                  tiled=True) / self.num_devices
-    if self.group_size == 1:
-      return piece
-    groups = None if self.num_groups == 1 else self._groups_within()
-    return jax.lax.all_gather(piece, self.dist.axis, axis_index_groups=groups,
-                              tiled=True)
+    return self._gather_within_group(piece)
 
   def gather_groups(self, buffer: jax.Array) -> jax.Array:
-    """Each group's `[S]` → `[G, S]` on every device."""
+    """Each group's `[S]` → `[G, S]` on every device. Device `r` of a group
+    sends the r-th of m pieces, so one all_gather over the whole axis moves each
+    group's buffer once (as KAISA's receivers get it from m workers)."""
     if self.num_groups == 1:
       return buffer[None]
-    groups = None if self.group_size == 1 else self._groups_across()
-    return jax.lax.all_gather(buffer, self.dist.axis, axis_index_groups=groups)
+    m, size = self.group_size, buffer.shape[0]
+    piece = jax.lax.dynamic_slice_in_dim(
+        buffer, (self.device_index() % m) * (size // m), size // m)
+    gathered = _compat.all_gather_invariant(piece, self.dist.axis, tiled=True)
+    return gathered.reshape(self.num_groups, size)
 
 
 def partition_specs(opt_state: Any) -> Any:
   """A `PartitionSpec` for every leaf of an optax state holding K-FAC states.
 
-  K-FAC bucket arrays are sharded over their distribution's axis (each device
-  holds its slots; see `layout`); every other leaf — counters, and the states
-  of other transforms, e.g. momentum — is replicated (`P()`). Use the result as
+  Running factors are sharded over the distribution's axis (each device holds
+  its slots; see `layout`); the second-order state too, unless there is a
+  single owner group (COMM-OPT), where it is replicated. Every other leaf —
+  counters, and the states of other transforms, e.g. momentum — is replicated
+  (`P()`). Use the result as
   `shard_map` in_specs/out_specs and with `shard_state`.
   """
-  from kfac_jax_dist import kfac  # pylint: disable=import-outside-toplevel
+  from kfac_jax_dist.kfac import ScaleByKfacState  # pylint: disable=import-outside-toplevel
   replicated = jax.sharding.PartitionSpec()
 
   def spec(node):
-    if not isinstance(node, kfac.ScaleByKfacState):
+    if not isinstance(node, ScaleByKfacState):
       return replicated
     axis = node.layout.axis
     sharded = replicated if axis is None else jax.sharding.PartitionSpec(axis)
-    by_field = lambda tree: jax.tree_util.tree_map(lambda _: sharded, tree)
+    second = replicated if node.layout.num_groups == 1 else sharded
+    def every(tree, spec):
+      return jax.tree_util.tree_map(lambda _: spec, tree)
     return dataclasses.replace(
         node, count=replicated, factor_weight=replicated, update_factors=replicated,
-        factors=by_field(node.factors), eigvecs=by_field(node.eigvecs),
-        eigvals=by_field(node.eigvals), inverses=by_field(node.inverses))
+        factors=every(node.factors, sharded), eigvecs=every(node.eigvecs, second),
+        eigvals=every(node.eigvals, second), inverses=every(node.inverses, second))
 
   return jax.tree_util.tree_map(
-      spec, opt_state, is_leaf=lambda x: isinstance(x, kfac.ScaleByKfacState))
+      spec, opt_state, is_leaf=lambda x: isinstance(x, ScaleByKfacState))
 
 
 def shard_state(opt_state: Any, mesh: jax.sharding.Mesh) -> Any:

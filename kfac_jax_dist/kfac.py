@@ -157,7 +157,8 @@ def stack_stats(layout: layout_lib.Layout, stats: dict, dtype) -> dict[str, jax.
 
 def _gradient_offsets(lay: layout_lib.Layout) -> tuple[dict[str, int], int]:
   """Offsets of each layer's gradient in its group's flat buffer, and the
-  buffer size S (the largest group's, rounded up to a multiple of m)."""
+  buffer size S: the largest group's, plus one slot (the last) for the group's
+  KL-clip sum, rounded up to a multiple of m."""
   offsets, sizes = {}, []
   for g in range(lay.num_groups):
     offset = 0
@@ -166,7 +167,7 @@ def _gradient_offsets(lay: layout_lib.Layout) -> tuple[dict[str, int], int]:
       offset += plan.layer.a_dim * plan.layer.g_dim
     sizes.append(offset)
   m = lay.group_size
-  return offsets, -(-max(sizes + [1]) // m) * m
+  return offsets, -(-(max(sizes) + 1) // m) * m
 
 
 def scale_by_kfac(
@@ -248,7 +249,12 @@ def scale_by_kfac(
                          f"(layers: {list(layers.names())}).")
     m = layout.group_size
 
-    def second(bucket, make):   # the owner group's slots on each device: m copies
+    def second(bucket, make):
+      # One owner group: the second-order state is replicated (spec P()).
+      # Several: each device holds its group's m·c slots (spec P(axis)), so the
+      # global array holds m copies of every slot.
+      if layout.num_groups == 1:
+        return make(bucket)
       return jnp.concatenate([make(bucket)] * m) if m > 1 else make(bucket)
 
     def ones(bucket):
@@ -396,10 +402,11 @@ def scale_by_kfac(
         out, vg = precondition_group(new_state, gamma, g, grad_of)
         flat_v = [out[p.layer.name].ravel() for p in lay.group_plans(g)]
         used = sum(x.size for x in flat_v)
-        return jnp.concatenate(flat_v + [jnp.zeros(size - used, compute_dtype), vg[None]])
+        return jnp.concatenate(flat_v + [jnp.zeros(size - 1 - used, compute_dtype),
+                                         vg[None]])
       buffers = comm.gather_groups(lax.switch(
           comm.group_index(), [functools.partial(branch, g) for g in range(lay.num_groups)]))
-      vg = jnp.sum(buffers[:, size])
+      vg = jnp.sum(buffers[:, size - 1])
       preconditioned = {}
       for plan in lay.plans:
         layer, start = plan.layer, offsets[plan.layer.name]

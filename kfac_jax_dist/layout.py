@@ -178,4 +178,4 @@ def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
   covered = {p for plan in plans for p in (plan.layer.kernel_path, plan.layer.bias_path)}
   passthrough = tuple(p for p in param_paths if p not in covered)
   return Layout(tuple(plans), buckets, tuple(l.name for l in skipped), passthrough,
-                num_devices, group_size, axis if num_devices > 1 else None)
+                num_devices, group_size, axis)

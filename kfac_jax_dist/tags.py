@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kfac_jax_dist import _compat
 from kfac_jax_dist import _context
 from kfac_jax_dist import factors
 from kfac_jax_dist import registry
@@ -88,7 +89,8 @@ def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag):
     x, params, flag = residuals
     _, vjp = jax.vjp(apply, x, *params)   # the primal is dead code under jit
     x_bar, *params_bar = vjp(cotangent)
-    zeros = jax.tree_util.tree_map(jnp.zeros_like, probes)
+    zeros = _compat.as_varying(jax.tree_util.tree_map(jnp.zeros_like, probes),
+                               _compat.varying_axes(x, cotangent))
     probe_bar = lax.cond(flag, lambda: stats(x, cotangent), lambda: zeros)
     return x_bar, tuple(params_bar), probe_bar, None
 

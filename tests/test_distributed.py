@@ -1,0 +1,162 @@
+"""Every distribution strategy equals the single-device transform (8 CPU devices)."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+import numpy as np
+import optax
+import pytest
+
+import kfac_jax_dist as kd
+
+STEPS = 7            # counts 0..6: inverse at 0, 3, 6; factor-only at 2, 4; plain 1, 5
+FACTOR_EVERY, INVERSE_EVERY = 2, 3
+
+
+class Net(nn.Module):
+  """Dense and Conv layers of several sizes, plus an untagged parameter."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(kd.linen.Conv(4, (3, 3))(x))
+    x = nn.relu(kd.linen.Conv(8, (3, 3), strides=2)(x))
+    x = x.reshape(x.shape[0], -1)
+    x = nn.tanh(kd.linen.Dense(16)(x))
+    x = nn.tanh(kd.linen.Dense(16)(x))
+    x = x * self.param("scale", nn.initializers.ones, (16,))
+    return kd.linen.Dense(10, use_bias=False)(x)
+
+
+def _problem():
+  kx, ky, kp = jax.random.split(jax.random.PRNGKey(0), 3)
+  x = jax.random.normal(kx, (32, 8, 8, 2))
+  y = jax.random.randint(ky, (32,), 0, 10)
+  model = Net()
+  params = model.init(kp, x)
+
+  def loss_fn(p, x, y):
+    return kd.losses.softmax_cross_entropy(model.apply(p, x), y)
+
+  return loss_fn, params, x, y
+
+
+def _options(**extra):
+  return dict(damping=1e-2, factor_update_every=FACTOR_EVERY,
+              inverse_update_every=INVERSE_EVERY, kl_clip=1e-2, **extra)
+
+
+@functools.lru_cache(maxsize=None)
+def _single_device(method):
+  loss_fn, params, x, y = _problem()
+  grad_fn = kd.value_and_grad(loss_fn)
+  tx = kd.kfac(0.1, layers=grad_fn.discover(params, x, y), **_options(method=method))
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state):
+    _, grads, stats = grad_fn(params, x, y, opt_state=state)
+    updates, state = tx.update(grads, state, params, kfac_stats=stats)
+    return optax.apply_updates(params, updates), state
+
+  trajectory = []
+  for _ in range(STEPS):
+    params, state = step(params, state)
+    trajectory.append(params)
+  return trajectory, state
+
+
+def _distributed(num_devices, fraction, factor_reduction, gradient_reduction,
+                 method="eigen", symmetric=True, steps=STEPS):
+  loss_fn, params, x, y = _problem()
+  mesh = Mesh(np.array(jax.devices()[:num_devices]), ("data",))
+  dist = kd.Distribution(mesh, axis="data", grad_worker_fraction=fraction,
+                         factor_reduction=factor_reduction,
+                         gradient_reduction=gradient_reduction, symmetric_comm=symmetric)
+  grad_fn = kd.value_and_grad(loss_fn)
+  tx = kd.kfac(0.1, layers=grad_fn.discover(params, x, y), distribution=dist,
+               **_options(method=method))
+  state = kd.shard_state(tx.init(params), mesh)
+  specs = kd.partition_specs(state)
+
+  def step(params, state, x, y):
+    _, grads, stats = grad_fn(params, x, y, opt_state=state)
+    if gradient_reduction == "none":
+      grads = jax.lax.pmean(grads, "data")
+    updates, state = tx.update(grads, state, params, kfac_stats=stats)
+    return optax.apply_updates(params, updates), state
+
+  step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
+                               out_specs=(P(), specs)))
+  trajectory, shardings = [], None
+  for _ in range(steps):
+    params, state = step(params, state, x, y)
+    trajectory.append(params)
+    now = jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding.spec), state)
+    assert shardings is None or now == shardings, "state sharding changed across update"
+    shardings = now
+  return trajectory, state, tx
+
+
+def _assert_same(trajectory, reference):
+  for step, (got, want) in enumerate(zip(trajectory, reference)):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(
+        a, b, rtol=2e-4, atol=2e-5, err_msg=f"step {step}"), got, want)
+
+
+STRATEGIES = [(1.0, "COMM-OPT"), (1 / 8, "MEM-OPT"), (1 / 2, "HYBRID"), (1 / 4, "HYBRID")]
+
+
+@pytest.mark.parametrize("fraction,name", STRATEGIES, ids=[f"{n}-{f:g}" for f, n in STRATEGIES])
+@pytest.mark.parametrize("factor_reduction", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("gradient_reduction", ["none", "all_reduce", "reduce_scatter"])
+def test_strategy_equals_single_device(fraction, name, factor_reduction, gradient_reduction):
+  del name
+  reference, _ = _single_device("eigen")
+  trajectory, _, _ = _distributed(8, fraction, factor_reduction, gradient_reduction)
+  _assert_same(trajectory, reference)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 1 / 8])
+def test_inverse_method_and_full_factor_traffic(fraction):
+  reference, _ = _single_device("inverse")
+  trajectory, _, _ = _distributed(8, fraction, "reduce_scatter", "none", method="inverse",
+                                  symmetric=False)
+  _assert_same(trajectory, reference)
+
+
+@pytest.mark.parametrize("fraction", [1.0])
+def test_one_device_distribution_equals_single_device(fraction):
+  reference, _ = _single_device("eigen")
+  trajectory, _, _ = _distributed(1, fraction, "reduce_scatter", "reduce_scatter")
+  _assert_same(trajectory, reference)
+
+
+def test_dp_kfac_factors_are_the_owners_local_factors():
+  loss_fn, params, x, y = _problem()
+  _, state, _ = _distributed(8, 1 / 8, "local", "none", steps=1)
+  grad_fn = kd.value_and_grad(loss_fn)
+  lay = state.layout
+  for device in range(8):
+    xs, ys = x[device * 4:(device + 1) * 4], y[device * 4:(device + 1) * 4]
+    _, _, local = grad_fn(params, xs, ys)
+    for plan in lay.plans:
+      for slot, key in ((plan.a, "A"), (plan.g, "G")):
+        if lay.owner(slot) != device:
+          continue
+        got = state.factors[slot.bucket][slot.index]
+        np.testing.assert_allclose(got, local[plan.layer.name][key], rtol=1e-5, atol=1e-6)
+  owners = {lay.owner(s) for p in lay.plans for s in (p.a, p.g)}
+  assert len(owners) > 1   # the work is spread
+
+
+def test_misconfigured_distribution_is_rejected():
+  mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+  with pytest.raises(ValueError, match="gradient workers"):
+    kd.Distribution(mesh, grad_worker_fraction=3 / 8)
+  with pytest.raises(ValueError, match="axis"):
+    kd.Distribution(mesh, axis="model")
+  with pytest.raises(ValueError, match="factor_reduction"):
+    kd.Distribution(mesh, factor_reduction="allreduce")
