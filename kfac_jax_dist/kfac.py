@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 import optax
 
+from kfac_jax_dist import _compat
 from kfac_jax_dist import distributed
 from kfac_jax_dist import factors as factors_lib
 from kfac_jax_dist import layout as layout_lib
@@ -402,8 +403,9 @@ def scale_by_kfac(
         out, vg = precondition_group(new_state, gamma, g, grad_of)
         flat_v = [out[p.layer.name].ravel() for p in lay.group_plans(g)]
         used = sum(x.size for x in flat_v)
-        return jnp.concatenate(flat_v + [jnp.zeros(size - 1 - used, compute_dtype),
-                                         vg[None]])
+        buffer = jnp.concatenate(flat_v + [jnp.zeros(size - 1 - used, compute_dtype),
+                                           vg[None]])
+        return _compat.as_varying(buffer, (lay.axis,))   # a group may own no layer
       buffers = comm.gather_groups(lax.switch(
           comm.group_index(), [functools.partial(branch, g) for g in range(lay.num_groups)]))
       vg = jnp.sum(buffers[:, size - 1])

@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import kfac_jax_dist as kd
+from kfac_jax_dist.kfac import find_states
 
 STEPS = 7            # counts 0..6: inverse at 0, 3, 6; factor-only at 2, 4; plain 1, 5
 FACTOR_EVERY, INVERSE_EVERY = 2, 3
@@ -136,7 +137,8 @@ def test_one_device_distribution_equals_single_device(fraction):
 
 def test_dp_kfac_factors_are_the_owners_local_factors():
   loss_fn, params, x, y = _problem()
-  _, state, _ = _distributed(8, 1 / 8, "local", "none", steps=1)
+  _, opt_state, _ = _distributed(8, 1 / 8, "local", "none", steps=1)
+  state, = find_states(opt_state)
   grad_fn = kd.value_and_grad(loss_fn)
   lay = state.layout
   for device in range(8):
