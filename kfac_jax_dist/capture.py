@@ -15,6 +15,12 @@ Fisher estimates (Martens & Grosse, 2015):
 Given `opt_state`, the statistics are skipped at run time (`lax.cond` in the
 backward pass) unless the K-FAC state's `update_factors` is set, and diagonal
 factors are computed as diagonals.
+
+Inside `shard_map` both the statistics and the gradients are the device's
+local ones (of its local batch): replicated parameters are cast to varying
+before differentiation, so autodiff does not sum their gradients over the
+axis. Average them yourself (`lax.pmean`) or let `kd.Distribution`'s
+`gradient_reduction` do it.
 """
 
 from __future__ import annotations
