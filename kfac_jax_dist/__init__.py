@@ -11,6 +11,7 @@ from kfac_jax_dist.distributed import Distribution
 from kfac_jax_dist.distributed import partition_specs
 from kfac_jax_dist.distributed import shard_state
 from kfac_jax_dist.kfac import kfac
+from kfac_jax_dist.kfac import running_factors
 from kfac_jax_dist.kfac import scale_by_kfac
 from kfac_jax_dist.kfac import ScaleByKfacState
 from kfac_jax_dist.registry import LayerRegistry
@@ -20,6 +21,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Distribution", "LayerRegistry", "ScaleByKfacState", "TaggedLayer", "ValueAndGrad",
-    "describe", "kfac", "linen", "losses", "nnx", "partition_specs", "scale_by_kfac",
+    "describe", "kfac", "linen", "losses", "nnx", "partition_specs", "running_factors", "scale_by_kfac",
     "shard_state", "tags", "value_and_grad",
 ]

@@ -12,17 +12,15 @@ from kfac_jax_dist.kfac import find_states
 from kfac_jax_dist import layout as layout_lib
 
 
-def _slot_bytes(state: ScaleByKfacState, slot: layout_lib.Slot) -> int:
-  total = 0
-  for tree in (state.factors, state.eigvecs, state.eigvals, state.inverses):
-    if slot.bucket in tree:
-      arr = tree[slot.bucket]
-      total += int(np.prod(arr.shape[1:])) * arr.dtype.itemsize
-  return total
+def _factor(place: layout_lib.FactorPlace) -> str:
+  return f"{place.dim}x{place.dim}" if place.form == factors.FULL else f"diag({place.dim})"
 
 
-def _factor(form: str, dim: int) -> str:
-  return f"{dim}x{dim}" if form == factors.FULL else f"diag({dim})"
+def _bytes(state: ScaleByKfacState, place: layout_lib.FactorPlace) -> int:
+  second = ((place.dim * place.dim if place.matrix_offset is not None else 0)
+            + (place.dim if place.vector_offset is not None else 0))
+  return (place.size * state.factors.dtype.itemsize
+          + second * state.second_order.dtype.itemsize)
 
 
 def table(state: ScaleByKfacState) -> str:
@@ -31,10 +29,10 @@ def table(state: ScaleByKfacState) -> str:
   for plan in lay.plans:
     layer = plan.layer
     params = layer.kernel_path + (f", {layer.bias_path}" if layer.bias_path else "")
-    owners = sorted({lay.owner(plan.a), lay.owner(plan.g)})
-    rows.append((layer.name, layer.kind, params, _factor(plan.a_form, layer.a_dim),
-                 _factor(plan.g_form, layer.g_dim), ",".join(map(str, owners)),
-                 f"{_slot_bytes(state, plan.a) + _slot_bytes(state, plan.g):,}"))
+    owners = sorted({plan.a.owner, plan.g.owner})
+    rows.append((layer.name, layer.kind, params, _factor(plan.a), _factor(plan.g),
+                 ",".join(map(str, owners)),
+                 f"{_bytes(state, plan.a) + _bytes(state, plan.g):,}"))
   for name in lay.skipped:
     rows.append((name, "skipped", "-", "-", "-", "-", "0"))
   for path in lay.passthrough:
@@ -43,10 +41,10 @@ def table(state: ScaleByKfacState) -> str:
   lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
   lines.insert(1, "  ".join("-" * w for w in widths))
   total = sum(int(np.prod(a.shape)) * a.dtype.itemsize
-              for tree in (state.factors, state.eigvecs, state.eigvals, state.inverses)
-              for a in tree.values())
-  buckets = ", ".join(f"{b.key}[{b.size}]" for b in lay.buckets)
-  lines.append(f"buckets: {buckets}; K-FAC state: {total:,} bytes")
+              for a in (state.factors, state.second_order))
+  lines.append(f"{lay.num_devices} device(s), {lay.num_groups} owner group(s); segments "
+               f"L={lay.segment:,}, L2={lay.second_segment:,}; K-FAC state: "
+               f"{total:,} bytes")
   return "\n".join(lines)
 
 

@@ -87,19 +87,6 @@ class Distribution:
     return self.num_devices // self.group_size
 
 
-def _pack_upper(x: jax.Array) -> jax.Array:
-  d = x.shape[-1]
-  rows, cols = jnp.triu_indices(d)
-  return x[..., rows, cols]
-
-
-def _unpack_upper(v: jax.Array, d: int) -> jax.Array:
-  rows, cols = jnp.triu_indices(d)
-  upper = jnp.zeros(v.shape[:-1] + (d, d), v.dtype).at[..., rows, cols].set(v)
-  diag = jnp.diagonal(upper, axis1=-2, axis2=-1)
-  return upper + jnp.swapaxes(upper, -1, -2) - diag[..., None] * jnp.eye(d, dtype=v.dtype)
-
-
 class Collectives:
   """The collectives of one layout over one mesh axis; identities when P = 1.
 
@@ -145,33 +132,22 @@ class Collectives:
     return jax.lax.all_gather(x, self.dist.axis, axis_index_groups=self._within_groups(),
                               tiled=True)
 
-  def reduce_factors(self, stacked: dict[str, jax.Array], per_device: dict[str, int]
-                     ) -> dict[str, jax.Array]:
-    """Per-device statistics `[P·c, ...]` → this device's owned slots `[c, ...]`,
-    averaged over the devices (or its own, for "local")."""
+  def reduce_factors(self, segments: jax.Array, length: int) -> jax.Array:
+    """Per-device statistics in every owner's segment, `[P·L]` → this device's
+    own `[L]`, averaged over the devices (or its own, for "local")."""
     if not self.active:
-      return stacked
+      return segments
     dist, axis = self.dist, self.dist.axis
-    out = {}
-    for key, x in stacked.items():
-      c = per_device[key]
-      if dist.factor_reduction == "local":
-        out[key] = jax.lax.dynamic_slice_in_dim(x, self.device_index() * c, c)
-        continue
-      full = x.ndim == 3
-      dtype = x.dtype
-      payload = _pack_upper(x) if (full and dist.symmetric_comm) else x
-      if dist.comm_dtype is not None:
-        payload = payload.astype(dist.comm_dtype)
-      if dist.factor_reduction == "reduce_scatter":
-        payload = jax.lax.psum_scatter(payload, axis, scatter_dimension=0, tiled=True)
-      else:
-        payload = jax.lax.dynamic_slice_in_dim(
-            jax.lax.psum(payload, axis), self.device_index() * c, c)
-      payload = payload.astype(dtype) / self.num_devices
-      out[key] = _unpack_upper(payload, x.shape[-1]) if (
-          full and dist.symmetric_comm) else payload
-    return out
+    if dist.factor_reduction == "local":
+      return jax.lax.dynamic_slice_in_dim(segments, self.device_index() * length, length)
+    dtype = segments.dtype
+    payload = segments if dist.comm_dtype is None else segments.astype(dist.comm_dtype)
+    if dist.factor_reduction == "reduce_scatter":
+      payload = jax.lax.psum_scatter(payload, axis, scatter_dimension=0, tiled=True)
+    else:
+      payload = jax.lax.dynamic_slice_in_dim(
+          jax.lax.psum(payload, axis), self.device_index() * length, length)
+    return payload.astype(dtype) / self.num_devices
 
   def gather_group(self, tree):
     """Owned slots `[c, ...]` → the owner group's slots `[m·c, ...]`."""
@@ -231,13 +207,10 @@ def partition_specs(opt_state: Any) -> Any:
       return replicated
     axis = node.layout.axis
     sharded = replicated if axis is None else jax.sharding.PartitionSpec(axis)
-    second = replicated if node.layout.num_groups == 1 else sharded
-    def every(tree, spec):
-      return jax.tree_util.tree_map(lambda _: spec, tree)
     return dataclasses.replace(
         node, count=replicated, factor_weight=replicated, update_factors=replicated,
-        factors=every(node.factors, sharded), eigvecs=every(node.eigvecs, second),
-        eigvals=every(node.eigvals, second), inverses=every(node.inverses, second))
+        factors=sharded,
+        second_order=replicated if node.layout.num_groups == 1 else sharded)
 
   return jax.tree_util.tree_map(
       spec, opt_state, is_leaf=lambda x: isinstance(x, ScaleByKfacState))

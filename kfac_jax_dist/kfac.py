@@ -38,6 +38,7 @@ from kfac_jax_dist import distributed
 from kfac_jax_dist import factors as factors_lib
 from kfac_jax_dist import layout as layout_lib
 from kfac_jax_dist import linalg
+from kfac_jax_dist import packing
 from kfac_jax_dist import registry
 
 ScalarOrSchedule = Union[float, int, Callable[[jax.Array], Any]]
@@ -46,31 +47,28 @@ METHODS = ("eigen", "inverse")
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["count", "factor_weight", "update_factors", "factors", "eigvecs",
-                 "eigvals", "inverses"],
+    data_fields=["count", "factor_weight", "update_factors", "factors", "second_order"],
     meta_fields=["layout"])
 @dataclasses.dataclass(frozen=True)
 class ScaleByKfacState:
-  """State of `scale_by_kfac`. Factor arrays are keyed by bucket (see `layout`).
+  """State of `scale_by_kfac`, in the flat per-device segments of `layout`.
 
   Attributes:
     count: number of updates so far.
     factor_weight: total weight `w` of the running factor averages.
     update_factors: whether the *next* update refreshes the factors; the capture
       reads it to skip the statistics work on other steps.
-    factors: running factors, `[n, d, d]` (or `[n, d]` diagonal) per bucket.
-    eigvecs, eigvals: eigenbases (full buckets) and eigenvalues ("eigen").
-    inverses: damped inverses ("inverse").
+    factors: running factors, `[P·L]` (device i owns segment i).
+    second_order: eigenbases and eigenvalues ("eigen") or damped inverses
+      ("inverse"), `[P·L₂]` per owner group member (see `layout`).
     layout: static placement of every layer's factors.
   """
 
   count: jax.Array
   factor_weight: jax.Array
   update_factors: jax.Array
-  factors: dict[str, jax.Array]
-  eigvecs: dict[str, jax.Array]
-  eigvals: dict[str, jax.Array]
-  inverses: dict[str, jax.Array]
+  factors: jax.Array
+  second_order: jax.Array
   layout: layout_lib.Layout
 
 
@@ -89,10 +87,25 @@ def find_states(tree: Any) -> list[ScaleByKfacState]:
   return [x for x in leaves if isinstance(x, ScaleByKfacState)]
 
 
-def _identity_slots(bucket: layout_lib.Bucket, dtype) -> jax.Array:
-  if bucket.form == factors_lib.DIAG:
-    return jnp.ones(bucket.shape, dtype)
-  return jnp.broadcast_to(jnp.eye(bucket.dim, dtype=dtype), bucket.shape)
+def running_factors(state: ScaleByKfacState) -> dict[str, dict[str, jax.Array]]:
+  """`{layer: {"A": A, "G": G}}` of a global (not per-device) state; diagonal
+  factors come back as their diagonal."""
+  lay = state.layout
+  out = {}
+  for plan in lay.plans:
+    out[plan.layer.name] = {}
+    for which, place in (("A", plan.a), ("G", plan.g)):
+      start = place.owner * lay.segment + place.offset
+      flat = state.factors[start:start + place.size]
+      flat = flat.astype(jnp.promote_types(flat.dtype, jnp.float32))
+      if place.form == factors_lib.DIAG:
+        value = flat
+      elif lay.packed:
+        value = packing.unpack_upper(flat, place.dim)
+      else:
+        value = flat.reshape(place.dim, place.dim)
+      out[plan.layer.name][which] = value
+  return out
 
 
 def _gradient_matrix(plan: layout_lib.LayerPlan, leaves: dict[str, Any]) -> jax.Array:
@@ -128,32 +141,25 @@ def _check_stats(layout: layout_lib.Layout, stats: Any) -> None:
                        f"(it has {sorted(stats)}).")
 
 
-def _layer_stat(stat: jax.Array, form: str, dim: int, name: str, which: str) -> jax.Array:
-  full_shape, diag_shape = (dim, dim), (dim,)
-  if form == factors_lib.DIAG and stat.shape == full_shape:
+def _layer_stat(stat: jax.Array, place: layout_lib.FactorPlace, name: str,
+                which: str) -> jax.Array:
+  full_shape, diag_shape = (place.dim, place.dim), (place.dim,)
+  if place.form == factors_lib.DIAG and stat.shape == full_shape:
     return jnp.diagonal(stat)
-  if stat.shape != (full_shape if form == factors_lib.FULL else diag_shape):
+  if stat.shape != (full_shape if place.form == factors_lib.FULL else diag_shape):
     raise ValueError(f"Statistic {which} of layer '{name}' has shape {stat.shape}; "
-                     f"the optimizer state expects {form} factors of dimension {dim}.")
+                     f"the optimizer state expects {place.form} factors of dimension "
+                     f"{place.dim}.")
   return stat
 
 
-def stack_stats(layout: layout_lib.Layout, stats: dict, dtype) -> dict[str, jax.Array]:
-  """Per-layer statistics `{name: {"A", "G"}}` stacked into padded buckets."""
-  per_slot: dict[str, dict[int, jax.Array]] = {b.key: {} for b in layout.buckets}
-  for plan in layout.plans:
-    layer, layer_stats = plan.layer, stats[plan.layer.name]
-    per_slot[plan.a.bucket][plan.a.index] = _layer_stat(
-        layer_stats["A"], plan.a_form, layer.a_dim, layer.name, "A")
-    per_slot[plan.g.bucket][plan.g.index] = _layer_stat(
-        layer_stats["G"], plan.g_form, layer.g_dim, layer.name, "G")
-  stacked = {}
-  for bucket in layout.buckets:
-    pad = _identity_slots(bucket, dtype)
-    stacked[bucket.key] = jnp.stack([
-        per_slot[bucket.key][i].astype(dtype) if i in per_slot[bucket.key] else pad[i]
-        for i in range(bucket.size)])
-  return stacked
+def stats_segments(lay: layout_lib.Layout, stats: dict, dtype) -> jax.Array:
+  """Per-layer statistics `{name: {"A", "G"}}` in every owner's segment, `[P·L]`."""
+  def value_of(plan, which):
+    key = which.upper()
+    return _layer_stat(stats[plan.layer.name][key], getattr(plan, which),
+                       plan.layer.name, key)
+  return packing.all_segments(lay, value_of, dtype)
 
 
 def _gradient_offsets(lay: layout_lib.Layout) -> tuple[dict[str, int], int]:
@@ -169,6 +175,17 @@ def _gradient_offsets(lay: layout_lib.Layout) -> tuple[dict[str, int], int]:
     sizes.append(offset)
   m = lay.group_size
   return offsets, -(-(max(sizes) + 1) // m) * m
+
+
+def _per_device(comm: distributed.Collectives, lay: layout_lib.Layout, make):
+  """`make(device)` on each device: the devices own different factors, so with
+  P > 1 this is a `lax.switch` on the device index (each factor's code appears
+  in one branch only)."""
+  if lay.num_devices == 1:
+    return make(0)
+  branches = [functools.partial(lambda d: _compat.as_varying(make(d), (lay.axis,)), d)
+              for d in range(lay.num_devices)]
+  return lax.switch(comm.device_index(), branches)
 
 
 def scale_by_kfac(
@@ -240,106 +257,109 @@ def scale_by_kfac(
         if tuple(jnp.shape(leaves[path])) != tuple(shape):
           raise ValueError(f"Tagged layer '{layer.name}': parameter '{path}' has shape "
                            f"{jnp.shape(leaves[path])}, expected {shape}.")
-    layout = layout_lib.build(layers, tuple(leaves), skip=skip,
-                              max_factor_dim=max_factor_dim,
-                              num_devices=comm.num_devices, group_size=comm.group_size,
-                              axis=None if distribution is None else distribution.axis)
+    lay = layout_lib.build(
+        layers, tuple(leaves), skip=skip, max_factor_dim=max_factor_dim,
+        num_devices=comm.num_devices, group_size=comm.group_size,
+        axis=None if distribution is None else distribution.axis, method=method,
+        packed=True if distribution is None else distribution.symmetric_comm)
     for pattern in skip:
-      if not any(re.search(pattern, n) for n in layout.skipped):
+      if not any(re.search(pattern, n) for n in lay.skipped):
         raise ValueError(f"skip pattern {pattern!r} matches no tagged layer "
                          f"(layers: {list(layers.names())}).")
-    m = layout.group_size
-
-    def second(bucket, make):
-      # One owner group: the second-order state is replicated (spec P()).
-      # Several: each device holds its group's m·c slots (spec P(axis)), so the
-      # global array holds m copies of every slot.
-      if layout.num_groups == 1:
-        return make(bucket)
-      return jnp.concatenate([make(bucket)] * m) if m > 1 else make(bucket)
-
-    def ones(bucket):
-      return jnp.ones((bucket.size, bucket.dim), compute_dtype)
-
-    def eye(bucket):
-      return _identity_slots(bucket, compute_dtype)
-
-    full = [b for b in layout.buckets if b.form == factors_lib.FULL]
-    eigen = method == "eigen"
+    factors = packing.all_segments(
+        lay, lambda plan, which: packing.identity(getattr(plan, which), factor_dtype),
+        factor_dtype)
+    segments = [packing.second_order_segment(lay, d, compute_dtype)
+                for d in range(lay.num_devices)]
+    if lay.num_groups == 1:          # replicated: the logical [P·L₂] array
+      second = jnp.concatenate(segments)
+    else:                            # device i holds its group's m segments
+      m = lay.group_size
+      second = jnp.concatenate([segments[j] for i in range(lay.num_devices)
+                                for j in range(i // m * m, i // m * m + m)])
     return ScaleByKfacState(
         count=jnp.zeros([], jnp.int32),
         factor_weight=jnp.zeros([], compute_dtype),
         update_factors=jnp.asarray(True),
-        factors={b.key: _identity_slots(b, factor_dtype) for b in layout.buckets},
-        eigvecs={b.key: second(b, eye) for b in full} if eigen else {},
-        eigvals={b.key: second(b, ones) for b in layout.buckets} if eigen else {},
-        inverses={} if eigen else {b.key: second(b, eye) for b in layout.buckets},
-        layout=layout)
+        factors=factors, second_order=second, layout=lay)
 
   def update_factors(state, stats):
     lay = state.layout
-    batch = comm.reduce_factors(stack_stats(lay, stats, compute_dtype),
-                                {b.key: b.per_device for b in lay.buckets})
+    batch = comm.reduce_factors(stats_segments(lay, stats, compute_dtype), lay.segment)
     w = state.factor_weight
     new_w = factor_decay * w + (1.0 - factor_decay)
-    def mix(old, new):
-      return ((factor_decay * w * old.astype(compute_dtype) + (1.0 - factor_decay)
-               * new.astype(compute_dtype)) / new_w).astype(factor_dtype)
-    return jax.tree_util.tree_map(mix, state.factors, batch), new_w
+    mixed = (factor_decay * w * state.factors.astype(compute_dtype)
+             + (1.0 - factor_decay) * batch.astype(compute_dtype)) / new_w
+    return mixed.astype(factor_dtype), new_w
 
-  def eigen_second_order(owned, lay, gamma):
-    del lay, gamma
-    eigvecs, eigvals = {}, {}
-    for key, f in owned.items():
-      vectors, values = linalg.eigh(f)
+  def eigen_segment(device, owned, lay, gamma):
+    del gamma
+    pieces = []
+    for batch in lay.batches[device]:
+      vectors, values = linalg.eigh(packing.unpack_batch(owned, batch, lay.packed))
       if vectors is not None:
-        eigvecs[key] = vectors
-      eigvals[key] = values
-    return eigvecs, eigvals, {}
+        pieces.append(vectors.astype(compute_dtype).reshape(-1))
+      pieces.append(values.astype(compute_dtype).reshape(-1))
+    return _pad(pieces, lay.second_segment)
 
-  def inverse_second_order(owned, lay, gamma):
-    # π couples a layer's A and G, which may sit on different devices: share
-    # the (scalar) traces of all slots, then damp the owned ones.
-    traces = comm.all_gather_owned({k: linalg.mean_traces(f) for k, f in owned.items()})
-    damping_all = {b.key: jnp.ones(b.size, compute_dtype) for b in lay.buckets}
-    for plan in lay.plans:
-      d_a, d_g = linalg.pi_adjusted_damping(
-          traces[plan.a.bucket][plan.a.index], traces[plan.g.bucket][plan.g.index], gamma)
-      damping_all[plan.a.bucket] = damping_all[plan.a.bucket].at[plan.a.index].set(d_a)
-      damping_all[plan.g.bucket] = damping_all[plan.g.bucket].at[plan.g.index].set(d_g)
-    device = comm.device_index()
-    inverses = {}
-    for key, f in owned.items():
-      c = lay.bucket(key).per_device
-      own = lax.dynamic_slice_in_dim(damping_all[key], device * c, c)
-      inverses[key] = linalg.damped_inverse(f, own)
-    return {}, {}, inverses
+  def traces_segment(device, owned, lay):
+    pieces = [linalg.mean_traces(packing.unpack_batch(owned, batch, lay.packed))
+              for batch in lay.batches[device]]
+    return _pad([p.astype(compute_dtype) for p in pieces], lay.max_factors)
+
+  def inverse_segment(device, owned, damping_all, lay):
+    pieces = []
+    for batch in lay.batches[device]:
+      start = device * lay.max_factors + batch.first_index
+      damp = damping_all[start:start + batch.count]
+      inv = linalg.damped_inverse(packing.unpack_batch(owned, batch, lay.packed), damp)
+      pieces.append(inv.astype(compute_dtype).reshape(-1))
+    return _pad(pieces, lay.second_segment)
+
+  def _pad(pieces, length):
+    used = sum(p.size for p in pieces)
+    return jnp.concatenate(pieces + [jnp.zeros(length - used, compute_dtype)])
 
   def decompose(owned, lay, gamma):
-    make = eigen_second_order if method == "eigen" else inverse_second_order
-    local = jax.tree_util.tree_map(lambda x: x.astype(compute_dtype),
-                                   make(owned, lay, gamma))
+    if method == "eigen":
+      local = _per_device(comm, lay, lambda d: eigen_segment(d, owned, lay, gamma))
+    else:
+      # π couples a layer's A and G, which may sit on different devices: share
+      # the (scalar) traces of all factors, then damp the owned ones.
+      traces = comm.all_gather_owned(
+          _per_device(comm, lay, lambda d: traces_segment(d, owned, lay)))
+      damping_all = jnp.ones(lay.num_devices * lay.max_factors, compute_dtype)
+      for plan in lay.plans:
+        ia = plan.a.owner * lay.max_factors + plan.a.index
+        ig = plan.g.owner * lay.max_factors + plan.g.index
+        d_a, d_g = linalg.pi_adjusted_damping(traces[ia], traces[ig], gamma)
+        damping_all = damping_all.at[ia].set(d_a).at[ig].set(d_g)
+      local = _per_device(comm, lay,
+                          lambda d: inverse_segment(d, owned, damping_all, lay))
     return comm.gather_group(local)
 
   def precondition_group(state, gamma, group, grad_of):
     """Preconditioned gradients of one owner group's layers and Σ|⟨V, ∇⟩|."""
-    lay = state.layout
+    lay, second = state.layout, state.second_order
 
-    def at(tree, slot):
-      return tree[slot.bucket][lay.group_index(slot, group)]
+    def matrix(place):
+      if place.matrix_offset is None:
+        return None
+      return packing.read_matrix(second, lay.second_base(place, group), place)
 
-    def basis(slot):
-      return at(state.eigvecs, slot) if slot.bucket in state.eigvecs else None
+    def vector(place):
+      return packing.read_vector(second, lay.second_base(place, group), place)
 
     out, vg = {}, jnp.zeros([], compute_dtype)
     for plan in lay.group_plans(group):
       grad = grad_of(plan)
       if method == "eigen":
-        v = linalg.precondition_eigen(grad, basis(plan.a), at(state.eigvals, plan.a),
-                                      basis(plan.g), at(state.eigvals, plan.g), gamma)
+        v = linalg.precondition_eigen(grad, matrix(plan.a), vector(plan.a),
+                                      matrix(plan.g), vector(plan.g), gamma)
       else:
-        v = linalg.precondition_inverse(grad, at(state.inverses, plan.a),
-                                        at(state.inverses, plan.g))
+        inv_a = matrix(plan.a) if plan.a.matrix_offset is not None else vector(plan.a)
+        inv_g = matrix(plan.g) if plan.g.matrix_offset is not None else vector(plan.g)
+        v = linalg.precondition_inverse(grad, inv_a, inv_g)
       out[plan.layer.name] = v
       vg = vg + jnp.abs(jnp.vdot(v, grad)).astype(compute_dtype)
     return out, vg
@@ -355,14 +375,13 @@ def scale_by_kfac(
     running, weight = lax.cond(
         state.update_factors, lambda: update_factors(state, kfac_stats),
         lambda: (state.factors, state.factor_weight))
-    eigvecs, eigvals, inverses = lax.cond(
-        is_factor_step(inverse_update_every, count),
-        lambda: decompose(running, lay, gamma),
-        lambda: (state.eigvecs, state.eigvals, state.inverses))
+    second = lax.cond(is_factor_step(inverse_update_every, count),
+                      lambda: decompose(running, lay, gamma),
+                      lambda: state.second_order)
     new_state = dataclasses.replace(
         state, count=count + 1, factor_weight=weight,
         update_factors=is_factor_step(factor_update_every, count + 1),
-        factors=running, eigvecs=eigvecs, eigvals=eigvals, inverses=inverses)
+        factors=running, second_order=second)
 
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
     leaves = {registry.path_str(p): leaf for p, leaf in flat}

@@ -1,20 +1,26 @@
-"""Buckets, owners and padding: where every Kronecker factor lives in the state.
+"""Owners, packed segments and batches: where every Kronecker factor lives.
 
-Factors of the same form and dimension `d` are stacked into one bucket, an
-array `[P·c, d, d]` (or `[P·c, d]` for diagonal factors) for a data axis of P
-devices: device `i` owns slots `[i·c, (i+1)·c)` and runs one batched
-`eigh`/`cholesky` over them. Slots a device does not fill hold identity
-matrices (exact: they never touch a gradient, but they cost compute).
+For a data axis of P devices (P = 1 on one device) each factor has one owner,
+the device that decomposes it. The devices form `P/m` owner groups of `m`
+consecutive devices (KAISA §4.3, `m` gradient workers per layer): every layer
+belongs to one group, longest processing time first on the cost model `d³`
+(as KAISA assigns its work), and the group's factors are spread over its `m`
+devices the same way.
 
-Ownership follows KAISA's grid (§4.3): the P devices form `P/m` owner groups of
-`m` consecutive devices. Each layer belongs to one group (longest processing
-time first on the eigendecomposition cost `d_A³ + d_G³`, as KAISA assigns
-work), and the group's factors are spread over its `m` devices. After a
-decomposition the group's devices all-gather their slots, so each holds the
-second-order state of the whole group: `m·c` slots per bucket.
+State is stored in flat per-device segments, so that neither compute,
+memory nor communication pays for padding matrices:
 
-With one device: one group, one owner, `c` = the number of factors of size d.
-All of this is static metadata, fixed at `init`.
+* running factors: device `i` holds segment `i` of `[P·L]`, its factors
+  packed one after the other (the upper triangle, `d(d+1)/2` numbers, when
+  `packed`; all `d²` otherwise; `d` for a diagonal factor);
+* second-order state: segment `[L₂]` per owner with, per factor, a matrix part
+  (eigenbasis or inverse, `d²`) and a vector part (eigenvalues, or a diagonal
+  inverse, `d`). After a decomposition the owner group all-gathers its
+  segments, so each device holds `m·L₂` (all `P·L₂` with one group).
+
+Within a segment, factors of the same form and dimension are contiguous: each
+such run is one batched `eigh`/`cholesky` ("bucket"). The only padding is at
+the end of a segment, up to the longest device's.
 """
 
 from __future__ import annotations
@@ -28,79 +34,82 @@ from kfac_jax_dist import registry
 
 
 @dataclasses.dataclass(frozen=True)
-class Slot:
-  bucket: str
-  index: int         # global slot index in the bucket's factor array
+class FactorPlace:
+  """Where one factor lives. Offsets are within its owner's segments."""
+
+  form: str            # factors.FULL | factors.DIAG
+  dim: int
+  owner: int
+  offset: int          # running factor, in the owner's [L] segment
+  size: int            # numbers stored for the running factor
+  matrix_offset: int | None   # second-order matrix part, in the owner's [L₂]
+  vector_offset: int | None   # second-order vector part
+  index: int           # position among the owner's factors (for traces)
 
 
 @dataclasses.dataclass(frozen=True)
-class Bucket:
-  key: str
-  form: str          # factors.FULL | factors.DIAG
+class Batch:
+  """A run of factors of one form and dimension on one device: one batched op."""
+
+  form: str
   dim: int
-  per_device: int    # c: slots each device owns, padding included
-  num_devices: int   # P
-  used: int          # slots holding a real factor
-
-  @property
-  def size(self) -> int:
-    return self.per_device * self.num_devices
-
-  @property
-  def matrix_shape(self) -> tuple[int, ...]:
-    return (self.dim, self.dim) if self.form == factors.FULL else (self.dim,)
-
-  @property
-  def shape(self) -> tuple[int, ...]:
-    return (self.size,) + self.matrix_shape
+  count: int
+  offset: int                  # first factor's running-factor offset
+  matrix_offset: int | None    # first factor's matrix part (then count·d²)
+  vector_offset: int | None    # first factor's vector part (then count·d)
+  first_index: int
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:
   layer: registry.TaggedLayer
-  a: Slot
-  g: Slot
-  a_form: str
-  g_form: str
+  a: FactorPlace
+  g: FactorPlace
   group: int = 0
+
+  @property
+  def a_form(self) -> str:
+    return self.a.form
+
+  @property
+  def g_form(self) -> str:
+    return self.g.form
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """Static description of a K-FAC state: layers, buckets and what is left out."""
+  """Static description of a K-FAC state: layers, segments, what is left out."""
 
   plans: tuple[LayerPlan, ...]
-  buckets: tuple[Bucket, ...]
-  skipped: tuple[str, ...]            # tagged layers excluded by name pattern
-  passthrough: tuple[str, ...]        # parameter paths with no factor
-  num_devices: int = 1                # P
-  group_size: int = 1                 # m, gradient workers per layer
-  axis: str | None = None             # the mesh axis the buckets are sharded over
+  batches: tuple[tuple[Batch, ...], ...]     # per device
+  segment: int                       # L: running-factor numbers per device
+  second_segment: int                # L₂: second-order numbers per device
+  max_factors: int                   # most factors on one device
+  packed: bool                       # full factors stored as upper triangles
+  method: str
+  skipped: tuple[str, ...]           # tagged layers excluded by name pattern
+  passthrough: tuple[str, ...]       # parameter paths with no factor
+  num_devices: int = 1               # P
+  group_size: int = 1                # m, gradient workers per layer
+  axis: str | None = None            # the mesh axis segments are sharded over
 
   @property
   def num_groups(self) -> int:
     return self.num_devices // self.group_size
 
-  def bucket(self, key: str) -> Bucket:
-    return next(b for b in self.buckets if b.key == key)
-
   def plan(self, name: str) -> LayerPlan | None:
     return next((p for p in self.plans if p.layer.name == name), None)
-
-  def owner(self, slot: Slot) -> int:
-    """The device that decomposes the factor in `slot`."""
-    return slot.index // self.bucket(slot.bucket).per_device
-
-  def group_index(self, slot: Slot, group: int) -> int:
-    """`slot`'s index in its group's second-order arrays (`m·c` slots)."""
-    return slot.index - group * self.group_size * self.bucket(slot.bucket).per_device
 
   def group_plans(self, group: int) -> tuple[LayerPlan, ...]:
     return tuple(p for p in self.plans if p.group == group)
 
+  def second_base(self, place: FactorPlace, group: int) -> int:
+    """Start of `place`'s owner segment in its group's `m·L₂` second-order array."""
+    return (place.owner - group * self.group_size) * self.second_segment
 
-def bucket_key(form: str, dim: int) -> str:
-  return f"{form}{dim}"
+  def factors_on(self, device: int) -> list[FactorPlace]:
+    return sorted((f for p in self.plans for f in (p.a, p.g) if f.owner == device),
+                  key=lambda f: f.offset)
 
 
 def factor_form(dim: int, max_factor_dim: int | None) -> str:
@@ -112,14 +121,28 @@ def eigh_cost(dim: int, form: str) -> float:
   return float(dim) ** 3 if form == factors.FULL else float(dim)
 
 
-def _least_loaded(loads: list[float]) -> int:
-  return min(range(len(loads)), key=lambda i: (loads[i], i))
+def storage_size(dim: int, form: str, packed: bool) -> int:
+  if form == factors.DIAG:
+    return dim
+  return dim * (dim + 1) // 2 if packed else dim * dim
+
+
+def _second_parts(dim: int, form: str, method: str) -> tuple[int, int]:
+  """(matrix numbers, vector numbers) of one factor's second-order state."""
+  if form == factors.DIAG:
+    return 0, dim
+  return dim * dim, (dim if method == "eigen" else 0)
+
+
+def _least_loaded(loads: Sequence[float], candidates) -> int:
+  return min(candidates, key=lambda i: (loads[i], i))
 
 
 def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
           skip: Sequence[str] = (), max_factor_dim: int | None = None,
-          num_devices: int = 1, group_size: int = 1, axis: str | None = None) -> Layout:
-  """Assigns layers to owner groups and factors to devices and bucket slots."""
+          num_devices: int = 1, group_size: int = 1, axis: str | None = None,
+          method: str = "eigen", packed: bool = True) -> Layout:
+  """Assigns layers to owner groups, factors to devices, and packs segments."""
   patterns = [re.compile(p) for p in skip]
   kept, skipped = [], []
   for layer in layers:
@@ -133,49 +156,56 @@ def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
     fa, fg = forms(layer)
     return eigh_cost(layer.a_dim, fa) + eigh_cost(layer.g_dim, fg)
 
-  # Layers to groups: longest processing time first.
+  # Layers to groups, then each group's factors to its devices: LPT on d³.
   group_of, group_load = {}, [0.0] * num_groups
   for layer in sorted(kept, key=lambda l: -layer_cost(l)):
-    g = _least_loaded(group_load)
+    g = _least_loaded(group_load, range(num_groups))
     group_of[layer.name] = g
     group_load[g] += layer_cost(layer)
-
-  # Factors to the devices of their group: per bucket, the least-loaded device
-  # that has the fewest factors of that size (keeps the padding small).
   device_load = [0.0] * num_devices
-  count: dict[tuple[str, int], int] = {}          # (bucket, device) -> factors
-  placed: dict[tuple[str, str], tuple[str, int, int]] = {}
-  dims: dict[str, tuple[str, int]] = {}
+  owned: list[list[tuple]] = [[] for _ in range(num_devices)]
   items = [(layer, which, dim, form) for layer in kept
            for which, dim, form in (("a", layer.a_dim, forms(layer)[0]),
                                     ("g", layer.g_dim, forms(layer)[1]))]
   for layer, which, dim, form in sorted(items, key=lambda t: -eigh_cost(t[2], t[3])):
-    key = bucket_key(form, dim)
-    dims[key] = (form, dim)
     g = group_of[layer.name]
-    devices = range(g * group_size, (g + 1) * group_size)
-    device = min(devices, key=lambda d: (count.get((key, d), 0), device_load[d], d))
-    j = count.get((key, device), 0)
-    count[(key, device)] = j + 1
+    device = _least_loaded(device_load, range(g * group_size, (g + 1) * group_size))
     device_load[device] += eigh_cost(dim, form)
-    placed[(layer.name, which)] = (key, device, j)
+    owned[device].append((layer.name, which, dim, form))
 
-  per_device = {key: max(c for (k, _), c in count.items() if k == key) for key in dims}
-  plans = []
-  for layer in kept:
-    slots = {}
-    for which in ("a", "g"):
-      key, device, j = placed[(layer.name, which)]
-      slots[which] = Slot(key, device * per_device[key] + j)
-    fa, fg = forms(layer)
-    plans.append(LayerPlan(layer, slots["a"], slots["g"], fa, fg, group_of[layer.name]))
+  # Pack each device's factors, runs of equal (form, dim) contiguous.
+  places, batches = {}, []
+  segment = second_segment = max_factors = 0
+  for device, mine in enumerate(owned):
+    runs: dict[tuple[str, int], list] = {}
+    for item in mine:
+      runs.setdefault((item[3], item[2]), []).append(item)
+    offset = second = index = 0
+    device_batches = []
+    for (form, dim), run in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+      size = storage_size(dim, form, packed)
+      matrix, vector = _second_parts(dim, form, method)
+      matrix_start = second if matrix else None
+      vector_start = second + len(run) * matrix if vector else None
+      device_batches.append(Batch(form, dim, len(run), offset, matrix_start, vector_start,
+                                  index))
+      for j, (name, which, _, _) in enumerate(run):
+        places[(name, which)] = FactorPlace(
+            form, dim, device, offset + j * size, size,
+            None if matrix_start is None else matrix_start + j * matrix,
+            None if vector_start is None else vector_start + j * vector, index + j)
+      offset += len(run) * size
+      second += len(run) * (matrix + vector)
+      index += len(run)
+    batches.append(tuple(device_batches))
+    segment, second_segment = max(segment, offset), max(second_segment, second)
+    max_factors = max(max_factors, index)
 
-  buckets = tuple(
-      Bucket(key, dims[key][0], dims[key][1], per_device=per_device[key],
-             num_devices=num_devices,
-             used=sum(c for (k, _), c in count.items() if k == key))
-      for key in sorted(dims, key=lambda k: (dims[k][1], dims[k][0])))
+  plans = tuple(LayerPlan(layer, places[(layer.name, "a")], places[(layer.name, "g")],
+                          group_of[layer.name]) for layer in kept)
   covered = {p for plan in plans for p in (plan.layer.kernel_path, plan.layer.bias_path)}
   passthrough = tuple(p for p in param_paths if p not in covered)
-  return Layout(tuple(plans), buckets, tuple(l.name for l in skipped), passthrough,
-                num_devices, group_size, axis)
+  return Layout(plans, tuple(batches), max(segment, 1), max(second_segment, 1),
+                max(max_factors, 1), packed, method,
+                tuple(l.name for l in skipped), passthrough, num_devices, group_size,
+                axis)

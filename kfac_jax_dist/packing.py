@@ -1,0 +1,97 @@
+"""Flat segments ↔ matrices: the storage format of `layout`.
+
+A full factor is stored as its upper triangle (`packed`) or all `d²` numbers, a
+diagonal one as its `d` diagonal entries; a device's segment is its factors
+one after the other, zero-padded to the common segment length.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kfac_jax_dist import factors
+from kfac_jax_dist import layout as layout_lib
+
+
+def pack_upper(x: jax.Array) -> jax.Array:
+  """`[..., d, d]` symmetric → its upper triangle, `[..., d(d+1)/2]`."""
+  rows, cols = np.triu_indices(x.shape[-1])
+  return x[..., rows, cols]
+
+
+def unpack_upper(v: jax.Array, d: int) -> jax.Array:
+  """Inverse of `pack_upper` (a gather: entry (i, j) reads (min, max))."""
+  rows, cols = np.triu_indices(d)
+  position = np.zeros((d, d), np.int32)
+  position[rows, cols] = np.arange(rows.size)
+  return v[..., np.maximum(position, position.T)]
+
+
+def pack_factor(value: jax.Array, form: str, packed: bool) -> jax.Array:
+  if form == factors.DIAG:
+    return value
+  return pack_upper(value) if packed else value.reshape(-1)
+
+
+def unpack_batch(segment: jax.Array, batch: layout_lib.Batch, packed: bool) -> jax.Array:
+  """The batch's running factors, `[k, d, d]` (or `[k, d]` diagonal)."""
+  size = layout_lib.storage_size(batch.dim, batch.form, packed)
+  block = segment[batch.offset:batch.offset + batch.count * size].reshape(batch.count, size)
+  if batch.form == factors.DIAG:
+    return block
+  if packed:
+    return unpack_upper(block, batch.dim)
+  return block.reshape(batch.count, batch.dim, batch.dim)
+
+
+def device_segment(lay: layout_lib.Layout, device: int, value_of, dtype) -> jax.Array:
+  """Device `device`'s `[L]` segment, with `value_of(plan, which)` per factor."""
+  pieces = []
+  for place, plan, which in _owned(lay, device):
+    pieces.append(pack_factor(value_of(plan, which).astype(dtype), place.form, lay.packed))
+  used = sum(p.size for p in pieces)
+  pieces.append(jnp.zeros(lay.segment - used, dtype))
+  return jnp.concatenate(pieces)
+
+
+def all_segments(lay: layout_lib.Layout, value_of, dtype) -> jax.Array:
+  """`[P·L]`: every device's segment."""
+  return jnp.concatenate([device_segment(lay, d, value_of, dtype)
+                          for d in range(lay.num_devices)])
+
+
+def _owned(lay: layout_lib.Layout, device: int):
+  found = [(getattr(p, w), p, w) for p in lay.plans for w in ("a", "g")
+           if getattr(p, w).owner == device]
+  return sorted(found, key=lambda t: t[0].offset)
+
+
+def identity(place: layout_lib.FactorPlace, dtype) -> jax.Array:
+  if place.form == factors.DIAG:
+    return jnp.ones((place.dim,), dtype)
+  return jnp.eye(place.dim, dtype=dtype)
+
+
+def second_order_segment(lay: layout_lib.Layout, device: int, dtype) -> jax.Array:
+  """Initial `[L₂]` segment: identity eigenbases/inverses, unit eigenvalues."""
+  pieces = []
+  for batch in lay.batches[device]:
+    if batch.matrix_offset is not None:
+      pieces.append(jnp.tile(jnp.eye(batch.dim, dtype=dtype).reshape(-1), batch.count))
+    if batch.vector_offset is not None:
+      pieces.append(jnp.ones(batch.count * batch.dim, dtype))
+  used = sum(p.size for p in pieces)
+  pieces.append(jnp.zeros(lay.second_segment - used, dtype))
+  return jnp.concatenate(pieces)
+
+
+def read_matrix(second: jax.Array, base: int, place: layout_lib.FactorPlace) -> jax.Array:
+  start = base + place.matrix_offset
+  return second[start:start + place.dim * place.dim].reshape(place.dim, place.dim)
+
+
+def read_vector(second: jax.Array, base: int, place: layout_lib.FactorPlace) -> jax.Array:
+  start = base + place.vector_offset
+  return second[start:start + place.dim]
