@@ -22,12 +22,16 @@ import jax.numpy as jnp
 from kfac_jax_dist import _context
 
 
+def _at_least_f32(x: jax.Array) -> jax.Array:
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
 def _mean(per_example: jax.Array, mask: jax.Array | None):
   if mask is None:
-    return jnp.mean(per_example), jnp.asarray(per_example.size, jnp.float32)
+    return jnp.mean(per_example), jnp.asarray(per_example.size, per_example.dtype)
   mask = jnp.broadcast_to(mask, per_example.shape).astype(per_example.dtype)
   n = jnp.sum(mask)
-  return jnp.sum(per_example * mask) / jnp.maximum(n, 1.0), n.astype(jnp.float32)
+  return jnp.sum(per_example * mask) / jnp.maximum(n, 1.0), n
 
 
 def _register(name: str, loss_of_targets, targets, sample, mask):
@@ -45,7 +49,7 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array,
                           mask: jax.Array | None = None) -> jax.Array:
   """Mean of `-log softmax(logits)[label]`; `labels` are integer classes of shape
   `logits.shape[:-1]` or target distributions of shape `logits.shape`."""
-  logits32 = logits.astype(jnp.float32)
+  logits32 = _at_least_f32(logits)
   log_probs = jax.nn.log_softmax(logits32, axis=-1)
 
   def loss_of(targets):
@@ -63,17 +67,17 @@ def sigmoid_cross_entropy(logits: jax.Array, labels: jax.Array,
                           mask: jax.Array | None = None) -> jax.Array:
   """Mean over examples of the binary cross-entropies summed over the last axis
   (independent Bernoulli outputs); `labels` in [0, 1], shaped like `logits`."""
-  logits32 = logits.astype(jnp.float32)
+  logits32 = _at_least_f32(logits)
 
   def loss_of(targets):
-    targets = targets.astype(jnp.float32)
+    targets = targets.astype(logits32.dtype)
     per_output = (jnp.maximum(logits32, 0) - logits32 * targets
                   + jnp.log1p(jnp.exp(-jnp.abs(logits32))))
     return jnp.sum(per_output, axis=-1)
 
   def sample(rng):
     probs = jax.nn.sigmoid(jax.lax.stop_gradient(logits32))
-    return jax.random.bernoulli(rng, probs).astype(jnp.float32)
+    return jax.random.bernoulli(rng, probs).astype(probs.dtype)
 
   return _register("sigmoid_cross_entropy", loss_of, labels, sample, mask)
 
@@ -82,10 +86,10 @@ def squared_error(predictions: jax.Array, targets: jax.Array,
                   mask: jax.Array | None = None) -> jax.Array:
   """Mean over examples of `½ Σ (prediction − target)²` over the last axis: the
   negative log-likelihood of a unit-variance Gaussian, up to a constant."""
-  predictions32 = predictions.astype(jnp.float32)
+  predictions32 = _at_least_f32(predictions)
 
   def loss_of(t):
-    return 0.5 * jnp.sum(jnp.square(predictions32 - t.astype(jnp.float32)), axis=-1)
+    return 0.5 * jnp.sum(jnp.square(predictions32 - t.astype(predictions32.dtype)), axis=-1)
 
   def sample(rng):
     mean = jax.lax.stop_gradient(predictions32)

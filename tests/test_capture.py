@@ -185,13 +185,19 @@ def brute_force(model, params, x, per_example_loss, weights=None):
   weights = np.ones_like(losses) if weights is None else f64(weights).reshape(-1)
   n = weights.sum()
   eps0 = {name: jnp.zeros(y.shape, jnp.float64) for name, y in ref.outputs.items()}
-  jac = jax.jacrev(lambda eps: per_example_loss(model(Ref(eps), params, x)))(eps0)
+  jac = jax.jit(jax.jacrev(
+      lambda eps: per_example_loss(model(Ref(eps), params, x))))(eps0)
   stats = {}
   for name, rows in ref.rows.items():
     j = f64(jac[name]).reshape(losses.shape[0], -1, eps0[name].shape[-1])
     g = np.einsum("e,epo->po", weights, j)          # g_p = Σ_e w_e ∂ℓ_e/∂s_p
     stats[name] = {"A": rows.T @ rows / rows.shape[0], "G": g.T @ g / n}
   return float((weights * losses).sum() / n), stats
+
+
+def capture(loss_fn, **kwargs):
+  """`kd.value_and_grad` under `jax.jit` (one compilation instead of one per op)."""
+  return jax.jit(kd.value_and_grad(loss_fn, **kwargs))
 
 
 def check_against_brute_force(stats, bf_stats, names=None):
@@ -256,7 +262,7 @@ def test_dense_2d(biases):
   def loss_fn(p, x, y):
     return kd.losses.softmax_cross_entropy(mlp(Tagged(), p, x), y)
 
-  loss, _, stats = kd.value_and_grad(loss_fn)(params, x, y)
+  loss, _, stats = capture(loss_fn)(params, x, y)
   bf_loss, bf = brute_force(lambda l, p, x: mlp(l, p, x), params, x,
                             lambda out: ce_per_example(out, y))
   np.testing.assert_allclose(float(loss), bf_loss, rtol=1e-6)
@@ -279,7 +285,7 @@ def test_dense_3d_per_token_loss(use_bias):
   def loss_fn(p, x, y):
     return kd.losses.softmax_cross_entropy(mlp(Tagged(), p, x), y)
 
-  loss, _, stats = kd.value_and_grad(loss_fn)(params, x, y)
+  loss, _, stats = capture(loss_fn)(params, x, y)
   bf_loss, bf = brute_force(lambda l, p, x: mlp(l, p, x), params, x,
                             lambda out: ce_per_example(out, y))
   assert bf["l1"]["A"].shape == (3 + use_bias,) * 2
@@ -298,7 +304,7 @@ def test_dense_3d_per_sequence_loss(use_bias):
   def loss_fn(p, x, y):
     return kd.losses.softmax_cross_entropy(mlp(Tagged(), p, x, pool=True), y)
 
-  loss, _, stats = kd.value_and_grad(loss_fn)(params, x, y)
+  loss, _, stats = capture(loss_fn)(params, x, y)
   bf_loss, bf = brute_force(lambda l, p, x: mlp(l, p, x, pool=True), params, x,
                             lambda out: ce_per_example(out, y))
   np.testing.assert_allclose(float(loss), bf_loss, rtol=1e-6)
@@ -360,7 +366,7 @@ def test_conv2d(case):
   def loss_fn(p, x, y):
     return kd.losses.softmax_cross_entropy(conv_net(Tagged(), p, x, cfg), y)
 
-  loss, _, stats = kd.value_and_grad(loss_fn)(params, x, y)
+  loss, _, stats = capture(loss_fn)(params, x, y)
   bf_loss, bf = brute_force(lambda l, p, x: conv_net(l, p, x, cfg), params, x,
                             lambda o: ce_per_example(o, y))
   assert bf["conv"]["A"].shape == (3 * 2 * 2 + use_bias,) * 2
@@ -372,8 +378,7 @@ def test_conv2d(case):
 # 3. Gradients equal jax.value_and_grad's.
 # ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("has_aux", [False, True])
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("has_aux,jit", [(False, True), (True, True), (True, False)])
 def test_gradients_match_jax(has_aux, jit):
   kp, kc, kx, ky, kz = jax.random.split(jax.random.PRNGKey(4), 5)
   params = {"mlp": mlp_params(kp, (3, 4, 5), (True, False)),
@@ -432,13 +437,14 @@ def mc_draws(grad_fn, params, *args):
 
 def enumerated_fisher(model, params, x, per_example_loss, targets, probs):
   """`(1/n) Σ_i Σ_t p(t|x_i) g_i(t) g_i(t)ᵀ` for every layer (2-D inputs: n = B)."""
+  ref = Ref(record=True)
+  model(ref, params, x)
+  eps0 = {k: jnp.zeros(v.shape, jnp.float64) for k, v in ref.outputs.items()}
+  jac_fn = jax.jit(jax.jacrev(
+      lambda e, t: per_example_loss(model(Ref(e), params, x), t)))
   exact = {}
   for t, p_t in zip(targets, probs):       # p_t: [B] probability of target t
-    ref = Ref(record=True)
-    model(ref, params, x)
-    eps0 = {k: jnp.zeros(v.shape, jnp.float64) for k, v in ref.outputs.items()}
-    jac = jax.jacrev(lambda e: per_example_loss(model(Ref(e), params, x), t))(eps0)
-    for name, j in jac.items():
+    for name, j in jac_fn(eps0, t).items():
       g = np.einsum("ii...->i...", f64(j))   # example i's loss w.r.t. its own output
       term = np.einsum("i,io,ip->op", f64(p_t), g, g) / g.shape[0]
       exact[name] = exact.get(name, 0.0) + term
@@ -456,7 +462,7 @@ def test_mc_fisher_softmax():
     return kd.losses.softmax_cross_entropy(model(Tagged(), p, x), y)
 
   loss, grads, stats = mc_draws(kd.value_and_grad(loss_fn, fisher="mc"), params, x, y)
-  emp_loss, emp_grads, emp_stats = kd.value_and_grad(loss_fn)(params, x, y)
+  emp_loss, emp_grads, emp_stats = capture(loss_fn)(params, x, y)
   # The loss, gradients and A do not depend on the draw.
   # (jit vs eager: float32 rounding of the loss.)
   np.testing.assert_allclose(f64(loss), float(emp_loss), rtol=1e-6)
@@ -542,7 +548,7 @@ def test_masked_loss_2d():
   def loss_fn(p, x, y, mask):
     return kd.losses.softmax_cross_entropy(mlp(Tagged(), p, x), y, mask=mask)
 
-  loss, _, stats = kd.value_and_grad(loss_fn)(params, x, y, mask)
+  loss, _, stats = capture(loss_fn)(params, x, y, mask)
   bf_loss, bf = brute_force(lambda l, p, x: mlp(l, p, x), params, x,
                             lambda out: ce_per_example(out, y), weights=mask)
   np.testing.assert_allclose(float(loss), bf_loss, rtol=1e-6)
@@ -561,7 +567,7 @@ def test_masked_loss_per_token():
   def loss_fn(p, x, y, mask):
     return kd.losses.softmax_cross_entropy(mlp(Tagged(), p, x), y, mask=mask)
 
-  loss, _, stats = kd.value_and_grad(loss_fn)(params, x, y, mask)
+  loss, _, stats = capture(loss_fn)(params, x, y, mask)
   bf_loss, bf = brute_force(lambda l, p, x: mlp(l, p, x), params, x,
                             lambda out: ce_per_example(out, y), weights=mask)
   np.testing.assert_allclose(float(loss), bf_loss, rtol=1e-6)
@@ -632,11 +638,9 @@ def test_statistics_skipped_between_factor_updates(jit):
   tx = kd.scale_by_kfac(layers=grad_fn.discover(params, x, y), factor_update_every=2)
   state = tx.init(params)
   call = lambda p, s: grad_fn(p, x, y, opt_state=s)
-  update = tx.update
   if jit:
-    call, update = jax.jit(call), jax.jit(lambda g, s, st: tx.update(g, s, kfac_stats=st))
-  else:
-    update = lambda g, s, st: tx.update(g, s, kfac_stats=st)
+    call = jax.jit(call)
+  update = jax.jit(lambda g, s, st: tx.update(g, s, kfac_stats=st))
   ref_loss, ref_grads = jax.value_and_grad(loss_fn)(params, x, y)
   _, bf = brute_force(lambda l, p, x: mlp(l, p, x), params, x,
                       lambda out: ce_per_example(out, y))
@@ -665,6 +669,16 @@ def _shapes(tree):
   return jax.tree.map(jnp.shape, tree)
 
 
+def _randomized(tree, seed=7):
+  """Random values for every leaf (Flax initialises biases to zero, which would
+  hide a dropped bias)."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+  return jax.tree_util.tree_unflatten(treedef, [
+      jax.random.normal(k, jnp.shape(leaf), jnp.result_type(leaf))
+      for k, leaf in zip(keys, leaves)])
+
+
 @pytest.mark.parametrize("kwargs,shape", [
     (dict(features=4), (2, 3)),
     (dict(features=4, use_bias=False), (2, 5, 3)),
@@ -675,6 +689,7 @@ def test_linen_dense_drop_in(kwargs, shape):
   kd_vars = kd.linen.Dense(**kwargs).init(jax.random.PRNGKey(1), x)
   assert _shapes(kd_vars) == _shapes(flax_vars)
   assert_trees_equal(kd_vars, flax_vars)          # same initialisers too
+  flax_vars = _randomized(flax_vars)
   np.testing.assert_allclose(kd.linen.Dense(**kwargs).apply(flax_vars, x),
                              nn.Dense(**kwargs).apply(flax_vars, x), rtol=1e-6, atol=1e-6)
 
@@ -694,6 +709,7 @@ def test_linen_conv_drop_in(kwargs):
   kd_vars = kd.linen.Conv(**kwargs).init(jax.random.PRNGKey(1), x)
   assert _shapes(kd_vars) == _shapes(flax_vars)
   assert_trees_equal(kd_vars, flax_vars)
+  flax_vars = _randomized(flax_vars)
   np.testing.assert_allclose(kd.linen.Conv(**kwargs).apply(flax_vars, x),
                              nn.Conv(**kwargs).apply(flax_vars, x), rtol=1e-5, atol=1e-5)
   # Extra batch axes are flattened like Flax does.
@@ -708,6 +724,7 @@ def _nnx_pair(kd_cls, flax_cls, *args, **kwargs):
   ours_state, theirs_state = nnx.state(ours), nnx.state(theirs)
   assert _shapes(ours_state) == _shapes(theirs_state)
   assert_trees_equal(ours_state, theirs_state)
+  nnx.update(theirs, _randomized(nnx.state(theirs)))
   nnx.update(ours, nnx.state(theirs))
   return ours, theirs
 
@@ -765,7 +782,7 @@ def test_linen_nnx_and_tags_agree():
   kx, ky = jax.random.split(jax.random.PRNGKey(12))
   x = randn(kx, (3, 5, 4, 2))
   y = jax.random.randint(ky, (3,), 0, 5)
-  linen_params = LinenCNN().init(jax.random.PRNGKey(13), x)["params"]
+  linen_params = _randomized(LinenCNN().init(jax.random.PRNGKey(13), x)["params"])
   plain_params = {"conv": linen_params["Conv_0"], "hidden": linen_params["Dense_0"],
                   "out": linen_params["Dense_1"]}
   model = NnxCNN(nnx.Rngs(0))
@@ -785,8 +802,8 @@ def test_linen_nnx_and_tags_agree():
   results = {}
   for key, fn, p in (("linen", linen_loss, linen_params), ("nnx", nnx_loss, nnx_state),
                      ("plain", plain_loss, plain_params)):
-    loss, grads, stats = kd.value_and_grad(fn)(p, x, y)
-    ref_loss, ref_grads = jax.value_and_grad(fn)(p, x, y)
+    loss, grads, stats = capture(fn)(p, x, y)
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(fn))(p, x, y)
     assert_trees_equal(grads, ref_grads)
     results[key] = (loss, grads, stats)
 
