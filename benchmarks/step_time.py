@@ -25,21 +25,37 @@ For each model every method is one jitted training step
 
 The machine is shared and noisy, so the methods are interleaved (round r runs
 every method once) and each ratio is the median over rounds of the per-round
-ratio to SGD (and to Adam). Compile time is `jit(step).lower(...).compile()`.
+ratio to SGD (and to Adam). Each block is timed in wall-clock and in process
+CPU time (all threads): on a machine shared with other jobs the CPU-time ratios
+are the steadier ones. Compile time is `jit(step).lower(...).compile()`. Under
+each table, an analytic FLOP count (see `flop_model`) gives the floor that
+K-FAC's extra arithmetic puts under each kind of step. A watchdog exits with
+status 3 (and every thread's Python stack) when no step finishes for
+`--hang-timeout` seconds.
 
-Usage: python benchmarks/step_time.py [--quick] [--models mlp,cnn] [--rounds R]
-       [--reps N] [--cycles C] [--out benchmarks/results]
+On CPU, `jnp.linalg.eigh` calls LAPACK from scipy's OpenBLAS, whose own threads
+compete with XLA's thread pool (and spin while they wait): on a small machine
+set `OPENBLAS_NUM_THREADS=1` (before Python starts) for eigh times that are
+an order of magnitude lower and far less erratic; the header records it.
+
+Usage: [OPENBLAS_NUM_THREADS=1] python benchmarks/step_time.py [--quick]
+       [--models mlp,cnn] [--rounds R] [--reps N] [--cycles C]
+       [--compile-reps K] [--hang-timeout S] [--out benchmarks/results]
+Writes step_time.md and step_time.json (step_time_quick.* with --quick).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
 import platform
 import statistics
 import subprocess
+import sys
+import threading
 import time
 from typing import Callable
 
@@ -53,6 +69,32 @@ import kfac_jax_dist as kd
 
 FACTOR_EVERY, INVERSE_EVERY = 10, 100
 LR = 1e-2
+
+
+class Watchdog:
+  """Exits (status 3, with every thread's Python stack) when no step finished
+  for `seconds`: a hung XLA CPU thread pool must not hang the benchmark."""
+
+  def __init__(self, seconds: float):
+    self.seconds, self.last = seconds, time.monotonic()
+    if seconds > 0:
+      threading.Thread(target=self._watch, daemon=True).start()
+
+  def kick(self):
+    self.last = time.monotonic()
+
+  def _watch(self):
+    while True:
+      time.sleep(min(5.0, self.seconds))
+      if time.monotonic() - self.last > self.seconds:
+        print(f"\nstep_time: no step finished for {self.seconds:.0f} s; the XLA CPU "
+              "runtime looks deadlocked (e.g. batched LAPACK eigh/cholesky fanning out "
+              "over a busy intra-op pool). Python stacks:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(3)
+
+
+WATCHDOG = Watchdog(0)
 
 
 # --------------------------------------------------------------------- models
@@ -129,7 +171,9 @@ def kfac_state(opt_state) -> kd.ScaleByKfacState:
 def advance(step, params, opt_state, x, y, n):
   for _ in range(n):
     params, opt_state, _ = step(params, opt_state, x, y)
-  return jax.block_until_ready((params, opt_state))
+    jax.block_until_ready(opt_state)
+    WATCHDOG.kick()
+  return params, opt_state
 
 
 def compile_time(fn, *args) -> dict[str, float]:
@@ -140,39 +184,89 @@ def compile_time(fn, *args) -> dict[str, float]:
   t1 = time.perf_counter()
   lowered.compile()
   t2 = time.perf_counter()
+  WATCHDOG.kick()
   return {"lower_s": t1 - t0, "compile_s": t2 - t1, "total_s": t2 - t0}
+
+
+def flop_model(model, params, x, layers, loss_fn, y) -> dict:
+  """FLOPs per step of the pieces of K-FAC, against those of forward+backward.
+
+  Per tagged layer with N positions (examples, or examples × output pixels),
+  factor dimensions dA (bias included) and dG: forward+backward ≈ 3·2·N·(dA−1)·dG
+  (2· for the first layer, whose input needs no gradient); preconditioning
+  (method eigen: Q_Aᵀ∇Q_G, then Q_A(·)Q_Gᵀ) = 4·(dA²·dG + dA·dG²); factors
+  A and G = 2·N·(dA² + dG²); eigh ≈ 9·d³ per factor (Golub & Van Loan's count
+  for a symmetric eigendecomposition with vectors; an upper estimate).
+  """
+  positions = []
+
+  def record(f, args, kwargs, context):
+    out = f(*args, **kwargs)
+    if context.method_name == "__call__" and isinstance(
+        context.module, (kd.linen.Dense, kd.linen.Conv)):
+      positions.append(int(np.prod(out.shape[:-1])))
+    return out
+
+  with nn.intercept_methods(record):
+    jax.eval_shape(model.apply, params, x)
+  cost = jax.jit(jax.value_and_grad(loss_fn)).lower(params, x, y).compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  total = dict(fwd_bwd=0.0, precondition=0.0, factors=0.0, eigh=0.0)
+  for i, (layer, n) in enumerate(zip(layers, positions)):
+    a, g = layer.a_dim, layer.g_dim
+    total["fwd_bwd"] += 2 * n * (a - 1) * g * (2 if i == 0 else 3)
+    total["precondition"] += 4 * (a * a * g + a * g * g)
+    total["factors"] += 2 * n * (a * a + g * g)
+    total["eigh"] += 9 * (a ** 3 + g ** 3)
+  total["fwd_bwd_xla"] = float(cost.get("flops", float("nan"))) if cost else float("nan")
+  fb = total["fwd_bwd"]
+  total["floor_plain"] = (fb + total["precondition"]) / fb
+  total["floor_factor"] = (fb + total["precondition"] + total["factors"]) / fb
+  total["floor_amortised"] = (fb + total["precondition"] + total["factors"] / FACTOR_EVERY
+                              + total["eigh"] / INVERSE_EVERY) / fb
+  return total
 
 
 class Runner:
   """A measurement: `run()` returns seconds per step of one timed block."""
 
-  def __init__(self, name: str, run: Callable[[], float], group: str, note: str):
+  def __init__(self, name: str, run: Callable[..., tuple[float, float]] | None,
+               group: str, note: str):
     self.name, self.run, self.group, self.note = name, run, group, note
 
 
 def fixed_runner(fn, args, reps: int):
-  """Calls `fn(*args)` `reps` times from the same inputs; seconds per call."""
-  def run():
-    t = time.perf_counter()
-    for _ in range(reps):
+  """Calls `fn(*args)` `reps` times from the same inputs.
+
+  Returns (wall, cpu) seconds per call; cpu is the process's CPU time (all
+  threads), which other processes on a shared machine disturb much less.
+  """
+  def run(n=None):
+    n = reps if n is None else n
+    t, c = time.perf_counter(), time.process_time()
+    for _ in range(n):
       jax.block_until_ready(fn(*args))
-    return (time.perf_counter() - t) / reps
+      WATCHDOG.kick()
+    return (time.perf_counter() - t) / n, (time.process_time() - c) / n
   return run
 
 
 def chained_runner(step, init, reps: int):
-  """Runs `reps` consecutive steps carrying (params, opt_state); s per step."""
+  """Runs `reps` consecutive steps carrying (params, opt_state); (wall, cpu) s
+  per step."""
   carry = [init]
-  def run():
+  def run(n=None):
+    n = reps if n is None else n
     params, opt_state, x, y = carry[0]
-    t = time.perf_counter()
-    for _ in range(reps):
+    t, c = time.perf_counter(), time.process_time()
+    for _ in range(n):
       params, opt_state, loss = step(params, opt_state, x, y)
       jax.block_until_ready((params, opt_state, loss))
-    elapsed = time.perf_counter() - t
+      WATCHDOG.kick()
+    wall, cpu = time.perf_counter() - t, time.process_time() - c
     carry[0] = (params, opt_state, x, y)
     carry.append(float(loss))
-    return elapsed / reps
+    return wall / n, cpu / n
   run.carry = carry
   return run
 
@@ -250,7 +344,8 @@ def build(model_name: str, args):
   for name, (p, s) in kinds.items():
     note = {"kfac_plain": "no factor, no eigh", "kfac_factor": "factors, no eigh",
             "kfac_inverse": "factors + eigh"}[name]
-    runners.append(Runner(name, fixed_runner(amort, (p, s, x, y), reps), "kind", note))
+    n = max(2, reps // 4) if name == "kfac_inverse" else reps
+    runners.append(Runner(name, fixed_runner(amort, (p, s, x, y), n), "kind", note))
   runners += [
       Runner("jax.value_and_grad", fixed_runner(jax_vg, (p1, x, y), reps), "piece",
              "capture-free gradient"),
@@ -266,49 +361,53 @@ def build(model_name: str, args):
   ]
 
   return dict(desc=desc, layers=layers, runners=runners, compile=compile_med,
-              steps_per_cycle=cycle, x=x)
+              steps_per_cycle=cycle, flops=flop_model(model, params, x, layers, loss_fn, y))
 
 
 def measure(model_name: str, args) -> dict:
   b = build(model_name, args)
   runners = b["runners"]
-  for r in runners:            # warm-up: one untimed block each
-    r.run()
-  times = {r.name: [] for r in runners}
+  for r in runners:            # warm-up: one untimed call each
+    r.run(1)
+  wall = {r.name: [] for r in runners}
+  cpu = {r.name: [] for r in runners}
   for i in range(args.rounds):
     for r in runners:
-      times[r.name].append(r.run())
-    print(f"  [{model_name}] round {i + 1}/{args.rounds}: "
-          + ", ".join(f"{k} {1e3 * v[-1]:.1f}" for k, v in times.items()), flush=True)
+      w, c = r.run()
+      wall[r.name].append(w)
+      cpu[r.name].append(c)
+    print(f"  [{model_name}] round {i + 1}/{args.rounds} (wall ms): "
+          + ", ".join(f"{k} {1e3 * v[-1]:.1f}" for k, v in wall.items()), flush=True)
 
-  def ratio(name, base):
-    return statistics.median(a / b for a, b in zip(times[name], times[base]))
-
-  plain, fac, inv = (statistics.median(times[k]) for k in
-                     ("kfac_plain", "kfac_factor", "kfac_inverse"))
   n_inv = 1
   n_fac = INVERSE_EVERY // FACTOR_EVERY - 1
   n_plain = INVERSE_EVERY - n_fac - n_inv
-  per_round_mix = [(i + n_fac * f + n_plain * p) / INVERSE_EVERY for p, f, i in zip(
-      times["kfac_plain"], times["kfac_factor"], times["kfac_inverse"])]
-  times["kfac_mix"] = per_round_mix
+  for times in (wall, cpu):
+    times["kfac_mix"] = [(i + n_fac * f + n_plain * p) / INVERSE_EVERY for p, f, i in zip(
+        times["kfac_plain"], times["kfac_factor"], times["kfac_inverse"])]
+
+  def ratio(times, name, base):
+    return statistics.median(a / b for a, b in zip(times[name], times[base]))
 
   rows = []
-  for r in runners[:4] + [Runner("kfac_mix", None, "kind",
-                                 f"({n_inv}·inverse + {n_fac}·factor + {n_plain}·plain)"
-                                 f"/{INVERSE_EVERY} of the rows above")] + runners[4:]:
+  mix = Runner("kfac_mix", None, "kind", f"({n_inv}·inverse + {n_fac}·factor + "
+               f"{n_plain}·plain)/{INVERSE_EVERY} of the rows below")
+  for r in runners[:4] + [mix] + runners[4:]:
     rows.append(dict(name=r.name, group=r.group, note=r.note,
-                     ms=1e3 * statistics.median(times[r.name]),
-                     ms_min=1e3 * min(times[r.name]), ms_max=1e3 * max(times[r.name]),
-                     vs_sgd=ratio(r.name, "sgd"), vs_adam=ratio(r.name, "adam"),
+                     ms=1e3 * statistics.median(wall[r.name]),
+                     ms_min=1e3 * min(wall[r.name]), ms_max=1e3 * max(wall[r.name]),
+                     vs_sgd=ratio(wall, r.name, "sgd"), vs_adam=ratio(wall, r.name, "adam"),
+                     cpu_ms=1e3 * statistics.median(cpu[r.name]),
+                     cpu_vs_sgd=ratio(cpu, r.name, "sgd"),
+                     cpu_vs_adam=ratio(cpu, r.name, "adam"),
                      compile=b["compile"].get(r.name)))
   final_losses = {r.name: r.run.carry[-1] for r in runners
                   if hasattr(r.run, "carry") and len(r.run.carry) > 1}
   return dict(model=model_name, description=b["desc"],
               layers=[dict(name=l.name, kind=l.kind, a_dim=l.a_dim, g_dim=l.g_dim)
                       for l in b["layers"]],
-              rows=rows, raw_seconds=times, final_losses=final_losses,
-              steps_in_amortised_run=b["steps_per_cycle"])
+              flops=b["flops"], rows=rows, raw_wall_seconds=wall, raw_cpu_seconds=cpu,
+              final_losses=final_losses, steps_in_amortised_run=b["steps_per_cycle"])
 
 
 # -------------------------------------------------------------------- report
@@ -324,42 +423,69 @@ def cpu_name() -> str:
   return platform.processor() or "unknown"
 
 
-def environment() -> dict:
+def _git(*args: str) -> str:
   try:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=os.path.dirname(__file__)).stdout.strip()
+    return subprocess.run(["git", *args], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.abspath(kd.__file__))).stdout.strip()
   except OSError:
-    commit = ""
+    return ""
+
+
+def environment() -> dict:
+  commit = _git("rev-parse", "--short", "HEAD")
+  if commit and _git("status", "--porcelain", "--untracked-files=no", "."):
+    commit += "+local changes"
   return dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
               jax=jax.__version__, jaxlib=getattr(jax.lib, "__version__", ""),
               optax=optax.__version__, backend=jax.default_backend(),
               devices=str(jax.devices()), cpu=cpu_name(), cpu_count=os.cpu_count(),
-              python=platform.python_version(), commit=commit)
+              python=platform.python_version(), commit=commit,
+              threads_env={k: os.environ[k] for k in (
+                  "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "XLA_FLAGS")
+                  if k in os.environ},
+              library=os.path.dirname(os.path.abspath(kd.__file__)))
 
 
 def markdown(results: list[dict], env: dict, args) -> str:
   lines = ["# Step time: K-FAC vs optax SGD and Adam", "",
            f"- date: {env['date']}; jax {env['jax']} ({env['backend']}); "
-           f"CPU: {env['cpu']} ({env['cpu_count']} cores, shared); commit {env['commit']}",
-           f"- {args.rounds} interleaved rounds; ms = median time per step (min-max); "
-           "ratios = median over rounds of the per-round ratio.",
-           f"- K-FAC amortised: factor_update_every={FACTOR_EVERY}, "
-           f"inverse_update_every={INVERSE_EVERY}, method eigen, KL clip 1e-3.",
+           f"CPU: {env['cpu']} ({env['cpu_count']} cores, shared with other jobs)",
+           f"- library: {env['library']} at commit {env['commit']}; thread settings: "
+           f"{env['threads_env'] or 'defaults'} (LAPACK eigh runs on scipy's OpenBLAS: "
+           "with its default threads it contends with XLA's own pool, see "
+           "OPENBLAS_NUM_THREADS in the docstring)",
+           f"- {args.rounds} interleaved rounds (every method once per round); wall ms = "
+           "median per step (min-max over rounds); CPU ms = process CPU time (all "
+           "threads) per step, less disturbed by other jobs on the machine; each ratio "
+           "is the median over rounds of the per-round ratio.",
+           f"- K-FAC: `kd.kfac(lr, ...)`, method eigen, KL clip 1e-3; amortised = "
+           f"factor_update_every={FACTOR_EVERY}, inverse_update_every={INVERSE_EVERY}.",
+           "- compile s = `jax.jit(step).lower(...).compile()`, trace + XLA compile.",
            "- Generated by `python benchmarks/step_time.py"
            + (" --quick" if args.quick else "") + "`.", ""]
   for res in results:
+    f = res["flops"]
     lines += [f"## {res['model']}: {res['description']}", "",
               "Tagged layers: " + ", ".join(
                   f"{l['name'].split('/')[-1]} (A {l['a_dim']}, G {l['g_dim']})"
                   for l in res["layers"]), "",
-              "| method | what | ms/step | × SGD | × Adam | compile s |",
-              "|---|---|---|---|---|---|"]
+              "| method | what | wall ms/step | × SGD | × Adam | CPU ms/step | × SGD (CPU) "
+              "| × Adam (CPU) | compile s |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for row in res["rows"]:
       comp = f"{row['compile']['total_s']:.2f}" if row["compile"] else ""
       lines.append(f"| {row['name']} | {row['note']} | {row['ms']:.2f} "
                    f"({row['ms_min']:.1f}-{row['ms_max']:.1f}) | "
-                   f"{row['vs_sgd']:.2f} | {row['vs_adam']:.2f} | {comp} |")
-    lines.append("")
+                   f"{row['vs_sgd']:.2f} | {row['vs_adam']:.2f} | {row['cpu_ms']:.2f} | "
+                   f"{row['cpu_vs_sgd']:.2f} | {row['cpu_vs_adam']:.2f} | {comp} |")
+    lines += ["", f"FLOPs per step (analytic; XLA's count for forward+backward: "
+              f"{f['fwd_bwd_xla'] / 1e9:.2f} GFLOP): forward+backward "
+              f"{f['fwd_bwd'] / 1e9:.2f} G, preconditioning {f['precondition'] / 1e9:.2f} G, "
+              f"factors {f['factors'] / 1e9:.2f} G (factor steps), eigh ≈ {f['eigh'] / 1e9:.2f} G "
+              f"(inverse steps). FLOP floor of K-FAC vs SGD: plain step "
+              f"{f['floor_plain']:.2f}×, factor step {f['floor_factor']:.2f}×, amortised "
+              f"{f['floor_amortised']:.2f}× (9d³ for eigh is an upper estimate, and LAPACK's "
+              "FLOP rate is not XLA's: the kfac_inverse row is the measured cost).", ""]
   return "\n".join(lines)
 
 
@@ -374,14 +500,18 @@ def main():
   parser.add_argument("--cycles", type=int, default=None,
                       help=f"inverse periods ({INVERSE_EVERY} steps) per amortised block")
   parser.add_argument("--compile-reps", type=int, default=None)
+  parser.add_argument("--hang-timeout", type=float, default=600,
+                      help="abort (exit 3) when no step finishes for this many seconds")
   parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   args = parser.parse_args()
   defaults = dict(rounds=2, reps=3, cycles=1, compile_reps=1) if args.quick else dict(
-      rounds=5, reps=10, cycles=2, compile_reps=2)
+      rounds=5, reps=10, cycles=1, compile_reps=2)
   for k, v in defaults.items():
     if getattr(args, k) is None:
       setattr(args, k, v)
 
+  global WATCHDOG
+  WATCHDOG = Watchdog(args.hang_timeout)
   env = environment()
   print(f"jax {env['jax']} on {env['cpu']} ({env['cpu_count']} cores)", flush=True)
   results = []

@@ -123,7 +123,7 @@ def _matrix():
                            id=f"{name}-{fraction:g}-{factor_reduction}-{gradient_reduction}")
 
 
-@pytest.mark.parametrize("fraction,factor_reduction,gradient_reduction", _matrix())
+@pytest.mark.parametrize("fraction,factor_reduction,gradient_reduction", list(_matrix()))
 def test_strategy_equals_single_device(fraction, factor_reduction, gradient_reduction):
   reference, _ = _single_device("eigen")
   trajectory, _, _ = _distributed(8, fraction, factor_reduction, gradient_reduction)
