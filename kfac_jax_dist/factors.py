@@ -43,11 +43,18 @@ def input_factor(a: jax.Array, has_bias: bool, form: str = FULL) -> jax.Array:
   """`A = (1/N) Σ_p a_p a_pᵀ` over all leading positions, bias folded in."""
   a = _flatten_positions(a)
   num_positions = a.shape[0]
-  if has_bias:
-    a = jnp.concatenate([a, jnp.ones((num_positions, 1), a.dtype)], axis=1)
+  # The homogeneous coordinate is added to the product, not to `a`: with
+  # `a = [x, 1]`, `A = [[E x xᵀ, E x], [E xᵀ, 1]]`. Concatenating a column of
+  # ones to `x` would copy the whole `[N, d]` input (for a conv, its im2col
+  # patches) just to feed the matmul.
   if form == DIAG:
-    return jnp.sum(a * a, axis=0) / num_positions
-  return jnp.matmul(a.T, a, precision=lax.Precision.HIGHEST) / num_positions
+    diag = jnp.sum(a * a, axis=0) / num_positions
+    return jnp.concatenate([diag, jnp.ones((1,), a.dtype)]) if has_bias else diag
+  second = jnp.matmul(a.T, a, precision=lax.Precision.HIGHEST) / num_positions
+  if not has_bias:
+    return second
+  mean = jnp.mean(a, axis=0)
+  return jnp.block([[second, mean[:, None]], [mean[None, :], jnp.ones((1, 1), a.dtype)]])
 
 
 def output_factor(g: jax.Array, form: str = FULL) -> jax.Array:
@@ -61,16 +68,26 @@ def output_factor(g: jax.Array, form: str = FULL) -> jax.Array:
 def conv_patches(x: jax.Array, kernel_shape, strides, padding, dilation) -> jax.Array:
   """im2col patches of an NHWC input, features ordered like `kernel.reshape(-1, O)`.
 
-  `lax.conv_general_dilated_patches` orders a patch's features channel-first,
-  `(C, kh, kw)`; Flax's HWIO kernel flattens as `(kh, kw, C)`. We reorder the
-  patches so that `patches @ kernel.reshape(-1, O)` is the convolution.
+  Flax's HWIO kernel flattens as `(kh, kw, C)`, so the patch of an output pixel
+  is the concatenation, over the kernel taps `(i, j)` in row-major order, of
+  the (padded) input pixel that tap sees: `patches @ kernel.reshape(-1, O)` is
+  the convolution. The patches are gathered with `kh·kw` strided slices of the
+  padded input: pure data movement. (`lax.conv_general_dilated_patches` builds
+  them with a grouped convolution against a one-hot kernel, which XLA's CPU
+  backend runs as slowly as the factor's matmul itself.)
   """
-  kh, kw, cin = kernel_shape[0], kernel_shape[1], kernel_shape[2]
-  patches = lax.conv_general_dilated_patches(
-      x, filter_shape=(kh, kw), window_strides=strides, padding=padding,
-      rhs_dilation=dilation, dimension_numbers=("NHWC", "HWIO", "NHWC"),
-      precision=lax.Precision.HIGHEST)
-  lead = patches.shape[:-1]
-  patches = patches.reshape(lead + (cin, kh * kw))
-  patches = jnp.swapaxes(patches, -1, -2)
-  return patches.reshape(lead + (kh * kw * cin,))
+  kh, kw = kernel_shape[0], kernel_shape[1]
+  (sh, sw), (dh, dw) = tuple(strides), tuple(dilation)
+  window = ((kh - 1) * dh + 1, (kw - 1) * dw + 1)
+  if isinstance(padding, str):
+    padding = lax.padtype_to_pads(x.shape[1:3], window, (sh, sw), padding)
+  (top, bottom), (left, right) = padding
+  x = lax.pad(x, jnp.zeros((), x.dtype),
+              ((0, 0, 0), (top, bottom, 0), (left, right, 0), (0, 0, 0)))
+  out_h = (x.shape[1] - window[0]) // sh + 1
+  out_w = (x.shape[2] - window[1]) // sw + 1
+  taps = [lax.slice(x, (0, i * dh, j * dw, 0),
+                    (x.shape[0], i * dh + (out_h - 1) * sh + 1,
+                     j * dw + (out_w - 1) * sw + 1, x.shape[3]), (1, sh, sw, 1))
+          for i in range(kh) for j in range(kw)]
+  return taps[0] if len(taps) == 1 else jnp.concatenate(taps, axis=-1)

@@ -27,13 +27,25 @@ def _at_least_f32(x):
   return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
+def _batched(fn, stacked: jax.Array):
+  """`fn` on every `[d, d]` slot of `stacked`: one batched call on accelerators,
+  one call per slot (`lax.map`) on CPU. jaxlib's batched CPU eigh/cholesky fans
+  the batch out over XLA's intra-op thread pool from inside that pool, and
+  deadlocks when every pool thread waits (seen on 2-core machines)."""
+  if stacked.shape[0] == 1:
+    return jax.tree_util.tree_map(lambda x: x[None], fn(stacked[0]))
+  return lax.platform_dependent(stacked, cpu=lambda s: lax.map(fn, s),
+                                default=jax.vmap(fn))
+
+
 def eigh(factors: jax.Array) -> tuple[jax.Array | None, jax.Array]:
   """Batched eigendecomposition; eigenvalues clipped at 0 (factors are PSD)."""
   factors = _at_least_f32(factors)
   if factors.ndim == 2:                      # diagonal factors
     return None, jnp.maximum(factors, 0.0)
   factors = 0.5 * (factors + jnp.swapaxes(factors, -1, -2))
-  values, vectors = jnp.linalg.eigh(factors)
+  values, vectors = _batched(lambda f: jnp.linalg.eigh(f, symmetrize_input=False),
+                             factors)
   return vectors, jnp.maximum(values, 0.0)
 
 
@@ -44,9 +56,8 @@ def damped_inverse(factors: jax.Array, damping: jax.Array) -> jax.Array:
     return 1.0 / (factors + damping[:, None])
   eye = jnp.eye(factors.shape[-1], dtype=factors.dtype)
   damped = 0.5 * (factors + jnp.swapaxes(factors, -1, -2)) + damping[:, None, None] * eye
-  chol = jnp.linalg.cholesky(damped)
-  solve = jax.vmap(lambda c: jax.scipy.linalg.cho_solve((c, True), eye))
-  return solve(chol)
+  return _batched(
+      lambda f: jax.scipy.linalg.cho_solve((jnp.linalg.cholesky(f), True), eye), damped)
 
 
 def mean_traces(factors: jax.Array) -> jax.Array:

@@ -289,3 +289,16 @@ def test_factor_dtype_storage():
   _, state = tx.update(grads, state, kfac_stats=stats)
   assert state.factors.dtype == jnp.bfloat16
   assert state.second_order.dtype == jnp.float32
+
+
+def test_cpu_decompositions_are_unbatched():
+  """jaxlib's batched CPU eigh/cholesky can deadlock a 2-thread XLA pool: on CPU
+  every LAPACK call must see one matrix (num_batch_dims = 0)."""
+  from kfac_jax_dist import linalg
+  stacked = jnp.ones((3, 6, 6), jnp.float32)
+  texts = [jax.jit(linalg.eigh).lower(stacked).as_text(),
+           jax.jit(linalg.damped_inverse).lower(stacked, jnp.ones(3)).as_text()]
+  calls = [line for text in texts for line in text.splitlines()
+           if "lapack_" in line and "custom_call" in line]
+  assert len(calls) >= 2
+  assert all('num_batch_dims = "0"' in line for line in calls), calls
