@@ -666,7 +666,9 @@ def test_statistics_skipped_between_factor_updates(jit):
 # ---------------------------------------------------------------------------
 
 def _shapes(tree):
-  return jax.tree.map(jnp.shape, tree)
+  """`{path: shape}` (plain data, comparable across flax versions)."""
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {jax.tree_util.keystr(path): jnp.shape(leaf) for path, leaf in flat}
 
 
 def _randomized(tree, seed=7):
