@@ -1,0 +1,370 @@
+"""Communication volume per device per step, read from the compiled HLO.
+
+For a fixed model (`_common.CnnMlp`, kd.linen layers of several sizes plus one
+untagged parameter) and P = 2, 4, 8 host devices, this compiles the shard_map'd
+training step (`jax.jit(jax.shard_map(step)).lower(...).compile().as_text()`)
+of
+
+* SGD: `pmean` of the gradients + `optax.sgd(0.1, 0.9)`;
+* K-FAC (`kd.kfac`, method "eigen") with every strategy of `_common.STRATEGIES`:
+  COMM-OPT (grad_worker_fraction=1), MEM-OPT (1/P), HYBRID (1/2, P ≥ 4), DP-KFAC
+  (factor_reduction="local"), SP-NGD fused (MEM-OPT with
+  gradient_reduction="reduce_scatter"), and factor_reduction all_reduce vs
+  reduce_scatter × symmetric_comm on/off for COMM-OPT and MEM-OPT;
+
+and lists every collective of the HLO (walking called computations from ENTRY).
+Collectives in the `true` branch of the conditional named `kfac_factor_update`
+run on factor steps only, those under `kfac_decomposition` on inverse steps
+only, all others every step (a collective in a `lax.switch` branch would run
+every step; the largest branch is counted). Step kinds: plain = every-step
+collectives; factor step = plain + factor update; inverse step = factor step
++ decomposition (with the usual cadences an inverse step also updates factors).
+
+Bytes per device, ring model with g the replica-group size: all-reduce
+2(g-1)/g·N, reduce-scatter (g-1)/g·N_in, all-gather (g-1)/g·N_out, all-to-all
+(g-1)/g·N, collective-permute N. "payload" is the logical buffer: N, N_in, N_out.
+
+Beside them, the papers' formulas from the layer shapes (per device, ring; the
+DP-KFAC paper's Table 2 gives totals over the P devices, i.e. P× these):
+SGD gradient all-reduce 2(P-1)/P·N_params; KAISA factor all-reduce of full
+factors 2(P-1)/P·Σd²; triangular factors Σd(d+1)/2 instead of Σd²; factor
+reduce-scatter (P-1)/P·Σ; MEM-OPT preconditioned-gradient all-gather
+(P-1)/P·N_tagged (HYBRID: (G-1)/G·N_tagged, G = P/m groups, as KAISA's
+receivers get each other group's gradients once); eigenbasis all-gather to the
+m gradient workers (m-1)/m·Σ(d²+d)/G; DP-KFAC no factor traffic. The "layout"
+columns give the sizes of the library's padded buffers: P·L (factor segments),
+G·S (gradient buffer), m·L₂ (second-order segments) against the useful sizes.
+
+Usage: python benchmarks/comm_volume.py [--quick] [--devices 2,4,8] [--out DIR]
+(--quick: P = 8 only and the main strategies; writes comm_volume_quick.*).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+import kfac_jax_dist as kd
+from kfac_jax_dist import layout as layout_lib
+from kfac_jax_dist.kfac import _gradient_offsets, find_states
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+F32 = 4
+FACTOR_EVERY, INVERSE_EVERY = 10, 100     # the cadence of C.kfac_tx, for "amortised"
+
+
+def model_sizes(layers, params) -> dict:
+  n_all = sum(int(np.prod(v.shape)) for v in jax.tree_util.tree_leaves(params))
+  n_tag = sum(l.a_dim * l.g_dim for l in layers)
+  dims = [d for l in layers for d in (l.a_dim, l.g_dim)]
+  return {"params": n_all, "tagged": n_tag, "untagged": n_all - n_tag,
+          "sum_d2": sum(d * d for d in dims), "sum_tri": sum(d * (d + 1) // 2 for d in dims),
+          "sum_eig": sum(d * d + d for d in dims), "largest_layer": max(
+              l.a_dim * l.g_dim for l in layers),
+          "largest_tri": max(d * (d + 1) // 2 for d in dims)}
+
+
+def formulas(s: dict, strat: C.Strategy | None, p: int) -> dict:
+  """Papers' per-device bytes (ring model) for this configuration."""
+  r = (p - 1) / p
+  sgd = 2 * r * s["params"] * F32
+  if strat is None:
+    return {"plain": sgd, "factor": 0.0, "inverse": 0.0}
+  m = strat.group_size(p)
+  g = p // m
+  plain = sgd
+  if g > 1:
+    plain += (g - 1) / g * s["tagged"] * F32
+  if strat.gradient_reduction == "reduce_scatter":
+    plain = sgd     # RS + AG of the tagged gradients, AR of the rest: SGD's bytes
+  size = s["sum_tri"] if strat.symmetric else s["sum_d2"]
+  factor = {"local": 0.0, "all_reduce": 2 * r * size * F32,
+            "reduce_scatter": r * size * F32}[strat.factor_reduction]
+  inverse = (m - 1) / m * s["sum_eig"] / g * F32
+  return {"plain": plain, "factor": factor, "inverse": inverse}
+
+
+def layout_info(opt_state, p: int) -> dict:
+  st, = find_states(opt_state)
+  lay = st.layout
+  _, size = _gradient_offsets(lay)
+  stored = sum(f.size for pl in lay.plans for f in (pl.a, pl.g))
+  second = sum(layout_lib._second_parts(f.dim, f.form, lay.method)[0]
+               + layout_lib._second_parts(f.dim, f.form, lay.method)[1]
+               for pl in lay.plans for f in (pl.a, pl.g))
+  return {"L": lay.segment, "L2": lay.second_segment, "S": size, "G": lay.num_groups,
+          "m": lay.group_size, "factor_buffer": p * lay.segment, "factor_useful": stored,
+          "grad_buffer": lay.num_groups * size,
+          "grad_useful": sum(pl.layer.a_dim * pl.layer.g_dim for pl in lay.plans),
+          "second_buffer_group": lay.group_size * lay.second_segment,
+          "second_useful": second}
+
+
+def measure(p: int, strategies, verbose=True) -> list[dict]:
+  loss_fn, params, x, y = C.problem()
+  grad_fn = kd.value_and_grad(loss_fn)
+  layers = grad_fn.discover(params, x, y)
+  sizes = model_sizes(layers, params)
+  mesh = Mesh(np.array(jax.devices()[:p]), ("data",))
+  rows = []
+  configs = [("SGD", None)] + [(s.name, s) for s in strategies]
+  for name, strat in configs:
+    if strat is not None and strat.group_size(p) is None:
+      continue
+    t0 = time.perf_counter()
+    if strat is None:
+      tx = optax.sgd(0.1, momentum=0.9)
+      fn, state = C.sharded_step(loss_fn, params, x, y, tx, grad_fn, mesh, "none",
+                                 kfac=False)
+      info = {}
+    else:
+      dist = C.distribution(strat, p)
+      tx = C.kfac_tx(grad_fn, layers, dist)
+      fn, state = C.sharded_step(loss_fn, params, x, y, tx, grad_fn, mesh,
+                                 strat.gradient_reduction)
+      info = layout_info(state, p)
+    hlo = fn.lower(params, state, x, y).compile().as_text()
+    found, notes = C.collectives(hlo, p)
+    tot = C.totals(found)
+    row = {"P": p, "strategy": name, "what": strat.what if strat else "pmean + optax.sgd",
+           "m": strat.group_size(p) if strat else None, "layout": info,
+           "totals": tot, "notes": notes, "compile_s": time.perf_counter() - t0,
+           "collectives": [vars(c) for c in found],
+           "formula": formulas(sizes, strat, p), "sizes": sizes}
+    for kind in ("plain", "factor", "inverse"):
+      row[kind] = C.step_bytes(tot, kind)
+      row[kind + "_payload"] = C.step_bytes(tot, kind, "payload")
+    row["factor_only"] = row["factor"] - row["plain"]
+    row["inverse_only"] = row["inverse"] - row["factor"]
+    row["amortised"] = (row["plain"] + row["factor_only"] / FACTOR_EVERY
+                        + row["inverse_only"] / INVERSE_EVERY)
+    rows.append(row)
+    if verbose:
+      print(f"  P={p} {name:28s} plain {C.fmt_bytes(row['plain']):>9s} factor-only "
+            f"{C.fmt_bytes(row['factor_only']):>9s} inverse-only "
+            f"{C.fmt_bytes(row['inverse_only']):>9s} ({row['compile_s']:.1f} s)",
+            flush=True)
+  return rows
+
+
+def kinds_str(tot, part: str, field="ring") -> str:
+  bits = [f"{k.replace('collective-', '').replace('all-', '')}:{C.fmt_bytes(tot[part][k][field])}"
+          f"×{tot[part][k]['count']}" for k in C.KINDS if tot[part][k]["count"]]
+  return ", ".join(bits) if bits else "—"
+
+
+def checks(rows: list[dict], p: int = 8) -> list[dict]:
+  by = {r["strategy"]: r for r in rows if r["P"] == p}
+  out = []
+  if not by:
+    return out
+  sgd = by["SGD"]["plain"]
+  sizes = by["SGD"]["sizes"]
+  kaisa_formula = 2 * (p - 1) / p * sizes["sum_d2"] * F32
+
+  def add(name, value, target, ok, why):
+    out.append({"check": name, "value": value, "target": target, "holds": bool(ok),
+                "why": why})
+
+  if "COMM-OPT" in by:
+    v = by["COMM-OPT"]["plain"]
+    add(f"COMM-OPT plain step bytes == SGD's (P={p})", f"{v:.0f} vs {sgd:.0f} B",
+        "equal", v == sgd,
+        "" if v == sgd else f"difference {v - sgd:+.0f} B: "
+        + kinds_str(by["COMM-OPT"]["totals"], "every"))
+  if "SP-NGD fused" in by:
+    r = by["SP-NGD fused"]
+    v = r["plain"]
+    lay = r["layout"]
+    pad = (lay["grad_buffer"] - lay["grad_useful"]) * F32
+    lower = p * sizes["largest_layer"] / sizes["tagged"]
+    add(f"SP-NGD fused MEM-OPT plain step <= 1.05x SGD (P={p})", f"{v / sgd:.3f}x",
+        "<= 1.05x", v <= 1.05 * sgd,
+        f"reduce-scatter + all-gather of the group buffer G·S = {lay['G']}×{lay['S']} = "
+        f"{lay['grad_buffer']} numbers for {lay['grad_useful']} gradient numbers: "
+        f"{C.fmt_bytes(pad)} of padding per buffer ({lay['grad_buffer'] / lay['grad_useful']:.2f}x), "
+        f"each collective moving (P-1)/P of it. Any layout that keeps a layer on one "
+        f"owner needs G·S >= P·(largest layer) = {p * sizes['largest_layer']} here, "
+        f"{lower:.2f}x the tagged gradient")
+  for name in ("COMM-OPT", "MEM-OPT"):
+    if name in by:
+      r = by[name]
+      v = r["factor_only"]
+      lay = r["layout"]
+      pad = (lay["factor_buffer"] - lay["factor_useful"]) * F32
+      lower = p * sizes["largest_tri"] / sizes["sum_tri"]
+      kaisa_cfg = by.get(name + " AR full (KAISA)")
+      measured_kaisa = ("" if kaisa_cfg is None else
+                        f"; the library's own all_reduce of full factors sends "
+                        f"{kaisa_cfg['factor_only'] / kaisa_formula:.3f}x the formula")
+      add(f"{name} factor traffic (RS + symmetric) <= 0.3x KAISA full-factor all-reduce "
+          f"(P={p})", f"{v / kaisa_formula:.3f}x{measured_kaisa}", "<= 0.3x",
+          v <= 0.3 * kaisa_formula,
+          f"reduce-scatter of P·L = {p}×{lay['L']} = {lay['factor_buffer']} numbers for "
+          f"{lay['factor_useful']} triangle numbers ({lay['factor_buffer'] / lay['factor_useful']:.3f}x, "
+          f"{C.fmt_bytes(pad)} of segment padding); without padding the ratio would be "
+          f"Σtri/(2·Σd²) = {sizes['sum_tri'] / (2 * sizes['sum_d2']):.3f}; one owner per "
+          f"factor needs P·L >= P·(largest triangle) = {lower:.2f}x Σtri")
+  if "HYBRID" in by:
+    r = by["HYBRID"]
+    lay = r["layout"]
+    m, g = lay["m"], lay["G"]
+    gathered = r["totals"]["every"]["all-gather"]["ring"]
+    kaisa = (g - 1) * lay["S"] * F32        # each receiver gets every other group once
+    add(f"HYBRID (m={m}) every-step gather vs KAISA's receivers, (G-1)·S (P={p})",
+        f"{gathered / kaisa:.3f}x", "1x (DESIGN: all_gather within groups of P/m)",
+        abs(gathered / kaisa - 1) < 0.01,
+        f"gather_groups all-gathers pieces of S/m over all P devices: (P-1)/m·S = "
+        f"{(p - 1) / m:.2f}·S per device, of which (m-1)/m·S are the device's own group's "
+        f"pieces, which it already holds; KAISA's all-gather among the G devices "
+        f"{{r, r+m, ...}} sends (G-1)·S = {g - 1}·S: (P-1)/(P-m) = {(p - 1) / (p - m):.3f}x")
+  for name in ("COMM-OPT", "MEM-OPT"):
+    r = by.get(name + " AR full (KAISA)")
+    if r is not None:
+      v = r["factor_only"]
+      lay = r["layout"]
+      add(f"{name} factor_reduction=all_reduce, full factors, vs KAISA's all-reduce "
+          f"2(P-1)/P·Σd² (P={p})", f"{v / kaisa_formula:.3f}x", "1x",
+          abs(v / kaisa_formula - 1) < 0.01,
+          f"psum of the padded [P·L] = {lay['factor_buffer']} numbers instead of the "
+          f"Σd² = {lay['factor_useful']} of the factors "
+          f"({C.fmt_bytes((lay['factor_buffer'] - lay['factor_useful']) * F32)} of segment "
+          "padding); an all-reduce needs no per-owner segments: a tight buffer, "
+          "then each owner slices its factors, sends exactly the formula")
+  if "DP-KFAC" in by:
+    r = by["DP-KFAC"]
+    v = r["factor_only"]
+    add(f"DP-KFAC zero factor bytes (P={p})", f"{v:.0f} B", "0", v == 0,
+        "" if v == 0 else kinds_str(r["totals"], "factor"))
+  return out
+
+
+def render(rows, chk, head) -> str:
+  out = ["# Communication volume per device per step (from compiled HLO)", "",
+         C.header_md(head),
+         f"- model: {C.MODEL_DESCRIPTION}; K-FAC method eigen, factor_update_every=10, "
+         "inverse_update_every=100, KL clip on",
+         "- bytes per device, ring model (AR 2(g-1)/g·N, RS (g-1)/g·N_in, AG (g-1)/g·N_out); "
+         "payload = logical buffer bytes (N, N_in, N_out). plain = collectives every step; "
+         "factor / inverse = the extra collectives of the factor-update / decomposition "
+         "conditionals (an inverse step pays plain + factor + inverse).",
+         "- paper = the papers' formula for that configuration from the layer shapes "
+         "(see the docstring); ×SGD = plain-step bytes / SGD's.",
+         "- Generated by `python benchmarks/comm_volume.py`.", ""]
+  sizes = rows[0]["sizes"]
+  out.append(f"Model: {sizes['params']} parameters ({sizes['tagged']} in tagged layers, "
+             f"largest layer {sizes['largest_layer']}); factors Σd² = {sizes['sum_d2']}, "
+             f"Σd(d+1)/2 = {sizes['sum_tri']}, largest triangle {sizes['largest_tri']}.")
+  out.append("")
+  for p in sorted({r["P"] for r in rows}):
+    rs = [r for r in rows if r["P"] == p]
+    sgd = next(r for r in rs if r["strategy"] == "SGD")["plain"]
+    out.append(f"## P = {p}")
+    out.append("")
+    r_ = (p - 1) / p
+    half = p // 2 if p >= 4 else 1
+    g_h = p // half
+    out.append("Papers' formulas (bytes per device, ring model; the DP-KFAC paper's Table 2 "
+               "gives P× these totals): " + "; ".join(f"{k} {C.fmt_bytes(v)}" for k, v in (
+                   ("SGD gradient all-reduce 2(P-1)/P·N", 2 * r_ * sizes["params"] * F32),
+                   ("KAISA factor all-reduce of full factors 2(P-1)/P·Σd²",
+                    2 * r_ * sizes["sum_d2"] * F32),
+                   ("all-reduce of triangles 2(P-1)/P·Σd(d+1)/2", 2 * r_ * sizes["sum_tri"] * F32),
+                   ("reduce-scatter of triangles (P-1)/P·Σd(d+1)/2", r_ * sizes["sum_tri"] * F32),
+                   ("MEM-OPT preconditioned-gradient all-gather (P-1)/P·N_tagged",
+                    r_ * sizes["tagged"] * F32),
+                   (f"HYBRID m={half} receivers' gather (G-1)/G·N_tagged",
+                    (g_h - 1) / g_h * sizes["tagged"] * F32),
+                   ("COMM-OPT eigenbasis all-gather (P-1)/P·Σ(d²+d)", r_ * sizes["sum_eig"] * F32),
+                   ("DP-KFAC factor traffic", 0.0))) + ".")
+    out.append("")
+    table = []
+    for r in rs:
+      f = r["formula"]
+      table.append([
+          r["strategy"], r["m"] or "", C.fmt_bytes(r["plain"]), f"{r['plain'] / sgd:.3f}",
+          C.fmt_bytes(f["plain"]), kinds_str(r["totals"], "every"),
+          C.fmt_bytes(r["factor_only"]), C.fmt_bytes(f["factor"]),
+          kinds_str(r["totals"], "factor"), C.fmt_bytes(r["inverse_only"]),
+          C.fmt_bytes(f["inverse"]), kinds_str(r["totals"], "inverse"),
+          f"{C.fmt_bytes(r['amortised'])} ({r['amortised'] / sgd:.2f}×)",
+          f"{C.fmt_bytes(r['plain_payload'])} / {C.fmt_bytes(r['factor_payload'] - r['plain_payload'])}"
+          f" / {C.fmt_bytes(r['inverse_payload'] - r['factor_payload'])}"])
+    out.append(C.md_table(table, [
+        "strategy", "m", "plain", "×SGD", "paper plain", "plain by kind (ring×count)",
+        "factor", "paper factor", "factor by kind", "inverse", "paper inverse",
+        "inverse by kind", "amortised 10/100 (×SGD)", "payload plain / factor / inverse"]))
+    out.append("")
+    lay_rows = []
+    for r in rs:
+      lay = r["layout"]
+      if not lay:
+        continue
+      lay_rows.append([
+          r["strategy"], lay["G"], lay["m"],
+          f"{lay['factor_buffer']} / {lay['factor_useful']} = "
+          f"{lay['factor_buffer'] / lay['factor_useful']:.2f}",
+          f"{lay['grad_buffer']} / {lay['grad_useful']} = "
+          f"{lay['grad_buffer'] / lay['grad_useful']:.2f}",
+          f"{lay['second_buffer_group']} / {lay['second_useful'] / lay['G']:.0f} = "
+          f"{lay['second_buffer_group'] / (lay['second_useful'] / lay['G']):.2f}",
+          f"{r['compile_s']:.1f}", "; ".join(r["notes"])])
+    out.append(C.md_table(lay_rows, [
+        "strategy", "groups G", "m", "factor buffer P·L / Σ stored",
+        "gradient buffer G·S / Σ tagged", "group second-order m·L₂ / (Σ/G)",
+        "compile s", "notes"]))
+    out.append("")
+  if chk:
+    out.append("## Checks")
+    out.append("")
+    out.append(C.md_table([[c["check"], c["value"], c["target"],
+                            "yes" if c["holds"] else "**no**", c["why"]] for c in chk],
+                          ["check", "measured", "target", "holds", "why"]))
+    out.append("")
+  return "\n".join(out)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                               formatter_class=argparse.RawDescriptionHelpFormatter,
+                               epilog=__doc__.split("\n\n", 1)[1])
+  ap.add_argument("--quick", action="store_true",
+                  help="P = 8 only, main strategies only; writes comm_volume_quick.*")
+  ap.add_argument("--devices", default=None, help="comma-separated P values (default 2,4,8)")
+  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+  args = ap.parse_args(argv)
+  ps = [int(v) for v in (args.devices or ("8" if args.quick else "2,4,8")).split(",")]
+  if max(ps) > jax.device_count():
+    raise SystemExit(f"need {max(ps)} devices, have {jax.device_count()} (XLA_FLAGS)")
+  strategies = [s for s in C.STRATEGIES if not args.quick or s.name in C.QUICK]
+  head = C.header()
+  rows = []
+  for p in ps:
+    rows += measure(p, strategies)
+  chk = checks(rows, 8) if 8 in ps else []
+  text = render(rows, chk, head)
+  print(text)
+  os.makedirs(args.out, exist_ok=True)
+  stem = "comm_volume_quick" if args.quick else "comm_volume"
+  with open(os.path.join(args.out, stem + ".md"), "w") as f:
+    f.write(text + "\n")
+  with open(os.path.join(args.out, stem + ".json"), "w") as f:
+    json.dump({"header": head, "rows": rows, "checks": chk}, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+  main()

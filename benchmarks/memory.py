@@ -1,0 +1,202 @@
+"""Optimizer-state bytes per device for every distribution strategy.
+
+Same model as comm_volume.py (`_common.CnnMlp`). For P = 1, 2, 4, 8 host
+devices and each strategy, the state of `kd.kfac(...)` (scale_by_kfac,
+add_decayed_weights, sgd with momentum) is built with `tx.init` and placed
+with `kd.shard_state`; the bytes of every leaf's shard on each device are
+summed from the placed arrays (`addressable_shards`): the K-FAC state alone
+(`ScaleByKfacState`: counters, running factors, second-order state) and the
+whole optax state. Reported: device 0 and the max over devices, the global
+(logical, unreplicated) size of the K-FAC state, and the ideal per-device
+share (Σ stored factor numbers + Σ second-order numbers)·4 B / P.
+
+"ideal" is the padding-free per-device size for the strategy: Σ stored /
+P + Σ second-order / G (G = P/m owner groups).
+
+Factor storage follows `symmetric_comm` (upper triangles when on), so the
+"full" rows store d² per factor. Target: at P = 8, MEM-OPT's K-FAC state per
+device <= 1.15 × (COMM-OPT's total K-FAC state / 8).
+
+Usage: python benchmarks/memory.py [--quick] [--devices 1,2,4,8] [--out DIR]
+(--quick: P = 8 only; writes memory_quick.*).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import argparse
+import json
+import sys
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+import kfac_jax_dist as kd
+from kfac_jax_dist import layout as layout_lib
+from kfac_jax_dist.kfac import find_states
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+MEMORY_STRATEGIES = ("COMM-OPT", "COMM-OPT RS full", "MEM-OPT", "MEM-OPT RS full",
+                     "HYBRID", "DP-KFAC", "SP-NGD fused")
+
+
+def per_device_bytes(tree, num_devices: int) -> list[int]:
+  out = [0] * num_devices
+  index = {d: i for i, d in enumerate(jax.devices()[:num_devices])}
+  for leaf in jax.tree_util.tree_leaves(tree):
+    for shard in leaf.addressable_shards:
+      if shard.device in index:
+        out[index[shard.device]] += shard.data.nbytes
+  return out
+
+
+def global_bytes(tree) -> int:
+  return sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
+
+
+def useful_numbers(lay) -> tuple[int, int]:
+  stored = second = 0
+  for pl in lay.plans:
+    for f in (pl.a, pl.g):
+      stored += f.size
+      mat, vec = layout_lib._second_parts(f.dim, f.form, lay.method)
+      second += mat + vec
+  return stored, second
+
+
+def measure(p: int, names) -> list[dict]:
+  loss_fn, params, x, y = C.problem()
+  grad_fn = kd.value_and_grad(loss_fn)
+  layers = grad_fn.discover(params, x, y)
+  mesh = Mesh(np.array(jax.devices()[:p]), ("data",))
+  rows = []
+  for name, tx in (("SGD (momentum 0.9)", optax.sgd(0.1, momentum=0.9)),
+                   ("Adam", optax.adam(1e-3))):
+    state = jax.device_put(tx.init(params), jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec()))
+    dev = per_device_bytes(state, p)
+    rows.append({"P": p, "strategy": name, "m": None, "kfac_dev0": 0, "kfac_max": 0,
+                 "kfac_global": 0, "ideal": 0, "share": 0, "total_dev0": dev[0],
+                 "total_max": max(dev), "layout": {}})
+  for strat in C.STRATEGIES:
+    if strat.name not in names or strat.group_size(p) is None:
+      continue
+    if p == 1 and strat.name not in ("COMM-OPT", "COMM-OPT RS full"):
+      continue                                  # every strategy is the same at P=1
+    dist = C.distribution(strat, p)
+    tx = C.kfac_tx(grad_fn, layers, dist)
+    state = kd.shard_state(tx.init(params), mesh)
+    kstate, = find_states(state)
+    kdev = per_device_bytes(kstate, p)
+    tdev = per_device_bytes(state, p)
+    lay = kstate.layout
+    stored, second = useful_numbers(lay)
+    rows.append({
+        "P": p, "strategy": strat.name if p > 1 else strat.name.replace("COMM-OPT", "one device"),
+        "m": lay.group_size, "kfac_dev0": kdev[0], "kfac_max": max(kdev),
+        "kfac_per_device": kdev, "kfac_global": global_bytes(kstate),
+        "ideal": (stored / p + second / lay.num_groups) * 4,
+        "share": (stored + second) * 4 / p, "total_dev0": tdev[0], "total_max": max(tdev),
+        "layout": {"L": lay.segment, "L2": lay.second_segment, "G": lay.num_groups,
+                   "stored": stored, "second": second,
+                   "factors_dev": int(kstate.factors.addressable_shards[0].data.nbytes),
+                   "second_dev": int(kstate.second_order.addressable_shards[0].data.nbytes),
+                   "scalars_dev": kdev[0]
+                   - int(kstate.factors.addressable_shards[0].data.nbytes)
+                   - int(kstate.second_order.addressable_shards[0].data.nbytes)}})
+    print(f"  P={p} {strat.name:22s} K-FAC/device {C.fmt_bytes(max(kdev)):>9s} "
+          f"whole state {C.fmt_bytes(max(tdev)):>9s}", flush=True)
+  return rows
+
+
+def checks(rows, p=8):
+  by = {r["strategy"]: r for r in rows if r["P"] == p}
+  if "MEM-OPT" not in by or "COMM-OPT" not in by:
+    return []
+  mem, comm = by["MEM-OPT"], by["COMM-OPT"]
+  target = 1.15 * comm["kfac_global"] / p
+  lay = mem["layout"]
+  why = (f"MEM-OPT per device = factors L·4 = {lay['L']}·4 + second-order L₂·4 = "
+         f"{lay['L2']}·4 + {lay['scalars_dev']} B of replicated scalars; "
+         f"COMM-OPT total/8 = {comm['kfac_global'] / p:.0f} B "
+         f"(its segments are themselves padded: P·L = {p * comm['layout']['L']} and P·L₂ = "
+         f"{p * comm['layout']['L2']} for {comm['layout']['stored']} / "
+         f"{comm['layout']['second']} useful numbers); the padding-free share is "
+         f"{mem['share']:.0f} B, so MEM-OPT is {mem['kfac_max'] / mem['share']:.3f}x of it")
+  return [{"check": f"MEM-OPT K-FAC state per device <= 1.15 × COMM-OPT total / {p} (P={p})",
+           "value": f"{mem['kfac_max']} B = {mem['kfac_max'] / (comm['kfac_global'] / p):.3f}x",
+           "target": f"<= {target:.0f} B", "holds": mem["kfac_max"] <= target, "why": why}]
+
+
+def render(rows, chk, head) -> str:
+  out = ["# Optimizer-state memory per device", "", C.header_md(head),
+         f"- model: {C.MODEL_DESCRIPTION}",
+         "- `kd.kfac` (scale_by_kfac + add_decayed_weights + sgd momentum), method eigen, "
+         "state from `tx.init` placed with `kd.shard_state`; bytes of each leaf's shard "
+         "per device. K-FAC = ScaleByKfacState alone; whole = the whole optax state "
+         "(adds the replicated momentum). global = logical size of the K-FAC state "
+         "(replicated leaves once; HYBRID's second-order array holds each group's m segments "
+         "on each of its m devices, so its global array counts them m times); ideal = "
+         "padding-free bytes per device for the strategy: (Σ stored factor numbers / P + "
+         "Σ second-order numbers / G)·4, G = P/m owner groups (COMM-OPT replicates the "
+         "second-order state, G = 1).",
+         "- Generated by `python benchmarks/memory.py`.", ""]
+  table = []
+  for r in rows:
+    lay = r["layout"]
+    table.append([
+        r["P"], r["strategy"], r["m"] or "", C.fmt_bytes(r["kfac_dev0"]),
+        C.fmt_bytes(r["kfac_max"]), C.fmt_bytes(r["kfac_global"]),
+        C.fmt_bytes(r["ideal"]), f"{r['kfac_max'] / r['ideal']:.3f}" if r["ideal"] else "",
+        C.fmt_bytes(r["total_dev0"]), C.fmt_bytes(r["total_max"]),
+        f"L={lay['L']}, L₂={lay['L2']}, G={lay['G']}" if lay else ""])
+  out.append(C.md_table(table, [
+      "P", "strategy", "m", "K-FAC dev 0", "K-FAC max", "K-FAC global", "ideal / device",
+      "max / ideal", "whole dev 0", "whole max", "segments"]))
+  out.append("")
+  if chk:
+    out.append("## Check")
+    out.append("")
+    out.append(C.md_table([[c["check"], c["value"], c["target"],
+                            "yes" if c["holds"] else "**no**", c["why"]] for c in chk],
+                          ["check", "measured", "target", "holds", "why"]))
+    out.append("")
+  return "\n".join(out)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                               formatter_class=argparse.RawDescriptionHelpFormatter,
+                               epilog=__doc__.split("\n\n", 1)[1])
+  ap.add_argument("--quick", action="store_true", help="P = 8 only; writes memory_quick.*")
+  ap.add_argument("--devices", default=None, help="comma-separated P (default 1,2,4,8)")
+  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+  args = ap.parse_args(argv)
+  ps = [int(v) for v in (args.devices or ("8" if args.quick else "1,2,4,8")).split(",")]
+  if max(ps) > jax.device_count():
+    raise SystemExit(f"need {max(ps)} devices, have {jax.device_count()} (XLA_FLAGS)")
+  head = C.header()
+  rows = []
+  for p in ps:
+    rows += measure(p, MEMORY_STRATEGIES)
+  chk = checks(rows, 8) if 8 in ps else []
+  text = render(rows, chk, head)
+  print(text)
+  os.makedirs(args.out, exist_ok=True)
+  stem = "memory_quick" if args.quick else "memory"
+  with open(os.path.join(args.out, stem + ".md"), "w") as f:
+    f.write(text + "\n")
+  with open(os.path.join(args.out, stem + ".json"), "w") as f:
+    json.dump({"header": head, "rows": rows, "checks": chk}, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+  main()
