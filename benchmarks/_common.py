@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import os
 import platform
 import re
@@ -416,3 +417,12 @@ def fmt_bytes(b: float) -> str:
     if abs(b) >= scale:
       return f"{b / scale:.3g} {unit}"
   return f"{b:.0f} B"
+
+
+def write_results(out_dir: str, stem: str, text: str, payload: dict[str, Any]) -> None:
+  """Writes `<stem>.md` (the printed table) and `<stem>.json` (raw numbers)."""
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, stem + ".md"), "w") as f:
+    f.write(text + "\n")
+  with open(os.path.join(out_dir, stem + ".json"), "w") as f:
+    json.dump(payload, f, indent=1, default=str)

@@ -29,7 +29,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
-import json
 import sys
 
 import jax
@@ -190,12 +189,8 @@ def main(argv=None):
   chk = checks(rows, 8) if 8 in ps else []
   text = render(rows, chk, head)
   print(text)
-  os.makedirs(args.out, exist_ok=True)
-  stem = "memory_quick" if args.quick else "memory"
-  with open(os.path.join(args.out, stem + ".md"), "w") as f:
-    f.write(text + "\n")
-  with open(os.path.join(args.out, stem + ".json"), "w") as f:
-    json.dump({"header": head, "rows": rows, "checks": chk}, f, indent=1, default=str)
+  C.write_results(args.out, "memory_quick" if args.quick else "memory", text,
+                  {"header": head, "rows": rows, "checks": chk})
 
 
 if __name__ == "__main__":
