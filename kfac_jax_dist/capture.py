@@ -68,18 +68,26 @@ class ValueAndGrad:
     functools.update_wrapper(self, fun)
 
   def discover(self, params, *args, **kwargs) -> registry.LayerRegistry:
-    """The tagged layers of `fun(params, *args, **kwargs)` (an abstract trace)."""
+    """The tagged layers of `fun(params, *args, **kwargs)` (an abstract trace;
+    parameters and batch may be `jax.ShapeDtypeStruct`s)."""
     found = []
+    # Array-like arguments (arrays, tracers, ShapeDtypeStructs) are traced
+    # abstractly; anything else (flags, modules) is passed through as is.
+    flat, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    dynamic = [hasattr(x, "shape") and hasattr(x, "dtype") for x in flat]
 
-    def traced(p):
+    def traced(p, arrays):
+      arrays = iter(arrays)
+      a, k = jax.tree_util.tree_unflatten(
+          treedef, [next(arrays) if d else x for x, d in zip(flat, dynamic)])
       trace = _context.Trace(mode="discover", leaf_paths=_leaf_ids(p))
       with _context.active(trace):
-        out = self.fun(p, *args, **kwargs)
+        out = self.fun(p, *a, **k)
       _one_loss(trace)
       found.append(trace)
       return out
 
-    jax.eval_shape(traced, params)
+    jax.eval_shape(traced, params, [x for x, d in zip(flat, dynamic) if d])
     layers = tuple(found[0].layers)
     if not layers:
       raise ValueError("The loss function ran no tagged layer (kd.tags / kd.linen / "

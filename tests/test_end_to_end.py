@@ -120,3 +120,18 @@ def test_jit_equals_eager_and_state_is_stable():
   assert jax.tree.structure(s0) == jax.tree.structure(sj)
   assert (jax.tree.map(lambda a: (a.shape, a.dtype), s0)
           == jax.tree.map(lambda a: (a.shape, a.dtype), sj))
+
+
+def test_discover_from_shapes_only():
+  x, y = _data()
+  linen = LinenNet()
+  shapes = jax.eval_shape(linen.init, jax.random.PRNGKey(1), x)
+  x_s, y_s = jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(y.shape, y.dtype)
+
+  def loss_fn(v, x, y, train=True):
+    assert train is True            # non-array arguments stay Python values
+    return kd.losses.softmax_cross_entropy(linen.apply(v, x), y)
+
+  layers = kd.value_and_grad(loss_fn).discover(shapes, x_s, y_s, train=True)
+  assert [l.name for l in layers] == ["params/conv", "params/hidden", "params/out"]
+  assert [(l.a_dim, l.g_dim) for l in layers] == [(19, 4), (65, 8), (8, 5)]
