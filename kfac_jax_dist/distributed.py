@@ -88,9 +88,12 @@ class Distribution:
 
 
 class Collectives:
-  """The collectives of one layout over one mesh axis; identities when P = 1.
+  """The collectives of one layout over one mesh axis; identities without a
+  `Distribution` (one device, no `shard_map`).
 
-  Must run inside `shard_map` over `distribution.axis` when P > 1.
+  With a `Distribution` (even of one device) they must run inside `shard_map`
+  over its axis; their results are typed varying or invariant over the axis as
+  `partition_specs` declares the state.
   """
 
   def __init__(self, distribution: Distribution | None):
