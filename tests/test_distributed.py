@@ -70,12 +70,13 @@ def _single_device(method):
 
 
 def _distributed(num_devices, fraction, factor_reduction, gradient_reduction,
-                 method="eigen", symmetric=True, steps=STEPS):
+                 method="eigen", symmetric=True, steps=STEPS, comm_dtype=None):
   loss_fn, params, x, y = _problem()
   mesh = Mesh(np.array(jax.devices()[:num_devices]), ("data",))
   dist = kd.Distribution(mesh, axis="data", grad_worker_fraction=fraction,
                          factor_reduction=factor_reduction,
-                         gradient_reduction=gradient_reduction, symmetric_comm=symmetric)
+                         gradient_reduction=gradient_reduction, symmetric_comm=symmetric,
+                         comm_dtype=comm_dtype)
   grad_fn = kd.value_and_grad(loss_fn)
   tx = kd.kfac(0.1, layers=grad_fn.discover(params, x, y), distribution=dist,
                **_options(method=method))
@@ -172,3 +173,17 @@ def test_misconfigured_distribution_is_rejected():
     kd.Distribution(mesh, axis="model")
   with pytest.raises(ValueError, match="factor_reduction"):
     kd.Distribution(mesh, factor_reduction="allreduce")
+
+
+def test_low_precision_factor_traffic_warns_and_stays_close():
+  reference, _ = _single_device("eigen")
+  with pytest.warns(UserWarning, match="16-bit"):
+    trajectory, opt_state, _ = _distributed(8, 1 / 8, "reduce_scatter", "none",
+                                            comm_dtype=jnp.bfloat16, steps=3)
+  state, = find_states(opt_state)
+  assert state.factors.dtype == jnp.float32          # only the traffic is bf16
+  for got, want in zip(trajectory, reference):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0.05, atol=2e-2),
+                 got, want)
+  with pytest.raises(AssertionError):                 # but not bit-equal: bf16 did travel
+    _assert_same(trajectory, reference)
