@@ -10,6 +10,8 @@ def varying_axes(*values) -> tuple[str, ...]:
   axes = set()
   for value in values:
     for leaf in jax.tree_util.tree_leaves(value):
+      if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+        continue                      # Python flags, strings, modules, ...
       aval = jax.typeof(leaf)
       manual = getattr(aval, "manual_axis_type", None)        # jax >= 0.10
       axes |= set(manual.varying if manual is not None else getattr(aval, "vma", ()))

@@ -132,6 +132,11 @@ def test_discover_from_shapes_only():
     assert train is True            # non-array arguments stay Python values
     return kd.losses.softmax_cross_entropy(linen.apply(v, x), y)
 
-  layers = kd.value_and_grad(loss_fn).discover(shapes, x_s, y_s, train=True)
+  grad_fn = kd.value_and_grad(loss_fn)
+  layers = grad_fn.discover(shapes, x_s, y_s, train=True)
   assert [l.name for l in layers] == ["params/conv", "params/hidden", "params/out"]
   assert [(l.a_dim, l.g_dim) for l in layers] == [(19, 4), (65, 8), (8, 5)]
+
+  params = linen.init(jax.random.PRNGKey(1), x)
+  loss, grads, stats = jax.jit(lambda p: grad_fn(p, x, y, train=True))(params)
+  assert set(stats) == {l.name for l in layers} and bool(jnp.isfinite(loss))
