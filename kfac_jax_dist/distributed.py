@@ -135,22 +135,27 @@ class Collectives:
     return jax.lax.all_gather(x, self.dist.axis, axis_index_groups=self._within_groups(),
                               tiled=True)
 
+  def _traffic(self, x: jax.Array) -> jax.Array:
+    return x if self.dist.comm_dtype is None else x.astype(self.dist.comm_dtype)
+
   def reduce_factors(self, segments: jax.Array, length: int) -> jax.Array:
     """Per-device statistics in every owner's segment, `[P·L]` → this device's
-    own `[L]`, averaged over the devices (or its own, for "local")."""
+    own `[L]`: averaged over the devices ("reduce_scatter"), or its own local
+    ones ("local", DP-KFAC)."""
     if not self.active:
       return segments
-    dist, axis = self.dist, self.dist.axis
-    if dist.factor_reduction == "local":
+    if self.dist.factor_reduction == "local":
       return jax.lax.dynamic_slice_in_dim(segments, self.device_index() * length, length)
-    dtype = segments.dtype
-    payload = segments if dist.comm_dtype is None else segments.astype(dist.comm_dtype)
-    if dist.factor_reduction == "reduce_scatter":
-      payload = jax.lax.psum_scatter(payload, axis, scatter_dimension=0, tiled=True)
-    else:
-      payload = jax.lax.dynamic_slice_in_dim(
-          jax.lax.psum(payload, axis), self.device_index() * length, length)
-    return payload.astype(dtype) / self.num_devices
+    summed = jax.lax.psum_scatter(self._traffic(segments), self.dist.axis,
+                                  scatter_dimension=0, tiled=True)
+    return summed.astype(segments.dtype) / self.num_devices
+
+  def all_reduce_factors(self, flat: jax.Array) -> jax.Array:
+    """KAISA's factor all-reduce: every factor, once, averaged over the devices."""
+    if not self.active:
+      return flat
+    return jax.lax.psum(self._traffic(flat), self.dist.axis).astype(flat.dtype) / (
+        self.num_devices)
 
   def gather_group(self, tree):
     """Owned slots `[c, ...]` → the owner group's slots `[m·c, ...]`."""

@@ -153,13 +153,27 @@ def _layer_stat(stat: jax.Array, place: layout_lib.FactorPlace, name: str,
   return stat
 
 
-def stats_segments(lay: layout_lib.Layout, stats: dict, dtype) -> jax.Array:
-  """Per-layer statistics `{name: {"A", "G"}}` in every owner's segment, `[P·L]`."""
+def _stat_of(stats: dict):
   def value_of(plan, which):
     key = which.upper()
     return _layer_stat(stats[plan.layer.name][key], getattr(plan, which),
                        plan.layer.name, key)
-  return packing.all_segments(lay, value_of, dtype)
+  return value_of
+
+
+def stats_segments(lay: layout_lib.Layout, stats: dict, dtype) -> jax.Array:
+  """Per-layer statistics `{name: {"A", "G"}}` in every owner's segment, `[P·L]`."""
+  return packing.all_segments(lay, _stat_of(stats), dtype)
+
+
+def _tight_offsets(lay: layout_lib.Layout) -> dict[tuple[str, str], int]:
+  """Offsets of every factor in an unpadded buffer of all factors (plan order)."""
+  offsets, offset = {}, 0
+  for plan in lay.plans:
+    for which in ("a", "g"):
+      offsets[(plan.layer.name, which)] = offset
+      offset += getattr(plan, which).size
+  return offsets
 
 
 def _gradient_offsets(lay: layout_lib.Layout) -> tuple[dict[str, int], int]:
@@ -283,9 +297,32 @@ def scale_by_kfac(
         update_factors=jnp.asarray(True),
         factors=factors, second_order=second, layout=lay)
 
+  def all_reduced_factors(lay, stats):
+    """KAISA: all-reduce the unpadded buffer of every factor, then each owner
+    copies its own factors into its segment."""
+    value_of = _stat_of(stats)
+    flat = jnp.concatenate([
+        packing.pack_factor(value_of(plan, w).astype(compute_dtype),
+                            getattr(plan, w).form, lay.packed)
+        for plan in lay.plans for w in ("a", "g")])
+    summed, offsets = comm.all_reduce_factors(flat), _tight_offsets(lay)
+
+    def own(device):
+      owned = sorted(((getattr(p, w), p.layer.name, w) for p in lay.plans
+                      for w in ("a", "g") if getattr(p, w).owner == device),
+                     key=lambda t: t[0].offset)
+      pieces = [summed[offsets[(n, w)]:offsets[(n, w)] + place.size]
+                for place, n, w in owned]
+      used = sum(place.size for place, _, _ in owned)
+      return jnp.concatenate(pieces + [jnp.zeros(lay.segment - used, compute_dtype)])
+    return _per_device(comm, lay, own)
+
   def update_factors(state, stats):
     lay = state.layout
-    batch = comm.reduce_factors(stats_segments(lay, stats, compute_dtype), lay.segment)
+    if distribution is not None and distribution.factor_reduction == "all_reduce":
+      batch = all_reduced_factors(lay, stats)
+    else:
+      batch = comm.reduce_factors(stats_segments(lay, stats, compute_dtype), lay.segment)
     w = state.factor_weight
     new_w = factor_decay * w + (1.0 - factor_decay)
     mixed = (factor_decay * w * state.factors.astype(compute_dtype)
