@@ -239,11 +239,11 @@ def checks(rows: list[dict], p: int = 8) -> list[dict]:
       add(f"{name} factor_reduction=all_reduce, full factors, vs KAISA's all-reduce "
           f"2(P-1)/P·Σd² (P={p})", f"{v / kaisa_formula:.3f}x", "1x",
           abs(v / kaisa_formula - 1) < 0.01,
-          f"psum of the padded [P·L] = {lay['factor_buffer']} numbers instead of the "
-          f"Σd² = {lay['factor_useful']} of the factors "
-          f"({C.fmt_bytes((lay['factor_buffer'] - lay['factor_useful']) * F32)} of segment "
-          "padding); an all-reduce needs no per-owner segments: a tight buffer, "
-          "then each owner slices its factors, sends exactly the formula")
+          f"psum of the unpadded buffer of all factors (Σd² = {lay['factor_useful']} "
+          "numbers); each owner then copies its own factors into its segment"
+          if abs(v / kaisa_formula - 1) < 0.01 else
+          f"psum of {v / kaisa_formula:.3f}x the formula's numbers: segment padding "
+          f"travels ([P·L] = {lay['factor_buffer']} for Σd² = {lay['factor_useful']})")
   if "DP-KFAC" in by:
     r = by["DP-KFAC"]
     v = r["factor_only"]
