@@ -16,6 +16,7 @@ Set XLA_FLAGS / OPENBLAS_NUM_THREADS before importing this module.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import json
@@ -426,3 +427,20 @@ def write_results(out_dir: str, stem: str, text: str, payload: dict[str, Any]) -
     f.write(text + "\n")
   with open(os.path.join(out_dir, stem + ".json"), "w") as f:
     json.dump(payload, f, indent=1, default=str)
+
+
+def checks_markdown(title: str, checks: list[dict[str, Any]]) -> list[str]:
+  """The targets table shared by the benchmarks: check, measured, target, holds, why."""
+  if not checks:
+    return []
+  rows = [[c["check"], c["value"], c["target"], "yes" if c["holds"] else "**no**",
+           c["why"]] for c in checks]
+  return [f"## {title}", "", md_table(rows, ["check", "measured", "target", "holds", "why"]),
+          ""]
+
+
+def argument_parser(doc: str):
+  """argparse with the script's docstring: first paragraph as description."""
+  return argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=doc.split("\n\n", 1)[1])

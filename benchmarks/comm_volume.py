@@ -46,7 +46,6 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import argparse
 import sys
 import time
 
@@ -327,20 +326,12 @@ def render(rows, chk, head) -> str:
         "gradient buffer G·S / Σ tagged", "group second-order m·L₂ / (Σ/G)",
         "compile s", "notes"]))
     out.append("")
-  if chk:
-    out.append("## Checks")
-    out.append("")
-    out.append(C.md_table([[c["check"], c["value"], c["target"],
-                            "yes" if c["holds"] else "**no**", c["why"]] for c in chk],
-                          ["check", "measured", "target", "holds", "why"]))
-    out.append("")
+  out += C.checks_markdown("Checks", chk)
   return "\n".join(out)
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                               formatter_class=argparse.RawDescriptionHelpFormatter,
-                               epilog=__doc__.split("\n\n", 1)[1])
+  ap = C.argument_parser(__doc__)
   ap.add_argument("--quick", action="store_true",
                   help="P = 8 only, main strategies only; writes comm_volume_quick.*")
   ap.add_argument("--devices", default=None, help="comma-separated P values (default 2,4,8)")

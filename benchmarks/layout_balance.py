@@ -325,9 +325,7 @@ HEAD = ["model", "P", "layout", "m", "groups", "idle devices", "balance (d³)",
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                               formatter_class=argparse.RawDescriptionHelpFormatter,
-                               epilog=__doc__.split("\n\n", 1)[1])
+  ap = C.argument_parser(__doc__)
   ap.add_argument("--quick", action="store_true",
                   help="no subprocess compile at P=64; writes layout_balance_quick.*")
   ap.add_argument("--devices", default="8,64,256")

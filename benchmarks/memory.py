@@ -28,7 +28,6 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import argparse
 import sys
 
 import jax
@@ -161,20 +160,12 @@ def render(rows, chk, head) -> str:
       "P", "strategy", "m", "K-FAC dev 0", "K-FAC max", "K-FAC global", "ideal / device",
       "max / ideal", "whole dev 0", "whole max", "segments"]))
   out.append("")
-  if chk:
-    out.append("## Check")
-    out.append("")
-    out.append(C.md_table([[c["check"], c["value"], c["target"],
-                            "yes" if c["holds"] else "**no**", c["why"]] for c in chk],
-                          ["check", "measured", "target", "holds", "why"]))
-    out.append("")
+  out += C.checks_markdown("Check", chk)
   return "\n".join(out)
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                               formatter_class=argparse.RawDescriptionHelpFormatter,
-                               epilog=__doc__.split("\n\n", 1)[1])
+  ap = C.argument_parser(__doc__)
   ap.add_argument("--quick", action="store_true", help="P = 8 only; writes memory_quick.*")
   ap.add_argument("--devices", default=None, help="comma-separated P (default 1,2,4,8)")
   ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
