@@ -53,7 +53,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
-import dataclasses
 import json
 import subprocess
 import sys
@@ -63,7 +62,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 import kfac_jax_dist as kd
 from kfac_jax_dist import layout as layout_lib

@@ -26,7 +26,7 @@ axis. Average them yourself (`lax.pmean`) or let `kd.Distribution`'s
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp

@@ -308,11 +308,9 @@ def scale_by_kfac(
     summed, offsets = comm.all_reduce_factors(flat), _tight_offsets(lay)
 
     def own(device):
-      owned = sorted(((getattr(p, w), p.layer.name, w) for p in lay.plans
-                      for w in ("a", "g") if getattr(p, w).owner == device),
-                     key=lambda t: t[0].offset)
-      pieces = [summed[offsets[(n, w)]:offsets[(n, w)] + place.size]
-                for place, n, w in owned]
+      owned = lay.owned(device)
+      pieces = [summed[offsets[(p.layer.name, w)]:offsets[(p.layer.name, w)] + place.size]
+                for place, p, w in owned]
       used = sum(place.size for place, _, _ in owned)
       return jnp.concatenate(pieces + [jnp.zeros(lay.segment - used, compute_dtype)])
     return _per_device(comm, lay, own)

@@ -107,9 +107,11 @@ class Layout:
     """Start of `place`'s owner segment in its group's `m·L₂` second-order array."""
     return (place.owner - group * self.group_size) * self.second_segment
 
-  def factors_on(self, device: int) -> list[FactorPlace]:
-    return sorted((f for p in self.plans for f in (p.a, p.g) if f.owner == device),
-                  key=lambda f: f.offset)
+  def owned(self, device: int) -> list[tuple[FactorPlace, LayerPlan, str]]:
+    """`(place, plan, "a" | "g")` of every factor `device` owns, in segment order."""
+    found = [(getattr(p, w), p, w) for p in self.plans for w in ("a", "g")
+             if getattr(p, w).owner == device]
+    return sorted(found, key=lambda t: t[0].offset)
 
 
 def factor_form(dim: int, max_factor_dim: int | None) -> str:

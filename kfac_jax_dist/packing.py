@@ -49,7 +49,7 @@ def unpack_batch(segment: jax.Array, batch: layout_lib.Batch, packed: bool) -> j
 def device_segment(lay: layout_lib.Layout, device: int, value_of, dtype) -> jax.Array:
   """Device `device`'s `[L]` segment, with `value_of(plan, which)` per factor."""
   pieces = []
-  for place, plan, which in _owned(lay, device):
+  for place, plan, which in lay.owned(device):
     pieces.append(pack_factor(value_of(plan, which).astype(dtype), place.form, lay.packed))
   used = sum(p.size for p in pieces)
   pieces.append(jnp.zeros(lay.segment - used, dtype))
@@ -60,12 +60,6 @@ def all_segments(lay: layout_lib.Layout, value_of, dtype) -> jax.Array:
   """`[P·L]`: every device's segment."""
   return jnp.concatenate([device_segment(lay, d, value_of, dtype)
                           for d in range(lay.num_devices)])
-
-
-def _owned(lay: layout_lib.Layout, device: int):
-  found = [(getattr(p, w), p, w) for p in lay.plans for w in ("a", "g")
-           if getattr(p, w).owner == device]
-  return sorted(found, key=lambda t: t[0].offset)
 
 
 def identity(place: layout_lib.FactorPlace, dtype) -> jax.Array:

@@ -7,7 +7,6 @@ import optax
 import pytest
 
 import kfac_jax_dist as kd
-from kfac_jax_dist import registry
 
 jax.config.update("jax_enable_x64", True)
 
