@@ -42,8 +42,9 @@ def table(state: ScaleByKfacState) -> str:
   lines.insert(1, "  ".join("-" * w for w in widths))
   total = sum(int(np.prod(a.shape)) * a.dtype.itemsize
               for a in (state.factors, state.second_order))
-  lines.append(f"{lay.num_devices} device(s), {lay.num_groups} owner group(s); segments "
-               f"L={lay.segment:,}, L2={lay.second_segment:,}; K-FAC state: "
+  lines.append(f"{lay.num_devices} device(s), {lay.num_groups} owner group(s); {lay.factor_storage} "
+               f"factors, {lay.factor_shard:,} per device, L2={lay.second_segment:,}; "
+               f"K-FAC state: "
                f"{total:,} bytes")
   return "\n".join(lines)
 

@@ -58,7 +58,8 @@ class ScaleByKfacState:
     factor_weight: total weight `w` of the running factor averages.
     update_factors: whether the *next* update refreshes the factors; the capture
       reads it to skip the statistics work on other steps.
-    factors: running factors, `[P·L]` (device i owns segment i).
+    factors: running factors, `[P·C]` (tight chunks) or `[P·L]` (owner
+      segments), see `layout`; device i holds the i-th part.
     second_order: eigenbases and eigenvalues ("eigen") or damped inverses
       ("inverse"), `[P·L₂]` per owner group member (see `layout`).
     layout: static placement of every layer's factors.
@@ -95,7 +96,7 @@ def running_factors(state: ScaleByKfacState) -> dict[str, dict[str, jax.Array]]:
   for plan in lay.plans:
     out[plan.layer.name] = {}
     for which, place in (("A", plan.a), ("G", plan.g)):
-      start = place.owner * lay.segment + place.offset
+      start = lay.factor_start(place)
       flat = state.factors[start:start + place.size]
       flat = flat.astype(jnp.promote_types(flat.dtype, jnp.float32))
       if place.form == factors_lib.DIAG:
@@ -162,7 +163,7 @@ def _stat_of(stats: dict):
 
 
 def stats_segments(lay: layout_lib.Layout, stats: dict, dtype) -> jax.Array:
-  """Per-layer statistics `{name: {"A", "G"}}` in every owner's segment, `[P·L]`."""
+  """Per-layer statistics `{name: {"A", "G"}}` laid out as the running factors."""
   return packing.all_segments(lay, _stat_of(stats), dtype)
 
 
@@ -176,19 +177,19 @@ def _tight_offsets(lay: layout_lib.Layout) -> dict[tuple[str, str], int]:
   return offsets
 
 
-def _gradient_offsets(lay: layout_lib.Layout) -> tuple[dict[str, int], int]:
-  """Offsets of each layer's gradient in its group's flat buffer, and the
-  buffer size S: the largest group's, plus one slot (the last) for the group's
-  KL-clip sum, rounded up to a multiple of m."""
+def _gradient_offsets(lay: layout_lib.Layout) -> tuple[dict[str, int], list[int], int]:
+  """Offsets of each layer's gradient in its group's flat buffer (slot 0 holds
+  the group's KL-clip sum), each group's used size, and the buffer size S: the
+  largest group's, rounded up to a multiple of m."""
   offsets, sizes = {}, []
   for g in range(lay.num_groups):
-    offset = 0
+    offset = 1
     for plan in lay.group_plans(g):
       offsets[plan.layer.name] = offset
       offset += plan.layer.a_dim * plan.layer.g_dim
     sizes.append(offset)
   m = lay.group_size
-  return offsets, -(-(max(sizes) + 1) // m) * m
+  return offsets, sizes, -(-max(sizes) // m) * m
 
 
 def _per_device(comm: distributed.Collectives, lay: layout_lib.Layout, make):
@@ -253,6 +254,12 @@ def scale_by_kfac(
   compute_dtype = jnp.promote_types(factor_dtype, jnp.float32)
   comm = distributed.Collectives(distribution)
   reduce_grads = "none" if distribution is None else distribution.gradient_reduction
+  # Owners keep their own factors when each builds them itself (DP-KFAC) or
+  # receives them all anyway (KAISA's all-reduce); a reduce-scatter leaves
+  # tight chunks (see `layout`).
+  factor_storage = (layout_lib.OWNER if distribution is not None
+                    and distribution.factor_reduction in ("local", "all_reduce")
+                    else layout_lib.CHUNKED)
 
   def init_fn(params):
     if layers is None:
@@ -275,7 +282,8 @@ def scale_by_kfac(
         layers, tuple(leaves), skip=skip, max_factor_dim=max_factor_dim,
         num_devices=comm.num_devices, group_size=comm.group_size,
         axis=None if distribution is None else distribution.axis, method=method,
-        packed=True if distribution is None else distribution.symmetric_comm)
+        packed=True if distribution is None else distribution.symmetric_comm,
+        factor_storage=factor_storage)
     for pattern in skip:
       if not any(re.search(pattern, n) for n in lay.skipped):
         raise ValueError(f"skip pattern {pattern!r} matches no tagged layer "
@@ -311,8 +319,7 @@ def scale_by_kfac(
       owned = lay.owned(device)
       pieces = [summed[offsets[(p.layer.name, w)]:offsets[(p.layer.name, w)] + place.size]
                 for place, p, w in owned]
-      used = sum(place.size for place, _, _ in owned)
-      return jnp.concatenate(pieces + [jnp.zeros(lay.segment - used, compute_dtype)])
+      return packing.pad_to(pieces, lay.segment, compute_dtype)
     return _per_device(comm, lay, own)
 
   def update_factors(state, stats):
@@ -320,7 +327,8 @@ def scale_by_kfac(
     if distribution is not None and distribution.factor_reduction == "all_reduce":
       batch = all_reduced_factors(lay, stats)
     else:
-      batch = comm.reduce_factors(stats_segments(lay, stats, compute_dtype), lay.segment)
+      batch = comm.reduce_factors(stats_segments(lay, stats, compute_dtype),
+                                  lay.factor_shard)
     w = state.factor_weight
     new_w = factor_decay * w + (1.0 - factor_decay)
     mixed = (factor_decay * w * state.factors.astype(compute_dtype)
@@ -352,17 +360,27 @@ def scale_by_kfac(
     return _pad(pieces, lay.second_segment)
 
   def _pad(pieces, length):
-    used = sum(p.size for p in pieces)
-    return jnp.concatenate(pieces + [jnp.zeros(length - used, compute_dtype)])
+    return packing.pad_to(pieces, length, compute_dtype)
 
-  def decompose(owned, lay, gamma):
+  def decompose(running, lay, gamma):
+    if lay.factor_storage == layout_lib.CHUNKED:
+      # Every owner needs its whole factors: gather the chunks (decomposition
+      # steps only), then each device reads its own, tight, from the buffer.
+      full, bases = comm.all_gather_owned(running), lay.owner_bases
+
+      def owned_of(d):
+        return full[bases[d]:bases[d] + lay.owner_sizes[d]]
+    else:
+      def owned_of(d):
+        del d
+        return running
     if method == "eigen":
-      local = _per_device(comm, lay, lambda d: eigen_segment(d, owned, lay, gamma))
+      local = _per_device(comm, lay, lambda d: eigen_segment(d, owned_of(d), lay, gamma))
     else:
       # π couples a layer's A and G, which may sit on different devices: share
       # the (scalar) traces of all factors, then damp the owned ones.
       traces = comm.all_gather_owned(
-          _per_device(comm, lay, lambda d: traces_segment(d, owned, lay)))
+          _per_device(comm, lay, lambda d: traces_segment(d, owned_of(d), lay)))
       damping_all = jnp.ones(lay.num_devices * lay.max_factors, compute_dtype)
       for plan in lay.plans:
         ia = plan.a.owner * lay.max_factors + plan.a.index
@@ -370,7 +388,9 @@ def scale_by_kfac(
         d_a, d_g = linalg.pi_adjusted_damping(traces[ia], traces[ig], gamma)
         damping_all = damping_all.at[ia].set(d_a).at[ig].set(d_g)
       local = _per_device(comm, lay,
-                          lambda d: inverse_segment(d, owned, damping_all, lay))
+                          lambda d: inverse_segment(d, owned_of(d), damping_all, lay))
+    if lay.num_groups == 1 and comm.active:    # every device gets every segment
+      return comm.gather_uneven(local, lay.second_sizes).reshape(-1)
     return comm.gather_group(local)
 
   def precondition_group(state, gamma, group, grad_of):
@@ -430,7 +450,7 @@ def scale_by_kfac(
                            "from the updates given to scale_by_kfac.")
     tagged = {p for plan in lay.plans
               for p in (plan.layer.kernel_path, plan.layer.bias_path) if p is not None}
-    offsets, size = _gradient_offsets(lay)
+    offsets, group_sizes, size = _gradient_offsets(lay)
 
     if reduce_grads == "reduce_scatter" and lay.plans:
       # SP-NGD: raw local gradients go to their owner group only.
@@ -438,8 +458,12 @@ def scale_by_kfac(
       for g in range(lay.num_groups):
         group = [_gradient_matrix(p, leaves).ravel() for p in lay.group_plans(g)]
         used = sum(x.size for x in group)
-        pieces += group + [jnp.zeros(size - used, compute_dtype)]
-      segment = comm.reduce_scatter_groups(jnp.concatenate(pieces).astype(compute_dtype))
+        pieces += [jnp.zeros(1, compute_dtype)] + group + [
+            jnp.zeros(size - 1 - used, compute_dtype)]
+      buffer = jnp.concatenate(pieces).astype(compute_dtype)
+      segment = (comm.reduce_uneven(buffer, group_sizes)
+                 if lay.group_size == 1 < lay.num_groups
+                 else comm.reduce_scatter_groups(buffer))
 
       def grad_of(plan):
         layer, start = plan.layer, offsets[plan.layer.name]
@@ -460,12 +484,14 @@ def scale_by_kfac(
         out, vg = precondition_group(new_state, gamma, g, grad_of)
         flat_v = [out[p.layer.name].ravel() for p in lay.group_plans(g)]
         used = sum(x.size for x in flat_v)
-        buffer = jnp.concatenate(flat_v + [jnp.zeros(size - 1 - used, compute_dtype),
-                                           vg[None]])
+        buffer = jnp.concatenate([vg[None]] + flat_v
+                                 + [jnp.zeros(size - 1 - used, compute_dtype)])
         return _compat.as_varying(buffer, (lay.axis,))   # a group may own no layer
-      buffers = comm.gather_groups(lax.switch(
-          comm.group_index(), [functools.partial(branch, g) for g in range(lay.num_groups)]))
-      vg = jnp.sum(buffers[:, size - 1])
+      mine = lax.switch(comm.group_index(),
+                        [functools.partial(branch, g) for g in range(lay.num_groups)])
+      buffers = (comm.gather_uneven(mine, group_sizes) if lay.group_size == 1
+                 else comm.gather_groups(mine))
+      vg = jnp.sum(buffers[:, 0])
       preconditioned = {}
       for plan in lay.plans:
         layer, start = plan.layer, offsets[plan.layer.name]

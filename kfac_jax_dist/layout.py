@@ -10,9 +10,20 @@ devices the same way.
 State is stored in flat per-device segments, so that neither compute,
 memory nor communication pays for padding matrices:
 
-* running factors: device `i` holds segment `i` of `[P·L]`, its factors
-  packed one after the other (the upper triangle, `d(d+1)/2` numbers, when
-  `packed`; all `d²` otherwise; `d` for a diagonal factor);
+* running factors, each packed (the upper triangle, `d(d+1)/2` numbers, when
+  `packed`; all `d²` otherwise; `d` for a diagonal factor) and laid out owner
+  by owner, each owner's factors one after the other. Two storages:
+
+  - "chunked" (factor reduction by reduce-scatter, and one device): the owners'
+    factors form one tight buffer of `T` numbers, cut into `P` equal chunks of
+    `C = ⌈T/P⌉`; device `i` holds chunk `i`. The reduce-scatter of the
+    statistics then sends exactly the papers' `(P−1)/P·T` numbers per device
+    whatever the factor sizes, and each device stores `T/P`. On a
+    decomposition step the chunks are all-gathered and each owner reads its own
+    factors (a factor larger than `T/P` cannot live on one device of a tight
+    reduce-scatter otherwise);
+  - "owner" (KAISA's all-reduce, DP-KFAC's local factors): device `i` holds
+    its own factors, `[L]`, zero-padded to the longest owner's `L`;
 * second-order state: segment `[L₂]` per owner with, per factor, a matrix part
   (eigenbasis or inverse, `d²`) and a vector part (eigenvalues, or a diagonal
   inverse, `d`). After a decomposition the owner group all-gathers its
@@ -20,7 +31,8 @@ memory nor communication pays for padding matrices:
 
 Within a segment, factors of the same form and dimension are contiguous: each
 such run is one batched `eigh`/`cholesky` ("bucket"). The only padding is at
-the end of a segment, up to the longest device's.
+the end of a segment, up to the longest device's (and, for chunked factors,
+fewer than `P` numbers at the end of the tight buffer).
 """
 
 from __future__ import annotations
@@ -31,6 +43,10 @@ from typing import Sequence
 
 from kfac_jax_dist import factors
 from kfac_jax_dist import registry
+
+
+CHUNKED = "chunked"
+OWNER = "owner"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +108,31 @@ class Layout:
   num_devices: int = 1               # P
   group_size: int = 1                # m, gradient workers per layer
   axis: str | None = None            # the mesh axis segments are sharded over
+  factor_storage: str = CHUNKED      # CHUNKED | OWNER (see the module docstring)
+  owner_sizes: tuple[int, ...] = ()  # numbers of running factors each device owns
+  second_sizes: tuple[int, ...] = () # second-order numbers each device computes
+
+  @property
+  def owner_bases(self) -> tuple[int, ...]:
+    """Start of each owner's factors in the tight buffer of all factors."""
+    bases, total = [], 0
+    for size in self.owner_sizes:
+      bases.append(total)
+      total += size
+    return tuple(bases)
+
+  @property
+  def factor_shard(self) -> int:
+    """Running-factor numbers stored per device: `C` (chunked) or `L` (owner)."""
+    if self.factor_storage == OWNER:
+      return self.segment
+    return max(-(-sum(self.owner_sizes) // self.num_devices), 1)
+
+  def factor_start(self, place: FactorPlace) -> int:
+    """Offset of a running factor in the global `[P · factor_shard]` array."""
+    if self.factor_storage == OWNER:
+      return place.owner * self.segment + place.offset
+    return self.owner_bases[place.owner] + place.offset
 
   @property
   def num_groups(self) -> int:
@@ -143,7 +184,8 @@ def _least_loaded(loads: Sequence[float], candidates) -> int:
 def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
           skip: Sequence[str] = (), max_factor_dim: int | None = None,
           num_devices: int = 1, group_size: int = 1, axis: str | None = None,
-          method: str = "eigen", packed: bool = True) -> Layout:
+          method: str = "eigen", packed: bool = True,
+          factor_storage: str = CHUNKED) -> Layout:
   """Assigns layers to owner groups, factors to devices, and packs segments."""
   patterns = [re.compile(p) for p in skip]
   kept, skipped = [], []
@@ -176,7 +218,7 @@ def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
     owned[device].append((layer.name, which, dim, form))
 
   # Pack each device's factors, runs of equal (form, dim) contiguous.
-  places, batches = {}, []
+  places, batches, owner_sizes, second_sizes = {}, [], [], []
   segment = second_segment = max_factors = 0
   for device, mine in enumerate(owned):
     runs: dict[tuple[str, int], list] = {}
@@ -200,6 +242,8 @@ def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
       second += len(run) * (matrix + vector)
       index += len(run)
     batches.append(tuple(device_batches))
+    owner_sizes.append(offset)
+    second_sizes.append(second)
     segment, second_segment = max(segment, offset), max(second_segment, second)
     max_factors = max(max_factors, index)
 
@@ -210,4 +254,4 @@ def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
   return Layout(plans, tuple(batches), max(segment, 1), max(second_segment, 1),
                 max(max_factors, 1), packed, method,
                 tuple(l.name for l in skipped), passthrough, num_devices, group_size,
-                axis)
+                axis, factor_storage, tuple(owner_sizes), tuple(second_sizes))

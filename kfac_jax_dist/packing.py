@@ -2,7 +2,7 @@
 
 A full factor is stored as its upper triangle (`packed`) or all `d²` numbers, a
 diagonal one as its `d` diagonal entries; a device's segment is its factors
-one after the other, zero-padded to the common segment length.
+one after the other (see `layout` for how segments form the global array).
 """
 
 from __future__ import annotations
@@ -46,20 +46,25 @@ def unpack_batch(segment: jax.Array, batch: layout_lib.Batch, packed: bool) -> j
   return block.reshape(batch.count, batch.dim, batch.dim)
 
 
-def device_segment(lay: layout_lib.Layout, device: int, value_of, dtype) -> jax.Array:
-  """Device `device`'s `[L]` segment, with `value_of(plan, which)` per factor."""
-  pieces = []
-  for place, plan, which in lay.owned(device):
-    pieces.append(pack_factor(value_of(plan, which).astype(dtype), place.form, lay.packed))
+def owned_factors(lay: layout_lib.Layout, device: int, value_of, dtype) -> list[jax.Array]:
+  """Device `device`'s factors, packed, with `value_of(plan, which)` per factor."""
+  return [pack_factor(value_of(plan, which).astype(dtype), place.form, lay.packed)
+          for place, plan, which in lay.owned(device)]
+
+
+def pad_to(pieces: list[jax.Array], length: int, dtype) -> jax.Array:
   used = sum(p.size for p in pieces)
-  pieces.append(jnp.zeros(lay.segment - used, dtype))
-  return jnp.concatenate(pieces)
+  return jnp.concatenate(pieces + [jnp.zeros(length - used, dtype)])
 
 
 def all_segments(lay: layout_lib.Layout, value_of, dtype) -> jax.Array:
-  """`[P·L]`: every device's segment."""
-  return jnp.concatenate([device_segment(lay, d, value_of, dtype)
-                          for d in range(lay.num_devices)])
+  """The global running-factor array, `[P · factor_shard]`: the owners' factors
+  one owner after the other, tight ("chunked") or each padded to `L` ("owner")."""
+  per_device = [owned_factors(lay, d, value_of, dtype) for d in range(lay.num_devices)]
+  if lay.factor_storage == layout_lib.OWNER:
+    per_device = [[pad_to(pieces, lay.segment, dtype)] for pieces in per_device]
+  return pad_to([p for pieces in per_device for p in pieces],
+                lay.num_devices * lay.factor_shard, dtype)
 
 
 def identity(place: layout_lib.FactorPlace, dtype) -> jax.Array:
@@ -76,9 +81,7 @@ def second_order_segment(lay: layout_lib.Layout, device: int, dtype) -> jax.Arra
       pieces.append(jnp.tile(jnp.eye(batch.dim, dtype=dtype).reshape(-1), batch.count))
     if batch.vector_offset is not None:
       pieces.append(jnp.ones(batch.count * batch.dim, dtype))
-  used = sum(p.size for p in pieces)
-  pieces.append(jnp.zeros(lay.second_segment - used, dtype))
-  return jnp.concatenate(pieces)
+  return pad_to(pieces, lay.second_segment, dtype)
 
 
 def read_matrix(second: jax.Array, base: int, place: layout_lib.FactorPlace) -> jax.Array:
