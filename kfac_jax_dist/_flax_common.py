@@ -1,12 +1,16 @@
-"""What the linen and NNX wrappers share: which Flax conv configurations K-FAC
-supports, and the warning for those it passes through."""
+"""What the linen and NNX wrappers share: which Flax configurations K-FAC
+supports, the warning for those it passes through, and the normalisation
+arithmetic of LayerNorm / BatchNorm up to their scale and shift."""
 
 from __future__ import annotations
 
 import warnings
 
 import jax.numpy as jnp
+import numpy as np
+from flax.core import meta
 from flax.linen.linear import canonicalize_padding
+from jax import lax
 
 
 def _pair(x, n: int) -> tuple[int, ...]:
@@ -47,3 +51,92 @@ def flatten_batch(inputs, spatial: int = 2):
   batch_shape = inputs.shape[:batch_dims]
   flat = jnp.reshape(inputs, (-1,) + inputs.shape[batch_dims:])
   return flat, lambda y: jnp.reshape(y, batch_shape + y.shape[1:])
+
+
+def _canonical_axes(ndim: int, axes) -> tuple[int, ...]:
+  axes = (axes,) if isinstance(axes, int) else tuple(axes)
+  return tuple(sorted({a + ndim if a < 0 else a for a in axes}))
+
+
+def dense_general_config(axis, ndim: int, batch_dims, custom: bool) -> int | str:
+  """`in_dims` for `kd.tags.dense_general`, or the reason to leave it to Flax.
+
+  Tagged: no batch (per-slice kernel) axes, and the contracted axes are the
+  last ones of the input (Flax sorts them, so their order does not matter).
+  """
+  if custom:
+    return "a custom dot_general, promote_dtype or output sharding"
+  if batch_dims:
+    return "batch_dims"
+  axes = _canonical_axes(ndim, axis)
+  if axes != tuple(range(ndim - len(axes), ndim)):
+    return f"contraction over axes {axes} that are not the last ones"
+  return len(axes)
+
+
+def norm_config(ndim: int, feature_axes, custom: bool) -> str | None:
+  """The reason a LayerNorm / BatchNorm is left to Flax, or `None`."""
+  if custom:
+    return "a custom promote_dtype or float32 reductions turned off"
+  if _canonical_axes(ndim, feature_axes) != (ndim - 1,):
+    return "feature axes other than the last"
+  return None
+
+
+def moments(x, axes, dtype=None, axis_name=None, axis_index_groups=None,
+            fast_variance: bool = True, mask=None):
+  """Mean and variance of `x` over `axes`, as Flax's normalisation layers define
+  them: in at least float32, `E[x²] − E[x]²` clipped at 0 with
+  `fast_variance` (else `E[(x − E x)²]`), masked means with `mask`, and with
+  `axis_name` the means averaged over that mesh axis (one `pmean`)."""
+  dtype = jnp.promote_types(jnp.result_type(x) if dtype is None else dtype, jnp.float32)
+  x = jnp.asarray(x, dtype)
+  axes = _canonical_axes(x.ndim, axes)
+  where = None if mask is None else jnp.asarray(mask, bool)
+
+  def mean(*values):
+    means = [jnp.mean(v, axis=axes, where=where) for v in values]
+    if axis_name is not None:
+      means = list(lax.pmean(jnp.stack(means), axis_name,
+                             axis_index_groups=axis_index_groups))
+    return means
+
+  if fast_variance:
+    mu, mu2 = mean(x, x * x)
+    return mu, jnp.maximum(mu2 - mu * mu, 0.0)
+  (mu,) = mean(x)
+  (var,) = mean(jnp.square(x - jnp.expand_dims(mu, axes)))
+  return mu, var
+
+
+def normalized(x, mean, var, reduction_axes, epsilon: float):
+  """`x̂ = (x − mean) / sqrt(var + ε)`, the statistics broadcast back over the
+  reduced axes; in the statistics' dtype (at least float32)."""
+  axes = _canonical_axes(x.ndim, reduction_axes)
+  mean, var = jnp.expand_dims(mean, axes), jnp.expand_dims(var, axes)
+  return (x - mean) * lax.rsqrt(var + epsilon)
+
+
+def flat_init(init, split: int):
+  """Flax's DenseGeneral initialisation: `init` sees the 2-D (or, for a bias,
+  1-D) flattened shape, so fan-in/fan-out are those of the flattened Dense
+  layer; the result is reshaped to the parameter's shape."""
+
+  def wrapped(rng, shape, dtype=jnp.float32):
+    size = lambda dims: int(np.prod(dims, dtype=np.int64))
+    flat = ((size(shape[:split]), size(shape[split:])) if split else (size(shape),))
+    value = init(rng, flat, dtype)
+    if isinstance(value, meta.AxisMetadata):
+      return meta.replace_boxed(value, jnp.reshape(value.unbox(), shape))
+    return jnp.reshape(value, shape)
+
+  return wrapped
+
+
+def call_flag(name: str, call_value, attribute):
+  """The call argument if given, else the attribute (Flax's precedence)."""
+  value = attribute if call_value is None else call_value
+  if value is None:
+    raise ValueError(f"BatchNorm: no `{name}` given, neither to the constructor nor "
+                     "to the call.")
+  return value

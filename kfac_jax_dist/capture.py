@@ -58,6 +58,15 @@ def _one_loss(trace: _context.Trace) -> _context.RegisteredLoss:
   return trace.losses[0]
 
 
+def _probes(layer: registry.TaggedLayer, forms: tuple[str, str]) -> dict:
+  """Zero probes shaped like the layer's statistics (see `value_and_grad`)."""
+  if layer.unitwise:
+    return {"F": jnp.zeros((layer.g_dim, 3), jnp.float32)}
+  a_form = factors.DIAG if layer.a_diagonal else forms[0]
+  return {key: jnp.zeros((d, d) if form == factors.FULL else (d,), jnp.float32)
+          for key, d, form in (("A", layer.a_dim, a_form), ("G", layer.g_dim, forms[1]))}
+
+
 class ValueAndGrad:
   """Callable returned by `kd.value_and_grad`; see there."""
 
@@ -112,9 +121,7 @@ class ValueAndGrad:
         if plan is None:          # skipped by the optimizer: no statistics
           continue
         forms = (plan.a_form, plan.g_form)
-      probes[layer.name] = tuple(
-          jnp.zeros((d, d) if form == factors.FULL else (d,), jnp.float32)
-          for d, form in zip((layer.a_dim, layer.g_dim), forms))
+      probes[layer.name] = _probes(layer, forms)
     # Inside shard_map the statistics vary with the local batch: so must the
     # probes. Parameters are made varying too, so that the gradients are the
     # local ones (autodiff would otherwise psum the gradient of a replicated
@@ -140,7 +147,9 @@ class ValueAndGrad:
     else:
       grads, _ = vjp((jnp.ones_like(loss), jnp.zeros_like(sampled)))
       _, probe_bar = vjp((jnp.zeros_like(loss), jnp.ones_like(sampled)))
-    stats = {name: {"A": a, "G": g * n} for name, (a, g) in probe_bar.items()}
+    stats = {name: {key: value * n if key in factors.SCALED_BY_NUM_EXAMPLES else value
+                    for key, value in layer_stats.items()}
+             for name, layer_stats in probe_bar.items()}
     value = (loss, aux) if self.has_aux else loss
     return value, grads, stats
 
@@ -151,8 +160,17 @@ def value_and_grad(fun: Callable, has_aux: bool = False,
 
   `grad_fn(params, *args, rng=None, opt_state=None, **kwargs)` returns
   `(loss, grads, stats)` (`((loss, aux), grads, stats)` with `has_aux`), where
-  `stats[layer] = {"A": A, "G": G}` for every tagged layer (see `factors` for
-  the normalisation). `fun` must compute its loss with one `kd.losses` function.
+  for every tagged layer (see `factors` for the normalisation)
+
+  * dense, dense_general, conv2d: `stats[layer] = {"A": A, "G": G}`, each
+    `[d, d]` (or its diagonal `[d]` where the optimizer keeps one);
+  * embed: `{"A": A, "G": G}` with `A` always the diagonal `[V]` (token
+    frequencies) and `G` `[d, d]` (or `[d]`);
+  * scale_and_shift (LayerNorm / BatchNorm): `{"F": F}`, `[C, 3]`, SP-NGD's
+    unit-wise Fisher `(γγ, γβ, ββ)` per channel.
+
+  `G` and `F` are multiplied by the number n of examples of the registered
+  loss (the mean loss's cotangents are `g / n`), `A` is not. `fun` must compute its loss with one `kd.losses` function.
   `grad_fn.discover(params, *args, **kwargs)` returns the tagged layers, which
   `kd.scale_by_kfac(layers=...)` needs to lay out its state.
   """

@@ -23,6 +23,28 @@ product is what the K-FAC papers use:
 A factor whose dimension exceeds `max_factor_dim` is kept as its diagonal
 ("diag" form): `diag(A)` and `diag(G)`, i.e. the block-diagonal approximation
 with blocks of size one.
+
+Other layer kinds:
+
+* Embedding (`table[ids]`, i.e. a Dense layer on one-hot inputs, no bias):
+  `A = (1/N) Σ_p onehot(id_p) onehot(id_p)ᵀ` is diagonal, so it is returned
+  as the vector of token frequencies `A_v = (1/N)·#{p : id_p = v}`, `[V]`;
+  `G` as for Dense.
+* Scale-and-shift (`y = x̂ ⊙ γ + β` over the last axis, the learnable part of
+  LayerNorm / BatchNorm): SP-NGD's unit-wise Fisher (Osawa et al., §4.2.1,
+  Eq. 15–16; Amari, Karakida & Oizumi 2019), one 2×2 block per channel c over
+  `(γ_c, β_c)` built from per-*example* gradients. With examples u, each a set
+  of positions (one position, or e.g. the h·w pixels of one image),
+
+      uγ_c = Σ_{p∈u} x̂_pc ĝ_pc,   uβ_c = Σ_{p∈u} ĝ_pc      (ĝ = g / n)
+      F_c  = n Σ_u [[uγ², uγ uβ], [uγ uβ, uβ²]]  (= (1/n) Σ_u with g instead of ĝ)
+
+  returned compactly as `[C, 3]` = `(γγ, γβ, ββ)`. As for `G`, this module
+  returns `Σ_u (…)` of the captured cotangents and the capture multiplies by
+  n (`SCALED_BY_NUM_EXAMPLES`). With a per-token loss and tokens as examples
+  (n = B·T) this is the token-level empirical Fisher, the Dense convention;
+  with a per-image loss and images as examples (n = B, positions h·w summed
+  first) it is SP-NGD's per-sample Fisher exactly.
 """
 
 from __future__ import annotations
@@ -33,6 +55,9 @@ from jax import lax
 
 FULL = "full"
 DIAG = "diag"
+
+# Statistics built from output cotangents: the capture multiplies them by n.
+SCALED_BY_NUM_EXAMPLES = frozenset({"G", "F"})
 
 
 def _flatten_positions(x: jax.Array) -> jax.Array:
@@ -91,3 +116,48 @@ def conv_patches(x: jax.Array, kernel_shape, strides, padding, dilation) -> jax.
                      j * dw + (out_w - 1) * sw + 1, x.shape[3]), (1, sh, sw, 1))
           for i in range(kh) for j in range(kw)]
   return taps[0] if len(taps) == 1 else jnp.concatenate(taps, axis=-1)
+
+
+def token_frequencies(ids: jax.Array, vocab_size: int) -> jax.Array:
+  """`A_v = (1/N)·#{p : ids_p = v}`: the diagonal of `E[onehot onehotᵀ]`, `[V]`.
+
+  A scatter-add of ones, never an `[N, V]` one-hot. Ids are indexed like
+  `jnp.take` (negative ids wrap); out-of-range ids count nowhere.
+  """
+  ids = jnp.reshape(ids, (-1,))
+  counts = jnp.zeros((vocab_size,), jnp.float32).at[ids].add(1.0, mode="drop")
+  return counts / max(ids.shape[0], 1)
+
+
+def unitwise_fisher(x: jax.Array, g: jax.Array, has_offset: bool = True,
+                    example_dims: int | None = None) -> jax.Array:
+  """`Σ_u [uγ², uγ·uβ, uβ²]` per channel, `[C, 3]` (the capture multiplies by n).
+
+  `x` is the normalised input `x̂` and `g` the captured output cotangent, both
+  `[..., C]`. The first `example_dims` axes index examples; the remaining
+  leading axes are positions within an example, summed into the per-example
+  gradients `uγ = Σ x̂ ĝ`, `uβ = Σ ĝ` before their products are taken.
+  `example_dims=None`: every leading axis indexes examples (each position is
+  an example). Without an offset, the `γβ` and `ββ` entries are zero, so that
+  the 2×2 solve of `linalg.unitwise_precondition` reduces to `γ`'s own
+  `gγ / (F_γγ + λ)`.
+  """
+  x = x.astype(jnp.float32)
+  g = g.astype(jnp.float32)
+  lead = x.shape[:-1]
+  k = len(lead) if example_dims is None else example_dims
+  if not 0 <= k <= len(lead):
+    raise ValueError(f"example_dims={example_dims} for an input of shape {x.shape}: "
+                     f"must be between 0 and {len(lead)}")
+  num_units = 1
+  for size in lead[:k]:
+    num_units *= size
+  channels = x.shape[-1]
+  u_gamma = jnp.sum(jnp.reshape(x * g, (num_units, -1, channels)), axis=1)
+  if not has_offset:
+    zeros = jnp.zeros((channels,), jnp.float32)
+    return jnp.stack([jnp.sum(u_gamma * u_gamma, axis=0), zeros, zeros], axis=-1)
+  u_beta = jnp.sum(jnp.reshape(g, (num_units, -1, channels)), axis=1)
+  return jnp.stack([jnp.sum(u_gamma * u_gamma, axis=0),
+                    jnp.sum(u_gamma * u_beta, axis=0),
+                    jnp.sum(u_beta * u_beta, axis=0)], axis=-1)

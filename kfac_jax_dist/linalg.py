@@ -12,6 +12,10 @@ bias as the last row). With `F = A ⊗ G` acting as `∇ ↦ A ∇ G`:
 
 Diagonal factors (`[d]` instead of `[d, d]`) have the identity as eigenbasis.
 Decompositions run in float32 at least.
+
+Scale-and-shift layers (LayerNorm / BatchNorm) are preconditioned unit-wise
+(SP-NGD §4.2.1): `unitwise_precondition` solves one damped 2×2 system per
+channel in closed form.
 """
 
 from __future__ import annotations
@@ -98,3 +102,37 @@ def precondition_inverse(grad, inverse_a, inverse_g):
       inverse_a, grad, precision=_HI)
   return m * inverse_g[None, :] if inverse_g.ndim == 1 else jnp.matmul(
       m, inverse_g, precision=_HI)
+
+
+def unitwise_precondition(grad_gamma: jax.Array, grad_beta: jax.Array | None,
+                          fisher: jax.Array, damping) -> tuple[jax.Array, jax.Array | None]:
+  """SP-NGD's unit-wise natural gradient of a scale-and-shift layer.
+
+  For every channel c, with `F_c = [[f_γγ, f_γβ], [f_γβ, f_ββ]]` stored as the
+  row `fisher[c] = (f_γγ, f_γβ, f_ββ)` (`factors.unitwise_fisher`),
+
+      [vγ_c, vβ_c] = (F_c + λ I)⁻¹ [gγ_c, gβ_c]
+                   = [(f_ββ + λ) gγ − f_γβ gβ,  (f_γγ + λ) gβ − f_γβ gγ] / det,
+      det = (f_γγ + λ)(f_ββ + λ) − f_γβ²,
+
+  the closed-form 2×2 inverse of Osawa et al. (SP-NGD) Eq. 17, with the full
+  damping λ added to both diagonal entries (`(F_unitBN + λI)⁻¹`, SP-NGD §4.2.1;
+  not the √λ split of the Kronecker factors). `grad_beta=None` (a scale-only
+  layer, whose `F` has zero `γβ`, `ββ` entries) gives `gγ / (f_γγ + λ)` and
+  returns `None` for β. Shapes: gradients `[C]` (or any `[..., C]`), `fisher`
+  `[..., C, 3]`; the result has the gradients' dtypes, computed in float32 at
+  least.
+  """
+  fisher = _at_least_f32(jnp.asarray(fisher))
+  dtype = jnp.promote_types(fisher.dtype, grad_gamma.dtype)
+  damping = jnp.asarray(damping, dtype)
+  f_gg, f_gb, f_bb = (fisher[..., i].astype(dtype) for i in range(3))
+  g_gamma = grad_gamma.astype(dtype)
+  if grad_beta is None:
+    return (g_gamma / (f_gg + damping)).astype(grad_gamma.dtype), None
+  g_beta = grad_beta.astype(dtype)
+  a, d = f_gg + damping, f_bb + damping
+  det = a * d - f_gb * f_gb
+  v_gamma = (d * g_gamma - f_gb * g_beta) / det
+  v_beta = (a * g_beta - f_gb * g_gamma) / det
+  return v_gamma.astype(grad_gamma.dtype), v_beta.astype(grad_beta.dtype)

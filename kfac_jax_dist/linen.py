@@ -1,16 +1,25 @@
 """Drop-in Flax linen layers whose curvature K-FAC captures.
 
-Same constructor arguments, parameter names and shapes as `flax.linen.Dense`
-and `flax.linen.Conv`, so a plain Flax checkpoint loads into the tagged model.
-Configurations with no Kronecker-factored form here (grouped convolutions,
-masks, custom dot/conv functions, ...) run Flax's own code, untagged, with a
-warning.
+Same constructor arguments, parameter names and shapes (and, for BatchNorm,
+`batch_stats` collection) as `flax.linen.Dense`, `DenseGeneral`, `Conv`,
+`Embed`, `LayerNorm` and `BatchNorm`, so a plain Flax checkpoint loads into the
+tagged model. Configurations with no supported form here (grouped
+convolutions, masks, custom dot/conv functions, DenseGeneral batch axes or
+contractions over other than the last axes, normalisation over other than the
+last feature axis, an offset without a scale, ...) run Flax's own code,
+untagged, with a warning.
+
+LayerNorm and BatchNorm take one extra, optional field, `kfac_example_dims`
+(see `kd.tags.scale_and_shift`): LayerNorm's default `None` treats every
+position (token) as an example; BatchNorm's default 1 treats each entry of the
+leading batch axis (an image) as one example, as SP-NGD does.
 """
 
 from __future__ import annotations
 
 import flax.linen as nn
 import jax.numpy as jnp
+from flax.linen import dtypes as linen_dtypes
 
 from kfac_jax_dist import _flax_common
 from kfac_jax_dist import tags
@@ -56,3 +65,116 @@ class Conv(nn.Conv):
     y = tags.conv2d(inputs, kernel, bias, strides=strides, padding=padding,
                     dilation=dilation, dtype=self.dtype, precision=self.precision)
     return restore(y)
+
+
+class DenseGeneral(nn.DenseGeneral):
+  """`flax.linen.DenseGeneral`, tagged with `kd.tags.dense_general` when it
+  contracts the last input axes and has no `batch_dims`."""
+
+  @nn.compact
+  def __call__(self, inputs):
+    custom = (self.dot_general is not None or self.dot_general_cls is not None
+              or self.promote_dtype is not linen_dtypes.promote_dtype)
+    in_dims = _flax_common.dense_general_config(self.axis, inputs.ndim,
+                                                tuple(self.batch_dims), custom)
+    if isinstance(in_dims, str):
+      _flax_common.warn_untagged("DenseGeneral", in_dims)
+      return super().__call__(inputs)
+    features = ((self.features,) if isinstance(self.features, int)
+                else tuple(self.features))
+    kernel = self.param("kernel", _flax_common.flat_init(self.kernel_init, in_dims),
+                        tuple(inputs.shape[inputs.ndim - in_dims:]) + features,
+                        self.param_dtype)
+    bias = (self.param("bias", _flax_common.flat_init(self.bias_init, 0), features,
+                       self.param_dtype) if self.use_bias else None)
+    return tags.dense_general(inputs, kernel, bias, in_dims=in_dims, dtype=self.dtype,
+                              precision=self.precision)
+
+
+class Embed(nn.Embed):
+  """`flax.linen.Embed`, tagged with `kd.tags.embed` (`attend`, which reuses
+  the table as an output projection, is Flax's own and untagged)."""
+
+  def __call__(self, inputs):
+    if self.promote_dtype is not linen_dtypes.promote_dtype:
+      _flax_common.warn_untagged("Embed", "a custom promote_dtype")
+      return super().__call__(inputs)
+    if not jnp.issubdtype(inputs.dtype, jnp.integer):
+      raise ValueError("Input type must be an integer or unsigned integer.")
+    if self.num_embeddings == 1:          # Flax broadcasts the single row
+      inputs = jnp.zeros_like(inputs)
+    return tags.embed(inputs, self.embedding, dtype=self.dtype)
+
+
+def _scale_and_shift(module, x, x_hat, example_dims):
+  """The learnable part of a linen LayerNorm / BatchNorm, tagged: creates
+  `scale` (and `bias`) like Flax and casts the result to Flax's dtype."""
+  features = (x.shape[-1],)
+  scale = module.param("scale", module.scale_init, features, module.param_dtype)
+  bias = (module.param("bias", module.bias_init, features, module.param_dtype)
+          if module.use_bias else None)
+  y = tags.scale_and_shift(x_hat, scale, bias, example_dims=example_dims)
+  return jnp.asarray(y, linen_dtypes.canonicalize_dtype(x, scale, bias, dtype=module.dtype))
+
+
+def _norm_reason(module, ndim, feature_axes) -> str | None:
+  if not module.use_scale:
+    return "use_scale=False" if module.use_bias else None
+  return _flax_common.norm_config(ndim, feature_axes,
+                                  custom=not module.force_float32_reductions)
+
+
+class LayerNorm(nn.LayerNorm):
+  """`flax.linen.LayerNorm` whose scale and bias are tagged with
+  `kd.tags.scale_and_shift` (SP-NGD's unit-wise Fisher; tokens are examples
+  unless `kfac_example_dims` says otherwise)."""
+
+  kfac_example_dims: int | None = None
+
+  @nn.compact
+  def __call__(self, x, *, mask=None):
+    reason = _norm_reason(self, jnp.ndim(x), self.feature_axes)
+    if reason is not None or not self.use_scale:
+      if reason is not None:
+        _flax_common.warn_untagged("LayerNorm", reason)
+      return super().__call__(x, mask=mask)
+    mean, var = _flax_common.moments(x, self.reduction_axes, self.dtype, self.axis_name,
+                                     self.axis_index_groups, self.use_fast_variance, mask)
+    x_hat = _flax_common.normalized(x, mean, var, self.reduction_axes, self.epsilon)
+    return _scale_and_shift(self, x, x_hat, self.kfac_example_dims)
+
+
+class BatchNorm(nn.BatchNorm):
+  """`flax.linen.BatchNorm` (same `batch_stats`) whose scale and bias are tagged
+  with `kd.tags.scale_and_shift`: SP-NGD's unit-wise Fisher, one example per
+  entry of the leading batch axis (`kfac_example_dims=1`)."""
+
+  kfac_example_dims: int | None = 1
+
+  @nn.compact
+  def __call__(self, x, use_running_average=None, *, mask=None):
+    reason = _norm_reason(self, jnp.ndim(x), self.axis)
+    if reason is not None or not self.use_scale:
+      if reason is not None:
+        _flax_common.warn_untagged("BatchNorm", reason)
+      return super().__call__(x, use_running_average, mask=mask)
+    use_running_average = nn.merge_param("use_running_average",
+                                         self.use_running_average, use_running_average)
+    features = (x.shape[-1],)
+    reduction_axes = tuple(range(x.ndim - 1))
+    ra_mean = self.variable("batch_stats", "mean",
+                            lambda s: jnp.zeros(s, jnp.float32), features)
+    ra_var = self.variable("batch_stats", "var",
+                           lambda s: jnp.ones(s, jnp.float32), features)
+    if use_running_average:
+      mean, var = ra_mean.value, ra_var.value
+    else:
+      initializing = self.is_initializing()
+      mean, var = _flax_common.moments(
+          x, reduction_axes, self.dtype, None if initializing else self.axis_name,
+          self.axis_index_groups, self.use_fast_variance, mask)
+      if not initializing:
+        ra_mean.value = self.momentum * ra_mean.value + (1 - self.momentum) * mean
+        ra_var.value = self.momentum * ra_var.value + (1 - self.momentum) * var
+    x_hat = _flax_common.normalized(x, mean, var, reduction_axes, self.epsilon)
+    return _scale_and_shift(self, x, x_hat, self.kfac_example_dims)

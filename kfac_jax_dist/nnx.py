@@ -1,13 +1,23 @@
 """Drop-in Flax NNX layers whose curvature K-FAC captures.
 
-Same constructor arguments, attribute names and shapes as `flax.nnx.Linear` and
-`flax.nnx.Conv`. Unsupported configurations (grouped convolutions, masks, ...)
-run NNX's own code, untagged, with a warning.
+Same constructor arguments, attribute names and shapes (BatchNorm's `mean` and
+`var` BatchStats included) as `flax.nnx.Linear`, `LinearGeneral`, `Conv`,
+`Embed`, `LayerNorm` and `BatchNorm`. Unsupported configurations (grouped
+convolutions, masks, LinearGeneral batch axes, normalisation over other than
+the last feature axis, an offset without a scale, ...) run NNX's own code,
+untagged, with a warning.
+
+LayerNorm and BatchNorm take one extra, optional keyword, `kfac_example_dims`
+(see `kd.tags.scale_and_shift`): LayerNorm's default `None` treats every
+position (token) as an example; BatchNorm's default 1 treats each entry of the
+leading batch axis (an image) as one example, as SP-NGD does.
 """
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from flax import nnx
+from flax.nnx.nn import dtypes as nnx_dtypes
 from jax import lax
 
 from kfac_jax_dist import _flax_common
@@ -20,6 +30,14 @@ def _raw(variable):
     return None
   get = getattr(variable, "get_value", None)
   return get() if get is not None else variable.value
+
+
+def _assign(variable, value) -> None:
+  set_value = getattr(variable, "set_value", None)
+  if set_value is not None:
+    set_value(value)
+  else:
+    variable.value = value
 
 
 class Linear(nnx.Linear):
@@ -53,3 +71,110 @@ class Conv(nnx.Conv):
                     padding=padding, dilation=dilation, dtype=self.dtype,
                     precision=self.precision)
     return restore(y)
+
+
+class LinearGeneral(nnx.LinearGeneral):
+  """`flax.nnx.LinearGeneral`, tagged with `kd.tags.dense_general` when it
+  contracts the last input axes and has no `batch_axis`."""
+
+  def __call__(self, inputs, out_sharding=None):
+    custom = (self.dot_general is not None or self.dot_general_cls is not None
+              or out_sharding is not None
+              or getattr(self, "preferred_element_type", None) is not None
+              or self.promote_dtype is not nnx_dtypes.promote_dtype)
+    in_dims = _flax_common.dense_general_config(self.axis, inputs.ndim,
+                                                tuple(self.batch_axis), custom)
+    if isinstance(in_dims, str):
+      _flax_common.warn_untagged("LinearGeneral", in_dims)
+      return super().__call__(inputs, out_sharding)
+    return tags.dense_general(inputs, _raw(self.kernel), _raw(self.bias),
+                              in_dims=in_dims, dtype=self.dtype, precision=self.precision)
+
+
+class Embed(nnx.Embed):
+  """`flax.nnx.Embed`, tagged with `kd.tags.embed` (`attend`, which reuses the
+  table as an output projection, is NNX's own and untagged)."""
+
+  def __call__(self, inputs, out_sharding=None):
+    if out_sharding is not None or self.promote_dtype is not nnx_dtypes.promote_dtype:
+      _flax_common.warn_untagged("Embed", "a custom promote_dtype or output sharding")
+      return super().__call__(inputs, out_sharding)
+    if not jnp.issubdtype(inputs.dtype, jnp.integer):
+      raise ValueError("Input type must be an integer or unsigned integer.")
+    if self.num_embeddings == 1:          # NNX broadcasts the single row
+      inputs = jnp.zeros_like(inputs)
+    return tags.embed(inputs, _raw(self.embedding), dtype=self.dtype)
+
+
+def _norm_reason(module, ndim, feature_axes) -> str | None:
+  if not module.use_scale:
+    return "use_scale=False" if module.use_bias else None
+  return _flax_common.norm_config(
+      ndim, feature_axes, custom=module.promote_dtype is not nnx_dtypes.promote_dtype)
+
+
+class LayerNorm(nnx.LayerNorm):
+  """`flax.nnx.LayerNorm` whose scale and bias are tagged with
+  `kd.tags.scale_and_shift` (SP-NGD's unit-wise Fisher; tokens are examples
+  unless `kfac_example_dims` says otherwise)."""
+
+  def __init__(self, *args, kfac_example_dims: int | None = None, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.kfac_example_dims = kfac_example_dims
+
+  def __call__(self, x, *, mask=None):
+    reason = _norm_reason(self, jnp.ndim(x), self.feature_axes)
+    if reason is not None or not self.use_scale:
+      if reason is not None:
+        _flax_common.warn_untagged("LayerNorm", reason)
+      return super().__call__(x, mask=mask)
+    scale, bias = _raw(self.scale), _raw(self.bias)
+    dtype = nnx_dtypes.canonicalize_dtype(x, scale, bias, dtype=self.dtype)
+    x = jnp.asarray(x, dtype)
+    mean, var = _flax_common.moments(x, self.reduction_axes, self.dtype, self.axis_name,
+                                     self.axis_index_groups, self.use_fast_variance, mask)
+    x_hat = _flax_common.normalized(x, mean, var, self.reduction_axes, self.epsilon)
+    y = tags.scale_and_shift(x_hat, scale, bias, example_dims=self.kfac_example_dims)
+    return jnp.asarray(y, dtype)
+
+
+class BatchNorm(nnx.BatchNorm):
+  """`flax.nnx.BatchNorm` (same `mean`/`var` BatchStats) whose scale and bias
+  are tagged with `kd.tags.scale_and_shift`: SP-NGD's unit-wise Fisher, one
+  example per entry of the leading batch axis (`kfac_example_dims=1`)."""
+
+  def __init__(self, *args, kfac_example_dims: int | None = 1, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.kfac_example_dims = kfac_example_dims
+
+  def __call__(self, x, use_running_average=None, *, mask=None):
+    reason = _norm_reason(self, jnp.ndim(x), self.axis)
+    if reason is not None or not self.use_scale:
+      if reason is not None:
+        _flax_common.warn_untagged("BatchNorm", reason)
+      return super().__call__(x, use_running_average, mask=mask)
+    use_running_average = _flax_common.call_flag(
+        "use_running_average", use_running_average, self.use_running_average)
+    scale, bias = _raw(self.scale), _raw(self.bias)
+    running_mean, running_var = _raw(self.mean), _raw(self.var)
+    dtype = nnx_dtypes.canonicalize_dtype(x, running_mean, running_var, scale, bias,
+                                          dtype=self.dtype)
+    x = jnp.asarray(x, dtype)
+    reduction_axes = tuple(range(x.ndim - 1))
+    if use_running_average:
+      mean, var = jnp.asarray(running_mean, dtype), jnp.asarray(running_var, dtype)
+    else:
+      mean, var = _flax_common.moments(x, reduction_axes, self.dtype, self.axis_name,
+                                       self.axis_index_groups, self.use_fast_variance,
+                                       mask)
+      # As in NNX: no gradients through the running statistics, which keep
+      # their dtype.
+      _assign(self.mean, lax.stop_gradient(
+          self.momentum * running_mean + (1 - self.momentum) * mean
+      ).astype(running_mean.dtype))
+      _assign(self.var, lax.stop_gradient(
+          self.momentum * running_var + (1 - self.momentum) * var
+      ).astype(running_var.dtype))
+    x_hat = _flax_common.normalized(x, mean, var, reduction_axes, self.epsilon)
+    y = tags.scale_and_shift(x_hat, scale, bias, example_dims=self.kfac_example_dims)
+    return jnp.asarray(y, dtype)

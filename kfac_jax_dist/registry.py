@@ -4,6 +4,16 @@ A `TaggedLayer` names a layer, its kind, the paths of its parameters in the
 parameter tree given to the loss function, and the dimensions of its Kronecker
 factors `A` (inputs, bias folded in) and `G` (outputs). The registry is static
 (hashable) metadata: it fixes the optimizer state's layout at `init`.
+
+Kinds and the statistics `kd.value_and_grad` returns for them (see `factors`):
+
+* "dense" (also `kd.tags.dense_general`), "conv2d": `{"A": [a, a], "G": [g, g]}`
+  (either may be a diagonal `[d]` when the optimizer asks for one);
+* "embed": `{"A": [V], "G": [d, d]}`; `A` is diagonal by construction
+  (`a_diagonal=True`): the token frequencies of the vocabulary rows;
+* "scale_and_shift": `{"F": [C, 3]}`, SP-NGD's unit-wise Fisher, one 2×2 block
+  over `(γ_c, β_c)` per channel, stored as `(γγ, γβ, ββ)`; `a_dim = 2` (or 1
+  without offset) and `g_dim = C` describe the `(a_dim, C)` matrix `[γ; β]`.
 """
 
 from __future__ import annotations
@@ -33,20 +43,38 @@ class TaggedLayer:
   """One tagged layer: `kernel` (and `bias`) preconditioned with `A ⊗ G`.
 
   `kernel_shape` is the parameter's shape; the preconditioned matrix is the
-  kernel reshaped to `(a_dim - has_bias, g_dim)` with the bias as a last row.
+  kernel reshaped to `(a_dim - has_bias, g_dim)` with the bias, flattened, as a
+  last row. For an embedding the kernel is the table `[V, d]` (`a_dim = V`);
+  for a scale-and-shift layer it is the scale `[C]` and the bias the offset.
+
+  `a_diagonal`: `A` is diagonal by construction (embeddings: one-hot inputs),
+  so its statistic is always the vector of its diagonal, whatever the
+  optimizer's `max_factor_dim`. `bias_shape`: the bias parameter's shape,
+  `(g_dim,)` unless a `dense_general` layer has several output axes (`None`:
+  no bias, or a layer recorded before this field existed).
   """
 
   name: str
-  kind: str                 # "dense" | "conv2d"
+  kind: str                 # "dense" | "conv2d" | "embed" | "scale_and_shift"
   kernel_path: str          # path_str of the kernel leaf
   bias_path: str | None
   kernel_shape: tuple[int, ...]
   a_dim: int
   g_dim: int
+  a_diagonal: bool = False
+  bias_shape: tuple[int, ...] | None = None
 
   @property
   def has_bias(self) -> bool:
     return self.bias_path is not None
+
+  @property
+  def unitwise(self) -> bool:
+    """Preconditioned with a 2×2 block per channel (`"F"`), not `A ⊗ G`."""
+    return self.kind in UNITWISE_KINDS
+
+
+UNITWISE_KINDS = ("scale_and_shift",)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,19 +1,22 @@
 """Tag functions: layers whose curvature K-FAC captures.
 
-`dense` and `conv2d` compute the layer exactly like their Flax counterparts.
-Outside `kd.value_and_grad` they are plain functions. Inside it they
+`dense`, `dense_general`, `conv2d`, `embed` and `scale_and_shift` compute the
+layer exactly like their Flax counterparts. Outside `kd.value_and_grad` they
+are plain functions. Inside it they
 
 * while discovering, record the layer (`registry.TaggedLayer`): its name, kind
   and the parameter leaves it uses (matched by identity against the leaves of
   the parameter tree given to the loss, so pass the parameters themselves and
   let the tag cast them with `dtype=`);
 * while capturing, run through a `custom_vjp` whose backward pass also returns
-  the layer's statistics `A` and `G` (see `factors`) as the cotangents of zero
-  "probe" inputs. Nothing per-example is materialised, and a traced flag skips
-  the statistics (`lax.cond`) on steps that update no factor.
+  the layer's statistics (`A` and `G`, or `F`; see `factors`) as the
+  cotangents of zero "probe" inputs. Nothing per-example is materialised, and
+  a traced flag skips the statistics (`lax.cond`) on steps that update no
+  factor.
 
 A layer's name defaults to its kernel's path in the parameter tree without the
-last key (`"Dense_0"` for `{"Dense_0": {"kernel": ...}}`).
+last key (`"Dense_0"` for `{"Dense_0": {"kernel": ...}}`); the kernel of an
+embedding is its table, of a scale-and-shift its scale.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def _layer_name(trace: _context.Trace, name: str | None, kernel) -> str:
   return "/".join(parts[:-1]) if len(parts) > 1 else parts[0]
 
 
-def _discover(trace, kind, name, kernel, bias, a_dim, g_dim) -> None:
+def _discover(trace, kind, name, kernel, bias, **record) -> None:
   kernel_path = trace.path_of(kernel)
   if kernel_path is None:
     raise ValueError(
@@ -70,11 +73,13 @@ def _discover(trace, kind, name, kernel, bias, a_dim, g_dim) -> None:
   trace.seen.add(name)
   trace.layers.append(registry.TaggedLayer(
       name=name, kind=kind, kernel_path=kernel_path, bias_path=bias_path,
-      kernel_shape=tuple(kernel.shape), a_dim=a_dim, g_dim=g_dim))
+      kernel_shape=tuple(kernel.shape),
+      bias_shape=None if bias is None else tuple(bias.shape), **record))
 
 
 def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag):
-  """`apply(x, *params)` whose backward pass also returns `stats(x, ḡ)`."""
+  """`apply(x, *params)` whose backward pass also returns `stats(x, ḡ)`, a
+  pytree like `probes` (`x` may be integer: embedding ids)."""
 
   @jax.custom_vjp
   def layer(x, params, probes, flag):
@@ -98,19 +103,28 @@ def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag):
   return layer(x, params, probes, flag)
 
 
-def _tagged(kind: str, name, apply, stats, x, kernel, bias, a_dim, g_dim):
+def _tagged(kind: str, name, apply, stats, x, kernel, bias, **record):
+  """Runs `apply(x, kernel[, bias])`, recording or capturing the layer.
+
+  `stats(x, ḡ, forms)` returns the statistics as a dict keyed like the probes
+  that the capture made for this layer (`{"A", "G"}` or `{"F"}`), where
+  `forms[key]` says whether the probe is a full matrix or a diagonal.
+  `record` holds the `TaggedLayer` fields that only the tag knows (a_dim,
+  g_dim, a_diagonal).
+  """
   trace = _context.current()
   params = (kernel,) if bias is None else (kernel, bias)
   if trace is None:
     return apply(x, *params)
   name = _layer_name(trace, name, kernel)
   if trace.mode == "discover":
-    _discover(trace, kind, name, kernel, bias, a_dim, g_dim)
+    _discover(trace, kind, name, kernel, bias, **record)
     return apply(x, *params)
   probes = trace.probes.get(name)
   if probes is None:        # not preconditioned (skipped by the optimizer)
     return apply(x, *params)
-  forms = tuple("diag" if p.ndim == 1 else "full" for p in probes)
+  forms = {key: factors.DIAG if p.ndim == 1 else factors.FULL
+           for key, p in probes.items()}
   return _captured(apply, lambda xx, gg: stats(xx, gg, forms), x, params,
                    probes, trace.compute_stats)
 
@@ -135,11 +149,63 @@ def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
     return y if bias is None else y + bias
 
   def stats(x, g, forms):
-    return (factors.input_factor(x, bias is not None, forms[0]),
-            factors.output_factor(g, forms[1]))
+    return {"A": factors.input_factor(x, bias is not None, forms["A"]),
+            "G": factors.output_factor(g, forms["G"])}
 
   return _tagged("dense", name, apply, stats, x, kernel, bias,
-                 kernel.shape[0] + (bias is not None), kernel.shape[1])
+                 a_dim=kernel.shape[0] + (bias is not None), g_dim=kernel.shape[1])
+
+
+def _size(shape) -> int:
+  size = 1
+  for d in shape:
+    size *= int(d)
+  return size
+
+
+def dense_general(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
+                  in_dims: int = 1, name: str | None = None, dtype: Any = None,
+                  precision=None) -> jax.Array:
+  """A Dense layer over several input and/or output axes.
+
+  The last `in_dims` axes of `x` are contracted with the first `in_dims` axes
+  of the kernel; the remaining kernel axes are the output axes, and the bias
+  has their shape. E.g. attention projections: `x [B, T, d]` with a kernel
+  `[d, heads, head_dim]` (`in_dims=1`) gives `[B, T, heads, head_dim]`; `x [B,
+  T, heads, head_dim]` with a kernel `[heads, head_dim, d]` (`in_dims=2`)
+  gives `[B, T, d]`.
+
+  K-FAC sees the flattened Dense layer: `a_dim = Π in_shape (+1 with a bias)`,
+  `g_dim = Π out_shape`, and `A`, `G` are Dense's on the flattened inputs and
+  output cotangents (the kernel's row-major reshape to `(a_dim - has_bias,
+  g_dim)` is the Dense kernel). It is recorded with kind "dense".
+  """
+  if not 1 <= in_dims < kernel.ndim:
+    raise ValueError(f"kd.tags.dense_general: in_dims={in_dims} for a kernel of shape "
+                     f"{kernel.shape} (needs at least one output axis)")
+  in_shape, out_shape = kernel.shape[:in_dims], kernel.shape[in_dims:]
+  if x.ndim < in_dims or x.shape[x.ndim - in_dims:] != in_shape:
+    raise ValueError(f"kd.tags.dense_general: the last {in_dims} axes of the input "
+                     f"{x.shape} do not match the kernel {kernel.shape}")
+  if bias is not None and bias.shape != out_shape:
+    raise ValueError(f"kd.tags.dense_general: bias shape {bias.shape}, expected "
+                     f"{out_shape}")
+  n_out = len(out_shape)
+
+  def apply(x, kernel, bias=None):
+    x, kernel, bias = _promote(dtype, x, kernel, bias)
+    contract = (tuple(range(x.ndim - in_dims, x.ndim)), tuple(range(in_dims)))
+    y = lax.dot_general(x, kernel, (contract, ((), ())), precision=precision)
+    return y if bias is None else y + bias
+
+  def stats(x, g, forms):
+    x = jnp.reshape(x, x.shape[:x.ndim - in_dims] + (_size(in_shape),))
+    g = jnp.reshape(g, g.shape[:g.ndim - n_out] + (_size(out_shape),))
+    return {"A": factors.input_factor(x, bias is not None, forms["A"]),
+            "G": factors.output_factor(g, forms["G"])}
+
+  return _tagged("dense", name, apply, stats, x, kernel, bias,
+                 a_dim=_size(in_shape) + (bias is not None), g_dim=_size(out_shape))
 
 
 def _conv_padding(padding):
@@ -188,9 +254,82 @@ def conv2d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
   def stats(x, g, forms):
     patches = factors.conv_patches(x.astype(jnp.float32), kernel.shape, strides,
                                    padding, dilation)
-    return (factors.input_factor(patches, bias is not None, forms[0]),
-            factors.output_factor(g, forms[1]))
+    return {"A": factors.input_factor(patches, bias is not None, forms["A"]),
+            "G": factors.output_factor(g, forms["G"])}
 
   kh, kw, cin, cout = kernel.shape
   return _tagged("conv2d", name, apply, stats, x, kernel, bias,
-                 kh * kw * cin + (bias is not None), cout)
+                 a_dim=kh * kw * cin + (bias is not None), g_dim=cout)
+
+
+def embed(ids: jax.Array, table: jax.Array, *, name: str | None = None,
+          dtype: Any = None) -> jax.Array:
+  """Embedding lookup `table[ids]` (`jnp.take` along axis 0, like Flax's Embed).
+
+  K-FAC sees a Dense layer without bias on one-hot inputs: the table `[V, d]`
+  is the kernel (`a_dim = V`, `g_dim = d`), `A = diag(token frequencies)` is
+  returned as the vector `[V]` (never `V × V`; recorded `a_diagonal=True`),
+  and `G` is Dense's from the output cotangents. Every position of `ids` (any
+  shape) is an example, as for Dense.
+  """
+  if table.ndim != 2:
+    raise ValueError(f"kd.tags.embed expects a 2-D (vocab, features) table, got "
+                     f"{table.shape}")
+  if not jnp.issubdtype(jnp.result_type(ids), jnp.integer):
+    raise ValueError(f"kd.tags.embed: ids must be integers, got {jnp.result_type(ids)}")
+  vocab_size, features = table.shape
+
+  def apply(ids, table):
+    (table,) = _promote(dtype, table)
+    return jnp.take(table, ids, axis=0)
+
+  def stats(ids, g, forms):
+    return {"A": factors.token_frequencies(ids, vocab_size),
+            "G": factors.output_factor(g, forms["G"])}
+
+  return _tagged("embed", name, apply, stats, ids, table, None,
+                 a_dim=vocab_size, g_dim=features, a_diagonal=True)
+
+
+def scale_and_shift(x: jax.Array, scale: jax.Array, offset: jax.Array | None = None, *,
+                    name: str | None = None, dtype: Any = None,
+                    example_dims: int | None = None) -> jax.Array:
+  """`x * scale + offset` over the last axis (`x` already normalised: the
+  learnable part of LayerNorm / BatchNorm).
+
+  Its curvature is SP-NGD's unit-wise Fisher (`factors.unitwise_fisher`): one
+  2×2 block per channel over `(scale_c, offset_c)`, from per-example
+  gradients, returned as `stats[name]["F"]` of shape `[C, 3]`.
+
+  `example_dims`: how many leading axes of `x` index examples; the other
+  leading axes are positions within an example, whose gradients are summed
+  into the example's gradient before the outer product. `None` (default):
+  every position is an example, the Dense convention (tokens are examples).
+  `kd.linen.BatchNorm` / `kd.nnx.BatchNorm` use 1: on `[B, H, W, C]` feature
+  maps an example is an image, SP-NGD Eq. 16.
+
+  `offset=None` (a scale-only layer) is supported: `F`'s `γβ` and `ββ` entries
+  are then zero. A layer with an offset but no scale has no tag.
+  """
+  if scale.ndim != 1 or x.shape[-1:] != scale.shape:
+    raise ValueError(f"kd.tags.scale_and_shift: scale of shape {scale.shape} does not "
+                     f"match the last axis of the input {x.shape}")
+  if offset is not None and offset.shape != scale.shape:
+    raise ValueError(f"kd.tags.scale_and_shift: offset shape {offset.shape}, expected "
+                     f"{scale.shape}")
+  if example_dims is not None and not 0 <= example_dims < x.ndim:
+    raise ValueError(f"kd.tags.scale_and_shift: example_dims={example_dims} for an "
+                     f"input of shape {x.shape}")
+  has_offset = offset is not None
+
+  def apply(x, scale, offset=None):
+    x, scale, offset = _promote(dtype, x, scale, offset)
+    y = x * scale
+    return y if offset is None else y + offset
+
+  def stats(x, g, forms):
+    del forms
+    return {"F": factors.unitwise_fisher(x, g, has_offset, example_dims)}
+
+  return _tagged("scale_and_shift", name, apply, stats, x, scale, offset,
+                 a_dim=1 + has_offset, g_dim=scale.shape[0])
