@@ -12,13 +12,19 @@ from kfac_jax_dist.kfac import find_states
 from kfac_jax_dist import layout as layout_lib
 
 
-def _factor(place: layout_lib.FactorPlace) -> str:
+def _factor(place: layout_lib.FactorPlace | None) -> str:
+  if place is None:
+    return "-"
+  if place.form == factors.UNIT:
+    return f"2x2 x {place.dim} (unit-wise)"
   return f"{place.dim}x{place.dim}" if place.form == factors.FULL else f"diag({place.dim})"
 
 
 def _bytes(state: ScaleByKfacState, place: layout_lib.FactorPlace) -> int:
-  second = ((place.dim * place.dim if place.matrix_offset is not None else 0)
-            + (place.dim if place.vector_offset is not None else 0))
+  matrix, vector = layout_lib._second_parts(  # pylint: disable=protected-access
+      place.dim, place.form, state.layout.method)
+  second = ((matrix if place.matrix_offset is not None else 0)
+            + (vector if place.vector_offset is not None else 0))
   return (place.size * state.factors.dtype.itemsize
           + second * state.second_order.dtype.itemsize)
 
@@ -29,10 +35,11 @@ def table(state: ScaleByKfacState) -> str:
   for plan in lay.plans:
     layer = plan.layer
     params = layer.kernel_path + (f", {layer.bias_path}" if layer.bias_path else "")
-    owners = sorted({plan.a.owner, plan.g.owner})
-    rows.append((layer.name, layer.kind, params, _factor(plan.a), _factor(plan.g),
+    owners = sorted({place.owner for _, place in plan.places})
+    first = plan.f if plan.layer.unitwise else plan.a
+    rows.append((layer.name, layer.kind, params, _factor(first), _factor(plan.g),
                  ",".join(map(str, owners)),
-                 f"{_bytes(state, plan.a) + _bytes(state, plan.g):,}"))
+                 f"{sum(_bytes(state, place) for _, place in plan.places):,}"))
   for name in lay.skipped:
     rows.append((name, "skipped", "-", "-", "-", "-", "0"))
   for path in lay.passthrough:

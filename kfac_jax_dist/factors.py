@@ -55,6 +55,7 @@ from jax import lax
 
 FULL = "full"
 DIAG = "diag"
+UNIT = "unit"      # a scale-and-shift layer's [C, 3] unit-wise Fisher
 
 # Statistics built from output cotangents: the capture multiplies them by n.
 SCALED_BY_NUM_EXAMPLES = frozenset({"G", "F"})

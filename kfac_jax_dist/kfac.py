@@ -89,23 +89,26 @@ def find_states(tree: Any) -> list[ScaleByKfacState]:
 
 
 def running_factors(state: ScaleByKfacState) -> dict[str, dict[str, jax.Array]]:
-  """`{layer: {"A": A, "G": G}}` of a global (not per-device) state; diagonal
-  factors come back as their diagonal."""
+  """`{layer: {"A": A, "G": G}}` (`{"F": F}`, `[C, 3]`, for a unit-wise layer)
+  of a global (not per-device) state; diagonal factors come back as their
+  diagonal."""
   lay = state.layout
   out = {}
   for plan in lay.plans:
     out[plan.layer.name] = {}
-    for which, place in (("A", plan.a), ("G", plan.g)):
+    for which, place in plan.places:
       start = lay.factor_start(place)
       flat = state.factors[start:start + place.size]
       flat = flat.astype(jnp.promote_types(flat.dtype, jnp.float32))
       if place.form == factors_lib.DIAG:
         value = flat
+      elif place.form == factors_lib.UNIT:
+        value = flat.reshape(place.dim, 3)
       elif lay.packed:
         value = packing.unpack_upper(flat, place.dim)
       else:
         value = flat.reshape(place.dim, place.dim)
-      out[plan.layer.name][which] = value
+      out[plan.layer.name][which.upper()] = value
   return out
 
 
@@ -115,7 +118,7 @@ def _gradient_matrix(plan: layout_lib.LayerPlan, leaves: dict[str, Any]) -> jax.
   dtype = jnp.promote_types(kernel.dtype, jnp.float32)
   m = kernel.astype(dtype).reshape(layer.a_dim - layer.has_bias, layer.g_dim)
   if layer.has_bias:
-    m = jnp.concatenate([m, leaves[layer.bias_path].astype(dtype)[None]], axis=0)
+    m = jnp.concatenate([m, leaves[layer.bias_path].astype(dtype).reshape(1, -1)], axis=0)
   return m
 
 
@@ -126,7 +129,7 @@ def _write_back(plan: layout_lib.LayerPlan, m: jax.Array, leaves: dict[str, Any]
   leaves[layer.kernel_path] = m[:rows].reshape(kernel.shape).astype(kernel.dtype)
   if layer.has_bias:
     bias = leaves[layer.bias_path]
-    leaves[layer.bias_path] = m[rows].astype(bias.dtype)
+    leaves[layer.bias_path] = m[rows].reshape(bias.shape).astype(bias.dtype)
 
 
 def _check_stats(layout: layout_lib.Layout, stats: Any) -> None:
@@ -144,10 +147,11 @@ def _check_stats(layout: layout_lib.Layout, stats: Any) -> None:
 
 def _layer_stat(stat: jax.Array, place: layout_lib.FactorPlace, name: str,
                 which: str) -> jax.Array:
-  full_shape, diag_shape = (place.dim, place.dim), (place.dim,)
-  if place.form == factors_lib.DIAG and stat.shape == full_shape:
+  expected = {factors_lib.FULL: (place.dim, place.dim), factors_lib.DIAG: (place.dim,),
+              factors_lib.UNIT: (place.dim, 3)}[place.form]
+  if place.form == factors_lib.DIAG and stat.shape == (place.dim, place.dim):
     return jnp.diagonal(stat)
-  if stat.shape != (full_shape if place.form == factors_lib.FULL else diag_shape):
+  if stat.shape != expected:
     raise ValueError(f"Statistic {which} of layer '{name}' has shape {stat.shape}; "
                      f"the optimizer state expects {place.form} factors of dimension "
                      f"{place.dim}.")
@@ -171,9 +175,9 @@ def _tight_offsets(lay: layout_lib.Layout) -> dict[tuple[str, str], int]:
   """Offsets of every factor in an unpadded buffer of all factors (plan order)."""
   offsets, offset = {}, 0
   for plan in lay.plans:
-    for which in ("a", "g"):
+    for which, place in plan.places:
       offsets[(plan.layer.name, which)] = offset
-      offset += getattr(plan, which).size
+      offset += place.size
   return offsets
 
 
@@ -269,7 +273,7 @@ def scale_by_kfac(
     leaves = registry.leaves_by_path(params)
     for layer in layers:
       for path, shape in ((layer.kernel_path, layer.kernel_shape),
-                          (layer.bias_path, (layer.g_dim,))):
+                          (layer.bias_path, layer.bias_shape or (layer.g_dim,))):
         if path is None:
           continue
         if path not in leaves:
@@ -310,9 +314,9 @@ def scale_by_kfac(
     copies its own factors into its segment."""
     value_of = _stat_of(stats)
     flat = jnp.concatenate([
-        packing.pack_factor(value_of(plan, w).astype(compute_dtype),
-                            getattr(plan, w).form, lay.packed)
-        for plan in lay.plans for w in ("a", "g")])
+        packing.pack_factor(value_of(plan, w).astype(compute_dtype), place.form,
+                            lay.packed)
+        for plan in lay.plans for w, place in plan.places])
     summed, offsets = comm.all_reduce_factors(flat), _tight_offsets(lay)
 
     def own(device):
@@ -339,6 +343,9 @@ def scale_by_kfac(
     del gamma
     pieces = []
     for batch in lay.batches[device]:
+      if batch.form == factors_lib.UNIT:       # closed-form solves later: keep F
+        pieces.append(packing.unpack_batch(owned, batch, lay.packed).reshape(-1))
+        continue
       vectors, values = linalg.eigh(packing.unpack_batch(owned, batch, lay.packed))
       if vectors is not None:
         pieces.append(vectors.astype(compute_dtype).reshape(-1))
@@ -355,6 +362,9 @@ def scale_by_kfac(
     for batch in lay.batches[device]:
       start = device * lay.max_factors + batch.first_index
       damp = damping_all[start:start + batch.count]
+      if batch.form == factors_lib.UNIT:       # closed-form solves later: keep F
+        pieces.append(packing.unpack_batch(owned, batch, lay.packed).reshape(-1))
+        continue
       inv = linalg.damped_inverse(packing.unpack_batch(owned, batch, lay.packed), damp)
       pieces.append(inv.astype(compute_dtype).reshape(-1))
     return _pad(pieces, lay.second_segment)
@@ -383,6 +393,8 @@ def scale_by_kfac(
           _per_device(comm, lay, lambda d: traces_segment(d, owned_of(d), lay)))
       damping_all = jnp.ones(lay.num_devices * lay.max_factors, compute_dtype)
       for plan in lay.plans:
+        if plan.layer.unitwise:
+          continue
         ia = plan.a.owner * lay.max_factors + plan.a.index
         ig = plan.g.owner * lay.max_factors + plan.g.index
         d_a, d_g = linalg.pi_adjusted_damping(traces[ia], traces[ig], gamma)
@@ -408,7 +420,11 @@ def scale_by_kfac(
     out, vg = {}, jnp.zeros([], compute_dtype)
     for plan in lay.group_plans(group):
       grad = grad_of(plan)
-      if method == "eigen":
+      if plan.layer.unitwise:             # SP-NGD: (F_c + γI)⁻¹ per channel
+        v_gamma, v_beta = linalg.unitwise_precondition(
+            grad[0], grad[1] if plan.layer.has_bias else None, vector(plan.f), gamma)
+        v = jnp.stack([v_gamma] + ([v_beta] if v_beta is not None else []))
+      elif method == "eigen":
         v = linalg.precondition_eigen(grad, matrix(plan.a), vector(plan.a),
                                       matrix(plan.g), vector(plan.g), gamma)
       else:

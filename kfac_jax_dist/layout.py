@@ -78,18 +78,27 @@ class Batch:
 
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:
+  """A layer's factors: `a` and `g` (Kronecker), or `f` (unit-wise, SP-NGD)."""
+
   layer: registry.TaggedLayer
-  a: FactorPlace
-  g: FactorPlace
+  a: FactorPlace | None
+  g: FactorPlace | None
   group: int = 0
+  f: FactorPlace | None = None
+
+  @property
+  def places(self) -> tuple[tuple[str, FactorPlace], ...]:
+    """`(which, place)` of each factor, `which` in "a", "g", "f"."""
+    return tuple((w, p) for w, p in (("a", self.a), ("g", self.g), ("f", self.f))
+                 if p is not None)
 
   @property
   def a_form(self) -> str:
-    return self.a.form
+    return factors.FULL if self.a is None else self.a.form
 
   @property
   def g_form(self) -> str:
-    return self.g.form
+    return factors.FULL if self.g is None else self.g.form
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,8 +159,8 @@ class Layout:
 
   def owned(self, device: int) -> list[tuple[FactorPlace, LayerPlan, str]]:
     """`(place, plan, "a" | "g")` of every factor `device` owns, in segment order."""
-    found = [(getattr(p, w), p, w) for p in self.plans for w in ("a", "g")
-             if getattr(p, w).owner == device]
+    found = [(place, p, w) for p in self.plans for w, place in p.places
+             if place.owner == device]
     return sorted(found, key=lambda t: t[0].offset)
 
 
@@ -160,20 +169,23 @@ def factor_form(dim: int, max_factor_dim: int | None) -> str:
 
 
 def eigh_cost(dim: int, form: str) -> float:
-  """Cost model of a decomposition: `d³` (a diagonal factor costs `d`)."""
+  """Cost model of a decomposition: `d³` (diagonal or unit-wise: `d`)."""
   return float(dim) ** 3 if form == factors.FULL else float(dim)
 
 
 def storage_size(dim: int, form: str, packed: bool) -> int:
   if form == factors.DIAG:
     return dim
+  if form == factors.UNIT:
+    return 3 * dim
   return dim * (dim + 1) // 2 if packed else dim * dim
 
 
 def _second_parts(dim: int, form: str, method: str) -> tuple[int, int]:
-  """(matrix numbers, vector numbers) of one factor's second-order state."""
-  if form == factors.DIAG:
-    return 0, dim
+  """(matrix numbers, vector numbers) of one factor's second-order state; a
+  unit-wise Fisher is kept as is (its 2×2 solves are closed form)."""
+  if form in (factors.DIAG, factors.UNIT):
+    return 0, storage_size(dim, form, False)
   return dim * dim, (dim if method == "eigen" else 0)
 
 
@@ -193,12 +205,16 @@ def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
     (skipped if any(p.search(layer.name) for p in patterns) else kept).append(layer)
   num_groups = num_devices // group_size
 
-  def forms(layer):
-    return factor_form(layer.a_dim, max_factor_dim), factor_form(layer.g_dim, max_factor_dim)
+  def factors_of(layer):
+    """`(which, dim, form)` of the layer's factors."""
+    if layer.unitwise:
+      return (("f", layer.g_dim, factors.UNIT),)
+    a_form = factors.DIAG if layer.a_diagonal else factor_form(layer.a_dim, max_factor_dim)
+    return (("a", layer.a_dim, a_form),
+            ("g", layer.g_dim, factor_form(layer.g_dim, max_factor_dim)))
 
   def layer_cost(layer):
-    fa, fg = forms(layer)
-    return eigh_cost(layer.a_dim, fa) + eigh_cost(layer.g_dim, fg)
+    return sum(eigh_cost(dim, form) for _, dim, form in factors_of(layer))
 
   # Layers to groups, then each group's factors to its devices: LPT on d³.
   group_of, group_load = {}, [0.0] * num_groups
@@ -209,8 +225,7 @@ def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
   device_load = [0.0] * num_devices
   owned: list[list[tuple]] = [[] for _ in range(num_devices)]
   items = [(layer, which, dim, form) for layer in kept
-           for which, dim, form in (("a", layer.a_dim, forms(layer)[0]),
-                                    ("g", layer.g_dim, forms(layer)[1]))]
+           for which, dim, form in factors_of(layer)]
   for layer, which, dim, form in sorted(items, key=lambda t: -eigh_cost(t[2], t[3])):
     g = group_of[layer.name]
     device = _least_loaded(device_load, range(g * group_size, (g + 1) * group_size))
@@ -247,8 +262,9 @@ def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
     segment, second_segment = max(segment, offset), max(second_segment, second)
     max_factors = max(max_factors, index)
 
-  plans = tuple(LayerPlan(layer, places[(layer.name, "a")], places[(layer.name, "g")],
-                          group_of[layer.name]) for layer in kept)
+  plans = tuple(LayerPlan(layer, places.get((layer.name, "a")),
+                          places.get((layer.name, "g")), group_of[layer.name],
+                          places.get((layer.name, "f"))) for layer in kept)
   covered = {p for plan in plans for p in (plan.layer.kernel_path, plan.layer.bias_path)}
   passthrough = tuple(p for p in param_paths if p not in covered)
   return Layout(plans, tuple(batches), max(segment, 1), max(second_segment, 1),

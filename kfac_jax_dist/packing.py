@@ -30,16 +30,17 @@ def unpack_upper(v: jax.Array, d: int) -> jax.Array:
 
 
 def pack_factor(value: jax.Array, form: str, packed: bool) -> jax.Array:
-  if form == factors.DIAG:
-    return value
+  if form in (factors.DIAG, factors.UNIT):
+    return value.reshape(-1)
   return pack_upper(value) if packed else value.reshape(-1)
 
 
 def unpack_batch(segment: jax.Array, batch: layout_lib.Batch, packed: bool) -> jax.Array:
-  """The batch's running factors, `[k, d, d]` (or `[k, d]` diagonal)."""
+  """The batch's running factors, `[k, d, d]` (`[k, d]` diagonal, `[k, 3d]`
+  unit-wise)."""
   size = layout_lib.storage_size(batch.dim, batch.form, packed)
   block = segment[batch.offset:batch.offset + batch.count * size].reshape(batch.count, size)
-  if batch.form == factors.DIAG:
+  if batch.form in (factors.DIAG, factors.UNIT):
     return block
   if packed:
     return unpack_upper(block, batch.dim)
@@ -67,9 +68,16 @@ def all_segments(lay: layout_lib.Layout, value_of, dtype) -> jax.Array:
                 lay.num_devices * lay.factor_shard, dtype)
 
 
+def _unit_identity(dim: int, dtype) -> jax.Array:
+  """`[dim, 3]` rows `(1, 0, 1)`: every channel's 2×2 block is the identity."""
+  return jnp.tile(jnp.asarray([1.0, 0.0, 1.0], dtype), (dim, 1))
+
+
 def identity(place: layout_lib.FactorPlace, dtype) -> jax.Array:
   if place.form == factors.DIAG:
     return jnp.ones((place.dim,), dtype)
+  if place.form == factors.UNIT:
+    return _unit_identity(place.dim, dtype)
   return jnp.eye(place.dim, dtype=dtype)
 
 
@@ -79,7 +87,9 @@ def second_order_segment(lay: layout_lib.Layout, device: int, dtype) -> jax.Arra
   for batch in lay.batches[device]:
     if batch.matrix_offset is not None:
       pieces.append(jnp.tile(jnp.eye(batch.dim, dtype=dtype).reshape(-1), batch.count))
-    if batch.vector_offset is not None:
+    if batch.form == factors.UNIT:
+      pieces.append(jnp.tile(_unit_identity(batch.dim, dtype).reshape(-1), batch.count))
+    elif batch.vector_offset is not None:
       pieces.append(jnp.ones(batch.count * batch.dim, dtype))
   return pad_to(pieces, lay.second_segment, dtype)
 
@@ -90,5 +100,8 @@ def read_matrix(second: jax.Array, base: int, place: layout_lib.FactorPlace) -> 
 
 
 def read_vector(second: jax.Array, base: int, place: layout_lib.FactorPlace) -> jax.Array:
+  """Eigenvalues or a diagonal inverse, `[d]`; a unit-wise Fisher, `[d, 3]`."""
   start = base + place.vector_offset
+  if place.form == factors.UNIT:
+    return second[start:start + 3 * place.dim].reshape(place.dim, 3)
   return second[start:start + place.dim]
