@@ -199,7 +199,10 @@ def build_layout(paths_and_shapes: Sequence[tuple[str, tuple[int, ...]]], *,
     if diagonal:
       plans.append(ParamPlan(path, tuple(shape), None))
       continue
-    p = exponent_override if exponent_override else 2 * len(merged)
+    p = 2 * len(merged)
+    if exponent_override:
+      p = (int(exponent_override) if float(exponent_override).is_integer()
+           else float(exponent_override))
     per_axis = [_axis_segments(n, block_size) for n in merged]
     regions = []
     for index in itertools.product(*(range(len(s)) for s in per_axis)):
@@ -320,6 +323,10 @@ def _all_finite(x: jax.Array, axes=None) -> jax.Array:
   return jnp.all(jnp.isfinite(x), axis=axes)
 
 
+def _is_number(x) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 # ------------------------------------------------------------------- transform
 
 def scale_by_shampoo(
@@ -344,7 +351,7 @@ def scale_by_shampoo(
     root_failure_threshold: float = 0.1,
     skip: Sequence[str] = (),
     statistics_dtype: Any = None,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
   """Replaces each gradient by its blocked, grafted Shampoo direction.
 
   Works from gradients alone (no tags). See the module docstring for the math,
@@ -379,7 +386,8 @@ def scale_by_shampoo(
       float64 if a parameter is float64).
 
   Returns:
-    An optax `GradientTransformation`.
+    An optax `GradientTransformationExtraArgs` (extra arguments of `update`
+    are ignored, so it chains with `kd.scale_by_kfac`-style transforms).
   """
   if graft_type not in GRAFT_TYPES:
     raise ValueError(f"graft_type must be one of {GRAFT_TYPES}, got {graft_type!r}")
@@ -387,42 +395,49 @@ def scale_by_shampoo(
     raise ValueError(f"grafting must be one of {GRAFTINGS}, got {grafting!r}")
   if root_method not in roots_lib.METHODS:
     raise ValueError(f"root_method must be one of {roots_lib.METHODS}, got {root_method!r}")
-  if not 0.0 < beta2 <= 1.0:
+  # Numbers may arrive as arrays (optax.inject_hyperparams): check the Python
+  # ones here; the shape options are read (concretely) at init only.
+  if _is_number(beta2) and not 0.0 < beta2 <= 1.0:
     raise ValueError(f"beta2 must be in (0, 1], got {beta2}")
-  if block_size is not None and block_size < 1:
+  if _is_number(block_size) and block_size < 1:
     raise ValueError(f"block_size must be positive or None, got {block_size}")
   for name, value in (("statistics_compute_steps", statistics_compute_steps),
                       ("preconditioning_compute_steps", preconditioning_compute_steps)):
-    if int(value) != value or value < 1:
+    if _is_number(value) and (int(value) != value or value < 1):
       raise ValueError(f"{name} must be a positive integer, got {value}")
-  if start_preconditioning_step < 0:
+  if _is_number(start_preconditioning_step) and start_preconditioning_step < 0:
     raise ValueError("start_preconditioning_step must be >= 0")
-  if exponent_override is not None and exponent_override <= 0:
+  if _is_number(exponent_override) and exponent_override <= 0:
     raise ValueError(f"exponent_override must be positive, got {exponent_override}")
-  if (root_method == "newton" and exponent_override is not None
+  if (root_method == "newton" and _is_number(exponent_override)
       and int(exponent_override) != exponent_override):
     raise ValueError("root_method='newton' needs an integer exponent_override")
   g_beta = beta2 if graft_beta2 is None else graft_beta2
-  if graft_type in ("rmsprop", "adam") and not 0.0 <= g_beta < 1.0:
+  if (graft_type in ("rmsprop", "adam") and _is_number(g_beta)
+      and not 0.0 <= g_beta < 1.0):
     raise ValueError(f"graft_type={graft_type!r} needs a moving average: pass "
                      f"graft_beta2 < 1 (beta2 is {beta2}).")
-  if merge_small_dims is True:
-    merge_threshold = block_size
-  elif merge_small_dims is False:
-    merge_threshold = None
-  else:
-    merge_threshold = int(merge_small_dims)
-  stat_weight = 1.0 if beta2 == 1.0 else 1.0 - beta2
   skip = tuple(skip)
-  start = int(start_preconditioning_step)
+  start = start_preconditioning_step
+
+  def shape_options():
+    block = None if block_size is None else int(block_size)
+    if merge_small_dims is True:
+      merge = block
+    elif merge_small_dims is False:
+      merge = None
+    else:
+      merge = int(merge_small_dims)
+    return dict(block_size=block, merge_threshold=merge,
+                max_preconditioner_dim=(None if max_preconditioner_dim is None
+                                        else int(max_preconditioner_dim)),
+                exponent_override=(None if exponent_override is None
+                                   else float(exponent_override)))
 
   def init_fn(params):
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    lay = build_layout(
-        [(registry.path_str(p), tuple(jnp.shape(x))) for p, x in flat],
-        block_size=block_size, merge_threshold=merge_threshold,
-        max_preconditioner_dim=max_preconditioner_dim,
-        exponent_override=exponent_override, skip=skip)
+    lay = build_layout([(registry.path_str(p), tuple(jnp.shape(x))) for p, x in flat],
+                       skip=skip, **shape_options())
     for pattern in skip:
       if not any(re.search(pattern, plan.path) for plan in lay.params):
         raise ValueError(f"skip pattern {pattern!r} matches no parameter.")
@@ -460,6 +475,7 @@ def scale_by_shampoo(
     return out, tuple(new_acc)
 
   def new_statistics(lay, merged_grads, stats):
+    stat_weight = jnp.where(jnp.asarray(beta2) == 1.0, 1.0, 1.0 - jnp.asarray(beta2))
     pieces = [[] for _ in lay.buckets]
     for plan, g in zip(lay.params, merged_grads):
       if not plan.preconditioned:
@@ -505,8 +521,8 @@ def scale_by_shampoo(
       out = out * _graft_scale(jnp.linalg.norm(d.ravel()), jnp.linalg.norm(out.ravel()))
     return out
 
-  def update_fn(updates, state: ScaleByShampooState, params=None):
-    del params
+  def update_fn(updates, state: ScaleByShampooState, params=None, **extra_args):
+    del params, extra_args
     lay = state.layout
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
     paths = [registry.path_str(p) for p, _ in flat]
@@ -527,17 +543,21 @@ def scale_by_shampoo(
     stats, roots = state.statistics, state.roots
     if pre:
       with jax.named_scope("shampoo_statistics"):
-        if statistics_compute_steps == 1:
+        if _is_number(statistics_compute_steps) and statistics_compute_steps == 1:
           stats = new_statistics(lay, merged, stats)
         else:
           stats = lax.cond(count % statistics_compute_steps == 0,
                            lambda: new_statistics(lay, merged, state.statistics),
                            lambda: state.statistics)
       with jax.named_scope("shampoo_roots"):
-        refresh = (count >= start) & ((count % preconditioning_compute_steps == 0)
-                                      | (count == start))
-        roots = lax.cond(refresh, lambda: new_roots(lay, stats, state.roots),
-                         lambda: state.roots)
+        if (_is_number(start) and start == 0 and _is_number(preconditioning_compute_steps)
+            and preconditioning_compute_steps == 1):
+          roots = new_roots(lay, stats, state.roots)
+        else:
+          refresh = (count >= start) & ((count % preconditioning_compute_steps == 0)
+                                        | (count == start))
+          roots = lax.cond(refresh, lambda: new_roots(lay, stats, state.roots),
+                           lambda: state.roots)
 
       def shampoo_branch():
         return [precondition(lay.params[i], merged[i],
@@ -549,7 +569,7 @@ def scale_by_shampoo(
         return [diag[i].astype(dtype) for i in pre]
 
       with jax.named_scope("shampoo_precondition"):
-        if start == 0:
+        if _is_number(start) and start == 0:
           preconditioned = shampoo_branch()
         else:
           preconditioned = lax.cond(count >= start, shampoo_branch, graft_branch)
@@ -562,22 +582,56 @@ def scale_by_shampoo(
                                     roots=roots, graft=graft)
     return new_updates, new_state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def shampoo(learning_rate: optax.ScalarOrSchedule, momentum: float | None = 0.9,
-            weight_decay: float = 0.0, nesterov: bool = False, *,
-            block_size: int | None = 128, beta2: float = 1.0, epsilon: float = 1e-6,
-            **shampoo_options) -> optax.GradientTransformation:
+def shampoo(
+    learning_rate: optax.ScalarOrSchedule,
+    momentum: float | None = 0.9,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    *,
+    block_size: int | None = 128,
+    beta2: float = 1.0,
+    epsilon: float = 1e-6,
+    graft_type: str = "sgd",
+    grafting: str = "block",
+    graft_beta2: float | None = None,
+    graft_epsilon: float = 1e-10,
+    start_preconditioning_step: int = 1,
+    statistics_compute_steps: int = 1,
+    preconditioning_compute_steps: int = 1,
+    merge_small_dims: bool | int = True,
+    max_preconditioner_dim: int | None = 4096,
+    exponent_override: float | None = None,
+    root_method: str = "eigh",
+    ridge_epsilon: float = 1e-6,
+    newton_max_iterations: int = 100,
+    newton_tolerance: float = 1e-6,
+    root_failure_threshold: float = 0.1,
+    skip: Sequence[str] = (),
+    statistics_dtype: Any = None,
+) -> optax.GradientTransformationExtraArgs:
   """Shampoo followed by SGD with momentum (Anil et al. 2020, §4).
 
   `optax.chain(scale_by_shampoo(...), add_decayed_weights(weight_decay),
   sgd(learning_rate, momentum, nesterov))`: weight decay is added to the
-  grafted Shampoo step (not preconditioned) and goes through momentum, as in
-  Anil et al.'s implementation. The other options are `scale_by_shampoo`'s.
-  Works with `optax.inject_hyperparams`.
+  grafted Shampoo step (it is not preconditioned) and goes through momentum,
+  as in Anil et al.'s implementation. The other options are
+  `scale_by_shampoo`'s. Works with `optax.inject_hyperparams`.
   """
   return optax.chain(
-      scale_by_shampoo(block_size, beta2, epsilon, **shampoo_options),
+      scale_by_shampoo(
+          block_size, beta2, epsilon, graft_type=graft_type, grafting=grafting,
+          graft_beta2=graft_beta2, graft_epsilon=graft_epsilon,
+          start_preconditioning_step=start_preconditioning_step,
+          statistics_compute_steps=statistics_compute_steps,
+          preconditioning_compute_steps=preconditioning_compute_steps,
+          merge_small_dims=merge_small_dims, max_preconditioner_dim=max_preconditioner_dim,
+          exponent_override=exponent_override, root_method=root_method,
+          ridge_epsilon=ridge_epsilon, newton_max_iterations=newton_max_iterations,
+          newton_tolerance=newton_tolerance,
+          root_failure_threshold=root_failure_threshold, skip=skip,
+          statistics_dtype=statistics_dtype),
       optax.add_decayed_weights(weight_decay),
       optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov))

@@ -175,7 +175,7 @@ def test_merge_small_dims_and_blocks():
                                                (3, 2): 1}
 
 
-@pytest.mark.parametrize("p", [1, 2, 4, 6])
+@pytest.mark.parametrize("p", [1, 4, 6])
 @pytest.mark.parametrize("method", ["eigh", "newton"])
 def test_inverse_roots_match_scipy(method, p, x64):
   rng = np.random.default_rng(p)
@@ -196,8 +196,8 @@ def test_inverse_roots_match_scipy(method, p, x64):
                                atol=1e-6 * np.abs(want).max())
   assert np.all(np.asarray(err) < 1e-10)
   # float32: both methods agree with the float64 answer to float32 accuracy.
-  got32, _ = roots.inverse_pth_root(jnp.asarray(mats, jnp.float32), p, method=method,
-                                    ridge_epsilon=ridge)
+  got32, _ = jax.jit(lambda h: roots.inverse_pth_root(
+      h, p, method=method, ridge_epsilon=ridge))(jnp.asarray(mats, jnp.float32))
   assert got32.dtype == jnp.float32
   for h, r in zip(mats, np.asarray(got32)):
     lam = np.linalg.eigvalsh(h).max()
@@ -249,9 +249,9 @@ CONFIGS = {
         dict(graft_type="none", epsilon=1e-3), SHAPES),
     "skips_and_override": (
         dict(block_size=4, merge_small_dims=False, exponent_override=2,
-             max_preconditioner_dim=8, skip=("w3",)),
-        dict(block_size=4, exponent=2, max_dim=8),
-        {"w2": (6, 10), "w3": (3, 4, 5), "wide": (3, 9), "b": (10,)}),
+             max_preconditioner_dim=10, skip=("w3",)),
+        dict(block_size=4, exponent=2, max_dim=10),
+        {"w2": (6, 10), "w3": (3, 4, 5), "wide": (3, 12), "b": (10,)}),
 }
 
 
@@ -266,7 +266,9 @@ def test_matches_numpy_shampoo(name, x64):
     oracle.params["w3"].pop("blocks")
   else:
     oracle = NumpyShampoo(shapes, **oracle_options)
-  _run(tx, oracle, shapes, steps=3)
+  state = _run(tx, oracle, shapes, steps=3)
+  assert sum(p.preconditioned for p in state.layout.params) == (
+      1 if name == "skips_and_override" else 3)
 
 
 def test_newton_roots_match_oracle(x64):
@@ -302,13 +304,16 @@ def test_cadence_step_by_step(x64):
     state = new_state
 
 
+SMALL = {"w": (6, 5), "b": (5,)}
+
+
 def test_before_start_is_the_grafted_update():
   tx = kd.scale_by_shampoo(block_size=4, graft_type="adagrad",
                            start_preconditioning_step=2)
   rng = np.random.default_rng(2)
-  state = tx.init(_params(SHAPES, np.float32))
-  grads = _grads(rng, SHAPES, np.float32)
-  got, _ = tx.update(grads, state)
+  state = tx.init(_params(SMALL, np.float32))
+  grads = _grads(rng, SMALL, np.float32)
+  got, _ = jax.jit(tx.update)(grads, state)
   for name, g in grads.items():
     g = np.asarray(g, np.float64)
     np.testing.assert_allclose(got[name], g / (np.abs(g) + 1e-10), rtol=1e-5)
@@ -343,17 +348,18 @@ def test_non_finite_gradient_keeps_statistics_and_roots():
 
 def test_failing_root_keeps_previous_root():
   rng = np.random.default_rng(4)
-  good = kd.scale_by_shampoo(block_size=4, root_method="newton")
+  good = kd.scale_by_shampoo(block_size=4, start_preconditioning_step=0)
   # One Newton step cannot reach an error of 0.1: every new root is rejected.
   failing = kd.scale_by_shampoo(block_size=4, root_method="newton",
-                                newton_max_iterations=1)
-  state = good.init(_params(SHAPES, np.float32))
-  _, first = failing.update(_grads(rng, SHAPES, np.float32), state)
+                                newton_max_iterations=1, start_preconditioning_step=0)
+  state = good.init(_params(SMALL, np.float32))
+  fail_update = jax.jit(failing.update)
+  _, first = fail_update(_grads(rng, SMALL, np.float32), state)
   for r in first.roots:                               # still the initial identity
     np.testing.assert_array_equal(r, np.broadcast_to(np.eye(r.shape[-1]), r.shape))
-  _, state = good.update(_grads(rng, SHAPES, np.float32), state)
-  grads = _grads(rng, SHAPES, np.float32)
-  _, failed = failing.update(grads, state)
+  _, state = jax.jit(good.update)(_grads(rng, SMALL, np.float32), state)
+  grads = _grads(rng, SMALL, np.float32)
+  _, failed = fail_update(grads, state)
   for old, new in zip(state.roots, failed.roots):
     np.testing.assert_array_equal(new, old)
   for old, new in zip(state.statistics, failed.statistics):
@@ -364,8 +370,8 @@ def test_jit_equals_eager():
   tx = kd.scale_by_shampoo(block_size=4, beta2=0.9, graft_type="rmsprop",
                            statistics_compute_steps=2, start_preconditioning_step=1)
   rng = np.random.default_rng(5)
-  grads = [_grads(rng, SHAPES, np.float32) for _ in range(3)]
-  s_eager = s_jit = tx.init(_params(SHAPES, np.float32))
+  grads = [_grads(rng, SMALL, np.float32) for _ in range(2)]
+  s_eager = s_jit = tx.init(_params(SMALL, np.float32))
   update = jax.jit(tx.update)
   for g in grads:
     u_eager, s_eager = tx.update(g, s_eager)
@@ -389,8 +395,6 @@ def test_shampoo_alias_is_the_chain_and_trains():
   alias = kd.shampoo(0.5, momentum=0.5, weight_decay=1e-4, **opts)
   chain = optax.chain(kd.scale_by_shampoo(**opts), optax.add_decayed_weights(1e-4),
                       optax.sgd(0.5, momentum=0.5))
-  # Shampoo inside a longer chain (clip first), under jit.
-  clipped = optax.chain(optax.clip_by_global_norm(10.0), alias)
 
   def train(tx, p, steps=30):
     state = tx.init(p)
@@ -410,5 +414,10 @@ def test_shampoo_alias_is_the_chain_and_trains():
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
   assert isinstance(state[0], kd.ScaleByShampooState)
   assert float(loss(p_alias)) < 1e-2 * float(loss(params))
-  p_clip, _ = train(clipped, params)
-  assert float(loss(p_clip)) < 1e-2 * float(loss(params))
+  # optax.inject_hyperparams injects every numeric option (block_size too):
+  # the shape options are read at init, the rest may be arrays.
+  injected = optax.inject_hyperparams(kd.shampoo)(0.5, momentum=0.5, weight_decay=1e-4,
+                                                   **opts)
+  p_inj, _ = train(injected, params)
+  for a, b in zip(jax.tree_util.tree_leaves(p_inj), jax.tree_util.tree_leaves(p_alias)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
