@@ -33,9 +33,10 @@ modifies `H` itself.
 
 Both work on a bucket `[n, d, d]` of equal-size matrices in one batched op; on
 CPU the eigendecompositions run one matrix at a time (`linalg._batched`),
-because jaxlib's batched CPU eigh can deadlock XLA's thread pool. Both return
-an error per matrix (`max |X^p A − I|` for Newton's last accepted iterate, 0 for
-eigh) so that callers can reject a failed root.
+because jaxlib's batched CPU eigh can deadlock XLA's thread pool (the Newton
+iteration is matmuls only and is vmapped everywhere). Both return an error per
+matrix (Newton: `max |M − I|` of the last accepted iterate, `= max |X^p A − I|`
+in exact arithmetic; eigh: 0) so that callers can reject a failed root.
 """
 
 from __future__ import annotations
