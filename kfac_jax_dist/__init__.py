@@ -16,11 +16,15 @@ from kfac_jax_dist.kfac import scale_by_kfac
 from kfac_jax_dist.kfac import ScaleByKfacState
 from kfac_jax_dist.registry import LayerRegistry
 from kfac_jax_dist.registry import TaggedLayer
+from kfac_jax_dist.shampoo import scale_by_shampoo
+from kfac_jax_dist.shampoo import shampoo
+from kfac_jax_dist.shampoo import ScaleByShampooState
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Distribution", "LayerRegistry", "ScaleByKfacState", "TaggedLayer", "ValueAndGrad",
+    "ScaleByShampooState", "scale_by_shampoo", "shampoo",
     "describe", "kfac", "linen", "losses", "nnx", "partition_specs", "running_factors", "scale_by_kfac",
     "shard_state", "tags", "value_and_grad",
 ]

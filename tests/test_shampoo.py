@@ -1,0 +1,423 @@
+"""Shampoo against a float64 brute-force numpy Shampoo, and its inverse roots
+against scipy's fractional matrix powers."""
+
+import importlib
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import scipy.linalg
+
+import kfac_jax_dist as kd
+from kfac_jax_dist import roots
+
+# `kd.shampoo` is the alias function; the module it lives in:
+shampoo_lib = importlib.import_module("kfac_jax_dist.shampoo")
+
+
+@pytest.fixture
+def x64():
+  with jax.enable_x64(True):
+    yield
+
+
+# ------------------------------------------------------------------ the oracle
+
+def _merge(shape, threshold):
+  dims = [d for d in shape if d > 1]
+  if not threshold:
+    return dims
+  merged = []
+  for d in dims:
+    if merged and merged[-1] * d <= threshold:
+      merged[-1] *= d
+    else:
+      merged.append(d)
+  return merged
+
+
+def _oracle_root(h, p, ridge):
+  w, v = np.linalg.eigh(h)
+  w = np.maximum(w, 0.0)
+  w = w + ridge * max(w.max(), 1e-16)
+  return (v * w ** (-1.0 / p)) @ v.T
+
+
+class NumpyShampoo:
+  """Shampoo (Gupta et al. Alg. 2 with Anil et al.'s blocking, grafting and
+  cadence), one block at a time, in float64."""
+
+  def __init__(self, shapes, *, block_size=None, merge=False, beta2=1.0, epsilon=1e-6,
+               graft_type="sgd", grafting="block", graft_beta2=None, graft_epsilon=1e-10,
+               start=0, stat_every=1, precond_every=1, ridge=1e-6, exponent=None,
+               max_dim=None):
+    self.o = dict(beta2=beta2, graft_type=graft_type, grafting=grafting,
+                  graft_beta2=beta2 if graft_beta2 is None else graft_beta2,
+                  graft_epsilon=graft_epsilon, start=start, stat_every=stat_every,
+                  precond_every=precond_every, ridge=ridge)
+    self.count = 0
+    self.params = {}
+    for name, shape in shapes.items():
+      merged = _merge(shape, block_size if merge is True else merge)
+      entry = {"shape": shape, "graft": np.zeros(shape)}
+      if len(shape) >= 2 and merged and not (max_dim and max(merged) > max_dim):
+        bs = block_size or max(merged)
+        ranges = [[(s, min(s + bs, n)) for s in range(0, n, bs)] for n in merged]
+        entry["merged"] = merged
+        entry["p"] = exponent or 2 * len(merged)
+        entry["blocks"] = [
+            {"idx": tuple(slice(a, b) for a, b in box),
+             "H": [epsilon * np.eye(b - a) for a, b in box],
+             "R": [np.eye(b - a) for a, b in box]}
+            for box in itertools.product(*ranges)]
+      self.params[name] = entry
+
+  def _graft(self, entry, g):
+    o, t = self.o, self.count + 1
+    if o["graft_type"] in ("sgd", "none"):
+      return g
+    if o["graft_type"] == "adagrad":
+      entry["graft"] = entry["graft"] + g * g
+      v = entry["graft"]
+    else:
+      entry["graft"] = o["graft_beta2"] * entry["graft"] + (1 - o["graft_beta2"]) * g * g
+      v = entry["graft"]
+      if o["graft_type"] == "adam":
+        v = v / (1 - o["graft_beta2"] ** t)
+    return g / (np.sqrt(v) + o["graft_epsilon"])
+
+  def step(self, grads):
+    o, c = self.o, self.count
+    out = {}
+    for name, entry in self.params.items():
+      g = np.asarray(grads[name], np.float64)
+      d = self._graft(entry, g)
+      if "merged" not in entry:
+        out[name] = d
+        continue
+      gm, dm = g.reshape(entry["merged"]), d.reshape(entry["merged"])
+      k = gm.ndim
+      for blk in entry["blocks"]:
+        gb = gm[blk["idx"]]
+        if c % o["stat_every"] == 0:
+          for i in range(k):
+            others = [a for a in range(k) if a != i]
+            ggt = np.tensordot(gb, gb, axes=(others, others))
+            w = 1.0 if o["beta2"] == 1.0 else 1.0 - o["beta2"]
+            blk["H"][i] = o["beta2"] * blk["H"][i] + w * ggt
+        if c >= o["start"] and (c % o["precond_every"] == 0 or c == o["start"]):
+          blk["R"] = [_oracle_root(h, entry["p"], o["ridge"]) for h in blk["H"]]
+      if c < o["start"]:
+        out[name] = d
+        continue
+      pm = np.zeros_like(gm)
+      for blk in entry["blocks"]:
+        x = gm[blk["idx"]]
+        for i in range(k):         # mode-i product with the (symmetric) root
+          x = np.moveaxis(np.tensordot(blk["R"][i], x, axes=([1], [i])), 0, i)
+        if o["graft_type"] != "none" and o["grafting"] == "block":
+          x = x * np.linalg.norm(dm[blk["idx"]]) / np.linalg.norm(x)
+        pm[blk["idx"]] = x
+      if o["graft_type"] != "none" and o["grafting"] == "layer":
+        pm = pm * np.linalg.norm(dm) / np.linalg.norm(pm)
+      out[name] = pm.reshape(entry["shape"])
+    self.count += 1
+    return out
+
+
+SHAPES = {"w2": (6, 10), "w3": (3, 4, 5), "wm": (2, 2, 3), "b": (10,)}
+
+
+def _grads(rng, shapes, dtype=np.float64):
+  return {k: jnp.asarray(rng.normal(size=s), dtype) for k, s in shapes.items()}
+
+
+def _params(shapes, dtype=np.float64):
+  return {k: jnp.zeros(s, dtype) for k, s in shapes.items()}
+
+
+def _run(tx, oracle, shapes, steps, seed=0, rtol=1e-8, atol=1e-10, jit=True):
+  rng = np.random.default_rng(seed)
+  state = tx.init(_params(shapes))
+  update = jax.jit(tx.update) if jit else tx.update
+  for step in range(steps):
+    grads = _grads(rng, shapes)
+    got, state = update(grads, state)
+    want = oracle.step(grads)
+    for name in shapes:
+      np.testing.assert_allclose(np.asarray(got[name]), want[name], rtol=rtol, atol=atol,
+                                 err_msg=f"step {step}, parameter {name}")
+  return state
+
+
+# ----------------------------------------------------------------------- tests
+
+def test_merge_small_dims_and_blocks():
+  merge = shampoo_lib.merge_small_dims
+  assert merge((3, 3, 32, 64), 128) == (9, 32, 64)
+  assert merge((1, 2, 768, 1, 2048), 1024) == (2, 768, 2048)
+  assert merge((2, 2, 3), 4) == (4, 3)
+  assert merge((4, 1, 5), None) == (4, 5)
+  lay = shampoo_lib.build_layout(
+      [("w", (6, 10)), ("b", (10,)), ("c", (1, 7)), ("big", (2, 50))],
+      block_size=4, merge_threshold=None, max_preconditioner_dim=20,
+      exponent_override=None)
+  w, b, c, big = lay.params
+  assert not b.preconditioned and not big.preconditioned
+  # 6 = 4 + 2, 10 = 2·4 + 2: regions (1×2 of 4×4), (1×1 of 4×2), (1×2 of 2×4), (2×2).
+  assert [(r.grid, r.block) for r in w.regions] == [
+      ((1, 2), (4, 4)), ((1, 1), (4, 2)), ((1, 2), (2, 4)), ((1, 1), (2, 2))]
+  assert c.merged == (7,) and c.exponent == 2                    # order 1: p = 2
+  assert dict(zip(lay.buckets, lay.sizes)) == {(4, 4): 7, (2, 4): 5, (4, 2): 1,
+                                               (3, 2): 1}
+
+
+@pytest.mark.parametrize("p", [1, 4, 6])
+@pytest.mark.parametrize("method", ["eigh", "newton"])
+def test_inverse_roots_match_scipy(method, p, x64):
+  rng = np.random.default_rng(p)
+  mats = []
+  for scale in (1.0, 1e-3, 50.0):
+    g = rng.normal(size=(7, 4)) * scale
+    mats.append(g @ g.T + 1e-2 * scale ** 2 * np.eye(7))
+  mats = np.stack(mats)
+  ridge = 1e-3
+  got, err = jax.jit(lambda h: roots.inverse_pth_root(
+      h, p, method=method, ridge_epsilon=ridge, tolerance=1e-13))(jnp.asarray(mats))
+  for h, r in zip(mats, np.asarray(got)):
+    lam = np.linalg.eigvalsh(h).max()
+    want = np.real(scipy.linalg.fractional_matrix_power(h + ridge * lam * np.eye(7),
+                                                        -1.0 / p))
+    # Newton's ridge uses a power-iteration λ_max (relative tolerance 1e-6).
+    np.testing.assert_allclose(r, want, rtol=1e-6 if method == "newton" else 1e-9,
+                               atol=1e-6 * np.abs(want).max())
+  assert np.all(np.asarray(err) < 1e-10)
+  # float32: both methods agree with the float64 answer to float32 accuracy.
+  got32, _ = jax.jit(lambda h: roots.inverse_pth_root(
+      h, p, method=method, ridge_epsilon=ridge))(jnp.asarray(mats, jnp.float32))
+  assert got32.dtype == jnp.float32
+  for h, r in zip(mats, np.asarray(got32)):
+    lam = np.linalg.eigvalsh(h).max()
+    want = _oracle_root(h, p, ridge)
+    np.testing.assert_allclose(r, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
+
+
+def test_newton_float32_ill_conditioned_is_finite_and_flagged():
+  # float32, no ridge. Condition 1e6: still accurate. Condition 1e9: rounding
+  # takes over; the divergence guard stops on a finite iterate whose reported
+  # error is above the default failure threshold, so Shampoo would reject it.
+  rng = np.random.default_rng(0)
+  q, _ = np.linalg.qr(rng.normal(size=(16, 16)))
+  for low, ok in ((-6, True), (-9, False)):
+    values = np.logspace(low, 0, 16)
+    x, err = roots.newton_inverse_pth_root(jnp.asarray((q * values) @ q.T, jnp.float32),
+                                           4, ridge_epsilon=0.0, tolerance=0.0)
+    assert np.all(np.isfinite(np.asarray(x))) and np.isfinite(float(err))
+    want = (q * values ** -0.25) @ q.T
+    if ok:
+      assert float(err) < 1e-5
+      np.testing.assert_allclose(x, want, atol=1e-3 * np.abs(want).max())
+    else:
+      assert float(err) > 0.1
+
+
+CONFIGS = {
+    # name: (scale_by_shampoo options, oracle options, shapes)
+    "unblocked_sgd_layer": (
+        dict(block_size=None, merge_small_dims=False, graft_type="sgd", grafting="layer"),
+        dict(graft_type="sgd", grafting="layer"), SHAPES),
+    "blocked_sgd": (
+        dict(block_size=4, graft_type="sgd"),
+        dict(block_size=4, merge=True, graft_type="sgd"), SHAPES),
+    "blocked_adagrad_beta2": (
+        dict(block_size=4, beta2=0.9, graft_type="adagrad"),
+        dict(block_size=4, merge=True, beta2=0.9, graft_type="adagrad"), SHAPES),
+    "blocked_rmsprop_layer": (
+        dict(block_size=4, beta2=0.9, graft_type="rmsprop", grafting="layer",
+             graft_epsilon=1e-8),
+        dict(block_size=4, merge=True, beta2=0.9, graft_type="rmsprop", grafting="layer",
+             graft_epsilon=1e-8), SHAPES),
+    "blocked_adam": (
+        dict(block_size=3, beta2=0.95, graft_type="adam", graft_beta2=0.99),
+        dict(block_size=3, merge=True, beta2=0.95, graft_type="adam", graft_beta2=0.99),
+        SHAPES),
+    "pure_alg2_no_graft": (
+        dict(block_size=None, merge_small_dims=False, graft_type="none", epsilon=1e-3),
+        dict(graft_type="none", epsilon=1e-3), SHAPES),
+    "skips_and_override": (
+        dict(block_size=4, merge_small_dims=False, exponent_override=2,
+             max_preconditioner_dim=10, skip=("w3",)),
+        dict(block_size=4, exponent=2, max_dim=10),
+        {"w2": (6, 10), "w3": (3, 4, 5), "wide": (3, 12), "b": (10,)}),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_matches_numpy_shampoo(name, x64):
+  options, oracle_options, shapes = CONFIGS[name]
+  tx = kd.scale_by_shampoo(start_preconditioning_step=0, **options)
+  if name == "skips_and_override":      # the oracle has no name filter
+    shapes_oracle = dict(shapes)
+    oracle = NumpyShampoo(shapes_oracle, **oracle_options)
+    del oracle.params["w3"]["merged"]
+    oracle.params["w3"].pop("blocks")
+  else:
+    oracle = NumpyShampoo(shapes, **oracle_options)
+  state = _run(tx, oracle, shapes, steps=3)
+  assert sum(p.preconditioned for p in state.layout.params) == (
+      1 if name == "skips_and_override" else 3)
+
+
+def test_newton_roots_match_oracle(x64):
+  tx = kd.scale_by_shampoo(block_size=4, root_method="newton", newton_tolerance=1e-12,
+                           start_preconditioning_step=0)
+  oracle = NumpyShampoo(SHAPES, block_size=4, merge=True)
+  _run(tx, oracle, SHAPES, steps=2, rtol=1e-5, atol=1e-7)
+
+
+def test_cadence_step_by_step(x64):
+  options = dict(start=3, stat_every=2, precond_every=3)
+  tx = kd.scale_by_shampoo(block_size=4, graft_type="adagrad",
+                           start_preconditioning_step=3, statistics_compute_steps=2,
+                           preconditioning_compute_steps=3)
+  oracle = NumpyShampoo(SHAPES, block_size=4, merge=True, graft_type="adagrad", **options)
+  rng = np.random.default_rng(1)
+  state = tx.init(_params(SHAPES))
+  update = jax.jit(tx.update)
+  for step in range(8):
+    grads = _grads(rng, SHAPES)
+    got, new_state = update(grads, state)
+    want = oracle.step(grads)
+    for name in SHAPES:
+      np.testing.assert_allclose(np.asarray(got[name]), want[name], rtol=1e-8, atol=1e-10,
+                                 err_msg=f"step {step}, {name}")
+    stats_changed = any(not np.array_equal(a, b) for a, b in
+                        zip(state.statistics, new_state.statistics))
+    roots_changed = any(not np.array_equal(a, b) for a, b in
+                        zip(state.roots, new_state.roots))
+    assert stats_changed == (step % 2 == 0), step
+    assert roots_changed == (step == 3 or step == 6), step
+    assert int(new_state.count) == step + 1
+    state = new_state
+
+
+SMALL = {"w": (6, 5), "b": (5,)}
+
+
+def test_before_start_is_the_grafted_update():
+  tx = kd.scale_by_shampoo(block_size=4, graft_type="adagrad",
+                           start_preconditioning_step=2)
+  rng = np.random.default_rng(2)
+  state = tx.init(_params(SMALL, np.float32))
+  grads = _grads(rng, SMALL, np.float32)
+  got, _ = jax.jit(tx.update)(grads, state)
+  for name, g in grads.items():
+    g = np.asarray(g, np.float64)
+    np.testing.assert_allclose(got[name], g / (np.abs(g) + 1e-10), rtol=1e-5)
+
+
+def test_non_finite_gradient_keeps_statistics_and_roots():
+  tx = kd.scale_by_shampoo(block_size=4, graft_type="adagrad", start_preconditioning_step=0)
+  rng = np.random.default_rng(3)
+  state = tx.init(_params(SHAPES, np.float32))
+  update = jax.jit(tx.update)
+  _, state = update(_grads(rng, SHAPES, np.float32), state)
+  bad = _grads(rng, SHAPES, np.float32)
+  bad["w2"] = bad["w2"].at[0, 0].set(jnp.inf)          # block (0:4, 0:4) of w2
+  _, new_state = update(bad, state)
+  for leaf in jax.tree_util.tree_leaves(new_state):
+    assert np.all(np.isfinite(np.asarray(leaf)))
+  lay = state.layout
+  w2 = next(p for p in lay.params if p.path == "w2")
+  first = w2.regions[0]                               # holds block (0:4, 0:4) first
+  for axis in range(2):
+    j, s = first.buckets[axis], first.slots[axis]
+    np.testing.assert_array_equal(new_state.statistics[j][s], state.statistics[j][s])
+    np.testing.assert_array_equal(new_state.roots[j][s], state.roots[j][s])
+    # the neighbouring block of the same region did update.
+    assert not np.array_equal(new_state.statistics[j][s + 1], state.statistics[j][s + 1])
+  i = [p.path for p in lay.params].index("w2")
+  np.testing.assert_array_equal(new_state.graft[i], state.graft[i])   # w2's accumulator
+  good, _ = update(_grads(rng, SHAPES, np.float32), new_state)
+  for leaf in jax.tree_util.tree_leaves(good):
+    assert np.all(np.isfinite(np.asarray(leaf)))
+
+
+def test_failing_root_keeps_previous_root():
+  rng = np.random.default_rng(4)
+  good = kd.scale_by_shampoo(block_size=4, start_preconditioning_step=0)
+  # One Newton step cannot reach an error of 0.1: every new root is rejected.
+  failing = kd.scale_by_shampoo(block_size=4, root_method="newton",
+                                newton_max_iterations=1, start_preconditioning_step=0)
+  state = good.init(_params(SMALL, np.float32))
+  fail_update = jax.jit(failing.update)
+  _, first = fail_update(_grads(rng, SMALL, np.float32), state)
+  for r in first.roots:                               # still the initial identity
+    np.testing.assert_array_equal(r, np.broadcast_to(np.eye(r.shape[-1]), r.shape))
+  _, state = jax.jit(good.update)(_grads(rng, SMALL, np.float32), state)
+  grads = _grads(rng, SMALL, np.float32)
+  _, failed = fail_update(grads, state)
+  for old, new in zip(state.roots, failed.roots):
+    np.testing.assert_array_equal(new, old)
+  for old, new in zip(state.statistics, failed.statistics):
+    assert not np.array_equal(new, old)
+
+
+def test_jit_equals_eager():
+  tx = kd.scale_by_shampoo(block_size=4, beta2=0.9, graft_type="rmsprop",
+                           statistics_compute_steps=2, start_preconditioning_step=1)
+  rng = np.random.default_rng(5)
+  grads = [_grads(rng, SMALL, np.float32) for _ in range(2)]
+  s_eager = s_jit = tx.init(_params(SMALL, np.float32))
+  update = jax.jit(tx.update)
+  for g in grads:
+    u_eager, s_eager = tx.update(g, s_eager)
+    u_jit, s_jit = update(g, s_jit)
+    for a, b in zip(jax.tree_util.tree_leaves((u_eager, s_eager)),
+                    jax.tree_util.tree_leaves((u_jit, s_jit))):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_shampoo_alias_is_the_chain_and_trains():
+  rng = np.random.default_rng(6)
+  x = rng.normal(size=(64, 6)).astype(np.float32)
+  w_true = rng.normal(size=(6, 3)).astype(np.float32)
+  y = x @ w_true
+
+  def loss(p):
+    return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+  params = {"w": jnp.zeros((6, 3)), "b": jnp.zeros(3)}
+  opts = dict(block_size=4, graft_type="adagrad", start_preconditioning_step=1)
+  alias = kd.shampoo(0.5, momentum=0.5, weight_decay=1e-4, **opts)
+  chain = optax.chain(kd.scale_by_shampoo(**opts), optax.add_decayed_weights(1e-4),
+                      optax.sgd(0.5, momentum=0.5))
+
+  def train(tx, p, steps=30):
+    state = tx.init(p)
+
+    @jax.jit
+    def step(p, state):
+      g = jax.grad(loss)(p)
+      u, state = tx.update(g, state, p)
+      return optax.apply_updates(p, u), state
+    for _ in range(steps):
+      p, state = step(p, state)
+    return p, state
+
+  p_alias, state = train(alias, params)
+  p_chain, _ = train(chain, params)
+  for a, b in zip(jax.tree_util.tree_leaves(p_alias), jax.tree_util.tree_leaves(p_chain)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+  assert isinstance(state[0], kd.ScaleByShampooState)
+  assert float(loss(p_alias)) < 1e-2 * float(loss(params))
+  # optax.inject_hyperparams injects every numeric option (block_size too):
+  # the shape options are read at init, the rest may be arrays.
+  injected = optax.inject_hyperparams(kd.shampoo)(0.5, momentum=0.5, weight_decay=1e-4,
+                                                   **opts)
+  p_inj, _ = train(injected, params)
+  for a, b in zip(jax.tree_util.tree_leaves(p_inj), jax.tree_util.tree_leaves(p_alias)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
