@@ -290,10 +290,15 @@ def partition_specs(opt_state: Any) -> Any:
       return replicated
     axis = node.layout.axis
     sharded = replicated if axis is None else jax.sharding.PartitionSpec(axis)
+    refresh = node.refresh
+    if refresh is not None:      # per-factor schedule replicated, X₋₁, X₋₂ as factors
+      refresh = jax.tree_util.tree_map(lambda _: replicated, refresh)
+      refresh = dataclasses.replace(refresh, last=sharded, before_last=sharded)
     return dataclasses.replace(
         node, count=replicated, factor_weight=replicated, update_factors=replicated,
         factors=sharded,
-        second_order=replicated if node.layout.num_groups == 1 else sharded)
+        second_order=replicated if node.layout.num_groups == 1 else sharded,
+        refresh=refresh)
 
   return jax.tree_util.tree_map(
       spec, opt_state, is_leaf=lambda x: isinstance(x, ScaleByKfacState))
