@@ -27,6 +27,7 @@ eigenvalues: decompositions stay in float32).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import Any, Sequence
 
@@ -117,6 +118,17 @@ class Collectives:
           f"This K-FAC state is distributed over mesh axis {self.dist.axis!r} "
           f"({self.num_devices} devices): call update inside jax.shard_map over that "
           "axis, with in_specs/out_specs from kd.partition_specs(opt_state).") from e
+
+  def per_device(self, make):
+    """`make(device)` on each device: devices own different work, so with P > 1
+    this is a `lax.switch` on the device index (each device's code appears in
+    one branch only); results are typed varying over the axis."""
+    if self.num_devices == 1:
+      return make(0)
+    axis = self.dist.axis
+    branches = [functools.partial(lambda d: _compat.as_varying(make(d), (axis,)), d)
+                for d in range(self.num_devices)]
+    return jax.lax.switch(self.device_index(), branches)
 
   def group_index(self) -> jax.Array:
     return self.device_index() // self.group_size

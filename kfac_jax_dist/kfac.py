@@ -201,17 +201,6 @@ def _gradient_offsets(lay: layout_lib.Layout) -> tuple[dict[str, int], list[int]
   return offsets, sizes, -(-max(sizes) // m) * m
 
 
-def _per_device(comm: distributed.Collectives, lay: layout_lib.Layout, make):
-  """`make(device)` on each device: the devices own different factors, so with
-  P > 1 this is a `lax.switch` on the device index (each factor's code appears
-  in one branch only)."""
-  if lay.num_devices == 1:
-    return make(0)
-  branches = [functools.partial(lambda d: _compat.as_varying(make(d), (lay.axis,)), d)
-              for d in range(lay.num_devices)]
-  return lax.switch(comm.device_index(), branches)
-
-
 def scale_by_kfac(
     layers: registry.LayerRegistry | None = None,
     *,
@@ -346,7 +335,7 @@ def scale_by_kfac(
       pieces = [summed[offsets[(p.layer.name, w)]:offsets[(p.layer.name, w)] + place.size]
                 for place, p, w in owned]
       return packing.pad_to(pieces, lay.segment, compute_dtype)
-    return _per_device(comm, lay, own)
+    return comm.per_device(own)
 
   def update_factors(state, stats):
     lay = state.layout
@@ -407,12 +396,12 @@ def scale_by_kfac(
         del d
         return running
     if method == "eigen":
-      local = _per_device(comm, lay, lambda d: eigen_segment(d, owned_of(d), lay, gamma))
+      local = comm.per_device(lambda d: eigen_segment(d, owned_of(d), lay, gamma))
     else:
       # π couples a layer's A and G, which may sit on different devices: share
       # the (scalar) traces of all factors, then damp the owned ones.
       traces = comm.all_gather_owned(
-          _per_device(comm, lay, lambda d: traces_segment(d, owned_of(d), lay)))
+          comm.per_device(lambda d: traces_segment(d, owned_of(d), lay)))
       damping_all = jnp.ones(lay.num_devices * lay.max_factors, compute_dtype)
       for plan in lay.plans:
         if plan.layer.unitwise:
@@ -421,8 +410,7 @@ def scale_by_kfac(
         ig = plan.g.owner * lay.max_factors + plan.g.index
         d_a, d_g = linalg.pi_adjusted_damping(traces[ia], traces[ig], gamma)
         damping_all = damping_all.at[ia].set(d_a).at[ig].set(d_g)
-      local = _per_device(comm, lay,
-                          lambda d: inverse_segment(d, owned_of(d), damping_all, lay))
+      local = comm.per_device(lambda d: inverse_segment(d, owned_of(d), damping_all, lay))
     return distribute_second(local, lay)
 
   def distribute_second(local, lay):
@@ -470,7 +458,7 @@ def scale_by_kfac(
       pad = functools.partial(packing.pad_to, length=lay.segment, dtype=factor_dtype)
       return pad(pieces), pad(lasts), pad(befores), bits
 
-    running, last, before, bits = _per_device(comm, lay, owner_update)
+    running, last, before, bits = comm.per_device(owner_update)
     if comm.active:                            # owners tell everyone
       bits = lax.psum(bits, lay.axis)
     interval = stale_lib.next_interval(bits[:, 0] > 0, bits[:, 1] > 0, r.interval,
@@ -523,7 +511,7 @@ def scale_by_kfac(
         pieces += mats + vecs
       return _pad(pieces, lay.second_segment)
 
-    local = _per_device(comm, lay, owner_segment)
+    local = comm.per_device(owner_segment)
     return lax.cond(jnp.any(due), lambda: distribute_second(local, lay),
                     lambda: state.second_order)
 

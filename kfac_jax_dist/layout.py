@@ -189,7 +189,7 @@ def _second_parts(dim: int, form: str, method: str) -> tuple[int, int]:
   return dim * dim, (dim if method == "eigen" else 0)
 
 
-def _assign(items: Sequence, bins: int, cost, size) -> list[list]:
+def assign(items: Sequence, bins: int, cost, size) -> list[list]:
   """Greedy two-criteria LPT: items (largest relative cost or size first) go
   to the bin whose larger relative load — cost over its ideal
   `max(Σ cost / bins, largest cost)`, size over `Σ size / bins` — grows least."""
@@ -236,7 +236,7 @@ def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
   # preconditioned gradients (gathered every step when there are several
   # groups), a device's eigenbases (gathered on decomposition steps).
   group_of = {}
-  group_bins = _assign(kept, num_groups, layer_cost,
+  group_bins = assign(kept, num_groups, layer_cost,
                        lambda l: l.a_dim * l.g_dim if num_groups > 1 else 0.0)
   for g, members in enumerate(group_bins):
     for layer in members:
@@ -245,7 +245,7 @@ def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
   for g, members in enumerate(group_bins):
     items = [(layer, which, dim, form) for layer in members
              for which, dim, form in factors_of(layer)]
-    bins = _assign(items, group_size, lambda t: eigh_cost(t[2], t[3]),
+    bins = assign(items, group_size, lambda t: eigh_cost(t[2], t[3]),
                    lambda t: sum(_second_parts(t[2], t[3], method)))
     for r, mine in enumerate(bins):
       owned[g * group_size + r] = [(layer.name, which, dim, form)
