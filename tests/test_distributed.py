@@ -44,16 +44,17 @@ def _problem():
   return loss_fn, params, x, y
 
 
-def _options(**extra):
-  return dict(damping=1e-2, factor_update_every=FACTOR_EVERY,
-              inverse_update_every=INVERSE_EVERY, kl_clip=1e-2, **extra)
+def _options(cadence=(FACTOR_EVERY, INVERSE_EVERY), **extra):
+  return dict(damping=1e-2, factor_update_every=cadence[0],
+              inverse_update_every=cadence[1], kl_clip=1e-2, **extra)
 
 
 @functools.lru_cache(maxsize=None)
-def _single_device(method):
+def _single_device(method, cadence=(FACTOR_EVERY, INVERSE_EVERY)):
   loss_fn, params, x, y = _problem()
   grad_fn = kd.value_and_grad(loss_fn)
-  tx = kd.kfac(0.1, layers=grad_fn.discover(params, x, y), **_options(method=method))
+  tx = kd.kfac(0.1, layers=grad_fn.discover(params, x, y),
+               **_options(cadence, method=method))
   state = tx.init(params)
 
   @jax.jit
@@ -70,7 +71,8 @@ def _single_device(method):
 
 
 def _distributed(num_devices, fraction, factor_reduction, gradient_reduction,
-                 method="eigen", symmetric=True, steps=STEPS, comm_dtype=None):
+                 method="eigen", symmetric=True, steps=STEPS, comm_dtype=None,
+                 cadence=(FACTOR_EVERY, INVERSE_EVERY)):
   loss_fn, params, x, y = _problem()
   mesh = Mesh(np.array(jax.devices()[:num_devices]), ("data",))
   dist = kd.Distribution(mesh, axis="data", grad_worker_fraction=fraction,
@@ -79,7 +81,7 @@ def _distributed(num_devices, fraction, factor_reduction, gradient_reduction,
                          comm_dtype=comm_dtype)
   grad_fn = kd.value_and_grad(loss_fn)
   tx = kd.kfac(0.1, layers=grad_fn.discover(params, x, y), distribution=dist,
-               **_options(method=method))
+               **_options(cadence, method=method))
   state = kd.shard_state(tx.init(params), mesh)
   specs = kd.partition_specs(state)
 
@@ -222,3 +224,20 @@ def test_uneven_prefix_minimises_ring_bytes():
   assert prefix([4] * 8) == 4                       # equal: one all_gather
   assert prefix([100] + [0] * 7) == 0               # one big owner: psum only
   assert prefix([10, 9, 8, 7, 1, 1, 1, 1]) == 7     # 4 of 8 exceed 7: no gain above
+
+
+@pytest.mark.parametrize("num_devices,cadence", [(2, (1, 1)), (8, (2, 3))])
+def test_reduce_scatter_factor_storage_is_the_cheaper(num_devices, cadence):
+  """Tight chunks (every factor step sends (P−1)·C, decomposition steps gather
+  them back) or owner segments ((P−1)·L per factor step), whichever the
+  cadence makes cheaper; both follow the single-device trajectory."""
+  reference, _ = _single_device("eigen", cadence)
+  trajectory, state, _ = _distributed(num_devices, 1.0, "reduce_scatter", "none",
+                                      cadence=cadence)
+  _assert_same(trajectory, reference)
+  lay = find_states(state)[0].layout
+  k = cadence[1] / cadence[0]
+  chunks = -(-sum(lay.owner_sizes) // num_devices)
+  expected = "chunked" if lay.segment * k > chunks * (k + 1) else "owner"
+  assert lay.factor_storage == expected
+  assert expected == {2: "owner", 8: "chunked"}[num_devices]   # both paths covered
