@@ -140,3 +140,8 @@ def call_flag(name: str, call_value, attribute):
     raise ValueError(f"BatchNorm: no `{name}` given, neither to the constructor nor "
                      "to the call.")
   return value
+
+
+def custom_promote(module, default) -> bool:
+  """Whether `module` sets its own `promote_dtype` (flax < 0.12.x has none)."""
+  return getattr(module, "promote_dtype", default) is not default

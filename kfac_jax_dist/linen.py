@@ -74,7 +74,7 @@ class DenseGeneral(nn.DenseGeneral):
   @nn.compact
   def __call__(self, inputs):
     custom = (self.dot_general is not None or self.dot_general_cls is not None
-              or self.promote_dtype is not linen_dtypes.promote_dtype)
+              or _flax_common.custom_promote(self, linen_dtypes.promote_dtype))
     in_dims = _flax_common.dense_general_config(self.axis, inputs.ndim,
                                                 tuple(self.batch_dims), custom)
     if isinstance(in_dims, str):
@@ -96,7 +96,7 @@ class Embed(nn.Embed):
   the table as an output projection, is Flax's own and untagged)."""
 
   def __call__(self, inputs):
-    if self.promote_dtype is not linen_dtypes.promote_dtype:
+    if _flax_common.custom_promote(self, linen_dtypes.promote_dtype):
       _flax_common.warn_untagged("Embed", "a custom promote_dtype")
       return super().__call__(inputs)
     if not jnp.issubdtype(inputs.dtype, jnp.integer):
@@ -121,7 +121,7 @@ def _norm_reason(module, ndim, feature_axes) -> str | None:
   if not module.use_scale:
     return "use_scale=False" if module.use_bias else None
   return _flax_common.norm_config(ndim, feature_axes,
-                                  custom=not module.force_float32_reductions)
+                                  custom=not getattr(module, "force_float32_reductions", True))
 
 
 class LayerNorm(nn.LayerNorm):

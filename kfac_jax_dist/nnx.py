@@ -81,7 +81,7 @@ class LinearGeneral(nnx.LinearGeneral):
     custom = (self.dot_general is not None or self.dot_general_cls is not None
               or out_sharding is not None
               or getattr(self, "preferred_element_type", None) is not None
-              or self.promote_dtype is not nnx_dtypes.promote_dtype)
+              or _flax_common.custom_promote(self, nnx_dtypes.promote_dtype))
     in_dims = _flax_common.dense_general_config(self.axis, inputs.ndim,
                                                 tuple(self.batch_axis), custom)
     if isinstance(in_dims, str):
@@ -96,7 +96,7 @@ class Embed(nnx.Embed):
   table as an output projection, is NNX's own and untagged)."""
 
   def __call__(self, inputs, out_sharding=None):
-    if out_sharding is not None or self.promote_dtype is not nnx_dtypes.promote_dtype:
+    if out_sharding is not None or _flax_common.custom_promote(self, nnx_dtypes.promote_dtype):
       _flax_common.warn_untagged("Embed", "a custom promote_dtype or output sharding")
       return super().__call__(inputs, out_sharding)
     if not jnp.issubdtype(inputs.dtype, jnp.integer):
@@ -110,7 +110,7 @@ def _norm_reason(module, ndim, feature_axes) -> str | None:
   if not module.use_scale:
     return "use_scale=False" if module.use_bias else None
   return _flax_common.norm_config(
-      ndim, feature_axes, custom=module.promote_dtype is not nnx_dtypes.promote_dtype)
+      ndim, feature_axes, custom=_flax_common.custom_promote(module, nnx_dtypes.promote_dtype))
 
 
 class LayerNorm(nnx.LayerNorm):

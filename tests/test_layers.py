@@ -522,8 +522,11 @@ def _nnx_check(kd_cls, flax_cls, args, kwargs, x, call=None):
     warnings.simplefilter("ignore", FutureWarning)
     np.testing.assert_allclose(ours(x, **call), theirs(x, **call), rtol=2e-6, atol=2e-6)
   assert_trees_equal(nnx.state(ours), nnx.state(theirs), rtol=1e-6)   # batch stats
-  assert (jax.tree.map(lambda v: v.dtype, nnx.state(ours))
-          == jax.tree.map(lambda v: v.dtype, nnx.state(theirs)))
+  # Parameter dtypes (flax 0.12.0's own BatchStat update promotes to float64
+  # under x64; later versions keep float32, as we do).
+  dtypes = [jax.tree_util.tree_flatten_with_path(jax.tree.map(
+      lambda v: v.dtype, nnx.state(m, nnx.Param)))[0] for m in (ours, theirs)]
+  assert dtypes[0] == dtypes[1]
 
 
 @pytest.mark.parametrize("args,kwargs,shape", [
