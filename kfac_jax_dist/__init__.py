@@ -13,7 +13,9 @@ from kfac_jax_dist.distributed import shard_state
 from kfac_jax_dist.kfac import kfac
 from kfac_jax_dist.kfac import running_factors
 from kfac_jax_dist.kfac import scale_by_kfac
+from kfac_jax_dist.kfac import second_order_parts
 from kfac_jax_dist.kfac import ScaleByKfacState
+from kfac_jax_dist.kfac import skip_faulty_steps
 from kfac_jax_dist.registry import LayerRegistry
 from kfac_jax_dist.registry import TaggedLayer
 from kfac_jax_dist.shampoo import scale_by_shampoo
@@ -25,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Distribution", "LayerRegistry", "ScaleByKfacState", "TaggedLayer", "ValueAndGrad",
     "ScaleByShampooState", "scale_by_shampoo", "shampoo",
+    "second_order_parts", "skip_faulty_steps",
     "describe", "kfac", "linen", "losses", "nnx", "partition_specs", "running_factors", "scale_by_kfac",
     "shard_state", "tags", "value_and_grad",
 ]

@@ -292,6 +292,7 @@ def partition_specs(opt_state: Any) -> Any:
     sharded = replicated if axis is None else jax.sharding.PartitionSpec(axis)
     return dataclasses.replace(
         node, count=replicated, factor_weight=replicated, update_factors=replicated,
+        skipped=replicated,
         factors=sharded,
         second_order=replicated if node.layout.num_groups == 1 else sharded)
 
