@@ -28,7 +28,9 @@ state leaf is unchanged except `skipped`, which counts the skipped steps.
 cadence, the schedules of `count` and the next factor step are those of the
 accepted steps, and a run with a faulty batch inserted equals, bit for bit,
 the run without it. Inside `shard_map` the devices agree by a `psum` of their
-local verdicts (one device's NaN skips the step on all). `kd.kfac` wraps its
+local verdicts (one device's NaN skips the step on all): of the statistics'
+on factor steps, of the gradients' when they are local (`gradient_reduction`
+other than "none", or gradients typed varying over the axis). `kd.kfac` wraps its
 chain in `skip_faulty_steps`, which also leaves the momentum untouched.
 A decomposition whose input or result is not finite (e.g. a running factor
 that overflowed) keeps that factor's previous second-order information, per
@@ -638,14 +640,24 @@ def scale_by_kfac(
     gamma = jnp.asarray(_at(damping, count), compute_dtype)
 
     # Faults: skip the step (on every device) if anything it consumes is not
-    # finite: any gradient, and the statistics on a factor step.
+    # finite: any gradient, and the statistics on a factor step. The devices
+    # must agree: a psum of the statistics' verdict on factor steps only, and
+    # of the gradients' only if they may differ between devices (local ones;
+    # averaged gradients, typed invariant over the axis, are checked as is),
+    # so a plain COMM-OPT step has no extra collective.
     with jax.named_scope("kfac_fault_check"):
-      finite = _all_finite(leaves.values())
+      ok = _all_finite(leaves.values())
+      if comm.active and (reduce_grads != "none"
+                          or distribution.axis in _compat.varying_axes(updates)):
+        ok = _agree(comm, ok)
       if with_stats:
         stats_finite = _all_finite([kfac_stats[plan.layer.name][w.upper()]
                                     for plan in lay.plans for w, _ in plan.places])
-        finite = finite & (stats_finite | ~state.update_factors)
-      ok = _agree(comm, finite)
+        if comm.active:
+          ok = ok & lax.cond(state.update_factors, lambda: _agree(comm, stats_finite),
+                             lambda: jnp.asarray(True))
+        else:
+          ok = ok & (stats_finite | ~state.update_factors)
 
     # Named scopes mark the work of each cadence in the HLO (benchmarks read them).
     with jax.named_scope("kfac_factor_update"):
