@@ -71,7 +71,7 @@ class ScaleByKfacState:
   """State of `scale_by_kfac`, in the flat per-device segments of `layout`.
 
   Attributes:
-    count: number of updates so far.
+    count: number of updates so far (skipped ones, see `skipped`, excluded).
     factor_weight: total weight `w` of the running factor averages.
     update_factors: whether the *next* update refreshes the factors; the capture
       reads it to skip the statistics work on other steps.
