@@ -308,6 +308,7 @@ def partition_specs(opt_state: Any) -> Any:
       refresh = dataclasses.replace(refresh, last=sharded, before_last=sharded)
     return dataclasses.replace(
         node, count=replicated, factor_weight=replicated, update_factors=replicated,
+        skipped=replicated,
         factors=sharded,
         second_order=replicated if node.layout.num_groups == 1 else sharded,
         refresh=refresh)

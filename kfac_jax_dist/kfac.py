@@ -19,6 +19,22 @@ already preconditions. Intervals and damping may be optax schedules of `count`.
 
 KL clip (KAISA Eq. 5.1): `ν = min(1, sqrt(κ / (η² Σ_l |⟨V_l, ∇_l⟩|)))` scales
 every preconditioned gradient; `η` is `learning_rate` (float or schedule).
+
+Faults. A non-finite number (NaN/Inf) in any gradient leaf, or in a statistic
+on a factor step (the only steps that read statistics), skips the update: the
+returned updates are zeros (as `optax.apply_if_finite` returns) and every
+state leaf is unchanged except `skipped`, which counts the skipped steps.
+`count` does not advance, so a skipped step is as if it never happened: the
+cadence, the schedules of `count` and the next factor step are those of the
+accepted steps, and a run with a faulty batch inserted equals, bit for bit,
+the run without it. Inside `shard_map` the devices agree by a `psum` of their
+local verdicts (one device's NaN skips the step on all): of the statistics'
+on factor steps, of the gradients' when they are local (`gradient_reduction`
+other than "none", or gradients typed varying over the axis). `kd.kfac` wraps its
+chain in `skip_faulty_steps`, which also leaves the momentum untouched.
+A decomposition whose input or result is not finite (e.g. a running factor
+that overflowed) keeps that factor's previous second-order information, per
+factor (for "inverse", both factors of a layer whose π is not finite).
 """
 
 from __future__ import annotations
@@ -49,14 +65,14 @@ METHODS = ("eigen", "inverse")
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["count", "factor_weight", "update_factors", "factors", "second_order",
-                 "refresh"],
+                 "skipped", "refresh"],
     meta_fields=["layout"])
 @dataclasses.dataclass(frozen=True)
 class ScaleByKfacState:
   """State of `scale_by_kfac`, in the flat per-device segments of `layout`.
 
   Attributes:
-    count: number of updates so far.
+    count: number of updates so far (skipped ones, see `skipped`, excluded).
     factor_weight: total weight `w` of the running factor averages.
     update_factors: whether the *next* update refreshes the factors; the capture
       reads it to skip the statistics work on other steps.
@@ -64,6 +80,8 @@ class ScaleByKfacState:
       segments), see `layout`; device i holds the i-th part.
     second_order: eigenbases and eigenvalues ("eigen") or damped inverses
       ("inverse"), `[P·L₂]` per owner group member (see `layout`).
+    skipped: number of updates skipped for a non-finite gradient or statistic
+      (not counted in `count`).
     layout: static placement of every layer's factors.
     refresh: per-factor refresh schedule with stale statistics (`stale`),
       else None.
@@ -74,8 +92,28 @@ class ScaleByKfacState:
   update_factors: jax.Array
   factors: jax.Array
   second_order: jax.Array
+  skipped: jax.Array
   layout: layout_lib.Layout
   refresh: stale_lib.RefreshState | None = None
+
+
+def global_second_order(lay: layout_lib.Layout, segments: Sequence[jax.Array]
+                        ) -> jax.Array:
+  """The global second-order array from each owner's `[L₂]` segment: `[P·L₂]`
+  (replicated, one owner group), or device after device its group's `m`
+  segments, `[P·m·L₂]` (sharded)."""
+  if lay.num_groups == 1:
+    return jnp.concatenate(segments)
+  m = lay.group_size
+  return jnp.concatenate([segments[j] for i in range(lay.num_devices)
+                          for j in range(i // m * m, i // m * m + m)])
+
+
+def second_order_base(lay: layout_lib.Layout, owner: int) -> int:
+  """Start of `owner`'s `[L₂]` segment in the global second-order array (its
+  first copy, in its group's first device's part)."""
+  m = lay.group_size
+  return ((owner // m) * m * m + owner % m) * lay.second_segment
 
 
 def _at(value: ScalarOrSchedule, count: jax.Array):
@@ -117,6 +155,26 @@ def running_factors(state: ScaleByKfacState) -> dict[str, dict[str, jax.Array]]:
   return out
 
 
+def second_order_parts(state: ScaleByKfacState
+                       ) -> dict[str, dict[str, tuple[Any, Any]]]:
+  """`{layer: {"A": (matrix, vector), "G": ...}}` of a global (not per-device)
+  state: eigenbasis and eigenvalues ("eigen") or damped inverse ("inverse"),
+  `None` where a factor has no such part (diagonal and unit-wise factors keep
+  only a vector, `[d]` or `[d, 3]`)."""
+  lay, second = state.layout, state.second_order
+  out = {}
+  for plan in lay.plans:
+    out[plan.layer.name] = {}
+    for which, place in plan.places:
+      base = second_order_base(lay, place.owner)
+      matrix = (None if place.matrix_offset is None
+                else packing.read_matrix(second, base, place))
+      vector = (None if place.vector_offset is None
+                else packing.read_vector(second, base, place))
+      out[plan.layer.name][which.upper()] = (matrix, vector)
+  return out
+
+
 def _gradient_matrix(plan: layout_lib.LayerPlan, leaves: dict[str, Any]) -> jax.Array:
   layer = plan.layer
   kernel = leaves[layer.kernel_path]
@@ -137,17 +195,123 @@ def _write_back(plan: layout_lib.LayerPlan, m: jax.Array, leaves: dict[str, Any]
     leaves[layer.bias_path] = m[rows].reshape(bias.shape).astype(bias.dtype)
 
 
-def _check_stats(layout: layout_lib.Layout, stats: Any) -> None:
+def _is_concrete_false(flag) -> bool:
+  """Whether `flag` is a known (not traced) False."""
+  return not isinstance(flag, jax.core.Tracer) and not bool(flag)
+
+
+def _check_stats(layout: layout_lib.Layout, stats: Any, update_flag) -> bool:
+  """Validates `kfac_stats` against the layout; returns whether they are used.
+
+  Statistics may be omitted (None) only on a step known, outside `jit`, to
+  update no factor; a traced step may be a factor step and needs them.
+  """
   if stats is None:
+    if _is_concrete_false(update_flag):
+      return False
     raise ValueError(
-        "scale_by_kfac.update needs the curvature statistics: call "
-        "tx.update(grads, opt_state, params, kfac_stats=stats) with the stats "
-        "returned by kd.value_and_grad.")
+        "scale_by_kfac.update needs the curvature statistics on a factor step (or "
+        "under jit, where the step is not known): call tx.update(grads, opt_state, "
+        "params, kfac_stats=stats) with the stats returned by kd.value_and_grad.")
   for plan in layout.plans:
     name = plan.layer.name
     if name not in stats:
       raise ValueError(f"kfac_stats has no statistics for tagged layer '{name}' "
                        f"(it has {sorted(stats)}).")
+    for which, _ in plan.places:
+      if which.upper() not in stats[name]:
+        raise ValueError(f"kfac_stats['{name}'] has no statistic {which.upper()!r} "
+                         f"(it has {sorted(stats[name])}).")
+  return True
+
+
+def _check_updates(layout: layout_lib.Layout, leaves: dict[str, Any]) -> None:
+  """Every tagged layer's parameters are in the updates, with their shapes."""
+  for plan in layout.plans:
+    layer = plan.layer
+    for path, shape in ((layer.kernel_path, layer.kernel_shape),
+                        (layer.bias_path, layer.bias_shape or (layer.g_dim,))):
+      if path is None:
+        continue
+      if path not in leaves:
+        raise ValueError(f"Tagged layer '{layer.name}': '{path}' is missing "
+                         "from the updates given to scale_by_kfac.")
+      if tuple(jnp.shape(leaves[path])) != tuple(shape):
+        raise ValueError(f"Tagged layer '{layer.name}': the update of '{path}' has "
+                         f"shape {jnp.shape(leaves[path])}, expected {tuple(shape)}.")
+
+
+def _check_placement(layout: layout_lib.Layout, state: "ScaleByKfacState",
+                     dist: distributed.Distribution | None, factor_storage: str) -> None:
+  """The state was laid out for this transform's distribution, and `update`
+  runs where that distribution says (inside `shard_map` over its axis, with
+  the per-device parts of `kd.partition_specs`)."""
+  want = ((1, 1, None, layout_lib.CHUNKED) if dist is None else
+          (dist.num_devices, dist.group_size, dist.axis, factor_storage))
+  have = (layout.num_devices, layout.group_size, layout.axis, layout.factor_storage)
+  if factor_storage == layout_lib.CHUNKED and dist is not None:
+    have = have[:3] + (factor_storage,)   # either storage, by bytes (_cheaper_storage)
+  if have != want:
+    names = ("devices", "gradient workers per layer", "axis", "factor storage")
+    diff = ", ".join(f"{n} {h!r} (transform: {w!r})" for n, h, w in zip(names, have, want)
+                     if h != w)
+    raise ValueError(
+        f"This K-FAC state was laid out for another distribution: {diff}. Use the "
+        "state of this transform's init, or move it with kd.convert_state(state, "
+        "tx.init(params)).")
+  if dist is None:
+    return
+  try:
+    size = lax.axis_size(dist.axis)
+  except NameError as e:
+    raise ValueError(
+        f"This K-FAC transform is distributed over mesh axis {dist.axis!r} "
+        f"({dist.num_devices} devices): call update inside jax.shard_map over that "
+        "axis, with in_specs/out_specs from kd.partition_specs(opt_state).") from e
+  if size != dist.num_devices:
+    raise ValueError(
+        f"update runs in a shard_map whose axis {dist.axis!r} has {size} devices, but "
+        f"the Distribution's mesh has {dist.num_devices}: use that mesh.")
+  second = layout.second_segment * (layout.num_devices if layout.num_groups == 1
+                                    else layout.group_size)
+  got = (state.factors.shape, state.second_order.shape)
+  if got != ((layout.factor_shard,), (second,)):
+    raise ValueError(
+        f"Inside shard_map the K-FAC state has per-device factors {got[0]} and "
+        f"second-order {got[1]}, expected {(layout.factor_shard,)} and {(second,)}: "
+        "give shard_map in_specs/out_specs=kd.partition_specs(opt_state).")
+
+
+def _all_finite(arrays) -> jax.Array:
+  """Whether every inexact array of `arrays` is finite (a scalar bool)."""
+  checks = [jnp.all(jnp.isfinite(x)) for x in arrays
+            if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+  return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
+
+
+def _agree(comm: distributed.Collectives, ok: jax.Array) -> jax.Array:
+  """True on every device iff `ok` on every device (a psum of the failures)."""
+  if not comm.active:
+    return ok
+  failures = _compat.as_varying((~ok).astype(jnp.int32), (comm.dist.axis,))
+  return lax.psum(failures, comm.dist.axis) == 0
+
+
+def _finite_slots(*parts: jax.Array | None) -> jax.Array:
+  """`[k]`: whether slot i of every `[k, ...]` part is finite."""
+  ok = None
+  for part in parts:
+    if part is None:
+      continue
+    finite = jnp.all(jnp.isfinite(part.reshape(part.shape[0], -1)), axis=1)
+    ok = finite if ok is None else ok & finite
+  return ok
+
+
+def _keep_failed(new: jax.Array, old: jax.Array, ok: jax.Array) -> jax.Array:
+  """Slots `[k, ...]` of `new` where `ok`, else the previous ones, flattened."""
+  new = new.reshape(ok.shape[0], -1)
+  return jnp.where(ok[:, None], new, old.reshape(new.shape)).reshape(-1)
 
 
 def _layer_stat(stat: jax.Array, place: layout_lib.FactorPlace, name: str,
@@ -322,19 +486,15 @@ def scale_by_kfac(
     factors = packing.all_segments(
         lay, lambda plan, which: packing.identity(getattr(plan, which), factor_dtype),
         factor_dtype)
-    segments = [packing.second_order_segment(lay, d, compute_dtype)
-                for d in range(lay.num_devices)]
-    if lay.num_groups == 1:          # replicated: the logical [P·L₂] array
-      second = jnp.concatenate(segments)
-    else:                            # device i holds its group's m segments
-      m = lay.group_size
-      second = jnp.concatenate([segments[j] for i in range(lay.num_devices)
-                                for j in range(i // m * m, i // m * m + m)])
+    second = global_second_order(
+        lay, [packing.second_order_segment(lay, d, compute_dtype)
+              for d in range(lay.num_devices)])
     return ScaleByKfacState(
         count=jnp.zeros([], jnp.int32),
         factor_weight=jnp.zeros([], compute_dtype),
         update_factors=jnp.asarray(True),
-        factors=factors, second_order=second, layout=lay,
+        factors=factors, second_order=second, skipped=jnp.zeros([], jnp.int32),
+        layout=lay,
         refresh=None if stale_threshold is None else stale_lib.init(
             lay, factors, compute_dtype))
 
@@ -368,17 +528,29 @@ def scale_by_kfac(
              + (1.0 - factor_decay) * batch.astype(compute_dtype)) / new_w
     return mixed.astype(factor_dtype), new_w
 
-  def eigen_segment(device, owned, lay, gamma):
+  def previous_part(previous, batch, offset, size):
+    """The batch's `[count, size]` slots at `offset` of the previous segment."""
+    return previous[offset:offset + batch.count * size].reshape(batch.count, size)
+
+  def eigen_segment(device, owned, lay, gamma, previous):
+    """The device's new `[L₂]` segment; a slot whose factor or decomposition is
+    not finite keeps its `previous` eigenbasis and eigenvalues."""
     del gamma
     pieces = []
     for batch in lay.batches[device]:
+      running = packing.unpack_batch(owned, batch, lay.packed)
       if batch.form == factors_lib.UNIT:       # closed-form solves later: keep F
-        pieces.append(packing.unpack_batch(owned, batch, lay.packed).reshape(-1))
+        old = previous_part(previous, batch, batch.vector_offset, 3 * batch.dim)
+        pieces.append(_keep_failed(running.astype(compute_dtype), old,
+                                   _finite_slots(running)))
         continue
-      vectors, values = linalg.eigh(packing.unpack_batch(owned, batch, lay.packed))
+      vectors, values = linalg.eigh(running)
+      ok = _finite_slots(running, vectors, values)
       if vectors is not None:
-        pieces.append(vectors.astype(compute_dtype).reshape(-1))
-      pieces.append(values.astype(compute_dtype).reshape(-1))
+        old = previous_part(previous, batch, batch.matrix_offset, batch.dim ** 2)
+        pieces.append(_keep_failed(vectors.astype(compute_dtype), old, ok))
+      old = previous_part(previous, batch, batch.vector_offset, batch.dim)
+      pieces.append(_keep_failed(values.astype(compute_dtype), old, ok))
     return _pad(pieces, lay.second_segment)
 
   def traces_segment(device, owned, lay):
@@ -386,22 +558,39 @@ def scale_by_kfac(
               for batch in lay.batches[device]]
     return _pad([p.astype(compute_dtype) for p in pieces], lay.max_factors)
 
-  def inverse_segment(device, owned, damping_all, lay):
+  def inverse_segment(device, owned, damping_all, lay, previous):
+    """As `eigen_segment`, with damped inverses (a non-finite damping, from a
+    non-finite trace of either factor of the layer, keeps both inverses)."""
     pieces = []
     for batch in lay.batches[device]:
       start = device * lay.max_factors + batch.first_index
       damp = damping_all[start:start + batch.count]
+      running = packing.unpack_batch(owned, batch, lay.packed)
       if batch.form == factors_lib.UNIT:       # closed-form solves later: keep F
-        pieces.append(packing.unpack_batch(owned, batch, lay.packed).reshape(-1))
+        old = previous_part(previous, batch, batch.vector_offset, 3 * batch.dim)
+        pieces.append(_keep_failed(running.astype(compute_dtype), old,
+                                   _finite_slots(running)))
         continue
-      inv = linalg.damped_inverse(packing.unpack_batch(owned, batch, lay.packed), damp)
-      pieces.append(inv.astype(compute_dtype).reshape(-1))
+      inv = linalg.damped_inverse(running, damp)
+      ok = _finite_slots(running, inv, damp[:, None])
+      if batch.matrix_offset is not None:
+        old = previous_part(previous, batch, batch.matrix_offset, batch.dim ** 2)
+      else:
+        old = previous_part(previous, batch, batch.vector_offset, batch.dim)
+      pieces.append(_keep_failed(inv.astype(compute_dtype), old, ok))
     return _pad(pieces, lay.second_segment)
 
   def _pad(pieces, length):
     return packing.pad_to(pieces, length, compute_dtype)
 
-  def decompose(running, lay, gamma):
+  def decompose(running, lay, gamma, second):
+    """New second-order state from the running factors; `second` is the
+    current one (this device's part), kept for any factor that fails."""
+    def previous_of(d):
+      # Device d's own [L₂] segment within its local m·L₂ (P·L₂ with one group).
+      start = (d % lay.group_size) * lay.second_segment
+      return second[start:start + lay.second_segment]
+
     if lay.factor_storage == layout_lib.CHUNKED:
       # Every owner needs its whole factors: gather the chunks (decomposition
       # steps only), then each device reads its own, tight, from the buffer.
@@ -414,7 +603,8 @@ def scale_by_kfac(
         del d
         return running
     if method == "eigen":
-      local = comm.per_device(lambda d: eigen_segment(d, owned_of(d), lay, gamma))
+      local = comm.per_device(
+          lambda d: eigen_segment(d, owned_of(d), lay, gamma, previous_of(d)))
     else:
       # π couples a layer's A and G, which may sit on different devices: share
       # the (scalar) traces of all factors, then damp the owned ones.
@@ -427,8 +617,11 @@ def scale_by_kfac(
         ia = plan.a.owner * lay.max_factors + plan.a.index
         ig = plan.g.owner * lay.max_factors + plan.g.index
         d_a, d_g = linalg.pi_adjusted_damping(traces[ia], traces[ig], gamma)
+        finite = jnp.isfinite(traces[ia]) & jnp.isfinite(traces[ig])
+        d_a, d_g = (jnp.where(finite, x, jnp.nan) for x in (d_a, d_g))
         damping_all = damping_all.at[ia].set(d_a).at[ig].set(d_g)
-      local = comm.per_device(lambda d: inverse_segment(d, owned_of(d), damping_all, lay))
+      local = comm.per_device(
+          lambda d: inverse_segment(d, owned_of(d), damping_all, lay, previous_of(d)))
     return distribute_second(local, lay)
 
   def distribute_second(local, lay):
@@ -567,40 +760,73 @@ def scale_by_kfac(
                 **extra_args):
     del params, extra_args
     lay = state.layout
-    _check_stats(lay, kfac_stats)
+    _check_placement(lay, state, distribution, factor_storage)
+    with_stats = _check_stats(lay, kfac_stats, state.update_factors)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    leaves = {registry.path_str(p): leaf for p, leaf in flat}
+    _check_updates(lay, leaves)
     count = state.count
     gamma = jnp.asarray(_at(damping, count), compute_dtype)
 
+    # Faults: skip the step (on every device) if anything it consumes is not
+    # finite: any gradient, and the statistics on a factor step. The devices
+    # must agree: a psum of the statistics' verdict on factor steps only, and
+    # of the gradients' only if they may differ between devices (local ones;
+    # averaged gradients, typed invariant over the axis, are checked as is),
+    # so a plain COMM-OPT step has no extra collective.
+    with jax.named_scope("kfac_fault_check"):
+      ok = _all_finite(leaves.values())
+      if comm.active and (reduce_grads != "none"
+                          or distribution.axis in _compat.varying_axes(updates)):
+        ok = _agree(comm, ok)
+      if with_stats:
+        stats_finite = _all_finite([kfac_stats[plan.layer.name][w.upper()]
+                                    for plan in lay.plans for w, _ in plan.places])
+        if comm.active:
+          ok = ok & lax.cond(state.update_factors, lambda: _agree(comm, stats_finite),
+                             lambda: jnp.asarray(True))
+        else:
+          ok = ok & (stats_finite | ~state.update_factors)
+
     # Named scopes mark the work of each cadence in the HLO (benchmarks read them).
     if stale_threshold is not None:
-      with jax.named_scope("kfac_factor_update"):
-        running, refresh, due = stale_refresh(state, kfac_stats)
-      with jax.named_scope("kfac_decomposition"):
-        second = stale_decompose(state, running, due)
+      if not with_stats:
+        raise ValueError("With stale_threshold every update needs kfac_stats (any "
+                         "factor may be due).")
+
+      def refreshed():
+        with jax.named_scope("kfac_factor_update"):
+          running, refresh, due = stale_refresh(state, kfac_stats)
+        with jax.named_scope("kfac_decomposition"):
+          second = stale_decompose(state, running, due)
+        return running, second, refresh
+      running, second, refresh = lax.cond(
+          ok, refreshed, lambda: (state.factors, state.second_order, state.refresh))
       new_state = dataclasses.replace(
-          state, count=count + 1, update_factors=jnp.any(refresh.next_step <= count + 1),
-          factors=running, second_order=second, refresh=refresh)
+          state, count=jnp.where(ok, count + 1, count),
+          update_factors=jnp.where(ok, jnp.any(refresh.next_step <= count + 1),
+                                   state.update_factors),
+          factors=running, second_order=second, refresh=refresh,
+          skipped=state.skipped + (~ok).astype(state.skipped.dtype))
     else:
       with jax.named_scope("kfac_factor_update"):
-        running, weight = lax.cond(
-            state.update_factors, lambda: update_factors(state, kfac_stats),
-            lambda: (state.factors, state.factor_weight))
+        if with_stats:
+          running, weight = lax.cond(
+              state.update_factors & ok, lambda: update_factors(state, kfac_stats),
+              lambda: (state.factors, state.factor_weight))
+        else:
+          running, weight = state.factors, state.factor_weight
       with jax.named_scope("kfac_decomposition"):
-        second = lax.cond(is_factor_step(inverse_update_every, count),
-                          lambda: decompose(running, lay, gamma),
+        second = lax.cond(is_factor_step(inverse_update_every, count) & ok,
+                          lambda: decompose(running, lay, gamma, state.second_order),
                           lambda: state.second_order)
       new_state = dataclasses.replace(
-          state, count=count + 1, factor_weight=weight,
-          update_factors=is_factor_step(factor_update_every, count + 1),
-          factors=running, second_order=second)
+          state, count=jnp.where(ok, count + 1, count), factor_weight=weight,
+          update_factors=jnp.where(ok, is_factor_step(factor_update_every, count + 1),
+                                   state.update_factors),
+          factors=running, second_order=second,
+          skipped=state.skipped + (~ok).astype(state.skipped.dtype))
 
-    flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
-    leaves = {registry.path_str(p): leaf for p, leaf in flat}
-    for plan in lay.plans:
-      for path in (plan.layer.kernel_path, plan.layer.bias_path):
-        if path is not None and path not in leaves:
-          raise ValueError(f"Tagged layer '{plan.layer.name}': '{path}' is missing "
-                           "from the updates given to scale_by_kfac.")
     tagged = {p for plan in lay.plans
               for p in (plan.layer.kernel_path, plan.layer.bias_path) if p is not None}
     offsets, group_sizes, size = _gradient_offsets(lay)
@@ -658,11 +884,48 @@ def scale_by_kfac(
       preconditioned = {n: nu * v for n, v in preconditioned.items()}
     for plan in lay.plans:
       _write_back(plan, preconditioned[plan.layer.name], leaves)
+    outputs = [leaves[registry.path_str(p)] for p, _ in flat]
     new_updates = jax.tree_util.tree_unflatten(
-        treedef, [leaves[registry.path_str(p)] for p, _ in flat])
+        treedef, [jnp.where(ok, u, jnp.zeros(u.shape, u.dtype)) for u in outputs])
     return new_updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def skip_faulty_steps(inner: optax.GradientTransformation
+                      ) -> optax.GradientTransformationExtraArgs:
+  """Makes a step that `scale_by_kfac` skips a no-op for the whole of `inner`.
+
+  `inner` is any optax transform holding `scale_by_kfac` states (e.g. a chain
+  with momentum). On a step where one of them skipped (a non-finite gradient or
+  statistic, see `scale_by_kfac`), the returned updates are zeros and the state
+  of every transform in `inner` is the previous one, so momentum, schedules'
+  counts and the like neither decay nor advance (zeros alone would still
+  decay a momentum trace and move the parameters). The K-FAC states count the
+  skip in their `skipped` field. Stateless: the state is `inner`'s own.
+  """
+  inner = optax.with_extra_args_support(inner)
+
+  def is_kfac(x):
+    return isinstance(x, ScaleByKfacState)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    new_updates, new_state = inner.update(updates, state, params, **extra_args)
+    old, new = find_states(state), find_states(new_state)
+    if not new:
+      raise ValueError("skip_faulty_steps wraps a transform with no scale_by_kfac.")
+    skipped = jnp.any(jnp.stack([n.skipped != o.skipped for o, n in zip(old, new)]))
+
+    def keep(before, after):
+      if is_kfac(after):        # already unchanged but for its `skipped` count
+        return after
+      return jnp.where(skipped, before, after)
+    kept = jax.tree_util.tree_map(keep, state, new_state, is_leaf=is_kfac)
+    zeros = jax.tree_util.tree_map(
+        lambda u: jnp.where(skipped, jnp.zeros(u.shape, u.dtype), u), new_updates)
+    return zeros, kept
+
+  return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
 def kfac(learning_rate: ScalarOrSchedule, momentum: float | None = 0.9,
@@ -683,9 +946,10 @@ def kfac(learning_rate: ScalarOrSchedule, momentum: float | None = 0.9,
   gradient and goes through momentum, like PyTorch SGD after KAISA's
   `preconditioner.step()`. `kl_clip` defaults to KAISA's 1e-3 and uses
   `learning_rate` as η. The other options are `scale_by_kfac`'s. Works with
-  `optax.inject_hyperparams`.
+  `optax.inject_hyperparams`. A step that K-FAC skips (non-finite gradient or
+  statistic) changes nothing in the chain's state (`skip_faulty_steps`).
   """
-  return optax.chain(
+  return skip_faulty_steps(optax.chain(
       scale_by_kfac(
           layers, damping=damping, factor_decay=factor_decay,
           factor_update_every=factor_update_every,
@@ -694,4 +958,4 @@ def kfac(learning_rate: ScalarOrSchedule, momentum: float | None = 0.9,
           max_factor_dim=max_factor_dim, distribution=distribution,
           stale_threshold=stale_threshold),
       optax.add_decayed_weights(weight_decay),
-      optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov))
+      optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)))

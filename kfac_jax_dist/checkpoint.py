@@ -1,0 +1,245 @@
+"""Checkpoints of optax states holding K-FAC states, and moving them between
+distributions.
+
+A `ScaleByKfacState` is a pytree whose array leaves (counters, running factors,
+second-order state) are what orbax saves; its `layout` (which layer's factor
+sits where, for which device count and strategy) is static metadata, not an
+array. A checkpoint is therefore restored *into a template*: a state of the
+same configuration, e.g. `tx.init(params)` or, without computing anything,
+`jax.eval_shape(tx.init, params)`. The template gives the tree, the layout and
+(with `mesh=`) the shardings; the checkpoint gives the numbers, bit for bit.
+
+    kd.save_checkpoint("/ckpt/step_100", opt_state)
+    template = jax.eval_shape(tx.init, params)
+    opt_state = kd.restore_checkpoint("/ckpt/step_100", template, mesh=mesh)
+
+`save_checkpoint` stores, next to the arrays, a JSON description of every
+K-FAC state's layout (`checkpoint_metadata`); `restore_checkpoint` refuses a
+template whose layout differs (the arrays would have the right shapes but
+another meaning). Saved with one distribution (device count, strategy,
+factor reduction, `symmetric_comm`) and needed with another: restore into a
+template of the *saved* configuration, then `convert_state(state,
+new_template)`.
+
+Any pytree works (an optax state, or `{"params": ..., "opt_state": ...}`).
+Arrays must be addressable from this process for `convert_state` (one host);
+save and restore are orbax's and work across hosts.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kfac_jax_dist import distributed
+from kfac_jax_dist import kfac as kfac_lib
+from kfac_jax_dist import layout as layout_lib
+from kfac_jax_dist import packing
+
+_STATE, _META = "state", "kfac_layout"
+
+
+def _is_kfac(x) -> bool:
+  return isinstance(x, kfac_lib.ScaleByKfacState)
+
+
+def layout_metadata(lay: layout_lib.Layout) -> dict[str, Any]:
+  """What the arrays of a state with layout `lay` mean, as JSON-able data:
+  the distribution, the storage, and every factor's form, dimension, owner and
+  offsets."""
+  factors = [[plan.layer.name, which, place.form, place.dim, place.owner, place.offset,
+              place.size, place.matrix_offset, place.vector_offset]
+             for plan in lay.plans for which, place in plan.places]
+  return {"num_devices": lay.num_devices, "group_size": lay.group_size,
+          "axis": lay.axis, "factor_storage": lay.factor_storage, "packed": lay.packed,
+          "method": lay.method, "segment": lay.segment,
+          "second_segment": lay.second_segment, "factors": factors}
+
+
+def checkpoint_metadata(tree: Any) -> dict[str, Any]:
+  """`layout_metadata` of every K-FAC state in `tree`, in tree order."""
+  return {"kfac_states": [layout_metadata(s.layout) for s in kfac_lib.find_states(tree)]}
+
+
+def _checkpointer():
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  return ocp, ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+
+
+def save_checkpoint(directory: str | os.PathLike, tree: Any, *, force: bool = False
+                    ) -> None:
+  """Saves `tree` (any pytree of arrays, e.g. an optax state) with orbax, with
+  the layout of its K-FAC states (`checkpoint_metadata`). Sharded arrays are
+  saved sharded. Blocks until written; `force` overwrites `directory`."""
+  ocp, checkpointer = _checkpointer()
+  checkpointer.save(
+      os.path.abspath(directory),
+      ocp.args.Composite(**{_STATE: ocp.args.StandardSave(tree),
+                            _META: ocp.args.JsonSave(checkpoint_metadata(tree))}),
+      force=force)
+
+
+def _abstract(template: Any, mesh: jax.sharding.Mesh | None) -> Any:
+  """`ShapeDtypeStruct`s with shardings: `kd.partition_specs` on `mesh`, else
+  the template's own (one device where it has none)."""
+  default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+  def leaf(spec, x):
+    if mesh is not None:
+      sharding = jax.sharding.NamedSharding(mesh, spec)
+    else:
+      sharding = getattr(x, "sharding", None) or default
+    return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding)
+
+  return jax.tree_util.tree_map(leaf, distributed.partition_specs(template), template)
+
+
+def restore_checkpoint(directory: str | os.PathLike, template: Any, *,
+                       mesh: jax.sharding.Mesh | None = None) -> Any:
+  """Restores a `save_checkpoint` checkpoint into the structure of `template`.
+
+  Args:
+    directory: the checkpoint.
+    template: a tree of the saved configuration: the same pytree structure
+      and K-FAC layouts (e.g. `tx.init(params)` or `jax.eval_shape(tx.init,
+      params)` of the same transform); its values are not used.
+    mesh: place the result with `kd.partition_specs(template)` on this mesh
+      (K-FAC factors sharded as `update` inside `shard_map` expects, the rest
+      replicated). None: with the template's own shardings.
+
+  Returns:
+    The saved tree, bit for bit, with `template`'s structure and layouts.
+
+  Raises:
+    ValueError: the template's K-FAC layouts are not the saved ones (another
+      device count, strategy or set of layers; see `convert_state`).
+  """
+  ocp, checkpointer = _checkpointer()
+  path = os.path.abspath(directory)
+  saved = checkpointer.restore(path, ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))
+  _check_compatible(saved[_META], checkpoint_metadata(template))
+  restored = checkpointer.restore(path, ocp.args.Composite(
+      **{_STATE: ocp.args.StandardRestore(_abstract(template, mesh))}))
+  return restored[_STATE]
+
+
+def _check_compatible(saved: dict, wanted: dict) -> None:
+  saved_states, wanted_states = saved["kfac_states"], wanted["kfac_states"]
+  if len(saved_states) != len(wanted_states):
+    raise ValueError(f"The checkpoint holds {len(saved_states)} K-FAC state(s), the "
+                     f"template {len(wanted_states)}.")
+  for i, (have, want) in enumerate(zip(saved_states, wanted_states)):
+    diff = [k for k in want if have.get(k) != want[k]]
+    if diff:
+      details = ", ".join(f"{k}: saved {have.get(k)!r}, template {want[k]!r}"
+                          for k in diff if k != "factors")
+      if "factors" in diff:
+        details += (", " if details else "") + "factor placement differs"
+      raise ValueError(
+          f"K-FAC state {i} of the checkpoint was saved with another layout ({details}). "
+          "Restore into a template of the saved configuration (the same layers and "
+          "Distribution), then kd.convert_state(state, new_template).")
+
+
+# ------------------------------------------------------------------ conversion
+
+def _check_convertible(old: layout_lib.Layout, new: layout_lib.Layout) -> None:
+  if old.method != new.method:
+    raise ValueError(f"convert_state moves a state between distributions, not methods "
+                     f"(saved {old.method!r}, template {new.method!r}).")
+  forms = lambda lay: {(p.layer.name, w): (pl.form, pl.dim)
+                       for p in lay.plans for w, pl in p.places}
+  have, want = forms(old), forms(new)
+  if have != want:
+    missing = sorted(set(want) - set(have))
+    other = sorted(k for k in set(want) & set(have) if want[k] != have[k])
+    raise ValueError(
+        "convert_state needs the same layers and factor forms on both sides "
+        f"(factors only in the template: {missing}; of another form or dimension: "
+        f"{other}; only in the state: {sorted(set(have) - set(want))}).")
+
+
+def _convert_kfac(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfacState
+                  ) -> kfac_lib.ScaleByKfacState:
+  lay = new.layout
+  _check_convertible(old.layout, lay)
+  old = jax.tree_util.tree_map(np.asarray, old)      # global arrays, on the host
+  running = kfac_lib.running_factors(old)
+  factors = packing.all_segments(
+      lay, lambda plan, which: running[plan.layer.name][which.upper()],
+      new.factors.dtype)
+  parts = kfac_lib.second_order_parts(old)
+  dtype = new.second_order.dtype
+  segments = []
+  for device in range(lay.num_devices):
+    segment = np.array(packing.second_order_segment(lay, device, dtype))
+    for place, plan, which in lay.owned(device):
+      matrix, vector = parts[plan.layer.name][which.upper()]
+      if place.matrix_offset is not None:
+        segment[place.matrix_offset:place.matrix_offset + place.dim ** 2] = (
+            np.asarray(matrix).reshape(-1))
+      if place.vector_offset is not None:
+        vector = np.asarray(vector).reshape(-1)
+        segment[place.vector_offset:place.vector_offset + vector.size] = vector
+    segments.append(jnp.asarray(segment))
+  return kfac_lib.ScaleByKfacState(
+      count=jnp.asarray(old.count, new.count.dtype),
+      factor_weight=jnp.asarray(old.factor_weight, new.factor_weight.dtype),
+      update_factors=jnp.asarray(old.update_factors, new.update_factors.dtype),
+      factors=factors, second_order=kfac_lib.global_second_order(lay, segments),
+      skipped=jnp.asarray(old.skipped, new.skipped.dtype), layout=lay)
+
+
+def convert_state(state: Any, template: Any) -> Any:
+  """Moves an optax state to another distribution: `template`'s.
+
+  `state` is a global state (as `tx.init` makes it, restored from a
+  checkpoint, or the output of a `shard_map`'d step) of one configuration,
+  `template` one of the target configuration, e.g. `tx_new.init(params)`
+  (optionally placed with `kd.shard_state`): the same optax chain and tagged
+  layers, another device count, `grad_worker_fraction`, `factor_reduction`
+  or `symmetric_comm` (the method, the factor forms and the layers must
+  match). Every K-FAC state's running factors (read with `running_factors`,
+  written with the template's layout) *and* second-order information (each
+  factor's eigenbasis and eigenvalues, or damped inverse) move over exactly,
+  as do its counters; every other leaf (momentum, ...) is copied. The result
+  continues the trajectory: the next update is the one the old configuration
+  would have made (up to the float32 differences between strategies), and
+  the cadence is unchanged. Moving the decompositions rather than recomputing
+  them keeps the exact trajectory between inverse steps and costs no
+  decomposition; they are per-factor data, independent of the layout.
+
+  Storing a factor as an upper triangle (`symmetric_comm=True`) keeps only
+  that triangle of a full one. Leaves are placed with the template's
+  shardings where it has them. Reads the arrays on this host (one process).
+
+  Returns:
+    A state with `template`'s structure, layouts and shardings.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(state, is_leaf=_is_kfac)
+  targets, target_def = jax.tree_util.tree_flatten(template, is_leaf=_is_kfac)
+  if treedef != target_def:
+    raise ValueError(f"convert_state: the state and the template are different optax "
+                     f"states:\n{treedef}\nvs\n{target_def}")
+  out = []
+  for leaf, target in zip(leaves, targets):
+    if _is_kfac(target):
+      value = _convert_kfac(leaf, target)
+    else:
+      if jnp.shape(leaf) != jnp.shape(target):
+        raise ValueError(f"convert_state: a leaf of shape {jnp.shape(leaf)} where the "
+                         f"template has {jnp.shape(target)}.")
+      value = jnp.asarray(np.asarray(leaf), jnp.result_type(target))
+    value = jax.tree_util.tree_map(_place_like, value, target)
+    out.append(value)
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _place_like(value, target):
+  if isinstance(target, jax.Array):
+    return jax.device_put(value, target.sharding)
+  return value

@@ -1,0 +1,246 @@
+"""Checkpoints (orbax, sharded or not) restore bit for bit and resume the same
+trajectory; `kd.convert_state` moves a state between device counts and
+strategies (8-device MEM-OPT → 4-device COMM-OPT → one device → back)."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+import numpy as np
+import optax
+import pytest
+
+import kfac_jax_dist as kd
+from kfac_jax_dist import packing
+from kfac_jax_dist.kfac import find_states
+
+BATCH = 16
+FACTOR_EVERY, INVERSE_EVERY = 1, 2
+
+
+def loss_fn(params, x, y):
+  h = jnp.tanh(kd.tags.dense(x, params["l0"]["kernel"], params["l0"]["bias"], name="l0"))
+  h = kd.tags.scale_and_shift(h, params["ln"]["scale"], params["ln"]["offset"], name="ln")
+  h = jnp.tanh(kd.tags.dense(h, params["l1"]["kernel"], params["l1"]["bias"], name="l1"))
+  return kd.losses.softmax_cross_entropy(
+      kd.tags.dense(h, params["out"]["kernel"], name="out"), y)
+
+
+def _params():
+  k = jax.random.split(jax.random.PRNGKey(0), 3)
+  return {"l0": {"kernel": 0.5 * jax.random.normal(k[0], (6, 8)), "bias": jnp.zeros(8)},
+          "ln": {"scale": jnp.ones(8), "offset": jnp.zeros(8)},
+          "l1": {"kernel": 0.5 * jax.random.normal(k[1], (8, 5)), "bias": jnp.zeros(5)},
+          "out": {"kernel": 0.5 * jax.random.normal(k[2], (5, 4))}}
+
+
+def _batch(i):
+  kx, ky = jax.random.split(jax.random.PRNGKey(100 + i))
+  return jax.random.normal(kx, (BATCH, 6)), jax.random.randint(ky, (BATCH,), 0, 4)
+
+
+GRAD_FN = kd.value_and_grad(loss_fn)
+
+
+def _tx(distribution=None):
+  layers = GRAD_FN.discover(_params(), *_batch(0))
+  return kd.kfac(0.1, momentum=0.9, layers=layers, damping=1e-2,
+                 factor_update_every=FACTOR_EVERY, inverse_update_every=INVERSE_EVERY,
+                 distribution=distribution)
+
+
+@functools.lru_cache(maxsize=None)
+def _config(num_devices, fraction=1.0):
+  """`(tx, mesh, step)` for one device (mesh None) or a strategy on
+  `num_devices` (jit + shard_map); the transform is built anew each time."""
+  if num_devices == 1:
+    tx = _tx()
+
+    @jax.jit
+    def step(params, state, x, y):
+      _, grads, stats = GRAD_FN(params, x, y, opt_state=state)
+      updates, state = tx.update(grads, state, params, kfac_stats=stats)
+      return optax.apply_updates(params, updates), state
+
+    return tx, None, step
+  mesh = Mesh(np.array(jax.devices()[:num_devices]), ("data",))
+  tx = _tx(kd.Distribution(mesh, grad_worker_fraction=fraction))
+  specs = kd.partition_specs(tx.init(_params()))
+
+  def step(params, state, x, y):
+    _, grads, stats = GRAD_FN(params, x, y, opt_state=state)
+    grads = jax.lax.pmean(grads, "data")
+    updates, state = tx.update(grads, state, params, kfac_stats=stats)
+    return optax.apply_updates(params, updates), state
+
+  return tx, mesh, jax.jit(jax.shard_map(step, mesh=mesh,
+                                         in_specs=(P(), specs, P("data"), P("data")),
+                                         out_specs=(P(), specs)))
+
+
+def _init(num_devices, fraction=1.0):
+  tx, mesh, _ = _config(num_devices, fraction)
+  state = tx.init(_params())
+  return state if mesh is None else kd.shard_state(state, mesh)
+
+
+def _run(config, params, state, start, stop):
+  step = _config(*config)[2]
+  params = jax.tree.map(np.asarray, params)     # replicated, from any mesh
+  for i in range(start, stop):
+    params, state = step(params, state, *_batch(i))
+  return params, state
+
+
+def _bits(x):
+  x = np.asarray(x)
+  return x.dtype, x.shape, x.tobytes()
+
+
+def assert_bitwise(a, b, what=""):
+  la, ta = jax.tree_util.tree_flatten(a)
+  lb, tb = jax.tree_util.tree_flatten(b)
+  assert ta == tb, what                    # includes the K-FAC layouts
+  for i, (x, y) in enumerate(zip(la, lb)):
+    assert _bits(x) == _bits(y), f"{what}: leaf {i} differs"
+
+
+def assert_close(a, b, what=""):
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(
+      np.asarray(x), np.asarray(y), rtol=2e-4, atol=2e-5, err_msg=what), a, b)
+
+
+def _specs_of(tree):
+  return jax.tree.map(lambda x: x.sharding.spec, tree)
+
+
+# ------------------------------------------------------------- save / restore
+
+def test_save_restore_one_device_bitwise_and_resume(tmp_path):
+  """The whole state (K-FAC, momentum) and the parameters, restored into an
+  abstract template, are bit-equal; the resumed run is the uninterrupted one."""
+  single = (1,)
+  params, state = _run(single, _params(), _init(1), 0, 3)      # counts 0-2
+  kd.save_checkpoint(tmp_path / "ckpt", {"params": params, "opt_state": state})
+  tx = _tx()                                                   # a fresh, equal transform
+  template = {"params": _params(), "opt_state": jax.eval_shape(tx.init, _params())}
+  restored = kd.restore_checkpoint(tmp_path / "ckpt", template)
+  assert_bitwise(restored, {"params": params, "opt_state": state}, "restored")
+  resumed = _run(single, restored["params"], restored["opt_state"], 3, 6)
+  assert_bitwise(resumed, _run(single, _params(), _init(1), 0, 6), "resumed")
+
+
+def test_sharded_mem_opt_save_restore_and_resume(tmp_path):
+  """8-device MEM-OPT under jit + shard_map: saved sharded, restored with the
+  shardings of kd.partition_specs, bit-equal, and the resumed run continues on
+  exactly the uninterrupted trajectory."""
+  config = (8, 1 / 8)
+  params, state = _run(config, _params(), _init(*config), 0, 3)
+  kd.save_checkpoint(tmp_path / "ckpt", state)
+  tx, mesh, _ = _config(*config)
+  restored = kd.restore_checkpoint(tmp_path / "ckpt", jax.eval_shape(tx.init, _params()),
+                                   mesh=mesh)
+  assert_bitwise(restored, state, "restored")
+  assert _specs_of(restored) == _specs_of(state) == kd.partition_specs(state)
+  assert find_states(restored)[0].factors.sharding.spec == P("data")
+  resumed = _run(config, params, restored, 3, 5)
+  assert_bitwise(resumed, _run(config, _params(), _init(*config), 0, 5), "resumed")
+  # Into the template's own shardings (no mesh given), too.
+  again = kd.restore_checkpoint(tmp_path / "ckpt", _init(*config))
+  assert_bitwise(again, state)
+  assert _specs_of(again) == _specs_of(state)
+
+
+def test_restore_refuses_another_layout(tmp_path):
+  kd.save_checkpoint(tmp_path / "ckpt", _init(8, 1 / 8))
+  other = jax.eval_shape(_config(4)[0].init, _params())
+  with pytest.raises(ValueError, match="another layout.*num_devices: saved 8.*convert_state"):
+    kd.restore_checkpoint(tmp_path / "ckpt", other)
+  meta = kd.checkpoint_metadata(_init(8, 1 / 8))["kfac_states"][0]
+  assert meta["num_devices"] == 8 and meta["group_size"] == 1
+  assert {tuple(f[:2]) for f in meta["factors"]} >= {("l0", "a"), ("ln", "f"), ("out", "g")}
+
+
+# ----------------------------------------------------------------- conversion
+
+def _same_factors_state(state, template):
+  """`template` (a global state of another configuration) holding `state`'s
+  counters, running factors and momentum, built independently of
+  convert_state from kd.running_factors and packing.all_segments; its
+  second-order information is the template's (identity)."""
+  def build(old, new):
+    if not isinstance(new, kd.ScaleByKfacState):
+      return jnp.asarray(np.asarray(old))
+    running = kd.running_factors(old)
+    factors = packing.all_segments(
+        new.layout, lambda plan, which: running[plan.layer.name][which.upper()],
+        new.factors.dtype)
+    return dataclasses.replace(new, count=jnp.asarray(old.count),
+                               factor_weight=jnp.asarray(old.factor_weight),
+                               update_factors=jnp.asarray(old.update_factors),
+                               factors=factors)
+  is_kfac = lambda x: isinstance(x, kd.ScaleByKfacState)
+  return jax.tree_util.tree_map(build, state, template, is_leaf=is_kfac)
+
+
+def _factors_and_second(state):
+  kstate, = find_states(state)
+  return kd.running_factors(kstate), kd.second_order_parts(kstate)
+
+
+def test_convert_round_trip_is_exact():
+  """8-device MEM-OPT → 4-device COMM-OPT → one device → 8-device MEM-OPT:
+  every factor and every eigenbasis/eigenvalue moves bit for bit, and the round
+  trip gives back the original state."""
+  params, s8 = _run((8, 1 / 8), _params(), _init(8, 1 / 8), 0, 3)
+  s4 = kd.convert_state(s8, _init(4))
+  s1 = kd.convert_state(s4, _config(1)[0].init(_params()))
+  back = kd.convert_state(s1, _init(8, 1 / 8))
+  assert_bitwise(back, s8, "round trip")
+  assert _specs_of(back) == _specs_of(s8)
+  assert _specs_of(s4) == _specs_of(_init(4))
+  for other in (s4, s1):
+    assert_bitwise(_factors_and_second(other), _factors_and_second(s8))
+    assert find_states(other)[0].layout != find_states(s8)[0].layout
+  assert int(find_states(s1)[0].count) == 3
+  # Owner storage (KAISA's all-reduce), unpacked factors, HYBRID groups of 2.
+  mesh8 = Mesh(np.array(jax.devices()), ("data",))
+  hybrid = _tx(kd.Distribution(mesh8, grad_worker_fraction=1 / 4,
+                               factor_reduction="all_reduce", symmetric_comm=False))
+  s_h = kd.convert_state(s8, hybrid.init(_params()))
+  assert find_states(s_h)[0].layout.factor_storage == "owner"
+  assert_bitwise(_factors_and_second(s_h), _factors_and_second(s8))
+  assert_bitwise(kd.convert_state(s_h, _init(8, 1 / 8)), s8, "round trip via HYBRID")
+  # Another method or other layers cannot be converted.
+  layers = GRAD_FN.discover(_params(), *_batch(0))
+  with pytest.raises(ValueError, match="distributions, not methods"):
+    kd.convert_state(s1, kd.kfac(0.1, layers=layers, method="inverse").init(_params()))
+  with pytest.raises(ValueError, match=r"only in the state: \[\('out', 'a'\)"):
+    kd.convert_state(s1, kd.kfac(0.1, layers=layers, skip=("out",)).init(_params()))
+
+
+@pytest.mark.parametrize("stop", [2, 3], ids=["at-inverse-step", "between-inverse-steps"])
+def test_converted_run_continues(stop):
+  """Run 8-device MEM-OPT up to count `stop`, convert to 4-device COMM-OPT and
+  continue. At an inverse step, the converted run is bit-equal to a 4-device
+  COMM-OPT run given the same factors (built with running_factors and
+  all_segments). Either way it follows the uninterrupted 8-device run and a
+  run that never left 4-device COMM-OPT, to the strategies' float32 agreement
+  (the moved second-order information is used in between inverse steps)."""
+  end = 5
+  params, s8 = _run((8, 1 / 8), _params(), _init(8, 1 / 8), 0, stop)
+  converted = _run((4,), params, kd.convert_state(s8, _init(4)), stop, end)
+  if stop % INVERSE_EVERY == 0:
+    mesh4 = _config(4)[1]
+    given = kd.shard_state(_same_factors_state(s8, _config(4)[0].init(_params())), mesh4)
+    reference = _run((4,), params, given, stop, end)
+    assert_bitwise(converted[0], reference[0], "params")
+  uninterrupted = _run((8, 1 / 8), params, s8, stop, end)
+  never_left = _run((4,), _params(), _init(4), 0, end)
+  for other in (uninterrupted, never_left):
+    assert_close(converted[0], other[0], "params")
+    assert_close(_factors_and_second(converted[1])[0], _factors_and_second(other[1])[0])
+  one = _run((1,), params, kd.convert_state(s8, _config(1)[0].init(_params())), stop, end)
+  assert_close(one[0], uninterrupted[0], "params on one device")

@@ -1,0 +1,389 @@
+"""Faults and misconfigurations: non-finite inputs skip the step (state unchanged,
+bit for bit), failed decompositions keep the previous second-order information,
+and bad configurations raise errors that name the layer. On 1 and 8 devices."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+import numpy as np
+import optax
+import pytest
+
+import kfac_jax_dist as kd
+from kfac_jax_dist.kfac import find_states
+from kfac_jax_dist.kfac import second_order_parts
+
+BATCH = 16
+
+
+def loss_fn(params, x, y):
+  """Dense layers of factor dimensions 7, 8, 9, 5, 5, 4 (two of 5: one bucket),
+  a scale-and-shift (unit-wise) layer and an untagged parameter."""
+  h = jnp.tanh(kd.tags.dense(x, params["l0"]["kernel"], params["l0"]["bias"], name="l0"))
+  h = kd.tags.scale_and_shift(h, params["ln"]["scale"], params["ln"]["offset"], name="ln")
+  h = jnp.tanh(kd.tags.dense(h, params["l1"]["kernel"], params["l1"]["bias"], name="l1"))
+  logits = kd.tags.dense(h, params["out"]["kernel"], name="out") * params["temp"]
+  return kd.losses.softmax_cross_entropy(logits, y)
+
+
+def _params():
+  k = jax.random.split(jax.random.PRNGKey(0), 3)
+  return {"l0": {"kernel": 0.5 * jax.random.normal(k[0], (6, 8)), "bias": jnp.zeros(8)},
+          "ln": {"scale": jnp.ones(8), "offset": jnp.zeros(8)},
+          "l1": {"kernel": 0.5 * jax.random.normal(k[1], (8, 5)), "bias": jnp.zeros(5)},
+          "out": {"kernel": 0.5 * jax.random.normal(k[2], (5, 4))},
+          "temp": jnp.ones(4)}
+
+
+def _batch(i):
+  kx, ky = jax.random.split(jax.random.PRNGKey(100 + i))
+  return jax.random.normal(kx, (BATCH, 6)), jax.random.randint(ky, (BATCH,), 0, 4)
+
+
+GRAD_FN = kd.value_and_grad(loss_fn)
+
+
+def _layers():
+  return GRAD_FN.discover(_params(), *_batch(0))
+
+
+def _poison(grads, stats, grad_bad, stat_bad):
+  """Adds `grad_bad` to one tagged and one untagged gradient entry and
+  `stat_bad` to one statistic (0.0: unchanged; NaN/Inf: a fault)."""
+  grads = dict(grads, l1=dict(grads["l1"], kernel=grads["l1"]["kernel"].at[0, 0].add(grad_bad)),
+               temp=grads["temp"].at[1].add(grad_bad))
+  stats = dict(stats, out=dict(stats["out"], G=stats["out"]["G"].at[1, 1].add(stat_bad)))
+  return grads, stats
+
+
+def _bits(x):
+  x = np.asarray(x)
+  return x.dtype, x.shape, x.tobytes()
+
+
+def assert_bitwise(a, b, what=""):
+  la, ta = jax.tree_util.tree_flatten(a)
+  lb, tb = jax.tree_util.tree_flatten(b)
+  assert ta == tb, what
+  for i, (x, y) in enumerate(zip(la, lb)):
+    assert _bits(x) == _bits(y), f"{what}: leaf {i} differs"
+
+
+def _without_skipped(tree):
+  """`tree` with every K-FAC state's `skipped` counter zeroed (for comparisons)."""
+  return jax.tree_util.tree_map(
+      lambda s: dataclasses.replace(s, skipped=jnp.zeros_like(s.skipped))
+      if isinstance(s, kd.ScaleByKfacState) else s,
+      tree, is_leaf=lambda s: isinstance(s, kd.ScaleByKfacState))
+
+
+def _skipped(opt_state):
+  return [int(s.skipped) for s in find_states(opt_state)]
+
+
+# ---------------------------------------------------------------- one device
+
+def _single_tx(chained, method="eigen", factor_every=1, inverse_every=2, **extra):
+  options = dict(damping=1e-2, factor_update_every=factor_every,
+                 inverse_update_every=inverse_every, method=method, **extra)
+  if chained:
+    return kd.kfac(0.1, layers=_layers(), momentum=0.9, weight_decay=1e-3, **options)
+  return kd.scale_by_kfac(_layers(), kl_clip=1e-2, learning_rate=0.1, **options)
+
+
+@functools.lru_cache(maxsize=None)
+def _single_step(chained, **options):
+  tx = _single_tx(chained, **options)
+
+  @jax.jit
+  def step(params, state, x, y, grad_bad, stat_bad):
+    _, grads, stats = GRAD_FN(params, x, y, opt_state=state)
+    grads, stats = _poison(grads, stats, grad_bad, stat_bad)
+    updates, state = tx.update(grads, state, params, kfac_stats=stats)
+    return optax.apply_updates(params, updates), state, updates
+
+  return tx, step
+
+
+@pytest.mark.parametrize("chained", [False, True], ids=["scale_by_kfac", "kfac"])
+@pytest.mark.parametrize("fault", ["grad_nan", "grad_inf", "stat_nan", "stat_inf"])
+def test_nonfinite_input_skips_the_step_bitwise(chained, fault):
+  """A NaN/Inf gradient, or statistic on a factor step, returns zero updates
+  and leaves every state leaf unchanged but `skipped`; `count` does not
+  advance, so the run continues exactly as if the faulty step never happened."""
+  tx, step = _single_step(chained)
+  bad = {"nan": np.nan, "inf": np.inf}[fault.split("_")[1]]
+  grad_bad, stat_bad = (bad, 0.0) if fault.startswith("grad") else (0.0, bad)
+  params0 = _params()
+  clean_p, clean_s = params0, tx.init(params0)
+  p, s = params0, tx.init(params0)
+  for i in range(4):                       # counts 0..3; count 2: factor + inverse step
+    clean_p, clean_s, _ = step(clean_p, clean_s, *_batch(i), 0.0, 0.0)
+    if i == 2:                             # the same batch, poisoned, first
+      new_p, new_s, updates = step(p, s, *_batch(i), grad_bad, stat_bad)
+      assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
+      assert_bitwise(new_p, p, "params after a skipped step")
+      assert _skipped(new_s) == [1]
+      assert_bitwise(_without_skipped(new_s), s, "state after a skipped step")
+      s = new_s
+    p, s, _ = step(p, s, *_batch(i), 0.0, 0.0)
+  assert int(find_states(s)[0].count) == 4
+  assert _skipped(s) == [1]
+  assert_bitwise(p, clean_p, "params")
+  assert_bitwise(_without_skipped(s), clean_s, "state")
+
+
+def test_zero_updates_alone_would_move_momentum():
+  """Why `kd.kfac` wraps its chain in `skip_faulty_steps`: without it, a
+  skipped K-FAC step still decays the momentum and moves the parameters."""
+  layers = _layers()
+  bare = optax.chain(kd.scale_by_kfac(layers), optax.sgd(0.1, momentum=0.9))
+  wrapped = kd.skip_faulty_steps(bare)
+  params = _params()
+  x, y = _batch(0)
+  for tx, moves in ((bare, True), (wrapped, False)):
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    _, grads, stats = GRAD_FN(params, x, y, opt_state=state)
+    _, state = update(grads, state, params, kfac_stats=stats)
+    grads, stats = _poison(grads, stats, np.nan, 0.0)
+    updates, new_state = update(grads, state, params, kfac_stats=stats)
+    assert _skipped(new_state) == [1]
+    assert bool(any(np.any(np.asarray(u)) for u in jax.tree.leaves(updates))) == moves
+    momentum = lambda st: jax.tree.leaves(st[1])
+    assert (_bits(momentum(new_state)[0]) != _bits(momentum(state)[0])) == moves
+  with pytest.raises(ValueError, match="no scale_by_kfac"):
+    kd.skip_faulty_steps(optax.sgd(0.1)).update(grads, optax.sgd(0.1).init(params))
+
+
+def test_nonfinite_statistics_on_other_steps_are_not_consumed():
+  """Statistics are read on factor steps only: a NaN in them elsewhere does
+  not skip the step."""
+  tx, step = _single_step(False, factor_every=2)
+  params = _params()
+  p, s, _ = step(params, tx.init(params), *_batch(0), 0.0, 0.0)
+  assert not bool(find_states(s)[0].update_factors)
+  p_bad, s_bad, _ = step(p, s, *_batch(1), 0.0, np.nan)
+  p_ok, s_ok, _ = step(p, s, *_batch(1), 0.0, 0.0)
+  assert _skipped(s_bad) == [0]
+  assert_bitwise((p_bad, s_bad), (p_ok, s_ok))
+
+
+def _poison_factor(state, layer, which, value=np.inf):
+  """The global state with `value` written into one entry of a running factor."""
+  kstate, = find_states(state)
+  lay = kstate.layout
+  place = dict(lay.plan(layer).places)[which]
+  bad = kstate.factors.at[lay.factor_start(place)].set(value)
+  return jax.tree_util.tree_map(
+      lambda s: dataclasses.replace(s, factors=bad) if isinstance(s, kd.ScaleByKfacState)
+      else s, state, is_leaf=lambda s: isinstance(s, kd.ScaleByKfacState))
+
+
+def _check_kept(before, after, clean, kept):
+  """Second-order parts: `kept` factors as in `before`, the others as in the
+  clean run's `after` (and so changed)."""
+  old, new, ref = (second_order_parts(find_states(s)[0]) for s in (before, after, clean))
+  changed = 0
+  for layer in ref:
+    for which in ref[layer]:
+      if (layer, which) in kept:
+        assert_bitwise(new[layer][which], old[layer][which], f"{layer}/{which} kept")
+      else:
+        assert_bitwise(new[layer][which], ref[layer][which], f"{layer}/{which} updated")
+        changed += any(_bits(a) != _bits(b) for a, b in zip(ref[layer][which],
+                                                             old[layer][which])
+                       if a is not None)
+  assert changed > 0
+
+
+@pytest.mark.parametrize("method,layer,which,kept", [
+    ("eigen", "out", "a", {("out", "A")}),          # shares its bucket with l1/G
+    ("eigen", "ln", "f", {("ln", "F")}),            # unit-wise
+    ("eigen", "l1", "a", {("l1", "A")}),            # diagonal (max_factor_dim=8)
+    ("inverse", "out", "a", {("out", "A"), ("out", "G")}),   # π couples A and G
+    ("inverse", "l1", "a", {("l1", "A"), ("l1", "G")}),
+])
+def test_failed_decomposition_keeps_previous_second_order(method, layer, which, kept):
+  """A factor whose running value (hence decomposition) is not finite keeps
+  its previous eigenbasis/eigenvalues or inverse; every other factor is
+  decomposed as in a clean run, and the step is taken (finite updates)."""
+  tx, step = _single_step(False, method=method, inverse_every=1, max_factor_dim=8)
+  params = _params()
+  p, s, _ = step(params, tx.init(params), *_batch(0), 0.0, 0.0)
+  _, clean, _ = step(p, s, *_batch(1), 0.0, 0.0)
+  bad = _poison_factor(s, layer, which)
+  _, after, updates = step(p, bad, *_batch(1), 0.0, 0.0)
+  assert _skipped(after) == [0] and int(find_states(after)[0].count) == 2
+  assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))
+  _check_kept(s, after, clean, kept)
+
+
+# ------------------------------------------------------------- eight devices
+
+@functools.lru_cache(maxsize=None)
+def _distributed_step(fraction, gradient_reduction):
+  mesh = Mesh(np.array(jax.devices()), ("data",))
+  dist = kd.Distribution(mesh, grad_worker_fraction=fraction,
+                         gradient_reduction=gradient_reduction)
+  tx = kd.kfac(0.1, layers=_layers(), damping=1e-2, factor_update_every=1,
+               inverse_update_every=2, distribution=dist)
+  state = kd.shard_state(tx.init(_params()), mesh)
+  specs = kd.partition_specs(state)
+
+  def step(params, state, x, y, grad_device, stat_device):
+    """Device `grad_device` (`stat_device`) sees a NaN in its local gradients
+    (statistics); -1: none."""
+    me = lax.axis_index("data")
+    _, grads, stats = GRAD_FN(params, x, y, opt_state=state)
+    grads, stats = _poison(grads, stats, jnp.where(me == grad_device, jnp.nan, 0.0),
+                           jnp.where(me == stat_device, jnp.nan, 0.0))
+    if gradient_reduction == "none":         # the caller averages the gradients
+      grads = lax.pmean(grads, "data")
+    updates, state = tx.update(grads, state, params, kfac_stats=stats)
+    return optax.apply_updates(params, updates), state, updates
+
+  step = jax.jit(jax.shard_map(
+      step, mesh=mesh, in_specs=(P(), specs, P("data"), P("data"), P(), P()),
+      out_specs=(P(), specs, P())))
+  return tx, mesh, state, step
+
+
+# HYBRID (m = 2 of 8: second-order sharded over 4 groups, replicated in pairs)
+# is the general case; MEM-OPT and COMM-OPT are its ends. Local gradients
+# ("reduce_scatter", "all_reduce") need the devices' verdicts psum'd; averaged
+# ones ("none") do not.
+FRACTIONS = [pytest.param(1 / 4, "reduce_scatter", id="HYBRID-reduce_scatter"),
+             pytest.param(1 / 8, "none", id="MEM-OPT-none", marks=pytest.mark.slow),
+             pytest.param(1.0, "all_reduce", id="COMM-OPT-all_reduce",
+                          marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("fraction,gradient_reduction", FRACTIONS)
+def test_one_device_fault_skips_on_all_devices(fraction, gradient_reduction):
+  """A NaN seen by one device only (its local gradients, or its local
+  statistics) skips the step on every device: all state leaves unchanged
+  but `skipped`, zero updates, and the run continues as if it never happened."""
+  _, _, state0, step = _distributed_step(fraction, gradient_reduction)
+  params0 = _params()
+  clean_p, clean_s, p, s = params0, state0, params0, state0
+  for i in range(4):
+    clean_p, clean_s, _ = step(clean_p, clean_s, *_batch(i), -1, -1)
+    if i == 2:
+      for n, (grad_device, stat_device) in enumerate(((3, -1), (-1, 5))):
+        new_p, new_s, updates = step(p, s, *_batch(i), grad_device, stat_device)
+        assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
+        assert_bitwise(new_p, p, "params after a skipped step")
+        assert _skipped(new_s) == [n + 1]
+        assert_bitwise(_without_skipped(new_s), _without_skipped(s), "skipped step")
+        s = new_s
+    p, s, _ = step(p, s, *_batch(i), -1, -1)
+  assert _skipped(s) == [2]
+  assert_bitwise(p, clean_p, "params")
+  assert_bitwise(_without_skipped(s), clean_s, "state")
+
+
+@pytest.mark.parametrize("fraction,gradient_reduction", FRACTIONS)
+def test_failed_decomposition_on_its_owner_keeps_previous(fraction, gradient_reduction):
+  _, mesh, state0, step = _distributed_step(fraction, gradient_reduction)
+  params = _params()
+  p, s, _ = step(params, state0, *_batch(0), -1, -1)
+  p, s, _ = step(p, s, *_batch(1), -1, -1)           # count 2 is an inverse step
+  _, clean, _ = step(p, s, *_batch(2), -1, -1)
+  lay = find_states(s)[0].layout
+  assert len({pl.owner for plan in lay.plans for _, pl in plan.places}) > 1
+  bad = kd.shard_state(_poison_factor(s, "out", "a"), mesh)
+  _, after, updates = step(p, bad, *_batch(2), -1, -1)
+  assert _skipped(after) == [0]
+  assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))
+  _check_kept(s, after, clean, {("out", "A")})
+
+
+# ------------------------------------------------------------ clear errors
+
+def test_configuration_errors_name_the_layer():
+  layers, params = _layers(), _params()
+  x, y = _batch(0)
+  _, grads, stats = GRAD_FN(params, x, y)
+  tx = kd.scale_by_kfac(layers)
+  state = tx.init(params)
+  # A skip pattern that matches no tagged layer.
+  with pytest.raises(ValueError, match=r"'\^nothing' matches no tagged layer"):
+    kd.scale_by_kfac(layers, skip=("^nothing",)).init(params)
+  # A tagged layer's parameters missing from the tree given to init / update.
+  without = {k: v for k, v in params.items() if k != "l1"}
+  with pytest.raises(ValueError, match="'l1'.*'l1/kernel' is not in the tree"):
+    tx.init(without)
+  with pytest.raises(ValueError, match="'l1'.*'l1/kernel' is missing from the updates"):
+    tx.update({k: v for k, v in grads.items() if k != "l1"}, state, kfac_stats=stats)
+  # Shapes: parameters at init, updates, statistics.
+  with pytest.raises(ValueError, match="'out'.*'out/kernel' has shape"):
+    tx.init(dict(params, out={"kernel": jnp.zeros((4, 4))}))
+  with pytest.raises(ValueError, match="'l0'.*update of 'l0/bias' has shape"):
+    tx.update(dict(grads, l0=dict(grads["l0"], bias=jnp.zeros(3))), state,
+              kfac_stats=stats)
+  with pytest.raises(ValueError, match="G of layer 'l1' has shape"):
+    tx.update(grads, state, kfac_stats=dict(stats, l1=dict(stats["l1"], G=jnp.eye(4))))
+  # Statistics missing on a factor step: all of them, a layer's, one factor's.
+  with pytest.raises(ValueError, match="needs the curvature statistics on a factor step"):
+    tx.update(grads, state)
+  with pytest.raises(ValueError, match="no statistics for tagged layer 'ln'"):
+    tx.update(grads, state, kfac_stats={k: v for k, v in stats.items() if k != "ln"})
+  with pytest.raises(ValueError, match=r"kfac_stats\['out'\] has no statistic 'A'"):
+    tx.update(grads, state, kfac_stats=dict(stats, out={"G": stats["out"]["G"]}))
+  with pytest.raises(ValueError, match="under jit"):
+    jax.jit(lambda g, s: tx.update(g, s))(grads, state)
+
+
+def test_statistics_may_be_omitted_on_a_known_non_factor_step():
+  layers, params = _layers(), _params()
+  tx = kd.scale_by_kfac(layers, factor_update_every=2)
+  _, grads, stats = GRAD_FN(params, *_batch(0))
+  _, state = tx.update(grads, tx.init(params), kfac_stats=stats)
+  assert not bool(state.update_factors)
+  _, grads, stats = GRAD_FN(params, *_batch(1), opt_state=state)   # zeros: not computed
+  with_stats = tx.update(grads, state, kfac_stats=stats)
+  without = tx.update(grads, state)
+  assert_bitwise(with_stats, without)
+
+
+def test_distribution_errors():
+  """The strategy must fit the mesh, and update must run where it says."""
+  layers, params = _layers(), _params()
+  mesh = Mesh(np.array(jax.devices()), ("data",))
+  with pytest.raises(ValueError, match="gradient workers per layer"):
+    kd.Distribution(mesh, grad_worker_fraction=3 / 8)
+  with pytest.raises(ValueError, match="'model' is not an axis"):
+    kd.Distribution(mesh, axis="model")
+  dist = kd.Distribution(mesh, grad_worker_fraction=1 / 8)
+  tx = kd.scale_by_kfac(layers, distribution=dist)
+  state = tx.init(params)
+  x, y = _batch(0)
+  _, grads, stats = GRAD_FN(params, x, y)
+  # Outside shard_map.
+  with pytest.raises(ValueError, match="inside jax.shard_map over that axis"):
+    tx.update(grads, state, kfac_stats=stats)
+
+  def run(tx, state, mesh, specs):
+    f = jax.shard_map(lambda g, s, st: tx.update(g, s, kfac_stats=st)[1], mesh=mesh,
+                      in_specs=(P(), specs, P()), out_specs=specs)
+    return jax.eval_shape(f, grads, state, stats)
+
+  specs = kd.partition_specs(state)
+  run(tx, state, mesh, specs)                                   # fine
+  # The state of another distribution (here: one device).
+  single = kd.scale_by_kfac(layers).init(params)
+  with pytest.raises(ValueError, match="laid out for another distribution.*convert_state"):
+    run(tx, single, mesh, kd.partition_specs(single))
+  # shard_map over a mesh of another size than the Distribution's.
+  mesh4 = Mesh(np.array(jax.devices()[:4]), ("data",))
+  with pytest.raises(ValueError, match="has 4 devices, but the Distribution's mesh has 8"):
+    run(tx, state, mesh4, specs)
+  # in_specs that do not shard the factors.
+  replicated = jax.tree.map(lambda _: P(), specs)
+  with pytest.raises(ValueError, match="partition_specs"):
+    run(tx, state, mesh, replicated)
