@@ -94,9 +94,12 @@ def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag):
     x, params, flag = residuals
     _, vjp = jax.vjp(apply, x, *params)   # the primal is dead code under jit
     x_bar, *params_bar = vjp(cotangent)
-    zeros = _compat.as_varying(jax.tree_util.tree_map(jnp.zeros_like, probes),
-                               _compat.varying_axes(x, cotangent))
-    probe_bar = lax.cond(flag, lambda: stats(x, cotangent), lambda: zeros)
+    # A statistic may not depend on everything that varies (an embedding's A
+    # on replicated ids): both branches are typed varying like (x, cotangent).
+    axes = _compat.varying_axes(x, cotangent)
+    zeros = _compat.as_varying(jax.tree_util.tree_map(jnp.zeros_like, probes), axes)
+    probe_bar = lax.cond(flag, lambda: _compat.as_varying(stats(x, cotangent), axes),
+                         lambda: zeros)
     return x_bar, tuple(params_bar), probe_bar, None
 
   layer.defvjp(fwd, bwd)

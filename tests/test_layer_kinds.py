@@ -224,3 +224,34 @@ def test_distributed_equals_single_device(problem, factor_reduction, fraction):
   got = _train(problem, dist)[0]
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5),
                got, _reference(problem))
+
+
+def test_embedding_of_replicated_ids_inside_shard_map():
+  """Position ids the same on every device (jnp.arange): A does not vary over
+  the axis while G does; the capture must still type both alike."""
+  mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+
+  class Positions(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+      ids = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)   # invariant
+      return kd.linen.Dense(5)(kd.linen.Embed(6, 4)(ids) + kd.linen.Embed(5, 4)(tokens))
+
+  tokens = jax.random.randint(jax.random.PRNGKey(0), (4, 6), 0, 5)
+  model = Positions()
+  params = model.init(jax.random.PRNGKey(1), tokens)
+
+  def loss_fn(p, t):
+    return kd.losses.softmax_cross_entropy(model.apply(p, t), t)
+  grad_fn = kd.value_and_grad(loss_fn)
+
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("data")),
+                     out_specs=P())
+  def stats_of(p, t):
+    _, _, stats = grad_fn(p, t)
+    return jax.lax.pmean(stats, "data")
+
+  got = stats_of(params, tokens)
+  want = grad_fn(params, tokens)[2]
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               got, want)
