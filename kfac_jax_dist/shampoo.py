@@ -411,7 +411,9 @@ def scale_by_shampoo(
       float64 if a parameter is float64).
     distribution: a `kd.Distribution` with `grad_worker_fraction = 1`: the
       root computations are spread over its axis (call `update` inside
-      `shard_map` with averaged gradients). None: one device.
+      `shard_map`). Its `gradient_reduction` says whether the gradients come
+      averaged ("none") or `update` averages them ("all_reduce"); the factor
+      options are K-FAC's and do not apply. None: one device.
 
   Returns:
     An optax `GradientTransformationExtraArgs` (extra arguments of `update`
@@ -451,6 +453,10 @@ def scale_by_shampoo(
     raise ValueError("scale_by_shampoo: only grad_worker_fraction=1 (every device "
                      "holds every root; the root computations are spread) is "
                      "implemented for Shampoo.")
+  if distribution is not None and distribution.gradient_reduction == "reduce_scatter":
+    raise ValueError('scale_by_shampoo: gradient_reduction="reduce_scatter" is K-FAC\'s '
+                     'SP-NGD mode; use "none" (gradients already averaged) or '
+                     '"all_reduce" (update averages them).')
   comm = distributed.Collectives(distribution)
 
   def shape_options():
@@ -595,6 +601,8 @@ def scale_by_shampoo(
     count = state.count
     dtype = state.statistics[0].dtype if state.statistics else jnp.float32
     grads = [x for _, x in flat]
+    if distribution is not None and distribution.gradient_reduction == "all_reduce":
+      grads = comm.mean(grads)
     diag, graft = graft_updates(grads, state.graft, count)
     pre = [i for i, plan in enumerate(lay.params) if plan.preconditioned]
     merged = [grads[i].astype(dtype).reshape(plan.merged) if plan.preconditioned else None

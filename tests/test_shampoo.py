@@ -467,3 +467,6 @@ def test_distributed_shampoo_equals_single_device(root_method):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
   with pytest.raises(ValueError, match="grad_worker_fraction"):
     kd.scale_by_shampoo(distribution=kd.Distribution(mesh, grad_worker_fraction=1 / 8))
+  with pytest.raises(ValueError, match="reduce_scatter"):
+    kd.scale_by_shampoo(distribution=kd.Distribution(
+        mesh, gradient_reduction="reduce_scatter"))
