@@ -110,7 +110,9 @@ def _norm_reason(module, ndim, feature_axes) -> str | None:
   if not module.use_scale:
     return "use_scale=False" if module.use_bias else None
   return _flax_common.norm_config(
-      ndim, feature_axes, custom=module.promote_dtype is not nnx_dtypes.promote_dtype)
+      ndim, feature_axes,   # flax 0.12.0's norm layers have no promote_dtype
+      custom=getattr(module, "promote_dtype", nnx_dtypes.promote_dtype)
+      is not nnx_dtypes.promote_dtype)
 
 
 class LayerNorm(nnx.LayerNorm):
