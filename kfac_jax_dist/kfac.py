@@ -137,7 +137,13 @@ def _write_back(plan: layout_lib.LayerPlan, m: jax.Array, leaves: dict[str, Any]
     leaf = leaves[path]
     if layer.stack_index is None:
       leaves[path] = value.reshape(leaf.shape).astype(leaf.dtype)
-    else:                       # one block of a stacked leaf
+    else:
+      # One block of a stacked leaf. Every block is written (a stack is skipped
+      # whole), block 0 first (layout order), so block 0 starts from zeros: the
+      # result then does not inherit the raw gradient's type (local, varying
+      # over the mesh axis under SP-NGD's reduce-scatter).
+      if not any(layer.stack_index):
+        leaf = jnp.zeros(leaf.shape, leaf.dtype)
       block_shape = leaf.shape[len(layer.stack_index):]
       leaves[path] = leaf.at[layer.stack_index].set(
           value.reshape(block_shape).astype(leaf.dtype))

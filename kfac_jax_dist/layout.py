@@ -202,7 +202,8 @@ def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
 
   A stacked layer becomes one plan per block (`TaggedLayer.blocks`), each with
   its own factors; `skip` patterns match the stacked layer's name, so its
-  blocks are kept or skipped together.
+  blocks are kept or skipped together. `plans` keep the blocks consecutive,
+  block 0 first (`kfac._write_back` relies on it).
   """
   patterns = [re.compile(p) for p in skip]
   kept, skipped = [], []

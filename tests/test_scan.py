@@ -265,6 +265,69 @@ def test_nnx_scan_matches_unrolled():
 
 
 # ---------------------------------------------------------------------------
+# Ensembles: nn.vmap / nnx.vmap over stacked members (same input for each)
+# ---------------------------------------------------------------------------
+
+class LinenEnsemble(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    members = nn.vmap(kd.linen.Dense, variable_axes={"params": 0},
+                      split_rngs={"params": True}, in_axes=None, axis_size=L)
+    h = jnp.tanh(members(D, param_dtype=F64, name="members")(x))      # [L, B, D]
+    return kd.linen.Dense(C, param_dtype=F64, name="out")(h.sum(0))
+
+
+class NnxEnsemble(nnx.Module):
+  def __init__(self, rngs):
+    @nnx.split_rngs(splits=L)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+      return kd.nnx.Linear(D, D, param_dtype=F64, rngs=rngs)
+
+    self.members = create(rngs)
+    self.out = kd.nnx.Linear(D, C, param_dtype=F64, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.vmap(in_axes=(0, None), out_axes=0)
+    def run(member, x):
+      return jnp.tanh(member(x))
+
+    return self.out(run(self.members, x).sum(0))
+
+
+def _ensemble_unrolled(p, x, y):
+  h = sum(jnp.tanh(kd.tags.dense(x, p[f"m{i}"]["kernel"], p[f"m{i}"]["bias"]))
+          for i in range(L))
+  logits = kd.tags.dense(h, p["out"]["kernel"], p["out"]["bias"])
+  return kd.losses.softmax_cross_entropy(logits, y)
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_vmapped_ensemble_matches_unrolled(api):
+  x, y = _batch()
+  if api == "linen":
+    params = LinenEnsemble().init(jax.random.PRNGKey(2), x)["params"]
+    pure = params
+
+    def loss_fn(p, x, y):
+      return kd.losses.softmax_cross_entropy(LinenEnsemble().apply({"params": p}, x), y)
+  else:
+    graph, params = nnx.split(NnxEnsemble(nnx.Rngs(0)), nnx.Param)
+    pure = nnx.to_pure_dict(params)
+
+    def loss_fn(p, x, y):
+      return kd.losses.softmax_cross_entropy(nnx.merge(graph, p)(x), y)
+  unrolled = {f"m{i}": jax.tree.map(lambda a, i=i: a[i], pure["members"])
+              for i in range(L)}
+  unrolled["out"] = pure["out"]
+  layers = {l.name: l.stack for l in kd.value_and_grad(loss_fn).discover(params, x, y)}
+  assert layers == {"members": (L,), "out": ()}
+  _, _, stats = jax.jit(kd.value_and_grad(loss_fn))(params, x, y)
+  _, _, ref = jax.jit(kd.value_and_grad(_ensemble_unrolled))(unrolled, x, y)
+  _check_stacked_stats(stats, ref, [("members", lambda i: f"m{i}")])
+
+
+# ---------------------------------------------------------------------------
 # Plain JAX: lax.scan over stacked weights with stack_index=
 # ---------------------------------------------------------------------------
 
@@ -441,8 +504,8 @@ def test_stacked_statistics_of_wrong_shape_raise():
 # Distributed: blocks are spread over owners like any layer.
 # ---------------------------------------------------------------------------
 
-@pytest.mark.slow
-@pytest.mark.parametrize("gradient_reduction", ["reduce_scatter", "all_reduce"])
+@pytest.mark.parametrize("gradient_reduction", [
+    "reduce_scatter", pytest.param("all_reduce", marks=pytest.mark.slow)])
 def test_distributed_scanned_equals_single_device(gradient_reduction):
   from jax.sharding import Mesh, PartitionSpec as P
   (loss_fn, params), _, batch = _linen_problem()
