@@ -126,6 +126,14 @@ QUICK = ("COMM-OPT", "COMM-OPT AR full (KAISA)", "MEM-OPT", "HYBRID", "DP-KFAC",
          "SP-NGD fused")
 
 
+def factor_places(plan) -> list:
+  """The `FactorPlace`s of a layer plan (A and G; newer layouts list them as
+  `plan.places`, e.g. one unit-wise factor)."""
+  if hasattr(plan, "places"):
+    return [place for _, place in plan.places]
+  return [plan.a, plan.g]
+
+
 def distribution(strategy: Strategy, p: int) -> kd.Distribution | None:
   m = strategy.group_size(p)
   if m is None:

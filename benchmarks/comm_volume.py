@@ -31,9 +31,35 @@ factors 2(P-1)/P·Σd²; triangular factors Σd(d+1)/2 instead of Σd²; factor
 reduce-scatter (P-1)/P·Σ; MEM-OPT preconditioned-gradient all-gather
 (P-1)/P·N_tagged (HYBRID: (G-1)/G·N_tagged, G = P/m groups, as KAISA's
 receivers get each other group's gradients once); eigenbasis all-gather to the
-m gradient workers (m-1)/m·Σ(d²+d)/G; DP-KFAC no factor traffic. The "layout"
-columns give the sizes of the library's padded buffers: P·L (factor segments),
-G·S (gradient buffer), m·L₂ (second-order segments) against the useful sizes.
+m gradient workers (m-1)/m·Σ(d²+d)/G; DP-KFAC no factor traffic.
+
+And the library's own model ("model" columns), from its layout, one term per
+collective (ring model, f32), which the HLO numbers must match:
+
+* factor step, factor_reduction="reduce_scatter": running factors are tight
+  chunks (`Layout.factor_storage == "chunked"`): psum_scatter of [P·C],
+  C = ⌈T/P⌉, T = Σ stored factor numbers: (P-1)·C, the papers' (P-1)/P·T up to
+  rounding. "all_reduce": psum of the tight buffer of all factors, 2(P-1)/P·T.
+  "local": nothing.
+* inverse step, "reduce_scatter" only: all_gather of the chunks, (P-1)·C, so
+  that each owner can read its whole factors (a factor may span chunks). This
+  term is not in the papers: KAISA's all-reduce already leaves every factor on
+  every device, and owner-segment storage ("all_reduce", "local") needs no
+  gather. It costs one more (P-1)/P·T per inverse step (with the cadence 10/100,
+  +10% of the amortised factor traffic).
+* inverse step, COMM-OPT (one owner group): the uneven all-gather of the
+  second-order segments, sizes u_i = `Layout.second_sizes`: all_gather of the
+  first S₂ = `uneven_prefix(u)` numbers of every segment, (P-1)·S₂, and a
+  psum of the tight overflow Σmax(0, u_i - S₂), 2(P-1)/P of it. HYBRID
+  (1 < m < P): all_gather within groups of m of [L₂], (m-1)·L₂.
+* every step, MEM-OPT (m = 1, G = P): the uneven all-gather of the
+  preconditioned gradients, sizes = each group's used buffer (slot 0 the KL
+  sum, then its layers' gradients; `kfac._gradient_offsets`), same formula;
+  SP-NGD fused adds the mirror reduce-scatter of the raw gradients (psum_scatter
+  of the prefix + psum of the overflow), and all-reduces only the untagged
+  parameters. HYBRID: all_gather of pieces S/m over the whole axis,
+  (P-1)·S/m. With gradient_reduction="none" the step's own pmean of all
+  gradients, 2(P-1)/P·N_params.
 
 Usage: python benchmarks/comm_volume.py [--quick] [--devices 2,4,8] [--out DIR]
 (--quick: P = 8 only and the main strategies; writes comm_volume_quick.*).
@@ -56,6 +82,7 @@ from jax.sharding import Mesh
 
 import kfac_jax_dist as kd
 from kfac_jax_dist import layout as layout_lib
+from kfac_jax_dist.distributed import uneven_prefix
 from kfac_jax_dist.kfac import _gradient_offsets, find_states
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -96,20 +123,79 @@ def formulas(s: dict, strat: C.Strategy | None, p: int) -> dict:
   return {"plain": plain, "factor": factor, "inverse": inverse}
 
 
+def uneven(sizes, p: int) -> dict:
+  """The library's uneven all_gather / reduce-scatter (`Collectives.gather_uneven`,
+  `reduce_uneven`) of per-device sizes: prefix S by all_gather (psum_scatter),
+  the overflow beyond S by one psum. Bytes per device, ring model, f32."""
+  s = uneven_prefix(sizes)
+  over = sum(max(0, u - s) for u in sizes)
+  return {"S": s, "overflow": over, "prefix": (p - 1) * s * F32,
+          "psum": 2 * (p - 1) / p * over * F32,
+          "bytes": ((p - 1) * s + 2 * (p - 1) / p * over) * F32,
+          "ideal": (p - 1) / p * sum(sizes) * F32}
+
+
 def layout_info(opt_state, p: int) -> dict:
   st, = find_states(opt_state)
   lay = st.layout
-  _, size = _gradient_offsets(lay)
-  stored = sum(f.size for pl in lay.plans for f in (pl.a, pl.g))
+  _, group_sizes, size = _gradient_offsets(lay)
+  stored = sum(f.size for pl in lay.plans for f in C.factor_places(pl))
   second = sum(layout_lib._second_parts(f.dim, f.form, lay.method)[0]
                + layout_lib._second_parts(f.dim, f.form, lay.method)[1]
-               for pl in lay.plans for f in (pl.a, pl.g))
+               for pl in lay.plans for f in C.factor_places(pl))
   return {"L": lay.segment, "L2": lay.second_segment, "S": size, "G": lay.num_groups,
-          "m": lay.group_size, "factor_buffer": p * lay.segment, "factor_useful": stored,
+          "m": lay.group_size, "storage": lay.factor_storage, "C": lay.factor_shard,
+          "factor_buffer": p * lay.factor_shard, "factor_useful": stored,
+          "owner_sizes": list(lay.owner_sizes), "second_sizes": list(lay.second_sizes),
+          "group_sizes": list(group_sizes),
           "grad_buffer": lay.num_groups * size,
           "grad_useful": sum(pl.layer.a_dim * pl.layer.g_dim for pl in lay.plans),
           "second_buffer_group": lay.group_size * lay.second_segment,
           "second_useful": second}
+
+
+def library_model(info: dict, strat: C.Strategy | None, p: int, s: dict) -> dict:
+  """The library's collectives for this layout, one term per collective:
+  {step kind: [(name, bytes per device)]} (see the docstring)."""
+  r = (p - 1) / p
+  out = {"plain": [], "factor": [], "inverse": []}
+  if strat is None or strat.gradient_reduction == "none":
+    out["plain"].append(("pmean of all gradients", 2 * r * s["params"] * F32))
+  if strat is None or p == 1:
+    return out
+  m, g = info["m"], info["G"]
+  if strat.gradient_reduction == "reduce_scatter":
+    out["plain"].append(("psum of untagged gradients", 2 * r * s["untagged"] * F32))
+    if m == 1 < g:
+      u = uneven(info["group_sizes"], p)
+      out["plain"].append((f"grad RS prefix (P-1)·S, S={u['S']}", u["prefix"]))
+      if u["overflow"]:
+        out["plain"].append((f"grad RS overflow psum ({u['overflow']})", u["psum"]))
+    else:
+      out["plain"].append(("grad RS [G·S] + AG in group",
+                           (r * g * info["S"] + (m - 1) * info["S"] / m) * F32))
+  if g > 1:
+    if m == 1:
+      u = uneven(info["group_sizes"], p)
+      out["plain"].append((f"grad AG prefix (P-1)·S, S={u['S']}", u["prefix"]))
+      if u["overflow"]:
+        out["plain"].append((f"grad AG overflow psum ({u['overflow']})", u["psum"]))
+    else:
+      out["plain"].append((f"grad AG pieces (P-1)·S/m", (p - 1) * info["S"] / m * F32))
+  t = info["factor_useful"]
+  if strat.factor_reduction == "reduce_scatter":
+    out["factor"].append((f"factor RS (P-1)·C, C={info['C']}", (p - 1) * info["C"] * F32))
+    out["inverse"].append((f"chunk AG (P-1)·C", (p - 1) * info["C"] * F32))
+  elif strat.factor_reduction == "all_reduce":
+    out["factor"].append(("factor AR 2(P-1)/P·T", 2 * r * t * F32))
+  if g == 1:
+    u = uneven(info["second_sizes"], p)
+    out["inverse"].append((f"eigen AG prefix (P-1)·S₂, S₂={u['S']}", u["prefix"]))
+    if u["overflow"]:
+      out["inverse"].append((f"eigen overflow psum ({u['overflow']})", u["psum"]))
+  elif m > 1:
+    out["inverse"].append(("eigen AG in group (m-1)·L₂", (m - 1) * info["L2"] * F32))
+  return out
 
 
 def measure(p: int, strategies, verbose=True) -> list[dict]:
@@ -142,12 +228,15 @@ def measure(p: int, strategies, verbose=True) -> list[dict]:
            "m": strat.group_size(p) if strat else None, "layout": info,
            "totals": tot, "notes": notes, "compile_s": time.perf_counter() - t0,
            "collectives": [vars(c) for c in found],
-           "formula": formulas(sizes, strat, p), "sizes": sizes}
+           "formula": formulas(sizes, strat, p), "sizes": sizes,
+           "model": library_model(info, strat, p, sizes)}
     for kind in ("plain", "factor", "inverse"):
       row[kind] = C.step_bytes(tot, kind)
       row[kind + "_payload"] = C.step_bytes(tot, kind, "payload")
     row["factor_only"] = row["factor"] - row["plain"]
     row["inverse_only"] = row["inverse"] - row["factor"]
+    for kind in ("plain", "factor", "inverse"):
+      row["model_" + kind] = sum(b for _, b in row["model"][kind])
     row["amortised"] = (row["plain"] + row["factor_only"] / FACTOR_EVERY
                         + row["inverse_only"] / INVERSE_EVERY)
     rows.append(row)
@@ -188,23 +277,24 @@ def checks(rows: list[dict], p: int = 8) -> list[dict]:
     r = by["SP-NGD fused"]
     v = r["plain"]
     lay = r["layout"]
-    pad = (lay["grad_buffer"] - lay["grad_useful"]) * F32
-    lower = p * sizes["largest_layer"] / sizes["tagged"]
+    u = uneven(lay["group_sizes"], p)
     add(f"SP-NGD fused MEM-OPT plain step <= 1.05x SGD (P={p})", f"{v / sgd:.3f}x",
         "<= 1.05x", v <= 1.05 * sgd,
-        f"reduce-scatter + all-gather of the group buffer G·S = {lay['G']}×{lay['S']} = "
-        f"{lay['grad_buffer']} numbers for {lay['grad_useful']} gradient numbers: "
-        f"{C.fmt_bytes(pad)} of padding per buffer ({lay['grad_buffer'] / lay['grad_useful']:.2f}x), "
-        f"each collective moving (P-1)/P of it. Any layout that keeps a layer on one "
-        f"owner needs G·S >= P·(largest layer) = {p * sizes['largest_layer']} here, "
-        f"{lower:.2f}x the tagged gradient")
+        f"reduce-scatter + all-gather of the owners' gradients, uneven (sizes "
+        f"{min(lay['group_sizes'])}..{max(lay['group_sizes'])} for "
+        f"{lay['grad_useful']} gradient numbers): prefix S = {u['S']} by "
+        f"psum_scatter / all_gather ((P-1)·S each)"
+        + (f", overflow {u['overflow']} numbers by one psum each (2(P-1)/P of it)"
+           if u["overflow"] else " (no overflow: S is the largest size)")
+        + f"; each {u['bytes'] / u['ideal']:.3f}x the "
+        f"padding-free (P-1)/P·N_tagged; the untagged parameters by psum. "
+        f"(Before tight chunks/uneven gathers: a padded G·S = {lay['grad_buffer']} buffer, "
+        f"{lay['grad_buffer'] / lay['grad_useful']:.3f}x.)")
   for name in ("COMM-OPT", "MEM-OPT"):
     if name in by:
       r = by[name]
       v = r["factor_only"]
       lay = r["layout"]
-      pad = (lay["factor_buffer"] - lay["factor_useful"]) * F32
-      lower = p * sizes["largest_tri"] / sizes["sum_tri"]
       kaisa_cfg = by.get(name + " AR full (KAISA)")
       measured_kaisa = ("" if kaisa_cfg is None else
                         f"; the library's own all_reduce of full factors sends "
@@ -212,11 +302,14 @@ def checks(rows: list[dict], p: int = 8) -> list[dict]:
       add(f"{name} factor traffic (RS + symmetric) <= 0.3x KAISA full-factor all-reduce "
           f"(P={p})", f"{v / kaisa_formula:.3f}x{measured_kaisa}", "<= 0.3x",
           v <= 0.3 * kaisa_formula,
-          f"reduce-scatter of P·L = {p}×{lay['L']} = {lay['factor_buffer']} numbers for "
-          f"{lay['factor_useful']} triangle numbers ({lay['factor_buffer'] / lay['factor_useful']:.3f}x, "
-          f"{C.fmt_bytes(pad)} of segment padding); without padding the ratio would be "
-          f"Σtri/(2·Σd²) = {sizes['sum_tri'] / (2 * sizes['sum_d2']):.3f}; one owner per "
-          f"factor needs P·L >= P·(largest triangle) = {lower:.2f}x Σtri")
+          f"psum_scatter of tight chunks, P·C = {p}×{lay['C']} = {lay['factor_buffer']} "
+          f"numbers for T = {lay['factor_useful']} triangle numbers "
+          f"({lay['factor_buffer'] / lay['factor_useful']:.5f}x): the ideal "
+          f"Σtri/(2·Σd²) = {sizes['sum_tri'] / (2 * sizes['sum_d2']):.3f}. Inverse steps "
+          f"add an all_gather of the chunks, (P-1)·C = {C.fmt_bytes((p - 1) * lay['C'] * F32)} "
+          f"(KAISA's all-reduce needs none): with the 10/100 cadence factor traffic "
+          f"amortises to {(v / 10 + (p - 1) * lay['C'] * F32 / 100) / (kaisa_formula / 10):.3f}x "
+          f"KAISA's")
   if "HYBRID" in by:
     r = by["HYBRID"]
     lay = r["layout"]
@@ -243,6 +336,15 @@ def checks(rows: list[dict], p: int = 8) -> list[dict]:
           if abs(v / kaisa_formula - 1) < 0.01 else
           f"psum of {v / kaisa_formula:.3f}x the formula's numbers: segment padding "
           f"travels ([P·L] = {lay['factor_buffer']} for Σd² = {lay['factor_useful']})")
+  worst = max((max(abs(r[k + ("_only" if k != "plain" else "")] - r["model_" + k])
+                     for k in ("plain", "factor", "inverse")), r["strategy"])
+              for r in rows)
+  add("HLO bytes == the library model, every configuration, step kind and P "
+      f"({', '.join(str(q) for q in sorted({r['P'] for r in rows}))})",
+      f"max abs(HLO - model) = {worst[0]:.0f} B" + (f" ({worst[1]})" if worst[0] else ""),
+      "0 (up to rounding)",
+      worst[0] < 64, "each collective of the model is found in the HLO with these bytes"
+      if worst[0] < 64 else "see the model columns of the tables")
   if "DP-KFAC" in by:
     r = by["DP-KFAC"]
     v = r["factor_only"]
@@ -260,6 +362,15 @@ def render(rows, chk, head) -> str:
          "payload = logical buffer bytes (N, N_in, N_out). plain = collectives every step; "
          "factor / inverse = the extra collectives of the factor-update / decomposition "
          "conditionals (an inverse step pays plain + factor + inverse).",
+         "- model = the library's collectives computed from its layout, one term per "
+         "collective (listed in the second table of each P; see the docstring): with "
+         "factor_reduction reduce_scatter the running factors are tight chunks, reduced by "
+         "a psum_scatter of (P-1)·C on factor steps and **all-gathered on inverse steps** "
+         "((P-1)·C, \"chunk AG\": each owner reads its whole factors from the chunks; not "
+         "in the papers' formulas, whose owners keep their factors in place, hence MEM-OPT's "
+         "non-zero inverse column); COMM-OPT's eigenbases and MEM-OPT's gradients go by "
+         "the uneven all_gather (prefix S by all_gather, the overflow beyond S by one psum, "
+         "the \"reduce\" entries of COMM-OPT's inverse column).",
          "- paper = the papers' formula for that configuration from the layer shapes "
          "(see the docstring); ×SGD = plain-step bytes / SGD's.",
          "- Generated by `python benchmarks/comm_volume.py`.", ""]
@@ -299,32 +410,53 @@ def render(rows, chk, head) -> str:
           C.fmt_bytes(r["factor_only"]), C.fmt_bytes(f["factor"]),
           kinds_str(r["totals"], "factor"), C.fmt_bytes(r["inverse_only"]),
           C.fmt_bytes(f["inverse"]), kinds_str(r["totals"], "inverse"),
+          " / ".join(C.fmt_bytes(r["model_" + k]) for k in ("plain", "factor", "inverse")),
           f"{C.fmt_bytes(r['amortised'])} ({r['amortised'] / sgd:.2f}×)",
           f"{C.fmt_bytes(r['plain_payload'])} / {C.fmt_bytes(r['factor_payload'] - r['plain_payload'])}"
           f" / {C.fmt_bytes(r['inverse_payload'] - r['factor_payload'])}"])
     out.append(C.md_table(table, [
         "strategy", "m", "plain", "×SGD", "paper plain", "plain by kind (ring×count)",
         "factor", "paper factor", "factor by kind", "inverse", "paper inverse",
-        "inverse by kind", "amortised 10/100 (×SGD)", "payload plain / factor / inverse"]))
+        "inverse by kind", "model plain / factor / inverse", "amortised 10/100 (×SGD)",
+        "payload plain / factor / inverse"]))
     out.append("")
     lay_rows = []
     for r in rs:
       lay = r["layout"]
       if not lay:
         continue
-      lay_rows.append([
-          r["strategy"], lay["G"], lay["m"],
-          f"{lay['factor_buffer']} / {lay['factor_useful']} = "
-          f"{lay['factor_buffer'] / lay['factor_useful']:.2f}",
-          f"{lay['grad_buffer']} / {lay['grad_useful']} = "
-          f"{lay['grad_buffer'] / lay['grad_useful']:.2f}",
-          f"{lay['second_buffer_group']} / {lay['second_useful'] / lay['G']:.0f} = "
-          f"{lay['second_buffer_group'] / (lay['second_useful'] / lay['G']):.2f}",
-          f"{r['compile_s']:.1f}", "; ".join(r["notes"])])
+      if lay["storage"] == "chunked":
+        factor = (f"chunked: P·C = {lay['factor_buffer']} / {lay['factor_useful']} = "
+                  f"{lay['factor_buffer'] / lay['factor_useful']:.4f}")
+      else:
+        factor = (f"owner: P·L = {p * lay['L']} / {lay['factor_useful']} = "
+                  f"{p * lay['L'] / lay['factor_useful']:.3f}")
+      if lay["G"] > 1 and lay["m"] == 1:
+        u = uneven(lay["group_sizes"], p)
+        grad = (f"uneven: S = {u['S']}, overflow {u['overflow']}; "
+                f"{u['bytes'] / u['ideal']:.3f}x (P-1)/P·Σ")
+      elif lay["G"] > 1:
+        grad = f"G·S = {lay['grad_buffer']} / {lay['grad_useful']} = " \
+               f"{lay['grad_buffer'] / lay['grad_useful']:.3f}"
+      else:
+        grad = "— (no gather)"
+      if lay["G"] == 1:
+        u = uneven(lay["second_sizes"], p)
+        second = (f"uneven: S₂ = {u['S']}, overflow {u['overflow']}; "
+                  f"{u['bytes'] / u['ideal']:.3f}x (P-1)/P·Σ")
+      elif lay["m"] > 1:
+        second = (f"m·L₂ = {lay['second_buffer_group']} / {lay['second_useful'] / lay['G']:.0f}"
+                  f" = {lay['second_buffer_group'] / (lay['second_useful'] / lay['G']):.3f}")
+      else:
+        second = "— (no gather)"
+      terms = "; ".join(f"{k}: " + ", ".join(f"{n} {C.fmt_bytes(b)}" for n, b in r["model"][k])
+                        for k in ("plain", "factor", "inverse") if r["model"][k])
+      lay_rows.append([r["strategy"], lay["G"], lay["m"], factor, grad, second, terms,
+                       f"{r['compile_s']:.1f}", "; ".join(r["notes"])])
     out.append(C.md_table(lay_rows, [
-        "strategy", "groups G", "m", "factor buffer P·L / Σ stored",
-        "gradient buffer G·S / Σ tagged", "group second-order m·L₂ / (Σ/G)",
-        "compile s", "notes"]))
+        "strategy", "groups G", "m", "running factors (buffer / Σ stored)",
+        "gradient gather (MEM-OPT: uneven)", "second-order gather",
+        "library model, per collective", "compile s", "notes"]))
     out.append("")
   out += C.checks_markdown("Checks", chk)
   return "\n".join(out)

@@ -124,7 +124,62 @@ class ValueAndGrad:
                        "kd.nnx); K-FAC has nothing to precondition.")
     return _Discovered(registry.LayerRegistry(layers), dict(found[0].carriers))
 
-  def __call__(self, params, *args, rng=None, opt_state=None, **kwargs):
+  def __call__(self, params, *args, rng=None, opt_state=None, loss_scale=None, **kwargs):
+    value, grads, stats, _ = self._evaluate(params, args, kwargs, rng, opt_state,
+                                            loss_scale)
+    return value, grads, stats
+
+  def accumulate(self, params, *args, micro_batches: int, rng=None, opt_state=None,
+                 loss_scale=None, **kwargs):
+    """`self(params, *args, ...)` computed over `micro_batches` slices of the
+    batch, one after the other (`lax.scan`: activations of one slice at a time).
+
+    Every positional argument after `params` is split along its leading axis
+    (keyword arguments are passed whole). The results equal those of the whole
+    batch: with `n_i` the examples of slice i (its registered loss's
+    denominator, e.g. a mask's sum) and `N = Σ n_i`, the loss, the gradients
+    and `G`/`F` are the `n_i/N`-weighted sums of the slices', and `A`, a mean
+    over positions (masked ones included), is their plain mean. `aux` comes
+    back stacked over the slices. Call the optimizer once with the results.
+    """
+    k = int(micro_batches)
+    for x in jax.tree_util.tree_leaves(args):
+      if jnp.ndim(x) == 0 or jnp.shape(x)[0] % k:
+        raise ValueError(f"accumulate(micro_batches={k}): every positional batch "
+                         f"argument needs a leading axis divisible by {k}; got shape "
+                         f"{jnp.shape(x)}.")
+    sliced = jax.tree_util.tree_map(
+        lambda x: jnp.reshape(x, (k, x.shape[0] // k) + x.shape[1:]), args)
+    rngs = None if rng is None else jax.random.split(rng, k)
+
+    def one(i):
+      micro = jax.tree_util.tree_map(lambda x: x[i], sliced)
+      value, grads, stats, n = self._evaluate(
+          params, micro, kwargs, None if rngs is None else rngs[i], opt_state,
+          loss_scale)
+      loss, aux = value if self.has_aux else (value, None)
+      n = jnp.asarray(n, jnp.float32)
+      weighted = {name: {key: (v * n if key in factors.SCALED_BY_NUM_EXAMPLES else v)
+                         for key, v in layer.items()} for name, layer in stats.items()}
+      return loss * n, jax.tree_util.tree_map(lambda g: g * n, grads), weighted, n, aux
+
+    def body(carry, i):
+      out = one(i)
+      return jax.tree_util.tree_map(jnp.add, carry, out[:4]), out[4]
+
+    # Sums start at zero, typed varying like the local results in shard_map.
+    zeros = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype),
+                                   jax.eval_shape(one, 0)[:4])
+    zeros = _compat.as_varying(zeros, _compat.varying_axes(params, args, kwargs))
+    (loss, grads, stats, n), aux = jax.lax.scan(body, zeros, jnp.arange(k))
+    grads = jax.tree_util.tree_map(lambda g: (g / n).astype(g.dtype), grads)
+    stats = {name: {key: (v / n if key in factors.SCALED_BY_NUM_EXAMPLES else v / k)
+                    for key, v in layer.items()} for name, layer in stats.items()}
+    value = (loss / n, aux) if self.has_aux else loss / n
+    return value, grads, stats
+
+  def _evaluate(self, params, args, kwargs, rng, opt_state, loss_scale):
+    """(value, grads, stats, n) of one batch; see `value_and_grad`."""
     if self.fisher == "mc" and rng is None:
       raise ValueError('fisher="mc" samples targets from the model: pass rng=.')
     discovered = self._discover(params, *args, **kwargs)
@@ -168,16 +223,27 @@ class ValueAndGrad:
       return (loss, sampled), (aux, registered.num_examples)
 
     (loss, sampled), vjp, (aux, n) = jax.vjp(evaluate, params, probes, has_aux=True)
+    # Loss scaling: the backward pass starts from `loss_scale` instead of 1, so
+    # low-precision cotangents stay representable; gradients are divided by
+    # it, and `G`/`F` (quadratic in the cotangents) by its square.
+    seed = jnp.ones_like(loss) if loss_scale is None else jnp.asarray(
+        loss_scale, loss.dtype) * jnp.ones_like(loss)
     if self.fisher == "empirical":
-      grads, probe_bar = vjp((jnp.ones_like(loss), None))
+      grads, probe_bar = vjp((seed, None))
     else:
-      grads, _ = vjp((jnp.ones_like(loss), jnp.zeros_like(sampled)))
-      _, probe_bar = vjp((jnp.zeros_like(loss), jnp.ones_like(sampled)))
-    stats = {name: {key: value * n if key in factors.SCALED_BY_NUM_EXAMPLES else value
-                    for key, value in layer_stats.items()}
+      grads, _ = vjp((seed, jnp.zeros_like(sampled)))
+      _, probe_bar = vjp((jnp.zeros_like(loss), seed.astype(sampled.dtype)))
+    g_scale = n
+    if loss_scale is not None:
+      inv = 1.0 / jnp.asarray(loss_scale, jnp.float32)
+      grads = jax.tree_util.tree_map(lambda g: (g * inv.astype(g.dtype)).astype(g.dtype),
+                                     grads)
+      g_scale = n * inv * inv
+    stats = {name: {key: value * g_scale if key in factors.SCALED_BY_NUM_EXAMPLES
+                    else value for key, value in layer_stats.items()}
              for name, layer_stats in probe_bar.items()}
     value = (loss, aux) if self.has_aux else loss
-    return value, grads, stats
+    return value, grads, stats, n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +274,14 @@ def value_and_grad(fun: Callable, has_aux: bool = False,
   layer's.
 
   `G` and `F` are multiplied by the number n of examples of the registered
-  loss (the mean loss's cotangents are `g / n`), `A` is not. `fun` must compute its loss with one `kd.losses` function.
+  loss (the mean loss's cotangents are `g / n`), `A` is not.
+
+  `loss_scale=S` (float16 training): the backward pass is seeded with `S`
+  instead of 1 and the results are unscaled (gradients by `1/S`, `G`, `F` by
+  `1/S²`); check them for non-finite values as with any loss scaling (the
+  optimizer skips such steps). `grad_fn.accumulate(params, *batch,
+  micro_batches=k, ...)` computes the same results over `k` slices of the
+  batch, one at a time (gradient accumulation; see `ValueAndGrad.accumulate`). `fun` must compute its loss with one `kd.losses` function.
   `grad_fn.discover(params, *args, **kwargs)` returns the tagged layers, which
   `kd.scale_by_kfac(layers=...)` needs to lay out its state.
   """

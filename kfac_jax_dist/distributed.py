@@ -27,6 +27,7 @@ eigenvalues: decompositions stay in float32).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import Any, Sequence
 
@@ -117,6 +118,17 @@ class Collectives:
           f"This K-FAC state is distributed over mesh axis {self.dist.axis!r} "
           f"({self.num_devices} devices): call update inside jax.shard_map over that "
           "axis, with in_specs/out_specs from kd.partition_specs(opt_state).") from e
+
+  def per_device(self, make):
+    """`make(device)` on each device: devices own different work, so with P > 1
+    this is a `lax.switch` on the device index (each device's code appears in
+    one branch only); results are typed varying over the axis."""
+    if self.num_devices == 1:
+      return make(0)
+    axis = self.dist.axis
+    branches = [functools.partial(lambda d: _compat.as_varying(make(d), (axis,)), d)
+                for d in range(self.num_devices)]
+    return jax.lax.switch(self.device_index(), branches)
 
   def group_index(self) -> jax.Array:
     return self.device_index() // self.group_size
@@ -290,10 +302,15 @@ def partition_specs(opt_state: Any) -> Any:
       return replicated
     axis = node.layout.axis
     sharded = replicated if axis is None else jax.sharding.PartitionSpec(axis)
+    refresh = node.refresh
+    if refresh is not None:      # per-factor schedule replicated, X₋₁, X₋₂ as factors
+      refresh = jax.tree_util.tree_map(lambda _: replicated, refresh)
+      refresh = dataclasses.replace(refresh, last=sharded, before_last=sharded)
     return dataclasses.replace(
         node, count=replicated, factor_weight=replicated, update_factors=replicated,
         factors=sharded,
-        second_order=replicated if node.layout.num_groups == 1 else sharded)
+        second_order=replicated if node.layout.num_groups == 1 else sharded,
+        refresh=refresh)
 
   return jax.tree_util.tree_map(
       spec, opt_state, is_leaf=lambda x: isinstance(x, ScaleByKfacState))

@@ -40,6 +40,7 @@ from kfac_jax_dist import layout as layout_lib
 from kfac_jax_dist import linalg
 from kfac_jax_dist import packing
 from kfac_jax_dist import registry
+from kfac_jax_dist import stale as stale_lib
 
 ScalarOrSchedule = Union[float, int, Callable[[jax.Array], Any]]
 METHODS = ("eigen", "inverse")
@@ -47,7 +48,8 @@ METHODS = ("eigen", "inverse")
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["count", "factor_weight", "update_factors", "factors", "second_order"],
+    data_fields=["count", "factor_weight", "update_factors", "factors", "second_order",
+                 "refresh"],
     meta_fields=["layout"])
 @dataclasses.dataclass(frozen=True)
 class ScaleByKfacState:
@@ -63,6 +65,8 @@ class ScaleByKfacState:
     second_order: eigenbases and eigenvalues ("eigen") or damped inverses
       ("inverse"), `[P·L₂]` per owner group member (see `layout`).
     layout: static placement of every layer's factors.
+    refresh: per-factor refresh schedule with stale statistics (`stale`),
+      else None.
   """
 
   count: jax.Array
@@ -71,6 +75,7 @@ class ScaleByKfacState:
   factors: jax.Array
   second_order: jax.Array
   layout: layout_lib.Layout
+  refresh: stale_lib.RefreshState | None = None
 
 
 def _at(value: ScalarOrSchedule, count: jax.Array):
@@ -219,17 +224,6 @@ def _gradient_offsets(lay: layout_lib.Layout) -> tuple[dict[str, int], list[int]
   return offsets, sizes, -(-max(sizes) // m) * m
 
 
-def _per_device(comm: distributed.Collectives, lay: layout_lib.Layout, make):
-  """`make(device)` on each device: the devices own different factors, so with
-  P > 1 this is a `lax.switch` on the device index (each factor's code appears
-  in one branch only)."""
-  if lay.num_devices == 1:
-    return make(0)
-  branches = [functools.partial(lambda d: _compat.as_varying(make(d), (lay.axis,)), d)
-              for d in range(lay.num_devices)]
-  return lax.switch(comm.device_index(), branches)
-
-
 def scale_by_kfac(
     layers: registry.LayerRegistry | None = None,
     *,
@@ -244,6 +238,7 @@ def scale_by_kfac(
     skip: Sequence[str] = (),
     max_factor_dim: int | None = None,
     distribution: distributed.Distribution | None = None,
+    stale_threshold: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Preconditions the gradients of tagged layers with damped K-FAC.
 
@@ -266,6 +261,12 @@ def scale_by_kfac(
     distribution: a `kd.Distribution` (strategy over a mesh axis); `update`
       then runs inside `shard_map` over that axis, with per-device statistics
       and gradients. None: one device.
+    stale_threshold: α of SP-NGD's stale statistics (§4.3; the paper uses
+      0.1): each factor is refreshed (communicated, averaged, decomposed) at
+      its own adaptive interval instead of every step (see `stale`). Needs
+      `factor_update_every = inverse_update_every = 1` and method "eigen";
+      each refreshed factor then travels in its own all-reduce (a fused
+      reduce-scatter cannot leave stale factors out). None: off.
 
   Returns:
     A `GradientTransformationExtraArgs` whose `update` takes `kfac_stats=`.
@@ -276,6 +277,13 @@ def scale_by_kfac(
     raise ValueError(f"factor_decay must be in [0, 1), got {factor_decay}")
   if kl_clip is not None and learning_rate is None:
     raise ValueError("kl_clip needs the learning_rate (KAISA Eq. 5.1 uses η²).")
+  if stale_threshold is not None:
+    if not (isinstance(factor_update_every, int) and factor_update_every == 1
+            and isinstance(inverse_update_every, int) and inverse_update_every == 1):
+      raise ValueError("stale_threshold chooses every factor's refresh steps itself: "
+                       "leave factor_update_every and inverse_update_every at 1.")
+    if method != "eigen":
+      raise ValueError('stale_threshold supports method="eigen" only.')
   skip = tuple(skip)
   factor_dtype = jnp.float32 if factor_dtype is None else factor_dtype
   compute_dtype = jnp.promote_types(factor_dtype, jnp.float32)
@@ -284,9 +292,10 @@ def scale_by_kfac(
   # Owners keep their own factors when each builds them itself (DP-KFAC) or
   # receives them all anyway (KAISA's all-reduce); a reduce-scatter leaves
   # tight chunks (see `layout`).
-  factor_storage = (layout_lib.OWNER if distribution is not None
-                    and distribution.factor_reduction in ("local", "all_reduce")
+  factor_storage = (layout_lib.OWNER if stale_threshold is not None or (
+      distribution is not None and distribution.factor_reduction in ("local", "all_reduce"))
                     else layout_lib.CHUNKED)
+  local_factors = distribution is not None and distribution.factor_reduction == "local"
 
   def init_fn(params):
     if layers is None:
@@ -331,7 +340,9 @@ def scale_by_kfac(
         count=jnp.zeros([], jnp.int32),
         factor_weight=jnp.zeros([], compute_dtype),
         update_factors=jnp.asarray(True),
-        factors=factors, second_order=second, layout=lay)
+        factors=factors, second_order=second, layout=lay,
+        refresh=None if stale_threshold is None else stale_lib.init(
+            lay, factors, compute_dtype))
 
   def all_reduced_factors(lay, stats):
     """KAISA: all-reduce the unpadded buffer of every factor, then each owner
@@ -348,7 +359,7 @@ def scale_by_kfac(
       pieces = [summed[offsets[(p.layer.name, w)]:offsets[(p.layer.name, w)] + place.size]
                 for place, p, w in owned]
       return packing.pad_to(pieces, lay.segment, compute_dtype)
-    return _per_device(comm, lay, own)
+    return comm.per_device(own)
 
   def update_factors(state, stats):
     lay = state.layout
@@ -409,12 +420,12 @@ def scale_by_kfac(
         del d
         return running
     if method == "eigen":
-      local = _per_device(comm, lay, lambda d: eigen_segment(d, owned_of(d), lay, gamma))
+      local = comm.per_device(lambda d: eigen_segment(d, owned_of(d), lay, gamma))
     else:
       # π couples a layer's A and G, which may sit on different devices: share
       # the (scalar) traces of all factors, then damp the owned ones.
       traces = comm.all_gather_owned(
-          _per_device(comm, lay, lambda d: traces_segment(d, owned_of(d), lay)))
+          comm.per_device(lambda d: traces_segment(d, owned_of(d), lay)))
       damping_all = jnp.ones(lay.num_devices * lay.max_factors, compute_dtype)
       for plan in lay.plans:
         if plan.layer.unitwise:
@@ -423,11 +434,110 @@ def scale_by_kfac(
         ig = plan.g.owner * lay.max_factors + plan.g.index
         d_a, d_g = linalg.pi_adjusted_damping(traces[ia], traces[ig], gamma)
         damping_all = damping_all.at[ia].set(d_a).at[ig].set(d_g)
-      local = _per_device(comm, lay,
-                          lambda d: inverse_segment(d, owned_of(d), damping_all, lay))
+      local = comm.per_device(lambda d: inverse_segment(d, owned_of(d), damping_all, lay))
+    return distribute_second(local, lay)
+
+  def distribute_second(local, lay):
+    """Each device's new `[L₂]` → the second-order array of its spec."""
     if lay.num_groups == 1 and comm.active:    # every device gets every segment
       return comm.gather_uneven(local, lay.second_sizes).reshape(-1)
     return comm.gather_group(local)
+
+  def stale_refresh(state, stats):
+    """SP-NGD Algorithm 1: refresh the due factors only (see `stale`)."""
+    lay, r, count = state.layout, state.refresh, state.count
+    order = stale_lib.factor_order(lay)
+    index = {(plan.layer.name, which): f for f, (plan, which, _) in enumerate(order)}
+    due = r.next_step <= count                  # the same on every device
+    value_of = _stat_of(stats)
+    batch = []
+    for f, (plan, which, place) in enumerate(order):
+      x = packing.pack_factor(value_of(plan, which).astype(compute_dtype), place.form,
+                              lay.packed)
+      if local_factors:                        # DP-KFAC: the owner's own statistics
+        batch.append(x)
+      else:                                    # one all-reduce per refreshed factor
+        batch.append(lax.cond(due[f], lambda x=x: comm.all_reduce_factors(x),
+                              lambda x=x: jnp.zeros(x.shape, x.dtype)))
+    weight = jnp.where(due, factor_decay * r.weight + (1.0 - factor_decay), r.weight)
+
+    def owner_update(device):
+      pieces, lasts, befores = [], [], []
+      bits = jnp.zeros([len(order), 2], jnp.int32)
+      for place, plan, which in lay.owned(device):
+        f = index[(plan.layer.name, which)]
+        span = slice(place.offset, place.offset + place.size)
+        old = state.factors[span].astype(compute_dtype)
+        new = (factor_decay * r.weight[f] * old + (1.0 - factor_decay) * batch[f]) / (
+            weight[f])
+        new = jnp.where(due[f], new, old).astype(factor_dtype)
+        last, before = r.last[span], r.before_last[span]
+        similar = [(r.refreshes[f] >= k) & (stale_lib.relative_change(
+            new.astype(compute_dtype), y.astype(compute_dtype), place, lay.packed)
+            < stale_threshold) for k, y in ((1, last), (2, before))]
+        bits = bits.at[f].set(jnp.stack(similar).astype(jnp.int32))
+        pieces.append(new)
+        lasts.append(jnp.where(due[f], new, last))
+        befores.append(jnp.where(due[f], last, before))
+      pad = functools.partial(packing.pad_to, length=lay.segment, dtype=factor_dtype)
+      return pad(pieces), pad(lasts), pad(befores), bits
+
+    running, last, before, bits = comm.per_device(owner_update)
+    if comm.active:                            # owners tell everyone
+      bits = lax.psum(bits, lay.axis)
+    interval = stale_lib.next_interval(bits[:, 0] > 0, bits[:, 1] > 0, r.interval,
+                                       r.previous_interval)
+    refresh = dataclasses.replace(
+        r, weight=weight, last=last, before_last=before,
+        next_step=jnp.where(due, count + interval, r.next_step),
+        interval=jnp.where(due, interval, r.interval),
+        previous_interval=jnp.where(due, r.interval, r.previous_interval),
+        refreshes=r.refreshes + due.astype(jnp.int32))
+    return running, refresh, due
+
+  def stale_decompose(state, running, due):
+    """Eigendecompositions of the due factors only; the others keep theirs."""
+    lay, old = state.layout, state.second_order
+    index = {(plan.layer.name, which): f
+             for f, (plan, which, _) in enumerate(stale_lib.factor_order(lay))}
+
+    def fresh(one):
+      """New second-order parts of one factor: (vectors, values), (values,) or
+      (F,) for a unit-wise block."""
+      value = packing.unpack_batch(running, one, lay.packed)
+      if one.form == factors_lib.UNIT:
+        return (value.reshape(-1).astype(compute_dtype),)
+      vectors, values = linalg.eigh(value)
+      values = values.astype(compute_dtype).reshape(-1)
+      return (values,) if vectors is None else (
+          vectors.astype(compute_dtype).reshape(-1), values)
+
+    def owner_segment(device):
+      group = device // lay.group_size
+      by_offset = {place.offset: (place, index[(plan.layer.name, which)])
+                   for place, plan, which in lay.owned(device)}
+      pieces = []
+      for batch in lay.batches[device]:
+        size = layout_lib.storage_size(batch.dim, batch.form, lay.packed)
+        mats, vecs = [], []
+        for j in range(batch.count):
+          place, f = by_offset[batch.offset + j * size]
+          base = lay.second_base(place, group)
+          kept = ((packing.read_matrix(old, base, place).reshape(-1),)
+                  if place.matrix_offset is not None else ()) + (
+                      packing.read_vector(old, base, place).reshape(-1),)
+          if comm.active:          # replicated (COMM-OPT) state vs local results
+            kept = _compat.as_varying(kept, (lay.axis,))
+          one = dataclasses.replace(batch, count=1, offset=place.offset)
+          out = lax.cond(due[f], functools.partial(fresh, one), lambda kept=kept: kept)
+          mats += list(out[:-1])
+          vecs.append(out[-1])
+        pieces += mats + vecs
+      return _pad(pieces, lay.second_segment)
+
+    local = comm.per_device(owner_segment)
+    return lax.cond(jnp.any(due), lambda: distribute_second(local, lay),
+                    lambda: state.second_order)
 
   def precondition_group(state, gamma, group, grad_of):
     """Preconditioned gradients of one owner group's layers and Σ|⟨V, ∇⟩|."""
@@ -468,18 +578,27 @@ def scale_by_kfac(
     gamma = jnp.asarray(_at(damping, count), compute_dtype)
 
     # Named scopes mark the work of each cadence in the HLO (benchmarks read them).
-    with jax.named_scope("kfac_factor_update"):
-      running, weight = lax.cond(
-          state.update_factors, lambda: update_factors(state, kfac_stats),
-          lambda: (state.factors, state.factor_weight))
-    with jax.named_scope("kfac_decomposition"):
-      second = lax.cond(is_factor_step(inverse_update_every, count),
-                        lambda: decompose(running, lay, gamma),
-                        lambda: state.second_order)
-    new_state = dataclasses.replace(
-        state, count=count + 1, factor_weight=weight,
-        update_factors=is_factor_step(factor_update_every, count + 1),
-        factors=running, second_order=second)
+    if stale_threshold is not None:
+      with jax.named_scope("kfac_factor_update"):
+        running, refresh, due = stale_refresh(state, kfac_stats)
+      with jax.named_scope("kfac_decomposition"):
+        second = stale_decompose(state, running, due)
+      new_state = dataclasses.replace(
+          state, count=count + 1, update_factors=jnp.any(refresh.next_step <= count + 1),
+          factors=running, second_order=second, refresh=refresh)
+    else:
+      with jax.named_scope("kfac_factor_update"):
+        running, weight = lax.cond(
+            state.update_factors, lambda: update_factors(state, kfac_stats),
+            lambda: (state.factors, state.factor_weight))
+      with jax.named_scope("kfac_decomposition"):
+        second = lax.cond(is_factor_step(inverse_update_every, count),
+                          lambda: decompose(running, lay, gamma),
+                          lambda: state.second_order)
+      new_state = dataclasses.replace(
+          state, count=count + 1, factor_weight=weight,
+          update_factors=is_factor_step(factor_update_every, count + 1),
+          factors=running, second_order=second)
 
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
     leaves = {registry.path_str(p): leaf for p, leaf in flat}
@@ -561,6 +680,7 @@ def kfac(learning_rate: ScalarOrSchedule, momentum: float | None = 0.9,
          kl_clip: ScalarOrSchedule | None = 1e-3, factor_dtype: Any = None,
          skip: Sequence[str] = (), max_factor_dim: int | None = None,
          distribution: distributed.Distribution | None = None,
+         stale_threshold: float | None = None,
          ) -> optax.GradientTransformationExtraArgs:
   """K-FAC preconditioning followed by SGD with momentum, as in KAISA.
 
@@ -577,6 +697,7 @@ def kfac(learning_rate: ScalarOrSchedule, momentum: float | None = 0.9,
           factor_update_every=factor_update_every,
           inverse_update_every=inverse_update_every, method=method, kl_clip=kl_clip,
           learning_rate=learning_rate, factor_dtype=factor_dtype, skip=skip,
-          max_factor_dim=max_factor_dim, distribution=distribution),
+          max_factor_dim=max_factor_dim, distribution=distribution,
+          stale_threshold=stale_threshold),
       optax.add_decayed_weights(weight_decay),
       optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov))

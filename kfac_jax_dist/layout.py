@@ -189,8 +189,23 @@ def _second_parts(dim: int, form: str, method: str) -> tuple[int, int]:
   return dim * dim, (dim if method == "eigen" else 0)
 
 
-def _least_loaded(loads: Sequence[float], candidates) -> int:
-  return min(candidates, key=lambda i: (loads[i], i))
+def assign(items: Sequence, bins: int, cost, size) -> list[list]:
+  """Greedy two-criteria LPT: items (largest relative cost or size first) go
+  to the bin whose larger relative load — cost over its ideal
+  `max(Σ cost / bins, largest cost)`, size over `Σ size / bins` — grows least."""
+  total_cost = sum(cost(x) for x in items)
+  total_size = sum(size(x) for x in items)
+  ideal_cost = max([total_cost / bins] + [cost(x) for x in items]) or 1.0
+  ideal_size = total_size / bins or 1.0
+  loads = [(0.0, 0.0)] * bins
+  out: list[list] = [[] for _ in range(bins)]
+  for x in sorted(items, key=lambda x: -max(cost(x) / ideal_cost, size(x) / ideal_size)):
+    c, z = cost(x) / ideal_cost, size(x) / ideal_size
+    b = min(range(bins), key=lambda i: (max(loads[i][0] + c, loads[i][1] + z),
+                                        loads[i][0] + c, i))
+    loads[b] = (loads[b][0] + c, loads[b][1] + z)
+    out[b].append(x)
+  return out
 
 
 def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
@@ -225,21 +240,25 @@ def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
   def layer_cost(layer):
     return sum(eigh_cost(dim, form) for _, dim, form in factors_of(layer))
 
-  # Layers to groups, then each group's factors to its devices: LPT on d³.
-  group_of, group_load = {}, [0.0] * num_groups
-  for layer in sorted(kept, key=lambda l: -layer_cost(l)):
-    g = _least_loaded(group_load, range(num_groups))
-    group_of[layer.name] = g
-    group_load[g] += layer_cost(layer)
-  device_load = [0.0] * num_devices
+  # Layers to groups, then each group's factors to its devices. Both balance
+  # the decomposition cost d³ and the numbers each owner sends: a group's
+  # preconditioned gradients (gathered every step when there are several
+  # groups), a device's eigenbases (gathered on decomposition steps).
+  group_of = {}
+  group_bins = assign(kept, num_groups, layer_cost,
+                       lambda l: l.a_dim * l.g_dim if num_groups > 1 else 0.0)
+  for g, members in enumerate(group_bins):
+    for layer in members:
+      group_of[layer.name] = g
   owned: list[list[tuple]] = [[] for _ in range(num_devices)]
-  items = [(layer, which, dim, form) for layer in kept
-           for which, dim, form in factors_of(layer)]
-  for layer, which, dim, form in sorted(items, key=lambda t: -eigh_cost(t[2], t[3])):
-    g = group_of[layer.name]
-    device = _least_loaded(device_load, range(g * group_size, (g + 1) * group_size))
-    device_load[device] += eigh_cost(dim, form)
-    owned[device].append((layer.name, which, dim, form))
+  for g, members in enumerate(group_bins):
+    items = [(layer, which, dim, form) for layer in members
+             for which, dim, form in factors_of(layer)]
+    bins = assign(items, group_size, lambda t: eigh_cost(t[2], t[3]),
+                   lambda t: sum(_second_parts(t[2], t[3], method)))
+    for r, mine in enumerate(bins):
+      owned[g * group_size + r] = [(layer.name, which, dim, form)
+                                   for layer, which, dim, form in mine]
 
   # Pack each device's factors, runs of equal (form, dim) contiguous.
   places, batches, owner_sizes, second_sizes = {}, [], [], []

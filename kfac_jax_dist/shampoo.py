@@ -58,6 +58,13 @@ update for a non-finite gradient is not finite — wrap the chain in
 
 Batching: statistics of equal dimension `d` and equal root `p` are stacked into
 one bucket `[n, d, d]`, so each refresh runs one batched root per bucket.
+
+Distributed (`distribution=kd.Distribution(...)`, inside `shard_map`, Anil et
+al. §5): the statistics are updated on every device from the averaged
+gradients (no statistics traffic); each root is computed by one owner (the
+statistics assigned like K-FAC's factors: LPT on `d³`, balancing the numbers
+each owner sends too) and the roots are all-gathered (`gather_uneven`), so
+every device holds every root (COMM-OPT style, `grad_worker_fraction = 1`).
 """
 
 from __future__ import annotations
@@ -74,6 +81,9 @@ import jax.numpy as jnp
 from jax import lax
 import optax
 
+from kfac_jax_dist import distributed
+from kfac_jax_dist import layout as layout_lib
+from kfac_jax_dist import packing
 from kfac_jax_dist import registry
 from kfac_jax_dist import roots as roots_lib
 
@@ -327,6 +337,20 @@ def _is_number(x) -> bool:
   return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def root_owners(lay: ShampooLayout, num_devices: int) -> list[list[list[int]]]:
+  """`owned[device][bucket]`: the slots whose roots `device` computes, by the
+  layout's two-criteria LPT (cost `d³`, size `d²` sent)."""
+  items = [(j, i) for j, n in enumerate(lay.sizes) for i in range(n)]
+  bins = layout_lib.assign(
+      items, num_devices, lambda t: float(lay.buckets[t[0]][0]) ** 3,
+      lambda t: float(lay.buckets[t[0]][0]) ** 2)
+  owned = [[[] for _ in lay.sizes] for _ in range(num_devices)]
+  for device, mine in enumerate(bins):
+    for j, i in sorted(mine):
+      owned[device][j].append(i)
+  return owned
+
+
 # ------------------------------------------------------------------- transform
 
 def scale_by_shampoo(
@@ -351,6 +375,7 @@ def scale_by_shampoo(
     root_failure_threshold: float = 0.1,
     skip: Sequence[str] = (),
     statistics_dtype: Any = None,
+    distribution: distributed.Distribution | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Replaces each gradient by its blocked, grafted Shampoo direction.
 
@@ -384,6 +409,9 @@ def scale_by_shampoo(
       one get the grafted diagonal update only.
     statistics_dtype: dtype of the statistics and roots (default float32, or
       float64 if a parameter is float64).
+    distribution: a `kd.Distribution` with `grad_worker_fraction = 1`: the
+      root computations are spread over its axis (call `update` inside
+      `shard_map` with averaged gradients). None: one device.
 
   Returns:
     An optax `GradientTransformationExtraArgs` (extra arguments of `update`
@@ -419,6 +447,11 @@ def scale_by_shampoo(
                      f"graft_beta2 < 1 (beta2 is {beta2}).")
   skip = tuple(skip)
   start = start_preconditioning_step
+  if distribution is not None and distribution.grad_worker_fraction != 1:
+    raise ValueError("scale_by_shampoo: only grad_worker_fraction=1 (every device "
+                     "holds every root; the root computations are spread) is "
+                     "implemented for Shampoo.")
+  comm = distributed.Collectives(distribution)
 
   def shape_options():
     block = None if block_size is None else int(block_size)
@@ -493,14 +526,41 @@ def scale_by_shampoo(
       out.append(jnp.where(_all_finite(new, (1, 2))[:, None, None], new, old))
     return tuple(out)
 
+  def checked_roots(p, h, old):
+    cand, err = roots_lib.inverse_pth_root(
+        h, p, method=root_method, ridge_epsilon=ridge_epsilon,
+        max_iterations=newton_max_iterations, tolerance=newton_tolerance)
+    ok = _all_finite(cand, (1, 2)) & (err <= root_failure_threshold)
+    return jnp.where(ok[:, None, None], cand.astype(old.dtype), old)
+
   def new_roots(lay, stats, old_roots):
-    out = []
-    for (_, p), h, old in zip(lay.buckets, stats, old_roots):
-      cand, err = roots_lib.inverse_pth_root(
-          h, p, method=root_method, ridge_epsilon=ridge_epsilon,
-          max_iterations=newton_max_iterations, tolerance=newton_tolerance)
-      ok = _all_finite(cand, (1, 2)) & (err <= root_failure_threshold)
-      out.append(jnp.where(ok[:, None, None], cand.astype(old.dtype), old))
+    if comm.num_devices == 1:
+      return tuple(checked_roots(p, h, old)
+                   for (_, p), h, old in zip(lay.buckets, stats, old_roots))
+    owned = root_owners(lay, comm.num_devices)
+    sizes = [sum(len(slots) * lay.buckets[j][0] ** 2 for j, slots in enumerate(mine))
+             for mine in owned]
+    length = max(max(sizes), 1)
+
+    def mine(device):
+      pieces = []
+      for j, slots in enumerate(owned[device]):
+        if slots:
+          idx = jnp.asarray(slots)
+          pieces.append(checked_roots(lay.buckets[j][1], stats[j][idx],
+                                      old_roots[j][idx]).reshape(-1))
+      return packing.pad_to(pieces, length, old_roots[0].dtype)
+
+    gathered = comm.gather_uneven(comm.per_device(mine), sizes)
+    out = list(old_roots)
+    for device, mine_slots in enumerate(owned):
+      offset = 0
+      for j, slots in enumerate(mine_slots):
+        if slots:
+          d = lay.buckets[j][0]
+          block = gathered[device, offset:offset + len(slots) * d * d]
+          out[j] = out[j].at[jnp.asarray(slots)].set(block.reshape(len(slots), d, d))
+          offset += len(slots) * d * d
     return tuple(out)
 
   def precondition(plan, g, d, roots):
@@ -611,6 +671,7 @@ def shampoo(
     root_failure_threshold: float = 0.1,
     skip: Sequence[str] = (),
     statistics_dtype: Any = None,
+    distribution: distributed.Distribution | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Shampoo followed by SGD with momentum (Anil et al. 2020, §4).
 
@@ -632,6 +693,6 @@ def shampoo(
           ridge_epsilon=ridge_epsilon, newton_max_iterations=newton_max_iterations,
           newton_tolerance=newton_tolerance,
           root_failure_threshold=root_failure_threshold, skip=skip,
-          statistics_dtype=statistics_dtype),
+          statistics_dtype=statistics_dtype, distribution=distribution),
       optax.add_decayed_weights(weight_decay),
       optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov))

@@ -1,0 +1,101 @@
+"""Stale statistics: a refresh interval per factor (SP-NGD, Osawa et al. 2020, §4.3).
+
+Each factor X (every `A`, `G` and unit-wise `F`) is refreshed — its statistic
+communicated, averaged into the running factor and decomposed — only at its
+own steps `t_X` (Algorithm 1). After a refresh the next interval comes from how
+much X moved (Algorithm 2), X being similar to Y when `‖X − Y‖_F / ‖Y‖_F < α`
+(α = 0.1 in the paper):
+
+    not similar to X₋₁:          Δ = max(1, ⌊Δ₋₁ / 2⌋)
+    similar to X₋₁, not to X₋₂:  Δ = Δ₋₁
+    similar to both:             Δ = Δ₋₁ + Δ₋₂
+
+with X₋₁, X₋₂ the factor at its last two refreshes and Δ₋₁, Δ₋₂ the last two
+intervals. The paper leaves the start open: here both intervals start at 1,
+and a missing X₋₁ or X₋₂ (fewer than two refreshes so far) counts as not
+similar. X is the running factor after the refresh (with `factor_decay = 0`,
+the refresh's statistic itself, as in the paper).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kfac_jax_dist import factors as factors_lib
+from kfac_jax_dist import layout as layout_lib
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["next_step", "interval", "previous_interval", "refreshes", "weight",
+                 "last", "before_last"],
+    meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class RefreshState:
+  """Per-factor refresh schedule, in the order of `factor_order(layout)`.
+
+  Attributes:
+    next_step: `t_X`, the update count of the factor's next refresh.
+    interval: `Δ₋₁`, the last interval.
+    previous_interval: `Δ₋₂`, the one before.
+    refreshes: refreshes so far (what was saved is `count − refreshes`).
+    weight: total weight of each factor's running average.
+    last: `X₋₁` of every factor, laid out as the running factors.
+    before_last: `X₋₂`, likewise.
+  """
+
+  next_step: jax.Array
+  interval: jax.Array
+  previous_interval: jax.Array
+  refreshes: jax.Array
+  weight: jax.Array
+  last: jax.Array
+  before_last: jax.Array
+
+
+def factor_order(lay: layout_lib.Layout):
+  """`(plan, which, place)` of every factor: the order of `RefreshState`'s vectors."""
+  return [(plan, which, place) for plan in lay.plans for which, place in plan.places]
+
+
+def init(lay: layout_lib.Layout, running: jax.Array, weight_dtype) -> RefreshState:
+  num = len(factor_order(lay))
+  ones = jnp.ones([num], jnp.int32)
+  return RefreshState(
+      next_step=jnp.zeros([num], jnp.int32), interval=ones, previous_interval=ones,
+      refreshes=jnp.zeros([num], jnp.int32), weight=jnp.zeros([num], weight_dtype),
+      last=running, before_last=running)
+
+
+def next_interval(similar_last: jax.Array, similar_before_last: jax.Array,
+                  interval: jax.Array, previous_interval: jax.Array) -> jax.Array:
+  """Algorithm 2 of SP-NGD: the interval until the next refresh."""
+  return jnp.where(~similar_last, jnp.maximum(1, interval // 2),
+                   jnp.where(~similar_before_last, interval, interval + previous_interval))
+
+
+def _squared_weights(place: layout_lib.FactorPlace, packed: bool, dtype) -> jax.Array:
+  """`w` with `Σ w x² = ‖X‖_F²` for the numbers stored for X: off-diagonal
+  entries of a packed triangle (and the γβ entry of a unit-wise block) count
+  twice."""
+  if place.form == factors_lib.UNIT:
+    return jnp.tile(jnp.asarray([1.0, 2.0, 1.0], dtype), place.dim)
+  if place.form == factors_lib.DIAG or not packed:
+    return jnp.ones([place.size], dtype)
+  d = place.dim
+  rows = jnp.arange(d)
+  diagonal = rows * d - rows * (rows - 1) // 2        # row-major upper triangle
+  return jnp.full([place.size], 2.0, dtype).at[diagonal].set(1.0)
+
+
+def relative_change(x: jax.Array, y: jax.Array, place: layout_lib.FactorPlace,
+                    packed: bool) -> jax.Array:
+  """`‖X − Y‖_F / ‖Y‖_F` from the stored numbers of two factors (inf if Y = 0)."""
+  w = _squared_weights(place, packed, x.dtype)
+  num = jnp.sum(w * jnp.square(x - y))
+  den = jnp.sum(w * jnp.square(y))
+  return jnp.where(den > 0, jnp.sqrt(num / jnp.where(den > 0, den, 1.0)), jnp.inf)

@@ -1,0 +1,187 @@
+"""Stale statistics (SP-NGD §4.3, Algorithms 1-2): interval decisions on a
+hand-made sequence, unchanged state for stale factors, and every strategy."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+import numpy as np
+import optax
+import pytest
+
+import kfac_jax_dist as kd
+from kfac_jax_dist.kfac import find_states
+
+ALPHA = 0.1
+
+
+def _oracle_schedule(sequence, alpha=ALPHA):
+  """Algorithms 1-2 written out for one factor fed `sequence[t]` at step t
+  (factor_decay 0: the refreshed value is the statistic itself)."""
+  t_next, d1, d2, history, refreshed = 0, 1, 1, [], []
+  for t, x in enumerate(sequence):
+    if t != t_next:
+      continue
+    refreshed.append(t)
+
+    def similar(y):
+      return np.linalg.norm(x - y) / np.linalg.norm(y) < alpha
+    if not history or not similar(history[-1]):
+      d = max(1, d1 // 2)
+    elif len(history) < 2 or not similar(history[-2]):
+      d = d1
+    else:
+      d = d1 + d2
+    d1, d2 = d, d1
+    t_next = t + d
+    history.append(x)
+  return refreshed
+
+
+def _layer():
+  return kd.TaggedLayer(name="l", kind="dense", kernel_path="l/kernel", bias_path=None,
+                        kernel_shape=(3, 2), a_dim=3, g_dim=2)
+
+
+def test_interval_decisions_on_a_hand_made_sequence():
+  """A stays put (intervals grow 1, 1, 2, 3, 5, ...), then jumps (halves);
+  G drifts by 5% per step (similar to the last, not to the one before)."""
+  a0, g0 = np.diag([1.0, 2.0, 3.0]), np.diag([1.0, 1.0])
+  steps = 40
+  a_seq = [a0 if t < 20 else 3 * a0 for t in range(steps)]
+  g_seq = [g0 * 1.06 ** t for t in range(steps)]
+  layers = kd.LayerRegistry((_layer(),))
+  params = {"l": {"kernel": jnp.ones((3, 2))}}
+  tx = kd.scale_by_kfac(layers=layers, damping=0.1, factor_decay=0.0,
+                        stale_threshold=ALPHA)
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  refreshed = {"A": [], "G": []}
+  for t in range(steps):
+    before = state
+    stats = {"l": {"A": jnp.asarray(a_seq[t], jnp.float32),
+                   "G": jnp.asarray(g_seq[t], jnp.float32)}}
+    _, state = update({"l": {"kernel": jnp.ones((3, 2))}}, state, kfac_stats=stats)
+    for f, key in enumerate(("A", "G")):
+      if int(state.refresh.refreshes[f]) > int(before.refresh.refreshes[f]):
+        refreshed[key].append(t)
+    assert bool(state.update_factors) == bool(jnp.any(state.refresh.next_step <= t + 1))
+  assert refreshed["A"] == _oracle_schedule(a_seq)
+  assert refreshed["G"] == _oracle_schedule(g_seq)
+  assert refreshed["A"][:6] == [0, 1, 2, 4, 7, 12]    # intervals 1, 1, 2, 3, 5
+  assert len(refreshed["A"]) < steps // 3
+  np.testing.assert_allclose(kd.running_factors(state)["l"]["A"],
+                             a_seq[refreshed["A"][-1]], rtol=1e-6)
+
+
+def test_stale_factor_leaves_its_state_bit_identical():
+  layers = kd.LayerRegistry((_layer(),))
+  params = {"l": {"kernel": jnp.ones((3, 2))}}
+  tx = kd.scale_by_kfac(layers=layers, damping=0.1, stale_threshold=ALPHA)
+  state = tx.init(params)
+  stats = {"l": {"A": jnp.eye(3) * 2.0, "G": jnp.eye(2)}}
+  for _ in range(5):                       # identical statistics: intervals grow
+    _, state = tx.update(params, state, kfac_stats=stats)
+  assert int(state.refresh.next_step[0]) > 5    # A is not due at count 5
+  due = np.asarray(state.refresh.next_step) <= 5
+  new_stats = {"l": {"A": jnp.eye(3) * 5.0, "G": jnp.eye(2) * 7.0}}
+  _, after = tx.update(params, state, kfac_stats=new_stats)
+  lay = state.layout
+  for f, (plan, which, place) in enumerate(kd.stale.factor_order(lay)):
+    span = slice(place.offset, place.offset + place.size)
+    same = np.array_equal(np.asarray(after.factors[span]), np.asarray(state.factors[span]))
+    assert same != due[f], (which, due[f])
+  a = lay.plans[0].a
+  span = slice(a.matrix_offset, a.matrix_offset + a.dim * a.dim)
+  assert np.array_equal(after.second_order[span], state.second_order[span])
+
+
+def test_threshold_zero_is_plain_kfac():
+  """α = 0: nothing is ever similar, every factor refreshes every step."""
+  from test_distributed import _problem                # same model and data
+  loss_fn, params, x, y = _problem()
+  grad_fn = kd.value_and_grad(loss_fn)
+  layers = grad_fn.discover(params, x, y)
+
+  def run(**options):
+    tx = kd.kfac(0.1, layers=layers, damping=1e-2, kl_clip=1e-2, **options)
+    state, p = tx.init(params), params
+
+    @jax.jit
+    def step(p, state):
+      _, grads, stats = grad_fn(p, x, y, opt_state=state)
+      updates, state = tx.update(grads, state, p, kfac_stats=stats)
+      return optax.apply_updates(p, updates), state
+    for _ in range(4):
+      p, state = step(p, state)
+    return p, state
+  plain, _ = run()
+  stale, state = run(stale_threshold=0.0)
+  assert np.all(np.asarray(find_states(state)[0].refresh.refreshes) == 4)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
+               stale, plain)
+
+
+@functools.lru_cache(maxsize=None)
+def _stale_single_device(steps=6):
+  from test_distributed import _problem
+  loss_fn, params, x, y = _problem()
+  grad_fn = kd.value_and_grad(loss_fn)
+  tx = kd.kfac(0.1, layers=grad_fn.discover(params, x, y), damping=1e-2, kl_clip=1e-2,
+               stale_threshold=0.3)
+  state, p = tx.init(params), params
+
+  @jax.jit
+  def step(p, state):
+    _, grads, stats = grad_fn(p, x, y, opt_state=state)
+    updates, state = tx.update(grads, state, p, kfac_stats=stats)
+    return optax.apply_updates(p, updates), state
+  for _ in range(steps):
+    p, state = step(p, state)
+  return p, np.asarray(find_states(state)[0].refresh.refreshes)
+
+
+def _stale_strategies():
+  for fraction, name in ((1.0, "COMM"), (0.5, "HYBRID"), (0.125, "MEM")):
+    for reduction in ("all_reduce", "reduce_scatter"):
+      marks = () if (name, reduction) == ("MEM", "reduce_scatter") else pytest.mark.slow
+      yield pytest.param(fraction, reduction, id=f"{name}-{reduction}", marks=marks)
+
+
+@pytest.mark.parametrize("fraction,factor_reduction", list(_stale_strategies()))
+def test_stale_statistics_under_every_strategy(fraction, factor_reduction):
+  from test_distributed import _problem
+  loss_fn, params, x, y = _problem()
+  mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+  dist = kd.Distribution(mesh, grad_worker_fraction=fraction,
+                         factor_reduction=factor_reduction)
+  grad_fn = kd.value_and_grad(loss_fn)
+  tx = kd.kfac(0.1, layers=grad_fn.discover(params, x, y), damping=1e-2, kl_clip=1e-2,
+               stale_threshold=0.3, distribution=dist)
+  state = kd.shard_state(tx.init(params), mesh)
+  specs = kd.partition_specs(state)
+
+  def step(p, state, x, y):
+    _, grads, stats = grad_fn(p, x, y, opt_state=state)
+    grads = jax.lax.pmean(grads, "data")
+    updates, state = tx.update(grads, state, p, kfac_stats=stats)
+    return optax.apply_updates(p, updates), state
+  step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
+                               out_specs=(P(), specs)))
+  p = params
+  for _ in range(6):
+    p, state = step(p, state, x, y)
+  ref, ref_refreshes = _stale_single_device()
+  refreshes = np.asarray(find_states(state)[0].refresh.refreshes)
+  np.testing.assert_array_equal(refreshes, ref_refreshes)
+  assert refreshes.min() < 6                 # something was actually skipped
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5), p, ref)
+
+
+def test_stale_misconfiguration_errors():
+  layers = kd.LayerRegistry((_layer(),))
+  with pytest.raises(ValueError, match="factor_update_every"):
+    kd.scale_by_kfac(layers=layers, stale_threshold=0.1, factor_update_every=2)
+  with pytest.raises(ValueError, match="eigen"):
+    kd.scale_by_kfac(layers=layers, stale_threshold=0.1, method="inverse")
