@@ -28,6 +28,11 @@ class Trace:
   compute_stats: Any = None                   # capture: traced bool
   losses: list = dataclasses.field(default_factory=list)      # registered losses
   seen: set = dataclasses.field(default_factory=set)
+  leaf_shapes: dict = dataclasses.field(default_factory=dict)  # path -> shape
+  # Stacked layers (see `stacking`): discover: name -> how the capture hands
+  # them their probes; capture: the names whose probes come that way.
+  carriers: dict = dataclasses.field(default_factory=dict)
+  seen_blocks: set = dataclasses.field(default_factory=set)    # (name, index)
 
   def path_of(self, leaf) -> str | None:
     return None if leaf is None else self.leaf_paths.get(id(leaf))

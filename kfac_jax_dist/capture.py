@@ -25,6 +25,7 @@ axis. Average them yourself (`lax.pmean`) or let `kd.Distribution`'s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable
 
@@ -36,13 +37,19 @@ from kfac_jax_dist import _context
 from kfac_jax_dist import factors
 from kfac_jax_dist.kfac import find_states
 from kfac_jax_dist import registry
+from kfac_jax_dist import stacking
 
 FISHERS = ("empirical", "mc")
 
 
-def _leaf_ids(params) -> dict[int, str]:
+def _new_trace(mode: str, params, **fields) -> _context.Trace:
+  """A trace whose leaf tables describe `params` (as given, before
+  `stacking.prepare`, which keeps the leaves themselves)."""
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  return {id(leaf): registry.path_str(path) for path, leaf in flat}
+  return _context.Trace(
+      mode=mode, leaf_paths={id(leaf): registry.path_str(path) for path, leaf in flat},
+      leaf_shapes={registry.path_str(path): tuple(jnp.shape(leaf)) for path, leaf in flat},
+      **fields)
 
 
 def _one_loss(trace: _context.Trace) -> _context.RegisteredLoss:
@@ -59,12 +66,20 @@ def _one_loss(trace: _context.Trace) -> _context.RegisteredLoss:
 
 
 def _probes(layer: registry.TaggedLayer, forms: tuple[str, str]) -> dict:
-  """Zero probes shaped like the layer's statistics (see `value_and_grad`)."""
+  """Zero probes shaped like the layer's statistics (see `value_and_grad`),
+  with the leading stack axes of a stacked layer."""
+  stack = tuple(layer.stack)
   if layer.unitwise:
-    return {"F": jnp.zeros((layer.g_dim, 3), jnp.float32)}
+    return {"F": jnp.zeros(stack + (layer.g_dim, 3), jnp.float32)}
   a_form = factors.DIAG if layer.a_diagonal else forms[0]
-  return {key: jnp.zeros((d, d) if form == factors.FULL else (d,), jnp.float32)
+  return {key: jnp.zeros(stack + ((d, d) if form == factors.FULL else (d,)), jnp.float32)
           for key, d, form in (("A", layer.a_dim, a_form), ("G", layer.g_dim, forms[1]))}
+
+
+def _plan_of(layout, layer: registry.TaggedLayer):
+  """The optimizer's plan for the layer (its first block's, for a stacked
+  one: every block has the same forms), or None when it is skipped."""
+  return layout.plan(layer.blocks()[0].name)
 
 
 class ValueAndGrad:
@@ -78,7 +93,13 @@ class ValueAndGrad:
 
   def discover(self, params, *args, **kwargs) -> registry.LayerRegistry:
     """The tagged layers of `fun(params, *args, **kwargs)` (an abstract trace;
-    parameters and batch may be `jax.ShapeDtypeStruct`s)."""
+    parameters and batch may be `jax.ShapeDtypeStruct`s).
+
+    A stacked layer (scanned blocks, see `stacking`) is one record with
+    `stack = (L,)`; `TaggedLayer.blocks()` lists its blocks."""
+    return self._discover(params, *args, **kwargs).layers
+
+  def _discover(self, params, *args, **kwargs) -> "_Discovered":
     found = []
     # Array-like arguments (arrays, tracers, ShapeDtypeStructs) are traced
     # abstractly; anything else (flags, modules) is passed through as is.
@@ -89,9 +110,9 @@ class ValueAndGrad:
       arrays = iter(arrays)
       a, k = jax.tree_util.tree_unflatten(
           treedef, [next(arrays) if d else x for x, d in zip(flat, dynamic)])
-      trace = _context.Trace(mode="discover", leaf_paths=_leaf_ids(p))
+      trace = _new_trace("discover", p)
       with _context.active(trace):
-        out = self.fun(p, *a, **k)
+        out = self.fun(stacking.prepare(p), *a, **k)
       _one_loss(trace)
       found.append(trace)
       return out
@@ -101,7 +122,7 @@ class ValueAndGrad:
     if not layers:
       raise ValueError("The loss function ran no tagged layer (kd.tags / kd.linen / "
                        "kd.nnx); K-FAC has nothing to precondition.")
-    return registry.LayerRegistry(layers)
+    return _Discovered(registry.LayerRegistry(layers), dict(found[0].carriers))
 
   def __call__(self, params, *args, rng=None, opt_state=None, loss_scale=None, **kwargs):
     value, grads, stats, _ = self._evaluate(params, args, kwargs, rng, opt_state,
@@ -161,7 +182,8 @@ class ValueAndGrad:
     """(value, grads, stats, n) of one batch; see `value_and_grad`."""
     if self.fisher == "mc" and rng is None:
       raise ValueError('fisher="mc" samples targets from the model: pass rng=.')
-    layers = self.discover(params, *args, **kwargs)
+    discovered = self._discover(params, *args, **kwargs)
+    layers, carriers = discovered.layers, discovered.carriers
     states = find_states(opt_state) if opt_state is not None else []
     if len(states) > 1:
       raise ValueError("opt_state holds several K-FAC states; pass the one to use.")
@@ -172,7 +194,7 @@ class ValueAndGrad:
       if state is None:
         forms = (factors.FULL, factors.FULL)
       else:
-        plan = state.layout.plan(layer.name)
+        plan = _plan_of(state.layout, layer)
         if plan is None:          # skipped by the optimizer: no statistics
           continue
         forms = (plan.a_form, plan.g_form)
@@ -187,10 +209,14 @@ class ValueAndGrad:
     compute_stats = jnp.asarray(True) if state is None else state.update_factors
 
     def evaluate(p, probes):
-      trace = _context.Trace(mode="capture", leaf_paths=_leaf_ids(p), probes=probes,
-                             compute_stats=compute_stats)
+      # Stacked linen / NNX layers get their probes through the parameter tree
+      # (sliced per block by flax / NNX); the others by name.
+      carried = {n: (carriers[n], v) for n, v in probes.items() if n in carriers}
+      trace = _new_trace("capture", p, compute_stats=compute_stats,
+                         probes={n: v for n, v in probes.items() if n not in carried},
+                         carriers={n: carriers[n] for n in carried})
       with _context.active(trace):
-        out = self.fun(p, *args, **kwargs)
+        out = self.fun(stacking.prepare(p, carried), *args, **kwargs)
       loss, aux = out if self.has_aux else (out, None)
       registered = _one_loss(trace)
       sampled = registered.sampled_loss(rng) if self.fisher == "mc" else None
@@ -220,6 +246,12 @@ class ValueAndGrad:
     return value, grads, stats, n
 
 
+@dataclasses.dataclass(frozen=True)
+class _Discovered:
+  layers: registry.LayerRegistry
+  carriers: dict          # stacked linen / NNX layer name -> stacking carrier
+
+
 def value_and_grad(fun: Callable, has_aux: bool = False,
                    fisher: str = "empirical") -> ValueAndGrad:
   """Like `jax.value_and_grad(fun, has_aux)` w.r.t. the first argument, plus stats.
@@ -234,6 +266,12 @@ def value_and_grad(fun: Callable, has_aux: bool = False,
     frequencies) and `G` `[d, d]` (or `[d]`);
   * scale_and_shift (LayerNorm / BatchNorm): `{"F": F}`, `[C, 3]`, SP-NGD's
     unit-wise Fisher `(γγ, γβ, ββ)` per channel.
+
+  A stacked layer (scanned blocks: `kd.linen` / `kd.nnx` layers inside
+  `nn.scan` / `nnx.scan` / `nnx.vmap`, or `kd.tags.*(..., stack_index=)`; see
+  `stacking`) has its statistics stacked like its parameters, e.g. `{"A": [L,
+  a, a], "G": [L, g, g]}`: slot `l` holds block `l`'s, exactly the unrolled
+  layer's.
 
   `G` and `F` are multiplied by the number n of examples of the registered
   loss (the mean loss's cotangents are `g / n`), `A` is not.

@@ -34,7 +34,8 @@ def table(state: ScaleByKfacState) -> str:
   rows = [("layer", "kind", "parameters", "A", "G", "owner", "bytes")]
   for plan in lay.plans:
     layer = plan.layer
-    params = layer.kernel_path + (f", {layer.bias_path}" if layer.bias_path else "")
+    at = "" if layer.stack_index is None else "[" + ",".join(map(str, layer.stack_index)) + "]"
+    params = layer.kernel_path + at + (f", {layer.bias_path}{at}" if layer.bias_path else "")
     owners = sorted({place.owner for _, place in plan.places})
     first = plan.f if plan.layer.unitwise else plan.a
     rows.append((layer.name, layer.kind, params, _factor(first), _factor(plan.g),

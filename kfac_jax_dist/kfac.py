@@ -175,24 +175,41 @@ def second_order_parts(state: ScaleByKfacState
   return out
 
 
+def _block(leaf: jax.Array, layer: registry.TaggedLayer) -> jax.Array:
+  """The layer's part of a parameter leaf: block `stack_index` of a stacked one."""
+  return leaf if layer.stack_index is None else leaf[layer.stack_index]
+
+
 def _gradient_matrix(plan: layout_lib.LayerPlan, leaves: dict[str, Any]) -> jax.Array:
   layer = plan.layer
-  kernel = leaves[layer.kernel_path]
+  kernel = _block(leaves[layer.kernel_path], layer)
   dtype = jnp.promote_types(kernel.dtype, jnp.float32)
   m = kernel.astype(dtype).reshape(layer.a_dim - layer.has_bias, layer.g_dim)
   if layer.has_bias:
-    m = jnp.concatenate([m, leaves[layer.bias_path].astype(dtype).reshape(1, -1)], axis=0)
+    bias = _block(leaves[layer.bias_path], layer)
+    m = jnp.concatenate([m, bias.astype(dtype).reshape(1, -1)], axis=0)
   return m
 
 
 def _write_back(plan: layout_lib.LayerPlan, m: jax.Array, leaves: dict[str, Any]):
   layer = plan.layer
-  kernel = leaves[layer.kernel_path]
   rows = layer.a_dim - layer.has_bias
-  leaves[layer.kernel_path] = m[:rows].reshape(kernel.shape).astype(kernel.dtype)
-  if layer.has_bias:
-    bias = leaves[layer.bias_path]
-    leaves[layer.bias_path] = m[rows].reshape(bias.shape).astype(bias.dtype)
+  parts = [(layer.kernel_path, m[:rows])] + (
+      [(layer.bias_path, m[rows])] if layer.has_bias else [])
+  for path, value in parts:
+    leaf = leaves[path]
+    if layer.stack_index is None:
+      leaves[path] = value.reshape(leaf.shape).astype(leaf.dtype)
+    else:
+      # One block of a stacked leaf. Every block is written (a stack is skipped
+      # whole), block 0 first (layout order), so block 0 starts from zeros: the
+      # result then does not inherit the raw gradient's type (local, varying
+      # over the mesh axis under SP-NGD's reduce-scatter).
+      if not any(layer.stack_index):
+        leaf = jnp.zeros(leaf.shape, leaf.dtype)
+      block_shape = leaf.shape[len(layer.stack_index):]
+      leaves[path] = leaf.at[layer.stack_index].set(
+          value.reshape(block_shape).astype(leaf.dtype))
 
 
 def _is_concrete_false(flag) -> bool:
@@ -214,7 +231,7 @@ def _check_stats(layout: layout_lib.Layout, stats: Any, update_flag) -> bool:
         "under jit, where the step is not known): call tx.update(grads, opt_state, "
         "params, kfac_stats=stats) with the stats returned by kd.value_and_grad.")
   for plan in layout.plans:
-    name = plan.layer.name
+    name = plan.layer.stats_name
     if name not in stats:
       raise ValueError(f"kfac_stats has no statistics for tagged layer '{name}' "
                        f"(it has {sorted(stats)}).")
@@ -236,7 +253,8 @@ def _check_updates(layout: layout_lib.Layout, leaves: dict[str, Any]) -> None:
       if path not in leaves:
         raise ValueError(f"Tagged layer '{layer.name}': '{path}' is missing "
                          "from the updates given to scale_by_kfac.")
-      if tuple(jnp.shape(leaves[path])) != tuple(shape):
+      shape = tuple(layer.stack) + tuple(shape)     # stacked: [L, *block shape]
+      if tuple(jnp.shape(leaves[path])) != shape:
         raise ValueError(f"Tagged layer '{layer.name}': the update of '{path}' has "
                          f"shape {jnp.shape(leaves[path])}, expected {tuple(shape)}.")
 
@@ -329,9 +347,15 @@ def _layer_stat(stat: jax.Array, place: layout_lib.FactorPlace, name: str,
 
 def _stat_of(stats: dict):
   def value_of(plan, which):
-    key = which.upper()
-    return _layer_stat(stats[plan.layer.name][key], getattr(plan, which),
-                       plan.layer.name, key)
+    key, layer = which.upper(), plan.layer
+    stat = stats[layer.stats_name][key]
+    if layer.stack_index is not None:     # block of a stacked layer's statistics
+      if tuple(stat.shape[:len(layer.stack)]) != layer.stack:
+        raise ValueError(f"Statistic {key} of stacked layer '{layer.stats_name}' has "
+                         f"shape {stat.shape}; expected leading stack axes "
+                         f"{layer.stack}.")
+      stat = stat[layer.stack_index]
+    return _layer_stat(stat, getattr(plan, which), layer.name, key)
   return value_of
 
 
@@ -464,6 +488,7 @@ def scale_by_kfac(
                           (layer.bias_path, layer.bias_shape or (layer.g_dim,))):
         if path is None:
           continue
+        shape = tuple(layer.stack) + tuple(shape)     # stacked: [L, *block shape]
         if path not in leaves:
           raise ValueError(f"Tagged layer '{layer.name}': parameter '{path}' is not in "
                            "the tree given to init.")
@@ -780,7 +805,8 @@ def scale_by_kfac(
                           or distribution.axis in _compat.varying_axes(updates)):
         ok = _agree(comm, ok)
       if with_stats:
-        stats_finite = _all_finite([kfac_stats[plan.layer.name][w.upper()]
+        value_of = _stat_of(kfac_stats)
+        stats_finite = _all_finite([value_of(plan, w)
                                     for plan in lay.plans for w, _ in plan.places])
         if comm.active:
           ok = ok & lax.cond(state.update_factors, lambda: _agree(comm, stats_finite),

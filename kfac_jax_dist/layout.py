@@ -213,11 +213,20 @@ def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
           num_devices: int = 1, group_size: int = 1, axis: str | None = None,
           method: str = "eigen", packed: bool = True,
           factor_storage: str = CHUNKED) -> Layout:
-  """Assigns layers to owner groups, factors to devices, and packs segments."""
+  """Assigns layers to owner groups, factors to devices, and packs segments.
+
+  A stacked layer becomes one plan per block (`TaggedLayer.blocks`), each with
+  its own factors; `skip` patterns match the stacked layer's name, so its
+  blocks are kept or skipped together. `plans` keep the blocks consecutive,
+  block 0 first (`kfac._write_back` relies on it).
+  """
   patterns = [re.compile(p) for p in skip]
   kept, skipped = [], []
   for layer in layers:
-    (skipped if any(p.search(layer.name) for p in patterns) else kept).append(layer)
+    if any(p.search(layer.name) for p in patterns):
+      skipped.append(layer)
+    else:
+      kept.extend(layer.blocks())
   num_groups = num_devices // group_size
 
   def factors_of(layer):

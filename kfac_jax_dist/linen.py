@@ -13,6 +13,12 @@ LayerNorm and BatchNorm take one extra, optional field, `kfac_example_dims`
 (see `kd.tags.scale_and_shift`): LayerNorm's default `None` treats every
 position (token) as an example; BatchNorm's default 1 treats each entry of the
 leading batch axis (an image) as one example, as SP-NGD does.
+
+Scanned layers: inside `nn.scan` / `nn.vmap` with `variable_axes={"params":
+0}` each block gets its own factors (see `kfac_jax_dist.stacking`); the layer
+finds its stacked parameter leaf by its scope path, and during
+`kd.value_and_grad` reads its block's probes from the parameter entry
+`__kfac_probes__` that the capture adds next to its kernel.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import jax.numpy as jnp
 from flax.linen import dtypes as linen_dtypes
 
 from kfac_jax_dist import _flax_common
+from kfac_jax_dist import stacking
 from kfac_jax_dist import tags
 
 
@@ -37,7 +44,8 @@ class Dense(nn.Dense):
                         (jnp.shape(inputs)[-1], self.features), self.param_dtype)
     bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
             if self.use_bias else None)
-    return tags.dense(inputs, kernel, bias, dtype=self.dtype, precision=self.precision)
+    return tags.dense(inputs, kernel, bias, dtype=self.dtype, precision=self.precision,
+                      _site=stacking.linen_site(self, kernel, bias, "kernel", "bias"))
 
 
 class Conv(nn.Conv):
@@ -63,7 +71,8 @@ class Conv(nn.Conv):
     bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
             if self.use_bias else None)
     y = tags.conv2d(inputs, kernel, bias, strides=strides, padding=padding,
-                    dilation=dilation, dtype=self.dtype, precision=self.precision)
+                    dilation=dilation, dtype=self.dtype, precision=self.precision,
+                    _site=stacking.linen_site(self, kernel, bias, "kernel", "bias"))
     return restore(y)
 
 
@@ -88,7 +97,9 @@ class DenseGeneral(nn.DenseGeneral):
     bias = (self.param("bias", _flax_common.flat_init(self.bias_init, 0), features,
                        self.param_dtype) if self.use_bias else None)
     return tags.dense_general(inputs, kernel, bias, in_dims=in_dims, dtype=self.dtype,
-                              precision=self.precision)
+                              precision=self.precision,
+                              _site=stacking.linen_site(self, kernel, bias, "kernel",
+                                                        "bias"))
 
 
 class Embed(nn.Embed):
@@ -103,7 +114,9 @@ class Embed(nn.Embed):
       raise ValueError("Input type must be an integer or unsigned integer.")
     if self.num_embeddings == 1:          # Flax broadcasts the single row
       inputs = jnp.zeros_like(inputs)
-    return tags.embed(inputs, self.embedding, dtype=self.dtype)
+    return tags.embed(inputs, self.embedding, dtype=self.dtype,
+                      _site=stacking.linen_site(self, self.embedding, None, "embedding",
+                                                None))
 
 
 def _scale_and_shift(module, x, x_hat, example_dims):
@@ -113,7 +126,8 @@ def _scale_and_shift(module, x, x_hat, example_dims):
   scale = module.param("scale", module.scale_init, features, module.param_dtype)
   bias = (module.param("bias", module.bias_init, features, module.param_dtype)
           if module.use_bias else None)
-  y = tags.scale_and_shift(x_hat, scale, bias, example_dims=example_dims)
+  y = tags.scale_and_shift(x_hat, scale, bias, example_dims=example_dims,
+                           _site=stacking.linen_site(module, scale, bias, "scale", "bias"))
   return jnp.asarray(y, linen_dtypes.canonicalize_dtype(x, scale, bias, dtype=module.dtype))
 
 

@@ -11,6 +11,15 @@ LayerNorm and BatchNorm take one extra, optional keyword, `kfac_example_dims`
 (see `kd.tags.scale_and_shift`): LayerNorm's default `None` treats every
 position (token) as an example; BatchNorm's default 1 treats each entry of the
 leading batch axis (an image) as one example, as SP-NGD does.
+
+Stacked layers: a module created with `nnx.vmap` (e.g. under
+`nnx.split_rngs(splits=L)`) and applied with `nnx.scan` / `nnx.vmap` over axis
+0 gives each block its own factors (see `kfac_jax_dist.stacking`). Pass
+`kd.value_and_grad` the `nnx.State` (of `nnx.split`), not a pure dict: the
+capture stamps its Variables with their paths (metadata `kfac_path`) and, for
+a stacked layer, lets the kernel Variable carry the probes (a
+`stacking.Probed` value, unwrapped by the layer; read a stacked tagged
+kernel only through its layer inside the loss).
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from flax.nnx.nn import dtypes as nnx_dtypes
 from jax import lax
 
 from kfac_jax_dist import _flax_common
+from kfac_jax_dist import stacking
 from kfac_jax_dist import tags
 
 
@@ -48,8 +58,9 @@ class Linear(nnx.Linear):
         or self.preferred_element_type is not None):
       _flax_common.warn_untagged("Linear", "a custom dot_general or output sharding")
       return super().__call__(inputs, out_sharding)
-    return tags.dense(inputs, _raw(self.kernel), _raw(self.bias), dtype=self.dtype,
-                      precision=self.precision)
+    kernel, bias, site = stacking.nnx_site(self.kernel, self.bias)
+    return tags.dense(inputs, kernel, bias, dtype=self.dtype, precision=self.precision,
+                      _site=site)
 
 
 class Conv(nnx.Conv):
@@ -67,9 +78,10 @@ class Conv(nnx.Conv):
       return super().__call__(inputs, out_sharding)
     strides, padding, dilation = config
     inputs, restore = _flax_common.flatten_batch(inputs)
-    y = tags.conv2d(inputs, _raw(self.kernel), _raw(self.bias), strides=strides,
-                    padding=padding, dilation=dilation, dtype=self.dtype,
-                    precision=self.precision)
+    kernel, bias, site = stacking.nnx_site(self.kernel, self.bias)
+    y = tags.conv2d(inputs, kernel, bias, strides=strides, padding=padding,
+                    dilation=dilation, dtype=self.dtype, precision=self.precision,
+                    _site=site)
     return restore(y)
 
 
@@ -87,8 +99,9 @@ class LinearGeneral(nnx.LinearGeneral):
     if isinstance(in_dims, str):
       _flax_common.warn_untagged("LinearGeneral", in_dims)
       return super().__call__(inputs, out_sharding)
-    return tags.dense_general(inputs, _raw(self.kernel), _raw(self.bias),
-                              in_dims=in_dims, dtype=self.dtype, precision=self.precision)
+    kernel, bias, site = stacking.nnx_site(self.kernel, self.bias)
+    return tags.dense_general(inputs, kernel, bias, in_dims=in_dims, dtype=self.dtype,
+                              precision=self.precision, _site=site)
 
 
 class Embed(nnx.Embed):
@@ -103,7 +116,8 @@ class Embed(nnx.Embed):
       raise ValueError("Input type must be an integer or unsigned integer.")
     if self.num_embeddings == 1:          # NNX broadcasts the single row
       inputs = jnp.zeros_like(inputs)
-    return tags.embed(inputs, _raw(self.embedding), dtype=self.dtype)
+    table, _, site = stacking.nnx_site(self.embedding, None)
+    return tags.embed(inputs, table, dtype=self.dtype, _site=site)
 
 
 def _norm_reason(module, ndim, feature_axes) -> str | None:
@@ -128,13 +142,14 @@ class LayerNorm(nnx.LayerNorm):
       if reason is not None:
         _flax_common.warn_untagged("LayerNorm", reason)
       return super().__call__(x, mask=mask)
-    scale, bias = _raw(self.scale), _raw(self.bias)
+    scale, bias, site = stacking.nnx_site(self.scale, self.bias)
     dtype = nnx_dtypes.canonicalize_dtype(x, scale, bias, dtype=self.dtype)
     x = jnp.asarray(x, dtype)
     mean, var = _flax_common.moments(x, self.reduction_axes, self.dtype, self.axis_name,
                                      self.axis_index_groups, self.use_fast_variance, mask)
     x_hat = _flax_common.normalized(x, mean, var, self.reduction_axes, self.epsilon)
-    y = tags.scale_and_shift(x_hat, scale, bias, example_dims=self.kfac_example_dims)
+    y = tags.scale_and_shift(x_hat, scale, bias, example_dims=self.kfac_example_dims,
+                             _site=site)
     return jnp.asarray(y, dtype)
 
 
@@ -155,7 +170,7 @@ class BatchNorm(nnx.BatchNorm):
       return super().__call__(x, use_running_average, mask=mask)
     use_running_average = _flax_common.call_flag(
         "use_running_average", use_running_average, self.use_running_average)
-    scale, bias = _raw(self.scale), _raw(self.bias)
+    scale, bias, site = stacking.nnx_site(self.scale, self.bias)
     running_mean, running_var = _raw(self.mean), _raw(self.var)
     dtype = nnx_dtypes.canonicalize_dtype(x, running_mean, running_var, scale, bias,
                                           dtype=self.dtype)
@@ -176,5 +191,6 @@ class BatchNorm(nnx.BatchNorm):
           self.momentum * running_var + (1 - self.momentum) * var
       ).astype(running_var.dtype))
     x_hat = _flax_common.normalized(x, mean, var, reduction_axes, self.epsilon)
-    y = tags.scale_and_shift(x_hat, scale, bias, example_dims=self.kfac_example_dims)
+    y = tags.scale_and_shift(x_hat, scale, bias, example_dims=self.kfac_example_dims,
+                             _site=site)
     return jnp.asarray(y, dtype)

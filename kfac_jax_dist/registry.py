@@ -14,11 +14,20 @@ Kinds and the statistics `kd.value_and_grad` returns for them (see `factors`):
 * "scale_and_shift": `{"F": [C, 3]}`, SP-NGD's unit-wise Fisher, one 2×2 block
   over `(γ_c, β_c)` per channel, stored as `(γγ, γβ, ββ)`; `a_dim = 2` (or 1
   without offset) and `g_dim = C` describe the `(a_dim, C)` matrix `[γ; β]`.
+
+A *stacked* layer (`stack != ()`: a layer inside `nn.scan` / `nnx.scan` /
+`nnx.vmap`, or a plain tag with `stack_index=`) is one record whose parameter
+leaves carry the leading stack axes `stack` (`[L, *kernel_shape]`); its
+statistics carry them too (`{"A": [L, a, a], "G": [L, g, g]}`). The optimizer
+treats each block as a layer of its own (`TaggedLayer.blocks`): block `l` is
+named `"<name>/<l>"` and preconditions slice `l` of the stacked gradient with
+its own factors, exactly as if the blocks were unrolled.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import jax
@@ -52,6 +61,12 @@ class TaggedLayer:
   optimizer's `max_factor_dim`. `bias_shape`: the bias parameter's shape,
   `(g_dim,)` unless a `dense_general` layer has several output axes (`None`:
   no bias, or a layer recorded before this field existed).
+
+  `stack`: the leading stack axes of a stacked layer's kernel (and bias)
+  leaves, e.g. `(L,)` for `L` scanned blocks; `kernel_shape` and `bias_shape`
+  are then one block's. `stack_index` and `stack_name` are set on the per-block
+  records of `blocks()` only: which block, and the stacked layer (the key of
+  the statistics) it belongs to.
   """
 
   name: str
@@ -63,10 +78,29 @@ class TaggedLayer:
   g_dim: int
   a_diagonal: bool = False
   bias_shape: tuple[int, ...] | None = None
+  stack: tuple[int, ...] = ()
+  stack_index: tuple[int, ...] | None = None
+  stack_name: str | None = None
 
   @property
   def has_bias(self) -> bool:
     return self.bias_path is not None
+
+  @property
+  def stats_name(self) -> str:
+    """The key of this layer's statistics (a block's: its stacked layer's)."""
+    return self.stack_name or self.name
+
+  def blocks(self) -> tuple["TaggedLayer", ...]:
+    """One record per block of a stacked layer, in row-major order, named
+    `"<name>/<i>"` (`"<name>/<i>/<j>"` for two stack axes); `(self,)` for a
+    layer that is not stacked."""
+    if not self.stack or self.stack_index is not None:
+      return (self,)
+    return tuple(
+        dataclasses.replace(self, name="/".join([self.name, *map(str, index)]),
+                            stack_index=index, stack_name=self.name)
+        for index in itertools.product(*(range(n) for n in self.stack)))
 
   @property
   def unitwise(self) -> bool:

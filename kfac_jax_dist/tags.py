@@ -17,6 +17,15 @@ are plain functions. Inside it they
 A layer's name defaults to its kernel's path in the parameter tree without the
 last key (`"Dense_0"` for `{"Dense_0": {"kernel": ...}}`); the kernel of an
 embedding is its table, of a scale-and-shift its scale.
+
+Stacked layers (one layer per block of stacked weights `[L, ...]`, e.g. the
+body of a `lax.scan` over layers): pass the stacked leaves themselves and the
+block index, `dense(x, params["kernel"], params["bias"], stack_index=i)` with
+`i` a Python int or a traced integer (the loop counter). The tag applies block
+`i`, and its statistics come back stacked, `{"A": [L, a, a], "G": [L, g, g]}`,
+one block per slot; the optimizer gives each block its own factors. A tuple
+indexes several leading stack axes. `kd.linen` / `kd.nnx` layers inside
+`nn.scan` / `nnx.scan` / `nnx.vmap` do this by themselves (see `stacking`).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from kfac_jax_dist import _compat
 from kfac_jax_dist import _context
 from kfac_jax_dist import factors
 from kfac_jax_dist import registry
+from kfac_jax_dist import stacking
 
 
 def _promote(dtype, *arrays):
@@ -39,42 +49,71 @@ def _promote(dtype, *arrays):
   return tuple(None if a is None else jnp.asarray(a, dtype) for a in arrays)
 
 
-def _layer_name(trace: _context.Trace, name: str | None, kernel) -> str:
+_NOT_A_LEAF = (
+    "Pass the parameter itself (cast it with the tag's dtype= argument). Inside a "
+    "loop over stacked weights, pass the stacked leaf and stack_index=; a plain "
+    "JAX tag cannot follow a slice made by a transform.")
+
+
+def _layer_name(trace: _context.Trace, name: str | None, kernel,
+                site: stacking.Site | None) -> str:
   if name is not None:
     return name
-  path = trace.path_of(kernel)
+  path = site.kernel_path if site is not None else trace.path_of(kernel)
   if path is None:
     raise ValueError(
         "A tagged layer without a name uses a kernel that is not a leaf of the "
-        "parameters given to kd.value_and_grad. Pass the parameter itself (cast it "
-        "with the tag's dtype= argument) or give the tag a name.")
+        "parameters given to kd.value_and_grad. " + _NOT_A_LEAF)
   parts = path.split("/")
   while len(parts) > 1 and parts[-1] in ("value", "raw_value"):   # NNX Variables
     parts.pop()
   return "/".join(parts[:-1]) if len(parts) > 1 else parts[0]
 
 
-def _discover(trace, kind, name, kernel, bias, **record) -> None:
-  kernel_path = trace.path_of(kernel)
+def _discover(trace, kind, name, kernel, bias, site, **record) -> None:
+  if site is None:
+    kernel_path, bias_path, stack = trace.path_of(kernel), trace.path_of(bias), ()
+  else:
+    kernel_path, bias_path, stack = site.kernel_path, site.bias_path, site.stack
   if kernel_path is None:
     raise ValueError(
         f"Tagged layer '{name}': its kernel is not a leaf of the parameters given "
         "to kd.value_and_grad, so K-FAC cannot tell which gradient to precondition. "
-        "Pass the parameter itself (cast it with the tag's dtype= argument).")
-  bias_path = trace.path_of(bias)
+        + _NOT_A_LEAF)
   if bias is not None and bias_path is None:
     raise ValueError(
         f"Tagged layer '{name}': its bias is not a leaf of the parameters given to "
         "kd.value_and_grad.")
-  if name in trace.seen:
-    raise ValueError(
-        f"Tagged layer '{name}' ran twice in one loss evaluation; shared layers "
-        "are not supported: give each application its own parameters and name.")
-  trace.seen.add(name)
-  trace.layers.append(registry.TaggedLayer(
+  layer = registry.TaggedLayer(
       name=name, kind=kind, kernel_path=kernel_path, bias_path=bias_path,
       kernel_shape=tuple(kernel.shape),
-      bias_shape=None if bias is None else tuple(bias.shape), **record))
+      bias_shape=None if bias is None else tuple(bias.shape), stack=stack, **record)
+  index = None if site is None or site.index is None else stacking.concrete_index(
+      site.index)
+  if name in trace.seen:
+    previous = next(l for l in trace.layers if l.name == name)
+    if previous == layer and site is not None:
+      # Another block of a stack, by a concrete index (an unrolled loop)...
+      if index is not None and (name, index) not in trace.seen_blocks and (
+          (name, None) not in trace.seen_blocks):
+        trace.seen_blocks.add((name, index))
+        return
+      # ... or a transform's second trace of its body (flax traces nn.scan's
+      # twice). So a stack applied twice in one loss is not detected (nor can
+      # it be: JAX may reuse a traced scan body without tracing it again).
+      if stack and site.carrier is not None:
+        return
+    raise ValueError(
+        f"Tagged layer '{name}' ran twice in one loss evaluation; shared layers "
+        "are not supported: give each application its own parameters and name "
+        "(this includes weights shared by the iterations of a scan, such as "
+        "nn.scan's variable_broadcast='params').")
+  trace.seen.add(name)
+  if site is not None and site.index is not None:
+    trace.seen_blocks.add((name, index))
+  if site is not None and site.carrier is not None and stack:
+    trace.carriers[name] = site.carrier
+  trace.layers.append(layer)
 
 
 def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag):
@@ -106,24 +145,36 @@ def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag):
   return layer(x, params, probes, flag)
 
 
-def _tagged(kind: str, name, apply, stats, x, kernel, bias, **record):
+def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, **record):
   """Runs `apply(x, kernel[, bias])`, recording or capturing the layer.
 
   `stats(x, ḡ, forms)` returns the statistics as a dict keyed like the probes
   that the capture made for this layer (`{"A", "G"}` or `{"F"}`), where
   `forms[key]` says whether the probe is a full matrix or a diagonal.
   `record` holds the `TaggedLayer` fields that only the tag knows (a_dim,
-  g_dim, a_diagonal).
+  g_dim, a_diagonal). `kernel` and `bias` are one block's; `site` (see
+  `stacking`) says where they live when they are not leaves of the parameters.
   """
   trace = _context.current()
   params = (kernel,) if bias is None else (kernel, bias)
   if trace is None:
     return apply(x, *params)
-  name = _layer_name(trace, name, kernel)
+  name = _layer_name(trace, name, kernel, site)
   if trace.mode == "discover":
-    _discover(trace, kind, name, kernel, bias, **record)
+    _discover(trace, kind, name, kernel, bias, site, **record)
     return apply(x, *params)
-  probes = trace.probes.get(name)
+  if site is not None and site.probes is not None:
+    probes = site.probes            # this block's, sliced by flax / NNX
+  else:
+    if name in trace.carriers:
+      raise ValueError(
+          f"Stacked layer '{name}' ran without its probes: the loss function must "
+          "pass the parameter tree it receives to the model unchanged (the capture "
+          f"adds '{stacking.PROBE_KEY}' entries to linen parameter dicts and wraps "
+          "NNX kernels).")
+    probes = trace.probes.get(name)
+    if probes is not None and site is not None and site.index is not None:
+      probes = jax.tree_util.tree_map(lambda p: p[site.index], probes)
   if probes is None:        # not preconditioned (skipped by the optimizer)
     return apply(x, *params)
   forms = {key: factors.DIAG if p.ndim == 1 else factors.FULL
@@ -132,13 +183,27 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, **record):
                    probes, trace.compute_stats)
 
 
+def _block_of(kernel, bias, stack_index, site):
+  """One block's parameters and their `stacking.Site` (`stack_index=` route)."""
+  if stack_index is None:
+    return kernel, bias, site
+  if site is not None:
+    raise ValueError("stack_index= is for plain JAX tags; kd.linen / kd.nnx layers "
+                     "find their block themselves.")
+  return stacking.index_site(kernel, bias, stack_index)
+
+
 def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
-          name: str | None = None, dtype: Any = None, precision=None) -> jax.Array:
+          name: str | None = None, dtype: Any = None, precision=None,
+          stack_index=None, _site=None) -> jax.Array:
   """`x @ kernel + bias` over the last axis of `x`; kernel layout `(in, out)`.
 
   Any leading axes of `x` (`[B, d]`, `[B, T, d]`, ...) are positions: each is an
   example of `A = E[a aᵀ]` and `G` (tokens are treated as examples).
+  `stack_index`: `kernel` (and `bias`) are stacked leaves `[*stack, ...]` and
+  the tag applies block `kernel[stack_index]` (see the module docstring).
   """
+  kernel, bias, site = _block_of(kernel, bias, stack_index, _site)
   if kernel.ndim != 2:
     raise ValueError(f"kd.tags.dense expects a 2-D (in, out) kernel, got {kernel.shape}")
   if x.shape[-1] != kernel.shape[0]:
@@ -155,7 +220,7 @@ def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
     return {"A": factors.input_factor(x, bias is not None, forms["A"]),
             "G": factors.output_factor(g, forms["G"])}
 
-  return _tagged("dense", name, apply, stats, x, kernel, bias,
+  return _tagged("dense", name, apply, stats, x, kernel, bias, site,
                  a_dim=kernel.shape[0] + (bias is not None), g_dim=kernel.shape[1])
 
 
@@ -168,7 +233,7 @@ def _size(shape) -> int:
 
 def dense_general(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
                   in_dims: int = 1, name: str | None = None, dtype: Any = None,
-                  precision=None) -> jax.Array:
+                  precision=None, stack_index=None, _site=None) -> jax.Array:
   """A Dense layer over several input and/or output axes.
 
   The last `in_dims` axes of `x` are contracted with the first `in_dims` axes
@@ -182,7 +247,10 @@ def dense_general(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None
   `g_dim = Π out_shape`, and `A`, `G` are Dense's on the flattened inputs and
   output cotangents (the kernel's row-major reshape to `(a_dim - has_bias,
   g_dim)` is the Dense kernel). It is recorded with kind "dense".
+  `stack_index`: `kernel` (and `bias`) are stacked leaves `[*stack, ...]` and
+  the tag applies block `kernel[stack_index]` (see the module docstring).
   """
+  kernel, bias, site = _block_of(kernel, bias, stack_index, _site)
   if not 1 <= in_dims < kernel.ndim:
     raise ValueError(f"kd.tags.dense_general: in_dims={in_dims} for a kernel of shape "
                      f"{kernel.shape} (needs at least one output axis)")
@@ -207,7 +275,7 @@ def dense_general(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None
     return {"A": factors.input_factor(x, bias is not None, forms["A"]),
             "G": factors.output_factor(g, forms["G"])}
 
-  return _tagged("dense", name, apply, stats, x, kernel, bias,
+  return _tagged("dense", name, apply, stats, x, kernel, bias, site,
                  a_dim=_size(in_shape) + (bias is not None), g_dim=_size(out_shape))
 
 
@@ -226,13 +294,17 @@ def conv2d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
            name: str | None = None, strides: Sequence[int] = (1, 1),
            padding: str | Sequence[tuple[int, int]] = "SAME",
            dilation: Sequence[int] = (1, 1), feature_group_count: int = 1,
-           dtype: Any = None, precision=None) -> jax.Array:
+           dtype: Any = None, precision=None, stack_index=None,
+           _site=None) -> jax.Array:
   """2-D convolution, NHWC input and Flax's HWIO kernel `(kh, kw, in, out)`.
 
   `A` is built from im2col patches (see `factors.conv_patches`), `G` from the
   output cotangents at every output pixel. Grouped or depthwise convolutions
   have no Kronecker-factored form here and raise an error.
+  `stack_index`: `kernel` (and `bias`) are stacked leaves `[*stack, ...]` and
+  the tag applies block `kernel[stack_index]` (see the module docstring).
   """
+  kernel, bias, site = _block_of(kernel, bias, stack_index, _site)
   if feature_group_count != 1:
     raise ValueError(
         f"kd.tags.conv2d: grouped/depthwise convolutions (feature_group_count="
@@ -261,12 +333,12 @@ def conv2d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
             "G": factors.output_factor(g, forms["G"])}
 
   kh, kw, cin, cout = kernel.shape
-  return _tagged("conv2d", name, apply, stats, x, kernel, bias,
+  return _tagged("conv2d", name, apply, stats, x, kernel, bias, site,
                  a_dim=kh * kw * cin + (bias is not None), g_dim=cout)
 
 
 def embed(ids: jax.Array, table: jax.Array, *, name: str | None = None,
-          dtype: Any = None) -> jax.Array:
+          dtype: Any = None, stack_index=None, _site=None) -> jax.Array:
   """Embedding lookup `table[ids]` (`jnp.take` along axis 0, like Flax's Embed).
 
   K-FAC sees a Dense layer without bias on one-hot inputs: the table `[V, d]`
@@ -274,7 +346,10 @@ def embed(ids: jax.Array, table: jax.Array, *, name: str | None = None,
   returned as the vector `[V]` (never `V × V`; recorded `a_diagonal=True`),
   and `G` is Dense's from the output cotangents. Every position of `ids` (any
   shape) is an example, as for Dense.
+  `stack_index`: `table` is a stacked leaf `[*stack, ...]` and
+  the tag applies block `table[stack_index]` (see the module docstring).
   """
+  table, _, site = _block_of(table, None, stack_index, _site)
   if table.ndim != 2:
     raise ValueError(f"kd.tags.embed expects a 2-D (vocab, features) table, got "
                      f"{table.shape}")
@@ -290,13 +365,14 @@ def embed(ids: jax.Array, table: jax.Array, *, name: str | None = None,
     return {"A": factors.token_frequencies(ids, vocab_size),
             "G": factors.output_factor(g, forms["G"])}
 
-  return _tagged("embed", name, apply, stats, ids, table, None,
+  return _tagged("embed", name, apply, stats, ids, table, None, site,
                  a_dim=vocab_size, g_dim=features, a_diagonal=True)
 
 
 def scale_and_shift(x: jax.Array, scale: jax.Array, offset: jax.Array | None = None, *,
                     name: str | None = None, dtype: Any = None,
-                    example_dims: int | None = None) -> jax.Array:
+                    example_dims: int | None = None, stack_index=None,
+                    _site=None) -> jax.Array:
   """`x * scale + offset` over the last axis (`x` already normalised: the
   learnable part of LayerNorm / BatchNorm).
 
@@ -313,7 +389,10 @@ def scale_and_shift(x: jax.Array, scale: jax.Array, offset: jax.Array | None = N
 
   `offset=None` (a scale-only layer) is supported: `F`'s `γβ` and `ββ` entries
   are then zero. A layer with an offset but no scale has no tag.
+  `stack_index`: `scale` (and `offset`) are stacked leaves `[*stack, ...]` and
+  the tag applies block `scale[stack_index]` (see the module docstring).
   """
+  scale, offset, site = _block_of(scale, offset, stack_index, _site)
   if scale.ndim != 1 or x.shape[-1:] != scale.shape:
     raise ValueError(f"kd.tags.scale_and_shift: scale of shape {scale.shape} does not "
                      f"match the last axis of the input {x.shape}")
@@ -334,5 +413,5 @@ def scale_and_shift(x: jax.Array, scale: jax.Array, offset: jax.Array | None = N
     del forms
     return {"F": factors.unitwise_fisher(x, g, has_offset, example_dims)}
 
-  return _tagged("scale_and_shift", name, apply, stats, x, scale, offset,
+  return _tagged("scale_and_shift", name, apply, stats, x, scale, offset, site,
                  a_dim=1 + has_offset, g_dim=scale.shape[0])

@@ -1,0 +1,630 @@
+"""Scanned / stacked layers: each block gets its own factors, exactly as unrolled.
+
+The oracle is the same model unrolled, with each block's weights a slice of the
+stacked ones: its statistics (checked against brute force in test_capture),
+gradients and K-FAC trajectory. Routes: linen `nn.scan`, NNX `nnx.vmap` +
+`nnx.scan`, plain JAX `lax.scan` with `stack_index=`, and the errors for the
+stacking that is not supported.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax import lax
+
+import kfac_jax_dist as kd
+from kfac_jax_dist.kfac import find_states
+
+L, D, C, B = 3, 4, 3, 8
+F64 = jnp.float64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _enable_x64():
+  previous = jax.config.jax_enable_x64
+  jax.config.update("jax_enable_x64", True)
+  yield
+  jax.config.update("jax_enable_x64", previous)
+
+
+def _batch():
+  x = jax.random.normal(jax.random.PRNGKey(0), (B, D), F64)
+  y = jax.random.randint(jax.random.PRNGKey(1), (B,), 0, C)
+  return x, y
+
+
+def _perturbed(params, seed=3):
+  """Non-trivial LayerNorm scales/biases (Flax initialises them to 1 and 0)."""
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+  return jax.tree_util.tree_unflatten(treedef, [
+      x + 0.3 * jax.random.normal(k, jnp.shape(x), F64) for x, k in zip(leaves, keys)])
+
+
+def _assert_close(a, b, rtol):
+  np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
+                             rtol=rtol, atol=rtol * 1e-2)
+
+
+def _train(loss_fn, params, batch, steps=4):
+  """A few kd.kfac steps (factor and decomposition updates included)."""
+  grad_fn = kd.value_and_grad(loss_fn)
+  tx = kd.kfac(0.1, layers=grad_fn.discover(params, *batch), damping=0.1,
+               inverse_update_every=2, factor_dtype=F64)
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state):
+    _, grads, stats = grad_fn(params, *batch, opt_state=state)
+    updates, state = tx.update(grads, state, params, kfac_stats=stats)
+    return optax.apply_updates(params, updates), state
+
+  for _ in range(steps):
+    params, state = step(params, state)
+  return params, state
+
+
+def _check_stacked_stats(stacked, unrolled, pairs):
+  """`pairs`: (stacked layer name, unrolled name of block i as a function of i)."""
+  for name, block_name in pairs:
+    for key, value in stacked[name].items():
+      assert value.shape[0] == L, (name, key, value.shape)
+      for i in range(L):
+        _assert_close(value[i], unrolled[block_name(i)][key], 1e-10)
+
+
+# ---------------------------------------------------------------------------
+# linen: nn.scan
+# ---------------------------------------------------------------------------
+
+class LinenBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x, _=None):
+    h = kd.linen.Dense(D, param_dtype=F64)(x)
+    return kd.linen.LayerNorm(param_dtype=F64)(jnp.tanh(h)), None
+
+
+class LinenScanned(nn.Module):
+  variable_axes: int = 0
+
+  @nn.compact
+  def __call__(self, x):
+    blocks = nn.scan(LinenBlock, variable_axes={"params": self.variable_axes},
+                     split_rngs={"params": True}, length=L)
+    x, _ = blocks(name="blocks")(x, None)
+    return kd.linen.Dense(C, param_dtype=F64)(x)
+
+
+class LinenUnrolled(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    for i in range(L):
+      x, _ = LinenBlock(name=f"block_{i}")(x)
+    return kd.linen.Dense(C, param_dtype=F64)(x)
+
+
+def _linen_problem():
+  x, y = _batch()
+  stacked = _perturbed(LinenScanned().init(jax.random.PRNGKey(2), x)["params"])
+  unrolled = {f"block_{i}": jax.tree.map(lambda a, i=i: a[i], stacked["blocks"])
+              for i in range(L)}
+  unrolled["Dense_0"] = stacked["Dense_0"]
+
+  def loss_scanned(p, x, y):
+    return kd.losses.softmax_cross_entropy(LinenScanned().apply({"params": p}, x), y)
+
+  def loss_unrolled(p, x, y):
+    return kd.losses.softmax_cross_entropy(LinenUnrolled().apply({"params": p}, x), y)
+  return (loss_scanned, stacked), (loss_unrolled, unrolled), (x, y)
+
+
+def test_linen_scan_matches_unrolled():
+  (loss_s, params_s), (loss_u, params_u), batch = _linen_problem()
+  layers = kd.value_and_grad(loss_s).discover(params_s, *batch)
+  by_name = {layer.name: layer for layer in layers}
+  assert set(by_name) == {"blocks/Dense_0", "blocks/LayerNorm_0", "Dense_0"}
+  dense = by_name["blocks/Dense_0"]
+  assert (dense.stack, dense.kernel_path, dense.kernel_shape) == (
+      (L,), "blocks/Dense_0/kernel", (D, D))
+  assert [b.name for b in dense.blocks()] == [f"blocks/Dense_0/{i}" for i in range(L)]
+  assert by_name["blocks/LayerNorm_0"].stack == (L,)
+  assert by_name["Dense_0"].stack == ()
+
+  (loss, grads, stats) = jax.jit(kd.value_and_grad(loss_s))(params_s, *batch)
+  (ref_loss, ref_grads, ref_stats) = jax.jit(kd.value_and_grad(loss_u))(params_u, *batch)
+  _assert_close(loss, ref_loss, 1e-12)
+  # The user's gradients: the parameters' structure, no probes.
+  assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(params_s)
+  for i in range(L):
+    jax.tree.map(lambda a, b, i=i: _assert_close(a[i], b, 1e-10), grads["blocks"],
+                 ref_grads[f"block_{i}"])
+  _check_stacked_stats(stats, ref_stats, [
+      ("blocks/Dense_0", lambda i: f"block_{i}/Dense_0"),
+      ("blocks/LayerNorm_0", lambda i: f"block_{i}/LayerNorm_0")])
+  _assert_close(stats["Dense_0"]["A"], ref_stats["Dense_0"]["A"], 1e-10)
+
+  got, state = _train(loss_s, params_s, batch)
+  want, _ = _train(loss_u, params_u, batch)
+  for i in range(L):      # float32 statistics, compiled differently
+    jax.tree.map(lambda a, b, i=i: _assert_close(a[i], b, 1e-6), got["blocks"],
+                 want[f"block_{i}"])
+  _assert_close(got["Dense_0"]["kernel"], want["Dense_0"]["kernel"], 1e-6)
+  kstate = find_states(state)[0]
+  assert len(kstate.layout.plans) == 2 * L + 1 and not kstate.layout.passthrough
+  table = kd.describe(kstate, print_table=False)
+  assert "blocks/Dense_0/2" in table and "blocks/Dense_0/kernel[2]" in table
+  running = kd.running_factors(kstate)
+  assert running["blocks/Dense_0/1"]["A"].shape == (D + 1, D + 1)
+
+
+def test_linen_scan_skip_and_sparse_statistics():
+  """`skip` takes a stacked layer's blocks together; diagonal factors stack too."""
+  (loss_s, params_s), _, batch = _linen_problem()
+  grad_fn = kd.value_and_grad(loss_s)
+  layers = grad_fn.discover(params_s, *batch)
+  tx = kd.scale_by_kfac(layers, skip=["LayerNorm"], max_factor_dim=4)
+  state = tx.init(params_s)
+  assert state.layout.skipped == ("blocks/LayerNorm_0",)
+  _, grads, stats = jax.jit(grad_fn)(params_s, *batch, opt_state=state)
+  assert "blocks/LayerNorm_0" not in stats
+  assert stats["blocks/Dense_0"]["A"].shape == (L, D + 1)      # diagonal: 5 > 4
+  assert stats["blocks/Dense_0"]["G"].shape == (L, D, D)
+  updates, _ = jax.jit(tx.update)(grads, state, params_s, kfac_stats=stats)
+  _assert_close(updates["blocks"]["LayerNorm_0"]["scale"],
+                grads["blocks"]["LayerNorm_0"]["scale"], 1e-12)
+
+
+# ---------------------------------------------------------------------------
+# NNX: nnx.vmap-created blocks applied with nnx.scan
+# ---------------------------------------------------------------------------
+
+class NnxBlock(nnx.Module):
+  def __init__(self, rngs):
+    self.lin = kd.nnx.Linear(D, D, param_dtype=F64, rngs=rngs)
+    self.ln = kd.nnx.LayerNorm(D, param_dtype=F64, rngs=rngs)
+
+  def __call__(self, x):
+    return self.ln(jnp.tanh(self.lin(x)))
+
+
+class NnxScanned(nnx.Module):
+  def __init__(self, rngs):
+    @nnx.split_rngs(splits=L)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+      return NnxBlock(rngs)
+
+    self.blocks = create(rngs)
+    self.out = kd.nnx.Linear(D, C, param_dtype=F64, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def body(x, block):
+      return block(x)
+
+    return self.out(body(x, self.blocks))
+
+
+class NnxUnrolled(nnx.Module):
+  def __init__(self, rngs):
+    for i in range(L):
+      setattr(self, f"block_{i}", NnxBlock(rngs))
+    self.out = kd.nnx.Linear(D, C, param_dtype=F64, rngs=rngs)
+
+  def __call__(self, x):
+    for i in range(L):
+      x = getattr(self, f"block_{i}")(x)
+    return self.out(x)
+
+
+def test_nnx_scan_matches_unrolled():
+  x, y = _batch()
+  graph_s, params_s = nnx.split(NnxScanned(nnx.Rngs(0)), nnx.Param)
+  graph_u, params_u = nnx.split(NnxUnrolled(nnx.Rngs(1)), nnx.Param)
+  pure = _perturbed(nnx.to_pure_dict(params_s))
+  nnx.replace_by_pure_dict(params_s, pure)
+  pure_u = {f"block_{i}": jax.tree.map(lambda a, i=i: a[i], pure["blocks"])
+            for i in range(L)}
+  pure_u["out"] = pure["out"]
+  nnx.replace_by_pure_dict(params_u, pure_u)
+
+  def loss_s(p, x, y):
+    return kd.losses.softmax_cross_entropy(nnx.merge(graph_s, p)(x), y)
+
+  def loss_u(p, x, y):
+    return kd.losses.softmax_cross_entropy(nnx.merge(graph_u, p)(x), y)
+
+  layers = {l.name: l for l in kd.value_and_grad(loss_s).discover(params_s, x, y)}
+  assert set(layers) == {"blocks/lin", "blocks/ln", "out"}
+  assert layers["blocks/lin"].stack == (L,) and layers["blocks/ln"].stack == (L,)
+  assert layers["blocks/lin"].kernel_shape == (D, D)
+
+  loss, grads, stats = jax.jit(kd.value_and_grad(loss_s))(params_s, x, y)
+  ref_loss, ref_grads, ref_stats = jax.jit(kd.value_and_grad(loss_u))(params_u, x, y)
+  _assert_close(loss, ref_loss, 1e-12)
+  assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(params_s)
+  grads, ref_grads = nnx.to_pure_dict(grads), nnx.to_pure_dict(ref_grads)
+  for i in range(L):
+    jax.tree.map(lambda a, b, i=i: _assert_close(a[i], b, 1e-10), grads["blocks"],
+                 ref_grads[f"block_{i}"])
+  _check_stacked_stats(stats, ref_stats, [("blocks/lin", lambda i: f"block_{i}/lin"),
+                                          ("blocks/ln", lambda i: f"block_{i}/ln")])
+
+  got, _ = _train(loss_s, params_s, (x, y))
+  want, _ = _train(loss_u, params_u, (x, y))
+  got, want = nnx.to_pure_dict(got), nnx.to_pure_dict(want)
+  for i in range(L):
+    jax.tree.map(lambda a, b, i=i: _assert_close(a[i], b, 1e-6), got["blocks"],
+                 want[f"block_{i}"])
+
+
+# ---------------------------------------------------------------------------
+# Ensembles: nn.vmap / nnx.vmap over stacked members (same input for each)
+# ---------------------------------------------------------------------------
+
+class LinenEnsemble(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    members = nn.vmap(kd.linen.Dense, variable_axes={"params": 0},
+                      split_rngs={"params": True}, in_axes=None, axis_size=L)
+    h = jnp.tanh(members(D, param_dtype=F64, name="members")(x))      # [L, B, D]
+    return kd.linen.Dense(C, param_dtype=F64, name="out")(h.sum(0))
+
+
+class NnxEnsemble(nnx.Module):
+  def __init__(self, rngs):
+    @nnx.split_rngs(splits=L)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+      return kd.nnx.Linear(D, D, param_dtype=F64, rngs=rngs)
+
+    self.members = create(rngs)
+    self.out = kd.nnx.Linear(D, C, param_dtype=F64, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.vmap(in_axes=(0, None), out_axes=0)
+    def run(member, x):
+      return jnp.tanh(member(x))
+
+    return self.out(run(self.members, x).sum(0))
+
+
+def _ensemble_unrolled(p, x, y):
+  h = sum(jnp.tanh(kd.tags.dense(x, p[f"m{i}"]["kernel"], p[f"m{i}"]["bias"]))
+          for i in range(L))
+  logits = kd.tags.dense(h, p["out"]["kernel"], p["out"]["bias"])
+  return kd.losses.softmax_cross_entropy(logits, y)
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_vmapped_ensemble_matches_unrolled(api):
+  x, y = _batch()
+  if api == "linen":
+    params = LinenEnsemble().init(jax.random.PRNGKey(2), x)["params"]
+    pure = params
+
+    def loss_fn(p, x, y):
+      return kd.losses.softmax_cross_entropy(LinenEnsemble().apply({"params": p}, x), y)
+  else:
+    graph, params = nnx.split(NnxEnsemble(nnx.Rngs(0)), nnx.Param)
+    pure = nnx.to_pure_dict(params)
+
+    def loss_fn(p, x, y):
+      return kd.losses.softmax_cross_entropy(nnx.merge(graph, p)(x), y)
+  unrolled = {f"m{i}": jax.tree.map(lambda a, i=i: a[i], pure["members"])
+              for i in range(L)}
+  unrolled["out"] = pure["out"]
+  layers = {l.name: l.stack for l in kd.value_and_grad(loss_fn).discover(params, x, y)}
+  assert layers == {"members": (L,), "out": ()}
+  _, _, stats = jax.jit(kd.value_and_grad(loss_fn))(params, x, y)
+  _, _, ref = jax.jit(kd.value_and_grad(_ensemble_unrolled))(unrolled, x, y)
+  _check_stacked_stats(stats, ref, [("members", lambda i: f"m{i}")])
+
+
+# ---------------------------------------------------------------------------
+# Plain JAX: lax.scan over stacked weights with stack_index=
+# ---------------------------------------------------------------------------
+
+def _plain_params():
+  keys = jax.random.split(jax.random.PRNGKey(4), 4)
+  return {"blocks": {"dense": {"kernel": jax.random.normal(keys[0], (L, D, D), F64) / 2,
+                               "bias": jax.random.normal(keys[1], (L, D), F64) / 4},
+                     "norm": {"scale": 1 + jax.random.normal(keys[2], (L, D), F64) / 4}},
+          "out": {"kernel": jax.random.normal(keys[3], (D, C), F64)}}
+
+
+def _plain_block(p, h, i):
+  h = jnp.tanh(kd.tags.dense(h, p["dense"]["kernel"], p["dense"]["bias"], stack_index=i))
+  return kd.tags.scale_and_shift(h, p["norm"]["scale"], stack_index=i)
+
+
+def _plain_loss(loop):
+  def loss_fn(p, x, y):
+    if loop == "scan":
+      h, _ = lax.scan(lambda h, i: (_plain_block(p["blocks"], h, i), None), x,
+                      jnp.arange(L))
+    elif loop == "fori":
+      h = lax.fori_loop(0, L, lambda i, h: _plain_block(p["blocks"], h, i), x)
+    else:                                   # Python loop, concrete indices
+      h = x
+      for i in range(L):
+        h = _plain_block(p["blocks"], h, i)
+    logits = kd.tags.dense(h, p["out"]["kernel"])
+    return kd.losses.softmax_cross_entropy(logits, y)
+  return loss_fn
+
+
+def _plain_unrolled(p, x, y):
+  h = x
+  for i in range(L):
+    b = p[f"block_{i}"]
+    h = jnp.tanh(kd.tags.dense(h, b["dense"]["kernel"], b["dense"]["bias"]))
+    h = kd.tags.scale_and_shift(h, b["norm"]["scale"])
+  return kd.losses.softmax_cross_entropy(kd.tags.dense(h, p["out"]["kernel"]), y)
+
+
+@pytest.mark.parametrize("loop", ["scan", "fori", "python"])
+def test_plain_stack_index_matches_unrolled(loop):
+  x, y = _batch()
+  params = _plain_params()
+  unrolled = {f"block_{i}": jax.tree.map(lambda a, i=i: a[i], params["blocks"])
+              for i in range(L)}
+  unrolled["out"] = params["out"]
+  grad_fn = kd.value_and_grad(_plain_loss(loop))
+  layers = {l.name: l for l in grad_fn.discover(params, x, y)}
+  assert set(layers) == {"blocks/dense", "blocks/norm", "out"}
+  assert layers["blocks/dense"].stack == (L,) and layers["blocks/norm"].stack == (L,)
+  assert layers["blocks/dense"].bias_path == "blocks/dense/bias"
+  assert layers["blocks/dense"].kernel_shape == (D, D)
+
+  loss, grads, stats = jax.jit(grad_fn)(params, x, y)
+  ref_loss, ref_grads, ref_stats = jax.jit(kd.value_and_grad(_plain_unrolled))(
+      unrolled, x, y)
+  _assert_close(loss, ref_loss, 1e-12)
+  _check_stacked_stats(stats, ref_stats, [
+      ("blocks/dense", lambda i: f"block_{i}/dense"),
+      ("blocks/norm", lambda i: f"block_{i}/norm")])
+  for i in range(L):
+    jax.tree.map(lambda a, b, i=i: _assert_close(a[i], b, 1e-10), grads["blocks"],
+                 ref_grads[f"block_{i}"])
+
+  if loop == "scan":
+    got, _ = _train(_plain_loss(loop), params, (x, y))
+    want, _ = _train(_plain_unrolled, unrolled, (x, y))
+    for i in range(L):
+      jax.tree.map(lambda a, b, i=i: _assert_close(a[i], b, 1e-6), got["blocks"],
+                   want[f"block_{i}"])
+
+
+# ---------------------------------------------------------------------------
+# What is not supported raises, naming the layer.
+# ---------------------------------------------------------------------------
+
+def test_stack_axis_must_be_leading():
+  x, y = _batch()
+  model = LinenScanned(variable_axes=1)
+  params = model.init(jax.random.PRNGKey(2), x)["params"]
+  assert params["blocks"]["Dense_0"]["kernel"].shape == (D, L, D)
+
+  def loss_fn(p, x, y):
+    return kd.losses.softmax_cross_entropy(model.apply({"params": p}, x), y)
+  with pytest.raises(ValueError, match="leading axes"):
+    kd.value_and_grad(loss_fn).discover(params, x, y)
+
+
+def test_weights_shared_across_scan_iterations_raise():
+  class Shared(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      blocks = nn.scan(LinenBlock, variable_broadcast="params",
+                       split_rngs={"params": False}, length=L)
+      x, _ = blocks(name="blocks")(x, None)
+      return kd.linen.Dense(C)(x)
+
+  x, y = _batch()
+  params = Shared().init(jax.random.PRNGKey(2), x)["params"]
+
+  def loss_fn(p, x, y):
+    return kd.losses.softmax_cross_entropy(Shared().apply({"params": p}, x), y)
+  with pytest.raises(ValueError, match="ran twice.*variable_broadcast"):
+    kd.value_and_grad(loss_fn).discover(params, x, y)
+
+
+def test_plain_scan_over_slices_needs_stack_index():
+  x, y = _batch()
+  params = _plain_params()
+
+  def loss_fn(p, x, y):
+    def body(h, w):
+      return jnp.tanh(kd.tags.dense(h, w["kernel"], w["bias"])), None
+    h, _ = lax.scan(body, x, p["blocks"]["dense"])
+    return kd.losses.softmax_cross_entropy(kd.tags.dense(h, p["out"]["kernel"]), y)
+  with pytest.raises(ValueError, match="stack_index"):
+    kd.value_and_grad(loss_fn).discover(params, x, y)
+
+
+def test_stacked_layer_applied_twice_by_traced_index_raises():
+  x, y = _batch()
+  params = _plain_params()
+
+  def loss_fn(p, x, y):
+    h = x
+    for _ in range(2):                      # the whole stack, twice
+      h = lax.fori_loop(0, L, lambda i, h: _plain_block(p["blocks"], h, i), h)
+    return kd.losses.softmax_cross_entropy(kd.tags.dense(h, p["out"]["kernel"]), y)
+  with pytest.raises(ValueError, match="ran twice"):
+    kd.value_and_grad(loss_fn).discover(params, x, y)
+
+
+def test_nnx_pure_dict_state_raises():
+  """Stacked NNX layers need the nnx.State (its Variables carry their paths)."""
+  x, y = _batch()
+  graph, state = nnx.split(NnxScanned(nnx.Rngs(0)), nnx.Param)
+  pure = nnx.to_pure_dict(state)
+
+  def loss_fn(p, x, y):
+    s = jax.tree.map(lambda v: v, state)
+    nnx.replace_by_pure_dict(s, p)
+    return kd.losses.softmax_cross_entropy(nnx.merge(graph, s)(x), y)
+  with pytest.raises(ValueError, match="not a leaf"):
+    kd.value_and_grad(loss_fn).discover(pure, x, y)
+
+
+def test_loss_that_drops_the_probes_raises():
+  (_, params_s), _, (x, y) = _linen_problem()
+
+  def loss_fn(p, x, y):                      # rebuilds the tree from known keys
+    p = jax.tree.map(lambda a: a, {"blocks": {k: {n: v for n, v in d.items()
+                                                   if n in ("kernel", "bias", "scale")}
+                                              for k, d in p["blocks"].items()},
+                                   "Dense_0": p["Dense_0"]})
+    return kd.losses.softmax_cross_entropy(LinenScanned().apply({"params": p}, x), y)
+  with pytest.raises(ValueError, match="ran without its probes"):
+    kd.value_and_grad(loss_fn)(params_s, x, y)
+
+
+def test_stacked_statistics_of_wrong_shape_raise():
+  (loss_s, params_s), _, batch = _linen_problem()
+  grad_fn = kd.value_and_grad(loss_s)
+  tx = kd.scale_by_kfac(grad_fn.discover(params_s, *batch))
+  state = tx.init(params_s)
+  _, grads, stats = jax.jit(grad_fn)(params_s, *batch)
+  stats["blocks/Dense_0"] = {k: v[:2] for k, v in stats["blocks/Dense_0"].items()}
+  with pytest.raises(ValueError, match="stack axes"):
+    tx.update(grads, state, params_s, kfac_stats=stats)
+
+
+# ---------------------------------------------------------------------------
+# A small Transformer with nn.scan'd blocks (attention projections are
+# DenseGeneral kernels [d, heads, head_dim]), and distribution.
+# ---------------------------------------------------------------------------
+
+class TransformerBlock(nn.Module):
+  """Post-LN block: attention (DenseGeneral projections), then an MLP."""
+
+  @nn.compact
+  def __call__(self, x, _=None):
+    heads, d = 2, x.shape[-1]
+    q, k, v = (kd.linen.DenseGeneral((heads, d // heads), name=n)(x) for n in "qkv")
+    att = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // heads))
+    o = jnp.einsum("bhqk,bkhd->bqhd", att, v)
+    x = kd.linen.LayerNorm()(x + kd.linen.DenseGeneral(d, axis=(-2, -1), name="o")(o))
+    h = kd.linen.Dense(2 * d)(x)
+    return kd.linen.LayerNorm()(x + kd.linen.Dense(d)(nn.gelu(h))), None
+
+
+class TinyLM(nn.Module):
+  scanned: bool = True
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = kd.linen.Embed(11, 8)(tokens)
+    if self.scanned:
+      blocks = nn.scan(TransformerBlock, variable_axes={"params": 0},
+                       split_rngs={"params": True}, length=2)
+      x, _ = blocks(name="blocks")(x, None)
+    else:
+      for i in range(2):
+        x, _ = TransformerBlock(name=f"block_{i}")(x)
+    return kd.linen.Dense(11)(x)
+
+
+def _lm_problem(scanned=True):
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (16, 6), 0, 11)
+  params = TinyLM().init(jax.random.PRNGKey(0), tokens[:, :-1])["params"]
+  if not scanned:
+    blocks = params.pop("blocks")
+    params.update({f"block_{i}": jax.tree.map(lambda a, i=i: a[i], blocks)
+                   for i in range(2)})
+
+  def loss_fn(p, tokens):
+    logits = TinyLM(scanned).apply({"params": p}, tokens[:, :-1])
+    return kd.losses.softmax_cross_entropy(logits, tokens[:, 1:])
+  return loss_fn, params, (tokens,)
+
+
+def _mlp_problem():
+  (loss_fn, params), _, batch = _linen_problem()
+  return loss_fn, params, batch
+
+
+def _train_float32(problem, dist=None, steps=3):
+  loss_fn, params, batch = problem
+  grad_fn = kd.value_and_grad(loss_fn)
+  tx = kd.kfac(0.05, layers=grad_fn.discover(params, *batch), damping=0.1,
+               inverse_update_every=2, distribution=dist)
+  state = tx.init(params)
+
+  def step(params, state, *batch):
+    _, grads, stats = grad_fn(params, *batch, opt_state=state)
+    if dist is not None and dist.gradient_reduction == "none":
+      grads = jax.lax.pmean(grads, "data")
+    updates, state = tx.update(grads, state, params, kfac_stats=stats)
+    return optax.apply_updates(params, updates), state
+
+  if dist is None:
+    step = jax.jit(step)
+  else:
+    from jax.sharding import PartitionSpec as P
+    state = kd.shard_state(state, dist.mesh)
+    specs = kd.partition_specs(state)
+    step = jax.jit(jax.shard_map(
+        step, mesh=dist.mesh, in_specs=(P(), specs) + (P("data"),) * len(batch),
+        out_specs=(P(), specs)))
+  for _ in range(steps):
+    params, state = step(params, state, *batch)
+  return params, state
+
+
+def test_scanned_transformer_matches_unrolled():
+  with jax.enable_x64(False):
+    got, state = _train_float32(_lm_problem())
+    want, _ = _train_float32(_lm_problem(scanned=False))
+  kstate = find_states(state)[0]
+  assert not kstate.layout.passthrough, kd.describe(kstate, print_table=False)
+  stacked = {p.layer.stack_name for p in kstate.layout.plans if p.layer.stack_name}
+  assert stacked == {f"blocks/{n}" for n in
+                     ("q", "k", "v", "o", "Dense_0", "Dense_1", "LayerNorm_0",
+                      "LayerNorm_1")}
+  for i in range(2):
+    jax.tree.map(lambda a, b, i=i: np.testing.assert_allclose(a[i], b, rtol=2e-4,
+                                                              atol=2e-6),
+                 got["blocks"], want[f"block_{i}"])
+
+
+def _strategies():
+  """(problem, grad_worker_fraction, factor_reduction, gradient_reduction)."""
+  yield pytest.param("mlp", 1 / 8, "reduce_scatter", "reduce_scatter",
+                     id="mlp-MEM-SPNGD")
+  for fraction, name in ((1.0, "COMM"), (0.25, "HYBRID"), (1 / 8, "MEM")):
+    for factors in ("reduce_scatter", "all_reduce"):
+      yield pytest.param("transformer", fraction, factors, "none",
+                         id=f"transformer-{name}-{factors}", marks=pytest.mark.slow)
+  yield pytest.param("transformer", 1 / 8, "reduce_scatter", "reduce_scatter",
+                     id="transformer-MEM-SPNGD", marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("problem,fraction,factor_reduction,gradient_reduction",
+                         list(_strategies()))
+def test_distributed_scanned_equals_single_device(problem, fraction, factor_reduction,
+                                                  gradient_reduction):
+  from jax.sharding import Mesh
+  make = _mlp_problem if problem == "mlp" else _lm_problem
+  mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+  dist = kd.Distribution(mesh, grad_worker_fraction=fraction,
+                         factor_reduction=factor_reduction,
+                         gradient_reduction=gradient_reduction)
+  with jax.enable_x64(problem == "mlp"):
+    got, state = _train_float32(make(), dist)
+    want, _ = _train_float32(make())
+  owners = {place.owner for plan in find_states(state)[0].layout.plans
+            if plan.layer.stack_name for _, place in plan.places}
+  assert len(owners) > 1                  # the blocks live on several devices
+  jax.tree.map(lambda a, b: _assert_close(a, b, 1e-5 if problem == "mlp" else 2e-4),
+               got, want)
