@@ -67,7 +67,11 @@ Targets (issue 6): kd's step time ≤ 0.7× kfac-jax's at every cadence; compile
 time ≤ 0.5×.
 
 Needs both libraries in one environment, with a jax that kfac-jax 0.0.8 still
-runs on (0.8.0 at the time of writing):
+runs on. Checked (an auto-registered MLP, init + 3 steps): it runs on jax 0.8.0,
+0.8.3, 0.9.0 and 0.9.1, and fails on 0.9.2 and 0.10.2 in its graph matcher
+(`tag_graph_matcher.eval_jaxpr_eqn`: `eqn.primitive.get_bind_params` returns
+more than two values, "ValueError: too many values to unpack"). The results
+use jax 0.8.0, the oldest jax this project supports:
 
     python -m venv /work/venv-peer
     /work/venv-peer/bin/pip install jax==0.8.0 jaxlib==0.8.0 kfac-jax flax optax \\
@@ -116,8 +120,9 @@ except Exception as e:  # pylint: disable=broad-except
   sys.exit(
       f"vs_kfac_jax.py needs DeepMind's kfac-jax importable next to kfac_jax_dist "
       f"(import failed: {type(e).__name__}: {e}).\n"
-      f"kfac-jax 0.0.8 relies on JAX internals and runs with jax 0.8.0 (this "
-      f"environment has jax {jax.__version__}). Make an environment with both, "
+      f"kfac-jax 0.0.8 relies on JAX internals and runs with jax 0.8.0-0.9.1, not "
+      f"0.9.2+ (this environment has jax {jax.__version__}). Make an environment "
+      f"with both, "
       f"e.g.:\n"
       f"  python -m venv /work/venv-peer\n"
       f"  /work/venv-peer/bin/pip install jax==0.8.0 jaxlib==0.8.0 kfac-jax flax "
@@ -636,6 +641,9 @@ def markdown(results, env, args, pieces, profiles, checks) -> str:
       "(shared with other jobs: the ratios, measured side by side, are the result; "
       "absolute ms are not); threads: "
       f"{env['threads_env'] or 'defaults'}",
+      "- kfac-jax 0.0.8 runs on jax 0.8.0-0.9.1 (checked: 0.8.0, 0.8.3, 0.9.0, 0.9.1) "
+      "and fails on 0.9.2 and 0.10.2 in its graph matcher (`get_bind_params` now "
+      "returns more values); both libraries run on jax 0.8.0 here.",
       f"- sklearn digits, batch {BATCH}, float32; momentum {MOMENTUM}, curvature EMA "
       f"{FACTOR_DECAY}, exact damped inverse via eigh on both sides, no KL clip / "
       "norm constraint, nothing adaptive; (η, γ) in kd's units: "
