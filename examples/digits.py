@@ -26,6 +26,25 @@ binding, the step length is set by `--kl-clip` more than by `--kfac-lr`.
     python examples/digits.py                   # about a minute on 2 CPU cores
     python examples/digits.py --seed 1 --out /tmp/digits
 
+Distributed K-FAC: `--devices N` trains data parallel over N devices (N host
+CPU devices, made with `XLA_FLAGS=--xla_force_host_platform_device_count=N`
+before jax starts): every step runs under `jax.shard_map` over a mesh axis
+"data", each device taking `batch/N` examples, and K-FAC gets a
+`kd.Distribution` for each `--strategy`:
+
+    comm    COMM-OPT (KAISA), grad_worker_fraction 1: second-order state replicated
+    mem     MEM-OPT, fraction 1/N: state sharded, preconditioned gradients all-gathered
+    hybrid  HYBRID-OPT, fraction 1/2: second-order state sharded 2 ways, replicated N/2
+    dp      DP-KFAC: MEM-OPT whose owners use their local batch (no factor traffic)
+
+    python examples/digits.py --devices 8 --strategy comm mem hybrid dp
+
+COMM, MEM and HYBRID give the same updates as one device (to float32
+rounding); DP-KFAC's factors come from 1/N of the batch, by design. The
+baselines average their gradients with `lax.pmean` over the same mesh. On a
+2-core machine N virtual devices share the cores, so compare steps, not
+seconds.
+
 Writes `metrics.csv` (one row per evaluation) and `digits.png` (test accuracy
 against step and against seconds, one curve per method) into `--out`.
 """
@@ -36,7 +55,29 @@ import argparse
 import csv
 import dataclasses
 import os
+import sys
 import time
+
+
+def _devices_from_argv(argv) -> int:
+  """`--devices N` / `--devices=N` of the command line, read before jax starts."""
+  for i, arg in enumerate(argv):
+    try:
+      if arg == "--devices" and i + 1 < len(argv):
+        return int(argv[i + 1])
+      if arg.startswith("--devices="):
+        return int(arg.split("=", 1)[1])
+    except ValueError:
+      return 1                        # argparse reports the bad value
+  return 1
+
+
+# N host CPU devices must be requested before jax initialises its backends
+# (harmless on a machine with accelerators: it only adds CPU devices).
+_N = _devices_from_argv(sys.argv[1:])
+if _N > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             f" --xla_force_host_platform_device_count={_N}").strip()
 
 # jax's CPU eigh calls OpenBLAS's LAPACK, whose worker threads make a 513x513
 # eigh slower and erratic on a few busy cores (seconds instead of ~30 ms).
@@ -47,6 +88,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 import matplotlib  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -100,13 +142,80 @@ class Result:
     return None
 
 
+STRATEGIES = {  # --strategy: (name, gradient workers per layer of N devices, factors)
+    "comm": ("COMM-OPT", lambda n: n, "reduce_scatter"),
+    "mem": ("MEM-OPT", lambda n: 1, "reduce_scatter"),
+    "hybrid": ("HYBRID", lambda n: n // 2, "reduce_scatter"),
+    "dp": ("DP-KFAC", lambda n: 1, "local"),
+}
+
+
+def distribution(strategy: str, mesh) -> kd.Distribution:
+  """The `kd.Distribution` of a `--strategy` over `mesh`'s axis "data"."""
+  n = mesh.shape["data"]
+  _, workers, factor_reduction = STRATEGIES[strategy]
+  if strategy == "hybrid" and n % 2:
+    raise SystemExit(f"--strategy hybrid needs an even number of devices, got {n}")
+  return kd.Distribution(mesh, axis="data", grad_worker_fraction=workers(n) / n,
+                         factor_reduction=factor_reduction)
+
+
+def _varying(tree):
+  """Marks replicated values as varying over "data" inside shard_map, so that
+  `jax.grad` returns each device's local gradient (no automatic psum)."""
+  if hasattr(jax.lax, "pcast"):
+    return jax.tree.map(lambda v: jax.lax.pcast(v, ("data",), to="varying"), tree)
+  return jax.tree.map(lambda v: jax.lax.pvary(v, ("data",)), tree)
+
+
+def sharded_step(tx, loss_fn, use_kfac, mesh, opt_state, data, key, fisher):
+  """The training step under `jax.shard_map` over `mesh` (data parallel):
+  `(params, opt_state, idx, t)`, the global batch `idx` split over the devices."""
+  x_train, y_train = data
+  grad_fn = kd.value_and_grad(loss_fn, fisher=fisher)
+  specs = (kd.partition_specs(opt_state) if use_kfac
+           else jax.tree.map(lambda _: P(), opt_state))
+
+  def local_step(params, opt_state, x, y, t):
+    if use_kfac:
+      # This device's rows: its loss, gradients and curvature statistics.
+      rng = jax.random.fold_in(jax.random.fold_in(key, t), jax.lax.axis_index("data"))
+      loss, grads, stats = grad_fn(params, x, y, rng=rng, opt_state=opt_state)
+    else:
+      loss, grads = jax.value_and_grad(loss_fn)(_varying(params), x, y)
+    grads, loss = jax.lax.pmean((grads, loss), "data")
+    if use_kfac:
+      updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats)
+    else:
+      updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  local_step = jax.shard_map(local_step, mesh=mesh,
+                             in_specs=(P(), specs, P("data"), P("data"), P()),
+                             out_specs=(P(), specs, P()))
+
+  @jax.jit
+  def step(params, opt_state, idx, t):
+    return local_step(params, opt_state, x_train[idx], y_train[idx], t)
+  return step
+
+
 def train(name, tx, params, data, batches, eval_every, use_kfac, loss_fn,
-          fisher="empirical", seed=0):
-  """Trains from `params` on `batches`; returns the test-accuracy curve."""
+          fisher="empirical", seed=0, mesh=None):
+  """Trains from `params` on `batches`; returns the test-accuracy curve.
+  With a `mesh`, data parallel under `jax.shard_map` over its axis "data"."""
   x_train, y_train, x_test, y_test = (jnp.asarray(a) for a in data)
   key = jax.random.PRNGKey(seed)
 
-  if use_kfac:
+  opt_state = tx.init(params)
+  if mesh is not None:
+    replicated = NamedSharding(mesh, P())
+    params = jax.device_put(params, replicated)
+    opt_state = (kd.shard_state(opt_state, mesh) if use_kfac
+                 else jax.device_put(opt_state, replicated))
+    step = sharded_step(tx, loss_fn, use_kfac, mesh, opt_state, (x_train, y_train), key,
+                        fisher)
+  elif use_kfac:
     grad_fn = kd.value_and_grad(loss_fn, fisher=fisher)
 
     @jax.jit
@@ -130,7 +239,6 @@ def train(name, tx, params, data, batches, eval_every, use_kfac, loss_fn,
     logits = CNN().apply({"params": params}, x_test)
     return jnp.mean(jnp.argmax(logits, -1) == y_test)
 
-  opt_state = tx.init(params)
   # Compile (and run once, discarding the result) before timing anything.
   jax.block_until_ready(step(params, opt_state, batches[0], 0))
   jax.block_until_ready(accuracy(params))
@@ -179,7 +287,8 @@ def save(results: list[Result], out: str, target: float) -> None:
 
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
   for r in results:
-    style = dict(lw=2.5, color="black") if r.name == "K-FAC" else dict(lw=1.3)
+    style = (dict(lw=2.5, color="black") if r.name == "K-FAC" else
+             dict(lw=2.0, ls="-.") if r.name.startswith("K-FAC") else dict(lw=1.3))
     axes[0].plot(r.steps, r.accuracy, label=r.name, **style)
     axes[1].plot(r.seconds, r.accuracy, label=r.name, **style)
   for ax, xlabel in zip(axes, ["step", "training seconds (compile excluded)"]):
@@ -226,7 +335,25 @@ def main():
   base.add_argument("--sgd-lrs", type=float, nargs="+", default=[0.03, 0.1])
   base.add_argument("--skip-baselines", action="store_true",
                     help="train K-FAC only (for tuning)")
+  dist = parser.add_argument_group("distributed K-FAC")
+  dist.add_argument("--devices", type=int, default=1,
+                    help="devices of the data axis; > 1: every method trains data "
+                         "parallel under shard_map (host CPU devices are created when "
+                         "jax starts)")
+  dist.add_argument("--strategy", nargs="+", choices=list(STRATEGIES), default=["comm"],
+                    help="K-FAC strategies to train with --devices > 1 (one run each)")
   args = parser.parse_args()
+  if args.devices < 1 or args.batch_size % args.devices:
+    parser.error(f"--batch-size {args.batch_size} is not a multiple of --devices "
+                 f"{args.devices}")
+  mesh = None
+  if args.devices > 1:
+    if jax.device_count() < args.devices:
+      parser.error(f"--devices {args.devices}: jax sees only {jax.device_count()} devices "
+                   "(was XLA_FLAGS set with a smaller device count?)")
+    mesh = Mesh(np.array(jax.devices()[:args.devices]), ("data",))
+    print(f"data parallel over {args.devices} {jax.devices()[0].platform} devices, "
+          f"{args.batch_size // args.devices} examples each")
 
   data = load_data(args.seed)
   n_train = len(data[0])
@@ -242,19 +369,27 @@ def main():
 
   layers = kd.value_and_grad(loss_fn).discover(
       params, jnp.asarray(data[0][batches[0]]), jnp.asarray(data[1][batches[0]]))
-  methods = [("K-FAC", kd.kfac(
-      args.kfac_lr, momentum=args.kfac_momentum, kl_clip=args.kl_clip or None,
-      layers=layers,
-      damping=args.damping, factor_decay=args.factor_decay,
-      factor_update_every=args.factor_every,
-      inverse_update_every=args.inverse_every), True)]
+  def kfac(distribution=None):
+    return kd.kfac(
+        args.kfac_lr, momentum=args.kfac_momentum, kl_clip=args.kl_clip or None,
+        layers=layers,
+        damping=args.damping, factor_decay=args.factor_decay,
+        factor_update_every=args.factor_every,
+        inverse_update_every=args.inverse_every, distribution=distribution)
+
+  if mesh is None:
+    methods = [("K-FAC", kfac(), True)]
+  else:
+    methods = [(f"K-FAC {STRATEGIES[s][0]}", kfac(distribution(s, mesh)), True)
+               for s in dict.fromkeys(args.strategy)]
+  suffix = f" x{args.devices}" if mesh is not None else ""
   if not args.skip_baselines:
-    methods += [(f"Adam lr={lr:g}", optax.adam(lr), False) for lr in args.adam_lrs]
-    methods += [(f"SGD+mom lr={lr:g}", optax.sgd(lr, momentum=0.9), False)
+    methods += [(f"Adam lr={lr:g}{suffix}", optax.adam(lr), False) for lr in args.adam_lrs]
+    methods += [(f"SGD+mom lr={lr:g}{suffix}", optax.sgd(lr, momentum=0.9), False)
                 for lr in args.sgd_lrs]
 
   results = [train(name, tx, params, data, batches, args.eval_every, use_kfac, loss_fn,
-                   fisher=args.fisher, seed=args.seed)
+                   fisher=args.fisher, seed=args.seed, mesh=mesh)
              for name, tx, use_kfac in methods]
   table = report(results, args.target)
   print()

@@ -35,9 +35,12 @@ or, under SLURM / Open MPI / Cloud TPU, where JAX detects the cluster itself:
     python examples/multihost.py --auto-detect --strategy hybrid
 
 The mesh is every device of every process, so P = N × (devices per host).
-Process 0 prints the loss, and with `--out DIR` every process writes the final
-parameters to `DIR/process{i}.npz` (the tests compare them with a
-single-process run of the same `train` function).
+Process 0 prints the loss and writes the loss of every step to
+`DIR/multihost.csv` and `DIR/multihost.png` (`--out DIR`, default
+examples/out; the strategies' curves coincide: they compute the same
+updates); every process writes its final parameters to `DIR/process{i}.npz`
+(the tests compare them with a single-process run of the same `train`
+function). `--out ''` writes nothing.
 """
 
 from __future__ import annotations
@@ -274,6 +277,38 @@ def run_worker(args) -> None:
   if args.out:
     os.makedirs(args.out, exist_ok=True)
     np.savez(os.path.join(args.out, f"process{me}.npz"), **results)
+    if me == 0:
+      save_curves(args.out, {name: results[f"{name}/losses"] for name, _ in runs},
+                  len(devices), jax.process_count())
+      say(f"wrote {os.path.join(args.out, 'multihost.csv')} and "
+          f"{os.path.join(args.out, 'multihost.png')}")
+
+
+def save_curves(out: str, losses: dict[str, np.ndarray], num_devices: int,
+                num_processes: int) -> None:
+  """`multihost.csv` (strategy, step, loss) and `multihost.png` (loss per step)."""
+  import csv  # pylint: disable=import-outside-toplevel
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+  with open(os.path.join(out, "multihost.csv"), "w", newline="") as f:
+    writer = csv.writer(f)
+    writer.writerow(["strategy", "step", "loss"])
+    for name, curve in losses.items():
+      writer.writerows([name, i, f"{loss:.6f}"] for i, loss in enumerate(curve))
+  fig, ax = plt.subplots(figsize=(6.5, 4))
+  for i, (name, curve) in enumerate(losses.items()):
+    ax.plot(curve, label=name, lw=2.5 - 1.2 * (i > 0), ls=("-", "--", ":", "-.")[i % 4])
+  ax.set_xlabel("step")
+  ax.set_ylabel("training loss (global batch)")
+  ax.set_title(f"K-FAC over {num_processes} processes x "
+               f"{num_devices // num_processes} devices")
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, "multihost.png"), dpi=120)
+  plt.close(fig)
 
 
 # --------------------------------------------------------------------------- #
@@ -434,8 +469,9 @@ def parse_args(argv=None):
   opt.add_argument("--inverse-update-every", type=int, default=6,
                    help="refresh the eigendecompositions every this many steps")
   opt.add_argument("--seed", type=int, default=0, help="data and initialisation seed")
-  opt.add_argument("--out", default=None,
-                   help="directory for the final parameters, process{i}.npz")
+  opt.add_argument("--out", default="examples/out",
+                   help="directory for multihost.csv / multihost.png (process 0) and the "
+                        "final parameters, process{i}.npz ('': write nothing)")
   args = parser.parse_args(argv)
   for strategy in args.strategy.split(","):
     if strategy not in STRATEGIES:
