@@ -208,9 +208,10 @@ def _varying(tree):
   return jax.tree.map(lambda v: jax.lax.pvary(v, ("data",)), tree)
 
 
-def make_step(tx, loss_fn, use_kfac: bool, mesh):
+def make_step(tx, loss_fn, use_kfac: bool, mesh=None, opt_state=None):
   """The jitted training step `(params, opt_state, batch) -> (params, opt_state,
-  loss)`: plain `jit` on one device, `jit(shard_map)` over `mesh` otherwise."""
+  loss)`: plain `jit` on one device; with a `mesh`, `jit(shard_map)` over its
+  axis "data" (`opt_state`, placed on the mesh, gives the partition specs)."""
   grad_fn = kd.value_and_grad(loss_fn)
 
   def step(params, opt_state, batch):
@@ -229,30 +230,22 @@ def make_step(tx, loss_fn, use_kfac: bool, mesh):
     return optax.apply_updates(params, updates), opt_state, loss
 
   if mesh is None:
-    return jax.jit(step), None
-  specs = None
-
-  def build(opt_state):
-    nonlocal specs
-    specs = kd.partition_specs(opt_state) if use_kfac else jax.tree.map(
-        lambda _: P(), opt_state)
-    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")),
-                                 out_specs=(P(), specs, P())))
-  return None, build
+    return jax.jit(step)
+  specs = (kd.partition_specs(opt_state) if use_kfac
+           else jax.tree.map(lambda _: P(), opt_state))
+  return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data")),
+                               out_specs=(P(), specs, P())))
 
 
-def train(name, tx, params, corpus, batches, valid_batch, eval_every, use_kfac, loss_fn,
-          mesh=None):
+def train(name, tx, params, batches, valid_batch, eval_every, use_kfac, loss_fn, mesh=None):
   """Trains from `params` on `batches` (host token windows); returns the curve."""
   opt_state = tx.init(params)
-  step, build = make_step(tx, loss_fn, use_kfac, mesh)
   if mesh is not None:
-    if use_kfac:
-      opt_state = kd.shard_state(opt_state, mesh)
-    else:
-      opt_state = jax.device_put(opt_state, jax.sharding.NamedSharding(mesh, P()))
-    params = jax.device_put(params, jax.sharding.NamedSharding(mesh, P()))
-    step = build(opt_state)
+    replicated = jax.sharding.NamedSharding(mesh, P())
+    params = jax.device_put(params, replicated)
+    opt_state = (kd.shard_state(opt_state, mesh) if use_kfac
+                 else jax.device_put(opt_state, replicated))
+  step = make_step(tx, loss_fn, use_kfac, mesh, opt_state)
   valid_batch = jnp.asarray(valid_batch)
   evaluate = jax.jit(lambda p: loss_fn(p, valid_batch))
 
@@ -458,8 +451,8 @@ def main():
       methods.append((f"AdamW lr={lr:g}" + (f" x{args.devices}" if mesh else ""),
                       optax.adamw(schedule, weight_decay=args.weight_decay), False))
 
-  results = [train(name, tx, params, corpus, batches, valid_batch, args.eval_every,
-                   use_kfac, loss_fn, mesh)
+  results = [train(name, tx, params, batches, valid_batch, args.eval_every, use_kfac,
+                   loss_fn, mesh)
              for name, tx, use_kfac in methods]
   print()
   print(report(results, args.target))
