@@ -36,6 +36,10 @@ from jax.sharding import Mesh, PartitionSpec as P
 import kfac_jax_dist as kd
 
 FACTOR_SCOPE, DECOMP_SCOPE = "kfac_factor_update", "kfac_decomposition"
+# The fault checks (04bba86): a 4-byte psum of the statistics' verdict inside a
+# `lax.cond` on `update_factors` (factor steps), and, where the gradients may
+# differ between devices (gradient_reduction != "none"), one every step.
+FAULT_SCOPE = "kfac_fault_check"
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
 
 
@@ -246,6 +250,11 @@ class Collective:
   name: str
   in_loop: bool = False
 
+  @property
+  def fault_check(self) -> bool:
+    """A psum of the K-FAC fault check (4 bytes), not factor or gradient traffic."""
+    return FAULT_SCOPE in self.op_name
+
 
 def parse_computations(hlo: str) -> tuple[dict[str, list[tuple[str, str]]], str]:
   comps, entry, current = {}, None, None
@@ -303,7 +312,8 @@ def collectives(hlo: str, num_devices: int) -> tuple[list[Collective], list[str]
   A `conditional` whose op_name holds `kfac_factor_update` (`kfac_decomposition`)
   runs its non-identity branch on factor (inverse) steps only: collectives in
   its branches ≥ 1 (the `true` branch of a `lax.cond`) are attributed to that
-  step kind. Any other conditional (e.g. a `lax.switch` on the device index)
+  step kind. So is the fault check's conditional (`kfac_fault_check`), whose
+  predicate is the state's `update_factors`: its psum runs on factor steps. Any other conditional (e.g. a `lax.switch` on the device index)
   runs one branch every step: the branch with the most bytes is counted.
   Returns (collectives, notes)."""
   comps, entry = parse_computations(hlo)
@@ -332,7 +342,8 @@ def collectives(hlo: str, num_devices: int) -> tuple[list[Collective], list[str]
         op = _OP_NAME.search(tail)
         op_name = op.group(1) if op else ""
         scoped = (DECOMP_SCOPE if DECOMP_SCOPE in op_name else
-                  FACTOR_SCOPE if FACTOR_SCOPE in op_name else None)
+                  FACTOR_SCOPE if FACTOR_SCOPE in op_name or FAULT_SCOPE in op_name
+                  else None)
         if scoped is not None:
           label = "inverse" if scoped == DECOMP_SCOPE else "factor"
           if walk(names[0], label, in_loop):
@@ -367,9 +378,15 @@ def collectives(hlo: str, num_devices: int) -> tuple[list[Collective], list[str]
   return found, notes
 
 
+def fault_bytes(found: list[Collective], step: str) -> float:
+  """Ring bytes per device of the fault-check psums that run on `step` only."""
+  return sum(c.ring for c in found if c.step == step and c.fault_check)
+
+
 def totals(found: list[Collective]) -> dict[str, dict[str, dict[str, float]]]:
   """{step kind: {collective kind: {"ring", "payload", "count"}}} for the
-  collectives that run on that kind of step only."""
+  collectives that run on that kind of step only (fault-check psums included:
+  see `fault_bytes`)."""
   out = {s: {k: {"ring": 0.0, "payload": 0, "count": 0} for k in KINDS}
          for s in ("every", "factor", "inverse")}
   for c in found:

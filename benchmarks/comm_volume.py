@@ -36,17 +36,28 @@ m gradient workers (m-1)/m·Σ(d²+d)/G; DP-KFAC no factor traffic.
 And the library's own model ("model" columns), from its layout, one term per
 collective (ring model, f32), which the HLO numbers must match:
 
-* factor step, factor_reduction="reduce_scatter": running factors are tight
-  chunks (`Layout.factor_storage == "chunked"`): psum_scatter of [P·C],
-  C = ⌈T/P⌉, T = Σ stored factor numbers: (P-1)·C, the papers' (P-1)/P·T up to
-  rounding. "all_reduce": psum of the tight buffer of all factors, 2(P-1)/P·T.
-  "local": nothing.
-* inverse step, "reduce_scatter" only: all_gather of the chunks, (P-1)·C, so
-  that each owner can read its whole factors (a factor may span chunks). This
-  term is not in the papers: KAISA's all-reduce already leaves every factor on
-  every device, and owner-segment storage ("all_reduce", "local") needs no
-  gather. It costs one more (P-1)/P·T per inverse step (with the cadence 10/100,
-  +10% of the amortised factor traffic).
+* factor step, factor_reduction="reduce_scatter": the transform picks at init
+  (`kfac._cheaper_storage`, since 69e5d57) whichever running-factor storage
+  sends fewer bytes for the cadence, k = inverse_update_every /
+  factor_update_every (here 100/10 = 10): tight chunks ("chunked") when
+  L/C > 1 + 1/k, else owner segments ("owner"); the layout column says which.
+  Chunked: psum_scatter of [P·C], C = ⌈T/P⌉, T = Σ stored factor numbers:
+  (P-1)·C, the papers' (P-1)/P·T up to rounding. Owner: psum_scatter of the
+  owner segments [P·L], L the longest owner's: (P-1)·L (`Layout.factor_shard`
+  is C or L). "all_reduce": psum of the tight buffer of all factors,
+  2(P-1)/P·T. "local": nothing.
+* inverse step, "reduce_scatter" with chunked storage only: all_gather of the
+  chunks, (P-1)·C, so that each owner can read its whole factors (a factor may
+  span chunks). This term is not in the papers: KAISA's all-reduce already
+  leaves every factor on every device, and owner-segment storage needs no
+  gather. It costs one more (P-1)·C per inverse step, which is why the
+  transform only takes chunks when (P-1)·L·k > (P-1)·C·(k+1).
+* fault checks (since 04bba86, `kfac_fault_check`): on factor steps a psum of
+  one int32 (the statistics' verdict), 2(P-1)/P·4 B, inside a `lax.cond` on
+  `update_factors` (counted in the factor column); with local gradients
+  (gradient_reduction != "none": SP-NGD fused) another such psum every step
+  (plain column). They carry no factor or gradient numbers; the checks list
+  them separately rather than folding them into the factor traffic.
 * inverse step, COMM-OPT (one owner group): the uneven all-gather of the
   second-order segments, sizes u_i = `Layout.second_sizes`: all_gather of the
   first S₂ = `uneven_prefix(u)` numbers of every segment, (P-1)·S₂, and a
@@ -143,8 +154,10 @@ def layout_info(opt_state, p: int) -> dict:
   second = sum(layout_lib._second_parts(f.dim, f.form, lay.method)[0]
                + layout_lib._second_parts(f.dim, f.form, lay.method)[1]
                for pl in lay.plans for f in C.factor_places(pl))
+  tight = max(-(-sum(lay.owner_sizes) // p), 1)
   return {"L": lay.segment, "L2": lay.second_segment, "S": size, "G": lay.num_groups,
           "m": lay.group_size, "storage": lay.factor_storage, "C": lay.factor_shard,
+          "C_tight": tight, "L_over_C": lay.segment / tight,
           "factor_buffer": p * lay.factor_shard, "factor_useful": stored,
           "owner_sizes": list(lay.owner_sizes), "second_sizes": list(lay.second_sizes),
           "group_sizes": list(group_sizes),
@@ -164,6 +177,10 @@ def library_model(info: dict, strat: C.Strategy | None, p: int, s: dict) -> dict
   if strat is None or p == 1:
     return out
   m, g = info["m"], info["G"]
+  fault = 2 * r * F32                       # psum of one int32
+  if strat.gradient_reduction != "none":
+    out["plain"].append(("fault-check psum (local gradients)", fault))
+  out["factor"].append(("fault-check psum (statistics)", fault))
   if strat.gradient_reduction == "reduce_scatter":
     out["plain"].append(("psum of untagged gradients", 2 * r * s["untagged"] * F32))
     if m == 1 < g:
@@ -183,9 +200,12 @@ def library_model(info: dict, strat: C.Strategy | None, p: int, s: dict) -> dict
     else:
       out["plain"].append((f"grad AG pieces (P-1)·S/m", (p - 1) * info["S"] / m * F32))
   t = info["factor_useful"]
-  if strat.factor_reduction == "reduce_scatter":
+  if strat.factor_reduction == "reduce_scatter" and info["storage"] == "chunked":
     out["factor"].append((f"factor RS (P-1)·C, C={info['C']}", (p - 1) * info["C"] * F32))
     out["inverse"].append((f"chunk AG (P-1)·C", (p - 1) * info["C"] * F32))
+  elif strat.factor_reduction == "reduce_scatter":
+    out["factor"].append((f"factor RS of owner segments (P-1)·L, L={info['C']}",
+                          (p - 1) * info["C"] * F32))
   elif strat.factor_reduction == "all_reduce":
     out["factor"].append(("factor AR 2(P-1)/P·T", 2 * r * t * F32))
   if g == 1:
@@ -227,7 +247,8 @@ def measure(p: int, strategies, verbose=True) -> list[dict]:
     row = {"P": p, "strategy": name, "what": strat.what if strat else "pmean + optax.sgd",
            "m": strat.group_size(p) if strat else None, "layout": info,
            "totals": tot, "notes": notes, "compile_s": time.perf_counter() - t0,
-           "collectives": [vars(c) for c in found],
+           "collectives": [dict(vars(c), fault_check=c.fault_check) for c in found],
+           "fault": {k: C.fault_bytes(found, k) for k in ("every", "factor", "inverse")},
            "formula": formulas(sizes, strat, p), "sizes": sizes,
            "model": library_model(info, strat, p, sizes)}
     for kind in ("plain", "factor", "inverse"):
@@ -287,29 +308,43 @@ def checks(rows: list[dict], p: int = 8) -> list[dict]:
         + (f", overflow {u['overflow']} numbers by one psum each (2(P-1)/P of it)"
            if u["overflow"] else " (no overflow: S is the largest size)")
         + f"; each {u['bytes'] / u['ideal']:.3f}x the "
-        f"padding-free (P-1)/P·N_tagged; the untagged parameters by psum. "
+        f"padding-free (P-1)/P·N_tagged; the untagged parameters by psum; "
+        f"included: the every-step fault-check psum of local gradients, "
+        f"{r['fault']['every']:.0f} B. "
         f"(Before tight chunks/uneven gathers: a padded G·S = {lay['grad_buffer']} buffer, "
         f"{lay['grad_buffer'] / lay['grad_useful']:.3f}x.)")
   for name in ("COMM-OPT", "MEM-OPT"):
     if name in by:
       r = by[name]
-      v = r["factor_only"]
+      flag = r["fault"]["factor"]
+      v = r["factor_only"] - flag           # factor traffic; the fault flag aside
       lay = r["layout"]
       kaisa_cfg = by.get(name + " AR full (KAISA)")
       measured_kaisa = ("" if kaisa_cfg is None else
                         f"; the library's own all_reduce of full factors sends "
-                        f"{kaisa_cfg['factor_only'] / kaisa_formula:.3f}x the formula")
+                        f"{(kaisa_cfg['factor_only'] - kaisa_cfg['fault']['factor']) / kaisa_formula:.3f}x the formula")
+      if lay["storage"] == "chunked":
+        how = (f"psum_scatter of tight chunks (chosen: L/C = {lay['L_over_C']:.3f} > 1.1), "
+               f"P·C = {p}×{lay['C']} = {lay['factor_buffer']} numbers for T = "
+               f"{lay['factor_useful']} triangle numbers "
+               f"({lay['factor_buffer'] / lay['factor_useful']:.5f}x)")
+        inv = (p - 1) * lay["C"] * F32
+        extra = (f"Inverse steps add an all_gather of the chunks, (P-1)·C = "
+                 f"{C.fmt_bytes(inv)} (KAISA's all-reduce needs none)")
+      else:
+        how = (f"psum_scatter of owner segments (chosen: L/C = {lay['L_over_C']:.3f} <= 1.1), "
+               f"P·L = {p}×{lay['C']} = {lay['factor_buffer']} numbers for T = "
+               f"{lay['factor_useful']} triangle numbers "
+               f"({lay['factor_buffer'] / lay['factor_useful']:.5f}x)")
+        inv = 0.0
+        extra = "Owner segments need no gather on inverse steps"
       add(f"{name} factor traffic (RS + symmetric) <= 0.3x KAISA full-factor all-reduce "
           f"(P={p})", f"{v / kaisa_formula:.3f}x{measured_kaisa}", "<= 0.3x",
           v <= 0.3 * kaisa_formula,
-          f"psum_scatter of tight chunks, P·C = {p}×{lay['C']} = {lay['factor_buffer']} "
-          f"numbers for T = {lay['factor_useful']} triangle numbers "
-          f"({lay['factor_buffer'] / lay['factor_useful']:.5f}x): the ideal "
-          f"Σtri/(2·Σd²) = {sizes['sum_tri'] / (2 * sizes['sum_d2']):.3f}. Inverse steps "
-          f"add an all_gather of the chunks, (P-1)·C = {C.fmt_bytes((p - 1) * lay['C'] * F32)} "
-          f"(KAISA's all-reduce needs none): with the 10/100 cadence factor traffic "
-          f"amortises to {(v / 10 + (p - 1) * lay['C'] * F32 / 100) / (kaisa_formula / 10):.3f}x "
-          f"KAISA's")
+          f"{how}: the ideal Σtri/(2·Σd²) = {sizes['sum_tri'] / (2 * sizes['sum_d2']):.3f}. "
+          f"{extra}: with the 10/100 cadence factor traffic amortises to "
+          f"{(v / 10 + inv / 100) / (kaisa_formula / 10):.3f}x KAISA's. Not counted: the "
+          f"factor-step fault-check psum of one int32, {flag:.0f} B")
   if "HYBRID" in by:
     r = by["HYBRID"]
     lay = r["layout"]
@@ -347,9 +382,30 @@ def checks(rows: list[dict], p: int = 8) -> list[dict]:
       if worst[0] < 64 else "see the model columns of the tables")
   if "DP-KFAC" in by:
     r = by["DP-KFAC"]
-    v = r["factor_only"]
-    add(f"DP-KFAC zero factor bytes (P={p})", f"{v:.0f} B", "0", v == 0,
-        "" if v == 0 else kinds_str(r["totals"], "factor"))
+    flag = r["fault"]["factor"]
+    v = r["factor_only"] - flag
+    add(f"DP-KFAC zero factor bytes (P={p})",
+        f"{v:.0f} B (+ {flag:.0f} B fault-check flag)", "0", v == 0,
+        (f"the factor step's only collective is the fault check's psum of one int32 "
+         f"(2(P-1)/P·4 = {flag:.0f} B: the devices agree whether every statistic is "
+         f"finite); no factor numbers travel" if v == 0 else
+         kinds_str(r["totals"], "factor")))
+  fr = [r for r in rows if r["P"] == p and r["strategy"] != "SGD"]
+  if fr:
+    want = 2 * (p - 1) / p * F32
+    every = sorted({r["strategy"] for r in fr if r["fault"]["every"]})
+    local = {s.name for s in C.STRATEGIES if s.gradient_reduction != "none"}
+    ok = all(abs(r["fault"]["factor"] - want) < 0.5 and r["fault"]["inverse"] == 0
+             and abs(r["fault"]["every"] - (want if r["strategy"] in local else 0)) < 0.5
+             for r in fr)
+    add(f"fault-check psums (since 04bba86), listed not hidden (P={p})",
+        f"factor steps: {want:.0f} B in every strategy; every step: {want:.0f} B in "
+        + (", ".join(every) or "none"),
+        "one int32 psum per factor step; one per step only with local gradients",
+        ok, "psum of the failure count (int32) so that all devices skip together; "
+        "included in the factor / plain columns above, left out of the factor-traffic "
+        "and DP-KFAC checks (no factor numbers); in the COMM-OPT plain step there is "
+        "none (averaged gradients are typed invariant and checked locally)")
   return out
 
 
@@ -363,14 +419,22 @@ def render(rows, chk, head) -> str:
          "factor / inverse = the extra collectives of the factor-update / decomposition "
          "conditionals (an inverse step pays plain + factor + inverse).",
          "- model = the library's collectives computed from its layout, one term per "
-         "collective (listed in the second table of each P; see the docstring): with "
-         "factor_reduction reduce_scatter the running factors are tight chunks, reduced by "
-         "a psum_scatter of (P-1)·C on factor steps and **all-gathered on inverse steps** "
-         "((P-1)·C, \"chunk AG\": each owner reads its whole factors from the chunks; not "
-         "in the papers' formulas, whose owners keep their factors in place, hence MEM-OPT's "
-         "non-zero inverse column); COMM-OPT's eigenbases and MEM-OPT's gradients go by "
-         "the uneven all_gather (prefix S by all_gather, the overflow beyond S by one psum, "
-         "the \"reduce\" entries of COMM-OPT's inverse column).",
+         "collective (listed in the second table of each P; see the docstring). With "
+         "factor_reduction reduce_scatter the transform picks the running-factor storage "
+         "that sends fewer bytes for the cadence (`kfac._cheaper_storage`, 69e5d57; "
+         "k = 100/10): tight chunks when L/C > 1 + 1/k = 1.1, reduced by a psum_scatter of "
+         "(P-1)·C on factor steps and **all-gathered on inverse steps** ((P-1)·C, "
+         "\"chunk AG\": each owner reads its whole factors from the chunks; not in the "
+         "papers' formulas, whose owners keep their factors in place), else owner "
+         "segments, (P-1)·L on factor steps and no gather (the layout table says which, "
+         "with L/C). COMM-OPT's eigenbases and MEM-OPT's gradients go by the uneven "
+         "all_gather (prefix S by all_gather, the overflow beyond S by one psum, the "
+         "\"reduce\" entries of COMM-OPT's inverse column).",
+         "- fault checks (04bba86) are in the columns: a psum of one int32 on factor steps "
+         "in every strategy (2(P-1)/P·4 B: 4, 6, 7 B at P = 2, 4, 8; the \"reduce\" ×1 "
+         "beside DP-KFAC's zero factor traffic) and one every step with local gradients "
+         "(SP-NGD fused). Model terms \"fault-check psum\"; the checks set them apart "
+         "from factor traffic.",
          "- paper = the papers' formula for that configuration from the layer shapes "
          "(see the docstring); ×SGD = plain-step bytes / SGD's.",
          "- Generated by `python benchmarks/comm_volume.py`.", ""]
@@ -431,6 +495,10 @@ def render(rows, chk, head) -> str:
       else:
         factor = (f"owner: P·L = {p * lay['L']} / {lay['factor_useful']} = "
                   f"{p * lay['L'] / lay['factor_useful']:.3f}")
+      if any(
+          s.name == r["strategy"] and s.factor_reduction == "reduce_scatter"
+          for s in C.STRATEGIES):
+        factor += f" (L/C = {lay['L_over_C']:.3f})"
       if lay["G"] > 1 and lay["m"] == 1:
         u = uneven(lay["group_sizes"], p)
         grad = (f"uneven: S = {u['S']}, overflow {u['overflow']}; "

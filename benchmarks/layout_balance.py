@@ -61,6 +61,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -76,7 +77,7 @@ import kfac_jax_dist as kd
 from kfac_jax_dist import layout as layout_lib
 from kfac_jax_dist import registry
 from kfac_jax_dist.distributed import uneven_prefix
-from kfac_jax_dist.kfac import _gradient_offsets
+from kfac_jax_dist.kfac import _cheaper_storage, _gradient_offsets
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
@@ -248,20 +249,34 @@ def metrics(lay: layout_lib.Layout, layers) -> dict:
   grads = sum(grad_items)
   _, group_sizes, s_pad = _gradient_offsets(lay)
   g = lay.num_groups
-  chunk = lay.factor_shard
-  assert lay.factor_storage == layout_lib.CHUNKED, lay.factor_storage
-  coll = {
-      # factor steps: psum_scatter of the tight chunks [P·C]
-      "factor_rs": {"library": (p - 1) * chunk * F32, "ideal": r * stored * F32,
-                    "floor": (p - 1) * chunk * F32,
-                    "before": (p - 1) * lay.segment * F32,
-                    "kaisa": 2 * r * sum(f.dim * f.dim for f in places) * F32,
-                    "zeros": p * chunk - stored, "overflow": 0, "items": "factor"},
-      # inverse steps: all_gather of the chunks, each owner reads its factors
-      "chunk_ag": {"library": (p - 1) * chunk * F32, "ideal": r * stored * F32,
-                   "floor": (p - 1) * chunk * F32, "before": 0.0, "kaisa": 0.0,
-                   "zeros": p * chunk - stored, "overflow": 0, "items": "factor"},
-  }
+  chunk = max(-(-stored // p), 1)          # C = ⌈T/P⌉, the tight chunk
+  chunked = lay.factor_storage == layout_lib.CHUNKED
+  shard = lay.factor_shard                 # C (chunked) or L (owner segments)
+  assert shard == (chunk if chunked else lay.segment), (shard, chunk, lay.segment)
+  kaisa = 2 * r * sum(f.dim * f.dim for f in places) * F32
+  if chunked:
+    coll = {
+        # factor steps: psum_scatter of the tight chunks [P·C]
+        "factor_rs": {"library": (p - 1) * chunk * F32, "ideal": r * stored * F32,
+                      "floor": (p - 1) * chunk * F32,
+                      "before": (p - 1) * lay.segment * F32, "kaisa": kaisa,
+                      "zeros": p * chunk - stored, "overflow": 0, "items": "factor"},
+        # inverse steps: all_gather of the chunks, each owner reads its factors
+        "chunk_ag": {"library": (p - 1) * chunk * F32, "ideal": r * stored * F32,
+                     "floor": (p - 1) * chunk * F32, "before": 0.0, "kaisa": 0.0,
+                     "zeros": p * chunk - stored, "overflow": 0, "items": "factor"},
+    }
+  else:
+    # owner segments (the cadence makes them cheaper, `kfac._cheaper_storage`):
+    # psum_scatter of [P·L] on factor steps, no gather on inverse steps. Floor
+    # over any one-owner assignment: L >= max(⌈T/P⌉, largest stored factor).
+    coll = {
+        "factor_rs": {"library": (p - 1) * shard * F32, "ideal": r * stored * F32,
+                      "floor": (p - 1) * max(chunk, max(f.size for f in places)) * F32,
+                      "before": (p - 1) * lay.segment * F32, "kaisa": kaisa,
+                      "zeros": p * shard - stored, "overflow": 0, "items": "factor",
+                      "largest": max(f.size for f in places), "share": stored / p},
+    }
   if g == 1:          # COMM-OPT: eigenbases of every owner to every device
     u = uneven(lay.second_sizes, p)
     coll["eigen_bcast"] = dict(u, floor=uneven_floor(second_items, p),
@@ -278,7 +293,7 @@ def metrics(lay: layout_lib.Layout, layers) -> dict:
     c["ratio"] = c["library"] / c["ideal"]
     c["floor_ratio"] = c["floor"] / c["ideal"]
   every = [n for n in ("grad_ag",) if n in coll]
-  inverse = ["chunk_ag"] + [n for n in ("eigen_bcast",) if n in coll]
+  inverse = [n for n in ("chunk_ag", "eigen_bcast") if n in coll]
   amort = lambda key: (sum(coll[n][key] for n in every)
                        + coll["factor_rs"][key] / FACTOR_EVERY
                        + sum(coll[n][key] for n in inverse) / INVERSE_EVERY)
@@ -290,6 +305,7 @@ def metrics(lay: layout_lib.Layout, layers) -> dict:
       "layer_bound": max(total / p, largest_layer if m == 1 else largest) / ideal,
       "idle_devices": sum(1 for v in load if v == 0),
       "T": stored, "C": chunk, "L": lay.segment, "L2": lay.second_segment,
+      "storage": lay.factor_storage, "L_over_C": lay.segment / chunk,
       "sum_second": second, "second_padding": p * lay.second_segment / second,
       "sum_grad": grads, "group_sizes": list(group_sizes),
       "second_sizes": list(lay.second_sizes), "collectives": coll,
@@ -302,10 +318,22 @@ def model_bytes(r: dict) -> dict:
   """The compiled update's collectives by step kind, from the layout model
   (tx.update only: no gradient all-reduce, no SP-NGD)."""
   c = r["collectives"]
+  p = r["P"]
   return {"plain": c["grad_ag"]["library"] if "grad_ag" in c else 0.0,
-          "factor": c["factor_rs"]["library"],
-          "inverse": c["chunk_ag"]["library"]
+          # + the fault check's psum of one int32 on factor steps (04bba86)
+          "factor": c["factor_rs"]["library"] + 2 * (p - 1) / p * F32,
+          "inverse": (c["chunk_ag"]["library"] if "chunk_ag" in c else 0.0)
           + (c["eigen_bcast"]["library"] if "eigen_bcast" in c else 0.0)}
+
+
+def with_storage(lay: layout_lib.Layout) -> layout_lib.Layout:
+  """The running-factor storage the transform picks at init for this cadence
+  (`kfac._cheaper_storage`, 69e5d57): tight chunks when L/C > 1 + 1/k, k =
+  INVERSE_EVERY / FACTOR_EVERY = 10, else owner segments."""
+  if lay.num_devices == 1 or lay.factor_storage != layout_lib.CHUNKED:
+    return lay
+  return dataclasses.replace(lay, factor_storage=_cheaper_storage(
+      lay, FACTOR_EVERY, INVERSE_EVERY))
 
 
 # ------------------------------------------------- alternative layout modules
@@ -389,7 +417,8 @@ TARGET_BALANCE, TARGET_COMM = 1.25, 1.10
 
 
 def miss_reason(name: str, c: dict) -> str:
-  what = {"factor": "factor's d²+d", "layer": "layer's gradient"}[c["items"]]
+  what = ("stored factor" if name == "factor_rs" else
+          {"factor": "factor's d²+d", "layer": "layer's gradient"}[c["items"]])
   if c["floor_ratio"] > TARGET_COMM:
     return (f"{SHORT[name]} {c['ratio']:.2f}: inherent — the largest {what} is "
             f"{c['largest'] / c['share']:.2f}× a device's share Σ/P (one owner per "
@@ -411,7 +440,9 @@ def main(argv=None):
                   help="a layout.py-like file whose build() is measured beside the library's")
   ap.add_argument("--reuse-compiles", default=None, metavar="JSON",
                   help="take the compile results from a previous layout_balance.json "
-                       "instead of compiling (re-renders the report in seconds)")
+                       "instead of compiling (re-renders the report in seconds); rows "
+                       "keep the commit they were measured at; with --compile, those P "
+                       "are compiled anew")
   ap.add_argument("--_compile", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args._compile:
@@ -434,14 +465,14 @@ def main(argv=None):
     for p in ps:
       for name, m in (("MEM-OPT", 1), ("COMM-OPT", p)):
         t0 = time.perf_counter()
-        lay = layout_lib.build(layers, paths, num_devices=p, group_size=m)
+        lay = with_storage(layout_lib.build(layers, paths, num_devices=p, group_size=m))
         r = metrics(lay, layers)
         r.update(model=model, layout="library LPT", strategy=name,
                  build_s=time.perf_counter() - t0)
         rows.append(r)
         if alt_build is not None:
           t0 = time.perf_counter()
-          lay = alt_build(layers, paths, num_devices=p, group_size=m)
+          lay = with_storage(alt_build(layers, paths, num_devices=p, group_size=m))
           r = metrics(lay, layers)
           r.update(model=model, layout="alternative", strategy=name,
                    build_s=time.perf_counter() - t0)
@@ -458,8 +489,13 @@ def main(argv=None):
                           else ("8" if args.quick else "8,64,256")).split(",") if v]
   if args.reuse_compiles:
     with open(args.reuse_compiles) as f:
-      compiles = json.load(f)["compiles"]
-    cps = []
+      old = json.load(f)
+    compiles = old["compiles"]
+    for c in compiles:          # label each carried-over row with its commit
+      c.setdefault("measured_at", "—" if "error" in c else old["header"]["git"])
+      c.pop("model_bytes", None)
+    cps = [int(v) for v in args.compile.split(",") if v] if args.compile else []
+    compiles = [c for c in compiles if c["P"] not in cps]
   for p in cps:
     for strategy in ("MEM-OPT", "COMM-OPT"):
       if p <= jax.device_count():
@@ -470,8 +506,10 @@ def main(argv=None):
                  "error": f"{type(e).__name__}: {str(e)[:300]}"}
       else:
         res = compile_in_subprocess("resnet50", p, strategy, args.compile_timeout)
+      res["measured_at"] = head["git"]
       compiles.append(res)
       print("  compile", res, flush=True)
+  compiles.sort(key=lambda c: (c["P"], c["strategy"] != "MEM-OPT"))
 
   for c in compiles:
     lib = [r for r in rows if r["model"] == c["model"] and r["P"] == c["P"]
@@ -493,6 +531,7 @@ def main(argv=None):
       misses.insert(0, f"balance: layer bound {r['layer_bound']:.3f}")
     targets.append([
         r["model"], r["P"] if r["P"] in (8, 64) else f"{r['P']} (reported)", r["strategy"],
+        f"{r['storage']} (L/C {r['L_over_C']:.3f})",
         f"{r['balance']:.3f}", "yes" if r["balance"] <= TARGET_BALANCE else "**no**",
         " / ".join(f"{c['ratio']:.3f}" for c in coll.values()),
         "yes" if worst <= TARGET_COMM else "**no**",
@@ -504,7 +543,9 @@ def main(argv=None):
          "- layer shapes from kd.linen models, discovered shapes-only (jax.eval_shape); "
          "`kfac_jax_dist.layout.build(layers, paths, num_devices=P, group_size=m)`, "
          "method eigen, packed (symmetric) factors, no max_factor_dim, factor_reduction "
-         "reduce_scatter (tight chunked running factors).",
+         "reduce_scatter, running-factor storage as the transform picks it at init for "
+         "the cadence 10/100 (`kfac._cheaper_storage`, 69e5d57): tight chunks when "
+         "L/C > 1 + 1/10, else owner segments (column \"storage\").",
          "- ResNet-50: bottleneck v1.5, no conv bias, BatchNorm untagged, FC 2048→1000 "
          f"with bias ({models['resnet50']['layers']} layers). BERT-Large: 24 × (Q, K, V, O "
          "1024→1024, FFN 1024→4096→1024, all with bias) + pooler 1024→1024 "
@@ -519,11 +560,13 @@ def main(argv=None):
          "compile table) / bytes of the same communication without padding, the "
          "padding-free ring all_gather / reduce-scatter of the useful numbers: "
          "(P-1)/P·Σ useful. Target <= 1.10. The library's collectives:",
-         "  - factor RS (factor steps): psum_scatter of the tight chunks [P·C], "
-         "C = ⌈T/P⌉, T = Σ stored triangles: (P-1)·C;",
-         "  - chunk AG (inverse steps): all_gather of the chunks, (P-1)·C, so that each "
-         "owner reads its whole factors (not in KAISA, whose all-reduce leaves every "
-         "factor everywhere, nor in the owner-segment storage used before);",
+         "  - factor RS (factor steps): chunked: psum_scatter of the tight chunks [P·C], "
+         "C = ⌈T/P⌉, T = Σ stored triangles: (P-1)·C; owner: psum_scatter of the owner "
+         "segments [P·L], L the longest owner's: (P-1)·L (floor over any one-owner "
+         "assignment: (P-1)·max(C, largest stored factor));",
+         "  - chunk AG (inverse steps, chunked storage only): all_gather of the chunks, "
+         "(P-1)·C, so that each owner reads its whole factors (not in KAISA, whose "
+         "all-reduce leaves every factor everywhere, nor with owner segments);",
          "  - eigen broadcast (COMM-OPT inverse steps), MEM grad gather (MEM-OPT, every "
          "step) and SP-NGD grad RS (MEM-OPT + gradient_reduction=reduce_scatter, every "
          "step; the mirror of the gather, same bytes): uneven, per-device sizes u_i "
@@ -534,6 +577,9 @@ def main(argv=None):
          "that pad the prefix of devices with u_i < S, plus the overflow once more — "
          "the psum sends no padded numbers but twice (not once) the ring cost of its "
          "numbers, so it is not the ideal either.",
+         "- not in the tables above: the fault check's psum of one int32 on factor steps "
+         "(04bba86), 2(P-1)/P·4 B (7 B at P = 8); it is in the compile table's HLO bytes "
+         "and layout model.",
          "- floor = the fewest bytes of the same scheme over any assignment of whole items "
          "(a factor, or a layer's gradient, has one owner) and any S (a lower bound, see "
          "`uneven_floor`): when the largest item exceeds a device's share Σ/P, the target "
@@ -542,19 +588,20 @@ def main(argv=None):
          "- amortised = all the strategy's K-FAC collectives at factor_update_every=10, "
          "inverse_update_every=100 (MEM-OPT: grad gather every step; SP-NGD's RS not "
          "included), library / ideal, and library / the library before f563242 (bytes; "
-         "below 1 = fewer bytes now). Where the old owner segments were already nearly "
-         "tight (BERT-Large COMM-OPT) the new chunk all_gather of inverse steps makes the "
-         "amortised bytes slightly larger than before.",
+         "below 1 = fewer bytes now). Where the owner segments are nearly tight (L/C <= 1.1: "
+         "BERT-Large P = 8, COMM-OPT P = 64) the transform keeps them, so the bytes equal "
+         "the \"before\" ones (ratio 1.000) instead of paying the chunk all_gather.",
          (f"- alternative = `build` of {args.alt_layout} (not the library)."
           if args.alt_layout else "- library layout only (see --alt-layout)."),
          "- Generated by `python benchmarks/layout_balance.py`.", ""]
   out.append(f"## Targets: balance <= {TARGET_BALANCE}, communication padding overhead "
              f"<= {TARGET_COMM:.2f} (P = 8 and 64; 256 reported)")
   out.append("")
-  out.append("Overheads per collective, in the order factor RS / chunk AG / eigen broadcast "
-             "(COMM-OPT) or MEM grad gather / SP-NGD grad RS (MEM-OPT).")
+  out.append("Overheads per collective, in the order factor RS / chunk AG (chunked storage "
+             "only) / eigen broadcast (COMM-OPT) or MEM grad gather / SP-NGD grad RS "
+             "(MEM-OPT).")
   out.append("")
-  out.append(C.md_table(targets, ["model", "P", "strategy", "balance", "holds",
+  out.append(C.md_table(targets, ["model", "P", "strategy", "storage", "balance", "holds",
                                   "comm overhead per collective", "holds",
                                   "amortised 10/100 / ideal", "amortised bytes vs before",
                                   "misses and why"]))
@@ -564,10 +611,11 @@ def main(argv=None):
   out.append(C.md_table(
       [[r["model"], r["P"], f"{r['strategy']} {r['layout']}", r["m"], r["G"],
         r["idle_devices"], f"{r['balance']:.3f}", f"{r['layer_bound']:.3f}",
-        f"{r['C']} / {r['T'] / r['P']:.0f}", f"{r['L']}",
+        f"{r['storage']}: " + (f"C {r['C']}" if r["storage"] == "chunked" else f"L {r['L']}")
+        + f" / {r['T'] / r['P']:.0f}", f"{r['L']}",
         f"{r['second_padding']:.3f}"] for r in rows],
       ["model", "P", "layout", "m", "groups", "idle devices", "balance (d³)", "bound",
-       "factors per device C / T/P", "before: longest owner L",
+       "factors per device (C or L) / T/P", "before: longest owner L",
        "second-order memory P·L₂/Σ(d²+d)"]))
   out.append("")
   out.append("## Communication per collective (bytes per device, ring model, f32)")
@@ -585,7 +633,8 @@ def main(argv=None):
           r["model"], r["P"], r["strategy"], label, fb(c["library"]), fb(c["ideal"]),
           f"{c['ratio']:.3f}", "yes" if c["ratio"] <= TARGET_COMM else "**no**",
           f"S={c['S']}, zeros {c['zeros']}, overflow {c['overflow']}" if "S" in c
-          else f"C={r['C']}, zeros {c['zeros']}",
+          else (f"C={r['C']}, zeros {c['zeros']}" if r['storage'] == 'chunked'
+                else f"owner L={r['L']}, zeros {c['zeros']}"),
           f"{c['floor_ratio']:.3f}",
           f"{fb(c['before'])} ({c['before'] / c['ideal']:.2f})" if c["before"] else "—",
           (f"{fb(c['kaisa'])} (library {c['library'] / c['kaisa']:.3f}×)"
@@ -600,16 +649,22 @@ def main(argv=None):
   ctab = []
   for c in compiles:
     if "error" in c:
-      ctab.append([c["P"], c["strategy"], "", "", c["error"], "", "", "", ""])
+      ctab.append([c["P"], c["strategy"], c.get("measured_at", ""), "", "", c["error"],
+                   "", "", "", ""])
     else:
       mb = c.get("model_bytes", {})
       agree = all(abs(mb.get(k, float("nan")) - c[k + "_bytes"]) < 64
                   for k in ("plain", "factor", "inverse"))
-      ctab.append([c["P"], c["strategy"], f"{c['lower_s']:.1f}", f"{c['compile_s']:.1f}",
+      ctab.append([c["P"], c["strategy"], c.get("measured_at", ""),
+                   f"{c['lower_s']:.1f}", f"{c['compile_s']:.1f}",
                    f"load avg {c['load_avg_1min']:.1f}" if "load_avg_1min" in c else "", fb(c["plain_bytes"]), fb(c["factor_bytes"]), fb(c["inverse_bytes"]),
-                   "yes" if agree else
-                   "no: " + " / ".join(fb(mb.get(k, 0)) for k in ("plain", "factor", "inverse"))])
-  out.append(C.md_table(ctab, ["P", "strategy", "trace+lower s", "XLA compile s", "note",
+                   ("yes" if agree else
+                    "no: " + " / ".join(fb(mb.get(k, 0)) for k in ("plain", "factor", "inverse")))
+                   + ("" if c.get("measured_at", head["git"]) == head["git"] else
+                      f" (HLO of {c['measured_at']}, before the 7 B fault-check psum; "
+                      "within the 64 B tolerance)")])
+  out.append(C.md_table(ctab, ["P", "strategy", "measured at", "trace+lower s",
+                               "XLA compile s", "note",
                                "update's plain-step bytes", "factor-step extra",
                                "inverse-step extra", "HLO == layout model"]))
   out.append("")
