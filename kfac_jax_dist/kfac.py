@@ -264,7 +264,7 @@ def _check_placement(layout: layout_lib.Layout, state: "ScaleByKfacState",
   """The state was laid out for this transform's distribution, and `update`
   runs where that distribution says (inside `shard_map` over its axis, with
   the per-device parts of `kd.partition_specs`)."""
-  want = ((1, 1, None, layout_lib.CHUNKED) if dist is None else
+  want = ((1, 1, None, factor_storage) if dist is None else
           (dist.num_devices, dist.group_size, dist.axis, factor_storage))
   have = (layout.num_devices, layout.group_size, layout.axis, layout.factor_storage)
   if factor_storage == layout_lib.CHUNKED and dist is not None:
