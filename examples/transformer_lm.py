@@ -66,27 +66,10 @@ import sys
 import time
 
 
-def _devices_from_argv(argv) -> int:
-  """`--devices N` / `--devices=N` of the command line, read before jax starts."""
-  for i, arg in enumerate(argv):
-    try:
-      if arg == "--devices" and i + 1 < len(argv):
-        return int(argv[i + 1])
-      if arg.startswith("--devices="):
-        return int(arg.split("=", 1)[1])
-    except ValueError:
-      return 1                        # argparse reports the bad value
-  return 1
+# N host CPU devices and OPENBLAS_NUM_THREADS, before jax initialises.
+import _host_devices  # noqa: E402
 
-
-# N host CPU devices must be requested before jax initialises its backends.
-# On a machine with accelerators the flag is harmless (it only adds CPU devices).
-_N = _devices_from_argv(sys.argv[1:])
-if _N > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             f" --xla_force_host_platform_device_count={_N}").strip()
-# jax's CPU eigh calls OpenBLAS's LAPACK, whose worker threads fight XLA's.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+_N = _host_devices.request_from_argv()
 
 # pylint: disable=wrong-import-position
 import flax.linen as nn  # noqa: E402
