@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kfac_jax_dist import distributed
+from kfac_jax_dist import factors as factors_lib
 from kfac_jax_dist import kfac as kfac_lib
 from kfac_jax_dist import layout as layout_lib
 from kfac_jax_dist import packing
@@ -51,9 +52,12 @@ def layout_metadata(lay: layout_lib.Layout) -> dict[str, Any]:
   """What the arrays of a state with layout `lay` mean, as JSON-able data:
   the distribution, the storage, and every factor's form, dimension, owner and
   offsets."""
-  factors = [[plan.layer.name, which, place.form, place.dim, place.owner, place.offset,
-              place.size, place.matrix_offset, place.vector_offset]
-             for plan in lay.plans for which, place in plan.places]
+  factors = [[plan.layer.name, which, q.form, q.dim, q.owner, q.offset, q.size,
+              q.matrix_offset, q.vector_offset]
+             + ([] if q.columns is None and piece.rows is None
+                else [list(q.columns or ()), list(piece.rows or ())])
+             for plan in lay.plans for piece in plan.pieces
+             for which, place in piece.places for q in (place,) + place.copies]
   return {"num_devices": lay.num_devices, "group_size": lay.group_size,
           "axis": lay.axis, "factor_storage": lay.factor_storage, "packed": lay.packed,
           "method": lay.method, "segment": lay.segment,
@@ -179,11 +183,13 @@ def _convert_kfac(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfacState
     segment = np.array(packing.second_order_segment(lay, device, dtype))
     for place, plan, which in lay.owned(device):
       matrix, vector = parts[plan.layer.name][which.upper()]
+      lo, hi = place.columns or (0, place.dim)     # a split factor's columns
       if place.matrix_offset is not None:
-        segment[place.matrix_offset:place.matrix_offset + place.dim ** 2] = (
-            np.asarray(matrix).reshape(-1))
+        matrix = np.asarray(matrix)[:, lo:hi].reshape(-1)
+        segment[place.matrix_offset:place.matrix_offset + matrix.size] = matrix
       if place.vector_offset is not None:
-        vector = np.asarray(vector).reshape(-1)
+        vector = np.asarray(vector)
+        vector = (vector if place.form == factors_lib.UNIT else vector[lo:hi]).reshape(-1)
         segment[place.vector_offset:place.vector_offset + vector.size] = vector
     segments.append(jnp.asarray(segment))
   return kfac_lib.ScaleByKfacState(

@@ -21,10 +21,13 @@ def _factor(place: layout_lib.FactorPlace | None) -> str:
 
 
 def _bytes(state: ScaleByKfacState, place: layout_lib.FactorPlace) -> int:
-  matrix, vector = layout_lib._second_parts(  # pylint: disable=protected-access
-      place.dim, place.form, state.layout.method)
-  second = ((matrix if place.matrix_offset is not None else 0)
-            + (vector if place.vector_offset is not None else 0))
+  """Running factor (once) and second-order state of every column slice."""
+  second = 0
+  for q in (place,) + place.copies:
+    matrix, vector = layout_lib._second_parts(  # pylint: disable=protected-access
+        q.dim, q.form, state.layout.method, q.columns)
+    second += ((matrix if q.matrix_offset is not None else 0)
+               + (vector if q.vector_offset is not None else 0))
   return (place.size * state.factors.dtype.itemsize
           + second * state.second_order.dtype.itemsize)
 
@@ -36,7 +39,8 @@ def table(state: ScaleByKfacState) -> str:
     layer = plan.layer
     at = "" if layer.stack_index is None else "[" + ",".join(map(str, layer.stack_index)) + "]"
     params = layer.kernel_path + at + (f", {layer.bias_path}{at}" if layer.bias_path else "")
-    owners = sorted({place.owner for _, place in plan.places})
+    owners = sorted({q.owner for piece in plan.pieces for _, place in piece.places
+                     for q in (place,) + place.copies})
     first = plan.f if plan.layer.unitwise else plan.a
     rows.append((layer.name, layer.kind, params, _factor(first), _factor(plan.g),
                  ",".join(map(str, owners)),

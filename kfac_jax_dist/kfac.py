@@ -166,12 +166,8 @@ def second_order_parts(state: ScaleByKfacState
   for plan in lay.plans:
     out[plan.layer.name] = {}
     for which, place in plan.places:
-      base = second_order_base(lay, place.owner)
-      matrix = (None if place.matrix_offset is None
-                else packing.read_matrix(second, base, place))
-      vector = (None if place.vector_offset is None
-                else packing.read_vector(second, base, place))
-      out[plan.layer.name][which.upper()] = (matrix, vector)
+      out[plan.layer.name][which.upper()] = packing.read_parts(
+          second, lambda q: second_order_base(lay, q.owner), place)
   return out
 
 
@@ -374,16 +370,26 @@ def _tight_offsets(lay: layout_lib.Layout) -> dict[tuple[str, str], int]:
   return offsets
 
 
-def _gradient_offsets(lay: layout_lib.Layout) -> tuple[dict[str, int], list[int], int]:
-  """Offsets of each layer's gradient in its group's flat buffer (slot 0 holds
-  the group's KL-clip sum), each group's used size, and the buffer size S: the
+def _piece_rows(plan: layout_lib.LayerPlan) -> tuple[int, int]:
+  """The rows of the layer's `(d_A, d_G)` gradient that `plan` (a piece) sends."""
+  return plan.rows or (0, plan.layer.a_dim)
+
+
+def _gradient_offsets(lay: layout_lib.Layout
+                      ) -> tuple[dict[tuple[str, int], int], list[int], int]:
+  """Offsets of each layer's gradient (its rows, for a piece of a replicated
+  layer), by (layer, group), in the group's flat buffer (slot 0 holds the
+  group's KL-clip sum over its whole layers; a piece is preceded by one slot
+  for its partial ⟨V, ∇⟩), each group's used size, and the buffer size S: the
   largest group's, rounded up to a multiple of m."""
   offsets, sizes = {}, []
   for g in range(lay.num_groups):
     offset = 1
     for plan in lay.group_plans(g):
-      offsets[plan.layer.name] = offset
-      offset += plan.layer.a_dim * plan.layer.g_dim
+      lo, hi = _piece_rows(plan)
+      offset += plan.rows is not None
+      offsets[(plan.layer.name, g)] = offset
+      offset += (hi - lo) * plan.layer.g_dim
     sizes.append(offset)
   m = lay.group_size
   return offsets, sizes, -(-max(sizes) // m) * m
@@ -500,7 +506,8 @@ def scale_by_kfac(
         num_devices=comm.num_devices, group_size=comm.group_size,
         axis=None if distribution is None else distribution.axis, method=method,
         packed=True if distribution is None else distribution.symmetric_comm,
-        factor_storage=factor_storage)
+        factor_storage=factor_storage, replicate_factors=not local_factors,
+        replicate_layers=not local_factors and reduce_grads != "reduce_scatter")
     if lay.factor_storage == layout_lib.CHUNKED and lay.num_devices > 1:
       lay = dataclasses.replace(lay, factor_storage=_cheaper_storage(
           lay, factor_update_every, inverse_update_every))
@@ -571,11 +578,12 @@ def scale_by_kfac(
         continue
       vectors, values = linalg.eigh(running)
       ok = _finite_slots(running, vectors, values)
+      lo, hi = batch.columns or (0, batch.dim)       # a split factor keeps its columns
       if vectors is not None:
-        old = previous_part(previous, batch, batch.matrix_offset, batch.dim ** 2)
-        pieces.append(_keep_failed(vectors.astype(compute_dtype), old, ok))
-      old = previous_part(previous, batch, batch.vector_offset, batch.dim)
-      pieces.append(_keep_failed(values.astype(compute_dtype), old, ok))
+        old = previous_part(previous, batch, batch.matrix_offset, batch.dim * (hi - lo))
+        pieces.append(_keep_failed(vectors[..., lo:hi].astype(compute_dtype), old, ok))
+      old = previous_part(previous, batch, batch.vector_offset, hi - lo)
+      pieces.append(_keep_failed(values[..., lo:hi].astype(compute_dtype), old, ok))
     return _pad(pieces, lay.second_segment)
 
   def traces_segment(device, owned, lay):
@@ -599,7 +607,9 @@ def scale_by_kfac(
       inv = linalg.damped_inverse(running, damp)
       ok = _finite_slots(running, inv, damp[:, None])
       if batch.matrix_offset is not None:
-        old = previous_part(previous, batch, batch.matrix_offset, batch.dim ** 2)
+        lo, hi = batch.columns or (0, batch.dim)     # a split factor keeps its columns
+        inv = inv[..., lo:hi]
+        old = previous_part(previous, batch, batch.matrix_offset, batch.dim * (hi - lo))
       else:
         old = previous_part(previous, batch, batch.vector_offset, batch.dim)
       pieces.append(_keep_failed(inv.astype(compute_dtype), old, ok))
@@ -619,10 +629,13 @@ def scale_by_kfac(
     if lay.factor_storage == layout_lib.CHUNKED:
       # Every owner needs its whole factors: gather the chunks (decomposition
       # steps only), then each device reads its own, tight, from the buffer.
+      # A replica (after the device's home factors) reads its home's copy.
       full, bases = comm.all_gather_owned(running), lay.owner_bases
 
       def owned_of(d):
-        return full[bases[d]:bases[d] + lay.owner_sizes[d]]
+        replicas = [full[lay.factor_start(q):lay.factor_start(q) + q.size]
+                    for q, _, _ in lay.owned(d) if q.home is not None]
+        return jnp.concatenate([full[bases[d]:bases[d] + lay.owner_sizes[d]]] + replicas)
     else:
       def owned_of(d):
         del d
@@ -644,7 +657,10 @@ def scale_by_kfac(
         d_a, d_g = linalg.pi_adjusted_damping(traces[ia], traces[ig], gamma)
         finite = jnp.isfinite(traces[ia]) & jnp.isfinite(traces[ig])
         d_a, d_g = (jnp.where(finite, x, jnp.nan) for x in (d_a, d_g))
-        damping_all = damping_all.at[ia].set(d_a).at[ig].set(d_g)
+        for piece in plan.pieces:          # every copy of a replicated factor
+          for place, value in ((piece.a, d_a), (piece.g, d_g)):
+            for q in (place,) + place.copies:
+              damping_all = damping_all.at[q.owner * lay.max_factors + q.index].set(value)
       local = comm.per_device(
           lambda d: inverse_segment(d, owned_of(d), damping_all, lay, previous_of(d)))
     return distribute_second(local, lay)
@@ -720,9 +736,10 @@ def scale_by_kfac(
       if one.form == factors_lib.UNIT:
         return (value.reshape(-1).astype(compute_dtype),)
       vectors, values = linalg.eigh(value)
-      values = values.astype(compute_dtype).reshape(-1)
+      lo, hi = one.columns or (0, one.dim)          # a split factor keeps its columns
+      values = values[..., lo:hi].astype(compute_dtype).reshape(-1)
       return (values,) if vectors is None else (
-          vectors.astype(compute_dtype).reshape(-1), values)
+          vectors[..., lo:hi].astype(compute_dtype).reshape(-1), values)
 
     def owner_segment(device):
       group = device // lay.group_size
@@ -755,30 +772,34 @@ def scale_by_kfac(
     """Preconditioned gradients of one owner group's layers and Σ|⟨V, ∇⟩|."""
     lay, second = state.layout, state.second_order
 
-    def matrix(place):
-      if place.matrix_offset is None:
-        return None
-      return packing.read_matrix(second, lay.second_base(place, group), place)
+    def parts(place):
+      """(matrix or None, vector), column slices put together."""
+      return packing.read_parts(second, lambda q: lay.second_base(q, group), place)
 
-    def vector(place):
-      return packing.read_vector(second, lay.second_base(place, group), place)
+    def either(place):
+      matrix, vector = parts(place)
+      return vector if matrix is None else matrix
 
     out, vg = {}, jnp.zeros([], compute_dtype)
     for plan in lay.group_plans(group):
       grad = grad_of(plan)
       if plan.layer.unitwise:             # SP-NGD: (F_c + γI)⁻¹ per channel
         v_gamma, v_beta = linalg.unitwise_precondition(
-            grad[0], grad[1] if plan.layer.has_bias else None, vector(plan.f), gamma)
+            grad[0], grad[1] if plan.layer.has_bias else None, parts(plan.f)[1], gamma)
         v = jnp.stack([v_gamma] + ([v_beta] if v_beta is not None else []))
       elif method == "eigen":
-        v = linalg.precondition_eigen(grad, matrix(plan.a), vector(plan.a),
-                                      matrix(plan.g), vector(plan.g), gamma)
+        v = linalg.precondition_eigen(grad, *parts(plan.a), *parts(plan.g), gamma,
+                                      rows=plan.rows)
       else:
-        inv_a = matrix(plan.a) if plan.a.matrix_offset is not None else vector(plan.a)
-        inv_g = matrix(plan.g) if plan.g.matrix_offset is not None else vector(plan.g)
-        v = linalg.precondition_inverse(grad, inv_a, inv_g)
+        v = linalg.precondition_inverse(grad, either(plan.a), either(plan.g),
+                                        rows=plan.rows)
       out[plan.layer.name] = v
-      vg = vg + jnp.abs(jnp.vdot(v, grad)).astype(compute_dtype)
+      lo, hi = _piece_rows(plan)
+      dot = jnp.vdot(v, grad[lo:hi]).astype(compute_dtype)
+      if plan.rows is None:
+        vg = vg + jnp.abs(dot)
+      else:                               # a piece: |Σ of the pieces' dots| later
+        out[(plan.layer.name, "dot")] = dot
     return out, vg
 
   def update_fn(updates, state: ScaleByKfacState, params=None, *, kfac_stats=None,
@@ -871,7 +892,7 @@ def scale_by_kfac(
                  else comm.reduce_scatter_groups(buffer))
 
       def grad_of(plan):
-        layer, start = plan.layer, offsets[plan.layer.name]
+        layer, start = plan.layer, offsets[(plan.layer.name, plan.group)]
         return segment[start:start + layer.a_dim * layer.g_dim].reshape(
             layer.a_dim, layer.g_dim)
       leaves = {k: (v if k in tagged else comm.mean(v)) for k, v in leaves.items()}
@@ -887,7 +908,9 @@ def scale_by_kfac(
     else:
       def branch(g):
         out, vg = precondition_group(new_state, gamma, g, grad_of)
-        flat_v = [out[p.layer.name].ravel() for p in lay.group_plans(g)]
+        flat_v = [x for p in lay.group_plans(g) for x in (
+            [out[(p.layer.name, "dot")][None]] if p.rows is not None else []) + [
+                out[p.layer.name].ravel()]]
         used = sum(x.size for x in flat_v)
         buffer = jnp.concatenate([vg[None]] + flat_v
                                  + [jnp.zeros(size - 1 - used, compute_dtype)])
@@ -898,10 +921,17 @@ def scale_by_kfac(
                  else comm.gather_groups(mine))
       vg = jnp.sum(buffers[:, 0])
       preconditioned = {}
-      for plan in lay.plans:
-        layer, start = plan.layer, offsets[plan.layer.name]
-        preconditioned[layer.name] = buffers[plan.group, start:start + layer.a_dim
-                                             * layer.g_dim].reshape(layer.a_dim, layer.g_dim)
+      for plan in lay.plans:             # a replicated layer: its pieces' rows
+        layer, rows, dots = plan.layer, [], []
+        for piece in plan.pieces:
+          lo, hi = _piece_rows(piece)
+          start = offsets[(layer.name, piece.group)]
+          rows.append(buffers[piece.group, start:start + (hi - lo) * layer.g_dim].reshape(
+              hi - lo, layer.g_dim))
+          dots.append(buffers[piece.group, start - 1])
+        preconditioned[layer.name] = jnp.concatenate(rows) if plan.copies else rows[0]
+        if plan.copies:
+          vg = vg + jnp.abs(sum(dots))
 
     if kl_clip is not None:
       eta = jnp.asarray(_at(learning_rate, count), compute_dtype)

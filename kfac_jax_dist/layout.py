@@ -33,11 +33,34 @@ Within a segment, factors of the same form and dimension are contiguous: each
 such run is one batched `eigh`/`cholesky` ("bucket"). The only padding is at
 the end of a segment, up to the longest device's (and, for chunked factors,
 fewer than `P` numbers at the end of the tight buffer).
+
+Oversized items are replicated. An item that travels whole from its owner —
+a factor's eigenbasis and eigenvalues broadcast by COMM-OPT (one owner
+group), a layer's preconditioned gradient gathered from its owner group
+(MEM-OPT, HYBRID) — larger than a device's (group's) share `Σ/P` makes its
+owner send more than the ring's `(P−1)/P·Σ/P`. Such an item gets `r =
+⌈size/share⌉` owners, each paying the whole `d³` of the decomposition but
+sending `1/r` of the item: COMM-OPT owner `k` keeps eigenvector columns
+`[c_k, c_{k+1})` (and their eigenvalues, or those columns of a damped
+inverse), a replicated layer's group `k` preconditions and sends output rows
+`[r_k, r_{k+1})` of `(d_A, d_G)`. After the first assignment, devices still
+over their share by more than 5% hand rows/columns of their cheapest
+splittable item to the emptiest devices whose decomposition cost stays within
+the worst device's. Replicas are deterministic copies of one decomposition
+(the same call on the same input). The home copy (columns or rows from 0) is
+the one stored in tight chunks; a replica decomposes the running factor
+read from the gathered chunks (decomposition steps gather them anyway), or,
+with owner segments, stores its own copy (the statistics reach it with the
+reduce: a reduce-scatter sends them once per copy, an all-reduce to
+everybody anyway). Not with local factors (DP-KFAC: owners' factors differ)
+nor, for layers, with reduce-scattered gradients (SP-NGD: each copy would
+need the whole reduced gradient).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Sequence
 
@@ -61,6 +84,9 @@ class FactorPlace:
   matrix_offset: int | None   # second-order matrix part, in the owner's [L₂]
   vector_offset: int | None   # second-order vector part
   index: int           # position among the owner's factors (for traces)
+  columns: tuple[int, int] | None = None   # eigenvector columns kept (split factor)
+  copies: tuple["FactorPlace", ...] = ()   # the other column slices' places
+  home: tuple[int, int] | None = None      # replica: (owner, offset) of the home copy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +100,7 @@ class Batch:
   matrix_offset: int | None    # first factor's matrix part (then count·d²)
   vector_offset: int | None    # first factor's vector part (then count·d)
   first_index: int
+  columns: tuple[int, int] | None = None   # eigenvector columns kept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,12 +112,19 @@ class LayerPlan:
   g: FactorPlace | None
   group: int = 0
   f: FactorPlace | None = None
+  rows: tuple[int, int] | None = None      # output rows this group sends (split layer)
+  copies: tuple["LayerPlan", ...] = ()     # the layer's plans in its other groups
 
   @property
   def places(self) -> tuple[tuple[str, FactorPlace], ...]:
     """`(which, place)` of each factor, `which` in "a", "g", "f"."""
     return tuple((w, p) for w, p in (("a", self.a), ("g", self.g), ("f", self.f))
                  if p is not None)
+
+  @property
+  def pieces(self) -> tuple["LayerPlan", ...]:
+    """This plan and its copies (one per owner group), rows in order."""
+    return (self,) + self.copies
 
   @property
   def a_form(self) -> str:
@@ -138,10 +172,12 @@ class Layout:
     return max(-(-sum(self.owner_sizes) // self.num_devices), 1)
 
   def factor_start(self, place: FactorPlace) -> int:
-    """Offset of a running factor in the global `[P · factor_shard]` array."""
+    """Offset of a running factor in the global `[P · factor_shard]` array (a
+    replica's own copy with owner segments, its home's in tight chunks)."""
     if self.factor_storage == OWNER:
       return place.owner * self.segment + place.offset
-    return self.owner_bases[place.owner] + place.offset
+    owner, offset = place.home or (place.owner, place.offset)
+    return self.owner_bases[owner] + offset
 
   @property
   def num_groups(self) -> int:
@@ -151,17 +187,29 @@ class Layout:
     return next((p for p in self.plans if p.layer.name == name), None)
 
   def group_plans(self, group: int) -> tuple[LayerPlan, ...]:
-    return tuple(p for p in self.plans if p.group == group)
+    """Plans (and copies of replicated layers) whose gradient `group` sends."""
+    return tuple(p for plan in self.plans for p in plan.pieces if p.group == group)
 
   def second_base(self, place: FactorPlace, group: int) -> int:
     """Start of `place`'s owner segment in its group's `m·L₂` second-order array."""
     return (place.owner - group * self.group_size) * self.second_segment
 
   def owned(self, device: int) -> list[tuple[FactorPlace, LayerPlan, str]]:
-    """`(place, plan, "a" | "g")` of every factor `device` owns, in segment order."""
-    found = [(place, p, w) for p in self.plans for w, place in p.places
-             if place.owner == device]
+    """`(place, plan, "a" | "g" | "f")` of every factor `device` decomposes
+    (replicas included, after its home factors), in segment order."""
+    found = [(q, p, w) for plan in self.plans for p in plan.pieces for w, place in p.places
+             for q in (place,) + place.copies if q.owner == device]
     return sorted(found, key=lambda t: t[0].offset)
+
+  def stored(self, device: int) -> list[tuple[FactorPlace, LayerPlan, str]]:
+    """`owned`, less the replicas that tight chunks do not store."""
+    return [t for t in self.owned(device)
+            if self.factor_storage == OWNER or t[0].home is None]
+
+  def replicated(self) -> bool:
+    """Whether any factor or layer has several owners."""
+    return any(plan.copies or any(place.copies for _, place in plan.places)
+               for plan in self.plans)
 
 
 def factor_form(dim: int, max_factor_dim: int | None) -> str:
@@ -181,44 +229,129 @@ def storage_size(dim: int, form: str, packed: bool) -> int:
   return dim * (dim + 1) // 2 if packed else dim * dim
 
 
-def _second_parts(dim: int, form: str, method: str) -> tuple[int, int]:
-  """(matrix numbers, vector numbers) of one factor's second-order state; a
-  unit-wise Fisher is kept as is (its 2×2 solves are closed form)."""
+def _second_parts(dim: int, form: str, method: str,
+                  columns: tuple[int, int] | None = None) -> tuple[int, int]:
+  """(matrix numbers, vector numbers) of one factor's second-order state (of
+  its `columns` only, for a split factor); a unit-wise Fisher is kept as is
+  (its 2×2 solves are closed form)."""
   if form in (factors.DIAG, factors.UNIT):
     return 0, storage_size(dim, form, False)
-  return dim * dim, (dim if method == "eigen" else 0)
+  width = dim if columns is None else columns[1] - columns[0]
+  return dim * width, (width if method == "eigen" else 0)
 
 
-def assign(items: Sequence, bins: int, cost, size) -> list[list]:
-  """Greedy two-criteria LPT: items (largest relative cost or size first) go
-  to the bin whose larger relative load — cost over its ideal
-  `max(Σ cost / bins, largest cost)`, size over `Σ size / bins` — grows least."""
-  total_cost = sum(cost(x) for x in items)
-  total_size = sum(size(x) for x in items)
-  ideal_cost = max([total_cost / bins] + [cost(x) for x in items]) or 1.0
-  ideal_size = total_size / bins or 1.0
-  loads = [(0.0, 0.0)] * bins
-  out: list[list] = [[] for _ in range(bins)]
-  for x in sorted(items, key=lambda x: -max(cost(x) / ideal_cost, size(x) / ideal_size)):
-    c, z = cost(x) / ideal_cost, size(x) / ideal_size
-    b = min(range(bins), key=lambda i: (max(loads[i][0] + c, loads[i][1] + z),
-                                        loads[i][0] + c, i))
-    loads[b] = (loads[b][0] + c, loads[b][1] + z)
-    out[b].append(x)
-  return out
+def _split(units: int, parts: int, lo: int = 0) -> list[tuple[int, int]]:
+  """`[lo, lo + units)` cut into `parts` near-equal ranges."""
+  cuts = [lo + units * k // parts for k in range(parts + 1)]
+  return list(zip(cuts[:-1], cuts[1:]))
+
+
+LEVEL = 1.05   # a bin this far over its share hands units of split items over
+
+
+def assign(items: Sequence, bins: int, cost, size, units=None,
+           level: float = LEVEL) -> list[list]:
+  """Greedy two-criteria LPT with replication of oversized items.
+
+  Items (largest relative cost or size first) go to the bin whose larger
+  relative load — cost over its ideal `max(Σ cost / bins, largest cost)`,
+  size over the share `Σ size / bins` — grows least. An item that splits into
+  `units(x)` rows or columns (0: it does not) and is larger than the share
+  goes as `r = ⌈size/share⌉` pieces of near-equal units to `r` distinct bins,
+  each charged the item's whole cost and its piece's size. Then, while the
+  fullest bin is over `level` times the share, it hands the last units of its
+  cheapest splittable piece to the emptiest bin that holds no piece of that
+  item and whose cost stays within the worst bin's.
+
+  Splitting is tried only when the whole-item assignment leaves a bin over
+  `level`, and kept only if it lowers the fullest bin's size without raising
+  the worst bin's cost by more than 2% of the ideal.
+
+  Returns, per bin, `(item, units)`: a `(lo, hi)` range of the item's units,
+  or None for the whole item.
+  """
+  whole, loads = _assign(items, bins, cost, size, lambda x: 0, level)
+  if units is None or max(load[1] for load in loads) <= level:
+    return whole
+  split, split_loads = _assign(items, bins, cost, size, units, level)
+  if (max(load[1] for load in split_loads) < max(load[1] for load in loads)
+      and max(load[0] for load in split_loads) <= max(load[0] for load in loads) + 0.02):
+    return split
+  return whole
+
+
+def _assign(items, bins, cost, size, units, level):
+  costs, sizes = [cost(x) for x in items], [size(x) for x in items]
+  counts = [units(x) for x in items]
+  ideal_cost = max([sum(costs) / bins] + costs) or 1.0
+  ideal_size = sum(sizes) / bins or 1.0
+  loads = [[0.0, 0.0] for _ in range(bins)]
+  held: list[dict] = [{} for _ in range(bins)]      # item index -> range or None
+
+  def put(b, i, rng, sign=1.0):
+    n = counts[i]
+    share = 1.0 if rng is None else (rng[1] - rng[0]) / n
+    loads[b][0] += sign * costs[i] / ideal_cost
+    loads[b][1] += sign * share * sizes[i] / ideal_size
+    if sign > 0:
+      held[b][i] = None if rng is None or rng == (0, n) else rng
+    else:
+      del held[b][i]
+
+  order = sorted(range(len(items)),
+                 key=lambda i: -max(costs[i] / ideal_cost, sizes[i] / ideal_size))
+  for i in order:
+    c, z, n = costs[i] / ideal_cost, sizes[i] / ideal_size, counts[i]
+    parts = min(bins, n, math.ceil(z - 1e-9)) if n and z > 1 else 1
+    for rng in (_split(n, parts) if parts > 1 else [None]):
+      zk = z if rng is None else z * (rng[1] - rng[0]) / n
+      b = min((j for j in range(bins) if i not in held[j]),
+              key=lambda j: (max(loads[j][0] + c, loads[j][1] + zk), loads[j][0] + c, j))
+      put(b, i, rng)
+
+  worst = max(load[0] for load in loads)
+  for _ in range(4 * bins + len(items)):
+    b = max(range(bins), key=lambda j: (loads[j][1], -j))
+    if loads[b][1] <= level:
+      break
+    for i in sorted((i for i in held[b] if counts[i]), key=lambda i: (costs[i], i)):
+      n = counts[i]
+      lo, hi = held[b][i] or (0, n)
+      per, c = sizes[i] / ideal_size / n, costs[i] / ideal_cost
+      targets = [j for j in range(bins) if i not in held[j]
+                 and loads[j][1] + per <= 1.0 and loads[j][0] + c <= worst + 1e-9]
+      if not targets:
+        continue
+      t = min(targets, key=lambda j: (loads[j][1], j))
+      move = min(hi - lo, math.ceil((loads[b][1] - 1.0) / per - 1e-9),
+                 math.floor((1.0 - loads[t][1]) / per + 1e-9))
+      if move <= 0:
+        continue
+      put(b, i, (lo, hi), -1.0)
+      if move < hi - lo:
+        put(b, i, (lo, hi - move))
+      put(t, i, (hi - move, hi))
+      break
+    else:
+      break             # nothing movable: the fullest bin stays as it is
+  return [[(items[i], rng) for i, rng in mine.items()] for mine in held], loads
 
 
 def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
           skip: Sequence[str] = (), max_factor_dim: int | None = None,
           num_devices: int = 1, group_size: int = 1, axis: str | None = None,
           method: str = "eigen", packed: bool = True,
-          factor_storage: str = CHUNKED) -> Layout:
+          factor_storage: str = CHUNKED, replicate_factors: bool = True,
+          replicate_layers: bool = True) -> Layout:
   """Assigns layers to owner groups, factors to devices, and packs segments.
 
   A stacked layer becomes one plan per block (`TaggedLayer.blocks`), each with
   its own factors; `skip` patterns match the stacked layer's name, so its
   blocks are kept or skipped together. `plans` keep the blocks consecutive,
-  block 0 first (`kfac._write_back` relies on it).
+  block 0 first (`kfac._write_back` relies on it). Oversized full factors
+  (one owner group: COMM-OPT) and layers (several groups) are split over
+  several owners unless `replicate_factors` / `replicate_layers` is False
+  (see the module docstring).
   """
   patterns = [re.compile(p) for p in skip]
   kept, skipped = [], []
@@ -244,55 +377,91 @@ def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
   # the decomposition cost d³ and the numbers each owner sends: a group's
   # preconditioned gradients (gathered every step when there are several
   # groups), a device's eigenbases (gathered on decomposition steps).
-  group_of = {}
+  split_layers = replicate_layers and num_groups > 1
   group_bins = assign(kept, num_groups, layer_cost,
-                       lambda l: l.a_dim * l.g_dim if num_groups > 1 else 0.0)
+                      lambda l: l.a_dim * l.g_dim if num_groups > 1 else 0.0,
+                      lambda l: l.a_dim if split_layers and not l.unitwise else 0)
+  pieces: dict[str, list] = {}                 # layer -> [(rows, group)], rows in order
   for g, members in enumerate(group_bins):
-    for layer in members:
-      group_of[layer.name] = g
+    for layer, rows in members:
+      pieces.setdefault(layer.name, []).append((rows, g))
+  for name in pieces:
+    pieces[name].sort(key=lambda t: t[0] or (0, 0))
+  split_factors = replicate_factors and num_groups == 1 and num_devices > 1
   owned: list[list[tuple]] = [[] for _ in range(num_devices)]
   for g, members in enumerate(group_bins):
-    items = [(layer, which, dim, form) for layer in members
-             for which, dim, form in factors_of(layer)]
-    bins = assign(items, group_size, lambda t: eigh_cost(t[2], t[3]),
-                   lambda t: sum(_second_parts(t[2], t[3], method)))
+    items = [(layer.name, [t[1] for t in pieces[layer.name]].index(g), which, dim, form)
+             for layer, _ in members for which, dim, form in factors_of(layer)]
+    bins = assign(items, group_size, lambda t: eigh_cost(t[3], t[4]),
+                  lambda t: sum(_second_parts(t[3], t[4], method)),
+                  lambda t: t[3] if split_factors and t[4] == factors.FULL else 0)
     for r, mine in enumerate(bins):
-      owned[g * group_size + r] = [(layer.name, which, dim, form)
-                                   for layer, which, dim, form in mine]
+      owned[g * group_size + r] = [item + (columns,) for item, columns in mine]
 
-  # Pack each device's factors, runs of equal (form, dim) contiguous.
-  places, batches, owner_sizes, second_sizes = {}, [], [], []
+  # Pack each device's factors: home factors first (tight chunks store only
+  # them), then replicas; runs of equal (form, dim, columns) contiguous.
+  def is_replica(item):
+    return item[1] > 0 or (item[5] is not None and item[5][0] > 0)
+
+  raw, batches, owner_sizes, second_sizes = {}, [], [], []
   segment = second_segment = max_factors = 0
   for device, mine in enumerate(owned):
-    runs: dict[tuple[str, int], list] = {}
+    runs: dict[tuple, list] = {}
     for item in mine:
-      runs.setdefault((item[3], item[2]), []).append(item)
+      runs.setdefault((is_replica(item), item[4], item[3], item[5]), []).append(item)
     offset = second = index = 0
     device_batches = []
-    for (form, dim), run in sorted(runs.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    for (replica, form, dim, columns), run in sorted(
+        runs.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1], kv[0][3] or (0, 0))):
       size = storage_size(dim, form, packed)
-      matrix, vector = _second_parts(dim, form, method)
+      matrix, vector = _second_parts(dim, form, method, columns)
       matrix_start = second if matrix else None
       vector_start = second + len(run) * matrix if vector else None
       device_batches.append(Batch(form, dim, len(run), offset, matrix_start, vector_start,
-                                  index))
-      for j, (name, which, _, _) in enumerate(run):
-        places[(name, which)] = FactorPlace(
+                                  index, columns))
+      for j, (name, copy, which, _, _, _) in enumerate(run):
+        raw[(name, copy, which, columns)] = FactorPlace(
             form, dim, device, offset + j * size, size,
             None if matrix_start is None else matrix_start + j * matrix,
-            None if vector_start is None else vector_start + j * vector, index + j)
+            None if vector_start is None else vector_start + j * vector, index + j,
+            columns)
       offset += len(run) * size
       second += len(run) * (matrix + vector)
       index += len(run)
     batches.append(tuple(device_batches))
-    owner_sizes.append(offset)
+    owner_sizes.append(sum(storage_size(t[3], t[4], packed) for t in mine
+                           if not is_replica(t)))
     second_sizes.append(second)
     segment, second_segment = max(segment, offset), max(second_segment, second)
     max_factors = max(max_factors, index)
 
-  plans = tuple(LayerPlan(layer, places.get((layer.name, "a")),
-                          places.get((layer.name, "g")), group_of[layer.name],
-                          places.get((layer.name, "f"))) for layer in kept)
+  # Assemble: a split factor's home place lists its other column slices;
+  # replicas point at the home copy (owner, offset).
+  slices: dict[tuple, list] = {}
+  for (name, copy, which, columns), place in raw.items():
+    slices.setdefault((name, copy, which), []).append(place)
+  homes = {}
+  for key, found in slices.items():
+    found.sort(key=lambda p: p.columns or (0, 0))
+    homes[key] = found[0]
+
+  def place_of(name, copy, which):
+    found = slices.get((name, copy, which))
+    if not found:
+      return None
+    home = homes[(name, 0, which)]
+    source = (home.owner, home.offset)
+    first, rest = found[0], found[1:]
+    rest = tuple(dataclasses.replace(p, home=source) for p in rest)
+    return dataclasses.replace(first, copies=rest, home=None if copy == 0 else source)
+
+  plans = []
+  for layer in kept:
+    copies = [LayerPlan(layer, place_of(layer.name, k, "a"), place_of(layer.name, k, "g"),
+                        g, place_of(layer.name, k, "f"), rows)
+              for k, (rows, g) in enumerate(pieces[layer.name])]
+    plans.append(dataclasses.replace(copies[0], copies=tuple(copies[1:])))
+  plans = tuple(plans)
   covered = {p for plan in plans for p in (plan.layer.kernel_path, plan.layer.bias_path)}
   passthrough = tuple(p for p in param_paths if p not in covered)
   return Layout(plans, tuple(batches), max(segment, 1), max(second_segment, 1),

@@ -89,15 +89,26 @@ def _rotate(m, basis_a, basis_g, transpose: bool):
   return m
 
 
-def precondition_eigen(grad, basis_a, values_a, basis_g, values_g, damping):
-  """`Q_A [(Q_Aᵀ ∇ Q_G) / (v_A v_Gᵀ + γ)] Q_Gᵀ`; a `None` basis is the identity."""
+def precondition_eigen(grad, basis_a, values_a, basis_g, values_g, damping, rows=None):
+  """`Q_A [(Q_Aᵀ ∇ Q_G) / (v_A v_Gᵀ + γ)] Q_Gᵀ`; a `None` basis is the identity.
+  `rows=(lo, hi)`: only those rows of the result (`Q_A[lo:hi]` on the left)."""
   m = _rotate(grad, basis_a, basis_g, transpose=True)
   m = m / (values_a[:, None] * values_g[None, :] + damping)
+  if rows is not None:
+    if basis_a is None:
+      m = m[rows[0]:rows[1]]
+    else:
+      basis_a = basis_a[rows[0]:rows[1]]
   return _rotate(m, basis_a, basis_g, transpose=False)
 
 
-def precondition_inverse(grad, inverse_a, inverse_g):
-  """`A_damped⁻¹ ∇ G_damped⁻¹`; 1-D inverses are diagonal."""
+def precondition_inverse(grad, inverse_a, inverse_g, rows=None):
+  """`A_damped⁻¹ ∇ G_damped⁻¹`; 1-D inverses are diagonal. `rows=(lo, hi)`:
+  only those rows of the result."""
+  if rows is not None:
+    inverse_a = inverse_a[rows[0]:rows[1]]
+    if inverse_a.ndim == 1:
+      grad = grad[rows[0]:rows[1]]
   m = inverse_a[:, None] * grad if inverse_a.ndim == 1 else jnp.matmul(
       inverse_a, grad, precision=_HI)
   return m * inverse_g[None, :] if inverse_g.ndim == 1 else jnp.matmul(

@@ -48,9 +48,10 @@ def unpack_batch(segment: jax.Array, batch: layout_lib.Batch, packed: bool) -> j
 
 
 def owned_factors(lay: layout_lib.Layout, device: int, value_of, dtype) -> list[jax.Array]:
-  """Device `device`'s factors, packed, with `value_of(plan, which)` per factor."""
+  """The factors device `device` stores (`Layout.stored`), packed, with
+  `value_of(plan, which)` per factor."""
   return [pack_factor(value_of(plan, which).astype(dtype), place.form, lay.packed)
-          for place, plan, which in lay.owned(device)]
+          for place, plan, which in lay.stored(device)]
 
 
 def pad_to(pieces: list[jax.Array], length: int, dtype) -> jax.Array:
@@ -85,23 +86,43 @@ def second_order_segment(lay: layout_lib.Layout, device: int, dtype) -> jax.Arra
   """Initial `[L₂]` segment: identity eigenbases/inverses, unit eigenvalues."""
   pieces = []
   for batch in lay.batches[device]:
+    lo, hi = batch.columns or (0, batch.dim)
     if batch.matrix_offset is not None:
-      pieces.append(jnp.tile(jnp.eye(batch.dim, dtype=dtype).reshape(-1), batch.count))
+      eye = jnp.eye(batch.dim, dtype=dtype)[:, lo:hi]
+      pieces.append(jnp.tile(eye.reshape(-1), batch.count))
     if batch.form == factors.UNIT:
       pieces.append(jnp.tile(_unit_identity(batch.dim, dtype).reshape(-1), batch.count))
     elif batch.vector_offset is not None:
-      pieces.append(jnp.ones(batch.count * batch.dim, dtype))
+      pieces.append(jnp.ones(batch.count * (hi - lo), dtype))
   return pad_to(pieces, lay.second_segment, dtype)
 
 
+def width(place) -> int:
+  """Columns of the factor's second-order state `place` holds (all, or its slice)."""
+  return place.dim if place.columns is None else place.columns[1] - place.columns[0]
+
+
 def read_matrix(second: jax.Array, base: int, place: layout_lib.FactorPlace) -> jax.Array:
-  start = base + place.matrix_offset
-  return second[start:start + place.dim * place.dim].reshape(place.dim, place.dim)
+  """Eigenbasis or inverse, `[d, d]`; of a column slice, `[d, w]`."""
+  start, w = base + place.matrix_offset, width(place)
+  return second[start:start + place.dim * w].reshape(place.dim, w)
 
 
 def read_vector(second: jax.Array, base: int, place: layout_lib.FactorPlace) -> jax.Array:
-  """Eigenvalues or a diagonal inverse, `[d]`; a unit-wise Fisher, `[d, 3]`."""
+  """Eigenvalues or a diagonal inverse, `[d]` (`[w]` of a column slice); a
+  unit-wise Fisher, `[d, 3]`."""
   start = base + place.vector_offset
   if place.form == factors.UNIT:
     return second[start:start + 3 * place.dim].reshape(place.dim, 3)
-  return second[start:start + place.dim]
+  return second[start:start + width(place)]
+
+
+def read_parts(second: jax.Array, base_of, place: layout_lib.FactorPlace):
+  """`(matrix, vector)` of a factor, its column slices (`place` and its
+  `copies`, each at `base_of(slice)`) put together; None where it has none."""
+  slices = (place,) + place.copies
+  matrix = (None if place.matrix_offset is None else jnp.concatenate(
+      [read_matrix(second, base_of(q), q) for q in slices], axis=1))
+  vector = (None if place.vector_offset is None else jnp.concatenate(
+      [read_vector(second, base_of(q), q) for q in slices], axis=0))
+  return matrix, vector
