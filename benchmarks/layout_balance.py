@@ -230,14 +230,21 @@ def uneven_floor(items, p: int) -> float:
   return min(bound(c) for c in cands) * F32
 
 
-def metrics(lay: layout_lib.Layout, layers) -> dict:
+def metrics(lay: layout_lib.Layout, layers, spngd_lay=None) -> dict:
+  """`spngd_lay`: the MEM-OPT layout SP-NGD's gradient reduce-scatter uses
+  (layers not replicated); default `lay`."""
   p, m = lay.num_devices, lay.group_size
   r = (p - 1) / p
   places = [f for pl in lay.plans for f in C.factor_places(pl)]
   cost = lambda f: layout_lib.eigh_cost(f.dim, f.form)
   load = [0.0] * p
-  for f in places:
-    load[f.owner] += cost(f)
+  copies = 0
+  for pl in lay.plans:            # every owner of a replicated item pays its d³
+    for piece in getattr(pl, "pieces", (pl,)):
+      for f in C.factor_places(piece):
+        for q in (f,) + tuple(getattr(f, "copies", ())):
+          load[q.owner] += cost(q)
+          copies += q is not f or piece is not pl
   total = sum(load)
   largest = max(cost(f) for f in places)
   largest_layer = max(sum(cost(f) for f in C.factor_places(pl)) for pl in lay.plans)
@@ -284,11 +291,12 @@ def metrics(lay: layout_lib.Layout, layers) -> dict:
                                items="factor", largest=max(second_items),
                                share=second / p)
   if m == 1 and g > 1:  # MEM-OPT: preconditioned gradients every step (SP-NGD: + RS)
-    u = uneven(group_sizes, p)
-    for name in ("grad_ag", "spngd_rs"):
-      coll[name] = dict(u, floor=uneven_floor(grad_items, p), before=(p - 1) * s_pad * F32,
-                        kaisa=None, items="layer", largest=max(grad_items),
-                        share=grads / p)
+    _, sp_sizes, sp_pad = _gradient_offsets(spngd_lay or lay)
+    for name, sizes, pad in (("grad_ag", group_sizes, s_pad),
+                             ("spngd_rs", sp_sizes, sp_pad)):
+      coll[name] = dict(uneven(sizes, p), floor=uneven_floor(grad_items, p),
+                        before=(p - 1) * pad * F32, kaisa=None, items="layer",
+                        largest=max(grad_items), share=grads / p)
   for c in coll.values():
     c["ratio"] = c["library"] / c["ideal"]
     c["floor_ratio"] = c["floor"] / c["ideal"]
@@ -303,7 +311,7 @@ def metrics(lay: layout_lib.Layout, layers) -> dict:
       "sum_d3": total, "max_device_d3": max(load), "largest_d3": largest,
       "balance": max(load) / ideal,
       "layer_bound": max(total / p, largest_layer if m == 1 else largest) / ideal,
-      "idle_devices": sum(1 for v in load if v == 0),
+      "idle_devices": sum(1 for v in load if v == 0), "replicas": copies,
       "T": stored, "C": chunk, "L": lay.segment, "L2": lay.second_segment,
       "storage": lay.factor_storage, "L_over_C": lay.segment / chunk,
       "sum_second": second, "second_padding": p * lay.second_segment / second,
@@ -427,6 +435,14 @@ def miss_reason(name: str, c: dict) -> str:
           f"assignment {c['floor_ratio']:.2f}; the layout balances d³, not these sizes")
 
 
+def spngd_reason(c: dict) -> str:
+  """SP-NGD's gradient RS keeps one owner per layer (`build(replicate_layers=False)`)."""
+  return (f"SP-NGD grad RS {c['ratio']:.2f}: no replication — each owner of a split "
+          "layer would need the whole reduced gradient (Q_Aᵀ∇Q_G mixes all rows), so r "
+          f"owners would receive r copies; largest layer {c['largest'] / c['share']:.2f}× "
+          f"the share, floor of any one-owner assignment {c['floor_ratio']:.2f}")
+
+
 def main(argv=None):
   ap = C.argument_parser(__doc__)
   ap.add_argument("--quick", action="store_true",
@@ -466,7 +482,9 @@ def main(argv=None):
       for name, m in (("MEM-OPT", 1), ("COMM-OPT", p)):
         t0 = time.perf_counter()
         lay = with_storage(layout_lib.build(layers, paths, num_devices=p, group_size=m))
-        r = metrics(lay, layers)
+        sp = (with_storage(layout_lib.build(layers, paths, num_devices=p, group_size=m,
+                                            replicate_layers=False)) if m == 1 else None)
+        r = metrics(lay, layers, sp)
         r.update(model=model, layout="library LPT", strategy=name,
                  build_s=time.perf_counter() - t0)
         rows.append(r)
@@ -526,7 +544,7 @@ def main(argv=None):
     misses = [miss_reason(k, c) for k, c in coll.items()
               if c["ratio"] > TARGET_COMM and k != "spngd_rs"]
     if "spngd_rs" in coll and coll["spngd_rs"]["ratio"] > TARGET_COMM:
-      misses[-1] = misses[-1].replace("MEM grad AG", "MEM grad AG and SP-NGD grad RS", 1)
+      misses.append(spngd_reason(coll["spngd_rs"]))
     if r["balance"] > TARGET_BALANCE:
       misses.insert(0, f"balance: layer bound {r['layer_bound']:.3f}")
     targets.append([

@@ -1,0 +1,145 @@
+"""Replicated decomposition of oversized items equals the single-device transform.
+
+One layer (and its input factor) is much larger than the rest, so at P = 8 its
+eigenbasis (COMM-OPT: split by columns over several owners) or its
+preconditioned gradient (MEM-OPT, HYBRID: split by rows over several owner
+groups) exceeds a device's share and gets several owners (`layout`).
+"""
+
+import functools
+
+import flax.linen as nn
+import jax
+from jax.sharding import Mesh, PartitionSpec as P
+import numpy as np
+import optax
+import pytest
+
+import kfac_jax_dist as kd
+from kfac_jax_dist import checkpoint
+from kfac_jax_dist.kfac import find_states, running_factors, second_order_parts
+
+STEPS = 6            # counts 0..5: inverse at 0, 3; factor-only at 2, 4; plain at 1, 5
+CADENCE = dict(factor_update_every=2, inverse_update_every=3)
+
+
+class OneBigLayer(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(kd.linen.Conv(4, (3, 3))(x))
+    x = nn.tanh(kd.linen.Dense(64)(x.reshape(x.shape[0], -1)))    # A: 257 x 257
+    x = nn.tanh(kd.linen.Dense(8)(x))
+    return kd.linen.Dense(10)(x)
+
+
+def _problem():
+  kx, ky, kp = jax.random.split(jax.random.PRNGKey(1), 3)
+  x = jax.random.normal(kx, (32, 8, 8, 1))
+  y = jax.random.randint(ky, (32,), 0, 10)
+  model = OneBigLayer()
+  params = model.init(kp, x)
+
+  def loss_fn(p, x, y):
+    return kd.losses.softmax_cross_entropy(model.apply(p, x), y)
+  return loss_fn, params, x, y
+
+
+def _transform(layers, method, distribution=None):
+  return kd.kfac(0.1, layers=layers, damping=1e-2, kl_clip=1e-2, method=method,
+                 distribution=distribution, **CADENCE)
+
+
+@functools.lru_cache(maxsize=None)
+def _single_device(method):
+  loss_fn, params, x, y = _problem()
+  grad_fn = kd.value_and_grad(loss_fn)
+  tx = _transform(grad_fn.discover(params, x, y), method)
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state):
+    _, grads, stats = grad_fn(params, x, y, opt_state=state)
+    updates, state = tx.update(grads, state, params, kfac_stats=stats)
+    return optax.apply_updates(params, updates), state
+  trajectory = []
+  for _ in range(STEPS):
+    params, state = step(params, state)
+    trajectory.append(params)
+  return trajectory
+
+
+def _distributed(fraction, factor_reduction, method):
+  loss_fn, params, x, y = _problem()
+  mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+  dist = kd.Distribution(mesh, grad_worker_fraction=fraction,
+                         factor_reduction=factor_reduction)
+  grad_fn = kd.value_and_grad(loss_fn)
+  tx = _transform(grad_fn.discover(params, x, y), method, dist)
+  state = kd.shard_state(tx.init(params), mesh)
+  specs = kd.partition_specs(state)
+
+  def step(params, state, x, y):
+    _, grads, stats = grad_fn(params, x, y, opt_state=state)
+    updates, state = tx.update(jax.lax.pmean(grads, "data"), state, params,
+                               kfac_stats=stats)
+    return optax.apply_updates(params, updates), state
+  step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
+                               out_specs=(P(), specs)))
+  trajectory = []
+  for _ in range(STEPS):
+    params, state = step(params, state, x, y)
+    trajectory.append(params)
+  return trajectory, state
+
+
+def _cases():
+  fast = {("COMM", "all_reduce"), ("MEM", "reduce_scatter"), ("HYBRID", "all_reduce")}
+  for fraction, name in ((1.0, "COMM"), (1 / 8, "MEM"), (1 / 4, "HYBRID")):
+    for reduction in ("all_reduce", "reduce_scatter"):
+      yield pytest.param(fraction, reduction, "eigen", id=f"{name}-{reduction}",
+                         marks=() if (name, reduction) in fast else pytest.mark.slow)
+  yield pytest.param(1.0, "reduce_scatter", "inverse", id="COMM-inverse",
+                     marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("fraction,factor_reduction,method", list(_cases()))
+def test_replicated_items_equal_single_device(fraction, factor_reduction, method):
+  trajectory, state = _distributed(fraction, factor_reduction, method)
+  lay = find_states(state)[0].layout
+  big = lay.plan("params/Dense_0")
+  if fraction == 1.0:                      # COMM-OPT: A of the big layer, by columns
+    slices = (big.a,) + big.a.copies
+    assert len(slices) > 1
+    assert [q.columns for q in slices] == sorted(q.columns for q in slices)
+    assert slices[0].columns[0] == 0 and slices[-1].columns[1] == big.a.dim
+    assert len({q.owner for q in slices}) == len(slices)
+  else:                                    # MEM-OPT / HYBRID: the layer, by rows
+    assert big.copies
+    rows = [p.rows for p in big.pieces]
+    assert rows[0][0] == 0 and rows[-1][1] == big.layer.a_dim
+    assert all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
+    assert len({p.group for p in big.pieces}) == len(rows)
+  for step, (got, want) in enumerate(zip(trajectory, _single_device(method))):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(
+        a, b, rtol=2e-4, atol=2e-5, err_msg=f"step {step}"), got, want)
+
+
+def test_replicated_state_converts_both_ways():
+  """convert_state moves split eigenbases and replicated factors exactly."""
+  _, state = _distributed(1.0, "reduce_scatter", "eigen")
+  loss_fn, params, x, y = _problem()
+  layers = kd.value_and_grad(loss_fn).discover(params, x, y)
+  single = _transform(layers, "eigen").init(params)
+  mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+  mem = _transform(layers, "eigen", kd.Distribution(
+      mesh, grad_worker_fraction=1 / 8, factor_reduction="all_reduce")).init(params)
+  assert find_states(mem)[0].layout.replicated()
+  there = checkpoint.convert_state(state, single)
+  back = checkpoint.convert_state(checkpoint.convert_state(there, mem), state)
+  for a, b in ((state, there), (state, back)):
+    sa, sb = find_states(a)[0], find_states(b)[0]
+    jax.tree.map(np.testing.assert_array_equal, running_factors(sa),
+                 running_factors(sb))
+    jax.tree.map(np.testing.assert_array_equal, second_order_parts(sa),
+                 second_order_parts(sb))
