@@ -60,6 +60,7 @@ need the whole reduced gradient).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 from typing import Sequence
@@ -85,7 +86,7 @@ class FactorPlace:
   vector_offset: int | None   # second-order vector part
   index: int           # position among the owner's factors (for traces)
   columns: tuple[int, int] | None = None   # eigenvector columns kept (split factor)
-  copies: tuple["FactorPlace", ...] = ()   # the other column slices' places
+  copies: tuple[FactorPlace, ...] = ()   # the other column slices' places
   home: tuple[int, int] | None = None      # replica: (owner, offset) of the home copy
 
 
@@ -113,7 +114,7 @@ class LayerPlan:
   group: int = 0
   f: FactorPlace | None = None
   rows: tuple[int, int] | None = None      # output rows this group sends (split layer)
-  copies: tuple["LayerPlan", ...] = ()     # the layer's plans in its other groups
+  copies: tuple[LayerPlan, ...] = ()     # the layer's plans in its other groups
 
   @property
   def places(self) -> tuple[tuple[str, FactorPlace], ...]:
@@ -122,7 +123,7 @@ class LayerPlan:
                  if p is not None)
 
   @property
-  def pieces(self) -> tuple["LayerPlan", ...]:
+  def pieces(self) -> tuple[LayerPlan, ...]:
     """This plan and its copies (one per owner group), rows in order."""
     return (self,) + self.copies
 
@@ -243,7 +244,7 @@ def _second_parts(dim: int, form: str, method: str,
 def _split(units: int, parts: int, lo: int = 0) -> list[tuple[int, int]]:
   """`[lo, lo + units)` cut into `parts` near-equal ranges."""
   cuts = [lo + units * k // parts for k in range(parts + 1)]
-  return list(zip(cuts[:-1], cuts[1:]))
+  return list(itertools.pairwise(cuts))
 
 
 LEVEL = 1.05   # a bin this far over its share hands units of split items over
@@ -385,8 +386,8 @@ def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
   for g, members in enumerate(group_bins):
     for layer, rows in members:
       pieces.setdefault(layer.name, []).append((rows, g))
-  for name in pieces:
-    pieces[name].sort(key=lambda t: t[0] or (0, 0))
+  for found in pieces.values():
+    found.sort(key=lambda t: t[0] or (0, 0))
   split_factors = replicate_factors and num_groups == 1 and num_devices > 1
   owned: list[list[tuple]] = [[] for _ in range(num_devices)]
   for g, members in enumerate(group_bins):

@@ -7,6 +7,7 @@ groups) exceeds a device's share and gets several owners (`layout`).
 """
 
 import functools
+import itertools
 
 import flax.linen as nn
 import jax
@@ -20,7 +21,7 @@ from kfac_jax_dist import checkpoint
 from kfac_jax_dist.kfac import find_states, running_factors, second_order_parts
 
 STEPS = 6            # counts 0..5: inverse at 0, 3; factor-only at 2, 4; plain at 1, 5
-CADENCE = dict(factor_update_every=2, inverse_update_every=3)
+CADENCE = {"factor_update_every": 2, "inverse_update_every": 3}
 
 
 class OneBigLayer(nn.Module):
@@ -50,7 +51,7 @@ def _transform(layers, method, distribution=None):
                  distribution=distribution, **CADENCE)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _single_device(method):
   loss_fn, params, x, y = _problem()
   grad_fn = kd.value_and_grad(loss_fn)
@@ -118,11 +119,12 @@ def test_replicated_items_equal_single_device(fraction, factor_reduction, method
     assert big.copies
     rows = [p.rows for p in big.pieces]
     assert rows[0][0] == 0 and rows[-1][1] == big.layer.a_dim
-    assert all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(rows))
     assert len({p.group for p in big.pieces}) == len(rows)
   for step, (got, want) in enumerate(zip(trajectory, _single_device(method))):
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(
-        a, b, rtol=2e-4, atol=2e-5, err_msg=f"step {step}"), got, want)
+    check = functools.partial(np.testing.assert_allclose, rtol=2e-4, atol=2e-5,
+                              err_msg=f"step {step}")
+    jax.tree.map(check, got, want)
 
 
 def test_replicated_state_converts_both_ways():
