@@ -131,8 +131,12 @@ def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag):
 
   def bwd(residuals, cotangent):
     x, params, flag = residuals
-    _, vjp = jax.vjp(apply, x, *params)   # the primal is dead code under jit
-    x_bar, *params_bar = vjp(cotangent)
+    if jnp.issubdtype(x.dtype, jnp.integer):     # ids: no cotangent (float0)
+      _, vjp = jax.vjp(lambda *p: apply(x, *p), *params)
+      x_bar, params_bar = None, vjp(cotangent)
+    else:
+      _, vjp = jax.vjp(apply, x, *params)   # the primal is dead code under jit
+      x_bar, *params_bar = vjp(cotangent)
     # A statistic may not depend on everything that varies (an embedding's A
     # on replicated ids): both branches are typed varying like (x, cotangent).
     axes = _compat.varying_axes(x, cotangent)

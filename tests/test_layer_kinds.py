@@ -245,10 +245,6 @@ def test_distributed_equals_single_device(problem, factor_reduction, fraction):
                got, _reference(problem))
 
 
-@pytest.mark.skipif(
-    tuple(int(v) for v in jax.__version__.split(".")[:2]) < (0, 9),
-    reason="KNOWN FAILURE on jax 0.8 (NotImplementedError for ShardMapTracer in the "
-           "capture of replicated ids; open in issue 4's note)")
 def test_embedding_of_replicated_ids_inside_shard_map():
   """Position ids the same on every device (jnp.arange): A does not vary over
   the axis while G does; the capture must still type both alike."""
