@@ -60,11 +60,31 @@ Batching: statistics of equal dimension `d` and equal root `p` are stacked into
 one bucket `[n, d, d]`, so each refresh runs one batched root per bucket.
 
 Distributed (`distribution=kd.Distribution(...)`, inside `shard_map`, Anil et
-al. §5): the statistics are updated on every device from the averaged
-gradients (no statistics traffic); each root is computed by one owner (the
-statistics assigned like K-FAC's factors: LPT on `d³`, balancing the numbers
-each owner sends too) and the roots are all-gathered (`gather_uneven`), so
-every device holds every root (COMM-OPT style, `grad_worker_fraction = 1`).
+al. §5), with the owner groups of KAISA (`P/m` groups of `m = fraction·P`
+devices):
+
+* `grad_worker_fraction = 1` (COMM-OPT): the statistics are updated on every
+  device from the averaged gradients (no statistics traffic); each root is
+  computed by one owner (the statistics assigned like K-FAC's factors: LPT on
+  `d³`, balancing the numbers each owner sends too) and the roots are
+  all-gathered (`gather_uneven`), so every device holds every root.
+* `grad_worker_fraction < 1` (MEM-OPT at `1/P`, HYBRID-OPT between): every
+  block belongs to one group (LPT on `Σ_i d_i³` and `Σ_i d_i²`), and each of
+  its statistics to one device of the group. A device keeps only its own
+  statistics, updated from the averaged gradient of their blocks (no
+  statistics traffic), computes their roots, and the group's devices gather
+  each other's roots on refresh steps (no traffic with `m = 1`); so a device
+  holds `1/P` of the statistics and `m/P` of the roots. Each step the group
+  preconditions its blocks (block grafting with its own norms; layer grafting
+  is applied after the gather, on the whole parameter, as on one device) and
+  the directions are all-gathered without padding (`gather_uneven`, each of
+  the group's `m` devices sending `1/m`). The grafting accumulators stay
+  replicated, like momentum.
+* `gradient_reduction="reduce_scatter"` with several groups (SP-NGD style):
+  the raw local gradients of each group's blocks are reduce-scattered to it
+  (the others all-reduced), so no device receives the averaged gradient of
+  blocks it does not own. Only for `graft_type` "sgd" or "none": the other
+  graftings' replicated accumulators need every averaged gradient everywhere.
 """
 
 from __future__ import annotations
@@ -382,8 +402,11 @@ class ScaleByShampooState:
   Attributes:
     count: number of updates so far.
     statistics: one `[n, d, d]` array per bucket of `layout`: the `H_i` of every
-      block axis of dimension `d` and root `p`.
-    roots: the matching `(H_i + ε_ridge λ_max I)^{-1/p}`, same shapes.
+      block axis of dimension `d` and root `p`. Sharded layouts: one flat
+      `[P·L]` array, device `i`'s `[L]` segment holding its own statistics
+      (`layout.places`); `bucket_arrays` reads either form.
+    roots: the matching `(H_i + ε_ridge λ_max I)^{-1/p}`, same shapes; sharded:
+      `[P·m·L]`, device `i` holding its group's `m` segments.
     graft: the grafting accumulators (`S` or `v`), one per parameter leaf in
       tree order; empty for "sgd" and "none".
     layout: static placement of every block's statistics.

@@ -640,3 +640,26 @@ def test_convert_state_between_shampoo_strategies(x64):
                                    atol=1e-12)
   with pytest.raises(ValueError, match="same parameters and block options"):
     kd.convert_state(comm, kd.scale_by_shampoo(**dict(options, block_size=3)).init(params))
+
+
+def test_sharded_shampoo_checkpoint_restores_and_refuses_another_layout(tmp_path):
+  mesh = _mesh()
+  params = _params(SHARDED_SHAPES, np.float32)
+
+  def tx(fraction):
+    return optax.chain(kd.scale_by_shampoo(block_size=4, graft_type="adagrad",
+                                           distribution=kd.Distribution(
+                                               mesh, grad_worker_fraction=fraction)),
+                       optax.sgd(0.1, momentum=0.9))
+  rng = np.random.default_rng(4)
+  local = [{k: jnp.asarray(rng.normal(size=(8,) + s), jnp.float32)
+            for k, s in SHARDED_SHAPES.items()} for _ in range(2)]
+  state = _sharded_steps(tx(1 / 4), tx(1 / 4).init(params), mesh, local, "none")[-1][1]
+  kd.save_checkpoint(tmp_path / "ckpt", state)
+  restored = kd.restore_checkpoint(tmp_path / "ckpt", jax.eval_shape(tx(1 / 4).init, params),
+                                   mesh=mesh)
+  assert restored[0].statistics[0].sharding.spec == jax.sharding.PartitionSpec("data")
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(ValueError, match="Shampoo states were saved with another layout"):
+    kd.restore_checkpoint(tmp_path / "ckpt", tx(1 / 8).init(params))
