@@ -1024,12 +1024,11 @@ def scale_by_shampoo(
     merged = [grads[i].astype(dtype).reshape(plan.merged) if plan.preconditioned else None
               for i, plan in enumerate(lay.params)]
 
-    if lay.sharded:
+    if lay.sharded:            # MEM-OPT / HYBRID-OPT: owners, then a gather
       stats, roots, directions = sharded_update(lay, state, merged, diag, count, dtype)
       for i, v in zip(pre, directions):
         diag[i] = v
       pre = []
-
     else:
       stats, roots = state.statistics, state.roots
     if pre:
