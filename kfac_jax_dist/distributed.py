@@ -285,19 +285,24 @@ def uneven_prefix(sizes: Sequence[int]) -> int:
 
 
 def partition_specs(opt_state: Any) -> Any:
-  """A `PartitionSpec` for every leaf of an optax state holding K-FAC states.
+  """A `PartitionSpec` for every leaf of an optax state holding K-FAC or
+  Shampoo states.
 
   Running factors are sharded over the distribution's axis (each device holds
   its slots; see `layout`); the second-order state too, unless there is a
-  single owner group (COMM-OPT), where it is replicated. Every other leaf —
-  counters, and the states of other transforms, e.g. momentum — is replicated
-  (`P()`). Use the result as
+  single owner group (COMM-OPT), where it is replicated. Shampoo's statistics
+  and roots likewise (`shampoo.state_specs`). Every other leaf — counters, and
+  the states of other transforms, e.g. momentum — is replicated (`P()`). Use the result as
   `shard_map` in_specs/out_specs and with `shard_state`.
   """
   from kfac_jax_dist.kfac import ScaleByKfacState  # pylint: disable=import-outside-toplevel
+  from kfac_jax_dist.shampoo import ScaleByShampooState, state_specs  # pylint: disable=import-outside-toplevel
   replicated = jax.sharding.PartitionSpec()
+  states = (ScaleByKfacState, ScaleByShampooState)
 
   def spec(node):
+    if isinstance(node, ScaleByShampooState):
+      return state_specs(node)
     if not isinstance(node, ScaleByKfacState):
       return replicated
     axis = node.layout.axis
@@ -313,8 +318,7 @@ def partition_specs(opt_state: Any) -> Any:
         second_order=replicated if node.layout.num_groups == 1 else sharded,
         refresh=refresh)
 
-  return jax.tree_util.tree_map(
-      spec, opt_state, is_leaf=lambda x: isinstance(x, ScaleByKfacState))
+  return jax.tree_util.tree_map(spec, opt_state, is_leaf=lambda x: isinstance(x, states))
 
 
 def shard_state(opt_state: Any, mesh: jax.sharding.Mesh) -> Any:
