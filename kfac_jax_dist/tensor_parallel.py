@@ -91,6 +91,21 @@ def _sharded_dim(spec: PartitionSpec, axis: str, path: str) -> int | None:
   return found
 
 
+def _leaf_specs(tree: Any, dist) -> list[tuple[str, Any, PartitionSpec]]:
+  """`(path, leaf, spec)` of every leaf of `tree` (shaped like the parameters),
+  `dist.param_specs` being a tree like it or a prefix of it."""
+  try:
+    specs = jax.tree_util.tree_map(
+        lambda s, x: jax.tree_util.tree_map(lambda _: s, x), dist.param_specs, tree,
+        is_leaf=_is_spec)
+  except (ValueError, TypeError) as e:
+    raise ValueError("Distribution.param_specs must be a pytree like the parameters "
+                     f"(or a prefix of it): {e}") from e
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  return [(registry.path_str(path), x, spec)
+          for (path, x), spec in zip(flat, treedef.flatten_up_to(specs))]
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSharding:
   """Static metadata: how the parameters are sharded over the model axis.
@@ -101,6 +116,7 @@ class ModelSharding:
     treedef: the parameters' tree structure.
     paths: every parameter leaf's path ("layer/kernel"), in tree order.
     shapes: the global shapes of the parameter leaves.
+    specs: their `PartitionSpec`s.
     dims: the dimension of each leaf sharded over `axis` (None: replicated).
   """
 
@@ -109,19 +125,16 @@ class ModelSharding:
   treedef: Any
   paths: tuple[str, ...]
   shapes: tuple[tuple[int, ...], ...]
+  specs: tuple[PartitionSpec, ...]
   dims: tuple[int | None, ...]
 
   @classmethod
   def of(cls, params, dist) -> ModelSharding:
-    specs = jax.tree_util.tree_map(
-        lambda s, x: jax.tree_util.tree_map(lambda _: s, x), dist.param_specs, params,
-        is_leaf=_is_spec)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-    spec_leaves = treedef.flatten_up_to(specs)
+    treedef = jax.tree_util.tree_structure(params)
     size = dist.model_size
-    paths, shapes, dims = [], [], []
-    for (path, x), spec in zip(flat, spec_leaves):
-      name, shape = registry.path_str(path), tuple(jnp.shape(x))
+    paths, shapes, specs, dims = [], [], [], []
+    for name, x, spec in _leaf_specs(params, dist):
+      shape = tuple(jnp.shape(x))
       if len(spec) > len(shape):
         raise ValueError(f"param_specs['{name}'] = {spec} has more entries than the "
                          f"parameter has dimensions ({shape}).")
@@ -132,8 +145,10 @@ class ModelSharding:
             f"not divisible by the {size} devices of model axis {dist.model_axis!r}.")
       paths.append(name)
       shapes.append(shape)
+      specs.append(spec)
       dims.append(dim)
-    return cls(dist.model_axis, size, treedef, tuple(paths), tuple(shapes), tuple(dims))
+    return cls(dist.model_axis, size, treedef, tuple(paths), tuple(shapes), tuple(specs),
+               tuple(dims))
 
   def local_shape(self, i: int) -> tuple[int, ...]:
     shape, dim = list(self.shapes[i]), self.dims[i]
@@ -141,15 +156,9 @@ class ModelSharding:
       shape[dim] //= self.size
     return tuple(shape)
 
-  def sharded(self, path: str) -> bool:
-    """Whether the parameter at `path` is sharded over the model axis."""
-    return self.dims[self.paths.index(path)] is not None
-
   def param_specs(self):
-    """A `PartitionSpec` per parameter leaf, as a tree like the parameters."""
-    return self.treedef.unflatten([
-        PartitionSpec() if d is None else PartitionSpec(*([None] * d + [self.axis]))
-        for d in self.dims])
+    """The `PartitionSpec` of every parameter leaf, as a tree like the parameters."""
+    return self.treedef.unflatten(list(self.specs))
 
   def matches(self, node) -> bool:
     """Whether `node` is shaped like the (global) parameters, e.g. a momentum."""
@@ -229,12 +238,8 @@ def find_sharding(tree: Any) -> ModelSharding | None:
 def replicated_paths(tree: Any, dist) -> set[str]:
   """Paths of the leaves of `tree` (shaped like the parameters) that
   `dist.param_specs` leaves replicated over the model axis."""
-  specs = jax.tree_util.tree_map(
-      lambda s, x: jax.tree_util.tree_map(lambda _: s, x), dist.param_specs, tree,
-      is_leaf=_is_spec)
-  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  return {registry.path_str(path) for (path, _), spec in zip(flat, treedef.flatten_up_to(specs))
-          if _sharded_dim(spec, dist.model_axis, registry.path_str(path)) is None}
+  return {name for name, _, spec in _leaf_specs(tree, dist)
+          if _sharded_dim(spec, dist.model_axis, name) is None}
 
 
 def _from_shard_zero(x: jax.Array, axis: str) -> jax.Array:
@@ -315,9 +320,15 @@ def check_kfac_layers(layers, sharding: ModelSharding) -> None:
   for layer in layers:
     if layer.kernel_path not in sharding.paths:
       continue
-    dim = sharding.dims[sharding.paths.index(layer.kernel_path)]
+    i = sharding.paths.index(layer.kernel_path)
+    dim = sharding.dims[i]
     if dim is None:
       continue
+    if tuple(layer.stack) + tuple(layer.kernel_shape) != sharding.local_shape(i):
+      raise ValueError(
+          f"Tagged layer '{layer.name}' has kernel shape {layer.kernel_shape}, not its "
+          f"local shard's {sharding.local_shape(i)}: discover the layers with "
+          "grad_fn.discover(params, *batch, distribution=dist).")
     stack = len(layer.stack)
     if dim < stack:
       raise ValueError(f"Tagged layer '{layer.name}': its kernel is sharded over "

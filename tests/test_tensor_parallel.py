@@ -13,6 +13,7 @@ import optax
 import pytest
 
 import kfac_jax_dist as kd
+from kfac_jax_dist.kfac import find_states
 
 DATA, M = 2, 4
 STEPS = 7            # counts 0..6: inverse at 0, 3, 6; factor-only at 2, 4; plain 1, 5
@@ -147,6 +148,104 @@ def test_kfac_tensor_parallel_equals_block_model(fraction, factor_reduction,
   params, x, y = _problem()
   dist = _dist(fraction, factor_reduction=factor_reduction,
                gradient_reduction=gradient_reduction)
-  trajectory, _ = _train(lambda layers: _kfac(layers, dist), tp_loss, params, x, y, dist)
-  reference, _ = _kfac_reference()
+  trajectory, opt_state = _train(lambda layers: _kfac(layers, dist), tp_loss, params, x,
+                                 y, dist)
+  reference, ref_state = _kfac_reference()
   _assert_same(trajectory, reference)
+  # Model shard i's factors are the block model's i-th column (row) layer's.
+  want = kd.running_factors(find_states(ref_state)[0])
+  for i in range(M):
+    got = kd.running_factors(find_states(kd.model_shard(opt_state, i))[0])
+    for name, ref in (("col", f"col{i}"), ("row", f"row{i}"), ("head", "head"),
+                      ("norm", "norm")):
+      for key in got[name]:
+        np.testing.assert_allclose(got[name][key], want[ref][key], rtol=1e-4, atol=1e-6,
+                                   err_msg=f"shard {i} {name} {key}")
+  # Specs over both axes; the momentum is sharded like the parameters.
+  specs = kd.partition_specs(opt_state)
+  kfac_specs, = _of_type(specs, kd.ModelShardedState)
+  assert kfac_specs.inner.factors == P(("model", "data"))
+  assert kfac_specs.inner.second_order == (P("model") if fraction == 1
+                                           else P(("model", "data")))
+  assert kfac_specs.inner.count == P()
+  momentum, = _of_type(specs, optax.TraceState)
+  assert momentum.trace == PARAM_SPECS
+
+
+def _of_type(tree, cls):
+  return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, cls))
+          if isinstance(x, cls)]
+
+
+def _shampoo(dist=None, **options):
+  return kd.shampoo(0.05, block_size=None, graft_type="adagrad",
+                    start_preconditioning_step=1, preconditioning_compute_steps=2,
+                    distribution=dist, **options)
+
+
+@pytest.mark.parametrize("grafting", ["layer", "block"])
+def test_shampoo_tensor_parallel_equals_split_params(grafting):
+  """Each model shard's Shampoo is Shampoo of its local shard: one device
+  with the sharded parameters split into M leaves takes the same steps."""
+  params, x, y = _problem()
+  dist = _dist()
+  trajectory, _ = _train(lambda _: _shampoo(dist, grafting=grafting), tp_loss, params,
+                         x, y, dist)
+  reference, _ = _train(lambda _: _shampoo(grafting=grafting), block_loss,
+                        to_blocks(params), x, y)
+  _assert_same(trajectory, reference)
+
+
+
+def test_misconfigured_tensor_parallel_is_rejected():
+  mesh = _mesh()
+  with pytest.raises(ValueError, match="'tensor' is not an axis"):
+    kd.Distribution(mesh, model_axis="tensor", param_specs=PARAM_SPECS)
+  with pytest.raises(ValueError, match="pass model_axis"):
+    kd.Distribution(mesh, param_specs=PARAM_SPECS)
+  with pytest.raises(ValueError, match="needs param_specs"):
+    kd.Distribution(mesh, model_axis="model")
+  with pytest.raises(ValueError, match="another mesh axis"):
+    kd.Distribution(mesh, axis="model", model_axis="model", param_specs=PARAM_SPECS)
+  with pytest.raises(ValueError, match="over the tensor-parallel axis 'model' only"):
+    kd.Distribution(mesh, model_axis="model", param_specs={"w": P("data")})
+  with pytest.raises(ValueError, match="several dimensions"):
+    kd.Distribution(mesh, model_axis="model", param_specs={"w": P("model", "model")})
+  params, x, y = _problem()
+  dist = _dist()
+  with pytest.raises(ValueError, match="stale_threshold"):
+    kd.scale_by_kfac(distribution=dist, stale_threshold=0.1)
+  bad = dict(params, row={"kernel": jnp.zeros((HIDDEN, D_OUT))},
+             col={"kernel": jnp.zeros((D_IN, 6)), "bias": jnp.zeros(6)})
+  with pytest.raises(ValueError, match="not divisible by the 4 devices"):
+    _shampoo(dist).init(bad)
+  tx = _shampoo(dist)
+  state = tx.init(params)
+  with pytest.raises(ValueError, match="inside jax.shard_map"):
+    tx.update(params, state, params)
+
+
+def test_kfac_rejects_shardings_it_cannot_precondition():
+  """A row-parallel layer whose tag adds the bias (every shard would add it
+  before the psum), and a conv kernel sharded on a spatial axis."""
+  mesh = _mesh()
+
+  def row_with_bias(p, x, y):
+    z = jax.lax.psum(kd.tags.dense(x, p["row"]["kernel"], p["row"]["bias"]), "model")
+    return kd.losses.softmax_cross_entropy(z, y)
+  params = {"row": {"kernel": jnp.zeros((8, CLASSES)), "bias": jnp.zeros(CLASSES)}}
+  specs = {"row": {"kernel": P("model", None), "bias": P()}}
+  x, y = jnp.zeros((4, 8 // M)), jnp.zeros(4, jnp.int32)   # the local input rows
+
+  def conv(p, x, y):
+    z = jax.lax.psum(kd.tags.conv2d(x, p["conv"]["kernel"]), "model")
+    return kd.losses.softmax_cross_entropy(z.mean((1, 2)), y)
+  conv_params = {"conv": {"kernel": jnp.zeros((4, 3, 2, CLASSES))}}
+  conv_specs = {"conv": {"kernel": P("model")}}
+  xc = jnp.zeros((4, 6, 6, 2))
+  for loss, p, s, xx, match in ((row_with_bias, params, specs, x, "add the bias after"),
+                                (conv, conv_params, conv_specs, xc, "spatial axis")):
+    dist = kd.Distribution(mesh, model_axis="model", param_specs=s)
+    layers = kd.value_and_grad(loss).discover(p, xx, y, distribution=dist)
+    with pytest.raises(ValueError, match=match):
+      kd.kfac(0.1, layers=layers, distribution=dist).init(p)
