@@ -141,7 +141,7 @@ def _kfac_reference(method="eigen"):
 
 @pytest.mark.parametrize("fraction,factor_reduction,gradient_reduction", [
     (1.0, "reduce_scatter", "none"), (1 / 2, "all_reduce", "none"),
-    (1 / 2, "reduce_scatter", "reduce_scatter")],
+    pytest.param(1 / 2, "reduce_scatter", "reduce_scatter", marks=pytest.mark.slow)],
     ids=["COMM-OPT", "MEM-OPT", "MEM-OPT-SP-NGD"])
 def test_kfac_tensor_parallel_equals_block_model(fraction, factor_reduction,
                                                  gradient_reduction):
@@ -183,7 +183,8 @@ def _shampoo(dist=None, **options):
                     distribution=dist, **options)
 
 
-@pytest.mark.parametrize("grafting", ["layer", "block"])
+@pytest.mark.parametrize("grafting", ["layer", pytest.param("block",
+                                                            marks=pytest.mark.slow)])
 def test_shampoo_tensor_parallel_equals_split_params(grafting):
   """Each model shard's Shampoo is Shampoo of its local shard: one device
   with the sharded parameters split into M leaves takes the same steps."""
@@ -223,6 +224,8 @@ def test_misconfigured_tensor_parallel_is_rejected():
   state = tx.init(params)
   with pytest.raises(ValueError, match="inside jax.shard_map"):
     tx.update(params, state, params)
+  with pytest.raises(ValueError, match="convert_state does not move"):
+    kd.convert_state(state, state)
 
 
 def test_kfac_rejects_shardings_it_cannot_precondition():
