@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+import re
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +83,22 @@ def _plan_of(layout, layer: registry.TaggedLayer):
   return layout.plan(layer.blocks()[0].name)
 
 
+def _unbound_axis(error: NameError) -> str | None:
+  match = re.search(r"unbound axis name: ([^\s.]+)", str(error))
+  return match.group(1) if match else None
+
+
+def _binding_axes(fun: Callable, axis_names: Sequence[str]) -> Callable:
+  """`fun` with each of `axis_names` bound as a size-1 axis (a `vmap` over no
+  argument), so that a loss using collectives over mesh axes (synchronised
+  BatchNorm's `pmean`) can be traced outside `shard_map`; a collective over a
+  size-1 axis is the identity, and the unbatched arguments pass through as the
+  same tracers (the tags match parameters by identity)."""
+  for name in axis_names:
+    fun = jax.vmap(fun, in_axes=None, axis_size=1, axis_name=name)
+  return fun
+
+
 class ValueAndGrad:
   """Callable returned by `kd.value_and_grad`; see there."""
 
@@ -97,7 +114,10 @@ class ValueAndGrad:
     parameters and batch may be `jax.ShapeDtypeStruct`s).
 
     A stacked layer (scanned blocks, see `stacking`) is one record with
-    `stack = (L,)`; `TaggedLayer.blocks()` lists its blocks.
+    `stack = (L,)`; `TaggedLayer.blocks()` lists its blocks. A loss with
+    collectives over mesh axes (synchronised BatchNorm, `axis_name="data"`)
+    can be discovered outside `shard_map`: each unbound axis is bound with
+    size 1 for the trace (with global parameter shapes).
 
     With a tensor-parallel `distribution` (`model_axis` set), `fun` is traced
     inside `shard_map` over its mesh (the global `params` sharded by its
@@ -140,7 +160,18 @@ class ValueAndGrad:
       found.append(trace)
       return out
 
-    jax.eval_shape(traced, params, [x for x, d in zip(flat, dynamic) if d])
+    arrays = [x for x, d in zip(flat, dynamic) if d]
+    bound: list[str] = []
+    while True:
+      try:
+        jax.eval_shape(_binding_axes(traced, bound), params, arrays)
+        break
+      except NameError as error:       # a collective over a mesh axis (e.g. synced BN)
+        name = _unbound_axis(error)
+        if name is None or name in bound:
+          raise
+        bound.append(name)
+        found.clear()
     layers = tuple(found[0].layers)
     if not layers:
       raise ValueError("The loss function ran no tagged layer (kd.tags / kd.linen / "

@@ -226,6 +226,10 @@ def test_misconfigured_tensor_parallel_is_rejected():
     tx.update(params, state, params)
   with pytest.raises(ValueError, match="convert_state does not move"):
     kd.convert_state(state, state)
+  # Layers discovered outside shard_map have the global shapes.
+  global_layers = kd.value_and_grad(tp_loss).discover(params, x, y)
+  with pytest.raises(ValueError, match="discover the layers with"):
+    _kfac(global_layers, dist).init(params)
 
 
 def test_kfac_rejects_shardings_it_cannot_precondition():
