@@ -936,7 +936,6 @@ def scale_by_kfac(
   tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
   if model_axis is None:
     return tx
-
   return tensor_parallel.wrap(
       tx, distribution, "scale_by_kfac",
       lambda sharding: tensor_parallel.check_kfac_layers(layers or (), sharding))

@@ -67,7 +67,8 @@ def check_distribution(dist) -> None:
                      "of every parameter (a pytree like the parameters, or a prefix).")
   for spec in jax.tree_util.tree_leaves(dist.param_specs, is_leaf=_is_spec):
     if not _is_spec(spec):
-      raise ValueError(f"Distribution: param_specs holds {spec!r}, not a PartitionSpec.")
+      raise ValueError(f"Distribution: param_specs holds {spec!r}, not a "
+                       "PartitionSpec.")
     _sharded_dim(spec, dist.model_axis, "?")
 
 
@@ -147,8 +148,8 @@ class ModelSharding:
       shapes.append(shape)
       specs.append(spec)
       dims.append(dim)
-    return cls(dist.model_axis, size, treedef, tuple(paths), tuple(shapes), tuple(specs),
-               tuple(dims))
+    return cls(dist.model_axis, size, treedef, tuple(paths), tuple(shapes),
+               tuple(specs), tuple(dims))
 
   def local_shape(self, i: int) -> tuple[int, ...]:
     shape, dim = list(self.shapes[i]), self.dims[i]
@@ -162,11 +163,12 @@ class ModelSharding:
 
   def matches(self, node) -> bool:
     """Whether `node` is shaped like the (global) parameters, e.g. a momentum."""
-    if isinstance(node, (ModelShardedState,)) or _is_spec(node):
+    if isinstance(node, ModelShardedState) or _is_spec(node):
       return False
     leaves, treedef = jax.tree_util.tree_flatten(node)
     return treedef == self.treedef and all(
-        hasattr(x, "shape") and tuple(x.shape) == s for x, s in zip(leaves, self.shapes))
+        hasattr(x, "shape") and tuple(x.shape) == s
+        for x, s in zip(leaves, self.shapes))
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["inner"],
@@ -297,7 +299,8 @@ def wrap(inner: optax.GradientTransformationExtraArgs, dist, name: str,
         raise ValueError(
             f"{name}: the update of '{sharding.paths[i]}' has shape {jnp.shape(x)}, "
             f"expected its local shard {sharding.local_shape(i)} (global "
-            f"{sharding.shapes[i]}): call update inside shard_map with the param_specs.")
+            f"{sharding.shapes[i]}): call update inside shard_map with the "
+            "param_specs.")
     varying = functools.partial(_compat.as_varying, axes=(axis,))
     extra_args = {k: (varying(v) if k == "kfac_stats" and v is not None else v)
                   for k, v in extra_args.items()}

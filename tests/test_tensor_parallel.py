@@ -173,8 +173,8 @@ def test_kfac_tensor_parallel_equals_block_model(fraction, factor_reduction,
 
 
 def _of_type(tree, cls):
-  return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, cls))
-          if isinstance(x, cls)]
+  leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, cls))
+  return [x for x in leaves if isinstance(x, cls)]
 
 
 def _shampoo(dist=None, **options):
