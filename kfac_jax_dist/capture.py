@@ -108,7 +108,8 @@ class ValueAndGrad:
     self.fun, self.has_aux, self.fisher = fun, has_aux, fisher
     functools.update_wrapper(self, fun)
 
-  def discover(self, params, *args, **kwargs) -> registry.LayerRegistry:
+  def discover(self, params, *args, distribution=None, **kwargs
+               ) -> registry.LayerRegistry:
     """The tagged layers of `fun(params, *args, **kwargs)` (an abstract trace;
     parameters and batch may be `jax.ShapeDtypeStruct`s).
 
@@ -116,8 +117,30 @@ class ValueAndGrad:
     `stack = (L,)`; `TaggedLayer.blocks()` lists its blocks. A loss with
     collectives over mesh axes (synchronised BatchNorm, `axis_name="data"`)
     can be discovered outside `shard_map`: each unbound axis is bound with
-    size 1 for the trace."""
-    return self._discover(params, *args, **kwargs).layers
+    size 1 for the trace (with global parameter shapes).
+
+    With a tensor-parallel `distribution` (`model_axis` set), `fun` is traced
+    inside `shard_map` over its mesh (the global `params` sharded by its
+    `param_specs`, the batch replicated), so the layers have the local shard
+    shapes that `update` sees (and `fun` may use collectives over the mesh
+    axes)."""
+    if distribution is None or distribution.model_axis is None:
+      return self._discover(params, *args, **kwargs).layers
+    found = []
+
+    def local(p, a, k):
+      found.append(self._discover(p, *a, **k).layers)
+      return jnp.zeros([])
+    spec = jax.sharding.PartitionSpec()
+    if not all(hasattr(x, "shape") and hasattr(x, "dtype")
+               for x in jax.tree_util.tree_leaves((args, kwargs))):
+      raise ValueError("discover(distribution=...) traces the batch inside shard_map: "
+                       "pass array arguments only (bind the others with "
+                       "functools.partial).")
+    jax.eval_shape(jax.shard_map(
+        local, mesh=distribution.mesh, in_specs=(distribution.param_specs, spec, spec),
+        out_specs=spec), params, args, kwargs)
+    return found[0]
 
   def _discover(self, params, *args, **kwargs) -> "_Discovered":
     found = []
@@ -234,9 +257,10 @@ class ValueAndGrad:
     # probes. Parameters are made varying too, so that the gradients are the
     # local ones (autodiff would otherwise psum the gradient of a replicated
     # parameter); `kd.Distribution.gradient_reduction` says who averages them.
-    local_axes = _compat.varying_axes(params, args, kwargs)
-    probes = _compat.as_varying(probes, local_axes)
-    params = _compat.as_varying(params, local_axes)
+    # Only over the batch's axes: a parameter replicated over a tensor-parallel
+    # axis (the batch is replicated there too) keeps autodiff's sum over it.
+    probes = _compat.as_varying(probes, _compat.varying_axes(params, args, kwargs))
+    params = _compat.as_varying(params, _compat.varying_axes(args, kwargs))
     compute_stats = jnp.asarray(True) if state is None else state.update_factors
 
     def evaluate(p, probes):

@@ -278,6 +278,10 @@ def convert_state(state: Any, template: Any) -> Any:
   Returns:
     A state with `template`'s structure, layouts and shardings.
   """
+  from kfac_jax_dist import tensor_parallel  # pylint: disable=import-outside-toplevel
+  if tensor_parallel.find_sharding((state, template)) is not None:
+    raise ValueError("convert_state does not move tensor-parallel (model_axis) states; "
+                     "convert kd.model_shard(state, i) shard by shard.")
   leaves, treedef = jax.tree_util.tree_flatten(state, is_leaf=_is_state)
   targets, target_def = jax.tree_util.tree_flatten(template, is_leaf=_is_state)
   if treedef != target_def:

@@ -108,6 +108,7 @@ from kfac_jax_dist import layout as layout_lib
 from kfac_jax_dist import packing
 from kfac_jax_dist import registry
 from kfac_jax_dist import roots as roots_lib
+from kfac_jax_dist import tensor_parallel
 
 _HI = lax.Precision.HIGHEST
 GRAFT_TYPES = ("sgd", "adagrad", "rmsprop", "adam", "none")
@@ -1072,7 +1073,11 @@ def scale_by_shampoo(
                                     roots=roots, graft=graft)
     return new_updates, new_state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  if distribution is not None and distribution.model_axis is not None:
+    # Tensor-parallel: every model shard preconditions its local shard (3D-Shampoo).
+    return tensor_parallel.wrap(tx, distribution, "scale_by_shampoo")
+  return tx
 
 
 def shampoo(

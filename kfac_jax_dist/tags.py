@@ -138,8 +138,9 @@ def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag):
       _, vjp = jax.vjp(apply, x, *params)   # the primal is dead code under jit
       x_bar, *params_bar = vjp(cotangent)
     # A statistic may not depend on everything that varies (an embedding's A
-    # on replicated ids): both branches are typed varying like (x, cotangent).
-    axes = _compat.varying_axes(x, cotangent)
+    # on replicated ids, a layer replicated over a tensor-parallel axis): both
+    # branches are typed varying like (x, cotangent) and the probes.
+    axes = _compat.varying_axes(x, cotangent, probes)
     zeros = _compat.as_varying(jax.tree_util.tree_map(jnp.zeros_like, probes), axes)
     probe_bar = lax.cond(flag, lambda: _compat.as_varying(stats(x, cotangent), axes),
                          lambda: zeros)
