@@ -183,13 +183,16 @@ def _shampoo(dist=None, **options):
                     distribution=dist, **options)
 
 
-@pytest.mark.parametrize("grafting", ["layer", pytest.param("block",
-                                                            marks=pytest.mark.slow)])
-def test_shampoo_tensor_parallel_equals_split_params(grafting):
+@pytest.mark.parametrize("grafting,fraction", [
+    ("layer", 1.0), ("layer", 1 / 2),
+    pytest.param("block", 1.0, marks=pytest.mark.slow)],
+    ids=["layer-COMM", "layer-MEM", "block-COMM"])
+def test_shampoo_tensor_parallel_equals_split_params(grafting, fraction):
   """Each model shard's Shampoo is Shampoo of its local shard: one device
-  with the sharded parameters split into M leaves takes the same steps."""
+  with the sharded parameters split into M leaves takes the same steps (root
+  work over "data" COMM-style, or MEM-OPT: statistics and roots sharded)."""
   params, x, y = _problem()
-  dist = _dist()
+  dist = _dist(fraction)
   trajectory, _ = _train(lambda _: _shampoo(dist, grafting=grafting), tp_loss, params,
                          x, y, dist)
   reference, _ = _train(lambda _: _shampoo(grafting=grafting), block_loss,
