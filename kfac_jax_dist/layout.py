@@ -269,10 +269,12 @@ def assign(items: Sequence, bins: int, cost, size, units=None,
   the worst bin's cost by more than 2% of the ideal.
 
   Returns, per bin, `(item, units)`: a `(lo, hi)` range of the item's units,
-  or None for the whole item.
+  or None for the whole item; without `units`, per bin its items.
   """
   whole, loads = _assign(items, bins, cost, size, lambda x: 0, level)
-  if units is None or max(load[1] for load in loads) <= level:
+  if units is None:
+    return [[x for x, _ in mine] for mine in whole]
+  if max(load[1] for load in loads) <= level:
     return whole
   split, split_loads = _assign(items, bins, cost, size, units, level)
   if (max(load[1] for load in split_loads) < max(load[1] for load in loads)
