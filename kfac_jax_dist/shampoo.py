@@ -79,6 +79,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
+import numpy as np
 import optax
 
 from kfac_jax_dist import distributed
@@ -484,17 +485,21 @@ def scale_by_shampoo(
     if dtype is None:
       dtype = jnp.promote_types(jnp.float32, jnp.result_type(
           *[x for _, x in flat] or [jnp.float32]))
-    stats = tuple(epsilon * jnp.broadcast_to(jnp.eye(d, dtype=dtype), (n, d, d))
-                  for (d, _), n in zip(lay.buckets, lay.sizes))
-    roots = tuple(jnp.broadcast_to(jnp.eye(d, dtype=dtype), (n, d, d))
+    # Concrete params: built in numpy and transferred once per array (eager
+    # jnp compiles and runs one small program per op); traced: jnp.
+    xp = jnp if any(isinstance(x, jax.core.Tracer) for _, x in flat) else np
+    stats = tuple((epsilon * xp.broadcast_to(xp.eye(d, dtype=dtype), (n, d, d))
+                   ).astype(dtype) for (d, _), n in zip(lay.buckets, lay.sizes))
+    roots = tuple(xp.broadcast_to(xp.eye(d, dtype=dtype), (n, d, d))
                   for (d, _), n in zip(lay.buckets, lay.sizes))
     graft = ()
     if graft_type in ("adagrad", "rmsprop", "adam"):
-      graft = tuple(jnp.zeros(jnp.shape(x), jnp.promote_types(jnp.result_type(x),
-                                                              jnp.float32))
+      graft = tuple(xp.zeros(jnp.shape(x), jnp.promote_types(jnp.result_type(x),
+                                                             jnp.float32))
                     for _, x in flat)
-    return ScaleByShampooState(count=jnp.zeros([], jnp.int32), statistics=stats,
-                               roots=roots, graft=graft, layout=lay)
+    state = ScaleByShampooState(count=xp.zeros([], jnp.int32), statistics=stats,
+                                roots=roots, graft=graft, layout=lay)
+    return state if xp is jnp else jax.tree_util.tree_map(jnp.asarray, state)
 
   def graft_updates(grads, accumulators, count):
     """The grafted diagonal updates `D` and the new accumulators."""
