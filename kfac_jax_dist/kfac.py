@@ -313,6 +313,17 @@ def _all_finite(arrays) -> jax.Array:
   return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
 
 
+def _materialise(flag: jax.Array) -> jax.Array:
+  """`flag`, computed once. XLA fuses (duplicates) a chain of cheap scalar ops
+  into each consumer; the verdict `ok` (an `and` of one check per gradient and
+  statistic) has ~40 (the update selects, the cadence conds, the counters), so
+  the chain was copied ~40 times (on the autoencoder of benchmarks/vs_kfac_jax.py,
+  3/10 of the step's HLO). A `lax.cond` is not fused: its result is one value."""
+  axes = _compat.varying_axes(flag)
+  return lax.cond(flag, lambda: _compat.as_varying(jnp.asarray(True), axes),
+                  lambda: _compat.as_varying(jnp.asarray(False), axes))
+
+
 def _agree(comm: distributed.Collectives, ok: jax.Array) -> jax.Array:
   """True on every device iff `ok` on every device (a psum of the failures)."""
   if not comm.active:
@@ -824,6 +835,7 @@ def scale_by_kfac(
                              lambda: jnp.asarray(True))
         else:
           ok = ok & (stats_finite | ~state.update_factors)
+      ok = _materialise(ok)
 
     # Named scopes mark the work of each cadence in the HLO (benchmarks read them).
     if stale_threshold is not None:
