@@ -105,11 +105,12 @@ KFAC_BASE = {
 # settings that matter most here varied around them (the KL clip binds on
 # these tasks, so it sets the step length more than the learning rate does).
 KFAC_GRID = {
-    "cnn": dict(kl_clip=(3e-3, 1e-2, 3e-2), cadence=((1, 10), (5, 50))),
-    "autoencoder": dict(kl_clip=(3e-3, 1e-2, 3e-2), damping=(0.01, 0.03, 0.1)),
-    "lm": dict(kl_clip=(1e-4, 2.5e-4, 1e-3), damping=(1e-3, 1e-2)),
+    "cnn": dict(kl_clip=(1e-2, 3e-2, 1e-1), cadence=((1, 10), (5, 50))),
+    "autoencoder": dict(kl_clip=(1e-3, 3e-3, 1e-2), damping=(0.01, 0.03),
+                        cadence=((5, 25), (10, 100))),
+    "lm": dict(kl_clip=(3e-5, 1e-4, 2.5e-4), damping=(3e-4, 1e-3)),
 }
-ADAM_GRID = {"cnn": (1e-3, 3e-3, 1e-2, 3e-2), "autoencoder": (1e-3, 3e-3, 1e-2, 3e-2),
+ADAM_GRID = {"cnn": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1), "autoencoder": (1e-3, 3e-3, 1e-2, 3e-2),
              "lm": (3e-3, 1e-2, 2e-2)}
 SGD_GRID = {"cnn": (0.03, 0.1, 0.3, 1.0), "autoencoder": (0.01, 0.03, 0.1, 0.3),
             "lm": (0.1, 0.3, 1.0)}
