@@ -5,6 +5,7 @@ from kfac_jax_dist import linen
 from kfac_jax_dist import losses
 from kfac_jax_dist import nnx
 from kfac_jax_dist import tags
+from kfac_jax_dist import tensor_parallel
 from kfac_jax_dist.capture import value_and_grad
 from kfac_jax_dist.capture import ValueAndGrad
 from kfac_jax_dist.checkpoint import checkpoint_metadata
@@ -26,6 +27,8 @@ from kfac_jax_dist.registry import TaggedLayer
 from kfac_jax_dist.shampoo import scale_by_shampoo
 from kfac_jax_dist.shampoo import shampoo
 from kfac_jax_dist.shampoo import ScaleByShampooState
+from kfac_jax_dist.tensor_parallel import model_shard
+from kfac_jax_dist.tensor_parallel import ModelShardedState
 
 __version__ = "0.1.0"
 
@@ -34,6 +37,7 @@ __all__ = [
     "ScaleByShampooState", "scale_by_shampoo", "shampoo",
     "checkpoint", "checkpoint_metadata", "convert_state", "restore_checkpoint",
     "save_checkpoint", "second_order_parts", "skip_faulty_steps",
-    "describe", "kfac", "linen", "losses", "nnx", "partition_specs", "running_factors", "scale_by_kfac",
-    "shard_state", "tags", "value_and_grad",
+    "describe", "kfac", "linen", "losses", "model_shard", "ModelShardedState", "nnx",
+    "partition_specs", "running_factors", "scale_by_kfac", "shard_state", "tags",
+    "tensor_parallel", "value_and_grad",
 ]

@@ -24,11 +24,14 @@ def as_varying(tree, axes: tuple[str, ...]):
   if not axes:
     return tree
   if hasattr(jax.lax, "pcast"):
-    cast = lambda x: jax.lax.pcast(x, axes, to="varying")
+    cast = lambda x, missing: jax.lax.pcast(x, missing, to="varying")
   else:
-    cast = lambda x: jax.lax.pvary(x, axes)
-  return jax.tree_util.tree_map(
-      lambda x: cast(x) if set(axes) - set(varying_axes(x)) else x, tree)
+    cast = lambda x, missing: jax.lax.pvary(x, missing)
+
+  def one(x):   # only the axes x does not already vary over
+    missing = tuple(a for a in axes if a not in varying_axes(x))
+    return cast(x, missing) if missing else x
+  return jax.tree_util.tree_map(one, tree)
 
 
 def all_gather_invariant(x, axis_name: str, *, tiled: bool = True):

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+import re
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -82,6 +83,22 @@ def _plan_of(layout, layer: registry.TaggedLayer):
   return layout.plan(layer.blocks()[0].name)
 
 
+def _unbound_axis(error: NameError) -> str | None:
+  match = re.search(r"unbound axis name: ([^\s.]+)", str(error))
+  return match.group(1) if match else None
+
+
+def _binding_axes(fun: Callable, axis_names: Sequence[str]) -> Callable:
+  """`fun` with each of `axis_names` bound as a size-1 axis (a `vmap` over no
+  argument), so that a loss using collectives over mesh axes (synchronised
+  BatchNorm's `pmean`) can be traced outside `shard_map`; a collective over a
+  size-1 axis is the identity, and the unbatched arguments pass through as the
+  same tracers (the tags match parameters by identity)."""
+  for name in axis_names:
+    fun = jax.vmap(fun, in_axes=None, axis_size=1, axis_name=name)
+  return fun
+
+
 class ValueAndGrad:
   """Callable returned by `kd.value_and_grad`; see there."""
 
@@ -91,13 +108,39 @@ class ValueAndGrad:
     self.fun, self.has_aux, self.fisher = fun, has_aux, fisher
     functools.update_wrapper(self, fun)
 
-  def discover(self, params, *args, **kwargs) -> registry.LayerRegistry:
+  def discover(self, params, *args, distribution=None, **kwargs
+               ) -> registry.LayerRegistry:
     """The tagged layers of `fun(params, *args, **kwargs)` (an abstract trace;
     parameters and batch may be `jax.ShapeDtypeStruct`s).
 
     A stacked layer (scanned blocks, see `stacking`) is one record with
-    `stack = (L,)`; `TaggedLayer.blocks()` lists its blocks."""
-    return self._discover(params, *args, **kwargs).layers
+    `stack = (L,)`; `TaggedLayer.blocks()` lists its blocks. A loss with
+    collectives over mesh axes (synchronised BatchNorm, `axis_name="data"`)
+    can be discovered outside `shard_map`: each unbound axis is bound with
+    size 1 for the trace (with global parameter shapes).
+
+    With a tensor-parallel `distribution` (`model_axis` set), `fun` is traced
+    inside `shard_map` over its mesh (the global `params` sharded by its
+    `param_specs`, the batch replicated), so the layers have the local shard
+    shapes that `update` sees (and `fun` may use collectives over the mesh
+    axes)."""
+    if distribution is None or distribution.model_axis is None:
+      return self._discover(params, *args, **kwargs).layers
+    found = []
+
+    def local(p, a, k):
+      found.append(self._discover(p, *a, **k).layers)
+      return jnp.zeros([])
+    spec = jax.sharding.PartitionSpec()
+    if not all(hasattr(x, "shape") and hasattr(x, "dtype")
+               for x in jax.tree_util.tree_leaves((args, kwargs))):
+      raise ValueError("discover(distribution=...) traces the batch inside shard_map: "
+                       "pass array arguments only (bind the others with "
+                       "functools.partial).")
+    jax.eval_shape(jax.shard_map(
+        local, mesh=distribution.mesh, in_specs=(distribution.param_specs, spec, spec),
+        out_specs=spec), params, args, kwargs)
+    return found[0]
 
   def _discover(self, params, *args, **kwargs) -> "_Discovered":
     found = []
@@ -117,7 +160,18 @@ class ValueAndGrad:
       found.append(trace)
       return out
 
-    jax.eval_shape(traced, params, [x for x, d in zip(flat, dynamic) if d])
+    arrays = [x for x, d in zip(flat, dynamic) if d]
+    bound: list[str] = []
+    while True:
+      try:
+        jax.eval_shape(_binding_axes(traced, bound), params, arrays)
+        break
+      except NameError as error:       # a collective over a mesh axis (e.g. synced BN)
+        name = _unbound_axis(error)
+        if name is None or name in bound:
+          raise
+        bound.append(name)
+        found.clear()
     layers = tuple(found[0].layers)
     if not layers:
       raise ValueError("The loss function ran no tagged layer (kd.tags / kd.linen / "
@@ -203,9 +257,10 @@ class ValueAndGrad:
     # probes. Parameters are made varying too, so that the gradients are the
     # local ones (autodiff would otherwise psum the gradient of a replicated
     # parameter); `kd.Distribution.gradient_reduction` says who averages them.
-    local_axes = _compat.varying_axes(params, args, kwargs)
-    probes = _compat.as_varying(probes, local_axes)
-    params = _compat.as_varying(params, local_axes)
+    # Only over the batch's axes: a parameter replicated over a tensor-parallel
+    # axis (the batch is replicated there too) keeps autodiff's sum over it.
+    probes = _compat.as_varying(probes, _compat.varying_axes(params, args, kwargs))
+    params = _compat.as_varying(params, _compat.varying_axes(args, kwargs))
     compute_stats = jnp.asarray(True) if state is None else state.update_factors
 
     def evaluate(p, probes):

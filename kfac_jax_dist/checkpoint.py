@@ -28,6 +28,7 @@ save and restore are orbax's and work across hosts.
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any
 
@@ -41,10 +42,31 @@ from kfac_jax_dist import layout as layout_lib
 from kfac_jax_dist import packing
 
 _STATE, _META = "state", "kfac_layout"
+# the module (`kfac_jax_dist.shampoo` is the `kd.shampoo` function as an attribute)
+_shampoo = importlib.import_module("kfac_jax_dist.shampoo")
 
 
 def _is_kfac(x) -> bool:
   return isinstance(x, kfac_lib.ScaleByKfacState)
+
+
+def _is_shampoo(x) -> bool:
+  return isinstance(x, _shampoo.ScaleByShampooState)
+
+
+def _is_state(x) -> bool:
+  return _is_kfac(x) or _is_shampoo(x)
+
+
+def shampoo_layout_metadata(lay) -> dict[str, Any]:
+  """What the arrays of a Shampoo state with layout `lay` mean: the
+  distribution, every parameter's blocks and where each statistic lives."""
+  return {"num_devices": lay.num_devices, "group_size": lay.group_size, "axis": lay.axis,
+          "segment": lay.segment, "buckets": [[d, p] for d, p in lay.buckets],
+          "sizes": list(lay.sizes),
+          "params": [[plan.path, list(plan.shape), plan.merged and list(plan.merged)]
+                     for plan in lay.params],
+          "places": [[list(x) for x in bucket] for bucket in lay.places]}
 
 
 def layout_metadata(lay: layout_lib.Layout) -> dict[str, Any]:
@@ -61,8 +83,12 @@ def layout_metadata(lay: layout_lib.Layout) -> dict[str, Any]:
 
 
 def checkpoint_metadata(tree: Any) -> dict[str, Any]:
-  """`layout_metadata` of every K-FAC state in `tree`, in tree order."""
-  return {"kfac_states": [layout_metadata(s.layout) for s in kfac_lib.find_states(tree)]}
+  """`layout_metadata` of every K-FAC state in `tree`, and
+  `shampoo_layout_metadata` of every Shampoo state, in tree order."""
+  shampoo_states = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_shampoo)
+                    if _is_shampoo(x)]
+  return {"kfac_states": [layout_metadata(s.layout) for s in kfac_lib.find_states(tree)],
+          "shampoo_states": [shampoo_layout_metadata(s.layout) for s in shampoo_states]}
 
 
 def _checkpointer():
@@ -128,6 +154,13 @@ def restore_checkpoint(directory: str | os.PathLike, template: Any, *,
 
 
 def _check_compatible(saved: dict, wanted: dict) -> None:
+  # checkpoints from before Shampoo states were described hold none
+  have, want = saved.get("shampoo_states", []), wanted["shampoo_states"]
+  if have != want:
+    raise ValueError(
+        "The checkpoint's Shampoo states were saved with another layout (device count, "
+        "grad_worker_fraction, parameters or block options). Restore into a template of "
+        "the saved configuration, then kd.convert_state(state, new_template).")
   saved_states, wanted_states = saved["kfac_states"], wanted["kfac_states"]
   if len(saved_states) != len(wanted_states):
     raise ValueError(f"The checkpoint holds {len(saved_states)} K-FAC state(s), the "
@@ -194,6 +227,29 @@ def _convert_kfac(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfacState
       skipped=jnp.asarray(old.skipped, new.skipped.dtype), layout=lay)
 
 
+def _convert_shampoo(old, new):
+  lay = new.layout
+  logical = lambda x: (x.params, x.buckets, x.sizes)
+  if logical(old.layout) != logical(lay):
+    raise ValueError(
+        "convert_state moves a Shampoo state between distributions: it needs the same "
+        "parameters and block options on both sides (the statistics' buckets differ: "
+        f"{list(zip(old.layout.buckets, old.layout.sizes))} in the state, "
+        f"{list(zip(lay.buckets, lay.sizes))} in the template).")
+  stats, roots = _shampoo.bucket_arrays(old)
+  if lay.sharded:
+    stats, roots = _shampoo.sharded_arrays(lay, stats, roots)
+    stats, roots = (stats,), (roots,)
+  cast = lambda xs, like: tuple(jnp.asarray(x, jnp.result_type(y)) for x, y in zip(xs, like))
+  if len(old.graft) != len(new.graft):
+    raise ValueError("convert_state: the Shampoo states have different grafting "
+                     f"({len(old.graft)} vs {len(new.graft)} accumulators).")
+  return _shampoo.ScaleByShampooState(
+      count=jnp.asarray(np.asarray(old.count), new.count.dtype),
+      statistics=cast(stats, new.statistics), roots=cast(roots, new.roots),
+      graft=cast([np.asarray(x) for x in old.graft], new.graft), layout=lay)
+
+
 def convert_state(state: Any, template: Any) -> Any:
   """Moves an optax state to another distribution: `template`'s.
 
@@ -203,7 +259,9 @@ def convert_state(state: Any, template: Any) -> Any:
   (optionally placed with `kd.shard_state`): the same optax chain and tagged
   layers, another device count, `grad_worker_fraction`, `factor_reduction`
   or `symmetric_comm` (the method, the factor forms and the layers must
-  match). Every K-FAC state's running factors (read with `running_factors`,
+  match). A Shampoo state's statistics, roots, grafting accumulators and
+  count move over exactly (the same parameters and block options on both
+  sides). Every K-FAC state's running factors (read with `running_factors`,
   written with the template's layout) *and* second-order information (each
   factor's eigenbasis and eigenvalues, or damped inverse) move over exactly,
   as do its counters; every other leaf (momentum, ...) is copied. The result
@@ -220,8 +278,12 @@ def convert_state(state: Any, template: Any) -> Any:
   Returns:
     A state with `template`'s structure, layouts and shardings.
   """
-  leaves, treedef = jax.tree_util.tree_flatten(state, is_leaf=_is_kfac)
-  targets, target_def = jax.tree_util.tree_flatten(template, is_leaf=_is_kfac)
+  from kfac_jax_dist import tensor_parallel  # pylint: disable=import-outside-toplevel
+  if tensor_parallel.find_sharding((state, template)) is not None:
+    raise ValueError("convert_state does not move tensor-parallel (model_axis) states; "
+                     "convert kd.model_shard(state, i) shard by shard.")
+  leaves, treedef = jax.tree_util.tree_flatten(state, is_leaf=_is_state)
+  targets, target_def = jax.tree_util.tree_flatten(template, is_leaf=_is_state)
   if treedef != target_def:
     raise ValueError(f"convert_state: the state and the template are different optax "
                      f"states:\n{treedef}\nvs\n{target_def}")
@@ -229,6 +291,8 @@ def convert_state(state: Any, template: Any) -> Any:
   for leaf, target in zip(leaves, targets):
     if _is_kfac(target):
       value = _convert_kfac(leaf, target)
+    elif _is_shampoo(target):
+      value = _convert_shampoo(leaf, target)
     else:
       if jnp.shape(leaf) != jnp.shape(target):
         raise ValueError(f"convert_state: a leaf of shape {jnp.shape(leaf)} where the "

@@ -22,6 +22,12 @@ their owners, preconditioned there and all-gathered). `symmetric_comm` sends
 only the upper triangle of each factor (Ueno et al.; KAISA §5.4.1);
 `comm_dtype` casts factor traffic (the papers found 16-bit floats lose small
 eigenvalues: decompositions stay in float32).
+
+`model_axis` and `param_specs` add a tensor-parallel axis (a 2-D mesh
+`("data", "model")`, parameters sharded over "model" as `param_specs` says):
+every model shard preconditions its local shard with its own state, and the
+strategy above runs over `axis` within each model shard (see
+`tensor_parallel`).
 """
 
 from __future__ import annotations
@@ -52,11 +58,16 @@ class Distribution:
   gradient_reduction: str = "none"
   symmetric_comm: bool = True
   comm_dtype: Any = None
+  model_axis: str | None = None
+  param_specs: Any = dataclasses.field(default=None, hash=False)
 
   def __post_init__(self):
     if self.axis not in self.mesh.axis_names:
       raise ValueError(f"Distribution: axis {self.axis!r} is not an axis of the mesh "
                        f"{dict(self.mesh.shape)}.")
+    if self.model_axis is not None or self.param_specs is not None:
+      from kfac_jax_dist import tensor_parallel  # pylint: disable=import-outside-toplevel
+      tensor_parallel.check_distribution(self)
     if self.factor_reduction not in FACTOR_REDUCTIONS:
       raise ValueError(f"factor_reduction must be one of {FACTOR_REDUCTIONS}, got "
                        f"{self.factor_reduction!r}")
@@ -88,6 +99,11 @@ class Distribution:
   def num_groups(self) -> int:
     return self.num_devices // self.group_size
 
+  @property
+  def model_size(self) -> int:
+    """Devices of the tensor-parallel axis (1 without one)."""
+    return 1 if self.model_axis is None else int(self.mesh.shape[self.model_axis])
+
 
 class Collectives:
   """The collectives of one layout over one mesh axis; identities without a
@@ -103,6 +119,10 @@ class Collectives:
     self.num_devices = 1 if distribution is None else distribution.num_devices
     self.group_size = 1 if distribution is None else distribution.group_size
     self.num_groups = self.num_devices // self.group_size
+    # Axes over which per-device results vary: the data axis, and the
+    # tensor-parallel axis (every model shard has its own state) if any.
+    self.varying = () if distribution is None else tuple(
+        a for a in (distribution.axis, distribution.model_axis) if a is not None)
 
   @property
   def active(self) -> bool:
@@ -125,8 +145,8 @@ class Collectives:
     one branch only); results are typed varying over the axis."""
     if self.num_devices == 1:
       return make(0)
-    axis = self.dist.axis
-    branches = [functools.partial(lambda d: _compat.as_varying(make(d), (axis,)), d)
+    varying = self.varying
+    branches = [functools.partial(lambda d: _compat.as_varying(make(d), varying), d)
                 for d in range(self.num_devices)]
     return jax.lax.switch(self.device_index(), branches)
 
@@ -285,19 +305,31 @@ def uneven_prefix(sizes: Sequence[int]) -> int:
 
 
 def partition_specs(opt_state: Any) -> Any:
-  """A `PartitionSpec` for every leaf of an optax state holding K-FAC states.
+  """A `PartitionSpec` for every leaf of an optax state holding K-FAC or
+  Shampoo states.
 
   Running factors are sharded over the distribution's axis (each device holds
   its slots; see `layout`); the second-order state too, unless there is a
-  single owner group (COMM-OPT), where it is replicated. Every other leaf —
-  counters, and the states of other transforms, e.g. momentum — is replicated
-  (`P()`). Use the result as
+  single owner group (COMM-OPT), where it is replicated. Shampoo's statistics
+  and roots likewise (`shampoo.state_specs`). Every other leaf — counters, and
+  the states of other transforms, e.g. momentum — is replicated (`P()`). Use the result as
   `shard_map` in_specs/out_specs and with `shard_state`.
+
+  With a tensor-parallel `Distribution` (`model_axis`), each array leaf of a
+  K-FAC / Shampoo state gets the model axis prepended on its first axis (see
+  `tensor_parallel`), and the states of other transforms that are shaped like
+  the parameters (e.g. momentum) get the `param_specs`.
   """
   from kfac_jax_dist.kfac import ScaleByKfacState  # pylint: disable=import-outside-toplevel
+  from kfac_jax_dist.shampoo import ScaleByShampooState, state_specs  # pylint: disable=import-outside-toplevel
+  from kfac_jax_dist import tensor_parallel  # pylint: disable=import-outside-toplevel
   replicated = jax.sharding.PartitionSpec()
+  states = (ScaleByKfacState, ScaleByShampooState, tensor_parallel.ModelShardedState)
+  sharding = tensor_parallel.find_sharding(opt_state)
 
   def spec(node):
+    if isinstance(node, ScaleByShampooState):
+      return state_specs(node)
     if not isinstance(node, ScaleByKfacState):
       return replicated
     axis = node.layout.axis
@@ -313,8 +345,16 @@ def partition_specs(opt_state: Any) -> Any:
         second_order=replicated if node.layout.num_groups == 1 else sharded,
         refresh=refresh)
 
+  def node_spec(node):
+    if isinstance(node, tensor_parallel.ModelShardedState):
+      return tensor_parallel.inner_specs(node, partition_specs(node.inner))
+    if sharding is not None and sharding.matches(node):
+      return sharding.param_specs()
+    return spec(node)
+
   return jax.tree_util.tree_map(
-      spec, opt_state, is_leaf=lambda x: isinstance(x, ScaleByKfacState))
+      node_spec, opt_state, is_leaf=lambda x: isinstance(x, states) or (
+          sharding is not None and sharding.matches(x)))
 
 
 def shard_state(opt_state: Any, mesh: jax.sharding.Mesh) -> Any:

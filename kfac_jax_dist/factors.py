@@ -14,7 +14,17 @@ product is what the K-FAC papers use:
 * Dense on `[B, d]` inputs (N = n = B): `A = E[a aᵀ]`, `G = E[g gᵀ]`, Martens &
   Grosse (2015); KAISA Eq. 2.9.
 * Dense on `[B, T, d]` inputs with a per-token loss (N = n = B·T): tokens are
-  treated as examples.
+  treated as examples ("K-FAC-expand", Eschenhagen et al., 2023).
+* Reducing over the sequence instead ("K-FAC-reduce", Eschenhagen et al., 2023,
+  Eq. 13; `example_dims=1` on the tags): the positions of one example u are
+  reduced first, `ā_u = mean_{p∈u} a_p` and `ḡ_u = Σ_{p∈u} ĝ_p`, and then
+
+      A = (1/U) Σ_u ā_u ā_uᵀ,   G = n Σ_u ḡ_u ḡ_uᵀ.
+
+  With a per-sequence loss (n = U = B, e.g. a classifier on pooled tokens)
+  these are the paper's K-FAC-reduce factors, exact for a linear layer
+  followed by a linear pooling on one example. A conv layer with
+  `example_dims=1` reduces over its output pixels the same way.
 * Conv2d (N = B·h·w, n = B): `A ⊗ G = (1/B) Σ a aᵀ ⊗ (1/(B h w)) Σ g gᵀ`, the KFC
   approximation (Grosse & Martens, 2016) in the form of DP-KFAC Eq. 13 / SP-NGD.
   We move the 1/(h w) from G to A so that A is a per-position average; the
@@ -61,13 +71,29 @@ UNIT = "unit"      # a scale-and-shift layer's [C, 3] unit-wise Fisher
 SCALED_BY_NUM_EXAMPLES = frozenset({"G", "F"})
 
 
-def _flatten_positions(x: jax.Array) -> jax.Array:
-  return jnp.reshape(x, (-1, x.shape[-1])).astype(jnp.float32)
+def _flatten_positions(x: jax.Array, example_dims: int | None = None,
+                       reduce=jnp.sum) -> jax.Array:
+  """`[N, d]` rows: every leading position, or (`example_dims=k`) one row per
+  example, the `reduce` over the positions of the first k axes' entries."""
+  x = x.astype(jnp.float32)
+  if example_dims is None:
+    return jnp.reshape(x, (-1, x.shape[-1]))
+  if not 0 <= example_dims < x.ndim:
+    raise ValueError(f"example_dims={example_dims} for an input of shape {x.shape}: "
+                     f"must be between 0 and {x.ndim - 1}")
+  num_examples = 1
+  for size in x.shape[:example_dims]:
+    num_examples *= size
+  return reduce(jnp.reshape(x, (num_examples, -1, x.shape[-1])), axis=1)
 
 
-def input_factor(a: jax.Array, has_bias: bool, form: str = FULL) -> jax.Array:
-  """`A = (1/N) Σ_p a_p a_pᵀ` over all leading positions, bias folded in."""
-  a = _flatten_positions(a)
+def input_factor(a: jax.Array, has_bias: bool, form: str = FULL,
+                 example_dims: int | None = None) -> jax.Array:
+  """`A = (1/N) Σ_p a_p a_pᵀ` over all leading positions, bias folded in.
+
+  `example_dims=k`: the rows are the per-example means `ā_u` over the
+  positions inside each entry of the first k axes (K-FAC-reduce)."""
+  a = _flatten_positions(a, example_dims, jnp.mean)
   num_positions = a.shape[0]
   # The homogeneous coordinate is added to the product, not to `a`: with
   # `a = [x, 1]`, `A = [[E x xᵀ, E x], [E xᵀ, 1]]`. Concatenating a column of
@@ -83,9 +109,13 @@ def input_factor(a: jax.Array, has_bias: bool, form: str = FULL) -> jax.Array:
   return jnp.block([[second, mean[:, None]], [mean[None, :], jnp.ones((1, 1), a.dtype)]])
 
 
-def output_factor(g: jax.Array, form: str = FULL) -> jax.Array:
-  """`Σ_p ĝ_p ĝ_pᵀ` of the captured cotangents (the capture multiplies by n)."""
-  g = _flatten_positions(g)
+def output_factor(g: jax.Array, form: str = FULL,
+                  example_dims: int | None = None) -> jax.Array:
+  """`Σ_p ĝ_p ĝ_pᵀ` of the captured cotangents (the capture multiplies by n).
+
+  `example_dims=k`: the rows are the per-example sums `ḡ_u` over the
+  positions inside each entry of the first k axes (K-FAC-reduce)."""
+  g = _flatten_positions(g, example_dims, jnp.sum)
   if form == DIAG:
     return jnp.sum(g * g, axis=0)
   return jnp.matmul(g.T, g, precision=lax.Precision.HIGHEST)

@@ -58,6 +58,7 @@ from kfac_jax_dist import linalg
 from kfac_jax_dist import packing
 from kfac_jax_dist import registry
 from kfac_jax_dist import stale as stale_lib
+from kfac_jax_dist import tensor_parallel
 
 ScalarOrSchedule = Union[float, int, Callable[[jax.Array], Any]]
 METHODS = ("eigen", "inverse")
@@ -328,8 +329,8 @@ def _agree(comm: distributed.Collectives, ok: jax.Array) -> jax.Array:
   """True on every device iff `ok` on every device (a psum of the failures)."""
   if not comm.active:
     return ok
-  failures = _compat.as_varying((~ok).astype(jnp.int32), (comm.dist.axis,))
-  return lax.psum(failures, comm.dist.axis) == 0
+  failures = _compat.as_varying((~ok).astype(jnp.int32), comm.varying)
+  return lax.psum(failures, comm.varying) == 0
 
 
 def _finite_slots(*parts: jax.Array | None) -> jax.Array:
@@ -493,6 +494,18 @@ def scale_by_kfac(
       distribution is not None and distribution.factor_reduction in ("local", "all_reduce"))
                     else layout_lib.CHUNKED)
   local_factors = distribution is not None and distribution.factor_reduction == "local"
+  model_axis = None if distribution is None else distribution.model_axis
+  if model_axis is not None and stale_threshold is not None:
+    raise ValueError("stale_threshold is not supported with a tensor-parallel "
+                     "Distribution (model_axis): each model shard would refresh on "
+                     "its own schedule.")
+  replicated_paths = set()      # of the updates, set by update_fn
+
+  def vg_weight(plan):
+    """A layer replicated over the model axis counts once in the psum'd KL sum."""
+    if model_axis is None or plan.layer.kernel_path not in replicated_paths:
+      return 1.0
+    return 1.0 / distribution.model_size
 
   def init_fn(params):
     if layers is None:
@@ -800,7 +813,7 @@ def scale_by_kfac(
         inv_g = matrix(plan.g) if plan.g.matrix_offset is not None else vector(plan.g)
         v = linalg.precondition_inverse(grad, inv_a, inv_g)
       out[plan.layer.name] = v
-      vg = vg + jnp.abs(jnp.vdot(v, grad)).astype(compute_dtype)
+      vg = vg + jnp.abs(jnp.vdot(v, grad)).astype(compute_dtype) * vg_weight(plan)
     return out, vg
 
   def update_fn(updates, state: ScaleByKfacState, params=None, *, kfac_stats=None,
@@ -808,6 +821,9 @@ def scale_by_kfac(
     del params, extra_args
     lay = state.layout
     _check_placement(lay, state, distribution, factor_storage)
+    if model_axis is not None:
+      replicated_paths.clear()
+      replicated_paths.update(tensor_parallel.replicated_paths(updates, distribution))
     with_stats = _check_stats(lay, kfac_stats, state.update_factors)
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
     leaves = {registry.path_str(p): leaf for p, leaf in flat}
@@ -823,7 +839,7 @@ def scale_by_kfac(
     # so a plain COMM-OPT step has no extra collective.
     with jax.named_scope("kfac_fault_check"):
       ok = _all_finite(leaves.values())
-      if comm.active and (reduce_grads != "none"
+      if comm.active and (reduce_grads != "none" or model_axis is not None
                           or distribution.axis in _compat.varying_axes(updates)):
         ok = _agree(comm, ok)
       if with_stats:
@@ -914,7 +930,7 @@ def scale_by_kfac(
         used = sum(x.size for x in flat_v)
         buffer = jnp.concatenate([vg[None]] + flat_v
                                  + [jnp.zeros(size - 1 - used, compute_dtype)])
-        return _compat.as_varying(buffer, (lay.axis,))   # a group may own no layer
+        return _compat.as_varying(buffer, comm.varying)   # a group may own no layer
       mine = lax.switch(comm.group_index(),
                         [functools.partial(branch, g) for g in range(lay.num_groups)])
       buffers = (comm.gather_uneven(mine, group_sizes) if lay.group_size == 1
@@ -927,6 +943,8 @@ def scale_by_kfac(
                                              * layer.g_dim].reshape(layer.a_dim, layer.g_dim)
 
     if kl_clip is not None:
+      if model_axis is not None:       # every layer's shards, replicated ones once
+        vg = lax.psum(vg, model_axis)
       eta = jnp.asarray(_at(learning_rate, count), compute_dtype)
       kappa = jnp.asarray(_at(kl_clip, count), compute_dtype)
       nu = jnp.where(vg > 0, jnp.minimum(1.0, jnp.sqrt(kappa / (eta ** 2 * vg))), 1.0)
@@ -938,7 +956,12 @@ def scale_by_kfac(
         treedef, [jnp.where(ok, u, jnp.zeros(u.shape, u.dtype)) for u in outputs])
     return new_updates, new_state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  if model_axis is None:
+    return tx
+  return tensor_parallel.wrap(
+      tx, distribution, "scale_by_kfac",
+      lambda sharding: tensor_parallel.check_kfac_layers(layers or (), sharding))
 
 
 def skip_faulty_steps(inner: optax.GradientTransformation

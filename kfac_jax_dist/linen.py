@@ -9,10 +9,14 @@ contractions over other than the last axes, normalisation over other than the
 last feature axis, an offset without a scale, ...) run Flax's own code,
 untagged, with a warning.
 
-LayerNorm and BatchNorm take one extra, optional field, `kfac_example_dims`
-(see `kd.tags.scale_and_shift`): LayerNorm's default `None` treats every
-position (token) as an example; BatchNorm's default 1 treats each entry of the
-leading batch axis (an image) as one example, as SP-NGD does.
+Every tagged layer takes one extra, optional field, `kfac_example_dims`
+(see `kd.tags.dense` and `kd.tags.scale_and_shift`): how many leading axes of
+the input index examples, the positions inside an example being reduced
+before the statistics' outer products. The default `None` treats every
+position (token, output pixel) as an example ("K-FAC-expand"); e.g. 1 on
+`[B, T, d]` reduces over the sequence ("K-FAC-reduce", Eschenhagen et al.
+2023). BatchNorm's default is 1 (each image one example, as SP-NGD does).
+Embed has no such field (its A counts tokens).
 
 Scanned layers: inside `nn.scan` / `nn.vmap` with `variable_axes={"params":
 0}` each block gets its own factors (see `kfac_jax_dist.stacking`); the layer
@@ -35,6 +39,8 @@ from kfac_jax_dist import tags
 class Dense(nn.Dense):
   """`flax.linen.Dense`, tagged with `kd.tags.dense`."""
 
+  kfac_example_dims: int | None = None
+
   @nn.compact
   def __call__(self, inputs):
     if self.dot_general is not None or self.dot_general_cls is not None:
@@ -45,11 +51,13 @@ class Dense(nn.Dense):
     bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
             if self.use_bias else None)
     return tags.dense(inputs, kernel, bias, dtype=self.dtype, precision=self.precision,
-                      _site=stacking.linen_site(self, kernel, bias, "kernel", "bias"))
+                      example_dims=self.kfac_example_dims, _site=stacking.linen_site(self, kernel, bias, "kernel", "bias"))
 
 
 class Conv(nn.Conv):
   """`flax.linen.Conv` (2-D), tagged with `kd.tags.conv2d`."""
+
+  kfac_example_dims: int | None = None
 
   @nn.compact
   def __call__(self, inputs):
@@ -72,6 +80,7 @@ class Conv(nn.Conv):
             if self.use_bias else None)
     y = tags.conv2d(inputs, kernel, bias, strides=strides, padding=padding,
                     dilation=dilation, dtype=self.dtype, precision=self.precision,
+                    example_dims=self.kfac_example_dims,
                     _site=stacking.linen_site(self, kernel, bias, "kernel", "bias"))
     return restore(y)
 
@@ -79,6 +88,8 @@ class Conv(nn.Conv):
 class DenseGeneral(nn.DenseGeneral):
   """`flax.linen.DenseGeneral`, tagged with `kd.tags.dense_general` when it
   contracts the last input axes and has no `batch_dims`."""
+
+  kfac_example_dims: int | None = None
 
   @nn.compact
   def __call__(self, inputs):
@@ -98,6 +109,7 @@ class DenseGeneral(nn.DenseGeneral):
                        self.param_dtype) if self.use_bias else None)
     return tags.dense_general(inputs, kernel, bias, in_dims=in_dims, dtype=self.dtype,
                               precision=self.precision,
+                              example_dims=self.kfac_example_dims,
                               _site=stacking.linen_site(self, kernel, bias, "kernel",
                                                         "bias"))
 

@@ -7,10 +7,14 @@ convolutions, masks, LinearGeneral batch axes, normalisation over other than
 the last feature axis, an offset without a scale, ...) run NNX's own code,
 untagged, with a warning.
 
-LayerNorm and BatchNorm take one extra, optional keyword, `kfac_example_dims`
-(see `kd.tags.scale_and_shift`): LayerNorm's default `None` treats every
-position (token) as an example; BatchNorm's default 1 treats each entry of the
-leading batch axis (an image) as one example, as SP-NGD does.
+Every tagged layer takes one extra, optional keyword, `kfac_example_dims`
+(see `kd.tags.dense` and `kd.tags.scale_and_shift`): how many leading axes of
+the input index examples, the positions inside an example being reduced
+before the statistics' outer products. The default `None` treats every
+position (token, output pixel) as an example ("K-FAC-expand"); e.g. 1 on
+`[B, T, d]` reduces over the sequence ("K-FAC-reduce", Eschenhagen et al.
+2023). BatchNorm's default is 1 (each image one example, as SP-NGD does).
+Embed has no such keyword (its A counts tokens).
 
 Stacked layers: a module created with `nnx.vmap` (e.g. under
 `nnx.split_rngs(splits=L)`) and applied with `nnx.scan` / `nnx.vmap` over axis
@@ -23,6 +27,8 @@ kernel only through its layer inside the loss).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax.numpy as jnp
 from flax import nnx
@@ -50,7 +56,21 @@ def _assign(variable, value) -> None:
     variable.value = value
 
 
-class Linear(nnx.Linear):
+_UNSET = object()
+
+
+class _ExampleDims:
+  """The `kfac_example_dims=` keyword (module docstring) of a tagged layer."""
+
+  DEFAULT_EXAMPLE_DIMS: int | None = None
+
+  def __init__(self, *args, kfac_example_dims: Any = _UNSET, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.kfac_example_dims = (self.DEFAULT_EXAMPLE_DIMS if kfac_example_dims is _UNSET
+                              else kfac_example_dims)
+
+
+class Linear(_ExampleDims, nnx.Linear):
   """`flax.nnx.Linear`, tagged with `kd.tags.dense`."""
 
   def __call__(self, inputs, out_sharding=None):
@@ -60,10 +80,10 @@ class Linear(nnx.Linear):
       return super().__call__(inputs, out_sharding)
     kernel, bias, site = stacking.nnx_site(self.kernel, self.bias)
     return tags.dense(inputs, kernel, bias, dtype=self.dtype, precision=self.precision,
-                      _site=site)
+                      example_dims=self.kfac_example_dims, _site=site)
 
 
-class Conv(nnx.Conv):
+class Conv(_ExampleDims, nnx.Conv):
   """`flax.nnx.Conv` (2-D), tagged with `kd.tags.conv2d`."""
 
   def __call__(self, inputs, out_sharding=None):
@@ -81,11 +101,11 @@ class Conv(nnx.Conv):
     kernel, bias, site = stacking.nnx_site(self.kernel, self.bias)
     y = tags.conv2d(inputs, kernel, bias, strides=strides, padding=padding,
                     dilation=dilation, dtype=self.dtype, precision=self.precision,
-                    _site=site)
+                    example_dims=self.kfac_example_dims, _site=site)
     return restore(y)
 
 
-class LinearGeneral(nnx.LinearGeneral):
+class LinearGeneral(_ExampleDims, nnx.LinearGeneral):
   """`flax.nnx.LinearGeneral`, tagged with `kd.tags.dense_general` when it
   contracts the last input axes and has no `batch_axis`."""
 
@@ -101,7 +121,8 @@ class LinearGeneral(nnx.LinearGeneral):
       return super().__call__(inputs, out_sharding)
     kernel, bias, site = stacking.nnx_site(self.kernel, self.bias)
     return tags.dense_general(inputs, kernel, bias, in_dims=in_dims, dtype=self.dtype,
-                              precision=self.precision, _site=site)
+                              precision=self.precision,
+                              example_dims=self.kfac_example_dims, _site=site)
 
 
 class Embed(nnx.Embed):
@@ -127,14 +148,10 @@ def _norm_reason(module, ndim, feature_axes) -> str | None:
       ndim, feature_axes, custom=_flax_common.custom_promote(module, nnx_dtypes.promote_dtype))
 
 
-class LayerNorm(nnx.LayerNorm):
+class LayerNorm(_ExampleDims, nnx.LayerNorm):
   """`flax.nnx.LayerNorm` whose scale and bias are tagged with
   `kd.tags.scale_and_shift` (SP-NGD's unit-wise Fisher; tokens are examples
   unless `kfac_example_dims` says otherwise)."""
-
-  def __init__(self, *args, kfac_example_dims: int | None = None, **kwargs):
-    super().__init__(*args, **kwargs)
-    self.kfac_example_dims = kfac_example_dims
 
   def __call__(self, x, *, mask=None):
     reason = _norm_reason(self, jnp.ndim(x), self.feature_axes)
@@ -153,14 +170,12 @@ class LayerNorm(nnx.LayerNorm):
     return jnp.asarray(y, dtype)
 
 
-class BatchNorm(nnx.BatchNorm):
+class BatchNorm(_ExampleDims, nnx.BatchNorm):
   """`flax.nnx.BatchNorm` (same `mean`/`var` BatchStats) whose scale and bias
   are tagged with `kd.tags.scale_and_shift`: SP-NGD's unit-wise Fisher, one
   example per entry of the leading batch axis (`kfac_example_dims=1`)."""
 
-  def __init__(self, *args, kfac_example_dims: int | None = 1, **kwargs):
-    super().__init__(*args, **kwargs)
-    self.kfac_example_dims = kfac_example_dims
+  DEFAULT_EXAMPLE_DIMS = 1
 
   def __call__(self, x, use_running_average=None, *, mask=None):
     reason = _norm_reason(self, jnp.ndim(x), self.axis)

@@ -60,11 +60,31 @@ Batching: statistics of equal dimension `d` and equal root `p` are stacked into
 one bucket `[n, d, d]`, so each refresh runs one batched root per bucket.
 
 Distributed (`distribution=kd.Distribution(...)`, inside `shard_map`, Anil et
-al. §5): the statistics are updated on every device from the averaged
-gradients (no statistics traffic); each root is computed by one owner (the
-statistics assigned like K-FAC's factors: LPT on `d³`, balancing the numbers
-each owner sends too) and the roots are all-gathered (`gather_uneven`), so
-every device holds every root (COMM-OPT style, `grad_worker_fraction = 1`).
+al. §5), with the owner groups of KAISA (`P/m` groups of `m = fraction·P`
+devices):
+
+* `grad_worker_fraction = 1` (COMM-OPT): the statistics are updated on every
+  device from the averaged gradients (no statistics traffic); each root is
+  computed by one owner (the statistics assigned like K-FAC's factors: LPT on
+  `d³`, balancing the numbers each owner sends too) and the roots are
+  all-gathered (`gather_uneven`), so every device holds every root.
+* `grad_worker_fraction < 1` (MEM-OPT at `1/P`, HYBRID-OPT between): every
+  block belongs to one group (LPT on `Σ_i d_i³` and `Σ_i d_i²`), and each of
+  its statistics to one device of the group. A device keeps only its own
+  statistics, updated from the averaged gradient of their blocks (no
+  statistics traffic), computes their roots, and the group's devices gather
+  each other's roots on refresh steps (no traffic with `m = 1`); so a device
+  holds `1/P` of the statistics and `m/P` of the roots. Each step the group
+  preconditions its blocks (block grafting with its own norms; layer grafting
+  is applied after the gather, on the whole parameter, as on one device) and
+  the directions are all-gathered without padding (`gather_uneven`, each of
+  the group's `m` devices sending `1/m`). The grafting accumulators stay
+  replicated, like momentum.
+* `gradient_reduction="reduce_scatter"` with several groups (SP-NGD style):
+  the raw local gradients of each group's blocks are reduce-scattered to it
+  (the others all-reduced), so no device receives the averaged gradient of
+  blocks it does not own. Only for `graft_type` "sgd" or "none": the other
+  graftings' replicated accumulators need every averaged gradient everywhere.
 """
 
 from __future__ import annotations
@@ -82,11 +102,13 @@ from jax import lax
 import numpy as np
 import optax
 
+from kfac_jax_dist import _compat
 from kfac_jax_dist import distributed
 from kfac_jax_dist import layout as layout_lib
 from kfac_jax_dist import packing
 from kfac_jax_dist import registry
 from kfac_jax_dist import roots as roots_lib
+from kfac_jax_dist import tensor_parallel
 
 _HI = lax.Precision.HIGHEST
 GRAFT_TYPES = ("sgd", "adagrad", "rmsprop", "adam", "none")
@@ -152,15 +174,44 @@ class ParamPlan:
 class ShampooLayout:
   """Static placement of every statistic: one bucket `[n, d, d]` per `(d, p)`.
 
+  The buckets are the logical placement, the same for every distribution. A
+  sharded layout (`shard_layout`, `P/m > 1` owner groups) also says which
+  group owns each block and where each statistic lives: device `i` stores the
+  statistics it owns in a flat `[L]` segment (`segment`) and its group's roots,
+  the `m` segments of its members one after the other, `[m·L]`.
+
   Attributes:
     params: one plan per parameter leaf, in tree-flattening order.
     buckets: `(d, p)` of each bucket.
     sizes: the number of matrices in each bucket.
+    num_devices, group_size, axis: `P`, `m` and the mesh axis (1, 1, None on
+      one device).
+    block_groups: sharded only: `[param][region]` → the owner group of each
+      block (row-major), () for a diagonal parameter.
+    places: sharded only: `[bucket][slot]` → `(device, offset)`: the device
+      that owns the statistic (and computes its root) and its offset in that
+      device's segment.
+    segment: sharded only: `L`, the longest device's statistics (numbers).
   """
 
   params: tuple[ParamPlan, ...]
   buckets: tuple[tuple[int, float], ...]
   sizes: tuple[int, ...]
+  num_devices: int = 1
+  group_size: int = 1
+  axis: str | None = None
+  block_groups: tuple[tuple[tuple[int, ...], ...], ...] = ()
+  places: tuple[tuple[tuple[int, int], ...], ...] = ()
+  segment: int = 0
+
+  @property
+  def num_groups(self) -> int:
+    return self.num_devices // self.group_size
+
+  @property
+  def sharded(self) -> bool:
+    """Statistics and roots sharded over owner groups (`grad_worker_fraction < 1`)."""
+    return self.num_groups > 1
 
 
 def merge_small_dims(shape: Sequence[int], threshold: int | None) -> tuple[int, ...]:
@@ -239,6 +290,106 @@ def build_layout(paths_and_shapes: Sequence[tuple[str, tuple[int, ...]]], *,
   return ShampooLayout(tuple(plans), tuple(buckets), tuple(sizes))
 
 
+def shard_layout(lay: ShampooLayout, num_devices: int, group_size: int,
+                 axis: str | None) -> ShampooLayout:
+  """`lay` with its blocks assigned to `P/m` owner groups and their statistics
+  to the groups' devices (KAISA's HYBRID-OPT; MEM-OPT for `m = 1`).
+
+  Blocks go to groups by the layout's two-criteria LPT, balancing the root
+  cost `Σ_i d_i³` and the numbers stored `Σ_i d_i²`; a group's statistics go
+  to its `m` devices the same way (`d³`, `d²`). A device's statistics are
+  stored bucket by bucket, each bucket's in slot order.
+  """
+  lay = dataclasses.replace(lay, num_devices=num_devices, group_size=group_size,
+                            axis=axis)
+  if lay.num_groups == 1:
+    return lay
+  blocks = [(q, r, b) for q, plan in enumerate(lay.params)
+            for r, region in enumerate(plan.regions) for b in range(region.num_blocks)]
+  dims = lambda t: lay.params[t[0]].regions[t[1]].block
+  group_bins = layout_lib.assign(blocks, lay.num_groups,
+                                 lambda t: float(sum(d ** 3 for d in dims(t))),
+                                 lambda t: float(sum(d * d for d in dims(t))))
+  group_of = {t: g for g, members in enumerate(group_bins) for t in members}
+  block_groups = tuple(
+      tuple(tuple(group_of[(q, r, b)] for b in range(region.num_blocks))
+            for r, region in enumerate(plan.regions))
+      for q, plan in enumerate(lay.params))
+  owner = {}
+  for g, members in enumerate(group_bins):
+    stats = [(region.buckets[a], region.slots[a] + b)
+             for q, r, b in sorted(members)
+             for region in [lay.params[q].regions[r]] for a in range(len(region.block))]
+    bins = layout_lib.assign(stats, group_size,
+                             lambda t: float(lay.buckets[t[0]][0]) ** 3,
+                             lambda t: float(lay.buckets[t[0]][0]) ** 2)
+    for k, mine in enumerate(bins):
+      for t in mine:
+        owner[t] = g * group_size + k
+  offsets, places = [0] * num_devices, [[None] * n for n in lay.sizes]
+  for j, n in enumerate(lay.sizes):
+    d = lay.buckets[j][0]
+    for i in range(n):
+      device = owner[(j, i)]
+      places[j][i] = (device, offsets[device])
+      offsets[device] += d * d
+  return dataclasses.replace(lay, block_groups=block_groups,
+                             places=tuple(tuple(p) for p in places),
+                             segment=max(max(offsets), 1))
+
+
+@functools.lru_cache(maxsize=64)
+def _shard_plan(lay: ShampooLayout):
+  """Static index tables of a sharded layout (see `ShampooLayout`).
+
+  Returns:
+    group_blocks: `[group]` → `((q, r), (b, …)), …`: the group's blocks, in
+      parameter, region, block order: the order of its gradient and output
+      buffers.
+    device_runs: `[device]` → `(j, offset, ((q, r, axis, (b, …)), …)), …`:
+      per bucket, the device's statistics, `offset` their first number in its
+      segment, by block and axis in slot order.
+  """
+  group_blocks = [{} for _ in range(lay.num_groups)]
+  for q, plan in enumerate(lay.params):
+    for r, groups in enumerate(lay.block_groups[q]):
+      for b, g in enumerate(groups):
+        group_blocks[g].setdefault((q, r), []).append(b)
+  runs = [{} for _ in range(lay.num_devices)]
+  for q, plan in enumerate(lay.params):
+    for r, region in enumerate(plan.regions):
+      for a, (j, s) in enumerate(zip(region.buckets, region.slots)):
+        for b in range(region.num_blocks):
+          device, offset = lay.places[j][s + b]
+          run = runs[device].setdefault(j, [offset, []])
+          if run[1] and run[1][-1][:3] == (q, r, a):
+            run[1][-1][3].append(b)
+          else:
+            run[1].append((q, r, a, [b]))
+  freeze = lambda items: tuple((q, r, a, tuple(bs)) for q, r, a, bs in items)
+  return (tuple(tuple((k, tuple(v)) for k, v in gb.items()) for gb in group_blocks),
+          tuple(tuple((j, run[0], freeze(run[1])) for j, run in sorted(device.items()))
+                for device in runs))
+
+
+def _runs(positions: Sequence[int], step: int) -> list[tuple[int, int]]:
+  """`(first position, count)` of the maximal runs of `positions` that advance
+  by `step`."""
+  out = []
+  for x in positions:
+    if out and out[-1][0] + out[-1][1] * step == x:
+      out[-1] = (out[-1][0], out[-1][1] + 1)
+    else:
+      out.append((x, 1))
+  return out
+
+
+def _take(x: jax.Array, index: Sequence[int]) -> jax.Array:
+  """`x[index]` for a static increasing `index`, by slices of its runs."""
+  parts = [lax.slice_in_dim(x, start, start + n) for start, n in _runs(index, 1)]
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
 # ------------------------------------------------------------------------ state
 
 @functools.partial(
@@ -252,8 +403,11 @@ class ScaleByShampooState:
   Attributes:
     count: number of updates so far.
     statistics: one `[n, d, d]` array per bucket of `layout`: the `H_i` of every
-      block axis of dimension `d` and root `p`.
-    roots: the matching `(H_i + ε_ridge λ_max I)^{-1/p}`, same shapes.
+      block axis of dimension `d` and root `p`. Sharded layouts: one flat
+      `[P·L]` array, device `i`'s `[L]` segment holding its own statistics
+      (`layout.places`); `bucket_arrays` reads either form.
+    roots: the matching `(H_i + ε_ridge λ_max I)^{-1/p}`, same shapes; sharded:
+      `[P·m·L]`, device `i` holding its group's `m` segments.
     graft: the grafting accumulators (`S` or `v`), one per parameter leaf in
       tree order; empty for "sgd" and "none".
     layout: static placement of every block's statistics.
@@ -264,6 +418,66 @@ class ScaleByShampooState:
   roots: tuple[jax.Array, ...]
   graft: tuple[jax.Array, ...]
   layout: ShampooLayout
+
+
+def _device_segments(lay: ShampooLayout, buckets: Sequence[Any]) -> np.ndarray:
+  """Per-bucket matrices `[n, d, d]` → each device's statistics segment `[P, L]`."""
+  dtype = np.result_type(*[np.asarray(b).dtype for b in buckets] or [np.float32])
+  out = np.zeros((lay.num_devices, lay.segment), dtype)
+  for j, ((d, _), bucket) in enumerate(zip(lay.buckets, buckets)):
+    bucket = np.asarray(bucket)
+    for i, (device, offset) in enumerate(lay.places[j]):
+      out[device, offset:offset + d * d] = bucket[i].reshape(-1)
+  return out
+
+
+def sharded_arrays(lay: ShampooLayout, statistics: Sequence[Any], roots: Sequence[Any]
+                   ) -> tuple[np.ndarray, np.ndarray]:
+  """The global `(statistics [P·L], roots [P·m·L])` of a sharded layout from
+  per-bucket matrices (`[n, d, d]` each, host arrays): device `i` holds its own
+  statistics and its group's roots (each member's segment, in member order)."""
+  m = lay.group_size
+  stats, root_segments = _device_segments(lay, statistics), _device_segments(lay, roots)
+  groups = [root_segments[i // m * m:i // m * m + m].reshape(-1)
+            for i in range(lay.num_devices)]
+  return stats.reshape(-1), np.concatenate(groups)
+
+
+def bucket_arrays(state: ScaleByShampooState) -> tuple[tuple[np.ndarray, ...],
+                                                         tuple[np.ndarray, ...]]:
+  """`(statistics, roots)` of a (global) state as per-bucket `[n, d, d]` host
+  arrays, whatever its distribution: the single-device form."""
+  lay = state.layout
+  if not lay.sharded:
+    return (tuple(np.asarray(x) for x in state.statistics),
+            tuple(np.asarray(x) for x in state.roots))
+  m, length = lay.group_size, lay.segment
+  stats = np.asarray(state.statistics[0]).reshape(lay.num_devices, length)
+  roots = np.asarray(state.roots[0]).reshape(lay.num_devices, m * length)
+  out_stats, out_roots = [], []
+  for j, (d, _) in enumerate(lay.buckets):
+    s, r = [], []
+    for device, offset in lay.places[j]:
+      s.append(stats[device, offset:offset + d * d].reshape(d, d))
+      # the root, in the part of the group's first device
+      start = (device % m) * length + offset
+      r.append(roots[device // m * m, start:start + d * d].reshape(d, d))
+    out_stats.append(np.stack(s))
+    out_roots.append(np.stack(r))
+  return tuple(out_stats), tuple(out_roots)
+
+
+def state_specs(state: ScaleByShampooState) -> ScaleByShampooState:
+  """`PartitionSpec`s of a Shampoo state: statistics and roots sharded over the
+  axis when the layout is sharded, everything else replicated."""
+  replicated = jax.sharding.PartitionSpec()
+  sharded = (jax.sharding.PartitionSpec(state.layout.axis) if state.layout.sharded
+             else replicated)
+  return dataclasses.replace(
+      state, count=replicated,
+      statistics=tuple(sharded for _ in state.statistics),
+      roots=tuple(sharded for _ in state.roots),
+      graft=tuple(replicated for _ in state.graft))
 
 
 # ----------------------------------------------------------------- block math
@@ -303,11 +517,13 @@ def _assemble(pieces: dict[tuple[int, ...], jax.Array], segments: tuple[int, ...
 def axis_statistics(blocks: jax.Array) -> list[jax.Array]:
   """`G_(i) G_(i)ᵀ` for every axis `i` of a batch of blocks `[n, b₀, …, b_{k−1}]`:
   `[n, b_i, b_i]`, contracting over all the other axes."""
-  out = []
-  for i in range(blocks.ndim - 1):
-    y = jnp.moveaxis(blocks, i + 1, 1).reshape(blocks.shape[0], blocks.shape[i + 1], -1)
-    out.append(jnp.einsum("nir,njr->nij", y, y, precision=_HI))
-  return out
+  return [axis_statistic(blocks, i) for i in range(blocks.ndim - 1)]
+
+
+def axis_statistic(blocks: jax.Array, i: int) -> jax.Array:
+  """`G_(i) G_(i)ᵀ` of axis `i` alone (see `axis_statistics`)."""
+  y = jnp.moveaxis(blocks, i + 1, 1).reshape(blocks.shape[0], blocks.shape[i + 1], -1)
+  return jnp.einsum("nir,njr->nij", y, y, precision=_HI)
 
 
 def precondition_blocks(blocks: jax.Array, axis_roots: Sequence[jax.Array]) -> jax.Array:
@@ -410,11 +626,17 @@ def scale_by_shampoo(
       one get the grafted diagonal update only.
     statistics_dtype: dtype of the statistics and roots (default float32, or
       float64 if a parameter is float64).
-    distribution: a `kd.Distribution` with `grad_worker_fraction = 1`: the
-      root computations are spread over its axis (call `update` inside
-      `shard_map`). Its `gradient_reduction` says whether the gradients come
-      averaged ("none") or `update` averages them ("all_reduce"); the factor
-      options are K-FAC's and do not apply. None: one device.
+    distribution: a `kd.Distribution`: the work is spread over its axis (call
+      `update` inside `shard_map`, with `kd.partition_specs`). With
+      `grad_worker_fraction = 1` every device holds every statistic and root
+      (the roots are computed by owners and all-gathered); below 1 the blocks
+      belong to `P/m` owner groups that alone hold, update and apply their
+      statistics and roots (MEM-OPT / HYBRID-OPT, see the module docstring).
+      Its `gradient_reduction` says whether the gradients come averaged
+      ("none"), `update` averages them ("all_reduce"), or the raw gradients of
+      each group's blocks are reduce-scattered to it ("reduce_scatter", SP-NGD
+      style; with `graft_type` "sgd" or "none" when there are several groups).
+      The factor options are K-FAC's and do not apply. None: one device.
 
   Returns:
     An optax `GradientTransformationExtraArgs` (extra arguments of `update`
@@ -450,15 +672,16 @@ def scale_by_shampoo(
                      f"graft_beta2 < 1 (beta2 is {beta2}).")
   skip = tuple(skip)
   start = start_preconditioning_step
-  if distribution is not None and distribution.grad_worker_fraction != 1:
-    raise ValueError("scale_by_shampoo: only grad_worker_fraction=1 (every device "
-                     "holds every root; the root computations are spread) is "
-                     "implemented for Shampoo.")
-  if distribution is not None and distribution.gradient_reduction == "reduce_scatter":
-    raise ValueError('scale_by_shampoo: gradient_reduction="reduce_scatter" is K-FAC\'s '
-                     'SP-NGD mode; use "none" (gradients already averaged) or '
-                     '"all_reduce" (update averages them).')
   comm = distributed.Collectives(distribution)
+  reduce_scatter = (distribution is not None and comm.num_groups > 1
+                    and distribution.gradient_reduction == "reduce_scatter")
+  if reduce_scatter and graft_type not in ("sgd", "none"):
+    raise ValueError(
+        'scale_by_shampoo: gradient_reduction="reduce_scatter" leaves each device '
+        "the averaged gradient of its group's blocks only, but the "
+        f"{graft_type!r} grafting accumulators (replicated, like momentum) need "
+        'every averaged gradient on every device: use graft_type "sgd" or "none", '
+        'or gradient_reduction "all_reduce".')
 
   def shape_options():
     block = None if block_size is None else int(block_size)
@@ -478,6 +701,8 @@ def scale_by_shampoo(
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     lay = build_layout([(registry.path_str(p), tuple(jnp.shape(x))) for p, x in flat],
                        skip=skip, **shape_options())
+    if distribution is not None:
+      lay = shard_layout(lay, comm.num_devices, comm.group_size, distribution.axis)
     for pattern in skip:
       if not any(re.search(pattern, plan.path) for plan in lay.params):
         raise ValueError(f"skip pattern {pattern!r} matches no parameter.")
@@ -488,10 +713,17 @@ def scale_by_shampoo(
     # Concrete params: built in numpy and transferred once per array (eager
     # jnp compiles and runs one small program per op); traced: jnp.
     xp = jnp if any(isinstance(x, jax.core.Tracer) for _, x in flat) else np
-    stats = tuple((epsilon * xp.broadcast_to(xp.eye(d, dtype=dtype), (n, d, d))
-                   ).astype(dtype) for (d, _), n in zip(lay.buckets, lay.sizes))
-    roots = tuple(xp.broadcast_to(xp.eye(d, dtype=dtype), (n, d, d))
-                  for (d, _), n in zip(lay.buckets, lay.sizes))
+    if lay.sharded:
+      eyes = [np.broadcast_to(np.eye(d, dtype=np.float32), (n, d, d))
+              for (d, _), n in zip(lay.buckets, lay.sizes)]
+      stats, roots = sharded_arrays(lay, eyes, eyes)
+      stats = ((epsilon * xp.asarray(stats, dtype)).astype(dtype),)
+      roots = (xp.asarray(roots, dtype),)
+    else:
+      stats = tuple((epsilon * xp.broadcast_to(xp.eye(d, dtype=dtype), (n, d, d))
+                     ).astype(dtype) for (d, _), n in zip(lay.buckets, lay.sizes))
+      roots = tuple(xp.broadcast_to(xp.eye(d, dtype=dtype), (n, d, d))
+                    for (d, _), n in zip(lay.buckets, lay.sizes))
     graft = ()
     if graft_type in ("adagrad", "rmsprop", "adam"):
       graft = tuple(xp.zeros(jnp.shape(x), jnp.promote_types(jnp.result_type(x),
@@ -518,8 +750,13 @@ def scale_by_shampoo(
       new_acc.append(new)
     return out, tuple(new_acc)
 
-  def new_statistics(lay, merged_grads, stats):
+  def accumulate(old, batch):
+    """`β₂ H + w G_(i)G_(i)ᵀ` for a batch `[n, d, d]`; non-finite ones keep `H`."""
     stat_weight = jnp.where(jnp.asarray(beta2) == 1.0, 1.0, 1.0 - jnp.asarray(beta2))
+    new = beta2 * old + stat_weight * batch.astype(old.dtype)
+    return jnp.where(_all_finite(new, (1, 2))[:, None, None], new, old)
+
+  def new_statistics(lay, merged_grads, stats):
     pieces = [[] for _ in lay.buckets]
     for plan, g in zip(lay.params, merged_grads):
       if not plan.preconditioned:
@@ -533,8 +770,7 @@ def scale_by_shampoo(
     out = []
     for j, old in enumerate(stats):
       batch = jnp.concatenate(pieces[j]) if len(pieces[j]) > 1 else pieces[j][0]
-      new = beta2 * old + stat_weight * batch.astype(old.dtype)
-      out.append(jnp.where(_all_finite(new, (1, 2))[:, None, None], new, old))
+      out.append(accumulate(old, batch))
     return tuple(out)
 
   def checked_roots(p, h, old):
@@ -592,9 +828,187 @@ def scale_by_shampoo(
       out = out * _graft_scale(jnp.linalg.norm(d.ravel()), jnp.linalg.norm(out.ravel()))
     return out
 
+  def per_group(make):
+    """`make(group)` on the devices of each owner group (a `lax.switch`)."""
+    axis = distribution.axis
+    branches = [functools.partial(lambda g: _compat.as_varying(make(g), (axis,)), g)
+                for g in range(comm.num_groups)]
+    return lax.switch(comm.group_index(), branches)
+
+  def sharded_update(lay, state, merged, diag, count, dtype):
+    """Statistics, roots and Shampoo directions of a sharded layout.
+
+    Returns the new statistics and roots (this device's parts) and the
+    directions of the preconditioned parameters (whole, on every device).
+    """
+    pre = [q for q, plan in enumerate(lay.params) if plan.preconditioned]
+    if not pre:
+      return state.statistics, state.roots, []
+    m, length = lay.group_size, lay.segment
+    group_blocks, device_runs = _shard_plan(lay)
+    numel = lambda q, r: math.prod(lay.params[q].regions[r].block)
+    offsets = []          # [group] → {(q, r): start in its gradient buffer}, total
+    for g in range(lay.num_groups):
+      starts, total = {}, 0
+      for (q, r), bs in group_blocks[g]:
+        starts[(q, r)] = total
+        total += len(bs) * numel(q, r)
+      offsets.append((starts, total))
+    position = [{key: {b: k for k, b in enumerate(bs)} for key, bs in group_blocks[g]}
+                for g in range(lay.num_groups)]
+
+    def all_blocks(x, q, r):
+      region = lay.params[q].regions[r]
+      return _to_blocks(_region_slice(x, region), region)
+
+    if reduce_scatter:
+      # SP-NGD: each group receives the averaged gradients of its blocks only.
+      width = -(-max(max(total for _, total in offsets), 1) // m) * m
+      pieces = []
+      for g in range(lay.num_groups):
+        pieces += [_take(all_blocks(merged[q], q, r), bs).reshape(-1)
+                   for (q, r), bs in group_blocks[g]]
+        pieces.append(jnp.zeros(width - offsets[g][1], dtype))
+      buffer = jnp.concatenate(pieces)
+      segment = (comm.reduce_uneven(buffer, [total for _, total in offsets]) if m == 1
+                 else comm.reduce_scatter_groups(buffer))
+
+    def blocks_of(g, q, r):
+      """The averaged gradients of group `g`'s blocks of region `r` of parameter
+      `q`, `[n, b₀, …]` (on a device of group `g`)."""
+      if reduce_scatter:
+        start, shape = offsets[g][0][(q, r)], lay.params[q].regions[r].block
+        n = len(dict(group_blocks[g])[(q, r)])
+        return segment[start:start + n * numel(q, r)].reshape((n,) + shape)
+      return _take(all_blocks(merged[q], q, r), dict(group_blocks[g])[(q, r)])
+
+    def device_statistics(device):
+      g, pieces = device // m, []
+      for j, offset, items in device_runs[device]:
+        d = lay.buckets[j][0]
+        batch = jnp.concatenate([
+            axis_statistic(_take(blocks_of(g, q, r), [position[g][(q, r)][b] for b in bs]),
+                           a) for q, r, a, bs in items])
+        n = batch.shape[0]
+        old = state.statistics[0][offset:offset + n * d * d].reshape(n, d, d)
+        pieces.append(accumulate(old, batch).reshape(-1))
+      return packing.pad_to(pieces, length, dtype)
+
+    def device_roots(device, stats):
+      k, pieces = device % m, []
+      for j, offset, items in device_runs[device]:
+        d, p = lay.buckets[j]
+        n = sum(len(bs) for *_, bs in items)
+        old = state.roots[0][k * length + offset:k * length + offset + n * d * d]
+        pieces.append(checked_roots(p, stats[offset:offset + n * d * d].reshape(n, d, d),
+                                    old.reshape(n, d, d)).reshape(-1))
+      return packing.pad_to(pieces, length, dtype)
+
+    with jax.named_scope("shampoo_statistics"):
+      stats = lax.cond(count % statistics_compute_steps == 0,
+                       lambda: comm.per_device(device_statistics),
+                       lambda: state.statistics[0])
+    with jax.named_scope("shampoo_roots"):
+      refresh = (count >= start) & ((count % preconditioning_compute_steps == 0)
+                                    | (count == start))
+      roots = lax.cond(
+          refresh,
+          lambda: comm.gather_group(comm.per_device(lambda d: device_roots(d, stats))),
+          lambda: state.roots[0])
+
+    # Each group's directions go out in one buffer; with layer grafting under a
+    # reduce-scatter it ends with each parameter's Σ‖D_b‖² over the group's blocks.
+    layer_norms = reduce_scatter and graft_type != "none" and grafting == "layer"
+    sizes = [total + (len(lay.params) if layer_norms else 0) for _, total in offsets]
+    chunks = [-(-u // m) for u in sizes]
+
+    def group_roots(g, region, axis, bs):
+      j = region.buckets[axis]
+      d = lay.buckets[j][0]
+      starts = [(device % m) * length + offset for device, offset in
+                (lay.places[j][region.slots[axis] + b] for b in bs)]
+      return jnp.concatenate([roots[x:x + n * d * d] for x, n in _runs(starts, d * d)]
+                             ).reshape(len(bs), d, d)
+
+    def group_directions(g, shampoo):
+      pieces, sums = [], [jnp.zeros([], dtype)] * len(lay.params)
+      for (q, r), bs in group_blocks[g]:
+        region, x = lay.params[q].regions[r], blocks_of(g, q, r)
+        if shampoo:
+          out = precondition_blocks(x, [group_roots(g, region, a, bs)
+                                        for a in range(len(region.block))])
+          if graft_type != "none":
+            target = x if reduce_scatter else _take(all_blocks(
+                diag[q].astype(dtype).reshape(lay.params[q].merged), q, r), bs)
+            if grafting == "block":
+              out = out * _graft_scale(_norms(target), _norms(out))[
+                  (slice(None),) + (None,) * (out.ndim - 1)]
+            elif layer_norms:
+              sums[q] = sums[q] + jnp.sum(jnp.square(target))
+        else:                          # before start: D = G ("sgd", "none")
+          out = x
+        pieces.append(out.reshape(-1))
+      if layer_norms:
+        pieces.append(jnp.stack(sums))
+      buffer = packing.pad_to(pieces, m * chunks[g], dtype)
+      if m > 1:                        # member k sends the k-th of m chunks
+        buffer = lax.dynamic_slice_in_dim(buffer, (comm.device_index() % m) * chunks[g],
+                                          chunks[g])
+      return packing.pad_to([buffer], max(chunks), dtype)
+
+    used = [max(0, min(chunks[i // m], sizes[i // m] - (i % m) * chunks[i // m]))
+            for i in range(lay.num_devices)]
+
+    def gathered(shampoo):
+      rows = comm.gather_uneven(per_group(lambda g: group_directions(g, shampoo)), used)
+      buffers = [jnp.concatenate([rows[i, :used[i]] for i in range(g * m, g * m + m)])
+                 for g in range(lay.num_groups)]
+      out = []
+      for q in pre:
+        plan, pieces = lay.params[q], {}
+        for r, region in enumerate(plan.regions):
+          groups, parts, b = lay.block_groups[q][r], [], 0
+          while b < region.num_blocks:
+            g, e = groups[b], b
+            while e < region.num_blocks and groups[e] == g:
+              e += 1
+            first = offsets[g][0][(q, r)] + position[g][(q, r)][b] * numel(q, r)
+            parts.append(buffers[g][first:first + (e - b) * numel(q, r)])
+            b = e
+          blocks = jnp.concatenate(parts).reshape((region.num_blocks,) + region.block)
+          pieces[region.index] = _from_blocks(blocks, region)
+        x = _assemble(pieces, plan.segments)
+        if shampoo and graft_type != "none" and grafting == "layer":
+          if layer_norms:
+            target = jnp.sqrt(sum(buffers[g][offsets[g][1] + q]
+                                  for g in range(lay.num_groups)))
+          else:
+            target = jnp.linalg.norm(diag[q].astype(dtype).ravel())
+          x = x * _graft_scale(target, jnp.linalg.norm(x.ravel()))
+        out.append(x.reshape(plan.shape))
+      # as varying as the grafted branch (under a reduce-scatter: invariant)
+      return _compat.as_varying(out, () if reduce_scatter else
+                                _compat.varying_axes([diag[q] for q in pre]))
+
+    def graft_branch():
+      if reduce_scatter:
+        return gathered(False)
+      return [diag[q].astype(dtype) for q in pre]
+
+    with jax.named_scope("shampoo_precondition"):
+      directions = lax.cond(count >= start, lambda: gathered(True), graft_branch)
+    return (stats,), (roots,), directions
+
   def update_fn(updates, state: ScaleByShampooState, params=None, **extra_args):
     del params, extra_args
     lay = state.layout
+    want = ((1, 1, None) if distribution is None else
+            (comm.num_devices, comm.group_size, distribution.axis))
+    if (lay.num_devices, lay.group_size, lay.axis) != want:
+      raise ValueError(
+          f"scale_by_shampoo: the state is laid out for (devices, group size, axis) = "
+          f"{(lay.num_devices, lay.group_size, lay.axis)}, this transform for {want}. "
+          "Make the state with this transform's init, or move it with kd.convert_state.")
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
     paths = [registry.path_str(p) for p, _ in flat]
     if paths != [plan.path for plan in lay.params] or any(
@@ -606,14 +1020,23 @@ def scale_by_shampoo(
     count = state.count
     dtype = state.statistics[0].dtype if state.statistics else jnp.float32
     grads = [x for _, x in flat]
-    if distribution is not None and distribution.gradient_reduction == "all_reduce":
+    if reduce_scatter:         # the preconditioned ones are reduced to their owners
+      grads = [x if plan.preconditioned else comm.mean(x)
+               for x, plan in zip(grads, lay.params)]
+    elif distribution is not None and distribution.gradient_reduction != "none":
       grads = comm.mean(grads)
     diag, graft = graft_updates(grads, state.graft, count)
     pre = [i for i, plan in enumerate(lay.params) if plan.preconditioned]
     merged = [grads[i].astype(dtype).reshape(plan.merged) if plan.preconditioned else None
               for i, plan in enumerate(lay.params)]
 
-    stats, roots = state.statistics, state.roots
+    if lay.sharded:            # MEM-OPT / HYBRID-OPT: owners, then a gather
+      stats, roots, directions = sharded_update(lay, state, merged, diag, count, dtype)
+      for i, v in zip(pre, directions):
+        diag[i] = v
+      pre = []
+    else:
+      stats, roots = state.statistics, state.roots
     if pre:
       with jax.named_scope("shampoo_statistics"):
         if _is_number(statistics_compute_steps) and statistics_compute_steps == 1:
@@ -655,7 +1078,11 @@ def scale_by_shampoo(
                                     roots=roots, graft=graft)
     return new_updates, new_state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  if distribution is not None and distribution.model_axis is not None:
+    # Tensor-parallel: every model shard preconditions its local shard (3D-Shampoo).
+    return tensor_parallel.wrap(tx, distribution, "scale_by_shampoo")
+  return tx
 
 
 def shampoo(

@@ -131,11 +131,16 @@ def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag):
 
   def bwd(residuals, cotangent):
     x, params, flag = residuals
-    _, vjp = jax.vjp(apply, x, *params)   # the primal is dead code under jit
-    x_bar, *params_bar = vjp(cotangent)
+    if jnp.issubdtype(x.dtype, jnp.integer):     # ids: no cotangent (float0)
+      _, vjp = jax.vjp(lambda *p: apply(x, *p), *params)
+      x_bar, params_bar = None, vjp(cotangent)
+    else:
+      _, vjp = jax.vjp(apply, x, *params)   # the primal is dead code under jit
+      x_bar, *params_bar = vjp(cotangent)
     # A statistic may not depend on everything that varies (an embedding's A
-    # on replicated ids): both branches are typed varying like (x, cotangent).
-    axes = _compat.varying_axes(x, cotangent)
+    # on replicated ids, a layer replicated over a tensor-parallel axis): both
+    # branches are typed varying like (x, cotangent) and the probes.
+    axes = _compat.varying_axes(x, cotangent, probes)
     zeros = _compat.as_varying(jax.tree_util.tree_map(jnp.zeros_like, probes), axes)
     probe_bar = lax.cond(flag, lambda: _compat.as_varying(stats(x, cotangent), axes),
                          lambda: zeros)
@@ -195,11 +200,16 @@ def _block_of(kernel, bias, stack_index, site):
 
 def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
           name: str | None = None, dtype: Any = None, precision=None,
-          stack_index=None, _site=None) -> jax.Array:
+          example_dims: int | None = None, stack_index=None,
+          _site=None) -> jax.Array:
   """`x @ kernel + bias` over the last axis of `x`; kernel layout `(in, out)`.
 
-  Any leading axes of `x` (`[B, d]`, `[B, T, d]`, ...) are positions: each is an
-  example of `A = E[a aᵀ]` and `G` (tokens are treated as examples).
+  `example_dims=None` (default): any leading axes of `x` (`[B, d]`, `[B, T,
+  d]`, ...) are positions, each an example of `A = E[a aᵀ]` and `G` (tokens
+  are treated as examples: K-FAC-expand). `example_dims=k`: the first k axes
+  index examples and the positions inside each are reduced first, the inputs
+  averaged and the output gradients summed (K-FAC-reduce, Eschenhagen et al.
+  2023; e.g. `k = 1` on `[B, T, d]` for a per-sequence loss). See `factors`.
   `stack_index`: `kernel` (and `bias`) are stacked leaves `[*stack, ...]` and
   the tag applies block `kernel[stack_index]` (see the module docstring).
   """
@@ -209,6 +219,7 @@ def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
   if x.shape[-1] != kernel.shape[0]:
     raise ValueError(f"kd.tags.dense: input features {x.shape[-1]} do not match "
                      f"kernel {kernel.shape}")
+  _check_example_dims("dense", example_dims, x.ndim - 1, x.shape)
 
   def apply(x, kernel, bias=None):
     x, kernel, bias = _promote(dtype, x, kernel, bias)
@@ -217,8 +228,8 @@ def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
     return y if bias is None else y + bias
 
   def stats(x, g, forms):
-    return {"A": factors.input_factor(x, bias is not None, forms["A"]),
-            "G": factors.output_factor(g, forms["G"])}
+    return {"A": factors.input_factor(x, bias is not None, forms["A"], example_dims),
+            "G": factors.output_factor(g, forms["G"], example_dims)}
 
   return _tagged("dense", name, apply, stats, x, kernel, bias, site,
                  a_dim=kernel.shape[0] + (bias is not None), g_dim=kernel.shape[1])
@@ -231,9 +242,17 @@ def _size(shape) -> int:
   return size
 
 
+def _check_example_dims(tag: str, example_dims, num_leading: int, shape) -> None:
+  if example_dims is not None and not 0 <= example_dims <= num_leading:
+    raise ValueError(f"kd.tags.{tag}: example_dims={example_dims} for an input of "
+                     f"shape {shape}: at most its {num_leading} leading (non-feature) "
+                     "axes can index examples")
+
+
 def dense_general(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
                   in_dims: int = 1, name: str | None = None, dtype: Any = None,
-                  precision=None, stack_index=None, _site=None) -> jax.Array:
+                  precision=None, example_dims: int | None = None, stack_index=None,
+                  _site=None) -> jax.Array:
   """A Dense layer over several input and/or output axes.
 
   The last `in_dims` axes of `x` are contracted with the first `in_dims` axes
@@ -261,6 +280,7 @@ def dense_general(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None
   if bias is not None and bias.shape != out_shape:
     raise ValueError(f"kd.tags.dense_general: bias shape {bias.shape}, expected "
                      f"{out_shape}")
+  _check_example_dims("dense_general", example_dims, x.ndim - in_dims, x.shape)
   n_out = len(out_shape)
 
   def apply(x, kernel, bias=None):
@@ -272,8 +292,8 @@ def dense_general(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None
   def stats(x, g, forms):
     x = jnp.reshape(x, x.shape[:x.ndim - in_dims] + (_size(in_shape),))
     g = jnp.reshape(g, g.shape[:g.ndim - n_out] + (_size(out_shape),))
-    return {"A": factors.input_factor(x, bias is not None, forms["A"]),
-            "G": factors.output_factor(g, forms["G"])}
+    return {"A": factors.input_factor(x, bias is not None, forms["A"], example_dims),
+            "G": factors.output_factor(g, forms["G"], example_dims)}
 
   return _tagged("dense", name, apply, stats, x, kernel, bias, site,
                  a_dim=_size(in_shape) + (bias is not None), g_dim=_size(out_shape))
@@ -294,13 +314,15 @@ def conv2d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
            name: str | None = None, strides: Sequence[int] = (1, 1),
            padding: str | Sequence[tuple[int, int]] = "SAME",
            dilation: Sequence[int] = (1, 1), feature_group_count: int = 1,
-           dtype: Any = None, precision=None, stack_index=None,
-           _site=None) -> jax.Array:
+           dtype: Any = None, precision=None, example_dims: int | None = None,
+           stack_index=None, _site=None) -> jax.Array:
   """2-D convolution, NHWC input and Flax's HWIO kernel `(kh, kw, in, out)`.
 
   `A` is built from im2col patches (see `factors.conv_patches`), `G` from the
   output cotangents at every output pixel. Grouped or depthwise convolutions
-  have no Kronecker-factored form here and raise an error.
+  have no Kronecker-factored form here and raise an error. Every output pixel
+  is a position (KFC); `example_dims=1` reduces each image's pixels first
+  (patches averaged, output gradients summed: K-FAC-reduce).
   `stack_index`: `kernel` (and `bias`) are stacked leaves `[*stack, ...]` and
   the tag applies block `kernel[stack_index]` (see the module docstring).
   """
@@ -316,6 +338,7 @@ def conv2d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
   if x.shape[-1] != kernel.shape[2]:
     raise ValueError(f"kd.tags.conv2d: input channels {x.shape[-1]} do not match "
                      f"kernel {kernel.shape}")
+  _check_example_dims("conv2d", example_dims, 3, x.shape)
   strides, dilation = tuple(strides), tuple(dilation)
   padding = _conv_padding(padding)
 
@@ -329,8 +352,9 @@ def conv2d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
   def stats(x, g, forms):
     patches = factors.conv_patches(x.astype(jnp.float32), kernel.shape, strides,
                                    padding, dilation)
-    return {"A": factors.input_factor(patches, bias is not None, forms["A"]),
-            "G": factors.output_factor(g, forms["G"])}
+    return {"A": factors.input_factor(patches, bias is not None, forms["A"],
+                                      example_dims),
+            "G": factors.output_factor(g, forms["G"], example_dims)}
 
   kh, kw, cin, cout = kernel.shape
   return _tagged("conv2d", name, apply, stats, x, kernel, bias, site,

@@ -152,17 +152,19 @@ class Ref:
 
 
 class Tagged:
-  """The same layers through `kd.tags` (names left to the default: the path)."""
+  """The same layers through `kd.tags` (names left to the default: the path);
+  `example_dims={name: k}` reduces that layer's positions per example."""
+
+  def __init__(self, example_dims=None):
+    self.example_dims = example_dims or {}
 
   def dense(self, x, kernel, bias=None, *, name):
-    del name
-    return kd.tags.dense(x, kernel, bias)
+    return kd.tags.dense(x, kernel, bias, example_dims=self.example_dims.get(name))
 
   def conv2d(self, x, kernel, bias=None, *, name, strides=(1, 1), padding="SAME",
              dilation=(1, 1)):
-    del name
     return kd.tags.conv2d(x, kernel, bias, strides=strides, padding=padding,
-                          dilation=dilation)
+                          dilation=dilation, example_dims=self.example_dims.get(name))
 
 
 def ce_per_example(logits, labels):
@@ -173,11 +175,13 @@ def ce_per_example(logits, labels):
   return -jnp.take_along_axis(logp, labels[:, None], axis=-1)[:, 0]
 
 
-def brute_force(model, params, x, per_example_loss, weights=None):
+def brute_force(model, params, x, per_example_loss, weights=None, reduce_to=None):
   """Per-layer `(A, G)` and the mean loss, from per-example gradients.
 
   `model(layers, params, x)` is the network; `per_example_loss(output)` the
   vector of per-example losses; `weights` the 0/1 mask over those examples.
+  `reduce_to={name: U}`: that layer's positions are U consecutive groups (the
+  examples of K-FAC-reduce), whose rows are averaged and gradients summed.
   """
   ref = Ref(record=True)
   out = model(ref, params, x)
@@ -191,6 +195,10 @@ def brute_force(model, params, x, per_example_loss, weights=None):
   for name, rows in ref.rows.items():
     j = f64(jac[name]).reshape(losses.shape[0], -1, eps0[name].shape[-1])
     g = np.einsum("e,epo->po", weights, j)          # g_p = Σ_e w_e ∂ℓ_e/∂s_p
+    if reduce_to and name in reduce_to:
+      units = reduce_to[name]
+      rows = rows.reshape(units, -1, rows.shape[-1]).mean(1)
+      g = g.reshape(units, -1, g.shape[-1]).sum(1)
     stats[name] = {"A": rows.T @ rows / rows.shape[0], "G": g.T @ g / n}
   return float((weights * losses).sum() / n), stats
 
@@ -311,6 +319,60 @@ def test_dense_3d_per_sequence_loss(use_bias):
   check_against_brute_force(stats, bf)
 
 
+@pytest.mark.parametrize("use_bias", [True, False])
+@pytest.mark.parametrize("per_sequence", [True, False])
+def test_dense_reduce_over_sequence(per_sequence, use_bias):
+  """`example_dims=1` on l1's `[B, T, d]` input (K-FAC-reduce, Eschenhagen et al.
+  2023): A of the per-sequence mean inputs, G of the per-sequence summed output
+  gradients; l2 (no example_dims) keeps tokens as examples."""
+  kp, kx, ky = jax.random.split(jax.random.PRNGKey(4), 3)
+  params = mlp_params(kp, (3, 4, 5), (use_bias, use_bias))
+  x = randn(kx, (3, 4, 3))
+  y = jax.random.randint(ky, (3,) if per_sequence else (3, 4), 0, 5)
+
+  def loss_fn(p, x, y):
+    return kd.losses.softmax_cross_entropy(
+        mlp(Tagged({"l1": 1}), p, x, pool=per_sequence), y)
+
+  _, _, stats = capture(loss_fn)(params, x, y)
+  _, bf = brute_force(lambda l, p, x: mlp(l, p, x, pool=per_sequence), params, x,
+                      lambda out: ce_per_example(out, y), reduce_to={"l1": 3})
+  check_against_brute_force(stats, bf)
+  _, _, expand = capture(lambda p, x, y: kd.losses.softmax_cross_entropy(
+      mlp(Tagged(), p, x, pool=per_sequence), y))(params, x, y)
+  assert not np.allclose(f64(expand["l1"]["A"]), bf["l1"]["A"])   # a real difference
+  with pytest.raises(ValueError, match="example_dims"):
+    kd.tags.dense(x, params["l1"]["kernel"], example_dims=3)
+
+
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_dense_reduce_is_exact_for_one_sequence(use_bias):
+  """One sequence, dense → mean over tokens → loss: the gradient is `ā ⊗ e`, so
+  K-FAC-reduce's `A ⊗ G` is its outer product exactly (the empirical Fisher of
+  one example); K-FAC-expand's is not."""
+  kp, kx = jax.random.split(jax.random.PRNGKey(5))
+  p = mlp_params(kp, (3, 4), (use_bias,))
+  x = randn(kx, (1, 5, 3))
+  y = jnp.array([2])
+
+  def loss_fn(example_dims):
+    def fn(p, x, y):
+      h = kd.tags.dense(x, p["l1"]["kernel"], p["l1"].get("bias"),
+                        example_dims=example_dims)
+      return kd.losses.softmax_cross_entropy(h.mean(1), y)
+    return fn
+
+  _, grads, stats = capture(loss_fn(1))(p, x, y)
+  g = f64(grads["l1"]["kernel"])
+  if use_bias:
+    g = np.concatenate([g, f64(grads["l1"]["bias"])[None]])
+  exact = np.outer(g.reshape(-1), g.reshape(-1))
+  assert_factor_close(np.kron(f64(stats["l1"]["A"]), f64(stats["l1"]["G"])), exact,
+                      "A ⊗ G (reduce)")
+  _, _, expand = capture(loss_fn(None))(p, x, y)
+  assert not np.allclose(np.kron(f64(expand["l1"]["A"]), f64(expand["l1"]["G"])), exact)
+
+
 # ---------------------------------------------------------------------------
 # 2. Conv2d.
 # ---------------------------------------------------------------------------
@@ -371,6 +433,23 @@ def test_conv2d(case):
                             lambda o: ce_per_example(o, y))
   assert bf["conv"]["A"].shape == (3 * 2 * 2 + use_bias,) * 2
   np.testing.assert_allclose(float(loss), bf_loss, rtol=1e-6)
+  check_against_brute_force(stats, bf)
+
+
+def test_conv2d_reduce_over_pixels():
+  """`example_dims=1`: each image's patches averaged, its gradients summed."""
+  cfg = dict(strides=(2, 1), padding="SAME", dilation=(1, 1))
+  kp, kx, ky = jax.random.split(jax.random.PRNGKey(6), 3)
+  params = conv_params(kp, (3, 2, 2, 3), True, classes=4)
+  x = randn(kx, (3, 5, 4, 2))
+  y = jax.random.randint(ky, (3,), 0, 4)
+
+  def loss_fn(p, x, y):
+    return kd.losses.softmax_cross_entropy(conv_net(Tagged({"conv": 1}), p, x, cfg), y)
+
+  _, _, stats = capture(loss_fn)(params, x, y)
+  _, bf = brute_force(lambda l, p, x: conv_net(l, p, x, cfg), params, x,
+                      lambda o: ce_per_example(o, y), reduce_to={"conv": 3})
   check_against_brute_force(stats, bf)
 
 
@@ -750,10 +829,12 @@ CNN_CONV = dict(kernel_size=(3, 2), strides=(2, 1), padding="SAME")
 
 
 class LinenCNN(nn.Module):
+  conv_example_dims: int | None = None
+
   @nn.compact
   def __call__(self, x):
     h = jnp.tanh(kd.linen.Conv(3, param_dtype=jnp.float64, precision=HIGHEST,
-                               **CNN_CONV)(x))
+                               kfac_example_dims=self.conv_example_dims, **CNN_CONV)(x))
     h = h.mean(axis=(1, 2))
     h = jnp.tanh(kd.linen.Dense(4, param_dtype=jnp.float64, precision=HIGHEST)(h))
     return kd.linen.Dense(5, use_bias=False, param_dtype=jnp.float64,
@@ -761,9 +842,9 @@ class LinenCNN(nn.Module):
 
 
 class NnxCNN(nnx.Module):
-  def __init__(self, rngs):
+  def __init__(self, rngs, conv_example_dims=None):
     kw = dict(param_dtype=jnp.float64, precision=HIGHEST, rngs=rngs)
-    self.conv = kd.nnx.Conv(2, 3, **CNN_CONV, **kw)
+    self.conv = kd.nnx.Conv(2, 3, **CNN_CONV, kfac_example_dims=conv_example_dims, **kw)
     self.hidden = kd.nnx.Linear(3, 4, **kw)
     self.out = kd.nnx.Linear(4, 5, use_bias=False, **kw)
 
@@ -780,26 +861,30 @@ def plain_cnn(layers, p, x):
   return layers.dense(h, p["out"]["kernel"], None, name="out")
 
 
-def test_linen_nnx_and_tags_agree():
+@pytest.mark.parametrize("conv_example_dims", [None, 1])
+def test_linen_nnx_and_tags_agree(conv_example_dims):
+  """Also `kfac_example_dims` (K-FAC-reduce over each image's pixels)."""
   kx, ky = jax.random.split(jax.random.PRNGKey(12))
   x = randn(kx, (3, 5, 4, 2))
   y = jax.random.randint(ky, (3,), 0, 5)
   linen_params = _randomized(LinenCNN().init(jax.random.PRNGKey(13), x)["params"])
   plain_params = {"conv": linen_params["Conv_0"], "hidden": linen_params["Dense_0"],
                   "out": linen_params["Dense_1"]}
-  model = NnxCNN(nnx.Rngs(0))
+  model = NnxCNN(nnx.Rngs(0), conv_example_dims)
   nnx.update(model, {
       name: {k: v for k, v in layer.items()} for name, layer in plain_params.items()})
   graphdef, nnx_state = nnx.split(model)
 
   def linen_loss(p, x, y):
-    return kd.losses.softmax_cross_entropy(LinenCNN().apply({"params": p}, x), y)
+    return kd.losses.softmax_cross_entropy(
+        LinenCNN(conv_example_dims).apply({"params": p}, x), y)
 
   def nnx_loss(state, x, y):
     return kd.losses.softmax_cross_entropy(nnx.merge(graphdef, state)(x), y)
 
   def plain_loss(p, x, y):
-    return kd.losses.softmax_cross_entropy(plain_cnn(Tagged(), p, x), y)
+    return kd.losses.softmax_cross_entropy(
+        plain_cnn(Tagged({"conv": conv_example_dims}), p, x), y)
 
   results = {}
   for key, fn, p in (("linen", linen_loss, linen_params), ("nnx", nnx_loss, nnx_state),
@@ -812,7 +897,8 @@ def test_linen_nnx_and_tags_agree():
   names = {"linen": {"conv": "Conv_0", "hidden": "Dense_0", "out": "Dense_1"},
            "nnx": {"conv": "conv", "hidden": "hidden", "out": "out"},
            "plain": {"conv": "conv", "hidden": "hidden", "out": "out"}}
-  _, bf = brute_force(plain_cnn, plain_params, x, lambda o: ce_per_example(o, y))
+  _, bf = brute_force(plain_cnn, plain_params, x, lambda o: ce_per_example(o, y),
+                      reduce_to={"conv": 3} if conv_example_dims else None)
   plain_grads = results["plain"][1]
   nnx_grads = nnx.to_pure_dict(results["nnx"][1])
   for key, (loss, grads, stats) in results.items():

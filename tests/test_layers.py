@@ -59,11 +59,15 @@ def output_gradients(forward, eps0, per_example_loss, weights=None):
   return out
 
 
-def dense_stats(rows, g, n, bias):
+def dense_stats(rows, g, n, bias, units=None):
+  """Dense's A, G; `units=U`: positions reduced per example (K-FAC-reduce)."""
   rows = f64(rows).reshape(-1, np.shape(rows)[-1])
   if bias:
     rows = np.concatenate([rows, np.ones((rows.shape[0], 1))], axis=1)
   g = g.reshape(-1, g.shape[-1])
+  if units is not None:
+    rows = rows.reshape(units, -1, rows.shape[-1]).mean(1)
+    g = g.reshape(units, -1, g.shape[-1]).sum(1)
   return {"A": rows.T @ rows / rows.shape[0], "G": g.T @ g / n}
 
 
@@ -176,9 +180,10 @@ def test_embed_errors_and_broadcast():
 # 2. DenseGeneral.
 # ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("use_bias", [True, False])
-def test_dense_general_statistics(use_bias):
-  """x [B, T, d] → [d, h, k] kernel → tanh → [h, k, d] kernel (in_dims=2)."""
+@pytest.mark.parametrize("use_bias,example_dims", [(True, None), (False, None), (True, 1)])
+def test_dense_general_statistics(use_bias, example_dims):
+  """x [B, T, d] → [d, h, k] kernel → tanh → [h, k, d] kernel (in_dims=2);
+  `example_dims=1`: both reduced over the sequence (K-FAC-reduce)."""
   ks = jax.random.split(jax.random.PRNGKey(1), 7)
   b, t, d, h, k, classes = 2, 3, 4, 2, 3, 5
   p = {"q": {"kernel": randn(ks[0], (d, h, k), 0.5)},
@@ -190,9 +195,10 @@ def test_dense_general_statistics(use_bias):
   y = jax.random.randint(ks[5], (b, t), 0, classes)
 
   def model(p, x):
-    q = kd.tags.dense_general(x, p["q"]["kernel"], p["q"].get("bias"), precision=HIGHEST)
+    q = kd.tags.dense_general(x, p["q"]["kernel"], p["q"].get("bias"), precision=HIGHEST,
+                              example_dims=example_dims)
     return kd.tags.dense_general(jnp.tanh(q), p["o"]["kernel"], p["o"].get("bias"),
-                                 in_dims=2, precision=HIGHEST)
+                                 in_dims=2, precision=HIGHEST, example_dims=example_dims)
 
   def loss_fn(p, x, y):
     return kd.losses.softmax_cross_entropy(model(p, x), y)
@@ -219,8 +225,10 @@ def test_dense_general_statistics(use_bias):
   assert_trees_equal(grads, jax.grad(loss_fn)(p, x, y))
   g = output_gradients(lambda e: forward(e)[0], eps0, lambda out: ce_per_example(out, y))
   n = b * t
-  expected = {"q": dense_stats(x, g["q"].reshape(b, t, h * k), n, use_bias),
-              "o": dense_stats(forward(eps0)[1].reshape(b, t, h * k), g["o"], n, use_bias)}
+  units = b if example_dims else None
+  expected = {"q": dense_stats(x, g["q"].reshape(b, t, h * k), n, use_bias, units),
+              "o": dense_stats(forward(eps0)[1].reshape(b, t, h * k), g["o"], n, use_bias,
+                               units)}
   check_stats(stats, expected)
 
 
@@ -231,6 +239,9 @@ def test_dense_general_errors():
     kd.tags.dense_general(jnp.ones((2, 3)), jnp.ones((4, 2, 2)))
   with pytest.raises(ValueError, match="bias shape"):
     kd.tags.dense_general(jnp.ones((2, 3)), jnp.ones((3, 2, 2)), jnp.ones((4,)))
+  with pytest.raises(ValueError, match="example_dims"):
+    kd.tags.dense_general(jnp.ones((2, 3, 4, 5)), jnp.ones((4, 5, 2)), in_dims=2,
+                          example_dims=3)
 
 
 # ---------------------------------------------------------------------------

@@ -465,8 +465,201 @@ def test_distributed_shampoo_equals_single_device(root_method):
   got = run(kd.Distribution(mesh))
   want = run(None)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
-  with pytest.raises(ValueError, match="grad_worker_fraction"):
-    kd.scale_by_shampoo(distribution=kd.Distribution(mesh, grad_worker_fraction=1 / 8))
-  with pytest.raises(ValueError, match="reduce_scatter"):
-    kd.scale_by_shampoo(distribution=kd.Distribution(
-        mesh, gradient_reduction="reduce_scatter"))
+
+
+# ------------------------------------------------- MEM-OPT / HYBRID-OPT Shampoo
+
+# Blocked (w: 10 = 4+4+2, 6 = 4+2), unblocked (u: one 3×4 block), order 3
+# (c: (3, 4, 5), 5 = 4+1), diagonal (b).
+SHARDED_SHAPES = {"w": (10, 6), "c": (3, 4, 5), "u": (3, 4), "b": (6,)}
+# start 2, statistics every 2, roots every 3: over 7 steps the grafted steps,
+# the first roots at 2, refreshes at 3 and 6, steps without statistics.
+CADENCE = dict(block_size=4, start_preconditioning_step=2, statistics_compute_steps=2,
+               preconditioning_compute_steps=3)
+
+
+def _mesh(n=8):
+  from jax.sharding import Mesh
+  return Mesh(np.array(jax.devices()[:n]), ("data",))
+
+
+def _sharded_steps(tx, state, mesh, local_grads, reduction):
+  """Runs `tx` inside shard_map over `mesh`; each step's local gradients are
+  `[P, ...]` per leaf, averaged before `update` unless `reduction` reduces them."""
+  from jax.sharding import PartitionSpec as P
+  specs = kd.partition_specs(state)
+  state = kd.shard_state(state, mesh)
+  local = reduction == "reduce_scatter"
+
+  def step(g, s):
+    if local:
+      g = jax.tree.map(lambda x: x[0], g)
+    return tx.update(g, s)
+  step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("data") if local else P(), specs),
+                               out_specs=(P(), specs)))
+  out = []
+  for g in local_grads:
+    u, state = step(g if local else jax.tree.map(lambda x: x.mean(0), g), state)
+    # a global state goes in and comes out with the specs of partition_specs
+    assert kd.partition_specs(state) == specs
+    for x, spec in zip(jax.tree.leaves(state), jax.tree.leaves(specs)):
+      assert x.sharding.spec == spec
+    out.append((u, state))
+  return out
+
+
+@pytest.mark.parametrize("fraction,reduction,graft_type,grafting", [
+    (1 / 8, "none", "adagrad", "block"),         # MEM-OPT
+    (1 / 4, "all_reduce", "adagrad", "layer"),   # HYBRID, 2 devices per group
+    (1 / 2, "none", "adam", "block"),            # HYBRID, 4 devices per group
+    (1 / 8, "reduce_scatter", "sgd", "layer"),   # SP-NGD style, MEM-OPT
+    (1 / 4, "reduce_scatter", "sgd", "block"),
+])
+def test_sharded_shampoo_equals_single_device(fraction, reduction, graft_type, grafting,
+                                              x64):
+  """Owner groups hold, update and apply only their blocks' statistics and
+  roots: the same updates and (gathered) state as one device, step by step."""
+  mesh = _mesh()
+  options = dict(CADENCE, graft_type=graft_type, grafting=grafting, graft_beta2=0.9)
+  single = kd.scale_by_shampoo(**options)
+  dist = kd.Distribution(mesh, grad_worker_fraction=fraction, gradient_reduction=reduction)
+  tx = kd.scale_by_shampoo(distribution=dist, **options)
+  params = _params(SHARDED_SHAPES)
+  state = tx.init(params)
+  lay = state.layout
+  assert lay.sharded and lay.num_groups == round(1 / fraction)
+  # every group owns blocks, and each block's statistics stay within its group
+  owners = {g for q in lay.block_groups for r in q for g in r}
+  assert owners == set(range(lay.num_groups))
+  for plan, groups in zip(lay.params, lay.block_groups):
+    for region, gs in zip(plan.regions, groups):
+      for a in range(len(region.block)):
+        for b, g in enumerate(gs):
+          device = lay.places[region.buckets[a]][region.slots[a] + b][0]
+          assert device // lay.group_size == g
+  rng = np.random.default_rng(7)
+  local = [{k: jnp.asarray(rng.normal(size=(8,) + s)) for k, s in SHARDED_SHAPES.items()}
+           for _ in range(7)]
+  runs = _sharded_steps(tx, state, mesh, local, reduction)
+  one, update = single.init(params), jax.jit(single.update)
+  for step, (g, (got, got_state)) in enumerate(zip(local, runs)):
+    want, one = update(jax.tree.map(lambda x: x.mean(0), g), one)
+    for name in SHARDED_SHAPES:
+      np.testing.assert_allclose(got[name], want[name], rtol=1e-9, atol=1e-12,
+                                 err_msg=f"step {step}, {name}")
+    for a, b in zip(jax.tree.leaves(shampoo_lib.bucket_arrays(got_state)),
+                    jax.tree.leaves(shampoo_lib.bucket_arrays(one))):
+      np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12, err_msg=f"step {step}")
+    for a, b in zip(got_state.graft, one.graft):
+      np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
+def _state_bytes(state, mesh):
+  """Bytes one device holds of a global state placed with `kd.shard_state`."""
+  placed = kd.shard_state(state, mesh)
+  return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(placed))
+
+
+def test_sharded_state_bytes_per_device():
+  """Per device, MEM-OPT stores its own statistics and roots `[L] + [L]`,
+  HYBRID its statistics and its group's roots `[L] + [m·L]`, COMM-OPT all
+  `2 Σ n d²`; the grafting accumulators and the count are replicated."""
+  mesh = _mesh()
+  params = _params({"a": (64, 48), "b": (40, 24), "c": (3, 3, 8, 16), "d": (48,)},
+                   np.float32)
+  options = dict(block_size=16, graft_type="adagrad")
+  comm = kd.scale_by_shampoo(distribution=kd.Distribution(mesh), **options).init(params)
+  total = sum(n * d * d for (d, _), n in zip(comm.layout.buckets, comm.layout.sizes))
+  graft = sum(x.size for x in comm.graft)
+  replicated = 4 * graft + 4                         # float32 accumulators, int32 count
+  assert _state_bytes(comm, mesh) == replicated + 4 * 2 * total
+  for fraction in (1 / 8, 1 / 4, 1 / 2):
+    dist = kd.Distribution(mesh, grad_worker_fraction=fraction)
+    state = kd.scale_by_shampoo(distribution=dist, **options).init(params)
+    lay = state.layout
+    used = [0] * 8
+    for (d, _), bucket in zip(lay.buckets, lay.places):
+      for device, _ in bucket:
+        used[device] += d * d
+    assert sum(used) == total and lay.segment == max(used)
+    predicted = replicated + 4 * (1 + lay.group_size) * lay.segment
+    measured = _state_bytes(state, mesh)
+    assert measured == predicted
+    assert measured < _state_bytes(comm, mesh)
+    # the statistics and roots alone: within the balance of the ideal 1/P and m/P
+    ideal = (1 + lay.group_size) * total / 8
+    assert ideal <= (1 + lay.group_size) * lay.segment < 2 * total
+
+
+def test_sharded_shampoo_errors():
+  mesh = _mesh()
+  with pytest.raises(ValueError, match="reduce_scatter.*grafting accumulators"):
+    kd.scale_by_shampoo(graft_type="adagrad", distribution=kd.Distribution(
+        mesh, grad_worker_fraction=1 / 8, gradient_reduction="reduce_scatter"))
+  params = _params(SMALL, np.float32)
+  mem = kd.scale_by_shampoo(block_size=4, distribution=kd.Distribution(
+      mesh, grad_worker_fraction=1 / 8))
+  state = kd.scale_by_shampoo(block_size=4).init(params)
+  with pytest.raises(ValueError, match="laid out for.*convert_state"):
+    mem.update(_grads(np.random.default_rng(0), SMALL, np.float32), state)
+
+
+def test_convert_state_between_shampoo_strategies(x64):
+  """COMM-OPT → MEM-OPT → HYBRID → one device moves statistics, roots and
+  grafting state exactly; the converted state continues the trajectory."""
+  mesh = _mesh()
+  options = dict(CADENCE, graft_type="adagrad")
+  params = _params(SHARDED_SHAPES)
+
+  def tx(fraction):
+    return kd.scale_by_shampoo(distribution=kd.Distribution(
+        mesh, grad_worker_fraction=fraction), **options)
+  rng = np.random.default_rng(3)
+  local = [{k: jnp.asarray(rng.normal(size=(8,) + s)) for k, s in SHARDED_SHAPES.items()}
+           for _ in range(6)]
+  comm = _sharded_steps(tx(1), tx(1).init(params), mesh, local[:3], "none")[-1][1]
+  mem = kd.convert_state(comm, tx(1 / 8).init(params))
+  hybrid = kd.convert_state(mem, tx(1 / 2).init(params))
+  single = kd.scale_by_shampoo(**options)
+  back = kd.convert_state(hybrid, single.init(params))
+  for state in (mem, hybrid, back):
+    assert int(state.count) == 3
+    for a, b in zip(jax.tree.leaves(shampoo_lib.bucket_arrays(state)),
+                    jax.tree.leaves(shampoo_lib.bucket_arrays(comm))):
+      np.testing.assert_array_equal(a, b)
+    for a, b in zip(state.graft, comm.graft):
+      np.testing.assert_array_equal(a, b)
+  # MEM-OPT from the converted state continues the one-device trajectory
+  got = _sharded_steps(tx(1 / 8), mem, mesh, local[3:], "none")
+  one, update = single.init(params), jax.jit(single.update)
+  for step, g in enumerate(local):
+    want, one = update(jax.tree.map(lambda x: x.mean(0), g), one)
+    if step >= 3:
+      for name in SHARDED_SHAPES:
+        np.testing.assert_allclose(got[step - 3][0][name], want[name], rtol=1e-9,
+                                   atol=1e-12)
+  with pytest.raises(ValueError, match="same parameters and block options"):
+    kd.convert_state(comm, kd.scale_by_shampoo(**dict(options, block_size=3)).init(params))
+
+
+def test_sharded_shampoo_checkpoint_restores_and_refuses_another_layout(tmp_path):
+  mesh = _mesh()
+  params = _params(SHARDED_SHAPES, np.float32)
+
+  def tx(fraction):
+    return optax.chain(kd.scale_by_shampoo(block_size=4, graft_type="adagrad",
+                                           distribution=kd.Distribution(
+                                               mesh, grad_worker_fraction=fraction)),
+                       optax.sgd(0.1, momentum=0.9))
+  rng = np.random.default_rng(4)
+  local = [{k: jnp.asarray(rng.normal(size=(8,) + s), jnp.float32)
+            for k, s in SHARDED_SHAPES.items()} for _ in range(2)]
+  state = _sharded_steps(tx(1 / 4), tx(1 / 4).init(params), mesh, local, "none")[-1][1]
+  kd.save_checkpoint(tmp_path / "ckpt", state)
+  restored = kd.restore_checkpoint(tmp_path / "ckpt", jax.eval_shape(tx(1 / 4).init, params),
+                                   mesh=mesh)
+  assert restored[0].statistics[0].sharding.spec == jax.sharding.PartitionSpec("data")
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(ValueError, match="Shampoo states were saved with another layout"):
+    kd.restore_checkpoint(tmp_path / "ckpt", tx(1 / 8).init(params))

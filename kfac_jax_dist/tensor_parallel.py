@@ -1,0 +1,355 @@
+"""Tensor-parallel meshes: one K-FAC / Shampoo state per model shard.
+
+On a 2-D mesh `("data", "model")` with parameters sharded over "model"
+(Megatron-style: a column-parallel Dense kernel `[d_in, d_out]` sharded on
+`d_out`, a row-parallel one on `d_in` with its output psum'd over "model" by the
+model code), training runs inside `shard_map` over both axes and every device
+sees its local shard of each parameter. As in 3D-Shampoo (Baumann 2023, §6:
+"each rank's Shampoo statistics are those of its local shard"), each model
+shard preconditions its local shard on its own, i.e. block-diagonally over the
+tensor-parallel split:
+
+* Shampoo: statistics and roots of the local shard (as if the shards were
+  separate parameters);
+* K-FAC Dense: factors of the local shard. Column-parallel: `A` of the full
+  input (the same on every model shard) and `G` of the local output columns;
+  row-parallel: `A` of the local input rows and `G` of the full output (the
+  cotangent of the psum is the same on every shard). This is K-FAC of a model
+  whose sharded layer is `M` separate layers on the column (row) blocks.
+
+Within a model shard the data-parallel strategy of `Distribution` runs as on
+one axis. The state is the single-axis state of one model shard, built from the
+local shard shapes, `M` times: each array leaf is the concatenation of the `M`
+shards' along its first axis, specced `P((model, ...))` on it (a scalar, the
+same on every shard, stays `P()`). Parameters replicated over "model" (biases of
+row-parallel layers, LayerNorm) have the same gradients on every model shard:
+their state is kept (identically) by every shard, and their updates are read
+from model shard 0 (a psum of its update and zeros, exact) so that they leave
+`shard_map` replicated. K-FAC's KL clip sums `|⟨V, ∇⟩|` over every layer's
+shards (a psum over "model", replicated layers counted once), and a step is
+skipped on every device if any device saw a non-finite number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec
+import optax
+
+from kfac_jax_dist import _compat
+from kfac_jax_dist import registry
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, PartitionSpec)
+
+
+def check_distribution(dist) -> None:
+  """Validates a `Distribution`'s `model_axis` and `param_specs`."""
+  if dist.model_axis is None:
+    raise ValueError("Distribution: param_specs describe a tensor-parallel sharding; "
+                     "pass model_axis= too (the mesh axis they shard over).")
+  if dist.model_axis not in dist.mesh.axis_names:
+    raise ValueError(f"Distribution: model_axis {dist.model_axis!r} is not an axis of "
+                     f"the mesh {dict(dist.mesh.shape)}.")
+  if dist.model_axis == dist.axis:
+    raise ValueError(f"Distribution: model_axis and axis are both {dist.axis!r}; the "
+                     "tensor-parallel axis must be another mesh axis.")
+  if dist.param_specs is None:
+    raise ValueError("Distribution: model_axis needs param_specs=, the PartitionSpec "
+                     "of every parameter (a pytree like the parameters, or a prefix).")
+  for spec in jax.tree_util.tree_leaves(dist.param_specs, is_leaf=_is_spec):
+    if not _is_spec(spec):
+      raise ValueError(f"Distribution: param_specs holds {spec!r}, not a "
+                       "PartitionSpec.")
+    _sharded_dim(spec, dist.model_axis, "?")
+
+
+def _sharded_dim(spec: PartitionSpec, axis: str, path: str) -> int | None:
+  """The dimension `spec` shards over `axis` (None: replicated)."""
+  found = None
+  for dim, entry in enumerate(spec):
+    names = entry if isinstance(entry, tuple) else (entry,)
+    for name in names:
+      if name is None:
+        continue
+      if name != axis:
+        raise ValueError(
+            f"param_specs['{path}'] = {spec} shards over {name!r}: parameters may be "
+            f"sharded over the tensor-parallel axis {axis!r} only (the data axis holds "
+            "replicas).")
+      if found is not None:
+        raise ValueError(f"param_specs['{path}'] = {spec} shards several dimensions "
+                         f"over {axis!r}; at most one may be.")
+      found = dim
+  return found
+
+
+def _leaf_specs(tree: Any, dist) -> list[tuple[str, Any, PartitionSpec]]:
+  """`(path, leaf, spec)` of every leaf of `tree` (shaped like the parameters),
+  `dist.param_specs` being a tree like it or a prefix of it."""
+  try:
+    specs = jax.tree_util.tree_map(
+        lambda s, x: jax.tree_util.tree_map(lambda _: s, x), dist.param_specs, tree,
+        is_leaf=_is_spec)
+  except (ValueError, TypeError) as e:
+    raise ValueError("Distribution.param_specs must be a pytree like the parameters "
+                     f"(or a prefix of it): {e}") from e
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  return [(registry.path_str(path), x, spec)
+          for (path, x), spec in zip(flat, treedef.flatten_up_to(specs))]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSharding:
+  """Static metadata: how the parameters are sharded over the model axis.
+
+  Attributes:
+    axis: the tensor-parallel mesh axis.
+    size: its number of devices `M`.
+    treedef: the parameters' tree structure.
+    paths: every parameter leaf's path ("layer/kernel"), in tree order.
+    shapes: the global shapes of the parameter leaves.
+    specs: their `PartitionSpec`s.
+    dims: the dimension of each leaf sharded over `axis` (None: replicated).
+  """
+
+  axis: str
+  size: int
+  treedef: Any
+  paths: tuple[str, ...]
+  shapes: tuple[tuple[int, ...], ...]
+  specs: tuple[PartitionSpec, ...]
+  dims: tuple[int | None, ...]
+
+  @classmethod
+  def of(cls, params, dist) -> ModelSharding:
+    treedef = jax.tree_util.tree_structure(params)
+    size = dist.model_size
+    paths, shapes, specs, dims = [], [], [], []
+    for name, x, spec in _leaf_specs(params, dist):
+      shape = tuple(jnp.shape(x))
+      if len(spec) > len(shape):
+        raise ValueError(f"param_specs['{name}'] = {spec} has more entries than the "
+                         f"parameter has dimensions ({shape}).")
+      dim = _sharded_dim(spec, dist.model_axis, name)
+      if dim is not None and shape[dim] % size:
+        raise ValueError(
+            f"Parameter '{name}' of shape {shape}: dimension {dim} ({shape[dim]}) is "
+            f"not divisible by the {size} devices of model axis {dist.model_axis!r}.")
+      paths.append(name)
+      shapes.append(shape)
+      specs.append(spec)
+      dims.append(dim)
+    return cls(dist.model_axis, size, treedef, tuple(paths), tuple(shapes),
+               tuple(specs), tuple(dims))
+
+  def local_shape(self, i: int) -> tuple[int, ...]:
+    shape, dim = list(self.shapes[i]), self.dims[i]
+    if dim is not None:
+      shape[dim] //= self.size
+    return tuple(shape)
+
+  def param_specs(self):
+    """The `PartitionSpec` of every parameter leaf, as a tree like the parameters."""
+    return self.treedef.unflatten(list(self.specs))
+
+  def matches(self, node) -> bool:
+    """Whether `node` is shaped like the (global) parameters, e.g. a momentum."""
+    if isinstance(node, ModelShardedState) or _is_spec(node):
+      return False
+    leaves, treedef = jax.tree_util.tree_flatten(node)
+    return treedef == self.treedef and all(
+        hasattr(x, "shape") and tuple(x.shape) == s
+        for x, s in zip(leaves, self.shapes))
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["inner"],
+                   meta_fields=["sharding"])
+@dataclasses.dataclass(frozen=True)
+class ModelShardedState:
+  """A transform's state for every model shard.
+
+  Attributes:
+    inner: the single-axis state of one model shard, each array leaf
+      concatenated over the `M` shards along its first axis (scalars once).
+      Inside `shard_map` (specs from `kd.partition_specs`) it is that shard's.
+    sharding: how the parameters are sharded (static).
+  """
+
+  inner: Any
+  sharding: ModelSharding
+
+
+def _tile(x, size: int):
+  x = jnp.asarray(x)
+  return x if x.ndim == 0 else jnp.concatenate([x] * size)
+
+
+def model_shard(tree: Any, index: int) -> Any:
+  """`tree` (e.g. an optax state of global arrays) with every model-sharded
+  transform state replaced by model shard `index`'s single-axis state: what
+  one device of that shard holds for `kd.running_factors` and the like."""
+  def one(node):
+    if not isinstance(node, ModelShardedState):
+      return node
+    size = node.sharding.size
+    return jax.tree_util.tree_map(
+        lambda x: x if jnp.ndim(x) == 0 else jnp.split(jnp.asarray(x), size)[index],
+        node.inner)
+  return jax.tree_util.tree_map(one, tree,
+                                is_leaf=lambda x: isinstance(x, ModelShardedState))
+
+
+def inner_specs(node: ModelShardedState, specs: Any) -> Any:
+  """The specs of a `ModelShardedState` from its inner state's single-axis
+  `specs`: the model axis prepended on the first axis of every array leaf."""
+  axis = node.sharding.axis
+
+  def prepend(spec, x):
+    if jnp.ndim(x) == 0:
+      return PartitionSpec()
+    first = spec[0] if len(spec) else None
+    rest = tuple(spec[1:])
+    if first is None:
+      return PartitionSpec(axis, *rest)
+    first = first if isinstance(first, tuple) else (first,)
+    return PartitionSpec((axis,) + first, *rest)
+  return dataclasses.replace(node, inner=jax.tree_util.tree_map(
+      prepend, specs, node.inner, is_leaf=_is_spec))
+
+
+def find_sharding(tree: Any) -> ModelSharding | None:
+  """The `ModelSharding` of the model-sharded states in `tree` (None: none)."""
+  found = {x.sharding for x in jax.tree_util.tree_leaves(
+      tree, is_leaf=lambda x: isinstance(x, ModelShardedState))
+           if isinstance(x, ModelShardedState)}
+  if len(found) > 1:
+    raise ValueError("The state holds model-sharded transforms of different "
+                     "parameter shardings.")
+  return found.pop() if found else None
+
+
+def replicated_paths(tree: Any, dist) -> set[str]:
+  """Paths of the leaves of `tree` (shaped like the parameters) that
+  `dist.param_specs` leaves replicated over the model axis."""
+  return {name for name, _, spec in _leaf_specs(tree, dist)
+          if _sharded_dim(spec, dist.model_axis, name) is None}
+
+
+def _from_shard_zero(x: jax.Array, axis: str) -> jax.Array:
+  """`x` of model shard 0, typed replicated over `axis`: a psum of its value
+  and zeros (exact)."""
+  if axis not in _compat.varying_axes(x):
+    return x
+  mine = lax.axis_index(axis) == 0
+  return lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), axis)
+
+
+def wrap(inner: optax.GradientTransformationExtraArgs, dist, name: str,
+         check=None) -> optax.GradientTransformationExtraArgs:
+  """`inner` (a single-axis transform over `dist.axis`) for every model shard.
+
+  `init` builds `inner`'s state from the local shard shapes (`check(sharding)`
+  may reject a sharding the transform cannot precondition) and stacks it for
+  the `M` shards. `update` runs inside `shard_map` over both axes on the
+  local shards; gradients and the `kfac_stats` are typed varying over the
+  model axis (the per-shard state is), and the updates of replicated
+  parameters leave replicated (model shard 0's, see the module docstring).
+  """
+  axis = dist.model_axis
+
+  def init_fn(params):
+    sharding = ModelSharding.of(params, dist)
+    if check is not None:
+      check(sharding)
+    flat = sharding.treedef.flatten_up_to(params)
+    local = sharding.treedef.unflatten([
+        jax.ShapeDtypeStruct(sharding.local_shape(i), jnp.result_type(x))
+        for i, x in enumerate(flat)])
+    state = inner.init(local)
+    return ModelShardedState(
+        jax.tree_util.tree_map(lambda x: _tile(x, sharding.size), state), sharding)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if not isinstance(state, ModelShardedState):
+      raise TypeError(f"{name}: this transform is tensor-parallel over {axis!r}; "
+                       "give it the state of its own init.")
+    sharding = state.sharding
+    try:
+      size = lax.axis_size(axis)
+    except NameError as e:
+      raise ValueError(
+          f"{name} is tensor-parallel over mesh axis {axis!r}: call update inside "
+          "jax.shard_map over the data and model axes, with in_specs/out_specs from "
+          "kd.partition_specs(opt_state) and the param_specs.") from e
+    if size != sharding.size:
+      raise ValueError(f"update runs in a shard_map whose axis {axis!r} has {size} "
+                       f"devices, but the state was built for {sharding.size}.")
+    flat = sharding.treedef.flatten_up_to(updates)
+    for i, x in enumerate(flat):
+      if tuple(jnp.shape(x)) != sharding.local_shape(i):
+        raise ValueError(
+            f"{name}: the update of '{sharding.paths[i]}' has shape {jnp.shape(x)}, "
+            f"expected its local shard {sharding.local_shape(i)} (global "
+            f"{sharding.shapes[i]}): call update inside shard_map with the "
+            "param_specs.")
+    varying = functools.partial(_compat.as_varying, axes=(axis,))
+    extra_args = {k: (varying(v) if k == "kfac_stats" and v is not None else v)
+                  for k, v in extra_args.items()}
+    new_updates, new_inner = inner.update(varying(updates), state.inner, params,
+                                          **extra_args)
+    out = sharding.treedef.flatten_up_to(new_updates)
+    out = [x if d is not None else _from_shard_zero(x, axis)
+           for x, d in zip(out, sharding.dims)]
+    return (sharding.treedef.unflatten(out),
+            dataclasses.replace(state, inner=new_inner))
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def check_kfac_layers(layers, sharding: ModelSharding) -> None:
+  """Rejects a tagged layer whose kernel is sharded on an axis that is neither
+  an input nor an output axis (a conv's spatial axes, a stack axis), and a
+  row-parallel layer (kernel sharded on an input axis) whose tag adds a bias:
+  the bias belongs after the psum over the model axis."""
+  for layer in layers:
+    if layer.kernel_path not in sharding.paths:
+      continue
+    i = sharding.paths.index(layer.kernel_path)
+    dim = sharding.dims[i]
+    if dim is None:
+      continue
+    if tuple(layer.stack) + tuple(layer.kernel_shape) != sharding.local_shape(i):
+      raise ValueError(
+          f"Tagged layer '{layer.name}' has kernel shape {layer.kernel_shape}, not its "
+          f"local shard's {sharding.local_shape(i)}: discover the layers with "
+          "grad_fn.discover(params, *batch, distribution=dist).")
+    stack = len(layer.stack)
+    if dim < stack:
+      raise ValueError(f"Tagged layer '{layer.name}': its kernel is sharded over "
+                       f"{sharding.axis!r} on a stack axis; shard a kernel axis.")
+    dim -= stack
+    shape = layer.kernel_shape
+    if layer.kind == "conv2d" and dim < len(shape) - 2:
+      raise ValueError(
+          f"Tagged layer '{layer.name}': its kernel {shape} (local) is sharded over "
+          f"{sharding.axis!r} on spatial axis {dim}; K-FAC needs the input or output "
+          "channels sharded (row- or column-parallel).")
+    if layer.kind in ("dense", "conv2d"):
+      rows = layer.a_dim - layer.has_bias
+      in_dims = next((k for k in range(len(shape) + 1) if math.prod(shape[:k]) == rows),
+                     len(shape) - 1)
+      if dim < in_dims and layer.has_bias:
+        raise ValueError(
+            f"Tagged layer '{layer.name}' is row-parallel (its kernel is sharded over "
+            f"{sharding.axis!r} on input axis {dim}) and its tag adds a bias, which "
+            "every model shard would add before the psum: add the bias after the "
+            "psum, outside the tag.")

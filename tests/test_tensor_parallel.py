@@ -1,0 +1,261 @@
+"""Tensor-parallel meshes ("data", "model") on 2 x 4 CPU devices: K-FAC and
+Shampoo preconditioning each model shard's local shard equal one device
+running the same block structure (the sharded layers written as M layers on
+their column / row blocks)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+import numpy as np
+import optax
+import pytest
+
+import kfac_jax_dist as kd
+from kfac_jax_dist.kfac import find_states
+
+DATA, M = 2, 4
+STEPS = 7            # counts 0..6: inverse at 0, 3, 6; factor-only at 2, 4; plain 1, 5
+D_IN, HIDDEN, D_OUT, CLASSES = 6, 8, 6, 5
+
+PARAM_SPECS = {"col": {"kernel": P(None, "model"), "bias": P("model")},
+               "row": {"kernel": P("model", None)},
+               "rbias": P(),
+               "norm": {"scale": P(), "offset": P()},
+               "head": {"kernel": P(), "bias": P()}}
+
+
+def _mesh():
+  return Mesh(np.array(jax.devices()[:DATA * M]).reshape(DATA, M), ("data", "model"))
+
+
+def _problem():
+  k = jax.random.split(jax.random.PRNGKey(0), 8)
+  params = {"col": {"kernel": jax.random.normal(k[0], (D_IN, HIDDEN)) * 0.5,
+                    "bias": jax.random.normal(k[1], (HIDDEN,)) * 0.1},
+            "row": {"kernel": jax.random.normal(k[2], (HIDDEN, D_OUT)) * 0.5},
+            "rbias": jax.random.normal(k[3], (D_OUT,)) * 0.1,
+            "norm": {"scale": 1.0 + 0.1 * jax.random.normal(k[4], (D_OUT,)),
+                     "offset": jnp.zeros(D_OUT)},
+            "head": {"kernel": jax.random.normal(k[5], (D_OUT, CLASSES)) * 0.5,
+                     "bias": jnp.zeros(CLASSES)}}
+  x = jax.random.normal(k[6], (32, D_IN))
+  y = jax.random.randint(k[7], (32,), 0, CLASSES)
+  return params, x, y
+
+
+def _top(p, z, y):
+  """Everything after the row-parallel layer's sum (replicated layers)."""
+  z = z + p["rbias"]
+  z = (z - z.mean(-1, keepdims=True)) / jnp.sqrt(z.var(-1, keepdims=True) + 1e-5)
+  z = kd.tags.scale_and_shift(z, p["norm"]["scale"], p["norm"]["offset"])
+  logits = kd.tags.dense(jnp.tanh(z), p["head"]["kernel"], p["head"]["bias"])
+  return kd.losses.softmax_cross_entropy(logits, y)
+
+
+def tp_loss(p, x, y):
+  """Megatron MLP: column-parallel then row-parallel Dense, psum over "model"."""
+  h = jnp.tanh(kd.tags.dense(x, p["col"]["kernel"], p["col"]["bias"]))
+  z = jax.lax.psum(kd.tags.dense(h, p["row"]["kernel"]), "model")
+  return _top(p, z, y)
+
+
+def block_loss(p, x, y):
+  """The same model on one device, the sharded layers as M tagged layers on
+  their column (row) blocks."""
+  hs = [jnp.tanh(kd.tags.dense(x, p[f"col{i}"]["kernel"], p[f"col{i}"]["bias"]))
+        for i in range(M)]
+  z = sum(kd.tags.dense(hs[i], p[f"row{i}"]["kernel"]) for i in range(M))
+  return _top(p, z, y)
+
+
+def to_blocks(p):
+  """TP params (global arrays) → the block model's params."""
+  c, r, n = p["col"], p["row"], HIDDEN // M
+  out = {k: v for k, v in p.items() if k not in ("col", "row")}
+  for i in range(M):
+    out[f"col{i}"] = {"kernel": c["kernel"][:, i * n:(i + 1) * n],
+                      "bias": c["bias"][i * n:(i + 1) * n]}
+    out[f"row{i}"] = {"kernel": r["kernel"][i * n:(i + 1) * n]}
+  return out
+
+
+def _assert_same(trajectory, reference, rtol=2e-4, atol=2e-5):
+  for step, (got, want) in enumerate(zip(trajectory, reference)):
+    check = functools.partial(np.testing.assert_allclose, rtol=rtol, atol=atol,
+                              err_msg=f"step {step}")
+    jax.tree.map(check, to_blocks(got), want)
+
+
+def _train(tx_of, loss_fn, params, x, y, dist=None, steps=STEPS):
+  """`steps` updates; with `dist`, inside shard_map over both mesh axes, the
+  state sharded by kd.partition_specs (checked stable across updates)."""
+  grad_fn = kd.value_and_grad(loss_fn)
+  tx = tx_of(grad_fn.discover(params, x, y, distribution=dist))
+  state = tx.init(params)
+
+  def step(params, state, x, y):
+    _, grads, stats = grad_fn(params, x, y, opt_state=state)
+    if dist is not None and dist.gradient_reduction == "none":
+      grads = jax.lax.pmean(grads, "data")
+    updates, state = tx.update(grads, state, params, kfac_stats=stats)
+    return optax.apply_updates(params, updates), state
+
+  if dist is None:
+    step = jax.jit(step)
+  else:
+    state = kd.shard_state(state, dist.mesh)
+    specs = kd.partition_specs(state)
+    step = jax.jit(jax.shard_map(
+        step, mesh=dist.mesh, in_specs=(PARAM_SPECS, specs, P("data"), P("data")),
+        out_specs=(PARAM_SPECS, specs)))
+  trajectory, shardings = [], None
+  for _ in range(steps):
+    params, state = step(params, state, x, y)
+    trajectory.append(params)
+    if dist is not None:
+      now = jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding.spec), state)
+      assert shardings is None or now == shardings, "state sharding changed"
+      shardings = now
+  return trajectory, state
+
+
+def _dist(fraction=1.0, **kw):
+  return kd.Distribution(_mesh(), axis="data", grad_worker_fraction=fraction,
+                         model_axis="model", param_specs=PARAM_SPECS, **kw)
+
+
+def _kfac(layers, dist=None, method="eigen"):
+  return kd.kfac(0.1, layers=layers, damping=1e-2, factor_update_every=2,
+                 inverse_update_every=3, kl_clip=1e-2, method=method,
+                 distribution=dist)
+
+
+@functools.cache
+def _kfac_reference(method="eigen"):
+  params, x, y = _problem()
+  return _train(functools.partial(_kfac, method=method), block_loss, to_blocks(params),
+                x, y)
+
+
+@pytest.mark.parametrize("fraction,factor_reduction,gradient_reduction", [
+    (1.0, "reduce_scatter", "none"), (1 / 2, "all_reduce", "none"),
+    pytest.param(1 / 2, "reduce_scatter", "reduce_scatter", marks=pytest.mark.slow)],
+    ids=["COMM-OPT", "MEM-OPT", "MEM-OPT-SP-NGD"])
+def test_kfac_tensor_parallel_equals_block_model(fraction, factor_reduction,
+                                                 gradient_reduction):
+  params, x, y = _problem()
+  dist = _dist(fraction, factor_reduction=factor_reduction,
+               gradient_reduction=gradient_reduction)
+  trajectory, opt_state = _train(lambda layers: _kfac(layers, dist), tp_loss, params, x,
+                                 y, dist)
+  reference, ref_state = _kfac_reference()
+  _assert_same(trajectory, reference)
+  # Model shard i's factors are the block model's i-th column (row) layer's.
+  want = kd.running_factors(find_states(ref_state)[0])
+  for i in range(M):
+    got = kd.running_factors(find_states(kd.model_shard(opt_state, i))[0])
+    for name, ref in (("col", f"col{i}"), ("row", f"row{i}"), ("head", "head"),
+                      ("norm", "norm")):
+      for key in got[name]:
+        np.testing.assert_allclose(got[name][key], want[ref][key], rtol=1e-4, atol=1e-6,
+                                   err_msg=f"shard {i} {name} {key}")
+  # Specs over both axes; the momentum is sharded like the parameters.
+  specs = kd.partition_specs(opt_state)
+  kfac_specs, = _of_type(specs, kd.ModelShardedState)
+  assert kfac_specs.inner.factors == P(("model", "data"))
+  assert kfac_specs.inner.second_order == (P("model") if fraction == 1
+                                           else P(("model", "data")))
+  assert kfac_specs.inner.count == P()
+  momentum, = _of_type(specs, optax.TraceState)
+  assert momentum.trace == PARAM_SPECS
+
+
+def _of_type(tree, cls):
+  leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, cls))
+  return [x for x in leaves if isinstance(x, cls)]
+
+
+def _shampoo(dist=None, **options):
+  return kd.shampoo(0.05, block_size=None, graft_type="adagrad",
+                    start_preconditioning_step=1, preconditioning_compute_steps=2,
+                    distribution=dist, **options)
+
+
+@pytest.mark.parametrize("grafting,fraction", [
+    ("layer", 1.0), ("layer", 1 / 2),
+    pytest.param("block", 1.0, marks=pytest.mark.slow)],
+    ids=["layer-COMM", "layer-MEM", "block-COMM"])
+def test_shampoo_tensor_parallel_equals_split_params(grafting, fraction):
+  """Each model shard's Shampoo is Shampoo of its local shard: one device
+  with the sharded parameters split into M leaves takes the same steps (root
+  work over "data" COMM-style, or MEM-OPT: statistics and roots sharded)."""
+  params, x, y = _problem()
+  dist = _dist(fraction)
+  trajectory, _ = _train(lambda _: _shampoo(dist, grafting=grafting), tp_loss, params,
+                         x, y, dist)
+  reference, _ = _train(lambda _: _shampoo(grafting=grafting), block_loss,
+                        to_blocks(params), x, y)
+  _assert_same(trajectory, reference)
+
+
+
+def test_misconfigured_tensor_parallel_is_rejected():
+  mesh = _mesh()
+  with pytest.raises(ValueError, match="'tensor' is not an axis"):
+    kd.Distribution(mesh, model_axis="tensor", param_specs=PARAM_SPECS)
+  with pytest.raises(ValueError, match="pass model_axis"):
+    kd.Distribution(mesh, param_specs=PARAM_SPECS)
+  with pytest.raises(ValueError, match="needs param_specs"):
+    kd.Distribution(mesh, model_axis="model")
+  with pytest.raises(ValueError, match="another mesh axis"):
+    kd.Distribution(mesh, axis="model", model_axis="model", param_specs=PARAM_SPECS)
+  with pytest.raises(ValueError, match="over the tensor-parallel axis 'model' only"):
+    kd.Distribution(mesh, model_axis="model", param_specs={"w": P("data")})
+  with pytest.raises(ValueError, match="several dimensions"):
+    kd.Distribution(mesh, model_axis="model", param_specs={"w": P("model", "model")})
+  params, x, y = _problem()
+  dist = _dist()
+  with pytest.raises(ValueError, match="stale_threshold"):
+    kd.scale_by_kfac(distribution=dist, stale_threshold=0.1)
+  bad = dict(params, row={"kernel": jnp.zeros((HIDDEN, D_OUT))},
+             col={"kernel": jnp.zeros((D_IN, 6)), "bias": jnp.zeros(6)})
+  with pytest.raises(ValueError, match="not divisible by the 4 devices"):
+    _shampoo(dist).init(bad)
+  tx = _shampoo(dist)
+  state = tx.init(params)
+  with pytest.raises(ValueError, match="inside jax.shard_map"):
+    tx.update(params, state, params)
+  with pytest.raises(ValueError, match="convert_state does not move"):
+    kd.convert_state(state, state)
+  # Layers discovered outside shard_map have the global shapes.
+  global_layers = kd.value_and_grad(tp_loss).discover(params, x, y)
+  with pytest.raises(ValueError, match="discover the layers with"):
+    _kfac(global_layers, dist).init(params)
+
+
+def test_kfac_rejects_shardings_it_cannot_precondition():
+  """A row-parallel layer whose tag adds the bias (every shard would add it
+  before the psum), and a conv kernel sharded on a spatial axis."""
+  mesh = _mesh()
+
+  def row_with_bias(p, x, y):
+    z = jax.lax.psum(kd.tags.dense(x, p["row"]["kernel"], p["row"]["bias"]), "model")
+    return kd.losses.softmax_cross_entropy(z, y)
+  params = {"row": {"kernel": jnp.zeros((8, CLASSES)), "bias": jnp.zeros(CLASSES)}}
+  specs = {"row": {"kernel": P("model", None), "bias": P()}}
+  x, y = jnp.zeros((4, 8 // M)), jnp.zeros(4, jnp.int32)   # the local input rows
+
+  def conv(p, x, y):
+    z = jax.lax.psum(kd.tags.conv2d(x, p["conv"]["kernel"]), "model")
+    return kd.losses.softmax_cross_entropy(z.mean((1, 2)), y)
+  conv_params = {"conv": {"kernel": jnp.zeros((4, 3, 2, CLASSES))}}
+  conv_specs = {"conv": {"kernel": P("model")}}
+  xc = jnp.zeros((4, 6, 6, 2))
+  for loss, p, s, xx, match in ((row_with_bias, params, specs, x, "add the bias after"),
+                                (conv, conv_params, conv_specs, xc, "spatial axis")):
+    dist = kd.Distribution(mesh, model_axis="model", param_specs=s)
+    layers = kd.value_and_grad(loss).discover(p, xx, y, distribution=dist)
+    with pytest.raises(ValueError, match=match):
+      kd.kfac(0.1, layers=layers, distribution=dist).init(p)
