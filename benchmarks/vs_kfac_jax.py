@@ -851,7 +851,7 @@ ANALYSIS = """\
   by half, which these pieces cannot give while keeping the behaviour (fault
   skipping, one program for every cadence). This run already includes one
   fix: the fault verdict is computed once (`kfac._materialise`); XLA had
-  fused its chain of ~25 `and`s into each of ~40 consumers (4732 HLO
+  fused its chain of ~25 `and`s into each of ~35 consumers (4732 HLO
   instructions, 5.4 s compile before; see PERF_NOTES.md).
 * **Memory.** kd's compiled peak is 1.2-1.3× kfac-jax's at these sizes; its
   state is larger at 1/1 (kd keeps the running factors and the eigenbases;

@@ -317,8 +317,8 @@ def _all_finite(arrays) -> jax.Array:
 def _materialise(flag: jax.Array) -> jax.Array:
   """`flag`, computed once. XLA fuses (duplicates) a chain of cheap scalar ops
   into each consumer; the verdict `ok` (an `and` of one check per gradient and
-  statistic) has ~40 (the update selects, the cadence conds, the counters), so
-  the chain was copied ~40 times (on the autoencoder of benchmarks/vs_kfac_jax.py,
+  statistic) has ~35 (the update selects, the cadence conds, the counters), so
+  the chain was copied ~35 times (on the autoencoder of benchmarks/vs_kfac_jax.py,
   3/10 of the step's HLO). A `lax.cond` is not fused: its result is one value."""
   axes = _compat.varying_axes(flag)
   return lax.cond(flag, lambda: _compat.as_varying(jnp.asarray(True), axes),
