@@ -758,8 +758,13 @@ def _why_step(model, r):
   if fe == 1:
     return ("same arithmetic on both sides (dense factors every step, eigh every "
             f"{ie}); kd's eigh steps cost what kfac-jax's do (1/1 row)")
-  return ("kd skips the statistics at run time on plain steps, and its plain step is "
-          "cheaper than kfac-jax's")
+  if r["ratio_wall"] <= 0.7 and r["ratio_cpu"] <= 0.7:
+    return ("kd skips the statistics at run time on plain steps, and its plain step is "
+            "cheaper than kfac-jax's")
+  return ("plain steps dominate; both precondition every layer with cached eigenbases, "
+          "four d×d products per layer, whose FLOPs exceed the forward + backward's "
+          "at this width and batch (2(d_A + d_G)/(3B) per dense layer), so the "
+          "arithmetic floor is shared and only overhead differs")
 
 
 def _why_compile(r):
@@ -769,10 +774,10 @@ def _why_compile(r):
   step = kd_st["first step"] - kd_st["init"]
   kj_steps = kj_st[list(kj_st)[-1]] - kj_st["init"]
   n = len(kj_st) - 1
-  return (f"kd's `tx.init` runs eagerly, op by op ({init:.1f} of {c['kd']['cpu']:.1f} s "
-          f"CPU; under `jax.jit`: {r['compile_ratio_jit_init_cpu']:.2f}×); kd's one "
-          f"program (every cadence branch inside) {step:.1f} s vs kfac-jax's "
-          f"{n} program{'s' if n > 1 else ''} {kj_steps:.1f} s")
+  return (f"kd's one program (every cadence branch and the fault handling inside) "
+          f"takes {step:.1f} s CPU to trace, compile and run once vs kfac-jax's {n} "
+          f"program{'s' if n > 1 else ''} {kj_steps:.1f} s (+ init {kj_st['init']:.1f} s); "
+          f"kd's `tx.init` is {init:.2f} s; see 'Where kd's compile time goes'")
 
 
 def targets(results):
@@ -806,9 +811,16 @@ ANALYSIS = """\
   kd builds A from im2col patches (one matrix product). Amortised cadences: kd
   skips the statistics at run time (`lax.cond` inside its one program) and its
   plain step is cheaper than kfac-jax's (10/100 rows).
-* **Where the 0.7× step target misses** (dense models, eigh every step or every
-  10 steps): the step is dominated by LAPACK's eigh on the same factors in both
-  libraries, so the arithmetic floor is shared. kd spends extra time around the
+* **Where the 0.7× step target misses** (dense models: the MLP at 1/1 and, by
+  0.01 in CPU time, 10/100; the autoencoder at every cadence): the arithmetic
+  is the same on both sides and dominates. With eigh every step or every 10
+  steps it is LAPACK's eigh on the same factors; on the plain steps that make
+  up the 10/100 cadence it is the preconditioning (four d×d products per
+  layer into and out of the eigenbases, 2(d_A + d_G)/(3B) times a dense
+  layer's forward + backward: ~2.7× for the autoencoder's 256-wide layers at
+  B = 128), which both libraries do every step. So the arithmetic floor is
+  shared and a 0.7× step needs kfac-jax to waste 30% of its step, which it
+  does not on these dense models (it does on convolutions, above). kd spends extra time around the
   eigh: on CPU each bucket is decomposed slot by slot in a `lax.map` (jaxlib's
   batched CPU eigh can deadlock on 2 cores, see `linalg._batched`), which copies
   every slot in and out, and the eigenbases are then concatenated into the flat
@@ -817,16 +829,30 @@ ANALYSIS = """\
   bucket's result in place (`dynamic_update_slice` into the state) or keeping
   buckets as separate leaves on one device would remove those copies; that is a
   library change (kfac_jax_dist/kfac.py, linalg.py), not made here.
-* **Where the 0.5× compile target misses** (everywhere): more than half of kd's
-  time to the first step is `tx.init` building its state eagerly, one small
-  compiled op at a time (kfac-jax's init is ~0.5 s). Under `jax.jit` the same
-  init is ~0.5 s and kd's time to first step becomes 0.83-0.95× kfac-jax's at
-  cadences where kfac-jax compiles one program and ~0.5× where it compiles two
-  (curvature period > 1). The rest is kd's one step program, which contains
-  every cadence branch (capture with and without statistics, decomposition)
-  and compiles in about the time of one kfac-jax program; halving that needs a
-  smaller program (e.g. specialising `lax.cond`s away when the cadence is the
-  static 1), not overhead removal.
+* **Where the 0.5× compile target misses** (everywhere): kd's `tx.init` now
+  builds its state on the host (numpy) and transfers it once: 0.07-0.15 s CPU,
+  down from 1.7-3.7 s when it ran eagerly op by op (the 'kd, jit(tx.init)'
+  column, a user wrapping init in `jax.jit`, is now slower than the plain
+  call: it compiles a program). What is left is kd's one step program: it
+  takes 1.5-1.8× as long to trace, compile and run once as kfac-jax's one
+  program at cadences 1/1 and 1/10 (MLP 1/10: 0.8×, kfac-jax's program took
+  3.4 s there against 2.0 s at 1/1, load) and 0.85-0.94× of kfac-jax's two
+  at 10/100. Measured on the autoencoder at 1/1 (jax 0.8.0, CPU seconds of
+  `lower` + `compile`, one process each, variants patched in for the
+  measurement only): full 0.28 + 3.55 s, 3360 HLO instructions; without the
+  gradient/statistics fault check 2.94 s (2539); without the kept-on-failure
+  decompositions (per-slot finiteness and selects in `kfac_decomposition`)
+  3.06 s (2516); without both 1.97 s (1695, the size of the program before
+  fault handling was added); with every cadence `lax.cond` replaced by its
+  taken branch 3.01 s (2642); without the per-slot `lax.map` or the packed
+  triangle gathers no change; everything removed 1.65 s (1458); an SGD step
+  0.47 s. So fault handling is about half of kd's compile time and the cadence
+  branches a sixth; the 0.5× target needs a program smaller than kfac-jax's
+  by half, which these pieces cannot give while keeping the behaviour (fault
+  skipping, one program for every cadence). This run already includes one
+  fix: the fault verdict is computed once (`kfac._materialise`); XLA had
+  fused its chain of ~25 `and`s into each of ~35 consumers (4732 HLO
+  instructions, 5.4 s compile before; see PERF_NOTES.md).
 * **Memory.** kd's compiled peak is 1.2-1.3× kfac-jax's at these sizes; its
   state is larger at 1/1 (kd keeps the running factors and the eigenbases;
   kfac-jax with period 1 caches no decomposition) and smaller when both cache

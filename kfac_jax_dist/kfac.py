@@ -46,6 +46,7 @@ from typing import Any, Callable, Sequence, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 import optax
 
@@ -98,16 +99,16 @@ class ScaleByKfacState:
   refresh: stale_lib.RefreshState | None = None
 
 
-def global_second_order(lay: layout_lib.Layout, segments: Sequence[jax.Array]
-                        ) -> jax.Array:
+def global_second_order(lay: layout_lib.Layout, segments: Sequence[jax.Array],
+                        xp=jnp) -> jax.Array:
   """The global second-order array from each owner's `[L₂]` segment: `[P·L₂]`
   (replicated, one owner group), or device after device its group's `m`
   segments, `[P·m·L₂]` (sharded)."""
   if lay.num_groups == 1:
-    return jnp.concatenate(segments)
+    return xp.concatenate(segments)
   m = lay.group_size
-  return jnp.concatenate([segments[j] for i in range(lay.num_devices)
-                          for j in range(i // m * m, i // m * m + m)])
+  return xp.concatenate([segments[j] for i in range(lay.num_devices)
+                         for j in range(i // m * m, i // m * m + m)])
 
 
 def second_order_base(lay: layout_lib.Layout, owner: int) -> int:
@@ -297,11 +298,27 @@ def _check_placement(layout: layout_lib.Layout, state: "ScaleByKfacState",
         "give shard_map in_specs/out_specs=kd.partition_specs(opt_state).")
 
 
+def _traced(tree) -> bool:
+  """Whether any leaf of `tree` is a tracer (under jit, eval_shape, grad, ...)."""
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree))
+
+
 def _all_finite(arrays) -> jax.Array:
   """Whether every inexact array of `arrays` is finite (a scalar bool)."""
   checks = [jnp.all(jnp.isfinite(x)) for x in arrays
             if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
   return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
+
+
+def _materialise(flag: jax.Array) -> jax.Array:
+  """`flag`, computed once. XLA fuses (duplicates) a chain of cheap scalar ops
+  into each consumer; the verdict `ok` (an `and` of one check per gradient and
+  statistic) has ~35 (the update selects, the cadence conds, the counters), so
+  the chain was copied ~35 times (on the autoencoder of benchmarks/vs_kfac_jax.py,
+  3/10 of the step's HLO). A `lax.cond` is not fused: its result is one value."""
+  axes = _compat.varying_axes(flag)
+  return lax.cond(flag, lambda: _compat.as_varying(jnp.asarray(True), axes),
+                  lambda: _compat.as_varying(jnp.asarray(False), axes))
 
 
 def _agree(comm: distributed.Collectives, ok: jax.Array) -> jax.Array:
@@ -528,20 +545,25 @@ def scale_by_kfac(
       if not any(re.search(pattern, n) for n in lay.skipped):
         raise ValueError(f"skip pattern {pattern!r} matches no tagged layer "
                          f"(layers: {list(layers.names())}).")
+    # Concrete params: the state is built in numpy and transferred once per
+    # array (eager jnp runs, and first compiles, one small program per op:
+    # seconds for a few layers). Traced (jit, eval_shape, shard_map): jnp.
+    xp = jnp if _traced(params) else np
     factors = packing.all_segments(
-        lay, lambda plan, which: packing.identity(getattr(plan, which), factor_dtype),
-        factor_dtype)
+        lay, lambda plan, which: packing.identity(getattr(plan, which), factor_dtype, xp),
+        factor_dtype, xp)
     second = global_second_order(
-        lay, [packing.second_order_segment(lay, d, compute_dtype)
-              for d in range(lay.num_devices)])
-    return ScaleByKfacState(
-        count=jnp.zeros([], jnp.int32),
-        factor_weight=jnp.zeros([], compute_dtype),
-        update_factors=jnp.asarray(True),
-        factors=factors, second_order=second, skipped=jnp.zeros([], jnp.int32),
+        lay, [packing.second_order_segment(lay, d, compute_dtype, xp)
+              for d in range(lay.num_devices)], xp)
+    state = ScaleByKfacState(
+        count=xp.zeros([], jnp.int32),
+        factor_weight=xp.zeros([], compute_dtype),
+        update_factors=xp.asarray(True),
+        factors=factors, second_order=second, skipped=xp.zeros([], jnp.int32),
         layout=lay,
         refresh=None if stale_threshold is None else stale_lib.init(
-            lay, factors, compute_dtype))
+            lay, factors, compute_dtype, xp))
+    return state if xp is jnp else jax.tree_util.tree_map(jnp.asarray, state)
 
   def all_reduced_factors(lay, stats):
     """KAISA: all-reduce the unpadded buffer of every factor, then each owner
@@ -850,6 +872,7 @@ def scale_by_kfac(
                              lambda: jnp.asarray(True))
         else:
           ok = ok & (stats_finite | ~state.update_factors)
+      ok = _materialise(ok)
 
     # Named scopes mark the work of each cadence in the HLO (benchmarks read them).
     if stale_threshold is not None:

@@ -3,6 +3,9 @@
 A full factor is stored as its upper triangle (`packed`) or all `d²` numbers, a
 diagonal one as its `d` diagonal entries; a device's segment is its factors
 one after the other (see `layout` for how segments form the global array).
+
+The builders take `xp`, `jax.numpy` (traced, the default) or `numpy` (host
+arrays: an eager `tx.init` builds its state there and transfers it once).
 """
 
 from __future__ import annotations
@@ -54,47 +57,49 @@ def owned_factors(lay: layout_lib.Layout, device: int, value_of, dtype) -> list[
           for place, plan, which in lay.stored(device)]
 
 
-def pad_to(pieces: list[jax.Array], length: int, dtype) -> jax.Array:
+def pad_to(pieces: list[jax.Array], length: int, dtype, xp=jnp) -> jax.Array:
   used = sum(p.size for p in pieces)
-  return jnp.concatenate(pieces + [jnp.zeros(length - used, dtype)])
+  return xp.concatenate(pieces + [xp.zeros(length - used, dtype)])
 
 
-def all_segments(lay: layout_lib.Layout, value_of, dtype) -> jax.Array:
+def all_segments(lay: layout_lib.Layout, value_of, dtype, xp=jnp) -> jax.Array:
   """The global running-factor array, `[P · factor_shard]`: the owners' factors
   one owner after the other, tight ("chunked") or each padded to `L` ("owner")."""
   per_device = [owned_factors(lay, d, value_of, dtype) for d in range(lay.num_devices)]
   if lay.factor_storage == layout_lib.OWNER:
-    per_device = [[pad_to(pieces, lay.segment, dtype)] for pieces in per_device]
+    per_device = [[pad_to(pieces, lay.segment, dtype, xp)] for pieces in per_device]
   return pad_to([p for pieces in per_device for p in pieces],
-                lay.num_devices * lay.factor_shard, dtype)
+                lay.num_devices * lay.factor_shard, dtype, xp)
 
 
-def _unit_identity(dim: int, dtype) -> jax.Array:
+def _unit_identity(dim: int, dtype, xp=jnp) -> jax.Array:
   """`[dim, 3]` rows `(1, 0, 1)`: every channel's 2×2 block is the identity."""
-  return jnp.tile(jnp.asarray([1.0, 0.0, 1.0], dtype), (dim, 1))
+  return xp.tile(xp.asarray([1.0, 0.0, 1.0], dtype), (dim, 1))
 
 
-def identity(place: layout_lib.FactorPlace, dtype) -> jax.Array:
+def identity(place: layout_lib.FactorPlace, dtype, xp=jnp) -> jax.Array:
   if place.form == factors.DIAG:
-    return jnp.ones((place.dim,), dtype)
+    return xp.ones((place.dim,), dtype)
   if place.form == factors.UNIT:
-    return _unit_identity(place.dim, dtype)
-  return jnp.eye(place.dim, dtype=dtype)
+    return _unit_identity(place.dim, dtype, xp)
+  return xp.eye(place.dim, dtype=dtype)
 
 
-def second_order_segment(lay: layout_lib.Layout, device: int, dtype) -> jax.Array:
+def second_order_segment(lay: layout_lib.Layout, device: int, dtype, xp=jnp
+                         ) -> jax.Array:
   """Initial `[L₂]` segment: identity eigenbases/inverses, unit eigenvalues."""
   pieces = []
   for batch in lay.batches[device]:
     lo, hi = batch.columns or (0, batch.dim)
     if batch.matrix_offset is not None:
-      eye = jnp.eye(batch.dim, dtype=dtype)[:, lo:hi]
-      pieces.append(jnp.tile(eye.reshape(-1), batch.count))
+      eye = xp.eye(batch.dim, dtype=dtype)[:, lo:hi]
+      pieces.append(xp.tile(eye.reshape(-1), batch.count))
     if batch.form == factors.UNIT:
-      pieces.append(jnp.tile(_unit_identity(batch.dim, dtype).reshape(-1), batch.count))
+      pieces.append(xp.tile(_unit_identity(batch.dim, dtype, xp).reshape(-1),
+                            batch.count))
     elif batch.vector_offset is not None:
-      pieces.append(jnp.ones(batch.count * (hi - lo), dtype))
-  return pad_to(pieces, lay.second_segment, dtype)
+      pieces.append(xp.ones(batch.count * (hi - lo), dtype))
+  return pad_to(pieces, lay.second_segment, dtype, xp)
 
 
 def width(place) -> int:

@@ -710,23 +710,28 @@ def scale_by_shampoo(
     if dtype is None:
       dtype = jnp.promote_types(jnp.float32, jnp.result_type(
           *[x for _, x in flat] or [jnp.float32]))
+    # Concrete params: built in numpy and transferred once per array (eager
+    # jnp compiles and runs one small program per op); traced: jnp.
+    xp = jnp if any(isinstance(x, jax.core.Tracer) for _, x in flat) else np
     if lay.sharded:
       eyes = [np.broadcast_to(np.eye(d, dtype=np.float32), (n, d, d))
               for (d, _), n in zip(lay.buckets, lay.sizes)]
       stats, roots = sharded_arrays(lay, eyes, eyes)
-      stats, roots = (epsilon * jnp.asarray(stats, dtype),), (jnp.asarray(roots, dtype),)
+      stats = ((epsilon * xp.asarray(stats, dtype)).astype(dtype),)
+      roots = (xp.asarray(roots, dtype),)
     else:
-      stats = tuple(epsilon * jnp.broadcast_to(jnp.eye(d, dtype=dtype), (n, d, d))
-                    for (d, _), n in zip(lay.buckets, lay.sizes))
-      roots = tuple(jnp.broadcast_to(jnp.eye(d, dtype=dtype), (n, d, d))
+      stats = tuple((epsilon * xp.broadcast_to(xp.eye(d, dtype=dtype), (n, d, d))
+                     ).astype(dtype) for (d, _), n in zip(lay.buckets, lay.sizes))
+      roots = tuple(xp.broadcast_to(xp.eye(d, dtype=dtype), (n, d, d))
                     for (d, _), n in zip(lay.buckets, lay.sizes))
     graft = ()
     if graft_type in ("adagrad", "rmsprop", "adam"):
-      graft = tuple(jnp.zeros(jnp.shape(x), jnp.promote_types(jnp.result_type(x),
-                                                              jnp.float32))
+      graft = tuple(xp.zeros(jnp.shape(x), jnp.promote_types(jnp.result_type(x),
+                                                             jnp.float32))
                     for _, x in flat)
-    return ScaleByShampooState(count=jnp.zeros([], jnp.int32), statistics=stats,
-                               roots=roots, graft=graft, layout=lay)
+    state = ScaleByShampooState(count=xp.zeros([], jnp.int32), statistics=stats,
+                                roots=roots, graft=graft, layout=lay)
+    return state if xp is jnp else jax.tree_util.tree_map(jnp.asarray, state)
 
   def graft_updates(grads, accumulators, count):
     """The grafted diagonal updates `D` and the new accumulators."""

@@ -62,12 +62,14 @@ def factor_order(lay: layout_lib.Layout):
   return [(plan, which, place) for plan in lay.plans for which, place in plan.places]
 
 
-def init(lay: layout_lib.Layout, running: jax.Array, weight_dtype) -> RefreshState:
+def init(lay: layout_lib.Layout, running: jax.Array, weight_dtype, xp=jnp
+         ) -> RefreshState:
+  """Every factor due at step 0 (`xp`: jax.numpy, or numpy for host arrays)."""
   num = len(factor_order(lay))
-  ones = jnp.ones([num], jnp.int32)
+  ones = xp.ones([num], jnp.int32)
   return RefreshState(
-      next_step=jnp.zeros([num], jnp.int32), interval=ones, previous_interval=ones,
-      refreshes=jnp.zeros([num], jnp.int32), weight=jnp.zeros([num], weight_dtype),
+      next_step=xp.zeros([num], jnp.int32), interval=ones, previous_interval=ones,
+      refreshes=xp.zeros([num], jnp.int32), weight=xp.zeros([num], weight_dtype),
       last=running, before_last=running)
 
 

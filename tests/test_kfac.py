@@ -252,6 +252,38 @@ def test_jit_and_state_stability():
     assert jax.tree.map(lambda x: (x.shape, x.dtype), state_jit) == shapes
 
 
+def _same_arrays(a, b):
+  """Same tree, dtypes, shapes, weak types, placement and values."""
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert isinstance(x, jax.Array)
+    assert (x.dtype, x.shape, x.weak_type) == (y.dtype, y.shape, y.weak_type)
+    assert x.sharding == y.sharding
+    np.testing.assert_array_equal(np.asarray(x, np.float64), np.asarray(y, np.float64))
+
+
+@pytest.mark.parametrize("config", [
+    {"method": "eigen"}, {"method": "inverse", "factor_dtype": jnp.bfloat16},
+    {"stale_threshold": 0.1}, {"distribution": 4}, {"shampoo": True}])
+def test_eager_init_equals_traced_init(config):
+  # Concrete params: the state is built in numpy and transferred; traced ones
+  # (jit, eval_shape) take the jnp construction. Both must give the same state.
+  _, layers, params = _setup()
+  config = dict(config)
+  if config.pop("shampoo", False):
+    tx = kd.shampoo(0.1, block_size=3, graft_type="adagrad")
+  else:
+    if "distribution" in config:
+      mesh = jax.sharding.Mesh(np.array(jax.devices()[:config["distribution"]]), ("data",))
+      config["distribution"] = kd.Distribution(mesh, grad_worker_fraction=0.5)
+    tx = kd.kfac(0.1, layers=layers, **config)
+  eager = tx.init(params)
+  _same_arrays(eager, jax.jit(tx.init)(params))
+  shapes = jax.eval_shape(tx.init, params)
+  assert jax.tree.map(lambda x: (x.shape, x.dtype), eager) == jax.tree.map(
+      lambda x: (x.shape, x.dtype), shapes)
+
+
 def test_chains_with_optax_transforms():
   rng, layers, params = _setup()
   params = jax.tree.map(lambda p: p.astype(jnp.float32), params)
