@@ -245,6 +245,19 @@ def test_distributed_equals_single_device(problem, factor_reduction, fraction):
                got, _reference(problem))
 
 
+@pytest.mark.parametrize("problem", [_lm_problem, _bn_problem],
+                         ids=["transformer", "bn_resnet"])
+def test_dp_kfac_trains(problem):
+  """DP-KFAC (factor_reduction="local": each owner's factors from its own
+  local batch) is not the single-device run; it trains, and its factor
+  reduction moves nothing (checked in test_distributed)."""
+  mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+  dist = kd.Distribution(mesh, grad_worker_fraction=1 / 8, factor_reduction="local")
+  _, state, losses = _train(problem, dist, steps=6)
+  assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+  assert int(find_states(state)[0].skipped) == 0
+
+
 def test_embedding_of_replicated_ids_inside_shard_map():
   """Position ids the same on every device (jnp.arange): A does not vary over
   the axis while G does; the capture must still type both alike."""
