@@ -340,12 +340,39 @@ def _assign(items, bins, cost, size, units, level):
   return [[(items[i], rng) for i, rng in mine.items()] for mine in held], loads
 
 
+# Replication adds decompositions to the compiled program (one per owned
+# factor copy, summed over the devices' branches), and XLA's compile time and
+# memory grow with them: at most REPLICA_BUDGET times the unreplicated count
+# (or MIN_EXTRA_COPIES more, for small models). ResNet-50: 2.4x at P = 64
+# (MEM-OPT); 8.3x at P = 256, whose compile then needed more than 19 GB.
+REPLICA_BUDGET = 2.5
+MIN_EXTRA_COPIES = 32
+
+
 def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
-          skip: Sequence[str] = (), max_factor_dim: int | None = None,
-          num_devices: int = 1, group_size: int = 1, axis: str | None = None,
-          method: str = "eigen", packed: bool = True,
-          factor_storage: str = CHUNKED, replicate_factors: bool = True,
-          replicate_layers: bool = True) -> Layout:
+          replicate_factors: bool = True, replicate_layers: bool = True,
+          **options) -> Layout:
+  """Assigns layers to owner groups, factors to devices, and packs segments
+  (see `_build`), without replication when it would make more than
+  `REPLICA_BUDGET` times the decompositions of the unreplicated layout (and
+  more than `MIN_EXTRA_COPIES` extra ones)."""
+  lay = _build(layers, param_paths, replicate_factors=replicate_factors,
+               replicate_layers=replicate_layers, **options)
+  if replicate_factors or replicate_layers:
+    copies = sum(len(lay.owned(d)) for d in range(lay.num_devices))
+    single = sum(len(plan.places) for plan in lay.plans)
+    if copies > max(REPLICA_BUDGET * single, single + MIN_EXTRA_COPIES):
+      lay = _build(layers, param_paths, replicate_factors=False,
+                   replicate_layers=False, **options)
+  return lay
+
+
+def _build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
+           skip: Sequence[str] = (), max_factor_dim: int | None = None,
+           num_devices: int = 1, group_size: int = 1, axis: str | None = None,
+           method: str = "eigen", packed: bool = True,
+           factor_storage: str = CHUNKED, replicate_factors: bool = True,
+           replicate_layers: bool = True) -> Layout:
   """Assigns layers to owner groups, factors to devices, and packs segments.
 
   A stacked layer becomes one plan per block (`TaggedLayer.blocks`), each with

@@ -145,3 +145,26 @@ def test_replicated_state_converts_both_ways():
                  running_factors(sb))
     jax.tree.map(np.testing.assert_array_equal, second_order_parts(sa),
                  second_order_parts(sb))
+
+
+def test_replication_stays_within_the_compile_budget():
+  """Each copy of a decomposition is code in every owner's branch: a layout
+  whose replicas would exceed `layout.REPLICA_BUDGET` times the unreplicated
+  decompositions (ResNet-50 at P = 256) falls back to one owner per item."""
+  from kfac_jax_dist import layout
+  dims = [512, 512] + [16] * 30
+  layers = kd.LayerRegistry(tuple(
+      kd.TaggedLayer(name=f"l{i}", kind="dense", kernel_path=f"l{i}/kernel",
+                     bias_path=None, kernel_shape=(d, d), a_dim=d, g_dim=d)
+      for i, d in enumerate(dims)))
+  paths = [f"l{i}/kernel" for i in range(len(dims))]
+
+  def copies(num_devices, **kw):
+    lay = layout.build(layers, paths, num_devices=num_devices, **kw)
+    return sum(len(lay.owned(d)) for d in range(num_devices))
+
+  single = 2 * len(dims)
+  assert copies(4) > single                        # the two big layers are split
+  assert copies(4) <= layout.REPLICA_BUDGET * single
+  assert copies(64, replicate_layers=True) == single          # 2 x 2 x 32 copies: over
+  assert copies(64, replicate_layers=False, replicate_factors=False) == single
