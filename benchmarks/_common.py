@@ -1,4 +1,5 @@
-"""Shared pieces of the communication / memory / layout benchmarks.
+"""Shared pieces of the benchmarks (the communication / memory / layout ones,
+and the peers' and convergence runs' data and environment).
 
 * `CnnMlp`: the fixed model of `comm_volume.py` and `memory.py` (kd.linen layers
   of several sizes plus one untagged parameter);
@@ -407,6 +408,44 @@ def step_bytes(tot, which: str, field: str = "ring") -> float:
 
 
 # ------------------------------------------------------------------------ misc
+
+def digits():
+  """scikit-learn's digits, `[N, 8, 8, 1]` in [0, 1]: one fixed shuffle, 1437
+  training and 360 test images (the peer benchmarks' split)."""
+  from sklearn.datasets import load_digits  # pylint: disable=import-outside-toplevel
+  d = load_digits()
+  x = (d.images / 16.0).astype(np.float32)[..., None]
+  y = d.target.astype(np.int32)
+  perm = np.random.default_rng(0).permutation(len(y))
+  x, y = x[perm], y[perm]
+  return (x[:1437], y[:1437]), (x[1437:], y[1437:])
+
+
+def library_commit() -> str:
+  """The short commit of the imported kfac_jax_dist, "+local changes" if its
+  tracked files differ from it."""
+  def git(*a):
+    try:
+      return subprocess.run(["git", *a], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(kd.__file__))).stdout.strip()
+    except OSError:
+      return ""
+  commit = git("rev-parse", "--short", "HEAD")
+  if commit and git("status", "--porcelain", "--untracked-files=no", "."):
+    commit += "+local changes"
+  return commit
+
+
+def cpu_name() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or "unknown"
+
 
 def header() -> dict[str, Any]:
   try:

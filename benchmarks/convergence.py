@@ -76,7 +76,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any, Callable
@@ -91,6 +90,9 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import kfac_jax_dist as kd  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
 
 # ----------------------------------------------------------------- settings
 
@@ -680,24 +682,7 @@ def tune_kfac(task, args, log):
 # -------------------------------------------------------------------- report
 
 def environment() -> dict:
-  def git(*a):
-    try:
-      return subprocess.run(["git", *a], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(kd.__file__))).stdout.strip()
-    except OSError:
-      return ""
-  commit = git("rev-parse", "--short", "HEAD")
-  if commit and git("status", "--porcelain", "--untracked-files=no", "."):
-    commit += "+local changes"
-  cpu = platform.processor() or "unknown"
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          cpu = line.split(":", 1)[1].strip()
-          break
-  except OSError:
-    pass
+  commit, cpu = _common.library_commit(), _common.cpu_name()
   return dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
               jax=jax.__version__, optax=optax.__version__,
               python=platform.python_version(), cpu=cpu, cpu_count=os.cpu_count(),

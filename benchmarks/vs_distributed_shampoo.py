@@ -86,14 +86,7 @@ START, ROOT_EVERY, BATCH = 0, 10, 128
 
 # ---------------------------------------------------------------------- data
 
-def digits():
-  from sklearn.datasets import load_digits  # pylint: disable=import-outside-toplevel
-  d = load_digits()
-  x = (d.images / 16.0).astype(np.float32)[..., None]
-  y = d.target.astype(np.int32)
-  perm = np.random.default_rng(0).permutation(len(y))
-  x, y = x[perm], y[perm]
-  return (x[:1437], y[:1437]), (x[1437:], y[1437:])
+digits = _common.digits
 
 
 # -------------------------------------------------------------------- models

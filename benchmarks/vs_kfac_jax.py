@@ -150,14 +150,7 @@ DESCRIPTIONS = {
 
 # ---------------------------------------------------------------------- data
 
-def digits():
-  from sklearn.datasets import load_digits  # pylint: disable=import-outside-toplevel
-  d = load_digits()
-  x = (d.images / 16.0).astype(np.float32)[..., None]
-  y = d.target.astype(np.int32)
-  perm = np.random.default_rng(0).permutation(len(y))
-  x, y = x[perm], y[perm]
-  return (x[:1437], y[:1437]), (x[1437:], y[1437:])
+digits = _common.digits
 
 
 # -------------------------------------------------------------------- models
@@ -932,24 +925,7 @@ def _common_env() -> dict:
   import datetime  # pylint: disable=import-outside-toplevel
   import platform  # pylint: disable=import-outside-toplevel
 
-  def git(*a):
-    try:
-      return subprocess.run(["git", *a], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(kd.__file__))).stdout.strip()
-    except OSError:
-      return ""
-  commit = git("rev-parse", "--short", "HEAD")
-  if commit and git("status", "--porcelain", "--untracked-files=no", "."):
-    commit += "+local changes"
-  cpu = platform.processor() or "unknown"
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          cpu = line.split(":", 1)[1].strip()
-          break
-  except OSError:
-    pass
+  commit, cpu = _common.library_commit(), _common.cpu_name()
   return dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
               jax=jax.__version__, jaxlib=getattr(jax.lib, "__version__", ""),
               optax=optax.__version__, python=platform.python_version(), cpu=cpu,
