@@ -250,6 +250,7 @@ class Collective:
   op_name: str
   name: str
   in_loop: bool = False
+  senders: tuple[int, ...] | None = None   # collective-permute: devices that send
 
   @property
   def fault_check(self) -> bool:
@@ -304,7 +305,11 @@ def _collective(name: str, rest: str, step: str, in_loop: bool, p: int):
   else:                                    # collective-permute
     payload, ring = out, float(out)
   op = _OP_NAME.search(tail)
-  return Collective(base, step, g, payload, ring, op.group(1) if op else "", name, in_loop)
+  pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", tail)
+  senders = (tuple(int(a) for a, _ in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1)))
+             if base == "collective-permute" and pairs else None)
+  return Collective(base, step, g, payload, ring, op.group(1) if op else "", name, in_loop,
+                    senders)
 
 
 def collectives(hlo: str, num_devices: int) -> tuple[list[Collective], list[str]]:
@@ -387,14 +392,22 @@ def fault_bytes(found: list[Collective], step: str) -> float:
 def totals(found: list[Collective]) -> dict[str, dict[str, dict[str, float]]]:
   """{step kind: {collective kind: {"ring", "payload", "count"}}} for the
   collectives that run on that kind of step only (fault-check psums included:
-  see `fault_bytes`)."""
+  see `fault_bytes`). Point-to-point sends (collective-permute) differ by
+  device: their "ring" is the most any one device sends in them."""
   out = {s: {k: {"ring": 0.0, "payload": 0, "count": 0} for k in KINDS}
          for s in ("every", "factor", "inverse")}
+  sent: dict[str, dict[int, float]] = {s: {} for s in out}
   for c in found:
     t = out[c.step][c.kind]
-    t["ring"] += c.ring
+    if c.senders is not None:
+      for d in c.senders:
+        sent[c.step][d] = sent[c.step].get(d, 0.0) + c.ring
+    else:
+      t["ring"] += c.ring
     t["payload"] += c.payload
     t["count"] += 1
+  for step, by_device in sent.items():
+    out[step]["collective-permute"]["ring"] += max(by_device.values(), default=0.0)
   return out
 
 

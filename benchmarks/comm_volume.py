@@ -59,15 +59,19 @@ collective (ring model, f32), which the HLO numbers must match:
   (plain column). They carry no factor or gradient numbers; the checks list
   them separately rather than folding them into the factor traffic.
 * inverse step, COMM-OPT (one owner group): the uneven all-gather of the
-  second-order segments, sizes u_i = `Layout.second_sizes`: all_gather of the
-  first S₂ = `uneven_prefix(u)` numbers of every segment, (P-1)·S₂, and a
-  psum of the tight overflow Σmax(0, u_i - S₂), 2(P-1)/P of it. HYBRID
+  second-order segments, sizes u_i = `Layout.second_sizes`, in the scheme
+  `uneven.plan` picks: all_gather of the first S₂ = `prefix_length(u)`
+  numbers of every segment, (P-1)·S₂, and a psum of the tight overflow
+  Σmax(0, u_i - S₂), 2(P-1)/P of it; or (for large uneven owners) an
+  all_gather of tight chunks, (P-1)·⌈Σu/P⌉, plus ppermutes of the owners'
+  overflow. HYBRID
   (1 < m < P): all_gather within groups of m of [L₂], (m-1)·L₂.
 * every step, MEM-OPT (m = 1, G = P): the uneven all-gather of the
   preconditioned gradients, sizes = each group's used buffer (slot 0 the KL
   sum, then its layers' gradients; `kfac._gradient_offsets`), same formula;
   SP-NGD fused adds the mirror reduce-scatter of the raw gradients (psum_scatter
-  of the prefix + psum of the overflow), and all-reduces only the untagged
+  of the prefix + psum of the overflow, or the mirror of the chunks and
+  ppermutes), and all-reduces only the untagged
   parameters. HYBRID: all_gather of pieces S/m over the whole axis,
   (P-1)·S/m. With gradient_reduction="none" the step's own pmean of all
   gradients, 2(P-1)/P·N_params.
@@ -93,7 +97,7 @@ from jax.sharding import Mesh
 
 import kfac_jax_dist as kd
 from kfac_jax_dist import layout as layout_lib
-from kfac_jax_dist.distributed import uneven_prefix
+from kfac_jax_dist import uneven as uneven_lib
 from kfac_jax_dist.kfac import _gradient_offsets, find_states
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -134,15 +138,26 @@ def formulas(s: dict, strat: C.Strategy | None, p: int) -> dict:
   return {"plain": plain, "factor": factor, "inverse": inverse}
 
 
-def uneven(sizes, p: int) -> dict:
-  """The library's uneven all_gather / reduce-scatter (`Collectives.gather_uneven`,
-  `reduce_uneven`) of per-device sizes: prefix S by all_gather (psum_scatter),
-  the overflow beyond S by one psum. Bytes per device, ring model, f32."""
-  s = uneven_prefix(sizes)
-  over = sum(max(0, u - s) for u in sizes)
-  return {"S": s, "overflow": over, "prefix": (p - 1) * s * F32,
-          "psum": 2 * (p - 1) / p * over * F32,
-          "bytes": ((p - 1) * s + 2 * (p - 1) / p * over) * F32,
+def uneven(sizes, p: int, what: str, gather: bool) -> dict:
+  """The library's uneven all_gather / reduce-scatter (`uneven.gather`,
+  `uneven.reduce_scatter`) of per-device sizes, in the scheme `uneven.plan`
+  picks; "terms": one (name, bytes sent per device) per collective, ring
+  model, f32 (ppermutes: the busiest sender's)."""
+  scheme = uneven_lib.plan(tuple(int(u) for u in sizes))
+  sent = scheme.device_bytes()[1 if gather else 0]
+  if isinstance(scheme, uneven_lib.Prefix):
+    s, over = scheme.length, sum(scheme.overflow)
+    terms = [(f"{what} prefix (P-1)·S, S={s}", (p - 1) * s * F32)]
+    if over:
+      terms.append((f"{what} overflow psum ({over})", 2 * (p - 1) / p * over * F32))
+    text = (f"prefix S = {s}, overflow {over}" + ("" if over else
+                                                  " (no overflow: S is the largest size)"))
+  else:
+    c = scheme.chunk
+    terms = [(f"{what} tight chunks (P-1)·C, C={c}", (p - 1) * c * F32),
+             (f"{what} ppermutes ({len(scheme.sends)})", (sent - (p - 1) * c) * F32)]
+    text = f"rechunk C = {c}, {len(scheme.sends)} ppermutes"
+  return {"terms": terms, "text": text, "bytes": max(scheme.device_bytes()) * F32,
           "ideal": (p - 1) / p * sum(sizes) * F32}
 
 
@@ -184,19 +199,13 @@ def library_model(info: dict, strat: C.Strategy | None, p: int, s: dict) -> dict
   if strat.gradient_reduction == "reduce_scatter":
     out["plain"].append(("psum of untagged gradients", 2 * r * s["untagged"] * F32))
     if m == 1 < g:
-      u = uneven(info["group_sizes"], p)
-      out["plain"].append((f"grad RS prefix (P-1)·S, S={u['S']}", u["prefix"]))
-      if u["overflow"]:
-        out["plain"].append((f"grad RS overflow psum ({u['overflow']})", u["psum"]))
+      out["plain"] += uneven(info["group_sizes"], p, "grad RS", gather=False)["terms"]
     else:
       out["plain"].append(("grad RS [G·S] + AG in group",
                            (r * g * info["S"] + (m - 1) * info["S"] / m) * F32))
   if g > 1:
     if m == 1:
-      u = uneven(info["group_sizes"], p)
-      out["plain"].append((f"grad AG prefix (P-1)·S, S={u['S']}", u["prefix"]))
-      if u["overflow"]:
-        out["plain"].append((f"grad AG overflow psum ({u['overflow']})", u["psum"]))
+      out["plain"] += uneven(info["group_sizes"], p, "grad AG", gather=True)["terms"]
     else:
       out["plain"].append((f"grad AG pieces (P-1)·S/m", (p - 1) * info["S"] / m * F32))
   t = info["factor_useful"]
@@ -209,10 +218,7 @@ def library_model(info: dict, strat: C.Strategy | None, p: int, s: dict) -> dict
   elif strat.factor_reduction == "all_reduce":
     out["factor"].append(("factor AR 2(P-1)/P·T", 2 * r * t * F32))
   if g == 1:
-    u = uneven(info["second_sizes"], p)
-    out["inverse"].append((f"eigen AG prefix (P-1)·S₂, S₂={u['S']}", u["prefix"]))
-    if u["overflow"]:
-      out["inverse"].append((f"eigen overflow psum ({u['overflow']})", u["psum"]))
+    out["inverse"] += uneven(info["second_sizes"], p, "eigen AG", gather=True)["terms"]
   elif m > 1:
     out["inverse"].append(("eigen AG in group (m-1)·L₂", (m - 1) * info["L2"] * F32))
   return out
@@ -298,15 +304,12 @@ def checks(rows: list[dict], p: int = 8) -> list[dict]:
     r = by["SP-NGD fused"]
     v = r["plain"]
     lay = r["layout"]
-    u = uneven(lay["group_sizes"], p)
+    u = uneven(lay["group_sizes"], p, "grad", gather=True)
     add(f"SP-NGD fused MEM-OPT plain step <= 1.05x SGD (P={p})", f"{v / sgd:.3f}x",
         "<= 1.05x", v <= 1.05 * sgd,
         f"reduce-scatter + all-gather of the owners' gradients, uneven (sizes "
         f"{min(lay['group_sizes'])}..{max(lay['group_sizes'])} for "
-        f"{lay['grad_useful']} gradient numbers): prefix S = {u['S']} by "
-        f"psum_scatter / all_gather ((P-1)·S each)"
-        + (f", overflow {u['overflow']} numbers by one psum each (2(P-1)/P of it)"
-           if u["overflow"] else " (no overflow: S is the largest size)")
+        f"{lay['grad_useful']} gradient numbers; `uneven.plan`): {u['text']}"
         + f"; each {u['bytes'] / u['ideal']:.3f}x the "
         f"padding-free (P-1)/P·N_tagged; the untagged parameters by psum; "
         f"included: the every-step fault-check psum of local gradients, "
@@ -500,18 +503,16 @@ def render(rows, chk, head) -> str:
           for s in C.STRATEGIES):
         factor += f" (L/C = {lay['L_over_C']:.3f})"
       if lay["G"] > 1 and lay["m"] == 1:
-        u = uneven(lay["group_sizes"], p)
-        grad = (f"uneven: S = {u['S']}, overflow {u['overflow']}; "
-                f"{u['bytes'] / u['ideal']:.3f}x (P-1)/P·Σ")
+        u = uneven(lay["group_sizes"], p, "grad", gather=True)
+        grad = f"uneven: {u['text']}; {u['bytes'] / u['ideal']:.3f}x (P-1)/P·Σ"
       elif lay["G"] > 1:
         grad = f"G·S = {lay['grad_buffer']} / {lay['grad_useful']} = " \
                f"{lay['grad_buffer'] / lay['grad_useful']:.3f}"
       else:
         grad = "— (no gather)"
       if lay["G"] == 1:
-        u = uneven(lay["second_sizes"], p)
-        second = (f"uneven: S₂ = {u['S']}, overflow {u['overflow']}; "
-                  f"{u['bytes'] / u['ideal']:.3f}x (P-1)/P·Σ")
+        u = uneven(lay["second_sizes"], p, "eigen", gather=True)
+        second = f"uneven: {u['text']}; {u['bytes'] / u['ideal']:.3f}x (P-1)/P·Σ"
       elif lay["m"] > 1:
         second = (f"m·L₂ = {lay['second_buffer_group']} / {lay['second_useful'] / lay['G']:.0f}"
                   f" = {lay['second_buffer_group'] / (lay['second_useful'] / lay['G']):.3f}")

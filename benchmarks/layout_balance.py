@@ -29,10 +29,11 @@ its placement measured:
     C = ⌈T/P⌉, T = Σ stored triangles;
   - chunk AG, inverse steps: all_gather of the chunks, (P-1)·C;
   - eigen broadcast (COMM-OPT, inverse steps), MEM grad gather (MEM-OPT, every
-    step), SP-NGD grad RS (its mirror): uneven, (P-1)·S + 2(P-1)/P·Σ overflow,
-    S = `distributed.uneven_prefix(sizes)` (the psum of the overflow moves no
-    padded numbers but costs twice its numbers);
-  with, beside them, the floor of the same scheme over any assignment of whole
+    step), SP-NGD grad RS (its mirror): uneven, in the scheme `uneven.plan`
+    picks: prefix, (P-1)·S + 2(P-1)/P·Σ overflow, or rechunk, (P-1)·C plus
+    the ppermutes that forward the overflow over C (the busiest device's
+    larger of sent and received);
+  with, beside them, the floor of either scheme over any assignment of whole
   factors / layers (`uneven_floor`), the padded collectives of the library
   before f563242 and KAISA's all-reduce of full factors;
 * second-order memory padding: P·L₂ / Σ second-order numbers (d² + d per factor).
@@ -76,7 +77,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import kfac_jax_dist as kd
 from kfac_jax_dist import layout as layout_lib
 from kfac_jax_dist import registry
-from kfac_jax_dist.distributed import uneven_prefix
+from kfac_jax_dist import uneven as uneven_lib
 from kfac_jax_dist.kfac import _cheaper_storage, _gradient_offsets
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -186,22 +187,52 @@ F32 = 4
 FACTOR_EVERY, INVERSE_EVERY = 10, 100
 
 
-def uneven(sizes, p: int) -> dict:
-  """The library's uneven all_gather (`Collectives.gather_uneven`; the
-  reduce-scatter `reduce_uneven` is its mirror, same bytes) of per-device sizes
-  u_i: the first S = `uneven_prefix(u)` numbers of every segment by all_gather,
-  (P-1)·S, the overflow Σmax(0, u_i - S), packed tight, by one psum,
-  2(P-1)/P of it. library - ideal = (P-1)/P·(zeros + overflow), with zeros
-  = P·S - Σmin(u_i, S) the padded numbers of the prefix all_gather."""
-  s = uneven_prefix(list(sizes))
-  over = sum(max(0, u - s) for u in sizes)
-  zeros = p * s - sum(min(u, s) for u in sizes)
-  return {"S": s, "overflow": over, "zeros": zeros,
-          "library": ((p - 1) * s + 2 * (p - 1) / p * over) * F32,
-          "ideal": (p - 1) / p * sum(sizes) * F32}
+def uneven(sizes, p: int, gather: bool) -> dict:
+  """The library's uneven all_gather (`uneven.gather`) or reduce-scatter
+  (`uneven.reduce_scatter`) of per-device sizes u_i, in the scheme
+  `uneven.plan` picks:
+
+  * prefix: the first S = `prefix_length(u)` numbers of every segment by
+    all_gather / psum_scatter, (P-1)·S, the overflow Σmax(0, u_i - S), packed
+    tight, by one psum, 2(P-1)/P of it: library - ideal = (P-1)/P·(zeros +
+    overflow), zeros = P·S - Σmin(u_i, S);
+  * rechunk: one tight all_gather / psum_scatter of P chunks of C = ⌈Σu/P⌉,
+    (P-1)·C, and the ppermutes forwarding the overflow over C: a device sends
+    (receives) the sends it takes part in, at their padded sizes.
+
+  "library" is the busiest device's larger of sent and received bytes (the
+  ring collectives send what they receive; a ppermute's owner receives what
+  its hosts send); "sent" is the most any device sends (what the HLO count
+  reads)."""
+  scheme = uneven_lib.plan(tuple(int(u) for u in sizes))
+  sent, received = scheme.device_bytes()
+  if gather:                       # the gather's ppermutes run the other way
+    sent, received = received, sent
+  out = {"scheme": type(scheme).__name__.lower(), "library": max(sent, received) * F32,
+         "sent": sent * F32, "received": received * F32,
+         "ideal": (p - 1) / p * sum(sizes) * F32,
+         "collectives": scheme.num_collectives}
+  if isinstance(scheme, uneven_lib.Prefix):
+    s = scheme.length
+    out.update(S=s, overflow=sum(scheme.overflow),
+               zeros=p * s - sum(min(u, s) for u in sizes))
+  else:
+    out.update(C=scheme.chunk, sends=len(scheme.sends), pieces=len(scheme.pieces()),
+               zeros=p * scheme.chunk - sum(sizes),
+               overflow=sum(max(0, u - scheme.chunk) for u in sizes))
+  return out
 
 
 def uneven_floor(items, p: int) -> float:
+  """Fewest bytes per device of either uneven scheme over *any* assignment of
+  whole items (factors, layers) to devices (and any S): the smaller of
+  `prefix_floor` and the rechunk's (P-1)·⌈Σ/P⌉ + max(0, largest - ⌈Σ/P⌉)
+  (the largest item's owner receives, or sends, all of it beyond its chunk)."""
+  c = -(-int(sum(items)) // p)
+  return min(prefix_floor(items, p), ((p - 1) * c + max(0, max(items) - c)) * F32)
+
+
+def prefix_floor(items, p: int) -> float:
   """Fewest bytes per device of the prefix + overflow-psum scheme over *any*
   assignment of whole items (factors, layers) to devices and any S.
 
@@ -285,7 +316,7 @@ def metrics(lay: layout_lib.Layout, layers, spngd_lay=None) -> dict:
                       "largest": max(f.size for f in places), "share": stored / p},
     }
   if g == 1:          # COMM-OPT: eigenbases of every owner to every device
-    u = uneven(lay.second_sizes, p)
+    u = uneven(lay.second_sizes, p, gather=True)
     coll["eigen_bcast"] = dict(u, floor=uneven_floor(second_items, p),
                                before=(p - 1) * lay.second_segment * F32, kaisa=None,
                                items="factor", largest=max(second_items),
@@ -294,7 +325,8 @@ def metrics(lay: layout_lib.Layout, layers, spngd_lay=None) -> dict:
     _, sp_sizes, sp_pad = _gradient_offsets(spngd_lay or lay)
     for name, sizes, pad in (("grad_ag", group_sizes, s_pad),
                              ("spngd_rs", sp_sizes, sp_pad)):
-      coll[name] = dict(uneven(sizes, p), floor=uneven_floor(grad_items, p),
+      coll[name] = dict(uneven(sizes, p, gather=name == "grad_ag"),
+                        floor=uneven_floor(grad_items, p),
                         before=(p - 1) * pad * F32, kaisa=None, items="layer",
                         largest=max(grad_items), share=grads / p)
   for c in coll.values():
@@ -327,11 +359,11 @@ def model_bytes(r: dict) -> dict:
   (tx.update only: no gradient all-reduce, no SP-NGD)."""
   c = r["collectives"]
   p = r["P"]
-  return {"plain": c["grad_ag"]["library"] if "grad_ag" in c else 0.0,
+  return {"plain": c["grad_ag"]["sent"] if "grad_ag" in c else 0.0,
           # + the fault check's psum of one int32 on factor steps (04bba86)
           "factor": c["factor_rs"]["library"] + 2 * (p - 1) / p * F32,
           "inverse": (c["chunk_ag"]["library"] if "chunk_ag" in c else 0.0)
-          + (c["eigen_bcast"]["library"] if "eigen_bcast" in c else 0.0)}
+          + (c["eigen_bcast"]["sent"] if "eigen_bcast" in c else 0.0)}
 
 
 def with_storage(lay: layout_lib.Layout) -> layout_lib.Layout:
@@ -432,15 +464,9 @@ def miss_reason(name: str, c: dict) -> str:
             f"{c['largest'] / c['share']:.2f}× a device's share Σ/P (one owner per "
             f"{c['items']}); floor of any assignment {c['floor_ratio']:.2f}")
   return (f"{SHORT[name]} {c['ratio']:.2f}: assignment — floor of any one-owner "
-          f"assignment {c['floor_ratio']:.2f}; the layout balances d³, not these sizes")
-
-
-def spngd_reason(c: dict) -> str:
-  """SP-NGD's gradient RS keeps one owner per layer (`build(replicate_layers=False)`)."""
-  return (f"SP-NGD grad RS {c['ratio']:.2f}: no replication — each owner of a split "
-          "layer would need the whole reduced gradient (Q_Aᵀ∇Q_G mixes all rows), so r "
-          f"owners would receive r copies; largest layer {c['largest'] / c['share']:.2f}× "
-          f"the share, floor of any one-owner assignment {c['floor_ratio']:.2f}")
+          f"assignment {c['floor_ratio']:.2f}; the layout balances d³, not these sizes"
+          + ("" if name == "factor_rs" else
+             f" ({c['scheme']} scheme, the cheaper of the two by `uneven.cost`)"))
 
 
 def main(argv=None):
@@ -541,10 +567,7 @@ def main(argv=None):
       continue
     coll = r["collectives"]
     worst = max(c["ratio"] for c in coll.values())
-    misses = [miss_reason(k, c) for k, c in coll.items()
-              if c["ratio"] > TARGET_COMM and k != "spngd_rs"]
-    if "spngd_rs" in coll and coll["spngd_rs"]["ratio"] > TARGET_COMM:
-      misses.append(spngd_reason(coll["spngd_rs"]))
+    misses = [miss_reason(k, c) for k, c in coll.items() if c["ratio"] > TARGET_COMM]
     if r["balance"] > TARGET_BALANCE:
       misses.insert(0, f"balance: layer bound {r['layer_bound']:.3f}")
     targets.append([
@@ -587,22 +610,29 @@ def main(argv=None):
          "all-reduce leaves every factor everywhere, nor with owner segments);",
          "  - eigen broadcast (COMM-OPT inverse steps), MEM grad gather (MEM-OPT, every "
          "step) and SP-NGD grad RS (MEM-OPT + gradient_reduction=reduce_scatter, every "
-         "step; the mirror of the gather, same bytes): uneven, per-device sizes u_i "
-         "(`Layout.second_sizes`; `kfac._gradient_offsets`, slot 0 the KL sum): the first "
-         "S = `uneven_prefix(u)` numbers of every device by all_gather / psum_scatter, "
+         "step; the mirror of the gather): uneven, per-device sizes u_i "
+         "(`Layout.second_sizes`; `kfac._gradient_offsets`, slot 0 the KL sum), in the "
+         "scheme `uneven.plan` picks by its cost model (bytes of the busiest device plus "
+         "a latency of 2^15 numbers per collective). **prefix**: the first "
+         "S = `prefix_length(u)` numbers of every device by all_gather / psum_scatter, "
          "(P-1)·S, and the overflow Σmax(0, u_i - S), packed tight, by one psum, "
-         "2(P-1)/P of it. So library - ideal = (P-1)/P·(zeros + overflow): the zeros "
-         "that pad the prefix of devices with u_i < S, plus the overflow once more — "
-         "the psum sends no padded numbers but twice (not once) the ring cost of its "
-         "numbers, so it is not the ideal either.",
+         "2(P-1)/P of it (library - ideal = (P-1)/P·(zeros + overflow)). **rechunk**: "
+         "one tight all_gather / psum_scatter of P chunks of C = ⌈Σu/P⌉ ((P-1)·C, the "
+         "ideal), each device's chunk starting with its own first min(u_i, C) numbers "
+         "and the overflow of devices over C filling the others' room; ppermutes "
+         "forward each overflow piece between its owner and the device holding it "
+         "(pieces of similar size share a ppermute, padded by <= 5%). Point-to-point "
+         "sends are not symmetric, so the library column is the busiest device's larger "
+         "of bytes sent and received (a big owner receives its overflow in the "
+         "reduce-scatter, sends it in the gather).",
          "- not in the tables above: the fault check's psum of one int32 on factor steps "
          "(04bba86), 2(P-1)/P·4 B (7 B at P = 8); it is in the compile table's HLO bytes "
          "and layout model.",
-         "- floor = the fewest bytes of the same scheme over any assignment of whole items "
+         "- floor = the fewest bytes of either scheme over any assignment of whole items "
          "(a factor, or a layer's gradient, has one owner) and any S (a lower bound, see "
-         "`uneven_floor`): when the largest item exceeds a device's share Σ/P, the target "
-         "is out of reach for any one-owner layout. before = the padded collectives of "
-         "the library before f563242 (owner segments [P·L], [P·L₂], [G·S]).",
+         "`uneven_floor`; the rechunk's is (P-1)·C plus the largest item's excess over "
+         "C). before = the padded collectives of the library before f563242 (owner "
+         "segments [P·L], [P·L₂], [G·S]).",
          "- amortised = all the strategy's K-FAC collectives at factor_update_every=10, "
          "inverse_update_every=100 (MEM-OPT: grad gather every step; SP-NGD's RS not "
          "included), library / ideal, and library / the library before f563242 (bytes; "
@@ -650,16 +680,21 @@ def main(argv=None):
       ctab.append([
           r["model"], r["P"], r["strategy"], label, fb(c["library"]), fb(c["ideal"]),
           f"{c['ratio']:.3f}", "yes" if c["ratio"] <= TARGET_COMM else "**no**",
-          f"S={c['S']}, zeros {c['zeros']}, overflow {c['overflow']}" if "S" in c
-          else (f"C={r['C']}, zeros {c['zeros']}" if r['storage'] == 'chunked'
-                else f"owner L={r['L']}, zeros {c['zeros']}"),
+          f"prefix S={c['S']}, zeros {c['zeros']}, psum'd overflow {c['overflow']}"
+          if c.get("scheme") == "prefix" else
+          (f"rechunk C={c['C']}, zeros {c['zeros']}, forwarded {c['overflow']} in "
+           f"{c['pieces']} pieces, {c['sends']} ppermutes; busiest sends "
+           f"{fb(c['sent'])}, receives {fb(c['received'])}")
+          if c.get("scheme") == "rechunk" else
+          (f"C={r['C']}, zeros {c['zeros']}" if r['storage'] == 'chunked'
+           else f"owner L={r['L']}, zeros {c['zeros']}"),
           f"{c['floor_ratio']:.3f}",
           f"{fb(c['before'])} ({c['before'] / c['ideal']:.2f})" if c["before"] else "—",
           (f"{fb(c['kaisa'])} (library {c['library'] / c['kaisa']:.3f}×)"
            if c.get("kaisa") else "—")])
   out.append(C.md_table(ctab, [
       "model", "P", "strategy", "collective", "library", "ideal (P-1)/P·Σ", "overhead",
-      "<= 1.10", "prefix S / padded zeros / psum'd overflow (numbers)", "floor",
+      "<= 1.10", "scheme (numbers)", "floor",
       "before f563242 (overhead)", "KAISA all-reduce of full factors"]))
   out.append("")
   out.append("## Compile time of the ResNet-50 K-FAC update (shard_map'd tx.update)")

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kfac_jax_dist import _compat
+from kfac_jax_dist import uneven
 
 FACTOR_REDUCTIONS = ("all_reduce", "reduce_scatter", "local")
 GRADIENT_REDUCTIONS = ("none", "all_reduce", "reduce_scatter")
@@ -210,61 +211,20 @@ class Collectives:
 
   def gather_uneven(self, segment: jax.Array, sizes: Sequence[int]) -> jax.Array:
     """Every device's `[L]` segment, of which device `i` uses the first
-    `sizes[i]` numbers (the rest are zeros), → `[P, L]` on every device.
-
-    Owners hold uneven amounts (a factor or a layer is never split), so an
-    all_gather of whole segments would send `P·max(sizes)`: here the first
-    `S = uneven_prefix(sizes)` numbers of each segment go by all_gather and
-    the overflow beyond `S`, packed tight, by a psum in which each device
-    contributes its own part.
-    """
+    `sizes[i]` numbers (the rest are zeros), → `[P, L]` on every device,
+    without padded traffic (see `uneven`)."""
     if not self.active:
       return segment[None]
-    length, p = segment.shape[0], self.num_devices
-    prefix = uneven_prefix(sizes)
-    head = (_compat.all_gather_invariant(segment[:prefix], self.dist.axis, tiled=False)
-            if prefix else jnp.zeros((p, 0), segment.dtype))
-    over = [max(0, u - prefix) for u in sizes]
-    if not sum(over):
-      return jnp.pad(head, ((0, 0), (0, length - prefix)))
-    # Position j of the tight overflow buffer belongs to device owner[j] and
-    # holds its segment[source[j]]; each device fills its own positions.
-    owner = np.repeat(np.arange(p), over)
-    bases = np.cumsum([0] + over[:-1])
-    source = prefix + np.arange(owner.size) - bases[owner]
-    mine = jnp.asarray(owner) == self.device_index()
-    summed = jax.lax.psum(jnp.where(mine, segment[source], 0), self.dist.axis)
-    rows = [jnp.concatenate([head[i], summed[bases[i]:bases[i] + over[i]],
-                             jnp.zeros(length - prefix - over[i], segment.dtype)])
-            for i in range(p)]
-    return jnp.stack(rows)
+    return uneven.gather(segment, sizes, self.dist.axis, self.device_index())
 
   def reduce_uneven(self, buffer: jax.Array, sizes: Sequence[int]) -> jax.Array:
     """Per-device `[P·L]` (device-major segments, device `i` using the first
     `sizes[i]` numbers of its) → this device's `[L]`, averaged over the
-    devices: the mirror of `gather_uneven`, `psum_scatter` of the common
-    prefix and psum of the tight overflow."""
+    devices: the mirror of `gather_uneven`."""
     if not self.active:
       return buffer
-    p = self.num_devices
-    length = buffer.shape[0] // p
-    prefix = uneven_prefix(sizes)
-    segments = buffer.reshape(p, length)
-    head = (jax.lax.psum_scatter(segments[:, :prefix].reshape(-1), self.dist.axis,
-                                 scatter_dimension=0, tiled=True)
-            if prefix else jnp.zeros(0, buffer.dtype))
-    over = [max(0, u - prefix) for u in sizes]
-    tail = jnp.zeros(length - prefix, buffer.dtype)
-    if sum(over):
-      summed = jax.lax.psum(jnp.concatenate(
-          [segments[i, prefix:prefix + over[i]] for i in range(p)]), self.dist.axis)
-      # This device's overflow, read at static positions shifted by its base.
-      me = self.device_index()
-      bases = jnp.asarray(np.cumsum([0] + over[:-1]))
-      j = jnp.arange(length - prefix)
-      tail = jnp.where(j < jnp.asarray(over)[me],
-                       summed[jnp.minimum(bases[me] + j, sum(over) - 1)], 0)
-    return jnp.concatenate([head, tail]) / p
+    return uneven.reduce_scatter(buffer, sizes, self.dist.axis,
+                                 self.device_index()) / self.num_devices
 
   def reduce_scatter_groups(self, buffer: jax.Array) -> jax.Array:
     """Per-device `[G·S]` (group-major) → the device's group segment `[S]`,
@@ -286,22 +246,6 @@ class Collectives:
         buffer, (self.device_index() % m) * (size // m), size // m)
     gathered = _compat.all_gather_invariant(piece, self.dist.axis, tiled=True)
     return gathered.reshape(self.num_groups, size)
-
-
-def uneven_prefix(sizes: Sequence[int]) -> int:
-  """The prefix `S` that `Collectives.gather_uneven` all-gathers.
-
-  Ring model, per device: an all_gather of `S` numbers from each of `P`
-  devices sends `(P−1)·S`; a psum of the overflow `Σ max(0, uᵢ − S)` sends
-  `2(P−1)/P` of it. Raising `S` pays off while more than `P/2` devices
-  overflow, so the best `S` is the `⌈P/2⌉`-th largest size (at most all of
-  them: equal sizes need no psum).
-  """
-  p = len(sizes)
-
-  def cost(s):
-    return (p - 1) * s + 2 * (p - 1) / p * sum(max(0, u - s) for u in sizes)
-  return min(sorted(set(sizes)) + [0], key=lambda s: (cost(s), -s))
 
 
 def partition_specs(opt_state: Any) -> Any:

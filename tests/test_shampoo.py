@@ -13,6 +13,7 @@ import scipy.linalg
 
 import kfac_jax_dist as kd
 from kfac_jax_dist import roots
+from kfac_jax_dist import uneven
 
 # `kd.shampoo` is the alias function; the module it lives in:
 shampoo_lib = importlib.import_module("kfac_jax_dist.shampoo")
@@ -508,17 +509,22 @@ def _sharded_steps(tx, state, mesh, local_grads, reduction):
   return out
 
 
-@pytest.mark.parametrize("fraction,reduction,graft_type,grafting", [
-    (1 / 8, "none", "adagrad", "block"),         # MEM-OPT
-    (1 / 4, "all_reduce", "adagrad", "layer"),   # HYBRID, 2 devices per group
-    (1 / 2, "none", "adam", "block"),            # HYBRID, 4 devices per group
-    (1 / 8, "reduce_scatter", "sgd", "layer"),   # SP-NGD style, MEM-OPT
-    (1 / 4, "reduce_scatter", "sgd", "block"),
+@pytest.mark.parametrize("fraction,reduction,graft_type,grafting,rechunk", [
+    (1 / 8, "none", "adagrad", "block", False),         # MEM-OPT
+    (1 / 4, "all_reduce", "adagrad", "layer", False),   # HYBRID, 2 devices per group
+    (1 / 2, "none", "adam", "block", False),            # HYBRID, 4 devices per group
+    (1 / 8, "reduce_scatter", "sgd", "layer", False),   # SP-NGD style, MEM-OPT
+    (1 / 4, "reduce_scatter", "sgd", "block", False),
+    (1 / 8, "reduce_scatter", "sgd", "block", True),    # uneven collectives rechunked
 ])
 def test_sharded_shampoo_equals_single_device(fraction, reduction, graft_type, grafting,
-                                              x64):
+                                              rechunk, x64, monkeypatch):
   """Owner groups hold, update and apply only their blocks' statistics and
-  roots: the same updates and (gathered) state as one device, step by step."""
+  roots: the same updates and (gathered) state as one device, step by step.
+  `rechunk`: every uneven gather / reduce-scatter takes `uneven`'s rechunk
+  scheme (tight chunks and ppermute forwarding)."""
+  if rechunk:
+    monkeypatch.setattr(uneven, "plan", uneven.rechunk)
   mesh = _mesh()
   options = dict(CADENCE, graft_type=graft_type, grafting=grafting, graft_beta2=0.9)
   single = kd.scale_by_shampoo(**options)

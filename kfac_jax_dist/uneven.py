@@ -1,0 +1,340 @@
+"""Uneven collectives: per-device segments of different sizes, no padded traffic.
+
+Owners hold uneven amounts — device `i` uses the first `uᵢ` numbers of its
+segment of `L ≥ max u` — and every device needs every segment (gather), or
+each device needs its own segment summed over the devices (reduce-scatter, the
+mirror). A ring collective of whole segments sends `(P−1)·L` per device where
+the papers' ideal is `(P−1)/P·Σu`. Two schemes, chosen per call by the ring
+model of the bytes each device sends or receives (`plan`):
+
+* **prefix**: the first `S = prefix_length(u)` numbers of every segment by one
+  all_gather / psum_scatter, `(P−1)·S`, and the overflow beyond `S`, packed
+  tight, by one psum, `2(P−1)/P` of it. Good when few devices overflow.
+* **rechunk**: the segments are laid out in `P` tight chunks of
+  `C = ⌈Σu/P⌉`: chunk `i` starts with the first `min(uᵢ, C)` numbers of
+  device `i`'s own segment, and the overflow of devices with `uᵢ > C` fills
+  the room the others leave. A reduce-scatter is one psum_scatter of the
+  chunks (the ideal bytes), after which point-to-point sends (`ppermute`)
+  forward each overflow piece from the device holding its chunk to its owner;
+  a gather is the mirror (owners send their overflow pieces to the chunks'
+  devices, then one all_gather of the chunks). Per device `(P−1)·C` plus at
+  most its own overflow or its room (about `Σu/P`): within `1 + 1/(P−1)`
+  of the ideal for senders, and within the largest segment's share of `Σu`
+  for its owner's receives, whatever the sizes. Pieces of similar size share
+  one `ppermute`, padded by at most `PACK_TOLERANCE` (or a latency's worth).
+
+SP-NGD (Osawa et al. 2019) reduce-scatters raw gradients to their layers'
+owners and gathers the preconditioned ones; MEM-OPT (KAISA) gathers them; a
+layer's gradient is one owner's, so one large layer makes the sizes uneven.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kfac_jax_dist import _compat
+
+# Cost model: a collective's fixed latency, in the numbers (float32) a link
+# sends meanwhile (~10 µs at ~10 GB/s); a ppermute pads a piece by at most
+# PACK_TOLERANCE of it, or by up to the latency.
+LATENCY_NUMBERS = 2 ** 15
+PACK_TOLERANCE = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+  """Numbers `[segment_start, +size)` of `owner`'s segment, held at
+  `[chunk_start, +size)` of `host`'s chunk."""
+  owner: int
+  host: int
+  segment_start: int
+  chunk_start: int
+  size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Send:
+  """One `ppermute`: each piece travels between its owner and its host in a
+  buffer of `size` numbers (owners and hosts distinct within a send)."""
+  size: int
+  pieces: tuple[Piece, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefix:
+  """The prefix scheme: `length` numbers of each segment by all_gather /
+  psum_scatter, the overflow by a psum."""
+  sizes: tuple[int, ...]
+  length: int
+
+  @property
+  def overflow(self) -> tuple[int, ...]:
+    return tuple(max(0, u - self.length) for u in self.sizes)
+
+  def device_bytes(self) -> tuple[float, float]:
+    """Numbers (sent, received) by the busiest device, ring model."""
+    p = len(self.sizes)
+    cost = (p - 1) * self.length + 2 * (p - 1) / p * sum(self.overflow)
+    return cost, cost
+
+  @property
+  def num_collectives(self) -> int:
+    return (self.length > 0) + (sum(self.overflow) > 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rechunk:
+  """The rechunk scheme: tight chunks of `chunk` numbers, `keep[i]` of device
+  `i`'s own segment first in its chunk, the overflow in `sends`."""
+  sizes: tuple[int, ...]
+  chunk: int
+  sends: tuple[Send, ...]
+
+  @property
+  def keep(self) -> tuple[int, ...]:
+    return tuple(min(u, self.chunk) for u in self.sizes)
+
+  def pieces(self) -> list[Piece]:
+    return [piece for send in self.sends for piece in send.pieces]
+
+  def forwarded(self) -> tuple[np.ndarray, np.ndarray]:
+    """Numbers each device sends as a host, and receives as an owner, in the
+    reduce-scatter's ppermutes (the gather's are the mirror)."""
+    p = len(self.sizes)
+    hosted, owned = np.zeros(p), np.zeros(p)
+    for send in self.sends:
+      for piece in send.pieces:
+        hosted[piece.host] += send.size
+        owned[piece.owner] += send.size
+    return hosted, owned
+
+  def device_bytes(self) -> tuple[float, float]:
+    """Numbers (sent, received) by the busiest device, ring model, in the
+    reduce-scatter (the gather swaps them)."""
+    p = len(self.sizes)
+    hosted, owned = self.forwarded()
+    tight = (p - 1) * self.chunk
+    return tight + float(hosted.max()), tight + float(owned.max())
+
+  @property
+  def num_collectives(self) -> int:
+    return 1 + len(self.sends)
+
+
+def prefix_length(sizes: Sequence[int]) -> int:
+  """The prefix `S` of the prefix scheme.
+
+  Ring model, per device: an all_gather of `S` numbers from each of `P`
+  devices sends `(P−1)·S`; a psum of the overflow `Σ max(0, uᵢ − S)` sends
+  `2(P−1)/P` of it. Raising `S` pays off while more than `P/2` devices
+  overflow, so the best `S` is the `⌈P/2⌉`-th largest size (at most all of
+  them: equal sizes need no psum).
+  """
+  return min(sorted(set(sizes)) + [0],
+             key=lambda s: (Prefix(tuple(sizes), s).device_bytes()[0], -s))
+
+
+def rechunk(sizes: Sequence[int]) -> Rechunk:
+  """Tight chunks, and the overflow of each device over `C` placed in the room
+  other devices leave, in device order (at most `#overflowing + #roomy − 1`
+  pieces), packed into sends of similar sizes."""
+  p, total = len(sizes), sum(sizes)
+  chunk = max(1, -(-total // p))
+  keep = [min(u, chunk) for u in sizes]
+  rooms = [[i, keep[i], chunk - keep[i]] for i in range(p) if keep[i] < chunk]
+  pieces = []
+  for owner, u in enumerate(sizes):
+    start = keep[owner]
+    while start < u:
+      room = rooms[0]
+      size = min(u - start, room[2])
+      pieces.append(Piece(owner, room[0], start, room[1], size))
+      start += size
+      room[1] += size
+      room[2] -= size
+      if not room[2]:
+        rooms.pop(0)
+  return Rechunk(tuple(sizes), chunk, _pack(pieces))
+
+
+def _pack(pieces: list[Piece]) -> tuple[Send, ...]:
+  """First fit, largest piece first: a piece joins a send whose owners and
+  hosts it does not share and whose size pads it little (PACK_TOLERANCE, or
+  less than a latency)."""
+  sends: list[list] = []          # [size, pieces, owners, hosts]
+  for piece in sorted(pieces, key=lambda q: (-q.size, q.owner, q.host)):
+    for send in sends:
+      if (piece.owner not in send[2] and piece.host not in send[3]
+          and send[0] - piece.size <= max(PACK_TOLERANCE * send[0], LATENCY_NUMBERS)):
+        break
+    else:
+      send = [piece.size, [], set(), set()]
+      sends.append(send)
+    send[1].append(piece)
+    send[2].add(piece.owner)
+    send[3].add(piece.host)
+  return tuple(Send(size, tuple(members)) for size, members, _, _ in sends)
+
+
+def cost(scheme: Prefix | Rechunk) -> float:
+  """Numbers sent or received by the busiest device, plus each collective's
+  latency (`LATENCY_NUMBERS`)."""
+  return max(scheme.device_bytes()) + LATENCY_NUMBERS * scheme.num_collectives
+
+
+@functools.lru_cache(maxsize=256)
+def plan(sizes: tuple[int, ...]) -> Prefix | Rechunk:
+  """The cheaper scheme by `cost` (the prefix scheme on a tie)."""
+  prefix = Prefix(sizes, prefix_length(sizes))
+  if len(sizes) == 1:
+    return prefix
+  chunked = rechunk(sizes)
+  return chunked if cost(chunked) < cost(prefix) else prefix
+
+
+# ----------------------------------------------------------------- collectives
+
+
+def _table(values, me) -> jax.Array:
+  """`values[me]` for the traced device index `me`."""
+  return jnp.asarray(np.asarray(values, np.int32))[me]
+
+
+def _add_at(x: jax.Array, start, piece: jax.Array, used) -> jax.Array:
+  """`x[start:start + used] += piece[:used]` with traced `start`, `used`."""
+  size = piece.shape[0]
+  padded = jnp.pad(x, (0, size))
+  piece = jnp.where(jnp.arange(size) < used, piece, 0)
+  window = jax.lax.dynamic_slice_in_dim(padded, start, size)
+  return jax.lax.dynamic_update_slice_in_dim(padded, window + piece, start, 0)[:x.shape[0]]
+
+
+def _take(x: jax.Array, start, size: int) -> jax.Array:
+  """`x[start:start + size]` with traced `start`, zeros past the end."""
+  return jax.lax.dynamic_slice_in_dim(jnp.pad(x, (0, size)), start, size)
+
+
+def _forward(send: Send, x: jax.Array, num_devices: int, me, axis: str,
+             to_owner: bool) -> jax.Array:
+  """One ppermute of `send`: hosts' chunk numbers to owners (`to_owner`) or
+  owners' segment numbers to hosts; returns what this device receives."""
+  start = [0] * num_devices
+  for q in send.pieces:
+    if to_owner:
+      start[q.host] = q.chunk_start
+    else:
+      start[q.owner] = q.segment_start
+  pairs = [(q.host, q.owner) if to_owner else (q.owner, q.host) for q in send.pieces]
+  return jax.lax.ppermute(_take(x, _table(start, me), send.size), axis, pairs)
+
+
+def _received_at(send: Send, num_devices: int, me, to_owner: bool):
+  """(start, used) of what this device receives in `send`, where it goes."""
+  start, used = [0] * num_devices, [0] * num_devices
+  for q in send.pieces:
+    if to_owner:
+      start[q.owner], used[q.owner] = q.segment_start, q.size
+    else:
+      start[q.host], used[q.host] = q.chunk_start, q.size
+  return _table(start, me), _table(used, me)
+
+
+def gather(segment: jax.Array, sizes: Sequence[int], axis: str, me,
+           scheme: Prefix | Rechunk | None = None) -> jax.Array:
+  """Every device's `[L]` segment, of which device `i` uses the first
+  `sizes[i]` numbers (the rest are zeros), → `[P, L]` on every device (typed
+  invariant over `axis`); `me` is the device index, `scheme` by default
+  `plan(sizes)`."""
+  length, p = segment.shape[0], len(sizes)
+  scheme = scheme or plan(tuple(int(u) for u in sizes))
+  if isinstance(scheme, Prefix):
+    return _gather_prefix(segment, scheme, axis, me)
+  c, keep = scheme.chunk, scheme.keep
+  mine = jnp.where(jnp.arange(c) < _table(keep, me), _take(segment, 0, c), 0)
+  for send in scheme.sends:
+    received = _forward(send, segment, p, me, axis, to_owner=False)
+    start, used = _received_at(send, p, me, to_owner=False)
+    mine = _add_at(mine, start, received, used)
+  flat = _compat.all_gather_invariant(mine, axis, tiled=True)
+  parts = [[(0, i * c, keep[i])] for i in range(p)]
+  for q in scheme.pieces():
+    parts[q.owner].append((q.segment_start, q.host * c + q.chunk_start, q.size))
+  rows = []
+  for i in range(p):
+    pieces = [flat[at:at + n] for _, at, n in sorted(parts[i])]
+    rows.append(jnp.concatenate(pieces + [jnp.zeros(length - sizes[i], segment.dtype)]))
+  return jnp.stack(rows)
+
+
+def reduce_scatter(buffer: jax.Array, sizes: Sequence[int], axis: str, me,
+                   scheme: Prefix | Rechunk | None = None) -> jax.Array:
+  """Per-device `[P·L]` (device-major segments, device `i` using the first
+  `sizes[i]` numbers of its) → this device's `[L]`, summed over the devices
+  (typed varying over `axis`): the mirror of `gather`."""
+  p = len(sizes)
+  length = buffer.shape[0] // p
+  segments = buffer.reshape(p, length)
+  scheme = scheme or plan(tuple(int(u) for u in sizes))
+  if isinstance(scheme, Prefix):
+    return _reduce_prefix(segments, scheme, axis, me)
+  c, keep = scheme.chunk, scheme.keep
+  hosted = [[(0, segments[i, :keep[i]])] for i in range(p)]
+  for q in scheme.pieces():
+    hosted[q.host].append(
+        (q.chunk_start, segments[q.owner, q.segment_start:q.segment_start + q.size]))
+  tight = []
+  for i in range(p):
+    tight += [x for _, x in sorted(hosted[i], key=lambda t: t[0])]
+    tight.append(jnp.zeros(c - sum(x.shape[0] for _, x in hosted[i]), buffer.dtype))
+  chunk = jax.lax.psum_scatter(jnp.concatenate(tight), axis, scatter_dimension=0,
+                               tiled=True)
+  out = jnp.where(jnp.arange(length) < _table(keep, me), _take(chunk, 0, length), 0)
+  for send in scheme.sends:
+    received = _forward(send, chunk, p, me, axis, to_owner=True)
+    start, used = _received_at(send, p, me, to_owner=True)
+    out = _add_at(out, start, received, used)
+  return out
+
+
+def _gather_prefix(segment, scheme: Prefix, axis, me):
+  length, p, prefix = segment.shape[0], len(scheme.sizes), scheme.length
+  head = (_compat.all_gather_invariant(segment[:prefix], axis, tiled=False)
+          if prefix else jnp.zeros((p, 0), segment.dtype))
+  over = list(scheme.overflow)
+  if not sum(over):
+    return jnp.pad(head, ((0, 0), (0, length - prefix)))
+  # Position j of the tight overflow buffer belongs to device owner[j] and
+  # holds its segment[source[j]]; each device fills its own positions.
+  owner = np.repeat(np.arange(p), over)
+  bases = np.cumsum([0] + over[:-1])
+  source = prefix + np.arange(owner.size) - bases[owner]
+  summed = jax.lax.psum(jnp.where(jnp.asarray(owner) == me, segment[source], 0), axis)
+  rows = [jnp.concatenate([head[i], summed[bases[i]:bases[i] + over[i]],
+                           jnp.zeros(length - prefix - over[i], segment.dtype)])
+          for i in range(p)]
+  return jnp.stack(rows)
+
+
+def _reduce_prefix(segments, scheme: Prefix, axis, me):
+  p, length = segments.shape
+  prefix = scheme.length
+  head = (jax.lax.psum_scatter(segments[:, :prefix].reshape(-1), axis,
+                               scatter_dimension=0, tiled=True)
+          if prefix else jnp.zeros(0, segments.dtype))
+  over = list(scheme.overflow)
+  tail = jnp.zeros(length - prefix, segments.dtype)
+  if sum(over):
+    summed = jax.lax.psum(jnp.concatenate(
+        [segments[i, prefix:prefix + over[i]] for i in range(p)]), axis)
+    # This device's overflow, read at static positions shifted by its base.
+    j = jnp.arange(length - prefix)
+    tail = jnp.where(j < _table(over, me),
+                     summed[jnp.minimum(_table(np.cumsum([0] + over[:-1]), me) + j,
+                                        sum(over) - 1)], 0)
+  return jnp.concatenate([head, tail])
