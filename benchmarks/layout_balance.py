@@ -628,6 +628,14 @@ def main(argv=None):
          "- not in the tables above: the fault check's psum of one int32 on factor steps "
          "(04bba86), 2(P-1)/P·4 B (7 B at P = 8); it is in the compile table's HLO bytes "
          "and layout model.",
+         "- oversized items: `layout.build` gives a factor (COMM-OPT) or a layer "
+         "(MEM-OPT) larger than a device's share several owners, each decomposing it "
+         "whole and sending a slice (eigenvector columns, preconditioned rows), while the "
+         "copies stay within `layout.REPLICA_BUDGET` (2.5×, or +32) of the unsplit "
+         "decompositions (Balance table, last column; ResNet-50 at P = 256 is over the "
+         "budget and keeps one owner per item). SP-NGD's gradient RS uses the layout "
+         "without split layers (`replicate_layers=False`): every owner of a split layer "
+         "would need its whole reduced gradient.",
          "- floor = the fewest bytes of either scheme over any assignment of whole items "
          "(a factor, or a layer's gradient, has one owner) and any S (a lower bound, see "
          "`uneven_floor`; the rechunk's is (P-1)·C plus the largest item's excess over "
@@ -661,10 +669,10 @@ def main(argv=None):
         r["idle_devices"], f"{r['balance']:.3f}", f"{r['layer_bound']:.3f}",
         f"{r['storage']}: " + (f"C {r['C']}" if r["storage"] == "chunked" else f"L {r['L']}")
         + f" / {r['T'] / r['P']:.0f}", f"{r['L']}",
-        f"{r['second_padding']:.3f}"] for r in rows],
+        f"{r['second_padding']:.3f}", r["replicas"]] for r in rows],
       ["model", "P", "layout", "m", "groups", "idle devices", "balance (d³)", "bound",
        "factors per device (C or L) / T/P", "before: longest owner L",
-       "second-order memory P·L₂/Σ(d²+d)"]))
+       "second-order memory P·L₂/Σ(d²+d)", "extra copies (split items)"]))
   out.append("")
   out.append("## Communication per collective (bytes per device, ring model, f32)")
   out.append("")

@@ -100,6 +100,10 @@ class Rechunk:
   def keep(self) -> tuple[int, ...]:
     return tuple(min(u, self.chunk) for u in self.sizes)
 
+  @property
+  def largest_send(self) -> int:
+    return max((send.size for send in self.sends), default=0)
+
   def pieces(self) -> list[Piece]:
     return [piece for send in self.sends for piece in send.pieces]
 
@@ -207,12 +211,12 @@ def _table(values, me) -> jax.Array:
 
 
 def _add_at(x: jax.Array, start, piece: jax.Array, used) -> jax.Array:
-  """`x[start:start + used] += piece[:used]` with traced `start`, `used`."""
+  """`x[start:start + used] += piece[:used]` with traced `start`, `used`
+  (`x` padded by at least `piece`'s size at the end)."""
   size = piece.shape[0]
-  padded = jnp.pad(x, (0, size))
   piece = jnp.where(jnp.arange(size) < used, piece, 0)
-  window = jax.lax.dynamic_slice_in_dim(padded, start, size)
-  return jax.lax.dynamic_update_slice_in_dim(padded, window + piece, start, 0)[:x.shape[0]]
+  window = jax.lax.dynamic_slice_in_dim(x, start, size)
+  return jax.lax.dynamic_update_slice_in_dim(x, window + piece, start, 0)
 
 
 def _take(x: jax.Array, start, size: int) -> jax.Array:
@@ -255,13 +259,13 @@ def gather(segment: jax.Array, sizes: Sequence[int], axis: str, me,
   scheme = scheme or plan(tuple(int(u) for u in sizes))
   if isinstance(scheme, Prefix):
     return _gather_prefix(segment, scheme, axis, me)
-  c, keep = scheme.chunk, scheme.keep
-  mine = jnp.where(jnp.arange(c) < _table(keep, me), _take(segment, 0, c), 0)
+  c, keep, pad = scheme.chunk, scheme.keep, scheme.largest_send
+  mine = jnp.where(jnp.arange(c + pad) < _table(keep, me), _take(segment, 0, c + pad), 0)
   for send in scheme.sends:
     received = _forward(send, segment, p, me, axis, to_owner=False)
     start, used = _received_at(send, p, me, to_owner=False)
     mine = _add_at(mine, start, received, used)
-  flat = _compat.all_gather_invariant(mine, axis, tiled=True)
+  flat = _compat.all_gather_invariant(mine[:c], axis, tiled=True)
   parts = [[(0, i * c, keep[i])] for i in range(p)]
   for q in scheme.pieces():
     parts[q.owner].append((q.segment_start, q.host * c + q.chunk_start, q.size))
@@ -294,12 +298,14 @@ def reduce_scatter(buffer: jax.Array, sizes: Sequence[int], axis: str, me,
     tight.append(jnp.zeros(c - sum(x.shape[0] for _, x in hosted[i]), buffer.dtype))
   chunk = jax.lax.psum_scatter(jnp.concatenate(tight), axis, scatter_dimension=0,
                                tiled=True)
-  out = jnp.where(jnp.arange(length) < _table(keep, me), _take(chunk, 0, length), 0)
+  pad = scheme.largest_send
+  out = jnp.where(jnp.arange(length + pad) < _table(keep, me),
+                  _take(chunk, 0, length + pad), 0)
   for send in scheme.sends:
     received = _forward(send, chunk, p, me, axis, to_owner=True)
     start, used = _received_at(send, p, me, to_owner=True)
     out = _add_at(out, start, received, used)
-  return out
+  return out[:length]
 
 
 def _gather_prefix(segment, scheme: Prefix, axis, me):
