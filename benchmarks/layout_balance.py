@@ -632,8 +632,9 @@ def main(argv=None):
          "(MEM-OPT) larger than a device's share several owners, each decomposing it "
          "whole and sending a slice (eigenvector columns, preconditioned rows), while the "
          "copies stay within `layout.REPLICA_BUDGET` (2.5×, or +32) of the unsplit "
-         "decompositions (Balance table, last column; ResNet-50 at P = 256 is over the "
-         "budget and keeps one owner per item). SP-NGD's gradient RS uses the layout "
+         "decompositions: where unlimited splitting is over the budget (ResNet-50 at "
+         "P = 256), each item's owners are capped at the largest count within it "
+         "(Balance table, last column: the extra copies). SP-NGD's gradient RS uses the layout "
          "without split layers (`replicate_layers=False`): every owner of a split layer "
          "would need its whole reduced gradient.",
          "- floor = the fewest bytes of either scheme over any assignment of whole items "

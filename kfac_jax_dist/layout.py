@@ -39,7 +39,8 @@ a factor's eigenbasis and eigenvalues broadcast by COMM-OPT (one owner
 group), a layer's preconditioned gradient gathered from its owner group
 (MEM-OPT, HYBRID) — larger than a device's (group's) share `Σ/P` makes its
 owner send more than the ring's `(P−1)/P·Σ/P`. Such an item gets `r =
-⌈size/share⌉` owners, each paying the whole `d³` of the decomposition but
+⌈size/share⌉` owners (capped so that the copies stay within a compile
+budget, see `build`), each paying the whole `d³` of the decomposition but
 sending `1/r` of the item: COMM-OPT owner `k` keeps eigenvector columns
 `[c_k, c_{k+1})` (and their eigenvalues, or those columns of a damped
 inverse), a replicated layer's group `k` preconditions and sends output rows
@@ -251,7 +252,7 @@ LEVEL = 1.05   # a bin this far over its share hands units of split items over
 
 
 def assign(items: Sequence, bins: int, cost, size, units=None,
-           level: float = LEVEL) -> list[list]:
+           level: float = LEVEL, max_parts: int | None = None) -> list[list]:
   """Greedy two-criteria LPT with replication of oversized items.
 
   Items (largest relative cost or size first) go to the bin whose larger
@@ -262,7 +263,8 @@ def assign(items: Sequence, bins: int, cost, size, units=None,
   each charged the item's whole cost and its piece's size. Then, while the
   fullest bin is over `level` times the share, it hands the last units of its
   cheapest splittable piece to the emptiest bin that holds no piece of that
-  item and whose cost stays within the worst bin's.
+  item and whose cost stays within the worst bin's. An item never has more
+  than `max_parts` pieces (default: no limit).
 
   Splitting is tried only when the whole-item assignment leaves a bin over
   `level`, and kept only if it lowers the fullest bin's size without raising
@@ -276,16 +278,17 @@ def assign(items: Sequence, bins: int, cost, size, units=None,
     return [[x for x, _ in mine] for mine in whole]
   if max(load[1] for load in loads) <= level:
     return whole
-  split, split_loads = _assign(items, bins, cost, size, units, level)
+  split, split_loads = _assign(items, bins, cost, size, units, level, max_parts)
   if (max(load[1] for load in split_loads) < max(load[1] for load in loads)
       and max(load[0] for load in split_loads) <= max(load[0] for load in loads) + 0.02):
     return split
   return whole
 
 
-def _assign(items, bins, cost, size, units, level):
+def _assign(items, bins, cost, size, units, level, max_parts=None):
   costs, sizes = [cost(x) for x in items], [size(x) for x in items]
   counts = [units(x) for x in items]
+  max_parts = max_parts or bins
   ideal_cost = max([sum(costs) / bins] + costs) or 1.0
   ideal_size = sum(sizes) / bins or 1.0
   loads = [[0.0, 0.0] for _ in range(bins)]
@@ -305,7 +308,7 @@ def _assign(items, bins, cost, size, units, level):
                  key=lambda i: -max(costs[i] / ideal_cost, sizes[i] / ideal_size))
   for i in order:
     c, z, n = costs[i] / ideal_cost, sizes[i] / ideal_size, counts[i]
-    parts = min(bins, n, math.ceil(z - 1e-9)) if n and z > 1 else 1
+    parts = min(bins, max_parts, n, math.ceil(z - 1e-9)) if n and z > 1 else 1
     for rng in (_split(n, parts) if parts > 1 else [None]):
       zk = z if rng is None else z * (rng[1] - rng[0]) / n
       b = min((j for j in range(bins) if i not in held[j]),
@@ -321,6 +324,8 @@ def _assign(items, bins, cost, size, units, level):
       n = counts[i]
       lo, hi = held[b][i] or (0, n)
       per, c = sizes[i] / ideal_size / n, costs[i] / ideal_cost
+      if sum(i in mine for mine in held) >= max_parts:
+        continue
       targets = [j for j in range(bins) if i not in held[j]
                  and loads[j][1] + per <= 1.0 and loads[j][0] + c <= worst + 1e-9]
       if not targets:
@@ -344,7 +349,8 @@ def _assign(items, bins, cost, size, units, level):
 # factor copy, summed over the devices' branches), and XLA's compile time and
 # memory grow with them: at most REPLICA_BUDGET times the unreplicated count
 # (or MIN_EXTRA_COPIES more, for small models). ResNet-50: 2.4x at P = 64
-# (MEM-OPT); 8.3x at P = 256, whose compile then needed more than 19 GB.
+# (MEM-OPT); unlimited, 8.3x at P = 256, whose compile then needed more than
+# 19 GB.
 REPLICA_BUDGET = 2.5
 MIN_EXTRA_COPIES = 32
 
@@ -353,18 +359,31 @@ def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
           replicate_factors: bool = True, replicate_layers: bool = True,
           **options) -> Layout:
   """Assigns layers to owner groups, factors to devices, and packs segments
-  (see `_build`), without replication when it would make more than
-  `REPLICA_BUDGET` times the decompositions of the unreplicated layout (and
-  more than `MIN_EXTRA_COPIES` extra ones)."""
-  lay = _build(layers, param_paths, replicate_factors=replicate_factors,
-               replicate_layers=replicate_layers, **options)
-  if replicate_factors or replicate_layers:
+  (see `_build`). Replicated items get at most as many owners as keeps the
+  decompositions within `REPLICA_BUDGET` times the unreplicated layout's (or
+  `MIN_EXTRA_COPIES` more): the largest such cap (binary search), else none."""
+  def build_with(max_parts):
+    return _build(layers, param_paths, replicate_factors=replicate_factors,
+                  replicate_layers=replicate_layers, max_parts=max_parts, **options)
+
+  def within_budget(lay):
     copies = sum(len(lay.owned(d)) for d in range(lay.num_devices))
     single = sum(len(plan.places) for plan in lay.plans)
-    if copies > max(REPLICA_BUDGET * single, single + MIN_EXTRA_COPIES):
-      lay = _build(layers, param_paths, replicate_factors=False,
-                   replicate_layers=False, **options)
-  return lay
+    return copies <= max(REPLICA_BUDGET * single, single + MIN_EXTRA_COPIES)
+
+  lay = build_with(None)
+  if not (replicate_factors or replicate_layers) or within_budget(lay):
+    return lay
+  lo, hi, best = 2, options.get("num_devices", 1), None
+  while lo <= hi:
+    mid = (lo + hi) // 2
+    candidate = build_with(mid)
+    if within_budget(candidate):
+      best, lo = candidate, mid + 1
+    else:
+      hi = mid - 1
+  return best or _build(layers, param_paths, replicate_factors=False,
+                        replicate_layers=False, **options)
 
 
 def _build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
@@ -372,7 +391,7 @@ def _build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
            num_devices: int = 1, group_size: int = 1, axis: str | None = None,
            method: str = "eigen", packed: bool = True,
            factor_storage: str = CHUNKED, replicate_factors: bool = True,
-           replicate_layers: bool = True) -> Layout:
+           replicate_layers: bool = True, max_parts: int | None = None) -> Layout:
   """Assigns layers to owner groups, factors to devices, and packs segments.
 
   A stacked layer becomes one plan per block (`TaggedLayer.blocks`), each with
@@ -380,8 +399,8 @@ def _build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
   blocks are kept or skipped together. `plans` keep the blocks consecutive,
   block 0 first (`kfac._write_back` relies on it). Oversized full factors
   (one owner group: COMM-OPT) and layers (several groups) are split over
-  several owners unless `replicate_factors` / `replicate_layers` is False
-  (see the module docstring).
+  several owners (at most `max_parts`) unless `replicate_factors` /
+  `replicate_layers` is False (see the module docstring).
   """
   patterns = [re.compile(p) for p in skip]
   kept, skipped = [], []
@@ -410,7 +429,8 @@ def _build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
   split_layers = replicate_layers and num_groups > 1
   group_bins = assign(kept, num_groups, layer_cost,
                       lambda l: l.a_dim * l.g_dim if num_groups > 1 else 0.0,
-                      lambda l: l.a_dim if split_layers and not l.unitwise else 0)
+                      lambda l: l.a_dim if split_layers and not l.unitwise else 0,
+                      max_parts=max_parts)
   pieces: dict[str, list] = {}                 # layer -> [(rows, group)], rows in order
   for g, members in enumerate(group_bins):
     for layer, rows in members:
@@ -424,7 +444,8 @@ def _build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
              for layer, _ in members for which, dim, form in factors_of(layer)]
     bins = assign(items, group_size, lambda t: eigh_cost(t[3], t[4]),
                   lambda t: sum(_second_parts(t[3], t[4], method)),
-                  lambda t: t[3] if split_factors and t[4] == factors.FULL else 0)
+                  lambda t: t[3] if split_factors and t[4] == factors.FULL else 0,
+                  max_parts=max_parts)
     for r, mine in enumerate(bins):
       owned[g * group_size + r] = [item + (columns,) for item, columns in mine]
 

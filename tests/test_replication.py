@@ -148,9 +148,11 @@ def test_replicated_state_converts_both_ways():
 
 
 def test_replication_stays_within_the_compile_budget():
-  """Each copy of a decomposition is code in every owner's branch: a layout
-  whose replicas would exceed `layout.REPLICA_BUDGET` times the unreplicated
-  decompositions (ResNet-50 at P = 256) falls back to one owner per item."""
+  """Each copy of a decomposition is code in every owner's branch: where
+  unlimited replication would exceed `layout.REPLICA_BUDGET` times the
+  unreplicated decompositions (two 512² layers at P = 64: 2 × 2 × 32 copies),
+  each item gets at most as many owners as the budget allows (the largest
+  such cap), and one owner only if even two are over it."""
   from kfac_jax_dist import layout
   dims = [512, 512] + [16] * 30
   layers = kd.LayerRegistry(tuple(
@@ -159,12 +161,18 @@ def test_replication_stays_within_the_compile_budget():
       for i, d in enumerate(dims)))
   paths = [f"l{i}/kernel" for i in range(len(dims))]
 
-  def copies(num_devices, **kw):
-    lay = layout.build(layers, paths, num_devices=num_devices, **kw)
-    return sum(len(lay.owned(d)) for d in range(num_devices))
+  def copies(lay):
+    return sum(len(lay.owned(d)) for d in range(lay.num_devices))
 
   single = 2 * len(dims)
-  assert copies(4) > single                        # the two big layers are split
-  assert copies(4) <= layout.REPLICA_BUDGET * single
-  assert copies(64, replicate_layers=True) == single          # 2 x 2 x 32 copies: over
-  assert copies(64, replicate_layers=False, replicate_factors=False) == single
+  budget = max(layout.REPLICA_BUDGET * single, single + layout.MIN_EXTRA_COPIES)
+  small = layout.build(layers, paths, num_devices=4)
+  assert single < copies(small) <= budget          # the two big layers are split
+  unlimited = layout._build(layers, paths, num_devices=64)
+  assert copies(unlimited) > budget
+  capped = layout.build(layers, paths, num_devices=64)
+  parts = max(len(plan.pieces) for plan in capped.plans)
+  assert single < copies(capped) <= budget and 2 <= parts < 32
+  assert copies(layout._build(layers, paths, num_devices=64, max_parts=parts + 1)) > budget
+  assert copies(layout.build(layers, paths, num_devices=64, replicate_layers=False,
+                             replicate_factors=False)) == single
