@@ -207,11 +207,11 @@ def library_model(info: dict, strat: C.Strategy | None, p: int, s: dict) -> dict
     if m == 1:
       out["plain"] += uneven(info["group_sizes"], p, "grad AG", gather=True)["terms"]
     else:
-      out["plain"].append((f"grad AG pieces (P-1)·S/m", (p - 1) * info["S"] / m * F32))
+      out["plain"].append(("grad AG pieces (P-1)·S/m", (p - 1) * info["S"] / m * F32))
   t = info["factor_useful"]
   if strat.factor_reduction == "reduce_scatter" and info["storage"] == "chunked":
     out["factor"].append((f"factor RS (P-1)·C, C={info['C']}", (p - 1) * info["C"] * F32))
-    out["inverse"].append((f"chunk AG (P-1)·C", (p - 1) * info["C"] * F32))
+    out["inverse"].append(("chunk AG (P-1)·C", (p - 1) * info["C"] * F32))
   elif strat.factor_reduction == "reduce_scatter":
     out["factor"].append((f"factor RS of owner segments (P-1)·L, L={info['C']}",
                           (p - 1) * info["C"] * F32))

@@ -39,7 +39,6 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kfac_jax_dist import _compat
 from kfac_jax_dist import uneven

@@ -3,6 +3,11 @@
 Single-threaded OpenBLAS: jax's CPU eigh calls it, and its worker threads on a
 2-core machine running 8 virtual devices stall for seconds at a time.
 
+The tests are compile-bound: XLA:CPU compiles about a third faster without
+LLVM optimisation (`--xla_backend_optimization_level=0`; the results differ
+by float rounding only), so that is the default here unless XLA_FLAGS sets a
+level (.ci/run's oldest-jax phase runs at the default level 3).
+
 pytest-xdist's `-n auto` (pyproject.toml) runs one worker per core, at most 4:
 each worker is a jax process with 8 virtual devices, and the tests are
 compile-bound, so more workers than cores only add memory.
@@ -10,9 +15,12 @@ compile-bound, so more workers than cores only add memory.
 
 import os
 
-_FLAG = "--xla_force_host_platform_device_count=8"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+for _flag, _name in (("--xla_force_host_platform_device_count=8",
+                      "xla_force_host_platform_device_count"),
+                     ("--xla_backend_optimization_level=0",
+                      "xla_backend_optimization_level")):
+  if _name not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 

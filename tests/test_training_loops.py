@@ -1,6 +1,5 @@
 """Training-loop features: micro-batch accumulation, loss scaling, mixed precision."""
 
-import functools
 
 import flax.linen as nn
 import jax
