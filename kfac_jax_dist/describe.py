@@ -7,6 +7,8 @@ from typing import Any
 import numpy as np
 
 from kfac_jax_dist import factors
+from kfac_jax_dist import kfac as kfac_lib
+from kfac_jax_dist import uneven
 from kfac_jax_dist.kfac import ScaleByKfacState
 from kfac_jax_dist.kfac import find_states
 from kfac_jax_dist import layout as layout_lib
@@ -58,7 +60,30 @@ def table(state: ScaleByKfacState) -> str:
                f"factors, {lay.factor_shard:,} per device, L2={lay.second_segment:,}; "
                f"K-FAC state: "
                f"{total:,} bytes")
+  schemes = _uneven_schemes(lay)
+  if schemes:
+    lines.append("uneven collectives: " + "; ".join(schemes))
   return "\n".join(lines)
+
+
+def _scheme(sizes) -> str:
+  scheme = uneven.plan(tuple(int(u) for u in sizes))
+  if isinstance(scheme, uneven.Rechunk):
+    return f"rechunk ({len(scheme.sends)} ppermutes)"
+  return "prefix"
+
+
+def _uneven_schemes(lay: layout_lib.Layout) -> list[str]:
+  """How the uneven collectives travel (`uneven.plan`): COMM-OPT's eigenbasis
+  broadcast and MEM-OPT's gradient gather (and its mirror, SP-NGD's
+  reduce-scatter, when the layout keeps layers whole)."""
+  if lay.num_devices == 1 or not lay.plans:
+    return []
+  if lay.num_groups == 1:
+    return ["eigenbasis broadcast " + _scheme(lay.second_sizes)]
+  if lay.group_size == 1:
+    return ["gradient gather " + _scheme(kfac_lib._gradient_offsets(lay)[1])]  # pylint: disable=protected-access
+  return []
 
 
 def describe(opt_state: Any, print_table: bool = True) -> str:

@@ -192,9 +192,14 @@ def cost(scheme: Prefix | Rechunk) -> float:
   return max(scheme.device_bytes()) + LATENCY_NUMBERS * scheme.num_collectives
 
 
-@functools.lru_cache(maxsize=256)
 def plan(sizes: tuple[int, ...]) -> Prefix | Rechunk:
   """The cheaper scheme by `cost` (the prefix scheme on a tie)."""
+  return _plan(tuple(sizes), LATENCY_NUMBERS, PACK_TOLERANCE)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(sizes, latency, tolerance) -> Prefix | Rechunk:
+  del latency, tolerance        # cache keys: the module settings `plan` was called with
   prefix = Prefix(sizes, prefix_length(sizes))
   if len(sizes) == 1:
     return prefix

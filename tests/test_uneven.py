@@ -121,3 +121,27 @@ def test_prefix_length_minimises_ring_bytes():
   assert prefix([4] * 8) == 4                       # equal: one all_gather
   assert prefix([100] + [0] * 7) == 0               # one big owner: psum only
   assert prefix([10, 9, 8, 7, 1, 1, 1, 1]) == 7     # 4 of 8 exceed 7: no gain above
+
+
+def test_describe_names_the_schemes():
+  """`kd.describe` says how the uneven collectives travel: three large layers
+  among small ones (MEM-OPT, layers kept whole for SP-NGD) are rechunked, a
+  COMM-OPT layout of equal factors is not."""
+  mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+  dims = [1024] * 3 + [32] * 13
+  layers = kd.LayerRegistry(tuple(
+      kd.TaggedLayer(name=f"l{i}", kind="dense", kernel_path=f"l{i}/kernel",
+                     bias_path=None, kernel_shape=(d, d), a_dim=d, g_dim=d)
+      for i, d in enumerate(dims)))
+  params = {f"l{i}": {"kernel": np.zeros((d, d), np.float32)} for i, d in enumerate(dims)}
+  sp_ngd = kd.Distribution(mesh, grad_worker_fraction=1 / 8,
+                           gradient_reduction="reduce_scatter")
+  text = kd.describe(kd.scale_by_kfac(layers=layers, distribution=sp_ngd).init(params),
+                     print_table=False)
+  assert "uneven collectives: gradient gather rechunk (" in text, text
+  equal = kd.LayerRegistry(layers.layers[3:11])
+  comm = kd.Distribution(mesh, grad_worker_fraction=1.0)
+  text = kd.describe(kd.scale_by_kfac(layers=equal, distribution=comm).init(
+      {k: v for k, v in params.items() if k in {f"l{i}" for i in range(3, 11)}}),
+      print_table=False)
+  assert "uneven collectives: eigenbasis broadcast prefix" in text, text
