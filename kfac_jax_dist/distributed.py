@@ -208,21 +208,22 @@ class Collectives:
       return tree
     return jax.tree_util.tree_map(lambda x: jax.lax.pmean(x, self.dist.axis), tree)
 
-  def gather_uneven(self, segment: jax.Array, sizes: Sequence[int]) -> jax.Array:
+  def gather_uneven(self, segment: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
     """Every device's `[L]` segment, of which device `i` uses the first
-    `sizes[i]` numbers (the rest are zeros), → `[P, L]` on every device,
-    without padded traffic (see `uneven`)."""
+    `sizes[i]` numbers (the rest are zeros), → every device's used numbers,
+    `[sizes[i]]` each, on every device, without padded traffic (see
+    `uneven`)."""
     if not self.active:
-      return segment[None]
+      return [segment[:sizes[0]]]
     return uneven.gather(segment, sizes, self.dist.axis, self.device_index())
 
-  def reduce_uneven(self, buffer: jax.Array, sizes: Sequence[int]) -> jax.Array:
-    """Per-device `[P·L]` (device-major segments, device `i` using the first
-    `sizes[i]` numbers of its) → this device's `[L]`, averaged over the
-    devices: the mirror of `gather_uneven`."""
+  def reduce_uneven(self, segments: Sequence[jax.Array], length: int) -> jax.Array:
+    """This device's contribution to every device's segment (`segments[i]`,
+    unpadded) → this device's `[length]` (zeros past its own size), averaged
+    over the devices: the mirror of `gather_uneven`."""
     if not self.active:
-      return buffer
-    return uneven.reduce_scatter(buffer, sizes, self.dist.axis,
+      return jnp.pad(segments[0], (0, length - segments[0].shape[0]))
+    return uneven.reduce_scatter(segments, length, self.dist.axis,
                                  self.device_index()) / self.num_devices
 
   def reduce_scatter_groups(self, buffer: jax.Array) -> jax.Array:

@@ -703,7 +703,9 @@ def scale_by_kfac(
   def distribute_second(local, lay):
     """Each device's new `[L₂]` → the second-order array of its spec."""
     if lay.num_groups == 1 and comm.active:    # every device gets every segment
-      return comm.gather_uneven(local, lay.second_sizes).reshape(-1)
+      rows = comm.gather_uneven(local, lay.second_sizes)
+      return jnp.concatenate([jnp.pad(r, (0, lay.second_segment - r.shape[0]))
+                              for r in rows])
     return comm.gather_group(local)
 
   def stale_refresh(state, stats):
@@ -918,17 +920,16 @@ def scale_by_kfac(
     offsets, group_sizes, size = _gradient_offsets(lay)
 
     if reduce_grads == "reduce_scatter" and lay.plans:
-      # SP-NGD: raw local gradients go to their owner group only.
-      pieces = []
-      for g in range(lay.num_groups):
-        group = [_gradient_matrix(p, leaves).ravel() for p in lay.group_plans(g)]
-        used = sum(x.size for x in group)
-        pieces += [jnp.zeros(1, compute_dtype)] + group + [
-            jnp.zeros(size - 1 - used, compute_dtype)]
-      buffer = jnp.concatenate(pieces).astype(compute_dtype)
-      segment = (comm.reduce_uneven(buffer, group_sizes)
-                 if lay.group_size == 1 < lay.num_groups
-                 else comm.reduce_scatter_groups(buffer))
+      # SP-NGD: raw local gradients go to their owner group only (slot 0:
+      # the group's KL sum, computed after the reduction).
+      groups = [jnp.concatenate([jnp.zeros(1, compute_dtype)] + [
+          _gradient_matrix(p, leaves).ravel().astype(compute_dtype)
+          for p in lay.group_plans(g)]) for g in range(lay.num_groups)]
+      if lay.group_size == 1 < lay.num_groups:
+        segment = comm.reduce_uneven(groups, size)
+      else:
+        segment = comm.reduce_scatter_groups(jnp.concatenate(
+            [jnp.pad(x, (0, size - x.shape[0])) for x in groups]))
 
       def grad_of(plan):
         layer, start = plan.layer, offsets[(plan.layer.name, plan.group)]
@@ -957,17 +958,17 @@ def scale_by_kfac(
       mine = lax.switch(comm.group_index(),
                         [functools.partial(branch, g) for g in range(lay.num_groups)])
       buffers = (comm.gather_uneven(mine, group_sizes) if lay.group_size == 1
-                 else comm.gather_groups(mine))
-      vg = jnp.sum(buffers[:, 0])
+                 else list(comm.gather_groups(mine)))
+      vg = sum(b[0] for b in buffers)
       preconditioned = {}
       for plan in lay.plans:             # a replicated layer: its pieces' rows
         layer, rows, dots = plan.layer, [], []
         for piece in plan.pieces:
           lo, hi = _piece_rows(piece)
           start = offsets[(layer.name, piece.group)]
-          rows.append(buffers[piece.group, start:start + (hi - lo) * layer.g_dim].reshape(
+          rows.append(buffers[piece.group][start:start + (hi - lo) * layer.g_dim].reshape(
               hi - lo, layer.g_dim))
-          dots.append(buffers[piece.group, start - 1])
+          dots.append(buffers[piece.group][start - 1])
         preconditioned[layer.name] = jnp.concatenate(rows) if plan.copies else rows[0]
         if plan.copies:
           vg = vg + jnp.abs(sum(dots)) * vg_weight(plan)

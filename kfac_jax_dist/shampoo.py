@@ -805,7 +805,7 @@ def scale_by_shampoo(
       for j, slots in enumerate(mine_slots):
         if slots:
           d = lay.buckets[j][0]
-          block = gathered[device, offset:offset + len(slots) * d * d]
+          block = gathered[device][offset:offset + len(slots) * d * d]
           out[j] = out[j].at[jnp.asarray(slots)].set(block.reshape(len(slots), d, d))
           offset += len(slots) * d * d
     return tuple(out)
@@ -864,14 +864,12 @@ def scale_by_shampoo(
     if reduce_scatter:
       # SP-NGD: each group receives the averaged gradients of its blocks only.
       width = -(-max(max(total for _, total in offsets), 1) // m) * m
-      pieces = []
-      for g in range(lay.num_groups):
-        pieces += [_take(all_blocks(merged[q], q, r), bs).reshape(-1)
-                   for (q, r), bs in group_blocks[g]]
-        pieces.append(jnp.zeros(width - offsets[g][1], dtype))
-      buffer = jnp.concatenate(pieces)
-      segment = (comm.reduce_uneven(buffer, [total for _, total in offsets]) if m == 1
-                 else comm.reduce_scatter_groups(buffer))
+      groups = [jnp.concatenate([jnp.zeros(0, dtype)] + [
+          _take(all_blocks(merged[q], q, r), bs).reshape(-1)
+          for (q, r), bs in group_blocks[g]]) for g in range(lay.num_groups)]
+      segment = (comm.reduce_uneven(groups, width) if m == 1
+                 else comm.reduce_scatter_groups(jnp.concatenate(
+                     [jnp.pad(x, (0, width - x.shape[0])) for x in groups])))
 
     def blocks_of(g, q, r):
       """The averaged gradients of group `g`'s blocks of region `r` of parameter
@@ -961,8 +959,7 @@ def scale_by_shampoo(
 
     def gathered(shampoo):
       rows = comm.gather_uneven(per_group(lambda g: group_directions(g, shampoo)), used)
-      buffers = [jnp.concatenate([rows[i, :used[i]] for i in range(g * m, g * m + m)])
-                 for g in range(lay.num_groups)]
+      buffers = [jnp.concatenate(rows[g * m:g * m + m]) for g in range(lay.num_groups)]
       out = []
       for q in pre:
         plan, pieces = lay.params[q], {}

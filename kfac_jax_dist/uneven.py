@@ -255,12 +255,12 @@ def _received_at(send: Send, num_devices: int, me, to_owner: bool):
 
 
 def gather(segment: jax.Array, sizes: Sequence[int], axis: str, me,
-           scheme: Prefix | Rechunk | None = None) -> jax.Array:
+           scheme: Prefix | Rechunk | None = None) -> list[jax.Array]:
   """Every device's `[L]` segment, of which device `i` uses the first
-  `sizes[i]` numbers (the rest are zeros), → `[P, L]` on every device (typed
-  invariant over `axis`); `me` is the device index, `scheme` by default
-  `plan(sizes)`."""
-  length, p = segment.shape[0], len(sizes)
+  `sizes[i]` numbers (the rest are zeros), → the list of every device's used
+  numbers, `[sizes[i]]`, on every device (typed invariant over `axis`); `me`
+  is the device index, `scheme` by default `plan(sizes)`."""
+  p = len(sizes)
   scheme = scheme or plan(tuple(int(u) for u in sizes))
   if isinstance(scheme, Prefix):
     return _gather_prefix(segment, scheme, axis, me)
@@ -274,33 +274,30 @@ def gather(segment: jax.Array, sizes: Sequence[int], axis: str, me,
   parts = [[(0, i * c, keep[i])] for i in range(p)]
   for q in scheme.pieces():
     parts[q.owner].append((q.segment_start, q.host * c + q.chunk_start, q.size))
-  rows = []
-  for i in range(p):
-    pieces = [flat[at:at + n] for _, at, n in sorted(parts[i])]
-    rows.append(jnp.concatenate(pieces + [jnp.zeros(length - sizes[i], segment.dtype)]))
-  return jnp.stack(rows)
+  return [jnp.concatenate([flat[at:at + n] for _, at, n in sorted(parts[i])])
+          for i in range(p)]
 
 
-def reduce_scatter(buffer: jax.Array, sizes: Sequence[int], axis: str, me,
+def reduce_scatter(segments: Sequence[jax.Array], length: int, axis: str, me,
                    scheme: Prefix | Rechunk | None = None) -> jax.Array:
-  """Per-device `[P·L]` (device-major segments, device `i` using the first
-  `sizes[i]` numbers of its) → this device's `[L]`, summed over the devices
-  (typed varying over `axis`): the mirror of `gather`."""
-  p = len(sizes)
-  length = buffer.shape[0] // p
-  segments = buffer.reshape(p, length)
-  scheme = scheme or plan(tuple(int(u) for u in sizes))
+  """This device's contribution to every device's segment, `segments[i]` of
+  `[uᵢ]` numbers → this device's `[L]` (`L = length ≥ max u`; zeros past
+  its `u`), summed over the devices (typed varying over `axis`): the mirror
+  of `gather`."""
+  p, sizes = len(segments), tuple(int(x.shape[0]) for x in segments)
+  scheme = scheme or plan(sizes)
   if isinstance(scheme, Prefix):
-    return _reduce_prefix(segments, scheme, axis, me)
+    return _reduce_prefix(segments, length, scheme, axis, me)
   c, keep = scheme.chunk, scheme.keep
-  hosted = [[(0, segments[i, :keep[i]])] for i in range(p)]
+  dtype = segments[0].dtype
+  hosted = [[(0, segments[i][:keep[i]])] for i in range(p)]
   for q in scheme.pieces():
     hosted[q.host].append(
-        (q.chunk_start, segments[q.owner, q.segment_start:q.segment_start + q.size]))
+        (q.chunk_start, segments[q.owner][q.segment_start:q.segment_start + q.size]))
   tight = []
   for i in range(p):
     tight += [x for _, x in sorted(hosted[i], key=lambda t: t[0])]
-    tight.append(jnp.zeros(c - sum(x.shape[0] for _, x in hosted[i]), buffer.dtype))
+    tight.append(jnp.zeros(c - sum(x.shape[0] for _, x in hosted[i]), dtype))
   chunk = jax.lax.psum_scatter(jnp.concatenate(tight), axis, scatter_dimension=0,
                                tiled=True)
   pad = scheme.largest_send
@@ -314,35 +311,32 @@ def reduce_scatter(buffer: jax.Array, sizes: Sequence[int], axis: str, me,
 
 
 def _gather_prefix(segment, scheme: Prefix, axis, me):
-  length, p, prefix = segment.shape[0], len(scheme.sizes), scheme.length
+  p, prefix, sizes = len(scheme.sizes), scheme.length, scheme.sizes
   head = (_compat.all_gather_invariant(segment[:prefix], axis, tiled=False)
           if prefix else jnp.zeros((p, 0), segment.dtype))
   over = list(scheme.overflow)
   if not sum(over):
-    return jnp.pad(head, ((0, 0), (0, length - prefix)))
+    return [head[i, :sizes[i]] for i in range(p)]
   # Position j of the tight overflow buffer belongs to device owner[j] and
   # holds its segment[source[j]]; each device fills its own positions.
   owner = np.repeat(np.arange(p), over)
   bases = np.cumsum([0] + over[:-1])
   source = prefix + np.arange(owner.size) - bases[owner]
   summed = jax.lax.psum(jnp.where(jnp.asarray(owner) == me, segment[source], 0), axis)
-  rows = [jnp.concatenate([head[i], summed[bases[i]:bases[i] + over[i]],
-                           jnp.zeros(length - prefix - over[i], segment.dtype)])
-          for i in range(p)]
-  return jnp.stack(rows)
+  return [jnp.concatenate([head[i, :min(sizes[i], prefix)],
+                           summed[bases[i]:bases[i] + over[i]]]) for i in range(p)]
 
 
-def _reduce_prefix(segments, scheme: Prefix, axis, me):
-  p, length = segments.shape
-  prefix = scheme.length
-  head = (jax.lax.psum_scatter(segments[:, :prefix].reshape(-1), axis,
-                               scatter_dimension=0, tiled=True)
-          if prefix else jnp.zeros(0, segments.dtype))
+def _reduce_prefix(segments, length, scheme: Prefix, axis, me):
+  p, prefix, dtype = len(segments), scheme.length, segments[0].dtype
+  head = (jax.lax.psum_scatter(
+      jnp.concatenate([jnp.pad(x[:prefix], (0, prefix - min(x.shape[0], prefix)))
+                       for x in segments]), axis, scatter_dimension=0, tiled=True)
+          if prefix else jnp.zeros(0, dtype))
   over = list(scheme.overflow)
-  tail = jnp.zeros(length - prefix, segments.dtype)
+  tail = jnp.zeros(length - prefix, dtype)
   if sum(over):
-    summed = jax.lax.psum(jnp.concatenate(
-        [segments[i, prefix:prefix + over[i]] for i in range(p)]), axis)
+    summed = jax.lax.psum(jnp.concatenate([x[prefix:] for x in segments]), axis)
     # This device's overflow, read at static positions shifted by its base.
     j = jnp.arange(length - prefix)
     tail = jnp.where(j < _table(over, me),

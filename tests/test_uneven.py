@@ -4,6 +4,7 @@ and averaging the segments on 8 devices, and the rechunk plan's invariants."""
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
@@ -44,8 +45,11 @@ def test_uneven_collectives(sizes, name):
                      out_specs=(P(), P("data")))
   def run(seg, loc):
     me = jax.lax.axis_index("data")
-    return (uneven.gather(seg[0], sizes, "data", me, scheme),
-            uneven.reduce_scatter(loc[0].reshape(-1), sizes, "data", me, scheme)[None])
+    rows = uneven.gather(seg[0], sizes, "data", me, scheme)
+    assert [r.shape[0] for r in rows] == list(sizes)
+    gathered = jnp.stack([jnp.pad(r, (0, length - r.shape[0])) for r in rows])
+    mine = [loc[0, j, :u] for j, u in enumerate(sizes)]
+    return gathered, uneven.reduce_scatter(mine, length, "data", me, scheme)[None]
 
   gathered, reduced = jax.jit(run)(segments, local)
   np.testing.assert_array_equal(np.asarray(gathered), segments)
@@ -63,7 +67,7 @@ def test_collectives_average_with_the_planned_scheme():
 
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
   def run(loc):
-    return comm.reduce_uneven(loc[0].reshape(-1), sizes)[None]
+    return comm.reduce_uneven([loc[0, j, :u] for j, u in enumerate(sizes)], 42)[None]
 
   np.testing.assert_allclose(np.asarray(run(local)), local.mean(0), rtol=1e-5, atol=1e-6)
 
