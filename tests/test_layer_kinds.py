@@ -14,6 +14,7 @@ import pytest
 
 import kfac_jax_dist as kd
 from kfac_jax_dist.kfac import find_states
+from _steps import compile_step
 
 F64 = jnp.float64
 
@@ -195,14 +196,7 @@ def _train(problem, dist=None, steps=4):
     updates, state = tx.update(grads, state, params, kfac_stats=stats)
     return optax.apply_updates(params, updates), state, loss
 
-  if dist is None:
-    step = jax.jit(step)
-  else:
-    state = kd.shard_state(state, dist.mesh)
-    specs = kd.partition_specs(state)
-    step = jax.jit(jax.shard_map(
-        step, mesh=dist.mesh, in_specs=(P(), specs) + (P("data"),) * len(batch),
-        out_specs=(P(), specs, P())))
+  step, state = compile_step(step, state, dist, len(batch), extra_out=(P(),))
   losses = []
   for _ in range(steps):
     params, state, loss = step(params, state, *batch)

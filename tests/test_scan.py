@@ -20,6 +20,7 @@ from jax import lax
 
 import kfac_jax_dist as kd
 from kfac_jax_dist.kfac import find_states
+from _steps import compile_step
 
 L, D, C, B = 3, 4, 3, 8
 F64 = jnp.float64
@@ -568,15 +569,7 @@ def _train_float32(problem, dist=None, steps=3):
     updates, state = tx.update(grads, state, params, kfac_stats=stats)
     return optax.apply_updates(params, updates), state
 
-  if dist is None:
-    step = jax.jit(step)
-  else:
-    from jax.sharding import PartitionSpec as P
-    state = kd.shard_state(state, dist.mesh)
-    specs = kd.partition_specs(state)
-    step = jax.jit(jax.shard_map(
-        step, mesh=dist.mesh, in_specs=(P(), specs) + (P("data"),) * len(batch),
-        out_specs=(P(), specs)))
+  step, state = compile_step(step, state, dist, len(batch))
   for _ in range(steps):
     params, state = step(params, state, *batch)
   return params, state

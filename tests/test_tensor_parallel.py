@@ -14,6 +14,7 @@ import pytest
 
 import kfac_jax_dist as kd
 from kfac_jax_dist.kfac import find_states
+from _steps import compile_step
 
 DATA, M = 2, 4
 STEPS = 7            # counts 0..6: inverse at 0, 3, 6; factor-only at 2, 4; plain 1, 5
@@ -102,14 +103,7 @@ def _train(tx_of, loss_fn, params, x, y, dist=None, steps=STEPS):
     updates, state = tx.update(grads, state, params, kfac_stats=stats)
     return optax.apply_updates(params, updates), state
 
-  if dist is None:
-    step = jax.jit(step)
-  else:
-    state = kd.shard_state(state, dist.mesh)
-    specs = kd.partition_specs(state)
-    step = jax.jit(jax.shard_map(
-        step, mesh=dist.mesh, in_specs=(PARAM_SPECS, specs, P("data"), P("data")),
-        out_specs=(PARAM_SPECS, specs)))
+  step, state = compile_step(step, state, dist, 2, param_specs=PARAM_SPECS)
   trajectory, shardings = [], None
   for _ in range(steps):
     params, state = step(params, state, x, y)

@@ -4,13 +4,14 @@
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 import numpy as np
 import optax
 import pytest
 
 import kfac_jax_dist as kd
 from kfac_jax_dist.kfac import find_states
+from _steps import compile_step
 
 
 class Net(nn.Module):
@@ -88,14 +89,7 @@ def test_accumulation_inside_shard_map_equals_global_batch():
       updates, state = tx.update(grads, state, params, kfac_stats=stats)
       return optax.apply_updates(params, updates), state
 
-    if dist is None:
-      step = jax.jit(step)
-    else:
-      state = kd.shard_state(state, mesh)
-      specs = kd.partition_specs(state)
-      step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data"),
-                                                              P("data")),
-                                   out_specs=(P(), specs)))
+    step, state = compile_step(step, state, dist, 2)
     p = params
     for _ in range(3):
       p, state = step(p, state, tokens, mask)
