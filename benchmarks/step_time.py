@@ -53,7 +53,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -66,6 +65,8 @@ import numpy as np
 import optax
 
 import kfac_jax_dist as kd
+
+import _common  # benchmarks/, on sys.path when run as a script
 
 FACTOR_EVERY, INVERSE_EVERY = 10, 100
 LR = 1e-2
@@ -412,33 +413,12 @@ def measure(model_name: str, args) -> dict:
 
 # -------------------------------------------------------------------- report
 
-def cpu_name() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or "unknown"
-
-
-def _git(*args: str) -> str:
-  try:
-    return subprocess.run(["git", *args], capture_output=True, text=True,
-                          cwd=os.path.dirname(os.path.abspath(kd.__file__))).stdout.strip()
-  except OSError:
-    return ""
-
-
 def environment() -> dict:
-  commit = _git("rev-parse", "--short", "HEAD")
-  if commit and _git("status", "--porcelain", "--untracked-files=no", "."):
-    commit += "+local changes"
+  commit = _common.library_commit()
   return dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
               jax=jax.__version__, jaxlib=getattr(jax.lib, "__version__", ""),
               optax=optax.__version__, backend=jax.default_backend(),
-              devices=str(jax.devices()), cpu=cpu_name(), cpu_count=os.cpu_count(),
+              devices=str(jax.devices()), cpu=_common.cpu_name(), cpu_count=os.cpu_count(),
               python=platform.python_version(), commit=commit,
               threads_env={k: os.environ[k] for k in (
                   "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "XLA_FLAGS")
