@@ -215,7 +215,7 @@ def _table(values, me) -> jax.Array:
   return jnp.asarray(np.asarray(values, np.int32))[me]
 
 
-def _add_at(x: jax.Array, start, piece: jax.Array, used) -> jax.Array:
+def _add_at(x: jax.Array, piece: jax.Array, start, used) -> jax.Array:
   """`x[start:start + used] += piece[:used]` with traced `start`, `used`
   (`x` padded by at least `piece`'s size at the end)."""
   size = piece.shape[0]
@@ -230,28 +230,19 @@ def _take(x: jax.Array, start, size: int) -> jax.Array:
 
 
 def _forward(send: Send, x: jax.Array, num_devices: int, me, axis: str,
-             to_owner: bool) -> jax.Array:
+             to_owner: bool):
   """One ppermute of `send`: hosts' chunk numbers to owners (`to_owner`) or
-  owners' segment numbers to hosts; returns what this device receives."""
-  start = [0] * num_devices
+  owners' segment numbers to hosts. Returns what this device receives, and
+  where it goes and how much of it is used there (traced)."""
+  read, write, used = ([0] * num_devices for _ in range(3))
+  pairs = []
   for q in send.pieces:
-    if to_owner:
-      start[q.host] = q.chunk_start
-    else:
-      start[q.owner] = q.segment_start
-  pairs = [(q.host, q.owner) if to_owner else (q.owner, q.host) for q in send.pieces]
-  return jax.lax.ppermute(_take(x, _table(start, me), send.size), axis, pairs)
-
-
-def _received_at(send: Send, num_devices: int, me, to_owner: bool):
-  """(start, used) of what this device receives in `send`, where it goes."""
-  start, used = [0] * num_devices, [0] * num_devices
-  for q in send.pieces:
-    if to_owner:
-      start[q.owner], used[q.owner] = q.segment_start, q.size
-    else:
-      start[q.host], used[q.host] = q.chunk_start, q.size
-  return _table(start, me), _table(used, me)
+    src, dst = (q.host, q.owner) if to_owner else (q.owner, q.host)
+    read[src] = q.chunk_start if to_owner else q.segment_start
+    write[dst], used[dst] = (q.segment_start if to_owner else q.chunk_start), q.size
+    pairs.append((src, dst))
+  received = jax.lax.ppermute(_take(x, _table(read, me), send.size), axis, pairs)
+  return received, _table(write, me), _table(used, me)
 
 
 def gather(segment: jax.Array, sizes: Sequence[int], axis: str, me,
@@ -267,9 +258,7 @@ def gather(segment: jax.Array, sizes: Sequence[int], axis: str, me,
   c, keep, pad = scheme.chunk, scheme.keep, scheme.largest_send
   mine = jnp.where(jnp.arange(c + pad) < _table(keep, me), _take(segment, 0, c + pad), 0)
   for send in scheme.sends:
-    received = _forward(send, segment, p, me, axis, to_owner=False)
-    start, used = _received_at(send, p, me, to_owner=False)
-    mine = _add_at(mine, start, received, used)
+    mine = _add_at(mine, *_forward(send, segment, p, me, axis, to_owner=False))
   flat = _compat.all_gather_invariant(mine[:c], axis, tiled=True)
   parts = [[(0, i * c, keep[i])] for i in range(p)]
   for q in scheme.pieces():
@@ -304,9 +293,7 @@ def reduce_scatter(segments: Sequence[jax.Array], length: int, axis: str, me,
   out = jnp.where(jnp.arange(length + pad) < _table(keep, me),
                   _take(chunk, 0, length + pad), 0)
   for send in scheme.sends:
-    received = _forward(send, chunk, p, me, axis, to_owner=True)
-    start, used = _received_at(send, p, me, to_owner=True)
-    out = _add_at(out, start, received, used)
+    out = _add_at(out, *_forward(send, chunk, p, me, axis, to_owner=True))
   return out[:length]
 
 
@@ -317,12 +304,13 @@ def _gather_prefix(segment, scheme: Prefix, axis, me):
   over = list(scheme.overflow)
   if not sum(over):
     return [head[i, :sizes[i]] for i in range(p)]
-  # Position j of the tight overflow buffer belongs to device owner[j] and
-  # holds its segment[source[j]]; each device fills its own positions.
-  owner = np.repeat(np.arange(p), over)
-  bases = np.cumsum([0] + over[:-1])
-  source = prefix + np.arange(owner.size) - bases[owner]
-  summed = jax.lax.psum(jnp.where(jnp.asarray(owner) == me, segment[source], 0), axis)
+  # The tight overflow buffer holds device i's overflow at bases[i]; each
+  # device writes its own there (zeros elsewhere) and the psum adds them up.
+  bases, most = np.cumsum([0] + over[:-1]), max(over)
+  mine = jnp.where(jnp.arange(most) < _table(over, me), _take(segment, prefix, most), 0)
+  summed = jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(
+      jnp.zeros(sum(over) + most, segment.dtype), mine, _table(bases, me), 0)[:sum(over)],
+                        axis)
   return [jnp.concatenate([head[i, :min(sizes[i], prefix)],
                            summed[bases[i]:bases[i] + over[i]]]) for i in range(p)]
 
@@ -337,9 +325,8 @@ def _reduce_prefix(segments, length, scheme: Prefix, axis, me):
   tail = jnp.zeros(length - prefix, dtype)
   if sum(over):
     summed = jax.lax.psum(jnp.concatenate([x[prefix:] for x in segments]), axis)
-    # This device's overflow, read at static positions shifted by its base.
-    j = jnp.arange(length - prefix)
-    tail = jnp.where(j < _table(over, me),
-                     summed[jnp.minimum(_table(np.cumsum([0] + over[:-1]), me) + j,
-                                        sum(over) - 1)], 0)
+    # This device's overflow, at its base in the tight buffer.
+    tail = jnp.where(jnp.arange(length - prefix) < _table(over, me),
+                     _take(summed, _table(np.cumsum([0] + over[:-1]), me), length - prefix),
+                     0)
   return jnp.concatenate([head, tail])
