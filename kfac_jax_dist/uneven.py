@@ -316,7 +316,7 @@ def _gather_prefix(segment, scheme: Prefix, axis, me):
 
 
 def _reduce_prefix(segments, length, scheme: Prefix, axis, me):
-  p, prefix, dtype = len(segments), scheme.length, segments[0].dtype
+  prefix, dtype = scheme.length, segments[0].dtype
   head = (jax.lax.psum_scatter(
       jnp.concatenate([jnp.pad(x[:prefix], (0, prefix - min(x.shape[0], prefix)))
                        for x in segments]), axis, scatter_dimension=0, tiled=True)
