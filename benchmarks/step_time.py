@@ -1,11 +1,14 @@
 """Step time of K-FAC against optax SGD and Adam, measured side by side.
 
-Two models, both built from `kd.linen` layers (outside `kd.value_and_grad` the
-tags are plain Flax computations, so SGD and Adam run the very same model):
+Three models from benchmarks/_models.py, built from `kd.linen` layers
+(outside `kd.value_and_grad` the tags are plain Flax computations, so SGD and
+Adam run the very same model):
 
 * mlp: 784-512-512-10 ReLU MLP, batch 256, synthetic MNIST-shaped data;
 * cnn: Conv(32)-pool-Conv(64)-pool-Conv(64)-global mean-Dense(10), 3x3 kernels,
-  ReLU, on 32x32x3 inputs, batch 128, synthetic CIFAR-shaped data.
+  ReLU, on 32x32x3 inputs, batch 128, synthetic CIFAR-shaped data;
+* lm: a character-level Transformer LM (width 128, 2 pre-LN blocks, 4 heads,
+  context 64, vocabulary 96), batch 32 sequences, synthetic tokens.
 
 For each model every method is one jitted training step
 `value_and_grad -> tx.update -> optax.apply_updates`, run with
@@ -39,7 +42,7 @@ set `OPENBLAS_NUM_THREADS=1` (before Python starts) for eigh times that are
 an order of magnitude lower and far less erratic; the header records it.
 
 Usage: [OPENBLAS_NUM_THREADS=1] python benchmarks/step_time.py [--quick]
-       [--models mlp,cnn] [--rounds R] [--reps N] [--cycles C]
+       [--models mlp,cnn,lm] [--rounds R] [--reps N] [--cycles C]
        [--compile-reps K] [--hang-timeout S] [--out benchmarks/results]
 Writes step_time.md and step_time.json (step_time_quick.* with --quick).
 """
@@ -67,6 +70,7 @@ import optax
 import kfac_jax_dist as kd
 
 import _common  # benchmarks/, on sys.path when run as a script
+import _models
 
 FACTOR_EVERY, INVERSE_EVERY = 10, 100
 LR = 1e-2
@@ -100,46 +104,31 @@ WATCHDOG = Watchdog(0)
 
 # --------------------------------------------------------------------- models
 
-class MLP(nn.Module):
-  widths: tuple[int, ...] = (512, 512)
-  classes: int = 10
-
-  @nn.compact
-  def __call__(self, x):
-    x = x.reshape(x.shape[0], -1)
-    for w in self.widths:
-      x = nn.relu(kd.linen.Dense(w)(x))
-    return kd.linen.Dense(self.classes)(x)
-
-
-class CNN(nn.Module):
-  classes: int = 10
-
-  @nn.compact
-  def __call__(self, x):
-    x = nn.relu(kd.linen.Conv(32, (3, 3))(x))
-    x = nn.max_pool(x, (2, 2), (2, 2))
-    x = nn.relu(kd.linen.Conv(64, (3, 3))(x))
-    x = nn.max_pool(x, (2, 2), (2, 2))
-    x = nn.relu(kd.linen.Conv(64, (3, 3))(x))
-    x = jnp.mean(x, axis=(1, 2))
-    return kd.linen.Dense(self.classes)(x)
+LM_VOCAB, LM_CONTEXT = 96, 64
 
 
 def make_problem(name: str):
   """(model, params, x, y, description) with a fixed synthetic batch."""
   kx, ky, kp = jax.random.split(jax.random.key(0), 3)
   if name == "mlp":
-    model, shape, batch = MLP(), (784,), 256
+    model = _models.MLP()
+    x = jax.random.normal(kx, (256, 784), jnp.float32)
+    y = jax.random.randint(ky, (256,), 0, 10)
     desc = "MLP 784-512-512-10, ReLU, batch 256, synthetic data"
   elif name == "cnn":
-    model, shape, batch = CNN(), (32, 32, 3), 128
+    model = _models.CNN()
+    x = jax.random.normal(kx, (128, 32, 32, 3), jnp.float32)
+    y = jax.random.randint(ky, (128,), 0, 10)
     desc = ("CNN conv3x3(32)-pool-conv3x3(64)-pool-conv3x3(64)-mean-dense(10), "
             "32x32x3, batch 128, synthetic data")
+  elif name == "lm":
+    model = _models.CharLM(LM_VOCAB, width=128, blocks=2, heads=4, context=LM_CONTEXT)
+    x = jax.random.randint(kx, (32, LM_CONTEXT), 0, LM_VOCAB)
+    y = jax.random.randint(ky, (32, LM_CONTEXT), 0, LM_VOCAB)
+    desc = (model.describe() + f"; batch 32 x {LM_CONTEXT} tokens, synthetic tokens, "
+            "cross-entropy at every position")
   else:
-    raise ValueError(f"unknown model {name!r}")
-  x = jax.random.normal(kx, (batch,) + shape, jnp.float32)
-  y = jax.random.randint(ky, (batch,), 0, 10)
+    raise ValueError(f"unknown model {name!r} (mlp, cnn, lm)")
   params = model.init(kp, x)
   return model, params, x, y, desc
 
@@ -192,20 +181,23 @@ def compile_time(fn, *args) -> dict[str, float]:
 def flop_model(model, params, x, layers, loss_fn, y) -> dict:
   """FLOPs per step of the pieces of K-FAC, against those of forward+backward.
 
-  Per tagged layer with N positions (examples, or examples × output pixels),
-  factor dimensions dA (bias included) and dG: forward+backward ≈ 3·2·N·(dA−1)·dG
-  (2· for the first layer, whose input needs no gradient); preconditioning
-  (method eigen: Q_Aᵀ∇Q_G, then Q_A(·)Q_Gᵀ) = 4·(dA²·dG + dA·dG²); factors
-  A and G = 2·N·(dA² + dG²); eigh ≈ 9·d³ per factor (Golub & Van Loan's count
-  for a symmetric eigendecomposition with vectors; an upper estimate).
+  Per tagged dense or conv layer with N positions (examples, or examples ×
+  output pixels / tokens), factor dimensions dA (bias included) and dG:
+  forward+backward ≈ 3·2·N·(dA−1)·dG (2· for the model's first layer, whose
+  input needs no gradient); preconditioning (method eigen: Q_Aᵀ∇Q_G, then
+  Q_A(·)Q_Gᵀ) = 4·(dA²·dG + dA·dG²); factors A and G = 2·N·(dA² + dG²); eigh
+  ≈ 9·d³ per factor (Golub & Van Loan's count for a symmetric
+  eigendecomposition with vectors; an upper estimate). An embedding (diagonal
+  A) counts the G side only: 4·V·dG², 2·N·dG², 9·dG³. LayerNorm's unit-wise
+  2x2 blocks are negligible and not counted.
   """
-  positions = []
+  positions = {}
 
   def record(f, args, kwargs, context):
     out = f(*args, **kwargs)
-    if context.method_name == "__call__" and isinstance(
-        context.module, (kd.linen.Dense, kd.linen.Conv)):
-      positions.append(int(np.prod(out.shape[:-1])))
+    if context.method_name == "__call__":
+      path = "params/" + "/".join(context.module.scope.path)
+      positions[path] = int(np.size(out))
     return out
 
   with nn.intercept_methods(record):
@@ -213,12 +205,18 @@ def flop_model(model, params, x, layers, loss_fn, y) -> dict:
   cost = jax.jit(jax.value_and_grad(loss_fn)).lower(params, x, y).compile().cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   total = dict(fwd_bwd=0.0, precondition=0.0, factors=0.0, eigh=0.0)
-  for i, (layer, n) in enumerate(zip(layers, positions)):
+  for i, layer in enumerate(layers):
     a, g = layer.a_dim, layer.g_dim
-    total["fwd_bwd"] += 2 * n * (a - 1) * g * (2 if i == 0 else 3)
-    total["precondition"] += 4 * (a * a * g + a * g * g)
-    total["factors"] += 2 * n * (a * a + g * g)
-    total["eigh"] += 9 * (a ** 3 + g ** 3)
+    n = positions[layer.name] // g      # the output has N positions × g features
+    if layer.kind in ("dense", "conv2d"):
+      total["fwd_bwd"] += 2 * n * (a - 1) * g * (2 if i == 0 else 3)
+      total["precondition"] += 4 * (a * a * g + a * g * g)
+      total["factors"] += 2 * n * (a * a + g * g)
+      total["eigh"] += 9 * (a ** 3 + g ** 3)
+    elif layer.kind == "embed":
+      total["precondition"] += 4 * a * g * g
+      total["factors"] += 2 * n * g * g
+      total["eigh"] += 9 * g ** 3
   total["fwd_bwd_xla"] = float(cost.get("flops", float("nan"))) if cost else float("nan")
   fb = total["fwd_bwd"]
   total["floor_plain"] = (fb + total["precondition"]) / fb
@@ -473,7 +471,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true",
                       help="few rounds and steps (a smoke run; noisy numbers)")
-  parser.add_argument("--models", default="mlp,cnn")
+  parser.add_argument("--models", default="mlp,cnn,lm")
   parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
   parser.add_argument("--reps", type=int, default=None,
                       help="steps per timed block (fixed-state and short runs)")

@@ -7,12 +7,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
 
 import kfac_jax_dist as kd
+
+import helpers
 from kfac_jax_dist import packing
 from kfac_jax_dist.kfac import find_states
 
@@ -65,7 +67,7 @@ def _config(num_devices, fraction=1.0):
       return optax.apply_updates(params, updates), state
 
     return tx, None, step
-  mesh = Mesh(np.array(jax.devices()[:num_devices]), ("data",))
+  mesh = helpers.data_mesh(num_devices)
   tx = _tx(kd.Distribution(mesh, grad_worker_fraction=fraction))
   specs = kd.partition_specs(tx.init(_params()))
 
@@ -206,7 +208,7 @@ def test_convert_round_trip_is_exact():
     assert find_states(other)[0].layout != find_states(s8)[0].layout
   assert int(find_states(s1)[0].count) == 3
   # Owner storage (KAISA's all-reduce), unpacked factors, HYBRID groups of 2.
-  mesh8 = Mesh(np.array(jax.devices()), ("data",))
+  mesh8 = helpers.data_mesh(8)
   hybrid = _tx(kd.Distribution(mesh8, grad_worker_fraction=1 / 4,
                                factor_reduction="all_reduce", symmetric_comm=False))
   s_h = kd.convert_state(s8, hybrid.init(_params()))

@@ -5,12 +5,14 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
 
 import kfac_jax_dist as kd
+
+import helpers
 from kfac_jax_dist import uneven
 from kfac_jax_dist.kfac import find_states
 
@@ -75,7 +77,7 @@ def _distributed(num_devices, fraction, factor_reduction, gradient_reduction,
                  method="eigen", symmetric=True, steps=STEPS, comm_dtype=None,
                  cadence=(FACTOR_EVERY, INVERSE_EVERY)):
   loss_fn, params, x, y = _problem()
-  mesh = Mesh(np.array(jax.devices()[:num_devices]), ("data",))
+  mesh = helpers.data_mesh(num_devices)
   dist = kd.Distribution(mesh, axis="data", grad_worker_fraction=fraction,
                          factor_reduction=factor_reduction,
                          gradient_reduction=gradient_reduction, symmetric_comm=symmetric,
@@ -181,7 +183,7 @@ def test_dp_kfac_factors_are_the_owners_local_factors():
 
 
 def test_misconfigured_distribution_is_rejected():
-  mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+  mesh = helpers.data_mesh(8)
   with pytest.raises(ValueError, match="gradient workers"):
     kd.Distribution(mesh, grad_worker_fraction=3 / 8)
   with pytest.raises(ValueError, match="axis"):

@@ -8,12 +8,14 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
 
 import kfac_jax_dist as kd
+
+import helpers
 from kfac_jax_dist.kfac import find_states
 from kfac_jax_dist.kfac import second_order_parts
 
@@ -227,7 +229,7 @@ def test_failed_decomposition_keeps_previous_second_order(method, layer, which, 
 
 @functools.lru_cache(maxsize=None)
 def _distributed_step(fraction, gradient_reduction):
-  mesh = Mesh(np.array(jax.devices()), ("data",))
+  mesh = helpers.data_mesh(8)
   dist = kd.Distribution(mesh, grad_worker_fraction=fraction,
                          gradient_reduction=gradient_reduction)
   tx = kd.kfac(0.1, layers=_layers(), damping=1e-2, factor_update_every=1,
@@ -354,7 +356,7 @@ def test_statistics_may_be_omitted_on_a_known_non_factor_step():
 def test_distribution_errors():
   """The strategy must fit the mesh, and update must run where it says."""
   layers, params = _layers(), _params()
-  mesh = Mesh(np.array(jax.devices()), ("data",))
+  mesh = helpers.data_mesh(8)
   with pytest.raises(ValueError, match="gradient workers per layer"):
     kd.Distribution(mesh, grad_worker_fraction=3 / 8)
   with pytest.raises(ValueError, match="'model' is not an axis"):
@@ -380,7 +382,7 @@ def test_distribution_errors():
   with pytest.raises(ValueError, match="laid out for another distribution.*convert_state"):
     run(tx, single, mesh, kd.partition_specs(single))
   # shard_map over a mesh of another size than the Distribution's.
-  mesh4 = Mesh(np.array(jax.devices()[:4]), ("data",))
+  mesh4 = helpers.data_mesh(4)
   with pytest.raises(ValueError, match="has 4 devices, but the Distribution's mesh has 8"):
     run(tx, state, mesh4, specs)
   # in_specs that do not shard the factors.

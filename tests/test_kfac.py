@@ -8,6 +8,8 @@ import pytest
 
 import kfac_jax_dist as kd
 
+import helpers
+
 jax.config.update("jax_enable_x64", True)
 
 F64 = jnp.float64
@@ -274,7 +276,7 @@ def test_eager_init_equals_traced_init(config):
     tx = kd.shampoo(0.1, block_size=3, graft_type="adagrad")
   else:
     if "distribution" in config:
-      mesh = jax.sharding.Mesh(np.array(jax.devices()[:config["distribution"]]), ("data",))
+      mesh = helpers.data_mesh(config["distribution"])
       config["distribution"] = kd.Distribution(mesh, grad_worker_fraction=0.5)
     tx = kd.kfac(0.1, layers=layers, **config)
   eager = tx.init(params)

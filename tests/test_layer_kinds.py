@@ -7,14 +7,16 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
 
 import kfac_jax_dist as kd
+
+import helpers
 from kfac_jax_dist.kfac import find_states
-from _steps import compile_step
+from helpers import compile_step
 
 F64 = jnp.float64
 
@@ -231,7 +233,7 @@ def _strategies():
 def test_distributed_equals_single_device(problem, factor_reduction, fraction):
   """Every strategy on 8 devices equals one device on the global batch; the
   ResNet's BatchNorm is synchronised over the data axis (training mode)."""
-  mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+  mesh = helpers.data_mesh(8)
   dist = kd.Distribution(mesh, grad_worker_fraction=fraction,
                          factor_reduction=factor_reduction)
   got = _train(problem, dist)[0]
@@ -245,7 +247,7 @@ def test_dp_kfac_trains(problem):
   """DP-KFAC (factor_reduction="local": each owner's factors from its own
   local batch) is not the single-device run; it trains, and its factor
   reduction moves nothing (checked in test_distributed)."""
-  mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+  mesh = helpers.data_mesh(8)
   dist = kd.Distribution(mesh, grad_worker_fraction=1 / 8, factor_reduction="local")
   _, state, losses = _train(problem, dist, steps=6)
   assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
@@ -255,7 +257,7 @@ def test_dp_kfac_trains(problem):
 def test_embedding_of_replicated_ids_inside_shard_map():
   """Position ids the same on every device (jnp.arange): A does not vary over
   the axis while G does; the capture must still type both alike."""
-  mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+  mesh = helpers.data_mesh(2)
 
   class Positions(nn.Module):
     @nn.compact

@@ -18,9 +18,10 @@ import pathlib
 import time
 
 import jax
-from jax.sharding import Mesh
 import numpy as np
 import pytest
+
+import helpers
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("kfac_multihost_example",
@@ -68,13 +69,12 @@ def runs(tmp_path_factory):
   reason = _gloo_missing()
   if reason:
     pytest.skip(reason)
-  assert len(jax.devices()) >= NUM_DEVICES, "tests/conftest.py should give 8 CPU devices"
+  mesh = helpers.data_mesh(NUM_DEVICES)   # the single-process reference's
   out = tmp_path_factory.mktemp("multihost")
   start = time.monotonic()
   job = multihost.LocalJob(_worker_args(out), NUM_PROCESSES, DEVICES_PER_PROCESS,
                            capture=True, xla_flags=WORKER_XLA_FLAGS)
   try:
-    mesh = Mesh(np.array(jax.devices()[:NUM_DEVICES]), ("data",))
     reference = {}
     for strategy in STRATEGIES:
       params, losses = multihost.train(

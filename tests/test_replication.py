@@ -11,12 +11,14 @@ import itertools
 
 import flax.linen as nn
 import jax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
 
 import kfac_jax_dist as kd
+
+import helpers
 from kfac_jax_dist import checkpoint
 from kfac_jax_dist.kfac import find_states, running_factors, second_order_parts
 
@@ -72,7 +74,7 @@ def _single_device(method):
 
 def _distributed(fraction, factor_reduction, method):
   loss_fn, params, x, y = _problem()
-  mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+  mesh = helpers.data_mesh(8)
   dist = kd.Distribution(mesh, grad_worker_fraction=fraction,
                          factor_reduction=factor_reduction)
   grad_fn = kd.value_and_grad(loss_fn)
@@ -133,7 +135,7 @@ def test_replicated_state_converts_both_ways():
   loss_fn, params, x, y = _problem()
   layers = kd.value_and_grad(loss_fn).discover(params, x, y)
   single = _transform(layers, "eigen").init(params)
-  mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+  mesh = helpers.data_mesh(8)
   mem = _transform(layers, "eigen", kd.Distribution(
       mesh, grad_worker_fraction=1 / 8, factor_reduction="all_reduce")).init(params)
   assert find_states(mem)[0].layout.replicated()

@@ -19,8 +19,10 @@ from flax import nnx
 from jax import lax
 
 import kfac_jax_dist as kd
+
+import helpers
 from kfac_jax_dist.kfac import find_states
-from _steps import compile_step
+from helpers import compile_step
 
 L, D, C, B = 3, 4, 3, 8
 F64 = jnp.float64
@@ -610,9 +612,8 @@ def _strategies():
                          list(_strategies()))
 def test_distributed_scanned_equals_single_device(problem, fraction, factor_reduction,
                                                   gradient_reduction):
-  from jax.sharding import Mesh
   make = _mlp_problem if problem == "mlp" else _lm_problem
-  mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+  mesh = helpers.data_mesh(8)
   dist = kd.Distribution(mesh, grad_worker_fraction=fraction,
                          factor_reduction=factor_reduction,
                          gradient_reduction=gradient_reduction)

@@ -12,6 +12,8 @@ import pytest
 import scipy.linalg
 
 import kfac_jax_dist as kd
+
+import helpers
 from kfac_jax_dist import roots
 from kfac_jax_dist import uneven
 
@@ -430,8 +432,8 @@ def test_distributed_shampoo_equals_single_device(root_method):
   steps as on one device. (Every device gets the whole batch: averaging local
   gradients would change their rounding, which the near-singular early
   statistics' roots amplify.)"""
-  from jax.sharding import Mesh, PartitionSpec as P
-  mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+  from jax.sharding import PartitionSpec as P
+  mesh = helpers.data_mesh(8)
   rng = np.random.default_rng(0)
   params = {"w": jnp.asarray(rng.normal(size=(10, 6)), jnp.float32),
             "c": jnp.asarray(rng.normal(size=(3, 4, 5)), jnp.float32),
@@ -480,8 +482,7 @@ CADENCE = dict(block_size=4, start_preconditioning_step=2, statistics_compute_st
 
 
 def _mesh(n=8):
-  from jax.sharding import Mesh
-  return Mesh(np.array(jax.devices()[:n]), ("data",))
+  return helpers.data_mesh(n)
 
 
 def _sharded_steps(tx, state, mesh, local_grads, reduction):

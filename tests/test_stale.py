@@ -5,12 +5,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
 
 import kfac_jax_dist as kd
+
+import helpers
 from kfac_jax_dist.kfac import find_states
 
 ALPHA = 0.1
@@ -153,7 +155,7 @@ def _stale_strategies():
 def test_stale_statistics_under_every_strategy(fraction, factor_reduction):
   from test_distributed import _problem
   loss_fn, params, x, y = _problem()
-  mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+  mesh = helpers.data_mesh(8)
   dist = kd.Distribution(mesh, grad_worker_fraction=fraction,
                          factor_reduction=factor_reduction)
   grad_fn = kd.value_and_grad(loss_fn)

@@ -7,14 +7,16 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
 
 import kfac_jax_dist as kd
+
+import helpers
 from kfac_jax_dist.kfac import find_states
-from _steps import compile_step
+from helpers import compile_step
 
 DATA, M = 2, 4
 STEPS = 7            # counts 0..6: inverse at 0, 3, 6; factor-only at 2, 4; plain 1, 5
@@ -28,7 +30,7 @@ PARAM_SPECS = {"col": {"kernel": P(None, "model"), "bias": P("model")},
 
 
 def _mesh():
-  return Mesh(np.array(jax.devices()[:DATA * M]).reshape(DATA, M), ("data", "model"))
+  return helpers.mesh((DATA, M), ("data", "model"))
 
 
 def _problem():

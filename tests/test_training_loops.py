@@ -4,14 +4,15 @@
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 import numpy as np
 import optax
 import pytest
 
 import kfac_jax_dist as kd
+
+import helpers
 from kfac_jax_dist.kfac import find_states
-from _steps import compile_step
+from helpers import compile_step
 
 
 class Net(nn.Module):
@@ -70,7 +71,7 @@ def test_accumulation_inside_shard_map_equals_global_batch():
   loss_fn, params, tokens, _ = _problem()
   mask = jnp.ones((16, 4))
   grad_fn = kd.value_and_grad(loss_fn)
-  mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+  mesh = helpers.data_mesh(4)
   dist = kd.Distribution(mesh, factor_reduction="reduce_scatter")
 
   def run(dist, accumulate):

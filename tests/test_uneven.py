@@ -7,9 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 import kfac_jax_dist as kd
+
+import helpers
 from kfac_jax_dist import uneven
 
 SIZES = [
@@ -29,7 +31,7 @@ def _schemes(sizes):
 @pytest.mark.parametrize("sizes", SIZES)
 @pytest.mark.parametrize("name", ["prefix", "rechunk"])
 def test_uneven_collectives(sizes, name):
-  mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+  mesh = helpers.data_mesh(8)
   scheme = _schemes(sizes)[name]
   length = max(sizes) + 2
   rng = np.random.default_rng(0)
@@ -59,7 +61,7 @@ def test_uneven_collectives(sizes, name):
 def test_collectives_average_with_the_planned_scheme():
   """`Collectives.reduce_uneven` averages; `gather_uneven` is exact."""
   sizes = (1, 40, 2, 33, 0, 0, 3, 1)
-  mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+  mesh = helpers.data_mesh(8)
   comm = kd.distributed.Collectives(kd.Distribution(mesh, grad_worker_fraction=1 / 8))
   local = np.random.default_rng(1).normal(size=(8, 8, 42)).astype(np.float32)
   for j, u in enumerate(sizes):
@@ -131,7 +133,7 @@ def test_describe_names_the_schemes():
   """`kd.describe` says how the uneven collectives travel: three large layers
   among small ones (MEM-OPT, layers kept whole for SP-NGD) are rechunked, a
   COMM-OPT layout of equal factors is not."""
-  mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+  mesh = helpers.data_mesh(8)
   dims = [1024] * 3 + [32] * 13
   layers = kd.LayerRegistry(tuple(
       kd.TaggedLayer(name=f"l{i}", kind="dense", kernel_path=f"l{i}/kernel",

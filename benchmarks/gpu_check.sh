@@ -1,0 +1,154 @@
+#!/usr/bin/env bash
+# The project's GPU check: one prepared run of at most about 6 minutes for a
+# machine with one NVIDIA GPU and a CUDA jax already installed (no network
+# there: the project is used from its checkout through PYTHONPATH).
+#
+#   benchmarks/gpu_check.sh OUT_DIR          # on the GPU machine
+#   benchmarks/gpu_check.sh OUT_DIR --cpu    # rehearsal on a CPU machine
+#
+# Parts, each under its own time limit (a part that runs over is stopped and
+# reported as such; the others still run):
+#   1. the single-device tests (`pytest -m "not slow"`; the tests that need a
+#      mesh of several devices skip: tests/helpers.py), at matmul precision
+#      "highest": they check the math against float64 oracles, not TF32
+#      rounding;
+#   2. benchmarks/step_time.py: MLP, CNN and Transformer LM, K-FAC (every
+#      step and amortised 10/100) against optax SGD and Adam in the same run,
+#      at jax's default precision;
+#   3. benchmarks/vs_distributed_shampoo.py's models (kd.shampoo against
+#      Google's distributed_shampoo when the package `precondition` imports;
+#      otherwise that part is reported as skipped);
+#   4. examples/digits.py (K-FAC against Adam and SGD on sklearn's digits).
+# OUT_DIR receives at most 8 files (what the lent device machines return):
+#   summary.md, gpu_check.log, step_time.{md,json},
+#   vs_distributed_shampoo.{md,json}, digits/{metrics.csv,digits.png}.
+# --cpu runs the same parts on the CPU with one host device (the same test
+# selection as one GPU) and shorter benchmark settings.
+set -uo pipefail
+
+usage() { echo "usage: $0 OUT_DIR [--cpu]" >&2; exit 2; }
+[ $# -ge 1 ] || usage
+OUT=$1; shift
+MODE=gpu
+for arg in "$@"; do
+  case "$arg" in
+    --cpu) MODE=cpu ;;
+    *) usage ;;
+  esac
+done
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$OUT/digits"
+OUT=$(cd "$OUT" && pwd)
+LOG="$OUT/gpu_check.log"
+SUMMARY="$OUT/summary.md"
+PY=${PYTHON:-python3}
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export OPENBLAS_NUM_THREADS=1
+# Several test processes share the one GPU: no process may take 75% of it.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+
+if [ "$MODE" = cpu ]; then
+  export JAX_PLATFORMS=cpu
+  export XLA_FLAGS="--xla_force_host_platform_device_count=1"
+  STEP_ARGS=(--quick)
+  SHAMPOO_ARGS=(--steps 60 --rounds 2 --round-steps 20 --agree-steps 20)
+  DIGITS_ARGS=(--steps 100 --adam-lrs 3e-3 --sgd-lrs 0.1)
+  LIMITS=(900 900 300 300)
+  WORKERS=2
+else
+  STEP_ARGS=(--rounds 5 --reps 20 --cycles 1 --compile-reps 1)
+  SHAMPOO_ARGS=(--steps 300 --rounds 3 --round-steps 40)
+  DIGITS_ARGS=()
+  LIMITS=(150 120 45 45)
+  WORKERS=8
+fi
+
+: > "$LOG"
+{
+  echo "# GPU check ($MODE)"
+  echo
+  echo "- date: $(date -u +%Y-%m-%dT%H:%M:%SZ); commit: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')"
+} > "$SUMMARY"
+
+log() { echo "$*" | tee -a "$LOG"; }
+
+# --- 0. the machine and the jax it has --------------------------------------
+log "== environment"
+if command -v nvidia-smi > /dev/null; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$LOG" 2>&1
+fi
+"$PY" - >> "$LOG" 2>&1 <<'EOF'
+import platform, os
+import jax, jaxlib, flax, optax
+print("python", platform.python_version(), "| jax", jax.__version__, "| jaxlib",
+      jaxlib.__version__, "| flax", flax.__version__, "| optax", optax.__version__)
+print("backend", jax.default_backend(), "| devices", jax.devices(), "| cpus", os.cpu_count())
+EOF
+BACKEND=$("$PY" -c "import jax; print(jax.default_backend())" 2>> "$LOG")
+DEVICE=$("$PY" -c "import jax; print(jax.devices()[0].device_kind)" 2>> "$LOG")
+tail -n 2 "$LOG" | sed 's/^/- /' >> "$SUMMARY"
+if [ "$MODE" = gpu ] && [ "$BACKEND" != gpu ]; then
+  log "jax's default backend is '$BACKEND', not gpu: is a CUDA jax installed? (--cpu rehearses on CPU)"
+  echo "- FAILED: no GPU backend ('$BACKEND')" >> "$SUMMARY"
+  exit 1
+fi
+echo "- device: $DEVICE" >> "$SUMMARY"
+echo >> "$SUMMARY"
+echo "| part | status | seconds | limit s |" >> "$SUMMARY"
+echo "|---|---|---|---|" >> "$SUMMARY"
+
+FAILED=0
+# part NAME LIMIT_S COMMAND...: runs COMMAND under `timeout`, output to the log.
+part() {
+  local name=$1 limit=$2; shift 2
+  log ""
+  log "== $name (limit ${limit} s): $*"
+  local start rc status
+  start=$(date +%s)
+  (cd "$ROOT" && timeout --signal=TERM --kill-after=10 "$limit" "$@") >> "$LOG" 2>&1
+  rc=$?
+  case $rc in
+    0) status=ok ;;
+    124|137) status="stopped at the time limit"; FAILED=1 ;;
+    *) status="failed (exit $rc)"; FAILED=1 ;;
+  esac
+  local took=$(( $(date +%s) - start ))
+  log "== $name: $status after ${took} s"
+  echo "| $name | $status | $took | $limit |" >> "$SUMMARY"
+}
+
+# --- 1. single-device tests ---------------------------------------------------
+JAX_DEFAULT_MATMUL_PRECISION=highest part "single-device tests" "${LIMITS[0]}" \
+  "$PY" -m pytest -q -m "not slow" -p no:cacheprovider -n "$WORKERS" -o addopts="" --dist loadfile \
+  --durations=15 tests
+grep -E "(passed|failed|error).* in [0-9.]+s" "$LOG" | tail -n 1 | sed 's/^=* */- tests: /; s/ *=*$//' >> "$SUMMARY"
+
+# --- 2. step time -------------------------------------------------------------
+part "step_time (mlp, cnn, lm)" "${LIMITS[1]}" \
+  "$PY" benchmarks/step_time.py --models mlp,cnn,lm --hang-timeout 60 "${STEP_ARGS[@]}" \
+  --out "$OUT"
+
+# --- 3. vs_distributed_shampoo's models -----------------------------------------
+if "$PY" -c "import precondition.distributed_shampoo" > /dev/null 2>&1; then
+  part "vs_distributed_shampoo (mlp, cnn)" "${LIMITS[2]}" \
+    "$PY" benchmarks/vs_distributed_shampoo.py "${SHAMPOO_ARGS[@]}" --out "$OUT"
+else
+  log "== vs_distributed_shampoo: skipped (the package precondition-opt is not installed)"
+  echo "| vs_distributed_shampoo | skipped: precondition-opt not installed | | |" >> "$SUMMARY"
+fi
+
+# --- 4. the main example ------------------------------------------------------
+part "examples/digits.py" "${LIMITS[3]}" \
+  "$PY" examples/digits.py "${DIGITS_ARGS[@]}" --out "$OUT/digits"
+
+echo >> "$SUMMARY"
+for f in "$OUT"/step_time*.md; do
+  [ -f "$f" ] || continue
+  echo "## step time, amortised K-FAC vs SGD ($(basename "$f"))" >> "$SUMMARY"
+  grep -E "^## |^\| (sgd|adam|kfac_every|kfac_amortised) " "$f" >> "$SUMMARY"
+done
+log ""
+log "done: $( [ $FAILED = 0 ] && echo 'every part ok' || echo 'some parts failed: see summary.md' )"
+exit $FAILED
