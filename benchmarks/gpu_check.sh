@@ -5,6 +5,7 @@
 #
 #   benchmarks/gpu_check.sh OUT_DIR          # on the GPU machine
 #   benchmarks/gpu_check.sh OUT_DIR --cpu    # rehearsal on a CPU machine
+#   GPU_CHECK_PARTS=step_time,digits benchmarks/gpu_check.sh OUT_DIR   # a rerun of some
 #
 # Parts, each under its own time limit (a part that runs over is stopped and
 # reported as such; the others still run):
@@ -58,10 +59,10 @@ if [ "$MODE" = cpu ]; then
   LIMITS=(900 900 300 300)
   WORKERS=2
 else
-  STEP_ARGS=(--rounds 5 --reps 20 --cycles 1 --compile-reps 1)
+  STEP_ARGS=(--rounds 3 --reps 20 --cycles 1 --compile-reps 1)
   SHAMPOO_ARGS=(--steps 300 --rounds 3 --round-steps 40)
   DIGITS_ARGS=()
-  LIMITS=(150 120 45 45)
+  LIMITS=(150 240 100 45)
   WORKERS=8
 fi
 
@@ -100,9 +101,12 @@ echo "| part | status | seconds | limit s |" >> "$SUMMARY"
 echo "|---|---|---|---|" >> "$SUMMARY"
 
 FAILED=0
-# part NAME LIMIT_S COMMAND...: runs COMMAND under `timeout`, output to the log.
+PARTS=",${GPU_CHECK_PARTS:-tests,step_time,shampoo,digits},"
+# part KEY NAME LIMIT_S COMMAND...: runs COMMAND under `timeout`, output to the
+# log, if KEY is in GPU_CHECK_PARTS (default: every part).
 part() {
-  local name=$1 limit=$2; shift 2
+  local key=$1 name=$2 limit=$3; shift 3
+  case "$PARTS" in *",$key,"*) ;; *) return 0 ;; esac
   log ""
   log "== $name (limit ${limit} s): $*"
   local start rc status
@@ -120,19 +124,19 @@ part() {
 }
 
 # --- 1. single-device tests ---------------------------------------------------
-JAX_DEFAULT_MATMUL_PRECISION=highest part "single-device tests" "${LIMITS[0]}" \
+JAX_DEFAULT_MATMUL_PRECISION=highest part tests "single-device tests" "${LIMITS[0]}" \
   "$PY" -m pytest -q -m "not slow" -p no:cacheprovider -n "$WORKERS" -o addopts="" --dist loadfile \
   --durations=15 tests
 grep -E "(passed|failed|error).* in [0-9.]+s" "$LOG" | tail -n 1 | sed 's/^=* */- tests: /; s/ *=*$//' >> "$SUMMARY"
 
 # --- 2. step time -------------------------------------------------------------
-part "step_time (mlp, cnn, lm)" "${LIMITS[1]}" \
+part step_time "step_time (mlp, cnn, lm)" "${LIMITS[1]}" \
   "$PY" benchmarks/step_time.py --models mlp,cnn,lm --hang-timeout 60 "${STEP_ARGS[@]}" \
   --out "$OUT"
 
 # --- 3. vs_distributed_shampoo's models -----------------------------------------
 if "$PY" -c "import precondition.distributed_shampoo" > /dev/null 2>&1; then
-  part "vs_distributed_shampoo (mlp, cnn)" "${LIMITS[2]}" \
+  part shampoo "vs_distributed_shampoo (mlp, cnn)" "${LIMITS[2]}" \
     "$PY" benchmarks/vs_distributed_shampoo.py "${SHAMPOO_ARGS[@]}" --out "$OUT"
 else
   log "== vs_distributed_shampoo: skipped (the package precondition-opt is not installed)"
@@ -140,7 +144,7 @@ else
 fi
 
 # --- 4. the main example ------------------------------------------------------
-part "examples/digits.py" "${LIMITS[3]}" \
+part digits "examples/digits.py" "${LIMITS[3]}" \
   "$PY" examples/digits.py "${DIGITS_ARGS[@]}" --out "$OUT/digits"
 
 echo >> "$SUMMARY"

@@ -8,8 +8,6 @@ the 8 devices come from conftest's XLA_FLAGS, or the notebook sets them itself).
 
 import pathlib
 
-import nbformat
-from nbclient import NotebookClient
 import pytest
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
@@ -18,9 +16,11 @@ NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path, tmp_path, monkeypatch):
+  nbformat = pytest.importorskip("nbformat")
+  nbclient = pytest.importorskip("nbclient")
   monkeypatch.setenv("MPLBACKEND", "Agg")
   notebook = nbformat.read(path, as_version=4)
-  NotebookClient(notebook, timeout=600, kernel_name="python3",
+  nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
                  resources={"metadata": {"path": str(tmp_path)}}).execute()
   errors = [o for cell in notebook.cells if cell.cell_type == "code"
             for o in cell.get("outputs", []) if o.get("output_type") == "error"]
