@@ -96,9 +96,10 @@ import optax
 from jax.sharding import Mesh
 
 import kfac_jax_dist as kd
-from kfac_jax_dist import layout as layout_lib
-from kfac_jax_dist import uneven as uneven_lib
-from kfac_jax_dist.kfac import _gradient_offsets, find_states
+from kfac_jax_dist.kfac import layout as layout_lib
+from kfac_jax_dist.core import uneven as uneven_lib
+from kfac_jax_dist.kfac.layout import gradient_offsets as _gradient_offsets
+from kfac_jax_dist.kfac.state import find_states
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402

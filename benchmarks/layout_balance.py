@@ -14,7 +14,7 @@ batch is abstract too; nothing is allocated):
   `max_factor_dim`: every factor (up to 4097) is a full matrix.
 
 For P = 8, 64, 256 and MEM-OPT (group size m = 1) and COMM-OPT (m = P),
-`kfac_jax_dist.layout.build(layers, paths, num_devices=P, group_size=m)` is
+`kfac_jax_dist.kfac.layout.build(layers, paths, num_devices=P, group_size=m)` is
 called (factor_reduction="reduce_scatter": tight chunked running factors) and
 its placement measured:
 
@@ -75,10 +75,11 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 import kfac_jax_dist as kd
-from kfac_jax_dist import layout as layout_lib
-from kfac_jax_dist import registry
-from kfac_jax_dist import uneven as uneven_lib
-from kfac_jax_dist.kfac import _cheaper_storage, _gradient_offsets
+from kfac_jax_dist.kfac import layout as layout_lib
+from kfac_jax_dist.capture import registry
+from kfac_jax_dist.core import uneven as uneven_lib
+from kfac_jax_dist.kfac.layout import cheaper_storage as _cheaper_storage
+from kfac_jax_dist.kfac.layout import gradient_offsets as _gradient_offsets
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
@@ -582,7 +583,7 @@ def main(argv=None):
   out = ["# K-FAC layout: load balance and communication padding (ResNet-50, BERT-Large)",
          "", C.header_md(head),
          "- layer shapes from kd.linen models, discovered shapes-only (jax.eval_shape); "
-         "`kfac_jax_dist.layout.build(layers, paths, num_devices=P, group_size=m)`, "
+         "`kfac_jax_dist.kfac.layout.build(layers, paths, num_devices=P, group_size=m)`, "
          "method eigen, packed (symmetric) factors, no max_factor_dim, factor_reduction "
          "reduce_scatter, running-factor storage as the transform picks it at init for "
          "the cadence 10/100 (`kfac._cheaper_storage`, 69e5d57): tight chunks when "

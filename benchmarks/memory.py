@@ -49,8 +49,8 @@ import optax
 from jax.sharding import Mesh
 
 import kfac_jax_dist as kd
-from kfac_jax_dist import layout as layout_lib
-from kfac_jax_dist.kfac import find_states
+from kfac_jax_dist.kfac import layout as layout_lib
+from kfac_jax_dist.kfac.state import find_states
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402

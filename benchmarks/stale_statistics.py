@@ -28,7 +28,7 @@ identical for every run. The held-out loss is the mean over 8 fixed windows
 batches (256 sequences).
 
 Reported, from the state's `refresh.refreshes` (the refreshes of every factor,
-in the order of `kd.stale.factor_order(layout)`):
+in the order of `kfac_jax_dist.kfac.stale.factor_order(layout)`):
 
 * refreshes per factor (layer, factor, form, dimension, stored numbers);
 * total refreshes against N·#factors;
@@ -107,9 +107,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
 import kfac_jax_dist as kd  # noqa: E402
-from kfac_jax_dist import factors as factors_lib  # noqa: E402
-from kfac_jax_dist import stale as stale_lib  # noqa: E402
-from kfac_jax_dist.kfac import find_states  # noqa: E402
+from kfac_jax_dist.capture import statistics as factors_lib  # noqa: E402
+from kfac_jax_dist.kfac import stale as stale_lib  # noqa: E402
+from kfac_jax_dist.kfac.state import find_states  # noqa: E402
 
 TRAIN_MODULES = ("argparse", "textwrap", "difflib", "string")
 HELDOUT_MODULES = ("pprint",)

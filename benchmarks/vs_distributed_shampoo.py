@@ -213,7 +213,7 @@ def _oracle_root(h, p):
 
 def root_check(state):
   """Per bucket of a ScaleByShampooState: relative errors of the roots."""
-  from kfac_jax_dist import roots  # pylint: disable=import-outside-toplevel
+  from kfac_jax_dist.shampoo import roots  # pylint: disable=import-outside-toplevel
   rows = []
   for (d, p), stats in zip(state.layout.buckets, state.statistics):
     want = [_oracle_root(h, p) for h in np.asarray(stats)]

@@ -28,7 +28,7 @@ def as_varying(tree, axes: tuple[str, ...]):
   else:
     cast = lambda x, missing: jax.lax.pvary(x, missing)
 
-  def one(x):   # only the axes x does not already vary over
+  def one(x: jax.Array) -> jax.Array:   # only the axes x does not already vary over
     missing = tuple(a for a in axes if a not in varying_axes(x))
     return cast(x, missing) if missing else x
   return jax.tree_util.tree_map(one, tree)
@@ -40,3 +40,8 @@ def all_gather_invariant(x, axis_name: str, *, tiled: bool = True):
   if hasattr(jax.lax, "all_gather_invariant"):                 # jax 0.8 - 0.9
     return jax.lax.all_gather_invariant(x, axis_name, tiled=tiled)
   return jax.lax.all_gather(x, axis_name, tiled=tiled, to="invarying")
+
+
+def traced(tree) -> bool:
+  """Whether any leaf of `tree` is a tracer (under jit, eval_shape, grad, ...)."""
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree))

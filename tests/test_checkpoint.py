@@ -15,8 +15,8 @@ import pytest
 import kfac_jax_dist as kd
 
 import helpers
-from kfac_jax_dist import packing
-from kfac_jax_dist.kfac import find_states
+from kfac_jax_dist.kfac import packing
+from kfac_jax_dist.kfac.state import find_states
 
 BATCH = 16
 FACTOR_EVERY, INVERSE_EVERY = 1, 2

@@ -13,8 +13,8 @@ import pytest
 import kfac_jax_dist as kd
 
 import helpers
-from kfac_jax_dist import uneven
-from kfac_jax_dist.kfac import find_states
+from kfac_jax_dist.core import uneven
+from kfac_jax_dist.kfac.state import find_states
 
 STEPS = 7            # counts 0..6: inverse at 0, 3, 6; factor-only at 2, 4; plain 1, 5
 FACTOR_EVERY, INVERSE_EVERY = 2, 3

@@ -16,8 +16,8 @@ import pytest
 import kfac_jax_dist as kd
 
 import helpers
-from kfac_jax_dist.kfac import find_states
-from kfac_jax_dist.kfac import second_order_parts
+from kfac_jax_dist.kfac.state import find_states
+from kfac_jax_dist.kfac.state import second_order_parts
 
 BATCH = 16
 

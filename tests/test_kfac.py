@@ -329,7 +329,7 @@ def test_cpu_decompositions_are_unbatched():
   every LAPACK call must see one matrix (num_batch_dims = 0)."""
   if jax.default_backend() != "cpu":
     pytest.skip("LAPACK custom calls exist on the CPU backend only")
-  from kfac_jax_dist import linalg
+  from kfac_jax_dist.kfac import linalg
   stacked = jnp.ones((3, 6, 6), jnp.float32)
   texts = [jax.jit(linalg.eigh).lower(stacked).as_text(),
            jax.jit(linalg.damped_inverse).lower(stacked, jnp.ones(3)).as_text()]

@@ -7,7 +7,7 @@ and adds a zero perturbation to each layer output; the output gradients
 `g_p = Σ_e w_e ∂ℓ_e/∂y_p` come from the Jacobian of the per-example losses
 w.r.t. those perturbations. Where examples are independent, per-example
 parameter gradients from `jax.vmap(jax.grad(...))` check the same numbers
-another way. Conventions under test (see `kfac_jax_dist.factors`):
+another way. Conventions under test (see `kfac_jax_dist.capture.statistics`):
 
     embed:            A_v = (1/N)·#{p : id_p = v}   ([V]),  G = (1/n) Σ_p g_p g_pᵀ
     dense_general:    Dense's A and G on the flattened inputs / outputs
@@ -29,6 +29,7 @@ from flax import nnx
 from jax import lax
 
 import kfac_jax_dist as kd
+from kfac_jax_dist.kfac import linalg
 from test_capture import (_randomized, _shapes, assert_factor_close, assert_trees_equal,
                           capture, ce_per_example, check_mc_estimate, f64, mc_draws,
                           randn)
@@ -398,7 +399,7 @@ def test_unitwise_precondition_matches_solve():
   blocks[0] = [[1.0, 1.0], [1.0, 1.0]]                                # singular block
   fisher = np.stack([blocks[:, 0, 0], blocks[:, 0, 1], blocks[:, 1, 1]], -1)
   g = rng.normal(size=(c, 2))
-  v_gamma, v_beta = kd.linalg.unitwise_precondition(
+  v_gamma, v_beta = linalg.unitwise_precondition(
       jnp.asarray(g[:, 0]), jnp.asarray(g[:, 1]), jnp.asarray(fisher), damping)
   expected = np.linalg.solve(blocks + damping * np.eye(2), g[..., None])[..., 0]
   np.testing.assert_allclose(f64(v_gamma), expected[:, 0], rtol=1e-10)
@@ -411,13 +412,13 @@ def test_unitwise_precondition_matches_solve():
   np.testing.assert_allclose(np.stack([f64(v_gamma), f64(v_beta)], -1).reshape(-1), w,
                              rtol=1e-10)
   # float32 inputs: float32 results, computed in float32 at least.
-  v32, _ = kd.linalg.unitwise_precondition(jnp.asarray(g[:, 0], jnp.float32),
+  v32, _ = linalg.unitwise_precondition(jnp.asarray(g[:, 0], jnp.float32),
                                            jnp.asarray(g[:, 1], jnp.float32),
                                            jnp.asarray(fisher, jnp.float32), damping)
   assert v32.dtype == jnp.float32
   np.testing.assert_allclose(f64(v32), expected[:, 0], rtol=1e-3)
   # Scale only: F's γβ, ββ are zero (factors.unitwise_fisher without offset).
-  only, none = kd.linalg.unitwise_precondition(
+  only, none = linalg.unitwise_precondition(
       jnp.asarray(g[:, 0]), None, jnp.asarray(fisher * [1, 0, 0]), damping)
   assert none is None
   np.testing.assert_allclose(f64(only), g[:, 0] / (fisher[:, 0] + damping), rtol=1e-10)

@@ -19,8 +19,8 @@ import pytest
 import kfac_jax_dist as kd
 
 import helpers
-from kfac_jax_dist import checkpoint
-from kfac_jax_dist.kfac import find_states, running_factors, second_order_parts
+from kfac_jax_dist.tools import checkpoint
+from kfac_jax_dist.kfac.state import find_states, running_factors, second_order_parts
 
 STEPS = 6            # counts 0..5: inverse at 0, 3; factor-only at 2, 4; plain at 1, 5
 CADENCE = {"factor_update_every": 2, "inverse_update_every": 3}
@@ -155,7 +155,7 @@ def test_replication_stays_within_the_compile_budget():
   unreplicated decompositions (two 512² layers at P = 64: 2 × 2 × 32 copies),
   each item gets at most as many owners as the budget allows (the largest
   such cap), and one owner only if even two are over it."""
-  from kfac_jax_dist import layout
+  from kfac_jax_dist.kfac import layout
   dims = [512, 512] + [16] * 30
   layers = kd.LayerRegistry(tuple(
       kd.TaggedLayer(name=f"l{i}", kind="dense", kernel_path=f"l{i}/kernel",

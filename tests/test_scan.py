@@ -21,7 +21,7 @@ from jax import lax
 import kfac_jax_dist as kd
 
 import helpers
-from kfac_jax_dist.kfac import find_states
+from kfac_jax_dist.kfac.state import find_states
 from helpers import compile_step
 
 L, D, C, B = 3, 4, 3, 8

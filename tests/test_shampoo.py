@@ -1,7 +1,7 @@
 """Shampoo against a float64 brute-force numpy Shampoo, and its inverse roots
 against scipy's fractional matrix powers."""
 
-import importlib
+import dataclasses
 import itertools
 
 import jax
@@ -14,11 +14,12 @@ import scipy.linalg
 import kfac_jax_dist as kd
 
 import helpers
-from kfac_jax_dist import roots
-from kfac_jax_dist import uneven
+from kfac_jax_dist.shampoo import roots
+from kfac_jax_dist.core import uneven
 
 # `kd.shampoo` is the alias function; the module it lives in:
-shampoo_lib = importlib.import_module("kfac_jax_dist.shampoo")
+from kfac_jax_dist.shampoo import blocks as shampoo_blocks
+from kfac_jax_dist.shampoo import state as shampoo_state
 
 
 @pytest.fixture
@@ -159,12 +160,12 @@ def _run(tx, oracle, shapes, steps, seed=0, rtol=1e-8, atol=1e-10, jit=True):
 # ----------------------------------------------------------------------- tests
 
 def test_merge_small_dims_and_blocks():
-  merge = shampoo_lib.merge_small_dims
+  merge = shampoo_blocks.merge_small_dims
   assert merge((3, 3, 32, 64), 128) == (9, 32, 64)
   assert merge((1, 2, 768, 1, 2048), 1024) == (2, 768, 2048)
   assert merge((2, 2, 3), 4) == (4, 3)
   assert merge((4, 1, 5), None) == (4, 5)
-  lay = shampoo_lib.build_layout(
+  lay = shampoo_blocks.build_layout(
       [("w", (6, 10)), ("b", (10,)), ("c", (1, 7)), ("big", (2, 50))],
       block_size=4, merge_threshold=None, max_preconditioner_dim=20,
       exponent_override=None)
@@ -322,31 +323,79 @@ def test_before_start_is_the_grafted_update():
     np.testing.assert_allclose(got[name], g / (np.abs(g) + 1e-10), rtol=1e-5)
 
 
-def test_non_finite_gradient_keeps_statistics_and_roots():
-  tx = kd.scale_by_shampoo(block_size=4, graft_type="adagrad", start_preconditioning_step=0)
+def _bits(tree):
+  return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def _faulty(grads, name="w2", value=np.inf):
+  bad = dict(grads)
+  bad[name] = bad[name].at[0, 0].set(value)
+  return bad
+
+
+def test_non_finite_gradient_skips_the_step():
+  """As K-FAC (core.faults): a non-finite gradient skips the whole step: zero
+  updates, every state leaf unchanged but `skipped`, and `count` not advanced,
+  so the run after it equals, bit for bit, the run without the faulty batch."""
+  tx = kd.scale_by_shampoo(block_size=4, graft_type="adagrad", start_preconditioning_step=0,
+                           preconditioning_compute_steps=2)
   rng = np.random.default_rng(3)
-  state = tx.init(_params(SHAPES, np.float32))
+  grads = [_grads(rng, SHAPES, np.float32) for _ in range(3)]
   update = jax.jit(tx.update)
-  _, state = update(_grads(rng, SHAPES, np.float32), state)
-  bad = _grads(rng, SHAPES, np.float32)
-  bad["w2"] = bad["w2"].at[0, 0].set(jnp.inf)          # block (0:4, 0:4) of w2
-  _, new_state = update(bad, state)
-  for leaf in jax.tree_util.tree_leaves(new_state):
-    assert np.all(np.isfinite(np.asarray(leaf)))
-  lay = state.layout
-  w2 = next(p for p in lay.params if p.path == "w2")
-  first = w2.regions[0]                               # holds block (0:4, 0:4) first
-  for axis in range(2):
-    j, s = first.buckets[axis], first.slots[axis]
-    np.testing.assert_array_equal(new_state.statistics[j][s], state.statistics[j][s])
-    np.testing.assert_array_equal(new_state.roots[j][s], state.roots[j][s])
-    # the neighbouring block of the same region did update.
-    assert not np.array_equal(new_state.statistics[j][s + 1], state.statistics[j][s + 1])
-  i = [p.path for p in lay.params].index("w2")
-  np.testing.assert_array_equal(new_state.graft[i], state.graft[i])   # w2's accumulator
-  good, _ = update(_grads(rng, SHAPES, np.float32), new_state)
-  for leaf in jax.tree_util.tree_leaves(good):
-    assert np.all(np.isfinite(np.asarray(leaf)))
+
+  def run(sequence):
+    state, updates = tx.init(_params(SHAPES, np.float32)), []
+    for g in sequence:
+      u, state = update(g, state)
+      updates.append(u)
+    return updates, state
+
+  clean, clean_state = run([grads[0], grads[2]])
+  for value in (np.inf, np.nan):
+    faulty, faulty_state = run([grads[0], _faulty(grads[1], value=value), grads[2]])
+    assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(faulty[1]))
+    assert _bits(faulty[2]) == _bits(clean[1])
+    assert int(faulty_state.skipped) == 1 and int(clean_state.skipped) == 0
+    assert _bits(dataclasses.replace(faulty_state, skipped=clean_state.skipped)) == _bits(
+        clean_state)
+
+
+def test_shampoo_chain_skips_momentum_too():
+  """`kd.shampoo` wraps its chain in `skip_faulty_steps`: the momentum neither
+  decays nor moves the parameters on a skipped step."""
+  tx = kd.shampoo(0.1, block_size=4, start_preconditioning_step=0)
+  rng = np.random.default_rng(4)
+  params = _params(SHAPES, np.float32)
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  _, state = update(_grads(rng, SHAPES, np.float32), state, params)
+  updates, new_state = update(_faulty(_grads(rng, SHAPES, np.float32)), state, params)
+  assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(updates))
+  skipped = [s.skipped for s in jax.tree.leaves(
+      new_state, is_leaf=lambda x: isinstance(x, kd.ScaleByShampooState))
+             if isinstance(s, kd.ScaleByShampooState)]
+  assert [int(x) for x in skipped] == [1]
+  old, new = jax.tree.leaves(state), jax.tree.leaves(new_state)
+  assert sum(not np.array_equal(a, b) for a, b in zip(old, new)) == 1   # `skipped` only
+
+
+def test_intervals_take_schedules(x64):
+  """The three cadence settings may be schedules of the count: the roots of a
+  schedule that is 2 before count 4 and 3 from then on refresh at 0, 2, 6."""
+  every = lambda count: jnp.where(count < 4, 2, 3)
+  tx = kd.scale_by_shampoo(block_size=4, start_preconditioning_step=lambda c: 0,
+                           statistics_compute_steps=lambda c: 1,
+                           preconditioning_compute_steps=every)
+  rng = np.random.default_rng(5)
+  state = tx.init(_params(SHAPES))
+  update = jax.jit(tx.update)
+  refreshed = []
+  for step in range(8):
+    _, new_state = update(_grads(rng, SHAPES), state)
+    if any(not np.array_equal(a, b) for a, b in zip(state.roots, new_state.roots)):
+      refreshed.append(step)
+    state = new_state
+  assert refreshed == [0, 2, 6]
 
 
 def test_failing_root_keeps_previous_root():
@@ -554,11 +603,39 @@ def test_sharded_shampoo_equals_single_device(fraction, reduction, graft_type, g
     for name in SHARDED_SHAPES:
       np.testing.assert_allclose(got[name], want[name], rtol=1e-9, atol=1e-12,
                                  err_msg=f"step {step}, {name}")
-    for a, b in zip(jax.tree.leaves(shampoo_lib.bucket_arrays(got_state)),
-                    jax.tree.leaves(shampoo_lib.bucket_arrays(one))):
+    for a, b in zip(jax.tree.leaves(shampoo_state.bucket_arrays(got_state)),
+                    jax.tree.leaves(shampoo_state.bucket_arrays(one))):
       np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-12, err_msg=f"step {step}")
     for a, b in zip(got_state.graft, one.graft):
       np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
+@pytest.mark.parametrize("fraction,reduction", [
+    (1, "none"),                      # COMM-OPT
+    (1 / 8, "none"),                  # MEM-OPT
+    (1 / 4, "all_reduce"),            # HYBRID
+    (1 / 8, "reduce_scatter"),        # SP-NGD routing: the NaN stays on one device
+])
+def test_sharded_faulty_step_is_skipped_bit_for_bit(fraction, reduction):
+  """On 8 devices a NaN in one device's gradients skips the step everywhere:
+  the run with the faulty batch inserted equals the run without it."""
+  mesh = _mesh()
+  dist = kd.Distribution(mesh, grad_worker_fraction=fraction, gradient_reduction=reduction)
+  tx = kd.scale_by_shampoo(distribution=dist, **CADENCE, graft_type="sgd")
+  params = _params(SHARDED_SHAPES, np.float32)
+  rng = np.random.default_rng(9)
+  local = [{k: jnp.asarray(rng.normal(size=(8,) + s), jnp.float32)
+            for k, s in SHARDED_SHAPES.items()} for _ in range(3)]
+  name = next(iter(SHARDED_SHAPES))
+  bad = dict(local[1])
+  bad[name] = bad[name].at[3].set(np.nan)             # device 3's gradient only
+  clean = _sharded_steps(tx, tx.init(params), mesh, [local[0], local[2]], reduction)
+  faulty = _sharded_steps(tx, tx.init(params), mesh, [local[0], bad, local[2]], reduction)
+  assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(faulty[1][0]))
+  assert _bits(faulty[2][0]) == _bits(clean[1][0])
+  got, want = faulty[2][1], clean[1][1]
+  assert int(got.skipped) == 1
+  assert _bits(dataclasses.replace(got, skipped=want.skipped)) == _bits(want)
 
 
 def _state_bytes(state, mesh):
@@ -570,7 +647,7 @@ def _state_bytes(state, mesh):
 def test_sharded_state_bytes_per_device():
   """Per device, MEM-OPT stores its own statistics and roots `[L] + [L]`,
   HYBRID its statistics and its group's roots `[L] + [m·L]`, COMM-OPT all
-  `2 Σ n d²`; the grafting accumulators and the count are replicated."""
+  `2 Σ n d²`; the grafting accumulators and the counters are replicated."""
   mesh = _mesh()
   params = _params({"a": (64, 48), "b": (40, 24), "c": (3, 3, 8, 16), "d": (48,)},
                    np.float32)
@@ -578,7 +655,7 @@ def test_sharded_state_bytes_per_device():
   comm = kd.scale_by_shampoo(distribution=kd.Distribution(mesh), **options).init(params)
   total = sum(n * d * d for (d, _), n in zip(comm.layout.buckets, comm.layout.sizes))
   graft = sum(x.size for x in comm.graft)
-  replicated = 4 * graft + 4                         # float32 accumulators, int32 count
+  replicated = 4 * graft + 2 * 4          # float32 accumulators, int32 count and skipped
   assert _state_bytes(comm, mesh) == replicated + 4 * 2 * total
   for fraction in (1 / 8, 1 / 4, 1 / 2):
     dist = kd.Distribution(mesh, grad_worker_fraction=fraction)
@@ -631,8 +708,8 @@ def test_convert_state_between_shampoo_strategies(x64):
   back = kd.convert_state(hybrid, single.init(params))
   for state in (mem, hybrid, back):
     assert int(state.count) == 3
-    for a, b in zip(jax.tree.leaves(shampoo_lib.bucket_arrays(state)),
-                    jax.tree.leaves(shampoo_lib.bucket_arrays(comm))):
+    for a, b in zip(jax.tree.leaves(shampoo_state.bucket_arrays(state)),
+                    jax.tree.leaves(shampoo_state.bucket_arrays(comm))):
       np.testing.assert_array_equal(a, b)
     for a, b in zip(state.graft, comm.graft):
       np.testing.assert_array_equal(a, b)

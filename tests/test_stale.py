@@ -13,7 +13,8 @@ import pytest
 import kfac_jax_dist as kd
 
 import helpers
-from kfac_jax_dist.kfac import find_states
+from kfac_jax_dist.kfac import stale
+from kfac_jax_dist.kfac.state import find_states
 
 ALPHA = 0.1
 
@@ -90,7 +91,7 @@ def test_stale_factor_leaves_its_state_bit_identical():
   new_stats = {"l": {"A": jnp.eye(3) * 5.0, "G": jnp.eye(2) * 7.0}}
   _, after = tx.update(params, state, kfac_stats=new_stats)
   lay = state.layout
-  for f, (plan, which, place) in enumerate(kd.stale.factor_order(lay)):
+  for f, (plan, which, place) in enumerate(stale.factor_order(lay)):
     span = slice(place.offset, place.offset + place.size)
     same = np.array_equal(np.asarray(after.factors[span]), np.asarray(state.factors[span]))
     assert same != due[f], (which, due[f])

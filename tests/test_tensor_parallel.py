@@ -15,7 +15,7 @@ import pytest
 import kfac_jax_dist as kd
 
 import helpers
-from kfac_jax_dist.kfac import find_states
+from kfac_jax_dist.kfac.state import find_states
 from helpers import compile_step
 
 DATA, M = 2, 4

@@ -12,7 +12,8 @@ from jax.sharding import PartitionSpec as P
 import kfac_jax_dist as kd
 
 import helpers
-from kfac_jax_dist import uneven
+from kfac_jax_dist.core import collectives
+from kfac_jax_dist.core import uneven
 
 SIZES = [
     (5, 0, 17, 3, 9, 9, 1, 20),       # a few overflow
@@ -62,7 +63,7 @@ def test_collectives_average_with_the_planned_scheme():
   """`Collectives.reduce_uneven` averages; `gather_uneven` is exact."""
   sizes = (1, 40, 2, 33, 0, 0, 3, 1)
   mesh = helpers.data_mesh(8)
-  comm = kd.distributed.Collectives(kd.Distribution(mesh, grad_worker_fraction=1 / 8))
+  comm = collectives.Collectives(kd.Distribution(mesh, grad_worker_fraction=1 / 8))
   local = np.random.default_rng(1).normal(size=(8, 8, 42)).astype(np.float32)
   for j, u in enumerate(sizes):
     local[:, j, u:] = 0

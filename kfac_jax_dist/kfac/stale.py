@@ -25,8 +25,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kfac_jax_dist import factors as factors_lib
-from kfac_jax_dist import layout as layout_lib
+from kfac_jax_dist.capture import statistics as factors_lib
+from kfac_jax_dist.kfac import layout as layout_lib
 
 
 @functools.partial(

@@ -18,7 +18,7 @@ Embed has no such keyword (its A counts tokens).
 
 Stacked layers: a module created with `nnx.vmap` (e.g. under
 `nnx.split_rngs(splits=L)`) and applied with `nnx.scan` / `nnx.vmap` over axis
-0 gives each block its own factors (see `kfac_jax_dist.stacking`). Pass
+0 gives each block its own factors (see `kfac_jax_dist.capture.stacking`). Pass
 `kd.value_and_grad` the `nnx.State` (of `nnx.split`), not a pure dict: the
 capture stamps its Variables with their paths (metadata `kfac_path`) and, for
 a stacked layer, lets the kernel Variable carry the probes (a
@@ -35,9 +35,9 @@ from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 from jax import lax
 
-from kfac_jax_dist import _flax_common
-from kfac_jax_dist import stacking
-from kfac_jax_dist import tags
+from kfac_jax_dist.flax import common as _flax_common
+from kfac_jax_dist.capture import stacking
+from kfac_jax_dist.capture import tags
 
 
 def _raw(variable):

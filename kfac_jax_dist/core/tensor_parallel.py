@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec
 import optax
 
 from kfac_jax_dist import _compat
-from kfac_jax_dist import registry
+from kfac_jax_dist.capture import registry
 
 
 def _is_spec(x) -> bool:
@@ -197,7 +197,7 @@ def model_shard(tree: Any, index: int) -> Any:
   """`tree` (e.g. an optax state of global arrays) with every model-sharded
   transform state replaced by model shard `index`'s single-axis state: what
   one device of that shard holds for `kd.running_factors` and the like."""
-  def one(node):
+  def one(node: Any) -> Any:
     if not isinstance(node, ModelShardedState):
       return node
     size = node.sharding.size
@@ -213,7 +213,7 @@ def inner_specs(node: ModelShardedState, specs: Any) -> Any:
   `specs`: the model axis prepended on the first axis of every array leaf."""
   axis = node.sharding.axis
 
-  def prepend(spec, x):
+  def prepend(spec: PartitionSpec, x: Any) -> PartitionSpec:
     if jnp.ndim(x) == 0:
       return PartitionSpec()
     first = spec[0] if len(spec) else None
@@ -266,7 +266,7 @@ def wrap(inner: optax.GradientTransformationExtraArgs, dist, name: str,
   """
   axis = dist.model_axis
 
-  def init_fn(params):
+  def init_fn(params: Any) -> ModelShardedState:
     sharding = ModelSharding.of(params, dist)
     if check is not None:
       check(sharding)
@@ -278,7 +278,8 @@ def wrap(inner: optax.GradientTransformationExtraArgs, dist, name: str,
     return ModelShardedState(
         jax.tree_util.tree_map(lambda x: _tile(x, sharding.size), state), sharding)
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any
+                ) -> tuple[Any, ModelShardedState]:
     if not isinstance(state, ModelShardedState):
       raise TypeError(f"{name}: this transform is tensor-parallel over {axis!r}; "
                        "give it the state of its own init.")

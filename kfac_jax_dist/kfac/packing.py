@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfac_jax_dist import factors
-from kfac_jax_dist import layout as layout_lib
+from kfac_jax_dist.capture import statistics as factors
+from kfac_jax_dist.core import collectives
+from kfac_jax_dist.kfac import layout as layout_lib
 
 
 def pack_upper(x: jax.Array) -> jax.Array:
@@ -57,18 +58,13 @@ def owned_factors(lay: layout_lib.Layout, device: int, value_of, dtype) -> list[
           for place, plan, which in lay.stored(device)]
 
 
-def pad_to(pieces: list[jax.Array], length: int, dtype, xp=jnp) -> jax.Array:
-  used = sum(p.size for p in pieces)
-  return xp.concatenate(pieces + [xp.zeros(length - used, dtype)])
-
-
 def all_segments(lay: layout_lib.Layout, value_of, dtype, xp=jnp) -> jax.Array:
   """The global running-factor array, `[P · factor_shard]`: the owners' factors
   one owner after the other, tight ("chunked") or each padded to `L` ("owner")."""
   per_device = [owned_factors(lay, d, value_of, dtype) for d in range(lay.num_devices)]
   if lay.factor_storage == layout_lib.OWNER:
-    per_device = [[pad_to(pieces, lay.segment, dtype, xp)] for pieces in per_device]
-  return pad_to([p for pieces in per_device for p in pieces],
+    per_device = [[collectives.pad_to(pieces, lay.segment, dtype, xp)] for pieces in per_device]
+  return collectives.pad_to([p for pieces in per_device for p in pieces],
                 lay.num_devices * lay.factor_shard, dtype, xp)
 
 
@@ -99,7 +95,7 @@ def second_order_segment(lay: layout_lib.Layout, device: int, dtype, xp=jnp
                             batch.count))
     elif batch.vector_offset is not None:
       pieces.append(xp.ones(batch.count * (hi - lo), dtype))
-  return pad_to(pieces, lay.second_segment, dtype, xp)
+  return collectives.pad_to(pieces, lay.second_segment, dtype, xp)
 
 
 def width(place) -> int:

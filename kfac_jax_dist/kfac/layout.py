@@ -61,13 +61,12 @@ need the whole reduced gradient).
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import math
 import re
 from typing import Sequence
 
-from kfac_jax_dist import factors
-from kfac_jax_dist import registry
+from kfac_jax_dist.capture import registry
+from kfac_jax_dist.capture import statistics as factors
+from kfac_jax_dist.core import owners
 
 
 CHUNKED = "chunked"
@@ -242,109 +241,6 @@ def _second_parts(dim: int, form: str, method: str,
   return dim * width, (width if method == "eigen" else 0)
 
 
-def _split(units: int, parts: int, lo: int = 0) -> list[tuple[int, int]]:
-  """`[lo, lo + units)` cut into `parts` near-equal ranges."""
-  cuts = [lo + units * k // parts for k in range(parts + 1)]
-  return list(itertools.pairwise(cuts))
-
-
-LEVEL = 1.05   # a bin this far over its share hands units of split items over
-
-
-def assign(items: Sequence, bins: int, cost, size, units=None,
-           level: float = LEVEL, max_parts: int | None = None) -> list[list]:
-  """Greedy two-criteria LPT with replication of oversized items.
-
-  Items (largest relative cost or size first) go to the bin whose larger
-  relative load — cost over its ideal `max(Σ cost / bins, largest cost)`,
-  size over the share `Σ size / bins` — grows least. An item that splits into
-  `units(x)` rows or columns (0: it does not) and is larger than the share
-  goes as `r = ⌈size/share⌉` pieces of near-equal units to `r` distinct bins,
-  each charged the item's whole cost and its piece's size. Then, while the
-  fullest bin is over `level` times the share, it hands the last units of its
-  cheapest splittable piece to the emptiest bin that holds no piece of that
-  item and whose cost stays within the worst bin's. An item never has more
-  than `max_parts` pieces (default: no limit).
-
-  Splitting is tried only when the whole-item assignment leaves a bin over
-  `level`, and kept only if it lowers the fullest bin's size without raising
-  the worst bin's cost by more than 2% of the ideal.
-
-  Returns, per bin, `(item, units)`: a `(lo, hi)` range of the item's units,
-  or None for the whole item; without `units`, per bin its items.
-  """
-  whole, loads = _assign(items, bins, cost, size, lambda x: 0, level)
-  if units is None:
-    return [[x for x, _ in mine] for mine in whole]
-  if max(load[1] for load in loads) <= level:
-    return whole
-  split, split_loads = _assign(items, bins, cost, size, units, level, max_parts)
-  if (max(load[1] for load in split_loads) < max(load[1] for load in loads)
-      and max(load[0] for load in split_loads) <= max(load[0] for load in loads) + 0.02):
-    return split
-  return whole
-
-
-def _assign(items, bins, cost, size, units, level, max_parts=None):
-  costs, sizes = [cost(x) for x in items], [size(x) for x in items]
-  counts = [units(x) for x in items]
-  max_parts = max_parts or bins
-  ideal_cost = max([sum(costs) / bins] + costs) or 1.0
-  ideal_size = sum(sizes) / bins or 1.0
-  loads = [[0.0, 0.0] for _ in range(bins)]
-  held: list[dict] = [{} for _ in range(bins)]      # item index -> range or None
-
-  def put(b, i, rng, sign=1.0):
-    n = counts[i]
-    share = 1.0 if rng is None else (rng[1] - rng[0]) / n
-    loads[b][0] += sign * costs[i] / ideal_cost
-    loads[b][1] += sign * share * sizes[i] / ideal_size
-    if sign > 0:
-      held[b][i] = None if rng is None or rng == (0, n) else rng
-    else:
-      del held[b][i]
-
-  order = sorted(range(len(items)),
-                 key=lambda i: -max(costs[i] / ideal_cost, sizes[i] / ideal_size))
-  for i in order:
-    c, z, n = costs[i] / ideal_cost, sizes[i] / ideal_size, counts[i]
-    parts = min(bins, max_parts, n, math.ceil(z - 1e-9)) if n and z > 1 else 1
-    for rng in (_split(n, parts) if parts > 1 else [None]):
-      zk = z if rng is None else z * (rng[1] - rng[0]) / n
-      b = min((j for j in range(bins) if i not in held[j]),
-              key=lambda j: (max(loads[j][0] + c, loads[j][1] + zk), loads[j][0] + c, j))
-      put(b, i, rng)
-
-  worst = max(load[0] for load in loads)
-  for _ in range(4 * bins + len(items)):
-    b = max(range(bins), key=lambda j: (loads[j][1], -j))
-    if loads[b][1] <= level:
-      break
-    for i in sorted((i for i in held[b] if counts[i]), key=lambda i: (costs[i], i)):
-      n = counts[i]
-      lo, hi = held[b][i] or (0, n)
-      per, c = sizes[i] / ideal_size / n, costs[i] / ideal_cost
-      if sum(i in mine for mine in held) >= max_parts:
-        continue
-      targets = [j for j in range(bins) if i not in held[j]
-                 and loads[j][1] + per <= 1.0 and loads[j][0] + c <= worst + 1e-9]
-      if not targets:
-        continue
-      t = min(targets, key=lambda j: (loads[j][1], j))
-      move = min(hi - lo, math.ceil((loads[b][1] - 1.0) / per - 1e-9),
-                 math.floor((1.0 - loads[t][1]) / per + 1e-9))
-      if move <= 0:
-        continue
-      put(b, i, (lo, hi), -1.0)
-      if move < hi - lo:
-        put(b, i, (lo, hi - move))
-      put(t, i, (hi - move, hi))
-      break
-    else:
-      break             # nothing movable: the fullest bin stays as it is
-  return [[(items[i], rng) for i, rng in mine.items()] for mine in held], loads
-
-
 # Replication adds decompositions to the compiled program (one per owned
 # factor copy, summed over the devices' branches), and XLA's compile time and
 # memory grow with them: at most REPLICA_BUDGET times the unreplicated count
@@ -362,11 +258,11 @@ def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
   (see `_build`). Replicated items get at most as many owners as keeps the
   decompositions within `REPLICA_BUDGET` times the unreplicated layout's (or
   `MIN_EXTRA_COPIES` more): the largest such cap (binary search), else none."""
-  def build_with(max_parts):
+  def build_with(max_parts: int | None) -> Layout:
     return _build(layers, param_paths, replicate_factors=replicate_factors,
                   replicate_layers=replicate_layers, max_parts=max_parts, **options)
 
-  def within_budget(lay):
+  def within_budget(lay: Layout) -> bool:
     copies = sum(len(lay.owned(d)) for d in range(lay.num_devices))
     single = sum(len(plan.places) for plan in lay.plans)
     return copies <= max(REPLICA_BUDGET * single, single + MIN_EXTRA_COPIES)
@@ -411,7 +307,7 @@ def _build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
       kept.extend(layer.blocks())
   num_groups = num_devices // group_size
 
-  def factors_of(layer):
+  def factors_of(layer: registry.TaggedLayer) -> list:
     """`(which, dim, form)` of the layer's factors."""
     if layer.unitwise:
       return (("f", layer.g_dim, factors.UNIT),)
@@ -419,7 +315,7 @@ def _build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
     return (("a", layer.a_dim, a_form),
             ("g", layer.g_dim, factor_form(layer.g_dim, max_factor_dim)))
 
-  def layer_cost(layer):
+  def layer_cost(layer: registry.TaggedLayer) -> float:
     return sum(eigh_cost(dim, form) for _, dim, form in factors_of(layer))
 
   # Layers to groups, then each group's factors to its devices. Both balance
@@ -427,7 +323,7 @@ def _build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
   # preconditioned gradients (gathered every step when there are several
   # groups), a device's eigenbases (gathered on decomposition steps).
   split_layers = replicate_layers and num_groups > 1
-  group_bins = assign(kept, num_groups, layer_cost,
+  group_bins = owners.assign(kept, num_groups, layer_cost,
                       lambda l: l.a_dim * l.g_dim if num_groups > 1 else 0.0,
                       lambda l: l.a_dim if split_layers and not l.unitwise else 0,
                       max_parts=max_parts)
@@ -442,7 +338,7 @@ def _build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
   for g, members in enumerate(group_bins):
     items = [(layer.name, [t[1] for t in pieces[layer.name]].index(g), which, dim, form)
              for layer, _ in members for which, dim, form in factors_of(layer)]
-    bins = assign(items, group_size, lambda t: eigh_cost(t[3], t[4]),
+    bins = owners.assign(items, group_size, lambda t: eigh_cost(t[3], t[4]),
                   lambda t: sum(_second_parts(t[3], t[4], method)),
                   lambda t: t[3] if split_factors and t[4] == factors.FULL else 0,
                   max_parts=max_parts)
@@ -451,7 +347,7 @@ def _build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
 
   # Pack each device's factors: home factors first (tight chunks store only
   # them), then replicas; runs of equal (form, dim, columns) contiguous.
-  def is_replica(item):
+  def is_replica(item: tuple) -> bool:
     return item[1] > 0 or (item[5] is not None and item[5][0] > 0)
 
   raw, batches, owner_sizes, second_sizes = {}, [], [], []
@@ -496,7 +392,7 @@ def _build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
     found.sort(key=lambda p: p.columns or (0, 0))
     homes[key] = found[0]
 
-  def place_of(name, copy, which):
+  def place_of(name: str, copy: int, which: str) -> FactorPlace | None:
     found = slices.get((name, copy, which))
     if not found:
       return None
@@ -519,3 +415,52 @@ def _build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
                 max(max_factors, 1), packed, method,
                 tuple(l.name for l in skipped), passthrough, num_devices, group_size,
                 axis, factor_storage, tuple(owner_sizes), tuple(second_sizes))
+
+
+def tight_offsets(lay: Layout) -> dict[tuple[str, str], int]:
+  """Offsets of every factor in an unpadded buffer of all factors (plan order)."""
+  offsets, offset = {}, 0
+  for plan in lay.plans:
+    for which, place in plan.places:
+      offsets[(plan.layer.name, which)] = offset
+      offset += place.size
+  return offsets
+
+
+def piece_rows(plan: LayerPlan) -> tuple[int, int]:
+  """The rows of the layer's `(d_A, d_G)` gradient that `plan` (a piece) sends."""
+  return plan.rows or (0, plan.layer.a_dim)
+
+
+def gradient_offsets(lay: Layout) -> tuple[dict[tuple[str, int], int], list[int], int]:
+  """Offsets of each layer's gradient (its rows, for a piece of a replicated
+  layer), by (layer, group), in the group's flat buffer (slot 0 holds the
+  group's KL-clip sum over its whole layers; a piece is preceded by one slot
+  for its partial ⟨V, ∇⟩), each group's used size, and the buffer size S: the
+  largest group's, rounded up to a multiple of m."""
+  offsets, sizes = {}, []
+  for g in range(lay.num_groups):
+    offset = 1
+    for plan in lay.group_plans(g):
+      lo, hi = piece_rows(plan)
+      offset += plan.rows is not None
+      offsets[(plan.layer.name, g)] = offset
+      offset += (hi - lo) * plan.layer.g_dim
+    sizes.append(offset)
+  m = lay.group_size
+  return offsets, sizes, -(-max(sizes) // m) * m
+
+
+def cheaper_storage(lay: Layout, factor_every: int, inverse_every: int) -> str:
+  """Chunked or owner storage for a reduce-scatter, whichever sends less.
+
+  Per device, tight chunks cost `(P−1)·C` per factor step plus `(P−1)·C` on
+  decomposition steps (the chunks are gathered); owner segments `(P−1)·L` per
+  factor step. With `k` factor steps per decomposition step, chunks win when
+  `L/C > 1 + 1/k`.
+  """
+  k = max(inverse_every / max(factor_every, 1), 1.0)
+  if lay.segment * k > lay.factor_shard * (k + 1):
+    return CHUNKED
+  return OWNER
+

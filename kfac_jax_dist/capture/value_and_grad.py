@@ -28,17 +28,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from kfac_jax_dist import _compat
-from kfac_jax_dist import _context
-from kfac_jax_dist import factors
-from kfac_jax_dist.kfac import find_states
-from kfac_jax_dist import registry
-from kfac_jax_dist import stacking
+from kfac_jax_dist.capture import context as _context
+from kfac_jax_dist.capture import statistics as factors
+from kfac_jax_dist.capture import registry
+from kfac_jax_dist.capture import stacking
 
 FISHERS = ("empirical", "mc")
 
@@ -77,10 +76,16 @@ def _probes(layer: registry.TaggedLayer, forms: tuple[str, str]) -> dict:
           for key, d, form in (("A", layer.a_dim, a_form), ("G", layer.g_dim, forms[1]))}
 
 
-def _plan_of(layout, layer: registry.TaggedLayer):
-  """The optimizer's plan for the layer (its first block's, for a stacked
-  one: every block has the same forms), or None when it is skipped."""
-  return layout.plan(layer.blocks()[0].name)
+def _statistics_consumer(opt_state: Any) -> Any:
+  """The optimizer state in `opt_state` that consumes the statistics, or None:
+  K-FAC's, found by what it offers (`statistic_forms`, `update_factors`), so
+  that the capture, upstream of the optimizers, imports none of them."""
+  consumes = lambda x: hasattr(x, "statistic_forms") and hasattr(x, "update_factors")
+  found = [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=consumes)
+           if consumes(x)] if opt_state is not None else []
+  if len(found) > 1:
+    raise ValueError("opt_state holds several K-FAC states; pass the one to use.")
+  return found[0] if found else None
 
 
 def _unbound_axis(error: NameError) -> str | None:
@@ -128,7 +133,7 @@ class ValueAndGrad:
       return self._discover(params, *args, **kwargs).layers
     found = []
 
-    def local(p, a, k):
+    def local(p: Any, a: tuple, k: dict) -> Any:
       found.append(self._discover(p, *a, **k).layers)
       return jnp.zeros([])
     spec = jax.sharding.PartitionSpec()
@@ -149,7 +154,7 @@ class ValueAndGrad:
     flat, treedef = jax.tree_util.tree_flatten((args, kwargs))
     dynamic = [hasattr(x, "shape") and hasattr(x, "dtype") for x in flat]
 
-    def traced(p, arrays):
+    def traced(p: Any, arrays: list) -> Any:
       arrays = iter(arrays)
       a, k = jax.tree_util.tree_unflatten(
           treedef, [next(arrays) if d else x for x, d in zip(flat, dynamic)])
@@ -206,7 +211,7 @@ class ValueAndGrad:
         lambda x: jnp.reshape(x, (k, x.shape[0] // k) + x.shape[1:]), args)
     rngs = None if rng is None else jax.random.split(rng, k)
 
-    def one(i):
+    def one(i: jax.Array) -> tuple:
       micro = jax.tree_util.tree_map(lambda x: x[i], sliced)
       value, grads, stats, n = self._evaluate(
           params, micro, kwargs, None if rngs is None else rngs[i], opt_state,
@@ -217,7 +222,7 @@ class ValueAndGrad:
                          for key, v in layer.items()} for name, layer in stats.items()}
       return loss * n, jax.tree_util.tree_map(lambda g: g * n, grads), weighted, n, aux
 
-    def body(carry, i):
+    def body(carry: tuple, i: jax.Array) -> tuple:
       out = one(i)
       return jax.tree_util.tree_map(jnp.add, carry, out[:4]), out[4]
 
@@ -238,21 +243,15 @@ class ValueAndGrad:
       raise ValueError('fisher="mc" samples targets from the model: pass rng=.')
     discovered = self._discover(params, *args, **kwargs)
     layers, carriers = discovered.layers, discovered.carriers
-    states = find_states(opt_state) if opt_state is not None else []
-    if len(states) > 1:
-      raise ValueError("opt_state holds several K-FAC states; pass the one to use.")
-    state = states[0] if states else None
-
+    state = _statistics_consumer(opt_state)
     probes = {}
     for layer in layers:
-      if state is None:
-        forms = (factors.FULL, factors.FULL)
-      else:
-        plan = _plan_of(state.layout, layer)
-        if plan is None:          # skipped by the optimizer: no statistics
-          continue
-        forms = (plan.a_form, plan.g_form)
-      probes[layer.name] = _probes(layer, forms)
+      # The forms the optimizer uses (its first block's, for a stacked layer:
+      # every block has the same forms); None: skipped, no statistics.
+      forms = ((factors.FULL, factors.FULL) if state is None
+               else state.statistic_forms(layer.blocks()[0].name))
+      if forms is not None:
+        probes[layer.name] = _probes(layer, forms)
     # Inside shard_map the statistics vary with the local batch: so must the
     # probes. Parameters are made varying too, so that the gradients are the
     # local ones (autodiff would otherwise psum the gradient of a replicated
@@ -263,7 +262,7 @@ class ValueAndGrad:
     params = _compat.as_varying(params, _compat.varying_axes(args, kwargs))
     compute_stats = jnp.asarray(True) if state is None else state.update_factors
 
-    def evaluate(p, probes):
+    def evaluate(p: Any, probes: dict) -> tuple:
       # Stacked linen / NNX layers get their probes through the parameter tree
       # (sliced per block by flax / NNX); the others by name.
       carried = {n: (carriers[n], v) for n, v in probes.items() if n in carriers}

@@ -6,12 +6,11 @@ from typing import Any
 
 import numpy as np
 
-from kfac_jax_dist import factors
-from kfac_jax_dist import kfac as kfac_lib
-from kfac_jax_dist import uneven
-from kfac_jax_dist.kfac import ScaleByKfacState
-from kfac_jax_dist.kfac import find_states
-from kfac_jax_dist import layout as layout_lib
+from kfac_jax_dist.capture import statistics as factors
+from kfac_jax_dist.core import uneven
+from kfac_jax_dist.kfac.state import ScaleByKfacState
+from kfac_jax_dist.kfac.state import find_states
+from kfac_jax_dist.kfac import layout as layout_lib
 
 
 def _factor(place: layout_lib.FactorPlace | None) -> str:
@@ -82,7 +81,7 @@ def _uneven_schemes(lay: layout_lib.Layout) -> list[str]:
   if lay.num_groups == 1:
     return ["eigenbasis broadcast " + _scheme(lay.second_sizes)]
   if lay.group_size == 1:
-    return ["gradient gather " + _scheme(kfac_lib._gradient_offsets(lay)[1])]  # pylint: disable=protected-access
+    return ["gradient gather " + _scheme(layout_lib.gradient_offsets(lay)[1])]
   return []
 
 

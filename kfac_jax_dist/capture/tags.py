@@ -37,10 +37,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from kfac_jax_dist import _compat
-from kfac_jax_dist import _context
-from kfac_jax_dist import factors
-from kfac_jax_dist import registry
-from kfac_jax_dist import stacking
+from kfac_jax_dist.capture import context as _context
+from kfac_jax_dist.capture import statistics as factors
+from kfac_jax_dist.capture import registry
+from kfac_jax_dist.capture import stacking
 
 
 def _promote(dtype, *arrays):
@@ -121,15 +121,15 @@ def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag):
   pytree like `probes` (`x` may be integer: embedding ids)."""
 
   @jax.custom_vjp
-  def layer(x, params, probes, flag):
+  def layer(x: jax.Array, params: tuple, probes: Any, flag: Any) -> jax.Array:
     del probes, flag
     return apply(x, *params)
 
-  def fwd(x, params, probes, flag):
+  def fwd(x: jax.Array, params: tuple, probes: Any, flag: Any) -> tuple:
     del probes
     return apply(x, *params), (x, params, flag)
 
-  def bwd(residuals, cotangent):
+  def bwd(residuals: tuple, cotangent: jax.Array) -> tuple:
     x, params, flag = residuals
     if jnp.issubdtype(x.dtype, jnp.integer):     # ids: no cotangent (float0)
       _, vjp = jax.vjp(lambda *p: apply(x, *p), *params)
@@ -221,13 +221,14 @@ def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
                      f"kernel {kernel.shape}")
   _check_example_dims("dense", example_dims, x.ndim - 1, x.shape)
 
-  def apply(x, kernel, bias=None):
+  def apply(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None
+            ) -> jax.Array:
     x, kernel, bias = _promote(dtype, x, kernel, bias)
     y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
                         precision=precision)
     return y if bias is None else y + bias
 
-  def stats(x, g, forms):
+  def stats(x: jax.Array, g: jax.Array, forms: tuple[str, str]) -> dict:
     return {"A": factors.input_factor(x, bias is not None, forms["A"], example_dims),
             "G": factors.output_factor(g, forms["G"], example_dims)}
 
@@ -283,13 +284,14 @@ def dense_general(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None
   _check_example_dims("dense_general", example_dims, x.ndim - in_dims, x.shape)
   n_out = len(out_shape)
 
-  def apply(x, kernel, bias=None):
+  def apply(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None
+            ) -> jax.Array:
     x, kernel, bias = _promote(dtype, x, kernel, bias)
     contract = (tuple(range(x.ndim - in_dims, x.ndim)), tuple(range(in_dims)))
     y = lax.dot_general(x, kernel, (contract, ((), ())), precision=precision)
     return y if bias is None else y + bias
 
-  def stats(x, g, forms):
+  def stats(x: jax.Array, g: jax.Array, forms: tuple[str, str]) -> dict:
     x = jnp.reshape(x, x.shape[:x.ndim - in_dims] + (_size(in_shape),))
     g = jnp.reshape(g, g.shape[:g.ndim - n_out] + (_size(out_shape),))
     return {"A": factors.input_factor(x, bias is not None, forms["A"], example_dims),
@@ -342,14 +344,15 @@ def conv2d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
   strides, dilation = tuple(strides), tuple(dilation)
   padding = _conv_padding(padding)
 
-  def apply(x, kernel, bias=None):
+  def apply(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None
+            ) -> jax.Array:
     x, kernel, bias = _promote(dtype, x, kernel, bias)
     y = lax.conv_general_dilated(
         x, kernel, window_strides=strides, padding=padding, rhs_dilation=dilation,
         dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=precision)
     return y if bias is None else y + bias
 
-  def stats(x, g, forms):
+  def stats(x: jax.Array, g: jax.Array, forms: tuple[str, str]) -> dict:
     patches = factors.conv_patches(x.astype(jnp.float32), kernel.shape, strides,
                                    padding, dilation)
     return {"A": factors.input_factor(patches, bias is not None, forms["A"],
@@ -381,11 +384,11 @@ def embed(ids: jax.Array, table: jax.Array, *, name: str | None = None,
     raise ValueError(f"kd.tags.embed: ids must be integers, got {jnp.result_type(ids)}")
   vocab_size, features = table.shape
 
-  def apply(ids, table):
+  def apply(ids: jax.Array, table: jax.Array) -> jax.Array:
     (table,) = _promote(dtype, table)
     return jnp.take(table, ids, axis=0)
 
-  def stats(ids, g, forms):
+  def stats(ids: jax.Array, g: jax.Array, forms: tuple[str, str]) -> dict:
     return {"A": factors.token_frequencies(ids, vocab_size),
             "G": factors.output_factor(g, forms["G"])}
 
@@ -428,12 +431,13 @@ def scale_and_shift(x: jax.Array, scale: jax.Array, offset: jax.Array | None = N
                      f"input of shape {x.shape}")
   has_offset = offset is not None
 
-  def apply(x, scale, offset=None):
+  def apply(x: jax.Array, scale: jax.Array, offset: jax.Array | None = None
+            ) -> jax.Array:
     x, scale, offset = _promote(dtype, x, scale, offset)
     y = x * scale
     return y if offset is None else y + offset
 
-  def stats(x, g, forms):
+  def stats(x: jax.Array, g: jax.Array, forms: tuple[str, str]) -> dict:
     del forms
     return {"F": factors.unitwise_fisher(x, g, has_offset, example_dims)}
 

@@ -32,7 +32,7 @@ modifies `H` itself.
   `p` may be any positive number.
 
 Both work on a bucket `[n, d, d]` of equal-size matrices in one batched op; on
-CPU the eigendecompositions run one matrix at a time (`linalg._batched`),
+CPU the eigendecompositions run one matrix at a time (`core.linalg.batched`),
 because jaxlib's batched CPU eigh can deadlock XLA's thread pool (the Newton
 iteration is matmuls only and is vmapped everywhere). Both return an error per
 matrix (Newton: `max |M − I|` of the last accepted iterate, `= max |X^p A − I|`
@@ -41,15 +41,18 @@ in exact arithmetic; eigh: 0) so that callers can reject a failed root.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kfac_jax_dist import linalg
+from kfac_jax_dist.core import linalg
 
 _HI = lax.Precision.HIGHEST
-METHODS = ("eigh", "newton")
+Method = Literal["eigh", "newton"]
+METHODS: tuple[Method, ...] = ("eigh", "newton")
 _TINY_EIGENVALUE = 1e-16
 
 
@@ -85,11 +88,11 @@ def power_iteration(matrix: jax.Array, max_iterations: int = 100,
   or after `max_iterations` (Baumann 2023, Alg. 6)."""
   d = matrix.shape[-1]
 
-  def cond(carry):
+  def cond(carry: tuple) -> jax.Array:
     i, _, s, s_prev = carry
     return (i < max_iterations) & (jnp.abs(s - s_prev) > tolerance * jnp.abs(s))
 
-  def body(carry):
+  def body(carry: tuple) -> tuple:
     i, v, s, _ = carry
     w = _mm(matrix, v)
     s_new = jnp.vdot(v, w)
@@ -125,11 +128,11 @@ def newton_inverse_pth_root(matrix: jax.Array, p: int, *, ridge_epsilon: float =
   err0 = jnp.max(jnp.abs(m0 - eye))
   fro0 = jnp.linalg.norm(m0 - eye)
 
-  def cond(carry):
+  def cond(carry: tuple) -> jax.Array:
     i, _, _, err, _, stop = carry
     return (i < max_iterations) & (err > tolerance) & ~stop
 
-  def body(carry):
+  def body(carry: tuple) -> tuple:
     i, m, x, err, fro, _ = carry
     m_hat = (1.0 - alpha) * eye + alpha * m
     x_new = _mm(x, m_hat)
@@ -188,3 +191,15 @@ def inverse_pth_root(matrices: jax.Array, p: float, *, method: str = "eigh",
       h, p, ridge_epsilon=ridge_epsilon, max_iterations=max_iterations,
       tolerance=tolerance, divergence_factor=divergence_factor)
   return jax.vmap(fn)(matrices)
+
+
+def checked_roots(statistics: jax.Array, p: float, previous: jax.Array, *,
+                  method: str, ridge_epsilon: float, max_iterations: int,
+                  tolerance: float, failure_threshold: float) -> jax.Array:
+  """`inverse_pth_root` of a bucket `[n, d, d]`, keeping the `previous` root
+  of any block whose new one is not finite or whose Newton error exceeds
+  `failure_threshold` (a failed decomposition, not a step fault)."""
+  new, error = inverse_pth_root(statistics, p, method=method, ridge_epsilon=ridge_epsilon,
+                                max_iterations=max_iterations, tolerance=tolerance)
+  ok = jnp.all(jnp.isfinite(new), axis=(1, 2)) & (error <= failure_threshold)
+  return jnp.where(ok[:, None, None], new.astype(previous.dtype), previous)

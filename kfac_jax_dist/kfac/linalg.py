@@ -24,49 +24,27 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kfac_jax_dist.core.linalg import at_least_f32
+from kfac_jax_dist.core.linalg import batched
+from kfac_jax_dist.core.linalg import eigh  # noqa: F401  (the decomposition of "eigen")
+
 _HI = lax.Precision.HIGHEST
-
-
-def _at_least_f32(x):
-  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
-
-
-def _batched(fn, stacked: jax.Array):
-  """`fn` on every `[d, d]` slot of `stacked`: one batched call on accelerators,
-  one call per slot (`lax.map`) on CPU. jaxlib's batched CPU eigh/cholesky fans
-  the batch out over XLA's intra-op thread pool from inside that pool, and
-  deadlocks when every pool thread waits (seen on 2-core machines)."""
-  if stacked.shape[0] == 1:
-    return jax.tree_util.tree_map(lambda x: x[None], fn(stacked[0]))
-  return lax.platform_dependent(stacked, cpu=lambda s: lax.map(fn, s),
-                                default=jax.vmap(fn))
-
-
-def eigh(factors: jax.Array) -> tuple[jax.Array | None, jax.Array]:
-  """Batched eigendecomposition; eigenvalues clipped at 0 (factors are PSD)."""
-  factors = _at_least_f32(factors)
-  if factors.ndim == 2:                      # diagonal factors
-    return None, jnp.maximum(factors, 0.0)
-  factors = 0.5 * (factors + jnp.swapaxes(factors, -1, -2))
-  values, vectors = _batched(lambda f: jnp.linalg.eigh(f, symmetrize_input=False),
-                             factors)
-  return vectors, jnp.maximum(values, 0.0)
 
 
 def damped_inverse(factors: jax.Array, damping: jax.Array) -> jax.Array:
   """`(F + δ I)⁻¹` per slot by Cholesky, `damping` of shape `[n]`."""
-  factors = _at_least_f32(factors)
+  factors = at_least_f32(factors)
   if factors.ndim == 2:
     return 1.0 / (factors + damping[:, None])
   eye = jnp.eye(factors.shape[-1], dtype=factors.dtype)
   damped = 0.5 * (factors + jnp.swapaxes(factors, -1, -2)) + damping[:, None, None] * eye
-  return _batched(
+  return batched(
       lambda f: jax.scipy.linalg.cho_solve((jnp.linalg.cholesky(f), True), eye), damped)
 
 
 def mean_traces(factors: jax.Array) -> jax.Array:
   """`tr F / dim F` of each slot of a bucket (full `[n, d, d]` or diagonal `[n, d]`)."""
-  factors = _at_least_f32(factors)
+  factors = at_least_f32(factors)
   if factors.ndim == 2:
     return jnp.mean(factors, axis=-1)
   return jnp.trace(factors, axis1=-2, axis2=-1) / factors.shape[-1]
@@ -134,7 +112,7 @@ def unitwise_precondition(grad_gamma: jax.Array, grad_beta: jax.Array | None,
   `[..., C, 3]`; the result has the gradients' dtypes, computed in float32 at
   least.
   """
-  fisher = _at_least_f32(jnp.asarray(fisher))
+  fisher = at_least_f32(jnp.asarray(fisher))
   dtype = jnp.promote_types(fisher.dtype, grad_gamma.dtype)
   damping = jnp.asarray(damping, dtype)
   f_gg, f_gb, f_bb = (fisher[..., i].astype(dtype) for i in range(3))

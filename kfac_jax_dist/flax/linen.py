@@ -19,7 +19,7 @@ position (token, output pixel) as an example ("K-FAC-expand"); e.g. 1 on
 Embed has no such field (its A counts tokens).
 
 Scanned layers: inside `nn.scan` / `nn.vmap` with `variable_axes={"params":
-0}` each block gets its own factors (see `kfac_jax_dist.stacking`); the layer
+0}` each block gets its own factors (see `kfac_jax_dist.capture.stacking`); the layer
 finds its stacked parameter leaf by its scope path, and during
 `kd.value_and_grad` reads its block's probes from the parameter entry
 `__kfac_probes__` that the capture adds next to its kernel.
@@ -31,9 +31,9 @@ import flax.linen as nn
 import jax.numpy as jnp
 from flax.linen import dtypes as linen_dtypes
 
-from kfac_jax_dist import _flax_common
-from kfac_jax_dist import stacking
-from kfac_jax_dist import tags
+from kfac_jax_dist.flax import common as _flax_common
+from kfac_jax_dist.capture import stacking
+from kfac_jax_dist.capture import tags
 
 
 class Dense(nn.Dense):

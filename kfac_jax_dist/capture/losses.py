@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kfac_jax_dist import _context
+from kfac_jax_dist.capture import context as _context
 
 
 def _at_least_f32(x: jax.Array) -> jax.Array:
@@ -38,7 +38,7 @@ def _register(name: str, loss_of_targets, targets, sample, mask):
   value, n = _mean(loss_of_targets(targets), mask)
   trace = _context.current()
   if trace is not None:
-    def sampled_loss(rng):
+    def sampled_loss(rng: jax.Array) -> jax.Array:
       drawn = jax.lax.stop_gradient(sample(rng))
       return _mean(loss_of_targets(drawn), mask)[0]
     trace.losses.append(_context.RegisteredLoss(name, value, n, sampled_loss))
@@ -52,12 +52,12 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array,
   logits32 = _at_least_f32(logits)
   log_probs = jax.nn.log_softmax(logits32, axis=-1)
 
-  def loss_of(targets):
+  def loss_of(targets: jax.Array) -> jax.Array:
     if jnp.issubdtype(targets.dtype, jnp.integer):
       return -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
     return -jnp.sum(targets * log_probs, axis=-1)
 
-  def sample(rng):
+  def sample(rng: jax.Array) -> jax.Array:
     return jax.random.categorical(rng, jax.lax.stop_gradient(logits32), axis=-1)
 
   return _register("softmax_cross_entropy", loss_of, labels, sample, mask)
@@ -69,13 +69,13 @@ def sigmoid_cross_entropy(logits: jax.Array, labels: jax.Array,
   (independent Bernoulli outputs); `labels` in [0, 1], shaped like `logits`."""
   logits32 = _at_least_f32(logits)
 
-  def loss_of(targets):
+  def loss_of(targets: jax.Array) -> jax.Array:
     targets = targets.astype(logits32.dtype)
     per_output = (jnp.maximum(logits32, 0) - logits32 * targets
                   + jnp.log1p(jnp.exp(-jnp.abs(logits32))))
     return jnp.sum(per_output, axis=-1)
 
-  def sample(rng):
+  def sample(rng: jax.Array) -> jax.Array:
     probs = jax.nn.sigmoid(jax.lax.stop_gradient(logits32))
     return jax.random.bernoulli(rng, probs).astype(probs.dtype)
 
@@ -88,10 +88,10 @@ def squared_error(predictions: jax.Array, targets: jax.Array,
   negative log-likelihood of a unit-variance Gaussian, up to a constant."""
   predictions32 = _at_least_f32(predictions)
 
-  def loss_of(t):
+  def loss_of(t: jax.Array) -> jax.Array:
     return 0.5 * jnp.sum(jnp.square(predictions32 - t.astype(predictions32.dtype)), axis=-1)
 
-  def sample(rng):
+  def sample(rng: jax.Array) -> jax.Array:
     mean = jax.lax.stop_gradient(predictions32)
     return mean + jax.random.normal(rng, mean.shape, mean.dtype)
 

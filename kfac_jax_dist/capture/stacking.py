@@ -56,8 +56,8 @@ from typing import Any
 import jax
 from flax import nnx
 
-from kfac_jax_dist import _context
-from kfac_jax_dist import registry
+from kfac_jax_dist.capture import context as _context
+from kfac_jax_dist.capture import registry
 
 PROBE_KEY = "__kfac_probes__"     # linen: the injected parameter entry
 PATH_METADATA = "kfac_path"       # NNX: Variable metadata naming its leaf
@@ -265,7 +265,7 @@ def prepare(params, carried: dict[str, tuple[tuple[str, str], Any]] | None = Non
   wraps = {path: probes for (kind, path), probes in carried.values() if kind == NNX}
   injects = {path: probes for (kind, path), probes in carried.values() if kind == LINEN}
   if any(_is_variable(x) for x in jax.tree_util.tree_leaves(params, is_leaf=_is_variable)):
-    def stamp(var_path, node):
+    def stamp(var_path: tuple, node: Any) -> Any:
       if not _is_variable(node):
         return node
       inner = jax.tree_util.tree_flatten_with_path(node)[0]

@@ -28,7 +28,6 @@ save and restore are orbax's and work across hosts.
 
 from __future__ import annotations
 
-import importlib
 import os
 from typing import Any
 
@@ -36,23 +35,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfac_jax_dist import distributed
-from kfac_jax_dist import factors as factors_lib
-from kfac_jax_dist import kfac as kfac_lib
-from kfac_jax_dist import layout as layout_lib
-from kfac_jax_dist import packing
+from kfac_jax_dist.core import specs
+from kfac_jax_dist.core import tensor_parallel
+from kfac_jax_dist.capture import statistics as factors_lib
+from kfac_jax_dist.kfac import state as kfac_lib
+from kfac_jax_dist.kfac import layout as layout_lib
+from kfac_jax_dist.kfac import packing
+from kfac_jax_dist.shampoo import state as shampoo_state
 
 _STATE, _META = "state", "kfac_layout"
-# the module (`kfac_jax_dist.shampoo` is the `kd.shampoo` function as an attribute)
-_shampoo = importlib.import_module("kfac_jax_dist.shampoo")
-
-
+# the module (`kfac_jax_dist.shampoo.transform` is the `kd.shampoo` function as an attribute)
 def _is_kfac(x) -> bool:
   return isinstance(x, kfac_lib.ScaleByKfacState)
 
 
 def _is_shampoo(x) -> bool:
-  return isinstance(x, _shampoo.ScaleByShampooState)
+  return isinstance(x, shampoo_state.ScaleByShampooState)
 
 
 def _is_state(x) -> bool:
@@ -118,14 +116,14 @@ def _abstract(template: Any, mesh: jax.sharding.Mesh | None) -> Any:
   the template's own (one device where it has none)."""
   default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
-  def leaf(spec, x):
+  def leaf(spec: Any, x: Any) -> Any:
     if mesh is not None:
       sharding = jax.sharding.NamedSharding(mesh, spec)
     else:
       sharding = getattr(x, "sharding", None) or default
     return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding)
 
-  return jax.tree_util.tree_map(leaf, distributed.partition_specs(template), template)
+  return jax.tree_util.tree_map(leaf, specs.partition_specs(template), template)
 
 
 def restore_checkpoint(directory: str | os.PathLike, template: Any, *,
@@ -242,18 +240,19 @@ def _convert_shampoo(old, new):
         "parameters and block options on both sides (the statistics' buckets differ: "
         f"{list(zip(old.layout.buckets, old.layout.sizes))} in the state, "
         f"{list(zip(lay.buckets, lay.sizes))} in the template).")
-  stats, roots = _shampoo.bucket_arrays(old)
+  stats, roots = shampoo_state.bucket_arrays(old)
   if lay.sharded:
-    stats, roots = _shampoo.sharded_arrays(lay, stats, roots)
+    stats, roots = shampoo_state.sharded_arrays(lay, stats, roots)
     stats, roots = (stats,), (roots,)
   cast = lambda xs, like: tuple(jnp.asarray(x, jnp.result_type(y)) for x, y in zip(xs, like))
   if len(old.graft) != len(new.graft):
     raise ValueError("convert_state: the Shampoo states have different grafting "
                      f"({len(old.graft)} vs {len(new.graft)} accumulators).")
-  return _shampoo.ScaleByShampooState(
+  return shampoo_state.ScaleByShampooState(
       count=jnp.asarray(np.asarray(old.count), new.count.dtype),
       statistics=cast(stats, new.statistics), roots=cast(roots, new.roots),
-      graft=cast([np.asarray(x) for x in old.graft], new.graft), layout=lay)
+      graft=cast([np.asarray(x) for x in old.graft], new.graft),
+      skipped=jnp.asarray(np.asarray(old.skipped), new.skipped.dtype), layout=lay)
 
 
 def convert_state(state: Any, template: Any) -> Any:
@@ -284,7 +283,6 @@ def convert_state(state: Any, template: Any) -> Any:
   Returns:
     A state with `template`'s structure, layouts and shardings.
   """
-  from kfac_jax_dist import tensor_parallel  # pylint: disable=import-outside-toplevel
   if tensor_parallel.find_sharding((state, template)) is not None:
     raise ValueError("convert_state does not move tensor-parallel (model_axis) states; "
                      "convert kd.model_shard(state, i) shard by shard.")

@@ -5,7 +5,9 @@ arithmetic of LayerNorm / BatchNorm up to their scale and shift."""
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.core import meta
@@ -94,7 +96,7 @@ def moments(x, axes, dtype=None, axis_name=None, axis_index_groups=None,
   axes = _canonical_axes(x.ndim, axes)
   where = None if mask is None else jnp.asarray(mask, bool)
 
-  def mean(*values):
+  def mean(*values: jax.Array) -> list[jax.Array]:
     means = [jnp.mean(v, axis=axes, where=where) for v in values]
     if axis_name is not None:
       means = list(lax.pmean(jnp.stack(means), axis_name,
@@ -122,7 +124,7 @@ def flat_init(init, split: int):
   1-D) flattened shape, so fan-in/fan-out are those of the flattened Dense
   layer; the result is reshaped to the parameter's shape."""
 
-  def wrapped(rng, shape, dtype=jnp.float32):
+  def wrapped(rng: jax.Array, shape: tuple, dtype: Any = jnp.float32) -> jax.Array:
     size = lambda dims: int(np.prod(dims, dtype=np.int64))
     flat = ((size(shape[:split]), size(shape[split:])) if split else (size(shape),))
     value = init(rng, flat, dtype)

@@ -1,0 +1,9 @@
+"""Stage 1, capture: what the model tells the optimizer.
+
+`tags` (plain-JAX tag functions, the layers' forward rules) and `registry`
+(the tagged layers) describe the layers; `statistics` holds the formulas of
+the curvature statistics `A`, `G` and `F`; `stacking` handles scanned /
+vmapped blocks; `losses` registers the loss; `value_and_grad` runs the model
+once and returns the loss, the gradients and the statistics; `context` is
+the trace state the tags read.
+"""

@@ -1,0 +1,171 @@
+"""The collectives of the preconditioners over one mesh axis.
+
+`Collectives` wraps every communication K-FAC and Shampoo do over the data
+axis of a `Distribution` (reduce-scatters and all-reduces of statistics,
+gathers of second-order state and of preconditioned gradients, the uneven
+schemes of `uneven`) and the per-device dispatch (`per_device`: one branch of
+a `lax.switch` per device, since devices own different work). Without a
+`Distribution` every method is the identity of one device.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from kfac_jax_dist import _compat
+from kfac_jax_dist.core import uneven
+from kfac_jax_dist.core.distribution import Distribution
+
+
+def pad_to(pieces: list[jax.Array], length: int, dtype, xp=jnp) -> jax.Array:
+  """The pieces, flattened one after the other, zero-padded to `length`: a
+  device's segment of a collective or of the state."""
+  used = sum(p.size for p in pieces)
+  return xp.concatenate(pieces + [xp.zeros(length - used, dtype)])
+
+
+class Collectives:
+  """The collectives of one layout over one mesh axis; identities without a
+  `Distribution` (one device, no `shard_map`).
+
+  With a `Distribution` (even of one device) they must run inside `shard_map`
+  over its axis; their results are typed varying or invariant over the axis as
+  `partition_specs` declares the state.
+  """
+
+  def __init__(self, distribution: Distribution | None):
+    self.dist = distribution
+    self.num_devices = 1 if distribution is None else distribution.num_devices
+    self.group_size = 1 if distribution is None else distribution.group_size
+    self.num_groups = self.num_devices // self.group_size
+    # Axes over which per-device results vary: the data axis, and the
+    # tensor-parallel axis (every model shard has its own state) if any.
+    self.varying = () if distribution is None else tuple(
+        a for a in (distribution.axis, distribution.model_axis) if a is not None)
+
+  @property
+  def active(self) -> bool:
+    return self.dist is not None
+
+  def device_index(self) -> jax.Array:
+    if not self.active:
+      return jnp.zeros([], jnp.int32)
+    try:
+      return jax.lax.axis_index(self.dist.axis)
+    except NameError as e:
+      raise ValueError(
+          f"This K-FAC state is distributed over mesh axis {self.dist.axis!r} "
+          f"({self.num_devices} devices): call update inside jax.shard_map over that "
+          "axis, with in_specs/out_specs from kd.partition_specs(opt_state).") from e
+
+  def per_device(self, make):
+    """`make(device)` on each device: devices own different work, so with P > 1
+    this is a `lax.switch` on the device index (each device's code appears in
+    one branch only); results are typed varying over the axis."""
+    if self.num_devices == 1:
+      return make(0)
+    varying = self.varying
+    branches = [functools.partial(lambda d: _compat.as_varying(make(d), varying), d)
+                for d in range(self.num_devices)]
+    return jax.lax.switch(self.device_index(), branches)
+
+  def group_index(self) -> jax.Array:
+    return self.device_index() // self.group_size
+
+  def _within_groups(self):
+    """Axis index groups of the m consecutive devices of each owner group."""
+    m = self.group_size
+    return [list(range(g * m, (g + 1) * m)) for g in range(self.num_groups)]
+
+  def _gather_within_group(self, x: jax.Array) -> jax.Array:
+    """`[k, ...]` per device → its group's `[m·k, ...]`; with one group the
+    result is typed invariant over the axis."""
+    if self.num_groups == 1:
+      return _compat.all_gather_invariant(x, self.dist.axis, tiled=True)
+    if self.group_size == 1:
+      return x
+    return jax.lax.all_gather(x, self.dist.axis, axis_index_groups=self._within_groups(),
+                              tiled=True)
+
+  def _traffic(self, x: jax.Array) -> jax.Array:
+    return x if self.dist.comm_dtype is None else x.astype(self.dist.comm_dtype)
+
+  def reduce_factors(self, segments: jax.Array, length: int) -> jax.Array:
+    """Per-device statistics laid out as the running factors, `[P·length]` →
+    this device's `[length]`: averaged over the devices ("reduce_scatter"; tight
+    chunks), or its own local ones ("local", DP-KFAC; its owner segment)."""
+    if not self.active:
+      return segments
+    if self.dist.factor_reduction == "local":
+      return jax.lax.dynamic_slice_in_dim(segments, self.device_index() * length, length)
+    summed = jax.lax.psum_scatter(self._traffic(segments), self.dist.axis,
+                                  scatter_dimension=0, tiled=True)
+    return summed.astype(segments.dtype) / self.num_devices
+
+  def all_reduce_factors(self, flat: jax.Array) -> jax.Array:
+    """KAISA's factor all-reduce: every factor, once, averaged over the devices."""
+    if not self.active:
+      return flat
+    return jax.lax.psum(self._traffic(flat), self.dist.axis).astype(flat.dtype) / (
+        self.num_devices)
+
+  def gather_group(self, tree):
+    """Owned slots `[c, ...]` → the owner group's slots `[m·c, ...]`."""
+    if not self.active:
+      return tree
+    return jax.tree_util.tree_map(self._gather_within_group, tree)
+
+  def all_gather_owned(self, x):
+    """Per-device `[c, ...]` → every device's, `[P·c, ...]`."""
+    if not self.active:
+      return x
+    return jax.tree_util.tree_map(
+        lambda v: _compat.all_gather_invariant(v, self.dist.axis, tiled=True), x)
+
+  def mean(self, tree):
+    if not self.active:
+      return tree
+    return jax.tree_util.tree_map(lambda x: jax.lax.pmean(x, self.dist.axis), tree)
+
+  def gather_uneven(self, segment: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
+    """Every device's `[L]` segment, of which device `i` uses the first
+    `sizes[i]` numbers (the rest are zeros), → every device's used numbers,
+    `[sizes[i]]` each, on every device, without padded traffic (see
+    `uneven`)."""
+    if not self.active:
+      return [segment[:sizes[0]]]
+    return uneven.gather(segment, sizes, self.dist.axis, self.device_index())
+
+  def reduce_uneven(self, segments: Sequence[jax.Array], length: int) -> jax.Array:
+    """This device's contribution to every device's segment (`segments[i]`,
+    unpadded) → this device's `[length]` (zeros past its own size), averaged
+    over the devices: the mirror of `gather_uneven`."""
+    if not self.active:
+      return jnp.pad(segments[0], (0, length - segments[0].shape[0]))
+    return uneven.reduce_scatter(segments, length, self.dist.axis,
+                                 self.device_index()) / self.num_devices
+
+  def reduce_scatter_groups(self, buffer: jax.Array) -> jax.Array:
+    """Per-device `[G·S]` (group-major) → the device's group segment `[S]`,
+    averaged over the devices: `psum_scatter`, then `all_gather` in the group."""
+    if not self.active:
+      return buffer
+    piece = jax.lax.psum_scatter(buffer, self.dist.axis, scatter_dimension=0,
+                                 tiled=True) / self.num_devices
+    return self._gather_within_group(piece)
+
+  def gather_groups(self, buffer: jax.Array) -> jax.Array:
+    """Each group's `[S]` → `[G, S]` on every device. Device `r` of a group
+    sends the r-th of m pieces, so one all_gather over the whole axis moves each
+    group's buffer once (as KAISA's receivers get it from m workers)."""
+    if self.num_groups == 1:
+      return buffer[None]
+    m, size = self.group_size, buffer.shape[0]
+    piece = jax.lax.dynamic_slice_in_dim(
+        buffer, (self.device_index() % m) * (size // m), size // m)
+    gathered = _compat.all_gather_invariant(piece, self.dist.axis, tiled=True)
+    return gathered.reshape(self.num_groups, size)

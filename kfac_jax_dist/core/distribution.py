@@ -1,0 +1,102 @@
+"""`kd.Distribution`: which devices own which factors, and how data travels.
+
+A data axis of size P is viewed as `P/m` owner groups of `m` gradient workers
+each, `m = grad_worker_fraction · P` (KAISA §4.3): every layer belongs to one
+group; the group's `m` devices share its eigendecompositions and then all hold
+its second-order state, and precondition its gradients.
+
+| grad_worker_fraction | name (KAISA) | second-order state | extra per-step traffic |
+|---|---|---|---|
+| 1      | COMM-OPT   | replicated              | none                         |
+| 1/P    | MEM-OPT    | sharded over P          | all_gather of preconditioned |
+| between| HYBRID-OPT | sharded over P/m groups | all_gather across groups     |
+
+`factor_reduction` chooses how the per-device statistics reach the factors'
+owners: "all_reduce" (`psum`, as KAISA), "reduce_scatter" (`psum_scatter`: each
+device receives only the factors it owns; exact, about half the bytes) or
+"local" (DP-KFAC, Zhang et al.: an owner builds its factors from its own local
+batch; no factor traffic). `gradient_reduction` says whether the caller already
+averaged the gradients ("none"), or `update` should: "all_reduce", or
+"reduce_scatter" (SP-NGD, Osawa et al.: raw gradients are reduce-scattered to
+their owners, preconditioned there and all-gathered). `symmetric_comm` sends
+only the upper triangle of each factor (Ueno et al.; KAISA §5.4.1);
+`comm_dtype` casts factor traffic (the papers found 16-bit floats lose small
+eigenvalues: decompositions stay in float32).
+
+`model_axis` and `param_specs` add a tensor-parallel axis (a 2-D mesh
+`("data", "model")`, parameters sharded over "model" as `param_specs` says):
+every model shard preconditions its local shard with its own state, and the
+strategy above runs over `axis` within each model shard (see
+`tensor_parallel`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kfac_jax_dist.core import tensor_parallel
+
+FACTOR_REDUCTIONS = ("all_reduce", "reduce_scatter", "local")
+GRADIENT_REDUCTIONS = ("none", "all_reduce", "reduce_scatter")
+
+
+@dataclasses.dataclass(frozen=True)
+class Distribution:
+  """How K-FAC's state and work are spread over one named mesh axis."""
+
+  mesh: jax.sharding.Mesh
+  axis: str = "data"
+  grad_worker_fraction: float = 1.0
+  factor_reduction: str = "reduce_scatter"
+  gradient_reduction: str = "none"
+  symmetric_comm: bool = True
+  comm_dtype: Any = None
+  model_axis: str | None = None
+  param_specs: Any = dataclasses.field(default=None, hash=False)
+
+  def __post_init__(self):
+    if self.axis not in self.mesh.axis_names:
+      raise ValueError(f"Distribution: axis {self.axis!r} is not an axis of the mesh "
+                       f"{dict(self.mesh.shape)}.")
+    if self.model_axis is not None or self.param_specs is not None:
+      tensor_parallel.check_distribution(self)
+    if self.factor_reduction not in FACTOR_REDUCTIONS:
+      raise ValueError(f"factor_reduction must be one of {FACTOR_REDUCTIONS}, got "
+                       f"{self.factor_reduction!r}")
+    if self.gradient_reduction not in GRADIENT_REDUCTIONS:
+      raise ValueError(f"gradient_reduction must be one of {GRADIENT_REDUCTIONS}, got "
+                       f"{self.gradient_reduction!r}")
+    workers = self.grad_worker_fraction * self.num_devices
+    if (not 0 < self.grad_worker_fraction <= 1 or abs(workers - round(workers)) > 1e-6
+        or self.num_devices % round(workers)):
+      raise ValueError(
+          f"grad_worker_fraction={self.grad_worker_fraction} on an axis of "
+          f"{self.num_devices} devices gives {workers:g} gradient workers per layer; it "
+          f"must be an integer dividing {self.num_devices} (e.g. 1/{self.num_devices} "
+          "for MEM-OPT, 1 for COMM-OPT).")
+    if self.comm_dtype is not None and jnp.finfo(self.comm_dtype).bits < 32:
+      warnings.warn("comm_dtype below 32 bits: the K-FAC papers found that 16-bit "
+                    "factor communication can lose small eigenvalues.", stacklevel=3)
+
+  @property
+  def num_devices(self) -> int:
+    return int(self.mesh.shape[self.axis])
+
+  @property
+  def group_size(self) -> int:
+    """`m`, the gradient workers of each layer."""
+    return int(round(self.grad_worker_fraction * self.num_devices))
+
+  @property
+  def num_groups(self) -> int:
+    return self.num_devices // self.group_size
+
+  @property
+  def model_size(self) -> int:
+    """Devices of the tensor-parallel axis (1 without one)."""
+    return 1 if self.model_axis is None else int(self.mesh.shape[self.model_axis])

@@ -1,0 +1,42 @@
+"""Decompositions shared by both preconditioners, safe on every backend.
+
+`eigh` is the symmetric eigendecomposition of a batch of PSD matrices (K-FAC's
+factors, Shampoo's statistics), in float32 at least, eigenvalues clipped at 0.
+`batched` runs a per-matrix function over a batch: one batched call on
+accelerators, one call per matrix on CPU (see its docstring).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def at_least_f32(x: jax.Array) -> jax.Array:
+  """`x` in float32 at least."""
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def batched(fn: Callable, stacked: jax.Array):
+  """`fn` on every `[d, d]` slot of `stacked`: one batched call on accelerators,
+  one call per slot (`lax.map`) on CPU. jaxlib's batched CPU eigh/cholesky fans
+  the batch out over XLA's intra-op thread pool from inside that pool, and
+  deadlocks when every pool thread waits (seen on 2-core machines)."""
+  if stacked.shape[0] == 1:
+    return jax.tree_util.tree_map(lambda x: x[None], fn(stacked[0]))
+  return lax.platform_dependent(stacked, cpu=lambda s: lax.map(fn, s),
+                                default=jax.vmap(fn))
+
+
+def eigh(factors: jax.Array) -> tuple[jax.Array | None, jax.Array]:
+  """Batched eigendecomposition; eigenvalues clipped at 0 (factors are PSD)."""
+  factors = at_least_f32(factors)
+  if factors.ndim == 2:                      # diagonal factors
+    return None, jnp.maximum(factors, 0.0)
+  factors = 0.5 * (factors + jnp.swapaxes(factors, -1, -2))
+  values, vectors = batched(lambda f: jnp.linalg.eigh(f, symmetrize_input=False),
+                             factors)
+  return vectors, jnp.maximum(values, 0.0)

@@ -1,0 +1,56 @@
+"""Checks that a state and an update are where the transform expects them.
+
+A state is laid out for one distribution (devices, owner group size, mesh
+axis, storage); `update` of a distributed transform must run inside
+`shard_map` over that axis, with the per-device parts that
+`kd.partition_specs` gives. These checks turn the errors a misplaced state
+would cause deep inside (wrong sizes, unbound axis names) into messages that
+say what to do. `check_skip_patterns` rejects a `skip=` pattern that matches
+nothing (a typo would otherwise silently precondition the layer).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+from jax import lax
+
+from kfac_jax_dist.core.distribution import Distribution
+
+
+def check_layout(name: str, have: tuple, want: tuple, fields: Sequence[str]) -> None:
+  """The state's placement `have` equals the transform's `want`, field by field."""
+  if have == want:
+    return
+  diff = ", ".join(f"{n} {h!r} (transform: {w!r})" for n, h, w in zip(fields, have, want)
+                   if h != w)
+  raise ValueError(
+      f"This {name} state was laid out for another distribution: {diff}. Use the "
+      "state of this transform's init, or move it with kd.convert_state(state, "
+      "tx.init(params)).")
+
+
+def check_axis(name: str, dist: Distribution) -> None:
+  """`update` runs inside `shard_map` over the distribution's axis, of its size."""
+  try:
+    size = lax.axis_size(dist.axis)
+  except NameError as e:
+    raise ValueError(
+        f"This {name} transform is distributed over mesh axis {dist.axis!r} "
+        f"({dist.num_devices} devices): call update inside jax.shard_map over that "
+        "axis, with in_specs/out_specs from kd.partition_specs(opt_state).") from e
+  if size != dist.num_devices:
+    raise ValueError(
+        f"update runs in a shard_map whose axis {dist.axis!r} has {size} devices, but "
+        f"the Distribution's mesh has {dist.num_devices}: use that mesh.")
+
+
+def check_skip_patterns(patterns: Sequence[str], names: Sequence[str],
+                        all_names: Sequence[str], what: str) -> None:
+  """Every `skip` pattern matches one of `names` (those it excluded);
+  `all_names` are listed in the error."""
+  for pattern in patterns:
+    if not any(re.search(pattern, n) for n in names):
+      raise ValueError(f"skip pattern {pattern!r} matches no {what} "
+                       f"({what}s: {list(all_names)}).")

@@ -1,0 +1,71 @@
+"""Owner-group routing of gradients, shared by K-FAC and Shampoo.
+
+With `P/m` owner groups (KAISA §4.3) each group preconditions the gradients
+of its own layers (K-FAC) or blocks (Shampoo). Two routes connect the groups:
+
+* to the owners (`reduce_to_groups`, SP-NGD's `gradient_reduction=
+  "reduce_scatter"`, Osawa et al. 2020): every device's raw local gradients of
+  each group's parameters, one flat buffer per group, are summed over the
+  devices and each device receives its own group's average only. With one
+  device per group (MEM-OPT) the buffers are uneven (`uneven.reduce_scatter`,
+  no padded traffic); otherwise a reduce-scatter of the buffers padded to a
+  common width, then an all-gather within the group.
+* from the owners (`gather_from_groups`): each group's flat buffer of results
+  (preconditioned gradients and the sums that go with them) reaches every
+  device. With one device per group the buffers are uneven
+  (`uneven.gather`); otherwise each of a group's `m` members sends `1/m` of
+  its group's buffer, padded to the largest group's, in one all-gather over
+  the axis (as KAISA's receivers get a layer from its `m` workers).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kfac_jax_dist import _compat
+from kfac_jax_dist.core import collectives as collectives_lib
+
+
+def group_width(sizes: Sequence[int], group_size: int) -> int:
+  """The common buffer width: the largest group's, rounded up to a multiple
+  of `m` (so that its members' pieces are equal)."""
+  return -(-max(max(sizes), 1) // group_size) * group_size
+
+
+def reduce_to_groups(comm: collectives_lib.Collectives, buffers: Sequence[jax.Array],
+                     width: int) -> jax.Array:
+  """This device's raw buffer of every group's parameters (`buffers[g]`,
+  unpadded) → its own group's buffer averaged over the devices, `[width]`
+  (zeros past the group's size)."""
+  if comm.group_size == 1 < comm.num_groups:
+    return comm.reduce_uneven(buffers, width)
+  return comm.reduce_scatter_groups(jnp.concatenate(
+      [jnp.pad(x, (0, width - x.shape[0])) for x in buffers]))
+
+
+def per_group(comm: collectives_lib.Collectives,
+              make: Callable[[int], jax.Array]) -> jax.Array:
+  """`make(group)` on the devices of each owner group (a `lax.switch` on the
+  group index; typed varying over the axis, since a group may own nothing)."""
+  branches = [functools.partial(lambda g: _compat.as_varying(make(g), comm.varying), g)
+              for g in range(comm.num_groups)]
+  return lax.switch(comm.group_index(), branches)
+
+
+def gather_from_groups(comm: collectives_lib.Collectives,
+                       make: Callable[[int], jax.Array], sizes: Sequence[int],
+                       dtype) -> list[jax.Array]:
+  """Every group's flat buffer (`make(group)`, of `sizes[group]` numbers, made
+  on that group's devices) → on every device, one buffer per group: its
+  numbers, or (several devices per group) the buffer padded to the common
+  width."""
+  width = group_width(sizes, comm.group_size)
+  mine = per_group(comm, lambda g: collectives_lib.pad_to([make(g)], width, dtype))
+  if comm.group_size == 1:
+    return comm.gather_uneven(mine, sizes)
+  return list(comm.gather_groups(mine))

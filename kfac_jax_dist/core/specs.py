@@ -1,0 +1,62 @@
+"""Placing an optax state that holds preconditioner states on a mesh.
+
+Each preconditioner state says how its own leaves are sharded
+(`PreconditionerState.partition_specs`); a tensor-parallel state prepends its
+model axis (`tensor_parallel`); every other leaf (counters, other transforms'
+states such as momentum) is replicated, or, on a tensor-parallel mesh, takes
+the parameters' specs when it is shaped like them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from kfac_jax_dist.core import states
+from kfac_jax_dist.core import tensor_parallel
+
+
+def partition_specs(opt_state: Any) -> Any:
+  """A `PartitionSpec` for every leaf of an optax state holding K-FAC or
+  Shampoo states.
+
+  Each K-FAC or Shampoo state gives its own (`partition_specs()` of the
+  state: K-FAC's running factors sharded over the distribution's axis, its
+  second-order state too unless there is a single owner group, COMM-OPT;
+  Shampoo's statistics and roots when its layout is sharded). Every other leaf
+  — counters, and the states of other transforms, e.g. momentum — is
+  replicated (`P()`). Use the result as `shard_map` in_specs/out_specs and
+  with `shard_state`.
+
+  With a tensor-parallel `Distribution` (`model_axis`), each array leaf of a
+  K-FAC / Shampoo state gets the model axis prepended on its first axis (see
+  `tensor_parallel`), and the states of other transforms that are shaped like
+  the parameters (e.g. momentum) get the `param_specs`.
+  """
+  replicated = jax.sharding.PartitionSpec()
+  sharding = tensor_parallel.find_sharding(opt_state)
+
+  def is_node(x: Any) -> bool:
+    return isinstance(x, (states.PreconditionerState, tensor_parallel.ModelShardedState)
+                      ) or (sharding is not None and sharding.matches(x))
+
+  def node_spec(node: Any) -> Any:
+    if isinstance(node, tensor_parallel.ModelShardedState):
+      return tensor_parallel.inner_specs(node, partition_specs(node.inner))
+    if sharding is not None and sharding.matches(node):
+      return sharding.param_specs()
+    if isinstance(node, states.PreconditionerState):
+      return node.partition_specs()
+    return replicated
+
+  return jax.tree_util.tree_map(node_spec, opt_state, is_leaf=is_node)
+
+
+def shard_state(opt_state: Any, mesh: jax.sharding.Mesh) -> Any:
+  """Places a global optax state (e.g. fresh from `tx.init`) on `mesh` with the
+  specs of `partition_specs`."""
+  specs = partition_specs(opt_state)
+  return jax.tree_util.tree_map(
+      lambda s, x: jax.device_put(x, jax.sharding.NamedSharding(mesh, s)), specs,
+      opt_state)

@@ -1,0 +1,38 @@
+"""What every preconditioner state of the library shares.
+
+`PreconditionerState` is the base of `ScaleByKfacState` and
+`ScaleByShampooState`: frozen dataclasses registered as pytrees, with an update
+`count` and a `skipped` counter (see `faults`), that answer for their own
+placement on a mesh (`partition_specs`). Code that must find them inside an
+optax state tree (the capture, the fault wrapper, `kd.partition_specs`,
+checkpoints) asks this base, so it never imports the optimizers themselves.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import jax
+
+S = TypeVar("S")
+
+
+class PreconditionerState:
+  """Base class of the library's optimizer states.
+
+  Subclasses are dataclasses with at least the fields `count` (accepted
+  updates) and `skipped` (skipped updates), and implement `partition_specs`.
+  """
+
+  count: jax.Array
+  skipped: jax.Array
+
+  def partition_specs(self) -> Any:
+    """This state with a `PartitionSpec` in place of every array leaf."""
+    raise NotImplementedError
+
+
+def find_states(tree: Any, kind: type[S] = PreconditionerState) -> list[S]:
+  """Every node of type `kind` inside a pytree (e.g. an optax state)."""
+  leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, kind))
+  return [x for x in leaves if isinstance(x, kind)]

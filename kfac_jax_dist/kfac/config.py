@@ -1,0 +1,97 @@
+"""K-FAC's settings: one frozen, validated record that every stage reads.
+
+`KfacConfig` is built once per `scale_by_kfac` (and, under
+`optax.inject_hyperparams`, once per update with array values: the checks of
+numbers then apply to Python numbers only). The stages of `transform`
+(factors, decompositions, preconditioning) take it as their first argument;
+nothing else carries settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Sequence
+
+import jax.numpy as jnp
+
+from kfac_jax_dist.core import cadence
+from kfac_jax_dist.core import distribution as distribution_lib
+from kfac_jax_dist.kfac import layout as layout_lib
+
+Method = Literal["eigen", "inverse"]
+METHODS: tuple[Method, ...] = ("eigen", "inverse")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KfacConfig:
+  """The settings of `scale_by_kfac` (see its docstring for each)."""
+
+  damping: cadence.ScalarOrSchedule = 1e-3
+  factor_decay: float = 0.95
+  factor_update_every: cadence.ScalarOrSchedule = 1
+  inverse_update_every: cadence.ScalarOrSchedule = 1
+  method: Method = "eigen"
+  kl_clip: cadence.ScalarOrSchedule | None = None
+  learning_rate: cadence.ScalarOrSchedule | None = None
+  factor_dtype: Any = None
+  skip: Sequence[str] = ()
+  max_factor_dim: int | None = None
+  distribution: distribution_lib.Distribution | None = None
+  stale_threshold: float | None = None
+
+  def __post_init__(self):
+    object.__setattr__(self, "skip", tuple(self.skip))
+    if self.factor_dtype is None:
+      object.__setattr__(self, "factor_dtype", jnp.float32)
+    if self.method not in METHODS:
+      raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+    if cadence.is_number(self.factor_decay) and not 0.0 <= self.factor_decay < 1.0:
+      raise ValueError(f"factor_decay must be in [0, 1), got {self.factor_decay}")
+    if self.kl_clip is not None and self.learning_rate is None:
+      raise ValueError("kl_clip needs the learning_rate (KAISA Eq. 5.1 uses η²).")
+    if self.stale_threshold is not None:
+      self._check_stale()
+
+  def _check_stale(self) -> None:
+    every = (self.factor_update_every, self.inverse_update_every)
+    if not all(isinstance(e, int) and e == 1 for e in every):
+      raise ValueError("stale_threshold chooses every factor's refresh steps itself: "
+                       "leave factor_update_every and inverse_update_every at 1.")
+    if self.method != "eigen":
+      raise ValueError('stale_threshold supports method="eigen" only.')
+    if self.model_axis is not None:
+      raise ValueError("stale_threshold is not supported with a tensor-parallel "
+                       "Distribution (model_axis): each model shard would refresh on "
+                       "its own schedule.")
+
+  @property
+  def compute_dtype(self) -> Any:
+    """The dtype of decompositions and preconditioning: float32 at least."""
+    return jnp.promote_types(self.factor_dtype, jnp.float32)
+
+  @property
+  def gradient_reduction(self) -> str:
+    return "none" if self.distribution is None else self.distribution.gradient_reduction
+
+  @property
+  def model_axis(self) -> str | None:
+    return None if self.distribution is None else self.distribution.model_axis
+
+  @property
+  def factor_reduction(self) -> str | None:
+    return None if self.distribution is None else self.distribution.factor_reduction
+
+  @property
+  def local_factors(self) -> bool:
+    """DP-KFAC: each owner builds its factors from its own local batch."""
+    return self.factor_reduction == "local"
+
+  @property
+  def factor_storage(self) -> str:
+    """Owners keep their own factors when each builds them itself (DP-KFAC),
+    receives them all anyway (KAISA's all-reduce) or refreshes them one by one
+    (stale statistics); a reduce-scatter leaves tight chunks (see `layout`)."""
+    if self.stale_threshold is not None or self.factor_reduction in ("local",
+                                                                     "all_reduce"):
+      return layout_lib.OWNER
+    return layout_lib.CHUNKED

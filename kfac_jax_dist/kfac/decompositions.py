@@ -1,0 +1,188 @@
+"""Decompositions: each owner turns its running factors into second-order state.
+
+Method "eigen" keeps each factor's eigenbasis and eigenvalues (KAISA §4.1:
+`(A ⊗ G + γI)⁻¹` is then exact); method "inverse" keeps the damped inverses
+`(A + π√γ I)⁻¹`, `(G + √γ/π I)⁻¹` (Martens & Grosse 2015, §6.3), whose π
+couples a layer's two factors. Each device decomposes the factors it owns
+(`layout.batches`: one batched call per run of equal form and dimension),
+then the owner group gathers its members' segments (`distribute_second`).
+
+A factor whose running value or decomposition is not finite keeps its
+previous second-order state, slot by slot (a decomposition failure is not a
+step fault: see `core.faults`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from kfac_jax_dist.capture import statistics
+from kfac_jax_dist.core import collectives as collectives_lib
+from kfac_jax_dist.kfac import layout as layout_lib
+from kfac_jax_dist.kfac import linalg
+from kfac_jax_dist.kfac import packing
+from kfac_jax_dist.kfac.config import KfacConfig
+
+
+def finite_slots(*parts: jax.Array | None) -> jax.Array:
+  """`[k]`: whether slot i of every `[k, ...]` part is finite."""
+  ok = None
+  for part in parts:
+    if part is None:
+      continue
+    finite = jnp.all(jnp.isfinite(part.reshape(part.shape[0], -1)), axis=1)
+    ok = finite if ok is None else ok & finite
+  return ok
+
+
+def keep_failed(new: jax.Array, old: jax.Array, ok: jax.Array) -> jax.Array:
+  """Slots `[k, ...]` of `new` where `ok`, else the previous ones, flattened."""
+  new = new.reshape(ok.shape[0], -1)
+  return jnp.where(ok[:, None], new, old.reshape(new.shape)).reshape(-1)
+
+
+def _previous(previous: jax.Array, batch: layout_lib.Batch, offset: int, size: int
+              ) -> jax.Array:
+  """The batch's `[count, size]` slots at `offset` of the previous segment."""
+  return previous[offset:offset + batch.count * size].reshape(batch.count, size)
+
+
+def _kept_unitwise(config: KfacConfig, running: jax.Array, batch: layout_lib.Batch,
+                   previous: jax.Array) -> jax.Array:
+  """A unit-wise batch keeps its `F` (solved in closed form when applied)."""
+  old = _previous(previous, batch, batch.vector_offset, 3 * batch.dim)
+  return keep_failed(running.astype(config.compute_dtype), old, finite_slots(running))
+
+
+def eigen_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
+                  owned: jax.Array, previous: jax.Array) -> jax.Array:
+  """The device's new `[L₂]` segment: eigenbases and eigenvalues of its
+  factors (a split factor keeps its columns)."""
+  dtype, pieces = config.compute_dtype, []
+  for batch in layout.batches[device]:
+    running = packing.unpack_batch(owned, batch, layout.packed)
+    if batch.form == statistics.UNIT:
+      pieces.append(_kept_unitwise(config, running, batch, previous))
+      continue
+    vectors, values = linalg.eigh(running)
+    ok = finite_slots(running, vectors, values)
+    lo, hi = batch.columns or (0, batch.dim)
+    if vectors is not None:
+      old = _previous(previous, batch, batch.matrix_offset, batch.dim * (hi - lo))
+      pieces.append(keep_failed(vectors[..., lo:hi].astype(dtype), old, ok))
+    old = _previous(previous, batch, batch.vector_offset, hi - lo)
+    pieces.append(keep_failed(values[..., lo:hi].astype(dtype), old, ok))
+  return collectives_lib.pad_to(pieces, layout.second_segment, dtype)
+
+
+def inverse_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
+                    owned: jax.Array, damping: jax.Array, previous: jax.Array
+                    ) -> jax.Array:
+  """As `eigen_segment`, with damped inverses; `damping` holds every factor's
+  (a non-finite one, from a non-finite trace of either factor of the layer,
+  keeps both inverses)."""
+  dtype, pieces = config.compute_dtype, []
+  for batch in layout.batches[device]:
+    running = packing.unpack_batch(owned, batch, layout.packed)
+    if batch.form == statistics.UNIT:
+      pieces.append(_kept_unitwise(config, running, batch, previous))
+      continue
+    start = device * layout.max_factors + batch.first_index
+    damp = damping[start:start + batch.count]
+    inv = linalg.damped_inverse(running, damp)
+    ok = finite_slots(running, inv, damp[:, None])
+    if batch.matrix_offset is not None:
+      lo, hi = batch.columns or (0, batch.dim)
+      inv = inv[..., lo:hi]
+      old = _previous(previous, batch, batch.matrix_offset, batch.dim * (hi - lo))
+    else:
+      old = _previous(previous, batch, batch.vector_offset, batch.dim)
+    pieces.append(keep_failed(inv.astype(dtype), old, ok))
+  return collectives_lib.pad_to(pieces, layout.second_segment, dtype)
+
+
+def _traces_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
+                    owned: jax.Array) -> jax.Array:
+  pieces = [linalg.mean_traces(packing.unpack_batch(owned, batch, layout.packed))
+            for batch in layout.batches[device]]
+  return collectives_lib.pad_to([p.astype(config.compute_dtype) for p in pieces],
+                                layout.max_factors, config.compute_dtype)
+
+
+def pi_damping(config: KfacConfig, comm: collectives_lib.Collectives,
+               layout: layout_lib.Layout, owned_of: Callable[[int], jax.Array],
+               gamma: jax.Array) -> jax.Array:
+  """Every factor's π-adjusted damping, `[P·max_factors]` by (owner, index).
+
+  π couples a layer's A and G, which may sit on different devices: the
+  (scalar) traces of all factors are shared, then each copy of a factor gets
+  its layer's damping (NaN where either trace is not finite).
+  """
+  dtype = config.compute_dtype
+  traces = comm.all_gather_owned(
+      comm.per_device(lambda d: _traces_segment(config, layout, d, owned_of(d))))
+  damping = jnp.ones(layout.num_devices * layout.max_factors, dtype)
+  for plan in layout.plans:
+    if plan.layer.unitwise:
+      continue
+    ia = plan.a.owner * layout.max_factors + plan.a.index
+    ig = plan.g.owner * layout.max_factors + plan.g.index
+    d_a, d_g = linalg.pi_adjusted_damping(traces[ia], traces[ig], gamma)
+    finite = jnp.isfinite(traces[ia]) & jnp.isfinite(traces[ig])
+    d_a, d_g = (jnp.where(finite, x, jnp.nan) for x in (d_a, d_g))
+    for piece in plan.pieces:          # every copy of a replicated factor
+      for place, value in ((piece.a, d_a), (piece.g, d_g)):
+        for q in (place,) + place.copies:
+          damping = damping.at[q.owner * layout.max_factors + q.index].set(value)
+  return damping
+
+
+def owned_factors(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
+                  running: jax.Array) -> Callable[[int], jax.Array]:
+  """`device -> its owned running factors, tight` (replicas after its home
+  factors). Tight chunks are gathered first (decomposition steps only): every
+  owner needs its whole factors; a replica reads its home's copy."""
+  if layout.factor_storage != layout_lib.CHUNKED:
+    return lambda device: running
+  full, bases = comm.all_gather_owned(running), layout.owner_bases
+
+  def owned_of(device: int) -> jax.Array:
+    replicas = [full[layout.factor_start(q):layout.factor_start(q) + q.size]
+                for q, _, _ in layout.owned(device) if q.home is not None]
+    return jnp.concatenate(
+        [full[bases[device]:bases[device] + layout.owner_sizes[device]]] + replicas)
+  return owned_of
+
+
+def distribute_second(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
+                      local: jax.Array) -> jax.Array:
+  """Each device's new `[L₂]` → the second-order array of its spec."""
+  if layout.num_groups == 1 and comm.active:    # every device gets every segment
+    rows = comm.gather_uneven(local, layout.second_sizes)
+    return jnp.concatenate([jnp.pad(r, (0, layout.second_segment - r.shape[0]))
+                            for r in rows])
+  return comm.gather_group(local)
+
+
+def decompose(config: KfacConfig, comm: collectives_lib.Collectives,
+              layout: layout_lib.Layout, running: jax.Array, gamma: jax.Array,
+              second: jax.Array) -> jax.Array:
+  """New second-order state from the running factors; `second` is the current
+  one (this device's part), kept for any factor that fails."""
+  def previous_of(device: int) -> jax.Array:
+    # The device's own [L₂] segment within its local m·L₂ (P·L₂ with one group).
+    start = (device % layout.group_size) * layout.second_segment
+    return second[start:start + layout.second_segment]
+
+  owned_of = owned_factors(comm, layout, running)
+  if config.method == "eigen":
+    local = comm.per_device(lambda d: eigen_segment(
+        config, layout, d, owned_of(d), previous_of(d)))
+  else:
+    damping = pi_damping(config, comm, layout, owned_of, gamma)
+    local = comm.per_device(lambda d: inverse_segment(
+        config, layout, d, owned_of(d), damping, previous_of(d)))
+  return distribute_second(comm, layout, local)

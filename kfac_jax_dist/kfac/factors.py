@@ -1,0 +1,137 @@
+"""Running Kronecker factors: the statistics of a batch reach their owners and
+join the running averages.
+
+Running factors (KAISA Eq. 2.10, `factor_decay` = the weight of the *old*
+value): with `w` the total weight so far,
+
+    w' = decay·w + (1 − decay),   F' = (decay·w·F + (1 − decay)·F_batch) / w',
+
+so the first update gives exactly the first batch's statistics. `F_batch` is
+the average over the devices of their local statistics (a reduce-scatter into
+tight chunks, or KAISA's all-reduce of every factor), or, for DP-KFAC, the
+owner's own local statistics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kfac_jax_dist.capture import statistics
+from kfac_jax_dist.core import collectives as collectives_lib
+from kfac_jax_dist.kfac import layout as layout_lib
+from kfac_jax_dist.kfac import packing
+from kfac_jax_dist.kfac.config import KfacConfig
+from kfac_jax_dist.kfac.state import ScaleByKfacState
+
+Stats = dict[str, dict[str, jax.Array]]
+
+
+def _is_concrete_false(flag: Any) -> bool:
+  """Whether `flag` is a known (not traced) False."""
+  return not isinstance(flag, jax.core.Tracer) and not bool(flag)
+
+
+def check_stats(layout: layout_lib.Layout, stats: Stats | None, update_flag: Any) -> bool:
+  """Validates `kfac_stats` against the layout; returns whether they are used.
+
+  Statistics may be omitted (None) only on a step known, outside `jit`, to
+  update no factor; a traced step may be a factor step and needs them.
+  """
+  if stats is None:
+    if _is_concrete_false(update_flag):
+      return False
+    raise ValueError(
+        "scale_by_kfac.update needs the curvature statistics on a factor step (or "
+        "under jit, where the step is not known): call tx.update(grads, opt_state, "
+        "params, kfac_stats=stats) with the stats returned by kd.value_and_grad.")
+  for plan in layout.plans:
+    name = plan.layer.stats_name
+    if name not in stats:
+      raise ValueError(f"kfac_stats has no statistics for tagged layer '{name}' "
+                       f"(it has {sorted(stats)}).")
+    for which, _ in plan.places:
+      if which.upper() not in stats[name]:
+        raise ValueError(f"kfac_stats['{name}'] has no statistic {which.upper()!r} "
+                         f"(it has {sorted(stats[name])}).")
+  return True
+
+
+def _checked_shape(stat: jax.Array, place: layout_lib.FactorPlace, name: str,
+                   key: str) -> jax.Array:
+  """`stat` in the form of `place` (a full statistic of a diagonal factor
+  gives its diagonal), or an error naming the layer."""
+  expected = {statistics.FULL: (place.dim, place.dim), statistics.DIAG: (place.dim,),
+              statistics.UNIT: (place.dim, 3)}[place.form]
+  if place.form == statistics.DIAG and stat.shape == (place.dim, place.dim):
+    return jnp.diagonal(stat)
+  if stat.shape != expected:
+    raise ValueError(f"Statistic {key} of layer '{name}' has shape {stat.shape}; "
+                     f"the optimizer state expects {place.form} factors of dimension "
+                     f"{place.dim}.")
+  return stat
+
+
+def layer_statistic(stats: Stats, plan: layout_lib.LayerPlan, which: str) -> jax.Array:
+  """The batch statistic `which` ("a", "g", "f") of the plan's layer (its
+  block's, for a block of a stacked layer)."""
+  key, layer = which.upper(), plan.layer
+  stat = stats[layer.stats_name][key]
+  if layer.stack_index is not None:
+    if tuple(stat.shape[:len(layer.stack)]) != layer.stack:
+      raise ValueError(f"Statistic {key} of stacked layer '{layer.stats_name}' has "
+                       f"shape {stat.shape}; expected leading stack axes {layer.stack}.")
+    stat = stat[layer.stack_index]
+  return _checked_shape(stat, getattr(plan, which), layer.name, key)
+
+
+def all_statistics(layout: layout_lib.Layout, stats: Stats) -> list[jax.Array]:
+  """Every statistic the layout consumes, in plan order (for the fault check)."""
+  return [layer_statistic(stats, plan, w) for plan in layout.plans for w, _ in plan.places]
+
+
+def stats_segments(layout: layout_lib.Layout, stats: Stats, dtype: Any) -> jax.Array:
+  """The batch statistics laid out as the running factors, `[P·length]`."""
+  return packing.all_segments(layout, lambda plan, w: layer_statistic(stats, plan, w),
+                              dtype)
+
+
+def _all_reduced(config: KfacConfig, comm: collectives_lib.Collectives,
+                 layout: layout_lib.Layout, stats: Stats) -> jax.Array:
+  """KAISA: all-reduce the unpadded buffer of every factor, then each owner
+  copies its own factors into its segment."""
+  dtype = config.compute_dtype
+  flat = jnp.concatenate([
+      packing.pack_factor(layer_statistic(stats, plan, w).astype(dtype), place.form,
+                          layout.packed)
+      for plan in layout.plans for w, place in plan.places])
+  summed, offsets = comm.all_reduce_factors(flat), layout_lib.tight_offsets(layout)
+
+  def own(device: int) -> jax.Array:
+    pieces = [summed[offsets[(p.layer.name, w)]:offsets[(p.layer.name, w)] + place.size]
+              for place, p, w in layout.owned(device)]
+    return collectives_lib.pad_to(pieces, layout.segment, dtype)
+  return comm.per_device(own)
+
+
+def batch_factors(config: KfacConfig, comm: collectives_lib.Collectives,
+                  layout: layout_lib.Layout, stats: Stats) -> jax.Array:
+  """This device's part of `F_batch`, in the running factors' storage."""
+  if config.factor_reduction == "all_reduce":
+    return _all_reduced(config, comm, layout, stats)
+  return comm.reduce_factors(stats_segments(layout, stats, config.compute_dtype),
+                             layout.factor_shard)
+
+
+def update_running_factors(config: KfacConfig, comm: collectives_lib.Collectives,
+                           state: ScaleByKfacState, stats: Stats
+                           ) -> tuple[jax.Array, jax.Array]:
+  """The new running factors (this device's part) and total weight `w'`."""
+  batch = batch_factors(config, comm, state.layout, stats)
+  decay, w = config.factor_decay, state.factor_weight
+  new_w = decay * w + (1.0 - decay)
+  mixed = (decay * w * state.factors.astype(config.compute_dtype)
+           + (1.0 - decay) * batch.astype(config.compute_dtype)) / new_w
+  return mixed.astype(config.factor_dtype), new_w

@@ -1,0 +1,212 @@
+"""Preconditioning: each owner group applies its layers' second-order state.
+
+Each tagged layer's gradient `∇` (kernel rows, bias as the last row, shape
+`(d_A, d_G)`) becomes `(A ⊗ G + γ I)⁻¹ vec(∇)` (method "eigen", KAISA §4.1)
+or its π-damped factored form (method "inverse"), see `linalg`; a unit-wise
+layer (SP-NGD) gets `(F_c + γI)⁻¹` per channel. The owner group of each layer
+does it (`layout.group_plans`) and the results are gathered from the groups
+(`core.routing`); with one group every device does all of them.
+
+KL clip (KAISA Eq. 5.1): `ν = min(1, sqrt(κ / (η² Σ_l |⟨V_l, ∇_l⟩|)))` scales
+every preconditioned gradient; `η` is `learning_rate` (float or schedule).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kfac_jax_dist.capture import registry
+from kfac_jax_dist.core import cadence
+from kfac_jax_dist.core import collectives as collectives_lib
+from kfac_jax_dist.core import routing
+from kfac_jax_dist.kfac import layout as layout_lib
+from kfac_jax_dist.kfac import linalg
+from kfac_jax_dist.kfac import packing
+from kfac_jax_dist.kfac.config import KfacConfig
+
+Leaves = dict[str, jax.Array]
+GradOf = Callable[[layout_lib.LayerPlan], jax.Array]
+
+
+def _block(leaf: jax.Array, layer: registry.TaggedLayer) -> jax.Array:
+  """The layer's part of a parameter leaf: block `stack_index` of a stacked one."""
+  return leaf if layer.stack_index is None else leaf[layer.stack_index]
+
+
+def gradient_matrix(plan: layout_lib.LayerPlan, leaves: Leaves) -> jax.Array:
+  """The layer's gradient as `(d_A, d_G)`: kernel rows, then the bias row."""
+  layer = plan.layer
+  kernel = _block(leaves[layer.kernel_path], layer)
+  dtype = jnp.promote_types(kernel.dtype, jnp.float32)
+  m = kernel.astype(dtype).reshape(layer.a_dim - layer.has_bias, layer.g_dim)
+  if layer.has_bias:
+    bias = _block(leaves[layer.bias_path], layer)
+    m = jnp.concatenate([m, bias.astype(dtype).reshape(1, -1)], axis=0)
+  return m
+
+
+def write_back(plan: layout_lib.LayerPlan, m: jax.Array, leaves: Leaves) -> None:
+  """Writes a `(d_A, d_G)` matrix into the layer's kernel and bias leaves."""
+  layer = plan.layer
+  rows = layer.a_dim - layer.has_bias
+  parts = [(layer.kernel_path, m[:rows])] + (
+      [(layer.bias_path, m[rows])] if layer.has_bias else [])
+  for path, value in parts:
+    leaf = leaves[path]
+    if layer.stack_index is None:
+      leaves[path] = value.reshape(leaf.shape).astype(leaf.dtype)
+    else:
+      # One block of a stacked leaf. Every block is written (a stack is skipped
+      # whole), block 0 first (layout order), so block 0 starts from zeros: the
+      # result then does not inherit the raw gradient's type (local, varying
+      # over the mesh axis under SP-NGD's reduce-scatter).
+      if not any(layer.stack_index):
+        leaf = jnp.zeros(leaf.shape, leaf.dtype)
+      block_shape = leaf.shape[len(layer.stack_index):]
+      leaves[path] = leaf.at[layer.stack_index].set(
+          value.reshape(block_shape).astype(leaf.dtype))
+
+
+def check_updates(layout: layout_lib.Layout, leaves: Leaves) -> None:
+  """Every tagged layer's parameters are in the updates, with their shapes."""
+  for plan in layout.plans:
+    layer = plan.layer
+    for path, shape in ((layer.kernel_path, layer.kernel_shape),
+                        (layer.bias_path, layer.bias_shape or (layer.g_dim,))):
+      if path is None:
+        continue
+      if path not in leaves:
+        raise ValueError(f"Tagged layer '{layer.name}': '{path}' is missing "
+                         "from the updates given to scale_by_kfac.")
+      shape = tuple(layer.stack) + tuple(shape)     # stacked: [L, *block shape]
+      if tuple(jnp.shape(leaves[path])) != shape:
+        raise ValueError(f"Tagged layer '{layer.name}': the update of '{path}' has "
+                         f"shape {jnp.shape(leaves[path])}, expected {tuple(shape)}.")
+
+
+def precondition_group(config: KfacConfig, layout: layout_lib.Layout,
+                       second: jax.Array, gamma: jax.Array, group: int, grad_of: GradOf,
+                       kl_weight: Callable[[layout_lib.LayerPlan], float]
+                       ) -> tuple[dict[Any, jax.Array], jax.Array]:
+  """Preconditioned gradients of one owner group's layers and its Σ|⟨V, ∇⟩|;
+  a piece of a replicated layer leaves its partial ⟨V, ∇⟩ under
+  `(name, "dot")` instead."""
+  dtype = config.compute_dtype
+
+  def parts(place: layout_lib.FactorPlace) -> tuple[jax.Array | None, jax.Array]:
+    """(matrix or None, vector), column slices put together."""
+    return packing.read_parts(second, lambda q: layout.second_base(q, group), place)
+
+  def either(place: layout_lib.FactorPlace) -> jax.Array:
+    matrix, vector = parts(place)
+    return vector if matrix is None else matrix
+
+  out, vg = {}, jnp.zeros([], dtype)
+  for plan in layout.group_plans(group):
+    grad = grad_of(plan)
+    if plan.layer.unitwise:             # SP-NGD: (F_c + γI)⁻¹ per channel
+      v_gamma, v_beta = linalg.unitwise_precondition(
+          grad[0], grad[1] if plan.layer.has_bias else None, parts(plan.f)[1], gamma)
+      v = jnp.stack([v_gamma] + ([v_beta] if v_beta is not None else []))
+    elif config.method == "eigen":
+      v = linalg.precondition_eigen(grad, *parts(plan.a), *parts(plan.g), gamma,
+                                    rows=plan.rows)
+    else:
+      v = linalg.precondition_inverse(grad, either(plan.a), either(plan.g),
+                                      rows=plan.rows)
+    out[plan.layer.name] = v
+    lo, hi = layout_lib.piece_rows(plan)
+    dot = jnp.vdot(v, grad[lo:hi]).astype(dtype)
+    if plan.rows is None:
+      vg = vg + jnp.abs(dot) * kl_weight(plan)
+    else:                               # a piece: |Σ of the pieces' dots| later
+      out[(plan.layer.name, "dot")] = dot
+  return out, vg
+
+
+def routed_gradients(config: KfacConfig, comm: collectives_lib.Collectives,
+                     layout: layout_lib.Layout, leaves: Leaves
+                     ) -> tuple[GradOf, Leaves]:
+  """Where each owner group reads its layers' gradients, and the leaves with
+  the untagged ones averaged as the distribution says.
+
+  SP-NGD (`gradient_reduction="reduce_scatter"`): the raw local gradients go
+  to their owner group only (each group's buffer starts with a slot for its
+  KL sum, filled after the reduction); "all_reduce": every leaf averaged here.
+  """
+  dtype = config.compute_dtype
+  if config.gradient_reduction == "reduce_scatter" and layout.plans:
+    offsets, _, width = layout_lib.gradient_offsets(layout)
+    buffers = [jnp.concatenate([jnp.zeros(1, dtype)] + [
+        gradient_matrix(p, leaves).ravel().astype(dtype)
+        for p in layout.group_plans(g)]) for g in range(layout.num_groups)]
+    segment = routing.reduce_to_groups(comm, buffers, width)
+
+    def grad_of(plan: layout_lib.LayerPlan) -> jax.Array:
+      layer, start = plan.layer, offsets[(plan.layer.name, plan.group)]
+      return segment[start:start + layer.a_dim * layer.g_dim].reshape(
+          layer.a_dim, layer.g_dim)
+    tagged = {p for plan in layout.plans
+              for p in (plan.layer.kernel_path, plan.layer.bias_path) if p is not None}
+    return grad_of, {k: (v if k in tagged else comm.mean(v)) for k, v in leaves.items()}
+  if config.gradient_reduction == "all_reduce":
+    leaves = comm.mean(leaves)
+  return (lambda plan: gradient_matrix(plan, leaves).astype(dtype)), leaves
+
+
+def _group_buffer(config: KfacConfig, layout: layout_lib.Layout, group: int,
+                  out: dict[Any, jax.Array], vg: jax.Array) -> jax.Array:
+  """A group's results as one flat buffer: its KL sum, then per layer (a
+  piece: its partial dot first) the preconditioned rows."""
+  flat = [x for p in layout.group_plans(group) for x in (
+      [out[(p.layer.name, "dot")][None]] if p.rows is not None else []) + [
+          out[p.layer.name].ravel()]]
+  return jnp.concatenate([vg[None].astype(config.compute_dtype)] + flat)
+
+
+def precondition(config: KfacConfig, comm: collectives_lib.Collectives,
+                 layout: layout_lib.Layout, second: jax.Array, gamma: jax.Array,
+                 grad_of: GradOf, kl_weight: Callable[[layout_lib.LayerPlan], float]
+                 ) -> tuple[dict[str, jax.Array], jax.Array]:
+  """Every layer's preconditioned gradient (on every device) and Σ|⟨V, ∇⟩|."""
+  if layout.num_groups == 1:
+    return precondition_group(config, layout, second, gamma, 0, grad_of, kl_weight)
+  offsets, sizes, _ = layout_lib.gradient_offsets(layout)
+
+  def make(g: int) -> jax.Array:
+    out, vg = precondition_group(config, layout, second, gamma, g, grad_of, kl_weight)
+    return _group_buffer(config, layout, g, out, vg)
+  buffers = routing.gather_from_groups(comm, make, sizes, config.compute_dtype)
+  vg = sum(b[0] for b in buffers)
+  preconditioned = {}
+  for plan in layout.plans:             # a replicated layer: its pieces' rows
+    layer, rows, dots = plan.layer, [], []
+    for piece in plan.pieces:
+      lo, hi = layout_lib.piece_rows(piece)
+      start = offsets[(layer.name, piece.group)]
+      rows.append(buffers[piece.group][start:start + (hi - lo) * layer.g_dim].reshape(
+          hi - lo, layer.g_dim))
+      dots.append(buffers[piece.group][start - 1])
+    preconditioned[layer.name] = jnp.concatenate(rows) if plan.copies else rows[0]
+    if plan.copies:
+      vg = vg + jnp.abs(sum(dots)) * kl_weight(plan)
+  return preconditioned, vg
+
+
+def kl_clip(config: KfacConfig, preconditioned: dict[str, jax.Array], vg: jax.Array,
+            count: jax.Array) -> dict[str, jax.Array]:
+  """KAISA's KL clip of every preconditioned gradient (none without `kl_clip`);
+  on a tensor-parallel mesh Σ|⟨V, ∇⟩| sums every layer's shards."""
+  if config.kl_clip is None:
+    return preconditioned
+  if config.model_axis is not None:
+    vg = lax.psum(vg, config.model_axis)
+  dtype = config.compute_dtype
+  eta = jnp.asarray(cadence.value_at(config.learning_rate, count), dtype)
+  kappa = jnp.asarray(cadence.value_at(config.kl_clip, count), dtype)
+  nu = jnp.where(vg > 0, jnp.minimum(1.0, jnp.sqrt(kappa / (eta ** 2 * vg))), 1.0)
+  return {n: nu * v for n, v in preconditioned.items()}

@@ -1,0 +1,147 @@
+"""K-FAC's optimizer state and the views of it a user reads.
+
+The state holds the running Kronecker factors and the second-order state
+(eigenbases and eigenvalues, or damped inverses) of every tagged layer in the
+flat per-device segments that `layout` places, plus the counters of the
+cadence and of the fault policy (`core.faults`). `running_factors` and
+`second_order_parts` read a global (not per-device) state back per layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from kfac_jax_dist.capture import statistics
+from kfac_jax_dist.core import states
+from kfac_jax_dist.kfac import layout as layout_lib
+from kfac_jax_dist.kfac import packing
+from kfac_jax_dist.kfac import stale as stale_lib
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["count", "factor_weight", "update_factors", "factors", "second_order",
+                 "skipped", "refresh"],
+    meta_fields=["layout"])
+@dataclasses.dataclass(frozen=True)
+class ScaleByKfacState(states.PreconditionerState):
+  """State of `scale_by_kfac`, in the flat per-device segments of `layout`.
+
+  Attributes:
+    count: number of updates so far (skipped ones, see `skipped`, excluded).
+    factor_weight: total weight `w` of the running factor averages.
+    update_factors: whether the *next* update refreshes the factors; the capture
+      reads it to skip the statistics work on other steps.
+    factors: running factors, `[P·C]` (tight chunks) or `[P·L]` (owner
+      segments), see `layout`; device i holds the i-th part.
+    second_order: eigenbases and eigenvalues ("eigen") or damped inverses
+      ("inverse"), `[P·L₂]` per owner group member (see `layout`).
+    skipped: number of updates skipped for a non-finite gradient, statistic
+      or produced update (not counted in `count`).
+    layout: static placement of every layer's factors.
+    refresh: per-factor refresh schedule with stale statistics (`stale`),
+      else None.
+  """
+
+  count: jax.Array
+  factor_weight: jax.Array
+  update_factors: jax.Array
+  factors: jax.Array
+  second_order: jax.Array
+  skipped: jax.Array
+  layout: layout_lib.Layout
+  refresh: stale_lib.RefreshState | None = None
+
+  def partition_specs(self) -> ScaleByKfacState:
+    """Running factors sharded over the distribution's axis (each device holds
+    its slots); the second-order state too, unless there is a single owner
+    group (COMM-OPT), where it is replicated; counters replicated."""
+    replicated = PartitionSpec()
+    axis = self.layout.axis
+    sharded = replicated if axis is None else PartitionSpec(axis)
+    refresh = self.refresh
+    if refresh is not None:      # per-factor schedule replicated, X₋₁, X₋₂ as factors
+      refresh = jax.tree_util.tree_map(lambda _: replicated, refresh)
+      refresh = dataclasses.replace(refresh, last=sharded, before_last=sharded)
+    return dataclasses.replace(
+        self, count=replicated, factor_weight=replicated, update_factors=replicated,
+        skipped=replicated, factors=sharded,
+        second_order=replicated if self.layout.num_groups == 1 else sharded,
+        refresh=refresh)
+
+  def statistic_forms(self, layer_name: str) -> tuple[str, str] | None:
+    """The forms ("full" or "diag") of the statistics `A` and `G` the state
+    consumes for a tagged layer; None for a layer it skips. The capture reads
+    it to compute only what is used."""
+    plan = self.layout.plan(layer_name)
+    return None if plan is None else (plan.a_form, plan.g_form)
+
+
+def find_states(tree: Any) -> list[ScaleByKfacState]:
+  """Every `ScaleByKfacState` inside an optax state tree."""
+  return states.find_states(tree, ScaleByKfacState)
+
+
+def global_second_order(lay: layout_lib.Layout, segments: Sequence[jax.Array],
+                        xp=jnp) -> jax.Array:
+  """The global second-order array from each owner's `[L₂]` segment: `[P·L₂]`
+  (replicated, one owner group), or device after device its group's `m`
+  segments, `[P·m·L₂]` (sharded)."""
+  if lay.num_groups == 1:
+    return xp.concatenate(segments)
+  m = lay.group_size
+  return xp.concatenate([segments[j] for i in range(lay.num_devices)
+                         for j in range(i // m * m, i // m * m + m)])
+
+
+def second_order_base(lay: layout_lib.Layout, owner: int) -> int:
+  """Start of `owner`'s `[L₂]` segment in the global second-order array (its
+  first copy, in its group's first device's part)."""
+  m = lay.group_size
+  return ((owner // m) * m * m + owner % m) * lay.second_segment
+
+
+def running_factors(state: ScaleByKfacState) -> dict[str, dict[str, jax.Array]]:
+  """`{layer: {"A": A, "G": G}}` (`{"F": F}`, `[C, 3]`, for a unit-wise layer)
+  of a global (not per-device) state; diagonal factors come back as their
+  diagonal."""
+  lay = state.layout
+  out = {}
+  for plan in lay.plans:
+    out[plan.layer.name] = {}
+    for which, place in plan.places:
+      start = lay.factor_start(place)
+      flat = state.factors[start:start + place.size]
+      flat = flat.astype(jnp.promote_types(flat.dtype, jnp.float32))
+      if place.form == statistics.DIAG:
+        value = flat
+      elif place.form == statistics.UNIT:
+        value = flat.reshape(place.dim, 3)
+      elif lay.packed:
+        value = packing.unpack_upper(flat, place.dim)
+      else:
+        value = flat.reshape(place.dim, place.dim)
+      out[plan.layer.name][which.upper()] = value
+  return out
+
+
+def second_order_parts(state: ScaleByKfacState
+                       ) -> dict[str, dict[str, tuple[Any, Any]]]:
+  """`{layer: {"A": (matrix, vector), "G": ...}}` of a global (not per-device)
+  state: eigenbasis and eigenvalues ("eigen") or damped inverse ("inverse"),
+  `None` where a factor has no such part (diagonal and unit-wise factors keep
+  only a vector, `[d]` or `[d, 3]`)."""
+  lay, second = state.layout, state.second_order
+  out = {}
+  for plan in lay.plans:
+    out[plan.layer.name] = {}
+    for which, place in plan.places:
+      out[plan.layer.name][which.upper()] = packing.read_parts(
+          second, lambda q: second_order_base(lay, q.owner), place)
+  return out

@@ -1,0 +1,384 @@
+"""K-FAC as an optax transform: the stages of one update, in order.
+
+`scale_by_kfac` replaces each tagged layer's gradient by its K-FAC
+preconditioned gradient; parameters of no tagged layer pass through unchanged.
+One `update` runs these stages (each in its own module, each a pure function
+of the settings `KfacConfig`, the `Collectives` of the distribution, the
+layout and the state):
+
+1. checks: statistics and updates against the layout (`factors.check_stats`,
+   `precondition.check_updates`), placement (`core.placement`);
+2. fault verdict on the inputs (`core.faults`): the gradients, and the
+   statistics on a factor step;
+3. running factors (`factors`) on factor steps, or the due factors with stale
+   statistics (`stale_update`);
+4. decompositions (`decompositions`) on decomposition steps;
+5. preconditioning in the owner groups and the gather (`precondition`,
+   `core.routing`), then the KL clip;
+6. fault verdict on the produced updates, then one select: an accepted step
+   returns the new updates and state, a faulty one zeros and the old state
+   with `skipped` + 1 (`core.faults`).
+
+Cadence (`core.cadence`): with `count` the number of accepted updates (from
+0), factors are refreshed when `count % factor_update_every == 0`, the
+eigenbases/inverses when `count % inverse_update_every == 0`, both under
+`lax.cond`. Step 0 therefore already preconditions. Intervals, damping, the
+KL clip and the learning rate may be schedules of `count`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+import optax
+
+from kfac_jax_dist import _compat
+from kfac_jax_dist.capture import registry
+from kfac_jax_dist.core import cadence
+from kfac_jax_dist.core import collectives as collectives_lib
+from kfac_jax_dist.core import distribution as distribution_lib
+from kfac_jax_dist.core import faults
+from kfac_jax_dist.core import placement
+from kfac_jax_dist.core import tensor_parallel
+from kfac_jax_dist.kfac import decompositions
+from kfac_jax_dist.kfac import factors
+from kfac_jax_dist.kfac import layout as layout_lib
+from kfac_jax_dist.kfac import packing
+from kfac_jax_dist.kfac import precondition
+from kfac_jax_dist.kfac import stale
+from kfac_jax_dist.kfac import stale_update
+from kfac_jax_dist.kfac.config import KfacConfig
+from kfac_jax_dist.kfac.state import ScaleByKfacState
+from kfac_jax_dist.kfac.state import global_second_order
+
+
+# ------------------------------------------------------------------------ init
+
+def _check_params(layers: registry.LayerRegistry, leaves: dict[str, Any]) -> None:
+  """Every tagged layer's parameters are in the tree given to init, with the
+  shapes the layer was discovered with."""
+  for layer in layers:
+    for path, shape in ((layer.kernel_path, layer.kernel_shape),
+                        (layer.bias_path, layer.bias_shape or (layer.g_dim,))):
+      if path is None:
+        continue
+      shape = tuple(layer.stack) + tuple(shape)     # stacked: [L, *block shape]
+      if path not in leaves:
+        raise ValueError(f"Tagged layer '{layer.name}': parameter '{path}' is not in "
+                         "the tree given to init.")
+      if tuple(jnp.shape(leaves[path])) != tuple(shape):
+        raise ValueError(f"Tagged layer '{layer.name}': parameter '{path}' has shape "
+                         f"{jnp.shape(leaves[path])}, expected {shape}.")
+
+
+def build_layout(config: KfacConfig, comm: collectives_lib.Collectives,
+                 layers: registry.LayerRegistry, param_paths: Sequence[str]
+                 ) -> layout_lib.Layout:
+  """The state's static layout: owners, segments and storage (chunked or
+  owner segments, whichever the cadence makes cheaper, see `layout`)."""
+  dist = config.distribution
+  lay = layout_lib.build(
+      layers, tuple(param_paths), skip=config.skip, max_factor_dim=config.max_factor_dim,
+      num_devices=comm.num_devices, group_size=comm.group_size,
+      axis=None if dist is None else dist.axis, method=config.method,
+      packed=True if dist is None else dist.symmetric_comm,
+      factor_storage=config.factor_storage, replicate_factors=not config.local_factors,
+      replicate_layers=(not config.local_factors
+                        and config.gradient_reduction != "reduce_scatter"))
+  if lay.factor_storage == layout_lib.CHUNKED and lay.num_devices > 1:
+    zero = jnp.zeros([], jnp.int32)     # schedules: judged at count 0
+    lay = dataclasses.replace(lay, factor_storage=layout_lib.cheaper_storage(
+        lay, int(cadence.value_at(config.factor_update_every, zero)),
+        int(cadence.value_at(config.inverse_update_every, zero))))
+  placement.check_skip_patterns(config.skip, lay.skipped, list(layers.names()),
+                                "tagged layer")
+  return lay
+
+
+def init_state(config: KfacConfig, comm: collectives_lib.Collectives,
+               layers: registry.LayerRegistry | None, params: Any) -> ScaleByKfacState:
+  """The state at count 0: identity factors and second-order state.
+
+  Concrete params: the state is built in numpy and transferred once per array
+  (eager jnp runs, and first compiles, one small program per op: seconds for
+  a few layers). Traced (jit, eval_shape, shard_map): jnp.
+  """
+  if layers is None:
+    raise ValueError(
+        "scale_by_kfac needs the tagged layers to lay out its state: pass "
+        "layers=kd.value_and_grad(loss_fn).discover(params, batch).")
+  leaves = registry.leaves_by_path(params)
+  _check_params(layers, leaves)
+  lay = build_layout(config, comm, layers, list(leaves))
+  xp = jnp if _compat.traced(params) else np
+  dtype, compute = config.factor_dtype, config.compute_dtype
+  running = packing.all_segments(
+      lay, lambda plan, which: packing.identity(getattr(plan, which), dtype, xp), dtype, xp)
+  second = global_second_order(
+      lay, [packing.second_order_segment(lay, d, compute, xp)
+            for d in range(lay.num_devices)], xp)
+  state = ScaleByKfacState(
+      count=xp.zeros([], jnp.int32), factor_weight=xp.zeros([], compute),
+      update_factors=xp.asarray(True), factors=running, second_order=second,
+      skipped=xp.zeros([], jnp.int32), layout=lay,
+      refresh=None if config.stale_threshold is None else stale.init(
+          lay, running, compute, xp))
+  return state if xp is jnp else jax.tree_util.tree_map(jnp.asarray, state)
+
+
+# ---------------------------------------------------------------------- update
+
+def check_placement(config: KfacConfig, state: ScaleByKfacState) -> None:
+  """The state was laid out for this transform's distribution, and `update`
+  runs where that distribution says (inside `shard_map` over its axis, with
+  the per-device parts of `kd.partition_specs`)."""
+  lay, dist, storage = state.layout, config.distribution, config.factor_storage
+  want = ((1, 1, None, storage) if dist is None else
+          (dist.num_devices, dist.group_size, dist.axis, storage))
+  have = (lay.num_devices, lay.group_size, lay.axis, lay.factor_storage)
+  if storage == layout_lib.CHUNKED and dist is not None:
+    have = have[:3] + (storage,)   # either storage, by bytes (layout.cheaper_storage)
+  placement.check_layout("K-FAC", have, want, ("devices", "gradient workers per layer",
+                                               "axis", "factor storage"))
+  if dist is None:
+    return
+  placement.check_axis("K-FAC", dist)
+  second = lay.second_segment * (lay.num_devices if lay.num_groups == 1
+                                 else lay.group_size)
+  got = (state.factors.shape, state.second_order.shape)
+  if got != ((lay.factor_shard,), (second,)):
+    raise ValueError(
+        f"Inside shard_map the K-FAC state has per-device factors {got[0]} and "
+        f"second-order {got[1]}, expected {(lay.factor_shard,)} and {(second,)}: "
+        "give shard_map in_specs/out_specs=kd.partition_specs(opt_state).")
+
+
+def inputs_verdict(config: KfacConfig, comm: collectives_lib.Collectives,
+                   state: ScaleByKfacState, leaves: dict[str, jax.Array],
+                   stats: factors.Stats | None) -> jax.Array:
+  """Whether the gradients, and the statistics on a factor step, are finite.
+
+  The devices agree by a psum: of the statistics' verdict on factor steps only
+  (inside the factor step's `lax.cond`), and of the gradients' only if they
+  may differ between devices (local ones; averaged gradients, typed
+  invariant over the axis, are checked as is), so a plain COMM-OPT step has
+  no extra collective.
+  """
+  ok = faults.all_finite(leaves.values())
+  if comm.active and (config.gradient_reduction != "none" or config.model_axis is not None
+                      or comm.dist.axis in _compat.varying_axes(list(leaves.values()))):
+    ok = faults.agree(ok, comm.varying)
+  if stats is not None:
+    finite = faults.all_finite(factors.all_statistics(state.layout, stats))
+    if comm.active:
+      ok = ok & lax.cond(state.update_factors, lambda: faults.agree(finite, comm.varying),
+                         lambda: jnp.asarray(True))
+    else:
+      ok = ok & (finite | ~state.update_factors)
+  return faults.computed_once(ok)
+
+
+def refreshed_state(config: KfacConfig, comm: collectives_lib.Collectives,
+                    state: ScaleByKfacState, stats: factors.Stats | None, ok: jax.Array,
+                    gamma: jax.Array) -> ScaleByKfacState:
+  """The state after this step's factor and decomposition refreshes (none on
+  a faulty step). Named scopes mark each cadence's work in the HLO."""
+  count = state.count
+  if config.stale_threshold is not None:
+    def refreshed() -> tuple:
+      with jax.named_scope("kfac_factor_update"):
+        running, refresh, due = stale_update.refresh_due_factors(config, comm, state,
+                                                                 stats)
+      with jax.named_scope("kfac_decomposition"):
+        second = stale_update.decompose_due_factors(config, comm, state, running, due)
+      return running, second, refresh
+    running, second, refresh = lax.cond(
+        ok, refreshed, lambda: (state.factors, state.second_order, state.refresh))
+    return dataclasses.replace(
+        state, count=count + 1, factors=running, second_order=second, refresh=refresh,
+        update_factors=jnp.any(refresh.next_step <= count + 1))
+  running, weight = state.factors, state.factor_weight
+  if stats is not None:
+    with jax.named_scope("kfac_factor_update"):
+      running, weight = lax.cond(
+          state.update_factors & ok,
+          lambda: factors.update_running_factors(config, comm, state, stats),
+          lambda: (state.factors, state.factor_weight))
+  with jax.named_scope("kfac_decomposition"):
+    second = lax.cond(
+        cadence.due(config.inverse_update_every, count) & ok,
+        lambda: decompositions.decompose(config, comm, state.layout, running, gamma,
+                                         state.second_order),
+        lambda: state.second_order)
+  return dataclasses.replace(
+      state, count=count + 1, factor_weight=weight, factors=running, second_order=second,
+      update_factors=cadence.due(config.factor_update_every, count + 1))
+
+
+def preconditioned_updates(config: KfacConfig, comm: collectives_lib.Collectives,
+                           state: ScaleByKfacState, updates: Any,
+                           leaves: dict[str, jax.Array], gamma: jax.Array) -> Any:
+  """The updates with every tagged layer's gradient preconditioned (from the
+  refreshed `state`) and KL-clipped; untagged leaves pass through."""
+  lay = state.layout
+  replicated = (set() if config.model_axis is None else
+                tensor_parallel.replicated_paths(updates, config.distribution))
+
+  def kl_weight(plan: layout_lib.LayerPlan) -> float:
+    """A layer replicated over the model axis counts once in the psum'd KL sum."""
+    if plan.layer.kernel_path not in replicated:
+      return 1.0
+    return 1.0 / config.distribution.model_size
+
+  grad_of, leaves = precondition.routed_gradients(config, comm, lay, leaves)
+  out, vg = precondition.precondition(config, comm, lay, state.second_order, gamma,
+                                      grad_of, kl_weight)
+  out = precondition.kl_clip(config, out, vg, state.count)
+  leaves = dict(leaves)
+  for plan in lay.plans:
+    precondition.write_back(plan, out[plan.layer.name], leaves)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
+  return jax.tree_util.tree_unflatten(
+      treedef, [leaves[registry.path_str(p)] for p, _ in flat])
+
+
+def update_state(config: KfacConfig, comm: collectives_lib.Collectives, updates: Any,
+                 state: ScaleByKfacState, stats: factors.Stats | None
+                 ) -> tuple[Any, ScaleByKfacState]:
+  """One K-FAC update: the stages of the module docstring."""
+  lay = state.layout
+  check_placement(config, state)
+  if not factors.check_stats(lay, stats, state.update_factors):
+    stats = None
+  if config.stale_threshold is not None and stats is None:
+    raise ValueError("With stale_threshold every update needs kfac_stats (any "
+                     "factor may be due).")
+  leaves = registry.leaves_by_path(updates)
+  precondition.check_updates(lay, leaves)
+  gamma = jnp.asarray(cadence.value_at(config.damping, state.count), config.compute_dtype)
+  with jax.named_scope(faults.SCOPE):
+    ok = inputs_verdict(config, comm, state, leaves, stats)
+  new_state = refreshed_state(config, comm, state, stats, ok, gamma)
+  new_updates = preconditioned_updates(config, comm, new_state, updates, leaves, gamma)
+  with jax.named_scope(faults.SCOPE):
+    produced = faults.all_finite(jax.tree_util.tree_leaves(new_updates))
+    ok = faults.computed_once(faults.agree(ok & produced, _compat.varying_axes(produced)))
+  return faults.accept_or_skip(ok, new_updates, new_state, state)
+
+
+# ------------------------------------------------------------------- transforms
+
+def scale_by_kfac(
+    layers: registry.LayerRegistry | None = None,
+    *,
+    damping: cadence.ScalarOrSchedule = 1e-3,
+    factor_decay: float = 0.95,
+    factor_update_every: cadence.ScalarOrSchedule = 1,
+    inverse_update_every: cadence.ScalarOrSchedule = 1,
+    method: str = "eigen",
+    kl_clip: cadence.ScalarOrSchedule | None = None,
+    learning_rate: cadence.ScalarOrSchedule | None = None,
+    factor_dtype: Any = None,
+    skip: Sequence[str] = (),
+    max_factor_dim: int | None = None,
+    distribution: distribution_lib.Distribution | None = None,
+    stale_threshold: float | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Preconditions the gradients of tagged layers with damped K-FAC.
+
+  Args:
+    layers: the tagged layers, from `kd.value_and_grad(loss_fn).discover(params,
+      batch)`; they fix the state's layout at `init`.
+    damping: `γ`, a float or a schedule of the update count.
+    factor_decay: weight of the old value in the running factor averages.
+    factor_update_every: refresh the factors when `count % this == 0` (an int
+      or a schedule). The default 1 computes statistics every step.
+    inverse_update_every: refresh eigenbases/inverses when `count % this == 0`
+      (an int or a schedule). The default 1 decomposes every factor every
+      step, the costliest setting: 10-100 is usual.
+    method: "eigen" (exact `(A⊗G + γI)⁻¹`) or "inverse" (π-damped inverses).
+    kl_clip: `κ` of KAISA's KL clip (None: no clipping); needs `learning_rate`.
+    learning_rate: `η` for the KL clip, a float or a schedule.
+    factor_dtype: storage dtype of the running factors (default float32);
+      decompositions run in float32 at least.
+    skip: regular expressions; tagged layers whose name matches one (e.g. a
+      vocabulary-sized output layer) pass through unpreconditioned.
+    max_factor_dim: factors of larger dimension are kept diagonal (see
+      `capture.statistics`), so that `A` of a huge layer is never formed.
+    distribution: a `kd.Distribution` (strategy over a mesh axis); `update`
+      then runs inside `shard_map` over that axis, with per-device statistics
+      and gradients. None: one device.
+    stale_threshold: α of SP-NGD's stale statistics (§4.3; the paper uses
+      0.1): each factor is refreshed (communicated, averaged, decomposed) at
+      its own adaptive interval instead of every step (see `kfac.stale`).
+      Needs `factor_update_every = inverse_update_every = 1` and method
+      "eigen"; each refreshed factor then travels in its own all-reduce (a
+      fused reduce-scatter cannot leave stale factors out). None: off.
+
+  Returns:
+    A `GradientTransformationExtraArgs` whose `update` takes `kfac_stats=`.
+    A step whose gradients, statistics or produced updates are not finite is
+    skipped (zero updates, state unchanged but `skipped`; see `core.faults`).
+  """
+  config = KfacConfig(
+      damping=damping, factor_decay=factor_decay, factor_update_every=factor_update_every,
+      inverse_update_every=inverse_update_every, method=method, kl_clip=kl_clip,
+      learning_rate=learning_rate, factor_dtype=factor_dtype, skip=skip,
+      max_factor_dim=max_factor_dim, distribution=distribution,
+      stale_threshold=stale_threshold)
+  comm = collectives_lib.Collectives(distribution)
+
+  def init_fn(params: Any) -> ScaleByKfacState:
+    return init_state(config, comm, layers, params)
+
+  def update_fn(updates: Any, state: ScaleByKfacState, params: Any = None, *,
+                kfac_stats: factors.Stats | None = None, **extra_args: Any
+                ) -> tuple[Any, ScaleByKfacState]:
+    del params, extra_args
+    return update_state(config, comm, updates, state, kfac_stats)
+
+  tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  if config.model_axis is None:
+    return tx
+  return tensor_parallel.wrap(
+      tx, distribution, "scale_by_kfac",
+      lambda sharding: tensor_parallel.check_kfac_layers(layers or (), sharding))
+
+
+def kfac(learning_rate: cadence.ScalarOrSchedule, momentum: float | None = 0.9,
+         weight_decay: float = 0.0, nesterov: bool = False,
+         layers: registry.LayerRegistry | None = None, *,
+         damping: cadence.ScalarOrSchedule = 1e-3, factor_decay: float = 0.95,
+         factor_update_every: cadence.ScalarOrSchedule = 1,
+         inverse_update_every: cadence.ScalarOrSchedule = 1, method: str = "eigen",
+         kl_clip: cadence.ScalarOrSchedule | None = 1e-3, factor_dtype: Any = None,
+         skip: Sequence[str] = (), max_factor_dim: int | None = None,
+         distribution: distribution_lib.Distribution | None = None,
+         stale_threshold: float | None = None,
+         ) -> optax.GradientTransformationExtraArgs:
+  """K-FAC preconditioning followed by SGD with momentum, as in KAISA.
+
+  `optax.chain(scale_by_kfac(...), add_decayed_weights(weight_decay),
+  sgd(learning_rate, momentum))`: weight decay is added to the preconditioned
+  gradient and goes through momentum, like PyTorch SGD after KAISA's
+  `preconditioner.step()`. `kl_clip` defaults to KAISA's 1e-3 and uses
+  `learning_rate` as η. The other options are `scale_by_kfac`'s. Works with
+  `optax.inject_hyperparams`. A step that K-FAC skips (non-finite gradient or
+  statistic, or a non-finite produced update) changes nothing in the chain's state
+  (`kd.skip_faulty_steps`).
+  """
+  return faults.skip_faulty_steps(optax.chain(
+      scale_by_kfac(
+          layers, damping=damping, factor_decay=factor_decay,
+          factor_update_every=factor_update_every,
+          inverse_update_every=inverse_update_every, method=method, kl_clip=kl_clip,
+          learning_rate=learning_rate, factor_dtype=factor_dtype, skip=skip,
+          max_factor_dim=max_factor_dim, distribution=distribution,
+          stale_threshold=stale_threshold),
+      optax.add_decayed_weights(weight_decay),
+      optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)))

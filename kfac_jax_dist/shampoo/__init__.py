@@ -1,0 +1,7 @@
+"""Stage 4, Shampoo: blocked Kronecker statistics and inverse roots.
+
+`config` (the settings), `blocks` (merging, blocking, the block math and the
+layout of statistics), `state`, `roots` (inverse p-th roots), `grafting`,
+`replicated` and `sharded` (one owner group, or several) and `transform` (the
+optax transforms `scale_by_shampoo` and `shampoo`).
+"""

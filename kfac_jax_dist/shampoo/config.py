@@ -1,0 +1,124 @@
+"""Shampoo's settings: one frozen, validated record that every stage reads.
+
+Built once per `scale_by_shampoo` (under `optax.inject_hyperparams`, once per
+update with array values: the checks of numbers apply to Python numbers only;
+the shape options are read, concretely, at init only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Sequence
+
+from kfac_jax_dist.core import cadence
+from kfac_jax_dist.core import distribution as distribution_lib
+from kfac_jax_dist.shampoo import roots
+
+GraftType = Literal["sgd", "adagrad", "rmsprop", "adam", "none"]
+Grafting = Literal["block", "layer"]
+GRAFT_TYPES: tuple[GraftType, ...] = ("sgd", "adagrad", "rmsprop", "adam", "none")
+GRAFTINGS: tuple[Grafting, ...] = ("block", "layer")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShampooConfig:
+  """The settings of `scale_by_shampoo` (see its docstring for each)."""
+
+  block_size: int | None = 128
+  beta2: float = 1.0
+  epsilon: float = 1e-6
+  graft_type: GraftType = "sgd"
+  grafting: Grafting = "block"
+  graft_beta2: float | None = None
+  graft_epsilon: float = 1e-10
+  start_preconditioning_step: cadence.ScalarOrSchedule = 1
+  statistics_compute_steps: cadence.ScalarOrSchedule = 1
+  preconditioning_compute_steps: cadence.ScalarOrSchedule = 1
+  merge_small_dims: bool | int = True
+  max_preconditioner_dim: int | None = 4096
+  exponent_override: float | None = None
+  root_method: roots.Method = "eigh"
+  ridge_epsilon: float = 1e-6
+  newton_max_iterations: int = 100
+  newton_tolerance: float = 1e-6
+  root_failure_threshold: float = 0.1
+  skip: Sequence[str] = ()
+  statistics_dtype: Any = None
+  distribution: distribution_lib.Distribution | None = None
+
+  def __post_init__(self):
+    object.__setattr__(self, "skip", tuple(self.skip))
+    for name, value, allowed in (("graft_type", self.graft_type, GRAFT_TYPES),
+                                 ("grafting", self.grafting, GRAFTINGS),
+                                 ("root_method", self.root_method, roots.METHODS)):
+      if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    if cadence.is_number(self.beta2) and not 0.0 < self.beta2 <= 1.0:
+      raise ValueError(f"beta2 must be in (0, 1], got {self.beta2}")
+    if cadence.is_number(self.block_size) and self.block_size < 1:
+      raise ValueError(f"block_size must be positive or None, got {self.block_size}")
+    self._check_cadence()
+    self._check_roots()
+    self._check_grafting()
+
+  def _check_cadence(self) -> None:
+    for name in ("statistics_compute_steps", "preconditioning_compute_steps"):
+      value = getattr(self, name)
+      if cadence.is_number(value) and (int(value) != value or value < 1):
+        raise ValueError(f"{name} must be a positive integer or a schedule, got {value}")
+    start = self.start_preconditioning_step
+    if cadence.is_number(start) and start < 0:
+      raise ValueError("start_preconditioning_step must be >= 0")
+
+  def _check_roots(self) -> None:
+    p = self.exponent_override
+    if cadence.is_number(p) and p <= 0:
+      raise ValueError(f"exponent_override must be positive, got {p}")
+    if self.root_method == "newton" and cadence.is_number(p) and int(p) != p:
+      raise ValueError("root_method='newton' needs an integer exponent_override")
+
+  def _check_grafting(self) -> None:
+    beta = self.graft_moment
+    if (self.graft_type in ("rmsprop", "adam") and cadence.is_number(beta)
+        and not 0.0 <= beta < 1.0):
+      raise ValueError(f"graft_type={self.graft_type!r} needs a moving average: pass "
+                       f"graft_beta2 < 1 (beta2 is {self.beta2}).")
+    if self.reduce_scatter and self.graft_type not in ("sgd", "none"):
+      raise ValueError(
+          'scale_by_shampoo: gradient_reduction="reduce_scatter" leaves each device '
+          "the averaged gradient of its group's blocks only, but the "
+          f"{self.graft_type!r} grafting accumulators (replicated, like momentum) need "
+          'every averaged gradient on every device: use graft_type "sgd" or "none", '
+          'or gradient_reduction "all_reduce".')
+
+  @property
+  def graft_moment(self) -> Any:
+    """`β` of the "rmsprop"/"adam" grafting: `graft_beta2`, else `beta2`."""
+    return self.beta2 if self.graft_beta2 is None else self.graft_beta2
+
+  @property
+  def accumulates(self) -> bool:
+    """Whether the grafting keeps per-parameter accumulators."""
+    return self.graft_type in ("adagrad", "rmsprop", "adam")
+
+  @property
+  def reduce_scatter(self) -> bool:
+    """SP-NGD-style routing: each owner group receives its blocks' gradients."""
+    dist = self.distribution
+    return (dist is not None and dist.num_groups > 1
+            and dist.gradient_reduction == "reduce_scatter")
+
+  def shape_options(self) -> dict[str, Any]:
+    """The options of `blocks.build_layout`, as Python numbers."""
+    block = None if self.block_size is None else int(self.block_size)
+    if self.merge_small_dims is True:
+      merge = block
+    elif self.merge_small_dims is False:
+      merge = None
+    else:
+      merge = int(self.merge_small_dims)
+    dim = self.max_preconditioner_dim
+    p = self.exponent_override
+    return dict(block_size=block, merge_threshold=merge,
+                max_preconditioner_dim=None if dim is None else int(dim),
+                exponent_override=None if p is None else float(p))

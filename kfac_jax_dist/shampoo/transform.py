@@ -1,0 +1,306 @@
+"""Shampoo as an optax transform: blocked Kronecker statistics, inverse roots, grafting.
+
+Shampoo (Gupta, Koren & Singer 2018, Alg. 2; Anil et al. 2020, "Scalable
+Second Order Optimization for Deep Learning") preconditions the gradient `G` of
+an order-k tensor parameter with one statistic per axis:
+
+    H_i ← β₂ H_i + (1 − β₂) G_(i) G_(i)ᵀ     (β₂ = 1: H_i ← H_i + G_(i) G_(i)ᵀ),
+    G̃ = G ×₁ H₁^{-1/(2k)} ×₂ … ×_k H_k^{-1/(2k)},
+
+where `G_(i) G_(i)ᵀ` contracts `G` with itself over every axis but `i`,
+`×_i` is the mode-i product and every `H_i` starts at `ε I`. The roots are
+`(H_i + ε_ridge λ_max(H_i) I)^{-1/p}`, `p = 2k` (or `exponent_override`),
+computed by the coupled Newton iteration or by eigendecomposition (`roots`).
+Parameters are merged and cut into blocks (`blocks`), and the step takes the
+norm of a diagonal method's (`grafting`).
+
+One `update` runs these stages, each a function of the settings
+(`ShampooConfig`), the `Collectives` and the state:
+
+1. checks: placement (`core.placement`) and the updates' structure;
+2. gradient averaging as the distribution says, then the grafted diagonal
+   updates `D` (`grafting`);
+3. statistics, roots and directions: `replicated` (one device, COMM-OPT) or
+   `sharded` (owner groups: MEM-OPT, HYBRID-OPT, SP-NGD routing);
+4. fault verdict (`core.faults`) on the gradients, the statistics and the
+   produced updates, then one select: a faulty step returns zeros and the old
+   state with `skipped` + 1.
+
+Cadence (`core.cadence`), with `count` the number of accepted updates (from
+0): statistics are updated when `count % statistics_compute_steps == 0`;
+roots are recomputed when `count ≥ start_preconditioning_step` and
+(`count % preconditioning_compute_steps == 0` or `count ==
+start_preconditioning_step`), after that step's statistics; before the start
+every parameter gets the grafted update `D`. The three may be schedules of
+`count`; refreshes run under `lax.cond`, so skipped work costs nothing.
+
+Robustness: a non-finite gradient, statistic or update skips the whole step
+(`core.faults`, as K-FAC); a block whose new root is not finite (or whose
+Newton error exceeds `root_failure_threshold`) keeps its previous root.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from kfac_jax_dist import _compat
+from kfac_jax_dist.capture import registry
+from kfac_jax_dist.core import cadence
+from kfac_jax_dist.core import collectives as collectives_lib
+from kfac_jax_dist.core import distribution as distribution_lib
+from kfac_jax_dist.core import faults
+from kfac_jax_dist.core import placement
+from kfac_jax_dist.core import tensor_parallel
+from kfac_jax_dist.shampoo import blocks
+from kfac_jax_dist.shampoo import grafting as graft_lib
+from kfac_jax_dist.shampoo import replicated
+from kfac_jax_dist.shampoo import sharded
+from kfac_jax_dist.shampoo import state as state_lib
+from kfac_jax_dist.shampoo.config import ShampooConfig
+from kfac_jax_dist.shampoo.state import ScaleByShampooState
+
+
+def init_state(config: ShampooConfig, comm: collectives_lib.Collectives, params: Any
+               ) -> ScaleByShampooState:
+  """The state at count 0 (built in numpy for concrete params: one transfer
+  per array; jnp when traced)."""
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  paths = [registry.path_str(p) for p, _ in flat]
+  lay = blocks.build_layout([(p, tuple(jnp.shape(x))) for p, (_, x) in zip(paths, flat)],
+                            skip=config.skip, **config.shape_options())
+  if config.distribution is not None:
+    lay = blocks.shard_layout(lay, comm.num_devices, comm.group_size,
+                              config.distribution.axis)
+  placement.check_skip_patterns(config.skip, paths, paths, "parameter")
+  dtype = config.statistics_dtype
+  if dtype is None:
+    dtype = jnp.promote_types(jnp.float32, jnp.result_type(
+        *[x for _, x in flat] or [jnp.float32]))
+  xp = jnp if _compat.traced(params) else np
+  graft = [(jnp.shape(x), jnp.promote_types(jnp.result_type(x), jnp.float32))
+           for _, x in flat] if config.accumulates else []
+  state = state_lib.initial_state(lay, config.epsilon, dtype, graft, xp)
+  return state if xp is jnp else jax.tree_util.tree_map(jnp.asarray, state)
+
+
+def check_placement(config: ShampooConfig, comm: collectives_lib.Collectives,
+                    state: ScaleByShampooState, updates: Any) -> None:
+  """The state is this transform's, `update` runs where its distribution says,
+  and the updates have the structure of the params given to init."""
+  lay, dist = state.layout, config.distribution
+  want = (1, 1, None) if dist is None else (comm.num_devices, comm.group_size, dist.axis)
+  placement.check_layout("Shampoo", (lay.num_devices, lay.group_size, lay.axis), want,
+                         ("devices", "gradient workers per block", "axis"))
+  if dist is not None:
+    placement.check_axis("Shampoo", dist)
+  flat = jax.tree_util.tree_flatten_with_path(updates)[0]
+  got = [(registry.path_str(p), tuple(jnp.shape(x))) for p, x in flat]
+  if got != [(q.path, q.shape) for q in lay.params]:
+    raise ValueError(
+        "scale_by_shampoo: the updates do not have the structure of the params "
+        f"given to init (got {got}, expected {[(q.path, q.shape) for q in lay.params]}).")
+
+
+def averaged_gradients(config: ShampooConfig, comm: collectives_lib.Collectives,
+                       lay: blocks.ShampooLayout, grads: list[jax.Array]
+                       ) -> list[jax.Array]:
+  """The gradients averaged as the distribution says; under SP-NGD routing the
+  preconditioned ones stay local (they are reduced to their owners)."""
+  if config.reduce_scatter:
+    return [x if plan.preconditioned else comm.mean(x) for x, plan in zip(grads, lay.params)]
+  if config.distribution is not None and config.distribution.gradient_reduction != "none":
+    return comm.mean(grads)
+  return grads
+
+
+def update_state(config: ShampooConfig, comm: collectives_lib.Collectives, updates: Any,
+                 state: ScaleByShampooState) -> tuple[Any, ScaleByShampooState]:
+  """One Shampoo update: the stages of the module docstring."""
+  check_placement(config, comm, state, updates)
+  lay = state.layout
+  leaves, treedef = jax.tree_util.tree_flatten(updates)
+  dtype = state.statistics[0].dtype if state.statistics else jnp.float32
+  grads = averaged_gradients(config, comm, lay, leaves)
+  diag, graft = graft_lib.diagonal_updates(config, grads, state.graft, state.count)
+  merged = [g.astype(dtype).reshape(plan.merged) if plan.preconditioned else None
+            for g, plan in zip(grads, lay.params)]
+  pre = [i for i, plan in enumerate(lay.params) if plan.preconditioned]
+  stats, roots = state.statistics, state.roots
+  if pre:
+    path = sharded if lay.sharded else replicated
+    stats, roots, directions = path.update(config, comm, state, merged, diag, dtype)
+    for i, v in zip(pre, directions):
+      diag[i] = v
+  new_updates = treedef.unflatten([v.astype(x.dtype) for v, x in zip(diag, grads)])
+  with jax.named_scope(faults.SCOPE):
+    ok = faults.all_finite(list(grads) + list(stats) + jax.tree_util.tree_leaves(
+        new_updates))
+    ok = faults.computed_once(faults.agree(ok, _compat.varying_axes(ok)))
+  new_state = dataclasses.replace(state, count=state.count + 1, statistics=stats, roots=roots,
+                                   graft=graft)
+  return faults.accept_or_skip(ok, new_updates, new_state, state)
+
+
+def scale_by_shampoo(
+    block_size: int | None = 128,
+    beta2: float = 1.0,
+    epsilon: float = 1e-6,
+    *,
+    graft_type: str = "sgd",
+    grafting: str = "block",
+    graft_beta2: float | None = None,
+    graft_epsilon: float = 1e-10,
+    start_preconditioning_step: cadence.ScalarOrSchedule = 1,
+    statistics_compute_steps: cadence.ScalarOrSchedule = 1,
+    preconditioning_compute_steps: cadence.ScalarOrSchedule = 1,
+    merge_small_dims: bool | int = True,
+    max_preconditioner_dim: int | None = 4096,
+    exponent_override: float | None = None,
+    root_method: str = "eigh",
+    ridge_epsilon: float = 1e-6,
+    newton_max_iterations: int = 100,
+    newton_tolerance: float = 1e-6,
+    root_failure_threshold: float = 0.1,
+    skip: Sequence[str] = (),
+    statistics_dtype: Any = None,
+    distribution: distribution_lib.Distribution | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Replaces each gradient by its blocked, grafted Shampoo direction.
+
+  Works from gradients alone (no tags). See the module docstring for the math,
+  the shapes, the grafting, the cadence and the failure handling.
+
+  Args:
+    block_size: largest block per merged axis; None: no blocking.
+    beta2: weight of the old statistics, `H ← β₂ H + (1 − β₂) G_(i)G_(i)ᵀ`; 1
+      sums them (the original, AdaGrad-like Shampoo).
+    epsilon: the statistics start at `ε I`.
+    graft_type: "sgd", "adagrad", "rmsprop", "adam" or "none".
+    grafting: "block" (one norm per block) or "layer" (one per parameter).
+    graft_beta2: `β` of "rmsprop"/"adam" grafting (default: `beta2`, which
+      must then be < 1).
+    graft_epsilon: `ε_graft` of the diagonal grafted methods.
+    start_preconditioning_step: the grafted update alone before this count
+      (an int or a schedule of the count).
+    statistics_compute_steps: update the statistics when `count % this == 0`
+      (an int or a schedule).
+    preconditioning_compute_steps: recompute the roots when `count % this == 0`
+      (an int or a schedule). The default 1 computes every root every step,
+      the costliest setting: Anil et al. refresh every 10-100 steps.
+    merge_small_dims: True: merge axes up to `block_size`; an int: up to that;
+      False: no merging (size-1 axes are dropped either way).
+    max_preconditioner_dim: parameters with a longer merged axis get the
+      grafted diagonal update only (None: no limit).
+    exponent_override: `p` of every root `H^{-1/p}` (default `2k`).
+    root_method: "eigh" (eigendecomposition) or "newton" (coupled Newton).
+    ridge_epsilon: relative ridge: the roots are of `H + ε_ridge λ_max(H) I`.
+    newton_max_iterations, newton_tolerance: Newton's stopping rules.
+    root_failure_threshold: a Newton root with `max |X^p A − I|` above this
+      (or any non-finite root) is rejected and the previous root kept.
+    skip: regular expressions; parameters whose path ("layer/kernel") matches
+      one get the grafted diagonal update only.
+    statistics_dtype: dtype of the statistics and roots (default float32, or
+      float64 if a parameter is float64).
+    distribution: a `kd.Distribution`: the work is spread over its axis (call
+      `update` inside `shard_map`, with `kd.partition_specs`). With
+      `grad_worker_fraction = 1` every device holds every statistic and root
+      (the roots are computed by owners and all-gathered); below 1 the blocks
+      belong to `P/m` owner groups that alone hold, update and apply their
+      statistics and roots (MEM-OPT / HYBRID-OPT, see the module docstring).
+      Its `gradient_reduction` says whether the gradients come averaged
+      ("none"), `update` averages them ("all_reduce"), or the raw gradients of
+      each group's blocks are reduce-scattered to it ("reduce_scatter", SP-NGD
+      style; with `graft_type` "sgd" or "none" when there are several groups).
+      The factor options are K-FAC's and do not apply. None: one device.
+
+  Returns:
+    An optax `GradientTransformationExtraArgs` (extra arguments of `update`
+    are ignored, so it chains with `kd.scale_by_kfac`-style transforms).
+  """
+  config = ShampooConfig(
+      block_size=block_size, beta2=beta2, epsilon=epsilon, graft_type=graft_type,
+      grafting=grafting, graft_beta2=graft_beta2, graft_epsilon=graft_epsilon,
+      start_preconditioning_step=start_preconditioning_step,
+      statistics_compute_steps=statistics_compute_steps,
+      preconditioning_compute_steps=preconditioning_compute_steps,
+      merge_small_dims=merge_small_dims, max_preconditioner_dim=max_preconditioner_dim,
+      exponent_override=exponent_override, root_method=root_method,
+      ridge_epsilon=ridge_epsilon, newton_max_iterations=newton_max_iterations,
+      newton_tolerance=newton_tolerance, root_failure_threshold=root_failure_threshold,
+      skip=skip, statistics_dtype=statistics_dtype, distribution=distribution)
+  comm = collectives_lib.Collectives(distribution)
+
+  def init_fn(params: Any) -> ScaleByShampooState:
+    return init_state(config, comm, params)
+
+  def update_fn(updates: Any, state: ScaleByShampooState, params: Any = None,
+                **extra_args: Any) -> tuple[Any, ScaleByShampooState]:
+    del params, extra_args
+    return update_state(config, comm, updates, state)
+
+  tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  if distribution is not None and distribution.model_axis is not None:
+    # Tensor-parallel: every model shard preconditions its local shard (3D-Shampoo).
+    return tensor_parallel.wrap(tx, distribution, "scale_by_shampoo")
+  return tx
+
+
+def shampoo(
+    learning_rate: optax.ScalarOrSchedule,
+    momentum: float | None = 0.9,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    *,
+    block_size: int | None = 128,
+    beta2: float = 1.0,
+    epsilon: float = 1e-6,
+    graft_type: str = "sgd",
+    grafting: str = "block",
+    graft_beta2: float | None = None,
+    graft_epsilon: float = 1e-10,
+    start_preconditioning_step: cadence.ScalarOrSchedule = 1,
+    statistics_compute_steps: cadence.ScalarOrSchedule = 1,
+    preconditioning_compute_steps: cadence.ScalarOrSchedule = 1,
+    merge_small_dims: bool | int = True,
+    max_preconditioner_dim: int | None = 4096,
+    exponent_override: float | None = None,
+    root_method: str = "eigh",
+    ridge_epsilon: float = 1e-6,
+    newton_max_iterations: int = 100,
+    newton_tolerance: float = 1e-6,
+    root_failure_threshold: float = 0.1,
+    skip: Sequence[str] = (),
+    statistics_dtype: Any = None,
+    distribution: distribution_lib.Distribution | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Shampoo followed by SGD with momentum (Anil et al. 2020, §4).
+
+  `optax.chain(scale_by_shampoo(...), add_decayed_weights(weight_decay),
+  sgd(learning_rate, momentum, nesterov))`: weight decay is added to the
+  grafted Shampoo step (it is not preconditioned) and goes through momentum,
+  as in Anil et al.'s implementation. The other options are
+  `scale_by_shampoo`'s. Works with `optax.inject_hyperparams`. A step that
+  Shampoo skips (non-finite gradient, statistic or update) changes nothing in
+  the chain's state (`kd.skip_faulty_steps`).
+  """
+  return faults.skip_faulty_steps(optax.chain(
+      scale_by_shampoo(
+          block_size, beta2, epsilon, graft_type=graft_type, grafting=grafting,
+          graft_beta2=graft_beta2, graft_epsilon=graft_epsilon,
+          start_preconditioning_step=start_preconditioning_step,
+          statistics_compute_steps=statistics_compute_steps,
+          preconditioning_compute_steps=preconditioning_compute_steps,
+          merge_small_dims=merge_small_dims, max_preconditioner_dim=max_preconditioner_dim,
+          exponent_override=exponent_override, root_method=root_method,
+          ridge_epsilon=ridge_epsilon, newton_max_iterations=newton_max_iterations,
+          newton_tolerance=newton_tolerance,
+          root_failure_threshold=root_failure_threshold, skip=skip,
+          statistics_dtype=statistics_dtype, distribution=distribution),
+      optax.add_decayed_weights(weight_decay),
+      optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)))
