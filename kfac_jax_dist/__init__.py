@@ -16,6 +16,7 @@ from kfac_jax_dist.describe import describe
 from kfac_jax_dist.distributed import Distribution
 from kfac_jax_dist.distributed import partition_specs
 from kfac_jax_dist.distributed import shard_state
+from kfac_jax_dist.kfac import find_states
 from kfac_jax_dist.kfac import kfac
 from kfac_jax_dist.kfac import running_factors
 from kfac_jax_dist.kfac import scale_by_kfac
@@ -37,7 +38,7 @@ __all__ = [
     "ScaleByShampooState", "scale_by_shampoo", "shampoo",
     "checkpoint", "checkpoint_metadata", "convert_state", "restore_checkpoint",
     "save_checkpoint", "second_order_parts", "skip_faulty_steps",
-    "describe", "kfac", "linen", "losses", "model_shard", "ModelShardedState", "nnx",
+    "describe", "find_states", "kfac", "linen", "losses", "model_shard", "ModelShardedState", "nnx",
     "partition_specs", "running_factors", "scale_by_kfac", "shard_state", "tags",
     "tensor_parallel", "value_and_grad",
 ]
