@@ -1,6 +1,7 @@
-"""The documentation against the code: docs/api.md gives every public name its
-real signature and its examples run, `help()` of the main entry points
-describes every argument, and `kd.describe` prints no bare abbreviation."""
+"""The documentation against the code: the README's Quickstart and distributed
+snippet run as written, docs/api.md gives every public name its real
+signature and its examples run, `help()` of the main entry points describes
+every argument, and `kd.describe` prints no bare abbreviation."""
 
 from __future__ import annotations
 
@@ -28,10 +29,30 @@ def _python_blocks(markdown: str) -> list[str]:
   return re.findall(r"^```python\n(.*?)^```", markdown, re.S | re.M)
 
 
-def _run(code: str, devices: int | None = None) -> str:
-  """`code` in a fresh interpreter (this checkout's package first on the path);
-  its stdout. With `devices`, that many host CPU devices."""
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+def _section(markdown: str, title: str, exact: bool = False) -> str:
+  """The text under the first heading that names `` `title` `` (or, with
+  `exact`, reads `title`), up to the next heading of the same or a higher
+  level; lines inside code blocks are not headings."""
+  lines, fenced, start, level = markdown.splitlines(), False, None, 0
+  for i, line in enumerate(lines):
+    if line.startswith("```"):
+      fenced = not fenced
+    heading = None if fenced else re.match(r"^(#+) (.*)$", line)
+    if not heading:
+      continue
+    if start is not None and len(heading.group(1)) <= level:
+      return "\n".join(lines[start:i])
+    if start is None and (heading.group(2) == title if exact
+                          else f"`{title}`" in heading.group(2)):
+      start, level = i + 1, len(heading.group(1))
+  assert start is not None, f"no heading for {title!r}"
+  return "\n".join(lines[start:])
+
+
+def _run(code: str, devices: int | None = None, **env_vars: str) -> str:
+  """`code` in a fresh interpreter (this checkout's package first on the path,
+  `env_vars` set); its stdout. With `devices`, that many host CPU devices."""
+  env = dict(os.environ, **env_vars, PYTHONPATH=os.pathsep.join(
       [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
   flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
                  env.get("XLA_FLAGS", ""))
@@ -42,6 +63,45 @@ def _run(code: str, devices: int | None = None) -> str:
                         capture_output=True, text=True, timeout=600, check=False)
   assert done.returncode == 0, done.stderr[-4000:]
   return done.stdout
+
+
+# ---------------------------------------------------------------------------
+# README.
+# ---------------------------------------------------------------------------
+
+def _readme_block(heading: str) -> str:
+  """The first python block of the README section `heading`."""
+  blocks = _python_blocks(_section(README.read_text(), heading, exact=True))
+  assert blocks, f"README section {heading!r} has no python block"
+  return blocks[0]
+
+
+def _losses(stdout: str) -> list[float]:
+  return [float(v) for v in re.findall(r"^step +\d+ +loss +(\S+)$", stdout, re.M)]
+
+
+def test_readme_is_at_most_10_kb():
+  assert len(README.read_bytes()) <= 10_000
+
+
+def test_readme_quickstart_trains():
+  """The Quickstart, as written, in a fresh interpreter on one device: it
+  prints finite losses that fall."""
+  losses = _losses(_run(_readme_block("Quickstart"), devices=1))
+  assert len(losses) >= 3, losses
+  assert np.all(np.isfinite(losses)), losses
+  assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_readme_distributed_snippet_trains():
+  """The distributed snippet continues the Quickstart on 8 CPU devices (as
+  the README says) and trains too."""
+  marker = "--- distributed ---"
+  out = _run(_readme_block("Quickstart") + f"\nprint({marker!r})\n"
+             + _readme_block("Distributed K-FAC"), devices=8)
+  losses = _losses(out.split(marker)[1])
+  assert len(losses) >= 2 and np.all(np.isfinite(losses)), out
+  assert losses[-1] < losses[0], losses
 
 
 # ---------------------------------------------------------------------------
@@ -106,24 +166,6 @@ def _doc_signature(text: str) -> tuple:
   return tuple(out), ret
 
 
-def _section(markdown: str, qualname: str) -> str:
-  """The text under the heading naming `` `qualname` `` (up to the next
-  heading of the same or a higher level)."""
-  lines = markdown.splitlines()
-  for i, line in enumerate(lines):
-    heading = re.match(r"^(#+) ", line)
-    if heading and f"`{qualname}`" in line:
-      level = len(heading.group(1))
-      body = []
-      for line in lines[i + 1:]:
-        other = re.match(r"^(#+) ", line)
-        if other and len(other.group(1)) <= level:
-          break
-        body.append(line)
-      return "\n".join(body)
-  raise AssertionError(f"docs/api.md has no heading naming `{qualname}`")
-
-
 def _documented_signature(section: str, name: str) -> str:
   """`name(...)` as written in the section's unlabelled code blocks: the line
   starting with `name(` and the indented lines after it."""
@@ -168,11 +210,12 @@ def test_api_md_documents_the_signature(qualname, obj):
       f"docs/api.md: {documented}\ncode: {name}{inspect.signature(obj)}")
 
 
-def test_api_md_examples_run():
+def test_api_md_examples_run(tmp_path):
   """The page's python blocks, in order, in one fresh interpreter (8 CPU
-  devices, as its Distribution example assumes)."""
+  devices, as its Distribution example assumes; its checkpoint goes to
+  `tmp_path`)."""
   blocks = _python_blocks(API.read_text())
-  _run("\n".join(blocks), devices=8)
+  _run("\n".join(blocks), devices=8, TMPDIR=str(tmp_path))
 
 
 # ---------------------------------------------------------------------------
