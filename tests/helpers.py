@@ -6,8 +6,9 @@ imports another).
   GPU only the single-device tests run: benchmarks/gpu_check.sh);
 * `compile_step`: the compiled training step, plain `jit` on one device or
   `jit(shard_map(...))` over a distribution's mesh;
-* `conv_dense_problem`: the Conv + Dense model and batch that the
-  distributed and stale-statistics tests train;
+* `classifier_problem`: a model's loss, parameters and a random batch;
+  `conv_dense_problem`, the Conv + Dense one that the distributed and
+  stale-statistics tests train;
 * float64 oracle tools of the capture tests (test_capture, test_layers):
   `f64`, `randn`, `assert_factor_close`, `assert_trees_equal`,
   `ce_per_example`, `capture`, `mc_draws` / `check_mc_estimate`,
@@ -71,18 +72,23 @@ class ConvDenseNet(nn.Module):
     return kd.linen.Dense(10, use_bias=False)(x)
 
 
-def conv_dense_problem():
-  """`(loss_fn, params, x, y)`: `ConvDenseNet` on a random batch of 32 8x8x2 images."""
-  kx, ky, kp = jax.random.split(jax.random.PRNGKey(0), 3)
-  x = jax.random.normal(kx, (32, 8, 8, 2))
-  y = jax.random.randint(ky, (32,), 0, 10)
-  model = ConvDenseNet()
+def classifier_problem(model: nn.Module, x_shape: tuple[int, ...], seed: int = 0):
+  """`(loss_fn, params, x, y)`: `model` (10 classes, softmax cross-entropy) on
+  a random batch of shape `x_shape` with random labels."""
+  kx, ky, kp = jax.random.split(jax.random.PRNGKey(seed), 3)
+  x = jax.random.normal(kx, x_shape)
+  y = jax.random.randint(ky, x_shape[:1], 0, 10)
   params = model.init(kp, x)
 
   def loss_fn(p, x, y):
     return kd.losses.softmax_cross_entropy(model.apply(p, x), y)
 
   return loss_fn, params, x, y
+
+
+def conv_dense_problem():
+  """`ConvDenseNet` on a random batch of 32 8x8x2 images (`classifier_problem`)."""
+  return classifier_problem(ConvDenseNet(), (32, 8, 8, 2))
 
 
 # ---------------------------------------------------------------------------
