@@ -5,14 +5,23 @@ imports another).
   the backend has fewer (tests/conftest.py gives 8 host CPU devices; on one
   GPU only the single-device tests run: benchmarks/gpu_check.sh);
 * `compile_step`: the compiled training step, plain `jit` on one device or
-  `jit(shard_map(...))` over a distribution's mesh.
+  `jit(shard_map(...))` over a distribution's mesh;
+* `classifier_problem`: a model's loss, parameters and a random batch;
+  `conv_dense_problem`, the Conv + Dense one that the distributed and
+  stale-statistics tests train;
+* float64 oracle tools of the capture tests (test_capture, test_layers):
+  `f64`, `randn`, `assert_factor_close`, `assert_trees_equal`,
+  `ce_per_example`, `capture`, `mc_draws` / `check_mc_estimate`,
+  `param_shapes`, `randomized`. `randn` needs `jax_enable_x64`.
 """
 
 from __future__ import annotations
 
 import math
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
@@ -47,3 +56,118 @@ def compile_step(step, state, dist, num_batch_args, param_specs=P(), extra_out=(
   return jax.jit(jax.shard_map(
       step, mesh=dist.mesh, in_specs=(param_specs, specs) + (P("data"),) * num_batch_args,
       out_specs=(param_specs, specs) + tuple(extra_out))), state
+
+
+class ConvDenseNet(nn.Module):
+  """Dense and Conv layers of several sizes, plus an untagged parameter."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(kd.linen.Conv(4, (3, 3))(x))
+    x = nn.relu(kd.linen.Conv(8, (3, 3), strides=2)(x))
+    x = x.reshape(x.shape[0], -1)
+    x = nn.tanh(kd.linen.Dense(16)(x))
+    x = nn.tanh(kd.linen.Dense(16)(x))
+    x = x * self.param("scale", nn.initializers.ones, (16,))
+    return kd.linen.Dense(10, use_bias=False)(x)
+
+
+def classifier_problem(model: nn.Module, x_shape: tuple[int, ...], seed: int = 0):
+  """`(loss_fn, params, x, y)`: `model` (10 classes, softmax cross-entropy) on
+  a random batch of shape `x_shape` with random labels."""
+  kx, ky, kp = jax.random.split(jax.random.PRNGKey(seed), 3)
+  x = jax.random.normal(kx, x_shape)
+  y = jax.random.randint(ky, x_shape[:1], 0, 10)
+  params = model.init(kp, x)
+
+  def loss_fn(p, x, y):
+    return kd.losses.softmax_cross_entropy(model.apply(p, x), y)
+
+  return loss_fn, params, x, y
+
+
+def conv_dense_problem():
+  """`ConvDenseNet` on a random batch of 32 8x8x2 images (`classifier_problem`)."""
+  return classifier_problem(ConvDenseNet(), (32, 8, 8, 2))
+
+
+# ---------------------------------------------------------------------------
+# float64 oracles of the capture tests.
+# ---------------------------------------------------------------------------
+
+def f64(x) -> np.ndarray:
+  return np.asarray(x, np.float64)
+
+
+def assert_factor_close(actual, desired, what=""):
+  """Equality up to float32 rounding (the library stores factors in float32)."""
+  actual, desired = f64(actual), f64(desired)
+  assert actual.shape == desired.shape, (what, actual.shape, desired.shape)
+  scale = max(np.abs(desired).max(), 1e-30)
+  np.testing.assert_allclose(actual, desired, rtol=2e-5, atol=2e-6 * scale,
+                             err_msg=what)
+
+
+def assert_trees_equal(actual, desired, rtol=1e-12):
+  """Tight equality of two pytrees with the same structure."""
+  assert jax.tree_util.tree_structure(actual) == jax.tree_util.tree_structure(desired)
+  for a, d in zip(jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(desired)):
+    assert jnp.shape(a) == jnp.shape(d)
+    np.testing.assert_allclose(f64(a), f64(d), rtol=rtol, atol=rtol * 1e-2)
+
+
+def randn(key, shape, scale=1.0):
+  return scale * jax.random.normal(key, shape, jnp.float64)
+
+
+def ce_per_example(logits, labels):
+  """Softmax cross-entropy of every example (float64, flattened)."""
+  logits = logits.reshape(-1, logits.shape[-1])
+  labels = labels.reshape(-1)
+  logp = logits - jax.scipy.special.logsumexp(logits, axis=-1, keepdims=True)
+  return -jnp.take_along_axis(logp, labels[:, None], axis=-1)[:, 0]
+
+
+def capture(loss_fn, **kwargs):
+  """`kd.value_and_grad` under `jax.jit` (one compilation instead of one per op)."""
+  return jax.jit(kd.value_and_grad(loss_fn, **kwargs))
+
+
+NUM_DRAWS = 4000
+
+
+def check_mc_estimate(samples, exact, what):
+  """The mean of the draws is within 5 standard errors of the exact value,
+  and the same test rejects the exact value scaled by 2 or 1/2."""
+  samples, exact = f64(samples), f64(exact)
+  mean = samples.mean(0)
+  tol = 5.0 * samples.std(0) / math.sqrt(samples.shape[0]) + 1e-6 * np.abs(exact).max()
+
+  def within(target):
+    return bool(np.all(np.abs(mean - target) <= tol))
+
+  assert within(exact), (what, np.abs(mean - exact).max(), tol.max())
+  assert not within(2.0 * exact), f"{what}: tolerance too loose to see a factor 2"
+  assert not within(0.5 * exact), f"{what}: tolerance too loose to see a factor 1/2"
+
+
+def mc_draws(grad_fn, params, *args):
+  """`grad_fn(params, *args, rng=r)` for `NUM_DRAWS` keys, vmapped."""
+  keys = jax.random.split(jax.random.PRNGKey(123), NUM_DRAWS)
+  return jax.jit(jax.vmap(lambda r: grad_fn(params, *args, rng=r)))(keys)
+
+
+def param_shapes(tree):
+  """`{path: shape}` (plain data, comparable across flax versions)."""
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {jax.tree_util.keystr(path): jnp.shape(leaf) for path, leaf in flat}
+
+
+def randomized(tree, seed=7):
+  """Random values for every leaf (Flax initialises biases to zero, which would
+  hide a dropped bias)."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+  return jax.tree_util.tree_unflatten(treedef, [
+      jax.random.normal(k, jnp.shape(leaf), jnp.result_type(leaf))
+      for k, leaf in zip(keys, leaves)])

@@ -32,6 +32,9 @@ from flax import nnx
 from jax import lax
 
 import kfac_jax_dist as kd
+from helpers import (assert_factor_close, assert_trees_equal, capture, ce_per_example,
+                     check_mc_estimate, f64, mc_draws, randn)
+from helpers import param_shapes as _shapes, randomized as _randomized
 
 HIGHEST = lax.Precision.HIGHEST
 
@@ -42,31 +45,6 @@ def _enable_x64():
   jax.config.update("jax_enable_x64", True)
   yield
   jax.config.update("jax_enable_x64", previous)
-
-
-def f64(x) -> np.ndarray:
-  return np.asarray(x, np.float64)
-
-
-def assert_factor_close(actual, desired, what=""):
-  """Equality up to float32 rounding (the library stores factors in float32)."""
-  actual, desired = f64(actual), f64(desired)
-  assert actual.shape == desired.shape, (what, actual.shape, desired.shape)
-  scale = max(np.abs(desired).max(), 1e-30)
-  np.testing.assert_allclose(actual, desired, rtol=2e-5, atol=2e-6 * scale,
-                             err_msg=what)
-
-
-def assert_trees_equal(actual, desired, rtol=1e-12):
-  """Tight equality of two pytrees with the same structure."""
-  assert jax.tree_util.tree_structure(actual) == jax.tree_util.tree_structure(desired)
-  for a, d in zip(jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(desired)):
-    assert jnp.shape(a) == jnp.shape(d)
-    np.testing.assert_allclose(f64(a), f64(d), rtol=rtol, atol=rtol * 1e-2)
-
-
-def randn(key, shape, scale=1.0):
-  return scale * jax.random.normal(key, shape, jnp.float64)
 
 
 # ---------------------------------------------------------------------------
@@ -167,14 +145,6 @@ class Tagged:
                           dilation=dilation, example_dims=self.example_dims.get(name))
 
 
-def ce_per_example(logits, labels):
-  """Softmax cross-entropy of every example (float64, flattened)."""
-  logits = logits.reshape(-1, logits.shape[-1])
-  labels = labels.reshape(-1)
-  logp = logits - jax.scipy.special.logsumexp(logits, axis=-1, keepdims=True)
-  return -jnp.take_along_axis(logp, labels[:, None], axis=-1)[:, 0]
-
-
 def brute_force(model, params, x, per_example_loss, weights=None, reduce_to=None):
   """Per-layer `(A, G)` and the mean loss, from per-example gradients.
 
@@ -201,11 +171,6 @@ def brute_force(model, params, x, per_example_loss, weights=None, reduce_to=None
       g = g.reshape(units, -1, g.shape[-1]).sum(1)
     stats[name] = {"A": rows.T @ rows / rows.shape[0], "G": g.T @ g / n}
   return float((weights * losses).sum() / n), stats
-
-
-def capture(loss_fn, **kwargs):
-  """`kd.value_and_grad` under `jax.jit` (one compilation instead of one per op)."""
-  return jax.jit(kd.value_and_grad(loss_fn, **kwargs))
 
 
 def check_against_brute_force(stats, bf_stats, names=None):
@@ -491,29 +456,6 @@ def test_gradients_match_jax(has_aux, jit):
 # 4. Monte Carlo Fisher.
 # ---------------------------------------------------------------------------
 
-NUM_DRAWS = 4000
-
-
-def check_mc_estimate(samples, exact, what):
-  """The mean of the draws is within 5 standard errors of the exact value,
-  and the same test rejects the exact value scaled by 2 or 1/2."""
-  samples, exact = f64(samples), f64(exact)
-  mean = samples.mean(0)
-  tol = 5.0 * samples.std(0) / math.sqrt(samples.shape[0]) + 1e-6 * np.abs(exact).max()
-
-  def within(target):
-    return bool(np.all(np.abs(mean - target) <= tol))
-
-  assert within(exact), (what, np.abs(mean - exact).max(), tol.max())
-  assert not within(2.0 * exact), f"{what}: tolerance too loose to see a factor 2"
-  assert not within(0.5 * exact), f"{what}: tolerance too loose to see a factor 1/2"
-
-
-def mc_draws(grad_fn, params, *args):
-  keys = jax.random.split(jax.random.PRNGKey(123), NUM_DRAWS)
-  return jax.jit(jax.vmap(lambda r: grad_fn(params, *args, rng=r)))(keys)
-
-
 def enumerated_fisher(model, params, x, per_example_loss, targets, probs):
   """`(1/n) Σ_i Σ_t p(t|x_i) g_i(t) g_i(t)ᵀ` for every layer (2-D inputs: n = B)."""
   ref = Ref(record=True)
@@ -743,22 +685,6 @@ def test_statistics_skipped_between_factor_updates(jit):
 # ---------------------------------------------------------------------------
 # 8. Drop-in Flax layers.
 # ---------------------------------------------------------------------------
-
-def _shapes(tree):
-  """`{path: shape}` (plain data, comparable across flax versions)."""
-  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {jax.tree_util.keystr(path): jnp.shape(leaf) for path, leaf in flat}
-
-
-def _randomized(tree, seed=7):
-  """Random values for every leaf (Flax initialises biases to zero, which would
-  hide a dropped bias)."""
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-  return jax.tree_util.tree_unflatten(treedef, [
-      jax.random.normal(k, jnp.shape(leaf), jnp.result_type(leaf))
-      for k, leaf in zip(keys, leaves)])
-
 
 @pytest.mark.parametrize("kwargs,shape", [
     (dict(features=4), (2, 3)),

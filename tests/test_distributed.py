@@ -2,7 +2,6 @@
 
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -20,33 +19,6 @@ STEPS = 7            # counts 0..6: inverse at 0, 3, 6; factor-only at 2, 4; pla
 FACTOR_EVERY, INVERSE_EVERY = 2, 3
 
 
-class Net(nn.Module):
-  """Dense and Conv layers of several sizes, plus an untagged parameter."""
-
-  @nn.compact
-  def __call__(self, x):
-    x = nn.relu(kd.linen.Conv(4, (3, 3))(x))
-    x = nn.relu(kd.linen.Conv(8, (3, 3), strides=2)(x))
-    x = x.reshape(x.shape[0], -1)
-    x = nn.tanh(kd.linen.Dense(16)(x))
-    x = nn.tanh(kd.linen.Dense(16)(x))
-    x = x * self.param("scale", nn.initializers.ones, (16,))
-    return kd.linen.Dense(10, use_bias=False)(x)
-
-
-def _problem():
-  kx, ky, kp = jax.random.split(jax.random.PRNGKey(0), 3)
-  x = jax.random.normal(kx, (32, 8, 8, 2))
-  y = jax.random.randint(ky, (32,), 0, 10)
-  model = Net()
-  params = model.init(kp, x)
-
-  def loss_fn(p, x, y):
-    return kd.losses.softmax_cross_entropy(model.apply(p, x), y)
-
-  return loss_fn, params, x, y
-
-
 def _options(cadence=(FACTOR_EVERY, INVERSE_EVERY), **extra):
   return dict(damping=1e-2, factor_update_every=cadence[0],
               inverse_update_every=cadence[1], kl_clip=1e-2, **extra)
@@ -54,7 +26,7 @@ def _options(cadence=(FACTOR_EVERY, INVERSE_EVERY), **extra):
 
 @functools.lru_cache(maxsize=None)
 def _single_device(method, cadence=(FACTOR_EVERY, INVERSE_EVERY)):
-  loss_fn, params, x, y = _problem()
+  loss_fn, params, x, y = helpers.conv_dense_problem()
   grad_fn = kd.value_and_grad(loss_fn)
   tx = kd.kfac(0.1, layers=grad_fn.discover(params, x, y),
                **_options(cadence, method=method))
@@ -76,7 +48,7 @@ def _single_device(method, cadence=(FACTOR_EVERY, INVERSE_EVERY)):
 def _distributed(num_devices, fraction, factor_reduction, gradient_reduction,
                  method="eigen", symmetric=True, steps=STEPS, comm_dtype=None,
                  cadence=(FACTOR_EVERY, INVERSE_EVERY)):
-  loss_fn, params, x, y = _problem()
+  loss_fn, params, x, y = helpers.conv_dense_problem()
   mesh = helpers.data_mesh(num_devices)
   dist = kd.Distribution(mesh, axis="data", grad_worker_fraction=fraction,
                          factor_reduction=factor_reduction,
@@ -164,7 +136,7 @@ def test_one_device_distribution_equals_single_device(fraction):
 
 
 def test_dp_kfac_factors_are_the_owners_local_factors():
-  loss_fn, params, x, y = _problem()
+  loss_fn, params, x, y = helpers.conv_dense_problem()
   _, opt_state, _ = _distributed(8, 1 / 8, "local", "none", steps=1)
   state, = find_states(opt_state)
   stored = kd.running_factors(state)

@@ -30,9 +30,9 @@ from jax import lax
 
 import kfac_jax_dist as kd
 from kfac_jax_dist.kfac import linalg
-from test_capture import (_randomized, _shapes, assert_factor_close, assert_trees_equal,
-                          capture, ce_per_example, check_mc_estimate, f64, mc_draws,
-                          randn)
+from helpers import (assert_factor_close, assert_trees_equal, capture, ce_per_example,
+                     check_mc_estimate, f64, mc_draws, randn)
+from helpers import param_shapes as _shapes, randomized as _randomized
 
 HIGHEST = lax.Precision.HIGHEST
 

@@ -37,15 +37,7 @@ class OneBigLayer(nn.Module):
 
 
 def _problem():
-  kx, ky, kp = jax.random.split(jax.random.PRNGKey(1), 3)
-  x = jax.random.normal(kx, (32, 8, 8, 1))
-  y = jax.random.randint(ky, (32,), 0, 10)
-  model = OneBigLayer()
-  params = model.init(kp, x)
-
-  def loss_fn(p, x, y):
-    return kd.losses.softmax_cross_entropy(model.apply(p, x), y)
-  return loss_fn, params, x, y
+  return helpers.classifier_problem(OneBigLayer(), (32, 8, 8, 1), seed=1)
 
 
 def _transform(layers, method, distribution=None):

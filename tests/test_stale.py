@@ -102,8 +102,7 @@ def test_stale_factor_leaves_its_state_bit_identical():
 
 def test_threshold_zero_is_plain_kfac():
   """α = 0: nothing is ever similar, every factor refreshes every step."""
-  from test_distributed import _problem                # same model and data
-  loss_fn, params, x, y = _problem()
+  loss_fn, params, x, y = helpers.conv_dense_problem()
   grad_fn = kd.value_and_grad(loss_fn)
   layers = grad_fn.discover(params, x, y)
 
@@ -128,8 +127,7 @@ def test_threshold_zero_is_plain_kfac():
 
 @functools.lru_cache(maxsize=None)
 def _stale_single_device(steps=6):
-  from test_distributed import _problem
-  loss_fn, params, x, y = _problem()
+  loss_fn, params, x, y = helpers.conv_dense_problem()
   grad_fn = kd.value_and_grad(loss_fn)
   tx = kd.kfac(0.1, layers=grad_fn.discover(params, x, y), damping=1e-2, kl_clip=1e-2,
                stale_threshold=0.3)
@@ -154,8 +152,7 @@ def _stale_strategies():
 
 @pytest.mark.parametrize("fraction,factor_reduction", list(_stale_strategies()))
 def test_stale_statistics_under_every_strategy(fraction, factor_reduction):
-  from test_distributed import _problem
-  loss_fn, params, x, y = _problem()
+  loss_fn, params, x, y = helpers.conv_dense_problem()
   mesh = helpers.data_mesh(8)
   dist = kd.Distribution(mesh, grad_worker_fraction=fraction,
                          factor_reduction=factor_reduction)

@@ -34,26 +34,70 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 
 from kfac_jax_dist.core import tensor_parallel
 
-FACTOR_REDUCTIONS = ("all_reduce", "reduce_scatter", "local")
-GRADIENT_REDUCTIONS = ("none", "all_reduce", "reduce_scatter")
+FactorReduction = Literal["all_reduce", "reduce_scatter", "local"]
+GradientReduction = Literal["none", "all_reduce", "reduce_scatter"]
+FACTOR_REDUCTIONS: tuple[FactorReduction, ...] = ("all_reduce", "reduce_scatter", "local")
+GRADIENT_REDUCTIONS: tuple[GradientReduction, ...] = ("none", "all_reduce", "reduce_scatter")
 
 
 @dataclasses.dataclass(frozen=True)
 class Distribution:
-  """How K-FAC's state and work are spread over one named mesh axis."""
+  """How K-FAC's (or Shampoo's) state and work are spread over one mesh axis.
+
+  The `P` devices of `axis` form `P/m` owner groups of `m` consecutive
+  devices (`m = grad_worker_fraction · P`, KAISA §4.3). Every layer belongs to
+  one group: the group's devices decompose its factors, hold its second-order
+  state and precondition its gradient. Validated on construction (a
+  `ValueError` names the field). Properties: `num_devices` (`P`),
+  `group_size` (`m`), `num_groups` (`P/m`), `model_size` (devices of
+  `model_axis`, 1 without one). Shampoo uses `mesh`, `axis`,
+  `grad_worker_fraction`, `gradient_reduction`, `model_axis` and
+  `param_specs`.
+
+  Attributes:
+    mesh: the `jax.sharding.Mesh` the training step runs on (in `shard_map`).
+    axis: the name of the mesh axis of the `P` data-parallel devices.
+    grad_worker_fraction: `m/P`, with `m` an integer dividing `P`. 1.0
+      (default): COMM-OPT, the second-order state replicated, no extra
+      per-step traffic, eigenbases all-gathered on inverse steps; `1/P`:
+      MEM-OPT, the state sharded `P` ways, the preconditioned gradients
+      all-gathered every step; between: HYBRID-OPT.
+    factor_reduction: how the per-device statistics reach the factors' owners:
+      "reduce_scatter" (default: each owner receives only its factors; exact),
+      "all_reduce" (KAISA: every factor to every device, about twice the
+      bytes) or "local" (DP-KFAC: each owner's factors from its own local
+      batch; no factor traffic, an approximation).
+    gradient_reduction: "none" (default: the caller averages the gradients,
+      e.g. with `lax.pmean`, before `update`), "all_reduce" (`update` averages
+      them) or "reduce_scatter" (SP-NGD: the raw local gradients are
+      reduce-scattered to their owners and come back preconditioned; about
+      the bytes of SGD's all-reduce).
+    symmetric_comm: store and send the factors as upper triangles (default
+      True: about half the factor bytes and memory).
+    comm_dtype: dtype of the factor traffic; None: the factors' own. Below 32
+      bits it warns: 16-bit factor traffic can lose small eigenvalues
+      (decompositions stay in float32).
+    model_axis: a second mesh axis over which the parameters are sharded
+      (tensor parallelism; None: none). Each model shard then preconditions
+      its local shard with its own state, the strategy above running over
+      `axis`. Needs `param_specs`; must differ from `axis`.
+    param_specs: with `model_axis`, the `PartitionSpec` of every parameter (a
+      pytree like the parameters, or a prefix of it); each shards at most one
+      dimension, over `model_axis` only. None without `model_axis`.
+  """
 
   mesh: jax.sharding.Mesh
   axis: str = "data"
   grad_worker_fraction: float = 1.0
-  factor_reduction: str = "reduce_scatter"
-  gradient_reduction: str = "none"
+  factor_reduction: FactorReduction = "reduce_scatter"
+  gradient_reduction: GradientReduction = "none"
   symmetric_comm: bool = True
   comm_dtype: Any = None
   model_axis: str | None = None

@@ -53,6 +53,7 @@ from kfac_jax_dist.kfac import precondition
 from kfac_jax_dist.kfac import stale
 from kfac_jax_dist.kfac import stale_update
 from kfac_jax_dist.kfac.config import KfacConfig
+from kfac_jax_dist.kfac.config import Method
 from kfac_jax_dist.kfac.state import ScaleByKfacState
 from kfac_jax_dist.kfac.state import global_second_order
 
@@ -280,7 +281,7 @@ def scale_by_kfac(
     factor_decay: float = 0.95,
     factor_update_every: cadence.ScalarOrSchedule = 1,
     inverse_update_every: cadence.ScalarOrSchedule = 1,
-    method: str = "eigen",
+    method: Method = "eigen",
     kl_clip: cadence.ScalarOrSchedule | None = None,
     learning_rate: cadence.ScalarOrSchedule | None = None,
     factor_dtype: Any = None,
@@ -294,20 +295,24 @@ def scale_by_kfac(
   Args:
     layers: the tagged layers, from `kd.value_and_grad(loss_fn).discover(params,
       batch)`; they fix the state's layout at `init`.
-    damping: `γ`, a float or a schedule of the update count.
-    factor_decay: weight of the old value in the running factor averages.
+    damping: `γ` of `(A ⊗ G + γI)⁻¹`, positive; a float or a schedule of the
+      update count.
+    factor_decay: weight of the old value in the running factor averages, in
+      [0, 1).
     factor_update_every: refresh the factors when `count % this == 0` (an int
       or a schedule). The default 1 computes statistics every step.
     inverse_update_every: refresh eigenbases/inverses when `count % this == 0`
       (an int or a schedule). The default 1 decomposes every factor every
       step, the costliest setting: 10-100 is usual.
     method: "eigen" (exact `(A⊗G + γI)⁻¹`) or "inverse" (π-damped inverses).
-    kl_clip: `κ` of KAISA's KL clip (None: no clipping); needs `learning_rate`.
+    kl_clip: `κ` of KAISA's KL clip, a float or a schedule (None: no
+      clipping); needs `learning_rate`.
     learning_rate: `η` for the KL clip, a float or a schedule.
     factor_dtype: storage dtype of the running factors (default float32);
       decompositions run in float32 at least.
     skip: regular expressions; tagged layers whose name matches one (e.g. a
-      vocabulary-sized output layer) pass through unpreconditioned.
+      vocabulary-sized output layer) pass through unpreconditioned. A pattern
+      that matches no layer raises at `init`.
     max_factor_dim: factors of larger dimension are kept diagonal (see
       `capture.statistics`), so that `A` of a huge layer is never formed.
     distribution: a `kd.Distribution` (strategy over a mesh axis); `update`
@@ -355,7 +360,7 @@ def kfac(learning_rate: cadence.ScalarOrSchedule, momentum: float | None = 0.9,
          layers: registry.LayerRegistry | None = None, *,
          damping: cadence.ScalarOrSchedule = 1e-3, factor_decay: float = 0.95,
          factor_update_every: cadence.ScalarOrSchedule = 1,
-         inverse_update_every: cadence.ScalarOrSchedule = 1, method: str = "eigen",
+         inverse_update_every: cadence.ScalarOrSchedule = 1, method: Method = "eigen",
          kl_clip: cadence.ScalarOrSchedule | None = 1e-3, factor_dtype: Any = None,
          skip: Sequence[str] = (), max_factor_dim: int | None = None,
          distribution: distribution_lib.Distribution | None = None,
@@ -363,14 +368,61 @@ def kfac(learning_rate: cadence.ScalarOrSchedule, momentum: float | None = 0.9,
          ) -> optax.GradientTransformationExtraArgs:
   """K-FAC preconditioning followed by SGD with momentum, as in KAISA.
 
-  `optax.chain(scale_by_kfac(...), add_decayed_weights(weight_decay),
-  sgd(learning_rate, momentum))`: weight decay is added to the preconditioned
-  gradient and goes through momentum, like PyTorch SGD after KAISA's
-  `preconditioner.step()`. `kl_clip` defaults to KAISA's 1e-3 and uses
-  `learning_rate` as η. The other options are `scale_by_kfac`'s. Works with
-  `optax.inject_hyperparams`. A step that K-FAC skips (non-finite gradient or
-  statistic, or a non-finite produced update) changes nothing in the chain's state
-  (`kd.skip_faulty_steps`).
+  `skip_faulty_steps(optax.chain(scale_by_kfac(...),
+  add_decayed_weights(weight_decay), sgd(learning_rate, momentum, nesterov)))`:
+  weight decay is added to the preconditioned gradient and goes through
+  momentum, like PyTorch SGD after KAISA's `preconditioner.step()`, and a step
+  that K-FAC skips (non-finite gradient, statistic or update) changes nothing in the
+  chain's state. Works with `optax.inject_hyperparams`.
+
+  Args:
+    learning_rate: `η`, a float or an optax schedule of the update count; the
+      KL clip uses it too.
+    momentum: heavy-ball momentum of the SGD step (None or 0: none). KAISA's
+      0.9; where the KL clip binds on a small problem, 0 often works better.
+    weight_decay: coefficient added to the preconditioned gradient times the
+      parameters (`optax.add_decayed_weights`); 0: none.
+    nesterov: Nesterov momentum instead of heavy ball.
+    layers: the tagged layers, `kd.value_and_grad(loss_fn).discover(params,
+      *batch)`; `init` needs them: they fix the state's layout.
+    damping: `γ` of `(A ⊗ G + γI)⁻¹`, positive; a float or a schedule of the
+      update count. With method "inverse" a new value takes effect at the next
+      inverse update.
+    factor_decay: weight of the *old* value in the running factor averages,
+      in [0, 1) (the papers' ξ is `1 − factor_decay`).
+    factor_update_every: compute the statistics and update the running factors
+      (and send them, when distributed) when `count % factor_update_every ==
+      0`; a positive int or a schedule. The default 1 does this every step;
+      KAISA uses 10.
+    inverse_update_every: recompute the eigendecompositions ("eigen") or
+      inverses ("inverse") when `count % inverse_update_every == 0`; a
+      positive int or a schedule. The default 1 means an eigendecomposition of
+      every factor every step, `O(d³)` per factor and the most costly part of
+      K-FAC; KAISA uses 100.
+    method: "eigen" (exact `(A⊗G + γI)⁻¹` from eigendecompositions; four
+      matrix products per layer and step) or "inverse" (π-damped Cholesky
+      inverses, an approximation; two products).
+    kl_clip: `κ` of KAISA's KL clip (Eq. 5.1), a float or a schedule; None
+      turns it off. The default 1e-3 is KAISA's; when the clip binds, the
+      step no longer depends on `learning_rate`.
+    factor_dtype: storage dtype of the running factors (None: float32;
+      `jnp.bfloat16` halves them); decompositions run in float32 at least.
+    skip: regular expressions searched in the layer names; matching layers
+      (e.g. a vocabulary-sized output layer) pass through unpreconditioned. A
+      pattern that matches no layer raises.
+    max_factor_dim: factors of larger dimension are kept as their diagonal,
+      never formed as matrices; None: no limit.
+    distribution: a `kd.Distribution`: `update` then runs inside `shard_map`
+      over its axis, with the state's specs from `kd.partition_specs`. None:
+      one device.
+    stale_threshold: `α` of SP-NGD's stale statistics (the paper uses 0.1):
+      each factor is refreshed at its own adaptive interval. Needs both
+      intervals at 1 and method "eigen"; not with a tensor-parallel
+      distribution. None: off.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` whose `update(grads, state,
+    params, kfac_stats=stats)` takes the statistics of `kd.value_and_grad`.
   """
   return faults.skip_faulty_steps(optax.chain(
       scale_by_kfac(

@@ -62,6 +62,9 @@ from kfac_jax_dist.shampoo import grafting as graft_lib
 from kfac_jax_dist.shampoo import replicated
 from kfac_jax_dist.shampoo import sharded
 from kfac_jax_dist.shampoo import state as state_lib
+from kfac_jax_dist.shampoo import roots
+from kfac_jax_dist.shampoo.config import GraftType
+from kfac_jax_dist.shampoo.config import Grafting
 from kfac_jax_dist.shampoo.config import ShampooConfig
 from kfac_jax_dist.shampoo.state import ScaleByShampooState
 
@@ -152,8 +155,8 @@ def scale_by_shampoo(
     beta2: float = 1.0,
     epsilon: float = 1e-6,
     *,
-    graft_type: str = "sgd",
-    grafting: str = "block",
+    graft_type: GraftType = "sgd",
+    grafting: Grafting = "block",
     graft_beta2: float | None = None,
     graft_epsilon: float = 1e-10,
     start_preconditioning_step: cadence.ScalarOrSchedule = 1,
@@ -162,7 +165,7 @@ def scale_by_shampoo(
     merge_small_dims: bool | int = True,
     max_preconditioner_dim: int | None = 4096,
     exponent_override: float | None = None,
-    root_method: str = "eigh",
+    root_method: roots.Method = "eigh",
     ridge_epsilon: float = 1e-6,
     newton_max_iterations: int = 100,
     newton_tolerance: float = 1e-6,
@@ -177,9 +180,9 @@ def scale_by_shampoo(
   the shapes, the grafting, the cadence and the failure handling.
 
   Args:
-    block_size: largest block per merged axis; None: no blocking.
-    beta2: weight of the old statistics, `H ← β₂ H + (1 − β₂) G_(i)G_(i)ᵀ`; 1
-      sums them (the original, AdaGrad-like Shampoo).
+    block_size: largest block per merged axis, positive; None: no blocking.
+    beta2: weight of the old statistics, in (0, 1]: `H ← β₂ H + (1 − β₂)
+      G_(i)G_(i)ᵀ`; 1 sums them (the original, AdaGrad-like Shampoo).
     epsilon: the statistics start at `ε I`.
     graft_type: "sgd", "adagrad", "rmsprop", "adam" or "none".
     grafting: "block" (one norm per block) or "layer" (one per parameter).
@@ -187,24 +190,29 @@ def scale_by_shampoo(
       must then be < 1).
     graft_epsilon: `ε_graft` of the diagonal grafted methods.
     start_preconditioning_step: the grafted update alone before this count
-      (an int or a schedule of the count).
+      (an int ≥ 0 or a schedule of the count).
     statistics_compute_steps: update the statistics when `count % this == 0`
-      (an int or a schedule).
+      (a positive int or a schedule). The default 1 updates every statistic
+      every step.
     preconditioning_compute_steps: recompute the roots when `count % this == 0`
-      (an int or a schedule). The default 1 computes every root every step,
+      (a positive int or a schedule). The default 1 computes every root every step,
       the costliest setting: Anil et al. refresh every 10-100 steps.
     merge_small_dims: True: merge axes up to `block_size`; an int: up to that;
       False: no merging (size-1 axes are dropped either way).
     max_preconditioner_dim: parameters with a longer merged axis get the
       grafted diagonal update only (None: no limit).
-    exponent_override: `p` of every root `H^{-1/p}` (default `2k`).
+    exponent_override: `p` of every root `H^{-1/p}` (default `2k`); positive,
+      an integer with "newton".
     root_method: "eigh" (eigendecomposition) or "newton" (coupled Newton).
     ridge_epsilon: relative ridge: the roots are of `H + ε_ridge λ_max(H) I`.
-    newton_max_iterations, newton_tolerance: Newton's stopping rules.
+    newton_max_iterations: most iterations of the Newton root.
+    newton_tolerance: the Newton iteration stops once `max |M_k − I|` is below
+      this.
     root_failure_threshold: a Newton root with `max |X^p A − I|` above this
       (or any non-finite root) is rejected and the previous root kept.
     skip: regular expressions; parameters whose path ("layer/kernel") matches
-      one get the grafted diagonal update only.
+      one get the grafted diagonal update only. A pattern that matches no
+      parameter raises at `init`.
     statistics_dtype: dtype of the statistics and roots (default float32, or
       float64 if a parameter is float64).
     distribution: a `kd.Distribution`: the work is spread over its axis (call
@@ -260,8 +268,8 @@ def shampoo(
     block_size: int | None = 128,
     beta2: float = 1.0,
     epsilon: float = 1e-6,
-    graft_type: str = "sgd",
-    grafting: str = "block",
+    graft_type: GraftType = "sgd",
+    grafting: Grafting = "block",
     graft_beta2: float | None = None,
     graft_epsilon: float = 1e-10,
     start_preconditioning_step: cadence.ScalarOrSchedule = 1,
@@ -270,7 +278,7 @@ def shampoo(
     merge_small_dims: bool | int = True,
     max_preconditioner_dim: int | None = 4096,
     exponent_override: float | None = None,
-    root_method: str = "eigh",
+    root_method: roots.Method = "eigh",
     ridge_epsilon: float = 1e-6,
     newton_max_iterations: int = 100,
     newton_tolerance: float = 1e-6,
@@ -281,13 +289,76 @@ def shampoo(
 ) -> optax.GradientTransformationExtraArgs:
   """Shampoo followed by SGD with momentum (Anil et al. 2020, §4).
 
-  `optax.chain(scale_by_shampoo(...), add_decayed_weights(weight_decay),
-  sgd(learning_rate, momentum, nesterov))`: weight decay is added to the
-  grafted Shampoo step (it is not preconditioned) and goes through momentum,
-  as in Anil et al.'s implementation. The other options are
-  `scale_by_shampoo`'s. Works with `optax.inject_hyperparams`. A step that
-  Shampoo skips (non-finite gradient, statistic or update) changes nothing in
-  the chain's state (`kd.skip_faulty_steps`).
+  `skip_faulty_steps(optax.chain(scale_by_shampoo(...),
+  add_decayed_weights(weight_decay), sgd(learning_rate, momentum, nesterov)))`:
+  weight decay is added to the grafted Shampoo step (it is not preconditioned)
+  and goes through momentum, as in Anil et al.'s implementation, and a step
+  that Shampoo skips (non-finite gradient, statistic or update) changes
+  nothing in the chain's state. Works with `optax.inject_hyperparams`. The
+  module docstring has the math.
+
+  Args:
+    learning_rate: a float or an optax schedule of the update count.
+    momentum: heavy-ball momentum of the SGD step (None or 0: none).
+    weight_decay: coefficient added to the Shampoo step times the parameters
+      (`optax.add_decayed_weights`); 0: none.
+    nesterov: Nesterov momentum instead of heavy ball.
+    block_size: largest block per merged axis, a positive int; None: no
+      blocking (a statistic per whole axis: `d³` root work per axis).
+    beta2: weight of the old statistics, in (0, 1]: `H ← β₂ H + (1 − β₂)
+      G_(i)G_(i)ᵀ`; the default 1 sums them (the original, AdaGrad-like
+      Shampoo).
+    epsilon: the statistics start at `ε I`.
+    graft_type: the diagonal method whose step norm Shampoo's direction takes:
+      "sgd" (default), "adagrad", "rmsprop", "adam" or "none" (no grafting).
+    grafting: "block" (one norm per block, default) or "layer" (one per
+      parameter).
+    graft_beta2: `β` of "rmsprop" / "adam" grafting, in [0, 1); None: `beta2`,
+      which must then be below 1.
+    graft_epsilon: `ε_graft` of the diagonal grafted methods.
+    start_preconditioning_step: before this update count every parameter gets
+      the grafted update alone; an int ≥ 0 or a schedule of the count.
+    statistics_compute_steps: update the statistics when `count % this == 0`,
+      a positive int or a schedule. The default 1 updates every statistic
+      every step.
+    preconditioning_compute_steps: recompute the inverse roots when `count %
+      this == 0`, a positive int or a schedule. The default 1 computes a root of every
+      statistic every step (an eigendecomposition, or a Newton iteration, of
+      each `d × d` block statistic), the most costly part of Shampoo (the
+      benchmarks use 10).
+    merge_small_dims: True: merge consecutive axes while their product stays
+      ≤ `block_size`; an int: up to that; False: no merging (size-1 axes are
+      dropped either way).
+    max_preconditioner_dim: parameters with a merged axis longer than this get
+      the grafted diagonal update only (None: no limit). It matters only
+      without blocking: blocks are at most `block_size` long.
+    exponent_override: `p` of every root `H^{-1/p}` (None: `2k` for an
+      order-`k` block); positive, an integer with "newton".
+    root_method: "eigh" (eigendecomposition, default) or "newton" (coupled
+      Newton iteration: matrix products only).
+    ridge_epsilon: relative ridge: the roots are of `H + ε_ridge λ_max(H) I`.
+    newton_max_iterations: most iterations of the Newton root.
+    newton_tolerance: the Newton iteration stops once `max |M_k − I|` is
+      below this.
+    root_failure_threshold: a Newton root with `max |X^p A − I|` above this
+      (or any non-finite root) is rejected and the previous root kept.
+    skip: regular expressions searched in parameter paths ("layer/kernel");
+      matching parameters get the grafted diagonal update only. A pattern that
+      matches no parameter raises.
+    statistics_dtype: dtype of the statistics and roots (None: float32, or
+      float64 if a parameter is float64).
+    distribution: a `kd.Distribution`: `update` runs inside `shard_map` over
+      its axis, with the state's specs from `kd.partition_specs`.
+      `grad_worker_fraction` 1 replicates the statistics and roots (each root
+      computed by one owner, then all-gathered); below 1 each of the `P/m`
+      owner groups holds, updates and applies only its blocks' (MEM-OPT at
+      `1/P`, HYBRID-OPT between). `gradient_reduction` as for K-FAC
+      ("reduce_scatter" needs `graft_type` "sgd" or "none" when there are
+      several groups); the factor options do not apply. None: one device.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` (extra arguments of `update`
+    are ignored).
   """
   return faults.skip_faulty_steps(optax.chain(
       scale_by_shampoo(

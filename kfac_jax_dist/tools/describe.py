@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 
 from kfac_jax_dist.capture import statistics as factors
 from kfac_jax_dist.core import uneven
@@ -53,23 +52,52 @@ def table(state: ScaleByKfacState) -> str:
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
   lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
   lines.insert(1, "  ".join("-" * w for w in widths))
-  total = sum(int(np.prod(a.shape)) * a.dtype.itemsize
-              for a in (state.factors, state.second_order))
-  lines.append(f"{lay.num_devices} device(s), {lay.num_groups} owner group(s); {lay.factor_storage} "
-               f"factors, {lay.factor_shard:,} per device, L2={lay.second_segment:,}; "
-               f"K-FAC state: "
-               f"{total:,} bytes")
+  return "\n".join(lines + [""] + _summary(state))
+
+
+def _summary(state: ScaleByKfacState) -> list[str]:
+  """The table's legend, then where the state lives, in words."""
+  lay = state.layout
+  p, m, groups = lay.num_devices, lay.group_size, lay.num_groups
+  lines = ["A, G: a layer's Kronecker factors, of its inputs and of its output gradients:",
+           "  d x d matrices; diag(d): kept diagonal; 2x2 x C (unit-wise): one 2x2 Fisher",
+           "  per channel (scale-and-shift layers). owner: the device(s) that decompose",
+           "  them. bytes: their running averages and second-order state."]
+  if p == 1:
+    lines.append("1 device.")
+  else:
+    lines.append(f"{p} devices in {groups} owner group{'s' * (groups > 1)} of {m}: a "
+                 "group holds the second-order state of its layers and preconditions "
+                 "their gradients.")
+  if p == 1:
+    storage = ""
+  elif lay.factor_storage == layout_lib.CHUNKED:
+    storage = f" (all owners' factors packed tight and cut into {p} equal chunks)"
+  else:
+    storage = " (each device's own factors, padded to the longest owner's)"
+  lines.append(f"Running factors: {lay.factor_shard:,} numbers per device{storage}.")
+  what = "eigenbases and eigenvalues" if lay.method == "eigen" else "damped inverses"
+  segments = f" (the segments of its group's {m} owners)" if m > 1 else ""
+  lines.append(f"Second-order state ({what}): {m * lay.second_segment:,} numbers per "
+               f"device{segments}.")
+  per_device = (lay.factor_shard * state.factors.dtype.itemsize
+                + m * lay.second_segment * state.second_order.dtype.itemsize)
+  on_all = f" ({p * per_device:,} on all {p} devices)" if p > 1 else ""
+  lines.append(f"K-FAC state: {per_device:,} bytes per device{on_all}.")
   schemes = _uneven_schemes(lay)
   if schemes:
     lines.append("uneven collectives: " + "; ".join(schemes))
-  return "\n".join(lines)
+  return lines
 
 
 def _scheme(sizes) -> str:
   scheme = uneven.plan(tuple(int(u) for u in sizes))
   if isinstance(scheme, uneven.Rechunk):
-    return f"rechunk ({len(scheme.sends)} ppermutes)"
-  return "prefix"
+    return (f"rechunk ({len(scheme.sends)} ppermutes: owners hold unequal amounts, so "
+            "one all_gather moves equal chunks and the ppermutes forward what the "
+            "largest owners hold beyond theirs)")
+  return ("prefix (owners hold unequal amounts: one all_gather of a prefix common to "
+          "every owner, one psum of the rest)")
 
 
 def _uneven_schemes(lay: layout_lib.Layout) -> list[str]:
@@ -79,15 +107,33 @@ def _uneven_schemes(lay: layout_lib.Layout) -> list[str]:
   if lay.num_devices == 1 or not lay.plans:
     return []
   if lay.num_groups == 1:
-    return ["eigenbasis broadcast " + _scheme(lay.second_sizes)]
+    what = "eigenbasis" if lay.method == "eigen" else "inverse"
+    return [f"{what} broadcast " + _scheme(lay.second_sizes)]
   if lay.group_size == 1:
     return ["gradient gather " + _scheme(layout_lib.gradient_offsets(lay)[1])]
   return []
 
 
 def describe(opt_state: Any, print_table: bool = True) -> str:
-  """Prints (and returns) layer, parameter paths, factor shapes, owner and bytes
-  of every tagged layer, and the parameters passed through unpreconditioned."""
+  """Prints (and returns) the table of every K-FAC state in `opt_state`.
+
+  One row per tagged layer (kind, parameter paths, factor shapes, owner
+  devices, bytes), per skipped layer and per parameter passed through
+  unpreconditioned; then a legend and, in words, the devices and owner groups,
+  how the running factors and the second-order state are stored, the state's
+  bytes per device and, when distributed, how the uneven collectives travel.
+
+  Args:
+    opt_state: an optax state holding one or more `scale_by_kfac` states
+      (global, as `tx.init` makes it).
+    print_table: print the text as well as returning it.
+
+  Returns:
+    The text (the tables of several K-FAC states separated by a blank line).
+
+  Raises:
+    ValueError: `opt_state` holds no K-FAC state.
+  """
   states = find_states(opt_state)
   if not states:
     raise ValueError("opt_state holds no K-FAC state.")
