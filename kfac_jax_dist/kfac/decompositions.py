@@ -50,32 +50,42 @@ def _previous(previous: jax.Array, batch: layout_lib.Batch, offset: int, size: i
   return previous[offset:offset + batch.count * size].reshape(batch.count, size)
 
 
-def _kept_unitwise(config: KfacConfig, running: jax.Array, batch: layout_lib.Batch,
-                   previous: jax.Array) -> jax.Array:
-  """A unit-wise batch keeps its `F` (solved in closed form when applied)."""
-  old = _previous(previous, batch, batch.vector_offset, 3 * batch.dim)
-  return keep_failed(running.astype(config.compute_dtype), old, finite_slots(running))
+def _new_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
+                 owned: jax.Array, previous: jax.Array,
+                 decompose_batch: Callable[[layout_lib.Batch, jax.Array], list[jax.Array]]
+                 ) -> jax.Array:
+  """The device's new `[L₂]` segment: `decompose_batch(batch, running)` of
+  each of its batches (a unit-wise batch keeps its `F`, solved in closed form
+  when applied)."""
+  pieces = []
+  for batch in layout.batches[device]:
+    running = packing.unpack_batch(owned, batch, layout.packed)
+    if batch.form == statistics.UNIT:
+      old = _previous(previous, batch, batch.vector_offset, 3 * batch.dim)
+      pieces.append(keep_failed(running.astype(config.compute_dtype), old,
+                                finite_slots(running)))
+    else:
+      pieces += decompose_batch(batch, running)
+  return collectives_lib.pad_to(pieces, layout.second_segment, config.compute_dtype)
 
 
 def eigen_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
                   owned: jax.Array, previous: jax.Array) -> jax.Array:
   """The device's new `[L₂]` segment: eigenbases and eigenvalues of its
   factors (a split factor keeps its columns)."""
-  dtype, pieces = config.compute_dtype, []
-  for batch in layout.batches[device]:
-    running = packing.unpack_batch(owned, batch, layout.packed)
-    if batch.form == statistics.UNIT:
-      pieces.append(_kept_unitwise(config, running, batch, previous))
-      continue
+  dtype = config.compute_dtype
+
+  def parts(batch: layout_lib.Batch, running: jax.Array) -> list[jax.Array]:
     vectors, values = linalg.eigh(running)
     ok = finite_slots(running, vectors, values)
     lo, hi = batch.columns or (0, batch.dim)
+    out = []
     if vectors is not None:
       old = _previous(previous, batch, batch.matrix_offset, batch.dim * (hi - lo))
-      pieces.append(keep_failed(vectors[..., lo:hi].astype(dtype), old, ok))
+      out.append(keep_failed(vectors[..., lo:hi].astype(dtype), old, ok))
     old = _previous(previous, batch, batch.vector_offset, hi - lo)
-    pieces.append(keep_failed(values[..., lo:hi].astype(dtype), old, ok))
-  return collectives_lib.pad_to(pieces, layout.second_segment, dtype)
+    return out + [keep_failed(values[..., lo:hi].astype(dtype), old, ok)]
+  return _new_segment(config, layout, device, owned, previous, parts)
 
 
 def inverse_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
@@ -84,12 +94,9 @@ def inverse_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
   """As `eigen_segment`, with damped inverses; `damping` holds every factor's
   (a non-finite one, from a non-finite trace of either factor of the layer,
   keeps both inverses)."""
-  dtype, pieces = config.compute_dtype, []
-  for batch in layout.batches[device]:
-    running = packing.unpack_batch(owned, batch, layout.packed)
-    if batch.form == statistics.UNIT:
-      pieces.append(_kept_unitwise(config, running, batch, previous))
-      continue
+  dtype = config.compute_dtype
+
+  def parts(batch: layout_lib.Batch, running: jax.Array) -> list[jax.Array]:
     start = device * layout.max_factors + batch.first_index
     damp = damping[start:start + batch.count]
     inv = linalg.damped_inverse(running, damp)
@@ -100,8 +107,8 @@ def inverse_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
       old = _previous(previous, batch, batch.matrix_offset, batch.dim * (hi - lo))
     else:
       old = _previous(previous, batch, batch.vector_offset, batch.dim)
-    pieces.append(keep_failed(inv.astype(dtype), old, ok))
-  return collectives_lib.pad_to(pieces, layout.second_segment, dtype)
+    return [keep_failed(inv.astype(dtype), old, ok)]
+  return _new_segment(config, layout, device, owned, previous, parts)
 
 
 def _traces_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
