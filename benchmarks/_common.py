@@ -205,6 +205,7 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
 def shape_bytes(shape: str) -> int:
+  """Bytes of every array in an HLO shape ("f32[2,3]{1,0}", tuples summed)."""
   total = 0
   for dtype, dims in _ARRAY.findall(shape):
     if dtype not in _DTYPE_BYTES:
@@ -228,6 +229,53 @@ def _split_shape(rest: str) -> tuple[str, str]:
         return rest[:i + 1], rest[i + 1:].strip()
   shape, _, tail = rest.partition(" ")
   return shape, tail.strip()
+
+
+def tuple_elements(shape: str) -> list[str]:
+  """The top-level elements of a tuple shape ('((f32[2]), f32[3])' → ['(f32[2])',
+  'f32[3]']); a non-tuple shape is its own one element."""
+  if not shape.startswith("("):
+    return [shape]
+  parts, depth, start = [], 0, 1
+  for i, ch in enumerate(shape):
+    depth += ch in "({["
+    depth -= ch in ")}]"
+    if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
+      parts.append(shape[start:i].strip())
+      start = i + 1
+  return [p for p in parts if p]
+
+
+def opcode(tail: str) -> str:
+  """The opcode of an instruction's text after its shape ('all-reduce(...)')."""
+  return tail.split("(", 1)[0].strip()
+
+
+def op_name(tail: str) -> str:
+  """The instruction's metadata op_name (the jax named scopes), or ''."""
+  m = _OP_NAME.search(tail)
+  return m.group(1) if m else ""
+
+
+def branch_names(tail: str) -> list[str]:
+  """A conditional's branch computations, in index order: `branch_computations`,
+  or [false, true] for a predicated `true_computation` / `false_computation`."""
+  branches = _BRANCHES.search(tail)
+  if branches:
+    return [b.strip().lstrip("%") for b in branches.group(1).split(",") if b.strip()]
+  f = re.search(r"false_computation=%?([\w.\-]+)", tail)
+  t = re.search(r"true_computation=%?([\w.\-]+)", tail)
+  return [f.group(1), t.group(1)]
+
+
+def called_names(tail: str) -> list[str]:
+  """The computations a non-conditional instruction calls (fusions, loops'
+  body and condition, async wrappers, reductions' `to_apply`)."""
+  names = _CALLED.findall(tail)
+  m = re.search(r"called_computations=\{([^}]*)\}", tail)
+  if m:
+    names += [c.strip().lstrip("%") for c in m.group(1).split(",") if c.strip()]
+  return names
 
 
 def _group_size(attrs: str, default: int) -> int:
@@ -259,6 +307,7 @@ class Collective:
 
 
 def parse_computations(hlo: str) -> tuple[dict[str, list[tuple[str, str]]], str]:
+  """({computation: [(instruction name, text after '=')]}, ENTRY's name)."""
   comps, entry, current = {}, None, None
   for line in hlo.splitlines():
     head = _COMP_HEAD.match(line)
@@ -281,35 +330,48 @@ def parse_computations(hlo: str) -> tuple[dict[str, list[tuple[str, str]]], str]
   return comps, entry
 
 
+def _output_bytes(shape: str, code: str, base: str) -> int:
+  """Bytes of a collective's result. A synchronous op's shape is its result, and
+  so is all-reduce-start's; the other async starts' shapes are (operand(s),
+  result(s), context...): all-gather-start, collective-permute-start, and the
+  async wrappers printed as reduce-scatter-start / all-to-all-start."""
+  if not code.endswith("-start") or base == "all-reduce":
+    return shape_bytes(shape)
+  parts = tuple_elements(shape)
+  return shape_bytes(parts[1] if len(parts) > 1 else parts[0])
+
+
 def _collective(name: str, rest: str, step: str, in_loop: bool, p: int):
   shape, tail = _split_shape(rest)
-  opcode = tail.split("(", 1)[0].strip()
-  base = opcode[:-len("-start")] if opcode.endswith("-start") else opcode
+  code = opcode(tail)
+  base = code[:-len("-start")] if code.endswith("-start") else code
   if base not in KINDS:
     return None
   g = _group_size(tail, p)
-  out = shape_bytes(shape)
-  if opcode.endswith("-start") and shape.startswith("("):
-    # async start: (operand(s), output(s)[, scratch]); take the output part.
-    parts = [s for s in re.findall(r"[a-z0-9]+\[[0-9,]*\]", shape)]
-    out = shape_bytes(parts[len(parts) // 2] if base == "all-gather" else parts[0])
+  out = _output_bytes(shape, code, base)
   if base == "all-reduce":
     payload, ring = out, 2 * (g - 1) / g * out
   elif base == "reduce-scatter":
     payload = out * g
     ring = (g - 1) / g * payload
-  elif base == "all-gather":
-    payload, ring = out, (g - 1) / g * out
-  elif base == "all-to-all":
+  elif base in ("all-gather", "all-to-all"):
     payload, ring = out, (g - 1) / g * out
   else:                                    # collective-permute
     payload, ring = out, float(out)
-  op = _OP_NAME.search(tail)
   pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", tail)
   senders = (tuple(int(a) for a, _ in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1)))
              if base == "collective-permute" and pairs else None)
-  return Collective(base, step, g, payload, ring, op.group(1) if op else "", name, in_loop,
-                    senders)
+  return Collective(base, step, g, payload, ring, op_name(tail), name, in_loop, senders)
+
+
+def _scope_step(name: str) -> str | None:
+  """The step kind a conditional's non-identity branches run on, from the
+  conditional's op_name, or None when it is no cadence conditional."""
+  if DECOMP_SCOPE in name:
+    return "inverse"
+  if FACTOR_SCOPE in name or FAULT_SCOPE in name:
+    return "factor"
+  return None
 
 
 def collectives(hlo: str, num_devices: int) -> tuple[list[Collective], list[str]]:
@@ -319,12 +381,30 @@ def collectives(hlo: str, num_devices: int) -> tuple[list[Collective], list[str]
   runs its non-identity branch on factor (inverse) steps only: collectives in
   its branches ≥ 1 (the `true` branch of a `lax.cond`) are attributed to that
   step kind. So is the fault check's conditional (`kfac_fault_check`), whose
-  predicate is the state's `update_factors`: its psum runs on factor steps. Any other conditional (e.g. a `lax.switch` on the device index)
-  runs one branch every step: the branch with the most bytes is counted.
+  predicate is the state's `update_factors`: its psum runs on factor steps.
+  Any other conditional (e.g. a `lax.switch` on the device index) runs one
+  branch every step: the branch with the most bytes is counted. Collectives
+  in a while loop's body or condition are marked `in_loop` (counted once).
+  An async op's wrapped computation is walked from its start only.
   Returns (collectives, notes)."""
   comps, entry = parse_computations(hlo)
   notes: list[str] = []
   memo: dict[tuple[str, str, bool], list[Collective]] = {}
+
+  def conditional(name: str, tail: str, step: str, in_loop: bool) -> list[Collective]:
+    names, scope = branch_names(tail), op_name(tail)
+    label = _scope_step(scope)
+    if label is not None:
+      if walk(names[0], label, in_loop):
+        scoped = DECOMP_SCOPE if label == "inverse" else FACTOR_SCOPE
+        notes.append(f"{name}: collectives in the identity (false) branch of the "
+                     f"{scoped} conditional")
+      return [c for b in names[1:] for c in walk(b, label, in_loop)]
+    per_branch = [walk(b, step, in_loop) for b in names]
+    if sum(1 for cs in per_branch if cs) > 1:
+      notes.append(f"{name}: collectives in several branches of {scope or name}; "
+                   "counted the largest")
+    return max(per_branch, key=lambda cs: sum(c.ring for c in cs))
 
   def walk(comp: str, step: str, in_loop: bool) -> list[Collective]:
     key = (comp, step, in_loop)
@@ -335,46 +415,16 @@ def collectives(hlo: str, num_devices: int) -> tuple[list[Collective], list[str]
       c = _collective(name, rest, step, in_loop, num_devices)
       if c is not None:
         found.append(c)
-      _, tail = _split_shape(rest)
-      opcode = tail.split("(", 1)[0].strip()
-      branches = _BRANCHES.search(tail)
-      if opcode == "conditional":
-        if branches:
-          names = [b.strip().lstrip("%") for b in branches.group(1).split(",") if b.strip()]
-        else:
-          f = re.search(r"false_computation=%?([\w.\-]+)", tail)
-          t = re.search(r"true_computation=%?([\w.\-]+)", tail)
-          names = [f.group(1), t.group(1)]
-        op = _OP_NAME.search(tail)
-        op_name = op.group(1) if op else ""
-        scoped = (DECOMP_SCOPE if DECOMP_SCOPE in op_name else
-                  FACTOR_SCOPE if FACTOR_SCOPE in op_name or FAULT_SCOPE in op_name
-                  else None)
-        if scoped is not None:
-          label = "inverse" if scoped == DECOMP_SCOPE else "factor"
-          if walk(names[0], label, in_loop):
-            notes.append(f"{name}: collectives in the identity (false) branch of the "
-                         f"{scoped} conditional")
-          for b in names[1:]:
-            found += walk(b, label, in_loop)
-        else:
-          per_branch = [walk(b, step, in_loop) for b in names]
-          best = max(per_branch, key=lambda cs: sum(c.ring for c in cs))
-          if sum(1 for cs in per_branch if cs) > 1:
-            notes.append(f"{name}: collectives in several branches of {op_name or name}; "
-                         "counted the largest")
-          found += best
+      tail = _split_shape(rest)[1]
+      code = opcode(tail)
+      if code == "conditional":
+        found += conditional(name, tail, step, in_loop)
         continue
-      loop = opcode == "while"
-      for called in _CALLED.findall(tail):
+      if code in ("async-update", "async-done"):
+        continue                           # the async-start's computation, once
+      for called in called_names(tail):
         if called in comps:
-          found += walk(called, step, in_loop or loop)
-      m = re.search(r"called_computations=\{([^}]*)\}", tail)
-      if m:
-        for called in m.group(1).split(","):
-          called = called.strip().lstrip("%")
-          if called in comps:
-            found += walk(called, step, in_loop)
+          found += walk(called, step, in_loop or code == "while")
     memo[key] = found
     return found
 

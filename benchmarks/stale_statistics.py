@@ -90,7 +90,6 @@ import importlib
 import inspect
 import json
 import platform
-import re
 import statistics
 import subprocess
 import tempfile
@@ -373,32 +372,22 @@ def factor_conditionals(hlo: str):
   bytes) of each of its branches, and the all-reduces of that scope outside any
   such conditional."""
   comps, entry = C.parse_computations(hlo)
-  called_re = re.compile(r"\b(?:calls|body|condition|true_computation|false_computation)"
-                         r"=%?([\w.\-]+)")
-
-  def branches_of(tail):
-    m = re.search(r"branch_computations=\{([^}]*)\}", tail)
-    if m:
-      return [b.strip().lstrip("%") for b in m.group(1).split(",") if b.strip()]
-    return [re.search(r"false_computation=%?([\w.\-]+)", tail).group(1),
-            re.search(r"true_computation=%?([\w.\-]+)", tail).group(1)]
 
   def instructions(comp):
     for name, rest in comps.get(comp, []):
       shape, tail = C._split_shape(rest)          # pylint: disable=protected-access
-      op = re.search(r'op_name="([^"]*)"', tail)
-      yield name, shape, tail, tail.split("(", 1)[0].strip(), op.group(1) if op else ""
+      yield name, shape, tail, C.opcode(tail), C.op_name(tail)
+
+  def callees(tail, opcode):
+    return C.branch_names(tail) if opcode == "conditional" else C.called_names(tail)
 
   def reduces(comp):
-    """Payload bytes of every all-reduce reachable from comp (not via to_apply)."""
+    """Payload bytes of every all-reduce reachable from comp."""
     out = []
     for _, shape, tail, opcode, _ in instructions(comp):
-      if opcode == "all-reduce":
+      if opcode in ("all-reduce", "all-reduce-start"):
         out.append(C.shape_bytes(shape))
-      elif opcode == "all-reduce-start":
-        out.append(C.shape_bytes(re.findall(r"[a-z0-9]+\[[0-9,]*\]", shape)[0]))
-      callees = branches_of(tail) if opcode == "conditional" else called_re.findall(tail)
-      for c in callees:
+      for c in callees(tail, opcode):
         out += reduces(c)
     return out
 
@@ -406,16 +395,12 @@ def factor_conditionals(hlo: str):
 
   def walk(comp):
     for name, shape, tail, opcode, op in instructions(comp):
-      if opcode == "conditional":
-        if C.FACTOR_SCOPE in op:
-          found.append(dict(name=name, branches=[reduces(b) for b in branches_of(tail)]))
-        else:
-          for b in branches_of(tail):
-            walk(b)
+      if opcode == "conditional" and C.FACTOR_SCOPE in op:
+        found.append(dict(name=name, branches=[reduces(b) for b in C.branch_names(tail)]))
         continue
       if opcode in ("all-reduce", "all-reduce-start") and C.FACTOR_SCOPE in op:
         outside.append(dict(name=name, bytes=C.shape_bytes(shape), op_name=op))
-      for c in called_re.findall(tail):
+      for c in callees(tail, opcode):
         walk(c)
   walk(entry)
   return dict(factor_scope_conditionals=found, factor_scope_all_reduces_outside=outside)
