@@ -1,33 +1,37 @@
-"""Shared pieces of the benchmarks (the communication / memory / layout ones,
-and the peers' and convergence runs' data and environment).
+"""Shared pieces of the benchmarks.
 
-* `CnnMlp`: the fixed model of `comm_volume.py` and `memory.py` (kd.linen layers
-  of several sizes plus one untagged parameter);
-* `STRATEGIES` / `distribution`: the distributed K-FAC configurations;
+* the library internals they read (one place to fix when the library moves
+  them);
+* `STRATEGIES` / `distribution` / `kfac_tx`: the distributed K-FAC
+  configurations, and `problem`, the fixed `_models.CnnMlp` problem of
+  comm_volume, memory and shampoo_memory;
 * `sharded_step`: the shard_map'd training step (capture, gradient reduction,
   `tx.update`, `optax.apply_updates`), as in tests/test_distributed.py;
+  `kfac_step` / `optax_step`: the plain jitted training steps; `kfac_state`;
+  `per_device_bytes`;
+* data: sklearn's digits (`digits`), character corpora (`pydoc_corpus`,
+  `source_corpus`, `encode`, `windows`);
 * `collectives`: every collective of a compiled HLO module, attributed to the
   steps it runs on (plain / factor / inverse) by walking the called
-  computations from ENTRY, with ring-model and raw byte counts;
-* `header`: jax version, date, git revision, machine.
+  computations from ENTRY, with ring-model and raw byte counts (`totals`,
+  `step_bytes`);
+* the report writer, re-exported from `_report` (`environment`, `header_md`,
+  `md_table`, `fmt_bytes`, `checks_markdown`, `write_results`, ...).
 
 The scripts import it from their own directory (`python benchmarks/x.py`).
-Set XLA_FLAGS / OPENBLAS_NUM_THREADS before importing this module.
+Set XLA_FLAGS / OPENBLAS_NUM_THREADS before importing this module. It imports
+nothing heavier than jax, flax, optax and kfac_jax_dist (scikit-learn when
+`digits` is called).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import datetime
-import json
-import os
-import platform
+import importlib
+import inspect
 import re
-import subprocess
-from typing import Any
+from typing import Any, Callable, Iterable, Sequence
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,6 +39,23 @@ import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import kfac_jax_dist as kd
+# The library internals the benchmarks read: layouts, the uneven collectives'
+# plans, the stale-statistics order, Shampoo's roots. Every such import is
+# here, so that a move inside the library is a fix in this one place.
+from kfac_jax_dist import factors as factors_lib  # noqa: F401
+from kfac_jax_dist import layout as layout_lib  # noqa: F401
+from kfac_jax_dist import registry  # noqa: F401
+from kfac_jax_dist import roots as roots_lib  # noqa: F401
+from kfac_jax_dist import stale as stale_lib  # noqa: F401
+from kfac_jax_dist import uneven as uneven_lib  # noqa: F401
+from kfac_jax_dist.kfac import _cheaper_storage as cheaper_storage  # noqa: F401
+from kfac_jax_dist.kfac import _gradient_offsets as gradient_offsets  # noqa: F401
+from kfac_jax_dist.layout import _second_parts as second_parts
+
+import _models
+# The report writer, re-exported: the scripts' one import.
+from _report import (argument_parser, checks_markdown, environment,  # noqa: F401
+                     fmt_bytes, header_md, md_table, stem, write_json, write_results)
 
 FACTOR_SCOPE, DECOMP_SCOPE = "kfac_factor_update", "kfac_decomposition"
 # The fault checks (04bba86): a 4-byte psum of the statistics' verdict inside a
@@ -44,32 +65,7 @@ FAULT_SCOPE = "kfac_fault_check"
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
 
 
-# ----------------------------------------------------------------------- model
-
-class CnnMlp(nn.Module):
-  """Conv 3x3 3→32, then 32→32 four times (strides 1, 2, 1, 2), global mean,
-  Dense 32→256, eight Dense layers alternating 256→320 and 320→256, Dense
-  256→10, one untagged per-feature scale (a passthrough parameter); ReLU, biases.
-
-  Factor dimensions (A, G): (28, 32), 4×(289, 32), (33, 256), 4×(257, 320),
-  4×(321, 256), (257, 10). Chosen so that no single layer holds more than 1/8 of
-  the gradient and no factor more than 1/8 of the factor numbers: a layout
-  with one owner per layer/factor can then in principle reach the P = 8
-  targets (the scripts print these lower bounds)."""
-
-  @nn.compact
-  def __call__(self, x):
-    x = nn.relu(kd.linen.Conv(32, (3, 3))(x))
-    for stride in (1, 2, 1, 2):
-      x = nn.relu(kd.linen.Conv(32, (3, 3), strides=stride)(x))
-    x = jnp.mean(x, axis=(1, 2))
-    x = nn.relu(kd.linen.Dense(256)(x))
-    for i in range(8):
-      x = nn.relu(kd.linen.Dense(320 if i % 2 == 0 else 256)(x))
-      if i == 3:
-        x = x * self.param("scale", nn.initializers.ones, (256,))
-    return kd.linen.Dense(10)(x)
-
+# ---------------------------------------------------------------------- problem
 
 MODEL_DESCRIPTION = (
     "CnnMlp: conv3x3 3→32, 4× conv3x3 32→32 (strides 1,2,1,2), global mean, dense "
@@ -77,11 +73,12 @@ MODEL_DESCRIPTION = (
     "one untagged scale[256]; 16x16x3 inputs, global batch 32")
 
 
-def problem(batch: int = 32):
+def problem(batch: int = 32) -> tuple[Callable, Any, jax.Array, jax.Array]:
+  """(loss_fn, params, x, y): `_models.CnnMlp` on a fixed random batch."""
   kx, ky, kp = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(kx, (batch, 16, 16, 3), jnp.float32)
   y = jax.random.randint(ky, (batch,), 0, 10)
-  model = CnnMlp()
+  model = _models.CnnMlp()
   params = model.init(kp, x)
 
   def loss_fn(p, x, y):
@@ -139,6 +136,12 @@ def factor_places(plan) -> list:
   return [plan.a, plan.g]
 
 
+def second_numbers(place, method: str) -> int:
+  """Numbers of a factor's second-order state (eigenbasis and eigenvalues, or
+  inverse) for `method`."""
+  return sum(second_parts(place.dim, place.form, method))
+
+
 def distribution(strategy: Strategy, p: int) -> kd.Distribution | None:
   m = strategy.group_size(p)
   if m is None:
@@ -150,9 +153,47 @@ def distribution(strategy: Strategy, p: int) -> kd.Distribution | None:
                          symmetric_comm=strategy.symmetric)
 
 
+def device_counts(args, default: str, quick: str = "8") -> list[int]:
+  """The P values of `args.devices` (else `quick` with --quick, else
+  `default`): comma-separated, at most the number of host devices."""
+  ps = [int(v) for v in (args.devices or (quick if args.quick else default)).split(",")]
+  if max(ps) > jax.device_count():
+    raise SystemExit(f"need {max(ps)} devices, have {jax.device_count()} (XLA_FLAGS)")
+  return ps
+
+
 def kfac_tx(grad_fn, layers, dist, **extra):
   return kd.kfac(0.1, layers=layers, distribution=dist, damping=1e-2,
                  factor_update_every=10, inverse_update_every=100, **extra)
+
+
+# ------------------------------------------------------------------------ steps
+
+def kfac_step(grad_fn: kd.ValueAndGrad, tx: optax.GradientTransformation) -> Callable:
+  """step(params, opt_state, *batch) → (params, opt_state, loss): capture,
+  `tx.update` with the statistics, `optax.apply_updates`."""
+  def step(params, opt_state, *batch):
+    loss, grads, stats = grad_fn(params, *batch, opt_state=opt_state)
+    updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats)
+    return optax.apply_updates(params, updates), opt_state, loss
+  return step
+
+
+def optax_step(loss_fn: Callable, tx: optax.GradientTransformation) -> Callable:
+  """step(params, opt_state, *batch) → (params, opt_state, loss) of a
+  first-order optimizer: `jax.value_and_grad`, `tx.update`, apply."""
+  def step(params, opt_state, *batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+  return step
+
+
+def kfac_state(opt_state: Any) -> kd.ScaleByKfacState:
+  """The K-FAC state inside an optax state tree (the first, if several)."""
+  is_state = lambda s: isinstance(s, kd.ScaleByKfacState)
+  return next(s for s in jax.tree_util.tree_leaves(opt_state, is_leaf=is_state)
+              if is_state(s))
 
 
 def sharded_step(loss_fn, params, x, y, tx, grad_fn, mesh, gradient_reduction, *,
@@ -188,6 +229,75 @@ def _varying(tree):
   if hasattr(jax.lax, "pcast"):
     return jax.tree.map(lambda v: jax.lax.pcast(v, ("data",), to="varying"), tree)
   return jax.tree.map(lambda v: jax.lax.pvary(v, ("data",)), tree)
+
+
+def per_device_bytes(tree: Any, devices: Sequence[Any]) -> list[int]:
+  """Bytes of the tree's shards on each of `devices` (placed arrays), in order."""
+  index = {d: i for i, d in enumerate(devices)}
+  out = [0] * len(devices)
+  for leaf in jax.tree_util.tree_leaves(tree):
+    for shard in leaf.addressable_shards:
+      if shard.device in index:
+        out[index[shard.device]] += shard.data.nbytes
+  return out
+
+
+# ------------------------------------------------------------------------- data
+
+Split = tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
+
+
+def digits(stratified: bool = False) -> Split:
+  """scikit-learn's digits, `[N, 8, 8, 1]` in [0, 1] with int32 labels, as
+  ((x_train, y_train), (x_test, y_test)): 1437 training and 360 test images.
+
+  The split is one fixed shuffle (numpy's default_rng(0); the peer
+  benchmarks), or with `stratified` `train_test_split(test_size=360,
+  stratify=y, random_state=0)` (convergence, as examples/digits.py)."""
+  # pylint: disable=import-outside-toplevel
+  from sklearn.datasets import load_digits
+  from sklearn.model_selection import train_test_split
+  d = load_digits()
+  x = (d.images / 16.0).astype(np.float32)[..., None]
+  y = d.target.astype(np.int32)
+  if stratified:
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=360, stratify=y,
+                                              random_state=0)
+    return (x_tr, y_tr), (x_te, y_te)
+  perm = np.random.default_rng(0).permutation(len(y))
+  x, y = x[perm], y[perm]
+  return (x[:1437], y[:1437]), (x[1437:], y[1437:])
+
+
+def pydoc_corpus() -> str:
+  """examples/transformer_lm.py's corpus: the pydoc help topics of this Python,
+  joined in sorted order."""
+  from pydoc_data import topics  # pylint: disable=import-outside-toplevel
+  return "\n\n".join(topics.topics[name] for name in sorted(topics.topics))
+
+
+def source_corpus(modules: Iterable[str]) -> str:
+  """The source files of these Python modules (`inspect.getsourcefile`),
+  concatenated, characters outside printable ASCII and newline as '?'."""
+  texts = []
+  for name in modules:
+    with open(inspect.getsourcefile(importlib.import_module(name)), encoding="utf-8") as f:
+      texts.append(f.read())
+  return "".join(c if 32 <= ord(c) < 127 or c == "\n" else "?" for c in "".join(texts))
+
+
+def encode(text: str, vocab: Sequence[str]) -> np.ndarray:
+  """int32 ids of the characters of `text` in `vocab`."""
+  lookup = {c: i for i, c in enumerate(vocab)}
+  return np.fromiter((lookup[c] for c in text), np.int32, len(text))
+
+
+def windows(ids: np.ndarray, n: int, batch: int, length: int,
+            rng: np.random.Generator) -> np.ndarray:
+  """[n, batch, length] windows of `ids` at starts drawn by
+  `rng.integers(0, len(ids) - length, (n, batch))`."""
+  starts = rng.integers(0, len(ids) - length, (n, batch))
+  return ids[starts[..., None] + np.arange(length)]
 
 
 # -------------------------------------------------------------- HLO collectives
@@ -468,106 +578,3 @@ def step_bytes(tot, which: str, field: str = "ring") -> float:
   parts = {"plain": ("every",), "factor": ("every", "factor"),
            "inverse": ("every", "factor", "inverse")}[which]
   return float(sum(tot[s][k][field] for s in parts for k in KINDS))
-
-
-# ------------------------------------------------------------------------ misc
-
-def digits():
-  """scikit-learn's digits, `[N, 8, 8, 1]` in [0, 1]: one fixed shuffle, 1437
-  training and 360 test images (the peer benchmarks' split)."""
-  from sklearn.datasets import load_digits  # pylint: disable=import-outside-toplevel
-  d = load_digits()
-  x = (d.images / 16.0).astype(np.float32)[..., None]
-  y = d.target.astype(np.int32)
-  perm = np.random.default_rng(0).permutation(len(y))
-  x, y = x[perm], y[perm]
-  return (x[:1437], y[:1437]), (x[1437:], y[1437:])
-
-
-def library_commit() -> str:
-  """The short commit of the imported kfac_jax_dist, "+local changes" if its
-  tracked files differ from it."""
-  def git(*a):
-    try:
-      return subprocess.run(["git", *a], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(kd.__file__))).stdout.strip()
-    except OSError:
-      return ""
-  commit = git("rev-parse", "--short", "HEAD")
-  if commit and git("status", "--porcelain", "--untracked-files=no", "."):
-    commit += "+local changes"
-  return commit
-
-
-def cpu_name() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or "unknown"
-
-
-def header() -> dict[str, Any]:
-  try:
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                         text=True, cwd=os.path.dirname(__file__)).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "kfac_jax_dist"],
-                           capture_output=True, text=True,
-                           cwd=os.path.join(os.path.dirname(__file__), "..")).stdout.strip()
-  except OSError:
-    rev, dirty = "?", ""
-  return {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-          "jax": jax.__version__, "backend": jax.default_backend(),
-          "git": rev + (" (kfac_jax_dist modified)" if dirty else ""),
-          "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-          "xla_flags": os.environ.get("XLA_FLAGS", "")}
-
-
-def header_md(h: dict[str, Any]) -> str:
-  return (f"- date {h['date']}; jax {h['jax']} ({h['backend']}); kfac_jax_dist at git "
-          f"{h['git']}; {h['machine']}; XLA_FLAGS=`{h['xla_flags']}`")
-
-
-def md_table(rows: list[list[Any]], head: list[str]) -> str:
-  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-  for r in rows:
-    lines.append("| " + " | ".join(str(c) for c in r) + " |")
-  return "\n".join(lines)
-
-
-def fmt_bytes(b: float) -> str:
-  if b == 0:
-    return "0"
-  for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-    if abs(b) >= scale:
-      return f"{b / scale:.3g} {unit}"
-  return f"{b:.0f} B"
-
-
-def write_results(out_dir: str, stem: str, text: str, payload: dict[str, Any]) -> None:
-  """Writes `<stem>.md` (the printed table) and `<stem>.json` (raw numbers)."""
-  os.makedirs(out_dir, exist_ok=True)
-  with open(os.path.join(out_dir, stem + ".md"), "w") as f:
-    f.write(text + "\n")
-  with open(os.path.join(out_dir, stem + ".json"), "w") as f:
-    json.dump(payload, f, indent=1, default=str)
-
-
-def checks_markdown(title: str, checks: list[dict[str, Any]]) -> list[str]:
-  """The targets table shared by the benchmarks: check, measured, target, holds, why."""
-  if not checks:
-    return []
-  rows = [[c["check"], c["value"], c["target"], "yes" if c["holds"] else "**no**",
-           c["why"]] for c in checks]
-  return [f"## {title}", "", md_table(rows, ["check", "measured", "target", "holds", "why"]),
-          ""]
-
-
-def argument_parser(doc: str):
-  """argparse with the script's docstring: first paragraph as description."""
-  return argparse.ArgumentParser(description=doc.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=doc.split("\n\n", 1)[1])

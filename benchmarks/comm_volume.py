@@ -83,11 +83,14 @@ Usage: python benchmarks/comm_volume.py [--quick] [--devices 2,4,8] [--out DIR]
 from __future__ import annotations
 
 import os
-
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _report  # noqa: E402  (standard library only: before jax starts)
+
+_report.host_devices(8)
+
+# pylint: disable=wrong-import-position
 import time
 
 import jax
@@ -96,11 +99,7 @@ import optax
 from jax.sharding import Mesh
 
 import kfac_jax_dist as kd
-from kfac_jax_dist import layout as layout_lib
-from kfac_jax_dist import uneven as uneven_lib
-from kfac_jax_dist.kfac import _gradient_offsets, find_states
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
 F32 = 4
@@ -143,9 +142,9 @@ def uneven(sizes, p: int, what: str, gather: bool) -> dict:
   `uneven.reduce_scatter`) of per-device sizes, in the scheme `uneven.plan`
   picks; "terms": one (name, bytes sent per device) per collective, ring
   model, f32 (ppermutes: the busiest sender's)."""
-  scheme = uneven_lib.plan(tuple(int(u) for u in sizes))
+  scheme = C.uneven_lib.plan(tuple(int(u) for u in sizes))
   sent = scheme.device_bytes()[1 if gather else 0]
-  if isinstance(scheme, uneven_lib.Prefix):
+  if isinstance(scheme, C.uneven_lib.Prefix):
     s, over = scheme.length, sum(scheme.overflow)
     terms = [(f"{what} prefix (P-1)·S, S={s}", (p - 1) * s * F32)]
     if over:
@@ -162,13 +161,11 @@ def uneven(sizes, p: int, what: str, gather: bool) -> dict:
 
 
 def layout_info(opt_state, p: int) -> dict:
-  st, = find_states(opt_state)
-  lay = st.layout
-  _, group_sizes, size = _gradient_offsets(lay)
+  lay = C.kfac_state(opt_state).layout
+  _, group_sizes, size = C.gradient_offsets(lay)
   stored = sum(f.size for pl in lay.plans for f in C.factor_places(pl))
-  second = sum(layout_lib._second_parts(f.dim, f.form, lay.method)[0]
-               + layout_lib._second_parts(f.dim, f.form, lay.method)[1]
-               for pl in lay.plans for f in C.factor_places(pl))
+  second = sum(C.second_numbers(f, lay.method) for pl in lay.plans
+               for f in C.factor_places(pl))
   tight = max(-(-sum(lay.owner_sizes) // p), 1)
   return {"L": lay.segment, "L2": lay.second_segment, "S": size, "G": lay.num_groups,
           "m": lay.group_size, "storage": lay.factor_storage, "C": lay.factor_shard,
@@ -536,20 +533,17 @@ def main(argv=None):
   ap.add_argument("--quick", action="store_true",
                   help="P = 8 only, main strategies only; writes comm_volume_quick.*")
   ap.add_argument("--devices", default=None, help="comma-separated P values (default 2,4,8)")
-  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   args = ap.parse_args(argv)
-  ps = [int(v) for v in (args.devices or ("8" if args.quick else "2,4,8")).split(",")]
-  if max(ps) > jax.device_count():
-    raise SystemExit(f"need {max(ps)} devices, have {jax.device_count()} (XLA_FLAGS)")
+  ps = C.device_counts(args, "2,4,8")
   strategies = [s for s in C.STRATEGIES if not args.quick or s.name in C.QUICK]
-  head = C.header()
+  head = C.environment()
   rows = []
   for p in ps:
     rows += measure(p, strategies)
   chk = checks(rows, 8) if 8 in ps else []
   text = render(rows, chk, head)
   print(text)
-  C.write_results(args.out, "comm_volume_quick" if args.quick else "comm_volume", text,
+  C.write_results(args.out, C.stem("comm_volume", args.quick), text,
                   {"header": head, "rows": rows, "checks": chk})
 
 

@@ -37,37 +37,26 @@ Usage: python benchmarks/memory.py [--quick] [--devices 1,2,4,8] [--out DIR]
 from __future__ import annotations
 
 import os
-
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _report  # noqa: E402  (standard library only: before jax starts)
+
+_report.host_devices(8)
+
+# pylint: disable=wrong-import-position
 import jax
 import numpy as np
 import optax
 from jax.sharding import Mesh
 
 import kfac_jax_dist as kd
-from kfac_jax_dist import layout as layout_lib
-from kfac_jax_dist.kfac import find_states
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
 MEMORY_STRATEGIES = ("COMM-OPT", "COMM-OPT AR full (KAISA)", "COMM-OPT RS full", "MEM-OPT",
                      "MEM-OPT RS full",
                      "HYBRID", "DP-KFAC", "SP-NGD fused")
-
-
-def per_device_bytes(tree, num_devices: int) -> list[int]:
-  out = [0] * num_devices
-  index = {d: i for i, d in enumerate(jax.devices()[:num_devices])}
-  for leaf in jax.tree_util.tree_leaves(tree):
-    for shard in leaf.addressable_shards:
-      if shard.device in index:
-        out[index[shard.device]] += shard.data.nbytes
-  return out
 
 
 def global_bytes(tree) -> int:
@@ -79,8 +68,7 @@ def useful_numbers(lay) -> tuple[int, int]:
   for pl in lay.plans:
     for f in C.factor_places(pl):
       stored += f.size
-      mat, vec = layout_lib._second_parts(f.dim, f.form, lay.method)
-      second += mat + vec
+      second += C.second_numbers(f, lay.method)
   return stored, second
 
 
@@ -88,13 +76,14 @@ def measure(p: int, names) -> list[dict]:
   loss_fn, params, x, y = C.problem()
   grad_fn = kd.value_and_grad(loss_fn)
   layers = grad_fn.discover(params, x, y)
-  mesh = Mesh(np.array(jax.devices()[:p]), ("data",))
+  devices = jax.devices()[:p]
+  mesh = Mesh(np.array(devices), ("data",))
   rows = []
   for name, tx in (("SGD (momentum 0.9)", optax.sgd(0.1, momentum=0.9)),
                    ("Adam", optax.adam(1e-3))):
     state = jax.device_put(tx.init(params), jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec()))
-    dev = per_device_bytes(state, p)
+    dev = C.per_device_bytes(state, devices)
     rows.append({"P": p, "strategy": name, "m": None, "kfac_dev0": 0, "kfac_max": 0,
                  "kfac_global": 0, "ideal": 0, "share": 0, "total_dev0": dev[0],
                  "total_max": max(dev), "layout": {}})
@@ -106,9 +95,9 @@ def measure(p: int, names) -> list[dict]:
     dist = C.distribution(strat, p)
     tx = C.kfac_tx(grad_fn, layers, dist)
     state = kd.shard_state(tx.init(params), mesh)
-    kstate, = find_states(state)
-    kdev = per_device_bytes(kstate, p)
-    tdev = per_device_bytes(state, p)
+    kstate = C.kfac_state(state)
+    kdev = C.per_device_bytes(kstate, devices)
+    tdev = C.per_device_bytes(state, devices)
     lay = kstate.layout
     stored, second = useful_numbers(lay)
     rows.append({
@@ -194,19 +183,16 @@ def main(argv=None):
   ap = C.argument_parser(__doc__)
   ap.add_argument("--quick", action="store_true", help="P = 8 only; writes memory_quick.*")
   ap.add_argument("--devices", default=None, help="comma-separated P (default 1,2,4,8)")
-  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   args = ap.parse_args(argv)
-  ps = [int(v) for v in (args.devices or ("8" if args.quick else "1,2,4,8")).split(",")]
-  if max(ps) > jax.device_count():
-    raise SystemExit(f"need {max(ps)} devices, have {jax.device_count()} (XLA_FLAGS)")
-  head = C.header()
+  ps = C.device_counts(args, "1,2,4,8")
+  head = C.environment()
   rows = []
   for p in ps:
     rows += measure(p, MEMORY_STRATEGIES)
   chk = checks(rows, 8) if 8 in ps else []
   text = render(rows, chk, head)
   print(text)
-  C.write_results(args.out, "memory_quick" if args.quick else "memory", text,
+  C.write_results(args.out, C.stem("memory", args.quick), text,
                   {"header": head, "rows": rows, "checks": chk})
 
 

@@ -86,8 +86,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import argparse
 import dataclasses
 import hashlib
-import importlib
-import inspect
 import json
 import platform
 import statistics
@@ -95,20 +93,16 @@ import subprocess
 import tempfile
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import Mesh
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
+import _models  # noqa: E402
 
 import kfac_jax_dist as kd  # noqa: E402
-from kfac_jax_dist import factors as factors_lib  # noqa: E402
-from kfac_jax_dist import stale as stale_lib  # noqa: E402
-from kfac_jax_dist.kfac import find_states  # noqa: E402
 
 TRAIN_MODULES = ("argparse", "textwrap", "difflib", "string")
 HELDOUT_MODULES = ("pprint",)
@@ -121,70 +115,21 @@ SPNGD = {"4K": 23.6, "8K": 15.1, "16K": 5.4, "32K": 7.8}   # % of the statistics
 
 def corpus():
   """(train ids, held-out ids, vocabulary, description) from stdlib sources."""
-  def read(names):
-    texts = []
-    for name in names:
-      path = inspect.getsourcefile(importlib.import_module(name))
-      with open(path, encoding="utf-8") as f:
-        texts.append(f.read())
-    text = "".join(texts)
-    return "".join(c if 32 <= ord(c) < 127 or c == "\n" else "?" for c in text)
-  train, held = read(TRAIN_MODULES), read(HELDOUT_MODULES)
+  train, held = C.source_corpus(TRAIN_MODULES), C.source_corpus(HELDOUT_MODULES)
   vocab = sorted(set(train) | set(held))
-  lut = np.zeros(128, np.int32)
-  lut[[ord(c) for c in vocab]] = np.arange(len(vocab))
-
-  def ids(text):
-    return lut[np.frombuffer(text.encode("ascii"), np.uint8)]
   digest = hashlib.sha256((train + "\0" + held).encode()).hexdigest()[:12]
   desc = dict(python=platform.python_version(), train_modules=TRAIN_MODULES,
               heldout_modules=HELDOUT_MODULES, train_chars=len(train),
               heldout_chars=len(held), vocab_size=len(vocab), sha256_12=digest)
-  return ids(train), ids(held), vocab, desc
+  return C.encode(train, vocab), C.encode(held, vocab), vocab, desc
 
 
 def batches(ids, n, batch, seed):
   """[n, batch, CONTEXT + 1] windows at positions from default_rng(seed)."""
-  starts = np.random.default_rng(seed).integers(0, len(ids) - CONTEXT - 1, (n, batch))
-  return ids[starts[..., None] + np.arange(CONTEXT + 1)]
+  return C.windows(ids, n, batch, CONTEXT + 1, np.random.default_rng(seed))
 
 
 # ----------------------------------------------------------------------- model
-
-class Block(nn.Module):
-  """Pre-LN block: causal attention (DenseGeneral q/k/v/o), MLP (Dense, GELU)."""
-
-  @nn.compact
-  def __call__(self, x):
-    d, hd = x.shape[-1], x.shape[-1] // HEADS
-    h = kd.linen.LayerNorm(name="ln1")(x)
-    q, k, v = (kd.linen.DenseGeneral((HEADS, hd), name=n)(h) for n in "qkv")
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd)
-    causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
-    s = jnp.where(causal, s, jnp.finfo(s.dtype).min)
-    o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
-    x = x + kd.linen.DenseGeneral(d, axis=(-2, -1), name="o")(o)
-    h = kd.linen.LayerNorm(name="ln2")(x)
-    h = nn.gelu(kd.linen.Dense(MLP, name="fc1")(h))
-    return x + kd.linen.Dense(d, name="fc2")(h)
-
-
-class CharLM(nn.Module):
-  vocab: int
-
-  @nn.compact
-  def __call__(self, tokens):
-    # `0 * tokens`: under shard_map the position ids must vary over the devices
-    # like the tokens; ids from `jnp.arange` alone make kd.tags.embed's captured
-    # A device-invariant while its skipped-statistics zeros are varying, and the
-    # capture's lax.cond (tags.py, `_captured.bwd`) rejects the mismatch.
-    positions = jnp.arange(tokens.shape[1]) + 0 * tokens
-    x = (kd.linen.Embed(self.vocab, D_MODEL, name="embed")(tokens)
-         + kd.linen.Embed(CONTEXT, D_MODEL, name="pos")(positions))
-    for i in range(BLOCKS):
-      x = Block(name=f"block{i}")(x)
-    return kd.linen.Dense(self.vocab, name="head")(kd.linen.LayerNorm(name="ln_f")(x))
-
 
 MODEL_DESCRIPTION = (
     f"CharLM: Embed(vocab, {D_MODEL}) + Embed({CONTEXT}, {D_MODEL}) positions; {BLOCKS} "
@@ -196,7 +141,8 @@ MODEL_DESCRIPTION = (
 
 
 def problem(vocab_size):
-  model = CharLM(vocab_size)
+  model = _models.CharLM(vocab_size, width=D_MODEL, blocks=BLOCKS, heads=HEADS,
+                         context=CONTEXT)
   params = model.init(jax.random.key(0), jnp.zeros((BATCH, CONTEXT), jnp.int32))
 
   def loss_fn(p, x, y):
@@ -211,15 +157,9 @@ def make_tx(layers, args, decay, alpha, distribution=None):
 
 
 def make_step(grad_fn, tx):
-  def step(params, state, tokens):
-    loss, grads, stats = grad_fn(params, tokens[:, :-1], tokens[:, 1:], opt_state=state)
-    updates, state = tx.update(grads, state, params, kfac_stats=stats)
-    return optax.apply_updates(params, updates), state, loss
-  return step
-
-
-def kstate(opt_state) -> kd.ScaleByKfacState:
-  return find_states(opt_state)[0]
+  """step(params, state, tokens [batch, CONTEXT + 1]): next-character loss."""
+  step = C.kfac_step(grad_fn, tx)
+  return lambda params, state, tokens: step(params, state, tokens[:, :-1], tokens[:, 1:])
 
 
 def with_schedule(opt_state, due: bool):
@@ -239,10 +179,10 @@ def with_schedule(opt_state, due: bool):
 def factor_table(lay):
   """One row per factor in `factor_order`: layer, which, form, dim, size, d³."""
   rows = []
-  for plan, which, place in stale_lib.factor_order(lay):
+  for plan, which, place in C.stale_lib.factor_order(lay):
     rows.append(dict(layer=plan.layer.name.removeprefix("params/"), factor=which,
                      form=place.form, dim=place.dim, size=place.size,
-                     eigh=place.form == factors_lib.FULL))
+                     eigh=place.form == C.factors_lib.FULL))
   return rows
 
 
@@ -272,13 +212,13 @@ def savings(table, refreshes, n, p=8):
 def relative_change_fn(lay):
   """jit((old flat factors, new) → ‖X − X₋₁‖_F / ‖X₋₁‖_F of every factor, in
   `factor_order`), the measure of SP-NGD's similarity test."""
-  order = stale_lib.factor_order(lay)
+  order = C.stale_lib.factor_order(lay)
 
   def fn(old, new):
     out = []
     for _, _, place in order:
       span = slice(lay.factor_start(place), lay.factor_start(place) + place.size)
-      out.append(stale_lib.relative_change(new[span].astype(jnp.float32),
+      out.append(C.stale_lib.relative_change(new[span].astype(jnp.float32),
                                            old[span].astype(jnp.float32), place, lay.packed))
     return jnp.stack(out)
   return jax.jit(fn)
@@ -290,7 +230,7 @@ def train_lockstep(runs, params, data, held_batches, eval_fn, eval_every):
   for r in runs:
     r.update(params=params, state=r["tx"].init(params), loss=[], wall=[], cpu=[],
              refreshes=[], eval=[], change=[])
-    r["change_fn"] = (relative_change_fn(kstate(r["state"]).layout) if r["kind"] == "plain"
+    r["change_fn"] = (relative_change_fn(C.kfac_state(r["state"]).layout) if r["kind"] == "plain"
                       else None)
   for i in range(len(data)):
     for r in runs:
@@ -301,11 +241,11 @@ def train_lockstep(runs, params, data, held_batches, eval_fn, eval_every):
       r["wall"].append(time.perf_counter() - t)
       r["cpu"].append(time.process_time() - c)
       r["loss"].append(float(loss))
-      ks = kstate(r["state"])
+      ks = C.kfac_state(r["state"])
       if ks.refresh is not None:
         r["refreshes"].append(np.asarray(ks.refresh.refreshes).tolist())
       if r["change_fn"] is not None and i > 0:     # step 1 starts from identities
-        r["change"].append(np.asarray(r["change_fn"](kstate(old).factors,
+        r["change"].append(np.asarray(r["change_fn"](C.kfac_state(old).factors,
                                                      ks.factors)).tolist())
       if (i + 1) % eval_every == 0 or i + 1 == len(data) or i == 0:
         r["eval"].append((i + 1, float(np.mean([eval_fn(r["params"], b)
@@ -350,14 +290,14 @@ def child(args):
   compiled = fn.lower(params, state, data[0, :, :-1], data[0, :, 1:]).compile()
   compile_s = time.perf_counter() - t0
   hlo = compiled.as_text()
-  lay = kstate(state).layout
+  lay = C.kfac_state(state).layout
   table = factor_table(lay)
   found, notes = C.collectives(hlo, p)
   cond = factor_conditionals(hlo)
   refreshes, prm = [], params
   for i in range(args.device_steps):
     prm, state = compiled(prm, state, data[i, :, :-1], data[i, :, 1:])
-    refreshes.append(np.asarray(kstate(state).refresh.refreshes).tolist())
+    refreshes.append(np.asarray(C.kfac_state(state).refresh.refreshes).tolist())
   payload = dict(
       p=p, decay=decay, steps=args.device_steps, compile_s=compile_s, table=table,
       refreshes=refreshes, notes=notes, conditionals=cond,
@@ -713,7 +653,6 @@ def parser():
   ap.add_argument("--reps", type=int, default=4)
   ap.add_argument("--devices", type=int, default=None, help="8 (default), 0: no check")
   ap.add_argument("--device-steps", type=int, default=8)
-  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   ap.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
   ap.add_argument("--child-out", default="", help=argparse.SUPPRESS)
   return ap
@@ -728,7 +667,7 @@ def main():
     args.decays = "0.95" if args.quick else "0.95,0"
   if args.devices is None:
     args.devices = 0 if args.quick else 8
-  head = C.header()
+  head = C.environment()
   load0 = os.getloadavg()[0]
   print(f"jax {head['jax']}, {head['machine']}, load {load0:.1f}", flush=True)
   train_ids, held_ids, vocab, data_desc = corpus()
@@ -757,11 +696,11 @@ def main():
   for decay in (float(d) for d in args.decays.split(",")):
     pair = [r for r in runs if r["decay"] == decay]
     plain, stale = pair
-    ks = kstate(stale["state"])
+    ks = C.kfac_state(stale["state"])
     describe_text = describe_text or kd.describe(ks)
     table = factor_table(ks.layout)
     assert [(t["layer"], t["factor"]) for t in table] == [
-        (t["layer"], t["factor"]) for t in factor_table(kstate(plain["state"]).layout)]
+        (t["layer"], t["factor"]) for t in factor_table(C.kfac_state(plain["state"]).layout)]
     sv = savings(table, stale["refreshes"][-1], args.steps)
     w_p, w_s = np.asarray(plain["wall"][1:]), np.asarray(stale["wall"][1:])
     c_p, c_s = np.asarray(plain["cpu"][1:]), np.asarray(stale["cpu"][1:])
@@ -807,7 +746,7 @@ def main():
       device = device_analysis(device, stale0["refreshes"], results[0]["table"])
   head["wall_s"] = time.perf_counter() - t_start
   head["load"] = (load0, os.getloadavg()[0])
-  stem = "stale_statistics_quick" if args.quick else "stale_statistics"
+  stem = C.stem("stale_statistics", args.quick)
   text = render(head, data_desc, results, device, args, describe_text)
   text += f"\nPlot: `{stem}.png` (losses; factor bytes per step; cumulative fraction).\n"
   print(text)
