@@ -124,8 +124,6 @@ STRATEGIES = (
     Strategy("SP-NGD fused", "1/P", gradient_reduction="reduce_scatter",
              what="fraction 1/P, RS, sym, gradient_reduction reduce_scatter"),
 )
-QUICK = ("COMM-OPT", "COMM-OPT AR full (KAISA)", "MEM-OPT", "HYBRID", "DP-KFAC",
-         "SP-NGD fused")
 
 
 def factor_places(plan) -> list:

@@ -77,7 +77,8 @@ collective (ring model, f32), which the HLO numbers must match:
   gradients, 2(P-1)/P·N_params.
 
 Usage: python benchmarks/comm_volume.py [--quick] [--devices 2,4,8] [--out DIR]
-(--quick: P = 8 only and the main strategies; writes comm_volume_quick.*).
+(--quick: P = 8 only, SGD, COMM-OPT, MEM-OPT and HYBRID; writes
+comm_volume_quick.*).
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ import _common as C  # noqa: E402
 
 F32 = 4
 FACTOR_EVERY, INVERSE_EVERY = 10, 100     # the cadence of C.kfac_tx, for "amortised"
+QUICK = ("COMM-OPT", "MEM-OPT", "HYBRID")   # with SGD, --quick's strategies
 
 
 def model_sizes(layers, params) -> dict:
@@ -531,11 +533,11 @@ def render(rows, chk, head) -> str:
 def main(argv=None):
   ap = C.argument_parser(__doc__)
   ap.add_argument("--quick", action="store_true",
-                  help="P = 8 only, main strategies only; writes comm_volume_quick.*")
+                  help=f"P = 8 only, SGD, {', '.join(QUICK)}; writes comm_volume_quick.*")
   ap.add_argument("--devices", default=None, help="comma-separated P values (default 2,4,8)")
   args = ap.parse_args(argv)
   ps = C.device_counts(args, "2,4,8")
-  strategies = [s for s in C.STRATEGIES if not args.quick or s.name in C.QUICK]
+  strategies = [s for s in C.STRATEGIES if not args.quick or s.name in QUICK]
   head = C.environment()
   rows = []
   for p in ps:

@@ -70,7 +70,8 @@ Usage: OPENBLAS_NUM_THREADS=1 python benchmarks/stale_statistics.py [--quick]
        [--steps 300] [--alpha 0.1] [--decays 0.95,0] [--lr 0.05] [--damping 1e-2]
        [--seed 0] [--rounds 3] [--reps 4] [--devices 8] [--device-steps 8]
        [--out benchmarks/results]
-Writes stale_statistics.md, .json and .png (stale_statistics_quick.* with --quick).
+Writes stale_statistics.md, .json and .png (stale_statistics_quick.* with --quick:
+16 steps, decay 0.95 only, no device check, one round of fixed-state steps).
 """
 
 from __future__ import annotations
@@ -638,19 +639,24 @@ def comparison_md(results):
 
 # ------------------------------------------------------------------------ main
 
+FULL = dict(steps=300, decays="0.95,0", devices=8, rounds=3, reps=4)
+QUICK = dict(steps=16, decays="0.95", devices=0, rounds=1, reps=2)
+
+
 def parser():
   ap = C.argument_parser(__doc__)
-  ap.add_argument("--quick", action="store_true", help="40 steps, decay 0.95 only, no "
-                  "device check; writes stale_statistics_quick.*")
-  ap.add_argument("--steps", type=int, default=None)
+  ap.add_argument("--quick", action="store_true",
+                  help=f"a smoke run ({', '.join(f'{k}={v}' for k, v in QUICK.items())} "
+                  "unless given); writes stale_statistics_quick.*")
+  ap.add_argument("--steps", type=int, default=None, help="default 300")
   ap.add_argument("--alpha", type=float, default=0.1)
   ap.add_argument("--decays", default=None, help="factor_decay values (default 0.95,0)")
   ap.add_argument("--lr", type=float, default=0.05)
   ap.add_argument("--damping", type=float, default=1e-2)
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--eval-every", type=int, default=25)
-  ap.add_argument("--rounds", type=int, default=3)
-  ap.add_argument("--reps", type=int, default=4)
+  ap.add_argument("--rounds", type=int, default=None, help="default 3")
+  ap.add_argument("--reps", type=int, default=None, help="default 4")
   ap.add_argument("--devices", type=int, default=None, help="8 (default), 0: no check")
   ap.add_argument("--device-steps", type=int, default=8)
   ap.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
@@ -661,12 +667,9 @@ def parser():
 def main():
   t_start = time.perf_counter()
   args = parser().parse_args()
-  if args.steps is None:
-    args.steps = 40 if args.quick else 300
-  if args.decays is None:
-    args.decays = "0.95" if args.quick else "0.95,0"
-  if args.devices is None:
-    args.devices = 0 if args.quick else 8
+  for k, v in (QUICK if args.quick else FULL).items():
+    if getattr(args, k) is None:
+      setattr(args, k, v)
   head = C.environment()
   load0 = os.getloadavg()[0]
   print(f"jax {head['jax']}, {head['machine']}, load {load0:.1f}", flush=True)
