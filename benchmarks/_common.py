@@ -54,8 +54,9 @@ from kfac_jax_dist.layout import _second_parts as second_parts
 
 import _models
 # The report writer, re-exported: the scripts' one import.
-from _report import (argument_parser, checks_markdown, environment,  # noqa: F401
-                     fmt_bytes, header_md, md_table, stem, write_json, write_results)
+from _report import (add_quick, argument_parser, checks_markdown,  # noqa: F401
+                     environment, fill_defaults, fmt_bytes, header_md, md_table, stem,
+                     write_json, write_results)
 
 FACTOR_SCOPE, DECOMP_SCOPE = "kfac_factor_update", "kfac_decomposition"
 # The fault checks (04bba86): a 4-byte psum of the statistics' verdict inside a

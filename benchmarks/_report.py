@@ -162,3 +162,19 @@ def argument_parser(doc: str) -> argparse.ArgumentParser:
                                epilog=doc.split("\n\n", 1)[1])
   ap.add_argument("--out", default=RESULTS, help="folder for the .md / .json results")
   return ap
+
+
+def add_quick(ap: argparse.ArgumentParser, name: str, quick: dict[str, Any]) -> None:
+  """--quick: a smoke run with `quick`'s settings (for the options not given)
+  that writes `<name>_quick.*`."""
+  settings = ", ".join(f"{k}={v}" for k, v in quick.items())
+  ap.add_argument("--quick", action="store_true",
+                  help=f"a smoke run ({settings} unless given); writes {name}_quick.*")
+
+
+def fill_defaults(args: argparse.Namespace, quick: dict[str, Any],
+                  full: dict[str, Any]) -> None:
+  """Sets the options left None from `quick` with --quick, else from `full`."""
+  for k, v in (quick if args.quick else full).items():
+    if getattr(args, k) is None:
+      setattr(args, k, v)

@@ -725,14 +725,13 @@ def plot(results, path):
   plt.close(fig)
 
 
+FULL = dict(tasks=",".join(TASKS), seeds=3, no_tune_kfac=False)
 QUICK = dict(tasks="cnn", seeds=1, max_steps=10, no_tune_kfac=True, lr_points=1)
 
 
 def parse_args() -> argparse.Namespace:
   parser = _common.argument_parser(__doc__)
-  parser.add_argument("--quick", action="store_true",
-                      help=f"a smoke run ({', '.join(f'{k}={v}' for k, v in QUICK.items())} "
-                      "unless given); writes convergence_quick.*")
+  _common.add_quick(parser, "convergence", QUICK)
   parser.add_argument("--tasks", default=None, help=f"default {','.join(TASKS)}")
   parser.add_argument("--seeds", type=int, default=None,
                       help="evaluation seeds (1..S; default 3)")
@@ -750,20 +749,17 @@ def parse_args() -> argparse.Namespace:
                       help="re-render convergence.md/.png from a convergence.json")
   args = parser.parse_args()
   args.argv = sys.argv[1:]
-  defaults = QUICK if args.quick else dict(tasks=",".join(TASKS), seeds=3,
-                                           no_tune_kfac=False)
-  for k, v in defaults.items():
-    if getattr(args, k) is None:
-      setattr(args, k, v)
+  _common.fill_defaults(args, QUICK, FULL)
   return args
 
 
-def write_report(results: dict, env: dict, args: argparse.Namespace, stem: str) -> str:
-  """Writes `stem`.md and `stem`.png into --out; returns the markdown."""
+def write_report(results: dict, env: dict, args: argparse.Namespace, out: str,
+                 stem: str) -> str:
+  """Writes `out`/`stem`.md and .png (as of the run's `args`); returns the markdown."""
   text = markdown(results, env, args)
-  with open(os.path.join(args.out, stem + ".md"), "w") as f:
+  with open(os.path.join(out, stem + ".md"), "w") as f:
     f.write(text + "\n")
-  plot(results, os.path.join(args.out, stem + ".png"))
+  plot(results, os.path.join(out, stem + ".png"))
   return text
 
 
@@ -776,7 +772,7 @@ def main():
     for res in results.values():
       res["summary"] = summarise(res["rows"])
     print(write_report(results, saved["environment"], argparse.Namespace(**saved["args"]),
-                       "convergence"))
+                       args.out, "convergence"))
     return
   stem = _common.stem("convergence", args.quick)
   tasks = [t.strip() for t in args.tasks.split(",")]
@@ -809,7 +805,7 @@ def main():
         environment=env, args=vars(args), targets=TARGETS, metric=METRIC,
         max_steps=MAX_STEPS, eval_every=EVAL_EVERY, warmup=WARMUP, kfac_base=KFAC_BASE,
         kfac_grid=KFAC_GRID, adam_grid=ADAM_GRID, sgd_grid=SGD_GRID, results=results))
-  print(write_report(results, env, args, stem))
+  print(write_report(results, env, args, args.out, stem))
   log(f"wrote {os.path.join(args.out, stem)}.md/.json/.png")
 
 

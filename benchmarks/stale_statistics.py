@@ -645,9 +645,7 @@ QUICK = dict(steps=16, decays="0.95", devices=0, rounds=1, reps=2)
 
 def parser():
   ap = C.argument_parser(__doc__)
-  ap.add_argument("--quick", action="store_true",
-                  help=f"a smoke run ({', '.join(f'{k}={v}' for k, v in QUICK.items())} "
-                  "unless given); writes stale_statistics_quick.*")
+  C.add_quick(ap, "stale_statistics", QUICK)
   ap.add_argument("--steps", type=int, default=None, help="default 300")
   ap.add_argument("--alpha", type=float, default=0.1)
   ap.add_argument("--decays", default=None, help="factor_decay values (default 0.95,0)")
@@ -667,9 +665,7 @@ def parser():
 def main():
   t_start = time.perf_counter()
   args = parser().parse_args()
-  for k, v in (QUICK if args.quick else FULL).items():
-    if getattr(args, k) is None:
-      setattr(args, k, v)
+  C.fill_defaults(args, QUICK, FULL)
   head = C.environment()
   load0 = os.getloadavg()[0]
   print(f"jax {head['jax']}, {head['machine']}, load {load0:.1f}", flush=True)

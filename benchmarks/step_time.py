@@ -428,11 +428,13 @@ def markdown(results: list[dict], env: dict, args) -> str:
   return "\n".join(lines)
 
 
+FULL = dict(rounds=5, reps=10, cycles=1, compile_reps=2, models="mlp,cnn,lm")
+QUICK = dict(rounds=2, reps=3, cycles=1, compile_reps=1, models="mlp")
+
+
 def main():
   parser = _common.argument_parser(__doc__)
-  parser.add_argument("--quick", action="store_true",
-                      help="the MLP unless --models, few rounds and steps (a smoke run; "
-                      "noisy numbers); writes step_time_quick.*")
+  _common.add_quick(parser, "step_time", QUICK)
   parser.add_argument("--models", default=None,
                       help="comma-separated (default mlp,cnn,lm; quick mlp)")
   parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
@@ -444,11 +446,7 @@ def main():
   parser.add_argument("--hang-timeout", type=float, default=600,
                       help="abort (exit 3) when no step finishes for this many seconds")
   args = parser.parse_args()
-  defaults = dict(rounds=2, reps=3, cycles=1, compile_reps=1, models="mlp") if args.quick \
-      else dict(rounds=5, reps=10, cycles=1, compile_reps=2, models="mlp,cnn,lm")
-  for k, v in defaults.items():
-    if getattr(args, k) is None:
-      setattr(args, k, v)
+  _common.fill_defaults(args, QUICK, FULL)
 
   global WATCHDOG
   WATCHDOG = Watchdog(args.hang_timeout)

@@ -285,18 +285,14 @@ QUICK = dict(steps=10, rounds=1, round_steps=10, agree_steps=5, models="mlp")
 
 def main():
   parser = _common.argument_parser(__doc__)
-  parser.add_argument("--quick", action="store_true",
-                      help=f"a smoke run ({', '.join(f'{k}={v}' for k, v in QUICK.items())} "
-                      "unless given); writes vs_distributed_shampoo_quick.*")
+  _common.add_quick(parser, "vs_distributed_shampoo", QUICK)
   parser.add_argument("--steps", type=int, default=None, help="default 300")
   parser.add_argument("--rounds", type=int, default=None, help="default 5")
   parser.add_argument("--round-steps", type=int, default=None, help="default 40")
   parser.add_argument("--agree-steps", type=int, default=None, help="default 30")
   parser.add_argument("--models", default=None, help="default mlp,cnn")
   args = parser.parse_args()
-  for k, v in (QUICK if args.quick else FULL).items():
-    if getattr(args, k) is None:
-      setattr(args, k, v)
+  _common.fill_defaults(args, QUICK, FULL)
   if gds is None:
     if args.quick:     # the smoke run of .ci/run where the peer is not installed
       print(f"vs_distributed_shampoo.py --quick: skipped. {MISSING_PEER}")

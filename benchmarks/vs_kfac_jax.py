@@ -816,6 +816,12 @@ ANALYSIS = """\
 """
 
 
+FULL = dict(rounds=4, min_block=20, compile_reps=1, models=",".join(MODELS),
+            cadences=",".join(CADENCES), no_profile=False)
+QUICK = dict(rounds=2, min_block=10, compile_reps=1, models="mlp", cadences="1/10",
+             no_profile=True)
+
+
 def main():
   if len(sys.argv) > 1 and sys.argv[1] == _COMPILE_CHILD:
     compile_child(*sys.argv[2:5])
@@ -832,9 +838,7 @@ def main():
   parser.add_argument("--compile-reps", type=int, default=None)
   parser.add_argument("--no-profile", action="store_true", default=None)
   parser.add_argument("--profile-cadences", default="1/1")
-  parser.add_argument("--quick", action="store_true",
-                      help="a smoke run (mlp, cadence 1/10, no profile unless given; "
-                      "noisy numbers); writes vs_kfac_jax_quick.*")
+  _common.add_quick(parser, "vs_kfac_jax", QUICK)
   parser.add_argument("--from-json", default=None,
                       help="re-render the markdown (and checks) from a saved .json")
   args = parser.parse_args()
@@ -858,13 +862,7 @@ def main():
     _common.write_results(args.out, stem, text, saved)
     print(text)
     return
-  defaults = (dict(rounds=2, min_block=10, compile_reps=1, models="mlp", cadences="1/10",
-                   no_profile=True) if args.quick
-              else dict(rounds=4, min_block=20, compile_reps=1, models=",".join(MODELS),
-                        cadences=",".join(CADENCES), no_profile=False))
-  for k, v in defaults.items():
-    if getattr(args, k) is None:
-      setattr(args, k, v)
+  _common.fill_defaults(args, QUICK, FULL)
   args.models = [m.strip() for m in args.models.split(",")]
   cadences = [c.strip() for c in args.cadences.split(",")]
 
