@@ -26,6 +26,7 @@ nothing heavier than jax, flax, optax and kfac_jax_dist (scikit-learn when
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
 import inspect
@@ -152,7 +153,7 @@ def distribution(strategy: Strategy, p: int) -> kd.Distribution | None:
                          symmetric_comm=strategy.symmetric)
 
 
-def device_counts(args, default: str, quick: str = "8") -> list[int]:
+def device_counts(args: argparse.Namespace, default: str, quick: str = "8") -> list[int]:
   """The P values of `args.devices` (else `quick` with --quick, else
   `default`): comma-separated, at most the number of host devices."""
   ps = [int(v) for v in (args.devices or (quick if args.quick else default)).split(",")]
@@ -326,7 +327,7 @@ def shape_bytes(shape: str) -> int:
   return total
 
 
-def _split_shape(rest: str) -> tuple[str, str]:
+def split_shape(rest: str) -> tuple[str, str]:
   """'(f32[2]{0}, f32[]) all-reduce(...)...' → (shape, 'all-reduce(...)...')."""
   rest = rest.strip()
   if rest.startswith("("):
@@ -451,7 +452,7 @@ def _output_bytes(shape: str, code: str, base: str) -> int:
 
 
 def _collective(name: str, rest: str, step: str, in_loop: bool, p: int):
-  shape, tail = _split_shape(rest)
+  shape, tail = split_shape(rest)
   code = opcode(tail)
   base = code[:-len("-start")] if code.endswith("-start") else code
   if base not in KINDS:
@@ -524,7 +525,7 @@ def collectives(hlo: str, num_devices: int) -> tuple[list[Collective], list[str]
       c = _collective(name, rest, step, in_loop, num_devices)
       if c is not None:
         found.append(c)
-      tail = _split_shape(rest)[1]
+      tail = split_shape(rest)[1]
       code = opcode(tail)
       if code == "conditional":
         found += conditional(name, tail, step, in_loop)

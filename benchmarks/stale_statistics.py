@@ -316,7 +316,7 @@ def factor_conditionals(hlo: str):
 
   def instructions(comp):
     for name, rest in comps.get(comp, []):
-      shape, tail = C._split_shape(rest)          # pylint: disable=protected-access
+      shape, tail = C.split_shape(rest)
       yield name, shape, tail, C.opcode(tail), C.op_name(tail)
 
   def callees(tail, opcode):

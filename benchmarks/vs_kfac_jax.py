@@ -555,10 +555,9 @@ def _op_metadata(texts, module, op):
     m = pat.search(text)
     if m:
       line = m.group(1)
-      name = re.search(r'op_name="([^"]*)"', line)
+      tail = _common.split_shape(line)[1]
       src = re.search(r'source_file="([^"]*)" source_line=(\d+)', line)
-      opcode = _common._split_shape(line)[1].split("(")[0].strip()  # pylint: disable=protected-access
-      return ((name.group(1) if name else opcode),
+      return (_common.op_name(tail) or _common.opcode(tail),
               (f"{os.path.basename(src.group(1))}:{src.group(2)}" if src else ""))
   return "", ""
 
