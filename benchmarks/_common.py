@@ -1,33 +1,38 @@
-"""Shared pieces of the benchmarks (the communication / memory / layout ones,
-and the peers' and convergence runs' data and environment).
+"""Shared pieces of the benchmarks.
 
-* `CnnMlp`: the fixed model of `comm_volume.py` and `memory.py` (kd.linen layers
-  of several sizes plus one untagged parameter);
-* `STRATEGIES` / `distribution`: the distributed K-FAC configurations;
+* the library internals they read (one place to fix when the library moves
+  them);
+* `STRATEGIES` / `distribution` / `kfac_tx`: the distributed K-FAC
+  configurations, and `problem`, the fixed `_models.CnnMlp` problem of
+  comm_volume, memory and shampoo_memory;
 * `sharded_step`: the shard_map'd training step (capture, gradient reduction,
   `tx.update`, `optax.apply_updates`), as in tests/test_distributed.py;
+  `kfac_step` / `optax_step`: the plain jitted training steps; `kfac_state`;
+  `per_device_bytes`;
+* data: sklearn's digits (`digits`), character corpora (`pydoc_corpus`,
+  `source_corpus`, `encode`, `windows`);
 * `collectives`: every collective of a compiled HLO module, attributed to the
   steps it runs on (plain / factor / inverse) by walking the called
-  computations from ENTRY, with ring-model and raw byte counts;
-* `header`: jax version, date, git revision, machine.
+  computations from ENTRY, with ring-model and raw byte counts (`totals`,
+  `step_bytes`);
+* the report writer, re-exported from `_report` (`environment`, `header_md`,
+  `md_table`, `fmt_bytes`, `checks_markdown`, `write_results`, ...).
 
 The scripts import it from their own directory (`python benchmarks/x.py`).
-Set XLA_FLAGS / OPENBLAS_NUM_THREADS before importing this module.
+Set XLA_FLAGS / OPENBLAS_NUM_THREADS before importing this module. It imports
+nothing heavier than jax, flax, optax and kfac_jax_dist (scikit-learn when
+`digits` is called).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
-import os
-import platform
+import importlib
+import inspect
 import re
-import subprocess
-from typing import Any
+from typing import Any, Callable, Iterable, Sequence
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,6 +40,24 @@ import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import kfac_jax_dist as kd
+# The library internals the benchmarks read: layouts, the uneven collectives'
+# plans, the stale-statistics order, Shampoo's roots. Every such import is
+# here, so that a move inside the library is a fix in this one place.
+from kfac_jax_dist.capture import registry  # noqa: F401
+from kfac_jax_dist.capture import statistics as factors_lib  # noqa: F401
+from kfac_jax_dist.core import uneven as uneven_lib  # noqa: F401
+from kfac_jax_dist.kfac import layout as layout_lib  # noqa: F401
+from kfac_jax_dist.kfac import stale as stale_lib  # noqa: F401
+from kfac_jax_dist.kfac.layout import _second_parts as second_parts
+from kfac_jax_dist.kfac.layout import cheaper_storage  # noqa: F401
+from kfac_jax_dist.kfac.layout import gradient_offsets  # noqa: F401
+from kfac_jax_dist.shampoo import roots as roots_lib  # noqa: F401
+
+import _models
+# The report writer, re-exported: the scripts' one import.
+from _report import (add_quick, argument_parser, checks_markdown,  # noqa: F401
+                     environment, fill_defaults, fmt_bytes, header_md, md_table, stem,
+                     write_json, write_results)
 
 FACTOR_SCOPE, DECOMP_SCOPE = "kfac_factor_update", "kfac_decomposition"
 # The fault checks (04bba86): a 4-byte psum of the statistics' verdict inside a
@@ -44,32 +67,7 @@ FAULT_SCOPE = "kfac_fault_check"
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
 
 
-# ----------------------------------------------------------------------- model
-
-class CnnMlp(nn.Module):
-  """Conv 3x3 3→32, then 32→32 four times (strides 1, 2, 1, 2), global mean,
-  Dense 32→256, eight Dense layers alternating 256→320 and 320→256, Dense
-  256→10, one untagged per-feature scale (a passthrough parameter); ReLU, biases.
-
-  Factor dimensions (A, G): (28, 32), 4×(289, 32), (33, 256), 4×(257, 320),
-  4×(321, 256), (257, 10). Chosen so that no single layer holds more than 1/8 of
-  the gradient and no factor more than 1/8 of the factor numbers: a layout
-  with one owner per layer/factor can then in principle reach the P = 8
-  targets (the scripts print these lower bounds)."""
-
-  @nn.compact
-  def __call__(self, x):
-    x = nn.relu(kd.linen.Conv(32, (3, 3))(x))
-    for stride in (1, 2, 1, 2):
-      x = nn.relu(kd.linen.Conv(32, (3, 3), strides=stride)(x))
-    x = jnp.mean(x, axis=(1, 2))
-    x = nn.relu(kd.linen.Dense(256)(x))
-    for i in range(8):
-      x = nn.relu(kd.linen.Dense(320 if i % 2 == 0 else 256)(x))
-      if i == 3:
-        x = x * self.param("scale", nn.initializers.ones, (256,))
-    return kd.linen.Dense(10)(x)
-
+# ---------------------------------------------------------------------- problem
 
 MODEL_DESCRIPTION = (
     "CnnMlp: conv3x3 3→32, 4× conv3x3 32→32 (strides 1,2,1,2), global mean, dense "
@@ -77,11 +75,12 @@ MODEL_DESCRIPTION = (
     "one untagged scale[256]; 16x16x3 inputs, global batch 32")
 
 
-def problem(batch: int = 32):
+def problem(batch: int = 32) -> tuple[Callable, Any, jax.Array, jax.Array]:
+  """(loss_fn, params, x, y): `_models.CnnMlp` on a fixed random batch."""
   kx, ky, kp = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(kx, (batch, 16, 16, 3), jnp.float32)
   y = jax.random.randint(ky, (batch,), 0, 10)
-  model = CnnMlp()
+  model = _models.CnnMlp()
   params = model.init(kp, x)
 
   def loss_fn(p, x, y):
@@ -127,8 +126,6 @@ STRATEGIES = (
     Strategy("SP-NGD fused", "1/P", gradient_reduction="reduce_scatter",
              what="fraction 1/P, RS, sym, gradient_reduction reduce_scatter"),
 )
-QUICK = ("COMM-OPT", "COMM-OPT AR full (KAISA)", "MEM-OPT", "HYBRID", "DP-KFAC",
-         "SP-NGD fused")
 
 
 def factor_places(plan) -> list:
@@ -137,6 +134,12 @@ def factor_places(plan) -> list:
   if hasattr(plan, "places"):
     return [place for _, place in plan.places]
   return [plan.a, plan.g]
+
+
+def second_numbers(place, method: str) -> int:
+  """Numbers of a factor's second-order state (eigenbasis and eigenvalues, or
+  inverse) for `method`."""
+  return sum(second_parts(place.dim, place.form, method))
 
 
 def distribution(strategy: Strategy, p: int) -> kd.Distribution | None:
@@ -150,9 +153,47 @@ def distribution(strategy: Strategy, p: int) -> kd.Distribution | None:
                          symmetric_comm=strategy.symmetric)
 
 
+def device_counts(args: argparse.Namespace, default: str, quick: str = "8") -> list[int]:
+  """The P values of `args.devices` (else `quick` with --quick, else
+  `default`): comma-separated, at most the number of host devices."""
+  ps = [int(v) for v in (args.devices or (quick if args.quick else default)).split(",")]
+  if max(ps) > jax.device_count():
+    raise SystemExit(f"need {max(ps)} devices, have {jax.device_count()} (XLA_FLAGS)")
+  return ps
+
+
 def kfac_tx(grad_fn, layers, dist, **extra):
   return kd.kfac(0.1, layers=layers, distribution=dist, damping=1e-2,
                  factor_update_every=10, inverse_update_every=100, **extra)
+
+
+# ------------------------------------------------------------------------ steps
+
+def kfac_step(grad_fn: kd.ValueAndGrad, tx: optax.GradientTransformation) -> Callable:
+  """step(params, opt_state, *batch) → (params, opt_state, loss): capture,
+  `tx.update` with the statistics, `optax.apply_updates`."""
+  def step(params, opt_state, *batch):
+    loss, grads, stats = grad_fn(params, *batch, opt_state=opt_state)
+    updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats)
+    return optax.apply_updates(params, updates), opt_state, loss
+  return step
+
+
+def optax_step(loss_fn: Callable, tx: optax.GradientTransformation) -> Callable:
+  """step(params, opt_state, *batch) → (params, opt_state, loss) of a
+  first-order optimizer: `jax.value_and_grad`, `tx.update`, apply."""
+  def step(params, opt_state, *batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+  return step
+
+
+def kfac_state(opt_state: Any) -> kd.ScaleByKfacState:
+  """The K-FAC state inside an optax state tree (the first, if several)."""
+  is_state = lambda s: isinstance(s, kd.ScaleByKfacState)
+  return next(s for s in jax.tree_util.tree_leaves(opt_state, is_leaf=is_state)
+              if is_state(s))
 
 
 def sharded_step(loss_fn, params, x, y, tx, grad_fn, mesh, gradient_reduction, *,
@@ -190,6 +231,75 @@ def _varying(tree):
   return jax.tree.map(lambda v: jax.lax.pvary(v, ("data",)), tree)
 
 
+def per_device_bytes(tree: Any, devices: Sequence[Any]) -> list[int]:
+  """Bytes of the tree's shards on each of `devices` (placed arrays), in order."""
+  index = {d: i for i, d in enumerate(devices)}
+  out = [0] * len(devices)
+  for leaf in jax.tree_util.tree_leaves(tree):
+    for shard in leaf.addressable_shards:
+      if shard.device in index:
+        out[index[shard.device]] += shard.data.nbytes
+  return out
+
+
+# ------------------------------------------------------------------------- data
+
+Split = tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
+
+
+def digits(stratified: bool = False) -> Split:
+  """scikit-learn's digits, `[N, 8, 8, 1]` in [0, 1] with int32 labels, as
+  ((x_train, y_train), (x_test, y_test)): 1437 training and 360 test images.
+
+  The split is one fixed shuffle (numpy's default_rng(0); the peer
+  benchmarks), or with `stratified` `train_test_split(test_size=360,
+  stratify=y, random_state=0)` (convergence, as examples/digits.py)."""
+  # pylint: disable=import-outside-toplevel
+  from sklearn.datasets import load_digits
+  from sklearn.model_selection import train_test_split
+  d = load_digits()
+  x = (d.images / 16.0).astype(np.float32)[..., None]
+  y = d.target.astype(np.int32)
+  if stratified:
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=360, stratify=y,
+                                              random_state=0)
+    return (x_tr, y_tr), (x_te, y_te)
+  perm = np.random.default_rng(0).permutation(len(y))
+  x, y = x[perm], y[perm]
+  return (x[:1437], y[:1437]), (x[1437:], y[1437:])
+
+
+def pydoc_corpus() -> str:
+  """examples/transformer_lm.py's corpus: the pydoc help topics of this Python,
+  joined in sorted order."""
+  from pydoc_data import topics  # pylint: disable=import-outside-toplevel
+  return "\n\n".join(topics.topics[name] for name in sorted(topics.topics))
+
+
+def source_corpus(modules: Iterable[str]) -> str:
+  """The source files of these Python modules (`inspect.getsourcefile`),
+  concatenated, characters outside printable ASCII and newline as '?'."""
+  texts = []
+  for name in modules:
+    with open(inspect.getsourcefile(importlib.import_module(name)), encoding="utf-8") as f:
+      texts.append(f.read())
+  return "".join(c if 32 <= ord(c) < 127 or c == "\n" else "?" for c in "".join(texts))
+
+
+def encode(text: str, vocab: Sequence[str]) -> np.ndarray:
+  """int32 ids of the characters of `text` in `vocab`."""
+  lookup = {c: i for i, c in enumerate(vocab)}
+  return np.fromiter((lookup[c] for c in text), np.int32, len(text))
+
+
+def windows(ids: np.ndarray, n: int, batch: int, length: int,
+            rng: np.random.Generator) -> np.ndarray:
+  """[n, batch, length] windows of `ids` at starts drawn by
+  `rng.integers(0, len(ids) - length, (n, batch))`."""
+  starts = rng.integers(0, len(ids) - length, (n, batch))
+  return ids[starts[..., None] + np.arange(length)]
+
+
 # -------------------------------------------------------------- HLO collectives
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
@@ -205,6 +315,7 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
 def shape_bytes(shape: str) -> int:
+  """Bytes of every array in an HLO shape ("f32[2,3]{1,0}", tuples summed)."""
   total = 0
   for dtype, dims in _ARRAY.findall(shape):
     if dtype not in _DTYPE_BYTES:
@@ -216,7 +327,7 @@ def shape_bytes(shape: str) -> int:
   return total
 
 
-def _split_shape(rest: str) -> tuple[str, str]:
+def split_shape(rest: str) -> tuple[str, str]:
   """'(f32[2]{0}, f32[]) all-reduce(...)...' → (shape, 'all-reduce(...)...')."""
   rest = rest.strip()
   if rest.startswith("("):
@@ -228,6 +339,53 @@ def _split_shape(rest: str) -> tuple[str, str]:
         return rest[:i + 1], rest[i + 1:].strip()
   shape, _, tail = rest.partition(" ")
   return shape, tail.strip()
+
+
+def tuple_elements(shape: str) -> list[str]:
+  """The top-level elements of a tuple shape ('((f32[2]), f32[3])' → ['(f32[2])',
+  'f32[3]']); a non-tuple shape is its own one element."""
+  if not shape.startswith("("):
+    return [shape]
+  parts, depth, start = [], 0, 1
+  for i, ch in enumerate(shape):
+    depth += ch in "({["
+    depth -= ch in ")}]"
+    if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
+      parts.append(shape[start:i].strip())
+      start = i + 1
+  return [p for p in parts if p]
+
+
+def opcode(tail: str) -> str:
+  """The opcode of an instruction's text after its shape ('all-reduce(...)')."""
+  return tail.split("(", 1)[0].strip()
+
+
+def op_name(tail: str) -> str:
+  """The instruction's metadata op_name (the jax named scopes), or ''."""
+  m = _OP_NAME.search(tail)
+  return m.group(1) if m else ""
+
+
+def branch_names(tail: str) -> list[str]:
+  """A conditional's branch computations, in index order: `branch_computations`,
+  or [false, true] for a predicated `true_computation` / `false_computation`."""
+  branches = _BRANCHES.search(tail)
+  if branches:
+    return [b.strip().lstrip("%") for b in branches.group(1).split(",") if b.strip()]
+  f = re.search(r"false_computation=%?([\w.\-]+)", tail)
+  t = re.search(r"true_computation=%?([\w.\-]+)", tail)
+  return [f.group(1), t.group(1)]
+
+
+def called_names(tail: str) -> list[str]:
+  """The computations a non-conditional instruction calls (fusions, loops'
+  body and condition, async wrappers, reductions' `to_apply`)."""
+  names = _CALLED.findall(tail)
+  m = re.search(r"called_computations=\{([^}]*)\}", tail)
+  if m:
+    names += [c.strip().lstrip("%") for c in m.group(1).split(",") if c.strip()]
+  return names
 
 
 def _group_size(attrs: str, default: int) -> int:
@@ -259,6 +417,7 @@ class Collective:
 
 
 def parse_computations(hlo: str) -> tuple[dict[str, list[tuple[str, str]]], str]:
+  """({computation: [(instruction name, text after '=')]}, ENTRY's name)."""
   comps, entry, current = {}, None, None
   for line in hlo.splitlines():
     head = _COMP_HEAD.match(line)
@@ -281,35 +440,48 @@ def parse_computations(hlo: str) -> tuple[dict[str, list[tuple[str, str]]], str]
   return comps, entry
 
 
+def _output_bytes(shape: str, code: str, base: str) -> int:
+  """Bytes of a collective's result. A synchronous op's shape is its result, and
+  so is all-reduce-start's; the other async starts' shapes are (operand(s),
+  result(s), context...): all-gather-start, collective-permute-start, and the
+  async wrappers printed as reduce-scatter-start / all-to-all-start."""
+  if not code.endswith("-start") or base == "all-reduce":
+    return shape_bytes(shape)
+  parts = tuple_elements(shape)
+  return shape_bytes(parts[1] if len(parts) > 1 else parts[0])
+
+
 def _collective(name: str, rest: str, step: str, in_loop: bool, p: int):
-  shape, tail = _split_shape(rest)
-  opcode = tail.split("(", 1)[0].strip()
-  base = opcode[:-len("-start")] if opcode.endswith("-start") else opcode
+  shape, tail = split_shape(rest)
+  code = opcode(tail)
+  base = code[:-len("-start")] if code.endswith("-start") else code
   if base not in KINDS:
     return None
   g = _group_size(tail, p)
-  out = shape_bytes(shape)
-  if opcode.endswith("-start") and shape.startswith("("):
-    # async start: (operand(s), output(s)[, scratch]); take the output part.
-    parts = [s for s in re.findall(r"[a-z0-9]+\[[0-9,]*\]", shape)]
-    out = shape_bytes(parts[len(parts) // 2] if base == "all-gather" else parts[0])
+  out = _output_bytes(shape, code, base)
   if base == "all-reduce":
     payload, ring = out, 2 * (g - 1) / g * out
   elif base == "reduce-scatter":
     payload = out * g
     ring = (g - 1) / g * payload
-  elif base == "all-gather":
-    payload, ring = out, (g - 1) / g * out
-  elif base == "all-to-all":
+  elif base in ("all-gather", "all-to-all"):
     payload, ring = out, (g - 1) / g * out
   else:                                    # collective-permute
     payload, ring = out, float(out)
-  op = _OP_NAME.search(tail)
   pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", tail)
   senders = (tuple(int(a) for a, _ in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1)))
              if base == "collective-permute" and pairs else None)
-  return Collective(base, step, g, payload, ring, op.group(1) if op else "", name, in_loop,
-                    senders)
+  return Collective(base, step, g, payload, ring, op_name(tail), name, in_loop, senders)
+
+
+def _scope_step(name: str) -> str | None:
+  """The step kind a conditional's non-identity branches run on, from the
+  conditional's op_name, or None when it is no cadence conditional."""
+  if DECOMP_SCOPE in name:
+    return "inverse"
+  if FACTOR_SCOPE in name or FAULT_SCOPE in name:
+    return "factor"
+  return None
 
 
 def collectives(hlo: str, num_devices: int) -> tuple[list[Collective], list[str]]:
@@ -319,12 +491,30 @@ def collectives(hlo: str, num_devices: int) -> tuple[list[Collective], list[str]
   runs its non-identity branch on factor (inverse) steps only: collectives in
   its branches ≥ 1 (the `true` branch of a `lax.cond`) are attributed to that
   step kind. So is the fault check's conditional (`kfac_fault_check`), whose
-  predicate is the state's `update_factors`: its psum runs on factor steps. Any other conditional (e.g. a `lax.switch` on the device index)
-  runs one branch every step: the branch with the most bytes is counted.
+  predicate is the state's `update_factors`: its psum runs on factor steps.
+  Any other conditional (e.g. a `lax.switch` on the device index) runs one
+  branch every step: the branch with the most bytes is counted. Collectives
+  in a while loop's body or condition are marked `in_loop` (counted once).
+  An async op's wrapped computation is walked from its start only.
   Returns (collectives, notes)."""
   comps, entry = parse_computations(hlo)
   notes: list[str] = []
   memo: dict[tuple[str, str, bool], list[Collective]] = {}
+
+  def conditional(name: str, tail: str, step: str, in_loop: bool) -> list[Collective]:
+    names, scope = branch_names(tail), op_name(tail)
+    label = _scope_step(scope)
+    if label is not None:
+      if walk(names[0], label, in_loop):
+        scoped = DECOMP_SCOPE if label == "inverse" else FACTOR_SCOPE
+        notes.append(f"{name}: collectives in the identity (false) branch of the "
+                     f"{scoped} conditional")
+      return [c for b in names[1:] for c in walk(b, label, in_loop)]
+    per_branch = [walk(b, step, in_loop) for b in names]
+    if sum(1 for cs in per_branch if cs) > 1:
+      notes.append(f"{name}: collectives in several branches of {scope or name}; "
+                   "counted the largest")
+    return max(per_branch, key=lambda cs: sum(c.ring for c in cs))
 
   def walk(comp: str, step: str, in_loop: bool) -> list[Collective]:
     key = (comp, step, in_loop)
@@ -335,46 +525,16 @@ def collectives(hlo: str, num_devices: int) -> tuple[list[Collective], list[str]
       c = _collective(name, rest, step, in_loop, num_devices)
       if c is not None:
         found.append(c)
-      _, tail = _split_shape(rest)
-      opcode = tail.split("(", 1)[0].strip()
-      branches = _BRANCHES.search(tail)
-      if opcode == "conditional":
-        if branches:
-          names = [b.strip().lstrip("%") for b in branches.group(1).split(",") if b.strip()]
-        else:
-          f = re.search(r"false_computation=%?([\w.\-]+)", tail)
-          t = re.search(r"true_computation=%?([\w.\-]+)", tail)
-          names = [f.group(1), t.group(1)]
-        op = _OP_NAME.search(tail)
-        op_name = op.group(1) if op else ""
-        scoped = (DECOMP_SCOPE if DECOMP_SCOPE in op_name else
-                  FACTOR_SCOPE if FACTOR_SCOPE in op_name or FAULT_SCOPE in op_name
-                  else None)
-        if scoped is not None:
-          label = "inverse" if scoped == DECOMP_SCOPE else "factor"
-          if walk(names[0], label, in_loop):
-            notes.append(f"{name}: collectives in the identity (false) branch of the "
-                         f"{scoped} conditional")
-          for b in names[1:]:
-            found += walk(b, label, in_loop)
-        else:
-          per_branch = [walk(b, step, in_loop) for b in names]
-          best = max(per_branch, key=lambda cs: sum(c.ring for c in cs))
-          if sum(1 for cs in per_branch if cs) > 1:
-            notes.append(f"{name}: collectives in several branches of {op_name or name}; "
-                         "counted the largest")
-          found += best
+      tail = split_shape(rest)[1]
+      code = opcode(tail)
+      if code == "conditional":
+        found += conditional(name, tail, step, in_loop)
         continue
-      loop = opcode == "while"
-      for called in _CALLED.findall(tail):
+      if code in ("async-update", "async-done"):
+        continue                           # the async-start's computation, once
+      for called in called_names(tail):
         if called in comps:
-          found += walk(called, step, in_loop or loop)
-      m = re.search(r"called_computations=\{([^}]*)\}", tail)
-      if m:
-        for called in m.group(1).split(","):
-          called = called.strip().lstrip("%")
-          if called in comps:
-            found += walk(called, step, in_loop)
+          found += walk(called, step, in_loop or code == "while")
     memo[key] = found
     return found
 
@@ -418,106 +578,3 @@ def step_bytes(tot, which: str, field: str = "ring") -> float:
   parts = {"plain": ("every",), "factor": ("every", "factor"),
            "inverse": ("every", "factor", "inverse")}[which]
   return float(sum(tot[s][k][field] for s in parts for k in KINDS))
-
-
-# ------------------------------------------------------------------------ misc
-
-def digits():
-  """scikit-learn's digits, `[N, 8, 8, 1]` in [0, 1]: one fixed shuffle, 1437
-  training and 360 test images (the peer benchmarks' split)."""
-  from sklearn.datasets import load_digits  # pylint: disable=import-outside-toplevel
-  d = load_digits()
-  x = (d.images / 16.0).astype(np.float32)[..., None]
-  y = d.target.astype(np.int32)
-  perm = np.random.default_rng(0).permutation(len(y))
-  x, y = x[perm], y[perm]
-  return (x[:1437], y[:1437]), (x[1437:], y[1437:])
-
-
-def library_commit() -> str:
-  """The short commit of the imported kfac_jax_dist, "+local changes" if its
-  tracked files differ from it."""
-  def git(*a):
-    try:
-      return subprocess.run(["git", *a], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(kd.__file__))).stdout.strip()
-    except OSError:
-      return ""
-  commit = git("rev-parse", "--short", "HEAD")
-  if commit and git("status", "--porcelain", "--untracked-files=no", "."):
-    commit += "+local changes"
-  return commit
-
-
-def cpu_name() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or "unknown"
-
-
-def header() -> dict[str, Any]:
-  try:
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                         text=True, cwd=os.path.dirname(__file__)).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "kfac_jax_dist"],
-                           capture_output=True, text=True,
-                           cwd=os.path.join(os.path.dirname(__file__), "..")).stdout.strip()
-  except OSError:
-    rev, dirty = "?", ""
-  return {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-          "jax": jax.__version__, "backend": jax.default_backend(),
-          "git": rev + (" (kfac_jax_dist modified)" if dirty else ""),
-          "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-          "xla_flags": os.environ.get("XLA_FLAGS", "")}
-
-
-def header_md(h: dict[str, Any]) -> str:
-  return (f"- date {h['date']}; jax {h['jax']} ({h['backend']}); kfac_jax_dist at git "
-          f"{h['git']}; {h['machine']}; XLA_FLAGS=`{h['xla_flags']}`")
-
-
-def md_table(rows: list[list[Any]], head: list[str]) -> str:
-  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-  for r in rows:
-    lines.append("| " + " | ".join(str(c) for c in r) + " |")
-  return "\n".join(lines)
-
-
-def fmt_bytes(b: float) -> str:
-  if b == 0:
-    return "0"
-  for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-    if abs(b) >= scale:
-      return f"{b / scale:.3g} {unit}"
-  return f"{b:.0f} B"
-
-
-def write_results(out_dir: str, stem: str, text: str, payload: dict[str, Any]) -> None:
-  """Writes `<stem>.md` (the printed table) and `<stem>.json` (raw numbers)."""
-  os.makedirs(out_dir, exist_ok=True)
-  with open(os.path.join(out_dir, stem + ".md"), "w") as f:
-    f.write(text + "\n")
-  with open(os.path.join(out_dir, stem + ".json"), "w") as f:
-    json.dump(payload, f, indent=1, default=str)
-
-
-def checks_markdown(title: str, checks: list[dict[str, Any]]) -> list[str]:
-  """The targets table shared by the benchmarks: check, measured, target, holds, why."""
-  if not checks:
-    return []
-  rows = [[c["check"], c["value"], c["target"], "yes" if c["holds"] else "**no**",
-           c["why"]] for c in checks]
-  return [f"## {title}", "", md_table(rows, ["check", "measured", "target", "holds", "why"]),
-          ""]
-
-
-def argument_parser(doc: str):
-  """argparse with the script's docstring: first paragraph as description."""
-  return argparse.ArgumentParser(description=doc.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=doc.split("\n\n", 1)[1])

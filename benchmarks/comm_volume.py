@@ -37,7 +37,7 @@ And the library's own model ("model" columns), from its layout, one term per
 collective (ring model, f32), which the HLO numbers must match:
 
 * factor step, factor_reduction="reduce_scatter": the transform picks at init
-  (`kfac._cheaper_storage`, since 69e5d57) whichever running-factor storage
+  (`kfac.layout.cheaper_storage`, since 69e5d57) whichever running-factor storage
   sends fewer bytes for the cadence, k = inverse_update_every /
   factor_update_every (here 100/10 = 10): tight chunks ("chunked") when
   L/C > 1 + 1/k, else owner segments ("owner"); the layout column says which.
@@ -68,7 +68,7 @@ collective (ring model, f32), which the HLO numbers must match:
   (1 < m < P): all_gather within groups of m of [L₂], (m-1)·L₂.
 * every step, MEM-OPT (m = 1, G = P): the uneven all-gather of the
   preconditioned gradients, sizes = each group's used buffer (slot 0 the KL
-  sum, then its layers' gradients; `kfac._gradient_offsets`), same formula;
+  sum, then its layers' gradients; `kfac.layout.gradient_offsets`), same formula;
   SP-NGD fused adds the mirror reduce-scatter of the raw gradients (psum_scatter
   of the prefix + psum of the overflow, or the mirror of the chunks and
   ppermutes), and all-reduces only the untagged
@@ -77,17 +77,21 @@ collective (ring model, f32), which the HLO numbers must match:
   gradients, 2(P-1)/P·N_params.
 
 Usage: python benchmarks/comm_volume.py [--quick] [--devices 2,4,8] [--out DIR]
-(--quick: P = 8 only and the main strategies; writes comm_volume_quick.*).
+(--quick: P = 8 only, SGD, COMM-OPT, MEM-OPT and HYBRID; writes
+comm_volume_quick.*).
 """
 
 from __future__ import annotations
 
 import os
-
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _report  # noqa: E402  (standard library only: before jax starts)
+
+_report.host_devices(8)
+
+# pylint: disable=wrong-import-position
 import time
 
 import jax
@@ -96,16 +100,12 @@ import optax
 from jax.sharding import Mesh
 
 import kfac_jax_dist as kd
-from kfac_jax_dist.kfac import layout as layout_lib
-from kfac_jax_dist.core import uneven as uneven_lib
-from kfac_jax_dist.kfac.layout import gradient_offsets as _gradient_offsets
-from kfac_jax_dist.kfac.state import find_states
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
 F32 = 4
 FACTOR_EVERY, INVERSE_EVERY = 10, 100     # the cadence of C.kfac_tx, for "amortised"
+QUICK = ("COMM-OPT", "MEM-OPT", "HYBRID")   # with SGD, --quick's strategies
 
 
 def model_sizes(layers, params) -> dict:
@@ -144,9 +144,9 @@ def uneven(sizes, p: int, what: str, gather: bool) -> dict:
   `uneven.reduce_scatter`) of per-device sizes, in the scheme `uneven.plan`
   picks; "terms": one (name, bytes sent per device) per collective, ring
   model, f32 (ppermutes: the busiest sender's)."""
-  scheme = uneven_lib.plan(tuple(int(u) for u in sizes))
+  scheme = C.uneven_lib.plan(tuple(int(u) for u in sizes))
   sent = scheme.device_bytes()[1 if gather else 0]
-  if isinstance(scheme, uneven_lib.Prefix):
+  if isinstance(scheme, C.uneven_lib.Prefix):
     s, over = scheme.length, sum(scheme.overflow)
     terms = [(f"{what} prefix (P-1)·S, S={s}", (p - 1) * s * F32)]
     if over:
@@ -163,13 +163,11 @@ def uneven(sizes, p: int, what: str, gather: bool) -> dict:
 
 
 def layout_info(opt_state, p: int) -> dict:
-  st, = find_states(opt_state)
-  lay = st.layout
-  _, group_sizes, size = _gradient_offsets(lay)
+  lay = C.kfac_state(opt_state).layout
+  _, group_sizes, size = C.gradient_offsets(lay)
   stored = sum(f.size for pl in lay.plans for f in C.factor_places(pl))
-  second = sum(layout_lib._second_parts(f.dim, f.form, lay.method)[0]
-               + layout_lib._second_parts(f.dim, f.form, lay.method)[1]
-               for pl in lay.plans for f in C.factor_places(pl))
+  second = sum(C.second_numbers(f, lay.method) for pl in lay.plans
+               for f in C.factor_places(pl))
   tight = max(-(-sum(lay.owner_sizes) // p), 1)
   return {"L": lay.segment, "L2": lay.second_segment, "S": size, "G": lay.num_groups,
           "m": lay.group_size, "storage": lay.factor_storage, "C": lay.factor_shard,
@@ -425,7 +423,7 @@ def render(rows, chk, head) -> str:
          "- model = the library's collectives computed from its layout, one term per "
          "collective (listed in the second table of each P; see the docstring). With "
          "factor_reduction reduce_scatter the transform picks the running-factor storage "
-         "that sends fewer bytes for the cadence (`kfac._cheaper_storage`, 69e5d57; "
+         "that sends fewer bytes for the cadence (`kfac.layout.cheaper_storage`, 69e5d57; "
          "k = 100/10): tight chunks when L/C > 1 + 1/k = 1.1, reduced by a psum_scatter of "
          "(P-1)·C on factor steps and **all-gathered on inverse steps** ((P-1)·C, "
          "\"chunk AG\": each owner reads its whole factors from the chunks; not in the "
@@ -535,22 +533,19 @@ def render(rows, chk, head) -> str:
 def main(argv=None):
   ap = C.argument_parser(__doc__)
   ap.add_argument("--quick", action="store_true",
-                  help="P = 8 only, main strategies only; writes comm_volume_quick.*")
+                  help=f"P = 8 only, SGD, {', '.join(QUICK)}; writes comm_volume_quick.*")
   ap.add_argument("--devices", default=None, help="comma-separated P values (default 2,4,8)")
-  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   args = ap.parse_args(argv)
-  ps = [int(v) for v in (args.devices or ("8" if args.quick else "2,4,8")).split(",")]
-  if max(ps) > jax.device_count():
-    raise SystemExit(f"need {max(ps)} devices, have {jax.device_count()} (XLA_FLAGS)")
-  strategies = [s for s in C.STRATEGIES if not args.quick or s.name in C.QUICK]
-  head = C.header()
+  ps = C.device_counts(args, "2,4,8")
+  strategies = [s for s in C.STRATEGIES if not args.quick or s.name in QUICK]
+  head = C.environment()
   rows = []
   for p in ps:
     rows += measure(p, strategies)
   chk = checks(rows, 8) if 8 in ps else []
   text = render(rows, chk, head)
   print(text)
-  C.write_results(args.out, "comm_volume_quick" if args.quick else "comm_volume", text,
+  C.write_results(args.out, C.stem("comm_volume", args.quick), text,
                   {"header": head, "rows": rows, "checks": chk})
 
 

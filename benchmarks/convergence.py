@@ -60,16 +60,17 @@ of the three tasks.
     OPENBLAS_NUM_THREADS=1 python benchmarks/convergence.py   # ~15 min on 2 idle cores
     python benchmarks/convergence.py --tasks cnn --seeds 5
     python benchmarks/convergence.py --no-tune-kfac --tasks lm  # the examples' K-FAC
+    python benchmarks/convergence.py --quick    # a smoke run: 10 steps of the CNN task
 
 Writes convergence.md, convergence.json and convergence.png (per task: metric
-against steps and against seconds, one line per method and seed) into --out.
+against steps and against seconds, one line per method and seed) into --out
+(convergence_quick.* with --quick).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import itertools
 import json
 import math
@@ -83,7 +84,6 @@ from typing import Any, Callable
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 # pylint: disable=wrong-import-position
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -93,6 +93,7 @@ import kfac_jax_dist as kd  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
+import _models  # noqa: E402
 
 # ----------------------------------------------------------------- settings
 
@@ -196,35 +197,14 @@ class Task:
   description: str
 
 
-def _digits():
-  from sklearn.datasets import load_digits  # pylint: disable=import-outside-toplevel
-  from sklearn.model_selection import train_test_split  # pylint: disable=import-outside-toplevel
-  d = load_digits()
-  x = (d.images / 16.0).astype(np.float32)[..., None]
-  y = d.target.astype(np.int32)
-  return train_test_split(x, y, test_size=360, stratify=y, random_state=0)
-
-
 def _index_batches(n_data, batch, seed, n):
   rng = np.random.default_rng(1000 + seed)
   return np.stack([rng.choice(n_data, batch, replace=False) for _ in range(n)])
 
 
-class CNN(nn.Module):
-  """examples/digits.py's CNN."""
-
-  @nn.compact
-  def __call__(self, x):
-    x = nn.relu(kd.linen.Conv(16, (3, 3))(x))
-    x = nn.relu(kd.linen.Conv(32, (3, 3), strides=(2, 2))(x))
-    x = x.reshape(x.shape[0], -1)
-    x = nn.relu(kd.linen.Dense(64)(x))
-    return kd.linen.Dense(10)(x)
-
-
 def cnn_task(batch=128) -> Task:
-  x_tr, x_te, y_tr, y_te = (jnp.asarray(a) for a in _digits())
-  model = CNN()
+  (x_tr, y_tr), (x_te, y_te) = jax.tree.map(jnp.asarray, _common.digits(stratified=True))
+  model = _models.DigitsCNN()
 
   def loss_fn(p, x, y):
     return kd.losses.softmax_cross_entropy(model.apply(p, x), y)
@@ -252,32 +232,18 @@ def cnn_task(batch=128) -> Task:
 AE_SIZES = (256, 128, 64, 16)        # encoder; the decoder mirrors it
 
 
-class Autoencoder(nn.Module):
-  """examples/autoencoder.py's model: tanh encoder, linear code, mirrored decoder."""
-
-  @nn.compact
-  def __call__(self, x):
-    *hidden, code = AE_SIZES
-    for width in hidden:
-      x = jnp.tanh(kd.linen.Dense(width)(x))
-    x = kd.linen.Dense(code)(x)                     # linear code layer
-    for width in reversed(hidden):
-      x = jnp.tanh(kd.linen.Dense(width)(x))
-    return kd.linen.Dense(64)(x)
-
-
 def _binary_entropy(p):
   p = np.clip(np.asarray(p, np.float64), 1e-12, 1 - 1e-12)
   return -(p * np.log(p) + (1 - p) * np.log(1 - p))
 
 
 def autoencoder_task(batch=512) -> Task:
-  x_tr, x_te, _, _ = _digits()
+  (x_tr, _), (x_te, _) = _common.digits(stratified=True)
   floor = float(np.mean(np.sum(_binary_entropy(x_tr.reshape(len(x_tr), -1)), -1)))
   floor_te = float(np.mean(np.sum(_binary_entropy(x_te.reshape(len(x_te), -1)), -1)))
   x_tr = jnp.asarray(x_tr.reshape(len(x_tr), -1))
   x_te = jnp.asarray(x_te.reshape(len(x_te), -1))
-  model = Autoencoder()
+  model = _models.Autoencoder(AE_SIZES)
 
   def loss_fn(p, x):
     return kd.losses.sigmoid_cross_entropy(model.apply(p, x), x)
@@ -304,63 +270,20 @@ def autoencoder_task(batch=512) -> Task:
               f"{TARGETS['autoencoder']}")
 
 
-class Block(nn.Module):
-  heads: int = 4
-
-  @nn.compact
-  def __call__(self, x):
-    d = x.shape[-1]
-    h = kd.linen.LayerNorm()(x)
-    q, k, v = (kd.linen.DenseGeneral((self.heads, d // self.heads), name=n)(h)
-               for n in "qkv")
-    t = x.shape[1]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // self.heads)
-    mask = jnp.tril(jnp.ones((t, t), bool))
-    att = jax.nn.softmax(jnp.where(mask, scores, -1e9), axis=-1)
-    o = jnp.einsum("bhqk,bkhd->bqhd", att, v)
-    x = x + kd.linen.DenseGeneral(d, axis=(-2, -1), name="o")(o)
-    h = kd.linen.LayerNorm()(x)
-    h = kd.linen.Dense(d)(nn.gelu(kd.linen.Dense(4 * d)(h)))
-    return x + h
-
-
-class CharLM(nn.Module):
-  vocab: int
-  d: int = 64
-  layers: int = 2
-  context: int = 64
-
-  @nn.compact
-  def __call__(self, tokens):
-    x = kd.linen.Embed(self.vocab, self.d, name="tok")(tokens)
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    x = x + kd.linen.Embed(self.context, self.d, name="pos")(positions)
-    for _ in range(self.layers):
-      x = Block()(x)
-    return kd.linen.Dense(self.vocab)(kd.linen.LayerNorm()(x))
-
-
-def corpus() -> str:
-  """examples/transformer_lm.py's corpus: the pydoc help topics of this Python,
-  joined in sorted order."""
-  from pydoc_data import topics  # pylint: disable=import-outside-toplevel
-  return "\n\n".join(topics.topics[name] for name in sorted(topics.topics))
-
-
 def lm_task(batch=32, context=64, valid_sequences=256) -> Task:
   """examples/transformer_lm.py's task: same corpus, split, model, batch and
   validation windows."""
-  text = corpus()
+  text = _common.pydoc_corpus()
   chars = sorted(set(text))
-  lookup = {c: i for i, c in enumerate(chars)}
-  ids = np.fromiter((lookup[c] for c in text), np.int32, len(text))
+  ids = _common.encode(text, chars)
   split = int(0.9 * len(ids))
   train, val = ids[:split], ids[split:]
-  model = CharLM(len(chars), context=context)
+  # Flax's automatic module names and a -1e9 mask: the model these results
+  # were first measured with (its parameters follow from its names).
+  model = _models.CharLM(len(chars), context=context, naming="auto", mask_value=-1e9)
   starts = np.linspace(0, len(val) - context - 2, valid_sequences).astype(np.int64)
   offs = starts[:, None] + np.arange(context)
   val_x, val_y = jnp.asarray(val[offs]), jnp.asarray(val[offs + 1])
-  train_j = jnp.asarray(train)
 
   def loss_fn(p, x, y):
     return kd.losses.softmax_cross_entropy(model.apply(p, x), y)
@@ -374,10 +297,9 @@ def lm_task(batch=32, context=64, valid_sequences=256) -> Task:
     return float(evaluate(p)), {}
 
   def batches(seed, n):
-    rng = np.random.default_rng(1000 + seed)
-    starts = rng.integers(0, len(train) - context - 1, size=(n, batch))
-    offs = starts[..., None] + np.arange(context)
-    return train_j[offs], train_j[offs + 1]
+    w = jnp.asarray(_common.windows(train, n, batch, context + 1,
+                                    np.random.default_rng(1000 + seed)))
+    return w[..., :-1], w[..., 1:]
 
   return Task("lm", lambda k: model.init(k, val_x[:1]), loss_fn, batches, metric,
               f"character-level Transformer LM (d 64, 2 blocks, 4 heads, context "
@@ -460,11 +382,7 @@ class Runner:
           inverse_update_every=h["inverse_update_every"], layers=layers,
           **({"kl_clip": None} if h["kl_clip"] is None else extra))
       if key not in cls._cache:
-        def step(p, s, *batch):
-          loss, g, stats = grad_fn(p, *batch, opt_state=s)
-          u, s = tx.update(g, s, p, kfac_stats=stats)
-          return optax.apply_updates(p, u), s, loss
-        cls._cache[key] = jax.jit(step, donate_argnums=(0, 1))
+        cls._cache[key] = jax.jit(_common.kfac_step(grad_fn, tx), donate_argnums=(0, 1))
       return cls._cache[key], tx
     warmup = h.get("warmup", 0)
     key = (task.name, m.kind, warmup)
@@ -482,13 +400,7 @@ class Runner:
       tx = optax.chain(tx, optax.scale_by_schedule(
           optax.linear_schedule(0.0, 1.0, warmup)))
     if key not in cls._cache:
-      loss_fn = task.loss_fn
-
-      def step(p, s, *batch):
-        loss, g = jax.value_and_grad(loss_fn)(p, *batch)
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s, loss
-      cls._cache[key] = jax.jit(step, donate_argnums=(0, 1))
+      cls._cache[key] = jax.jit(_common.optax_step(task.loss_fn, tx), donate_argnums=(0, 1))
     return cls._cache[key], tx
 
   def warm_up(self):
@@ -546,7 +458,8 @@ def run_lockstep(task: Task, methods: list[Method], seed: int, args, log) -> lis
 def tune_first_order(task, args, log):
   """Grid on seed 0; returns {family: best Method} and the grid's rows."""
   kinds = {"Adam": "adamw" if task.name == "lm" else "adam", "SGD": "sgd"}
-  grids = {"Adam": ADAM_GRID[task.name], "SGD": SGD_GRID[task.name]}
+  grids = {"Adam": ADAM_GRID[task.name][:args.lr_points],
+           "SGD": SGD_GRID[task.name][:args.lr_points]}
   warm = {"warmup": WARMUP[task.name]} if WARMUP[task.name] else {}
   methods = [method(kinds[f], learning_rate=lr, **warm) for f in kinds for lr in grids[f]]
   runners = run_lockstep(task, methods, 0, args, log)
@@ -681,24 +594,8 @@ def tune_kfac(task, args, log):
 
 # -------------------------------------------------------------------- report
 
-def environment() -> dict:
-  commit, cpu = _common.library_commit(), _common.cpu_name()
-  return dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
-              jax=jax.__version__, optax=optax.__version__,
-              python=platform.python_version(), cpu=cpu, cpu_count=os.cpu_count(),
-              commit=commit, library=os.path.dirname(os.path.abspath(kd.__file__)),
-              threads_env={k: os.environ[k] for k in ("OPENBLAS_NUM_THREADS", "XLA_FLAGS")
-                           if k in os.environ})
-
-
 def _fmt(x, spec=".0f", none="—"):
   return none if x is None else format(x, spec)
-
-
-def _table(rows, head):
-  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-  lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-  return "\n".join(lines)
 
 
 def markdown(results, env, args) -> str:
@@ -732,7 +629,7 @@ def markdown(results, env, args) -> str:
         "—" if r["wall"] is None else f"**{r['wall']:.2f}**",
         f"{s['step_cost']:.1f}", f"{s['break_even_steps']:.2f}",
         "yes" if s["holds"] else "**no**"])
-  lines += ["## Summary", "", _table(summary_rows, [
+  lines += ["## Summary", "", _common.md_table(summary_rows, [
       "task", "K-FAC steps", "best first-order steps", "steps ×", "K-FAC s",
       "best first-order s", "seconds ×", "K-FAC step cost × fastest first-order",
       "steps × needed for 0.8× seconds", "target holds"]), "",
@@ -776,14 +673,14 @@ def markdown(results, env, args) -> str:
                    _fmt(f["wall"], ".2f"),
                    " ".join(_fmt(x, ".2f") for x in f["per_seed_wall"]),
                    f"{f['ms_per_step']:.2f}", f"{f['final']:.4f}"])
-    lines += [_table(rows, ["method", "reached", "steps to target (median)", "per seed",
+    lines += [_common.md_table(rows, ["method", "reached", "steps to target (median)", "per seed",
                             "seconds to target (median)", "per seed", "ms/step",
                             "final metric (median)"]), ""]
     grid_rows = [[g["method"], _fmt(g["steps"]), _fmt(g["wall"], ".2f"),
                   f"{g['final']:.4f} @ {g['final_step']}"] for g in res["grid"]]
     lines += [f"First-order grid on seed 0 (kept: {res['best']['Adam']}, "
               f"{res['best']['SGD']}):", "",
-              _table(grid_rows, ["method", "steps to target", "seconds",
+              _common.md_table(grid_rows, ["method", "steps to target", "seconds",
                                  "final metric @ step"]), ""]
     if res.get("kfac_grid"):
       kgrid_rows = [[g["method"], _fmt(g["steps"]), _fmt(g["wall"], ".2f"),
@@ -791,7 +688,7 @@ def markdown(results, env, args) -> str:
                      f"{g['final']:.4f} @ {g['final_step']}"] for g in res["kfac_grid"]]
       lines += [f"K-FAC grid on seed 0 (in lockstep groups; sorted by seconds to "
                 f"target, kept: {res['best']['K-FAC']}):", "",
-                _table(kgrid_rows, ["method", "steps to target", "seconds", "ms/step",
+                _common.md_table(kgrid_rows, ["method", "steps to target", "seconds", "ms/step",
                                     "final metric @ step"]), ""]
   return "\n".join(lines)
 
@@ -828,40 +725,58 @@ def plot(results, path):
   plt.close(fig)
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter,
-                                   epilog=__doc__.split("\n\n", 1)[1])
-  parser.add_argument("--tasks", default=",".join(TASKS))
-  parser.add_argument("--seeds", type=int, default=3, help="evaluation seeds (1..S)")
+FULL = dict(tasks=",".join(TASKS), seeds=3, no_tune_kfac=False)
+QUICK = dict(tasks="cnn", seeds=1, max_steps=10, no_tune_kfac=True, lr_points=1)
+
+
+def parse_args() -> argparse.Namespace:
+  parser = _common.argument_parser(__doc__)
+  _common.add_quick(parser, "convergence", QUICK)
+  parser.add_argument("--tasks", default=None, help=f"default {','.join(TASKS)}")
+  parser.add_argument("--seeds", type=int, default=None,
+                      help="evaluation seeds (1..S; default 3)")
   parser.add_argument("--max-steps", type=int, default=None,
                       help="override every task's step budget")
   parser.add_argument("--full-curves", action="store_true",
                       help="train to max steps instead of stopping at the target")
-  parser.add_argument("--no-tune-kfac", action="store_true",
+  parser.add_argument("--no-tune-kfac", action="store_true", default=None,
                       help="skip K-FAC's grid (KFAC_GRID) and use KFAC_BASE")
+  parser.add_argument("--lr-points", type=int, default=None,
+                      help="first-order learning rates of each grid to try (default all)")
   parser.add_argument("--tune-batch", type=int, default=12,
                       help="K-FAC grid points trained in lockstep at a time")
-  parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   parser.add_argument("--from-json", default=None,
                       help="re-render convergence.md/.png from a convergence.json")
   args = parser.parse_args()
   args.argv = sys.argv[1:]
+  _common.fill_defaults(args, QUICK, FULL)
+  return args
+
+
+def write_report(results: dict, env: dict, args: argparse.Namespace, out: str,
+                 stem: str) -> str:
+  """Writes `out`/`stem`.md and .png (as of the run's `args`); returns the markdown."""
+  text = markdown(results, env, args)
+  with open(os.path.join(out, stem + ".md"), "w") as f:
+    f.write(text + "\n")
+  plot(results, os.path.join(out, stem + ".png"))
+  return text
+
+
+def main():
+  args = parse_args()
   if args.from_json:
     with open(args.from_json) as f:
       saved = json.load(f)
     results = saved["results"]
     for res in results.values():
       res["summary"] = summarise(res["rows"])
-    saved_args = argparse.Namespace(**saved["args"])
-    text = markdown(results, saved["environment"], saved_args)
-    with open(os.path.join(args.out, "convergence.md"), "w") as f:
-      f.write(text + "\n")
-    plot(results, os.path.join(args.out, "convergence.png"))
-    print(text)
+    print(write_report(results, saved["environment"], argparse.Namespace(**saved["args"]),
+                       args.out, "convergence"))
     return
+  stem = _common.stem("convergence", args.quick)
   tasks = [t.strip() for t in args.tasks.split(",")]
-  env = environment()
+  env = _common.environment()
   os.makedirs(args.out, exist_ok=True)
   start = time.time()
 
@@ -886,18 +801,12 @@ def main():
                          grid=grid, kfac_grid=kgrid, rows=rows, summary=summarise(rows),
                          flops=flop_floor(task))
     # Written after every task, so that a partial run leaves its results.
-    with open(os.path.join(args.out, "convergence.json"), "w") as f:
-      json.dump(dict(environment=env, args={k: v for k, v in vars(args).items()},
-                     targets=TARGETS, metric=METRIC, max_steps=MAX_STEPS,
-                     eval_every=EVAL_EVERY, warmup=WARMUP, kfac_base=KFAC_BASE,
-                     kfac_grid=KFAC_GRID, adam_grid=ADAM_GRID, sgd_grid=SGD_GRID,
-                     results=results), f, indent=1, default=str)
-  text = markdown(results, env, args)
-  print(text)
-  with open(os.path.join(args.out, "convergence.md"), "w") as f:
-    f.write(text + "\n")
-  plot(results, os.path.join(args.out, "convergence.png"))
-  log(f"wrote {os.path.join(args.out, 'convergence')}.md/.json/.png")
+    _common.write_json(os.path.join(args.out, stem + ".json"), dict(
+        environment=env, args=vars(args), targets=TARGETS, metric=METRIC,
+        max_steps=MAX_STEPS, eval_every=EVAL_EVERY, warmup=WARMUP, kfac_base=KFAC_BASE,
+        kfac_grid=KFAC_GRID, adam_grid=ADAM_GRID, sgd_grid=SGD_GRID, results=results))
+  print(write_report(results, env, args, args.out, stem))
+  log(f"wrote {os.path.join(args.out, stem)}.md/.json/.png")
 
 
 if __name__ == "__main__":

@@ -51,116 +51,48 @@ HLO bytes are checked against the layout model.
 
 Usage: python benchmarks/layout_balance.py [--quick] [--devices 8,64,256]
        [--compile 8,64,256] [--compile-timeout S] [--reuse-compiles JSON] [--out DIR]
-(--quick: no P = 64 compile; writes layout_balance_quick.*).
+(--quick: compiles the MEM-OPT update at P = 8 only; writes layout_balance_quick.*).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _report  # noqa: E402  (standard library only: before jax starts)
 
+_report.host_devices(8)
+
+# pylint: disable=wrong-import-position
 import argparse
 import dataclasses
 import json
 import subprocess
-import sys
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 import kfac_jax_dist as kd
-from kfac_jax_dist.kfac import layout as layout_lib
-from kfac_jax_dist.capture import registry
-from kfac_jax_dist.core import uneven as uneven_lib
-from kfac_jax_dist.kfac.layout import cheaper_storage as _cheaper_storage
-from kfac_jax_dist.kfac.layout import gradient_offsets as _gradient_offsets
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
+import _models  # noqa: E402
+
+layout_lib, uneven_lib = C.layout_lib, C.uneven_lib
 
 
 # ---------------------------------------------------------------------- models
 
-class Bottleneck(nn.Module):
-  width: int
-  stride: int
-  project: bool
-
-  @nn.compact
-  def __call__(self, x):
-    bn = lambda: nn.BatchNorm(use_running_average=True)
-    y = nn.relu(bn()(kd.linen.Conv(self.width, (1, 1), use_bias=False)(x)))
-    y = nn.relu(bn()(kd.linen.Conv(self.width, (3, 3), strides=self.stride,
-                                   use_bias=False)(y)))
-    y = bn()(kd.linen.Conv(4 * self.width, (1, 1), use_bias=False)(y))
-    if self.project:
-      x = bn()(kd.linen.Conv(4 * self.width, (1, 1), strides=self.stride,
-                             use_bias=False)(x))
-    return nn.relu(y + x)
-
-
-class ResNet50(nn.Module):
-  @nn.compact
-  def __call__(self, x):
-    x = kd.linen.Conv(64, (7, 7), strides=2, use_bias=False)(x)
-    x = nn.relu(nn.BatchNorm(use_running_average=True)(x))
-    x = nn.max_pool(x, (3, 3), (2, 2), padding="SAME")
-    for stage, (width, blocks) in enumerate(((64, 3), (128, 4), (256, 6), (512, 3))):
-      for block in range(blocks):
-        x = Bottleneck(width, 2 if block == 0 and stage > 0 else 1, block == 0)(x)
-    return kd.linen.Dense(1000)(jnp.mean(x, axis=(1, 2)))
-
-
-class EncoderLayer(nn.Module):
-  hidden: int = 1024
-  heads: int = 16
-  ffn: int = 4096
-
-  @nn.compact
-  def __call__(self, x):
-    b, t, _ = x.shape
-    split = lambda z: z.reshape(b, t, self.heads, self.hidden // self.heads)
-    q = split(kd.linen.Dense(self.hidden, name="query")(x))
-    k = split(kd.linen.Dense(self.hidden, name="key")(x))
-    v = split(kd.linen.Dense(self.hidden, name="value")(x))
-    w = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1]))
-    a = jnp.einsum("bhqk,bkhd->bqhd", w, v).reshape(b, t, self.hidden)
-    x = nn.LayerNorm()(x + kd.linen.Dense(self.hidden, name="output")(a))
-    h = nn.gelu(kd.linen.Dense(self.ffn, name="intermediate")(x))
-    return nn.LayerNorm()(x + kd.linen.Dense(self.hidden, name="ffn_output")(h))
-
-
-class BertLarge(nn.Module):
-  layers: int = 24
-  hidden: int = 1024
-  vocab: int = 30522
-
-  @nn.compact
-  def __call__(self, tokens):
-    t = tokens.shape[1]
-    x = nn.Embed(self.vocab, self.hidden)(tokens)
-    x = x + nn.Embed(512, self.hidden)(jnp.arange(t))[None]
-    x = x + nn.Embed(2, self.hidden)(jnp.zeros_like(tokens))
-    x = nn.LayerNorm()(x)
-    for _ in range(self.layers):
-      x = EncoderLayer(self.hidden)(x)
-    pooled = jnp.tanh(kd.linen.Dense(self.hidden, name="pooler")(x[:, 0]))
-    return nn.Dense(2, name="classifier")(pooled)      # untagged
-
-
 def discover(name: str):
   """(layers, param paths, abstract params, batch stats or None, loss_fn, x, y)."""
   if name == "resnet50":
-    model = ResNet50()
+    model = _models.ResNet50()
     x = jax.ShapeDtypeStruct((2, 224, 224, 3), jnp.float32)
   else:
-    model = BertLarge()
+    model = _models.BertLarge()
     x = jax.ShapeDtypeStruct((2, 16), jnp.int32)
   y = jax.ShapeDtypeStruct((2,), jnp.int32)
   variables = jax.eval_shape(model.init, jax.random.key(0), x)
@@ -178,7 +110,7 @@ def discover(name: str):
   # discover() closes over its batch arguments: give it traced ones.
   jax.eval_shape(lambda p, x, y: found.append(grad_fn.discover(p, x, y)) or 0.0,
                  params, x, y)
-  paths = tuple(registry.leaves_by_path(params))
+  paths = tuple(C.registry.leaves_by_path(params))
   return found[0], paths, params
 
 
@@ -282,11 +214,11 @@ def metrics(lay: layout_lib.Layout, layers, spngd_lay=None) -> dict:
   largest_layer = max(sum(cost(f) for f in C.factor_places(pl)) for pl in lay.plans)
   ideal = max(total / p, largest)
   stored = sum(f.size for f in places)
-  second_items = [sum(layout_lib._second_parts(f.dim, f.form, lay.method)) for f in places]
+  second_items = [C.second_numbers(f, lay.method) for f in places]
   second = sum(second_items)
   grad_items = [pl.layer.a_dim * pl.layer.g_dim for pl in lay.plans]
   grads = sum(grad_items)
-  _, group_sizes, s_pad = _gradient_offsets(lay)
+  _, group_sizes, s_pad = C.gradient_offsets(lay)
   g = lay.num_groups
   chunk = max(-(-stored // p), 1)          # C = ⌈T/P⌉, the tight chunk
   chunked = lay.factor_storage == layout_lib.CHUNKED
@@ -306,7 +238,7 @@ def metrics(lay: layout_lib.Layout, layers, spngd_lay=None) -> dict:
                      "zeros": p * chunk - stored, "overflow": 0, "items": "factor"},
     }
   else:
-    # owner segments (the cadence makes them cheaper, `kfac._cheaper_storage`):
+    # owner segments (the cadence makes them cheaper, `kfac.layout.cheaper_storage`):
     # psum_scatter of [P·L] on factor steps, no gather on inverse steps. Floor
     # over any one-owner assignment: L >= max(⌈T/P⌉, largest stored factor).
     coll = {
@@ -323,7 +255,7 @@ def metrics(lay: layout_lib.Layout, layers, spngd_lay=None) -> dict:
                                items="factor", largest=max(second_items),
                                share=second / p)
   if m == 1 and g > 1:  # MEM-OPT: preconditioned gradients every step (SP-NGD: + RS)
-    _, sp_sizes, sp_pad = _gradient_offsets(spngd_lay or lay)
+    _, sp_sizes, sp_pad = C.gradient_offsets(spngd_lay or lay)
     for name, sizes, pad in (("grad_ag", group_sizes, s_pad),
                              ("spngd_rs", sp_sizes, sp_pad)):
       coll[name] = dict(uneven(sizes, p, gather=name == "grad_ag"),
@@ -369,11 +301,11 @@ def model_bytes(r: dict) -> dict:
 
 def with_storage(lay: layout_lib.Layout) -> layout_lib.Layout:
   """The running-factor storage the transform picks at init for this cadence
-  (`kfac._cheaper_storage`, 69e5d57): tight chunks when L/C > 1 + 1/k, k =
+  (`kfac.layout.cheaper_storage`, 69e5d57): tight chunks when L/C > 1 + 1/k, k =
   INVERSE_EVERY / FACTOR_EVERY = 10, else owner segments."""
   if lay.num_devices == 1 or lay.factor_storage != layout_lib.CHUNKED:
     return lay
-  return dataclasses.replace(lay, factor_storage=_cheaper_storage(
+  return dataclasses.replace(lay, factor_storage=C.cheaper_storage(
       lay, FACTOR_EVERY, INVERSE_EVERY))
 
 
@@ -473,12 +405,12 @@ def miss_reason(name: str, c: dict) -> str:
 def main(argv=None):
   ap = C.argument_parser(__doc__)
   ap.add_argument("--quick", action="store_true",
-                  help="no subprocess compile at P=64; writes layout_balance_quick.*")
+                  help="compiles the MEM-OPT update at P = 8 only (unless --compile); "
+                  "writes layout_balance_quick.*")
   ap.add_argument("--devices", default="8,64,256")
   ap.add_argument("--compile", default=None,
                   help="P values to compile the ResNet-50 update at (default 8,64,256; quick 8)")
   ap.add_argument("--compile-timeout", type=float, default=300.0)
-  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   ap.add_argument("--alt-layout", default=None,
                   help="a layout.py-like file whose build() is measured beside the library's")
   ap.add_argument("--reuse-compiles", default=None, metavar="JSON",
@@ -493,7 +425,7 @@ def main(argv=None):
     print(json.dumps(compile_update(model, int(p), strategy)), flush=True)
     return
 
-  head = C.header()
+  head = C.environment()
   alt_build = load_build(args.alt_layout) if args.alt_layout else None
   if args.alt_layout:
     head["alt_layout"] = os.path.abspath(args.alt_layout)
@@ -542,7 +474,7 @@ def main(argv=None):
     cps = [int(v) for v in args.compile.split(",") if v] if args.compile else []
     compiles = [c for c in compiles if c["P"] not in cps]
   for p in cps:
-    for strategy in ("MEM-OPT", "COMM-OPT"):
+    for strategy in ("MEM-OPT",) if args.quick else ("MEM-OPT", "COMM-OPT"):
       if p <= jax.device_count():
         try:
           res = compile_update("resnet50", p, strategy)
@@ -586,7 +518,7 @@ def main(argv=None):
          "`kfac_jax_dist.kfac.layout.build(layers, paths, num_devices=P, group_size=m)`, "
          "method eigen, packed (symmetric) factors, no max_factor_dim, factor_reduction "
          "reduce_scatter, running-factor storage as the transform picks it at init for "
-         "the cadence 10/100 (`kfac._cheaper_storage`, 69e5d57): tight chunks when "
+         "the cadence 10/100 (`kfac.layout.cheaper_storage`, 69e5d57): tight chunks when "
          "L/C > 1 + 1/10, else owner segments (column \"storage\").",
          "- ResNet-50: bottleneck v1.5, no conv bias, BatchNorm untagged, FC 2048→1000 "
          f"with bias ({models['resnet50']['layers']} layers). BERT-Large: 24 × (Q, K, V, O "
@@ -612,7 +544,7 @@ def main(argv=None):
          "  - eigen broadcast (COMM-OPT inverse steps), MEM grad gather (MEM-OPT, every "
          "step) and SP-NGD grad RS (MEM-OPT + gradient_reduction=reduce_scatter, every "
          "step; the mirror of the gather): uneven, per-device sizes u_i "
-         "(`Layout.second_sizes`; `kfac._gradient_offsets`, slot 0 the KL sum), in the "
+         "(`Layout.second_sizes`; `kfac.layout.gradient_offsets`, slot 0 the KL sum), in the "
          "scheme `uneven.plan` picks by its cost model (bytes of the busiest device plus "
          "a latency of 2^15 numbers per collective). **prefix**: the first "
          "S = `prefix_length(u)` numbers of every device by all_gather / psum_scatter, "
@@ -738,15 +670,9 @@ def main(argv=None):
              "where recorded): compare them within one run only.)")
   text = "\n".join(out)
   print(text)
-  os.makedirs(args.out, exist_ok=True)
-  stem = "layout_balance_quick" if args.quick else "layout_balance"
-  if args.alt_layout:
-    stem += "_alt"
-  with open(os.path.join(args.out, stem + ".md"), "w") as f:
-    f.write(text + "\n")
-  with open(os.path.join(args.out, stem + ".json"), "w") as f:
-    json.dump({"header": head, "models": models, "rows": rows, "compiles": compiles},
-              f, indent=1, default=str)
+  C.write_results(args.out, C.stem("layout_balance", args.quick)
+                  + ("_alt" if args.alt_layout else ""), text,
+                  {"header": head, "models": models, "rows": rows, "compiles": compiles})
 
 
 if __name__ == "__main__":

@@ -22,41 +22,36 @@ blocked parameter (N numbers, each sent once by its group; COMM-OPT sends
 none); on a root refresh COMM-OPT gathers every root (T numbers), HYBRID each
 group's devices gather each other's roots, MEM-OPT nothing.
 
-Usage: python benchmarks/shampoo_memory.py [--devices 2,4,8] [--out DIR]
+Usage: python benchmarks/shampoo_memory.py [--quick] [--devices 2,4,8] [--out DIR]
+(--quick: P = 8 only; writes shampoo_memory_quick.*).
 """
 
 from __future__ import annotations
 
 import os
-
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _report  # noqa: E402  (standard library only: before jax starts)
+
+_report.host_devices(8)
+
+# pylint: disable=wrong-import-position
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
 import kfac_jax_dist as kd
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
 OPTIONS = {"block_size": 128, "graft_type": "adagrad"}
 
 
-def per_device_bytes(tree, mesh) -> list[int]:
-  out = {d: 0 for d in mesh.devices.flat}
-  for leaf in jax.tree_util.tree_leaves(tree):
-    for shard in leaf.addressable_shards:
-      out[shard.device] += shard.data.nbytes
-  return list(out.values())
-
-
 def measure(p: int) -> list[dict]:
   _, params, _, _ = C.problem()
-  mesh = Mesh(np.array(jax.devices()[:p]), ("data",))
+  devices = jax.devices()[:p]
+  mesh = Mesh(np.array(devices), ("data",))
   rows = []
   for name, fraction in (("COMM-OPT", 1.0), ("HYBRID 1/2", 0.5), ("HYBRID 1/4", 0.25),
                          ("MEM-OPT", 1 / p)):
@@ -70,9 +65,9 @@ def measure(p: int) -> list[dict]:
     total = sum(n * d * d for (d, _), n in zip(lay.buckets, lay.sizes))
     blocked = sum(int(np.prod(plan.shape)) for plan in lay.params if plan.preconditioned)
     graft = sum(x.size for x in sstate.graft)
-    shampoo = per_device_bytes(sstate, mesh)
-    second = per_device_bytes((sstate.statistics, sstate.roots), mesh)
-    whole = per_device_bytes(state, mesh)
+    shampoo = C.per_device_bytes(sstate, devices)
+    second = C.per_device_bytes((sstate.statistics, sstate.roots), devices)
+    whole = C.per_device_bytes(state, devices)
     m = lay.group_size
     ideal = (2 * total if not lay.sharded else total / p + m * total / p) * 4 + 4 * graft + 4
     rows.append({
@@ -129,19 +124,19 @@ def render(rows, head) -> str:
 
 def main(argv=None):
   ap = C.argument_parser(__doc__)
-  ap.add_argument("--devices", default="2,4,8", help="comma-separated P")
-  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+  ap.add_argument("--quick", action="store_true",
+                  help="P = 8 only; writes shampoo_memory_quick.*")
+  ap.add_argument("--devices", default=None, help="comma-separated P (default 2,4,8)")
   args = ap.parse_args(argv)
-  ps = [int(v) for v in args.devices.split(",")]
-  if max(ps) > jax.device_count():
-    raise SystemExit(f"need {max(ps)} devices, have {jax.device_count()} (XLA_FLAGS)")
-  head = C.header()
+  ps = C.device_counts(args, "2,4,8")
+  head = C.environment()
   rows = []
   for p in ps:
     rows += measure(p)
   text = render(rows, head)
   print(text)
-  C.write_results(args.out, "shampoo_memory", text, {"header": head, "rows": rows})
+  C.write_results(args.out, C.stem("shampoo_memory", args.quick), text,
+                  {"header": head, "rows": rows})
 
 
 if __name__ == "__main__":

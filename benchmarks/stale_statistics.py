@@ -70,7 +70,8 @@ Usage: OPENBLAS_NUM_THREADS=1 python benchmarks/stale_statistics.py [--quick]
        [--steps 300] [--alpha 0.1] [--decays 0.95,0] [--lr 0.05] [--damping 1e-2]
        [--seed 0] [--rounds 3] [--reps 4] [--devices 8] [--device-steps 8]
        [--out benchmarks/results]
-Writes stale_statistics.md, .json and .png (stale_statistics_quick.* with --quick).
+Writes stale_statistics.md, .json and .png (stale_statistics_quick.* with --quick:
+16 steps, decay 0.95 only, no device check, one round of fixed-state steps).
 """
 
 from __future__ import annotations
@@ -86,30 +87,23 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import argparse
 import dataclasses
 import hashlib
-import importlib
-import inspect
 import json
 import platform
-import re
 import statistics
 import subprocess
 import tempfile
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import Mesh
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
+import _models  # noqa: E402
 
 import kfac_jax_dist as kd  # noqa: E402
-from kfac_jax_dist.capture import statistics as factors_lib  # noqa: E402
-from kfac_jax_dist.kfac import stale as stale_lib  # noqa: E402
-from kfac_jax_dist.kfac.state import find_states  # noqa: E402
 
 TRAIN_MODULES = ("argparse", "textwrap", "difflib", "string")
 HELDOUT_MODULES = ("pprint",)
@@ -122,70 +116,21 @@ SPNGD = {"4K": 23.6, "8K": 15.1, "16K": 5.4, "32K": 7.8}   # % of the statistics
 
 def corpus():
   """(train ids, held-out ids, vocabulary, description) from stdlib sources."""
-  def read(names):
-    texts = []
-    for name in names:
-      path = inspect.getsourcefile(importlib.import_module(name))
-      with open(path, encoding="utf-8") as f:
-        texts.append(f.read())
-    text = "".join(texts)
-    return "".join(c if 32 <= ord(c) < 127 or c == "\n" else "?" for c in text)
-  train, held = read(TRAIN_MODULES), read(HELDOUT_MODULES)
+  train, held = C.source_corpus(TRAIN_MODULES), C.source_corpus(HELDOUT_MODULES)
   vocab = sorted(set(train) | set(held))
-  lut = np.zeros(128, np.int32)
-  lut[[ord(c) for c in vocab]] = np.arange(len(vocab))
-
-  def ids(text):
-    return lut[np.frombuffer(text.encode("ascii"), np.uint8)]
   digest = hashlib.sha256((train + "\0" + held).encode()).hexdigest()[:12]
   desc = dict(python=platform.python_version(), train_modules=TRAIN_MODULES,
               heldout_modules=HELDOUT_MODULES, train_chars=len(train),
               heldout_chars=len(held), vocab_size=len(vocab), sha256_12=digest)
-  return ids(train), ids(held), vocab, desc
+  return C.encode(train, vocab), C.encode(held, vocab), vocab, desc
 
 
 def batches(ids, n, batch, seed):
   """[n, batch, CONTEXT + 1] windows at positions from default_rng(seed)."""
-  starts = np.random.default_rng(seed).integers(0, len(ids) - CONTEXT - 1, (n, batch))
-  return ids[starts[..., None] + np.arange(CONTEXT + 1)]
+  return C.windows(ids, n, batch, CONTEXT + 1, np.random.default_rng(seed))
 
 
 # ----------------------------------------------------------------------- model
-
-class Block(nn.Module):
-  """Pre-LN block: causal attention (DenseGeneral q/k/v/o), MLP (Dense, GELU)."""
-
-  @nn.compact
-  def __call__(self, x):
-    d, hd = x.shape[-1], x.shape[-1] // HEADS
-    h = kd.linen.LayerNorm(name="ln1")(x)
-    q, k, v = (kd.linen.DenseGeneral((HEADS, hd), name=n)(h) for n in "qkv")
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd)
-    causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
-    s = jnp.where(causal, s, jnp.finfo(s.dtype).min)
-    o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
-    x = x + kd.linen.DenseGeneral(d, axis=(-2, -1), name="o")(o)
-    h = kd.linen.LayerNorm(name="ln2")(x)
-    h = nn.gelu(kd.linen.Dense(MLP, name="fc1")(h))
-    return x + kd.linen.Dense(d, name="fc2")(h)
-
-
-class CharLM(nn.Module):
-  vocab: int
-
-  @nn.compact
-  def __call__(self, tokens):
-    # `0 * tokens`: under shard_map the position ids must vary over the devices
-    # like the tokens; ids from `jnp.arange` alone make kd.tags.embed's captured
-    # A device-invariant while its skipped-statistics zeros are varying, and the
-    # capture's lax.cond (tags.py, `_captured.bwd`) rejects the mismatch.
-    positions = jnp.arange(tokens.shape[1]) + 0 * tokens
-    x = (kd.linen.Embed(self.vocab, D_MODEL, name="embed")(tokens)
-         + kd.linen.Embed(CONTEXT, D_MODEL, name="pos")(positions))
-    for i in range(BLOCKS):
-      x = Block(name=f"block{i}")(x)
-    return kd.linen.Dense(self.vocab, name="head")(kd.linen.LayerNorm(name="ln_f")(x))
-
 
 MODEL_DESCRIPTION = (
     f"CharLM: Embed(vocab, {D_MODEL}) + Embed({CONTEXT}, {D_MODEL}) positions; {BLOCKS} "
@@ -197,7 +142,8 @@ MODEL_DESCRIPTION = (
 
 
 def problem(vocab_size):
-  model = CharLM(vocab_size)
+  model = _models.CharLM(vocab_size, width=D_MODEL, blocks=BLOCKS, heads=HEADS,
+                         context=CONTEXT)
   params = model.init(jax.random.key(0), jnp.zeros((BATCH, CONTEXT), jnp.int32))
 
   def loss_fn(p, x, y):
@@ -212,15 +158,9 @@ def make_tx(layers, args, decay, alpha, distribution=None):
 
 
 def make_step(grad_fn, tx):
-  def step(params, state, tokens):
-    loss, grads, stats = grad_fn(params, tokens[:, :-1], tokens[:, 1:], opt_state=state)
-    updates, state = tx.update(grads, state, params, kfac_stats=stats)
-    return optax.apply_updates(params, updates), state, loss
-  return step
-
-
-def kstate(opt_state) -> kd.ScaleByKfacState:
-  return find_states(opt_state)[0]
+  """step(params, state, tokens [batch, CONTEXT + 1]): next-character loss."""
+  step = C.kfac_step(grad_fn, tx)
+  return lambda params, state, tokens: step(params, state, tokens[:, :-1], tokens[:, 1:])
 
 
 def with_schedule(opt_state, due: bool):
@@ -240,10 +180,10 @@ def with_schedule(opt_state, due: bool):
 def factor_table(lay):
   """One row per factor in `factor_order`: layer, which, form, dim, size, d³."""
   rows = []
-  for plan, which, place in stale_lib.factor_order(lay):
+  for plan, which, place in C.stale_lib.factor_order(lay):
     rows.append(dict(layer=plan.layer.name.removeprefix("params/"), factor=which,
                      form=place.form, dim=place.dim, size=place.size,
-                     eigh=place.form == factors_lib.FULL))
+                     eigh=place.form == C.factors_lib.FULL))
   return rows
 
 
@@ -273,13 +213,13 @@ def savings(table, refreshes, n, p=8):
 def relative_change_fn(lay):
   """jit((old flat factors, new) → ‖X − X₋₁‖_F / ‖X₋₁‖_F of every factor, in
   `factor_order`), the measure of SP-NGD's similarity test."""
-  order = stale_lib.factor_order(lay)
+  order = C.stale_lib.factor_order(lay)
 
   def fn(old, new):
     out = []
     for _, _, place in order:
       span = slice(lay.factor_start(place), lay.factor_start(place) + place.size)
-      out.append(stale_lib.relative_change(new[span].astype(jnp.float32),
+      out.append(C.stale_lib.relative_change(new[span].astype(jnp.float32),
                                            old[span].astype(jnp.float32), place, lay.packed))
     return jnp.stack(out)
   return jax.jit(fn)
@@ -291,7 +231,7 @@ def train_lockstep(runs, params, data, held_batches, eval_fn, eval_every):
   for r in runs:
     r.update(params=params, state=r["tx"].init(params), loss=[], wall=[], cpu=[],
              refreshes=[], eval=[], change=[])
-    r["change_fn"] = (relative_change_fn(kstate(r["state"]).layout) if r["kind"] == "plain"
+    r["change_fn"] = (relative_change_fn(C.kfac_state(r["state"]).layout) if r["kind"] == "plain"
                       else None)
   for i in range(len(data)):
     for r in runs:
@@ -302,11 +242,11 @@ def train_lockstep(runs, params, data, held_batches, eval_fn, eval_every):
       r["wall"].append(time.perf_counter() - t)
       r["cpu"].append(time.process_time() - c)
       r["loss"].append(float(loss))
-      ks = kstate(r["state"])
+      ks = C.kfac_state(r["state"])
       if ks.refresh is not None:
         r["refreshes"].append(np.asarray(ks.refresh.refreshes).tolist())
       if r["change_fn"] is not None and i > 0:     # step 1 starts from identities
-        r["change"].append(np.asarray(r["change_fn"](kstate(old).factors,
+        r["change"].append(np.asarray(r["change_fn"](C.kfac_state(old).factors,
                                                      ks.factors)).tolist())
       if (i + 1) % eval_every == 0 or i + 1 == len(data) or i == 0:
         r["eval"].append((i + 1, float(np.mean([eval_fn(r["params"], b)
@@ -351,14 +291,14 @@ def child(args):
   compiled = fn.lower(params, state, data[0, :, :-1], data[0, :, 1:]).compile()
   compile_s = time.perf_counter() - t0
   hlo = compiled.as_text()
-  lay = kstate(state).layout
+  lay = C.kfac_state(state).layout
   table = factor_table(lay)
   found, notes = C.collectives(hlo, p)
   cond = factor_conditionals(hlo)
   refreshes, prm = [], params
   for i in range(args.device_steps):
     prm, state = compiled(prm, state, data[i, :, :-1], data[i, :, 1:])
-    refreshes.append(np.asarray(kstate(state).refresh.refreshes).tolist())
+    refreshes.append(np.asarray(C.kfac_state(state).refresh.refreshes).tolist())
   payload = dict(
       p=p, decay=decay, steps=args.device_steps, compile_s=compile_s, table=table,
       refreshes=refreshes, notes=notes, conditionals=cond,
@@ -373,32 +313,22 @@ def factor_conditionals(hlo: str):
   bytes) of each of its branches, and the all-reduces of that scope outside any
   such conditional."""
   comps, entry = C.parse_computations(hlo)
-  called_re = re.compile(r"\b(?:calls|body|condition|true_computation|false_computation)"
-                         r"=%?([\w.\-]+)")
-
-  def branches_of(tail):
-    m = re.search(r"branch_computations=\{([^}]*)\}", tail)
-    if m:
-      return [b.strip().lstrip("%") for b in m.group(1).split(",") if b.strip()]
-    return [re.search(r"false_computation=%?([\w.\-]+)", tail).group(1),
-            re.search(r"true_computation=%?([\w.\-]+)", tail).group(1)]
 
   def instructions(comp):
     for name, rest in comps.get(comp, []):
-      shape, tail = C._split_shape(rest)          # pylint: disable=protected-access
-      op = re.search(r'op_name="([^"]*)"', tail)
-      yield name, shape, tail, tail.split("(", 1)[0].strip(), op.group(1) if op else ""
+      shape, tail = C.split_shape(rest)
+      yield name, shape, tail, C.opcode(tail), C.op_name(tail)
+
+  def callees(tail, opcode):
+    return C.branch_names(tail) if opcode == "conditional" else C.called_names(tail)
 
   def reduces(comp):
-    """Payload bytes of every all-reduce reachable from comp (not via to_apply)."""
+    """Payload bytes of every all-reduce reachable from comp."""
     out = []
     for _, shape, tail, opcode, _ in instructions(comp):
-      if opcode == "all-reduce":
+      if opcode in ("all-reduce", "all-reduce-start"):
         out.append(C.shape_bytes(shape))
-      elif opcode == "all-reduce-start":
-        out.append(C.shape_bytes(re.findall(r"[a-z0-9]+\[[0-9,]*\]", shape)[0]))
-      callees = branches_of(tail) if opcode == "conditional" else called_re.findall(tail)
-      for c in callees:
+      for c in callees(tail, opcode):
         out += reduces(c)
     return out
 
@@ -406,16 +336,12 @@ def factor_conditionals(hlo: str):
 
   def walk(comp):
     for name, shape, tail, opcode, op in instructions(comp):
-      if opcode == "conditional":
-        if C.FACTOR_SCOPE in op:
-          found.append(dict(name=name, branches=[reduces(b) for b in branches_of(tail)]))
-        else:
-          for b in branches_of(tail):
-            walk(b)
+      if opcode == "conditional" and C.FACTOR_SCOPE in op:
+        found.append(dict(name=name, branches=[reduces(b) for b in C.branch_names(tail)]))
         continue
       if opcode in ("all-reduce", "all-reduce-start") and C.FACTOR_SCOPE in op:
         outside.append(dict(name=name, bytes=C.shape_bytes(shape), op_name=op))
-      for c in called_re.findall(tail):
+      for c in callees(tail, opcode):
         walk(c)
   walk(entry)
   return dict(factor_scope_conditionals=found, factor_scope_all_reduces_outside=outside)
@@ -713,22 +639,24 @@ def comparison_md(results):
 
 # ------------------------------------------------------------------------ main
 
+FULL = dict(steps=300, decays="0.95,0", devices=8, rounds=3, reps=4)
+QUICK = dict(steps=16, decays="0.95", devices=0, rounds=1, reps=2)
+
+
 def parser():
   ap = C.argument_parser(__doc__)
-  ap.add_argument("--quick", action="store_true", help="40 steps, decay 0.95 only, no "
-                  "device check; writes stale_statistics_quick.*")
-  ap.add_argument("--steps", type=int, default=None)
+  C.add_quick(ap, "stale_statistics", QUICK)
+  ap.add_argument("--steps", type=int, default=None, help="default 300")
   ap.add_argument("--alpha", type=float, default=0.1)
   ap.add_argument("--decays", default=None, help="factor_decay values (default 0.95,0)")
   ap.add_argument("--lr", type=float, default=0.05)
   ap.add_argument("--damping", type=float, default=1e-2)
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--eval-every", type=int, default=25)
-  ap.add_argument("--rounds", type=int, default=3)
-  ap.add_argument("--reps", type=int, default=4)
+  ap.add_argument("--rounds", type=int, default=None, help="default 3")
+  ap.add_argument("--reps", type=int, default=None, help="default 4")
   ap.add_argument("--devices", type=int, default=None, help="8 (default), 0: no check")
   ap.add_argument("--device-steps", type=int, default=8)
-  ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   ap.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
   ap.add_argument("--child-out", default="", help=argparse.SUPPRESS)
   return ap
@@ -737,13 +665,8 @@ def parser():
 def main():
   t_start = time.perf_counter()
   args = parser().parse_args()
-  if args.steps is None:
-    args.steps = 40 if args.quick else 300
-  if args.decays is None:
-    args.decays = "0.95" if args.quick else "0.95,0"
-  if args.devices is None:
-    args.devices = 0 if args.quick else 8
-  head = C.header()
+  C.fill_defaults(args, QUICK, FULL)
+  head = C.environment()
   load0 = os.getloadavg()[0]
   print(f"jax {head['jax']}, {head['machine']}, load {load0:.1f}", flush=True)
   train_ids, held_ids, vocab, data_desc = corpus()
@@ -772,11 +695,11 @@ def main():
   for decay in (float(d) for d in args.decays.split(",")):
     pair = [r for r in runs if r["decay"] == decay]
     plain, stale = pair
-    ks = kstate(stale["state"])
+    ks = C.kfac_state(stale["state"])
     describe_text = describe_text or kd.describe(ks)
     table = factor_table(ks.layout)
     assert [(t["layer"], t["factor"]) for t in table] == [
-        (t["layer"], t["factor"]) for t in factor_table(kstate(plain["state"]).layout)]
+        (t["layer"], t["factor"]) for t in factor_table(C.kfac_state(plain["state"]).layout)]
     sv = savings(table, stale["refreshes"][-1], args.steps)
     w_p, w_s = np.asarray(plain["wall"][1:]), np.asarray(stale["wall"][1:])
     c_p, c_s = np.asarray(plain["cpu"][1:]), np.asarray(stale["cpu"][1:])
@@ -822,7 +745,7 @@ def main():
       device = device_analysis(device, stale0["refreshes"], results[0]["table"])
   head["wall_s"] = time.perf_counter() - t_start
   head["load"] = (load0, os.getloadavg()[0])
-  stem = "stale_statistics_quick" if args.quick else "stale_statistics"
+  stem = C.stem("stale_statistics", args.quick)
   text = render(head, data_desc, results, device, args, describe_text)
   text += f"\nPlot: `{stem}.png` (losses; factor bytes per step; cumulative fraction).\n"
   print(text)

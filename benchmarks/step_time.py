@@ -44,17 +44,14 @@ an order of magnitude lower and far less erratic; the header records it.
 Usage: [OPENBLAS_NUM_THREADS=1] python benchmarks/step_time.py [--quick]
        [--models mlp,cnn,lm] [--rounds R] [--reps N] [--cycles C]
        [--compile-reps K] [--hang-timeout S] [--out benchmarks/results]
-Writes step_time.md and step_time.json (step_time_quick.* with --quick).
+Writes step_time.md and step_time.json (step_time_quick.* with --quick: the
+MLP unless --models, 2 rounds of 3 steps).
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import faulthandler
-import json
 import os
-import platform
 import statistics
 import sys
 import threading
@@ -134,29 +131,6 @@ def make_problem(name: str):
 
 
 # ---------------------------------------------------------------------- steps
-
-def optax_step(loss_fn, tx):
-  def step(params, opt_state, x, y):
-    loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-  return step
-
-
-def kfac_step(grad_fn, tx):
-  def step(params, opt_state, x, y):
-    loss, grads, stats = grad_fn(params, x, y, opt_state=opt_state)
-    updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats)
-    return optax.apply_updates(params, updates), opt_state, loss
-  return step
-
-
-def kfac_state(opt_state) -> kd.ScaleByKfacState:
-  """The K-FAC state inside an optax state tree."""
-  leaves = jax.tree_util.tree_leaves(
-      opt_state, is_leaf=lambda s: isinstance(s, kd.ScaleByKfacState))
-  return next(s for s in leaves if isinstance(s, kd.ScaleByKfacState))
-
 
 def advance(step, params, opt_state, x, y, n):
   for _ in range(n):
@@ -287,10 +261,10 @@ def build(model_name: str, args):
                                 inverse_update_every=INVERSE_EVERY),
   }
   steps = {
-      "sgd": optax_step(loss_fn, txs["sgd"]),
-      "adam": optax_step(loss_fn, txs["adam"]),
-      "kfac_every": kfac_step(grad_fn, txs["kfac_every"]),
-      "kfac_amortised": kfac_step(grad_fn, txs["kfac_amortised"]),
+      "sgd": _common.optax_step(loss_fn, txs["sgd"]),
+      "adam": _common.optax_step(loss_fn, txs["adam"]),
+      "kfac_every": _common.kfac_step(grad_fn, txs["kfac_every"]),
+      "kfac_amortised": _common.kfac_step(grad_fn, txs["kfac_amortised"]),
   }
   states = {k: tx.init(params) for k, tx in txs.items()}
 
@@ -313,7 +287,7 @@ def build(model_name: str, args):
   kinds = {"kfac_plain": (pre[0], pre[1]), "kfac_factor": (p10, st10),
            "kfac_inverse": (params, st0)}
   for name, (_, s) in kinds.items():
-    ks = kfac_state(s)
+    ks = _common.kfac_state(s)
     inv = int(ks.count) % INVERSE_EVERY == 0
     assert bool(ks.update_factors) == (name != "kfac_plain"), name
     assert inv == (name == "kfac_inverse"), name
@@ -411,19 +385,6 @@ def measure(model_name: str, args) -> dict:
 
 # -------------------------------------------------------------------- report
 
-def environment() -> dict:
-  commit = _common.library_commit()
-  return dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
-              jax=jax.__version__, jaxlib=getattr(jax.lib, "__version__", ""),
-              optax=optax.__version__, backend=jax.default_backend(),
-              devices=str(jax.devices()), cpu=_common.cpu_name(), cpu_count=os.cpu_count(),
-              python=platform.python_version(), commit=commit,
-              threads_env={k: os.environ[k] for k in (
-                  "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "XLA_FLAGS")
-                  if k in os.environ},
-              library=os.path.dirname(os.path.abspath(kd.__file__)))
-
-
 def markdown(results: list[dict], env: dict, args) -> str:
   lines = ["# Step time: K-FAC vs optax SGD and Adam", "",
            f"- date: {env['date']}; jax {env['jax']} ({env['backend']}); "
@@ -447,15 +408,15 @@ def markdown(results: list[dict], env: dict, args) -> str:
               "Tagged layers: " + ", ".join(
                   f"{l['name'].split('/')[-1]} (A {l['a_dim']}, G {l['g_dim']})"
                   for l in res["layers"]), "",
-              "| method | what | wall ms/step | × SGD | × Adam | CPU ms/step | × SGD (CPU) "
-              "| × Adam (CPU) | compile s |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for row in res["rows"]:
-      comp = f"{row['compile']['total_s']:.2f}" if row["compile"] else ""
-      lines.append(f"| {row['name']} | {row['note']} | {row['ms']:.2f} "
-                   f"({row['ms_min']:.1f}-{row['ms_max']:.1f}) | "
-                   f"{row['vs_sgd']:.2f} | {row['vs_adam']:.2f} | {row['cpu_ms']:.2f} | "
-                   f"{row['cpu_vs_sgd']:.2f} | {row['cpu_vs_adam']:.2f} | {comp} |")
+              _common.md_table([[
+                  row["name"], row["note"],
+                  f"{row['ms']:.2f} ({row['ms_min']:.1f}-{row['ms_max']:.1f})",
+                  f"{row['vs_sgd']:.2f}", f"{row['vs_adam']:.2f}", f"{row['cpu_ms']:.2f}",
+                  f"{row['cpu_vs_sgd']:.2f}", f"{row['cpu_vs_adam']:.2f}",
+                  f"{row['compile']['total_s']:.2f}" if row["compile"] else ""]
+                  for row in res["rows"]],
+                  ["method", "what", "wall ms/step", "× SGD", "× Adam", "CPU ms/step",
+                   "× SGD (CPU)", "× Adam (CPU)", "compile s"])]
     lines += ["", f"FLOPs per step (analytic; XLA's count for forward+backward: "
               f"{f['fwd_bwd_xla'] / 1e9:.2f} GFLOP): forward+backward "
               f"{f['fwd_bwd'] / 1e9:.2f} G, preconditioning {f['precondition'] / 1e9:.2f} G, "
@@ -467,11 +428,15 @@ def markdown(results: list[dict], env: dict, args) -> str:
   return "\n".join(lines)
 
 
+FULL = dict(rounds=5, reps=10, cycles=1, compile_reps=2, models="mlp,cnn,lm")
+QUICK = dict(rounds=2, reps=3, cycles=1, compile_reps=1, models="mlp")
+
+
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--quick", action="store_true",
-                      help="few rounds and steps (a smoke run; noisy numbers)")
-  parser.add_argument("--models", default="mlp,cnn,lm")
+  parser = _common.argument_parser(__doc__)
+  _common.add_quick(parser, "step_time", QUICK)
+  parser.add_argument("--models", default=None,
+                      help="comma-separated (default mlp,cnn,lm; quick mlp)")
   parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
   parser.add_argument("--reps", type=int, default=None,
                       help="steps per timed block (fixed-state and short runs)")
@@ -480,30 +445,22 @@ def main():
   parser.add_argument("--compile-reps", type=int, default=None)
   parser.add_argument("--hang-timeout", type=float, default=600,
                       help="abort (exit 3) when no step finishes for this many seconds")
-  parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
   args = parser.parse_args()
-  defaults = dict(rounds=2, reps=3, cycles=1, compile_reps=1) if args.quick else dict(
-      rounds=5, reps=10, cycles=1, compile_reps=2)
-  for k, v in defaults.items():
-    if getattr(args, k) is None:
-      setattr(args, k, v)
+  _common.fill_defaults(args, QUICK, FULL)
 
   global WATCHDOG
   WATCHDOG = Watchdog(args.hang_timeout)
-  env = environment()
+  env = _common.environment()
   print(f"jax {env['jax']} on {env['cpu']} ({env['cpu_count']} cores)", flush=True)
   results = []
   for name in args.models.split(","):
     results.append(measure(name.strip(), args))
   text = markdown(results, env, args)
   print(text)
-  os.makedirs(args.out, exist_ok=True)
-  stem = "step_time_quick" if args.quick else "step_time"
-  with open(os.path.join(args.out, stem + ".md"), "w") as f:
-    f.write(text + "\n")
-  with open(os.path.join(args.out, stem + ".json"), "w") as f:
-    json.dump(dict(environment=env, args=vars(args), factor_update_every=FACTOR_EVERY,
-                   inverse_update_every=INVERSE_EVERY, results=results), f, indent=1)
+  stem = _common.stem("step_time", args.quick)
+  _common.write_results(args.out, stem, text, dict(
+      environment=env, args=vars(args), factor_update_every=FACTOR_EVERY,
+      inverse_update_every=INVERSE_EVERY, results=results))
   print(f"wrote {os.path.join(args.out, stem + '.md')} and .json")
 
 

@@ -49,8 +49,11 @@ Google's code calls `jax.tree_map` & co., removed from jax: this script (only)
 aliases them to `jax.tree_util`'s.
 
 Usage: OPENBLAS_NUM_THREADS=1 python benchmarks/vs_distributed_shampoo.py
-       [--steps N] [--rounds R] [--out benchmarks/results]
-Writes vs_distributed_shampoo.md and .json.
+       [--quick] [--steps N] [--rounds R] [--round-steps K] [--agree-steps K]
+       [--models mlp,cnn] [--out benchmarks/results]
+Writes vs_distributed_shampoo.md and .json (vs_distributed_shampoo_quick.* with
+--quick: the MLP, 10 steps). Without precondition-opt installed, --quick prints
+why and exits 0; a full run exits with the same message.
 """
 
 from __future__ import annotations
@@ -73,63 +76,45 @@ import _common  # pylint: disable=g-import-not-at-top
 
 import kfac_jax_dist as kd  # pylint: disable=g-import-not-at-top
 
+import _models  # pylint: disable=g-import-not-at-top
+
 for _name in ("tree_map", "tree_flatten", "tree_unflatten", "tree_leaves",
               "tree_structure"):
   if not hasattr(jax, _name):
     setattr(jax, _name, getattr(jax.tree_util, _name))
 warnings.filterwarnings("ignore", message="Explicitly requested dtype")
-from precondition import distributed_shampoo as gds  # pylint: disable=g-import-not-at-top
+try:
+  from precondition import distributed_shampoo as gds  # pylint: disable=g-import-not-at-top
+except ImportError as e:
+  gds = None
+  MISSING_PEER = (f"vs_distributed_shampoo.py needs Google's distributed_shampoo, from the "
+                  f"package precondition-opt (pip install precondition-opt): {e}")
 
 BLOCK, BETA2, EPS, LR, MOMENTUM = 64, 0.999, 1e-6, 1e-3, 0.9
 START, ROOT_EVERY, BATCH = 0, 10, 128
 
 
-# ---------------------------------------------------------------------- data
-
-digits = _common.digits
-
-
 # -------------------------------------------------------------------- models
 
-def _dense_init(key, n_in, n_out):
-  return {"kernel": jax.random.normal(key, (n_in, n_out)) * np.sqrt(2.0 / n_in),
-          "bias": jnp.zeros(n_out)}
-
-
-def mlp_init(key):
-  k = jax.random.split(key, 3)
-  return {"d0": _dense_init(k[0], 64, 128), "d1": _dense_init(k[1], 128, 128),
-          "d2": _dense_init(k[2], 128, 10)}
-
-
-def mlp_apply(p, x):
-  h = x.reshape(x.shape[0], -1)
-  h = jax.nn.relu(h @ p["d0"]["kernel"] + p["d0"]["bias"])
-  h = jax.nn.relu(h @ p["d1"]["kernel"] + p["d1"]["bias"])
-  return h @ p["d2"]["kernel"] + p["d2"]["bias"]
+digits = _common.digits
+MLP_SIZES = (64, 128, 128, 10)
 
 
 def cnn_init(key):
   k = jax.random.split(key, 3)
-  conv = lambda kk, c_in, c_out: {
-      "kernel": jax.random.normal(kk, (3, 3, c_in, c_out)) * np.sqrt(2.0 / (9 * c_in)),
-      "bias": jnp.zeros(c_out)}
-  return {"c0": conv(k[0], 1, 16), "c1": conv(k[1], 16, 32),
-          "d": _dense_init(k[2], 4 * 4 * 32, 10)}
+  return {"c0": _models.conv_init(k[0], 1, 16), "c1": _models.conv_init(k[1], 16, 32),
+          "d": _models.dense_init(k[2], 4 * 4 * 32, 10)}
 
 
 def cnn_apply(p, x):
-  def conv(h, q, stride):
-    out = jax.lax.conv_general_dilated(h, q["kernel"], (stride, stride), "SAME",
-                                       dimension_numbers=("NHWC", "HWIO", "NHWC"))
-    return jax.nn.relu(out + q["bias"])
-  h = conv(conv(x, p["c0"], 1), p["c1"], 2)
-  h = h.reshape(h.shape[0], -1)
-  return h @ p["d"]["kernel"] + p["d"]["bias"]
+  h = jax.nn.relu(_models.conv(x, p["c0"], 1))
+  h = jax.nn.relu(_models.conv(h, p["c1"], 2))
+  return _models.dense(h.reshape(h.shape[0], -1), p["d"])
 
 
 MODELS = {
-    "mlp": ("MLP 64-128-128-10, ReLU", mlp_init, mlp_apply),
+    "mlp": ("MLP 64-128-128-10, ReLU",
+            lambda key: _models.dense_stack_init(key, MLP_SIZES), _models.dense_stack_apply),
     "cnn": ("Conv3x3(16)-Conv3x3/2(32)-Dense(10), ReLU", cnn_init, cnn_apply),
 }
 
@@ -170,11 +155,7 @@ def make_step(apply, tx):
   def loss_fn(p, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(apply(p, x), y).mean()
 
-  def step(p, state, x, y):
-    loss, g = jax.value_and_grad(loss_fn)(p, x, y)
-    u, state = tx.update(g, state, p)
-    return optax.apply_updates(p, u), state, loss
-  return step, loss_fn
+  return _common.optax_step(loss_fn, tx), loss_fn
 
 
 def batches(n_train, steps, seed=1):
@@ -213,14 +194,13 @@ def _oracle_root(h, p):
 
 def root_check(state):
   """Per bucket of a ScaleByShampooState: relative errors of the roots."""
-  from kfac_jax_dist.shampoo import roots  # pylint: disable=import-outside-toplevel
   rows = []
   for (d, p), stats in zip(state.layout.buckets, state.statistics):
     want = [_oracle_root(h, p) for h in np.asarray(stats)]
     scale = [np.abs(x).max() for x in want]
     row = {"d": d, "p": p, "n": stats.shape[0]}
     for method in ("newton", "eigh"):
-      got, _ = roots.inverse_pth_root(stats, p, method=method, ridge_epsilon=EPS)
+      got, _ = _common.roots_lib.inverse_pth_root(stats, p, method=method, ridge_epsilon=EPS)
       row[method] = max(np.abs(np.asarray(g) - w).max() / s_
                         for g, w, s_ in zip(got, want, scale))
     errs, retries = [], []
@@ -299,16 +279,26 @@ def run_model(name, steps, rounds, round_steps, agree_steps):
   return what, shapes, rows, sensitivity, checks
 
 
+FULL = dict(steps=300, rounds=5, round_steps=40, agree_steps=30, models="mlp,cnn")
+QUICK = dict(steps=10, rounds=1, round_steps=10, agree_steps=5, models="mlp")
+
+
 def main():
   parser = _common.argument_parser(__doc__)
-  parser.add_argument("--steps", type=int, default=300)
-  parser.add_argument("--rounds", type=int, default=5)
-  parser.add_argument("--round-steps", type=int, default=40)
-  parser.add_argument("--agree-steps", type=int, default=30)
-  parser.add_argument("--models", default="mlp,cnn")
-  parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+  _common.add_quick(parser, "vs_distributed_shampoo", QUICK)
+  parser.add_argument("--steps", type=int, default=None, help="default 300")
+  parser.add_argument("--rounds", type=int, default=None, help="default 5")
+  parser.add_argument("--round-steps", type=int, default=None, help="default 40")
+  parser.add_argument("--agree-steps", type=int, default=None, help="default 30")
+  parser.add_argument("--models", default=None, help="default mlp,cnn")
   args = parser.parse_args()
-  head = _common.header()
+  _common.fill_defaults(args, QUICK, FULL)
+  if gds is None:
+    if args.quick:     # the smoke run of .ci/run where the peer is not installed
+      print(f"vs_distributed_shampoo.py --quick: skipped. {MISSING_PEER}")
+      return
+    sys.exit(MISSING_PEER)
+  head = _common.environment()
   lines = ["# kd.shampoo vs Google's distributed_shampoo", "",
            _common.header_md(head) + f"; OPENBLAS_NUM_THREADS="
            f"{os.environ.get('OPENBLAS_NUM_THREADS')}; precondition-opt "
@@ -377,7 +367,8 @@ def main():
     print("\n".join(lines[-14:]), flush=True)
   text = "\n".join(lines)
   print(text)
-  _common.write_results(args.out, "vs_distributed_shampoo", text, payload)
+  _common.write_results(args.out, _common.stem("vs_distributed_shampoo", args.quick), text,
+                        payload)
 
 
 def _version(dist):

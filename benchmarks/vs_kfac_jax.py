@@ -82,7 +82,10 @@ use jax 0.8.0, the oldest jax this project supports:
 Usage: python benchmarks/vs_kfac_jax.py [--models mlp,cnn,autoencoder]
        [--rounds R] [--compile-reps N] [--no-profile] [--quick]
        [--out benchmarks/results]
-Writes vs_kfac_jax.md and vs_kfac_jax.json (vs_kfac_jax_quick.* with --quick).
+Writes vs_kfac_jax.md and vs_kfac_jax.json (vs_kfac_jax_quick.* with --quick:
+the MLP at cadence 1/10, no profile). Without kfac-jax importable, --quick
+prints why and exits 0 (the smoke run of .ci/run, on a jax kfac-jax does not
+run on); a full run exits with the same message.
 """
 
 from __future__ import annotations
@@ -114,16 +117,18 @@ import _common  # pylint: disable=g-import-not-at-top
 
 import kfac_jax_dist as kd  # pylint: disable=g-import-not-at-top
 
+import _models  # pylint: disable=g-import-not-at-top
+
 try:
   import kfac_jax  # pylint: disable=g-import-not-at-top
 except Exception as e:  # pylint: disable=broad-except
-  sys.exit(
+  kfac_jax = None
+  MISSING_PEER = (
       f"vs_kfac_jax.py needs DeepMind's kfac-jax importable next to kfac_jax_dist "
       f"(import failed: {type(e).__name__}: {e}).\n"
       f"kfac-jax 0.0.8 relies on JAX internals and runs with jax 0.8.0-0.9.1, not "
       f"0.9.2+ (this environment has jax {jax.__version__}). Make an environment "
-      f"with both, "
-      f"e.g.:\n"
+      f"with both, e.g.:\n"
       f"  python -m venv /work/venv-peer\n"
       f"  /work/venv-peer/bin/pip install jax==0.8.0 jaxlib==0.8.0 kfac-jax flax "
       f"optax chex scikit-learn\n"
@@ -148,73 +153,35 @@ DESCRIPTIONS = {
 }
 
 
-# ---------------------------------------------------------------------- data
-
-digits = _common.digits
-
-
 # -------------------------------------------------------------------- models
 
-def _dense_init(key, n_in, n_out):
-  return {"kernel": jax.random.normal(key, (n_in, n_out)) * np.sqrt(2.0 / n_in),
-          "bias": jnp.zeros(n_out)}
-
-
-def _conv_init(key, c_in, c_out):
-  return {"kernel": jax.random.normal(key, (3, 3, c_in, c_out)) * np.sqrt(2.0 / (9 * c_in)),
-          "bias": jnp.zeros(c_out)}
-
-
+digits = _common.digits
 AE_SIZES = (64, 256, 128, 32, 128, 256, 64)
+DENSE_SIZES = {"mlp": (64, 128, 128, 10), "autoencoder": AE_SIZES}
 
 
 def init_params(model: str, key):
-  if model == "mlp":
-    k = jax.random.split(key, 3)
-    return {"d0": _dense_init(k[0], 64, 128), "d1": _dense_init(k[1], 128, 128),
-            "d2": _dense_init(k[2], 128, 10)}
+  """He-normal parameter dicts (`_models`): dense stacks d0, d1, ... or the CNN's
+  c0, c1 (3x3 convolutions), d0, d1."""
+  if model in DENSE_SIZES:
+    return _models.dense_stack_init(key, DENSE_SIZES[model])
   if model == "cnn":
     k = jax.random.split(key, 4)
-    return {"c0": _conv_init(k[0], 1, 16), "c1": _conv_init(k[1], 16, 32),
-            "d0": _dense_init(k[2], 512, 64), "d1": _dense_init(k[3], 64, 10)}
-  if model == "autoencoder":
-    k = jax.random.split(key, len(AE_SIZES) - 1)
-    return {f"d{i}": _dense_init(k[i], a, b)
-            for i, (a, b) in enumerate(zip(AE_SIZES[:-1], AE_SIZES[1:]))}
+    return {"c0": _models.conv_init(k[0], 1, 16), "c1": _models.conv_init(k[1], 16, 32),
+            "d0": _models.dense_init(k[2], 512, 64), "d1": _models.dense_init(k[3], 64, 10)}
   raise ValueError(model)
-
-
-def _dense(x, p, tagged, name):
-  if tagged:
-    return kd.tags.dense(x, p["kernel"], p["bias"], name=name)
-  return x @ p["kernel"] + p["bias"]
-
-
-def _conv(x, p, stride, tagged, name):
-  if tagged:
-    return kd.tags.conv2d(x, p["kernel"], p["bias"], strides=(stride, stride),
-                          padding="SAME", name=name)
-  y = jax.lax.conv_general_dilated(x, p["kernel"], (stride, stride), "SAME",
-                                   dimension_numbers=("NHWC", "HWIO", "NHWC"))
-  return y + p["bias"]
 
 
 def apply(model: str, p, x, tagged: bool):
   """Logits. `tagged`: kd's tag functions (same numbers as the plain ops)."""
   if model == "cnn":
-    h = jax.nn.relu(_conv(x, p["c0"], 1, tagged, "c0"))
-    h = jax.nn.relu(_conv(h, p["c1"], 2, tagged, "c1"))
+    h = jax.nn.relu(_models.conv(x, p["c0"], 1, tagged, "c0"))
+    h = jax.nn.relu(_models.conv(h, p["c1"], 2, tagged, "c1"))
     h = h.reshape(h.shape[0], -1)
-    h = jax.nn.relu(_dense(h, p["d0"], tagged, "d0"))
-    return _dense(h, p["d1"], tagged, "d1")
-  h = x.reshape(x.shape[0], -1)
-  n = len(p)
-  code = len(AE_SIZES) // 2 - 1 if model == "autoencoder" else None
-  for i in range(n):
-    h = _dense(h, p[f"d{i}"], tagged, f"d{i}")
-    if i < n - 1 and i != code:
-      h = jax.nn.relu(h)
-  return h
+    h = jax.nn.relu(_models.dense(h, p["d0"], tagged, "d0"))
+    return _models.dense(h, p["d1"], tagged, "d1")
+  code = (len(AE_SIZES) // 2 - 1,) if model == "autoencoder" else ()
+  return _models.dense_stack_apply(p, x, tagged, linear=code)
 
 
 def targets_of(model, x, y):
@@ -267,11 +234,7 @@ class KdRunner:
                       inverse_update_every=ie, kl_clip=None, layers=self.layers)
     grad_fn, tx = self.grad_fn, self.tx
 
-    def step(p, s, x, y):
-      loss, g, stats = grad_fn(p, x, y, opt_state=s)
-      u, s = tx.update(g, s, p, kfac_stats=stats)
-      return optax.apply_updates(p, u), s, loss
-
+    step = _common.kfac_step(grad_fn, tx)
     init = jax.jit(tx.init) if jit_init else tx.init
     self.state = jax.block_until_ready(init(params))
     stages["init"] = _since(t0)
@@ -592,10 +555,9 @@ def _op_metadata(texts, module, op):
     m = pat.search(text)
     if m:
       line = m.group(1)
-      name = re.search(r'op_name="([^"]*)"', line)
+      tail = _common.split_shape(line)[1]
       src = re.search(r'source_file="([^"]*)" source_line=(\d+)', line)
-      opcode = _common._split_shape(line)[1].split("(")[0].strip()  # pylint: disable=protected-access
-      return ((name.group(1) if name else opcode),
+      return (_common.op_name(tail) or _common.opcode(tail),
               (f"{os.path.basename(src.group(1))}:{src.group(2)}" if src else ""))
   return "", ""
 
@@ -629,7 +591,7 @@ def markdown(results, env, args, pieces, profiles, checks) -> str:
   lines = [
       "# kd.kfac vs DeepMind's kfac-jax",
       "",
-      f"- date {env['date']}; jax {env['jax']} (CPU); kfac-jax {kfac_jax.__version__}; "
+      f"- date {env['date']}; jax {env['jax']} (CPU); kfac-jax {env['kfac_jax']}; "
       f"kfac_jax_dist at git {env['commit']}; {env['cpu']}, {env['cpu_count']} cores "
       "(shared with other jobs: the ratios, measured side by side, are the result; "
       "absolute ms are not); threads: "
@@ -853,6 +815,12 @@ ANALYSIS = """\
 """
 
 
+FULL = dict(rounds=4, min_block=20, compile_reps=1, models=",".join(MODELS),
+            cadences=",".join(CADENCES), no_profile=False)
+QUICK = dict(rounds=2, min_block=10, compile_reps=1, models="mlp", cadences="1/10",
+             no_profile=True)
+
+
 def main():
   if len(sys.argv) > 1 and sys.argv[1] == _COMPILE_CHILD:
     compile_child(*sys.argv[2:5])
@@ -861,42 +829,44 @@ def main():
     profile_child(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
     return
   parser = _common.argument_parser(__doc__)
-  parser.add_argument("--models", default=",".join(MODELS))
-  parser.add_argument("--cadences", default=",".join(CADENCES))
+  parser.add_argument("--models", default=None, help=f"default {','.join(MODELS)}")
+  parser.add_argument("--cadences", default=None, help=f"default {','.join(CADENCES)}")
   parser.add_argument("--rounds", type=int, default=None)
   parser.add_argument("--min-block", type=int, default=None,
                       help="steps per timed block (at least one inverse period)")
   parser.add_argument("--compile-reps", type=int, default=None)
-  parser.add_argument("--no-profile", action="store_true")
+  parser.add_argument("--no-profile", action="store_true", default=None)
   parser.add_argument("--profile-cadences", default="1/1")
-  parser.add_argument("--quick", action="store_true", help="a smoke run; noisy numbers")
-  parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+  _common.add_quick(parser, "vs_kfac_jax", QUICK)
   parser.add_argument("--from-json", default=None,
                       help="re-render the markdown (and checks) from a saved .json")
   args = parser.parse_args()
+  if kfac_jax is None and not args.from_json:
+    if args.quick:     # the smoke run of .ci/run, on a jax kfac-jax does not run on
+      print("vs_kfac_jax.py --quick: skipped, kfac-jax is not importable here.\n"
+            + MISSING_PEER)
+      return
+    sys.exit(MISSING_PEER)
   if args.from_json:
     with open(args.from_json) as f:
       saved = json.load(f)
     sargs = argparse.Namespace(**saved["args"])
+    saved["environment"].setdefault("kfac_jax", saved["kfac_jax"])
     profiles = {tuple(k.split(" ", 1)): v for k, v in saved["profiles"].items()}
     checks = targets(saved["results"])
     saved["checks"] = checks
     text = markdown(saved["results"], saved["environment"], sargs,
                     saved["compile_pieces_cpu_s"], profiles, checks)
-    stem = "vs_kfac_jax_quick" if sargs.quick else "vs_kfac_jax"
+    stem = _common.stem("vs_kfac_jax", sargs.quick)
     _common.write_results(args.out, stem, text, saved)
     print(text)
     return
-  defaults = (dict(rounds=2, min_block=10, compile_reps=1) if args.quick
-              else dict(rounds=4, min_block=20, compile_reps=1))
-  for k, v in defaults.items():
-    if getattr(args, k) is None:
-      setattr(args, k, v)
+  _common.fill_defaults(args, QUICK, FULL)
   args.models = [m.strip() for m in args.models.split(",")]
   cadences = [c.strip() for c in args.cadences.split(",")]
 
-  env = _common_env()
-  print(f"jax {env['jax']}, kfac-jax {kfac_jax.__version__}, {env['cpu']}", flush=True)
+  env = dict(_common.environment(), kfac_jax=kfac_jax.__version__)
+  print(f"jax {env['jax']}, kfac-jax {env['kfac_jax']}, {env['cpu']}", flush=True)
   data = digits()
   results, pieces, profiles = {}, {}, {}
   for model in args.models:
@@ -912,28 +882,13 @@ def main():
   checks = targets(results)
   text = markdown(results, env, args, pieces, profiles, checks)
   print(text)
-  stem = "vs_kfac_jax_quick" if args.quick else "vs_kfac_jax"
+  stem = _common.stem("vs_kfac_jax", args.quick)
   _common.write_results(args.out, stem, text, dict(
       environment=env, kfac_jax=kfac_jax.__version__, args=vars(args), batch=BATCH,
       lr=LR, damping=DAMPING, momentum=MOMENTUM, factor_decay=FACTOR_DECAY,
       results=results, compile_pieces_cpu_s=pieces,
       profiles={f"{m} {c}": v for (m, c), v in profiles.items()}, checks=checks))
   print(f"wrote {os.path.join(args.out, stem)}.md and .json")
-
-
-def _common_env() -> dict:
-  import datetime  # pylint: disable=import-outside-toplevel
-  import platform  # pylint: disable=import-outside-toplevel
-
-  commit, cpu = _common.library_commit(), _common.cpu_name()
-  return dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
-              jax=jax.__version__, jaxlib=getattr(jax.lib, "__version__", ""),
-              optax=optax.__version__, python=platform.python_version(), cpu=cpu,
-              cpu_count=os.cpu_count(), commit=commit,
-              library=os.path.dirname(os.path.abspath(kd.__file__)),
-              threads_env={k: os.environ[k] for k in ("OPENBLAS_NUM_THREADS",
-                                                      "OMP_NUM_THREADS", "XLA_FLAGS")
-                           if k in os.environ})
 
 
 if __name__ == "__main__":
