@@ -12,6 +12,10 @@ axis but the last, weighted by `mask`) exactly as an ordinary loss would. Inside
   2015, §5).
 
 Exactly one loss must be registered per evaluation of the loss function.
+
+Integer labels outside `[0, classes)` (at a position the mask keeps) make the
+loss and every gradient NaN, so the step is skipped (`core.faults`) instead of
+training on the clamped or zero-filled values an out-of-range gather gives.
 """
 
 from __future__ import annotations
@@ -34,8 +38,19 @@ def _mean(per_example: jax.Array, mask: jax.Array | None):
   return jnp.sum(per_example * mask) / jnp.maximum(n, 1.0), n
 
 
-def _register(name: str, loss_of_targets, targets, sample, mask):
+def _poisoned(value: jax.Array, invalid: jax.Array, mask: jax.Array | None) -> jax.Array:
+  """`value`, times NaN if any kept example is `invalid`: the loss and, through
+  the chain rule, every gradient and statistic become NaN."""
+  if mask is not None:
+    invalid = invalid & (jnp.broadcast_to(mask, invalid.shape) != 0)
+  return value * jnp.where(jnp.any(invalid), jnp.nan, 1.0).astype(value.dtype)
+
+
+def _register(name: str, loss_of_targets, targets, sample, mask,
+              invalid: jax.Array | None = None):
   value, n = _mean(loss_of_targets(targets), mask)
+  if invalid is not None:
+    value = _poisoned(value, invalid, mask)
   trace = _context.current()
   if trace is not None:
     def sampled_loss(rng: jax.Array) -> jax.Array:
@@ -51,16 +66,21 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array,
   `logits.shape[:-1]` or target distributions of shape `logits.shape`."""
   logits32 = _at_least_f32(logits)
   log_probs = jax.nn.log_softmax(logits32, axis=-1)
+  classes = logits.shape[-1]
 
   def loss_of(targets: jax.Array) -> jax.Array:
     if jnp.issubdtype(targets.dtype, jnp.integer):
-      return -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+      safe = jnp.clip(targets, 0, classes - 1)
+      return -jnp.take_along_axis(log_probs, safe[..., None], axis=-1)[..., 0]
     return -jnp.sum(targets * log_probs, axis=-1)
 
   def sample(rng: jax.Array) -> jax.Array:
     return jax.random.categorical(rng, jax.lax.stop_gradient(logits32), axis=-1)
 
-  return _register("softmax_cross_entropy", loss_of, labels, sample, mask)
+  labels = jnp.asarray(labels)
+  invalid = ((labels < 0) | (labels >= classes)
+             if jnp.issubdtype(labels.dtype, jnp.integer) else None)
+  return _register("softmax_cross_entropy", loss_of, labels, sample, mask, invalid)
 
 
 def sigmoid_cross_entropy(logits: jax.Array, labels: jax.Array,

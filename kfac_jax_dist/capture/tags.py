@@ -140,10 +140,14 @@ def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag):
     # A statistic may not depend on everything that varies (an embedding's A
     # on replicated ids, a layer replicated over a tensor-parallel axis): both
     # branches are typed varying like (x, cotangent) and the probes.
+    # A step that computes no statistics returns NaN placeholders: consumed by
+    # mistake on a factor step (statistics taken with another step's
+    # opt_state), they make the step faulty instead of averaging in zeros.
     axes = _compat.varying_axes(x, cotangent, probes)
-    zeros = _compat.as_varying(jax.tree_util.tree_map(jnp.zeros_like, probes), axes)
+    placeholders = _compat.as_varying(jax.tree_util.tree_map(
+        lambda p: jnp.full_like(p, jnp.nan), probes), axes)
     probe_bar = lax.cond(flag, lambda: _compat.as_varying(stats(x, cotangent), axes),
-                         lambda: zeros)
+                         lambda: placeholders)
     return x_bar, tuple(params_bar), probe_bar, None
 
   layer.defvjp(fwd, bwd)

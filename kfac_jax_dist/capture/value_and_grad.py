@@ -13,8 +13,10 @@ Fisher estimates (Martens & Grosse, 2015):
   predictive distribution (one more backward pass over the same forward).
 
 Given `opt_state`, the statistics are skipped at run time (`lax.cond` in the
-backward pass) unless the K-FAC state's `update_factors` is set, and diagonal
-factors are computed as diagonals.
+backward pass) unless the K-FAC state's `update_factors` is set (the returned
+statistics are then NaN placeholders: consumed on a factor step, e.g. when
+captured with another step's `opt_state`, they make the step faulty and it is
+skipped), and diagonal factors are computed as diagonals.
 
 Inside `shard_map` both the statistics and the gradients are the device's
 local ones (of its local batch): replicated parameters are cast to varying
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import re
 from typing import Any, Callable, Sequence
 
@@ -201,7 +204,13 @@ class ValueAndGrad:
     over positions (masked ones included), is their plain mean. `aux` comes
     back stacked over the slices. Call the optimizer once with the results.
     """
-    k = int(micro_batches)
+    try:
+      k = -1 if isinstance(micro_batches, bool) else operator.index(micro_batches)
+    except TypeError:
+      k = -1
+    if k < 1:
+      raise ValueError(f"accumulate: micro_batches must be a positive integer (the "
+                       f"number of slices of the batch), got {micro_batches!r}")
     for x in jax.tree_util.tree_leaves(args):
       if jnp.ndim(x) == 0 or jnp.shape(x)[0] % k:
         raise ValueError(f"accumulate(micro_batches={k}): every positional batch "

@@ -39,6 +39,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
+from kfac_jax_dist.core import settings
 from kfac_jax_dist.core import tensor_parallel
 
 FactorReduction = Literal["all_reduce", "reduce_scatter", "local"]
@@ -104,6 +105,9 @@ class Distribution:
   param_specs: Any = dataclasses.field(default=None, hash=False)
 
   def __post_init__(self):
+    if not isinstance(self.mesh, jax.sharding.Mesh):
+      raise TypeError(f"Distribution: mesh must be a jax.sharding.Mesh (e.g. "
+                      f"jax.make_mesh((8,), ('data',))), got {type(self.mesh).__name__}")
     if self.axis not in self.mesh.axis_names:
       raise ValueError(f"Distribution: axis {self.axis!r} is not an axis of the mesh "
                        f"{dict(self.mesh.shape)}.")
@@ -123,6 +127,7 @@ class Distribution:
           f"{self.num_devices} devices gives {workers:g} gradient workers per layer; it "
           f"must be an integer dividing {self.num_devices} (e.g. 1/{self.num_devices} "
           "for MEM-OPT, 1 for COMM-OPT).")
+    settings.check_floating_dtype("comm_dtype", self.comm_dtype)
     if self.comm_dtype is not None and jnp.finfo(self.comm_dtype).bits < 32:
       warnings.warn("comm_dtype below 32 bits: the K-FAC papers found that 16-bit "
                     "factor communication can lose small eigenvalues.", stacklevel=3)

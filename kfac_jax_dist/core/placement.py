@@ -14,8 +14,13 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
+from typing import Any
+
+import jax
+import jax.numpy as jnp
 from jax import lax
 
+from kfac_jax_dist import _compat
 from kfac_jax_dist.core.distribution import Distribution
 
 
@@ -44,6 +49,31 @@ def check_axis(name: str, dist: Distribution) -> None:
     raise ValueError(
         f"update runs in a shard_map whose axis {dist.axis!r} has {size} devices, but "
         f"the Distribution's mesh has {dist.num_devices}: use that mesh.")
+
+
+def check_gradients_averaged(name: str, dist: Distribution, grads: Any) -> None:
+  """With `gradient_reduction="none"` the caller averages the gradients: inside
+  `shard_map` they must be typed invariant over the data axis (a `pmean`'s
+  result), not the local ones `kd.value_and_grad` returns."""
+  if dist.gradient_reduction == "none" and dist.axis in _compat.varying_axes(grads):
+    raise ValueError(
+        f"{name}: the gradients vary over mesh axis {dist.axis!r} (each device's local "
+        "ones), but the Distribution's gradient_reduction is \"none\", which means the "
+        "caller averaged them. Average them first (grads = jax.lax.pmean(grads, "
+        f"{dist.axis!r})), or let update do it: kd.Distribution(..., "
+        "gradient_reduction=\"all_reduce\") (or \"reduce_scatter\", SP-NGD).")
+
+
+def check_floating_params(name: str, params: Any) -> None:
+  """Every parameter leaf is floating: an integer one has `float0` gradients,
+  which no update can be added to."""
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact):
+      raise TypeError(
+          f"{name}: parameter '{jax.tree_util.keystr(path)}' has dtype {dtype}; only "
+          "floating parameters can be trained (an integer one has float0 gradients). "
+          "Keep integer state (step counters, token ids) out of the parameter tree.")
 
 
 def check_skip_patterns(patterns: Sequence[str], names: Sequence[str],

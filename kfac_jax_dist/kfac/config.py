@@ -12,10 +12,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, Sequence
 
+import jax
 import jax.numpy as jnp
 
 from kfac_jax_dist.core import cadence
 from kfac_jax_dist.core import distribution as distribution_lib
+from kfac_jax_dist.core import settings
 from kfac_jax_dist.kfac import layout as layout_lib
 
 Method = Literal["eigen", "inverse"]
@@ -40,17 +42,42 @@ class KfacConfig:
   stale_threshold: float | None = None
 
   def __post_init__(self):
-    object.__setattr__(self, "skip", tuple(self.skip))
+    object.__setattr__(self, "skip", settings.check_patterns("skip", self.skip))
+    settings.check_floating_dtype("factor_dtype", self.factor_dtype)
     if self.factor_dtype is None:
       object.__setattr__(self, "factor_dtype", jnp.float32)
     if self.method not in METHODS:
       raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
-    if cadence.is_number(self.factor_decay) and not 0.0 <= self.factor_decay < 1.0:
-      raise ValueError(f"factor_decay must be in [0, 1), got {self.factor_decay}")
-    if self.kl_clip is not None and self.learning_rate is None:
-      raise ValueError("kl_clip needs the learning_rate (KAISA Eq. 5.1 uses η²).")
+    settings.check_positive("damping", self.damping)
+    settings.check_range("factor_decay", self.factor_decay, 0.0, 1.0)
+    for name in ("factor_update_every", "inverse_update_every"):
+      settings.check_interval(name, getattr(self, name))
+    if self.kl_clip is not None:
+      settings.check_positive("kl_clip", self.kl_clip)
+      if self.learning_rate is None:
+        raise ValueError("kl_clip needs the learning_rate (KAISA Eq. 5.1 uses η²).")
+    if self.learning_rate is not None:
+      settings.check_positive("learning_rate", self.learning_rate, allow_zero=True)
+    settings.check_optional_positive_int("max_factor_dim", self.max_factor_dim)
+    if self.distribution is not None and not isinstance(
+        self.distribution, distribution_lib.Distribution):
+      raise TypeError(f"distribution must be a kd.Distribution or None, got "
+                      f"{type(self.distribution).__name__}")
     if self.stale_threshold is not None:
+      settings.check_positive("stale_threshold", self.stale_threshold, allow_zero=True)
       self._check_stale()
+
+  def settings_ok(self, count: jax.Array) -> jax.Array:
+    """The run-time check of the values only the step knows (arrays from
+    `optax.inject_hyperparams`, schedules' values at `count`)."""
+    checks = [lambda: settings.positive_ok(self.damping, count),
+              lambda: settings.range_ok(self.factor_decay, count, 0.0, 1.0),
+              lambda: settings.interval_ok(self.factor_update_every, count),
+              lambda: settings.interval_ok(self.inverse_update_every, count)]
+    if self.kl_clip is not None:
+      checks += [lambda: settings.positive_ok(self.kl_clip, count),
+                 lambda: settings.positive_ok(self.learning_rate, count, allow_zero=True)]
+    return settings.all_ok(checks)
 
   def _check_stale(self) -> None:
     every = (self.factor_update_every, self.inverse_update_every)

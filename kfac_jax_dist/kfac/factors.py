@@ -47,6 +47,14 @@ def check_stats(layout: layout_lib.Layout, stats: Stats | None, update_flag: Any
         "scale_by_kfac.update needs the curvature statistics on a factor step (or "
         "under jit, where the step is not known): call tx.update(grads, opt_state, "
         "params, kfac_stats=stats) with the stats returned by kd.value_and_grad.")
+  known = {plan.layer.stats_name for plan in layout.plans} | set(layout.skipped)
+  unknown = sorted(set(stats) - known)
+  if unknown:
+    raise ValueError(
+        f"kfac_stats has statistics of tagged layers the K-FAC state does not know: "
+        f"{unknown} (it was laid out for {sorted(known)}). Build the transform with "
+        "layers=grad_fn.discover(params, *batch) of this model, and exclude layers with "
+        "skip= rather than leaving them out of `layers`.")
   for plan in layout.plans:
     name = plan.layer.stats_name
     if name not in stats:

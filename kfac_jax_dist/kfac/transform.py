@@ -29,6 +29,7 @@ KL clip and the learning rate may be schedules of `count`.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Sequence
 
 import jax
@@ -113,6 +114,7 @@ def init_state(config: KfacConfig, comm: collectives_lib.Collectives,
     raise ValueError(
         "scale_by_kfac needs the tagged layers to lay out its state: pass "
         "layers=kd.value_and_grad(loss_fn).discover(params, batch).")
+  placement.check_floating_params("scale_by_kfac", params)
   leaves = registry.leaves_by_path(params)
   _check_params(layers, leaves)
   lay = build_layout(config, comm, layers, list(leaves))
@@ -134,6 +136,31 @@ def init_state(config: KfacConfig, comm: collectives_lib.Collectives,
 
 # ---------------------------------------------------------------------- update
 
+def check_settings(config: KfacConfig, lay: layout_lib.Layout) -> None:
+  """The state was made by a transform of this configuration: the settings
+  that shape the layout (method, skip, max_factor_dim, packed factors) agree."""
+  packed = True if config.distribution is None else config.distribution.symmetric_comm
+  wrong = []
+  if lay.method != config.method:
+    wrong.append(f"method {lay.method!r} (transform: {config.method!r})")
+  if lay.packed != packed:
+    wrong.append(f"symmetric_comm {lay.packed} (transform: {packed})")
+  kept = [plan.layer.name for plan in lay.plans]
+  if any(re.search(p, n) for p in config.skip for n in kept) or not all(
+      any(re.search(p, n) for p in config.skip) for n in lay.skipped):
+    wrong.append(f"skipped layers {list(lay.skipped)} (transform: skip={list(config.skip)})")
+  if any(place.form != layout_lib.factor_form(place.dim, config.max_factor_dim)
+         for plan in lay.plans if not plan.layer.unitwise for which, place in plan.places
+         if not (which == "a" and plan.layer.a_diagonal)):
+    wrong.append(f"factor forms of another max_factor_dim (transform: "
+                 f"{config.max_factor_dim})")
+  if wrong:
+    raise ValueError(
+        "This K-FAC state was made by a transform of another configuration: "
+        + "; ".join(wrong) + ". Use the state of this transform's init (kd.convert_state "
+        "moves a state between distributions only).")
+
+
 def check_placement(config: KfacConfig, state: ScaleByKfacState) -> None:
   """The state was laid out for this transform's distribution, and `update`
   runs where that distribution says (inside `shard_map` over its axis, with
@@ -146,6 +173,7 @@ def check_placement(config: KfacConfig, state: ScaleByKfacState) -> None:
     have = have[:3] + (storage,)   # either storage, by bytes (layout.cheaper_storage)
   placement.check_layout("K-FAC", have, want, ("devices", "gradient workers per layer",
                                                "axis", "factor storage"))
+  check_settings(config, lay)
   if dist is None:
     return
   placement.check_axis("K-FAC", dist)
@@ -162,7 +190,9 @@ def check_placement(config: KfacConfig, state: ScaleByKfacState) -> None:
 def inputs_verdict(config: KfacConfig, comm: collectives_lib.Collectives,
                    state: ScaleByKfacState, leaves: dict[str, jax.Array],
                    stats: factors.Stats | None) -> jax.Array:
-  """Whether the gradients, and the statistics on a factor step, are finite.
+  """Whether the gradients, and the statistics on a factor step, are finite,
+  and the settings whose values only the step knows are valid (`KfacConfig.
+  settings_ok`).
 
   The devices agree by a psum: of the statistics' verdict on factor steps only
   (inside the factor step's `lax.cond`), and of the gradients' only if they
@@ -170,7 +200,7 @@ def inputs_verdict(config: KfacConfig, comm: collectives_lib.Collectives,
   invariant over the axis, are checked as is), so a plain COMM-OPT step has
   no extra collective.
   """
-  ok = faults.all_finite(leaves.values())
+  ok = faults.all_finite(leaves.values()) & config.settings_ok(state.count)
   if comm.active and (config.gradient_reduction != "none" or config.model_axis is not None
                       or comm.dist.axis in _compat.varying_axes(list(leaves.values()))):
     ok = faults.agree(ok, comm.varying)
@@ -261,6 +291,8 @@ def update_state(config: KfacConfig, comm: collectives_lib.Collectives, updates:
                      "factor may be due).")
   leaves = registry.leaves_by_path(updates)
   precondition.check_updates(lay, leaves)
+  if config.distribution is not None:
+    placement.check_gradients_averaged("scale_by_kfac", config.distribution, updates)
   gamma = jnp.asarray(cadence.value_at(config.damping, state.count), config.compute_dtype)
   with jax.named_scope(faults.SCOPE):
     ok = inputs_verdict(config, comm, state, leaves, stats)

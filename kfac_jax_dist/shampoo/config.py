@@ -10,8 +10,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, Sequence
 
+import jax
+
 from kfac_jax_dist.core import cadence
 from kfac_jax_dist.core import distribution as distribution_lib
+from kfac_jax_dist.core import settings
 from kfac_jax_dist.shampoo import roots
 
 GraftType = Literal["sgd", "adagrad", "rmsprop", "adam", "none"]
@@ -47,7 +50,8 @@ class ShampooConfig:
   distribution: distribution_lib.Distribution | None = None
 
   def __post_init__(self):
-    object.__setattr__(self, "skip", tuple(self.skip))
+    object.__setattr__(self, "skip", settings.check_patterns("skip", self.skip))
+    settings.check_floating_dtype("statistics_dtype", self.statistics_dtype)
     for name, value, allowed in (("graft_type", self.graft_type, GRAFT_TYPES),
                                  ("grafting", self.grafting, GRAFTINGS),
                                  ("root_method", self.root_method, roots.METHODS)):
@@ -57,20 +61,42 @@ class ShampooConfig:
       raise ValueError(f"beta2 must be in (0, 1], got {self.beta2}")
     if cadence.is_number(self.block_size) and self.block_size < 1:
       raise ValueError(f"block_size must be positive or None, got {self.block_size}")
+    settings.check_positive("epsilon", self.epsilon)
+    settings.check_positive("ridge_epsilon", self.ridge_epsilon, allow_zero=True)
+    settings.check_positive("graft_epsilon", self.graft_epsilon, allow_zero=True)
+    if self.distribution is not None and not isinstance(
+        self.distribution, distribution_lib.Distribution):
+      raise TypeError(f"distribution must be a kd.Distribution or None, got "
+                      f"{type(self.distribution).__name__}")
     self._check_cadence()
     self._check_roots()
     self._check_grafting()
 
+  def settings_ok(self, count: jax.Array) -> jax.Array:
+    """The run-time check of the values only the step knows (arrays from
+    `optax.inject_hyperparams`, schedules' values at `count`)."""
+    checks = [lambda: settings.range_ok(self.beta2, count, 0.0, 1.0, closed_low=False,
+                                        closed_high=True),
+              lambda: settings.positive_ok(self.epsilon, count),
+              lambda: settings.interval_ok(self.statistics_compute_steps, count),
+              lambda: settings.interval_ok(self.preconditioning_compute_steps, count),
+              lambda: settings.positive_ok(self.start_preconditioning_step, count,
+                                           allow_zero=True)]
+    if self.graft_type in ("rmsprop", "adam"):
+      checks.append(lambda: settings.range_ok(self.graft_moment, count, 0.0, 1.0))
+    return settings.all_ok(checks)
+
   def _check_cadence(self) -> None:
     for name in ("statistics_compute_steps", "preconditioning_compute_steps"):
-      value = getattr(self, name)
-      if cadence.is_number(value) and (int(value) != value or value < 1):
-        raise ValueError(f"{name} must be a positive integer or a schedule, got {value}")
+      settings.check_interval(name, getattr(self, name))
     start = self.start_preconditioning_step
     if cadence.is_number(start) and start < 0:
       raise ValueError("start_preconditioning_step must be >= 0")
 
   def _check_roots(self) -> None:
+    settings.check_optional_positive_int("newton_max_iterations", self.newton_max_iterations)
+    settings.check_positive("newton_tolerance", self.newton_tolerance, allow_zero=True)
+    settings.check_positive("root_failure_threshold", self.root_failure_threshold)
     p = self.exponent_override
     if cadence.is_number(p) and p <= 0:
       raise ValueError(f"exponent_override must be positive, got {p}")

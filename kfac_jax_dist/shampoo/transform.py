@@ -73,6 +73,7 @@ def init_state(config: ShampooConfig, comm: collectives_lib.Collectives, params:
                ) -> ScaleByShampooState:
   """The state at count 0 (built in numpy for concrete params: one transfer
   per array; jnp when traced)."""
+  placement.check_floating_params("scale_by_shampoo", params)
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   paths = [registry.path_str(p) for p, _ in flat]
   lay = blocks.build_layout([(p, tuple(jnp.shape(x))) for p, (_, x) in zip(paths, flat)],
@@ -102,6 +103,7 @@ def check_placement(config: ShampooConfig, comm: collectives_lib.Collectives,
                          ("devices", "gradient workers per block", "axis"))
   if dist is not None:
     placement.check_axis("Shampoo", dist)
+    placement.check_gradients_averaged("scale_by_shampoo", dist, updates)
   flat = jax.tree_util.tree_flatten_with_path(updates)[0]
   got = [(registry.path_str(p), tuple(jnp.shape(x))) for p, x in flat]
   if got != [(q.path, q.shape) for q in lay.params]:
@@ -143,7 +145,7 @@ def update_state(config: ShampooConfig, comm: collectives_lib.Collectives, updat
   new_updates = treedef.unflatten([v.astype(x.dtype) for v, x in zip(diag, grads)])
   with jax.named_scope(faults.SCOPE):
     ok = faults.all_finite(list(grads) + list(stats) + jax.tree_util.tree_leaves(
-        new_updates))
+        new_updates)) & config.settings_ok(state.count)
     ok = faults.computed_once(faults.agree(ok, _compat.varying_axes(ok)))
   new_state = dataclasses.replace(state, count=state.count + 1, statistics=stats, roots=roots,
                                    graft=graft)

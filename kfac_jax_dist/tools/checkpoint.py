@@ -28,6 +28,7 @@ save and restore are orbax's and work across hosts.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kfac_jax_dist.core import specs
+from kfac_jax_dist.core import states
 from kfac_jax_dist.core import tensor_parallel
 from kfac_jax_dist.capture import statistics as factors_lib
 from kfac_jax_dist.kfac import state as kfac_lib
@@ -107,7 +109,8 @@ def save_checkpoint(directory: str | os.PathLike, tree: Any, *, force: bool = Fa
   checkpointer.save(
       os.path.abspath(directory),
       ocp.args.Composite(**{_STATE: ocp.args.StandardSave(tree),
-                            _META: ocp.args.JsonSave(checkpoint_metadata(tree))}),
+                            _META: ocp.args.JsonSave(dict(checkpoint_metadata(tree),
+                                                          dtypes=_dtypes(tree)))}),
       force=force)
 
 
@@ -148,11 +151,79 @@ def restore_checkpoint(directory: str | os.PathLike, template: Any, *,
   """
   ocp, checkpointer = _checkpointer()
   path = os.path.abspath(directory)
+  _check_readable(path)
   saved = checkpointer.restore(path, ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))
   _check_compatible(saved[_META], checkpoint_metadata(template))
+  _check_dtypes(saved[_META], template)
+  _check_mesh(template, mesh)
   restored = checkpointer.restore(path, ocp.args.Composite(
       **{_STATE: ocp.args.StandardRestore(_abstract(template, mesh))}))
   return restored[_STATE]
+
+
+# The checkpoint's JSON files (orbax's and the layouts'): a damaged one is
+# named instead of surfacing as a bare JSONDecodeError from inside orbax.
+_JSON_FILES = ("_CHECKPOINT_METADATA", f"{_META}/metadata", f"{_STATE}/_METADATA",
+               f"{_STATE}/_sharding")
+
+
+def _check_readable(path: str) -> None:
+  """Every JSON metadata file of the checkpoint at `path` parses."""
+  if not os.path.isdir(path):
+    raise ValueError(f"restore_checkpoint: no checkpoint at {path}")
+  arrays = os.path.join(path, _STATE, "array_metadatas")
+  files = [os.path.join(path, f) for f in _JSON_FILES] + (
+      [os.path.join(arrays, f) for f in sorted(os.listdir(arrays))]
+      if os.path.isdir(arrays) else [])
+  for file in files:
+    if not os.path.exists(file):
+      continue
+    try:
+      with open(file, encoding="utf-8") as f:
+        json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+      raise ValueError(f"restore_checkpoint: the checkpoint's metadata file {file} is "
+                       f"damaged ({e}); restore an earlier checkpoint.") from e
+
+
+def _dtypes(tree: Any) -> list[list[str]]:
+  """`[path, dtype]` of every array leaf (saved, and compared at restore)."""
+  return [[jax.tree_util.keystr(path), str(jnp.result_type(x))]
+          for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _check_dtypes(saved: dict, template: Any) -> None:
+  """The template's leaves have the saved dtypes (orbax would cast silently)."""
+  if "dtypes" not in saved:        # saved before dtypes were recorded
+    return
+  for (path, have), (_, want) in zip(saved["dtypes"], _dtypes(template)):
+    if have != want:
+      raise ValueError(
+          f"restore_checkpoint: leaf {path} was saved as {have}, the template has "
+          f"{want}. Restore into a template of the saved dtypes (e.g. the same "
+          "factor_dtype / statistics_dtype), then cast if you mean to.")
+
+
+def _check_mesh(template: Any, mesh: jax.sharding.Mesh | None) -> None:
+  """A distributed state is restored onto a mesh of its device count (or into
+  a template already placed on one)."""
+  for state in states.find_states(template):
+    lay = state.layout
+    if lay.num_devices == 1 or lay.axis is None:
+      continue
+    if mesh is None:
+      placed = [x for x in jax.tree_util.tree_leaves(state)
+                if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)]
+      if not placed:
+        raise ValueError(
+            f"restore_checkpoint: the template holds a state distributed over "
+            f"{lay.num_devices} devices of axis {lay.axis!r} but is not placed on a "
+            "mesh: pass mesh= (the mesh of its Distribution).")
+    elif lay.axis not in mesh.shape or mesh.shape[lay.axis] != lay.num_devices:
+      raise ValueError(
+          f"restore_checkpoint: the template's state is laid out for {lay.num_devices} "
+          f"devices of axis {lay.axis!r}, mesh= has {dict(mesh.shape)}. Restore onto the "
+          "saved mesh, then kd.convert_state to move it.")
 
 
 def _check_compatible(saved: dict, wanted: dict) -> None:

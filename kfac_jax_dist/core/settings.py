@@ -1,0 +1,123 @@
+"""Checks of hyperparameters, shared by the optimizers' configs.
+
+A setting is checked where its value is known: a Python number (or dtype, or
+pattern list) when the config is built, with a `ValueError` / `TypeError` that
+names the argument and says what is allowed; an array (under
+`optax.inject_hyperparams`) or a schedule's value only at run time, where a
+bad value makes the step faulty (`core.faults`: skipped on every device,
+state unchanged but `skipped`). `*_ok` return that run-time verdict (a scalar
+bool; for Python numbers a constant that XLA folds away).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from kfac_jax_dist.core import cadence
+
+
+def _number(value: Any) -> float | None:
+  return float(value) if cadence.is_number(value) else None
+
+
+def check_positive(name: str, value: Any, *, allow_zero: bool = False) -> None:
+  """A number must be finite and > 0 (≥ 0 with `allow_zero`); arrays and
+  schedules are checked at run time (`positive_ok`)."""
+  x = _number(value)
+  if x is None:
+    if not (callable(value) or hasattr(value, "dtype")):
+      raise TypeError(f"{name} must be a number, an array or a schedule (a callable of "
+                      f"the update count), got {value!r}")
+    return
+  if not math.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
+    bound = "≥ 0" if allow_zero else "> 0"
+    raise ValueError(f"{name} must be finite and {bound}, got {value!r}")
+
+
+def check_range(name: str, value: Any, low: float, high: float, *,
+                closed_low: bool = True, closed_high: bool = False) -> None:
+  """A number must lie in the interval; arrays are checked at run time."""
+  x = _number(value)
+  if x is None:
+    return
+  above = x >= low if closed_low else x > low
+  below = x <= high if closed_high else x < high
+  if not (math.isfinite(x) and above and below):
+    interval = f"{'[' if closed_low else '('}{low:g}, {high:g}{']' if closed_high else ')'}"
+    raise ValueError(f"{name} must be in {interval}, got {value!r}")
+
+
+def check_interval(name: str, value: Any) -> None:
+  """An interval: a positive int, or a schedule of the update count (its
+  values are checked at run time)."""
+  if callable(value) or hasattr(value, "dtype"):
+    return
+  if not cadence.is_number(value) or int(value) != value or value < 1:
+    raise ValueError(f"{name} must be a positive integer or a schedule, got {value!r}")
+
+
+def check_floating_dtype(name: str, dtype: Any) -> None:
+  """`dtype` must be a floating dtype (None: the default)."""
+  if dtype is None:
+    return
+  try:
+    floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+  except TypeError as e:
+    raise TypeError(f"{name} must be a floating dtype (e.g. jnp.float32, jnp.bfloat16), "
+                    f"got {dtype!r}") from e
+  if not floating:
+    raise TypeError(f"{name} must be a floating dtype (e.g. jnp.float32, jnp.bfloat16), "
+                    f"got {jnp.dtype(dtype).name}")
+
+
+def check_patterns(name: str, patterns: Any) -> tuple[str, ...]:
+  """A sequence of regular expressions (a bare string would be read as its
+  characters)."""
+  if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
+    raise TypeError(f"{name} must be a sequence of regular expressions (e.g. "
+                    f"[\"head\"]), got {patterns!r}")
+  return tuple(patterns)
+
+
+def check_optional_positive_int(name: str, value: Any) -> None:
+  """A positive int or None (an array, from `optax.inject_hyperparams`, passes)."""
+  if value is None or hasattr(value, "dtype"):
+    return
+  if not cadence.is_number(value) or int(value) != value or value < 1:
+    raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+
+
+# ------------------------------------------------------------------ run time
+
+def _value(value: Any, count: jax.Array) -> jax.Array:
+  return jnp.asarray(cadence.value_at(value, count))
+
+
+def positive_ok(value: Any, count: jax.Array, allow_zero: bool = False) -> jax.Array:
+  x = _value(value, count)
+  return jnp.all(jnp.isfinite(x) & ((x >= 0) if allow_zero else (x > 0)))
+
+
+def range_ok(value: Any, count: jax.Array, low: float, high: float,
+             closed_low: bool = True, closed_high: bool = False) -> jax.Array:
+  x = _value(value, count)
+  above = (x >= low) if closed_low else (x > low)
+  below = (x <= high) if closed_high else (x < high)
+  return jnp.all(jnp.isfinite(x) & above & below)
+
+
+def interval_ok(value: Any, count: jax.Array) -> jax.Array:
+  x = _value(value, count)
+  return jnp.all(x >= 1)
+
+
+def all_ok(checks: Sequence[Callable[[], jax.Array]]) -> jax.Array:
+  """The `and` of the run-time checks."""
+  ok = jnp.asarray(True)
+  for check in checks:
+    ok = ok & check()
+  return ok

@@ -1,0 +1,372 @@
+"""Every bad input a user can give is refused with a message that names it, or
+survived: a step whose fault only run-time values reveal is skipped on every
+device, the state unchanged but `skipped` (issue 13's cases, and more)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import optax
+import pytest
+
+import kfac_jax_dist as kd
+
+import helpers
+
+BATCH, CLASSES = 16, 4
+
+
+def loss_fn(params, x, y):
+  h = jnp.tanh(kd.tags.dense(x, params["l0"]["kernel"], params["l0"]["bias"], name="l0"))
+  return kd.losses.softmax_cross_entropy(kd.tags.dense(h, params["out"]["kernel"],
+                                                       name="out"), y)
+
+
+def other_loss_fn(params, x, y):
+  """Another model: one more tagged layer."""
+  h = jnp.tanh(kd.tags.dense(x, params["l0"]["kernel"], params["l0"]["bias"], name="l0"))
+  h = jnp.tanh(kd.tags.dense(h, params["mid"]["kernel"], name="mid"))
+  return kd.losses.softmax_cross_entropy(kd.tags.dense(h, params["out"]["kernel"],
+                                                       name="out"), y)
+
+
+def _params(other=False):
+  k = jax.random.split(jax.random.PRNGKey(0), 3)
+  p = {"l0": {"kernel": 0.5 * jax.random.normal(k[0], (6, 8)), "bias": jnp.zeros(8)},
+       "out": {"kernel": 0.5 * jax.random.normal(k[1], (8, CLASSES))}}
+  if other:
+    p["mid"] = {"kernel": 0.5 * jax.random.normal(k[2], (8, 8))}
+  return p
+
+
+def _batch(i=0, labels=None):
+  kx, ky = jax.random.split(jax.random.PRNGKey(100 + i))
+  y = jax.random.randint(ky, (BATCH,), 0, CLASSES) if labels is None else labels
+  return jax.random.normal(kx, (BATCH, 6)), y
+
+
+GRAD_FN = kd.value_and_grad(loss_fn)
+LAYERS = GRAD_FN.discover(_params(), *_batch())
+
+
+def _kfac(**options):
+  return kd.kfac(0.1, layers=LAYERS, **options)
+
+
+def _step(tx, params, state, batch):
+  _, grads, stats = GRAD_FN(params, *batch, opt_state=state)
+  updates, state = tx.update(grads, state, params, kfac_stats=stats)
+  return optax.apply_updates(params, updates), state
+
+
+def _skipped(state):
+  return [int(s.skipped) for s in jax.tree.leaves(
+      state, is_leaf=lambda x: isinstance(x, (kd.ScaleByKfacState, kd.ScaleByShampooState)))
+          if isinstance(s, (kd.ScaleByKfacState, kd.ScaleByShampooState))]
+
+
+def _assert_skipped_unchanged(tx, batch, params=None, state=None, steps_before=1):
+  """One good step, then `batch`: skipped, parameters and state unchanged but
+  the counter."""
+  params = _params() if params is None else params
+  state = tx.init(params) if state is None else state
+  for i in range(steps_before):
+    params, state = _step(tx, params, state, _batch(i))
+  new_params, new_state = _step(tx, params, state, batch)
+  assert _skipped(new_state) == [s + 1 for s in _skipped(state)]
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(new_params)):
+    np.testing.assert_array_equal(a, b)
+  changed = [not np.array_equal(a, b)
+             for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(new_state))]
+  assert sum(changed) == 1            # the `skipped` counter only
+
+
+# ------------------------------------------------------ refused at construction
+
+@pytest.mark.parametrize("option,value,match", [
+    ("damping", 0.0, "damping must be finite and > 0"),
+    ("damping", float("nan"), "damping must be finite and > 0"),
+    ("damping", -1e-3, "damping must be finite and > 0"),
+    ("kl_clip", 0.0, "kl_clip must be finite and > 0"),
+    ("kl_clip", -1.0, "kl_clip must be finite and > 0"),
+    ("kl_clip", float("nan"), "kl_clip must be finite and > 0"),
+    ("factor_update_every", 0, "factor_update_every must be a positive integer"),
+    ("factor_update_every", -3, "factor_update_every must be a positive integer"),
+    ("inverse_update_every", 0, "inverse_update_every must be a positive integer"),
+    ("inverse_update_every", 2.5, "inverse_update_every must be a positive integer"),
+    ("factor_decay", 1.5, r"factor_decay must be in \[0, 1\)"),
+    ("max_factor_dim", 0, "max_factor_dim must be a positive integer or None"),
+    ("stale_threshold", -0.1, "stale_threshold must be finite and ≥ 0"),
+])
+def test_kfac_settings_are_validated(option, value, match):
+  with pytest.raises(ValueError, match=match):
+    _kfac(**{option: value})
+
+
+def test_kfac_types_are_validated():
+  with pytest.raises(TypeError, match="factor_dtype must be a floating dtype.*int32"):
+    _kfac(factor_dtype=jnp.int32)
+  with pytest.raises(TypeError, match="skip must be a sequence of regular expressions"):
+    _kfac(skip="out")                       # a string would be read as characters
+  with pytest.raises(TypeError, match="distribution must be a kd.Distribution"):
+    _kfac(distribution="comm")
+  with pytest.raises(ValueError, match="learning_rate must be finite and >= 0|"
+                                       "learning_rate must be finite and ≥ 0"):
+    kd.kfac(-0.1, layers=LAYERS)
+
+
+def test_distribution_is_validated():
+  mesh = helpers.data_mesh(8)
+  with pytest.raises(TypeError, match="comm_dtype must be a floating dtype.*int8"):
+    kd.Distribution(mesh, comm_dtype=jnp.int8)
+  with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
+    kd.Distribution("data")
+
+
+@pytest.mark.parametrize("option,value,error,match", [
+    ("epsilon", -1.0, ValueError, "epsilon must be finite and > 0"),
+    ("epsilon", 0.0, ValueError, "epsilon must be finite and > 0"),
+    ("ridge_epsilon", -1e-6, ValueError, "ridge_epsilon must be finite and ≥ 0"),
+    ("graft_epsilon", float("inf"), ValueError, "graft_epsilon must be finite"),
+    ("statistics_dtype", jnp.int32, TypeError, "statistics_dtype must be a floating"),
+    ("newton_max_iterations", 0, ValueError, "newton_max_iterations must be a positive"),
+    ("root_failure_threshold", 0.0, ValueError, "root_failure_threshold must be finite"),
+    ("statistics_compute_steps", 0, ValueError, "statistics_compute_steps must be a pos"),
+    ("skip", "w", TypeError, "skip must be a sequence"),
+])
+def test_shampoo_settings_are_validated(option, value, error, match):
+  with pytest.raises(error, match=match):
+    kd.shampoo(0.1, **{option: value})
+
+
+def test_integer_parameters_are_refused_at_init():
+  params = dict(_params(), step=jnp.zeros((), jnp.int32))
+  with pytest.raises(TypeError, match=r"parameter '\['step'\]' has dtype int32"):
+    _kfac().init(params)
+  with pytest.raises(TypeError, match=r"parameter '\['step'\]' has dtype int32"):
+    kd.shampoo(0.1).init(params)
+
+
+@pytest.mark.parametrize("micro_batches", [0, -2, 1.5, True])
+def test_accumulate_needs_a_positive_number_of_micro_batches(micro_batches):
+  with pytest.raises(ValueError, match="micro_batches must be a positive integer"):
+    GRAD_FN.accumulate(_params(), *_batch(), micro_batches=micro_batches)
+
+
+# ------------------------------------------------------------ refused at update
+
+def test_layers_of_another_model_are_refused():
+  """The statistics hold a tagged layer the state was not laid out for."""
+  grad_fn = kd.value_and_grad(other_loss_fn)
+  params = _params(other=True)
+  tx = _kfac()
+  with pytest.raises(ValueError, match=r"does not know: \['mid'\]"):
+    _, grads, stats = grad_fn(params, *_batch())
+    tx.update(grads, tx.init(params), params, kfac_stats=stats)
+
+
+@pytest.mark.parametrize("made_by,match", [
+    (dict(method="inverse"), "method 'inverse' \\(transform: 'eigen'\\)"),
+    (dict(skip=["out"]), "skipped layers \\['out'\\]"),
+    (dict(max_factor_dim=4), "factor forms of another max_factor_dim"),
+])
+def test_state_of_another_configuration_is_refused(made_by, match):
+  params = _params()
+  state = _kfac(**made_by).init(params)
+  _, grads, stats = GRAD_FN(params, *_batch())
+  with pytest.raises(ValueError, match="another configuration: " + match):
+    _kfac().update(grads, state, params, kfac_stats=stats)
+
+
+def test_local_gradients_with_reduction_none_are_refused():
+  """Inside shard_map the capture returns each device's local gradients; with
+  gradient_reduction="none" they must be averaged before update."""
+  mesh = helpers.data_mesh(8)
+  for tx in (_kfac(distribution=kd.Distribution(mesh)),
+             kd.shampoo(0.1, distribution=kd.Distribution(mesh))):
+    state = tx.init(_params())
+    specs = kd.partition_specs(state)
+
+    def step(params, state, x, y, tx=tx):
+      _, grads, stats = GRAD_FN(params, x, y, opt_state=state)     # no pmean
+      return tx.update(grads, state, params, kfac_stats=stats)[1]
+    run = jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
+                        out_specs=specs)
+    with pytest.raises(ValueError, match=r"lax.pmean\(grads, 'data'\)"):
+      jax.jit(run)(_params(), kd.shard_state(state, mesh), *_batch())
+
+
+# ------------------------------------------------------------ skipped at run time
+
+def test_out_of_range_labels_skip_the_step():
+  """Labels ≥ the number of classes: NaN loss and gradients, so the step is
+  skipped; the running factors are not overwritten."""
+  x, _ = _batch(3)
+  bad = jnp.full((BATCH,), CLASSES)
+  loss, _, _ = GRAD_FN(_params(), x, bad)
+  assert np.isnan(float(loss))
+  _assert_skipped_unchanged(_kfac(), (x, bad))
+  _assert_skipped_unchanged(_kfac(), (x, -jnp.ones((BATCH,), jnp.int32)))
+
+
+def test_masked_out_of_range_labels_are_fine():
+  """Padding positions (mask 0) may carry any label, e.g. -1."""
+  logits = jnp.zeros((4, 3))
+  loss = kd.losses.softmax_cross_entropy(logits, jnp.array([0, 1, 2, -1]),
+                                         mask=jnp.array([1, 1, 1, 0]))
+  np.testing.assert_allclose(float(loss), np.log(3), rtol=1e-6)
+
+
+def test_statistics_of_another_step_skip_a_factor_step():
+  """Statistics captured with the previous step's opt_state are NaN
+  placeholders on a factor step that the previous state did not expect."""
+  tx = _kfac(factor_update_every=2)
+  params = _params()
+  state0 = tx.init(params)
+  params, state1 = _step(tx, params, state0, _batch(0))        # count 1: no factors
+  params, state2 = _step(tx, params, state1, _batch(1))        # count 2: factors next
+  assert bool(kd.find_states(state2)[0].update_factors)
+  _, grads, stale_stats = GRAD_FN(params, *_batch(2), opt_state=state1)   # wrong state
+  updates, state3 = tx.update(grads, state2, params, kfac_stats=stale_stats)
+  assert _skipped(state3) == [1]
+  assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
+
+
+def test_non_finite_produced_update_skips_the_step():
+  """Finite gradients and statistics, valid settings, yet an update that
+  overflows float32: skipped, the state unchanged (issue 13 item 1)."""
+  params = {"l": {"kernel": jnp.ones((3, 2))}}
+  layers = kd.LayerRegistry((kd.TaggedLayer(
+      name="l", kind="dense", kernel_path="l/kernel", bias_path=None, kernel_shape=(3, 2),
+      a_dim=3, g_dim=2),))
+  tx = kd.scale_by_kfac(layers, damping=1e-30)
+  state = tx.init(params)
+  stats = {"l": {"A": jnp.eye(3) * 1e-15, "G": jnp.eye(2) * 1e-15}}
+  grads = {"l": {"kernel": jnp.full((3, 2), 1e10)}}
+  updates, new_state = tx.update(grads, state, params, kfac_stats=stats)
+  assert int(new_state.skipped) == 1 and int(new_state.count) == 0
+  assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
+  np.testing.assert_array_equal(new_state.factors, state.factors)
+
+
+def test_injected_hyperparameters_are_checked_at_run_time():
+  """optax.inject_hyperparams passes arrays: a bad value skips the step (its
+  own step counter advances unless it, too, is wrapped in skip_faulty_steps)."""
+  tx = kd.skip_faulty_steps(optax.inject_hyperparams(kd.kfac, static_args=("layers",))(
+      learning_rate=0.1, factor_decay=1.5, layers=LAYERS))
+  _assert_skipped_unchanged(tx, _batch(5), steps_before=0)
+  good = optax.inject_hyperparams(kd.kfac, static_args=("layers",))(
+      learning_rate=0.1, factor_decay=0.5, layers=LAYERS)
+  params, state = _step(good, _params(), good.init(_params()), _batch(5))
+  assert _skipped(state) == [0]
+  shampoo = optax.inject_hyperparams(kd.shampoo)(learning_rate=0.1, beta2=1.5)
+
+  def shampoo_step(params, state, batch):
+    grads = jax.grad(loss_fn)(params, *batch)
+    return shampoo.update(grads, state, params)
+  updates, state = shampoo_step(_params(), shampoo.init(_params()), _batch(5))
+  assert _skipped(state) == [1]
+
+
+def test_schedule_values_are_checked_at_run_time():
+  """An interval schedule that returns 0, or a damping schedule that returns a
+  negative number, skips the steps where it does."""
+  tx = _kfac(inverse_update_every=lambda count: jnp.where(count == 1, 0, 1))
+  params, state = _step(tx, _params(), tx.init(_params()), _batch(0))
+  params, state = _step(tx, params, state, _batch(1))
+  assert _skipped(state) == [1]
+  tx = _kfac(damping=lambda count: jnp.where(count >= 1, -1.0, 1e-3))
+  _assert_skipped_unchanged(tx, _batch(2))
+
+
+def test_one_process_nan_skips_on_every_device_shampoo():
+  """A NaN on one device's local gradients (SP-NGD routing keeps them local)
+  skips the Shampoo step on all eight."""
+  mesh = helpers.data_mesh(8)
+  dist = kd.Distribution(mesh, grad_worker_fraction=1 / 8,
+                         gradient_reduction="reduce_scatter")
+  tx = kd.scale_by_shampoo(block_size=4, distribution=dist)
+  params = _params()
+  state = tx.init(params)
+  specs = kd.partition_specs(state)
+
+  def step(grads, state):
+    return tx.update(jax.tree.map(lambda g: g[0], grads), state)
+  run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("data"), specs),
+                              out_specs=(P(), specs)))
+  grads = jax.tree.map(lambda p: jnp.ones((8,) + p.shape), params)
+  grads["out"]["kernel"] = grads["out"]["kernel"].at[5, 0, 0].set(jnp.nan)
+  updates, new_state = run(grads, kd.shard_state(state, mesh))
+  assert int(new_state.skipped) == 1
+  assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
+
+
+# ------------------------------------------------------------------ checkpoints
+
+@pytest.fixture
+def saved(tmp_path):
+  state = _kfac().init(_params())
+  kd.save_checkpoint(tmp_path / "ckpt", state)
+  return tmp_path / "ckpt", state
+
+
+@pytest.mark.parametrize("name", ["_CHECKPOINT_METADATA", "kfac_layout/metadata",
+                                  "state/_METADATA"])
+def test_emptied_metadata_file_is_named(saved, name):
+  pytest.importorskip("orbax.checkpoint")
+  path, state = saved
+  open(os.path.join(path, name), "w").close()
+  with pytest.raises(ValueError, match=f"metadata file .*{name}.* is damaged"):
+    kd.restore_checkpoint(path, state)
+
+
+def test_emptied_array_metadata_is_named(saved):
+  pytest.importorskip("orbax.checkpoint")
+  path, state = saved
+  folder = os.path.join(path, "state", "array_metadatas")
+  for name in os.listdir(folder):
+    open(os.path.join(folder, name), "w").close()
+  with pytest.raises(ValueError, match="array_metadatas.* is damaged"):
+    kd.restore_checkpoint(path, state)
+
+
+def test_missing_checkpoint_is_named(tmp_path):
+  with pytest.raises(ValueError, match="no checkpoint at .*nowhere"):
+    kd.restore_checkpoint(tmp_path / "nowhere", _kfac().init(_params()))
+
+
+def test_restore_casting_a_dtype_is_refused(saved):
+  pytest.importorskip("orbax.checkpoint")
+  path, _ = saved
+  template = _kfac(factor_dtype=jnp.bfloat16).init(_params())
+  with pytest.raises(ValueError, match="saved as float32, the template has bfloat16"):
+    kd.restore_checkpoint(path, template)
+
+
+def test_restore_onto_another_mesh_is_refused(tmp_path):
+  pytest.importorskip("orbax.checkpoint")
+  mesh = helpers.data_mesh(8)
+  tx = _kfac(distribution=kd.Distribution(mesh, grad_worker_fraction=1 / 8))
+  state = kd.shard_state(tx.init(_params()), mesh)
+  kd.save_checkpoint(tmp_path / "ckpt", state)
+  template = jax.eval_shape(tx.init, _params())
+  with pytest.raises(ValueError, match="not placed on a mesh: pass mesh="):
+    kd.restore_checkpoint(tmp_path / "ckpt", template)
+  with pytest.raises(ValueError, match="laid out for 8 devices of axis 'data', mesh= has"):
+    kd.restore_checkpoint(tmp_path / "ckpt", template, mesh=helpers.data_mesh(4))
+  restored = kd.restore_checkpoint(tmp_path / "ckpt", template, mesh=mesh)
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_checkpoint_records_dtypes(saved):
+  pytest.importorskip("orbax.checkpoint")
+  path, _ = saved
+  with open(os.path.join(path, "kfac_layout", "metadata"), encoding="utf-8") as f:
+    meta = json.load(f)
+  assert ["float32"] == sorted({d for _, d in meta["dtypes"]} - {"int32", "bool"})
