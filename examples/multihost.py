@@ -122,15 +122,22 @@ def fraction_of(strategy: str, num_devices: int) -> float:
 def train(mesh, grad_worker_fraction: float, *, steps: int = 4, batch_size: int = 32,
           factor_update_every: int = 2, inverse_update_every: int = 3,
           learning_rate: float = 0.1, damping: float = 1e-2, seed: int = 0,
-          log=None):
+          log=None, nan_step: int | None = None, checkpoint: str | None = None,
+          resume: tuple[str, int] | None = None):
   """Trains the model with K-FAC over `mesh`'s axis "data" for `steps` steps.
 
   Works the same on one process and on many: the batch of every step is made
   from this process's rows only, and the parameters come back replicated.
+  `nan_step`: that step's first example (a row of process 0) is NaN, so the
+  step is skipped on every device of every process. `checkpoint`: save the
+  final `{"params", "opt_state"}` there (`kd.save_checkpoint`, every process
+  writing its pieces). `resume=(directory, first_step)`: start from such a
+  checkpoint (saved by any number of processes) at step `first_step`.
 
   Returns:
-    (params, losses): the final parameters (a pytree of global, replicated
-    `jax.Array`s) and the global mean loss of every step (floats).
+    (params, losses, skipped): the final parameters (a pytree of global,
+    replicated `jax.Array`s), the global mean loss of every step (floats) and
+    the K-FAC state's count of skipped steps.
   """
   import jax  # pylint: disable=import-outside-toplevel
   import optax  # pylint: disable=import-outside-toplevel
@@ -183,16 +190,26 @@ def train(mesh, grad_worker_fraction: float, *, steps: int = 4, batch_size: int 
   if sum(b - a for a, b in rows) != stop - start:
     raise ValueError(f"this process's devices hold non-contiguous rows {rows}")
 
+  first = 0
+  if resume is not None:
+    template = {"params": params, "opt_state": state}
+    restored = kd.restore_checkpoint(resume[0], template, mesh=mesh)
+    params, state, first = restored["params"], restored["opt_state"], resume[1]
   losses = []
-  for i in range(steps):
+  for i in range(first, first + steps):
     x, y = global_batch(i, batch_size, seed)
+    if i == nan_step:
+      x[0] = np.nan
     x = jax.make_array_from_process_local_data(data_sharding, x[start:stop], x.shape)
     y = jax.make_array_from_process_local_data(data_sharding, y[start:stop], y.shape)
     params, state, loss = step(params, state, x, y)
     losses.append(float(to_host(loss)))
     if log is not None:
       log(f"step {i:3d}  loss {losses[-1]:.5f}")
-  return params, losses
+  if checkpoint is not None:
+    kd.save_checkpoint(checkpoint, {"params": params, "opt_state": state}, force=True)
+  skipped = int(to_host(kd.find_states(state)[0].skipped))
+  return params, losses, skipped
 
 
 def to_host(tree):
@@ -264,16 +281,20 @@ def run_worker(args) -> None:
       say(f"K-FAC {strategy}: grad_worker_fraction {fraction:g} "
           f"({round(fraction * len(devices))} gradient workers per layer)")
     t0 = time.perf_counter()
-    params, losses = train(mesh, fraction, steps=args.steps, batch_size=args.batch_size,
-                           factor_update_every=args.factor_update_every,
-                           inverse_update_every=args.inverse_update_every,
-                           learning_rate=args.learning_rate, damping=args.damping,
-                           seed=args.seed, log=say)
+    checkpoint = (os.path.join(os.path.abspath(args.checkpoint_dir), strategy)
+                  if args.checkpoint_dir else None)
+    params, losses, skipped = train(
+        mesh, fraction, steps=args.steps, batch_size=args.batch_size,
+        factor_update_every=args.factor_update_every,
+        inverse_update_every=args.inverse_update_every, learning_rate=args.learning_rate,
+        damping=args.damping, seed=args.seed, log=say, nan_step=args.nan_step,
+        checkpoint=checkpoint)
     if say:
       say(f"{strategy}: {args.steps} steps in {time.perf_counter() - t0:.1f}s "
           "(compilation included)")
     results.update(flatten(params, prefix=f"{strategy}/"))
     results[f"{strategy}/losses"] = np.asarray(losses)
+    results[f"{strategy}/skipped"] = np.asarray(skipped)
   if args.out:
     os.makedirs(args.out, exist_ok=True)
     np.savez(os.path.join(args.out, f"process{me}.npz"), **results)
@@ -425,7 +446,8 @@ def launch_local(worker_args: Sequence[str], num_processes: int, cpu_devices: in
 # --------------------------------------------------------------------------- #
 
 WORKER_OPTIONS = ("strategy", "grad_worker_fraction", "steps", "batch_size", "learning_rate",
-                  "damping", "factor_update_every", "inverse_update_every", "seed", "out")
+                  "damping", "factor_update_every", "inverse_update_every", "seed", "out",
+                  "nan_step", "checkpoint_dir")
 
 
 def parse_args(argv=None):
@@ -469,6 +491,12 @@ def parse_args(argv=None):
   opt.add_argument("--inverse-update-every", type=int, default=6,
                    help="refresh the eigendecompositions every this many steps")
   opt.add_argument("--seed", type=int, default=0, help="data and initialisation seed")
+  opt.add_argument("--nan-step", type=int, default=None,
+                   help="make the first example of this step NaN (on process 0 only): "
+                        "the step is skipped on every process")
+  opt.add_argument("--checkpoint-dir", default=None,
+                   help="save each strategy's final parameters and optimizer state "
+                        "under DIR/<strategy> (every process writes its pieces)")
   opt.add_argument("--out", default="examples/out",
                    help="directory for multihost.csv / multihost.png (process 0) and the "
                         "final parameters, process{i}.npz ('': write nothing)")

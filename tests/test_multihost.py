@@ -7,8 +7,11 @@ feeds only its half of every global batch, trains MEM-OPT (fraction 1/4),
 COMM-OPT (fraction 1) and HYBRID (fraction 1/2) for 4 steps — counts 0..3 with
 factor_update_every=2, inverse_update_every=3: factors and inverses at 0, plain
 at 1, factors only at 2, inverses only at 3 — and writes its final parameters
-to an .npz. Meanwhile this process computes the same `train` on 4 of its own 8
-devices (tests/conftest.py), and the results must agree to float32 tolerance.
+to an .npz. Step 1's batch has a NaN in a row of process 0 only: both
+processes must skip it. Each strategy's final state is checkpointed by both
+processes. Meanwhile this process computes the same `train` on 4 of its own 8
+devices (tests/conftest.py), and the results must agree to float32 tolerance;
+then it restores the two-process MEM-OPT checkpoint and continues one step.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ NUM_PROCESSES, DEVICES_PER_PROCESS = 2, 2
 NUM_DEVICES = NUM_PROCESSES * DEVICES_PER_PROCESS
 STRATEGIES = ("mem-opt", "comm-opt", "hybrid")
 CONFIG = dict(steps=4, batch_size=32, factor_update_every=2, inverse_update_every=3,
-              learning_rate=0.1, damping=1e-2, seed=0)
+              learning_rate=0.1, damping=1e-2, seed=0, nan_step=1)
 TIMEOUT_S = 100          # the workers, from launch to exit (killed after that)
 # The workers' XLA compiles twice as fast without LLVM optimisation (2 processes
 # compile at once on CI's 2 cores); the results differ by float32 rounding.
@@ -56,7 +59,8 @@ def _gloo_missing() -> str | None:
 
 
 def _worker_args(out: pathlib.Path) -> list[str]:
-  args = ["--strategy", ",".join(STRATEGIES), "--out", str(out), "--init-timeout", "60"]
+  args = ["--strategy", ",".join(STRATEGIES), "--out", str(out), "--init-timeout", "60",
+          "--checkpoint-dir", str(out / "ckpt")]
   for key, value in CONFIG.items():
     args += ["--" + key.replace("_", "-"), str(value)]
   return args
@@ -77,10 +81,11 @@ def runs(tmp_path_factory):
   try:
     reference = {}
     for strategy in STRATEGIES:
-      params, losses = multihost.train(
+      params, losses, skipped = multihost.train(
           mesh, multihost.fraction_of(strategy, NUM_DEVICES), **CONFIG)
       reference.update(multihost.flatten(params, prefix=f"{strategy}/"))
       reference[f"{strategy}/losses"] = np.asarray(losses)
+      reference[f"{strategy}/skipped"] = np.asarray(skipped)
   except BaseException:
     job.kill()
     raise
@@ -89,22 +94,25 @@ def runs(tmp_path_factory):
   for i in range(NUM_PROCESSES):
     with np.load(out / f"process{i}.npz") as f:
       results.append(dict(f))
-  return reference, results, outputs[0]
+  return reference, results, outputs[0], out
 
 
 def test_workers_are_two_processes_of_two_devices(runs):
-  _, _, output = runs
+  _, _, output, _ = runs
   assert (f"{NUM_PROCESSES} processes, {NUM_DEVICES} devices ({DEVICES_PER_PROCESS} here, "
           "cpu)") in output, output
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_multiprocess_equals_single_process(runs, strategy):
-  reference, results, _ = runs
+  reference, results, _, _ = runs
   want = {k: v for k, v in reference.items() if k.startswith(strategy + "/")}
   assert len(want) > 1
   losses = want[f"{strategy}/losses"]
-  assert losses.shape == (CONFIG["steps"],) and np.all(np.isfinite(losses))
+  assert losses.shape == (CONFIG["steps"],)
+  assert np.isnan(losses[CONFIG["nan_step"]])         # the faulty batch's loss
+  losses = np.delete(losses, CONFIG["nan_step"])
+  assert np.all(np.isfinite(losses)) and int(want[f"{strategy}/skipped"]) == 1
   assert not np.allclose(losses, losses[0])          # it trained
   for process, got in enumerate(results):
     got = {k: v for k, v in got.items() if k.startswith(strategy + "/")}
@@ -112,3 +120,22 @@ def test_multiprocess_equals_single_process(runs, strategy):
     for key in want:
       np.testing.assert_allclose(got[key], want[key], rtol=2e-4, atol=2e-5,
                                  err_msg=f"process {process}: {key}")
+
+
+def test_checkpoint_of_two_processes_continues_on_one(runs):
+  """The MEM-OPT state both processes saved restores onto this process's mesh
+  of the same 4 devices and continues: one more step equals the
+  single-process run of 5 steps."""
+  reference, _, _, out = runs
+  mesh = helpers.data_mesh(NUM_DEVICES)
+  fraction = multihost.fraction_of("mem-opt", NUM_DEVICES)
+  options = {k: v for k, v in CONFIG.items() if k != "steps"}
+  params, _, skipped = multihost.train(mesh, fraction, steps=1, **options,
+                                       resume=(str(out / "ckpt" / "mem-opt"),
+                                               CONFIG["steps"]))
+  want, _, want_skipped = multihost.train(mesh, fraction, steps=CONFIG["steps"] + 1,
+                                          **options)
+  assert skipped == want_skipped == 1
+  got, want = multihost.flatten(params), multihost.flatten(want)
+  for key in want:
+    np.testing.assert_allclose(got[key], want[key], rtol=2e-4, atol=2e-5, err_msg=key)
