@@ -55,7 +55,6 @@ import argparse
 import csv
 import dataclasses
 import os
-import sys
 import time
 
 
