@@ -36,18 +36,20 @@ def other_loss_fn(params, x, y):
 
 
 def _params(other=False):
+  """float32 parameters, whatever jax_enable_x64 says."""
   k = jax.random.split(jax.random.PRNGKey(0), 3)
-  p = {"l0": {"kernel": 0.5 * jax.random.normal(k[0], (6, 8)), "bias": jnp.zeros(8)},
-       "out": {"kernel": 0.5 * jax.random.normal(k[1], (8, CLASSES))}}
+  normal = lambda key, shape: 0.5 * jax.random.normal(key, shape, jnp.float32)
+  p = {"l0": {"kernel": normal(k[0], (6, 8)), "bias": jnp.zeros(8, jnp.float32)},
+       "out": {"kernel": normal(k[1], (8, CLASSES))}}
   if other:
-    p["mid"] = {"kernel": 0.5 * jax.random.normal(k[2], (8, 8))}
+    p["mid"] = {"kernel": normal(k[2], (8, 8))}
   return p
 
 
 def _batch(i=0, labels=None):
   kx, ky = jax.random.split(jax.random.PRNGKey(100 + i))
-  y = jax.random.randint(ky, (BATCH,), 0, CLASSES) if labels is None else labels
-  return jax.random.normal(kx, (BATCH, 6)), y
+  y = jax.random.randint(ky, (BATCH,), 0, CLASSES, jnp.int32) if labels is None else labels
+  return jax.random.normal(kx, (BATCH, 6), jnp.float32), y
 
 
 GRAD_FN = kd.value_and_grad(loss_fn)

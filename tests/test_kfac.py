@@ -10,9 +10,17 @@ import kfac_jax_dist as kd
 
 import helpers
 
-jax.config.update("jax_enable_x64", True)
-
 F64 = jnp.float64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _x64():
+  """float64 for this module's tests only (a global setting would leak into the
+  next test module run by the same worker)."""
+  previous = jax.config.jax_enable_x64
+  jax.config.update("jax_enable_x64", True)
+  yield
+  jax.config.update("jax_enable_x64", previous)
 
 
 def _layer(name, d_in, d_out, bias=True):

@@ -138,7 +138,8 @@ def update_running_factors(config: KfacConfig, comm: collectives_lib.Collectives
                            ) -> tuple[jax.Array, jax.Array]:
   """The new running factors (this device's part) and total weight `w'`."""
   batch = batch_factors(config, comm, state.layout, stats)
-  decay, w = config.factor_decay, state.factor_weight
+  w = state.factor_weight
+  decay = jnp.asarray(config.factor_decay, w.dtype)   # an injected array may be wider
   new_w = decay * w + (1.0 - decay)
   mixed = (decay * w * state.factors.astype(config.compute_dtype)
            + (1.0 - decay) * batch.astype(config.compute_dtype)) / new_w

@@ -59,7 +59,8 @@ def refresh_due_factors(config: KfacConfig, comm: collectives_lib.Collectives,
                         ) -> tuple[jax.Array, stale.RefreshState, jax.Array]:
   """SP-NGD Algorithm 1: (running factors, refresh state, due flags)."""
   layout, r, count = state.layout, state.refresh, state.count
-  index, decay, dtype = _factor_index(layout), config.factor_decay, config.compute_dtype
+  index, dtype = _factor_index(layout), config.compute_dtype
+  decay = jnp.asarray(config.factor_decay, r.weight.dtype)   # an injected array may be wider
   due = r.next_step <= count                  # the same on every device
   batch = _due_statistics(config, comm, layout, stats, due)
   weight = jnp.where(due, decay * r.weight + (1.0 - decay), r.weight)
