@@ -9,7 +9,6 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -62,22 +61,16 @@ def test_gather_from_groups_among_equal_ranks(m):
   assert old / gather.ring == pytest.approx((8 - 1) / (8 - m))    # 1.75 at m = 4
 
 
-def _hybrid_step(m: int, gradient_reduction: str):
+def _hybrid_step_hlo(m: int):
+  """The compiled HLO and the state of the benchmarks' training step
+  (`_common.sharded_step`: gradients averaged by pmean) with HYBRID K-FAC."""
   loss_fn, params, x, y = helpers.conv_dense_problem()
-  dist = kd.Distribution(helpers.data_mesh(8), grad_worker_fraction=m / 8,
-                         gradient_reduction=gradient_reduction)
+  mesh = helpers.data_mesh(8)
   grad_fn = kd.value_and_grad(loss_fn)
-  tx = kd.kfac(0.1, layers=grad_fn.discover(params, x, y), distribution=dist,
-               damping=1e-2, factor_update_every=2, inverse_update_every=3)
-
-  def step(params, state, x, y):
-    _, grads, stats = grad_fn(params, x, y, opt_state=state)
-    if gradient_reduction == "none":
-      grads = jax.lax.pmean(grads, "data")
-    updates, state = tx.update(grads, state, params, kfac_stats=stats)
-    return optax.apply_updates(params, updates), state
-
-  fn, state = helpers.compile_step(step, tx.init(params), dist, 2)
+  tx = kd.kfac(0.1, layers=grad_fn.discover(params, x, y), damping=1e-2,
+               distribution=kd.Distribution(mesh, grad_worker_fraction=m / 8),
+               factor_update_every=2, inverse_update_every=3)
+  fn, state = C.sharded_step(loss_fn, params, x, y, tx, grad_fn, mesh, "none")
   return fn.lower(params, state, x, y).compile().as_text(), state
 
 
@@ -88,7 +81,7 @@ def test_hybrid_gather_bytes_are_kaisas(m):
   all_gather of the groups' buffers among `G` devices: `(G−1)·S` numbers
   per device (`S` the buffer of `layout.gradient_offsets`), KAISA's
   receivers' bytes; the other every-step collective is the gradients' pmean."""
-  hlo, state = _hybrid_step(m, "none")
+  hlo, state = _hybrid_step_hlo(m)
   lay = C.kfac_state(state).layout
   groups, (_, _, width) = 8 // m, layout_lib.gradient_offsets(lay)
   every = [c for c in C.collectives(hlo, 8)[0] if c.step == "every"]
