@@ -225,6 +225,7 @@ def test_describe_names_the_schemes():
   text = kd.describe(kd.scale_by_kfac(layers=layers, distribution=sp_ngd).init(params),
                      print_table=False)
   assert "uneven collectives: gradient gather rechunk (" in text, text
+  assert f"latency of {uneven.LATENCY_NUMBERS:,} numbers per collective" in text, text
   equal = kd.LayerRegistry(layers.layers[3:11])
   comm = kd.Distribution(mesh, grad_worker_fraction=1.0)
   text = kd.describe(kd.scale_by_kfac(layers=equal, distribution=comm).init(
