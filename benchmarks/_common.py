@@ -75,12 +75,19 @@ MODEL_DESCRIPTION = (
     "one untagged scale[256]; 16x16x3 inputs, global batch 32")
 
 
-def problem(batch: int = 32) -> tuple[Callable, Any, jax.Array, jax.Array]:
-  """(loss_fn, params, x, y): `_models.CnnMlp` on a fixed random batch."""
+MODEL12_DESCRIPTION = (
+    "CnnMlp12: conv3x3 3→48, 48→64, 64→80 (stride 2), 3× conv3x3 80→80 (strides "
+    "1,2,1), global mean, dense 80→256, 4× dense 256→256, dense 256→10 (all with "
+    "bias); 16x16x3 inputs, global batch 32")
+
+
+def problem(batch: int = 32, model: Any = None) -> tuple[Callable, Any, jax.Array, jax.Array]:
+  """(loss_fn, params, x, y): `model` (default `_models.CnnMlp`) on a fixed
+  random batch of 16x16x3 images."""
   kx, ky, kp = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(kx, (batch, 16, 16, 3), jnp.float32)
   y = jax.random.randint(ky, (batch,), 0, 10)
-  model = _models.CnnMlp()
+  model = _models.CnnMlp() if model is None else model
   params = model.init(kp, x)
 
   def loss_fn(p, x, y):
@@ -94,7 +101,7 @@ def problem(batch: int = 32) -> tuple[Callable, Any, jax.Array, jax.Array]:
 @dataclasses.dataclass(frozen=True)
 class Strategy:
   name: str
-  fraction: str            # "1", "1/P", "1/2"
+  fraction: str            # "1", "1/P", "1/2", "1/4"
   factor_reduction: str = "reduce_scatter"
   gradient_reduction: str = "none"
   symmetric: bool = True
@@ -107,6 +114,8 @@ class Strategy:
       return 1
     if self.fraction == "1/2":
       return p // 2 if p >= 4 else None     # at P=2 1/2 is MEM-OPT
+    if self.fraction == "1/4":
+      return p // 4 if p >= 8 else None     # at P=4 1/4 is MEM-OPT
     raise ValueError(self.fraction)
 
 
@@ -122,6 +131,7 @@ STRATEGIES = (
     Strategy("MEM-OPT AR sym", "1/P", "all_reduce", what="fraction 1/P, all_reduce, sym"),
     Strategy("MEM-OPT RS full", "1/P", symmetric=False, what="fraction 1/P, RS, full"),
     Strategy("HYBRID", "1/2", what="fraction 1/2, RS, sym"),
+    Strategy("HYBRID m=2", "1/4", what="fraction 1/4, RS, sym"),
     Strategy("DP-KFAC", "1/P", "local", what="fraction 1/P, factor_reduction local"),
     Strategy("SP-NGD fused", "1/P", gradient_reduction="reduce_scatter",
              what="fraction 1/P, RS, sym, gradient_reduction reduce_scatter"),

@@ -5,6 +5,7 @@ tagged layers are plain Flax computations, so first-order baselines run the
 very same models):
 
 * `CnnMlp`: the fixed model of comm_volume, memory and shampoo_memory;
+* `CnnMlp12`: comm_volume's second model, a dozen comparable layers;
 * `MLP`, `CNN`: step_time's 784-512-512-10 MLP and CIFAR-shaped CNN;
 * `DigitsCNN`, `Autoencoder`: examples/digits.py's CNN and
   examples/autoencoder.py's model (convergence);
@@ -61,6 +62,24 @@ class CnnMlp(nn.Module):
       x = nn.relu(kd.linen.Dense(320 if i % 2 == 0 else 256)(x))
       if i == 3:
         x = x * self.param("scale", nn.initializers.ones, (256,))
+    return kd.linen.Dense(10)(x)
+
+
+class CnnMlp12(nn.Module):
+  """Twelve comparable layers: conv 3x3 3→48, 48→64, 64→80 (stride 2), 80→80
+  three times (strides 1, 2, 1), global mean, Dense 80→256, four Dense
+  256→256, Dense 256→10; ReLU, biases. 534,730 parameters, the largest layer
+  (257×256) 12.3% of them: no layer over 1/8, yet twelve layers on eight
+  devices leave the owners' gradients uneven (57,681 to 78,417 numbers at P =
+  8, SP-NGD's layout)."""
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    for i, width in enumerate((48, 64, 80, 80, 80, 80)):
+      x = nn.relu(kd.linen.Conv(width, (3, 3), strides=2 if i in (2, 4) else 1)(x))
+    x = jnp.mean(x, axis=(1, 2))
+    for _ in range(5):
+      x = nn.relu(kd.linen.Dense(256)(x))
     return kd.linen.Dense(10)(x)
 
 

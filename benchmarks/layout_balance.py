@@ -31,7 +31,7 @@ its placement measured:
   - eigen broadcast (COMM-OPT, inverse steps), MEM grad gather (MEM-OPT, every
     step), SP-NGD grad RS (its mirror): uneven, in the scheme `uneven.plan`
     picks: prefix, (P-1)·S + 2(P-1)/P·Σ overflow, or rechunk, (P-1)·C plus
-    the ppermutes that forward the overflow over C (the busiest device's
+    the ppermutes that forward the overflow over C ≥ ⌈Σu/P⌉ (the busiest device's
     larger of sent and received);
   with, beside them, the floor of either scheme over any assignment of whole
   factors / layers (`uneven_floor`), the padded collectives of the library
@@ -129,8 +129,9 @@ def uneven(sizes, p: int, gather: bool) -> dict:
     all_gather / psum_scatter, (P-1)·S, the overflow Σmax(0, u_i - S), packed
     tight, by one psum, 2(P-1)/P of it: library - ideal = (P-1)/P·(zeros +
     overflow), zeros = P·S - Σmin(u_i, S);
-  * rechunk: one tight all_gather / psum_scatter of P chunks of C = ⌈Σu/P⌉,
-    (P-1)·C, and the ppermutes forwarding the overflow over C: a device sends
+  * rechunk: one tight all_gather / psum_scatter of P chunks of C = ⌈Σu/P⌉
+    (or longer, `uneven.matched`), (P-1)·C, and the ppermutes forwarding the
+    overflow over C: a device sends
     (receives) the sends it takes part in, at their padded sizes.
 
   "library" is the busiest device's larger of sent and received bytes (the
@@ -546,12 +547,15 @@ def main(argv=None):
          "step; the mirror of the gather): uneven, per-device sizes u_i "
          "(`Layout.second_sizes`; `kfac.layout.gradient_offsets`, slot 0 the KL sum), in the "
          "scheme `uneven.plan` picks by its cost model (bytes of the busiest device plus "
-         "a latency of 2^15 numbers per collective). **prefix**: the first "
+         f"a latency of {uneven_lib.LATENCY_NUMBERS} numbers per collective, "
+         "`uneven.LATENCY_NUMBERS`). **prefix**: the first "
          "S = `prefix_length(u)` numbers of every device by all_gather / psum_scatter, "
          "(P-1)·S, and the overflow Σmax(0, u_i - S), packed tight, by one psum, "
          "2(P-1)/P of it (library - ideal = (P-1)/P·(zeros + overflow)). **rechunk**: "
          "one tight all_gather / psum_scatter of P chunks of C = ⌈Σu/P⌉ ((P-1)·C, the "
-         "ideal), each device's chunk starting with its own first min(u_i, C) numbers "
+         "ideal), or of longer chunks where that lets one ppermute forward every "
+         "overflow (`uneven.matched`), each device's chunk starting with its own first "
+         "min(u_i, C) numbers "
          "and the overflow of devices over C filling the others' room; ppermutes "
          "forward each overflow piece between its owner and the device holding it "
          "(pieces of similar size share a ppermute, padded by <= 5%). Point-to-point "

@@ -178,15 +178,24 @@ def comm_volume(d: Json) -> list[str]:
            "and decompositions every 100 steps. The library's own byte model, one term "
            "per collective, must equal the HLO (a check below)."]
   p = max(r["P"] for r in d["rows"])
-  rs = [r for r in d["rows"] if r["P"] == p]
+  lines += ["", f"At P = {p} ({others(d['rows'], p)}):", ""] + _volume_table(d["rows"], p)
+  second = d.get("second_model", {}).get("rows")
+  if second:
+    lines += ["", f"A second model, {d['second_model']['description']} (`_models.CnnMlp12`: "
+              "twelve comparable layers, none over 1/8 of the parameters), at P = 8:",
+              ""] + _volume_table(second, 8)
+  return lines + checks_table(d.get("checks", []))
+
+
+def _volume_table(rows: list[Json], p: int) -> list[str]:
+  rs = [r for r in rows if r["P"] == p]
   sgd = next(r for r in rs if r["strategy"] == "SGD")["plain"]
-  rows = [[r["strategy"], r["m"] or "", fmt_bytes(r["plain"]), f"{r['plain'] / sgd:.3f}",
-           fmt_bytes(r["factor_only"]), fmt_bytes(r["inverse_only"]),
-           f"{fmt_bytes(r['amortised'])} ({r['amortised'] / sgd:.2f}×)"] for r in rs]
-  lines += ["", f"At P = {p} ({others(d['rows'], p)}):", "", md_table(rows, [
+  table = [[r["strategy"], r["m"] or "", fmt_bytes(r["plain"]), f"{r['plain'] / sgd:.3f}",
+            fmt_bytes(r["factor_only"]), fmt_bytes(r["inverse_only"]),
+            f"{fmt_bytes(r['amortised'])} ({r['amortised'] / sgd:.2f}×)"] for r in rs]
+  return [md_table(table, [
       "strategy", "m", "plain step", "× SGD", "factor step extra", "inverse step extra",
       "amortised 10/100 (× SGD)"])]
-  return lines + checks_table(d.get("checks", []))
 
 
 COLLECTIVES = {"factor_rs": "factor RS", "chunk_ag": "chunk AG",

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import jax
+from jax.extend import core as _jex_core
+from jax.interpreters import ad as _ad
+from jax.interpreters import batching as _batching
+from jax.interpreters import mlir as _mlir
 
 
 def varying_axes(*values) -> tuple[str, ...]:
@@ -45,3 +49,55 @@ def all_gather_invariant(x, axis_name: str, *, tiled: bool = True):
 def traced(tree) -> bool:
   """Whether any leaf of `tree` is a tracer (under jit, eval_shape, grad, ...)."""
   return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree))
+
+
+# `equal_over`: a typed no-op. Inside `shard_map` a value computed on every
+# device of an axis from the same inputs by the same program is the same on
+# each, but when it was assembled by a collective over part of the axis (an
+# all_gather with `axis_index_groups`) its type says "varying", and jax has no
+# invariant-typed form of such collectives. The primitive drops the axes from
+# the value's varying axes and lowers to nothing. Linear: its transpose is the
+# pmean's (the value is the mean of equal copies).
+_equal_over_p = _jex_core.Primitive("kfac_equal_over")
+
+
+def _without_varying(aval, axes: tuple[str, ...]):
+  """`aval` typed as invariant over `axes` (jax >= 0.10: `manual_axis_type`;
+  0.8 - 0.9: `vma`)."""
+  manual = getattr(aval, "manual_axis_type", None)
+  if manual is not None:
+    return aval.update(manual_axis_type=manual.update(
+        varying=frozenset(a for a in manual.varying if a not in axes)))
+  vma = getattr(aval, "vma", None)
+  if vma is None:
+    return aval
+  return aval.update(vma=frozenset(a for a in vma if a not in axes))
+
+
+def _equal_over_transpose(ct, x, *, axes):
+  del x
+  if type(ct) is _ad.Zero:  # pylint: disable=unidiomatic-typecheck
+    return [ct]
+  return [as_varying(ct, axes) / jax.lax.psum(1, axes)]
+
+
+_equal_over_p.def_abstract_eval(_without_varying)
+_mlir.register_lowering(_equal_over_p, lambda ctx, x, *, axes: [x])
+_ad.deflinear2(_equal_over_p, _equal_over_transpose)
+_batching.primitive_batchers[_equal_over_p] = (
+    lambda args, dims, *, axes: (_equal_over_p.bind(args[0], axes=axes), dims[0]))
+
+
+def equal_over(tree, axes: tuple[str, ...]):
+  """Types `tree`, whose every leaf the caller knows to be the same on every
+  device of `axes` (the same program on the same inputs), as invariant over
+  them, so that it may leave `shard_map` with spec P(): no communication, no
+  check. Only for such values: a value that differs between the devices
+  would silently pass as replicated."""
+  if not axes:
+    return tree
+
+  def one(x: jax.Array) -> jax.Array:
+    present = tuple(a for a in axes if a in varying_axes(x))
+    return _equal_over_p.bind(x, axes=present) if present else x
+  return jax.tree_util.tree_map(one, tree)

@@ -108,13 +108,22 @@ def test_strategy_equals_single_device(fraction, factor_reduction, gradient_redu
   _assert_same(trajectory, reference)
 
 
-@pytest.mark.parametrize("fraction", [1.0, 1 / 8])
-def test_rechunked_uneven_collectives_equal_single_device(fraction, monkeypatch):
+def _longer_chunks(sizes):
+  """`uneven.matched` at the second chunk candidate (longer than ⌈Σu/P⌉)."""
+  chunks = uneven.chunk_candidates(sizes)
+  return uneven.matched(sizes, chunks[min(1, len(chunks) - 1)])
+
+
+@pytest.mark.parametrize("fraction,scheme", [
+    (1.0, "rechunk"), (1 / 8, "rechunk"),
+    pytest.param(1 / 8, "longer chunks", marks=pytest.mark.slow)])
+def test_rechunked_uneven_collectives_equal_single_device(fraction, scheme, monkeypatch):
   """The rechunk scheme of `uneven` (tight chunks + ppermute forwarding), which
   the cost model picks for large uneven owners only, in every uneven collective:
   COMM-OPT's eigenbasis gather, MEM-OPT's gradient gather and SP-NGD's
-  reduce-scatter."""
-  monkeypatch.setattr(uneven, "plan", uneven.rechunk)
+  reduce-scatter; and its chunks longer than ⌈Σu/P⌉ (`uneven.matched`)."""
+  monkeypatch.setattr(uneven, "plan", {"rechunk": uneven.rechunk,
+                                       "longer chunks": _longer_chunks}[scheme])
   reference, _ = _single_device("eigen")
   trajectory, _, _ = _distributed(8, fraction, "reduce_scatter", "reduce_scatter")
   _assert_same(trajectory, reference)

@@ -1,5 +1,6 @@
-"""Uneven gathers and reduce-scatters (`uneven`): both schemes against stacking
-and averaging the segments on 8 devices, and the rechunk plan's invariants."""
+"""Uneven gathers and reduce-scatters (`uneven`): the schemes against stacking
+and averaging the segments on 8 devices, the rechunk plans' invariants, the
+planner's choice and its latency setting."""
 
 import functools
 
@@ -25,12 +26,15 @@ SIZES = [
 
 
 def _schemes(sizes):
+  chunks = uneven.chunk_candidates(sizes)
   return {"prefix": uneven.Prefix(sizes, uneven.prefix_length(sizes)),
-          "rechunk": uneven.rechunk(sizes)}
+          "rechunk": uneven.rechunk(sizes),
+          "matched": uneven.matched(sizes, chunks[min(1, len(chunks) - 1)]),
+          "matched-tight": uneven.matched(sizes, chunks[0])}
 
 
 @pytest.mark.parametrize("sizes", SIZES)
-@pytest.mark.parametrize("name", ["prefix", "rechunk"])
+@pytest.mark.parametrize("name", ["prefix", "rechunk", "matched", "matched-tight"])
 def test_uneven_collectives(sizes, name):
   mesh = helpers.data_mesh(8)
   scheme = _schemes(sizes)[name]
@@ -75,12 +79,11 @@ def test_collectives_average_with_the_planned_scheme():
   np.testing.assert_allclose(np.asarray(run(local)), local.mean(0), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("sizes", SIZES + [tuple(np.random.default_rng(s).integers(
-    0, 1000, 64)) for s in range(3)] + [(5000,) + (10,) * 63])
-def test_rechunk_plan_places_every_number_once(sizes):
-  p, plan = len(sizes), uneven.rechunk(sizes)
-  c = plan.chunk
-  assert p * c >= sum(sizes) > p * (c - 1) or sum(sizes) == 0
+def _assert_places_every_number_once(plan, sizes):
+  """Each device's chunk holds its own first numbers, then pieces that tile
+  the rest of its room; each owner's pieces tile its overflow; a send's
+  pieces have distinct owners and hosts."""
+  p, c = len(sizes), plan.chunk
   held = [[(0, k)] for k in plan.keep]       # chunk intervals in use, per device
   got = [[(0, k)] for k in plan.keep]        # segment intervals covered, per owner
   for send in plan.sends:
@@ -103,6 +106,82 @@ def test_rechunk_plan_places_every_number_once(sizes):
     assert tiles(got[i], sizes[i])
     assert tiles(held[i], sum(hi - lo for lo, hi in held[i])) and max(
         hi for _, hi in held[i]) <= c
+
+
+RANDOM_SIZES = SIZES + [tuple(int(u) for u in np.random.default_rng(s).integers(
+    0, 1000, 64)) for s in range(3)] + [(5000,) + (10,) * 63]
+
+
+@pytest.mark.parametrize("sizes", RANDOM_SIZES)
+def test_rechunk_plan_places_every_number_once(sizes):
+  p, plan = len(sizes), uneven.rechunk(sizes)
+  c = plan.chunk
+  assert p * c >= sum(sizes) > p * (c - 1) or sum(sizes) == 0
+  _assert_places_every_number_once(plan, sizes)
+
+
+@pytest.mark.parametrize("sizes", RANDOM_SIZES)
+def test_matched_plans_place_every_number_once(sizes):
+  """At every candidate chunk; at the smallest one where one round fits
+  every overflow (the last of `chunk_candidates`' single-round ones), one
+  ppermute forwards it all."""
+  chunks = uneven.chunk_candidates(sizes)
+  assert chunks == sorted(chunks) and chunks[0] * len(sizes) >= sum(sizes)
+  for chunk in chunks:
+    plan = uneven.matched(sizes, chunk)
+    _assert_places_every_number_once(plan, sizes)
+    if chunk >= max(sizes):
+      assert not plan.sends
+  with pytest.raises(ValueError, match="below"):
+    uneven.matched((10, 0), 4)
+
+
+def test_one_ppermute_for_a_dozen_comparable_layers():
+  """SP-NGD's gradient sizes of `benchmarks/_models.CnnMlp12` (12 layers of
+  0.5M parameters, none over 1/8 of them) at P = 8: the prefix scheme sends
+  1.071x the ideal, tight chunks need four ppermutes; chunks 1206
+  numbers longer let one ppermute forward every overflow: 1.040x, in two
+  collectives."""
+  sizes = (78417, 59025, 57681, 68363, 65793, 65793, 65793, 73873)
+  ideal = 7 / 8 * sum(sizes)
+  prefix = uneven.Prefix(sizes, uneven.prefix_length(sizes))
+  assert max(prefix.device_bytes()) / ideal > 1.07
+  chosen = uneven.plan(sizes)
+  assert isinstance(chosen, uneven.Rechunk) and chosen.num_collectives == 2
+  assert chosen.chunk == -(-sum(sizes) // 8) + 1206
+  assert max(chosen.device_bytes()) / ideal < 1.041
+
+
+def test_latency_setting_steers_the_plan(monkeypatch):
+  """`set_latency` changes what `plan` picks (its cache keys on the figure):
+  without latency the fewest bytes whatever the collectives, with a huge one
+  the fewest collectives; a bad figure is refused, naming what is allowed."""
+  monkeypatch.setattr(uneven, "LATENCY_NUMBERS", uneven.LATENCY_NUMBERS)
+  sizes = (1, 40, 2, 33, 0, 0, 3, 1)
+  candidates = ([uneven.Prefix(sizes, s) for s in sorted(set(sizes))]
+                + [uneven.rechunk(sizes, 0)]
+                + [uneven.matched(sizes, c) for c in uneven.chunk_candidates(sizes)])
+  uneven.set_latency(0)
+  assert uneven.LATENCY_NUMBERS == 0
+  fewest_bytes = uneven.plan(sizes)
+  assert max(fewest_bytes.device_bytes()) == min(max(s.device_bytes()) for s in candidates)
+  uneven.set_latency(2.0 ** 30)
+  fewest_collectives = uneven.plan(sizes)
+  assert fewest_collectives.num_collectives == min(s.num_collectives for s in candidates)
+  assert fewest_collectives.num_collectives < fewest_bytes.num_collectives
+  for bad in (-1, float("nan"), float("inf"), True, "2**15", None):
+    with pytest.raises(ValueError, match="latency must be a finite number"):
+      uneven.set_latency(bad)
+  assert uneven.LATENCY_NUMBERS == 2 ** 30
+
+
+def test_measure_latency_gives_a_figure():
+  """On the 8 host devices the figure means nothing about a network, but the
+  measurement runs and gives a number `set_latency` takes."""
+  mesh = helpers.data_mesh(8)
+  figure = uneven.measure_latency(mesh, "data", numbers=(1, 2 ** 14), repeats=3)
+  assert isinstance(figure, int) and figure >= 0
+  assert uneven.measure_latency(helpers.data_mesh(1), "data") == 0
 
 
 def test_rechunk_is_chosen_for_one_oversized_owner():
@@ -146,6 +225,7 @@ def test_describe_names_the_schemes():
   text = kd.describe(kd.scale_by_kfac(layers=layers, distribution=sp_ngd).init(params),
                      print_table=False)
   assert "uneven collectives: gradient gather rechunk (" in text, text
+  assert f"latency of {uneven.LATENCY_NUMBERS:,} numbers per collective" in text, text
   equal = kd.LayerRegistry(layers.layers[3:11])
   comm = kd.Distribution(mesh, grad_worker_fraction=1.0)
   text = kd.describe(kd.scale_by_kfac(layers=equal, distribution=comm).init(

@@ -158,14 +158,22 @@ class Collectives:
                                  tiled=True) / self.num_devices
     return self._gather_within_group(piece)
 
+  def _same_rank(self) -> list[list[int]]:
+    """Axis index groups of the devices of equal rank in their owner groups,
+    `{r, r + m, r + 2m, ...}` (KAISA's receivers of a layer)."""
+    m = self.group_size
+    return [list(range(r, self.num_devices, m)) for r in range(m)]
+
   def gather_groups(self, buffer: jax.Array) -> jax.Array:
-    """Each group's `[S]` → `[G, S]` on every device. Device `r` of a group
-    sends the r-th of m pieces, so one all_gather over the whole axis moves each
-    group's buffer once (as KAISA's receivers get it from m workers)."""
+    """Each group's `[S]` → `[G, S]` on every device, typed invariant over the
+    axis: one all_gather among the devices of equal rank (`_same_rank`), as
+    KAISA's receivers get each other group's buffer once, `(G−1)·S` per
+    device. Every device of a group holds its group's buffer (the same
+    program on the same inputs: the group's gathered second-order state and
+    the averaged gradients), so the `G` buffers each device receives are the
+    same on all and `_compat.equal_over` types them so."""
     if self.num_groups == 1:
       return buffer[None]
-    m, size = self.group_size, buffer.shape[0]
-    piece = jax.lax.dynamic_slice_in_dim(
-        buffer, (self.device_index() % m) * (size // m), size // m)
-    gathered = _compat.all_gather_invariant(piece, self.dist.axis, tiled=True)
-    return gathered.reshape(self.num_groups, size)
+    gathered = jax.lax.all_gather(buffer, self.dist.axis,
+                                  axis_index_groups=self._same_rank())
+    return _compat.equal_over(gathered, (self.dist.axis,))

@@ -13,9 +13,10 @@ of its own layers (K-FAC) or blocks (Shampoo). Two routes connect the groups:
 * from the owners (`gather_from_groups`): each group's flat buffer of results
   (preconditioned gradients and the sums that go with them) reaches every
   device. With one device per group the buffers are uneven
-  (`uneven.gather`); otherwise each of a group's `m` members sends `1/m` of
-  its group's buffer, padded to the largest group's, in one all-gather over
-  the axis (as KAISA's receivers get a layer from its `m` workers).
+  (`uneven.gather`); otherwise the buffers, padded to the largest group's,
+  travel by one all-gather among the devices of equal rank in their groups
+  (KAISA's receivers: each device receives every other group's buffer once,
+  `(G−1)·S`), typed invariant over the axis (`Collectives.gather_groups`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from kfac_jax_dist.core import collectives as collectives_lib
 
 def group_width(sizes: Sequence[int], group_size: int) -> int:
   """The common buffer width: the largest group's, rounded up to a multiple
-  of `m` (so that its members' pieces are equal)."""
+  of `m` (so that `reduce_to_groups`' pieces are equal)."""
   return -(-max(max(sizes), 1) // group_size) * group_size
 
 

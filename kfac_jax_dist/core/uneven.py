@@ -22,6 +22,14 @@ model of the bytes each device sends or receives (`plan`):
   of the ideal for senders, and within the largest segment's share of `Σu`
   for its owner's receives, whatever the sizes. Pieces of similar size share
   one `ppermute`, padded by at most `PACK_TOLERANCE` (or a latency's worth).
+  The chunks may also be longer than `⌈Σu/P⌉` (`matched`): each extra number
+  costs `P−1` in the all_gather but shrinks every overflow and grows every
+  room, until one ppermute forwards all the overflow — two collectives, as
+  the prefix scheme, at close to the rechunk's bytes.
+
+Each collective is charged a latency, `LATENCY_NUMBERS` numbers (`set_latency`,
+`measure_latency`): the rechunk's ppermutes pay off only where the bytes they
+save exceed it.
 
 SP-NGD (Osawa et al. 2019) reduce-scatters raw gradients to their layers'
 owners and gathers the preconditioned ones; MEM-OPT (KAISA) gathers them; a
@@ -40,8 +48,13 @@ import numpy as np
 
 from kfac_jax_dist import _compat
 
-# Cost model: a collective's fixed latency, in the numbers (float32) a link
-# sends meanwhile (~10 µs at ~10 GB/s); a ppermute pads a piece by at most
+# The cost model's latency: what one collective costs beyond its bytes,
+# counted in the float32 numbers a link sends meanwhile (latency × bandwidth
+# / 4 B). The default, 2¹⁵ numbers (128 kB), is ~10 µs at ~13 GB/s; a GPU
+# fabric (NVLink: ~5–10 µs at 100–400 GB/s) is nearer 2¹⁷–2²⁰, a slow
+# network's latency larger still. Set it with `set_latency` (a figure from
+# `measure_latency` on the real mesh) before the training step is traced;
+# `plan` keys its cache on it. A ppermute pads a piece by at most
 # PACK_TOLERANCE of it, or by up to the latency.
 LATENCY_NUMBERS = 2 ** 15
 PACK_TOLERANCE = 0.05
@@ -144,10 +157,11 @@ def prefix_length(sizes: Sequence[int]) -> int:
              key=lambda s: (Prefix(tuple(sizes), s).device_bytes()[0], -s))
 
 
-def rechunk(sizes: Sequence[int]) -> Rechunk:
+def rechunk(sizes: Sequence[int], latency: int | None = None) -> Rechunk:
   """Tight chunks, and the overflow of each device over `C` placed in the room
   other devices leave, in device order (at most `#overflowing + #roomy − 1`
-  pieces), packed into sends of similar sizes."""
+  pieces), packed into sends of similar sizes (`_pack`, padding a piece by up
+  to `latency` numbers; default `LATENCY_NUMBERS`)."""
   p, total = len(sizes), sum(sizes)
   chunk = max(1, -(-total // p))
   keep = [min(u, chunk) for u in sizes]
@@ -164,10 +178,62 @@ def rechunk(sizes: Sequence[int]) -> Rechunk:
       room[2] -= size
       if not room[2]:
         rooms.pop(0)
-  return Rechunk(tuple(sizes), chunk, _pack(pieces))
+  return Rechunk(tuple(sizes), chunk, _pack(pieces, LATENCY_NUMBERS if latency is None
+                                            else latency))
 
 
-def _pack(pieces: list[Piece]) -> tuple[Send, ...]:
+def matched(sizes: Sequence[int], chunk: int) -> Rechunk:
+  """The rechunk scheme with chunks of `chunk ≥ ⌈Σu/P⌉` numbers, the overflow
+  forwarded in rounds: each round pairs the largest remaining overflows with
+  the largest remaining rooms, one piece per pair, and is one ppermute.
+
+  A larger chunk costs `(P−1)` numbers per extra number of chunk in the
+  all_gather but shrinks every overflow and grows every room by as much: one
+  round then fits every overflow (the `i`-th largest into the `i`-th largest
+  room) once the chunk exceeds `⌈Σu/P⌉` by half the largest shortfall, two
+  collectives in all where the tight chunks need a ppermute per piece.
+  """
+  p = len(sizes)
+  keep = [min(u, chunk) for u in sizes]
+  over = {i: [keep[i], u] for i, u in enumerate(sizes) if u > chunk}   # [next, end)
+  room = {i: [keep[i], chunk] for i in range(p) if keep[i] < chunk}
+  if sum(e - s for s, e in over.values()) > sum(e - s for s, e in room.values()):
+    raise ValueError(f"chunk {chunk} is below ⌈Σu/P⌉ for sizes {tuple(sizes)}")
+  sends = []
+  while over:
+    owners = sorted(over, key=lambda i: (over[i][0] - over[i][1], i))
+    hosts = sorted(room, key=lambda i: (room[i][0] - room[i][1], i))
+    pieces = []
+    for o, h in zip(owners, hosts):
+      size = min(over[o][1] - over[o][0], room[h][1] - room[h][0])
+      pieces.append(Piece(o, h, over[o][0], room[h][0], size))
+      over[o][0] += size
+      room[h][0] += size
+      if over[o][0] == over[o][1]:
+        del over[o]
+      if room[h][0] == room[h][1]:
+        del room[h]
+    sends.append(Send(max(q.size for q in pieces), tuple(pieces)))
+  return Rechunk(tuple(sizes), chunk, tuple(sends))
+
+
+def chunk_candidates(sizes: Sequence[int]) -> list[int]:
+  """Chunk sizes worth trying for `matched`, ascending: `⌈Σu/P⌉`, every
+  size above it (where a device stops overflowing), and from each of these
+  the smallest chunk at which one round fits every overflow."""
+  p, largest = len(sizes), max(sizes, default=0)
+  base = max(1, -(-sum(sizes) // p))
+  starts = sorted({base} | {u for u in sizes if u > base})
+  found = set(starts)
+  for c in starts:
+    over = sorted((u - c for u in sizes if u > c), reverse=True)
+    rooms = sorted((c - u for u in sizes if u < c), reverse=True)
+    if over and len(over) <= len(rooms):
+      found.add(c + max(0, max(-(-(v - r) // 2) for v, r in zip(over, rooms))))
+  return sorted(c for c in found if c <= max(largest, base))
+
+
+def _pack(pieces: list[Piece], latency: int) -> tuple[Send, ...]:
   """First fit, largest piece first: a piece joins a send whose owners and
   hosts it does not share and whose size pads it little (PACK_TOLERANCE, or
   less than a latency)."""
@@ -175,7 +241,7 @@ def _pack(pieces: list[Piece]) -> tuple[Send, ...]:
   for piece in sorted(pieces, key=lambda q: (-q.size, q.owner, q.host)):
     for send in sends:
       if (piece.owner not in send[2] and piece.host not in send[3]
-          and send[0] - piece.size <= max(PACK_TOLERANCE * send[0], LATENCY_NUMBERS)):
+          and send[0] - piece.size <= max(PACK_TOLERANCE * send[0], latency)):
         break
     else:
       send = [piece.size, [], set(), set()]
@@ -186,25 +252,90 @@ def _pack(pieces: list[Piece]) -> tuple[Send, ...]:
   return tuple(Send(size, tuple(members)) for size, members, _, _ in sends)
 
 
-def cost(scheme: Prefix | Rechunk) -> float:
+def cost(scheme: Prefix | Rechunk, latency: int | None = None) -> float:
   """Numbers sent or received by the busiest device, plus each collective's
-  latency (`LATENCY_NUMBERS`)."""
-  return max(scheme.device_bytes()) + LATENCY_NUMBERS * scheme.num_collectives
+  latency (default `LATENCY_NUMBERS`)."""
+  latency = LATENCY_NUMBERS if latency is None else latency
+  return max(scheme.device_bytes()) + latency * scheme.num_collectives
 
 
 def plan(sizes: tuple[int, ...]) -> Prefix | Rechunk:
-  """The cheaper scheme by `cost` (the prefix scheme on a tie)."""
-  return _plan(tuple(sizes), LATENCY_NUMBERS, PACK_TOLERANCE)
+  """The cheapest scheme by `cost` (the prefix scheme on a tie) under the
+  module's `LATENCY_NUMBERS` and `PACK_TOLERANCE`."""
+  return _plan(tuple(int(u) for u in sizes), LATENCY_NUMBERS, PACK_TOLERANCE)
 
 
 @functools.lru_cache(maxsize=256)
 def _plan(sizes, latency, tolerance) -> Prefix | Rechunk:
-  del latency, tolerance        # cache keys: the module settings `plan` was called with
-  prefix = Prefix(sizes, prefix_length(sizes))
+  """Among the prefix scheme, `rechunk` and `matched` at each of
+  `chunk_candidates` (ascending, stopping where the all_gather alone costs
+  more than the best so far)."""
+  del tolerance                 # a cache key: the module setting `_pack` reads
+  best = Prefix(sizes, prefix_length(sizes))
   if len(sizes) == 1:
-    return prefix
-  chunked = rechunk(sizes)
-  return chunked if cost(chunked) < cost(prefix) else prefix
+    return best
+  p = len(sizes)
+  chunked = rechunk(sizes, latency)
+  if cost(chunked, latency) < cost(best, latency):
+    best = chunked
+  for chunk in chunk_candidates(sizes):
+    if (p - 1) * chunk + latency >= cost(best, latency):
+      break
+    chunked = matched(sizes, chunk)
+    if cost(chunked, latency) < cost(best, latency):
+      best = chunked
+  return best
+
+
+def set_latency(numbers: float) -> None:
+  """Sets the cost model's latency, `LATENCY_NUMBERS`: the float32 numbers a
+  link sends during one collective's fixed cost (latency × bandwidth / 4 B;
+  `measure_latency` gives it for a mesh). It steers `plan`'s choice of
+  scheme for every uneven collective traced afterwards (a step already
+  compiled keeps its scheme). Raises `ValueError` unless a finite number ≥ 0.
+  """
+  global LATENCY_NUMBERS
+  if (isinstance(numbers, bool) or not isinstance(numbers, (int, float, np.number))
+      or not np.isfinite(numbers) or numbers < 0):
+    raise ValueError(f"set_latency: the latency must be a finite number of float32 "
+                     f"numbers >= 0 (latency × bandwidth / 4 B), got {numbers!r}")
+  LATENCY_NUMBERS = int(round(float(numbers)))
+
+
+def measure_latency(mesh: jax.sharding.Mesh, axis: str = "data",
+                    numbers: tuple[int, int] = (1, 2 ** 22), repeats: int = 10) -> int:
+  """The latency figure of `set_latency` for the devices of `mesh`'s `axis`,
+  measured: the median time `t` of an all_gather of `n` float32 numbers per
+  device, for the two `numbers`, fitted to `t = α + (P−1)·n/β` (the cost
+  model's busiest device: `(P−1)·n` numbers, plus one latency); returns
+  `α·β` numbers (0 where the fit finds no latency). Run it on the real
+  mesh (every process of a multi-host run calls it, as a training step);
+  on host CPU devices the figure says nothing about a network.
+  """
+  # pylint: disable=import-outside-toplevel
+  import time
+  from jax.sharding import NamedSharding, PartitionSpec
+  p = int(mesh.shape[axis])
+  if p < 2:
+    return 0
+  gather = jax.jit(jax.shard_map(
+      lambda x: _compat.all_gather_invariant(x, axis, tiled=True), mesh=mesh,
+      in_specs=PartitionSpec(axis), out_specs=PartitionSpec()))
+  times = []
+  for n in numbers:
+    x = jax.device_put(np.zeros(p * n, np.float32), NamedSharding(mesh, PartitionSpec(axis)))
+    jax.block_until_ready(gather(x))                       # compile and warm up
+    runs = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      jax.block_until_ready(gather(x))
+      runs.append(time.perf_counter() - start)
+    times.append(float(np.median(runs)))
+  (n0, n1), (t0, t1) = numbers, times
+  if t1 <= t0:
+    return 0
+  per_number = (t1 - t0) / ((p - 1) * (n1 - n0))        # 1/β, seconds per number
+  return max(0, int(round((t0 - (p - 1) * n0 * per_number) / per_number)))
 
 
 # ----------------------------------------------------------------- collectives

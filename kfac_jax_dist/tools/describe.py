@@ -86,7 +86,9 @@ def _summary(state: ScaleByKfacState) -> list[str]:
   lines.append(f"K-FAC state: {per_device:,} bytes per device{on_all}.")
   schemes = _uneven_schemes(lay)
   if schemes:
-    lines.append("uneven collectives: " + "; ".join(schemes))
+    lines.append("uneven collectives: " + "; ".join(schemes) + f" (chosen for a latency "
+                 f"of {uneven.LATENCY_NUMBERS:,} numbers per collective: "
+                 "kfac_jax_dist.core.uneven.set_latency)")
   return lines
 
 
