@@ -43,11 +43,9 @@ TOL = 1e-12
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _enable_x64():
-  previous = jax.config.jax_enable_x64
-  jax.config.update("jax_enable_x64", True)
-  yield
-  jax.config.update("jax_enable_x64", previous)
+def _float64():
+  with jax.enable_x64(True):
+    yield
 
 
 def rel_err(got, expected) -> float:
