@@ -87,11 +87,6 @@ def statistics_dtype(*arrays) -> jnp.dtype:
   return jnp.promote_types(dtype, jnp.float32)
 
 
-def at_least_f32(x: jax.Array) -> jax.Array:
-  """`x` in `promote_types(x.dtype, float32)`."""
-  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
-
-
 def _flatten_positions(x: jax.Array, example_dims: int | None = None,
                        reduce=jnp.sum) -> jax.Array:
   """`[N, d]` rows: every leading position, or (`example_dims=k`) one row per

@@ -220,7 +220,7 @@ class ValueAndGrad:
           params, micro, kwargs, None if rngs is None else rngs[i], opt_state,
           loss_scale)
       loss, aux = value if self.has_aux else (value, None)
-      n = factors.at_least_f32(jnp.asarray(n))     # float64 weights in float64
+      n = jnp.asarray(n, factors.statistics_dtype(n))   # float64 weights in float64
       weighted = {name: {key: ((v * n).astype(v.dtype)
                                if key in factors.SCALED_BY_NUM_EXAMPLES else v)
                          for key, v in layer.items()} for name, layer in stats.items()}
