@@ -76,7 +76,7 @@ def classifier_problem(model: nn.Module, x_shape: tuple[int, ...], seed: int = 0
   """`(loss_fn, params, x, y)`: `model` (10 classes, softmax cross-entropy) on
   a random batch of shape `x_shape` with random labels."""
   kx, ky, kp = jax.random.split(jax.random.PRNGKey(seed), 3)
-  x = jax.random.normal(kx, x_shape)
+  x = jax.random.normal(kx, x_shape, jnp.float32)   # float32 also under x64
   y = jax.random.randint(ky, x_shape[:1], 0, 10)
   params = model.init(kp, x)
 
