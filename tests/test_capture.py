@@ -11,9 +11,9 @@ to each layer output. The conventions under test (see `factors`):
     G = (1/n) Σ_p g_p g_pᵀ     (n: examples of the mean loss, unmasked ones)
 
 with N the number of positions the layer is applied at (examples, tokens or
-output pixels). The library keeps factors in float32, so comparisons allow
-float32 rounding; every broken convention (scaling, order, bias position) is
-off by far more than that.
+output pixels). The statistics of a float64 model are computed in float64, so
+comparisons allow float64 rounding only (1e-10 relative); every broken
+convention (scaling, order, bias position) is off by far more than that.
 """
 
 from __future__ import annotations

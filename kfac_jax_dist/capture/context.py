@@ -33,6 +33,8 @@ class Trace:
   # them their probes; capture: the names whose probes come that way.
   carriers: dict = dataclasses.field(default_factory=dict)
   seen_blocks: set = dataclasses.field(default_factory=set)    # (name, index)
+  # discover: name -> the dtype of the layer's statistics (`statistics_dtype`).
+  stats_dtypes: dict = dataclasses.field(default_factory=dict)
 
   def path_of(self, leaf) -> str | None:
     return None if leaf is None else self.leaf_paths.get(id(leaf))

@@ -55,6 +55,12 @@ Other layer kinds:
   (n = B·T) this is the token-level empirical Fisher, the Dense convention;
   with a per-image loss and images as examples (n = B, positions h·w summed
   first) it is SP-NGD's per-sample Fisher exactly.
+
+Precision: every statistic is computed in `statistics_dtype` of the layer's
+inputs and output cotangents, `promote_types(dtype, float32)`: a bfloat16 or
+float16 model gets float32 statistics, a float64 model float64 ones (the
+tags cast both to it before any product), and the contractions run at
+`Precision.HIGHEST`.
 """
 
 from __future__ import annotations
@@ -71,11 +77,21 @@ UNIT = "unit"      # a scale-and-shift layer's [C, 3] unit-wise Fisher
 SCALED_BY_NUM_EXAMPLES = frozenset({"G", "F"})
 
 
+def statistics_dtype(*arrays) -> jnp.dtype:
+  """`promote_types(dtype, float32)` of the floating arrays among `arrays`
+  (integer ones, embedding ids, are left out): the dtype of a layer's
+  statistics."""
+  floating = [a for a in arrays
+              if a is not None and jnp.issubdtype(jnp.result_type(a), jnp.inexact)]
+  dtype = jnp.result_type(*floating) if floating else jnp.float32
+  return jnp.promote_types(dtype, jnp.float32)
+
+
 def _flatten_positions(x: jax.Array, example_dims: int | None = None,
                        reduce=jnp.sum) -> jax.Array:
   """`[N, d]` rows: every leading position, or (`example_dims=k`) one row per
   example, the `reduce` over the positions of the first k axes' entries."""
-  x = x.astype(jnp.float32)
+  x = x.astype(statistics_dtype(x))
   if example_dims is None:
     return jnp.reshape(x, (-1, x.shape[-1]))
   if not 0 <= example_dims < x.ndim:
@@ -149,14 +165,16 @@ def conv_patches(x: jax.Array, kernel_shape, strides, padding, dilation) -> jax.
   return taps[0] if len(taps) == 1 else jnp.concatenate(taps, axis=-1)
 
 
-def token_frequencies(ids: jax.Array, vocab_size: int) -> jax.Array:
+def token_frequencies(ids: jax.Array, vocab_size: int, dtype=jnp.float32) -> jax.Array:
   """`A_v = (1/N)·#{p : ids_p = v}`: the diagonal of `E[onehot onehotᵀ]`, `[V]`.
 
   A scatter-add of ones, never an `[N, V]` one-hot. Ids are indexed like
-  `jnp.take` (negative ids wrap); out-of-range ids count nowhere.
+  `jnp.take` (negative ids wrap); out-of-range ids count nowhere. `dtype`:
+  the statistics' (the output cotangents'), float32 at least.
   """
   ids = jnp.reshape(ids, (-1,))
-  counts = jnp.zeros((vocab_size,), jnp.float32).at[ids].add(1.0, mode="drop")
+  counts = jnp.zeros((vocab_size,), jnp.promote_types(dtype, jnp.float32)).at[ids].add(
+      1.0, mode="drop")
   return counts / max(ids.shape[0], 1)
 
 
@@ -173,8 +191,8 @@ def unitwise_fisher(x: jax.Array, g: jax.Array, has_offset: bool = True,
   the 2×2 solve of `linalg.unitwise_precondition` reduces to `γ`'s own
   `gγ / (F_γγ + λ)`.
   """
-  x = x.astype(jnp.float32)
-  g = g.astype(jnp.float32)
+  dtype = statistics_dtype(x, g)
+  x, g = x.astype(dtype), g.astype(dtype)
   lead = x.shape[:-1]
   k = len(lead) if example_dims is None else example_dims
   if not 0 <= k <= len(lead):
@@ -186,7 +204,7 @@ def unitwise_fisher(x: jax.Array, g: jax.Array, has_offset: bool = True,
   channels = x.shape[-1]
   u_gamma = jnp.sum(jnp.reshape(x * g, (num_units, -1, channels)), axis=1)
   if not has_offset:
-    zeros = jnp.zeros((channels,), jnp.float32)
+    zeros = jnp.zeros((channels,), dtype)
     return jnp.stack([jnp.sum(u_gamma * u_gamma, axis=0), zeros, zeros], axis=-1)
   u_beta = jnp.sum(jnp.reshape(g, (num_units, -1, channels)), axis=1)
   return jnp.stack([jnp.sum(u_gamma * u_gamma, axis=0),

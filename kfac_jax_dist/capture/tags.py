@@ -14,6 +14,12 @@ are plain functions. Inside it they
   a traced flag skips the statistics (`lax.cond`) on steps that update no
   factor.
 
+The statistics are computed in `factors.statistics_dtype` of the layer's
+input and output (`promote_types(dtype, float32)`: float32 for a bfloat16
+layer, float64 for a float64 one): discovery records it per layer
+(`Trace.stats_dtypes`), the capture makes the probes in it, and the tag casts
+the input and the output cotangent to the probes' dtype before any product.
+
 A layer's name defaults to its kernel's path in the parameter tree without the
 last key (`"Dense_0"` for `{"Dense_0": {"kernel": ...}}`); the kernel of an
 embedding is its table, of a scale-and-shift its scale.
@@ -146,8 +152,13 @@ def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag):
     axes = _compat.varying_axes(x, cotangent, probes)
     placeholders = _compat.as_varying(jax.tree_util.tree_map(
         lambda p: jnp.full_like(p, jnp.nan), probes), axes)
-    probe_bar = lax.cond(flag, lambda: _compat.as_varying(stats(x, cotangent), axes),
-                         lambda: placeholders)
+
+    def computed() -> Any:
+      # In the probes' dtype (the statistics', see the module docstring).
+      values = jax.tree_util.tree_map(lambda s, p: s.astype(p.dtype),
+                                      stats(x, cotangent), probes)
+      return _compat.as_varying(values, axes)
+    probe_bar = lax.cond(flag, computed, lambda: placeholders)
     return x_bar, tuple(params_bar), probe_bar, None
 
   layer.defvjp(fwd, bwd)
@@ -171,7 +182,9 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, **record)
   name = _layer_name(trace, name, kernel, site)
   if trace.mode == "discover":
     _discover(trace, kind, name, kernel, bias, site, **record)
-    return apply(x, *params)
+    y = apply(x, *params)
+    trace.stats_dtypes[name] = factors.statistics_dtype(x, y)
+    return y
   if site is not None and site.probes is not None:
     probes = site.probes            # this block's, sliced by flax / NNX
   else:
@@ -188,8 +201,15 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, **record)
     return apply(x, *params)
   forms = {key: factors.DIAG if p.ndim == 1 else factors.FULL
            for key, p in probes.items()}
-  return _captured(apply, lambda xx, gg: stats(xx, gg, forms), x, params,
-                   probes, trace.compute_stats)
+  dtype = jnp.result_type(*probes.values())
+
+  def cast_stats(xx: jax.Array, gg: jax.Array) -> dict:
+    """`stats` of the input (ids stay integers) and the output cotangent, both
+    cast to the statistics' dtype."""
+    if not jnp.issubdtype(xx.dtype, jnp.integer):
+      xx = xx.astype(dtype)
+    return stats(xx, gg.astype(dtype), forms)
+  return _captured(apply, cast_stats, x, params, probes, trace.compute_stats)
 
 
 def _block_of(kernel, bias, stack_index, site):
@@ -357,8 +377,7 @@ def conv2d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
     return y if bias is None else y + bias
 
   def stats(x: jax.Array, g: jax.Array, forms: tuple[str, str]) -> dict:
-    patches = factors.conv_patches(x.astype(jnp.float32), kernel.shape, strides,
-                                   padding, dilation)
+    patches = factors.conv_patches(x, kernel.shape, strides, padding, dilation)
     return {"A": factors.input_factor(patches, bias is not None, forms["A"],
                                       example_dims),
             "G": factors.output_factor(g, forms["G"], example_dims)}
@@ -393,7 +412,7 @@ def embed(ids: jax.Array, table: jax.Array, *, name: str | None = None,
     return jnp.take(table, ids, axis=0)
 
   def stats(ids: jax.Array, g: jax.Array, forms: tuple[str, str]) -> dict:
-    return {"A": factors.token_frequencies(ids, vocab_size),
+    return {"A": factors.token_frequencies(ids, vocab_size, g.dtype),
             "G": factors.output_factor(g, forms["G"])}
 
   return _tagged("embed", name, apply, stats, ids, table, None, site,

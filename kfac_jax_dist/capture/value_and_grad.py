@@ -68,14 +68,16 @@ def _one_loss(trace: _context.Trace) -> _context.RegisteredLoss:
   return trace.losses[0]
 
 
-def _probes(layer: registry.TaggedLayer, forms: tuple[str, str]) -> dict:
+def _probes(layer: registry.TaggedLayer, forms: tuple[str, str],
+            dtype: Any = jnp.float32) -> dict:
   """Zero probes shaped like the layer's statistics (see `value_and_grad`),
-  with the leading stack axes of a stacked layer."""
+  with the leading stack axes of a stacked layer, in the statistics' `dtype`
+  (`factors.statistics_dtype`, recorded by the discovery)."""
   stack = tuple(layer.stack)
   if layer.unitwise:
-    return {"F": jnp.zeros(stack + (layer.g_dim, 3), jnp.float32)}
+    return {"F": jnp.zeros(stack + (layer.g_dim, 3), dtype)}
   a_form = factors.DIAG if layer.a_diagonal else forms[0]
-  return {key: jnp.zeros(stack + ((d, d) if form == factors.FULL else (d,)), jnp.float32)
+  return {key: jnp.zeros(stack + ((d, d) if form == factors.FULL else (d,)), dtype)
           for key, d, form in (("A", layer.a_dim, a_form), ("G", layer.g_dim, forms[1]))}
 
 
@@ -184,7 +186,8 @@ class ValueAndGrad:
     if not layers:
       raise ValueError("The loss function ran no tagged layer (kd.tags / kd.linen / "
                        "kd.nnx); K-FAC has nothing to precondition.")
-    return _Discovered(registry.LayerRegistry(layers), dict(found[0].carriers))
+    return _Discovered(registry.LayerRegistry(layers), dict(found[0].carriers),
+                       dict(found[0].stats_dtypes))
 
   def __call__(self, params, *args, rng=None, opt_state=None, loss_scale=None, **kwargs):
     value, grads, stats, _ = self._evaluate(params, args, kwargs, rng, opt_state,
@@ -226,8 +229,9 @@ class ValueAndGrad:
           params, micro, kwargs, None if rngs is None else rngs[i], opt_state,
           loss_scale)
       loss, aux = value if self.has_aux else (value, None)
-      n = jnp.asarray(n, jnp.float32)
-      weighted = {name: {key: (v * n if key in factors.SCALED_BY_NUM_EXAMPLES else v)
+      n = jnp.asarray(n, factors.statistics_dtype(n))   # float64 weights in float64
+      weighted = {name: {key: ((v * n).astype(v.dtype)
+                               if key in factors.SCALED_BY_NUM_EXAMPLES else v)
                          for key, v in layer.items()} for name, layer in stats.items()}
       return loss * n, jax.tree_util.tree_map(lambda g: g * n, grads), weighted, n, aux
 
@@ -241,7 +245,8 @@ class ValueAndGrad:
     zeros = _compat.as_varying(zeros, _compat.varying_axes(params, args, kwargs))
     (loss, grads, stats, n), aux = jax.lax.scan(body, zeros, jnp.arange(k))
     grads = jax.tree_util.tree_map(lambda g: (g / n).astype(g.dtype), grads)
-    stats = {name: {key: (v / n if key in factors.SCALED_BY_NUM_EXAMPLES else v / k)
+    stats = {name: {key: (v / n if key in factors.SCALED_BY_NUM_EXAMPLES else v / k
+                          ).astype(v.dtype)
                     for key, v in layer.items()} for name, layer in stats.items()}
     value = (loss / n, aux) if self.has_aux else loss / n
     return value, grads, stats
@@ -260,7 +265,8 @@ class ValueAndGrad:
       forms = ((factors.FULL, factors.FULL) if state is None
                else state.statistic_forms(layer.blocks()[0].name))
       if forms is not None:
-        probes[layer.name] = _probes(layer, forms)
+        probes[layer.name] = _probes(layer, forms,
+                                     discovered.stats_dtypes.get(layer.name, jnp.float32))
     # Inside shard_map the statistics vary with the local batch: so must the
     # probes. Parameters are made varying too, so that the gradients are the
     # local ones (autodiff would otherwise psum the gradient of a replicated
@@ -298,11 +304,13 @@ class ValueAndGrad:
       _, probe_bar = vjp((jnp.zeros_like(loss), seed.astype(sampled.dtype)))
     g_scale = n
     if loss_scale is not None:
-      inv = 1.0 / jnp.asarray(loss_scale, jnp.float32)
+      inv = 1.0 / jnp.asarray(loss_scale, factors.statistics_dtype(loss))
       grads = jax.tree_util.tree_map(lambda g: (g * inv.astype(g.dtype)).astype(g.dtype),
                                      grads)
       g_scale = n * inv * inv
-    stats = {name: {key: value * g_scale if key in factors.SCALED_BY_NUM_EXAMPLES
+    # Each statistic keeps the dtype of its layer's (`factors.statistics_dtype`).
+    stats = {name: {key: (value * g_scale).astype(value.dtype)
+                    if key in factors.SCALED_BY_NUM_EXAMPLES
                     else value for key, value in layer_stats.items()}
              for name, layer_stats in probe_bar.items()}
     value = (loss, aux) if self.has_aux else loss
@@ -313,6 +321,7 @@ class ValueAndGrad:
 class _Discovered:
   layers: registry.LayerRegistry
   carriers: dict          # stacked linen / NNX layer name -> stacking carrier
+  stats_dtypes: dict      # layer name -> the dtype of its statistics
 
 
 def value_and_grad(fun: Callable, has_aux: bool = False,

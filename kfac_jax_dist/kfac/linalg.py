@@ -11,7 +11,8 @@ bias as the last row). With `F = A ⊗ G` acting as `∇ ↦ A ∇ G`:
   `V = (A + π√γ I)⁻¹ ∇ (G + √γ/π I)⁻¹`.
 
 Diagonal factors (`[d]` instead of `[d, d]`) have the identity as eigenbasis.
-Decompositions run in float32 at least.
+Decompositions run in float32 at least, in float64 for float64 factors
+(`factor_dtype=jnp.float64`); the products run at `Precision.HIGHEST`.
 
 Scale-and-shift layers (LayerNorm / BatchNorm) are preconditioned unit-wise
 (SP-NGD §4.2.1): `unitwise_precondition` solves one damped 2×2 system per
@@ -52,8 +53,9 @@ def mean_traces(factors: jax.Array) -> jax.Array:
 
 def pi_adjusted_damping(trace_a: jax.Array, trace_g: jax.Array, damping
                         ) -> tuple[jax.Array, jax.Array]:
-  """`(π√γ, √γ/π)` with `π² = (tr A/d_A)/(tr G/d_G)`, from the mean traces."""
-  tiny = jnp.finfo(jnp.float32).tiny
+  """`(π√γ, √γ/π)` with `π² = (tr A/d_A)/(tr G/d_G)`, from the mean traces
+  (floored at the smallest normal number of their dtype)."""
+  tiny = jnp.finfo(jnp.result_type(trace_a, trace_g)).tiny
   pi = jnp.sqrt(jnp.maximum(trace_a, tiny) / jnp.maximum(trace_g, tiny))
   root = jnp.sqrt(damping)
   return pi * root, root / pi
