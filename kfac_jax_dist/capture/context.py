@@ -5,6 +5,10 @@
 use), then for real to *capture* gradients and curvature statistics. Tags and
 registered losses find the active trace through this module. Outside a trace
 they are plain functions.
+
+A third mode, *curvature* (`capture.curvature`: exact Gauss-Newton products
+and the plain loss), records only the registered loss: the tags do not take
+part (`tagging()` is None) and run as plain layers.
 """
 
 from __future__ import annotations
@@ -15,13 +19,14 @@ import threading
 from typing import Any, Callable
 
 _STACK = threading.local()
+DISCOVER, CAPTURE, CURVATURE = "discover", "capture", "curvature"
 
 
 @dataclasses.dataclass
 class Trace:
   """What the tags and losses record or read during one trace of the loss."""
 
-  mode: str                                   # "discover" | "capture"
+  mode: str                                   # DISCOVER | CAPTURE | CURVATURE
   leaf_paths: dict[int, str]                  # id(param leaf tracer) -> path
   layers: list = dataclasses.field(default_factory=list)      # discover
   probes: dict = dataclasses.field(default_factory=dict)      # capture: name -> probes
@@ -45,6 +50,13 @@ def current() -> Trace | None:
   return stack[-1] if stack else None
 
 
+def tagging() -> Trace | None:
+  """The active trace if the tags take part in it (discover, capture), else
+  None: in a curvature trace the tags are the plain layers they are outside."""
+  trace = current()
+  return None if trace is None or trace.mode == CURVATURE else trace
+
+
 @contextlib.contextmanager
 def active(trace: Trace):
   stack = getattr(_STACK, "stack", None)
@@ -59,9 +71,29 @@ def active(trace: Trace):
 
 @dataclasses.dataclass
 class RegisteredLoss:
-  """A loss declared through `kd.losses`: its value and how to resample it."""
+  """A loss declared through `kd.losses`: its value, how to resample it, and
+  its input and output Hessian (the exact curvature products)."""
 
   name: str
   value: Any                          # mean loss on the true targets
   num_examples: Any                   # n, the denominator of the mean
   sampled_loss: Callable[[Any], Any]  # rng -> mean loss on sampled targets
+  inputs: Any = None                  # the loss's input (logits / predictions)
+  mask: Any = None                    # the loss's mask argument (None: none)
+  # (inputs, u, w) -> uᵀ H w per example (the last axis contracted), H the
+  # Hessian of the per-example loss in its input, in closed form.
+  output_hessian: Callable[[Any, Any, Any], Any] | None = None
+
+
+def one_loss(trace: Trace) -> RegisteredLoss:
+  """The one loss registered during `trace` (an error for none or several)."""
+  if not trace.losses:
+    raise ValueError(
+        "The loss function registered no loss: compute it with kd.losses."
+        "softmax_cross_entropy, sigmoid_cross_entropy or squared_error so that K-FAC "
+        "knows the number of examples and the predictive distribution.")
+  if len(trace.losses) > 1:
+    names = [l.name for l in trace.losses]
+    raise ValueError(f"The loss function registered {len(names)} losses ({names}); "
+                     "K-FAC needs exactly one.")
+  return trace.losses[0]

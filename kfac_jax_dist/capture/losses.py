@@ -9,7 +9,11 @@ axis but the last, weighted by `mask`) exactly as an ordinary loss would. Inside
 * how to draw targets from the model's predictive distribution, which the Monte
   Carlo Fisher (`fisher="mc"`) uses: categorical for softmax, Bernoulli for
   sigmoid, a unit-variance Gaussian for the squared error (Martens & Grosse,
-  2015, §5).
+  2015, §5);
+* its input, its mask and its output Hessian `H` per example in closed form,
+  which the exact Gauss-Newton products (`capture.curvature`) use: softmax
+  `diag(p) − p pᵀ` (targets summing to one), sigmoid `diag(p(1−p))`, squared
+  error `I`, all independent of the targets.
 
 Exactly one loss must be registered per evaluation of the loss function.
 
@@ -46,8 +50,28 @@ def _poisoned(value: jax.Array, invalid: jax.Array, mask: jax.Array | None) -> j
   return value * jnp.where(jnp.any(invalid), jnp.nan, 1.0).astype(value.dtype)
 
 
-def _register(name: str, loss_of_targets, targets, sample, mask,
-              invalid: jax.Array | None = None):
+def _softmax_hessian(logits: jax.Array, u: jax.Array, w: jax.Array) -> jax.Array:
+  """`uᵀ (diag(p) − p pᵀ) w` per example, `p = softmax(logits)`."""
+  p = jax.nn.softmax(logits, axis=-1)
+  return (jnp.sum(p * u * w, axis=-1)
+          - jnp.sum(p * u, axis=-1) * jnp.sum(p * w, axis=-1))
+
+
+def _sigmoid_hessian(logits: jax.Array, u: jax.Array, w: jax.Array) -> jax.Array:
+  """`uᵀ diag(p (1 − p)) w` per example, `p = sigmoid(logits)`."""
+  p = jax.nn.sigmoid(logits)
+  return jnp.sum(p * (1 - p) * u * w, axis=-1)
+
+
+def _squared_error_hessian(predictions: jax.Array, u: jax.Array, w: jax.Array
+                           ) -> jax.Array:
+  """`uᵀ w` per example (the Hessian of `½‖y − t‖²` is the identity)."""
+  del predictions
+  return jnp.sum(u * w, axis=-1)
+
+
+def _register(name: str, loss_of_targets, targets, sample, mask, inputs,
+              output_hessian, invalid: jax.Array | None = None):
   value, n = _mean(loss_of_targets(targets), mask)
   if invalid is not None:
     value = _poisoned(value, invalid, mask)
@@ -56,7 +80,9 @@ def _register(name: str, loss_of_targets, targets, sample, mask,
     def sampled_loss(rng: jax.Array) -> jax.Array:
       drawn = jax.lax.stop_gradient(sample(rng))
       return _mean(loss_of_targets(drawn), mask)[0]
-    trace.losses.append(_context.RegisteredLoss(name, value, n, sampled_loss))
+    trace.losses.append(_context.RegisteredLoss(
+        name, value, n, sampled_loss, inputs=inputs, mask=mask,
+        output_hessian=output_hessian))
   return value
 
 
@@ -80,7 +106,8 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array,
   labels = jnp.asarray(labels)
   invalid = ((labels < 0) | (labels >= classes)
              if jnp.issubdtype(labels.dtype, jnp.integer) else None)
-  return _register("softmax_cross_entropy", loss_of, labels, sample, mask, invalid)
+  return _register("softmax_cross_entropy", loss_of, labels, sample, mask, logits,
+                   _softmax_hessian, invalid)
 
 
 def sigmoid_cross_entropy(logits: jax.Array, labels: jax.Array,
@@ -99,7 +126,8 @@ def sigmoid_cross_entropy(logits: jax.Array, labels: jax.Array,
     probs = jax.nn.sigmoid(jax.lax.stop_gradient(logits32))
     return jax.random.bernoulli(rng, probs).astype(probs.dtype)
 
-  return _register("sigmoid_cross_entropy", loss_of, labels, sample, mask)
+  return _register("sigmoid_cross_entropy", loss_of, labels, sample, mask, logits,
+                   _sigmoid_hessian)
 
 
 def squared_error(predictions: jax.Array, targets: jax.Array,
@@ -115,4 +143,5 @@ def squared_error(predictions: jax.Array, targets: jax.Array,
     mean = jax.lax.stop_gradient(predictions32)
     return mean + jax.random.normal(rng, mean.shape, mean.dtype)
 
-  return _register("squared_error", loss_of, targets, sample, mask)
+  return _register("squared_error", loss_of, targets, sample, mask, predictions,
+                   _squared_error_hessian)

@@ -145,7 +145,7 @@ def index_site(kernel, bias, stack_index):
     raise ValueError(f"stack_index: bias {bias.shape} is not stacked like the "
                      f"kernel {kernel.shape}")
   block = lambda leaf: None if leaf is None else leaf[index]
-  trace = _context.current()
+  trace = _context.tagging()
   if trace is None:
     return block(kernel), block(bias), None
   site = Site(trace.path_of(kernel), trace.path_of(bias), stack, index=index)
@@ -180,7 +180,7 @@ def _by_suffix(trace, suffix: tuple[str, ...], block_shape, what: str) -> str | 
 def linen_site(module, kernel, bias, kernel_name: str, bias_name: str | None):
   """The Site of a `kd.linen` layer whose kernel is not a leaf of the loss's
   parameters (inside a lifted transform), or None."""
-  trace = _context.current()
+  trace = _context.tagging()
   if trace is None or trace.path_of(kernel) is not None:
     return None
   scope = tuple(str(p) for p in module.scope.path)
@@ -223,7 +223,7 @@ def nnx_site(kernel_var, bias_var):
   probes = None
   if isinstance(kernel, Probed):
     kernel, probes = kernel.array, kernel.probes
-  trace = _context.current()
+  trace = _context.tagging()
   if trace is None or trace.path_of(kernel) is not None:
     return kernel, bias, None
   kernel_path = _metadata(kernel_var).get(PATH_METADATA)

@@ -175,12 +175,12 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, **record)
   g_dim, a_diagonal). `kernel` and `bias` are one block's; `site` (see
   `stacking`) says where they live when they are not leaves of the parameters.
   """
-  trace = _context.current()
+  trace = _context.tagging()
   params = (kernel,) if bias is None else (kernel, bias)
   if trace is None:
     return apply(x, *params)
   name = _layer_name(trace, name, kernel, site)
-  if trace.mode == "discover":
+  if trace.mode == _context.DISCOVER:
     _discover(trace, kind, name, kernel, bias, site, **record)
     y = apply(x, *params)
     trace.stats_dtypes[name] = factors.statistics_dtype(x, y)

@@ -55,19 +55,6 @@ def _new_trace(mode: str, params, **fields) -> _context.Trace:
       **fields)
 
 
-def _one_loss(trace: _context.Trace) -> _context.RegisteredLoss:
-  if not trace.losses:
-    raise ValueError(
-        "The loss function registered no loss: compute it with kd.losses."
-        "softmax_cross_entropy, sigmoid_cross_entropy or squared_error so that K-FAC "
-        "knows the number of examples and the predictive distribution.")
-  if len(trace.losses) > 1:
-    names = [l.name for l in trace.losses]
-    raise ValueError(f"The loss function registered {len(names)} losses ({names}); "
-                     "K-FAC needs exactly one.")
-  return trace.losses[0]
-
-
 def _probes(layer: registry.TaggedLayer, forms: tuple[str, str],
             dtype: Any = jnp.float32) -> dict:
   """Zero probes shaped like the layer's statistics (see `value_and_grad`),
@@ -163,10 +150,10 @@ class ValueAndGrad:
       arrays = iter(arrays)
       a, k = jax.tree_util.tree_unflatten(
           treedef, [next(arrays) if d else x for x, d in zip(flat, dynamic)])
-      trace = _new_trace("discover", p)
+      trace = _new_trace(_context.DISCOVER, p)
       with _context.active(trace):
         out = self.fun(stacking.prepare(p), *a, **k)
-      _one_loss(trace)
+      _context.one_loss(trace)
       found.append(trace)
       return out
 
@@ -281,13 +268,13 @@ class ValueAndGrad:
       # Stacked linen / NNX layers get their probes through the parameter tree
       # (sliced per block by flax / NNX); the others by name.
       carried = {n: (carriers[n], v) for n, v in probes.items() if n in carriers}
-      trace = _new_trace("capture", p, compute_stats=compute_stats,
+      trace = _new_trace(_context.CAPTURE, p, compute_stats=compute_stats,
                          probes={n: v for n, v in probes.items() if n not in carried},
                          carriers={n: carriers[n] for n in carried})
       with _context.active(trace):
         out = self.fun(stacking.prepare(p, carried), *args, **kwargs)
       loss, aux = out if self.has_aux else (out, None)
-      registered = _one_loss(trace)
+      registered = _context.one_loss(trace)
       sampled = registered.sampled_loss(rng) if self.fisher == "mc" else None
       return (loss, sampled), (aux, registered.num_examples)
 
