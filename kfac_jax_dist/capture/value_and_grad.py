@@ -38,6 +38,7 @@ import jax.numpy as jnp
 
 from kfac_jax_dist import _compat
 from kfac_jax_dist.capture import context as _context
+from kfac_jax_dist.capture import curvature
 from kfac_jax_dist.capture import statistics as factors
 from kfac_jax_dist.capture import registry
 from kfac_jax_dist.capture import stacking
@@ -238,6 +239,50 @@ class ValueAndGrad:
     value = (loss / n, aux) if self.has_aux else loss / n
     return value, grads, stats
 
+  def gauss_newton_gram(self, params, vectors, *args, rng=None, opt_state=None,
+                        loss_scale=None, **kwargs) -> jax.Array:
+    """`[k, k]` matrix `G[i, j] = v_iᵀ C v_j` for the `k` parameter-shaped
+    pytrees in `vectors` (a tuple), C the exact Gauss-Newton matrix of the
+    mean registered loss of `fun(params, *args, **kwargs)`:
+
+        C = (1/n) Σ_x w_x J_xᵀ H_x J_x,
+
+    `J_x` the Jacobian of example x's row of the registered loss's input
+    (logits / predictions) in the parameters, `H_x` the loss's Hessian in that
+    row (softmax cross-entropy `diag(p) − p pᵀ`, equal to the Fisher; sigmoid
+    cross-entropy `diag(p(1 − p))`; squared error `I`), `w_x` the loss's mask
+    (1 without) and `n = Σ w_x` (the loss's denominator). The same for either
+    `fisher=`: the exact curvature, not the capture's statistics; `rng`,
+    `opt_state` and `loss_scale` are accepted and ignored.
+
+    Computed with one `jax.linearize` of the parameters → the loss's input
+    (the loss function run once, its tags as plain layers), its linear map
+    applied to each vector, then `(J v_i)ᵀ H (J v_j)` per example in closed
+    form in `promote_types(dtype, float32)`. Vectors are cast to their
+    parameters' dtypes. Cost: one forward pass plus one tangent pass per
+    vector (a tangent pass costs about a backward pass: two products per
+    matmul), i.e. about one forward+backward for k = 1 and 5/3 of one for
+    k = 2 (measured on CPU, a float32 MLP of four 1024-wide tanh layers,
+    batch 512: 0.87× and 1.45× a `jax.value_and_grad`; `loss` 0.40×), with
+    the memory of a forward+backward (the linearisation's residuals). Inside `shard_map` (parameters and vectors replicated, the
+    batch sharded) it is the matrix of the global batch, `psum` of the local
+    sums over the axes the batch varies over, typed invariant over them.
+    See `capture.curvature`.
+    """
+    del rng, opt_state, loss_scale
+    return curvature.gram_matrix(self.fun, params, vectors, args, kwargs)
+
+  def loss(self, params, *args, rng=None, opt_state=None, loss_scale=None, **kwargs
+           ) -> jax.Array:
+    """The loss `fun(params, *args, **kwargs)` returns (without its aux with
+    `has_aux`): one forward pass, the tags as plain layers. Inside
+    `shard_map` the loss of the global batch: the devices' losses weighted by
+    their numbers of examples n_d (the registered loss's denominator),
+    `psum(n_d · loss_d) / psum(n_d)`, typed invariant over the batch's axes.
+    `rng`, `opt_state` and `loss_scale` are accepted and ignored."""
+    del rng, opt_state, loss_scale
+    return curvature.mean_loss(self.fun, self.has_aux, params, args, kwargs)
+
   def _evaluate(self, params, args, kwargs, rng, opt_state, loss_scale):
     """(value, grads, stats, n) of one batch; see `value_and_grad`."""
     if self.fisher == "mc" and rng is None:
@@ -343,5 +388,11 @@ def value_and_grad(fun: Callable, has_aux: bool = False,
   batch, one at a time (gradient accumulation; see `ValueAndGrad.accumulate`). `fun` must compute its loss with one `kd.losses` function.
   `grad_fn.discover(params, *args, **kwargs)` returns the tagged layers, which
   `kd.scale_by_kfac(layers=...)` needs to lay out its state.
+
+  Exact curvature: `grad_fn.gauss_newton_gram(params, (v_1, ..., v_k), *args,
+  **kwargs)` returns `[v_iᵀ C v_j]`, C the Gauss-Newton matrix of the mean
+  registered loss, and `grad_fn.loss(params, *args, **kwargs)` the loss alone
+  (forward only); inside `shard_map` both are the global batch's (see
+  `ValueAndGrad.gauss_newton_gram`).
   """
   return ValueAndGrad(fun, has_aux, fisher)

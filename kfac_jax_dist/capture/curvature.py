@@ -1,0 +1,127 @@
+"""Exact curvature products of the registered loss: the Gauss-Newton matrix.
+
+For a loss function whose registered loss (`kd.losses`) receives `z(θ)`
+(logits / predictions, one row per example x) and averages its per-example
+values over `n` examples (the mask's sum, as the loss's own mean does), the
+Gauss-Newton matrix of the mean loss is
+
+    C = (1/n) Σ_x w_x J_xᵀ H_x J_x,
+
+`J_x = ∂z_x/∂θ`, `w_x` the example's mask weight (1 without a mask), and `H_x`
+the Hessian of the per-example loss in `z_x` (see `losses`): softmax
+cross-entropy `diag(p) − p pᵀ` (the Fisher), sigmoid cross-entropy
+`diag(p(1 − p))`, squared error `I`. It is the exact curvature of the loss
+(whatever `fisher=` the capture uses for its statistics) and positive
+semi-definite. `gram_matrix` returns `G[i, j] = v_iᵀ C v_j` for a few
+parameter-shaped vectors `v_i`:
+
+* one forward linearisation: `jax.linearize` of `θ → z` (the loss function run
+  in a *curvature* trace, where the registered loss records its input and the
+  tags are plain layers), which runs the forward pass once and keeps its
+  linearisation; the linear map is then applied to each `v_i`, giving
+  `u_i = J v_i` (one tangent pass per vector, sharing the primal: k separate
+  `jax.jvp` calls would each recompute it unless XLA merged them);
+* the quadratic forms `u_iᵀ H u_j` per example in closed form (no dense `H`,
+  no backward pass), in `promote_types(dtype of z, float32)`.
+
+Inside `shard_map` the local batches' sums are added over the mesh axes the
+batch varies over: `G = psum(Σ_x w_x u_iᵀ H u_j) / psum(n)`, the matrix of the
+global batch, typed invariant over those axes. `mean_loss` does the same
+with the loss (`psum(n_d · loss_d) / psum(n_d)`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from kfac_jax_dist import _compat
+from kfac_jax_dist.capture import context as _context
+
+
+def _run(fun: Callable, params, args: tuple, kwargs: dict
+         ) -> tuple[Any, _context.RegisteredLoss]:
+  """`fun(params, *args, **kwargs)` in a curvature trace, and its registered loss."""
+  trace = _context.Trace(mode=_context.CURVATURE, leaf_paths={})
+  with _context.active(trace):
+    out = fun(params, *args, **kwargs)
+  return out, _context.one_loss(trace)
+
+
+def _global_mean(total: jax.Array, n: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """`total / n` of the global batch: both summed over the batch's mesh `axes`
+  (none outside `shard_map`); an empty batch gives 0, as the loss's mean does."""
+  if axes:
+    total, n = jax.lax.psum(_compat.as_varying((total, n), axes), axes)
+  return total / jnp.maximum(n, 1)
+
+
+def _typed_like_params(params, vectors: tuple) -> tuple[Any, tuple]:
+  """`params` and `vectors` with each leaf in its parameter's dtype and typed
+  varying over the mesh axes that any of them varies over (forward-mode
+  autodiff needs tangents typed like their primals)."""
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  try:
+    vector_leaves = [treedef.flatten_up_to(v) for v in vectors]
+  except (ValueError, TypeError) as error:
+    raise ValueError("gauss_newton_gram: every vector must have the structure of the "
+                     f"parameters ({treedef}): {error}") from None
+  new_params, new_vectors = [], [[] for _ in vectors]
+  for i, p in enumerate(leaves):
+    vs = [jnp.asarray(v[i], jnp.result_type(p)) for v in vector_leaves]
+    if any(jnp.shape(v) != jnp.shape(p) for v in vs):
+      raise ValueError(f"gauss_newton_gram: a vector's leaf has shape "
+                       f"{[jnp.shape(v) for v in vs]}, its parameter {jnp.shape(p)}")
+    axes = _compat.varying_axes(p, *vs)
+    new_params.append(_compat.as_varying(p, axes))
+    for out, v in zip(new_vectors, vs):
+      out.append(_compat.as_varying(v, axes))
+  return (jax.tree_util.tree_unflatten(treedef, new_params),
+          tuple(jax.tree_util.tree_unflatten(treedef, v) for v in new_vectors))
+
+
+def gram_matrix(fun: Callable, params, vectors: Sequence, args: tuple, kwargs: dict
+                ) -> jax.Array:
+  """`[k, k]`: `v_iᵀ C v_j` for the `k` parameter-shaped `vectors` (see the
+  module docstring); `fun(params, *args, **kwargs)` registers one loss."""
+  vectors = tuple(vectors)
+  if not vectors:
+    raise ValueError("gauss_newton_gram needs at least one vector.")
+  axes = _compat.varying_axes(args, kwargs)
+  params, vectors = _typed_like_params(params, vectors)
+  hessians = []
+
+  def inputs_of(p: Any) -> tuple:
+    _, registered = _run(fun, p, args, kwargs)
+    hessians.append(registered.output_hessian)     # a static function
+    return registered.inputs, (registered.mask, registered.num_examples)
+
+  z, linear, (mask, n) = jax.linearize(inputs_of, params, has_aux=True)
+  output_hessian = hessians[0]
+  dtype = jnp.promote_types(z.dtype, jnp.float32)
+  z = z.astype(dtype)
+  us = [linear(v).astype(dtype) for v in vectors]
+  weights = (jnp.ones(z.shape[:-1], dtype) if mask is None
+             else jnp.broadcast_to(mask, z.shape[:-1]).astype(dtype))
+  k = len(us)
+  entries = {(i, j): jnp.sum(weights * output_hessian(z, us[i], us[j]))
+             for i in range(k) for j in range(i, k)}
+  gram = jnp.stack([jnp.stack([entries[min(i, j), max(i, j)] for j in range(k)])
+                    for i in range(k)])
+  return _global_mean(gram, jnp.asarray(n, dtype), axes)
+
+
+def mean_loss(fun: Callable, has_aux: bool, params, args: tuple, kwargs: dict
+              ) -> jax.Array:
+  """The loss `fun(params, *args, **kwargs)` returns (without its aux): a
+  forward pass; inside `shard_map`, the global batch's, the devices' losses
+  weighted by their registered losses' numbers of examples."""
+  out, registered = _run(fun, params, args, kwargs)
+  value = out[0] if has_aux else out
+  axes = _compat.varying_axes(args, kwargs)
+  if not axes:
+    return value
+  n = jnp.asarray(registered.num_examples, jnp.result_type(value))
+  return _global_mean(value * n, n, axes)
