@@ -21,7 +21,7 @@ from kfac_jax_dist.kfac.state import find_states
 from kfac_jax_dist.kfac.state import running_factors
 from kfac_jax_dist.kfac.state import ScaleByKfacState
 from kfac_jax_dist.kfac.state import second_order_parts
-from kfac_jax_dist.kfac.transform import kfac
+from kfac_jax_dist.kfac.optimizer import kfac
 from kfac_jax_dist.kfac.transform import scale_by_kfac
 from kfac_jax_dist.capture.registry import LayerRegistry
 from kfac_jax_dist.capture.registry import TaggedLayer

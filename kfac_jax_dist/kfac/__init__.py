@@ -4,6 +4,8 @@
 `state` (the optimizer state and its readers), `factors` (running factors),
 `decompositions` and `linalg` (eigenbases, damped inverses, the
 preconditioned gradient), `stale` / `stale_update` (SP-NGD's stale
-statistics), `precondition` (owner groups, KL clip) and `transform` (the
-optax transforms `scale_by_kfac` and `kfac`, which run those stages in order).
+statistics), `precondition` (owner groups, KL clip), `transform`
+(`scale_by_kfac`, which runs those stages in order), `adaptive` (the exact
+quadratic model's learning rate, momentum and damping) and `optimizer`
+(`kd.kfac`: K-FAC with SGD after it, or adaptive).
 """

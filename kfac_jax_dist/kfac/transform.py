@@ -35,29 +35,25 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 import optax
+from jax import lax
 
 from kfac_jax_dist import _compat
 from kfac_jax_dist.capture import registry
-from kfac_jax_dist.core import cadence
+from kfac_jax_dist.core import cadence, faults, placement, tensor_parallel
 from kfac_jax_dist.core import collectives as collectives_lib
 from kfac_jax_dist.core import distribution as distribution_lib
-from kfac_jax_dist.core import faults
-from kfac_jax_dist.core import placement
-from kfac_jax_dist.core import tensor_parallel
-from kfac_jax_dist.kfac import decompositions
-from kfac_jax_dist.kfac import factors
+from kfac_jax_dist.kfac import (
+  decompositions,
+  factors,
+  packing,
+  precondition,
+  stale,
+  stale_update,
+)
 from kfac_jax_dist.kfac import layout as layout_lib
-from kfac_jax_dist.kfac import packing
-from kfac_jax_dist.kfac import precondition
-from kfac_jax_dist.kfac import stale
-from kfac_jax_dist.kfac import stale_update
-from kfac_jax_dist.kfac.config import KfacConfig
-from kfac_jax_dist.kfac.config import Method
-from kfac_jax_dist.kfac.state import ScaleByKfacState
-from kfac_jax_dist.kfac.state import global_second_order
-
+from kfac_jax_dist.kfac.config import KfacConfig, Method
+from kfac_jax_dist.kfac.state import ScaleByKfacState, global_second_order
 
 # ------------------------------------------------------------------------ init
 
@@ -385,84 +381,3 @@ def scale_by_kfac(
   return tensor_parallel.wrap(
       tx, distribution, "scale_by_kfac",
       lambda sharding: tensor_parallel.check_kfac_layers(layers or (), sharding))
-
-
-def kfac(learning_rate: cadence.ScalarOrSchedule, momentum: float | None = 0.9,
-         weight_decay: float = 0.0, nesterov: bool = False,
-         layers: registry.LayerRegistry | None = None, *,
-         damping: cadence.ScalarOrSchedule = 1e-3, factor_decay: float = 0.95,
-         factor_update_every: cadence.ScalarOrSchedule = 1,
-         inverse_update_every: cadence.ScalarOrSchedule = 1, method: Method = "eigen",
-         kl_clip: cadence.ScalarOrSchedule | None = 1e-3, factor_dtype: Any = None,
-         skip: Sequence[str] = (), max_factor_dim: int | None = None,
-         distribution: distribution_lib.Distribution | None = None,
-         stale_threshold: float | None = None,
-         ) -> optax.GradientTransformationExtraArgs:
-  """K-FAC preconditioning followed by SGD with momentum, as in KAISA.
-
-  `skip_faulty_steps(optax.chain(scale_by_kfac(...),
-  add_decayed_weights(weight_decay), sgd(learning_rate, momentum, nesterov)))`:
-  weight decay is added to the preconditioned gradient and goes through
-  momentum, like PyTorch SGD after KAISA's `preconditioner.step()`, and a step
-  that K-FAC skips (non-finite gradient, statistic or update) changes nothing in the
-  chain's state. Works with `optax.inject_hyperparams`.
-
-  Args:
-    learning_rate: `η`, a float or an optax schedule of the update count; the
-      KL clip uses it too.
-    momentum: heavy-ball momentum of the SGD step (None or 0: none). KAISA's
-      0.9; where the KL clip binds on a small problem, 0 often works better.
-    weight_decay: coefficient added to the preconditioned gradient times the
-      parameters (`optax.add_decayed_weights`); 0: none.
-    nesterov: Nesterov momentum instead of heavy ball.
-    layers: the tagged layers, `kd.value_and_grad(loss_fn).discover(params,
-      *batch)`; `init` needs them: they fix the state's layout.
-    damping: `γ` of `(A ⊗ G + γI)⁻¹`, positive; a float or a schedule of the
-      update count. With method "inverse" a new value takes effect at the next
-      inverse update.
-    factor_decay: weight of the *old* value in the running factor averages,
-      in [0, 1) (the papers' ξ is `1 − factor_decay`).
-    factor_update_every: compute the statistics and update the running factors
-      (and send them, when distributed) when `count % factor_update_every ==
-      0`; a positive int or a schedule. The default 1 does this every step;
-      KAISA uses 10.
-    inverse_update_every: recompute the eigendecompositions ("eigen") or
-      inverses ("inverse") when `count % inverse_update_every == 0`; a
-      positive int or a schedule. The default 1 means an eigendecomposition of
-      every factor every step, `O(d³)` per factor and the most costly part of
-      K-FAC; KAISA uses 100.
-    method: "eigen" (exact `(A⊗G + γI)⁻¹` from eigendecompositions; four
-      matrix products per layer and step) or "inverse" (π-damped Cholesky
-      inverses, an approximation; two products).
-    kl_clip: `κ` of KAISA's KL clip (Eq. 5.1), a float or a schedule; None
-      turns it off. The default 1e-3 is KAISA's; when the clip binds, the
-      step no longer depends on `learning_rate`.
-    factor_dtype: storage dtype of the running factors (None: float32;
-      `jnp.bfloat16` halves them); decompositions run in float32 at least.
-    skip: regular expressions searched in the layer names; matching layers
-      (e.g. a vocabulary-sized output layer) pass through unpreconditioned. A
-      pattern that matches no layer raises.
-    max_factor_dim: factors of larger dimension are kept as their diagonal,
-      never formed as matrices; None: no limit.
-    distribution: a `kd.Distribution`: `update` then runs inside `shard_map`
-      over its axis, with the state's specs from `kd.partition_specs`. None:
-      one device.
-    stale_threshold: `α` of SP-NGD's stale statistics (the paper uses 0.1):
-      each factor is refreshed at its own adaptive interval. Needs both
-      intervals at 1 and method "eigen"; not with a tensor-parallel
-      distribution. None: off.
-
-  Returns:
-    An `optax.GradientTransformationExtraArgs` whose `update(grads, state,
-    params, kfac_stats=stats)` takes the statistics of `kd.value_and_grad`.
-  """
-  return faults.skip_faulty_steps(optax.chain(
-      scale_by_kfac(
-          layers, damping=damping, factor_decay=factor_decay,
-          factor_update_every=factor_update_every,
-          inverse_update_every=inverse_update_every, method=method, kl_clip=kl_clip,
-          learning_rate=learning_rate, factor_dtype=factor_dtype, skip=skip,
-          max_factor_dim=max_factor_dim, distribution=distribution,
-          stale_threshold=stale_threshold),
-      optax.add_decayed_weights(weight_decay),
-      optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)))

@@ -1,0 +1,299 @@
+"""Adaptive K-FAC: learning rate, momentum and damping from the exact quadratic model.
+
+Martens & Grosse 2015, §6-7 (kfac-jax's `use_adaptive_learning_rate`,
+`use_adaptive_momentum`, `use_adaptive_damping`). With `Δ` K-FAC's
+preconditioned gradient (damped with the current `λ`), `v` the previous
+update, `∇` the mean gradient of the objective `L(θ) + (w/2)|θ|²` (`w` the
+weight decay) and `C` the exact Gauss-Newton matrix of the mean loss on the
+current batch (`kd.value_and_grad(...).gauss_newton_gram`), the update is
+
+    d = α Δ + μ v,   (α, μ) = argmin M(d),
+    M(d) = ½ dᵀ (C + w I + λ I) d + ∇ᵀd,
+
+a 2×2 linear system in the Gram matrix of `(Δ, v)` (α alone while `v = 0`, on
+the first step). A fixed `learning_rate` fixes `α = −learning_rate` and a
+fixed `momentum` fixes `μ`; the other is solved for.
+
+Levenberg-Marquardt damping (`adapt_damping=True`): every
+`damping_adaptation_interval` (T) updates the reduction ratio
+
+    ρ = (L(θ + d) − L(θ)) / M₀(d),   M₀: M without the λ term,
+
+on the same batch moves `λ`: × ω^T when ρ > ¾, ÷ ω^T when ρ < ¼ (ω =
+`damping_adaptation_decay`), clipped to `[min_damping, max_damping]`. The
+defaults are kfac-jax's (T = 5, ω = 0.9, λ ≥ 1e-8 with no upper bound).
+
+KL clipping is off in adaptive mode: the quadratic model already sets the
+step's length (kfac-jax turns its norm constraint off by default there for
+the same reason), and KAISA's clip is defined through a fixed learning rate.
+The fault policy is K-FAC's: a faulty step (or a degenerate model: a
+non-finite α, μ or λ) is skipped, the state unchanged but `skipped`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from kfac_jax_dist import _compat
+from kfac_jax_dist.capture import registry
+from kfac_jax_dist.core import cadence, faults, settings, states
+from kfac_jax_dist.core import collectives as collectives_lib
+from kfac_jax_dist.kfac import transform
+from kfac_jax_dist.kfac.config import KfacConfig
+from kfac_jax_dist.kfac.state import ScaleByKfacState
+
+_HI = lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AdaptiveConfig:
+  """The adaptive settings (see the module docstring); None: adapted."""
+
+  learning_rate: cadence.ScalarOrSchedule | None = None
+  momentum: cadence.ScalarOrSchedule | None = None
+  weight_decay: float = 0.0
+  adapt_damping: bool = True
+  damping_adaptation_interval: int = 5
+  damping_adaptation_decay: float = 0.9
+  min_damping: float = 1e-8
+  max_damping: float | None = None
+  damping_lower_threshold: float = 0.25
+  damping_upper_threshold: float = 0.75
+
+  def __post_init__(self):
+    if self.learning_rate is not None:
+      settings.check_positive("learning_rate", self.learning_rate)
+    if self.momentum is not None:
+      settings.check_range("momentum", self.momentum, 0.0, 1.0)
+    settings.check_positive("weight_decay", self.weight_decay, allow_zero=True)
+    settings.check_interval("damping_adaptation_interval",
+                            self.damping_adaptation_interval)
+    settings.check_range("damping_adaptation_decay", self.damping_adaptation_decay, 0.0,
+                         1.0, closed_low=False)
+    settings.check_positive("min_damping", self.min_damping, allow_zero=True)
+    if self.max_damping is not None and self.max_damping < self.min_damping:
+      raise ValueError(f"max_damping ({self.max_damping}) must be >= min_damping "
+                       f"({self.min_damping})")
+    if not 0 <= self.damping_lower_threshold < self.damping_upper_threshold:
+      raise ValueError("need 0 <= damping_lower_threshold < damping_upper_threshold, got "
+                       f"{self.damping_lower_threshold}, {self.damping_upper_threshold}")
+
+  @property
+  def damping_factor(self) -> float:
+    """ω^T, the factor λ moves by on an adaptation step."""
+    return self.damping_adaptation_decay ** self.damping_adaptation_interval
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["kfac", "damping", "velocity", "learning_rate", "momentum", "rho",
+                 "count", "skipped"],
+    meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class AdaptiveKfacState(states.PreconditionerState):
+  """State of `scale_by_adaptive_kfac`.
+
+  Attributes:
+    kfac: the K-FAC state (factors, second-order state) of the preconditioner.
+    damping: `λ`, the damping of the preconditioner and of the quadratic model.
+    velocity: `v`, the previous update (parameter-shaped).
+    learning_rate, momentum: the last step's `−α` and `μ` (for logging).
+    rho: the last reduction ratio `ρ` (NaN until the first adaptation).
+    count: accepted updates; skipped: skipped ones.
+  """
+
+  kfac: ScaleByKfacState
+  damping: jax.Array
+  velocity: Any
+  learning_rate: jax.Array
+  momentum: jax.Array
+  rho: jax.Array
+  count: jax.Array
+  skipped: jax.Array
+
+  def partition_specs(self) -> AdaptiveKfacState:
+    """The K-FAC state's own specs; everything else replicated."""
+    replicated = PartitionSpec()
+    rest = jax.tree_util.tree_map(lambda _: replicated, dataclasses.replace(
+        self, kfac=None))
+    return dataclasses.replace(rest, kfac=self.kfac.partition_specs())
+
+
+# -------------------------------------------------------------- the model
+
+def tree_vdot(a: Any, b: Any) -> jax.Array:
+  """`Σ_leaves ⟨a, b⟩` in float32 at least."""
+  dots = [jnp.vdot(x.astype(jnp.promote_types(x.dtype, jnp.float32)), y,
+                   precision=_HI)
+          for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))]
+  return sum(dots) if dots else jnp.zeros([])
+
+
+def _mean_over(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  return lax.pmean(x, axes) if axes else x
+
+
+def quadratic_model(gram: jax.Array, vectors: tuple[Any, Any], grads: Any,
+                    weight_decay: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`(A, D, b)` of the model in the span of `vectors`: `A = VᵀCV + w VᵀV`,
+  `D = VᵀV` (the damping's), `b = Vᵀ∇` (averaged over the axes the local
+  gradients vary over: the vectors are the same on every device)."""
+  dots = jnp.stack([jnp.stack([tree_vdot(u, v) for v in vectors]) for u in vectors])
+  b = jnp.stack([tree_vdot(grads, v) for v in vectors])
+  b = _mean_over(b, _compat.varying_axes(b))
+  return gram + weight_decay * dots, dots, b
+
+
+def solve_coefficients(a_damped: jax.Array, b: jax.Array, learning_rate: Any,
+                       momentum: Any, first: jax.Array) -> jax.Array:
+  """`(α, μ)` minimising `½ wᵀ A_damped w + bᵀw` with the fixed ones fixed
+  (`α = −learning_rate`; on the first step, or with `v = 0`, `μ = 0`)."""
+  if learning_rate is not None and momentum is not None:
+    return jnp.stack([-jnp.asarray(learning_rate, b.dtype),
+                      jnp.asarray(momentum, b.dtype)])
+  alone = first | (a_damped[1, 1] == 0)
+  if learning_rate is None and momentum is None:
+    alpha_only = -b[0] / a_damped[0, 0]
+    both = -jnp.linalg.solve(a_damped, b)
+    return jnp.where(alone, jnp.stack([alpha_only, 0.0]), both)
+  if learning_rate is not None:              # μ alone
+    alpha = -jnp.asarray(learning_rate, b.dtype)
+    mu = -(b[1] + a_damped[0, 1] * alpha) / a_damped[1, 1]
+    return jnp.stack([alpha, jnp.where(alone, 0.0, mu)])
+  mu = jnp.where(alone, 0.0, jnp.asarray(momentum, b.dtype))
+  alpha = -(b[0] + a_damped[0, 1] * mu) / a_damped[0, 0]
+  return jnp.stack([alpha, mu])
+
+
+def model_change(a: jax.Array, b: jax.Array, w: jax.Array) -> jax.Array:
+  """`M₀(w) = ½ wᵀAw + bᵀw` (no damping term)."""
+  return 0.5 * jnp.dot(w, jnp.dot(a, w, precision=_HI), precision=_HI) + jnp.dot(b, w)
+
+
+def new_damping(config: AdaptiveConfig, damping: jax.Array, rho: jax.Array
+                ) -> jax.Array:
+  """The Levenberg-Marquardt rule: λ × ω^T when ρ > upper, ÷ ω^T when ρ < lower
+  (a NaN ρ counts as below), clipped to `[min_damping, max_damping]`."""
+  rho = jnp.nan_to_num(rho, nan=-100.0)
+  factor = config.damping_factor
+  moved = jnp.where(rho > config.damping_upper_threshold, damping * factor,
+                    jnp.where(rho < config.damping_lower_threshold, damping / factor,
+                              damping))
+  return jnp.clip(moved, config.min_damping, config.max_damping)  # None: no upper bound
+
+
+# ------------------------------------------------------------------ the step
+
+def _objective(grad_fn: Any, params: Any, batch: tuple, weight_decay: Any) -> jax.Array:
+  """`L(θ) + (w/2)|θ|²` on the batch (one forward pass)."""
+  return grad_fn.loss(params, *batch) + 0.5 * weight_decay * tree_vdot(params, params)
+
+
+def _damping_step(config: AdaptiveConfig, grad_fn: Any, params: Any, batch: tuple,
+                  update: Any, change: jax.Array, damping: jax.Array
+                  ) -> tuple[jax.Array, jax.Array]:
+  """(λ', ρ) after an adaptation step."""
+  new_params = jax.tree_util.tree_map(jnp.add, params, update)
+  rho = (_objective(grad_fn, new_params, batch, config.weight_decay)
+         - _objective(grad_fn, params, batch, config.weight_decay)) / change
+  return new_damping(config, damping, rho), rho
+
+
+def update_state(config: AdaptiveConfig, kfac_config: KfacConfig,
+                 comm: collectives_lib.Collectives, grad_fn: Any, grads: Any,
+                 state: AdaptiveKfacState, params: Any, stats: Any, batch: tuple
+                 ) -> tuple[Any, AdaptiveKfacState]:
+  """One adaptive update: K-FAC's direction with the current λ, the model's
+  coefficients, the update, and every T steps the new λ."""
+  if params is None or batch is None:
+    raise ValueError("adaptive K-FAC needs the parameters and the batch: call "
+                     "tx.update(grads, opt_state, params, kfac_stats=stats, "
+                     "kfac_batch=(x, y)) with the arguments grad_fn received after "
+                     "the parameters.")
+  count, wd = state.count, config.weight_decay
+  lam = (state.damping if config.adapt_damping else
+         jnp.asarray(cadence.value_at(kfac_config.damping, count), state.damping.dtype))
+  grads = jax.tree_util.tree_map(lambda g, p: g + wd * p, grads, params)
+  step_config = dataclasses.replace(kfac_config, damping=lam)
+  direction, kfac_state = transform.update_state(step_config, comm, grads, state.kfac,
+                                                 stats)
+  vectors = (direction, state.velocity)
+  gram = grad_fn.gauss_newton_gram(params, vectors, *batch)
+  a, dots, b = quadratic_model(gram, vectors, grads, wd)
+  w = solve_coefficients(a + lam * dots, b,
+                         cadence.value_at(config.learning_rate, count)
+                         if config.learning_rate is not None else None,
+                         cadence.value_at(config.momentum, count)
+                         if config.momentum is not None else None, count == 0)
+  update = jax.tree_util.tree_map(lambda x, v: (w[0] * x + w[1] * v).astype(v.dtype),
+                                  direction, state.velocity)
+  damping, rho = lam, state.rho
+  if config.adapt_damping:
+    due = (count + 1) % config.damping_adaptation_interval == 0
+    damping, rho = lax.cond(
+        due, lambda: _damping_step(config, grad_fn, params, batch, update,
+                                   model_change(a, b, w), state.damping),
+        lambda: (state.damping, state.rho))
+  new_state = dataclasses.replace(
+      state, kfac=kfac_state, damping=damping, velocity=update, learning_rate=-w[0],
+      momentum=w[1], rho=rho, count=count + 1)
+  with jax.named_scope(faults.SCOPE):
+    ok = (kfac_state.skipped == state.kfac.skipped) & faults.all_finite(
+        [w, damping] + jax.tree_util.tree_leaves(update))
+    ok = faults.computed_once(faults.agree(ok, _compat.varying_axes(ok)))
+  updates, out = faults.accept_or_skip(ok, update, new_state, state)
+  # On a skip the K-FAC state is the old one, keeping its own skip count.
+  kfac_on_skip = dataclasses.replace(state.kfac, skipped=kfac_state.skipped)
+  return updates, dataclasses.replace(out, kfac=faults.select(ok, kfac_state,
+                                                               kfac_on_skip))
+
+
+def scale_by_adaptive_kfac(
+    layers: registry.LayerRegistry | None,
+    grad_fn: Callable,
+    *,
+    kfac_config: KfacConfig,
+    adaptive_config: AdaptiveConfig,
+) -> optax.GradientTransformationExtraArgs:
+  """K-FAC whose learning rate, momentum and damping come from the exact
+  quadratic model (module docstring); `update` takes `kfac_stats=` and
+  `kfac_batch=`, and returns the whole update `d` (no SGD after it)."""
+  comm = collectives_lib.Collectives(kfac_config.distribution)
+  if not hasattr(grad_fn, "gauss_newton_gram"):
+    raise TypeError("adaptive K-FAC needs grad_fn=kd.value_and_grad(loss_fn) (it "
+                    "computes the exact curvature products of the registered loss).")
+  if kfac_config.model_axis is not None:
+    raise ValueError("adaptive K-FAC does not support a tensor-parallel Distribution "
+                     "(model_axis) yet.")
+  if kfac_config.kl_clip is not None:
+    raise ValueError("kl_clip is defined through a fixed learning rate: pass "
+                     "kl_clip=None with an adapted learning_rate or momentum.")
+
+  def init_fn(params: Any) -> AdaptiveKfacState:
+    inner = transform.init_state(kfac_config, comm, layers, params)
+    dtype = inner.factor_weight.dtype
+    scalar = lambda x: jnp.asarray(x, dtype)
+    return AdaptiveKfacState(
+        kfac=inner, damping=scalar(cadence.value_at(kfac_config.damping, 0)),
+        velocity=jax.tree_util.tree_map(
+            lambda p: jnp.zeros(jnp.shape(p), jnp.promote_types(p.dtype, jnp.float32)),
+            params),
+        learning_rate=scalar(0.0), momentum=scalar(0.0), rho=scalar(jnp.nan),
+        count=jnp.zeros([], jnp.int32), skipped=jnp.zeros([], jnp.int32))
+
+  def update_fn(updates: Any, state: AdaptiveKfacState, params: Any = None, *,
+                kfac_stats: Any = None, kfac_batch: tuple | None = None,
+                **extra_args: Any) -> tuple[Any, AdaptiveKfacState]:
+    del extra_args
+    return update_state(adaptive_config, kfac_config, comm, grad_fn, updates, state,
+                        params, kfac_stats, kfac_batch)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

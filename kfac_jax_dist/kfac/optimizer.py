@@ -1,0 +1,150 @@
+"""`kd.kfac`: K-FAC as a whole optimizer, with SGD after it or adaptive.
+
+The non-adaptive optimizer is KAISA's: `scale_by_kfac`, weight decay, SGD with
+momentum. The adaptive one (`kfac.adaptive`) chooses the learning rate and
+momentum from the exact quadratic model, and optionally the damping. Both are
+wrapped in `skip_faulty_steps`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import optax
+
+from kfac_jax_dist.capture import registry
+from kfac_jax_dist.core import cadence, faults
+from kfac_jax_dist.core import distribution as distribution_lib
+from kfac_jax_dist.kfac import adaptive
+from kfac_jax_dist.kfac.config import KfacConfig, Method
+from kfac_jax_dist.kfac.transform import scale_by_kfac
+
+
+class _DefaultKlClip(float):
+  """KAISA's κ = 1e-3 as `kd.kfac`'s default: adaptive mode turns the clip off
+  unless a value is passed (an instance of this class is the default itself)."""
+
+
+KL_CLIP = _DefaultKlClip(1e-3)
+
+
+def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None = 0.9,
+         weight_decay: float = 0.0, nesterov: bool = False,
+         layers: registry.LayerRegistry | None = None, *,
+         damping: cadence.ScalarOrSchedule = 1e-3, factor_decay: float = 0.95,
+         factor_update_every: cadence.ScalarOrSchedule = 1,
+         inverse_update_every: cadence.ScalarOrSchedule = 1, method: Method = "eigen",
+         kl_clip: cadence.ScalarOrSchedule | None = KL_CLIP, factor_dtype: Any = None,
+         skip: Sequence[str] = (), max_factor_dim: int | None = None,
+         distribution: distribution_lib.Distribution | None = None,
+         stale_threshold: float | None = None, grad_fn: Callable | None = None,
+         adapt_damping: bool = False, damping_adaptation_interval: int = 5,
+         damping_adaptation_decay: float = 0.9, min_damping: float = 1e-8,
+         max_damping: float | None = None,
+         ) -> optax.GradientTransformationExtraArgs:
+  """K-FAC preconditioning followed by SGD with momentum, as in KAISA, or adaptive.
+
+  `skip_faulty_steps(optax.chain(scale_by_kfac(...),
+  add_decayed_weights(weight_decay), sgd(learning_rate, momentum, nesterov)))`:
+  weight decay is added to the preconditioned gradient and goes through
+  momentum, like PyTorch SGD after KAISA's `preconditioner.step()`, and a step
+  that K-FAC skips (non-finite gradient, statistic or update) changes nothing in the
+  chain's state. Works with `optax.inject_hyperparams`.
+
+  Adaptive mode (Martens & Grosse 2015, §6-7; `kfac.adaptive`): with
+  `learning_rate=None` and/or `momentum=None` the update is `αΔ + μv` with the
+  adapted coefficients minimising the exact quadratic model on the batch
+  (`grad_fn` computes the curvature products; `update` then takes
+  `kfac_batch=`, the arguments `grad_fn` received after the parameters), and
+  with `adapt_damping=True` the damping follows the Levenberg-Marquardt rule.
+  There is no SGD after it; weight decay enters the objective's gradient and
+  curvature; the KL clip is off unless given.
+
+  Args:
+    learning_rate: `η`, a float or an optax schedule of the update count; the
+      KL clip uses it too. None: adapted (needs `grad_fn`).
+    momentum: heavy-ball momentum of the SGD step (0: none). KAISA's 0.9;
+      where the KL clip binds on a small problem, 0 often works better. None:
+      adapted (needs `grad_fn`).
+    weight_decay: coefficient added to the preconditioned gradient times the
+      parameters (`optax.add_decayed_weights`); 0: none.
+    nesterov: Nesterov momentum instead of heavy ball.
+    layers: the tagged layers, `kd.value_and_grad(loss_fn).discover(params,
+      *batch)`; `init` needs them: they fix the state's layout.
+    damping: `γ` of `(A ⊗ G + γI)⁻¹`, positive; a float or a schedule of the
+      update count. With method "inverse" a new value takes effect at the next
+      inverse update.
+    factor_decay: weight of the *old* value in the running factor averages,
+      in [0, 1) (the papers' ξ is `1 − factor_decay`).
+    factor_update_every: compute the statistics and update the running factors
+      (and send them, when distributed) when `count % factor_update_every ==
+      0`; a positive int or a schedule. The default 1 does this every step;
+      KAISA uses 10.
+    inverse_update_every: recompute the eigendecompositions ("eigen") or
+      inverses ("inverse") when `count % inverse_update_every == 0`; a
+      positive int or a schedule. The default 1 means an eigendecomposition of
+      every factor every step, `O(d³)` per factor and the most costly part of
+      K-FAC; KAISA uses 100.
+    method: "eigen" (exact `(A⊗G + γI)⁻¹` from eigendecompositions; four
+      matrix products per layer and step) or "inverse" (π-damped Cholesky
+      inverses, an approximation; two products).
+    kl_clip: `κ` of KAISA's KL clip (Eq. 5.1), a float or a schedule; None
+      turns it off. The default 1e-3 is KAISA's; when the clip binds, the
+      step no longer depends on `learning_rate`.
+    factor_dtype: storage dtype of the running factors (None: float32;
+      `jnp.bfloat16` halves them); decompositions run in float32 at least.
+    skip: regular expressions searched in the layer names; matching layers
+      (e.g. a vocabulary-sized output layer) pass through unpreconditioned. A
+      pattern that matches no layer raises.
+    max_factor_dim: factors of larger dimension are kept as their diagonal,
+      never formed as matrices; None: no limit.
+    distribution: a `kd.Distribution`: `update` then runs inside `shard_map`
+      over its axis, with the state's specs from `kd.partition_specs`. None:
+      one device.
+    stale_threshold: `α` of SP-NGD's stale statistics (the paper uses 0.1):
+      each factor is refreshed at its own adaptive interval. Needs both
+      intervals at 1 and method "eigen"; not with a tensor-parallel
+      distribution. None: off.
+    grad_fn: the `kd.value_and_grad(loss_fn)` whose statistics feed this
+      transform; needed in adaptive mode (exact curvature products, the
+      loss for the damping's reduction ratio).
+    adapt_damping: adaptive mode only: adapt `damping` (its initial value) by
+      the Levenberg-Marquardt rule every `damping_adaptation_interval` steps,
+      moving it by `damping_adaptation_decay ** interval`, within
+      `[min_damping, max_damping]` (kfac-jax's defaults). Costs two forward
+      passes on those steps.
+    damping_adaptation_interval: `T` of the rule above.
+    damping_adaptation_decay: `ω` of the rule above, in (0, 1).
+    min_damping: lower bound of the adapted damping.
+    max_damping: upper bound of the adapted damping (None: none).
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` whose `update(grads, state,
+    params, kfac_stats=stats)` takes the statistics of `kd.value_and_grad`
+    (and, in adaptive mode, `kfac_batch=`).
+  """
+  options = dict(damping=damping, factor_decay=factor_decay,
+                 factor_update_every=factor_update_every,
+                 inverse_update_every=inverse_update_every, method=method,
+                 factor_dtype=factor_dtype, skip=skip, max_factor_dim=max_factor_dim,
+                 distribution=distribution, stale_threshold=stale_threshold)
+  if learning_rate is not None and momentum is not None:
+    if adapt_damping:
+      raise ValueError("adapt_damping needs adaptive mode: learning_rate=None or "
+                       "momentum=None (and grad_fn).")
+    return faults.skip_faulty_steps(optax.chain(
+        scale_by_kfac(layers, kl_clip=kl_clip, learning_rate=learning_rate, **options),
+        optax.add_decayed_weights(weight_decay),
+        optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)))
+  if nesterov:
+    raise ValueError("nesterov applies to the SGD of the non-adaptive mode; adaptive "
+                     "momentum is the model's.")
+  kfac_config = KfacConfig(kl_clip=None if kl_clip is KL_CLIP else kl_clip,
+                           learning_rate=learning_rate, **options)
+  adaptive_config = adaptive.AdaptiveConfig(
+      learning_rate=learning_rate, momentum=momentum, weight_decay=weight_decay,
+      adapt_damping=adapt_damping, damping_adaptation_interval=damping_adaptation_interval,
+      damping_adaptation_decay=damping_adaptation_decay, min_damping=min_damping,
+      max_damping=max_damping)
+  return faults.skip_faulty_steps(adaptive.scale_by_adaptive_kfac(
+      layers, grad_fn, kfac_config=kfac_config, adaptive_config=adaptive_config))

@@ -1,0 +1,232 @@
+"""Adaptive K-FAC against a float64 brute force: the quadratic model's
+coefficients from a dense Gauss-Newton matrix, the Levenberg-Marquardt rule
+on constructed cases, and the distributed strategies against one device."""
+
+from __future__ import annotations
+
+import helpers
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import kfac_jax_dist as kd
+from kfac_jax_dist.kfac import adaptive
+
+BATCH, CLASSES = 16, 3
+LAMBDA, WD = 1e-2, 1e-3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _x64():
+  previous = jax.config.jax_enable_x64
+  jax.config.update("jax_enable_x64", True)
+  yield
+  jax.config.update("jax_enable_x64", previous)
+
+
+def _logits(params, x):
+  h = jnp.tanh(kd.tags.dense(x, params["l0"]["kernel"], params["l0"]["bias"], name="l0"))
+  return kd.tags.dense(h, params["out"]["kernel"], name="out") * params["scale"]
+
+
+def loss_fn(params, x, y):
+  return kd.losses.softmax_cross_entropy(_logits(params, x), y)
+
+
+def _params():
+  k = jax.random.split(jax.random.PRNGKey(0), 2)
+  return {"l0": {"kernel": 0.5 * jax.random.normal(k[0], (5, 6), jnp.float64),
+                 "bias": jnp.zeros(6, jnp.float64)},
+          "out": {"kernel": 0.5 * jax.random.normal(k[1], (6, CLASSES), jnp.float64)},
+          "scale": jnp.ones(CLASSES, jnp.float64)}
+
+
+def _batch(i):
+  kx, ky = jax.random.split(jax.random.PRNGKey(10 + i))
+  return (jax.random.normal(kx, (BATCH, 5), jnp.float64),
+          jax.random.randint(ky, (BATCH,), 0, CLASSES))
+
+
+GRAD_FN = kd.value_and_grad(loss_fn)
+
+
+def _tx(**options):
+  layers = GRAD_FN.discover(_params(), *_batch(0))
+  options = dict(dict(damping=LAMBDA, weight_decay=WD, factor_dtype=jnp.float64),
+                 **options)
+  return kd.kfac(options.pop("learning_rate", None), options.pop("momentum", None),
+                 layers=layers, grad_fn=GRAD_FN, **options)
+
+
+def _flat(tree):
+  return np.concatenate([np.asarray(x, np.float64).ravel()
+                         for x in jax.tree.leaves(tree)])
+
+
+def _dense_ggn(params, x, y):
+  """C = Jᵀ H J / n from the full Jacobian of the logits (softmax: H = diag p − ppᵀ)."""
+  flat, unravel = jax.flatten_util.ravel_pytree(params)
+  logits = _logits(params, x)
+  jac = jax.jacfwd(lambda f: _logits(unravel(f), x).reshape(-1))(flat)
+  jac = np.asarray(jac).reshape(BATCH, CLASSES, -1)
+  p = np.asarray(jax.nn.softmax(logits, -1))
+  c = np.zeros((flat.size, flat.size))
+  for i in range(BATCH):
+    h = np.diag(p[i]) - np.outer(p[i], p[i])
+    c += jac[i].T @ h @ jac[i]
+  return c / BATCH
+
+
+def _kfac_direction(params, state, grads, stats):
+  """Δ: K-FAC's preconditioned gradient of ∇ + wθ with the state's damping."""
+  inner = kd.scale_by_kfac(GRAD_FN.discover(_params(), *_batch(0)),
+                           damping=float(state.damping), factor_dtype=jnp.float64)
+  total = jax.tree.map(lambda g, p: g + WD * p, grads, params)
+  direction, _ = inner.update(total, state.kfac, params, kfac_stats=stats)
+  return _flat(total), _flat(direction)
+
+
+def _adaptive_state(state):
+  return next(s for s in jax.tree.leaves(
+      state, is_leaf=lambda x: isinstance(x, adaptive.AdaptiveKfacState))
+              if isinstance(s, adaptive.AdaptiveKfacState))
+
+
+def test_first_two_updates_solve_the_quadratic_model():
+  """Step 1: α alone; step 2: (α, μ) of the 2×2 model with the previous
+  update, both against the dense solve (≤ 1e-10)."""
+  tx, params = _tx(), _params()
+  state = tx.init(params)
+  velocity = None
+  for step in range(2):
+    x, y = _batch(step)
+    _, grads, stats = GRAD_FN(params, x, y, opt_state=state)
+    inner = _adaptive_state(state)
+    g, delta = _kfac_direction(params, inner, grads, stats)
+    c = _dense_ggn(params, x, y) + (WD + LAMBDA) * np.eye(g.size)
+    if velocity is None:
+      alpha = -(g @ delta) / (delta @ c @ delta)
+      want = alpha * delta
+    else:
+      v = np.stack([delta, velocity])
+      w = -np.linalg.solve(v @ c @ v.T, v @ g)
+      want = w @ v
+    updates, state = tx.update(grads, state, params, kfac_stats=stats, kfac_batch=(x, y))
+    got = _flat(updates)
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12 * np.abs(want).max(),
+                               err_msg=f"step {step}")
+    velocity = want
+    params = optax.apply_updates(params, updates)
+  new = _adaptive_state(state)
+  assert int(new.count) == 2 and float(new.learning_rate) > 0
+
+
+@pytest.mark.parametrize("rho,factor", [(0.1, 1 / 0.9 ** 5), (0.5, 1.0), (0.9, 0.9 ** 5),
+                                        (float("nan"), 1 / 0.9 ** 5)])
+def test_levenberg_marquardt_rule(rho, factor):
+  config = adaptive.AdaptiveConfig()
+  got = adaptive.new_damping(config, jnp.asarray(1e-2), jnp.asarray(rho))
+  np.testing.assert_allclose(float(got), 1e-2 * factor, rtol=1e-12)
+  clipped = adaptive.new_damping(adaptive.AdaptiveConfig(min_damping=5e-3, max_damping=1e-2),
+                                 jnp.asarray(1e-2), jnp.asarray(rho))
+  assert 5e-3 <= float(clipped) <= 1e-2
+
+
+def test_damping_adapts_from_the_reduction_ratio():
+  """With adaptation every step, λ moves by ω or 1/ω as ρ says, and ρ equals
+  (L(θ+d) − L(θ)) / M₀(d) computed here from the dense model."""
+  tx, params = _tx(adapt_damping=True, damping_adaptation_interval=1), _params()
+  state = tx.init(params)
+  x, y = _batch(0)
+  _, grads, stats = GRAD_FN(params, x, y, opt_state=state)
+  inner = _adaptive_state(state)
+  g, delta = _kfac_direction(params, inner, grads, stats)
+  c = _dense_ggn(params, x, y) + WD * np.eye(g.size)
+  alpha = -(g @ delta) / (delta @ (c + LAMBDA * np.eye(g.size)) @ delta)
+  d = alpha * delta
+  updates, state = tx.update(grads, state, params, kfac_stats=stats, kfac_batch=(x, y))
+  objective = lambda p: float(loss_fn(p, x, y)) + 0.5 * WD * float(_flat(p) @ _flat(p))
+  rho = (objective(optax.apply_updates(params, updates)) - objective(params)) / (
+      0.5 * d @ c @ d + g @ d)
+  new = _adaptive_state(state)
+  np.testing.assert_allclose(float(new.rho), rho, rtol=1e-9)
+  factor = 0.9 if rho > 0.75 else (1 / 0.9 if rho < 0.25 else 1.0)
+  np.testing.assert_allclose(float(new.damping), LAMBDA * factor, rtol=1e-12)
+
+
+def test_fixed_learning_rate_adapts_momentum_only():
+  tx, params = _tx(learning_rate=0.05), _params()
+  state = tx.init(params)
+  for step in range(2):
+    x, y = _batch(step)
+    _, grads, stats = GRAD_FN(params, x, y, opt_state=state)
+    updates, state = tx.update(grads, state, params, kfac_stats=stats, kfac_batch=(x, y))
+    params = optax.apply_updates(params, updates)
+    new = _adaptive_state(state)
+    np.testing.assert_allclose(float(new.learning_rate), 0.05, rtol=1e-12)
+  assert float(new.momentum) != 0.0
+
+
+def test_adaptive_mode_needs_the_batch_and_grad_fn():
+  with pytest.raises(TypeError, match="grad_fn=kd.value_and_grad"):
+    kd.kfac(None, None, layers=GRAD_FN.discover(_params(), *_batch(0)))
+  tx, params = _tx(), _params()
+  state = tx.init(params)
+  _, grads, stats = GRAD_FN(params, *_batch(0), opt_state=state)
+  with pytest.raises(ValueError, match="kfac_batch="):
+    tx.update(grads, state, params, kfac_stats=stats)
+  with pytest.raises(ValueError, match="adapt_damping needs adaptive mode"):
+    kd.kfac(0.1, 0.9, layers=GRAD_FN.discover(_params(), *_batch(0)), adapt_damping=True)
+
+
+def test_faulty_batch_is_skipped():
+  tx, params = _tx(adapt_damping=True, damping_adaptation_interval=1), _params()
+  state = tx.init(params)
+  x, y = _batch(0)
+  bad = x.at[0, 0].set(jnp.nan)
+  _, grads, stats = GRAD_FN(params, bad, y, opt_state=state)
+  updates, new = tx.update(grads, state, params, kfac_stats=stats, kfac_batch=(bad, y))
+  assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
+  assert int(_adaptive_state(new).skipped) == 1 and int(_adaptive_state(new).count) == 0
+
+
+@pytest.mark.parametrize("fraction,reduction", [(1, "none"), (1 / 8, "none"),
+                                                (1 / 2, "all_reduce"),
+                                                (1 / 8, "reduce_scatter")])
+def test_distributed_equals_one_device(fraction, reduction):
+  """COMM-OPT, MEM-OPT, HYBRID and SP-NGD fused on 8 devices equal one device
+  on the global batch, over 3 steps with damping adaptation every step."""
+  mesh = helpers.data_mesh(8)
+  dist = kd.Distribution(mesh, grad_worker_fraction=fraction, gradient_reduction=reduction)
+  options = dict(adapt_damping=True, damping_adaptation_interval=1)
+  single, tx = _tx(**options), _tx(distribution=dist, **options)
+  params = _params()
+  state = kd.shard_state(tx.init(params), mesh)
+  specs = kd.partition_specs(state)
+
+  def step(params, state, x, y):
+    _, grads, stats = GRAD_FN(params, x, y, opt_state=state)
+    if reduction == "none":
+      grads = jax.lax.pmean(grads, "data")
+    updates, state = tx.update(grads, state, params, kfac_stats=stats, kfac_batch=(x, y))
+    return optax.apply_updates(params, updates), state
+  run = jax.jit(jax.shard_map(step, mesh=mesh,
+                              in_specs=(P(), specs, P("data"), P("data")),
+                              out_specs=(P(), specs)))
+  one_params, one_state = params, single.init(params)
+  for i in range(3):
+    x, y = _batch(i)
+    params, state = run(params, state, x, y)
+    _, grads, stats = GRAD_FN(one_params, x, y, opt_state=one_state)
+    updates, one_state = single.update(grads, one_state, one_params, kfac_stats=stats,
+                                       kfac_batch=(x, y))
+    one_params = optax.apply_updates(one_params, updates)
+    np.testing.assert_allclose(_flat(params), _flat(one_params), rtol=1e-9, atol=1e-12,
+                               err_msg=f"step {i}")
+  got, want = _adaptive_state(state), _adaptive_state(one_state)
+  for field in ("damping", "learning_rate", "momentum", "rho"):
+    np.testing.assert_allclose(float(getattr(got, field)), float(getattr(want, field)),
+                               rtol=1e-8, err_msg=field)
