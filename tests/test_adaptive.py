@@ -230,3 +230,140 @@ def test_distributed_equals_one_device(fraction, reduction):
   for field in ("damping", "learning_rate", "momentum", "rho"):
     np.testing.assert_allclose(float(getattr(got, field)), float(getattr(want, field)),
                                rtol=1e-8, err_msg=field)
+
+
+# ---------------------------------------------------------------------------
+# Everywhere K-FAC runs: micro-batches, inject_hyperparams, scanned layers,
+# checkpoints and convert_state.
+# ---------------------------------------------------------------------------
+
+def _run_steps(tx, params, steps: int, grads_of=None, update_kwargs=None):
+  """`steps` adaptive updates on batches 0.. from `params`; returns (params, state)."""
+  state = tx.init(params)
+  grads_of = grads_of or (lambda p, s, x, y: GRAD_FN(p, x, y, opt_state=s))
+  for i in range(steps):
+    x, y = _batch(i)
+    _, grads, stats = grads_of(params, state, x, y)
+    updates, state = tx.update(grads, state, params, kfac_stats=stats,
+                               kfac_batch=(x, y), **(update_kwargs or {}))
+    params = optax.apply_updates(params, updates)
+  return params, state
+
+
+def test_micro_batches_equal_the_whole_batch():
+  """`grad_fn.accumulate` with `kd.kfac(micro_batches=4)`: the model's products
+  and losses over 4 slices give the whole batch's steps."""
+  options = dict(adapt_damping=True, damping_adaptation_interval=1)
+  whole = _run_steps(_tx(**options), _params(), 3)
+  micro = _run_steps(
+      _tx(micro_batches=4, **options), _params(), 3,
+      lambda p, s, x, y: GRAD_FN.accumulate(p, x, y, micro_batches=4, opt_state=s))
+  np.testing.assert_allclose(_flat(micro[0]), _flat(whole[0]), rtol=1e-11, atol=1e-13)
+  for field in ("damping", "learning_rate", "momentum", "rho"):
+    np.testing.assert_allclose(float(getattr(_adaptive_state(micro[1]), field)),
+                               float(getattr(_adaptive_state(whole[1]), field)),
+                               rtol=1e-10, err_msg=field)
+  with pytest.raises(ValueError, match="micro_batches needs adaptive mode"):
+    kd.kfac(0.1, 0.9, grad_fn=GRAD_FN, micro_batches=2)
+  with pytest.raises(ValueError, match="micro_batches must be a positive integer"):
+    _tx(micro_batches=0)
+
+
+def test_inject_hyperparams_fixes_or_adapts():
+  """`optax.inject_hyperparams(kd.kfac)`: the injected damping starts the adapted
+  one, an injected learning rate fixes α, and the result equals plain `kd.kfac`."""
+  layers = GRAD_FN.discover(_params(), *_batch(0))
+  common = dict(layers=layers, grad_fn=GRAD_FN, factor_dtype=jnp.float64,
+                weight_decay=WD)
+  injected = optax.inject_hyperparams(kd.kfac, static_args=(
+      "layers", "grad_fn", "factor_dtype", "adapt_damping", "momentum"))(
+      learning_rate=0.05, momentum=None, damping=LAMBDA, adapt_damping=True, **common)
+  plain = kd.kfac(0.05, None, damping=LAMBDA, adapt_damping=True, **common)
+  got, want = _run_steps(injected, _params(), 3), _run_steps(plain, _params(), 3)
+  np.testing.assert_allclose(_flat(got[0]), _flat(want[0]), rtol=1e-12)
+  assert float(_adaptive_state(got[1]).learning_rate) == pytest.approx(0.05)
+
+
+def _scanned_loss(params, x, y):
+  """Three tanh Dense blocks, stacked leaves run by `lax.scan` (`stack_index`)."""
+  blocks = params["blocks"]
+
+  def block(h, i):
+    return jnp.tanh(kd.tags.dense(h, blocks["kernel"], blocks["bias"], name="block",
+                                  stack_index=i)), None
+  h, _ = jax.lax.scan(block, x, jnp.arange(3))
+  return kd.losses.softmax_cross_entropy(
+      kd.tags.dense(h, params["out"]["kernel"], name="out"), y)
+
+
+def _unrolled_loss(params, x, y):
+  h = x
+  for i in range(3):
+    h = jnp.tanh(kd.tags.dense(h, params[f"b{i}"]["kernel"], params[f"b{i}"]["bias"],
+                               name=f"b{i}"))
+  return kd.losses.softmax_cross_entropy(
+      kd.tags.dense(h, params["out"]["kernel"], name="out"), y)
+
+
+def test_scanned_layers_equal_the_unrolled_model():
+  keys = jax.random.split(jax.random.PRNGKey(3), 2)
+  stacked = {"blocks": {"kernel": 0.4 * jax.random.normal(keys[0], (3, 5, 5), jnp.float64),
+                        "bias": jnp.full((3, 5), 0.1, jnp.float64)},
+             "out": {"kernel": 0.5 * jax.random.normal(keys[1], (5, CLASSES),
+                                                        jnp.float64)}}
+  unrolled = {f"b{i}": {"kernel": stacked["blocks"]["kernel"][i],
+                        "bias": stacked["blocks"]["bias"][i]} for i in range(3)}
+  unrolled["out"] = stacked["out"]
+  results = []
+  for loss_fn, params in ((_scanned_loss, stacked), (_unrolled_loss, unrolled)):
+    grad_fn = kd.value_and_grad(loss_fn)
+    tx = kd.kfac(None, None, layers=grad_fn.discover(params, *_batch(0)),
+                 grad_fn=grad_fn, damping=LAMBDA, adapt_damping=True,
+                 damping_adaptation_interval=1, factor_dtype=jnp.float64)
+    results.append(_run_steps(
+        tx, params, 3, lambda p, s, x, y, g=grad_fn: g(p, x, y, opt_state=s)))
+  (got, got_state), (want, want_state) = results
+  for i in range(3):
+    np.testing.assert_allclose(got["blocks"]["kernel"][i], want[f"b{i}"]["kernel"],
+                               rtol=1e-10, atol=1e-13)
+  assert float(_adaptive_state(got_state).damping) == pytest.approx(
+      float(_adaptive_state(want_state).damping), rel=1e-10)
+
+
+def test_checkpoint_and_convert_state_continue_the_trajectory(tmp_path):
+  """An adaptive state saved on 8 devices (COMM-OPT), restored bit for bit, and
+  moved to one device by `kd.convert_state`, continues the run: λ, v, α, μ, ρ
+  and the K-FAC state all move."""
+  mesh = helpers.data_mesh(8)
+  options = dict(adapt_damping=True, damping_adaptation_interval=1)
+  tx8 = _tx(distribution=kd.Distribution(mesh, gradient_reduction="all_reduce"),
+            **options)
+  tx1 = _tx(**options)
+  params = _params()
+  state = kd.shard_state(tx8.init(params), mesh)
+  specs = kd.partition_specs(state)
+
+  def step(params, state, x, y):
+    _, grads, stats = GRAD_FN(params, x, y, opt_state=state)
+    updates, state = tx8.update(grads, state, params, kfac_stats=stats,
+                                kfac_batch=(x, y))
+    return optax.apply_updates(params, updates), state
+  run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
+                              out_specs=(P(), specs)))
+  for i in range(2):
+    params, state = run(params, state, *_batch(i))
+  kd.save_checkpoint(tmp_path / "ckpt", state)
+  restored = kd.restore_checkpoint(tmp_path / "ckpt", tx8.init(_params()), mesh=mesh)
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  moved = kd.convert_state(restored, tx1.init(_params()))
+  np.testing.assert_array_equal(np.asarray(_adaptive_state(moved).velocity["l0"]["kernel"]),
+                                np.asarray(_adaptive_state(state).velocity["l0"]["kernel"]))
+  # One more step each way: 8 devices from the saved state, 1 device from the moved one.
+  x, y = _batch(2)
+  params8, _ = run(params, restored, x, y)
+  params = jax.device_put(params, jax.devices()[0])
+  _, grads, stats = GRAD_FN(params, x, y, opt_state=moved)
+  updates, moved = tx1.update(grads, moved, params, kfac_stats=stats, kfac_batch=(x, y))
+  np.testing.assert_allclose(_flat(optax.apply_updates(params, updates)), _flat(params8),
+                             rtol=1e-9, atol=1e-12)

@@ -15,18 +15,19 @@ global batch's.
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
-from flax import nnx
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.flatten_util import ravel_pytree
 from jax.sharding import PartitionSpec as P
 
 import kfac_jax_dist as kd
-
-import helpers
 
 F64 = jnp.float64
 TOL = 1e-12
@@ -275,6 +276,27 @@ def test_low_precision_model_gets_float32_products():
   assert_close(gram, expected, 0.1)
 
 
+MICRO = [("mlp_tags", "softmax_masked"), ("scan_linen", "sigmoid"),
+         ("cnn_linen", "squared_error")]
+
+
+@pytest.mark.parametrize("model,loss", MICRO, ids=[f"{m}-{l}" for m, l in MICRO])
+def test_micro_batches_give_the_whole_batch_values(model, loss):
+  """Slices with different numbers of unmasked examples: the Gram matrix and the
+  loss over 4 micro-batches are the whole batch's (weighted by each slice's n)."""
+  loss_fn, params, batch, vectors, expected = problem(model, loss)
+  grad_fn = kd.value_and_grad(loss_fn)
+  gram = jax.jit(functools.partial(grad_fn.gauss_newton_gram, micro_batches=4))(
+      params, vectors, *batch)
+  assert_close(gram, expected)
+  loss_value = jax.jit(functools.partial(grad_fn.loss, micro_batches=4))(params, *batch)
+  assert_close(loss_value, loss_fn(params, *batch), 1e-13)
+  with pytest.raises(ValueError, match="divisible by 3"):
+    grad_fn.gauss_newton_gram(params, vectors, *batch, micro_batches=3)
+  with pytest.raises(ValueError, match="micro_batches must be a positive integer"):
+    grad_fn.loss(params, *batch, micro_batches=0)
+
+
 # ---------------------------------------------------------------------------
 # 8 devices: the global batch's values.
 # ---------------------------------------------------------------------------
@@ -291,12 +313,16 @@ def test_sharded_batch_gives_the_global_values(model, loss):
   grad_fn = kd.value_and_grad(loss_fn)
 
   def local(p: dict, vs: tuple, *batch: jax.Array) -> tuple:
-    return grad_fn.gauss_newton_gram(p, vs, *batch), grad_fn.loss(p, *batch)
+    return (grad_fn.gauss_newton_gram(p, vs, *batch), grad_fn.loss(p, *batch),
+            grad_fn.gauss_newton_gram(p, vs, *batch, micro_batches=2),
+            grad_fn.loss(p, *batch, micro_batches=2))
 
   sharded = jax.jit(jax.shard_map(
       local, mesh=mesh, in_specs=(P(), P()) + (P("data"),) * len(batch),
-      out_specs=(P(), P())))
-  gram, loss_value = sharded(params, vectors, *batch)
+      out_specs=(P(),) * 4))
+  gram, loss_value, micro_gram, micro_loss = sharded(params, vectors, *batch)
+  assert_close(micro_gram, gram)
+  assert_close(micro_loss, loss_value)
   single_gram = jax.jit(grad_fn.gauss_newton_gram)(params, vectors, *batch)
   single_loss = jax.jit(grad_fn.loss)(params, *batch)
   assert_close(gram, single_gram)

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from kfac_jax_dist import _compat
+from kfac_jax_dist.capture import batches
 from kfac_jax_dist.capture import context as _context
 
 
@@ -82,15 +83,9 @@ def _typed_like_params(params, vectors: tuple) -> tuple[Any, tuple]:
           tuple(jax.tree_util.tree_unflatten(treedef, v) for v in new_vectors))
 
 
-def gram_matrix(fun: Callable, params, vectors: Sequence, args: tuple, kwargs: dict
-                ) -> jax.Array:
-  """`[k, k]`: `v_iᵀ C v_j` for the `k` parameter-shaped `vectors` (see the
-  module docstring); `fun(params, *args, **kwargs)` registers one loss."""
-  vectors = tuple(vectors)
-  if not vectors:
-    raise ValueError("gauss_newton_gram needs at least one vector.")
-  axes = _compat.varying_axes(args, kwargs)
-  params, vectors = _typed_like_params(params, vectors)
+def _local_gram(fun: Callable, params, vectors: tuple, args: tuple, kwargs: dict
+                ) -> tuple[jax.Array, jax.Array]:
+  """`(Σ_x w_x u_iᵀ H_x u_j, n)` over this call's batch, `u_i = J v_i`."""
   hessians = []
 
   def inputs_of(p: Any) -> tuple:
@@ -110,18 +105,44 @@ def gram_matrix(fun: Callable, params, vectors: Sequence, args: tuple, kwargs: d
              for i in range(k) for j in range(i, k)}
   gram = jnp.stack([jnp.stack([entries[min(i, j), max(i, j)] for j in range(k)])
                     for i in range(k)])
-  return _global_mean(gram, jnp.asarray(n, dtype), axes)
+  return gram, jnp.asarray(n, dtype)
 
 
-def mean_loss(fun: Callable, has_aux: bool, params, args: tuple, kwargs: dict
-              ) -> jax.Array:
-  """The loss `fun(params, *args, **kwargs)` returns (without its aux): a
-  forward pass; inside `shard_map`, the global batch's, the devices' losses
-  weighted by their registered losses' numbers of examples."""
-  out, registered = _run(fun, params, args, kwargs)
-  value = out[0] if has_aux else out
+def gram_matrix(fun: Callable, params, vectors: Sequence, args: tuple, kwargs: dict,
+                micro_batches: int = 1) -> jax.Array:
+  """`[k, k]`: `v_iᵀ C v_j` for the `k` parameter-shaped `vectors` (see the
+  module docstring); `fun(params, *args, **kwargs)` registers one loss. With
+  `micro_batches`, the sums run over that many slices of `args`, one at a time."""
+  vectors = tuple(vectors)
+  if not vectors:
+    raise ValueError("gauss_newton_gram needs at least one vector.")
+  k = batches.check(micro_batches, "gauss_newton_gram")
   axes = _compat.varying_axes(args, kwargs)
-  if not axes:
-    return value
-  n = jnp.asarray(registered.num_examples, jnp.result_type(value))
-  return _global_mean(value * n, n, axes)
+  params, vectors = _typed_like_params(params, vectors)
+  gram, n = batches.summed(
+      lambda ops, a: _local_gram(fun, *ops, a, kwargs), (params, vectors), args, k,
+      "gauss_newton_gram", _compat.varying_axes(params, vectors, args, kwargs))
+  return _global_mean(gram, n, axes)
+
+
+def mean_loss(fun: Callable, has_aux: bool, params, args: tuple, kwargs: dict,
+              micro_batches: int = 1) -> jax.Array:
+  """The loss `fun(params, *args, **kwargs)` returns (without its aux): a
+  forward pass; inside `shard_map` (or over `micro_batches` slices of `args`)
+  the whole batch's: the losses weighted by their registered losses' numbers
+  of examples."""
+  k = batches.check(micro_batches, "loss")
+  axes = _compat.varying_axes(args, kwargs)
+
+  def weighted(p: Any, a: tuple) -> tuple[jax.Array, jax.Array]:
+    out, registered = _run(fun, p, a, kwargs)
+    value = out[0] if has_aux else out
+    n = jnp.asarray(registered.num_examples, jnp.result_type(value))
+    return value * n, n
+
+  if not axes and k == 1:              # the loss exactly as `fun` returns it
+    out, _ = _run(fun, params, args, kwargs)
+    return out[0] if has_aux else out
+  total, n = batches.summed(weighted, params, args, k, "loss",
+                            _compat.varying_axes(params, args, kwargs))
+  return _global_mean(total, n, axes)

@@ -44,9 +44,8 @@ from jax import lax
 
 from kfac_jax_dist import _compat
 from kfac_jax_dist.capture import context as _context
+from kfac_jax_dist.capture import registry, stacking
 from kfac_jax_dist.capture import statistics as factors
-from kfac_jax_dist.capture import registry
-from kfac_jax_dist.capture import stacking
 
 
 def _promote(dtype, *arrays):

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 import re
 from typing import Any, Callable, Sequence
 
@@ -37,11 +36,9 @@ import jax
 import jax.numpy as jnp
 
 from kfac_jax_dist import _compat
+from kfac_jax_dist.capture import batches, curvature, registry, stacking
 from kfac_jax_dist.capture import context as _context
-from kfac_jax_dist.capture import curvature
 from kfac_jax_dist.capture import statistics as factors
-from kfac_jax_dist.capture import registry
-from kfac_jax_dist.capture import stacking
 
 FISHERS = ("empirical", "mc")
 
@@ -195,20 +192,8 @@ class ValueAndGrad:
     over positions (masked ones included), is their plain mean. `aux` comes
     back stacked over the slices. Call the optimizer once with the results.
     """
-    try:
-      k = -1 if isinstance(micro_batches, bool) else operator.index(micro_batches)
-    except TypeError:
-      k = -1
-    if k < 1:
-      raise ValueError(f"accumulate: micro_batches must be a positive integer (the "
-                       f"number of slices of the batch), got {micro_batches!r}")
-    for x in jax.tree_util.tree_leaves(args):
-      if jnp.ndim(x) == 0 or jnp.shape(x)[0] % k:
-        raise ValueError(f"accumulate(micro_batches={k}): every positional batch "
-                         f"argument needs a leading axis divisible by {k}; got shape "
-                         f"{jnp.shape(x)}.")
-    sliced = jax.tree_util.tree_map(
-        lambda x: jnp.reshape(x, (k, x.shape[0] // k) + x.shape[1:]), args)
+    k = batches.check(micro_batches, "accumulate")
+    sliced = batches.split(args, k, "accumulate")
     rngs = None if rng is None else jax.random.split(rng, k)
 
     def one(i: jax.Array) -> tuple:
@@ -239,8 +224,9 @@ class ValueAndGrad:
     value = (loss / n, aux) if self.has_aux else loss / n
     return value, grads, stats
 
-  def gauss_newton_gram(self, params, vectors, *args, rng=None, opt_state=None,
-                        loss_scale=None, **kwargs) -> jax.Array:
+  def gauss_newton_gram(self, params, vectors, *args, micro_batches: int = 1,
+                        rng=None, opt_state=None, loss_scale=None, **kwargs
+                        ) -> jax.Array:
     """`[k, k]` matrix `G[i, j] = v_iᵀ C v_j` for the `k` parameter-shaped
     pytrees in `vectors` (a tuple), C the exact Gauss-Newton matrix of the
     mean registered loss of `fun(params, *args, **kwargs)`:
@@ -264,24 +250,31 @@ class ValueAndGrad:
     matmul), i.e. about one forward+backward for k = 1 and 5/3 of one for
     k = 2 (measured on CPU, a float32 MLP of four 1024-wide tanh layers,
     batch 512: 0.87× and 1.45× a `jax.value_and_grad`; `loss` 0.40×), with
-    the memory of a forward+backward (the linearisation's residuals). Inside `shard_map` (parameters and vectors replicated, the
-    batch sharded) it is the matrix of the global batch, `psum` of the local
-    sums over the axes the batch varies over, typed invariant over them.
-    See `capture.curvature`.
+    the memory of a forward+backward (the linearisation's residuals). Inside
+    `shard_map` (parameters and vectors replicated, the batch sharded) it is
+    the matrix of the global batch, `psum` of the local sums over the axes
+    the batch varies over, typed invariant over them. `micro_batches=k`
+    computes the same over `k` slices of the positional batch arguments, one
+    at a time (the memory of one slice; as `accumulate`). See
+    `capture.curvature`.
     """
     del rng, opt_state, loss_scale
-    return curvature.gram_matrix(self.fun, params, vectors, args, kwargs)
+    return curvature.gram_matrix(self.fun, params, vectors, args, kwargs,
+                                 micro_batches)
 
-  def loss(self, params, *args, rng=None, opt_state=None, loss_scale=None, **kwargs
-           ) -> jax.Array:
+  def loss(self, params, *args, micro_batches: int = 1, rng=None, opt_state=None,
+           loss_scale=None, **kwargs) -> jax.Array:
     """The loss `fun(params, *args, **kwargs)` returns (without its aux with
     `has_aux`): one forward pass, the tags as plain layers. Inside
     `shard_map` the loss of the global batch: the devices' losses weighted by
     their numbers of examples n_d (the registered loss's denominator),
-    `psum(n_d · loss_d) / psum(n_d)`, typed invariant over the batch's axes.
-    `rng`, `opt_state` and `loss_scale` are accepted and ignored."""
+    `psum(n_d · loss_d) / psum(n_d)`, typed invariant over the batch's axes;
+    with `micro_batches=k` the same over `k` slices of the positional batch
+    arguments, one at a time. `rng`, `opt_state` and `loss_scale` are
+    accepted and ignored."""
     del rng, opt_state, loss_scale
-    return curvature.mean_loss(self.fun, self.has_aux, params, args, kwargs)
+    return curvature.mean_loss(self.fun, self.has_aux, params, args, kwargs,
+                               micro_batches)
 
   def _evaluate(self, params, args, kwargs, rng, opt_state, loss_scale):
     """(value, grads, stats, n) of one batch; see `value_and_grad`."""

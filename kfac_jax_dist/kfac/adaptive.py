@@ -43,7 +43,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from kfac_jax_dist import _compat
-from kfac_jax_dist.capture import registry
+from kfac_jax_dist.capture import batches, registry
 from kfac_jax_dist.core import cadence, faults, settings, states
 from kfac_jax_dist.core import collectives as collectives_lib
 from kfac_jax_dist.kfac import transform
@@ -67,8 +67,10 @@ class AdaptiveConfig:
   max_damping: float | None = None
   damping_lower_threshold: float = 0.25
   damping_upper_threshold: float = 0.75
+  micro_batches: int = 1
 
   def __post_init__(self):
+    batches.check(self.micro_batches, "kfac")
     if self.learning_rate is not None:
       settings.check_positive("learning_rate", self.learning_rate)
     if self.momentum is not None:
@@ -192,9 +194,11 @@ def new_damping(config: AdaptiveConfig, damping: jax.Array, rho: jax.Array
 
 # ------------------------------------------------------------------ the step
 
-def _objective(grad_fn: Any, params: Any, batch: tuple, weight_decay: Any) -> jax.Array:
+def _objective(config: AdaptiveConfig, grad_fn: Any, params: Any, batch: tuple
+               ) -> jax.Array:
   """`L(θ) + (w/2)|θ|²` on the batch (one forward pass)."""
-  return grad_fn.loss(params, *batch) + 0.5 * weight_decay * tree_vdot(params, params)
+  return (grad_fn.loss(params, *batch, micro_batches=config.micro_batches)
+          + 0.5 * config.weight_decay * tree_vdot(params, params))
 
 
 def _damping_step(config: AdaptiveConfig, grad_fn: Any, params: Any, batch: tuple,
@@ -202,8 +206,8 @@ def _damping_step(config: AdaptiveConfig, grad_fn: Any, params: Any, batch: tupl
                   ) -> tuple[jax.Array, jax.Array]:
   """(λ', ρ) after an adaptation step."""
   new_params = jax.tree_util.tree_map(jnp.add, params, update)
-  rho = (_objective(grad_fn, new_params, batch, config.weight_decay)
-         - _objective(grad_fn, params, batch, config.weight_decay)) / change
+  rho = (_objective(config, grad_fn, new_params, batch)
+         - _objective(config, grad_fn, params, batch)) / change
   return new_damping(config, damping, rho), rho
 
 
@@ -226,7 +230,8 @@ def update_state(config: AdaptiveConfig, kfac_config: KfacConfig,
   direction, kfac_state = transform.update_state(step_config, comm, grads, state.kfac,
                                                  stats)
   vectors = (direction, state.velocity)
-  gram = grad_fn.gauss_newton_gram(params, vectors, *batch)
+  gram = grad_fn.gauss_newton_gram(params, vectors, *batch,
+                                   micro_batches=config.micro_batches)
   a, dots, b = quadratic_model(gram, vectors, grads, wd)
   w = solve_coefficients(a + lam * dots, b,
                          cadence.value_at(config.learning_rate, count)

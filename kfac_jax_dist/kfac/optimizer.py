@@ -20,12 +20,28 @@ from kfac_jax_dist.kfac.config import KfacConfig, Method
 from kfac_jax_dist.kfac.transform import scale_by_kfac
 
 
-class _DefaultKlClip(float):
-  """KAISA's κ = 1e-3 as `kd.kfac`'s default: adaptive mode turns the clip off
-  unless a value is passed (an instance of this class is the default itself)."""
+class _DefaultKlClip:
+  """KAISA's κ = 1e-3 as `kd.kfac`'s default, off in adaptive mode unless a
+  value is passed. Not a float, so `optax.inject_hyperparams` passes it
+  through unchanged (a numeric default would arrive as an array, no longer
+  recognisable as the default); compares equal to 1e-3."""
+
+  value = 1e-3
+
+  def __eq__(self, other: Any) -> bool:
+    return other is self or other == self.value
+
+  def __hash__(self) -> int:
+    return hash(self.value)
+
+  def __float__(self) -> float:
+    return self.value
+
+  def __repr__(self) -> str:
+    return "1e-3"
 
 
-KL_CLIP = _DefaultKlClip(1e-3)
+KL_CLIP = _DefaultKlClip()
 
 
 def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None = 0.9,
@@ -40,7 +56,7 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
          stale_threshold: float | None = None, grad_fn: Callable | None = None,
          adapt_damping: bool = False, damping_adaptation_interval: int = 5,
          damping_adaptation_decay: float = 0.9, min_damping: float = 1e-8,
-         max_damping: float | None = None,
+         max_damping: float | None = None, micro_batches: int = 1,
          ) -> optax.GradientTransformationExtraArgs:
   """K-FAC preconditioning followed by SGD with momentum, as in KAISA, or adaptive.
 
@@ -117,6 +133,10 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
     damping_adaptation_decay: `ω` of the rule above, in (0, 1).
     min_damping: lower bound of the adapted damping.
     max_damping: upper bound of the adapted damping (None: none).
+    micro_batches: adaptive mode only: compute the curvature products and the
+      reduction ratio's losses over this many slices of `kfac_batch`, one at a
+      time (the `k` of `grad_fn.accumulate(..., micro_batches=k)`: the memory
+      of one slice, the same numbers).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose `update(grads, state,
@@ -129,9 +149,11 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
                  factor_dtype=factor_dtype, skip=skip, max_factor_dim=max_factor_dim,
                  distribution=distribution, stale_threshold=stale_threshold)
   if learning_rate is not None and momentum is not None:
-    if adapt_damping:
-      raise ValueError("adapt_damping needs adaptive mode: learning_rate=None or "
-                       "momentum=None (and grad_fn).")
+    kl_clip = KL_CLIP.value if kl_clip is KL_CLIP else kl_clip
+    if adapt_damping or micro_batches != 1:
+      raise ValueError(f"{'adapt_damping' if adapt_damping else 'micro_batches'} "
+                       "needs adaptive mode: learning_rate=None or momentum=None (and "
+                       "grad_fn).")
     return faults.skip_faulty_steps(optax.chain(
         scale_by_kfac(layers, kl_clip=kl_clip, learning_rate=learning_rate, **options),
         optax.add_decayed_weights(weight_decay),
@@ -145,6 +167,6 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
       learning_rate=learning_rate, momentum=momentum, weight_decay=weight_decay,
       adapt_damping=adapt_damping, damping_adaptation_interval=damping_adaptation_interval,
       damping_adaptation_decay=damping_adaptation_decay, min_damping=min_damping,
-      max_damping=max_damping)
+      max_damping=max_damping, micro_batches=micro_batches)
   return faults.skip_faulty_steps(adaptive.scale_by_adaptive_kfac(
       layers, grad_fn, kfac_config=kfac_config, adaptive_config=adaptive_config))

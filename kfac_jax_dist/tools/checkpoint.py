@@ -37,7 +37,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from kfac_jax_dist.core import specs
-from kfac_jax_dist.core import states
 from kfac_jax_dist.core import tensor_parallel
 from kfac_jax_dist.capture import statistics as factors_lib
 from kfac_jax_dist.kfac import state as kfac_lib
@@ -207,7 +206,9 @@ def _check_dtypes(saved: dict, template: Any) -> None:
 def _check_mesh(template: Any, mesh: jax.sharding.Mesh | None) -> None:
   """A distributed state is restored onto a mesh of its device count (or into
   a template already placed on one)."""
-  for state in states.find_states(template):
+  laid_out = [x for x in jax.tree_util.tree_leaves(template, is_leaf=_is_state)
+              if _is_state(x)]
+  for state in laid_out:
     lay = state.layout
     if lay.num_devices == 1 or lay.axis is None:
       continue
