@@ -14,6 +14,10 @@ process feeds only its own rows of the global batch
     --strategy hybrid     fraction 1/2  sharded over P/m groups of m = P/2 devices
     --grad-worker-fraction F            any m = F·P that divides P
 
+A strategy name with the suffix `+adaptive` (e.g. `--strategy hybrid+adaptive`)
+trains adaptive K-FAC instead (learning rate, momentum and damping from the
+exact quadratic model of each batch; `--learning-rate` unused).
+
 Local run (no accelerator needed). Without `--process-id` the script is its own
 launcher: it picks a free port on 127.0.0.1 and starts `--num-processes` copies
 of itself, each with `--cpu-devices` host CPU devices
@@ -106,8 +110,17 @@ def initial_params(seed: int = 0):
   return jax.tree_util.tree_map(np.asarray, params)
 
 
+ADAPTIVE = "+adaptive"
+
+
+def is_adaptive(strategy: str) -> bool:
+  """Whether a strategy name asks for adaptive K-FAC (`hybrid+adaptive`)."""
+  return strategy.endswith(ADAPTIVE)
+
+
 def fraction_of(strategy: str, num_devices: int) -> float:
   """`grad_worker_fraction` of a KAISA strategy name on `num_devices` devices."""
+  strategy = strategy.removesuffix(ADAPTIVE)
   if strategy == "comm-opt":
     return 1.0
   if strategy == "mem-opt":
@@ -123,7 +136,7 @@ def train(mesh, grad_worker_fraction: float, *, steps: int = 4, batch_size: int 
           factor_update_every: int = 2, inverse_update_every: int = 3,
           learning_rate: float = 0.1, damping: float = 1e-2, seed: int = 0,
           log=None, nan_step: int | None = None, checkpoint: str | None = None,
-          resume: tuple[str, int] | None = None):
+          resume: tuple[str, int] | None = None, adaptive: bool = False):
   """Trains the model with K-FAC over `mesh`'s axis "data" for `steps` steps.
 
   Works the same on one process and on many: the batch of every step is made
@@ -156,10 +169,14 @@ def train(mesh, grad_worker_fraction: float, *, steps: int = 4, batch_size: int 
   grad_fn = kd.value_and_grad(loss_fn)
   host_params = initial_params(seed)
   dist = kd.Distribution(mesh, axis="data", grad_worker_fraction=grad_worker_fraction)
-  tx = kd.kfac(learning_rate, momentum=0.9, damping=damping, kl_clip=1e-2,
-               factor_update_every=factor_update_every,
-               inverse_update_every=inverse_update_every,
-               layers=grad_fn.discover(host_params, x0, y0), distribution=dist)
+  common = dict(damping=damping, factor_update_every=factor_update_every,
+                inverse_update_every=inverse_update_every,
+                layers=grad_fn.discover(host_params, x0, y0), distribution=dist)
+  if adaptive:
+    tx = kd.kfac(None, None, grad_fn=grad_fn, adapt_damping=True,
+                 damping_adaptation_interval=1, **common)
+  else:
+    tx = kd.kfac(learning_rate, momentum=0.9, kl_clip=1e-2, **common)
   # Every process passes the same global values; each keeps its own pieces.
   on_mesh = lambda spec: NamedSharding(mesh, spec)
   params = jax.device_put(host_params, on_mesh(P()))
@@ -174,7 +191,8 @@ def train(mesh, grad_worker_fraction: float, *, steps: int = 4, batch_size: int 
   def step(params, state, x, y):
     loss, grads, stats = grad_fn(params, x, y, opt_state=state)   # this device's batch
     grads = jax.lax.pmean(grads, "data")                         # (gradient_reduction="none")
-    updates, state = tx.update(grads, state, params, kfac_stats=stats)
+    batch = {"kfac_batch": (x, y)} if adaptive else {}       # the model's curvature
+    updates, state = tx.update(grads, state, params, kfac_stats=stats, **batch)
     return optax.apply_updates(params, updates), state, jax.lax.pmean(loss, "data")
 
   step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
@@ -288,7 +306,7 @@ def run_worker(args) -> None:
         factor_update_every=args.factor_update_every,
         inverse_update_every=args.inverse_update_every, learning_rate=args.learning_rate,
         damping=args.damping, seed=args.seed, log=say, nan_step=args.nan_step,
-        checkpoint=checkpoint)
+        checkpoint=checkpoint, adaptive=is_adaptive(strategy))
     if say:
       say(f"{strategy}: {args.steps} steps in {time.perf_counter() - t0:.1f}s "
           "(compilation included)")
@@ -476,8 +494,9 @@ def parse_args(argv=None):
                         "silent peer before it gives up")
   opt = parser.add_argument_group("training")
   opt.add_argument("--strategy", default="hybrid",
-                   help=f"one of {', '.join(STRATEGIES)}; comma-separate several to "
-                        "train each in turn")
+                   help=f"one of {', '.join(STRATEGIES)}, optionally with the suffix "
+                        f"{ADAPTIVE} (adaptive K-FAC); comma-separate several to train "
+                        "each in turn")
   opt.add_argument("--grad-worker-fraction", type=float, default=None,
                    help="instead of --strategy: gradient workers per layer / devices "
                         "(results are labelled fraction-F)")
@@ -502,8 +521,9 @@ def parse_args(argv=None):
                         "final parameters, process{i}.npz ('': write nothing)")
   args = parser.parse_args(argv)
   for strategy in args.strategy.split(","):
-    if strategy not in STRATEGIES:
-      parser.error(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
+    if strategy.removesuffix(ADAPTIVE) not in STRATEGIES:
+      parser.error(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}, "
+                   f"each optionally with the suffix {ADAPTIVE}")
   if args.process_id is not None and args.coordinator is None:
     parser.error("--process-id needs --coordinator host:port")
   return args

@@ -4,7 +4,8 @@ The workers are `examples/multihost.py` (the example doubles as the launcher's
 documentation): each calls `jax.distributed.initialize` on 127.0.0.1 with gloo
 CPU collectives, builds the mesh "data" over the 4 devices of both processes,
 feeds only its half of every global batch, trains MEM-OPT (fraction 1/4),
-COMM-OPT (fraction 1) and HYBRID (fraction 1/2) for 4 steps — counts 0..3 with
+COMM-OPT (fraction 1), HYBRID (fraction 1/2) and adaptive K-FAC under HYBRID
+(learning rate, momentum and damping adapted every step) for 4 steps — counts 0..3 with
 factor_update_every=2, inverse_update_every=3: factors and inverses at 0, plain
 at 1, factors only at 2, inverses only at 3 — and writes its final parameters
 to an .npz. Step 1's batch has a NaN in a row of process 0 only: both
@@ -34,7 +35,7 @@ _spec.loader.exec_module(multihost)
 
 NUM_PROCESSES, DEVICES_PER_PROCESS = 2, 2
 NUM_DEVICES = NUM_PROCESSES * DEVICES_PER_PROCESS
-STRATEGIES = ("mem-opt", "comm-opt", "hybrid")
+STRATEGIES = ("mem-opt", "comm-opt", "hybrid", "hybrid+adaptive")
 CONFIG = dict(steps=4, batch_size=32, factor_update_every=2, inverse_update_every=3,
               learning_rate=0.1, damping=1e-2, seed=0, nan_step=1)
 TIMEOUT_S = 100          # the workers, from launch to exit (killed after that)
@@ -82,7 +83,8 @@ def runs(tmp_path_factory):
     reference = {}
     for strategy in STRATEGIES:
       params, losses, skipped = multihost.train(
-          mesh, multihost.fraction_of(strategy, NUM_DEVICES), **CONFIG)
+          mesh, multihost.fraction_of(strategy, NUM_DEVICES), **CONFIG,
+          adaptive=multihost.is_adaptive(strategy))
       reference.update(multihost.flatten(params, prefix=f"{strategy}/"))
       reference[f"{strategy}/losses"] = np.asarray(losses)
       reference[f"{strategy}/skipped"] = np.asarray(skipped)
