@@ -63,8 +63,30 @@ Measured per model and cadence:
   source `op_name`; the markdown lists them so that a missed target has a
   concrete cause.
 
-Targets (issue 6): kd's step time ≤ 0.7× kfac-jax's at every cadence; compile
-time ≤ 0.5×.
+Equality in float64 (`--equality-only` runs just this and merges it into the
+existing results): in a child process with `jax_enable_x64`, float64
+parameters, images and kd factors (`factor_dtype=jnp.float64`), from the same
+initialisation and the timing runs' first batches:
+
+* non-adaptive: the settings above, Δθ after 1 and 10 steps, every model and
+  cadence;
+* adaptive: kd's `kd.kfac(None, None, damping=λ₀, adapt_damping=True,
+  damping_adaptation_interval=1)` against kfac-jax's
+  `use_adaptive_learning_rate=True, use_adaptive_momentum=True,
+  use_adaptive_damping=True, initial_damping=λ₀, damping_adaptation_interval=1,
+  precon_damping_mult=1/B` (`fisher_empirical`, exact inverses every step),
+  5 steps: Δθ and both sides' learning rate −α, momentum μ, damping λ and
+  reduction ratio ρ after every step, on each model at its timing λ and on the
+  MLP from λ₀ = 3e-4 (every branch of the Levenberg-Marquardt rule);
+* the damping mapping: the MLP's adaptive run with kfac-jax's damping mapped
+  three ways, of which only the one above takes kd's steps. kfac-jax's
+  `fisher_empirical` factors are kd's / B while its exact quadratic model's
+  curvature is not, so its preconditioner's damping has to be its model's / B
+  (`precon_damping_mult`); then its Δ is B times kd's and its α is kd's / B.
+
+Targets: issue 6, kd's step time ≤ 0.7× kfac-jax's at every cadence and
+compile time ≤ 0.5×; issue 13, non-adaptive float64 Δθ ≤ 1e-10 after 1 and 10
+steps; issue 14, adaptive float64 Δθ ≤ 1e-8 after each of 5 steps.
 
 Needs both libraries in one environment, with a jax that kfac-jax 0.0.8 still
 runs on. Checked (an auto-registered MLP, init + 3 steps): it runs on jax 0.8.0,
@@ -81,9 +103,11 @@ use jax 0.8.0, the oldest jax this project supports:
 
 Usage: python benchmarks/vs_kfac_jax.py [--models mlp,cnn,autoencoder]
        [--rounds R] [--compile-reps N] [--no-profile] [--quick]
-       [--out benchmarks/results]
+       [--equality-models M,..] [--equality-cadences C,..] [--no-equality]
+       [--equality-only] [--from-json FILE] [--out benchmarks/results]
 Writes vs_kfac_jax.md and vs_kfac_jax.json (vs_kfac_jax_quick.* with --quick:
-the MLP at cadence 1/10, no profile). Without kfac-jax importable, --quick
+the MLP at cadence 1/10, no profile; float64 equality of the MLP at 1/1 and
+adaptive). Without kfac-jax importable, --quick
 prints why and exits 0 (the smoke run of .ci/run, on a jax kfac-jax does not
 run on); a full run exits with the same message.
 """
@@ -222,7 +246,8 @@ class KdRunner:
 
   name = "kd.kfac"
 
-  def __init__(self, model, cadence, params, batch0, stages=None, jit_init=False):
+  def __init__(self, model, cadence, params, batch0, stages=None, jit_init=False,
+               factor_dtype=None):
     fe, ie = CADENCES[cadence]
     stages = {} if stages is None else stages
     t0 = _clock()
@@ -231,7 +256,8 @@ class KdRunner:
     stages["discover"] = _since(t0)
     self.tx = kd.kfac(LR[model], momentum=MOMENTUM, damping=DAMPING[model],
                       factor_decay=FACTOR_DECAY, factor_update_every=fe,
-                      inverse_update_every=ie, kl_clip=None, layers=self.layers)
+                      inverse_update_every=ie, kl_clip=None, layers=self.layers,
+                      factor_dtype=factor_dtype)
     grad_fn, tx = self.grad_fn, self.tx
 
     step = _common.kfac_step(grad_fn, tx)
@@ -581,13 +607,297 @@ def run_profile(model, cadence, steps=10) -> dict | None:
     shutil.rmtree(dump, ignore_errors=True)
 
 
+# ----------------------------------------------------- equality in float64
+
+# Non-adaptive: Δθ after these steps; adaptive: this many steps. Targets (issue
+# 13, issue 14 item 5): the same steps to float64 rounding.
+EQ_STEPS = (1, 10)
+ADAPTIVE_STEPS = 5
+EQ_TARGET, ADAPTIVE_TARGET = 1e-10, 1e-8
+# Adaptive runs: (model, initial λ in kd's units). The MLP from λ₀ = 3e-4 takes
+# every branch of the Levenberg-Marquardt rule within 5 steps (ρ < ¼, ¼ ≤ ρ ≤ ¾,
+# ρ > ¾); from the timing runs' λ the models only see ρ in or above the band.
+ADAPTIVE_RUNS = (("mlp", DAMPING["mlp"]), ("cnn", DAMPING["cnn"]),
+                 ("autoencoder", DAMPING["autoencoder"]), ("mlp", 3e-4))
+# kfac-jax settings tried against the mapping (the MLP, its timing λ):
+# (name, kfac-jax initial_damping / kd's λ, precon_damping_mult, weight decay:
+# kd's weight_decay = kfac-jax's l2_reg, its loss + (w/2)|θ|²).
+WEIGHT_DECAY = 1e-3
+MAPPINGS = (("initial_damping = λ, precon_damping_mult = 1/B (the mapping)", 1.0,
+             1.0 / BATCH, 0.0),
+            ("initial_damping = λ, precon_damping_mult = 1", 1.0, 1.0, 0.0),
+            ("initial_damping = λ/B, precon_damping_mult = 1", 1.0 / BATCH, 1.0, 0.0),
+            (f"the mapping with weight_decay = l2_reg = {WEIGHT_DECAY:g}", 1.0,
+             1.0 / BATCH, WEIGHT_DECAY))
+_EQUALITY_CHILD = "--_equality-child"
+
+
+def _f64(tree):
+  return jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), tree)
+
+
+def _batches64(n):
+  """The first `n` batches of `measure_cadence`'s sequence, float64 images."""
+  (xtr, ytr), _ = digits()
+  rng = np.random.default_rng(1)
+  idx = [rng.choice(len(ytr), BATCH, replace=False) for _ in range(n)]
+  return [(jnp.asarray(xtr[i], jnp.float64), jnp.asarray(ytr[i])) for i in idx]
+
+
+class KdAdaptive:
+  """kd's adaptive mode: `kd.kfac(None, None, adapt_damping=True)`, λ moved
+  every step; float64 factors."""
+
+  def __init__(self, model, params, batch0, damping, weight_decay=0.0):
+    grad_fn = kd.value_and_grad(kd_loss_fn(model))
+    tx = kd.kfac(None, None, weight_decay, layers=grad_fn.discover(params, *batch0),
+                 grad_fn=grad_fn,
+                 damping=damping, adapt_damping=True, damping_adaptation_interval=1,
+                 damping_adaptation_decay=0.9, min_damping=1e-8,
+                 factor_decay=FACTOR_DECAY, factor_dtype=jnp.float64)
+    self.state = tx.init(params)
+
+    def step(p, s, x, y):
+      _, grads, stats = grad_fn(p, x, y, opt_state=s)
+      updates, s = tx.update(grads, s, p, kfac_stats=stats, kfac_batch=(x, y))
+      return optax.apply_updates(p, updates), s
+    self._step = jax.jit(step)
+
+  def step(self, params, x, y):
+    damping = float(self.state.damping)        # the λ this step uses
+    params, self.state = self._step(params, self.state, x, y)
+    s = self.state
+    return params, dict(learning_rate=float(s.learning_rate), momentum=float(s.momentum),
+                        damping=damping, rho=float(s.rho))
+
+
+class KjAdaptive:
+  """kfac-jax with `use_adaptive_learning_rate/momentum/damping=True`, λ
+  moved every step (`damping_adaptation_interval=1`)."""
+
+  def __init__(self, model, params, batch0, damping, precon_damping_mult,
+               l2_reg=0.0):
+    loss_fn = kj_loss_fn(model)
+
+    def regularised(p, batch):   # kfac-jax expects the regulariser in the loss
+      return loss_fn(p, batch) + 0.5 * l2_reg * sum(
+          jnp.sum(a * a) for a in jax.tree.leaves(p))
+    self.opt = kfac_jax.Optimizer(
+        value_and_grad_func=jax.value_and_grad(regularised if l2_reg else loss_fn),
+        l2_reg=l2_reg,
+        use_adaptive_learning_rate=True, use_adaptive_momentum=True,
+        use_adaptive_damping=True, initial_damping=damping,
+        damping_adaptation_interval=1, damping_adaptation_decay=0.9, min_damping=1e-8,
+        include_damping_in_quad_change=False, precon_damping_mult=precon_damping_mult,
+        norm_constraint=None, estimation_mode="fisher_empirical", use_exact_inverses=True,
+        curvature_ema=FACTOR_DECAY, curvature_update_period=1, inverse_update_period=1,
+        num_burnin_steps=0, multi_device=False)
+    self.rng = jax.random.PRNGKey(42)
+    self.state = self.opt.init(params, self.rng, batch0)
+    self.count = 0
+
+  def step(self, params, x, y):
+    params, self.state, stats = self.opt.step(params, self.state, self.rng, batch=(x, y),
+                                              global_step_int=self.count)
+    self.count += 1
+    return params, {k: float(stats[k]) for k in ("learning_rate", "momentum", "damping",
+                                                  "rho")}
+
+
+def _rel(a, b):
+  return abs(a - b) / max(abs(b), 1e-300)
+
+
+def adaptive_run(model, damping, batches, kj_damping_scale=1.0,
+                 precon_damping_mult=1.0 / BATCH, weight_decay=0.0, log=True):
+  """Both adaptive optimizers from the same float64 init over `batches`: Δθ
+  and both sides' (η, μ, λ, ρ) after every step."""
+  params0 = _f64(init_params(model, jax.random.PRNGKey(0)))
+  kd_opt = KdAdaptive(model, params0, batches[0], damping, weight_decay)
+  kj_opt = KjAdaptive(model, params0, batches[0], damping * kj_damping_scale,
+                      precon_damping_mult, weight_decay)
+  p_kd, p_kj = _copy(params0), _copy(params0)
+  steps = []
+  for i, (x, y) in enumerate(batches):
+    p_kd, s_kd = kd_opt.step(p_kd, x, y)
+    p_kj, s_kj = kj_opt.step(p_kj, x, y)
+    steps.append(dict(step=i + 1, dtheta=rel_diff(p_kd, p_kj), kd=s_kd, kj=s_kj))
+    if log:
+      print(f"  [float64 adaptive {model} λ₀={damping:g}] step {i + 1}: Δθ "
+            f"{steps[-1]['dtheta']:.1e}", flush=True)
+  # The scalars under the mapping: η_kd = B·η_kj, μ, λ, ρ equal.
+  worst = dict(
+      learning_rate=max(_rel(s["kd"]["learning_rate"], BATCH * s["kj"]["learning_rate"])
+                        for s in steps),
+      momentum=max(abs(s["kd"]["momentum"] - s["kj"]["momentum"]) for s in steps),
+      damping=max(_rel(s["kd"]["damping"], s["kj"]["damping"]) for s in steps),
+      rho=max(_rel(s["kd"]["rho"], s["kj"]["rho"]) for s in steps))
+  return dict(model=model, damping=damping, steps=steps, scalars_max_diff=worst)
+
+
+def nonadaptive_run(model, cadence, batches):
+  """`KdRunner` / `KjRunner` (the timing runs' settings) in float64: Δθ after
+  each of `EQ_STEPS`."""
+  params0 = _f64(init_params(model, jax.random.PRNGKey(0)))
+  runners = {"kd": KdRunner(model, cadence, params0, batches[0],
+                            factor_dtype=jnp.float64),
+             "kfac-jax": KjRunner(model, cadence, params0, batches[0])}
+  params = {k: _copy(params0) for k in runners}
+  agreement = {}
+  for i, (x, y) in enumerate(batches):
+    for k, r in runners.items():
+      params[k] = r.step(params[k], x, y)
+    if i + 1 in EQ_STEPS:
+      agreement[str(i + 1)] = rel_diff(params["kd"], params["kfac-jax"])
+  print(f"  [float64 {model} {cadence}] Δθ " + " · ".join(
+      f"@{k} {v:.1e}" for k, v in agreement.items()), flush=True)
+  return dict(cadence=cadence, agreement=agreement)
+
+
+def equality_child(out_json: str, models: str, cadences: str) -> None:
+  """In a fresh process with `jax_enable_x64`: the float64 comparisons."""
+  jax.config.update("jax_enable_x64", True)
+  models = [m for m in models.split(",") if m]
+  batches = _batches64(max(max(EQ_STEPS), ADAPTIVE_STEPS))
+  nonadaptive = {m: [nonadaptive_run(m, c, batches[:max(EQ_STEPS)])
+                     for c in cadences.split(",") if c] for m in models}
+  adaptive = [adaptive_run(m, lam, batches[:ADAPTIVE_STEPS])
+              for m, lam in ADAPTIVE_RUNS if m in models]
+  mappings = []
+  if "mlp" in models:
+    for name, scale, mult, wd in MAPPINGS:
+      r = adaptive_run("mlp", DAMPING["mlp"], batches[:ADAPTIVE_STEPS], scale, mult,
+                       wd, log=False)
+      mappings.append(dict(name=name, kfac_jax_initial_damping=DAMPING["mlp"] * scale,
+                           precon_damping_mult=mult, weight_decay=wd,
+                           dtheta=[s["dtheta"] for s in r["steps"]]))
+      print(f"  [float64 mapping] {name}: Δθ @{ADAPTIVE_STEPS} "
+            f"{mappings[-1]['dtheta'][-1]:.1e}", flush=True)
+  with open(out_json, "w") as f:
+    json.dump(dict(nonadaptive=nonadaptive, adaptive=adaptive, mappings=mappings,
+                   eq_steps=list(EQ_STEPS), adaptive_steps=ADAPTIVE_STEPS), f)
+
+
+def run_equality(models, cadences) -> dict:
+  """`equality_child` in a child process (x64 is process-wide; the timing
+  runs are float32)."""
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, "equality.json")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), _EQUALITY_CHILD, out,
+                           ",".join(models), ",".join(cadences)], text=True,
+                          stderr=subprocess.PIPE, timeout=3600)
+    if proc.returncode != 0:
+      raise RuntimeError("float64 equality child failed:\n" + proc.stderr[-3000:])
+    with open(out) as f:
+      return json.load(f)
+
+
+def _sci(x):
+  return f"{x:.0e}".replace("e-0", "e-")
+
+
+def equality_checks(eq) -> list[dict]:
+  if not eq:
+    return []
+  checks = []
+  for model, rows in eq["nonadaptive"].items():
+    for r in rows:
+      worst = max(r["agreement"].values())
+      checks.append(dict(
+          check=f"float64 {model} {r['cadence']}: Δθ @" + ", @".join(r["agreement"]),
+          value=" · ".join(f"{v:.1e}" for v in r["agreement"].values()),
+          target=f"≤ {_sci(EQ_TARGET)}", holds=worst <= EQ_TARGET,
+          why="same steps up to float64 rounding" if worst <= EQ_TARGET else
+          "see 'Equality in float64'"))
+  for r in eq["adaptive"]:
+    worst = max(s["dtheta"] for s in r["steps"])
+    checks.append(dict(
+        check=f"float64 adaptive {r['model']} (λ₀ {r['damping']:g}): Δθ after each of "
+              f"{len(r['steps'])} steps",
+        value=f"max {worst:.1e}", target=f"≤ {_sci(ADAPTIVE_TARGET)}",
+        holds=worst <= ADAPTIVE_TARGET,
+        why="same α, μ, λ, ρ and steps up to float64 rounding, with kfac-jax's "
+            "precon_damping_mult = 1/B" if worst <= ADAPTIVE_TARGET else
+            "see 'Equality in float64'"))
+  return checks
+
+
+def _eq_measured(eq) -> str:
+  env = eq.get("environment") or {}
+  return (f"Measured {env.get('date', '?')} with jax {env.get('jax', '?')}, kfac-jax "
+          f"{env.get('kfac_jax', '?')}, kfac_jax_dist at git {env.get('commit', '?')}.")
+
+
+def equality_markdown(eq) -> list[str]:
+  """The 'Equality in float64' section."""
+  if not eq:
+    return []
+  lines = [
+      "## Equality in float64", "",
+      "Both libraries with `jax_enable_x64` (a child process), float64 parameters and "
+      "images, kd's factors in float64 (`factor_dtype=jnp.float64`), from the same "
+      "initialisation over the first batches of the timing runs' sequence. Δθ = "
+      "‖θ_kd − θ_kfac-jax‖ / ‖θ_kfac-jax‖. " + _eq_measured(eq), "",
+      "**Non-adaptive**, the timing runs' settings ((η, γ) in kd's units, (η/B, γ/B) "
+      f"for kfac-jax), Δθ after {' and '.join(map(str, eq['eq_steps']))} steps:", ""]
+  rows = [[m, r["cadence"]] + [f"{v:.1e}" for v in r["agreement"].values()]
+          for m, rs in eq["nonadaptive"].items() for r in rs]
+  lines += [_common.md_table(rows, ["model", "curv/inv every"] + [
+      f"Δθ @{k}" for k in eq["eq_steps"]]), ""]
+  lines += [
+      "**Adaptive.** kd: `kd.kfac(None, None, damping=λ₀, adapt_damping=True, "
+      "damping_adaptation_interval=1, factor_decay=0.95, factor_dtype=jnp.float64)` "
+      "(exact eigen inverses every step); kfac-jax: `use_adaptive_learning_rate=True, "
+      "use_adaptive_momentum=True, use_adaptive_damping=True, initial_damping=λ₀, "
+      f"damping_adaptation_interval=1, precon_damping_mult=1/{BATCH}, "
+      "estimation_mode=\"fisher_empirical\", use_exact_inverses=True, "
+      "curvature_ema=0.95, inverse_update_period=1, norm_constraint=None, l2_reg=0, "
+      "num_burnin_steps=0`; both with ω = 0.9, λ ≥ 1e-8, the model change M₀ "
+      "without the damping term. Per step: η = −α, the coefficient of the "
+      "preconditioned gradient as both libraries log it (`learning_rate`), kfac-jax's "
+      f"times B = {BATCH}; μ; the λ the step used; ρ (which sets the next λ).", ""]
+  for r in eq["adaptive"]:
+    lines += [f"*{r['model']}, λ₀ = {r['damping']:g}*", ""]
+    rows = [[s["step"], f"{s['dtheta']:.1e}",
+             f"{s['kd']['learning_rate']:.9g}", f"{BATCH * s['kj']['learning_rate']:.9g}",
+             f"{s['kd']['momentum'] + 0.0:.9g}", f"{s['kj']['momentum'] + 0.0:.9g}",
+             f"{s['kd']['damping']:.6g}", f"{s['kj']['damping']:.6g}",
+             f"{s['kd']['rho']:.9g}", f"{s['kj']['rho']:.9g}"] for s in r["steps"]]
+    lines += [_common.md_table(rows, ["step", "Δθ", "η kd", f"{BATCH}·η kj", "μ kd",
+                                      "μ kj", "λ kd", "λ kj", "ρ kd", "ρ kj"]), ""]
+    w = r["scalars_max_diff"]
+    lines += [f"Largest differences over the steps: η {w['learning_rate']:.1e} relative, "
+              f"μ {w['momentum']:.1e} absolute, λ {w['damping']:.1e} and ρ "
+              f"{w['rho']:.1e} relative.", ""]
+  if eq["mappings"]:
+    lines += [
+        "**The damping mapping** (the MLP, λ = "
+        f"{eq['mappings'][0]['kfac_jax_initial_damping']:g} in kd's units): "
+        "kfac-jax's `fisher_empirical` factors are kd's divided by B, its exact "
+        "quadratic model's curvature (`ImplicitExactCurvature`, the registered loss's "
+        "Fisher, here its Gauss-Newton matrix) is the mean loss's like kd's, and its "
+        "preconditioner is damped with `initial_damping · precon_damping_mult`, its "
+        "model with `initial_damping`. kd damps both with one λ. So only "
+        "`precon_damping_mult = 1/B` makes the two compute the same thing (kfac-jax's "
+        "Δ is then B times kd's, which α absorbs: η_kd = B·η_kj); neither single "
+        "rescaling of the damping does. With weight decay they part again: kfac-jax "
+        "adds `l2_reg` to its preconditioner's damping in its own units (F/B + w + "
+        "λ/B, i.e. λ + B·w in kd's), kd damps its preconditioner with λ alone (both "
+        "add w to the model's curvature):", ""]
+    rows = [[m["name"], "  ".join(f"{v:.1e}" for v in m["dtheta"])]
+            for m in eq["mappings"]]
+    lines += [_common.md_table(rows, ["kfac-jax setting", "Δθ after steps 1 … "
+                                      f"{eq['adaptive_steps']}"]), ""]
+  return lines
+
+
 # -------------------------------------------------------------------- report
 
 def _mb(b):
   return _common.fmt_bytes(b)
 
 
-def markdown(results, env, args, pieces, profiles, checks) -> str:
+def markdown(results, env, args, pieces, profiles, checks, eq=None) -> str:
   lines = [
       "# kd.kfac vs DeepMind's kfac-jax",
       "",
@@ -627,6 +937,7 @@ def markdown(results, env, args, pieces, profiles, checks) -> str:
   ]
   lines += _common.checks_markdown("Targets", checks)
   lines += [ANALYSIS]
+  lines += equality_markdown(eq)
   for model, rows in results.items():
     lines += [f"## {model}: {DESCRIPTIONS[model]}", ""]
     table = []
@@ -759,7 +1070,11 @@ ANALYSIS = """\
 * **Same algorithm.** After one step the parameters agree to ~1e-7 relative
   (Δθ column), after 10 steps to ≤ 1e-3: with (η, γ) → (B·η, B·γ) the two
   libraries compute the same K-FAC steps; the later drift is float32 rounding
-  amplified by training (final losses of the same size, not equal).
+  amplified by training (final losses of the same size, not equal). In
+  float64 the drift goes away, and the adaptive modes (learning rate,
+  momentum and damping from the exact quadratic model) take the same steps
+  as well once kfac-jax's preconditioner damping is scaled by 1/B: see
+  'Equality in float64'.
 * **Where kd is faster.** Convolutions: kfac-jax computes a conv layer's A
   factor with `patches_moments` (a `while` loop of 4-D convolutions over the
   kernel offsets, `patches_second_moment.py`), which dominates its CNN profile;
@@ -816,9 +1131,10 @@ ANALYSIS = """\
 
 
 FULL = dict(rounds=4, min_block=20, compile_reps=1, models=",".join(MODELS),
-            cadences=",".join(CADENCES), no_profile=False)
+            cadences=",".join(CADENCES), no_profile=False,
+            equality_models=",".join(MODELS), equality_cadences=",".join(CADENCES))
 QUICK = dict(rounds=2, min_block=10, compile_reps=1, models="mlp", cadences="1/10",
-             no_profile=True)
+             no_profile=True, equality_models="mlp", equality_cadences="1/1")
 
 
 def main():
@@ -827,6 +1143,9 @@ def main():
     return
   if len(sys.argv) > 1 and sys.argv[1] == _PROFILE_CHILD:
     profile_child(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+    return
+  if len(sys.argv) > 1 and sys.argv[1] == _EQUALITY_CHILD:
+    equality_child(*sys.argv[2:5])
     return
   parser = _common.argument_parser(__doc__)
   parser.add_argument("--models", default=None, help=f"default {','.join(MODELS)}")
@@ -837,6 +1156,16 @@ def main():
   parser.add_argument("--compile-reps", type=int, default=None)
   parser.add_argument("--no-profile", action="store_true", default=None)
   parser.add_argument("--profile-cadences", default="1/1")
+  parser.add_argument("--equality-models", default=None,
+                      help=f"float64 equality runs (default {','.join(MODELS)}; the "
+                      "adaptive runs of these models and, with mlp, the mapping check)")
+  parser.add_argument("--equality-cadences", default=None,
+                      help="cadences of the non-adaptive float64 runs (default all)")
+  parser.add_argument("--no-equality", action="store_true",
+                      help="skip the float64 equality section")
+  parser.add_argument("--equality-only", action="store_true",
+                      help="run only the float64 equality section and merge it into "
+                      "the existing results (.json at --out), re-rendering the .md")
   _common.add_quick(parser, "vs_kfac_jax", QUICK)
   parser.add_argument("--from-json", default=None,
                       help="re-render the markdown (and checks) from a saved .json")
@@ -853,10 +1182,11 @@ def main():
     sargs = argparse.Namespace(**saved["args"])
     saved["environment"].setdefault("kfac_jax", saved["kfac_jax"])
     profiles = {tuple(k.split(" ", 1)): v for k, v in saved["profiles"].items()}
-    checks = targets(saved["results"])
+    eq = saved.get("float64_equality")
+    checks = targets(saved["results"]) + equality_checks(eq)
     saved["checks"] = checks
     text = markdown(saved["results"], saved["environment"], sargs,
-                    saved["compile_pieces_cpu_s"], profiles, checks)
+                    saved["compile_pieces_cpu_s"], profiles, checks, eq)
     stem = _common.stem("vs_kfac_jax", sargs.quick)
     _common.write_results(args.out, stem, text, saved)
     print(text)
@@ -864,9 +1194,33 @@ def main():
   _common.fill_defaults(args, QUICK, FULL)
   args.models = [m.strip() for m in args.models.split(",")]
   cadences = [c.strip() for c in args.cadences.split(",")]
+  eq_models = [m.strip() for m in args.equality_models.split(",")]
+  eq_cadences = [c.strip() for c in args.equality_cadences.split(",")]
 
   env = dict(_common.environment(), kfac_jax=kfac_jax.__version__)
   print(f"jax {env['jax']}, kfac-jax {env['kfac_jax']}, {env['cpu']}", flush=True)
+  stem = _common.stem("vs_kfac_jax", args.quick)
+  if args.equality_only:
+    path = os.path.join(args.out, stem + ".json")
+    if not os.path.exists(path):
+      sys.exit(f"--equality-only merges into an existing {path}: run the whole "
+               "script first.")
+    with open(path) as f:
+      saved = json.load(f)
+    eq = run_equality(eq_models, eq_cadences)
+    eq["environment"] = env
+    saved["float64_equality"] = eq
+    saved["environment"].setdefault("kfac_jax", saved["kfac_jax"])
+    profiles = {tuple(k.split(" ", 1)): v for k, v in saved["profiles"].items()}
+    saved["checks"] = targets(saved["results"]) + equality_checks(eq)
+    text = markdown(saved["results"], saved["environment"],
+                    argparse.Namespace(**saved["args"]), saved["compile_pieces_cpu_s"],
+                    profiles, saved["checks"], eq)
+    _common.write_results(args.out, stem, text, saved)
+    print(text)
+    print(f"merged the float64 equality section into {os.path.join(args.out, stem)}.md "
+          "and .json")
+    return
   data = digits()
   results, pieces, profiles = {}, {}, {}
   for model in args.models:
@@ -879,15 +1233,20 @@ def main():
       for c in [c for c in cadences if c in args.profile_cadences.split(",")]:
         print(f"  profiling {model} {c}", flush=True)
         profiles[(model, c)] = run_profile(model, c)
-  checks = targets(results)
-  text = markdown(results, env, args, pieces, profiles, checks)
+  eq = None
+  if not args.no_equality:
+    print("  float64 equality (child process)", flush=True)
+    eq = run_equality(eq_models, eq_cadences)
+    eq["environment"] = env
+  checks = targets(results) + equality_checks(eq)
+  text = markdown(results, env, args, pieces, profiles, checks, eq)
   print(text)
-  stem = _common.stem("vs_kfac_jax", args.quick)
   _common.write_results(args.out, stem, text, dict(
       environment=env, kfac_jax=kfac_jax.__version__, args=vars(args), batch=BATCH,
       lr=LR, damping=DAMPING, momentum=MOMENTUM, factor_decay=FACTOR_DECAY,
       results=results, compile_pieces_cpu_s=pieces,
-      profiles={f"{m} {c}": v for (m, c), v in profiles.items()}, checks=checks))
+      profiles={f"{m} {c}": v for (m, c), v in profiles.items()}, checks=checks,
+      float64_equality=eq))
   print(f"wrote {os.path.join(args.out, stem)}.md and .json")
 
 
