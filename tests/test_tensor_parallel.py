@@ -15,6 +15,7 @@ import pytest
 import kfac_jax_dist as kd
 
 import helpers
+from kfac_jax_dist.kfac import adaptive
 from kfac_jax_dist.kfac.state import find_states
 from helpers import compile_step
 
@@ -91,18 +92,21 @@ def _assert_same(trajectory, reference, rtol=2e-4, atol=2e-5):
     jax.tree.map(check, to_blocks(got), want)
 
 
-def _train(tx_of, loss_fn, params, x, y, dist=None, steps=STEPS):
+def _train(tx_of, loss_fn, params, x, y, dist=None, steps=STEPS, adaptive=False):
   """`steps` updates; with `dist`, inside shard_map over both mesh axes, the
-  state sharded by kd.partition_specs (checked stable across updates)."""
+  state sharded by kd.partition_specs (checked stable across updates).
+  `adaptive`: `tx_of(layers, grad_fn)`, updated with `kfac_batch=`."""
   grad_fn = kd.value_and_grad(loss_fn)
-  tx = tx_of(grad_fn.discover(params, x, y, distribution=dist))
+  layers = grad_fn.discover(params, x, y, distribution=dist)
+  tx = tx_of(layers, grad_fn) if adaptive else tx_of(layers)
   state = tx.init(params)
 
   def step(params, state, x, y):
     _, grads, stats = grad_fn(params, x, y, opt_state=state)
     if dist is not None and dist.gradient_reduction == "none":
       grads = jax.lax.pmean(grads, "data")
-    updates, state = tx.update(grads, state, params, kfac_stats=stats)
+    batch = {"kfac_batch": (x, y)} if adaptive else {}
+    updates, state = tx.update(grads, state, params, kfac_stats=stats, **batch)
     return optax.apply_updates(params, updates), state
 
   step, state = compile_step(step, state, dist, 2, param_specs=PARAM_SPECS)
@@ -166,6 +170,33 @@ def test_kfac_tensor_parallel_equals_block_model(fraction, factor_reduction,
   assert kfac_specs.inner.count == P()
   momentum, = _of_type(specs, optax.TraceState)
   assert momentum.trace == PARAM_SPECS
+
+
+def _adaptive(layers, grad_fn, dist=None):
+  return kd.kfac(None, None, layers=layers, grad_fn=grad_fn, damping=1e-2,
+                 weight_decay=1e-3, adapt_damping=True, damping_adaptation_interval=2,
+                 factor_update_every=2, inverse_update_every=3, distribution=dist)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 1 / 2], ids=["COMM-OPT", "MEM-OPT"])
+def test_adaptive_kfac_tensor_parallel_equals_block_model(fraction):
+  """Adaptive K-FAC on the TP mesh equals the block model on one device: the
+  same preconditioned direction per shard, and α, μ, λ, ρ from inner products
+  summed over the shards (replicated parameters once) and the exact GGN of
+  the whole model."""
+  params, x, y = _problem()
+  dist = _dist(fraction)
+  trajectory, opt_state = _train(functools.partial(_adaptive, dist=dist), tp_loss,
+                                 params, x, y, dist, steps=5, adaptive=True)
+  reference, ref_state = _train(_adaptive, block_loss, to_blocks(params), x, y, steps=5,
+                                adaptive=True)
+  _assert_same(trajectory, reference)
+  state = _of_type(kd.model_shard(opt_state, 1), adaptive.AdaptiveKfacState)[0]
+  want = _of_type(ref_state, adaptive.AdaptiveKfacState)[0]
+  for field in ("damping", "learning_rate", "momentum", "rho"):
+    np.testing.assert_allclose(float(getattr(state, field)), float(getattr(want, field)),
+                               rtol=2e-4, err_msg=field)
+  assert int(state.count) == 5 and np.isfinite(float(state.rho))
 
 
 def _of_type(tree, cls):

@@ -244,7 +244,7 @@ def replicated_paths(tree: Any, dist) -> set[str]:
           if _sharded_dim(spec, dist.model_axis, name) is None}
 
 
-def _from_shard_zero(x: jax.Array, axis: str) -> jax.Array:
+def from_shard_zero(x: jax.Array, axis: str) -> jax.Array:
   """`x` of model shard 0, typed replicated over `axis`: a psum of its value
   and zeros (exact)."""
   if axis not in _compat.varying_axes(x):
@@ -308,7 +308,7 @@ def wrap(inner: optax.GradientTransformationExtraArgs, dist, name: str,
     new_updates, new_inner = inner.update(varying(updates), state.inner, params,
                                           **extra_args)
     out = sharding.treedef.flatten_up_to(new_updates)
-    out = [x if d is not None else _from_shard_zero(x, axis)
+    out = [x if d is not None else from_shard_zero(x, axis)
            for x, d in zip(out, sharding.dims)]
     return (sharding.treedef.unflatten(out),
             dataclasses.replace(state, inner=new_inner))

@@ -23,6 +23,10 @@ on the same batch moves `λ`: × ω^T when ρ > ¾, ÷ ω^T when ρ < ¼ (ω =
 `damping_adaptation_decay`), clipped to `[min_damping, max_damping]`. The
 defaults are kfac-jax's (T = 5, ω = 0.9, λ ≥ 1e-8 with no upper bound).
 
+Under a tensor-parallel `Distribution` each model shard preconditions its
+local shard (`core.tensor_parallel`) and the model's inner products sum the
+shards (replicated parameters once), so α, μ and λ are the whole model's.
+
 KL clipping is off in adaptive mode: the quadratic model already sets the
 step's length (kfac-jax turns its norm constraint off by default there for
 the same reason), and KAISA's clip is defined through a fixed learning rate.
@@ -44,7 +48,7 @@ from jax.sharding import PartitionSpec
 
 from kfac_jax_dist import _compat
 from kfac_jax_dist.capture import batches, registry
-from kfac_jax_dist.core import cadence, faults, settings, states
+from kfac_jax_dist.core import cadence, faults, settings, states, tensor_parallel
 from kfac_jax_dist.core import collectives as collectives_lib
 from kfac_jax_dist.kfac import transform
 from kfac_jax_dist.kfac.config import KfacConfig
@@ -139,17 +143,43 @@ def tree_vdot(a: Any, b: Any) -> jax.Array:
   return sum(dots) if dots else jnp.zeros([])
 
 
+Dot = Callable[[Any, Any], jax.Array]
+
+
+def inner_product(kfac_config: KfacConfig) -> Dot:
+  """`⟨a, b⟩` of two parameter-shaped trees as the optimizer sees them: local
+  shards under a tensor-parallel `Distribution`, whose sharded leaves are
+  summed over the model axis and whose replicated leaves (the same on every
+  model shard) count once, typed invariant over that axis; `tree_vdot` else."""
+  if kfac_config.model_axis is None:
+    return tree_vdot
+  dist, axis = kfac_config.distribution, kfac_config.model_axis
+
+  def dot(a: Any, b: Any) -> jax.Array:
+    replicated = tensor_parallel.replicated_paths(a, dist)
+    flat, _ = jax.tree_util.tree_flatten_with_path(a)
+    sharded, once = [], []
+    for (path, x), y in zip(flat, jax.tree_util.tree_leaves(b)):
+      part = once if registry.path_str(path) in replicated else sharded
+      part.append(tree_vdot(x, y))
+    local = sum(sharded, jnp.zeros([])) + jnp.where(
+        lax.axis_index(axis) == 0, sum(once, jnp.zeros([])), 0.0)
+    return lax.psum(_compat.as_varying(local, (axis,)), axis)
+  return dot
+
+
 def _mean_over(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
   return lax.pmean(x, axes) if axes else x
 
 
 def quadratic_model(gram: jax.Array, vectors: tuple[Any, Any], grads: Any,
-                    weight_decay: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    weight_decay: Any, dot: Dot = tree_vdot
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """`(A, D, b)` of the model in the span of `vectors`: `A = VᵀCV + w VᵀV`,
   `D = VᵀV` (the damping's), `b = Vᵀ∇` (averaged over the axes the local
   gradients vary over: the vectors are the same on every device)."""
-  dots = jnp.stack([jnp.stack([tree_vdot(u, v) for v in vectors]) for u in vectors])
-  b = jnp.stack([tree_vdot(grads, v) for v in vectors])
+  dots = jnp.stack([jnp.stack([dot(u, v) for v in vectors]) for u in vectors])
+  b = jnp.stack([dot(grads, v) for v in vectors])
   b = _mean_over(b, _compat.varying_axes(b))
   return gram + weight_decay * dots, dots, b
 
@@ -194,20 +224,30 @@ def new_damping(config: AdaptiveConfig, damping: jax.Array, rho: jax.Array
 
 # ------------------------------------------------------------------ the step
 
-def _objective(config: AdaptiveConfig, grad_fn: Any, params: Any, batch: tuple
-               ) -> jax.Array:
+def _objective(config: AdaptiveConfig, dot: Dot, grad_fn: Any, params: Any,
+               batch: tuple) -> jax.Array:
   """`L(θ) + (w/2)|θ|²` on the batch (one forward pass)."""
   return (grad_fn.loss(params, *batch, micro_batches=config.micro_batches)
-          + 0.5 * config.weight_decay * tree_vdot(params, params))
+          + 0.5 * config.weight_decay * dot(params, params))
 
 
-def _damping_step(config: AdaptiveConfig, grad_fn: Any, params: Any, batch: tuple,
-                  update: Any, change: jax.Array, damping: jax.Array
-                  ) -> tuple[jax.Array, jax.Array]:
+def _one_per_model(kfac_config: KfacConfig, x: jax.Array) -> jax.Array:
+  """`x`, computed alike by every model shard (tensor parallelism), as model
+  shard 0's value typed replicated; unchanged without a model axis."""
+  if kfac_config.model_axis is None:
+    return x
+  return tensor_parallel.from_shard_zero(x, kfac_config.model_axis)
+
+
+def _damping_step(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
+                  params: Any, batch: tuple, update: Any, change: jax.Array,
+                  damping: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(λ', ρ) after an adaptation step."""
+  dot = inner_product(kfac_config)
   new_params = jax.tree_util.tree_map(jnp.add, params, update)
-  rho = (_objective(config, grad_fn, new_params, batch)
-         - _objective(config, grad_fn, params, batch)) / change
+  rho = (_objective(config, dot, grad_fn, new_params, batch)
+         - _objective(config, dot, grad_fn, params, batch)) / change
+  rho = _one_per_model(kfac_config, rho)
   return new_damping(config, damping, rho), rho
 
 
@@ -230,9 +270,10 @@ def update_state(config: AdaptiveConfig, kfac_config: KfacConfig,
   direction, kfac_state = transform.update_state(step_config, comm, grads, state.kfac,
                                                  stats)
   vectors = (direction, state.velocity)
-  gram = grad_fn.gauss_newton_gram(params, vectors, *batch,
-                                   micro_batches=config.micro_batches)
-  a, dots, b = quadratic_model(gram, vectors, grads, wd)
+  gram = _one_per_model(kfac_config, grad_fn.gauss_newton_gram(
+      params, vectors, *batch, micro_batches=config.micro_batches))
+  dot = inner_product(kfac_config)
+  a, dots, b = quadratic_model(gram, vectors, grads, wd, dot)
   w = solve_coefficients(a + lam * dots, b,
                          cadence.value_at(config.learning_rate, count)
                          if config.learning_rate is not None else None,
@@ -244,7 +285,7 @@ def update_state(config: AdaptiveConfig, kfac_config: KfacConfig,
   if config.adapt_damping:
     due = (count + 1) % config.damping_adaptation_interval == 0
     damping, rho = lax.cond(
-        due, lambda: _damping_step(config, grad_fn, params, batch, update,
+        due, lambda: _damping_step(config, kfac_config, grad_fn, params, batch, update,
                                    model_change(a, b, w), state.damping),
         lambda: (state.damping, state.rho))
   new_state = dataclasses.replace(
@@ -275,9 +316,6 @@ def scale_by_adaptive_kfac(
   if not hasattr(grad_fn, "gauss_newton_gram"):
     raise TypeError("adaptive K-FAC needs grad_fn=kd.value_and_grad(loss_fn) (it "
                     "computes the exact curvature products of the registered loss).")
-  if kfac_config.model_axis is not None:
-    raise ValueError("adaptive K-FAC does not support a tensor-parallel Distribution "
-                     "(model_axis) yet.")
   if kfac_config.kl_clip is not None:
     raise ValueError("kl_clip is defined through a fixed learning rate: pass "
                      "kl_clip=None with an adapted learning_rate or momentum.")
@@ -301,4 +339,9 @@ def scale_by_adaptive_kfac(
     return update_state(adaptive_config, kfac_config, comm, grad_fn, updates, state,
                         params, kfac_stats, kfac_batch)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  if kfac_config.model_axis is None:
+    return tx
+  return tensor_parallel.wrap(
+      tx, kfac_config.distribution, "kfac",
+      lambda sharding: tensor_parallel.check_kfac_layers(layers or (), sharding))
