@@ -240,6 +240,10 @@ def test_gram_equals_dense_gauss_newton(model, loss):
   assert_close(one, expected[1:, 1:])
   loss_value = jax.jit(grad_fn.loss)(params, *batch)
   assert_close(loss_value, loss_fn(params, *batch), 1e-14)
+  both = jax.jit(functools.partial(grad_fn.gauss_newton_gram, with_loss=True))(
+      params, vectors, *batch)
+  assert_close(both[0], gram, 1e-15)
+  assert_close(both[1], loss_value, 1e-15)
 
 
 def test_fisher_type_rng_and_aux_do_not_change_the_results():
@@ -291,6 +295,10 @@ def test_micro_batches_give_the_whole_batch_values(model, loss):
   assert_close(gram, expected)
   loss_value = jax.jit(functools.partial(grad_fn.loss, micro_batches=4))(params, *batch)
   assert_close(loss_value, loss_fn(params, *batch), 1e-13)
+  gram, loss_value = grad_fn.gauss_newton_gram(params, vectors, *batch, micro_batches=4,
+                                               with_loss=True)
+  assert_close(gram, expected)
+  assert_close(loss_value, loss_fn(params, *batch), 1e-13)
   with pytest.raises(ValueError, match="divisible by 3"):
     grad_fn.gauss_newton_gram(params, vectors, *batch, micro_batches=3)
   with pytest.raises(ValueError, match="micro_batches must be a positive integer"):
@@ -315,12 +323,14 @@ def test_sharded_batch_gives_the_global_values(model, loss):
   def local(p: dict, vs: tuple, *batch: jax.Array) -> tuple:
     return (grad_fn.gauss_newton_gram(p, vs, *batch), grad_fn.loss(p, *batch),
             grad_fn.gauss_newton_gram(p, vs, *batch, micro_batches=2),
-            grad_fn.loss(p, *batch, micro_batches=2))
+            grad_fn.loss(p, *batch, micro_batches=2),
+            grad_fn.gauss_newton_gram(p, vs, *batch, with_loss=True)[1])
 
   sharded = jax.jit(jax.shard_map(
       local, mesh=mesh, in_specs=(P(), P()) + (P("data"),) * len(batch),
-      out_specs=(P(),) * 4))
-  gram, loss_value, micro_gram, micro_loss = sharded(params, vectors, *batch)
+      out_specs=(P(),) * 5))
+  gram, loss_value, micro_gram, micro_loss, with_loss = sharded(params, vectors, *batch)
+  assert_close(with_loss, loss_value)
   assert_close(micro_gram, gram)
   assert_close(micro_loss, loss_value)
   single_gram = jax.jit(grad_fn.gauss_newton_gram)(params, vectors, *batch)

@@ -83,17 +83,19 @@ def _typed_like_params(params, vectors: tuple) -> tuple[Any, tuple]:
           tuple(jax.tree_util.tree_unflatten(treedef, v) for v in new_vectors))
 
 
-def _local_gram(fun: Callable, params, vectors: tuple, args: tuple, kwargs: dict
-                ) -> tuple[jax.Array, jax.Array]:
-  """`(Σ_x w_x u_iᵀ H_x u_j, n)` over this call's batch, `u_i = J v_i`."""
+def _local_gram(fun: Callable, has_aux: bool, params, vectors: tuple, args: tuple,
+                kwargs: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`(Σ_x w_x u_iᵀ H_x u_j, loss, n)` over this call's batch, `u_i = J v_i`;
+  the loss is the value `fun` returns, from the same forward pass."""
   hessians = []
 
   def inputs_of(p: Any) -> tuple:
-    _, registered = _run(fun, p, args, kwargs)
+    out, registered = _run(fun, p, args, kwargs)
     hessians.append(registered.output_hessian)     # a static function
-    return registered.inputs, (registered.mask, registered.num_examples)
+    value = out[0] if has_aux else out
+    return registered.inputs, (registered.mask, registered.num_examples, value)
 
-  z, linear, (mask, n) = jax.linearize(inputs_of, params, has_aux=True)
+  z, linear, (mask, n, value) = jax.linearize(inputs_of, params, has_aux=True)
   output_hessian = hessians[0]
   dtype = jnp.promote_types(z.dtype, jnp.float32)
   z = z.astype(dtype)
@@ -105,24 +107,34 @@ def _local_gram(fun: Callable, params, vectors: tuple, args: tuple, kwargs: dict
              for i in range(k) for j in range(i, k)}
   gram = jnp.stack([jnp.stack([entries[min(i, j), max(i, j)] for j in range(k)])
                     for i in range(k)])
-  return gram, jnp.asarray(n, dtype)
+  return gram, value, jnp.asarray(n, dtype)
 
 
-def gram_matrix(fun: Callable, params, vectors: Sequence, args: tuple, kwargs: dict,
-                micro_batches: int = 1) -> jax.Array:
-  """`[k, k]`: `v_iᵀ C v_j` for the `k` parameter-shaped `vectors` (see the
-  module docstring); `fun(params, *args, **kwargs)` registers one loss. With
-  `micro_batches`, the sums run over that many slices of `args`, one at a time."""
+def gram_matrix(fun: Callable, has_aux: bool, params, vectors: Sequence, args: tuple,
+                kwargs: dict, micro_batches: int = 1) -> tuple[jax.Array, jax.Array]:
+  """`([k, k] matrix v_iᵀ C v_j, loss)` for the `k` parameter-shaped `vectors`
+  (see the module docstring) and the loss of the same forward pass;
+  `fun(params, *args, **kwargs)` registers one loss. With `micro_batches`,
+  the sums run over that many slices of `args`, one at a time."""
   vectors = tuple(vectors)
   if not vectors:
     raise ValueError("gauss_newton_gram needs at least one vector.")
   k = batches.check(micro_batches, "gauss_newton_gram")
   axes = _compat.varying_axes(args, kwargs)
   params, vectors = _typed_like_params(params, vectors)
-  gram, n = batches.summed(
-      lambda ops, a: _local_gram(fun, *ops, a, kwargs), (params, vectors), args, k,
-      "gauss_newton_gram", _compat.varying_axes(params, vectors, args, kwargs))
-  return _global_mean(gram, n, axes)
+  if not axes and k == 1:                  # the loss exactly as `fun` returns it
+    gram, value, n = _local_gram(fun, has_aux, params, vectors, args, kwargs)
+    return _global_mean(gram, n, axes), value
+
+  def weighted(ops: tuple, a: tuple) -> tuple[jax.Array, jax.Array, jax.Array]:
+    gram, value, n = _local_gram(fun, has_aux, *ops, a, kwargs)
+    return gram, value * n.astype(jnp.result_type(value)), n
+
+  gram, total, n = batches.summed(weighted, (params, vectors), args, k,
+                                  "gauss_newton_gram",
+                                  _compat.varying_axes(params, vectors, args, kwargs))
+  return (_global_mean(gram, n, axes),
+          _global_mean(total, n.astype(jnp.result_type(total)), axes))
 
 
 def mean_loss(fun: Callable, has_aux: bool, params, args: tuple, kwargs: dict,

@@ -225,8 +225,8 @@ class ValueAndGrad:
     return value, grads, stats
 
   def gauss_newton_gram(self, params, vectors, *args, micro_batches: int = 1,
-                        rng=None, opt_state=None, loss_scale=None, **kwargs
-                        ) -> jax.Array:
+                        with_loss: bool = False, rng=None, opt_state=None,
+                        loss_scale=None, **kwargs) -> Any:
     """`[k, k]` matrix `G[i, j] = v_iᵀ C v_j` for the `k` parameter-shaped
     pytrees in `vectors` (a tuple), C the exact Gauss-Newton matrix of the
     mean registered loss of `fun(params, *args, **kwargs)`:
@@ -255,12 +255,14 @@ class ValueAndGrad:
     the matrix of the global batch, `psum` of the local sums over the axes
     the batch varies over, typed invariant over them. `micro_batches=k`
     computes the same over `k` slices of the positional batch arguments, one
-    at a time (the memory of one slice; as `accumulate`). See
-    `capture.curvature`.
+    at a time (the memory of one slice; as `accumulate`). `with_loss=True`
+    returns `(gram, loss)`, the loss (as `loss`) from the same forward pass.
+    See `capture.curvature`.
     """
     del rng, opt_state, loss_scale
-    return curvature.gram_matrix(self.fun, params, vectors, args, kwargs,
-                                 micro_batches)
+    gram, loss = curvature.gram_matrix(self.fun, self.has_aux, params, vectors, args,
+                                       kwargs, micro_batches)
+    return (gram, loss) if with_loss else gram
 
   def loss(self, params, *args, micro_batches: int = 1, rng=None, opt_state=None,
            loss_scale=None, **kwargs) -> jax.Array:

@@ -224,11 +224,10 @@ def new_damping(config: AdaptiveConfig, damping: jax.Array, rho: jax.Array
 
 # ------------------------------------------------------------------ the step
 
-def _objective(config: AdaptiveConfig, dot: Dot, grad_fn: Any, params: Any,
-               batch: tuple) -> jax.Array:
-  """`L(θ) + (w/2)|θ|²` on the batch (one forward pass)."""
-  return (grad_fn.loss(params, *batch, micro_batches=config.micro_batches)
-          + 0.5 * config.weight_decay * dot(params, params))
+def _objective(config: AdaptiveConfig, dot: Dot, loss: jax.Array, params: Any
+               ) -> jax.Array:
+  """`L(θ) + (w/2)|θ|²`, `loss` = L(θ) on the batch."""
+  return loss + 0.5 * config.weight_decay * dot(params, params)
 
 
 def _one_per_model(kfac_config: KfacConfig, x: jax.Array) -> jax.Array:
@@ -240,13 +239,15 @@ def _one_per_model(kfac_config: KfacConfig, x: jax.Array) -> jax.Array:
 
 
 def _damping_step(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
-                  params: Any, batch: tuple, update: Any, change: jax.Array,
-                  damping: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(λ', ρ) after an adaptation step."""
+                  params: Any, batch: tuple, loss: jax.Array, update: Any,
+                  change: jax.Array, damping: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(λ', ρ) after an adaptation step: one forward pass, for `L(θ + d)`
+  (`loss` = L(θ) came with the Gram matrix)."""
   dot = inner_product(kfac_config)
   new_params = jax.tree_util.tree_map(jnp.add, params, update)
-  rho = (_objective(config, dot, grad_fn, new_params, batch)
-         - _objective(config, dot, grad_fn, params, batch)) / change
+  new_loss = grad_fn.loss(new_params, *batch, micro_batches=config.micro_batches)
+  rho = (_objective(config, dot, new_loss, new_params)
+         - _objective(config, dot, loss, params)) / change
   rho = _one_per_model(kfac_config, rho)
   return new_damping(config, damping, rho), rho
 
@@ -270,8 +271,9 @@ def update_state(config: AdaptiveConfig, kfac_config: KfacConfig,
   direction, kfac_state = transform.update_state(step_config, comm, grads, state.kfac,
                                                  stats)
   vectors = (direction, state.velocity)
-  gram = _one_per_model(kfac_config, grad_fn.gauss_newton_gram(
-      params, vectors, *batch, micro_batches=config.micro_batches))
+  gram, loss = grad_fn.gauss_newton_gram(params, vectors, *batch, with_loss=True,
+                                         micro_batches=config.micro_batches)
+  gram = _one_per_model(kfac_config, gram)
   dot = inner_product(kfac_config)
   a, dots, b = quadratic_model(gram, vectors, grads, wd, dot)
   w = solve_coefficients(a + lam * dots, b,
@@ -285,8 +287,8 @@ def update_state(config: AdaptiveConfig, kfac_config: KfacConfig,
   if config.adapt_damping:
     due = (count + 1) % config.damping_adaptation_interval == 0
     damping, rho = lax.cond(
-        due, lambda: _damping_step(config, kfac_config, grad_fn, params, batch, update,
-                                   model_change(a, b, w), state.damping),
+        due, lambda: _damping_step(config, kfac_config, grad_fn, params, batch, loss,
+                                   update, model_change(a, b, w), state.damping),
         lambda: (state.damping, state.rho))
   new_state = dataclasses.replace(
       state, kfac=kfac_state, damping=damping, velocity=update, learning_rate=-w[0],

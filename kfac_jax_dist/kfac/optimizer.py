@@ -127,8 +127,8 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
     adapt_damping: adaptive mode only: adapt `damping` (its initial value) by
       the Levenberg-Marquardt rule every `damping_adaptation_interval` steps,
       moving it by `damping_adaptation_decay ** interval`, within
-      `[min_damping, max_damping]` (kfac-jax's defaults). Costs two forward
-      passes on those steps.
+      `[min_damping, max_damping]` (kfac-jax's defaults). Costs one forward
+      pass on those steps (`L(θ + d)`; `L(θ)` comes with the curvature).
     damping_adaptation_interval: `T` of the rule above.
     damping_adaptation_decay: `ω` of the rule above, in (0, 1).
     min_damping: lower bound of the adapted damping.
