@@ -179,12 +179,15 @@ def kfac_tx(grad_fn, layers, dist, **extra):
 
 # ------------------------------------------------------------------------ steps
 
-def kfac_step(grad_fn: kd.ValueAndGrad, tx: optax.GradientTransformation) -> Callable:
+def kfac_step(grad_fn: kd.ValueAndGrad, tx: optax.GradientTransformation,
+              adaptive: bool = False) -> Callable:
   """step(params, opt_state, *batch) → (params, opt_state, loss): capture,
-  `tx.update` with the statistics, `optax.apply_updates`."""
+  `tx.update` with the statistics (and the batch, for adaptive K-FAC),
+  `optax.apply_updates`."""
   def step(params, opt_state, *batch):
     loss, grads, stats = grad_fn(params, *batch, opt_state=opt_state)
-    updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats)
+    extra = {"kfac_batch": batch} if adaptive else {}
+    updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats, **extra)
     return optax.apply_updates(params, updates), opt_state, loss
   return step
 

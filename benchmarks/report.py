@@ -97,8 +97,15 @@ def step_time(d: Json) -> list[str]:
     rows = [[r["name"], r["note"], f"{r['ms']:.2f}", f"{r['vs_sgd']:.2f}",
              f"{r['cpu_ms']:.2f}", f"{r['cpu_vs_sgd']:.2f}",
              fmt(r["compile"]["total_s"]) if r["compile"] else ""]
-            for r in res["rows"] if r["group"] in ("main", "kind")]
+            for r in res["rows"]
+            if r["group"] in ("main", "kind") or r["name"] == "kfac_adaptive"]
     lines += ["", f"**{res['model']}**: {res['description']}", "", md_table(rows, head)]
+    cost = res.get("adaptive_cost")
+    if cost:
+      lines += ["", f"Adaptive K-FAC (α, μ, λ adapted, T = 5): a plain step costs "
+                f"{cost['jvp_cpu']:.2f}× a forward+backward more than K-FAC's (target "
+                f"≤ 1), a damping step {cost['damping_cpu']:.2f}× a forward more (CPU "
+                "time)."]
   return lines
 
 

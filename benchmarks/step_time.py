@@ -259,12 +259,16 @@ def build(model_name: str, args):
                             inverse_update_every=1),
       "kfac_amortised": kd.kfac(LR, layers=layers, factor_update_every=FACTOR_EVERY,
                                 inverse_update_every=INVERSE_EVERY),
+      "kfac_adaptive": kd.kfac(None, None, layers=layers, grad_fn=grad_fn,
+                               adapt_damping=True, factor_update_every=FACTOR_EVERY,
+                               inverse_update_every=INVERSE_EVERY),
   }
   steps = {
       "sgd": _common.optax_step(loss_fn, txs["sgd"]),
       "adam": _common.optax_step(loss_fn, txs["adam"]),
       "kfac_every": _common.kfac_step(grad_fn, txs["kfac_every"]),
       "kfac_amortised": _common.kfac_step(grad_fn, txs["kfac_amortised"]),
+      "kfac_adaptive": _common.kfac_step(grad_fn, txs["kfac_adaptive"], adaptive=True),
   }
   states = {k: tx.init(params) for k, tx in txs.items()}
 
@@ -333,8 +337,54 @@ def build(model_name: str, args):
           "K-FAC update alone, plain step"),
   ]
 
+  runners += adaptive_runners(grad_fn, jitted["kfac_adaptive"], params,
+                              states["kfac_adaptive"], x, y, grads1, reps, cycle)
   return dict(desc=desc, layers=layers, runners=runners, compile=compile_med,
               steps_per_cycle=cycle, flops=flop_model(model, params, x, layers, loss_fn, y))
+
+
+def adaptive_runners(grad_fn, step, params, state, x, y, grads, reps: int, cycle: int
+                     ) -> list[Runner]:
+  """Adaptive K-FAC (`kd.kfac(None, None, adapt_damping=True)`, the amortised
+  cadence, damping adapted every T = 5 steps): the chained run, one step of
+  each kind from fixed states (count 1: plain, no damping step; count 4:
+  plain with the damping step), and its two extra pieces."""
+  p1, s1 = advance(step, params, state, x, y, 1)
+  p4, s4 = advance(step, p1, s1, x, y, 3)
+  # Two different vectors (XLA would share the tangent passes of equal ones).
+  gram = jax.jit(lambda p, v, x, y: grad_fn.gauss_newton_gram(p, (v, p), x, y,
+                                                              with_loss=True))
+  loss = jax.jit(grad_fn.loss)
+  return [
+      Runner("kfac_adaptive", chained_runner(step, (params, state, x, y), cycle),
+             "adaptive", f"α, μ, λ adapted (T = 5); {cycle} consecutive steps"),
+      Runner("adaptive_plain", fixed_runner(step, (p1, s1, x, y), reps), "adaptive",
+             "no factor, no eigh, no damping step"),
+      Runner("adaptive_damping", fixed_runner(step, (p4, s4, x, y), reps), "adaptive",
+             "no factor, no eigh, damping step"),
+      Runner("gauss_newton_gram k=2", fixed_runner(gram, (p1, grads, x, y), reps),
+             "adaptive", "the model's Gram matrix and L(θ): one linearisation"),
+      Runner("grad_fn.loss", fixed_runner(loss, (p1, x, y), reps), "adaptive",
+             "one forward pass (the damping step's L(θ+d))"),
+  ]
+
+
+def adaptive_cost(wall: dict, cpu: dict) -> dict:
+  """The issue-14 cost check, medians over rounds of per-round ratios: the
+  extra time of an adaptive plain step over K-FAC's plain step in units of a
+  forward+backward (`jax.value_and_grad`; target ≤ 1), and the extra time of a
+  damping step in units of a forward (`grad_fn.loss`; target ≈ 1)."""
+  out = {}
+  for clock, times in (("wall", wall), ("cpu", cpu)):
+    out[f"jvp_{clock}"] = statistics.median(
+        (a - k) / f for a, k, f in zip(times["adaptive_plain"], times["kfac_plain"],
+                                       times["jax.value_and_grad"]))
+    out[f"damping_{clock}"] = statistics.median(
+        (d - a) / f for d, a, f in zip(times["adaptive_damping"], times["adaptive_plain"],
+                                       times["grad_fn.loss"]))
+    out[f"amortised_{clock}"] = statistics.median(
+        a / k for a, k in zip(times["kfac_adaptive"], times["kfac_amortised"]))
+  return out
 
 
 def measure(model_name: str, args) -> dict:
@@ -380,7 +430,8 @@ def measure(model_name: str, args) -> dict:
               layers=[dict(name=l.name, kind=l.kind, a_dim=l.a_dim, g_dim=l.g_dim)
                       for l in b["layers"]],
               flops=b["flops"], rows=rows, raw_wall_seconds=wall, raw_cpu_seconds=cpu,
-              final_losses=final_losses, steps_in_amortised_run=b["steps_per_cycle"])
+              final_losses=final_losses, steps_in_amortised_run=b["steps_per_cycle"],
+              adaptive_cost=adaptive_cost(wall, cpu))
 
 
 # -------------------------------------------------------------------- report
@@ -425,6 +476,17 @@ def markdown(results: list[dict], env: dict, args) -> str:
               f"{f['floor_plain']:.2f}×, factor step {f['floor_factor']:.2f}×, amortised "
               f"{f['floor_amortised']:.2f}× (9d³ for eigh is an upper estimate, and LAPACK's "
               "FLOP rate is not XLA's: the kfac_inverse row is the measured cost).", ""]
+    a = res.get("adaptive_cost")
+    if a:
+      holds = "holds" if a["jvp_cpu"] <= 1.0 else "**does not hold**"
+      lines += [f"Adaptive K-FAC's extra cost (issue 14; CPU time, wall in brackets): "
+                f"a plain step costs {a['jvp_cpu']:.2f}× ({a['jvp_wall']:.2f}×) of a "
+                "forward+backward (`jax.value_and_grad`) more than K-FAC's plain step "
+                f"(target ≤ 1: {holds}), and a damping step {a['damping_cpu']:.2f}× "
+                f"({a['damping_wall']:.2f}×) of a forward (`grad_fn.loss`) more than a "
+                "plain adaptive step (one forward expected, every T = 5 steps); the "
+                f"amortised adaptive run costs {a['amortised_cpu']:.2f}× "
+                f"({a['amortised_wall']:.2f}×) kfac_amortised per step.", ""]
   return "\n".join(lines)
 
 

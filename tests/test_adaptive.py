@@ -95,10 +95,12 @@ def _adaptive_state(state):
               if isinstance(s, adaptive.AdaptiveKfacState))
 
 
-def test_first_two_updates_solve_the_quadratic_model():
+@pytest.mark.parametrize("momentum", [None, 0.0], ids=["adapted", "zero"])
+def test_first_two_updates_solve_the_quadratic_model(momentum):
   """Step 1: α alone; step 2: (α, μ) of the 2×2 model with the previous
-  update, both against the dense solve (≤ 1e-10)."""
-  tx, params = _tx(), _params()
+  update, both against the dense solve (≤ 1e-10). With the momentum fixed at
+  0 (one tangent pass), α alone on every step."""
+  tx, params = _tx(momentum=momentum), _params()
   state = tx.init(params)
   velocity = None
   for step in range(2):
@@ -107,7 +109,7 @@ def test_first_two_updates_solve_the_quadratic_model():
     inner = _adaptive_state(state)
     g, delta = _kfac_direction(params, inner, grads, stats)
     c = _dense_ggn(params, x, y) + (WD + LAMBDA) * np.eye(g.size)
-    if velocity is None:
+    if velocity is None or momentum == 0.0:
       alpha = -(g @ delta) / (delta @ c @ delta)
       want = alpha * delta
     else:
@@ -122,6 +124,7 @@ def test_first_two_updates_solve_the_quadratic_model():
     params = optax.apply_updates(params, updates)
   new = _adaptive_state(state)
   assert int(new.count) == 2 and float(new.learning_rate) > 0
+  assert (float(new.momentum) == 0.0) == (momentum == 0.0)
 
 
 @pytest.mark.parametrize("rho,factor", [(0.1, 1 / 0.9 ** 5), (0.5, 1.0), (0.9, 0.9 ** 5),

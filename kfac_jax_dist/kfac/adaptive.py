@@ -252,6 +252,24 @@ def _damping_step(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
   return new_damping(config, damping, rho), rho
 
 
+def _model_in_span(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
+                   params: Any, batch: tuple, vectors: tuple[Any, Any], grads: Any
+                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """`(A, D, b)` of `quadratic_model` in the span of `vectors = (Δ, v)` and
+  `L(θ)`, from one linearisation. With the momentum fixed at 0, `v`'s tangent
+  pass is skipped: its row and column of `A` and `D` and its `b` are zeros."""
+  no_momentum = isinstance(config.momentum, (int, float)) and config.momentum == 0
+  used = vectors[:1] if no_momentum else vectors
+  gram, loss = grad_fn.gauss_newton_gram(params, used, *batch, with_loss=True,
+                                         micro_batches=config.micro_batches)
+  gram = _one_per_model(kfac_config, gram)
+  a, dots, b = quadratic_model(gram, used, grads, config.weight_decay,
+                               inner_product(kfac_config))
+  if no_momentum:
+    a, dots, b = jnp.pad(a, (0, 1)), jnp.pad(dots, (0, 1)), jnp.pad(b, (0, 1))
+  return a, dots, b, loss
+
+
 def update_state(config: AdaptiveConfig, kfac_config: KfacConfig,
                  comm: collectives_lib.Collectives, grad_fn: Any, grads: Any,
                  state: AdaptiveKfacState, params: Any, stats: Any, batch: tuple
@@ -266,16 +284,13 @@ def update_state(config: AdaptiveConfig, kfac_config: KfacConfig,
   count, wd = state.count, config.weight_decay
   lam = (state.damping if config.adapt_damping else
          jnp.asarray(cadence.value_at(kfac_config.damping, count), state.damping.dtype))
-  grads = jax.tree_util.tree_map(lambda g, p: g + wd * p, grads, params)
+  if not (isinstance(wd, (int, float)) and wd == 0):
+    grads = jax.tree_util.tree_map(lambda g, p: g + wd * p, grads, params)
   step_config = dataclasses.replace(kfac_config, damping=lam)
   direction, kfac_state = transform.update_state(step_config, comm, grads, state.kfac,
                                                  stats)
-  vectors = (direction, state.velocity)
-  gram, loss = grad_fn.gauss_newton_gram(params, vectors, *batch, with_loss=True,
-                                         micro_batches=config.micro_batches)
-  gram = _one_per_model(kfac_config, gram)
-  dot = inner_product(kfac_config)
-  a, dots, b = quadratic_model(gram, vectors, grads, wd, dot)
+  a, dots, b, loss = _model_in_span(config, kfac_config, grad_fn, params, batch,
+                                    (direction, state.velocity), grads)
   w = solve_coefficients(a + lam * dots, b,
                          cadence.value_at(config.learning_rate, count)
                          if config.learning_rate is not None else None,
@@ -297,8 +312,11 @@ def update_state(config: AdaptiveConfig, kfac_config: KfacConfig,
     ok = (kfac_state.skipped == state.kfac.skipped) & faults.all_finite(
         [w, damping] + jax.tree_util.tree_leaves(update))
     ok = faults.computed_once(faults.agree(ok, _compat.varying_axes(ok)))
-  updates, out = faults.accept_or_skip(ok, update, new_state, state)
-  # On a skip the K-FAC state is the old one, keeping its own skip count.
+  # The K-FAC state is selected once (on a skip: the old one, keeping its own
+  # skip count); the rest of the state by `accept_or_skip`.
+  updates, out = faults.accept_or_skip(
+      ok, update, dataclasses.replace(new_state, kfac=None),
+      dataclasses.replace(state, kfac=None))
   kfac_on_skip = dataclasses.replace(state.kfac, skipped=kfac_state.skipped)
   return updates, dataclasses.replace(out, kfac=faults.select(ok, kfac_state,
                                                                kfac_on_skip))
