@@ -104,7 +104,8 @@ def step_time(d: Json) -> list[str]:
     if cost:
       lines += ["", f"Adaptive K-FAC (α, μ, λ adapted, T = 5): a plain step costs "
                 f"{cost['jvp_cpu']:.2f}× a forward+backward more than K-FAC's (target "
-                f"≤ 1), a damping step {cost['damping_cpu']:.2f}× a forward more (CPU "
+                f"≤ 1; {cost.get('alpha_jvp_cpu', float('nan')):.2f}× with the momentum "
+                "fixed at 0), a damping step {cost['damping_cpu']:.2f}× a forward more (CPU "
                 "time)."]
   return lines
 

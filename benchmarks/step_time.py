@@ -337,20 +337,25 @@ def build(model_name: str, args):
           "K-FAC update alone, plain step"),
   ]
 
-  runners += adaptive_runners(grad_fn, jitted["kfac_adaptive"], params,
+  runners += adaptive_runners(grad_fn, layers, jitted["kfac_adaptive"], params,
                               states["kfac_adaptive"], x, y, grads1, reps, cycle)
   return dict(desc=desc, layers=layers, runners=runners, compile=compile_med,
               steps_per_cycle=cycle, flops=flop_model(model, params, x, layers, loss_fn, y))
 
 
-def adaptive_runners(grad_fn, step, params, state, x, y, grads, reps: int, cycle: int
-                     ) -> list[Runner]:
+def adaptive_runners(grad_fn, layers, step, params, state, x, y, grads, reps: int,
+                     cycle: int) -> list[Runner]:
   """Adaptive K-FAC (`kd.kfac(None, None, adapt_damping=True)`, the amortised
   cadence, damping adapted every T = 5 steps): the chained run, one step of
   each kind from fixed states (count 1: plain, no damping step; count 4:
-  plain with the damping step), and its two extra pieces."""
+  plain with the damping step), the plain step with the momentum fixed at 0
+  (α alone: one tangent pass), and its two extra pieces."""
   p1, s1 = advance(step, params, state, x, y, 1)
   p4, s4 = advance(step, p1, s1, x, y, 3)
+  alpha_tx = kd.kfac(None, 0.0, layers=layers, grad_fn=grad_fn, adapt_damping=True,
+                     factor_update_every=FACTOR_EVERY, inverse_update_every=INVERSE_EVERY)
+  alpha_step = jax.jit(_common.kfac_step(grad_fn, alpha_tx, adaptive=True))
+  pa, sa = advance(alpha_step, params, alpha_tx.init(params), x, y, 1)
   # Two different vectors (XLA would share the tangent passes of equal ones).
   gram = jax.jit(lambda p, v, x, y: grad_fn.gauss_newton_gram(p, (v, p), x, y,
                                                               with_loss=True))
@@ -362,6 +367,8 @@ def adaptive_runners(grad_fn, step, params, state, x, y, grads, reps: int, cycle
              "no factor, no eigh, no damping step"),
       Runner("adaptive_damping", fixed_runner(step, (p4, s4, x, y), reps), "adaptive",
              "no factor, no eigh, damping step"),
+      Runner("adaptive_alpha_plain", fixed_runner(alpha_step, (pa, sa, x, y), reps),
+             "adaptive", "momentum fixed at 0 (α alone), no factor, no eigh"),
       Runner("gauss_newton_gram k=2", fixed_runner(gram, (p1, grads, x, y), reps),
              "adaptive", "the model's Gram matrix and L(θ): one linearisation"),
       Runner("grad_fn.loss", fixed_runner(loss, (p1, x, y), reps), "adaptive",
@@ -378,6 +385,9 @@ def adaptive_cost(wall: dict, cpu: dict) -> dict:
   for clock, times in (("wall", wall), ("cpu", cpu)):
     out[f"jvp_{clock}"] = statistics.median(
         (a - k) / f for a, k, f in zip(times["adaptive_plain"], times["kfac_plain"],
+                                       times["jax.value_and_grad"]))
+    out[f"alpha_jvp_{clock}"] = statistics.median(
+        (a - k) / f for a, k, f in zip(times["adaptive_alpha_plain"], times["kfac_plain"],
                                        times["jax.value_and_grad"]))
     out[f"damping_{clock}"] = statistics.median(
         (d - a) / f for d, a, f in zip(times["adaptive_damping"], times["adaptive_plain"],
@@ -482,7 +492,9 @@ def markdown(results: list[dict], env: dict, args) -> str:
       lines += [f"Adaptive K-FAC's extra cost (issue 14; CPU time, wall in brackets): "
                 f"a plain step costs {a['jvp_cpu']:.2f}× ({a['jvp_wall']:.2f}×) of a "
                 "forward+backward (`jax.value_and_grad`) more than K-FAC's plain step "
-                f"(target ≤ 1: {holds}), and a damping step {a['damping_cpu']:.2f}× "
+                f"(target ≤ 1: {holds}; two tangent passes, for Δ and the previous "
+                f"update; with the momentum fixed at 0, one: {a['alpha_jvp_cpu']:.2f}× "
+                f"({a['alpha_jvp_wall']:.2f}×)), and a damping step {a['damping_cpu']:.2f}× "
                 f"({a['damping_wall']:.2f}×) of a forward (`grad_fn.loss`) more than a "
                 "plain adaptive step (one forward expected, every T = 5 steps); the "
                 f"amortised adaptive run costs {a['amortised_cpu']:.2f}× "
