@@ -370,3 +370,32 @@ def test_checkpoint_and_convert_state_continue_the_trajectory(tmp_path):
   updates, moved = tx1.update(grads, moved, params, kfac_stats=stats, kfac_batch=(x, y))
   np.testing.assert_allclose(_flat(optax.apply_updates(params, updates)), _flat(params8),
                              rtol=1e-9, atol=1e-12)
+
+
+def test_dp_kfac_adaptive_trains():
+  """DP-KFAC (factor_reduction="local": each owner's factors from its own local
+  batch) is not the single-device run; adaptive, it trains with α, μ, λ from
+  the global batch's model (replicated by construction: P() specs)."""
+  mesh = helpers.data_mesh(8)
+  dist = kd.Distribution(mesh, grad_worker_fraction=1 / 8, factor_reduction="local",
+                         gradient_reduction="all_reduce")
+  tx = _tx(distribution=dist, adapt_damping=True, damping_adaptation_interval=1)
+  params = _params()
+  state = kd.shard_state(tx.init(params), mesh)
+  specs = kd.partition_specs(state)
+
+  def step(params, state, x, y):
+    loss, grads, stats = GRAD_FN(params, x, y, opt_state=state)
+    updates, state = tx.update(grads, state, params, kfac_stats=stats, kfac_batch=(x, y))
+    return optax.apply_updates(params, updates), state, jax.lax.pmean(loss, "data")
+  run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
+                              out_specs=(P(), specs, P())))
+  x, y = _batch(0)
+  losses = []
+  for _ in range(4):
+    params, state, loss = run(params, state, x, y)
+    losses.append(float(loss))
+  inner = _adaptive_state(state)
+  assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+  assert int(inner.skipped) == 0 and np.isfinite(float(inner.rho))
+  assert float(inner.learning_rate) > 0
