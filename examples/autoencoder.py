@@ -36,11 +36,22 @@ them sooner. K-FAC's defaults (damping 0.03, KL clip 1e-2) were tuned on seed 0;
 with the KL clip binding, the step length is set by `--kl-clip` more than by
 `--kfac-lr`.
 
+`--adaptive` also trains adaptive K-FAC, which needs no tuning:
+`kd.kfac(None, None, grad_fn=grad_fn, damping=λ₀, adapt_damping=True)` (every
+other setting the library's default: factors and eigendecompositions every
+step, no KL clip) picks each step's learning rate η = −α and momentum μ from
+the exact quadratic model on the batch and adapts the damping λ
+(Levenberg-Marquardt, every 5 steps) from `--adaptive-damping` (λ₀); η, μ, λ
+and the reduction ratio ρ are printed and written to `autoencoder.csv`.
+`--skip-fixed-kfac` leaves the fixed-hyperparameter K-FAC out.
+
     python examples/autoencoder.py              # well under a minute on 2 CPU cores
     python examples/autoencoder.py --seed 1 --out /tmp/autoencoder
+    python examples/autoencoder.py --adaptive   # adaptive K-FAC beside the others
 
 Writes `autoencoder.csv` (one row per evaluation) and `autoencoder.png` (loss
-above the floor against step and against seconds) into `--out`.
+above the floor against step and against seconds, training solid, test
+dashed) into `--out`.
 """
 
 from __future__ import annotations
@@ -67,6 +78,7 @@ from sklearn.model_selection import train_test_split  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import kfac_jax_dist as kd  # noqa: E402
+from kfac_jax_dist.kfac.adaptive import AdaptiveKfacState  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -112,6 +124,8 @@ class Result:
   seconds: list[float]
   train: list[float]
   test: list[float]
+  # Adaptive K-FAC only: η = −α, μ, λ and ρ at each evaluation (else empty).
+  adapted: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
   def first_reaching(self, target: float):
     """(step, seconds) of the first evaluation at or below `target`, else None."""
@@ -121,8 +135,30 @@ class Result:
     return None
 
 
-def train(name, tx, params, data, batches, eval_every, use_kfac, loss_fn, floors):
-  """Trains from `params` on `batches`; returns the loss curve."""
+ADAPTED = ("learning_rate", "momentum", "damping", "rho")
+
+
+def adaptive_state(opt_state) -> AdaptiveKfacState:
+  """The adaptive K-FAC state inside an optax state tree (`kd.kfac` wraps it
+  in `skip_faulty_steps`, which keeps it as it is)."""
+  is_state = lambda s: isinstance(s, AdaptiveKfacState)
+  return next(s for s in jax.tree_util.tree_leaves(opt_state, is_leaf=is_state)
+              if is_state(s))
+
+
+def adapted_values(opt_state) -> dict[str, float]:
+  """The adapted learning rate η = −α (the state's `learning_rate`; the update
+  is αΔ + μv with Δ K-FAC's preconditioned gradient), μ, λ and the last
+  reduction ratio ρ (NaN until the first damping adaptation)."""
+  s = adaptive_state(opt_state)
+  return dict(learning_rate=float(s.learning_rate), momentum=float(s.momentum),
+              damping=float(s.damping), rho=float(s.rho))
+
+
+def train(name, tx, params, data, batches, eval_every, use_kfac, loss_fn, floors,
+          adaptive=False):
+  """Trains from `params` on `batches`; returns the loss curve. `adaptive`:
+  `tx` is adaptive K-FAC (its update takes the batch; η, μ, λ, ρ are logged)."""
   x_train, x_test = (jnp.asarray(a) for a in data)
 
   if use_kfac:
@@ -132,7 +168,9 @@ def train(name, tx, params, data, batches, eval_every, use_kfac, loss_fn, floors
     def step(params, opt_state, idx):
       x = x_train[idx]
       loss, grads, stats = grad_fn(params, x, opt_state=opt_state)
-      updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats)
+      # kfac_batch: the arguments grad_fn received after the parameters.
+      batch = {"kfac_batch": (x,)} if adaptive else {}
+      updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats, **batch)
       return optax.apply_updates(params, updates), opt_state, loss
   else:
     @jax.jit
@@ -156,6 +194,8 @@ def train(name, tx, params, data, batches, eval_every, use_kfac, loss_fn, floors
 
   first = losses(params)
   result = Result(name, [0], [0.0], [first[0]], [first[1]])
+  if adaptive:
+    result.adapted = {k: [float("nan")] for k in ADAPTED}
   elapsed = 0.0
   bar = tqdm(range(len(batches)), desc=f"{name:>14}", leave=True, ncols=100)
   for t in bar:
@@ -169,7 +209,14 @@ def train(name, tx, params, data, batches, eval_every, use_kfac, loss_fn, floors
       result.seconds.append(elapsed)
       result.train.append(train_loss)
       result.test.append(test_loss)
-      bar.set_postfix(train=f"{train_loss:.3f}", test=f"{test_loss:.3f}", refresh=False)
+      shown = dict(train=f"{train_loss:.3f}", test=f"{test_loss:.3f}")
+      if adaptive:
+        values = adapted_values(opt_state)
+        for k in ADAPTED:
+          result.adapted[k].append(values[k])
+        shown.update(lr=f"{values['learning_rate']:.3g}", μ=f"{values['momentum']:.2f}",
+                     λ=f"{values['damping']:.2g}")
+      bar.set_postfix(shown, refresh=False)
   return result
 
 
@@ -184,7 +231,18 @@ def report(results: list[Result], target: float) -> str:
   widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
   line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
   sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-  return "\n".join([line(header), sep] + [line(row) for row in rows])
+  table = [line(header), sep] + [line(row) for row in rows]
+  for r in results:
+    if r.adapted:
+      a = r.adapted
+      eta = a["learning_rate"]
+      table.append(f"\n{r.name}, at the last evaluation: learning rate η = −α = "
+                   f"{eta[-1]:.3g}, "
+                   f"μ = {a['momentum'][-1]:.3g}, λ = {a['damping'][-1]:.3g}, "
+                   f"ρ = {a['rho'][-1]:.3g} (η over the run "
+                   f"{min(eta[1:]):.3g} .. {max(eta[1:]):.3g}, λ "
+                   f"{min(a['damping'][1:]):.3g} .. {max(a['damping'][1:]):.3g})")
+  return "\n".join(table)
 
 
 def save(results: list[Result], out: str, target: float, floors) -> None:
@@ -192,23 +250,34 @@ def save(results: list[Result], out: str, target: float, floors) -> None:
   with open(os.path.join(out, "autoencoder.csv"), "w", newline="") as f:
     writer = csv.writer(f)
     writer.writerow(["method", "step", "seconds", "train_loss_above_floor",
-                     "test_loss_above_floor", "train_loss", "test_loss"])
+                     "test_loss_above_floor", "train_loss", "test_loss", *ADAPTED])
     for r in results:
-      for step, sec, tr, te in zip(r.steps, r.seconds, r.train, r.test):
+      for i, (step, sec, tr, te) in enumerate(zip(r.steps, r.seconds, r.train, r.test)):
+        adapted = [f"{r.adapted[k][i]:.6g}" if r.adapted else "" for k in ADAPTED]
         writer.writerow([r.name, step, f"{sec:.4f}", f"{tr:.5f}", f"{te:.5f}",
-                         f"{tr + floors[0]:.5f}", f"{te + floors[1]:.5f}"])
+                         f"{tr + floors[0]:.5f}", f"{te + floors[1]:.5f}", *adapted])
 
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+  others = iter(["tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:brown",
+                 "tab:pink", "tab:olive", "tab:cyan"] * len(results))
   for r in results:
-    style = dict(lw=2.5, color="black") if r.name.startswith("K-FAC") else dict(lw=1.3)
+    style = (dict(lw=2.5, color="tab:red") if r.adapted else
+             dict(lw=2.5, color="black") if r.name.startswith("K-FAC") else
+             dict(lw=1.3, color=next(others)))
     axes[0].plot(r.steps[1:], r.train[1:], label=r.name, **style)
     axes[1].plot(r.seconds[1:], r.train[1:], label=r.name, **style)
+    # The test loss, dashed: fitting the 1437 training images faster is not
+    # generalising better.
+    test_style = dict(style, lw=1.0, ls="--")
+    axes[0].plot(r.steps[1:], r.test[1:], **test_style)
+    axes[1].plot(r.seconds[1:], r.test[1:], **test_style)
   for ax, xlabel in zip(axes, ["step", "training seconds (compile excluded)"]):
     ax.axhline(target, color="grey", ls="--", lw=0.8)
     ax.set_xlabel(xlabel)
     ax.set_yscale("log")
     ax.grid(alpha=0.3, which="both")
-  axes[0].set_ylabel("training loss above the entropy floor (nats / image)")
+  axes[0].set_ylabel("loss above the entropy floor (nats / image)\n"
+                     "training solid, test dashed")
   axes[0].legend(loc="upper right")
   fig.suptitle("digits deep autoencoder 64-256-128-64-16-64-128-256-64: reconstruction "
                f"loss (dashed: {target:g})")
@@ -244,11 +313,22 @@ def main():
                     help="update the Kronecker factors every this many steps")
   kfac.add_argument("--inverse-every", type=int, default=25,
                     help="recompute the eigendecompositions every this many steps")
+  kfac.add_argument("--adaptive", action="store_true",
+                    help="also train adaptive K-FAC (learning rate and momentum from the "
+                         "quadratic model, "
+                         "λ by Levenberg-Marquardt; the library's other defaults)")
+  kfac.add_argument("--adaptive-damping", type=float, default=1e-2,
+                    help="adaptive K-FAC's initial damping λ₀")
+  kfac.add_argument("--skip-fixed-kfac", action="store_true",
+                    help="leave out the fixed-hyperparameter K-FAC (e.g. with --adaptive)")
   base = parser.add_argument_group("baseline")
   base.add_argument("--adam-lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2])
   base.add_argument("--skip-baselines", action="store_true",
                     help="train K-FAC only (for tuning)")
   args = parser.parse_args()
+  if args.skip_fixed_kfac and args.skip_baselines and not args.adaptive:
+    parser.error("nothing to train: --skip-fixed-kfac and --skip-baselines without "
+                 "--adaptive")
 
   data = load_data(args.seed)
   floors = (entropy_floor(data[0]), entropy_floor(data[1]))
@@ -265,20 +345,28 @@ def main():
   def loss_fn(params, x):
     return kd.losses.sigmoid_cross_entropy(model.apply({"params": params}, x), x)
 
-  layers = kd.value_and_grad(loss_fn).discover(params, jnp.asarray(data[0][batches[0]]))
-  methods = [("K-FAC", kd.kfac(
-      args.kfac_lr, momentum=args.kfac_momentum, kl_clip=args.kl_clip or None,
-      layers=layers, damping=args.damping, factor_decay=args.factor_decay,
-      factor_update_every=args.factor_every,
-      inverse_update_every=args.inverse_every), True)]
+  grad_fn = kd.value_and_grad(loss_fn)
+  layers = grad_fn.discover(params, jnp.asarray(data[0][batches[0]]))
+  methods = []      # (name, transform, K-FAC?, adaptive?)
+  if not args.skip_fixed_kfac:
+    methods.append(("K-FAC", kd.kfac(
+        args.kfac_lr, momentum=args.kfac_momentum, kl_clip=args.kl_clip or None,
+        layers=layers, damping=args.damping, factor_decay=args.factor_decay,
+        factor_update_every=args.factor_every,
+        inverse_update_every=args.inverse_every), True, False))
+  if args.adaptive:
+    # learning_rate=None, momentum=None: both adapted; the rest the library's defaults.
+    methods.append(("K-FAC adaptive", kd.kfac(
+        None, None, layers=layers, grad_fn=grad_fn, damping=args.adaptive_damping,
+        adapt_damping=True), True, True))
   if not args.skip_baselines:
-    methods += [(f"Adam lr={lr:g}", optax.adam(lr), False) for lr in args.adam_lrs]
+    methods += [(f"Adam lr={lr:g}", optax.adam(lr), False, False) for lr in args.adam_lrs]
 
   print(f"entropy floor: {floors[0]:.3f} nats/image (train), {floors[1]:.3f} (test); "
         "losses below are above it")
   results = [train(name, tx, params, data, batches, args.eval_every, use_kfac, loss_fn,
-                   floors)
-             for name, tx, use_kfac in methods]
+                   floors, adaptive)
+             for name, tx, use_kfac, adaptive in methods]
   print()
   print(report(results, args.target))
   save(results, args.out, args.target, floors)

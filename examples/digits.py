@@ -23,8 +23,18 @@ K-FAC's defaults (damping 0.03, KL clip 1e-2, no momentum, factors every step,
 eigendecompositions every 10 steps) were tuned on seeds 0-5; with the KL clip
 binding, the step length is set by `--kl-clip` more than by `--kfac-lr`.
 
+`--adaptive` also trains adaptive K-FAC, which needs no such tuning:
+`kd.kfac(None, None, grad_fn=grad_fn, damping=λ₀, adapt_damping=True)` (every
+other setting the library's default: factors and eigendecompositions every
+step, no KL clip) picks each step's learning rate η = −α and momentum μ from
+the exact quadratic model on the batch and adapts the damping λ
+(Levenberg-Marquardt, every 5 steps) from `--adaptive-damping` (λ₀); η, μ, λ
+and the reduction ratio ρ are printed and written to `metrics.csv`.
+`--skip-fixed-kfac` leaves the fixed-hyperparameter K-FAC out.
+
     python examples/digits.py                   # about a minute on 2 CPU cores
     python examples/digits.py --seed 1 --out /tmp/digits
+    python examples/digits.py --adaptive        # adaptive K-FAC beside the others
 
 Distributed K-FAC: `--devices N` trains data parallel over N devices (N host
 CPU devices, made with `XLA_FLAGS=--xla_force_host_platform_device_count=N`
@@ -76,6 +86,7 @@ from sklearn.model_selection import train_test_split  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import kfac_jax_dist as kd  # noqa: E402
+from kfac_jax_dist.kfac.adaptive import AdaptiveKfacState  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -112,6 +123,8 @@ class Result:
   seconds: list[float]
   accuracy: list[float]
   losses: list[float]
+  # Adaptive K-FAC only: η = −α, μ, λ and ρ at each evaluation (else empty).
+  adapted: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
   def first_reaching(self, target: float):
     """(step, seconds) of the first evaluation at or above `target`, else None."""
@@ -139,6 +152,26 @@ def distribution(strategy: str, mesh) -> kd.Distribution:
                          factor_reduction=factor_reduction)
 
 
+ADAPTED = ("learning_rate", "momentum", "damping", "rho")
+
+
+def adaptive_state(opt_state) -> AdaptiveKfacState:
+  """The adaptive K-FAC state inside an optax state tree (`kd.kfac` wraps it
+  in `skip_faulty_steps`, which keeps it as it is)."""
+  is_state = lambda s: isinstance(s, AdaptiveKfacState)
+  return next(s for s in jax.tree_util.tree_leaves(opt_state, is_leaf=is_state)
+              if is_state(s))
+
+
+def adapted_values(opt_state) -> dict[str, float]:
+  """The adapted learning rate η = −α (the state's `learning_rate`; the update
+  is αΔ + μv with Δ K-FAC's preconditioned gradient), μ, λ and the last
+  reduction ratio ρ (NaN until the first damping adaptation)."""
+  s = adaptive_state(opt_state)
+  return dict(learning_rate=float(s.learning_rate), momentum=float(s.momentum),
+              damping=float(s.damping), rho=float(s.rho))
+
+
 def _varying(tree):
   """Marks replicated values as varying over "data" inside shard_map, so that
   `jax.grad` returns each device's local gradient (no automatic psum)."""
@@ -147,7 +180,8 @@ def _varying(tree):
   return jax.tree.map(lambda v: jax.lax.pvary(v, ("data",)), tree)
 
 
-def sharded_step(tx, loss_fn, use_kfac, mesh, opt_state, data, key, fisher):
+def sharded_step(tx, loss_fn, use_kfac, mesh, opt_state, data, key, fisher,
+                 adaptive=False):
   """The training step under `jax.shard_map` over `mesh` (data parallel):
   `(params, opt_state, idx, t)`, the global batch `idx` split over the devices."""
   x_train, y_train = data
@@ -164,7 +198,10 @@ def sharded_step(tx, loss_fn, use_kfac, mesh, opt_state, data, key, fisher):
       loss, grads = jax.value_and_grad(loss_fn)(_varying(params), x, y)
     grads, loss = jax.lax.pmean((grads, loss), "data")
     if use_kfac:
-      updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats)
+      # Adaptive K-FAC evaluates its quadratic model on the batch: each device
+      # passes its rows, the curvature products are averaged over "data".
+      batch = {"kfac_batch": (x, y)} if adaptive else {}
+      updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats, **batch)
     else:
       updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
@@ -180,9 +217,11 @@ def sharded_step(tx, loss_fn, use_kfac, mesh, opt_state, data, key, fisher):
 
 
 def train(name, tx, params, data, batches, eval_every, use_kfac, loss_fn,
-          fisher="empirical", seed=0, mesh=None):
+          fisher="empirical", seed=0, mesh=None, adaptive=False):
   """Trains from `params` on `batches`; returns the test-accuracy curve.
-  With a `mesh`, data parallel under `jax.shard_map` over its axis "data"."""
+  With a `mesh`, data parallel under `jax.shard_map` over its axis "data".
+  `adaptive`: `tx` is adaptive K-FAC (its update takes the batch; η, μ, λ, ρ
+  are logged)."""
   x_train, y_train, x_test, y_test = (jnp.asarray(a) for a in data)
   key = jax.random.PRNGKey(seed)
 
@@ -193,7 +232,7 @@ def train(name, tx, params, data, batches, eval_every, use_kfac, loss_fn,
     opt_state = (kd.shard_state(opt_state, mesh) if use_kfac
                  else jax.device_put(opt_state, replicated))
     step = sharded_step(tx, loss_fn, use_kfac, mesh, opt_state, (x_train, y_train), key,
-                        fisher)
+                        fisher, adaptive)
   elif use_kfac:
     grad_fn = kd.value_and_grad(loss_fn, fisher=fisher)
 
@@ -202,7 +241,9 @@ def train(name, tx, params, data, batches, eval_every, use_kfac, loss_fn,
       x, y = x_train[idx], y_train[idx]
       rng = jax.random.fold_in(key, t)  # only the MC Fisher uses it
       loss, grads, stats = grad_fn(params, x, y, rng=rng, opt_state=opt_state)
-      updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats)
+      # kfac_batch: the arguments grad_fn received after the parameters.
+      batch = {"kfac_batch": (x, y)} if adaptive else {}
+      updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats, **batch)
       return optax.apply_updates(params, updates), opt_state, loss
   else:
     @jax.jit
@@ -223,6 +264,8 @@ def train(name, tx, params, data, batches, eval_every, use_kfac, loss_fn,
   jax.block_until_ready(accuracy(params))
 
   result = Result(name, [0], [0.0], [float(accuracy(params))], [float("nan")])
+  if adaptive:
+    result.adapted = {k: [float("nan")] for k in ADAPTED}
   elapsed = 0.0
   bar = tqdm(range(len(batches)), desc=f"{name:>16}", leave=True, ncols=100)
   for t in bar:
@@ -236,7 +279,14 @@ def train(name, tx, params, data, batches, eval_every, use_kfac, loss_fn,
       result.seconds.append(elapsed)
       result.accuracy.append(acc)
       result.losses.append(float(loss))
-      bar.set_postfix(loss=f"{float(loss):.3f}", test_acc=f"{acc:.3f}", refresh=False)
+      shown = dict(loss=f"{float(loss):.3f}", test_acc=f"{acc:.3f}")
+      if adaptive:
+        values = adapted_values(opt_state)
+        for k in ADAPTED:
+          result.adapted[k].append(values[k])
+        shown.update(lr=f"{values['learning_rate']:.3g}", μ=f"{values['momentum']:.2f}",
+                     λ=f"{values['damping']:.2g}")
+      bar.set_postfix(shown, refresh=False)
   return result
 
 
@@ -251,23 +301,41 @@ def report(results: list[Result], target: float) -> str:
   widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
   line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
   sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-  return "\n".join([line(header), sep] + [line(row) for row in rows])
+  table = [line(header), sep] + [line(row) for row in rows]
+  for r in results:
+    if r.adapted:
+      a = r.adapted
+      eta = a["learning_rate"]
+      table.append(f"\n{r.name}, at the last evaluation: learning rate η = −α = "
+                   f"{eta[-1]:.3g}, "
+                   f"μ = {a['momentum'][-1]:.3g}, λ = {a['damping'][-1]:.3g}, "
+                   f"ρ = {a['rho'][-1]:.3g} (η over the run "
+                   f"{min(eta[1:]):.3g} .. {max(eta[1:]):.3g}, λ "
+                   f"{min(a['damping'][1:]):.3g} .. {max(a['damping'][1:]):.3g})")
+  return "\n".join(table)
 
 
 def save(results: list[Result], out: str, target: float) -> None:
   os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, "metrics.csv"), "w", newline="") as f:
     writer = csv.writer(f)
-    writer.writerow(["method", "step", "seconds", "test_accuracy", "train_loss"])
+    writer.writerow(["method", "step", "seconds", "test_accuracy", "train_loss",
+                     *ADAPTED])
     for r in results:
-      for row in zip(r.steps, r.seconds, r.accuracy, r.losses):
+      for i, row in enumerate(zip(r.steps, r.seconds, r.accuracy, r.losses)):
+        adapted = [f"{r.adapted[k][i]:.6g}" if r.adapted else "" for k in ADAPTED]
         writer.writerow([r.name, row[0], f"{row[1]:.4f}", f"{row[2]:.4f}",
-                         f"{row[3]:.4f}"])
+                         f"{row[3]:.4f}", *adapted])
 
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+  # Fixed K-FAC black, adaptive K-FAC red, the others any colour but those.
+  others = iter(["tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown",
+                 "tab:pink", "tab:olive", "tab:cyan"] * len(results))
   for r in results:
     style = (dict(lw=2.5, color="black") if r.name == "K-FAC" else
-             dict(lw=2.0, ls="-.") if r.name.startswith("K-FAC") else dict(lw=1.3))
+             dict(lw=2.5, color="tab:red") if r.adapted and r.name == "K-FAC adaptive"
+             else dict(lw=2.0, ls="-.", color=next(others)) if r.name.startswith("K-FAC")
+             else dict(lw=1.3, color=next(others)))
     axes[0].plot(r.steps, r.accuracy, label=r.name, **style)
     axes[1].plot(r.seconds, r.accuracy, label=r.name, **style)
   for ax, xlabel in zip(axes, ["step", "training seconds (compile excluded)"]):
@@ -309,6 +377,14 @@ def main():
   kfac.add_argument("--inverse-every", type=int, default=10,
                     help="recompute the eigendecompositions every this many steps")
   kfac.add_argument("--fisher", choices=["empirical", "mc"], default="empirical")
+  kfac.add_argument("--adaptive", action="store_true",
+                    help="also train adaptive K-FAC (learning rate and momentum from the "
+                         "quadratic model, "
+                         "λ by Levenberg-Marquardt; the library's other defaults)")
+  kfac.add_argument("--adaptive-damping", type=float, default=1e-2,
+                    help="adaptive K-FAC's initial damping λ₀")
+  kfac.add_argument("--skip-fixed-kfac", action="store_true",
+                    help="leave out the fixed-hyperparameter K-FAC (e.g. with --adaptive)")
   base = parser.add_argument_group("baselines")
   base.add_argument("--adam-lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2])
   base.add_argument("--sgd-lrs", type=float, nargs="+", default=[0.03, 0.1])
@@ -356,20 +432,37 @@ def main():
         factor_update_every=args.factor_every,
         inverse_update_every=args.inverse_every, distribution=distribution)
 
-  if mesh is None:
-    methods = [("K-FAC", kfac(), True)]
-  else:
-    methods = [(f"K-FAC {STRATEGIES[s][0]}", kfac(distribution(s, mesh)), True)
-               for s in dict.fromkeys(args.strategy)]
+  grad_fn = kd.value_and_grad(loss_fn, fisher=args.fisher)
+
+  def adaptive_kfac(distribution=None):
+    # learning_rate=None, momentum=None: both adapted; the rest the library's defaults.
+    return kd.kfac(None, None, layers=layers, grad_fn=grad_fn,
+                   damping=args.adaptive_damping, adapt_damping=True,
+                   distribution=distribution)
+
+  # (name, transform, K-FAC?, adaptive?)
+  strategies = [None] if mesh is None else list(dict.fromkeys(args.strategy))
+  label = lambda s: "" if s is None else f" {STRATEGIES[s][0]}"
+  dist = lambda s: None if s is None else distribution(s, mesh)
+  methods = []
+  if not args.skip_fixed_kfac:
+    methods += [(f"K-FAC{label(s)}", kfac(dist(s)), True, False) for s in strategies]
+  if args.adaptive:
+    methods += [(f"K-FAC adaptive{label(s)}", adaptive_kfac(dist(s)), True, True)
+                for s in strategies]
   suffix = f" x{args.devices}" if mesh is not None else ""
   if not args.skip_baselines:
-    methods += [(f"Adam lr={lr:g}{suffix}", optax.adam(lr), False) for lr in args.adam_lrs]
-    methods += [(f"SGD+mom lr={lr:g}{suffix}", optax.sgd(lr, momentum=0.9), False)
+    methods += [(f"Adam lr={lr:g}{suffix}", optax.adam(lr), False, False)
+                for lr in args.adam_lrs]
+    methods += [(f"SGD+mom lr={lr:g}{suffix}", optax.sgd(lr, momentum=0.9), False, False)
                 for lr in args.sgd_lrs]
+  if not methods:
+    parser.error("nothing to train: --skip-fixed-kfac and --skip-baselines without "
+                 "--adaptive")
 
   results = [train(name, tx, params, data, batches, args.eval_every, use_kfac, loss_fn,
-                   fisher=args.fisher, seed=args.seed, mesh=mesh)
-             for name, tx, use_kfac in methods]
+                   fisher=args.fisher, seed=args.seed, mesh=mesh, adaptive=adaptive)
+             for name, tx, use_kfac, adaptive in methods]
   table = report(results, args.target)
   print()
   print(table)

@@ -37,6 +37,16 @@ Reported: steps and training seconds (compilation and evaluation excluded)
 until the validation loss first falls to `--target` nats per character, and
 the final validation loss.
 
+`--adaptive` also trains adaptive K-FAC, which needs no tuning:
+`kd.kfac(None, None, grad_fn=grad_fn, damping=λ₀, adapt_damping=True)` (every
+other setting the library's default: factors and eigendecompositions every
+step, no KL clip) picks each step's learning rate η = −α and momentum μ from
+the exact quadratic model on the batch and adapts the damping λ
+(Levenberg-Marquardt, every 5 steps) from `--adaptive-damping` (λ₀); η, μ, λ
+and the reduction ratio ρ are printed and written to `transformer_lm.csv`.
+With `--devices N` it runs under the same `kd.Distribution` as K-FAC.
+`--skip-fixed-kfac` leaves the fixed-hyperparameter K-FAC out.
+
 Data parallel over N devices: `--devices N` runs every step under
 `jax.shard_map` over a mesh of N devices (N host CPU devices, set with
 `XLA_FLAGS=--xla_force_host_platform_device_count=N` before jax starts; on a
@@ -50,10 +60,11 @@ gradients with `lax.pmean`.
     python examples/transformer_lm.py                    # a few minutes on 2 CPU cores
     python examples/transformer_lm.py --devices 8 --grad-worker-fraction 0.25
     python examples/transformer_lm.py --steps 3000 --layers 4 --width 128
+    python examples/transformer_lm.py --adaptive         # adaptive K-FAC beside the others
 
 Writes `transformer_lm.csv` (one row per evaluation) and `transformer_lm.png`
 (validation loss against step and against seconds) into `--out`, and prints a
-short sample from the K-FAC model.
+short sample from the (first) K-FAC model.
 """
 
 from __future__ import annotations
@@ -82,6 +93,7 @@ import optax  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import kfac_jax_dist as kd  # noqa: E402
+from kfac_jax_dist.kfac.adaptive import AdaptiveKfacState  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -175,12 +187,34 @@ class Result:
   valid: list[float]
   train: list[float]
   params: object = None
+  # Adaptive K-FAC only: η = −α, μ, λ and ρ at each evaluation (else empty).
+  adapted: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
   def first_reaching(self, target: float):
     for step, sec, loss in zip(self.steps, self.seconds, self.valid):
       if loss <= target:
         return step, sec
     return None
+
+
+ADAPTED = ("learning_rate", "momentum", "damping", "rho")
+
+
+def adaptive_state(opt_state) -> AdaptiveKfacState:
+  """The adaptive K-FAC state inside an optax state tree (`kd.kfac` wraps it
+  in `skip_faulty_steps`, which keeps it as it is)."""
+  is_state = lambda s: isinstance(s, AdaptiveKfacState)
+  return next(s for s in jax.tree_util.tree_leaves(opt_state, is_leaf=is_state)
+              if is_state(s))
+
+
+def adapted_values(opt_state) -> dict[str, float]:
+  """The adapted learning rate η = −α (the state's `learning_rate`; the update
+  is αΔ + μv with Δ K-FAC's preconditioned gradient), μ, λ and the last
+  reduction ratio ρ (NaN until the first damping adaptation)."""
+  s = adaptive_state(opt_state)
+  return dict(learning_rate=float(s.learning_rate), momentum=float(s.momentum),
+              damping=float(s.damping), rho=float(s.rho))
 
 
 def _varying(tree):
@@ -191,10 +225,11 @@ def _varying(tree):
   return jax.tree.map(lambda v: jax.lax.pvary(v, ("data",)), tree)
 
 
-def make_step(tx, loss_fn, use_kfac: bool, mesh=None, opt_state=None):
+def make_step(tx, loss_fn, use_kfac: bool, mesh=None, opt_state=None, adaptive=False):
   """The jitted training step `(params, opt_state, batch) -> (params, opt_state,
   loss)`: plain `jit` on one device; with a `mesh`, `jit(shard_map)` over its
-  axis "data" (`opt_state`, placed on the mesh, gives the partition specs)."""
+  axis "data" (`opt_state`, placed on the mesh, gives the partition specs).
+  `adaptive`: `tx` is adaptive K-FAC, whose update also takes the batch."""
   grad_fn = kd.value_and_grad(loss_fn)
 
   def step(params, opt_state, batch):
@@ -207,7 +242,10 @@ def make_step(tx, loss_fn, use_kfac: bool, mesh=None, opt_state=None):
     if mesh is not None:
       grads, loss = jax.lax.pmean((grads, loss), "data")
     if use_kfac:
-      updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats)
+      # kfac_batch: the arguments grad_fn received after the parameters (under
+      # shard_map this device's; the curvature products are averaged over "data").
+      extra = {"kfac_batch": (batch,)} if adaptive else {}
+      updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats, **extra)
     else:
       updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
@@ -220,15 +258,17 @@ def make_step(tx, loss_fn, use_kfac: bool, mesh=None, opt_state=None):
                                out_specs=(P(), specs, P())))
 
 
-def train(name, tx, params, batches, valid_batch, eval_every, use_kfac, loss_fn, mesh=None):
-  """Trains from `params` on `batches` (host token windows); returns the curve."""
+def train(name, tx, params, batches, valid_batch, eval_every, use_kfac, loss_fn, mesh=None,
+          adaptive=False):
+  """Trains from `params` on `batches` (host token windows); returns the curve.
+  `adaptive`: `tx` is adaptive K-FAC (η, μ, λ, ρ are logged)."""
   opt_state = tx.init(params)
   if mesh is not None:
     replicated = jax.sharding.NamedSharding(mesh, P())
     params = jax.device_put(params, replicated)
     opt_state = (kd.shard_state(opt_state, mesh) if use_kfac
                  else jax.device_put(opt_state, replicated))
-  step = make_step(tx, loss_fn, use_kfac, mesh, opt_state)
+  step = make_step(tx, loss_fn, use_kfac, mesh, opt_state, adaptive)
   valid_batch = jnp.asarray(valid_batch)
   evaluate = jax.jit(lambda p: loss_fn(p, valid_batch))
 
@@ -237,6 +277,8 @@ def train(name, tx, params, batches, valid_batch, eval_every, use_kfac, loss_fn,
   jax.block_until_ready(evaluate(params))
 
   result = Result(name, [0], [0.0], [float(evaluate(params))], [float("nan")])
+  if adaptive:
+    result.adapted = {k: [float("nan")] for k in ADAPTED}
   elapsed, recent = 0.0, []
   bar = tqdm(range(len(batches)), desc=f"{name:>15}", leave=True, ncols=100)
   for t in bar:
@@ -253,7 +295,14 @@ def train(name, tx, params, batches, valid_batch, eval_every, use_kfac, loss_fn,
       result.seconds.append(elapsed)
       result.valid.append(valid)
       result.train.append(train_loss)
-      bar.set_postfix(train=f"{train_loss:.3f}", valid=f"{valid:.3f}", refresh=False)
+      shown = dict(train=f"{train_loss:.3f}", valid=f"{valid:.3f}")
+      if adaptive:
+        values = adapted_values(opt_state)
+        for k in ADAPTED:
+          result.adapted[k].append(values[k])
+        shown.update(lr=f"{values['learning_rate']:.3g}", μ=f"{values['momentum']:.2f}",
+                     λ=f"{values['damping']:.2g}")
+      bar.set_postfix(shown, refresh=False)
   result.params = params
   return result
 
@@ -293,21 +342,38 @@ def report(results: list[Result], target: float) -> str:
   widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
   line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
   sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-  return "\n".join([line(header), sep] + [line(row) for row in rows])
+  table = [line(header), sep] + [line(row) for row in rows]
+  for r in results:
+    if r.adapted:
+      a = r.adapted
+      eta = a["learning_rate"]
+      table.append(f"\n{r.name}, at the last evaluation: learning rate η = −α = "
+                   f"{eta[-1]:.3g}, "
+                   f"μ = {a['momentum'][-1]:.3g}, λ = {a['damping'][-1]:.3g}, "
+                   f"ρ = {a['rho'][-1]:.3g} (η over the run "
+                   f"{min(eta[1:]):.3g} .. {max(eta[1:]):.3g}, λ "
+                   f"{min(a['damping'][1:]):.3g} .. {max(a['damping'][1:]):.3g})")
+  return "\n".join(table)
 
 
 def save(results: list[Result], out: str, target: float, title: str) -> None:
   os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, "transformer_lm.csv"), "w", newline="") as f:
     writer = csv.writer(f)
-    writer.writerow(["method", "step", "seconds", "valid_loss", "train_loss"])
+    writer.writerow(["method", "step", "seconds", "valid_loss", "train_loss", *ADAPTED])
     for r in results:
-      for row in zip(r.steps, r.seconds, r.valid, r.train):
-        writer.writerow([r.name, row[0], f"{row[1]:.4f}", f"{row[2]:.5f}", f"{row[3]:.5f}"])
+      for i, row in enumerate(zip(r.steps, r.seconds, r.valid, r.train)):
+        adapted = [f"{r.adapted[k][i]:.6g}" if r.adapted else "" for k in ADAPTED]
+        writer.writerow([r.name, row[0], f"{row[1]:.4f}", f"{row[2]:.5f}", f"{row[3]:.5f}",
+                         *adapted])
 
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+  others = iter(["tab:blue", "tab:green", "tab:purple", "tab:orange", "tab:brown",
+                 "tab:pink", "tab:olive", "tab:cyan"] * len(results))
   for r in results:
-    style = dict(lw=2.5, color="black") if r.name.startswith("K-FAC") else dict(lw=1.3)
+    style = (dict(lw=2.5, color="tab:red") if r.adapted else
+             dict(lw=2.5, color="black") if r.name.startswith("K-FAC") else
+             dict(lw=1.3, color=next(others)))
     axes[0].plot(r.steps, r.valid, label=r.name, **style)
     axes[1].plot(r.seconds, r.valid, label=r.name, **style)
   top = min(max(r.valid[0] for r in results), 4.6)
@@ -367,6 +433,14 @@ def main():
                     help="update the Kronecker factors every this many steps")
   kfac.add_argument("--inverse-every", type=int, default=50,
                     help="recompute the eigendecompositions every this many steps")
+  kfac.add_argument("--adaptive", action="store_true",
+                    help="also train adaptive K-FAC (learning rate and momentum from the "
+                         "quadratic model, "
+                         "λ by Levenberg-Marquardt; the library's other defaults)")
+  kfac.add_argument("--adaptive-damping", type=float, default=1e-2,
+                    help="adaptive K-FAC's initial damping λ₀")
+  kfac.add_argument("--skip-fixed-kfac", action="store_true",
+                    help="leave out the fixed-hyperparameter K-FAC (e.g. with --adaptive)")
   base = parser.add_argument_group("baseline")
   base.add_argument("--adamw-lrs", type=float, nargs="+", default=[3e-3, 1e-2, 2e-2])
   base.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's")
@@ -379,6 +453,9 @@ def main():
                  f"{args.devices}")
   if args.width % args.heads:
     parser.error(f"--width {args.width} is not a multiple of --heads {args.heads}")
+  if args.skip_fixed_kfac and args.skip_baselines and not args.adaptive:
+    parser.error("nothing to train: --skip-fixed-kfac and --skip-baselines without "
+                 "--adaptive")
 
   corpus = Corpus.make(load_corpus())
   rng = np.random.default_rng(args.seed)
@@ -411,32 +488,44 @@ def main():
     logits = model.apply({"params": params}, batch[:, :-1])
     return kd.losses.softmax_cross_entropy(logits, batch[:, 1:])
 
-  layers = kd.value_and_grad(loss_fn).discover(params, jnp.asarray(batches[0]))
+  grad_fn = kd.value_and_grad(loss_fn)
+  layers = grad_fn.discover(params, jnp.asarray(batches[0]))
   distribution = None
-  kfac_name = "K-FAC"
+  where = ""
   if mesh is not None:
     distribution = kd.Distribution(mesh, axis="data",
                                    grad_worker_fraction=args.grad_worker_fraction,
                                    factor_reduction=args.factor_reduction)
-    kfac_name = (f"K-FAC x{args.devices} (m={distribution.group_size}"
-                 f"{', DP-KFAC' if args.factor_reduction == 'local' else ''})")
-  kfac_tx = kd.kfac(args.kfac_lr, momentum=args.kfac_momentum,
-                    kl_clip=args.kl_clip or None, layers=layers, damping=args.damping,
-                    factor_decay=args.factor_decay, factor_update_every=args.factor_every,
-                    inverse_update_every=args.inverse_every, distribution=distribution)
-  kd.describe(kfac_tx.init(params))
-  methods = [(kfac_name, kfac_tx, True)]
+    where = (f" x{args.devices} (m={distribution.group_size}"
+             f"{', DP-KFAC' if args.factor_reduction == 'local' else ''})")
+  methods = []      # (name, transform, K-FAC?, adaptive?)
+  if not args.skip_fixed_kfac:
+    kfac_tx = kd.kfac(args.kfac_lr, momentum=args.kfac_momentum,
+                      kl_clip=args.kl_clip or None, layers=layers, damping=args.damping,
+                      factor_decay=args.factor_decay, factor_update_every=args.factor_every,
+                      inverse_update_every=args.inverse_every, distribution=distribution)
+    kd.describe(kfac_tx.init(params))
+    methods.append(("K-FAC" + where, kfac_tx, True, False))
+  if args.adaptive:
+    # learning_rate=None, momentum=None: both adapted; the rest the library's defaults.
+    adaptive_tx = kd.kfac(None, None, layers=layers, grad_fn=grad_fn,
+                          damping=args.adaptive_damping, adapt_damping=True,
+                          distribution=distribution)
+    if args.skip_fixed_kfac:
+      kd.describe(adaptive_tx.init(params))
+    methods.append(("K-FAC adaptive" + where, adaptive_tx, True, True))
   if not args.skip_baselines:
     for lr in args.adamw_lrs:
       schedule = optax.join_schedules(
           [optax.linear_schedule(0.0, lr, args.warmup), optax.constant_schedule(lr)],
           [args.warmup])
       methods.append((f"AdamW lr={lr:g}" + (f" x{args.devices}" if mesh else ""),
-                      optax.adamw(schedule, weight_decay=args.weight_decay), False))
+                      optax.adamw(schedule, weight_decay=args.weight_decay), False,
+                      False))
 
   results = [train(name, tx, params, batches, valid_batch, args.eval_every, use_kfac,
-                   loss_fn, mesh)
-             for name, tx, use_kfac in methods]
+                   loss_fn, mesh, adaptive)
+             for name, tx, use_kfac, adaptive in methods]
   print()
   print(report(results, args.target))
   title = (f"char Transformer ({args.layers} blocks, width {args.width}, context "
@@ -444,10 +533,12 @@ def main():
   save(results, args.out, args.target, title)
   print(f"\nwrote {os.path.join(args.out, 'transformer_lm.csv')} and "
         f"{os.path.join(args.out, 'transformer_lm.png')}")
-  if args.sample:
+  kfac_results = [r for r, (_, _, use_kfac, _) in zip(results, methods) if use_kfac]
+  if args.sample and kfac_results:
     prompt = "The \"while\" statement\n*********************\n\n"
-    params = jax.device_get(results[0].params)
-    print(f"\nK-FAC model, {args.sample} sampled characters after {prompt!r}:\n")
+    params = jax.device_get(kfac_results[0].params)
+    print(f"\n{kfac_results[0].name} model, {args.sample} sampled characters after "
+          f"{prompt!r}:\n")
     print(prompt + sample(model, params, corpus, prompt, args.sample, args.seed))
 
 
