@@ -56,7 +56,7 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
          stale_threshold: float | None = None, grad_fn: Callable | None = None,
          adapt_damping: bool = False, damping_adaptation_interval: int = 5,
          damping_adaptation_decay: float = 0.9, min_damping: float = 1e-8,
-         max_damping: float | None = None, micro_batches: int = 1,
+         max_damping: float | None = None, micro_batches: int | None = None,
          ) -> optax.GradientTransformationExtraArgs:
   """K-FAC preconditioning followed by SGD with momentum, as in KAISA, or adaptive.
 
@@ -136,7 +136,9 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
     micro_batches: adaptive mode only: compute the curvature products and the
       reduction ratio's losses over this many slices of `kfac_batch`, one at a
       time (the `k` of `grad_fn.accumulate(..., micro_batches=k)`: the memory
-      of one slice, the same numbers).
+      of one slice, the same numbers); None: the whole batch at once. It
+      shapes the program: with `optax.inject_hyperparams`, name it in
+      `static_args`.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose `update(grads, state,
@@ -150,7 +152,7 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
                  distribution=distribution, stale_threshold=stale_threshold)
   if learning_rate is not None and momentum is not None:
     kl_clip = KL_CLIP.value if kl_clip is KL_CLIP else kl_clip
-    if adapt_damping or micro_batches != 1:
+    if adapt_damping or micro_batches is not None:
       raise ValueError(f"{'adapt_damping' if adapt_damping else 'micro_batches'} "
                        "needs adaptive mode: learning_rate=None or momentum=None (and "
                        "grad_fn).")
@@ -167,6 +169,7 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
       learning_rate=learning_rate, momentum=momentum, weight_decay=weight_decay,
       adapt_damping=adapt_damping, damping_adaptation_interval=damping_adaptation_interval,
       damping_adaptation_decay=damping_adaptation_decay, min_damping=min_damping,
-      max_damping=max_damping, micro_batches=micro_batches)
+      max_damping=max_damping,
+      micro_batches=1 if micro_batches is None else micro_batches)
   return faults.skip_faulty_steps(adaptive.scale_by_adaptive_kfac(
       layers, grad_fn, kfac_config=kfac_config, adaptive_config=adaptive_config))
