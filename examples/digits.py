@@ -24,11 +24,15 @@ eigendecompositions every 10 steps) were tuned on seeds 0-5; with the KL clip
 binding, the step length is set by `--kl-clip` more than by `--kfac-lr`.
 
 `--adaptive` also trains adaptive K-FAC, which needs no such tuning:
-`kd.kfac(None, None, grad_fn=grad_fn, damping=λ₀, adapt_damping=True)` (every
+`kd.kfac(None, None, grad_fn=grad_fn, damping=λ₀, min_damping=1e-3,
+adapt_damping=True)` (every
 other setting the library's default: factors and eigendecompositions every
 step, no KL clip) picks each step's learning rate η = −α and momentum μ from
 the exact quadratic model on the batch and adapts the damping λ
-(Levenberg-Marquardt, every 5 steps) from `--adaptive-damping` (λ₀); η, μ, λ
+(Levenberg-Marquardt, every 5 steps) from `--adaptive-damping` (λ₀), never
+below `--adaptive-min-damping` (1e-3: at kd.kfac's default floor, kfac-jax's
+1e-8, λ collapses on these small batches, which the model fits, and training
+diverges); η, μ, λ
 and the reduction ratio ρ are printed and written to `metrics.csv`.
 `--skip-fixed-kfac` leaves the fixed-hyperparameter K-FAC out.
 
@@ -383,6 +387,9 @@ def main():
                          "λ by Levenberg-Marquardt; the library's other defaults)")
   kfac.add_argument("--adaptive-damping", type=float, default=1e-2,
                     help="adaptive K-FAC's initial damping λ₀")
+  kfac.add_argument("--adaptive-min-damping", type=float, default=1e-3,
+                    help="adaptive K-FAC's floor for λ (kd.kfac's default, kfac-jax's "
+                         "1e-8, lets λ collapse and training diverge on these tasks)")
   kfac.add_argument("--skip-fixed-kfac", action="store_true",
                     help="leave out the fixed-hyperparameter K-FAC (e.g. with --adaptive)")
   base = parser.add_argument_group("baselines")
@@ -437,7 +444,8 @@ def main():
   def adaptive_kfac(distribution=None):
     # learning_rate=None, momentum=None: both adapted; the rest the library's defaults.
     return kd.kfac(None, None, layers=layers, grad_fn=grad_fn,
-                   damping=args.adaptive_damping, adapt_damping=True,
+                   damping=args.adaptive_damping,
+                   min_damping=args.adaptive_min_damping, adapt_damping=True,
                    distribution=distribution)
 
   # (name, transform, K-FAC?, adaptive?)

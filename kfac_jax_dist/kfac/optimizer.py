@@ -131,7 +131,9 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
       pass on those steps (`L(θ + d)`; `L(θ)` comes with the curvature).
     damping_adaptation_interval: `T` of the rule above.
     damping_adaptation_decay: `ω` of the rule above, in (0, 1).
-    min_damping: lower bound of the adapted damping.
+    min_damping: lower bound of the adapted damping (kfac-jax's 1e-8). Where
+      the network fits each batch, λ sinks to it and training can diverge:
+      1e-3 kept the examples' three tasks stable (docs/troubleshooting.md).
     max_damping: upper bound of the adapted damping (None: none).
     micro_batches: adaptive mode only: compute the curvature products and the
       reduction ratio's losses over this many slices of `kfac_batch`, one at a
