@@ -6,6 +6,7 @@ the curvature statistics `A`, `G` and `F`; `stacking` handles scanned /
 vmapped blocks; `losses` registers the loss; `value_and_grad` runs the model
 once and returns the loss, the gradients and the statistics; `curvature`
 gives the exact Gauss-Newton products of the registered loss
-(`ValueAndGrad.gauss_newton_gram`, `.loss`); `context` is the trace state
-the tags and losses read.
+(`ValueAndGrad.gauss_newton_gram`, `.loss`); `batches` slices a batch into
+micro-batches (for `accumulate` and the curvature products); `context` is
+the trace state the tags and losses read.
 """
