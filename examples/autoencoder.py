@@ -82,7 +82,6 @@ from sklearn.model_selection import train_test_split  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import kfac_jax_dist as kd  # noqa: E402
-from kfac_jax_dist.kfac.adaptive import AdaptiveKfacState  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -142,21 +141,10 @@ class Result:
 ADAPTED = ("learning_rate", "momentum", "damping", "rho")
 
 
-def adaptive_state(opt_state) -> AdaptiveKfacState:
-  """The adaptive K-FAC state inside an optax state tree (`kd.kfac` wraps it
-  in `skip_faulty_steps`, which keeps it as it is)."""
-  is_state = lambda s: isinstance(s, AdaptiveKfacState)
-  return next(s for s in jax.tree_util.tree_leaves(opt_state, is_leaf=is_state)
-              if is_state(s))
-
-
 def adapted_values(opt_state) -> dict[str, float]:
-  """The adapted learning rate η = −α (the state's `learning_rate`; the update
-  is αΔ + μv with Δ K-FAC's preconditioned gradient), μ, λ and the last
-  reduction ratio ρ (NaN until the first damping adaptation)."""
-  s = adaptive_state(opt_state)
-  return dict(learning_rate=float(s.learning_rate), momentum=float(s.momentum),
-              damping=float(s.damping), rho=float(s.rho))
+  """The adapted learning rate η = −α (the update is αΔ + μv with Δ K-FAC's
+  preconditioned gradient), μ, λ and the last reduction ratio ρ."""
+  return {k: float(v) for k, v in kd.adapted_values(opt_state).items()}
 
 
 def train(name, tx, params, data, batches, eval_every, use_kfac, loss_fn, floors,

@@ -22,6 +22,7 @@ from kfac_jax_dist.kfac.state import running_factors
 from kfac_jax_dist.kfac.state import ScaleByKfacState
 from kfac_jax_dist.kfac.state import second_order_parts
 from kfac_jax_dist.kfac.optimizer import kfac
+from kfac_jax_dist.kfac.adaptive import adapted_values
 from kfac_jax_dist.kfac.transform import scale_by_kfac
 from kfac_jax_dist.capture.registry import LayerRegistry
 from kfac_jax_dist.capture.registry import TaggedLayer
@@ -34,7 +35,7 @@ from kfac_jax_dist.core.tensor_parallel import ModelShardedState
 __version__ = "0.1.0"
 
 __all__ = [
-    "Distribution", "LayerRegistry", "ScaleByKfacState", "TaggedLayer", "ValueAndGrad",
+    "adapted_values", "Distribution", "LayerRegistry", "ScaleByKfacState", "TaggedLayer", "ValueAndGrad",
     "ScaleByShampooState", "scale_by_shampoo", "shampoo",
     "checkpoint", "checkpoint_metadata", "convert_state", "restore_checkpoint",
     "save_checkpoint", "second_order_parts", "skip_faulty_steps",

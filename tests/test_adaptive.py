@@ -399,3 +399,18 @@ def test_dp_kfac_adaptive_trains():
   assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
   assert int(inner.skipped) == 0 and np.isfinite(float(inner.rho))
   assert float(inner.learning_rate) > 0
+
+
+def test_adapted_values_reads_the_state():
+  tx, params = _tx(adapt_damping=True), _params()
+  state = tx.init(params)
+  x, y = _batch(0)
+  _, grads, stats = GRAD_FN(params, x, y, opt_state=state)
+  _, state = tx.update(grads, state, params, kfac_stats=stats, kfac_batch=(x, y))
+  values = kd.adapted_values(state)
+  inner = _adaptive_state(state)
+  assert list(values) == ["learning_rate", "momentum", "damping", "rho"]
+  assert float(values["learning_rate"]) == float(inner.learning_rate) > 0
+  assert float(values["damping"]) == LAMBDA
+  with pytest.raises(ValueError, match="no adaptive K-FAC state"):
+    kd.adapted_values(kd.kfac(0.1, layers=GRAD_FN.discover(params, x, y)).init(params))

@@ -133,6 +133,21 @@ class AdaptiveKfacState(states.PreconditionerState):
     return dataclasses.replace(rest, kfac=self.kfac.partition_specs())
 
 
+ADAPTED = ("learning_rate", "momentum", "damping", "rho")
+
+
+def adapted_values(opt_state: Any) -> dict[str, jax.Array]:
+  """`{"learning_rate": η = −α, "momentum": μ, "damping": λ, "rho": ρ}` of the
+  first adaptive K-FAC state inside an optax state (the last step's values;
+  ρ is NaN until the first damping adaptation), for logging. Under a
+  tensor-parallel `Distribution`, pass `kd.model_shard(opt_state, 0)`."""
+  found = states.find_states(opt_state, AdaptiveKfacState)
+  if not found:
+    raise ValueError("adapted_values: opt_state holds no adaptive K-FAC state (make it "
+                     "with kd.kfac(learning_rate=None and/or momentum=None, ...)).")
+  return {name: getattr(found[0], name) for name in ADAPTED}
+
+
 # -------------------------------------------------------------- the model
 
 def tree_vdot(a: Any, b: Any) -> jax.Array:
