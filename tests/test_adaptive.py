@@ -81,9 +81,10 @@ def _dense_ggn(params, x, y):
 
 
 def _kfac_direction(params, state, grads, stats):
-  """Δ: K-FAC's preconditioned gradient of ∇ + wθ with the state's damping."""
+  """Δ: K-FAC's preconditioned gradient of ∇ + wθ, damped with the state's
+  λ plus the weight decay w (the curvature of (w/2)|θ|²)."""
   inner = kd.scale_by_kfac(GRAD_FN.discover(_params(), *_batch(0)),
-                           damping=float(state.damping), factor_dtype=jnp.float64)
+                           damping=float(state.damping) + WD, factor_dtype=jnp.float64)
   total = jax.tree.map(lambda g, p: g + WD * p, grads, params)
   direction, _ = inner.update(total, state.kfac, params, kfac_stats=stats)
   return _flat(total), _flat(direction)

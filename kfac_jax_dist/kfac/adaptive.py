@@ -2,7 +2,8 @@
 
 Martens & Grosse 2015, §6-7 (kfac-jax's `use_adaptive_learning_rate`,
 `use_adaptive_momentum`, `use_adaptive_damping`). With `Δ` K-FAC's
-preconditioned gradient (damped with the current `λ`), `v` the previous
+preconditioned gradient (damped with `λ + w`: the weight decay's curvature
+is `wI` exactly, as kfac-jax adds its `l2_reg` to its damping), `v` the previous
 update, `∇` the mean gradient of the objective `L(θ) + (w/2)|θ|²` (`w` the
 weight decay) and `C` the exact Gauss-Newton matrix of the mean loss on the
 current batch (`kd.value_and_grad(...).gauss_newton_gram`), the update is
@@ -301,7 +302,8 @@ def update_state(config: AdaptiveConfig, kfac_config: KfacConfig,
          jnp.asarray(cadence.value_at(kfac_config.damping, count), state.damping.dtype))
   if not (isinstance(wd, (int, float)) and wd == 0):
     grads = jax.tree_util.tree_map(lambda g, p: g + wd * p, grads, params)
-  step_config = dataclasses.replace(kfac_config, damping=lam)
+  # The objective's curvature is the loss's plus wI: K-FAC's damping takes w.
+  step_config = dataclasses.replace(kfac_config, damping=lam + wd)
   direction, kfac_state = transform.update_state(step_config, comm, grads, state.kfac,
                                                  stats)
   a, dots, b, loss = _model_in_span(config, kfac_config, grad_fn, params, batch,

@@ -74,7 +74,7 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
   `kfac_batch=`, the arguments `grad_fn` received after the parameters), and
   with `adapt_damping=True` the damping follows the Levenberg-Marquardt rule.
   There is no SGD after it; weight decay enters the objective's gradient and
-  curvature; the KL clip is off unless given.
+  curvature and K-FAC's damping (`λ + w`); the KL clip is off unless given.
 
   Args:
     learning_rate: `η`, a float or an optax schedule of the update count; the
