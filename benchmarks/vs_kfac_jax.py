@@ -882,7 +882,7 @@ def equality_markdown(eq) -> list[str]:
         "Δ is then B times kd's, which α absorbs: η_kd = B·η_kj); neither single "
         "rescaling of the damping does. With weight decay they part again: kfac-jax "
         "adds `l2_reg` to its preconditioner's damping in its own units (F/B + w + "
-        "λ/B, i.e. λ + B·w in kd's), kd damps its preconditioner with λ alone (both "
+        "λ/B, i.e. λ + B·w in kd's), kd damps its preconditioner with λ + w (both "
         "add w to the model's curvature):", ""]
     rows = [[m["name"], "  ".join(f"{v:.1e}" for v in m["dtheta"])]
             for m in eq["mappings"]]
