@@ -197,9 +197,11 @@ def test_faulty_batch_is_skipped():
   assert int(_adaptive_state(new).skipped) == 1 and int(_adaptive_state(new).count) == 0
 
 
-@pytest.mark.parametrize("fraction,reduction", [(1, "none"), (1 / 8, "none"),
-                                                (1 / 2, "all_reduce"),
-                                                (1 / 8, "reduce_scatter")])
+@pytest.mark.parametrize("fraction,reduction", [
+    (1, "none"),
+    pytest.param(1 / 8, "none", marks=pytest.mark.slow),
+    pytest.param(1 / 2, "all_reduce", marks=pytest.mark.slow),
+    pytest.param(1 / 8, "reduce_scatter", marks=pytest.mark.slow)])
 def test_distributed_equals_one_device(fraction, reduction):
   """COMM-OPT, MEM-OPT, HYBRID and SP-NGD fused on 8 devices equal one device
   on the global batch, over 3 steps with damping adaptation every step."""
