@@ -90,6 +90,7 @@ from sklearn.model_selection import train_test_split  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import kfac_jax_dist as kd  # noqa: E402
+from _adaptive_log import ADAPTED, adapted_values, summary  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -153,15 +154,6 @@ def distribution(strategy: str, mesh) -> kd.Distribution:
     raise SystemExit(f"--strategy hybrid needs an even number of devices, got {n}")
   return kd.Distribution(mesh, axis="data", grad_worker_fraction=workers(n) / n,
                          factor_reduction=factor_reduction)
-
-
-ADAPTED = ("learning_rate", "momentum", "damping", "rho")
-
-
-def adapted_values(opt_state) -> dict[str, float]:
-  """The adapted learning rate η = −α (the update is αΔ + μv with Δ K-FAC's
-  preconditioned gradient), μ, λ and the last reduction ratio ρ."""
-  return {k: float(v) for k, v in kd.adapted_values(opt_state).items()}
 
 
 def _varying(tree):
@@ -294,16 +286,7 @@ def report(results: list[Result], target: float) -> str:
   line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
   sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
   table = [line(header), sep] + [line(row) for row in rows]
-  for r in results:
-    if r.adapted:
-      a = r.adapted
-      eta = a["learning_rate"]
-      table.append(f"\n{r.name}, at the last evaluation: learning rate η = −α = "
-                   f"{eta[-1]:.3g}, "
-                   f"μ = {a['momentum'][-1]:.3g}, λ = {a['damping'][-1]:.3g}, "
-                   f"ρ = {a['rho'][-1]:.3g} (η over the run "
-                   f"{min(eta[1:]):.3g} .. {max(eta[1:]):.3g}, λ "
-                   f"{min(a['damping'][1:]):.3g} .. {max(a['damping'][1:]):.3g})")
+  table += [summary(r.name, r.adapted) for r in results if r.adapted]
   return "\n".join(table)
 
 

@@ -33,7 +33,7 @@ def _run(name: str, argv: list[str], tmp_path, monkeypatch) -> list[dict[str, st
   work, out = tmp_path / "work", tmp_path / "out"
   work.mkdir()
   monkeypatch.chdir(work)
-  monkeypatch.syspath_prepend(str(EXAMPLES))            # their `import _host_devices`
+  monkeypatch.syspath_prepend(str(EXAMPLES))            # their `import _host_devices`, `_adaptive_log`
   monkeypatch.setattr(sys, "dont_write_bytecode", True)
   monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv, "--out", str(out)])
   before = sorted(p.name for p in EXAMPLES.iterdir())
