@@ -210,8 +210,6 @@ def test_distributed_equals_one_device(fraction, reduction):
   options = dict(adapt_damping=True, damping_adaptation_interval=1)
   single, tx = _tx(**options), _tx(distribution=dist, **options)
   params = _params()
-  state = kd.shard_state(tx.init(params), mesh)
-  specs = kd.partition_specs(state)
 
   def step(params, state, x, y):
     _, grads, stats = GRAD_FN(params, x, y, opt_state=state)
@@ -219,9 +217,7 @@ def test_distributed_equals_one_device(fraction, reduction):
       grads = jax.lax.pmean(grads, "data")
     updates, state = tx.update(grads, state, params, kfac_stats=stats, kfac_batch=(x, y))
     return optax.apply_updates(params, updates), state
-  run = jax.jit(jax.shard_map(step, mesh=mesh,
-                              in_specs=(P(), specs, P("data"), P("data")),
-                              out_specs=(P(), specs)))
+  run, state = helpers.compile_step(step, tx.init(params), dist, 2)
   one_params, one_state = params, single.init(params)
   for i in range(3):
     x, y = _batch(i)
@@ -342,20 +338,16 @@ def test_checkpoint_and_convert_state_continue_the_trajectory(tmp_path):
   and the K-FAC state all move."""
   mesh = helpers.data_mesh(8)
   options = dict(adapt_damping=True, damping_adaptation_interval=1)
-  tx8 = _tx(distribution=kd.Distribution(mesh, gradient_reduction="all_reduce"),
-            **options)
-  tx1 = _tx(**options)
+  dist = kd.Distribution(mesh, gradient_reduction="all_reduce")
+  tx8, tx1 = _tx(distribution=dist, **options), _tx(**options)
   params = _params()
-  state = kd.shard_state(tx8.init(params), mesh)
-  specs = kd.partition_specs(state)
 
   def step(params, state, x, y):
     _, grads, stats = GRAD_FN(params, x, y, opt_state=state)
     updates, state = tx8.update(grads, state, params, kfac_stats=stats,
                                 kfac_batch=(x, y))
     return optax.apply_updates(params, updates), state
-  run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
-                              out_specs=(P(), specs)))
+  run, state = helpers.compile_step(step, tx8.init(params), dist, 2)
   for i in range(2):
     params, state = run(params, state, *_batch(i))
   kd.save_checkpoint(tmp_path / "ckpt", state)
@@ -384,15 +376,12 @@ def test_dp_kfac_adaptive_trains():
                          gradient_reduction="all_reduce")
   tx = _tx(distribution=dist, adapt_damping=True, damping_adaptation_interval=1)
   params = _params()
-  state = kd.shard_state(tx.init(params), mesh)
-  specs = kd.partition_specs(state)
 
   def step(params, state, x, y):
     loss, grads, stats = GRAD_FN(params, x, y, opt_state=state)
     updates, state = tx.update(grads, state, params, kfac_stats=stats, kfac_batch=(x, y))
     return optax.apply_updates(params, updates), state, jax.lax.pmean(loss, "data")
-  run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
-                              out_specs=(P(), specs, P())))
+  run, state = helpers.compile_step(step, tx.init(params), dist, 2, extra_out=(P(),))
   x, y = _batch(0)
   losses = []
   for _ in range(4):
