@@ -90,6 +90,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import itertools
 import json
 import math
@@ -144,11 +145,12 @@ SGD_GRID = {"cnn": (0.03, 0.1, 0.3, 1.0), "autoencoder": (0.01, 0.03, 0.1, 0.3),
 # Linear learning-rate warm-up of the first-order methods (steps; the LM's
 # AdamW in examples/transformer_lm.py uses 50).
 WARMUP = {"cnn": 0, "autoencoder": 0, "lm": 50}
-# Adaptive K-FAC's initial damping λ₀, one value for every task (the
-# Levenberg-Marquardt rule moves λ by 0.9⁵ ≈ 0.59 every 5 steps from there:
-# a factor 10 in about 22 steps).
-ADAPTIVE_DAMPING = 1e-2
-ADAPTIVE_MIN_DAMPING = 1e-3   # the same on every task; kd.kfac's default is 1e-8
+# Adaptive K-FAC runs with kd.kfac's defaults: its initial damping λ₀ (the
+# Levenberg-Marquardt rule moves λ by 0.9⁵ ≈ 0.59 every 5 steps from there: a
+# factor 10 in about 22 steps) and its floor, read from the signature.
+_KFAC_DEFAULTS = inspect.signature(kd.kfac).parameters
+ADAPTIVE_DAMPING = _KFAC_DEFAULTS["damping"].default
+ADAPTIVE_MIN_DAMPING = _KFAC_DEFAULTS["min_damping"].default
 TARGETS = {"cnn": 0.03, "autoencoder": 1.5, "lm": 1.6}
 METRIC = {"cnn": "held-out error (1 − accuracy, 360 images)",
           "autoencoder": "train loss above the entropy floor (nats/image)",
@@ -406,8 +408,8 @@ def method(kind, **hp):
 
 
 def adaptive_method() -> Method:
-  """Adaptive K-FAC as a new user runs it: the library's defaults, λ₀ and the
-  damping's floor the same on every task."""
+  """Adaptive K-FAC as a new user runs it: the library's defaults (λ₀ and the
+  damping's floor included), the same on every task."""
   return method("adaptive", damping=ADAPTIVE_DAMPING, min_damping=ADAPTIVE_MIN_DAMPING)
 
 

@@ -43,7 +43,7 @@ other setting the library's default: factors and eigendecompositions every
 step, no KL clip) picks each step's learning rate η = −α and momentum μ from
 the exact quadratic model on the batch and adapts the damping λ
 (Levenberg-Marquardt, every 5 steps) from `--adaptive-damping` (λ₀), never
-below `--adaptive-min-damping` (1e-3: at kd.kfac's default floor, kfac-jax's
+below `--adaptive-min-damping` (kd.kfac's default floor, 1e-3: at kfac-jax's
 1e-8, λ collapses on these small batches, which the model fits, and training
 diverges); η, μ, λ
 and the reduction ratio ρ are printed and written to `autoencoder.csv`.

@@ -68,7 +68,7 @@ class AdaptiveConfig:
   adapt_damping: bool = True
   damping_adaptation_interval: int = 5
   damping_adaptation_decay: float = 0.9
-  min_damping: float = 1e-8
+  min_damping: float = 1e-3
   max_damping: float | None = None
   damping_lower_threshold: float = 0.25
   damping_upper_threshold: float = 0.75

@@ -55,7 +55,7 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
          distribution: distribution_lib.Distribution | None = None,
          stale_threshold: float | None = None, grad_fn: Callable | None = None,
          adapt_damping: bool = False, damping_adaptation_interval: int = 5,
-         damping_adaptation_decay: float = 0.9, min_damping: float = 1e-8,
+         damping_adaptation_decay: float = 0.9, min_damping: float = 1e-3,
          max_damping: float | None = None, micro_batches: int | None = None,
          ) -> optax.GradientTransformationExtraArgs:
   """K-FAC preconditioning followed by SGD with momentum, as in KAISA, or adaptive.
@@ -127,13 +127,14 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
     adapt_damping: adaptive mode only: adapt `damping` (its initial value) by
       the Levenberg-Marquardt rule every `damping_adaptation_interval` steps,
       moving it by `damping_adaptation_decay ** interval`, within
-      `[min_damping, max_damping]` (kfac-jax's defaults). Costs one forward
+      `[min_damping, max_damping]` (kfac-jax's defaults but the floor). Costs one forward
       pass on those steps (`L(θ + d)`; `L(θ)` comes with the curvature).
     damping_adaptation_interval: `T` of the rule above.
     damping_adaptation_decay: `ω` of the rule above, in (0, 1).
-    min_damping: lower bound of the adapted damping (kfac-jax's 1e-8). Where
-      the network fits each batch, λ sinks to it and training can diverge:
-      1e-3 kept the examples' three tasks stable (docs/troubleshooting.md).
+    min_damping: lower bound of the adapted damping, in the units of the mean
+      loss's curvature. Not kfac-jax's 1e-8: where the network fits each
+      batch, ρ ≈ 1 and λ sinks to the floor, where training can diverge;
+      1e-3 kept the three example tasks stable (docs/troubleshooting.md).
     max_damping: upper bound of the adapted damping (None: none).
     micro_batches: adaptive mode only: compute the curvature products and the
       reduction ratio's losses over this many slices of `kfac_batch`, one at a
