@@ -56,6 +56,14 @@ Other layer kinds:
   with a per-image loss and images as examples (n = B, positions h·w summed
   first) it is SP-NGD's per-sample Fisher exactly.
 
+EK-FAC (George et al. 2018) adds, for a Dense or Conv layer whose K-FAC state
+has eigenbases `Q_A`, `Q_G`, the second moment of the per-example gradients
+in that basis, `S = n Σ_u (Q_Aᵀ ∇̂_u Q_G)²` with `∇̂_u = Σ_{p∈u} a_p ĝ_pᵀ` (=
+`(1/n) Σ_u (Q_Aᵀ ∇_u Q_G)²`, ∇_u example u's loss gradient): in the units of
+`v_A v_Gᵀ`, the K-FAC eigenvalues it replaces (`corrected_scaling`). The
+examples u are those of `A` and `G` (a Dense position, or an entry of the
+first `example_dims` axes; a Conv layer's image, its pixels summed).
+
 Precision: every statistic is computed in `statistics_dtype` of the layer's
 inputs and output cotangents, `promote_types(dtype, float32)`: a bfloat16 or
 float16 model gets float32 statistics, a float64 model float64 ones (the
@@ -64,6 +72,8 @@ tags cast both to it before any product), and the contractions run at
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +84,10 @@ DIAG = "diag"
 UNIT = "unit"      # a scale-and-shift layer's [C, 3] unit-wise Fisher
 
 # Statistics built from output cotangents: the capture multiplies them by n.
-SCALED_BY_NUM_EXAMPLES = frozenset({"G", "F"})
+SCALED_BY_NUM_EXAMPLES = frozenset({"G", "F", "S"})
+# EK-FAC: the corrected scaling `S` (`corrected_scaling`), computed in the
+# eigenbases the capture receives as the inputs `QA` and `QG`.
+CORRECTED, BASES = "S", ("QA", "QG")
 
 
 def statistics_dtype(*arrays) -> jnp.dtype:
@@ -210,3 +223,52 @@ def unitwise_fisher(x: jax.Array, g: jax.Array, has_offset: bool = True,
   return jnp.stack([jnp.sum(u_gamma * u_gamma, axis=0),
                     jnp.sum(u_gamma * u_beta, axis=0),
                     jnp.sum(u_beta * u_beta, axis=0)], axis=-1)
+
+
+# Per-example gradient matrices `[c, d_A, d_G]` formed at once by
+# `corrected_scaling` (more examples are summed in chunks of this many numbers).
+CHUNK_NUMBERS = 1 << 22
+
+
+def corrected_scaling(x: jax.Array, g: jax.Array, has_bias: bool, basis_a: jax.Array,
+                      basis_g: jax.Array, example_dims: int | None = None) -> jax.Array:
+  """EK-FAC's `Σ_u (Q_Aᵀ ∇̂_u Q_G)²` (George et al. 2018, Eq. 10; the capture
+  multiplies by n), `[d_A, d_G]`.
+
+  `∇̂_u = Σ_{p∈u} a_p ĝ_pᵀ` is example u's gradient from the captured
+  cotangents (`a = [x, 1]` with a bias), the positions of the first
+  `example_dims` axes summed (None: every position is an example, as for
+  `A` and `G`). With one position per example it is one matmul of squares,
+  `((X Q_A)²)ᵀ (Ĝ Q_G)²`; else the per-example matrices are formed in chunks
+  of `CHUNK_NUMBERS` numbers.
+  """
+  dtype = statistics_dtype(x, g)
+  x, g = x.astype(dtype), g.astype(dtype)
+  lead = x.shape[:-1]
+  k = len(lead) if example_dims is None else example_dims
+  units = math.prod(lead[:k])
+  x = jnp.reshape(x, (units, -1, x.shape[-1]))
+  g = jnp.reshape(g, (units, -1, g.shape[-1]))
+  hi = lax.Precision.HIGHEST
+  xq = jnp.matmul(x, basis_a[:x.shape[-1]].astype(dtype), precision=hi)
+  if has_bias:
+    xq = xq + basis_a[-1].astype(dtype)
+  gq = jnp.matmul(g, basis_g.astype(dtype), precision=hi)
+  if x.shape[1] == 1:
+    return jnp.matmul(jnp.square(xq[:, 0]).T, jnp.square(gq[:, 0]), precision=hi)
+  da, dg = xq.shape[-1], gq.shape[-1]
+  chunk = max(1, min(units, CHUNK_NUMBERS // (da * dg)))
+
+  def squares(xs: jax.Array, gs: jax.Array) -> jax.Array:
+    per_example = jnp.einsum("upa,upg->uag", xs, gs, precision=hi)
+    return jnp.sum(jnp.square(per_example), axis=0)
+  if chunk == units:
+    return squares(xq, gq)
+  pad = (-units) % chunk          # zero examples add nothing
+  xq = jnp.pad(xq, ((0, pad), (0, 0), (0, 0))).reshape(-1, chunk, *xq.shape[1:])
+  gq = jnp.pad(gq, ((0, pad), (0, 0), (0, 0))).reshape(-1, chunk, *gq.shape[1:])
+
+  def body(total: jax.Array, pair: tuple) -> tuple:
+    return total + squares(*pair), None
+  total, _ = lax.scan(body, jnp.zeros((da, dg), dtype), (xq, gq))
+  return total

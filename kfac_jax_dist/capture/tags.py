@@ -122,8 +122,8 @@ def _discover(trace, kind, name, kernel, bias, site, **record) -> None:
 
 
 def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag):
-  """`apply(x, *params)` whose backward pass also returns `stats(x, ḡ)`, a
-  pytree like `probes` (`x` may be integer: embedding ids)."""
+  """`apply(x, *params)` whose backward pass also returns `stats(x, ḡ,
+  probes)`, a pytree like `probes` (`x` may be integer: embedding ids)."""
 
   @jax.custom_vjp
   def layer(x: jax.Array, params: tuple, probes: Any, flag: Any) -> jax.Array:
@@ -131,11 +131,10 @@ def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag):
     return apply(x, *params)
 
   def fwd(x: jax.Array, params: tuple, probes: Any, flag: Any) -> tuple:
-    del probes
-    return apply(x, *params), (x, params, flag)
+    return apply(x, *params), (x, params, probes, flag)
 
   def bwd(residuals: tuple, cotangent: jax.Array) -> tuple:
-    x, params, flag = residuals
+    x, params, probes, flag = residuals
     if jnp.issubdtype(x.dtype, jnp.integer):     # ids: no cotangent (float0)
       _, vjp = jax.vjp(lambda *p: apply(x, *p), *params)
       x_bar, params_bar = None, vjp(cotangent)
@@ -155,7 +154,7 @@ def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag):
     def computed() -> Any:
       # In the probes' dtype (the statistics', see the module docstring).
       values = jax.tree_util.tree_map(lambda s, p: s.astype(p.dtype),
-                                      stats(x, cotangent), probes)
+                                      stats(x, cotangent, probes), probes)
       return _compat.as_varying(values, axes)
     probe_bar = lax.cond(flag, computed, lambda: placeholders)
     return x_bar, tuple(params_bar), probe_bar, None
@@ -164,14 +163,17 @@ def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag):
   return layer(x, params, probes, flag)
 
 
-def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, **record):
+def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=None,
+            **record):
   """Runs `apply(x, kernel[, bias])`, recording or capturing the layer.
 
   `stats(x, ḡ, forms)` returns the statistics as a dict keyed like the probes
   that the capture made for this layer (`{"A", "G"}` or `{"F"}`), where
   `forms[key]` says whether the probe is a full matrix or a diagonal.
   `record` holds the `TaggedLayer` fields that only the tag knows (a_dim,
-  g_dim, a_diagonal). `kernel` and `bias` are one block's; `site` (see
+  g_dim, a_diagonal). `examples(x, ḡ)` (Dense and Conv layers) returns the
+  positions `[..., d_A − bias]`, `[..., d_G]` and their `example_dims`, from
+  which EK-FAC's `S` is computed when the probes bring eigenbases. `kernel` and `bias` are one block's; `site` (see
   `stacking`) says where they live when they are not leaves of the parameters.
   """
   trace = _context.tagging()
@@ -202,12 +204,24 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, **record)
            for key, p in probes.items()}
   dtype = jnp.result_type(*probes.values())
 
-  def cast_stats(xx: jax.Array, gg: jax.Array) -> dict:
+  if factors.BASES[0] in probes and examples is None:
+    raise ValueError(f"Tagged layer '{name}' ({kind}) has no EK-FAC statistic.")
+
+  def cast_stats(xx: jax.Array, gg: jax.Array, inputs: dict) -> dict:
     """`stats` of the input (ids stay integers) and the output cotangent, both
-    cast to the statistics' dtype."""
+    cast to the statistics' dtype; with eigenbases among the probes `inputs`,
+    also EK-FAC's `S` (and zeros for the bases)."""
     if not jnp.issubdtype(xx.dtype, jnp.integer):
       xx = xx.astype(dtype)
-    return stats(xx, gg.astype(dtype), forms)
+    gg = gg.astype(dtype)
+    out = stats(xx, gg, forms)
+    if factors.BASES[0] in inputs:
+      qa, qg = (inputs[key] for key in factors.BASES)
+      ex, eg, example_dims = examples(xx, gg)
+      out[factors.CORRECTED] = factors.corrected_scaling(ex, eg, bias is not None, qa, qg,
+                                                         example_dims)
+      out.update({key: jnp.zeros_like(inputs[key]) for key in factors.BASES})
+    return out
   return _captured(apply, cast_stats, x, params, probes, trace.compute_stats)
 
 
@@ -256,6 +270,7 @@ def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
             "G": factors.output_factor(g, forms["G"], example_dims)}
 
   return _tagged("dense", name, apply, stats, x, kernel, bias, site,
+                 examples=lambda x, g: (x, g, example_dims),
                  a_dim=kernel.shape[0] + (bias is not None), g_dim=kernel.shape[1])
 
 
@@ -314,13 +329,16 @@ def dense_general(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None
     y = lax.dot_general(x, kernel, (contract, ((), ())), precision=precision)
     return y if bias is None else y + bias
 
+  def flat(x: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array, int | None]:
+    return (jnp.reshape(x, x.shape[:x.ndim - in_dims] + (_size(in_shape),)),
+            jnp.reshape(g, g.shape[:g.ndim - n_out] + (_size(out_shape),)), example_dims)
+
   def stats(x: jax.Array, g: jax.Array, forms: tuple[str, str]) -> dict:
-    x = jnp.reshape(x, x.shape[:x.ndim - in_dims] + (_size(in_shape),))
-    g = jnp.reshape(g, g.shape[:g.ndim - n_out] + (_size(out_shape),))
+    x, g, _ = flat(x, g)
     return {"A": factors.input_factor(x, bias is not None, forms["A"], example_dims),
             "G": factors.output_factor(g, forms["G"], example_dims)}
 
-  return _tagged("dense", name, apply, stats, x, kernel, bias, site,
+  return _tagged("dense", name, apply, stats, x, kernel, bias, site, examples=flat,
                  a_dim=_size(in_shape) + (bias is not None), g_dim=_size(out_shape))
 
 
@@ -381,8 +399,13 @@ def conv2d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
                                       example_dims),
             "G": factors.output_factor(g, forms["G"], example_dims)}
 
+  def examples(x: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array, int]:
+    """Patches and cotangents; an example is an image (its pixels summed)."""
+    patches = factors.conv_patches(x, kernel.shape, strides, padding, dilation)
+    return patches, g, 1 if example_dims is None else example_dims
+
   kh, kw, cin, cout = kernel.shape
-  return _tagged("conv2d", name, apply, stats, x, kernel, bias, site,
+  return _tagged("conv2d", name, apply, stats, x, kernel, bias, site, examples=examples,
                  a_dim=kh * kw * cin + (bias is not None), g_dim=cout)
 
 

@@ -66,6 +66,20 @@ def _probes(layer: registry.TaggedLayer, forms: tuple[str, str],
           for key, d, form in (("A", layer.a_dim, a_form), ("G", layer.g_dim, forms[1]))}
 
 
+def _correction_probes(layer: registry.TaggedLayer, state: Any, dtype: Any) -> dict:
+  """EK-FAC: the eigenbases `QA`, `QG` the state asks the layer's `S` in
+  (stacked like the layer) and a zero probe for `S`; `{}` otherwise."""
+  bases_of = getattr(state, "correction_bases", None)
+  bases = [None] if bases_of is None else [bases_of(b.name) for b in layer.blocks()]
+  if bases[0] is None:
+    return {}
+  stack = tuple(layer.stack)
+  qa, qg = (jnp.stack([b[i] for b in bases]).reshape(stack + bases[0][i].shape
+                                                     ).astype(dtype) for i in (0, 1))
+  return {factors.BASES[0]: qa, factors.BASES[1]: qg,
+          factors.CORRECTED: jnp.zeros(stack + (layer.a_dim, layer.g_dim), dtype)}
+
+
 def _statistics_consumer(opt_state: Any) -> Any:
   """The optimizer state in `opt_state` that consumes the statistics, or None:
   K-FAC's, found by what it offers (`statistic_forms`, `update_factors`), so
@@ -292,8 +306,9 @@ class ValueAndGrad:
       forms = ((factors.FULL, factors.FULL) if state is None
                else state.statistic_forms(layer.blocks()[0].name))
       if forms is not None:
-        probes[layer.name] = _probes(layer, forms,
-                                     discovered.stats_dtypes.get(layer.name, jnp.float32))
+        dtype = discovered.stats_dtypes.get(layer.name, jnp.float32)
+        probes[layer.name] = _probes(layer, forms, dtype) | _correction_probes(
+            layer, state, dtype)
     # Inside shard_map the statistics vary with the local batch: so must the
     # probes. Parameters are made varying too, so that the gradients are the
     # local ones (autodiff would otherwise psum the gradient of a replicated
@@ -338,7 +353,8 @@ class ValueAndGrad:
     # Each statistic keeps the dtype of its layer's (`factors.statistics_dtype`).
     stats = {name: {key: (value * g_scale).astype(value.dtype)
                     if key in factors.SCALED_BY_NUM_EXAMPLES
-                    else value for key, value in layer_stats.items()}
+                    else value for key, value in layer_stats.items()
+                    if key not in factors.BASES}
              for name, layer_stats in probe_bar.items()}
     value = (loss, aux) if self.has_aux else loss
     return value, grads, stats, n

@@ -22,6 +22,8 @@ from kfac_jax_dist.kfac import layout as layout_lib
 
 Method = Literal["eigen", "inverse"]
 METHODS: tuple[Method, ...] = ("eigen", "inverse")
+Correction = Literal["ekfac"]
+CORRECTIONS: tuple[Correction, ...] = ("ekfac",)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -40,6 +42,7 @@ class KfacConfig:
   max_factor_dim: int | None = None
   distribution: distribution_lib.Distribution | None = None
   stale_threshold: float | None = None
+  eigenvalue_correction: Correction | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "skip", settings.check_patterns("skip", self.skip))
@@ -66,6 +69,8 @@ class KfacConfig:
     if self.stale_threshold is not None:
       settings.check_positive("stale_threshold", self.stale_threshold, allow_zero=True)
       self._check_stale()
+    if self.eigenvalue_correction is not None:
+      self._check_correction()
 
   def settings_ok(self, count: jax.Array) -> jax.Array:
     """The run-time check of the values only the step knows (arrays from
@@ -90,6 +95,21 @@ class KfacConfig:
       raise ValueError("stale_threshold is not supported with a tensor-parallel "
                        "Distribution (model_axis): each model shard would refresh on "
                        "its own schedule.")
+
+  def _check_correction(self) -> None:
+    if self.eigenvalue_correction not in CORRECTIONS:
+      raise ValueError(f"eigenvalue_correction must be None or one of {CORRECTIONS}, "
+                       f"got {self.eigenvalue_correction!r}")
+    if self.method != "eigen":
+      raise ValueError('eigenvalue_correction="ekfac" rescales the eigenbases: it needs '
+                       'method="eigen".')
+    if self.stale_threshold is not None:
+      raise ValueError('eigenvalue_correction="ekfac" is not supported with '
+                       "stale_threshold.")
+    if self.model_axis is not None or self.local_factors:
+      raise ValueError(
+          'eigenvalue_correction="ekfac" is not supported with a tensor-parallel '
+          'Distribution (model_axis) or factor_reduction="local" (DP-KFAC) so far.')
 
   @property
   def compute_dtype(self) -> Any:

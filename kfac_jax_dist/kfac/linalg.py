@@ -69,11 +69,15 @@ def _rotate(m, basis_a, basis_g, transpose: bool):
   return m
 
 
-def precondition_eigen(grad, basis_a, values_a, basis_g, values_g, damping, rows=None):
+def precondition_eigen(grad, basis_a, values_a, basis_g, values_g, damping, rows=None,
+                       scaling=None):
   """`Q_A [(Q_Aᵀ ∇ Q_G) / (v_A v_Gᵀ + γ)] Q_Gᵀ`; a `None` basis is the identity.
-  `rows=(lo, hi)`: only those rows of the result (`Q_A[lo:hi]` on the left)."""
+  `rows=(lo, hi)`: only those rows of the result (`Q_A[lo:hi]` on the left).
+  `scaling` `[d_A, d_G]` replaces `v_A v_Gᵀ` (EK-FAC, `kfac.correction`)."""
   m = _rotate(grad, basis_a, basis_g, transpose=True)
-  m = m / (values_a[:, None] * values_g[None, :] + damping)
+  if scaling is None:
+    scaling = values_a[:, None] * values_g[None, :]
+  m = m / (scaling.astype(m.dtype) + damping)
   if rows is not None:
     if basis_a is None:
       m = m[rows[0]:rows[1]]

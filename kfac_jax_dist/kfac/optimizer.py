@@ -16,7 +16,7 @@ from kfac_jax_dist.capture import registry
 from kfac_jax_dist.core import cadence, faults
 from kfac_jax_dist.core import distribution as distribution_lib
 from kfac_jax_dist.kfac import adaptive
-from kfac_jax_dist.kfac.config import KfacConfig, Method
+from kfac_jax_dist.kfac.config import Correction, KfacConfig, Method
 from kfac_jax_dist.kfac.transform import scale_by_kfac
 
 
@@ -57,6 +57,7 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
          adapt_damping: bool = False, damping_adaptation_interval: int = 5,
          damping_adaptation_decay: float = 0.9, min_damping: float = 1e-3,
          max_damping: float | None = None, micro_batches: int | None = None,
+         eigenvalue_correction: Correction | None = None,
          ) -> optax.GradientTransformationExtraArgs:
   """K-FAC preconditioning followed by SGD with momentum, as in KAISA, or adaptive.
 
@@ -121,6 +122,11 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
       each factor is refreshed at its own adaptive interval. Needs both
       intervals at 1 and method "eigen"; not with a tensor-parallel
       distribution. None: off.
+    eigenvalue_correction: "ekfac": eigenvalue-corrected K-FAC (George et
+      al. 2018, `kfac.correction`): Dense and Conv layers are scaled by the
+      measured second moment of the per-example gradients in K-FAC's
+      eigenbasis; pass `opt_state=` to `grad_fn`. Method "eigen"; not with
+      stale statistics, DP-KFAC or a model axis. None: K-FAC's eigenvalues.
     grad_fn: the `kd.value_and_grad(loss_fn)` whose statistics feed this
       transform; needed in adaptive mode (exact curvature products, the
       loss for the damping's reduction ratio).
@@ -152,7 +158,8 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
                  factor_update_every=factor_update_every,
                  inverse_update_every=inverse_update_every, method=method,
                  factor_dtype=factor_dtype, skip=skip, max_factor_dim=max_factor_dim,
-                 distribution=distribution, stale_threshold=stale_threshold)
+                 distribution=distribution, stale_threshold=stale_threshold,
+                 eigenvalue_correction=eigenvalue_correction)
   if learning_rate is not None and momentum is not None:
     kl_clip = KL_CLIP.value if kl_clip is KL_CLIP else kl_clip
     if adapt_damping or micro_batches is not None:

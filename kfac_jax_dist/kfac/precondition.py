@@ -90,11 +90,12 @@ def check_updates(layout: layout_lib.Layout, leaves: Leaves) -> None:
 
 def precondition_group(config: KfacConfig, layout: layout_lib.Layout,
                        second: jax.Array, gamma: jax.Array, group: int, grad_of: GradOf,
-                       kl_weight: Callable[[layout_lib.LayerPlan], float]
+                       kl_weight: Callable[[layout_lib.LayerPlan], float],
+                       scaling: dict[str, jax.Array] | None = None
                        ) -> tuple[dict[Any, jax.Array], jax.Array]:
   """Preconditioned gradients of one owner group's layers and its Σ|⟨V, ∇⟩|;
   a piece of a replicated layer leaves its partial ⟨V, ∇⟩ under
-  `(name, "dot")` instead."""
+  `(name, "dot")` instead. `scaling`: EK-FAC's `s` of the layers it corrects."""
   dtype = config.compute_dtype
 
   def parts(place: layout_lib.FactorPlace) -> tuple[jax.Array | None, jax.Array]:
@@ -114,7 +115,8 @@ def precondition_group(config: KfacConfig, layout: layout_lib.Layout,
       v = jnp.stack([v_gamma] + ([v_beta] if v_beta is not None else []))
     elif config.method == "eigen":
       v = linalg.precondition_eigen(grad, *parts(plan.a), *parts(plan.g), gamma,
-                                    rows=plan.rows)
+                                    rows=plan.rows,
+                                    scaling=(scaling or {}).get(plan.layer.name))
     else:
       v = linalg.precondition_inverse(grad, either(plan.a), either(plan.g),
                                       rows=plan.rows)
@@ -170,15 +172,19 @@ def _group_buffer(config: KfacConfig, layout: layout_lib.Layout, group: int,
 
 def precondition(config: KfacConfig, comm: collectives_lib.Collectives,
                  layout: layout_lib.Layout, second: jax.Array, gamma: jax.Array,
-                 grad_of: GradOf, kl_weight: Callable[[layout_lib.LayerPlan], float]
+                 grad_of: GradOf, kl_weight: Callable[[layout_lib.LayerPlan], float],
+                 scaling: dict[str, jax.Array] | None = None
                  ) -> tuple[dict[str, jax.Array], jax.Array]:
-  """Every layer's preconditioned gradient (on every device) and Σ|⟨V, ∇⟩|."""
+  """Every layer's preconditioned gradient (on every device) and Σ|⟨V, ∇⟩|
+  (`scaling`: EK-FAC's `s` of the layers it corrects, on every device)."""
   if layout.num_groups == 1:
-    return precondition_group(config, layout, second, gamma, 0, grad_of, kl_weight)
+    return precondition_group(config, layout, second, gamma, 0, grad_of, kl_weight,
+                              scaling)
   offsets, sizes, _ = layout_lib.gradient_offsets(layout)
 
   def make(g: int) -> jax.Array:
-    out, vg = precondition_group(config, layout, second, gamma, g, grad_of, kl_weight)
+    out, vg = precondition_group(config, layout, second, gamma, g, grad_of, kl_weight,
+                                 scaling)
     return _group_buffer(config, layout, g, out, vg)
   buffers = routing.gather_from_groups(comm, make, sizes, config.compute_dtype)
   vg = sum(b[0] for b in buffers)

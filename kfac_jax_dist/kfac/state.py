@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec
 
 from kfac_jax_dist.capture import statistics
 from kfac_jax_dist.core import states
+from kfac_jax_dist.kfac import correction as correction_lib
 from kfac_jax_dist.kfac import layout as layout_lib
 from kfac_jax_dist.kfac import packing
 from kfac_jax_dist.kfac import stale as stale_lib
@@ -27,7 +28,7 @@ from kfac_jax_dist.kfac import stale as stale_lib
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["count", "factor_weight", "update_factors", "factors", "second_order",
-                 "skipped", "refresh"],
+                 "skipped", "refresh", "correction"],
     meta_fields=["layout"])
 @dataclasses.dataclass(frozen=True)
 class ScaleByKfacState(states.PreconditionerState):
@@ -47,6 +48,7 @@ class ScaleByKfacState(states.PreconditionerState):
     layout: static placement of every layer's factors.
     refresh: per-factor refresh schedule with stale statistics (`stale`),
       else None.
+    correction: EK-FAC's running scaling (`correction`), else None.
   """
 
   count: jax.Array
@@ -57,6 +59,7 @@ class ScaleByKfacState(states.PreconditionerState):
   skipped: jax.Array
   layout: layout_lib.Layout
   refresh: stale_lib.RefreshState | None = None
+  correction: correction_lib.CorrectionState | None = None
 
   def partition_specs(self) -> ScaleByKfacState:
     """Running factors sharded over the distribution's axis (each device holds
@@ -73,7 +76,8 @@ class ScaleByKfacState(states.PreconditionerState):
         self, count=replicated, factor_weight=replicated, update_factors=replicated,
         skipped=replicated, factors=sharded,
         second_order=replicated if self.layout.num_groups == 1 else sharded,
-        refresh=refresh)
+        refresh=refresh, correction=jax.tree_util.tree_map(lambda _: replicated,
+                                                           self.correction))
 
   def statistic_forms(self, layer_name: str) -> tuple[str, str] | None:
     """The forms ("full" or "diag") of the statistics `A` and `G` the state
@@ -81,6 +85,15 @@ class ScaleByKfacState(states.PreconditionerState):
     it to compute only what is used."""
     plan = self.layout.plan(layer_name)
     return None if plan is None else (plan.a_form, plan.g_form)
+
+  def correction_bases(self, layer_name: str) -> tuple[jax.Array, jax.Array] | None:
+    """EK-FAC: the eigenbases `(Q_A, Q_G)` in which the capture measures the
+    layer's `S`; None without the correction or for a layer it leaves alone."""
+    if self.correction is None:
+      return None
+    return correction_lib.bases(
+        self.layout, correction_lib.owners_second(self.second_order, self.correction),
+        layer_name)
 
 
 def find_states(tree: Any) -> list[ScaleByKfacState]:

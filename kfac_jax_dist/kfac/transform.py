@@ -51,8 +51,9 @@ from kfac_jax_dist.kfac import (
   stale,
   stale_update,
 )
+from kfac_jax_dist.kfac import correction as correction_lib
 from kfac_jax_dist.kfac import layout as layout_lib
-from kfac_jax_dist.kfac.config import KfacConfig, Method
+from kfac_jax_dist.kfac.config import Correction, KfacConfig, Method
 from kfac_jax_dist.kfac.state import ScaleByKfacState, global_second_order
 
 # ------------------------------------------------------------------------ init
@@ -126,8 +127,20 @@ def init_state(config: KfacConfig, comm: collectives_lib.Collectives,
       update_factors=xp.asarray(True), factors=running, second_order=second,
       skipped=xp.zeros([], jnp.int32), layout=lay,
       refresh=None if config.stale_threshold is None else stale.init(
-          lay, running, compute, xp))
+          lay, running, compute, xp),
+      correction=None if config.eigenvalue_correction is None else initial_correction(
+          lay, second, xp))
   return state if xp is jnp else jax.tree_util.tree_map(jnp.asarray, state)
+
+
+def initial_correction(lay: layout_lib.Layout, second: Any, xp: Any
+                       ) -> correction_lib.CorrectionState:
+  """EK-FAC's scaling at count 0 (`v_A v_Gᵀ` of the identity eigenbases), with
+  the owners' segments `[P·L₂]` kept when there are several owner groups."""
+  owners = xp.concatenate([packing.second_order_segment(lay, d, second.dtype, xp)
+                           for d in range(lay.num_devices)])
+  return correction_lib.reset(lay, jnp.asarray(owners),
+                              None if lay.num_groups == 1 else jnp.asarray(owners))
 
 
 # ---------------------------------------------------------------------- update
@@ -201,7 +214,10 @@ def inputs_verdict(config: KfacConfig, comm: collectives_lib.Collectives,
                       or comm.dist.axis in _compat.varying_axes(list(leaves.values()))):
     ok = faults.agree(ok, comm.varying)
   if stats is not None:
-    finite = faults.all_finite(factors.all_statistics(state.layout, stats))
+    finite = faults.all_finite(factors.all_statistics(state.layout, stats) + (
+        [] if state.correction is None else
+        [correction_lib.batch_scaling(config, collectives_lib.Collectives(None),
+                                      state.layout, stats)]))
     if comm.active:
       ok = ok & lax.cond(state.update_factors, lambda: faults.agree(finite, comm.varying),
                          lambda: jnp.asarray(True))
@@ -247,6 +263,33 @@ def refreshed_state(config: KfacConfig, comm: collectives_lib.Collectives,
       update_factors=cadence.due(config.factor_update_every, count + 1))
 
 
+def corrected_states(config: KfacConfig, comm: collectives_lib.Collectives,
+                     state: ScaleByKfacState, new_state: ScaleByKfacState,
+                     stats: factors.Stats | None, ok: jax.Array
+                     ) -> tuple[ScaleByKfacState, ScaleByKfacState]:
+  """EK-FAC (`correction`): (the state this step preconditions with: the
+  eigenbases it started with and the scaling measured in them on a factor
+  step; the state after the step: on a decomposition step, the new eigenbases
+  and their `v_A v_Gᵀ`, fresh)."""
+  lay, measured = state.layout, state.correction
+  if stats is not None:
+    with jax.named_scope("kfac_factor_update"):
+      measured = lax.cond(
+          state.update_factors & ok,
+          lambda: correction_lib.updated(config, comm, lay, state.correction, stats),
+          lambda: state.correction)
+  decomposed = cadence.due(config.inverse_update_every, state.count) & ok
+
+  def reset() -> correction_lib.CorrectionState:
+    gathered = correction_lib.gather_owners(comm, lay, new_state.second_order)
+    return correction_lib.reset(
+        lay, new_state.second_order if gathered is None else gathered, gathered)
+  after = lax.cond(decomposed, reset, lambda: measured)
+  return (dataclasses.replace(new_state, second_order=state.second_order,
+                              correction=measured),
+          dataclasses.replace(new_state, correction=after))
+
+
 def preconditioned_updates(config: KfacConfig, comm: collectives_lib.Collectives,
                            state: ScaleByKfacState, updates: Any,
                            leaves: dict[str, jax.Array], gamma: jax.Array) -> Any:
@@ -263,8 +306,10 @@ def preconditioned_updates(config: KfacConfig, comm: collectives_lib.Collectives
     return 1.0 / config.distribution.model_size
 
   grad_of, leaves = precondition.routed_gradients(config, comm, lay, leaves)
+  scaling = (None if state.correction is None
+             else correction_lib.layer_scaling(lay, state.correction))
   out, vg = precondition.precondition(config, comm, lay, state.second_order, gamma,
-                                      grad_of, kl_weight)
+                                      grad_of, kl_weight, scaling)
   out = precondition.kl_clip(config, out, vg, state.count)
   leaves = dict(leaves)
   for plan in lay.plans:
@@ -293,7 +338,10 @@ def update_state(config: KfacConfig, comm: collectives_lib.Collectives, updates:
   with jax.named_scope(faults.SCOPE):
     ok = inputs_verdict(config, comm, state, leaves, stats)
   new_state = refreshed_state(config, comm, state, stats, ok, gamma)
-  new_updates = preconditioned_updates(config, comm, new_state, updates, leaves, gamma)
+  applied = new_state
+  if state.correction is not None:
+    applied, new_state = corrected_states(config, comm, state, new_state, stats, ok)
+  new_updates = preconditioned_updates(config, comm, applied, updates, leaves, gamma)
   with jax.named_scope(faults.SCOPE):
     produced = faults.all_finite(jax.tree_util.tree_leaves(new_updates))
     ok = faults.computed_once(faults.agree(ok & produced, _compat.varying_axes(produced)))
@@ -317,6 +365,7 @@ def scale_by_kfac(
     max_factor_dim: int | None = None,
     distribution: distribution_lib.Distribution | None = None,
     stale_threshold: float | None = None,
+    eigenvalue_correction: Correction | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Preconditions the gradients of tagged layers with damped K-FAC.
 
@@ -352,6 +401,14 @@ def scale_by_kfac(
       Needs `factor_update_every = inverse_update_every = 1` and method
       "eigen"; each refreshed factor then travels in its own all-reduce (a
       fused reduce-scatter cannot leave stale factors out). None: off.
+    eigenvalue_correction: "ekfac": EK-FAC (George et al. 2018): Dense and
+      Conv layers divide by the second moment of the per-example gradients in
+      the eigenbasis instead of K-FAC's eigenvalues (`kfac.correction`);
+      `grad_fn` must get `opt_state=` so that the capture measures it. Needs
+      method "eigen"; not with stale statistics, DP-KFAC or a model axis.
+      Costs per factor step one all-reduce of gradient size, and with
+      several owner groups an all-gather of the eigenbases on decomposition
+      steps. None: K-FAC.
 
   Returns:
     A `GradientTransformationExtraArgs` whose `update` takes `kfac_stats=`.
@@ -363,7 +420,7 @@ def scale_by_kfac(
       inverse_update_every=inverse_update_every, method=method, kl_clip=kl_clip,
       learning_rate=learning_rate, factor_dtype=factor_dtype, skip=skip,
       max_factor_dim=max_factor_dim, distribution=distribution,
-      stale_threshold=stale_threshold)
+      stale_threshold=stale_threshold, eigenvalue_correction=eigenvalue_correction)
   comm = collectives_lib.Collectives(distribution)
 
   def init_fn(params: Any) -> ScaleByKfacState:

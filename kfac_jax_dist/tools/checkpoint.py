@@ -39,6 +39,7 @@ import numpy as np
 from kfac_jax_dist.core import specs
 from kfac_jax_dist.core import tensor_parallel
 from kfac_jax_dist.capture import statistics as factors_lib
+from kfac_jax_dist.kfac import correction as correction_lib
 from kfac_jax_dist.kfac import state as kfac_lib
 from kfac_jax_dist.kfac import layout as layout_lib
 from kfac_jax_dist.kfac import packing
@@ -300,7 +301,26 @@ def _convert_kfac(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfacState
       factor_weight=jnp.asarray(old.factor_weight, new.factor_weight.dtype),
       update_factors=jnp.asarray(old.update_factors, new.update_factors.dtype),
       factors=factors, second_order=kfac_lib.global_second_order(lay, segments),
-      skipped=jnp.asarray(old.skipped, new.skipped.dtype), layout=lay)
+      skipped=jnp.asarray(old.skipped, new.skipped.dtype), layout=lay,
+      correction=_convert_correction(old, new))
+
+
+def _convert_correction(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfacState
+                        ) -> correction_lib.CorrectionState | None:
+  """EK-FAC's scaling, layer by layer (None without the correction)."""
+  if (old.correction is None) != (new.correction is None):
+    raise ValueError("convert_state: only one of the two K-FAC states has "
+                     'eigenvalue_correction="ekfac"; build the template with the same '
+                     "eigenvalue_correction.")
+  if new.correction is None:
+    return None
+  scaling = correction_lib.layer_scaling(old.layout, old.correction)
+  flat = [np.asarray(scaling[plan.layer.name]).reshape(-1)
+          for plan, _ in correction_lib.corrected_plans(new.layout)]
+  return correction_lib.CorrectionState(
+      jnp.asarray(np.concatenate(flat) if flat else np.zeros(0),
+                  new.correction.scaling.dtype),
+      jnp.asarray(old.correction.fresh))
 
 
 def _convert_shampoo(old, new):

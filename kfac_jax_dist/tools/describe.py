@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 
 from kfac_jax_dist.capture import statistics as factors
 from kfac_jax_dist.core import uneven
 from kfac_jax_dist.kfac.state import ScaleByKfacState
 from kfac_jax_dist.kfac.state import find_states
+from kfac_jax_dist.kfac import correction as correction_lib
 from kfac_jax_dist.kfac import layout as layout_lib
 
 
@@ -82,6 +84,10 @@ def _summary(state: ScaleByKfacState) -> list[str]:
                f"device{segments}.")
   per_device = (lay.factor_shard * state.factors.dtype.itemsize
                 + m * lay.second_segment * state.second_order.dtype.itemsize)
+  if state.correction is not None:
+    lines.append(_correction_line(state))
+    per_device += sum(x.size * x.dtype.itemsize
+                      for x in jax.tree_util.tree_leaves(state.correction))
   on_all = f" ({p * per_device:,} on all {p} devices)" if p > 1 else ""
   lines.append(f"K-FAC state: {per_device:,} bytes per device{on_all}.")
   schemes = _uneven_schemes(lay)
@@ -90,6 +96,19 @@ def _summary(state: ScaleByKfacState) -> list[str]:
                  f"of {uneven.LATENCY_NUMBERS:,} numbers per collective: "
                  "kfac_jax_dist.core.uneven.set_latency)")
   return lines
+
+
+def _correction_line(state: ScaleByKfacState) -> str:
+  """EK-FAC's part of the state, in words."""
+  corr, lay = state.correction, state.layout
+  corrected = len(correction_lib.corrected_plans(lay))
+  line = (f"EK-FAC: the scaling s of {corrected} Dense/Conv layer"
+          f"{'s' * (corrected != 1)}, {corr.scaling.size:,} numbers replicated on "
+          "every device")
+  if corr.bases is not None:
+    line += (f", and every owner's eigenbases gathered for the capture, "
+             f"{corr.bases.size:,} numbers per device")
+  return line + "."
 
 
 def _scheme(sizes) -> str:

@@ -1,0 +1,178 @@
+"""EK-FAC: K-FAC's eigenvalues replaced by the measured scaling in its eigenbasis.
+
+Eigenvalue-corrected K-FAC (George et al. 2018, "Fast Approximate Natural
+Gradient Descent in a Kronecker-factored Eigenbasis", Alg. 1) keeps K-FAC's
+eigenbases `Q_A`, `Q_G` but divides by the second moment of the per-example
+gradients projected into them instead of the Kronecker eigenvalues:
+
+    s = E_u[(Q_Aᵀ ∇_u Q_G)²]          (elementwise square, [d_A, d_G]),
+    Δ = Q_A [(Q_Aᵀ ∇ Q_G) / (s + γ)] Q_Gᵀ,
+
+`∇_u` example u's gradient (its positions summed: `capture.statistics.
+corrected_scaling`, the statistic `S`). `s` is the diagonal of the empirical
+Fisher in that basis, the best diagonal there (Eq. 8); K-FAC's `v_A v_Gᵀ` is
+its Kronecker approximation.
+
+This library's cadence. The capture measures `S` on factor steps in the
+eigenbases of the state it is given (those of the previous decomposition).
+So that `S` and the basis always agree, an EK-FAC step preconditions with the
+eigenbases the state held at its start: on a decomposition step the new
+eigenbases are stored for the steps after (K-FAC uses them at once). On a
+factor step the running `s` becomes the batch's `S` if the basis is new
+(`fresh`), else `β s + (1 − β) S` (β = `factor_decay`); a decomposition resets
+it to the new basis's `v_A v_Gᵀ` (fresh), which steps without statistics use
+until the next factor step. With both intervals 1, each step uses the basis
+of the step before and its own batch's `S`.
+
+Layers corrected: Dense, DenseGeneral and Conv layers whose `A` and `G` are
+full matrices; the others (diagonal factors, embeddings, unit-wise layers)
+keep K-FAC's preconditioning. With a distribution, `S` is averaged over the
+data axis (one all-reduce of gradient size on factor steps) and `s` is
+replicated. Every device projects its own examples, so it needs every
+eigenbasis: with one owner group (COMM-OPT) it has them; with several
+(MEM-OPT, HYBRID-OPT) each device's own second-order segment is all-gathered
+on decomposition steps into `CorrectionState.bases` (COMM-OPT's broadcast,
+and its memory for the eigenbases).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kfac_jax_dist.capture import statistics
+from kfac_jax_dist.core import collectives as collectives_lib
+from kfac_jax_dist.kfac import layout as layout_lib
+from kfac_jax_dist.kfac import packing
+from kfac_jax_dist.kfac.config import KfacConfig
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["scaling", "fresh", "bases"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class CorrectionState:
+  """EK-FAC's running scaling (replicated on every device).
+
+  Attributes:
+    scaling: every corrected layer's `s` (`[d_A, d_G]`, row-major), in
+      layout order (`corrected_plans`).
+    fresh: whether `scaling` is K-FAC's `v_A v_Gᵀ` of eigenbases that no
+      factor step has measured yet (the next `S` replaces it).
+    bases: with several owner groups (MEM-OPT, HYBRID-OPT), every owner's
+      second-order segment, `[P·L₂]`, gathered on decomposition steps so that
+      every device can project its examples; None with one group, whose
+      second-order array is already that.
+  """
+
+  scaling: jax.Array
+  fresh: jax.Array
+  bases: jax.Array | None = None
+
+
+def is_corrected(plan: layout_lib.LayerPlan) -> bool:
+  """A layer with full `A` and `G` factors (not unit-wise, not diagonal)."""
+  return (not plan.layer.unitwise and not plan.layer.a_diagonal
+          and plan.a_form == statistics.FULL and plan.g_form == statistics.FULL)
+
+
+def corrected_plans(lay: layout_lib.Layout) -> list[tuple[layout_lib.LayerPlan, int]]:
+  """`(plan, offset in CorrectionState.scaling)` of every corrected layer."""
+  out, offset = [], 0
+  for plan in lay.plans:
+    if is_corrected(plan):
+      out.append((plan, offset))
+      offset += plan.layer.a_dim * plan.layer.g_dim
+  return out
+
+
+def owners_second(second: jax.Array, state: CorrectionState) -> jax.Array:
+  """Every owner's second-order segment, `[P·L₂]`, on this device: the state's
+  own array with one owner group, else the gathered copy."""
+  return second if state.bases is None else state.bases
+
+
+def gather_owners(comm: collectives_lib.Collectives, lay: layout_lib.Layout,
+                  second: jax.Array) -> jax.Array | None:
+  """Several owner groups: each device's own `[L₂]` segment (of its group's
+  `m·L₂` array) all-gathered, `[P·L₂]` (the second-order bytes COMM-OPT
+  broadcasts); None with one group."""
+  if lay.num_groups == 1:
+    return None
+  length = lay.second_segment
+  own = jax.lax.dynamic_slice_in_dim(
+      second, (comm.device_index() % lay.group_size) * length, length)
+  return comm.all_gather_owned(own)
+
+
+def _parts(lay: layout_lib.Layout, second: jax.Array, place: layout_lib.FactorPlace
+           ) -> tuple[jax.Array, jax.Array]:
+  """(eigenbasis, eigenvalues) of a factor from every owner's segment,
+  `[P·L₂]` (`owners_second`)."""
+  return packing.read_parts(second, lambda q: q.owner * lay.second_segment, place)
+
+
+def bases(lay: layout_lib.Layout, second: jax.Array, name: str
+          ) -> tuple[jax.Array, jax.Array] | None:
+  """`(Q_A, Q_G)` of a corrected layer; None for any other."""
+  plan = lay.plan(name)
+  if plan is None or not is_corrected(plan):
+    return None
+  return _parts(lay, second, plan.a)[0], _parts(lay, second, plan.g)[0]
+
+
+def kfac_scaling(lay: layout_lib.Layout, second: jax.Array) -> jax.Array:
+  """K-FAC's `v_A v_Gᵀ` of every corrected layer, as `CorrectionState.scaling`."""
+  pieces = [jnp.outer(_parts(lay, second, plan.a)[1], _parts(lay, second, plan.g)[1]
+                      ).ravel() for plan, _ in corrected_plans(lay)]
+  return jnp.concatenate(pieces) if pieces else jnp.zeros(0, second.dtype)
+
+
+def reset(lay: layout_lib.Layout, second: jax.Array, gathered: jax.Array | None
+          ) -> CorrectionState:
+  """The scaling of new eigenbases: their `v_A v_Gᵀ`, fresh (`second`: every
+  owner's segment; `gathered`: the same, kept with several owner groups)."""
+  return CorrectionState(kfac_scaling(lay, second), jnp.asarray(True), gathered)
+
+
+def batch_scaling(config: KfacConfig, comm: collectives_lib.Collectives,
+                  lay: layout_lib.Layout, stats: Any) -> jax.Array:
+  """The batch's `S` of every corrected layer, flat, averaged over the data
+  axis."""
+  pieces = []
+  for plan, _ in corrected_plans(lay):
+    layer = plan.layer
+    if statistics.CORRECTED not in stats[layer.stats_name]:
+      raise ValueError(
+          f"kfac_stats['{layer.stats_name}'] has no EK-FAC statistic 'S': compute the "
+          "statistics with grad_fn(params, ..., opt_state=opt_state) so that the "
+          "capture sees the eigenbases.")
+    stat = stats[layer.stats_name][statistics.CORRECTED]
+    if layer.stack_index is not None:
+      stat = stat[layer.stack_index]
+    pieces.append(stat.astype(config.compute_dtype).ravel())
+  flat = jnp.concatenate(pieces) if pieces else jnp.zeros(0, config.compute_dtype)
+  return comm.mean(flat)
+
+
+def updated(config: KfacConfig, comm: collectives_lib.Collectives,
+            lay: layout_lib.Layout, state: CorrectionState, stats: Any
+            ) -> CorrectionState:
+  """The running scaling after a factor step: the batch's `S` on fresh
+  eigenbases, else its `factor_decay` running average."""
+  batch = batch_scaling(config, comm, lay, stats)
+  decay = jnp.asarray(config.factor_decay, batch.dtype)
+  scaling = jnp.where(state.fresh, batch, decay * state.scaling + (1 - decay) * batch)
+  return CorrectionState(scaling.astype(state.scaling.dtype), jnp.asarray(False),
+                         state.bases)
+
+
+def layer_scaling(lay: layout_lib.Layout, state: CorrectionState
+                  ) -> dict[str, jax.Array]:
+  """`{layer: s [d_A, d_G]}` of the corrected layers."""
+  return {plan.layer.name: state.scaling[offset:offset + plan.layer.a_dim * plan.layer.g_dim
+                                         ].reshape(plan.layer.a_dim, plan.layer.g_dim)
+          for plan, offset in corrected_plans(lay)}

@@ -1,0 +1,339 @@
+"""EK-FAC (`eigenvalue_correction="ekfac"`, kfac.correction) against float64
+brute force: the corrected scaling from per-example gradients (`jax.vmap` of
+each example's own loss gradient), the update from a dense solve in the
+eigenbasis, and the 8-device COMM-OPT run against the single-device one."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import helpers
+import kfac_jax_dist as kd
+from kfac_jax_dist.capture import registry
+from kfac_jax_dist.kfac import correction as correction_lib
+
+LAMBDA, DECAY = 1e-2, 0.8
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _x64():
+  previous = jax.config.jax_enable_x64
+  jax.config.update("jax_enable_x64", True)
+  yield
+  jax.config.update("jax_enable_x64", previous)
+
+
+class ConvNet(nn.Module):
+  """A Conv layer (an image is an example: its pixels summed) and two Dense."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(kd.linen.Conv(3, (3, 3))(x))
+    x = nn.tanh(kd.linen.Dense(5)(x.mean((1, 2))))
+    return kd.linen.Dense(4)(x)
+
+
+class SequenceNet(nn.Module):
+  """A Dense layer over a sequence, reduced per sequence (`example_dims=1`):
+  the per-example gradient sums its positions."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.tanh(kd.linen.Dense(5, kfac_example_dims=1)(x))
+    return kd.linen.Dense(4)(x.mean(1))
+
+
+PROBLEMS = {"conv": (ConvNet(), (6, 5, 5, 2)), "sequence": (SequenceNet(), (6, 4, 3))}
+
+
+def _problem(name: str):
+  model, shape = PROBLEMS[name]
+  kx, ky, kp = jax.random.split(jax.random.PRNGKey(0), 3)
+  x = jax.random.normal(kx, shape, jnp.float64)
+  y = jax.random.randint(ky, shape[:1], 0, 4)
+  params = jax.tree.map(lambda a: a.astype(jnp.float64), model.init(kp, x))
+
+  def loss_fn(p, x, y):
+    return kd.losses.softmax_cross_entropy(model.apply(p, x), y)
+  return loss_fn, params, x, y
+
+
+def _batch(x, y, step: int):
+  """A different batch per step (fresh inputs, the same shapes)."""
+  k1, k2 = jax.random.split(jax.random.PRNGKey(100 + step))
+  return jax.random.normal(k1, x.shape, x.dtype), jax.random.randint(k2, y.shape, 0, 4)
+
+
+def _matrix(leaves: dict, layer) -> np.ndarray:
+  """A layer's gradient as `[d_A, d_G]` (kernel rows, then the bias row);
+  leading axes of per-example gradients kept."""
+  kernel = np.asarray(leaves[layer.kernel_path])
+  lead = kernel.shape[:kernel.ndim - len(layer.kernel_shape)]
+  m = kernel.reshape(lead + (layer.a_dim - layer.has_bias, layer.g_dim))
+  if layer.has_bias:
+    bias = np.asarray(leaves[layer.bias_path]).reshape(lead + (1, layer.g_dim))
+    m = np.concatenate([m, bias], axis=-2)
+  return m
+
+
+def _per_example_gradients(loss_fn, params, x, y) -> dict:
+  """Each example's gradient of its own loss, by parameter path."""
+  grads = jax.vmap(jax.grad(lambda p, xi, yi: loss_fn(p, xi[None], yi[None])),
+                   in_axes=(None, 0, 0))(params, x, y)
+  return _by_path(grads)
+
+
+def _by_path(tree) -> dict:
+  return {registry.path_str(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _brute_scaling(per_example: dict, layer, qa, qg) -> np.ndarray:
+  """`(1/n) Σ_u (Q_Aᵀ ∇_u Q_G)²` in float64."""
+  m = _matrix(per_example, layer)
+  rotated = np.einsum("ai,uab,bj->uij", np.asarray(qa), m, np.asarray(qg))
+  return np.mean(rotated ** 2, axis=0)
+
+
+def _dense_solve(grad: np.ndarray, qa, qg, scaling: np.ndarray) -> np.ndarray:
+  """`F̃⁻¹ vec(∇)` with `F̃ = (Q_A ⊗ Q_G) diag(vec(s) + γ) (Q_A ⊗ Q_G)ᵀ`, formed
+  densely (row-major vec of `[d_A, d_G]`)."""
+  q = np.kron(np.asarray(qa), np.asarray(qg))
+  f = q @ np.diag(scaling.reshape(-1) + LAMBDA) @ q.T
+  return np.linalg.solve(f, grad.reshape(-1)).reshape(grad.shape)
+
+
+@pytest.mark.parametrize("name", sorted(PROBLEMS))
+def test_corrected_scaling_equals_per_example_brute_force(name):
+  """The captured `S` of every Dense/Conv layer equals the per-example second
+  moment in the state's eigenbases (taken after two steps: not the identity)."""
+  loss_fn, params, x, y = _problem(name)
+  grad_fn = kd.value_and_grad(loss_fn)
+  layers = grad_fn.discover(params, x, y)
+  tx = kd.scale_by_kfac(layers, damping=LAMBDA, factor_dtype=jnp.float64,
+                        eigenvalue_correction="ekfac")
+  state = tx.init(params)
+  for step in range(2):
+    _, grads, stats = grad_fn(params, *_batch(x, y, step), opt_state=state)
+    _, state = tx.update(grads, state, kfac_stats=stats)
+  _, _, stats = grad_fn(params, x, y, opt_state=state)
+  per_example = _per_example_gradients(loss_fn, params, x, y)
+  for layer in layers:
+    qa, qg = state.correction_bases(layer.name)
+    assert not np.allclose(np.asarray(qa), np.eye(qa.shape[0]))
+    want = _brute_scaling(per_example, layer, qa, qg)
+    helpers.assert_factor_close(stats[layer.name]["S"], want, layer.name)
+
+
+@pytest.mark.parametrize("name", sorted(PROBLEMS))
+def test_updates_equal_the_dense_solve_in_the_basis(name):
+  """Five steps, factors every step and eigenbases every second: each update
+  equals the dense solve with the eigenbases the step started with and the
+  scaling of the rule in `kfac.correction` (the batch's brute-force `S` on
+  fresh eigenbases, else its running average; `v_A v_Gᵀ` after a
+  decomposition), and the state keeps that scaling."""
+  loss_fn, params, x, y = _problem(name)
+  grad_fn = kd.value_and_grad(loss_fn)
+  layers = grad_fn.discover(params, x, y)
+  tx = kd.scale_by_kfac(layers, damping=LAMBDA, factor_decay=DECAY,
+                        inverse_update_every=2, factor_dtype=jnp.float64,
+                        eigenvalue_correction="ekfac")
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  scaling = {layer.name: np.ones((layer.a_dim, layer.g_dim)) for layer in layers}
+  fresh = True
+  for step in range(5):
+    xb, yb = _batch(x, y, step)
+    _, grads, stats = grad_fn(params, xb, yb, opt_state=state)
+    per_example = _per_example_gradients(loss_fn, params, xb, yb)
+    bases = {layer.name: state.correction_bases(layer.name) for layer in layers}
+    got, new_state = update(grads, state, kfac_stats=stats)
+    for layer in layers:
+      qa, qg = bases[layer.name]
+      measured = _brute_scaling(per_example, layer, qa, qg)
+      s = measured if fresh else DECAY * scaling[layer.name] + (1 - DECAY) * measured
+      want = _dense_solve(_matrix(_by_path(grads), layer), qa, qg, s)
+      np.testing.assert_allclose(_matrix(_by_path(got), layer), want, rtol=1e-10,
+                                 atol=1e-12 * np.abs(want).max(),
+                                 err_msg=f"step {step}, {layer.name}")
+      scaling[layer.name] = s
+    if step % 2 == 0:            # a decomposition: the new v_A v_Gᵀ, fresh
+      parts = kd.second_order_parts(new_state)
+      scaling = {n: np.outer(p["A"][1], p["G"][1]) for n, p in parts.items()}
+    fresh = step % 2 == 0
+    kept = correction_lib.layer_scaling(new_state.layout, new_state.correction)
+    for n, s in scaling.items():
+      np.testing.assert_allclose(np.asarray(kept[n]), s, rtol=1e-10, atol=1e-14)
+    state = new_state
+    params = optax.apply_updates(params, jax.tree.map(lambda u: -0.1 * u, got))
+
+
+@pytest.mark.parametrize("fraction,reduction", [
+    (1, "all_reduce"), (1 / 8, "all_reduce"), (1 / 4, "all_reduce"),
+    (1 / 8, "reduce_scatter")], ids=["comm_opt", "mem_opt", "hybrid", "sp_ngd"])
+def test_eight_devices_equal_one_device(fraction, reduction):
+  """On 8 CPU devices (per-device statistics, `S` averaged over the axis; the
+  eigenbases gathered with several owner groups) K-FAC with EK-FAC equals the
+  single-device run under COMM-OPT, MEM-OPT, HYBRID-OPT and SP-NGD's fused
+  gradient reduce-scatter."""
+  loss_fn, params, x, y = _problem("conv")
+  x, y = jnp.concatenate([x] * 4), jnp.concatenate([y] * 4)   # 24: 3 per device
+  grad_fn = kd.value_and_grad(loss_fn)
+  layers = grad_fn.discover(params, x, y)
+  dist = kd.Distribution(helpers.data_mesh(8), grad_worker_fraction=fraction,
+                         gradient_reduction=reduction)
+  options = dict(layers=layers, damping=LAMBDA, factor_dtype=jnp.float64,
+                 inverse_update_every=2, eigenvalue_correction="ekfac")
+  single, tx = kd.kfac(0.1, 0.9, **options), kd.kfac(0.1, 0.9, distribution=dist,
+                                                     **options)
+
+  def step(params, state, x, y):
+    _, grads, stats = grad_fn(params, x, y, opt_state=state)
+    if reduction == "all_reduce":
+      grads = jax.lax.pmean(grads, "data")
+    updates, state = tx.update(grads, state, params, kfac_stats=stats)
+    return optax.apply_updates(params, updates), state
+  run, state = helpers.compile_step(step, tx.init(params), dist, 2)
+  one_params, one_state = params, single.init(params)
+  for i in range(4):
+    xb, yb = _batch(x, y, i)
+    params, state = run(params, state, xb, yb)
+    _, grads, stats = grad_fn(one_params, xb, yb, opt_state=one_state)
+    updates, one_state = single.update(grads, one_state, one_params, kfac_stats=stats)
+    one_params = optax.apply_updates(one_params, updates)
+    helpers.assert_trees_equal(params, one_params, rtol=1e-9)
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(method="inverse"), 'method="eigen"'),
+    (dict(stale_threshold=0.1), "stale_threshold"),
+    (dict(eigenvalue_correction="shampoo"), "eigenvalue_correction must be"),
+])
+def test_refused_settings(options, message):
+  with pytest.raises(ValueError, match=message):
+    kd.scale_by_kfac(None, **({"eigenvalue_correction": "ekfac"} | options))
+
+
+def test_refused_with_dp_kfac():
+  dist = kd.Distribution(helpers.data_mesh(8), grad_worker_fraction=1 / 8,
+                         factor_reduction="local")
+  with pytest.raises(ValueError, match="DP-KFAC"):
+    kd.scale_by_kfac(None, distribution=dist, eigenvalue_correction="ekfac")
+
+
+def test_non_finite_statistic_skips_and_convert_state_keeps_the_scaling():
+  """A NaN input skips the step (scaling unchanged); `convert_state` moves the
+  scaling to a state of another distribution."""
+  loss_fn, params, x, y = _problem("conv")
+  grad_fn = kd.value_and_grad(loss_fn)
+  layers = grad_fn.discover(params, x, y)
+  tx = kd.scale_by_kfac(layers, damping=LAMBDA, factor_dtype=jnp.float64,
+                        inverse_update_every=3, eigenvalue_correction="ekfac")
+  state = tx.init(params)
+  for i in range(2):
+    _, grads, stats = grad_fn(params, *_batch(x, y, i), opt_state=state)
+    _, state = tx.update(grads, state, kfac_stats=stats)
+  bad = x.at[0, 0, 0, 0].set(jnp.nan)
+  _, grads, stats = grad_fn(params, bad, y, opt_state=state)
+  _, skipped = tx.update(grads, state, kfac_stats=stats)
+  assert int(skipped.skipped) == 1
+  np.testing.assert_array_equal(np.asarray(skipped.correction.scaling),
+                                np.asarray(state.correction.scaling))
+  dist = kd.Distribution(helpers.data_mesh(8), grad_worker_fraction=1)
+  moved = kd.convert_state(state, kd.scale_by_kfac(
+      layers, distribution=dist, factor_dtype=jnp.float64,
+      eigenvalue_correction="ekfac").init(params))
+  np.testing.assert_array_equal(np.asarray(moved.correction.scaling),
+                                np.asarray(state.correction.scaling))
+  with pytest.raises(ValueError, match="eigenvalue_correction"):
+    kd.convert_state(state, kd.scale_by_kfac(layers, factor_dtype=jnp.float64).init(params))
+
+
+class _Block(nn.Module):
+  @nn.compact
+  def __call__(self, x, _=None):
+    return jnp.tanh(kd.linen.Dense(4, param_dtype=jnp.float64)(x)), None
+
+
+class _Scanned(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    blocks = nn.scan(_Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                     length=3)
+    x, _ = blocks(name="blocks")(x, None)
+    return kd.linen.Dense(4, param_dtype=jnp.float64)(x)
+
+
+class _Unrolled(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    for i in range(3):
+      x, _ = _Block(name=f"block_{i}")(x)
+    return kd.linen.Dense(4, param_dtype=jnp.float64)(x)
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+def test_scanned_layers_equal_unrolled(adaptive):
+  """A `nn.scan`ned stack of Dense blocks (stacked eigenbases in the capture's
+  probes) trains exactly as its unrolled copy, fixed and adaptive."""
+  x = jax.random.normal(jax.random.PRNGKey(1), (8, 4), jnp.float64)
+  y = jax.random.randint(jax.random.PRNGKey(2), (8,), 0, 4)
+  stacked = _Scanned().init(jax.random.PRNGKey(3), x)["params"]
+  unrolled = {f"block_{i}": jax.tree.map(lambda a, i=i: a[i], stacked["blocks"])
+              for i in range(3)} | {"Dense_0": stacked["Dense_0"]}
+
+  def train(model, params):
+    def loss_fn(p, x, y):
+      return kd.losses.softmax_cross_entropy(model.apply({"params": p}, x), y)
+    grad_fn = kd.value_and_grad(loss_fn)
+    tx = kd.kfac(None if adaptive else 0.1, None if adaptive else 0.9,
+                 layers=grad_fn.discover(params, x, y), grad_fn=grad_fn,
+                 damping=LAMBDA, factor_dtype=jnp.float64, inverse_update_every=2,
+                 eigenvalue_correction="ekfac")
+    state = tx.init(params)
+    for i in range(4):
+      xb, yb = _batch(x, y, i)
+      _, grads, stats = grad_fn(params, xb, yb, opt_state=state)
+      updates, state = tx.update(grads, state, params, kfac_stats=stats,
+                                 kfac_batch=(xb, yb))
+      params = optax.apply_updates(params, updates)
+    return params
+  got, want = train(_Scanned(), stacked), train(_Unrolled(), unrolled)
+  for i in range(3):
+    helpers.assert_trees_equal(jax.tree.map(lambda a, i=i: a[i], got["blocks"]),
+                               want[f"block_{i}"], rtol=1e-10)
+  helpers.assert_trees_equal(got["Dense_0"], want["Dense_0"], rtol=1e-10)
+
+
+def test_accumulated_micro_batches_equal_the_whole_batch():
+  """`grad_fn.accumulate` weights `S` like `G`: two micro-batches give the
+  whole batch's `S`."""
+  loss_fn, params, x, y = _problem("sequence")
+  grad_fn = kd.value_and_grad(loss_fn)
+  layers = grad_fn.discover(params, x, y)
+  tx = kd.scale_by_kfac(layers, damping=LAMBDA, factor_dtype=jnp.float64,
+                        eigenvalue_correction="ekfac")
+  state = tx.init(params)
+  _, grads, stats = grad_fn(params, x, y, opt_state=state)
+  _, state = tx.update(grads, state, kfac_stats=stats)
+  _, _, whole = grad_fn(params, x, y, opt_state=state)
+  _, _, parts = grad_fn.accumulate(params, x, y, micro_batches=2, opt_state=state)
+  for layer in layers:
+    helpers.assert_factor_close(parts[layer.name]["S"], whole[layer.name]["S"], layer.name)
+
+
+def test_describe_explains_the_correction():
+  loss_fn, params, x, y = _problem("conv")
+  grad_fn = kd.value_and_grad(loss_fn)
+  layers = grad_fn.discover(params, x, y)
+  dist = kd.Distribution(helpers.data_mesh(8), grad_worker_fraction=1 / 8)
+  state = kd.scale_by_kfac(layers, distribution=dist,
+                           eigenvalue_correction="ekfac").init(params)
+  text = kd.describe(state, print_table=False)
+  numbers = sum(layer.a_dim * layer.g_dim for layer in layers)
+  assert f"EK-FAC: the scaling s of 3 Dense/Conv layers, {numbers:,} numbers" in text
+  assert "eigenbases gathered for the capture" in text
