@@ -32,6 +32,11 @@ device <= 1.15 × (COMM-OPT's total K-FAC state / 8).
 
 Usage: python benchmarks/memory.py [--quick] [--devices 1,2,4,8] [--out DIR]
 (--quick: P = 8 only; writes memory_quick.*).
+
+"+ EK-FAC" rows: the same strategy with `eigenvalue_correction="ekfac"`: its
+state adds the replicated scaling `s` (Σ d_A·d_G numbers, gradient-sized) and,
+with several owner groups, every owner's second-order segment gathered for the
+capture ([P·L₂], as COMM-OPT holds it); "ideal" adds them padding-free.
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ import kfac_jax_dist as kd
 
 import _common as C  # noqa: E402
 
+# Also measured with eigenvalue_correction="ekfac" (issue 15).
+EKFAC_STRATEGIES = ("COMM-OPT", "MEM-OPT", "HYBRID")
 MEMORY_STRATEGIES = ("COMM-OPT", "COMM-OPT AR full (KAISA)", "COMM-OPT RS full", "MEM-OPT",
                      "MEM-OPT RS full",
                      "HYBRID", "DP-KFAC", "SP-NGD fused")
@@ -72,6 +79,15 @@ def useful_numbers(lay) -> tuple[int, int]:
   return stored, second
 
 
+def correction_numbers(kstate, second: int) -> int:
+  """EK-FAC's replicated numbers per device, padding-free: the scaling `s` of
+  every corrected layer, and with several owner groups every owner's
+  eigenbases once (gathered for the capture)."""
+  if kstate.correction is None:
+    return 0
+  return kstate.correction.scaling.size + (second if kstate.layout.num_groups > 1 else 0)
+
+
 def measure(p: int, names) -> list[dict]:
   loss_fn, params, x, y = C.problem()
   grad_fn = kd.value_and_grad(loss_fn)
@@ -87,24 +103,29 @@ def measure(p: int, names) -> list[dict]:
     rows.append({"P": p, "strategy": name, "m": None, "kfac_dev0": 0, "kfac_max": 0,
                  "kfac_global": 0, "ideal": 0, "share": 0, "total_dev0": dev[0],
                  "total_max": max(dev), "layout": {}})
-  for strat in C.STRATEGIES:
+  variants = [(strat, "") for strat in C.STRATEGIES] + [
+      (strat, " + EK-FAC") for strat in C.STRATEGIES if strat.name in EKFAC_STRATEGIES]
+  for strat, suffix in variants:
     if strat.name not in names or strat.group_size(p) is None:
       continue
     if p == 1 and strat.name not in ("COMM-OPT", "COMM-OPT RS full"):
       continue                                  # every strategy is the same at P=1
     dist = C.distribution(strat, p)
-    tx = C.kfac_tx(grad_fn, layers, dist)
+    tx = C.kfac_tx(grad_fn, layers, dist,
+                   **({"eigenvalue_correction": "ekfac"} if suffix else {}))
     state = kd.shard_state(tx.init(params), mesh)
     kstate = C.kfac_state(state)
     kdev = C.per_device_bytes(kstate, devices)
     tdev = C.per_device_bytes(state, devices)
     lay = kstate.layout
     stored, second = useful_numbers(lay)
+    name = strat.name if p > 1 else strat.name.replace("COMM-OPT", "one device")
     rows.append({
-        "P": p, "strategy": strat.name if p > 1 else strat.name.replace("COMM-OPT", "one device"),
+        "P": p, "strategy": name + suffix,
         "m": lay.group_size, "kfac_dev0": kdev[0], "kfac_max": max(kdev),
         "kfac_per_device": kdev, "kfac_global": global_bytes(kstate),
-        "ideal": (stored / p + second / lay.num_groups) * 4,
+        "ideal": (stored / p + second / lay.num_groups
+                  + correction_numbers(kstate, second)) * 4,
         "share": (stored + second) * 4 / p, "total_dev0": tdev[0], "total_max": max(tdev),
         "layout": {"L": lay.segment, "L2": lay.second_segment, "G": lay.num_groups,
                    "storage": lay.factor_storage, "C": lay.factor_shard,
@@ -114,7 +135,7 @@ def measure(p: int, names) -> list[dict]:
                    "scalars_dev": kdev[0]
                    - int(kstate.factors.addressable_shards[0].data.nbytes)
                    - int(kstate.second_order.addressable_shards[0].data.nbytes)}})
-    print(f"  P={p} {strat.name:22s} K-FAC/device {C.fmt_bytes(max(kdev)):>9s} "
+    print(f"  P={p} {name + suffix:32s} K-FAC/device {C.fmt_bytes(max(kdev)):>9s} "
           f"whole state {C.fmt_bytes(max(tdev)):>9s}", flush=True)
   return rows
 
