@@ -1,4 +1,4 @@
-"""Convergence study: K-FAC, fixed and adaptive, against tuned Adam(W) and SGD.
+"""Convergence study: K-FAC (fixed, adaptive, EK-FAC) and Shampoo against tuned Adam(W) and SGD.
 
 Three tasks, all on data that ships with Python or scikit-learn (no download).
 The targets are on held-out data where users judge a model there (as KAISA
@@ -36,18 +36,22 @@ Methods, each from the same initial weights on the same batch sequence (per seed
 * K-FAC: `kd.kfac(lr, momentum, damping=…, kl_clip=…, factor_update_every=…,
   inverse_update_every=…)`, the examples' defaults (`KFAC_BASE`) with the
   values of `KFAC_GRID` varied around them;
-* adaptive K-FAC: `kd.kfac(None, None, grad_fn=…, damping=ADAPTIVE_DAMPING,
-  min_damping=ADAPTIVE_MIN_DAMPING, adapt_damping=True)`, learning rate and
-  momentum from the exact quadratic model, Levenberg-Marquardt damping from
-  one initial λ and one floor for all tasks (kd.kfac's default floor, kfac-jax's
-  1e-8, lets λ collapse: see the notes), every other setting the library's
-  default (factors and eigendecompositions every step, no KL clip): no grid,
-  no per-task setting;
+* adaptive K-FAC: `kd.kfac(None, None, grad_fn=…, adapt_damping=True)` with
+  the library's defaults (`ADAPTIVE_DAMPING`, `ADAPTIVE_MIN_DAMPING`: λ₀ 1e-2,
+  floor 1e-3), learning rate and momentum from the exact quadratic model,
+  Levenberg-Marquardt damping, factors and eigendecompositions every step, no
+  KL clip: no grid, no per-task setting;
+* EK-FAC: the tuned K-FAC's settings with `eigenvalue_correction="ekfac"`
+  (no grid of its own);
+* Shampoo: `kd.shampoo(lr, preconditioning_compute_steps=SHAMPOO_ROOTS_EVERY)`,
+  the library's defaults otherwise (SGD grafting, momentum 0.9, blocks of
+  128, statistics every step), learning rate from `SHAMPOO_GRID` on the tuning
+  seed like the first-order methods;
 * Adam (cnn, autoencoder) / AdamW with weight decay 1e-2 (lm): learning rate
   from `ADAM_GRID`;
 * SGD with momentum 0.9: learning rate from `SGD_GRID`.
-The first-order methods of the LM warm up linearly over `WARMUP` steps (as the
-example's AdamW).
+The first-order methods and Shampoo warm up linearly on the LM over `WARMUP`
+steps (as the example's AdamW).
 
 Protocol. Seed 0 is the tuning seed: every first-order learning rate of its grid
 is trained on it, and the one that reaches the target in the fewest steps (or,
@@ -55,7 +59,7 @@ if none does, ends lowest) is kept; every K-FAC grid point is trained on it (in
 lockstep groups of `--tune-batch`) and the one with the fewest seconds to the
 target is kept (`--no-tune-kfac`: `KFAC_BASE`). Seeds 1..S (default S = 3) are the
 evaluation seeds (initial weights and batch order; the data split is fixed):
-K-FAC, adaptive K-FAC and the two tuned first-order methods run on each. All
+every second-order method and the two tuned first-order methods run on each. All
 runs of one seed advance in lockstep, a block of `eval_every` steps each in
 turn (rotating order), so that the machine's load, which changes over minutes
 on a shared machine, falls on all of them alike; each method's clock counts only its own
@@ -110,6 +114,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import kfac_jax_dist as kd  # noqa: E402
+from kfac_jax_dist.kfac import optimizer as kfac_optimizer  # noqa: E402
 from kfac_jax_dist.kfac.adaptive import AdaptiveKfacState  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -140,6 +145,10 @@ KFAC_GRID = {
 }
 ADAM_GRID = {"cnn": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1), "autoencoder": (1e-3, 3e-3, 1e-2, 3e-2),
              "lm": (3e-3, 1e-2, 2e-2)}
+# Shampoo (kd.shampoo, SGD grafting): its learning rate is the grafted SGD's.
+SHAMPOO_ROOTS_EVERY = 10
+SHAMPOO_GRID = {"cnn": (0.03, 0.1, 0.3, 1.0), "autoencoder": (0.01, 0.03, 0.1, 0.3),
+                "lm": (0.1, 0.3, 1.0)}
 SGD_GRID = {"cnn": (0.03, 0.1, 0.3, 1.0), "autoencoder": (0.01, 0.03, 0.1, 0.3),
             "lm": (0.1, 0.3, 1.0)}
 # Linear learning-rate warm-up of the first-order methods (steps; the LM's
@@ -147,10 +156,9 @@ SGD_GRID = {"cnn": (0.03, 0.1, 0.3, 1.0), "autoencoder": (0.01, 0.03, 0.1, 0.3),
 WARMUP = {"cnn": 0, "autoencoder": 0, "lm": 50}
 # Adaptive K-FAC runs with kd.kfac's defaults: its initial damping λ₀ (the
 # Levenberg-Marquardt rule moves λ by 0.9⁵ ≈ 0.59 every 5 steps from there: a
-# factor 10 in about 22 steps) and its floor, read from the signature.
-_KFAC_DEFAULTS = inspect.signature(kd.kfac).parameters
-ADAPTIVE_DAMPING = _KFAC_DEFAULTS["damping"].default
-ADAPTIVE_MIN_DAMPING = _KFAC_DEFAULTS["min_damping"].default
+# factor 10 in about 22 steps) and its floor, read from the library.
+ADAPTIVE_DAMPING = kfac_optimizer.ADAPTIVE_DAMPING
+ADAPTIVE_MIN_DAMPING = inspect.signature(kd.kfac).parameters["min_damping"].default
 TARGETS = {"cnn": 0.03, "autoencoder": 1.5, "lm": 1.6}
 METRIC = {"cnn": "held-out error (1 − accuracy, 360 images)",
           "autoencoder": "train loss above the entropy floor (nats/image)",
@@ -165,7 +173,7 @@ EVAL_EVERY = {"cnn": 5, "autoencoder": 10, "lm": 20}
 # Evaluation seeds train every method to max_steps (not only to the target).
 FULL_CURVES = {"cnn": True, "autoencoder": True, "lm": False}
 TASKS = ("cnn", "autoencoder", "lm")
-SECOND_ORDER = ("K-FAC", "Adaptive K-FAC")
+SECOND_ORDER = ("K-FAC", "Adaptive K-FAC", "EK-FAC", "Shampoo")
 FIRST_ORDER = ("Adam", "SGD")
 
 CHANGES = """\
@@ -376,7 +384,7 @@ MAKERS = {"cnn": cnn_task, "autoencoder": autoencoder_task, "lm": lm_task}
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-  kind: str          # "kfac" | "adaptive" | "adam" | "adamw" | "sgd"
+  kind: str          # "kfac" | "adaptive" | "ekfac" | "shampoo" | "adam" | "adamw" | "sgd"
   hparams: tuple     # sorted (key, value) pairs
 
   @property
@@ -388,19 +396,21 @@ class Method:
                 f"{h['factor_update_every']}/{h['inverse_update_every']})")
       return (f"K-FAC adaptive (defaults, λ₀={h['damping']:g}, "
               f"λ ≥ {h.get('min_damping', 1e-8):g})")
-    if self.kind == "kfac":
+    if self.kind in ("kfac", "ekfac"):
       kl = "off" if h["kl_clip"] is None else f"{h['kl_clip']:g}"
-      return (f"K-FAC lr={h['learning_rate']:g} mom={h['momentum']:g} "
+      return (f"{'EK-FAC' if self.kind == 'ekfac' else 'K-FAC'} lr={h['learning_rate']:g} "
+              f"mom={h['momentum']:g} "
               f"damp={h['damping']:g} kl={kl} "
               f"every {h['factor_update_every']}/{h['inverse_update_every']}")
-    name = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD+mom"}[self.kind]
+    name = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD+mom",
+            "shampoo": f"Shampoo (roots every {SHAMPOO_ROOTS_EVERY})"}[self.kind]
     warm = f" (warm-up {h['warmup']})" if h.get("warmup") else ""
     return f"{name} lr={h['learning_rate']:g}{warm}"
 
   @property
   def family(self):
-    return {"kfac": "K-FAC", "adaptive": "Adaptive K-FAC", "adam": "Adam", "adamw": "Adam",
-            "sgd": "SGD"}[self.kind]
+    return {"kfac": "K-FAC", "adaptive": "Adaptive K-FAC", "ekfac": "EK-FAC",
+            "shampoo": "Shampoo", "adam": "Adam", "adamw": "Adam", "sgd": "SGD"}[self.kind]
 
 
 def method(kind, **hp):
@@ -484,9 +494,10 @@ class Runner:
       if key not in cls._cache:
         cls._cache[key] = jax.jit(adaptive_step(grad_fn, tx), donate_argnums=(0, 1))
       return cls._cache[key], tx
-    if m.kind == "kfac":
+    if m.kind in ("kfac", "ekfac"):
       # Learning rate, damping and KL clip are injected hyperparameters (state
-      # values): one compilation per (momentum, cadence, clip on/off).
+      # values): one compilation per (momentum, cadence, clip on/off); EK-FAC
+      # is K-FAC with eigenvalue_correction="ekfac".
       static = ("momentum", "factor_update_every", "inverse_update_every")
       key = (task.name, m.kind, tuple((k, h[k]) for k in static), h["kl_clip"] is None)
       grad_fn = kd.value_and_grad(task.loss_fn)
@@ -495,11 +506,13 @@ class Runner:
       # (inject_hyperparams injects every numeric default: the integer settings
       # of kd.kfac stay static)
       tx = optax.inject_hyperparams(kd.kfac, static_args=static + (
-          "layers", "micro_batches", "damping_adaptation_interval"))(
+          "layers", "micro_batches", "damping_adaptation_interval",
+          "eigenvalue_correction"))(
           # momentum 0: none (None would mean adapted)
           learning_rate=h["learning_rate"], momentum=h["momentum"],
           damping=h["damping"], factor_update_every=h["factor_update_every"],
           inverse_update_every=h["inverse_update_every"], layers=layers,
+          eigenvalue_correction="ekfac" if m.kind == "ekfac" else None,
           **({"kl_clip": None} if h["kl_clip"] is None else extra))
       if key not in cls._cache:
         cls._cache[key] = jax.jit(_common.kfac_step(grad_fn, tx), donate_argnums=(0, 1))
@@ -511,6 +524,12 @@ class Runner:
     elif m.kind == "adamw":
       tx = optax.inject_hyperparams(optax.adamw)(learning_rate=h["learning_rate"],
                                                  weight_decay=1e-2)
+    elif m.kind == "shampoo":
+      # kd.shampoo's defaults (SGD grafting, momentum 0.9, blocks of 128) but the
+      # root cadence; only the learning rate is injected.
+      tx = optax.inject_hyperparams(lambda learning_rate: kd.shampoo(
+          learning_rate, preconditioning_compute_steps=SHAMPOO_ROOTS_EVERY))(
+              learning_rate=h["learning_rate"])
     else:
       tx = optax.inject_hyperparams(optax.sgd)(learning_rate=h["learning_rate"],
                                                momentum=0.9)
@@ -577,10 +596,13 @@ def run_lockstep(task: Task, methods: list[Method], seed: int, args, log,
 # ----------------------------------------------------------------- protocol
 
 def tune_first_order(task, args, log):
-  """Grid on seed 0; returns {family: best Method} and the grid's rows."""
-  kinds = {"Adam": "adamw" if task.name == "lm" else "adam", "SGD": "sgd"}
+  """Learning-rate grids on seed 0 (the first-order methods and Shampoo);
+  returns {family: best Method} and the grid's rows."""
+  kinds = {"Adam": "adamw" if task.name == "lm" else "adam", "SGD": "sgd",
+           "Shampoo": "shampoo"}
   grids = {"Adam": ADAM_GRID[task.name][:args.lr_points],
-           "SGD": SGD_GRID[task.name][:args.lr_points]}
+           "SGD": SGD_GRID[task.name][:args.lr_points],
+           "Shampoo": SHAMPOO_GRID[task.name][:args.lr_points]}
   warm = {"warmup": WARMUP[task.name]} if WARMUP[task.name] else {}
   methods = [method(kinds[f], learning_rate=lr, **warm) for f in kinds for lr in grids[f]]
   runners = run_lockstep(task, methods, 0, args, log)
@@ -680,7 +702,7 @@ def step_costs(task, best, args, log, rounds: int = 6) -> list[dict]:
 
 
 def evaluate_task(task, best, args, log):
-  methods = [best["K-FAC"], best["Adaptive K-FAC"], best["Adam"], best["SGD"]]
+  methods = [best[f] for f in SECOND_ORDER + FIRST_ORDER]
   rows = []
   for seed in range(1, args.seeds + 1):
     rows += [_row(r) for r in run_lockstep(task, methods, seed, args, log,
@@ -833,7 +855,8 @@ def _best_first(s, field):
   return min((s[f][field] for f in FIRST_ORDER if s[f][field] is not None), default=None)
 
 
-SHORT = {"K-FAC": "K-FAC (tuned per task)", "Adaptive K-FAC": "adaptive K-FAC (defaults)"}
+SHORT = {"K-FAC": "K-FAC (tuned per task)", "Adaptive K-FAC": "adaptive K-FAC (defaults)",
+         "EK-FAC": "EK-FAC (K-FAC's tuned settings)", "Shampoo": "Shampoo (tuned lr)"}
 
 
 def _summary_row(task, what, s, fam, c):
@@ -934,11 +957,11 @@ def markdown(results, env, args) -> str:
       f"{env['python']}; kfac_jax_dist at git {env['commit']}; {env['cpu']}, "
       f"{env['cpu_count']} cores shared with other jobs; threads "
       f"{env['threads_env'] or 'defaults'}",
-      f"- protocol: first-order learning rates and K-FAC's settings tuned on seed 0 (grids "
-      f"below); adaptive K-FAC untuned (`kd.kfac(None, None, grad_fn=…, "
-      f"damping={ADAPTIVE_DAMPING:g}, min_damping={ADAPTIVE_MIN_DAMPING:g}, "
-      "adapt_damping=True)`, the library's defaults "
-      f"otherwise, the same on every task); then the four methods on seeds "
+      f"- protocol: the learning rates of the first-order methods and Shampoo, and "
+      "K-FAC's settings, tuned on seed 0 (grids below); adaptive K-FAC untuned "
+      f"(`kd.kfac(None, None, grad_fn=…, adapt_damping=True)`: the library's defaults, "
+      f"λ₀ = {ADAPTIVE_DAMPING:g}, floor {ADAPTIVE_MIN_DAMPING:g}, the same on every "
+      "task); EK-FAC at the tuned K-FAC's settings; then the six methods on seeds "
       f"1..{args.seeds}, trained in lockstep (blocks of `eval_every` steps in rotating "
       "order, so load changes hit all alike); seconds = the method's own training "
       "blocks (compile and evaluation excluded), wall-clock (process CPU time in the "
@@ -946,8 +969,8 @@ def markdown(results, env, args) -> str:
       "- targets on held-out data where users judge them: the CNN's held-out accuracy, "
       "the LM's validation loss; the autoencoder keeps its training-loss target and is "
       "also judged on its test loss (a win on the training loss alone is not a win).",
-      "- target (issues 6 and 14): ≤ 0.5× the steps and ≤ 0.8× the wall-clock of the best "
-      "first-order method on at least two of the three tasks.",
+      "- target (issues 6, 14 and 15): ≤ 0.5× the steps and ≤ 0.8× the wall-clock of the "
+      "best first-order method on at least two of the three tasks.",
       "- generated by `python benchmarks/convergence.py"
       + (f" {' '.join(args.argv)}" if args.argv else "") + "`.", ""]
   summary_rows = []
@@ -1106,7 +1129,8 @@ def markdown(results, env, args) -> str:
   return "\n".join(lines)
 
 
-COLORS = {"K-FAC": "black", "Adaptive K-FAC": "tab:red", "Adam": "tab:blue",
+COLORS = {"K-FAC": "black", "Adaptive K-FAC": "tab:red", "EK-FAC": "tab:green",
+          "Shampoo": "tab:brown", "Adam": "tab:blue",
           "SGD": "tab:orange"}
 
 
@@ -1242,6 +1266,7 @@ def main():
       log(f"{name}: K-FAC grid on seed 0 ({len(kfac_grid(name))} points)")
       best["K-FAC"], kgrid = tune_kfac(task, args, log)
     best["Adaptive K-FAC"] = adaptive_method()          # no grid: the defaults
+    best["EK-FAC"] = method("ekfac", **dict(best["K-FAC"].hparams))   # no grid of its own
     log(f"{name}: kept {best['K-FAC'].label}, {best['Adam'].label}, "
         f"{best['SGD'].label}; with {best['Adaptive K-FAC'].label}: evaluation seeds")
     rows = evaluate_task(task, best, args, log)
