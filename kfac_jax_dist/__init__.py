@@ -29,6 +29,9 @@ from kfac_jax_dist.capture.registry import TaggedLayer
 from kfac_jax_dist.shampoo.transform import scale_by_shampoo
 from kfac_jax_dist.shampoo.transform import shampoo
 from kfac_jax_dist.shampoo.state import ScaleByShampooState
+from kfac_jax_dist.shampoo.soap import ScaleBySoapState
+from kfac_jax_dist.shampoo.soap import scale_by_soap
+from kfac_jax_dist.shampoo.soap import soap
 from kfac_jax_dist.core.tensor_parallel import model_shard
 from kfac_jax_dist.core.tensor_parallel import ModelShardedState
 
@@ -37,6 +40,7 @@ __version__ = "0.1.0"
 __all__ = [
     "adapted_values", "Distribution", "LayerRegistry", "ScaleByKfacState", "TaggedLayer", "ValueAndGrad",
     "ScaleByShampooState", "scale_by_shampoo", "shampoo",
+    "ScaleBySoapState", "scale_by_soap", "soap",
     "checkpoint", "checkpoint_metadata", "convert_state", "restore_checkpoint",
     "save_checkpoint", "second_order_parts", "skip_faulty_steps",
     "describe", "find_states", "kfac", "linen", "losses", "model_shard", "ModelShardedState", "nnx",

@@ -235,7 +235,8 @@ def _described(obj) -> set[str]:
 
 
 @pytest.mark.parametrize("obj", [kd.kfac, kd.scale_by_kfac, kd.Distribution, kd.shampoo,
-                                 kd.scale_by_shampoo, kd.describe],
+                                 kd.scale_by_shampoo, kd.soap, kd.scale_by_soap,
+                                 kd.describe],
                          ids=lambda f: f.__name__)
 def test_help_describes_every_argument(obj):
   params = set(inspect.signature(obj).parameters)

@@ -10,7 +10,8 @@ roots are all-gathered without padding (`uneven`).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import functools
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -54,13 +55,19 @@ def checked_roots(config: ShampooConfig, p: float, statistics: jax.Array,
       tolerance=config.newton_tolerance, failure_threshold=config.root_failure_threshold)
 
 
+RootFn = Callable[[float, jax.Array, jax.Array], jax.Array]
+
+
 def new_roots(config: ShampooConfig, comm: collectives_lib.Collectives,
-              lay: blocks.ShampooLayout, stats: Buckets, old_roots: Buckets) -> Buckets:
-  """Every bucket's roots: computed here on one device; by their owners and
-  gathered with several."""
+              lay: blocks.ShampooLayout, stats: Buckets, old_roots: Buckets,
+              compute: RootFn | None = None) -> Buckets:
+  """Every bucket's roots (or what `compute(p, statistics, previous)` makes of
+  the statistics, `[n, d, d]` each: SOAP's eigenbases): computed here on one
+  device; by their owners and gathered with several."""
+  if compute is None:
+    compute = functools.partial(checked_roots, config)
   if comm.num_devices == 1:
-    return tuple(checked_roots(config, p, h, old)
-                 for (_, p), h, old in zip(lay.buckets, stats, old_roots))
+    return tuple(compute(p, h, old) for (_, p), h, old in zip(lay.buckets, stats, old_roots))
   owned = blocks.root_owners(lay, comm.num_devices)
   sizes = [sum(len(slots) * lay.buckets[j][0] ** 2 for j, slots in enumerate(mine))
            for mine in owned]
@@ -71,8 +78,8 @@ def new_roots(config: ShampooConfig, comm: collectives_lib.Collectives,
     for j, slots in enumerate(owned[device]):
       if slots:
         idx = jnp.asarray(slots)
-        pieces.append(checked_roots(config, lay.buckets[j][1], stats[j][idx],
-                                    old_roots[j][idx]).reshape(-1))
+        pieces.append(compute(lay.buckets[j][1], stats[j][idx],
+                              old_roots[j][idx]).reshape(-1))
     return collectives_lib.pad_to(pieces, length, old_roots[0].dtype)
 
   gathered = comm.gather_uneven(comm.per_device(mine), sizes)

@@ -28,6 +28,7 @@ save and restore are orbax's and work across hosts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
@@ -43,6 +44,7 @@ from kfac_jax_dist.kfac import correction as correction_lib
 from kfac_jax_dist.kfac import state as kfac_lib
 from kfac_jax_dist.kfac import layout as layout_lib
 from kfac_jax_dist.kfac import packing
+from kfac_jax_dist.shampoo import soap as soap_lib
 from kfac_jax_dist.shampoo import state as shampoo_state
 
 _STATE, _META = "state", "kfac_layout"
@@ -55,8 +57,12 @@ def _is_shampoo(x) -> bool:
   return isinstance(x, shampoo_state.ScaleByShampooState)
 
 
+def _is_soap(x) -> bool:
+  return isinstance(x, soap_lib.ScaleBySoapState)
+
+
 def _is_state(x) -> bool:
-  return _is_kfac(x) or _is_shampoo(x)
+  return _is_kfac(x) or _is_shampoo(x) or _is_soap(x)
 
 
 def shampoo_layout_metadata(lay) -> dict[str, Any]:
@@ -323,15 +329,28 @@ def _convert_correction(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfa
       jnp.asarray(old.correction.fresh))
 
 
-def _convert_shampoo(old, new):
-  lay = new.layout
+def _check_same_blocks(old_layout, lay) -> None:
   logical = lambda x: (x.params, x.buckets, x.sizes)
-  if logical(old.layout) != logical(lay):
+  if logical(old_layout) != logical(lay):
     raise ValueError(
         "convert_state moves a Shampoo state between distributions: it needs the same "
         "parameters and block options on both sides (the statistics' buckets differ: "
         f"{list(zip(old.layout.buckets, old.layout.sizes))} in the state, "
         f"{list(zip(lay.buckets, lay.sizes))} in the template).")
+
+
+def _convert_soap(old, new):
+  """A SOAP state (one owner group on both sides: every array is the same on
+  every device) with the template's layout."""
+  _check_same_blocks(old.layout, new.layout)
+  arrays = jax.tree_util.tree_map(lambda x, y: jnp.asarray(np.asarray(x), jnp.result_type(y)),
+                                  old, dataclasses.replace(new, layout=old.layout))
+  return dataclasses.replace(arrays, layout=new.layout)
+
+
+def _convert_shampoo(old, new):
+  lay = new.layout
+  _check_same_blocks(old.layout, lay)
   stats, roots = shampoo_state.bucket_arrays(old)
   if lay.sharded:
     stats, roots = shampoo_state.sharded_arrays(lay, stats, roots)
@@ -389,6 +408,8 @@ def convert_state(state: Any, template: Any) -> Any:
       value = _convert_kfac(leaf, target)
     elif _is_shampoo(target):
       value = _convert_shampoo(leaf, target)
+    elif _is_soap(target):
+      value = _convert_soap(leaf, target)
     else:
       if jnp.shape(leaf) != jnp.shape(target):
         raise ValueError(f"convert_state: a leaf of shape {jnp.shape(leaf)} where the "

@@ -1,0 +1,355 @@
+"""SOAP: Adam run in Shampoo's eigenbasis, as an optax transform.
+
+SOAP (Vyas et al. 2024, "SOAP: Improving and Stabilizing Shampoo using Adam",
+Alg. 3; Meta's distributed Shampoo ships the same idea as eigenvalue-corrected
+Shampoo) keeps Shampoo's statistics of each block `G` of order k and runs Adam
+in the coordinates of their eigenvectors:
+
+    H_i ← β_s H_i + (1 − β_s) G_(i) G_(i)ᵀ                (every step)
+    Q_i = eigenvectors of H_i                            (every `precondition_every`)
+    M ← β₁ M + (1 − β₁) G                                  (original coordinates)
+    G' = G ×₁ Q₁ᵀ ⋯ ×_k Q_kᵀ,   V ← β₂ V + (1 − β₂) G'²    (rotated coordinates)
+    N = [(M̂ ×₁ Q₁ᵀ ⋯ ×_k Q_kᵀ) / (√V̂ + ε)] ×₁ Q₁ ⋯ ×_k Q_k,
+
+`M̂ = M / (1 − β₁^{t+1})`, `V̂ = V / (1 − β₂^{t+1})`, `t` the count from 0,
+`β_s = shampoo_beta` (default `β₂`). The eigenbases are refreshed after the
+step's statistics when `count % precondition_every == 0` (count 0 included),
+so every step rotates with current ones; `V` keeps its entries across a
+refresh (`eigh` orders the eigenvectors by eigenvalue on every refresh). The
+statistics start at `STATISTICS_EPSILON · I` (the paper's start at zero;
+the tiny ridge keeps the first ones definite). A decomposition that fails (a
+non-finite eigenbasis) keeps the previous basis.
+
+Blocking, merging, `skip` and `max_preconditioner_dim` are Shampoo's
+(`blocks`): a parameter Shampoo would not precondition (rank < 2 after
+merging, a merged axis above `max_preconditioner_dim`, a `skip` match) gets
+plain Adam. The statistics and eigenbases live where Shampoo's statistics
+and roots live on one device and with one owner group (`replicated`:
+COMM-OPT, each eigenbasis decomposed by one owner and all-gathered); `M` and
+`V` are parameter-shaped and replicated, like momentum. Several owner groups
+(MEM-OPT, HYBRID-OPT) and tensor-parallel meshes are refused for now.
+
+A non-finite gradient, statistic or produced update skips the step on every
+device (`core.faults`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from kfac_jax_dist import _compat
+from kfac_jax_dist.core import cadence
+from kfac_jax_dist.core import collectives as collectives_lib
+from kfac_jax_dist.core import distribution as distribution_lib
+from kfac_jax_dist.core import faults
+from kfac_jax_dist.core import linalg
+from kfac_jax_dist.core import settings
+from kfac_jax_dist.core import states
+from kfac_jax_dist.shampoo import blocks
+from kfac_jax_dist.shampoo import replicated
+from kfac_jax_dist.shampoo import transform as shampoo_transform
+from kfac_jax_dist.shampoo.config import ShampooConfig
+
+STATISTICS_EPSILON = 1e-30
+Buckets = tuple[jax.Array, ...]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SoapConfig:
+  """The settings of `scale_by_soap` (see its docstring for each)."""
+
+  b1: float = 0.95
+  b2: float = 0.95
+  eps: float = 1e-8
+  shampoo_beta: float | None = None
+  precondition_every: cadence.ScalarOrSchedule = 10
+  block_size: int | None = 128
+  merge_small_dims: bool | int = True
+  max_preconditioner_dim: int | None = 4096
+  skip: Sequence[str] = ()
+  statistics_dtype: Any = None
+  distribution: distribution_lib.Distribution | None = None
+
+  def __post_init__(self):
+    settings.check_range("b1", self.b1, 0.0, 1.0)
+    settings.check_range("b2", self.b2, 0.0, 1.0)
+    settings.check_positive("eps", self.eps, allow_zero=True)
+    if self.shampoo_beta is not None:
+      settings.check_range("shampoo_beta", self.shampoo_beta, 0.0, 1.0,
+                           closed_low=False, closed_high=True)
+    settings.check_interval("precondition_every", self.precondition_every)
+    dist = self.distribution
+    if dist is not None and (dist.num_groups > 1 or dist.model_axis is not None):
+      raise ValueError(
+          "scale_by_soap supports one device and grad_worker_fraction=1 (COMM-OPT) "
+          f"so far, without model_axis; got grad_worker_fraction="
+          f"{dist.grad_worker_fraction}, model_axis={dist.model_axis!r}.")
+    _ = self.shampoo                  # Shampoo's checks of the shared options
+
+  @functools.cached_property
+  def shampoo(self) -> ShampooConfig:
+    """Shampoo's settings of the statistics, blocks and their placement."""
+    return ShampooConfig(
+        block_size=self.block_size,
+        beta2=self.b2 if self.shampoo_beta is None else self.shampoo_beta,
+        epsilon=STATISTICS_EPSILON, graft_type="none", start_preconditioning_step=0,
+        preconditioning_compute_steps=self.precondition_every,
+        merge_small_dims=self.merge_small_dims,
+        max_preconditioner_dim=self.max_preconditioner_dim, skip=self.skip,
+        statistics_dtype=self.statistics_dtype, distribution=self.distribution)
+
+  def settings_ok(self, count: jax.Array) -> jax.Array:
+    """The run-time check of the values only the step knows."""
+    return settings.all_ok([
+        lambda: settings.range_ok(self.b1, count, 0.0, 1.0),
+        lambda: settings.range_ok(self.b2, count, 0.0, 1.0),
+        lambda: settings.positive_ok(self.eps, count, allow_zero=True),
+        lambda: settings.interval_ok(self.precondition_every, count)])
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["count", "statistics", "bases", "mu", "nu", "skipped"],
+    meta_fields=["layout"])
+@dataclasses.dataclass(frozen=True)
+class ScaleBySoapState(states.PreconditionerState):
+  """State of `scale_by_soap`.
+
+  Attributes:
+    count: number of updates so far (skipped ones excluded).
+    statistics: Shampoo's statistics, one `[n, d, d]` array per bucket of
+      `layout`.
+    bases: their eigenvectors `Q`, the same shapes.
+    mu: Adam's first moment `M` of every parameter leaf, original coordinates.
+    nu: its second moment `V`, in each block's rotated coordinates (plain for
+      a parameter without bases).
+    skipped: number of updates skipped for a non-finite gradient, statistic
+      or produced update.
+    layout: Shampoo's static layout of the blocks and statistics.
+  """
+
+  count: jax.Array
+  statistics: tuple[jax.Array, ...]
+  bases: tuple[jax.Array, ...]
+  mu: tuple[jax.Array, ...]
+  nu: tuple[jax.Array, ...]
+  skipped: jax.Array
+  layout: blocks.ShampooLayout
+
+  def partition_specs(self) -> ScaleBySoapState:
+    """Every leaf replicated (one owner group)."""
+    return jax.tree_util.tree_map(lambda _: PartitionSpec(), self)
+
+
+def checked_bases(p: float, statistics: jax.Array, previous: jax.Array) -> jax.Array:
+  """The eigenvectors of a bucket `[n, d, d]` (ascending eigenvalues), keeping
+  the previous basis of a block whose decomposition is not finite."""
+  del p
+  vectors, _ = linalg.eigh(statistics)
+  ok = jnp.all(jnp.isfinite(vectors), axis=(1, 2))
+  return jnp.where(ok[:, None, None], vectors.astype(previous.dtype), previous)
+
+
+def rotated(plan: blocks.ParamPlan, x: jax.Array, bases: Buckets, inverse: bool = False
+            ) -> jax.Array:
+  """`x` (merged shape) with every block `B` replaced by `B ×₁ Q₁ᵀ ⋯ ×_k Q_kᵀ`
+  (`inverse`: by `B ×₁ Q₁ ⋯ ×_k Q_k`)."""
+  pieces = {}
+  for region in plan.regions:
+    qs = [lax.dynamic_slice_in_dim(bases[j], s, region.num_blocks)
+          for j, s in zip(region.buckets, region.slots)]
+    if inverse:
+      qs = [jnp.swapaxes(q, -1, -2) for q in qs]
+    out = blocks.precondition_blocks(blocks.to_blocks(blocks.region_slice(x, region),
+                                                      region), qs)
+    pieces[region.index] = blocks.from_blocks(out, region)
+  return blocks.assemble(pieces, plan.segments)
+
+
+def adam_in_bases(config: SoapConfig, plan: blocks.ParamPlan, g: jax.Array, mu: jax.Array,
+                  nu: jax.Array, bases: Buckets, count: jax.Array
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(direction `N`, new `M`, new `V`) of one parameter (the module's formulas;
+  plain Adam without bases)."""
+  dtype = mu.dtype
+  g = g.astype(dtype)
+  step = (count + 1).astype(dtype)
+  mu = config.b1 * mu + (1.0 - config.b1) * g
+  if plan.preconditioned:
+    rotate = lambda x, inverse=False: rotated(plan, x.reshape(plan.merged), bases,
+                                              inverse).reshape(plan.shape)
+    g_rot, mu_rot = rotate(g), rotate(mu)
+  else:
+    rotate, g_rot, mu_rot = None, g, mu
+  nu = config.b2 * nu + (1.0 - config.b2) * jnp.square(g_rot)
+  m_hat = mu_rot / (1.0 - config.b1 ** step)
+  v_hat = nu / (1.0 - config.b2 ** step)
+  direction = m_hat / (jnp.sqrt(v_hat) + config.eps)
+  if rotate is not None:
+    direction = rotate(direction, inverse=True)
+  return direction, mu, nu
+
+
+def init_state(config: SoapConfig, comm: collectives_lib.Collectives, params: Any
+               ) -> ScaleBySoapState:
+  """The state at count 0: Shampoo's statistics (`ε I`), identity bases and
+  zero moments (float32 at least)."""
+  shampoo = shampoo_transform.init_state(config.shampoo, comm, params)
+  moments = [jnp.zeros(jnp.shape(x), jnp.promote_types(jnp.result_type(x), jnp.float32))
+             for x in jax.tree_util.tree_leaves(params)]
+  return ScaleBySoapState(count=shampoo.count, statistics=shampoo.statistics,
+                          bases=shampoo.roots, mu=tuple(moments), nu=tuple(moments),
+                          skipped=shampoo.skipped, layout=shampoo.layout)
+
+
+def update_state(config: SoapConfig, comm: collectives_lib.Collectives, updates: Any,
+                 state: ScaleBySoapState) -> tuple[Any, ScaleBySoapState]:
+  """One SOAP update: statistics, eigenbases on refresh steps, Adam in them,
+  then the fault verdict and one select (as Shampoo's `update_state`)."""
+  shampoo, lay, count = config.shampoo, state.layout, state.count
+  shampoo_transform.check_placement(shampoo, comm, state, updates)
+  leaves, treedef = jax.tree_util.tree_flatten(updates)
+  dtype = state.statistics[0].dtype if state.statistics else jnp.float32
+  grads = shampoo_transform.averaged_gradients(shampoo, comm, lay, leaves)
+  merged = [g.astype(dtype).reshape(plan.merged) if plan.preconditioned else None
+            for g, plan in zip(grads, lay.params)]
+  with jax.named_scope("soap_statistics"):
+    stats = replicated.new_statistics(shampoo, lay, merged, state.statistics)
+  with jax.named_scope("soap_eigenbases"):
+    bases = lax.cond(cadence.due(config.precondition_every, count),
+                     lambda: replicated.new_roots(shampoo, comm, lay, stats, state.bases,
+                                                  compute=checked_bases),
+                     lambda: state.bases)
+  out = [adam_in_bases(config, plan, g, m, v, bases, count)
+         for plan, g, m, v in zip(lay.params, grads, state.mu, state.nu)]
+  new_updates = treedef.unflatten([d.astype(x.dtype) for (d, _, _), x in zip(out, leaves)])
+  with jax.named_scope(faults.SCOPE):
+    ok = faults.all_finite(list(grads) + list(stats) + jax.tree_util.tree_leaves(
+        new_updates)) & config.settings_ok(count)
+    ok = faults.computed_once(faults.agree(ok, _compat.varying_axes(ok)))
+  new_state = dataclasses.replace(
+      state, count=count + 1, statistics=stats, bases=bases,
+      mu=tuple(m for _, m, _ in out), nu=tuple(v for _, _, v in out))
+  return faults.accept_or_skip(ok, new_updates, new_state, state)
+
+
+def scale_by_soap(
+    b1: float = 0.95,
+    b2: float = 0.95,
+    eps: float = 1e-8,
+    *,
+    shampoo_beta: float | None = None,
+    precondition_every: cadence.ScalarOrSchedule = 10,
+    block_size: int | None = 128,
+    merge_small_dims: bool | int = True,
+    max_preconditioner_dim: int | None = 4096,
+    skip: Sequence[str] = (),
+    statistics_dtype: Any = None,
+    distribution: distribution_lib.Distribution | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Replaces each gradient by SOAP's direction: Adam in Shampoo's eigenbasis.
+
+  See the module docstring for the math, the cadence and the failure
+  handling.
+
+  Args:
+    b1: Adam's `β₁` (first moment, original coordinates), in [0, 1).
+    b2: Adam's `β₂` (second moment, rotated coordinates), in [0, 1).
+    eps: Adam's `ε`, added to `√V̂`.
+    shampoo_beta: `β_s` of the statistics `H ← β_s H + (1 − β_s) G_(i)G_(i)ᵀ`,
+      in (0, 1]; None: `b2`.
+    precondition_every: recompute the eigenbases when `count % this == 0`
+      (a positive int or a schedule; an eigendecomposition of every block
+      statistic). The paper's 10.
+    block_size: largest block per merged axis (Shampoo's); None: no blocking.
+    merge_small_dims: Shampoo's axis merging (True: up to `block_size`).
+    max_preconditioner_dim: parameters with a longer merged axis get plain
+      Adam (None: no limit).
+    skip: regular expressions; matching parameter paths get plain Adam. A
+      pattern that matches no parameter raises at `init`.
+    statistics_dtype: dtype of the statistics and eigenbases (default
+      float32, or float64 if a parameter is float64).
+    distribution: a `kd.Distribution` with `grad_worker_fraction=1`
+      (COMM-OPT): `update` runs inside `shard_map`, each eigenbasis
+      decomposed by one owner and all-gathered. None: one device.
+
+  Returns:
+    An optax `GradientTransformationExtraArgs` (extra arguments of `update`
+    are ignored).
+  """
+  config = SoapConfig(b1=b1, b2=b2, eps=eps, shampoo_beta=shampoo_beta,
+                      precondition_every=precondition_every, block_size=block_size,
+                      merge_small_dims=merge_small_dims,
+                      max_preconditioner_dim=max_preconditioner_dim, skip=skip,
+                      statistics_dtype=statistics_dtype, distribution=distribution)
+  comm = collectives_lib.Collectives(distribution)
+
+  def init_fn(params: Any) -> ScaleBySoapState:
+    return init_state(config, comm, params)
+
+  def update_fn(updates: Any, state: ScaleBySoapState, params: Any = None,
+                **extra_args: Any) -> tuple[Any, ScaleBySoapState]:
+    del params, extra_args
+    return update_state(config, comm, updates, state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def soap(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.95,
+    b2: float = 0.95,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    *,
+    shampoo_beta: float | None = None,
+    precondition_every: cadence.ScalarOrSchedule = 10,
+    block_size: int | None = 128,
+    merge_small_dims: bool | int = True,
+    max_preconditioner_dim: int | None = 4096,
+    skip: Sequence[str] = (),
+    statistics_dtype: Any = None,
+    distribution: distribution_lib.Distribution | None = None,
+) -> optax.GradientTransformationExtraArgs:
+  """SOAP (Vyas et al. 2024) with decoupled weight decay, like `optax.adamw`.
+
+  `skip_faulty_steps(optax.chain(scale_by_soap(...),
+  add_decayed_weights(weight_decay), scale_by_learning_rate(learning_rate)))`:
+  the update is `−η (N + w θ)`, and a step SOAP skips changes nothing in the
+  chain. Works with `optax.inject_hyperparams`.
+
+  Args:
+    learning_rate: `η`, a float or an optax schedule of the update count.
+    b1: Adam's `β₁`, in [0, 1).
+    b2: Adam's `β₂` (second moment, in the eigenbasis), in [0, 1).
+    eps: Adam's `ε`.
+    weight_decay: `w` of the decoupled weight decay; 0: none.
+    shampoo_beta: `β_s` of the statistics (None: `b2`).
+    precondition_every: recompute the eigenbases when `count % this == 0`.
+    block_size: Shampoo's block size (None: no blocking).
+    merge_small_dims: Shampoo's axis merging.
+    max_preconditioner_dim: longer merged axes: plain Adam for the parameter.
+    skip: parameter path patterns that get plain Adam.
+    statistics_dtype: dtype of the statistics and eigenbases.
+    distribution: None (one device) or a `grad_worker_fraction=1`
+      `kd.Distribution` (see `scale_by_soap`).
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs`.
+  """
+  return faults.skip_faulty_steps(optax.chain(
+      scale_by_soap(b1, b2, eps, shampoo_beta=shampoo_beta,
+                    precondition_every=precondition_every, block_size=block_size,
+                    merge_small_dims=merge_small_dims,
+                    max_preconditioner_dim=max_preconditioner_dim, skip=skip,
+                    statistics_dtype=statistics_dtype, distribution=distribution),
+      optax.add_decayed_weights(weight_decay),
+      optax.scale_by_learning_rate(learning_rate)))
