@@ -20,6 +20,8 @@ For each model every method is one jitted training step
   a run of consecutive steps that is a whole number of inverse periods, so the
   mix of plain, factor and inverse steps is the real one;
 * ekfac_amortised: kfac_amortised with `eigenvalue_correction="ekfac"`;
+* shampoo / soap: `kd.shampoo` (roots) and `kd.soap` (eigenbases) refreshed
+  every `ROOTS_EVERY` = 10 steps, their defaults otherwise;
 * kfac_plain / kfac_factor / kfac_inverse: one step of the amortised optimizer
   from a fixed state whose next step updates nothing / the factors only / the
   factors and the eigenbases; `kfac_mix` is their cadence-weighted mean (a check
@@ -71,6 +73,7 @@ import _common  # benchmarks/, on sys.path when run as a script
 import _models
 
 FACTOR_EVERY, INVERSE_EVERY = 10, 100
+ROOTS_EVERY = 10          # Shampoo's roots and SOAP's eigenbases
 LR = 1e-2
 
 
@@ -266,6 +269,8 @@ def build(model_name: str, args):
       "ekfac_amortised": kd.kfac(LR, layers=layers, factor_update_every=FACTOR_EVERY,
                                  inverse_update_every=INVERSE_EVERY,
                                  eigenvalue_correction="ekfac"),
+      "shampoo": kd.shampoo(LR, preconditioning_compute_steps=ROOTS_EVERY),
+      "soap": kd.soap(1e-3, precondition_every=ROOTS_EVERY),
   }
   steps = {
       "sgd": _common.optax_step(loss_fn, txs["sgd"]),
@@ -274,6 +279,8 @@ def build(model_name: str, args):
       "kfac_amortised": _common.kfac_step(grad_fn, txs["kfac_amortised"]),
       "kfac_adaptive": _common.kfac_step(grad_fn, txs["kfac_adaptive"], adaptive=True),
       "ekfac_amortised": _common.kfac_step(grad_fn, txs["ekfac_amortised"]),
+      "shampoo": _common.optax_step(loss_fn, txs["shampoo"]),
+      "soap": _common.optax_step(loss_fn, txs["soap"]),
   }
   states = {k: tx.init(params) for k, tx in txs.items()}
 
@@ -347,6 +354,10 @@ def build(model_name: str, args):
   runners.append(Runner("ekfac_amortised", chained_runner(
       jitted["ekfac_amortised"], (params, states["ekfac_amortised"], x, y), cycle),
       "ekfac", f"EK-FAC, the amortised cadence; {cycle} consecutive steps"))
+  runners += [Runner(name, chained_runner(jitted[name], (params, states[name], x, y), cycle),
+                     "shampoo", f"{what}, every {ROOTS_EVERY} steps; {cycle} consecutive "
+                     "steps") for name, what in (("shampoo", "kd.shampoo: roots"),
+                                                 ("soap", "kd.soap: eigenbases"))]
   return dict(desc=desc, layers=layers, runners=runners, compile=compile_med,
               steps_per_cycle=cycle, flops=flop_model(model, params, x, layers, loss_fn, y))
 
@@ -452,6 +463,9 @@ def measure(model_name: str, args) -> dict:
               adaptive_cost=adaptive_cost(wall, cpu),
               ekfac_cost={clock: statistics.median(
                   e / k for e, k in zip(times["ekfac_amortised"], times["kfac_amortised"]))
+                  for clock, times in (("wall", wall), ("cpu", cpu))},
+              soap_cost={clock: statistics.median(
+                  a / b for a, b in zip(times["soap"], times["shampoo"]))
                   for clock, times in (("wall", wall), ("cpu", cpu))})
 
 
@@ -516,6 +530,13 @@ def markdown(results: list[dict], env: dict, args) -> str:
       lines += [f"EK-FAC (issue 15; `eigenvalue_correction=\"ekfac\"`, the same amortised "
                 f"cadence): {e['cpu']:.2f}× ({e['wall']:.2f}× wall) kfac_amortised's CPU "
                 f"time per step (target ≤ 1.3: {holds}).", ""]
+    e = res.get("soap_cost")
+    if e:
+      holds = "holds" if e["cpu"] <= 1.3 else "**does not hold**"
+      lines += [f"SOAP (issue 15; `kd.soap`, eigenbases every {ROOTS_EVERY} steps): "
+                f"{e['cpu']:.2f}× ({e['wall']:.2f}× wall) the CPU time per step of "
+                f"`kd.shampoo` with roots every {ROOTS_EVERY} steps (target ≤ 1.3: "
+                f"{holds}).", ""]
   return "\n".join(lines)
 
 
