@@ -217,3 +217,14 @@ def test_precondition_every_takes_a_schedule():
       out.append(u)
     runs.append(out)
   helpers.assert_trees_equal(runs[0], runs[1], rtol=1e-14)
+
+
+def test_a_donating_step_runs():
+  """The state's buffers are distinct (`M` and `V` start as separate zeros), so
+  a step that donates the state compiles and runs."""
+  tx = kd.soap(1e-2, block_size=4)
+  params = _params({"w": (8, 8), "b": (5,)})
+  state = tx.init(params)
+  step = jax.jit(lambda g, s, p: tx.update(g, s, p), donate_argnums=(1,))
+  _, state = step(_grads(np.random.default_rng(5), {"w": (8, 8), "b": (5,)}), state, params)
+  assert int(jax.tree.leaves(state)[0]) >= 0

@@ -11,6 +11,10 @@ in the coordinates of their eigenvectors:
     G' = G ×₁ Q₁ᵀ ⋯ ×_k Q_kᵀ,   V ← β₂ V + (1 − β₂) G'²    (rotated coordinates)
     N = [(M̂ ×₁ Q₁ᵀ ⋯ ×_k Q_kᵀ) / (√V̂ + ε)] ×₁ Q₁ ⋯ ×_k Q_k,
 
+The state keeps `M` rotated too (`M' = M ×₁ Q₁ᵀ ⋯`, updated with `G'`, and
+carried into new eigenbases on a refresh, `M' ← M' ×₁ (Q₁,newᵀ Q₁) ⋯`): the
+same `M`, one rotation per step fewer than rotating it every step.
+
 `M̂ = M / (1 − β₁^{t+1})`, `V̂ = V / (1 − β₂^{t+1})`, `t` the count from 0,
 `β_s = shampoo_beta` (default `β₂`). The eigenbases are refreshed after the
 step's statistics when `count % precondition_every == 0` (count 0 included),
@@ -128,9 +132,9 @@ class ScaleBySoapState(states.PreconditionerState):
     statistics: Shampoo's statistics, one `[n, d, d]` array per bucket of
       `layout`.
     bases: their eigenvectors `Q`, the same shapes.
-    mu: Adam's first moment `M` of every parameter leaf, original coordinates.
-    nu: its second moment `V`, in each block's rotated coordinates (plain for
-      a parameter without bases).
+    mu: Adam's first moment `M` of every parameter leaf, in each block's
+      rotated coordinates (plain for a parameter without bases).
+    nu: its second moment `V`, the same coordinates.
     skipped: number of updates skipped for a non-finite gradient, statistic
       or produced update.
     layout: Shampoo's static layout of the blocks and statistics.
@@ -174,28 +178,33 @@ def rotated(plan: blocks.ParamPlan, x: jax.Array, bases: Buckets, inverse: bool 
   return blocks.assemble(pieces, plan.segments)
 
 
+def _rotate(plan: blocks.ParamPlan, x: jax.Array, bases: Buckets, inverse: bool = False
+            ) -> jax.Array:
+  """`rotated` of a parameter-shaped `x`; `x` itself without bases."""
+  if not plan.preconditioned:
+    return x
+  return rotated(plan, x.reshape(plan.merged), bases, inverse).reshape(plan.shape)
+
+
+def rebased(plan: blocks.ParamPlan, mu: jax.Array, old: Buckets, new: Buckets
+            ) -> jax.Array:
+  """`M` in the rotated coordinates of `old` → those of `new` (a refresh)."""
+  return _rotate(plan, _rotate(plan, mu, old, inverse=True), new)
+
+
 def adam_in_bases(config: SoapConfig, plan: blocks.ParamPlan, g: jax.Array, mu: jax.Array,
                   nu: jax.Array, bases: Buckets, count: jax.Array
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(direction `N`, new `M`, new `V`) of one parameter (the module's formulas;
-  plain Adam without bases)."""
-  dtype = mu.dtype
-  g = g.astype(dtype)
-  step = (count + 1).astype(dtype)
-  mu = config.b1 * mu + (1.0 - config.b1) * g
-  if plan.preconditioned:
-    rotate = lambda x, inverse=False: rotated(plan, x.reshape(plan.merged), bases,
-                                              inverse).reshape(plan.shape)
-    g_rot, mu_rot = rotate(g), rotate(mu)
-  else:
-    rotate, g_rot, mu_rot = None, g, mu
+  """(direction `N`, new `M`, new `V`) of one parameter, `M` and `V` in the
+  rotated coordinates (the module's formulas; plain Adam without bases)."""
+  step = (count + 1).astype(mu.dtype)
+  g_rot = _rotate(plan, g.astype(mu.dtype), bases)
+  mu = config.b1 * mu + (1.0 - config.b1) * g_rot
   nu = config.b2 * nu + (1.0 - config.b2) * jnp.square(g_rot)
-  m_hat = mu_rot / (1.0 - config.b1 ** step)
+  m_hat = mu / (1.0 - config.b1 ** step)
   v_hat = nu / (1.0 - config.b2 ** step)
   direction = m_hat / (jnp.sqrt(v_hat) + config.eps)
-  if rotate is not None:
-    direction = rotate(direction, inverse=True)
-  return direction, mu, nu
+  return _rotate(plan, direction, bases, inverse=True), mu, nu
 
 
 def init_state(config: SoapConfig, comm: collectives_lib.Collectives, params: Any
@@ -203,10 +212,11 @@ def init_state(config: SoapConfig, comm: collectives_lib.Collectives, params: An
   """The state at count 0: Shampoo's statistics (`ε I`), identity bases and
   zero moments (float32 at least)."""
   shampoo = shampoo_transform.init_state(config.shampoo, comm, params)
-  moments = [jnp.zeros(jnp.shape(x), jnp.promote_types(jnp.result_type(x), jnp.float32))
-             for x in jax.tree_util.tree_leaves(params)]
+  def zeros() -> tuple[jax.Array, ...]:      # two sets: a donated step gets distinct buffers
+    return tuple(jnp.zeros(jnp.shape(x), jnp.promote_types(jnp.result_type(x), jnp.float32))
+                 for x in jax.tree_util.tree_leaves(params))
   return ScaleBySoapState(count=shampoo.count, statistics=shampoo.statistics,
-                          bases=shampoo.roots, mu=tuple(moments), nu=tuple(moments),
+                          bases=shampoo.roots, mu=zeros(), nu=zeros(),
                           skipped=shampoo.skipped, layout=shampoo.layout)
 
 
@@ -223,13 +233,17 @@ def update_state(config: SoapConfig, comm: collectives_lib.Collectives, updates:
             for g, plan in zip(grads, lay.params)]
   with jax.named_scope("soap_statistics"):
     stats = replicated.new_statistics(shampoo, lay, merged, state.statistics)
+
+  def refreshed() -> tuple[Buckets, tuple[jax.Array, ...]]:
+    new = replicated.new_roots(shampoo, comm, lay, stats, state.bases,
+                               compute=checked_bases)
+    return new, tuple(rebased(plan, m, state.bases, new)
+                      for plan, m in zip(lay.params, state.mu))
   with jax.named_scope("soap_eigenbases"):
-    bases = lax.cond(cadence.due(config.precondition_every, count),
-                     lambda: replicated.new_roots(shampoo, comm, lay, stats, state.bases,
-                                                  compute=checked_bases),
-                     lambda: state.bases)
+    bases, mu = lax.cond(cadence.due(config.precondition_every, count), refreshed,
+                         lambda: (state.bases, state.mu))
   out = [adam_in_bases(config, plan, g, m, v, bases, count)
-         for plan, g, m, v in zip(lay.params, grads, state.mu, state.nu)]
+         for plan, g, m, v in zip(lay.params, grads, mu, state.nu)]
   new_updates = treedef.unflatten([d.astype(x.dtype) for (d, _, _), x in zip(out, leaves)])
   with jax.named_scope(faults.SCOPE):
     ok = faults.all_finite(list(grads) + list(stats) + jax.tree_util.tree_leaves(
