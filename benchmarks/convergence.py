@@ -47,6 +47,8 @@ Methods, each from the same initial weights on the same batch sequence (per seed
   the library's defaults otherwise (SGD grafting, momentum 0.9, blocks of
   128, statistics every step), learning rate from `SHAMPOO_GRID` on the tuning
   seed like the first-order methods;
+* SOAP: `kd.soap(lr, precondition_every=SHAMPOO_ROOTS_EVERY)` (weight decay
+  1e-2 on the LM, as AdamW), learning rate from `ADAM_GRID` on the tuning seed;
 * Adam (cnn, autoencoder) / AdamW with weight decay 1e-2 (lm): learning rate
   from `ADAM_GRID`;
 * SGD with momentum 0.9: learning rate from `SGD_GRID`.
@@ -173,7 +175,7 @@ EVAL_EVERY = {"cnn": 5, "autoencoder": 10, "lm": 20}
 # Evaluation seeds train every method to max_steps (not only to the target).
 FULL_CURVES = {"cnn": True, "autoencoder": True, "lm": False}
 TASKS = ("cnn", "autoencoder", "lm")
-SECOND_ORDER = ("K-FAC", "Adaptive K-FAC", "EK-FAC", "Shampoo")
+SECOND_ORDER = ("K-FAC", "Adaptive K-FAC", "EK-FAC", "Shampoo", "SOAP")
 FIRST_ORDER = ("Adam", "SGD")
 
 CHANGES = """\
@@ -384,7 +386,7 @@ MAKERS = {"cnn": cnn_task, "autoencoder": autoencoder_task, "lm": lm_task}
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-  kind: str          # "kfac" | "adaptive" | "ekfac" | "shampoo" | "adam" | "adamw" | "sgd"
+  kind: str          # "kfac" | "adaptive" | "ekfac" | "shampoo" | "soap" | "adam" | "adamw" | "sgd"
   hparams: tuple     # sorted (key, value) pairs
 
   @property
@@ -403,14 +405,16 @@ class Method:
               f"damp={h['damping']:g} kl={kl} "
               f"every {h['factor_update_every']}/{h['inverse_update_every']}")
     name = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD+mom",
-            "shampoo": f"Shampoo (roots every {SHAMPOO_ROOTS_EVERY})"}[self.kind]
+            "shampoo": f"Shampoo (roots every {SHAMPOO_ROOTS_EVERY})",
+            "soap": f"SOAP (eigenbases every {SHAMPOO_ROOTS_EVERY})"}[self.kind]
     warm = f" (warm-up {h['warmup']})" if h.get("warmup") else ""
     return f"{name} lr={h['learning_rate']:g}{warm}"
 
   @property
   def family(self):
     return {"kfac": "K-FAC", "adaptive": "Adaptive K-FAC", "ekfac": "EK-FAC",
-            "shampoo": "Shampoo", "adam": "Adam", "adamw": "Adam", "sgd": "SGD"}[self.kind]
+            "shampoo": "Shampoo", "soap": "SOAP", "adam": "Adam", "adamw": "Adam",
+            "sgd": "SGD"}[self.kind]
 
 
 def method(kind, **hp):
@@ -530,6 +534,13 @@ class Runner:
       tx = optax.inject_hyperparams(lambda learning_rate: kd.shampoo(
           learning_rate, preconditioning_compute_steps=SHAMPOO_ROOTS_EVERY))(
               learning_rate=h["learning_rate"])
+    elif m.kind == "soap":
+      # kd.soap's defaults but the eigenbasis cadence (the paper's 10, as
+      # Shampoo's roots here); AdamW's weight decay on the LM, as AdamW.
+      wd = 1e-2 if task.name == "lm" else 0.0
+      tx = optax.inject_hyperparams(lambda learning_rate: kd.soap(
+          learning_rate, weight_decay=wd, precondition_every=SHAMPOO_ROOTS_EVERY))(
+              learning_rate=h["learning_rate"])
     else:
       tx = optax.inject_hyperparams(optax.sgd)(learning_rate=h["learning_rate"],
                                                momentum=0.9)
@@ -596,13 +607,14 @@ def run_lockstep(task: Task, methods: list[Method], seed: int, args, log,
 # ----------------------------------------------------------------- protocol
 
 def tune_first_order(task, args, log):
-  """Learning-rate grids on seed 0 (the first-order methods and Shampoo);
+  """Learning-rate grids on seed 0 (the first-order methods, Shampoo, SOAP);
   returns {family: best Method} and the grid's rows."""
   kinds = {"Adam": "adamw" if task.name == "lm" else "adam", "SGD": "sgd",
-           "Shampoo": "shampoo"}
+           "Shampoo": "shampoo", "SOAP": "soap"}
   grids = {"Adam": ADAM_GRID[task.name][:args.lr_points],
            "SGD": SGD_GRID[task.name][:args.lr_points],
-           "Shampoo": SHAMPOO_GRID[task.name][:args.lr_points]}
+           "Shampoo": SHAMPOO_GRID[task.name][:args.lr_points],
+           "SOAP": ADAM_GRID[task.name][:args.lr_points]}
   warm = {"warmup": WARMUP[task.name]} if WARMUP[task.name] else {}
   methods = [method(kinds[f], learning_rate=lr, **warm) for f in kinds for lr in grids[f]]
   runners = run_lockstep(task, methods, 0, args, log)
@@ -856,7 +868,8 @@ def _best_first(s, field):
 
 
 SHORT = {"K-FAC": "K-FAC (tuned per task)", "Adaptive K-FAC": "adaptive K-FAC (defaults)",
-         "EK-FAC": "EK-FAC (K-FAC's tuned settings)", "Shampoo": "Shampoo (tuned lr)"}
+         "EK-FAC": "EK-FAC (K-FAC's tuned settings)", "Shampoo": "Shampoo (tuned lr)",
+         "SOAP": "SOAP (tuned lr)"}
 
 
 def _summary_row(task, what, s, fam, c):
@@ -957,11 +970,11 @@ def markdown(results, env, args) -> str:
       f"{env['python']}; kfac_jax_dist at git {env['commit']}; {env['cpu']}, "
       f"{env['cpu_count']} cores shared with other jobs; threads "
       f"{env['threads_env'] or 'defaults'}",
-      f"- protocol: the learning rates of the first-order methods and Shampoo, and "
+      f"- protocol: the learning rates of the first-order methods, Shampoo and SOAP, and "
       "K-FAC's settings, tuned on seed 0 (grids below); adaptive K-FAC untuned "
       f"(`kd.kfac(None, None, grad_fn=…, adapt_damping=True)`: the library's defaults, "
       f"λ₀ = {ADAPTIVE_DAMPING:g}, floor {ADAPTIVE_MIN_DAMPING:g}, the same on every "
-      "task); EK-FAC at the tuned K-FAC's settings; then the six methods on seeds "
+      "task); EK-FAC at the tuned K-FAC's settings; then the seven methods on seeds "
       f"1..{args.seeds}, trained in lockstep (blocks of `eval_every` steps in rotating "
       "order, so load changes hit all alike); seconds = the method's own training "
       "blocks (compile and evaluation excluded), wall-clock (process CPU time in the "
@@ -1130,7 +1143,7 @@ def markdown(results, env, args) -> str:
 
 
 COLORS = {"K-FAC": "black", "Adaptive K-FAC": "tab:red", "EK-FAC": "tab:green",
-          "Shampoo": "tab:brown", "Adam": "tab:blue",
+          "Shampoo": "tab:brown", "SOAP": "tab:olive", "Adam": "tab:blue",
           "SGD": "tab:orange"}
 
 
