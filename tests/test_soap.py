@@ -1,6 +1,7 @@
 """SOAP (`kd.scale_by_soap`, shampoo/soap.py) against a NumPy reference written
 from Vyas et al. 2024, Alg. 3 (float64, blocked and unblocked), on 8 CPU
-devices (COMM-OPT) against one, and its fault policy and state conversion."""
+devices (COMM-OPT, MEM-OPT, HYBRID-OPT, SP-NGD routing) against one, and its
+fault policy and state conversion."""
 
 from __future__ import annotations
 
@@ -199,9 +200,10 @@ def test_bad_settings_are_refused(kwargs, message):
     kd.scale_by_soap(**kwargs)
 
 
-def test_owner_groups_are_refused():
-  dist = kd.Distribution(helpers.data_mesh(8), grad_worker_fraction=1 / 8)
-  with pytest.raises(ValueError, match="grad_worker_fraction"):
+def test_model_axis_is_refused():
+  mesh = helpers.mesh((4, 2), ("data", "model"))
+  dist = kd.Distribution(mesh, model_axis="model", param_specs=P())
+  with pytest.raises(ValueError, match="model_axis"):
     kd.scale_by_soap(distribution=dist)
 
 
@@ -228,3 +230,42 @@ def test_a_donating_step_runs():
   step = jax.jit(lambda g, s, p: tx.update(g, s, p), donate_argnums=(1,))
   _, state = step(_grads(np.random.default_rng(5), {"w": (8, 8), "b": (5,)}), state, params)
   assert int(jax.tree.leaves(state)[0]) >= 0
+
+
+SHARDED = {"w": (8, 8), "x": (12, 12), "cube": (4, 4, 4), "b": (5,)}
+
+
+@pytest.mark.parametrize("fraction,reduction", [
+    (1 / 8, "none"), (1 / 4, "all_reduce"), (1 / 2, "none"), (1 / 8, "reduce_scatter")],
+    ids=["mem_opt", "hybrid_2", "hybrid_4", "sp_ngd"])
+def test_owner_groups_equal_one_device(fraction, reduction):
+  """MEM-OPT / HYBRID-OPT (and SP-NGD's gradient routing): each owner group
+  keeps its blocks' statistics, eigenbases and moments; the updates equal the
+  single-device run, and the state converts to the single-device one."""
+  mesh = helpers.data_mesh(8)
+  dist = kd.Distribution(mesh, grad_worker_fraction=fraction, gradient_reduction=reduction)
+  options = dict(precondition_every=EVERY, block_size=4)
+  single, tx = kd.scale_by_soap(**options), kd.scale_by_soap(distribution=dist, **options)
+  state = tx.init(_params(SHARDED))
+  assert state.layout.sharded and state.block_mu[0].shape[0] % 8 == 0
+  specs = kd.partition_specs(state)
+  state = kd.shard_state(state, mesh)
+  local = reduction != "none"
+
+  def update(g, s):
+    if local:
+      g = jax.tree.map(lambda x: x[0], g)
+    return tx.update(g, s)
+  step = jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(P("data") if local else P(), specs),
+                               out_specs=(P(), specs)))
+  one, rng = single.init(_params(SHARDED)), np.random.default_rng(6)
+  for i in range(5):
+    g = {k: jnp.asarray(rng.normal(size=(8,) + s)) for k, s in SHARDED.items()}
+    mean = jax.tree.map(lambda x: x.mean(0), g)
+    got, state = step(g if local else mean, state)
+    want, one = single.update(mean, one)
+    helpers.assert_trees_equal(got, want, rtol=1e-9)
+  moved = kd.convert_state(state, single.init(_params(SHARDED)))
+  helpers.assert_trees_equal(dataclasses.replace(moved, layout=one.layout), one, rtol=1e-9)
+  back = kd.convert_state(one, tx.init(_params(SHARDED)))
+  helpers.assert_trees_equal(jax.tree.leaves(back), jax.tree.leaves(state), rtol=1e-9)

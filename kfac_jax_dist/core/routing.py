@@ -67,6 +67,13 @@ def gather_from_groups(comm: collectives_lib.Collectives,
   width."""
   width = group_width(sizes, comm.group_size)
   mine = per_group(comm, lambda g: collectives_lib.pad_to([make(g)], width, dtype))
+  return gather_made(comm, mine, sizes)
+
+
+def gather_made(comm: collectives_lib.Collectives, mine: jax.Array, sizes: Sequence[int]
+                ) -> list[jax.Array]:
+  """`gather_from_groups` of a buffer already made on each group's devices,
+  `[group_width(sizes, m)]`."""
   if comm.group_size == 1:
     return comm.gather_uneven(mine, sizes)
   return list(comm.gather_groups(mine))

@@ -95,6 +95,8 @@ class ShardedStep:
   diag: Sequence[jax.Array]              # the grafted diagonal updates D
   dtype: Any
   segment: jax.Array | None = None       # SP-NGD: this group's reduced gradients
+  compute: Any = None                    # (p, statistics, previous) → roots; None:
+                                         # `checked_roots` (SOAP: its eigenbases)
 
   @property
   def lay(self) -> blocks.ShampooLayout:
@@ -157,9 +159,9 @@ class ShardedStep:
       d, p = self.lay.buckets[j]
       n = sum(len(bs) for *_, bs in items)
       old = self.state.roots[0][k * length + offset:k * length + offset + n * d * d]
-      pieces.append(checked_roots(self.config, p,
-                                  stats[offset:offset + n * d * d].reshape(n, d, d),
-                                  old.reshape(n, d, d)).reshape(-1))
+      compute = self.compute or functools.partial(checked_roots, self.config)
+      pieces.append(compute(p, stats[offset:offset + n * d * d].reshape(n, d, d),
+                            old.reshape(n, d, d)).reshape(-1))
     return collectives_lib.pad_to(pieces, length, self.dtype)
 
   def refreshed(self) -> tuple[jax.Array, jax.Array]:

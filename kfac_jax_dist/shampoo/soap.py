@@ -28,10 +28,15 @@ Blocking, merging, `skip` and `max_preconditioner_dim` are Shampoo's
 (`blocks`): a parameter Shampoo would not precondition (rank < 2 after
 merging, a merged axis above `max_preconditioner_dim`, a `skip` match) gets
 plain Adam. The statistics and eigenbases live where Shampoo's statistics
-and roots live on one device and with one owner group (`replicated`:
-COMM-OPT, each eigenbasis decomposed by one owner and all-gathered); `M` and
-`V` are parameter-shaped and replicated, like momentum. Several owner groups
-(MEM-OPT, HYBRID-OPT) and tensor-parallel meshes are refused for now.
+and roots live: on one device and with one owner group every device holds
+them (`replicated`: COMM-OPT, each eigenbasis decomposed by one owner and
+all-gathered) and `M`, `V` are parameter-shaped and replicated, like
+momentum; with several owner groups (MEM-OPT, HYBRID-OPT, SP-NGD's gradient
+routing) each device keeps its own statistics and its group's eigenbases
+(`sharded.ShardedStep`), the group keeps the moments of its blocks
+(`ScaleBySoapState.block_mu`), runs their Adam and sends the directions to
+every device (`core.routing`); parameters without bases keep replicated
+moments. Tensor-parallel meshes are refused for now.
 
 A non-finite gradient, statistic or produced update skips the step on every
 device (`core.faults`).
@@ -41,10 +46,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 from jax.sharding import PartitionSpec
@@ -57,8 +64,11 @@ from kfac_jax_dist.core import faults
 from kfac_jax_dist.core import linalg
 from kfac_jax_dist.core import settings
 from kfac_jax_dist.core import states
+from kfac_jax_dist.core import routing
 from kfac_jax_dist.shampoo import blocks
 from kfac_jax_dist.shampoo import replicated
+from kfac_jax_dist.shampoo import sharded
+from kfac_jax_dist.shampoo import state as state_lib
 from kfac_jax_dist.shampoo import transform as shampoo_transform
 from kfac_jax_dist.shampoo.config import ShampooConfig
 
@@ -91,11 +101,9 @@ class SoapConfig:
                            closed_low=False, closed_high=True)
     settings.check_interval("precondition_every", self.precondition_every)
     dist = self.distribution
-    if dist is not None and (dist.num_groups > 1 or dist.model_axis is not None):
-      raise ValueError(
-          "scale_by_soap supports one device and grad_worker_fraction=1 (COMM-OPT) "
-          f"so far, without model_axis; got grad_worker_fraction="
-          f"{dist.grad_worker_fraction}, model_axis={dist.model_axis!r}.")
+    if dist is not None and dist.model_axis is not None:
+      raise ValueError("scale_by_soap does not support a tensor-parallel Distribution "
+                       f"(model_axis={dist.model_axis!r}) so far.")
     _ = self.shampoo                  # Shampoo's checks of the shared options
 
   @functools.cached_property
@@ -121,7 +129,8 @@ class SoapConfig:
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["count", "statistics", "bases", "mu", "nu", "skipped"],
+    data_fields=["count", "statistics", "bases", "mu", "nu", "skipped", "block_mu",
+                 "block_nu"],
     meta_fields=["layout"])
 @dataclasses.dataclass(frozen=True)
 class ScaleBySoapState(states.PreconditionerState):
@@ -133,11 +142,16 @@ class ScaleBySoapState(states.PreconditionerState):
       `layout`.
     bases: their eigenvectors `Q`, the same shapes.
     mu: Adam's first moment `M` of every parameter leaf, in each block's
-      rotated coordinates (plain for a parameter without bases).
+      rotated coordinates (plain for a parameter without bases); with several
+      owner groups, `[0]` for the preconditioned ones (see `block_mu`).
     nu: its second moment `V`, the same coordinates.
     skipped: number of updates skipped for a non-finite gradient, statistic
       or produced update.
     layout: Shampoo's static layout of the blocks and statistics.
+    block_mu, block_nu: with several owner groups, `M` and `V` of every
+      preconditioned block in one flat `[P·T]` array each, device `i` holding
+      its group's blocks (in the group's gradient buffer order,
+      `sharded.GroupTables`; `T` the largest group's numbers); `()` else.
   """
 
   count: jax.Array
@@ -147,10 +161,19 @@ class ScaleBySoapState(states.PreconditionerState):
   nu: tuple[jax.Array, ...]
   skipped: jax.Array
   layout: blocks.ShampooLayout
+  block_mu: tuple[jax.Array, ...] = ()
+  block_nu: tuple[jax.Array, ...] = ()
 
   def partition_specs(self) -> ScaleBySoapState:
-    """Every leaf replicated (one owner group)."""
-    return jax.tree_util.tree_map(lambda _: PartitionSpec(), self)
+    """Statistics, eigenbases and block moments sharded over the axis when
+    the layout is (as Shampoo's), everything else replicated."""
+    specs = jax.tree_util.tree_map(lambda _: PartitionSpec(), self)
+    if not self.layout.sharded:
+      return specs
+    axis = PartitionSpec(self.layout.axis)
+    return dataclasses.replace(specs, **{
+        name: tuple(axis for _ in getattr(self, name))
+        for name in ("statistics", "bases", "block_mu", "block_nu")})
 
 
 def checked_bases(p: float, statistics: jax.Array, previous: jax.Array) -> jax.Array:
@@ -207,34 +230,111 @@ def adam_in_bases(config: SoapConfig, plan: blocks.ParamPlan, g: jax.Array, mu: 
   return _rotate(plan, direction, bases, inverse=True), mu, nu
 
 
+# ------------------------------------------------- the two forms of the moments
+
+def _block_rows(lay: blocks.ShampooLayout, flat: Any) -> list[np.ndarray]:
+  """A global `[P·T]` block-moment array → each group's `[T]` buffer (its
+  first device's)."""
+  rows = np.asarray(flat).reshape(lay.num_devices, -1)
+  return [rows[g * lay.group_size] for g in range(lay.num_groups)]
+
+
+def param_moments(state: ScaleBySoapState) -> tuple[list[np.ndarray], list[np.ndarray]]:
+  """`(M, V)` of every parameter leaf as host arrays of its shape (rotated
+  coordinates), whatever the distribution of a global state."""
+  lay = state.layout
+  mu, nu = [np.asarray(x) for x in state.mu], [np.asarray(x) for x in state.nu]
+  if not lay.sharded:
+    return mu, nu
+  tables = sharded.GroupTables.of(lay)
+  for out, flat in ((mu, state.block_mu[0]), (nu, state.block_nu[0])):
+    rows = _block_rows(lay, flat)
+    for q, plan in enumerate(lay.params):
+      if not plan.preconditioned:
+        continue
+      merged = np.zeros(plan.merged, rows[0].dtype)
+      for r, region in enumerate(plan.regions):
+        x = np.asarray(blocks.to_blocks(jnp.asarray(blocks.region_slice(merged, region)),
+                                        region)).copy()
+        for g, bs in ((g, t[(q, r)]) for g, t in enumerate(tables.blocks)
+                      if (q, r) in t):
+          start, n = tables.starts[g][(q, r)], math.prod(region.block)
+          x[list(bs)] = rows[g][start:start + len(bs) * n].reshape((len(bs),) + region.block)
+        sl = tuple(slice(a, a + b * c) for a, b, c in zip(region.start, region.grid,
+                                                          region.block))
+        merged[sl] = np.asarray(blocks.from_blocks(jnp.asarray(x), region))
+      out[q] = merged.reshape(plan.shape)
+  return mu, nu
+
+
+def with_moments(template: ScaleBySoapState, mu: Sequence[Any], nu: Sequence[Any]
+                 ) -> ScaleBySoapState:
+  """`template` with the moments of every parameter leaf (`param_moments`'
+  form) written in its own form."""
+  lay = template.layout
+  cast = lambda xs, like: tuple(jnp.asarray(x, y.dtype) for x, y in zip(xs, like))
+  if not lay.sharded:
+    return dataclasses.replace(template, mu=cast(mu, template.mu), nu=cast(nu, template.nu))
+  tables = sharded.GroupTables.of(lay)
+  total = template.block_mu[0].shape[0] // lay.num_devices
+  flats = []
+  for moments in (mu, nu):
+    rows = np.zeros((lay.num_groups, total))
+    for g, mine in enumerate(tables.blocks):
+      for (q, r), bs in mine.items():
+        plan = lay.params[q]
+        region = plan.regions[r]
+        x = blocks.to_blocks(blocks.region_slice(
+            jnp.asarray(moments[q]).reshape(plan.merged), region), region)
+        start = tables.starts[g][(q, r)]
+        values = np.asarray(x)[list(bs)].reshape(-1)
+        rows[g, start:start + values.size] = values
+    flats.append(jnp.asarray(np.repeat(rows, lay.group_size, axis=0).reshape(-1),
+                             template.block_mu[0].dtype))
+  plain = lambda ms, like: tuple(
+      y if plan.preconditioned else jnp.asarray(m, y.dtype)
+      for plan, m, y in zip(lay.params, ms, like))
+  return dataclasses.replace(template, mu=plain(mu, template.mu), nu=plain(nu, template.nu),
+                             block_mu=(flats[0],), block_nu=(flats[1],))
+
+
 def init_state(config: SoapConfig, comm: collectives_lib.Collectives, params: Any
                ) -> ScaleBySoapState:
   """The state at count 0: Shampoo's statistics (`ε I`), identity bases and
   zero moments (float32 at least)."""
   shampoo = shampoo_transform.init_state(config.shampoo, comm, params)
+  lay = shampoo.layout
+
   def zeros() -> tuple[jax.Array, ...]:      # two sets: a donated step gets distinct buffers
-    return tuple(jnp.zeros(jnp.shape(x), jnp.promote_types(jnp.result_type(x), jnp.float32))
-                 for x in jax.tree_util.tree_leaves(params))
+    return tuple(jnp.zeros((0,) if lay.sharded and plan.preconditioned else jnp.shape(x),
+                           jnp.promote_types(jnp.result_type(x), jnp.float32))
+                 for plan, x in zip(lay.params, jax.tree_util.tree_leaves(params)))
+
+  def block_zeros() -> tuple[jax.Array, ...]:
+    if not lay.sharded:
+      return ()
+    total = max(max(sharded.GroupTables.of(lay).totals), 1)
+    return (jnp.zeros(lay.num_devices * total, shampoo.statistics[0].dtype),)
   return ScaleBySoapState(count=shampoo.count, statistics=shampoo.statistics,
                           bases=shampoo.roots, mu=zeros(), nu=zeros(),
-                          skipped=shampoo.skipped, layout=shampoo.layout)
+                          skipped=shampoo.skipped, layout=lay, block_mu=block_zeros(),
+                          block_nu=block_zeros())
 
 
-def update_state(config: SoapConfig, comm: collectives_lib.Collectives, updates: Any,
-                 state: ScaleBySoapState) -> tuple[Any, ScaleBySoapState]:
-  """One SOAP update: statistics, eigenbases on refresh steps, Adam in them,
-  then the fault verdict and one select (as Shampoo's `update_state`)."""
+Moments = tuple[jax.Array, ...]
+Step = tuple[Buckets, Buckets, list, Moments, Moments, Moments, Moments]
+
+
+def replicated_step(config: SoapConfig, comm: collectives_lib.Collectives,
+                    state: ScaleBySoapState, grads: list[jax.Array],
+                    merged: list[jax.Array | None]) -> Step:
+  """One owner group: (statistics, eigenbases, directions, `mu`, `nu`, block
+  moments) with every statistic on every device."""
   shampoo, lay, count = config.shampoo, state.layout, state.count
-  shampoo_transform.check_placement(shampoo, comm, state, updates)
-  leaves, treedef = jax.tree_util.tree_flatten(updates)
-  dtype = state.statistics[0].dtype if state.statistics else jnp.float32
-  grads = shampoo_transform.averaged_gradients(shampoo, comm, lay, leaves)
-  merged = [g.astype(dtype).reshape(plan.merged) if plan.preconditioned else None
-            for g, plan in zip(grads, lay.params)]
   with jax.named_scope("soap_statistics"):
     stats = replicated.new_statistics(shampoo, lay, merged, state.statistics)
 
-  def refreshed() -> tuple[Buckets, tuple[jax.Array, ...]]:
+  def refreshed() -> tuple[Buckets, Moments]:
     new = replicated.new_roots(shampoo, comm, lay, stats, state.bases,
                                compute=checked_bases)
     return new, tuple(rebased(plan, m, state.bases, new)
@@ -244,14 +344,100 @@ def update_state(config: SoapConfig, comm: collectives_lib.Collectives, updates:
                          lambda: (state.bases, state.mu))
   out = [adam_in_bases(config, plan, g, m, v, bases, count)
          for plan, g, m, v in zip(lay.params, grads, mu, state.nu)]
-  new_updates = treedef.unflatten([d.astype(x.dtype) for (d, _, _), x in zip(out, leaves)])
+  return (stats, bases, [d for d, _, _ in out], tuple(m for _, m, _ in out),
+          tuple(v for _, _, v in out), state.block_mu, state.block_nu)
+
+
+def _group_adam(config: SoapConfig, step: sharded.ShardedStep, g: int, bases: jax.Array,
+                mu: jax.Array, nu: jax.Array, due: jax.Array
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Group `g`'s (directions, `M'`, `V`), flat in its gradient buffer's order,
+  from its blocks' moments `mu`, `nu` (this device's `[T]`; `M'` carried into
+  the new eigenbases `bases` on a refresh)."""
+  tables, dtype = step.tables, mu.dtype
+  t = (step.state.count + 1).astype(dtype)
+  pieces: tuple[list, list, list] = ([], [], [])
+  for (q, r), bs in tables.blocks[g].items():
+    region = step.lay.params[q].regions[r]
+    new = [step.group_roots(bases, region, a, bs) for a in range(len(region.block))]
+    old = [step.group_roots(step.state.roots[0], region, a, bs)
+           for a in range(len(region.block))]
+    back = lambda qs: [jnp.swapaxes(x, -1, -2) for x in qs]
+    x = step.blocks_of(g, q, r).astype(dtype)
+    start, n = tables.starts[g][(q, r)], len(bs) * step.numel(q, r)
+    m, v = (y[start:start + n].reshape(x.shape) for y in (mu, nu))
+    m = lax.cond(due, lambda m=m, new=new, old=old: blocks.precondition_blocks(
+        blocks.precondition_blocks(m, back(old)), new), lambda m=m: m)
+    g_rot = blocks.precondition_blocks(x, new)
+    m = config.b1 * m + (1.0 - config.b1) * g_rot
+    v = config.b2 * v + (1.0 - config.b2) * jnp.square(g_rot)
+    d = (m / (1.0 - config.b1 ** t)) / (jnp.sqrt(v / (1.0 - config.b2 ** t)) + config.eps)
+    for out, y in zip(pieces, (blocks.precondition_blocks(d, back(new)), m, v)):
+      out.append(y.reshape(-1))
+  flat = lambda ys: jnp.concatenate(ys) if ys else jnp.zeros(0, dtype)
+  return flat(pieces[0]), flat(pieces[1]), flat(pieces[2])
+
+
+def sharded_step(config: SoapConfig, comm: collectives_lib.Collectives,
+                 state: ScaleBySoapState, grads: list[jax.Array],
+                 merged: list[jax.Array | None]) -> Step:
+  """Several owner groups: this device's statistics and its group's
+  eigenbases (Shampoo's `sharded.ShardedStep`), each group's Adam on its
+  blocks with their moments, the directions gathered from the groups; plain
+  Adam for the other parameters."""
+  lay, count = state.layout, state.count
+  dtype = state.statistics[0].dtype
+  as_shampoo = state_lib.ScaleByShampooState(
+      count=count, statistics=state.statistics, roots=state.bases, graft=(),
+      skipped=state.skipped, layout=lay)
+  step = sharded.ShardedStep(config.shampoo, comm, as_shampoo, merged, grads, dtype,
+                             compute=checked_bases).routed()
+  stats, bases = step.refreshed()
+  due = cadence.due(config.precondition_every, count)
+  width = routing.group_width(step.tables.totals, lay.group_size)
+  total = state.block_mu[0].shape[0]
+
+  def make(g: int) -> jax.Array:
+    d, m, v = _group_adam(config, step, g, bases, state.block_mu[0], state.block_nu[0],
+                          due)
+    return jnp.concatenate([collectives_lib.pad_to([d], width, dtype),
+                            collectives_lib.pad_to([m], total, dtype),
+                            collectives_lib.pad_to([v], total, dtype)])
+  mine = routing.per_group(comm, make)
+  buffers = routing.gather_made(comm, mine[:width], step.tables.totals)
+  out, mu, nu = [], list(state.mu), list(state.nu)
+  for q, (plan, g) in enumerate(zip(lay.params, grads)):
+    if plan.preconditioned:
+      out.append(step.assembled(buffers, q).reshape(plan.shape))
+    else:
+      d, mu[q], nu[q] = adam_in_bases(config, plan, g, mu[q], nu[q], (), count)
+      out.append(d)
+  return ((stats,), (bases,), out, tuple(mu), tuple(nu), (mine[width:width + total],),
+          (mine[width + total:],))
+
+
+def update_state(config: SoapConfig, comm: collectives_lib.Collectives, updates: Any,
+                 state: ScaleBySoapState) -> tuple[Any, ScaleBySoapState]:
+  """One SOAP update: statistics, eigenbases on refresh steps, Adam in them
+  (`replicated_step` or `sharded_step`), then the fault verdict and one
+  select (as Shampoo's `update_state`)."""
+  shampoo, lay, count = config.shampoo, state.layout, state.count
+  shampoo_transform.check_placement(shampoo, comm, state, updates)
+  leaves, treedef = jax.tree_util.tree_flatten(updates)
+  dtype = state.statistics[0].dtype if state.statistics else jnp.float32
+  grads = shampoo_transform.averaged_gradients(shampoo, comm, lay, leaves)
+  merged = [g.astype(dtype).reshape(plan.merged) if plan.preconditioned else None
+            for g, plan in zip(grads, lay.params)]
+  stats, bases, directions, mu, nu, block_mu, block_nu = (
+      sharded_step if lay.sharded else replicated_step)(config, comm, state, grads, merged)
+  new_updates = treedef.unflatten([d.astype(x.dtype) for d, x in zip(directions, leaves)])
   with jax.named_scope(faults.SCOPE):
     ok = faults.all_finite(list(grads) + list(stats) + jax.tree_util.tree_leaves(
         new_updates)) & config.settings_ok(count)
     ok = faults.computed_once(faults.agree(ok, _compat.varying_axes(ok)))
   new_state = dataclasses.replace(
-      state, count=count + 1, statistics=stats, bases=bases,
-      mu=tuple(m for _, m, _ in out), nu=tuple(v for _, _, v in out))
+      state, count=count + 1, statistics=stats, bases=bases, mu=mu, nu=nu,
+      block_mu=block_mu, block_nu=block_nu)
   return faults.accept_or_skip(ok, new_updates, new_state, state)
 
 
@@ -291,9 +477,12 @@ def scale_by_soap(
       pattern that matches no parameter raises at `init`.
     statistics_dtype: dtype of the statistics and eigenbases (default
       float32, or float64 if a parameter is float64).
-    distribution: a `kd.Distribution` with `grad_worker_fraction=1`
-      (COMM-OPT): `update` runs inside `shard_map`, each eigenbasis
-      decomposed by one owner and all-gathered. None: one device.
+    distribution: a `kd.Distribution` (no `model_axis`): `update` runs
+      inside `shard_map` with the state's specs from `kd.partition_specs`.
+      `grad_worker_fraction=1` replicates the state (each eigenbasis
+      decomposed by one owner and all-gathered); below 1 each owner group
+      keeps its blocks' statistics, eigenbases and moments (MEM-OPT,
+      HYBRID-OPT), as Shampoo's. None: one device.
 
   Returns:
     An optax `GradientTransformationExtraArgs` (extra arguments of `update`
@@ -353,8 +542,8 @@ def soap(
     max_preconditioner_dim: longer merged axes: plain Adam for the parameter.
     skip: parameter path patterns that get plain Adam.
     statistics_dtype: dtype of the statistics and eigenbases.
-    distribution: None (one device) or a `grad_worker_fraction=1`
-      `kd.Distribution` (see `scale_by_soap`).
+    distribution: a `kd.Distribution` (see `scale_by_soap`); None: one
+      device.
 
   Returns:
     An `optax.GradientTransformationExtraArgs`.

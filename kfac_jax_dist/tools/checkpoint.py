@@ -335,17 +335,27 @@ def _check_same_blocks(old_layout, lay) -> None:
     raise ValueError(
         "convert_state moves a Shampoo state between distributions: it needs the same "
         "parameters and block options on both sides (the statistics' buckets differ: "
-        f"{list(zip(old.layout.buckets, old.layout.sizes))} in the state, "
+        f"{list(zip(old_layout.buckets, old_layout.sizes))} in the state, "
         f"{list(zip(lay.buckets, lay.sizes))} in the template).")
 
 
 def _convert_soap(old, new):
-  """A SOAP state (one owner group on both sides: every array is the same on
-  every device) with the template's layout."""
+  """A SOAP state with the template's layout: statistics and eigenbases as
+  Shampoo's statistics and roots, the moments parameter by parameter."""
   _check_same_blocks(old.layout, new.layout)
-  arrays = jax.tree_util.tree_map(lambda x, y: jnp.asarray(np.asarray(x), jnp.result_type(y)),
-                                  old, dataclasses.replace(new, layout=old.layout))
-  return dataclasses.replace(arrays, layout=new.layout)
+  as_shampoo = lambda x: shampoo_state.ScaleByShampooState(
+      count=x.count, statistics=x.statistics, roots=x.bases, graft=(), skipped=x.skipped,
+      layout=x.layout)
+  stats, bases = shampoo_state.bucket_arrays(as_shampoo(old))
+  if new.layout.sharded:
+    stats, bases = (tuple([x]) for x in shampoo_state.sharded_arrays(new.layout, stats,
+                                                                     bases))
+  cast = lambda xs, like: tuple(jnp.asarray(x, y.dtype) for x, y in zip(xs, like))
+  out = soap_lib.with_moments(new, *soap_lib.param_moments(old))
+  return dataclasses.replace(
+      out, count=jnp.asarray(np.asarray(old.count), new.count.dtype),
+      skipped=jnp.asarray(np.asarray(old.skipped), new.skipped.dtype),
+      statistics=cast(stats, new.statistics), bases=cast(bases, new.bases))
 
 
 def _convert_shampoo(old, new):
