@@ -228,6 +228,69 @@ def test_shampoo_tensor_parallel_equals_split_params(grafting, fraction):
   _assert_same(trajectory, reference)
 
 
+SOAP_WIDTH = 16        # a hidden layer of 16: each model shard's blocks are 4 x 4
+
+
+def _soap_problem():
+  """A Megatron MLP 4 → 16 → 4, 4 classes: every sharded block (4 x 4) and
+  every replicated kernel is square, so every statistic is full rank after
+  one step (SOAP's direction is basis-independent only then)."""
+  k = jax.random.split(jax.random.PRNGKey(1), 4)
+  params = {"col": {"kernel": jax.random.normal(k[0], (4, SOAP_WIDTH)) * 0.5,
+                    "bias": jnp.zeros(SOAP_WIDTH)},
+            "row": {"kernel": jax.random.normal(k[1], (SOAP_WIDTH, 4)) * 0.5},
+            "rbias": jnp.zeros(4),
+            "norm": {"scale": jnp.ones(4), "offset": jnp.zeros(4)},
+            "head": {"kernel": jax.random.normal(k[2], (4, 4)) * 0.5, "bias": jnp.zeros(4)}}
+  batches = [(jax.random.normal(kx, (32, 4)), jax.random.randint(ky, (32,), 0, 4))
+             for kx, ky in zip(*(jax.random.split(k[3], 2 * 5).reshape(2, 5, -1)))]
+  return params, batches
+
+
+@pytest.mark.parametrize("fraction", [1.0, 1 / 2], ids=["COMM", "MEM"])
+def test_soap_tensor_parallel_equals_split_params(fraction):
+  """SOAP likewise: each model shard runs SOAP on its local shards, as one
+  device does on the parameters split into M leaves (a new batch each step).
+  ε = 1e-3: the head's gradient has no component along the classes' sum and
+  the row layer's none along its outputs' mean (the LayerNorm after it), so
+  those eigen-coordinates hold float32 rounding noise, which Adam's division
+  by √V + ε with the default ε = 1e-8 turns into O(1) entries that differ
+  between any two ways of computing them."""
+  params, batches = _soap_problem()
+  dist = _dist(fraction)
+  width = SOAP_WIDTH // M
+
+  def split(p):
+    out = {k: v for k, v in p.items() if k not in ("col", "row")}
+    for i in range(M):
+      out[f"col{i}"] = {"kernel": p["col"]["kernel"][:, i * width:(i + 1) * width],
+                        "bias": p["col"]["bias"][i * width:(i + 1) * width]}
+      out[f"row{i}"] = {"kernel": p["row"]["kernel"][i * width:(i + 1) * width]}
+    return out
+
+  def run(loss_fn, params, distribution=None):
+    tx = kd.soap(0.01, eps=1e-3, block_size=None, precondition_every=2,
+                 distribution=distribution)
+    state = tx.init(params)
+
+    def step(params, state, x, y):
+      _, grads, _ = kd.value_and_grad(loss_fn)(params, x, y)    # local gradients
+      if distribution is not None:
+        grads = jax.lax.pmean(grads, "data")
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+    step, state = compile_step(step, state, distribution, 2, param_specs=PARAM_SPECS)
+    out = []
+    for x, y in batches:
+      params, state = step(params, state, x, y)
+      out.append(params)
+    return out
+  got = run(tp_loss, params, dist)
+  want = run(block_loss, split(params))
+  for i, (a, b) in enumerate(zip(got, want)):
+    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=2e-4, atol=2e-5,
+                                   err_msg=f"step {i}"), split(a), b)
+
 
 def test_misconfigured_tensor_parallel_is_rejected():
   mesh = _mesh()

@@ -5,24 +5,29 @@ Alg. 3; Meta's distributed Shampoo ships the same idea as eigenvalue-corrected
 Shampoo) keeps Shampoo's statistics of each block `G` of order k and runs Adam
 in the coordinates of their eigenvectors:
 
-    H_i ← β_s H_i + (1 − β_s) G_(i) G_(i)ᵀ                (every step)
-    Q_i = eigenvectors of H_i                            (every `precondition_every`)
     M ← β₁ M + (1 − β₁) G                                  (original coordinates)
     G' = G ×₁ Q₁ᵀ ⋯ ×_k Q_kᵀ,   V ← β₂ V + (1 − β₂) G'²    (rotated coordinates)
     N = [(M̂ ×₁ Q₁ᵀ ⋯ ×_k Q_kᵀ) / (√V̂ + ε)] ×₁ Q₁ ⋯ ×_k Q_k,
+    then H_i ← β_s H_i + (1 − β_s) G_(i) G_(i)ᵀ,
+    and every `precondition_every` steps Q_i ← eigenvectors of H_i,
+
+`M̂ = M / (1 − β₁^t)`, `V̂ = V / (1 − β₂^t)`, `β_s = shampoo_beta` (default
+`β₂`). As in the paper (and the authors' code) the statistics and eigenbases
+are updated after the step, so a step never rotates with eigenvectors of its
+own gradient (which they would diagonalise, leaving its other coordinates as
+rounding noise that Adam's division would blow up to ±1). The first update
+(count 0) only measures the statistics and computes the first eigenbases: it
+returns zeros and leaves the moments, as the authors' implementation skips
+its first step; so at count t the moments hold t gradients. Later refreshes
+happen when `count % precondition_every == 0`.
 
 The state keeps `M` rotated too (`M' = M ×₁ Q₁ᵀ ⋯`, updated with `G'`, and
 carried into new eigenbases on a refresh, `M' ← M' ×₁ (Q₁,newᵀ Q₁) ⋯`): the
-same `M`, one rotation per step fewer than rotating it every step.
-
-`M̂ = M / (1 − β₁^{t+1})`, `V̂ = V / (1 − β₂^{t+1})`, `t` the count from 0,
-`β_s = shampoo_beta` (default `β₂`). The eigenbases are refreshed after the
-step's statistics when `count % precondition_every == 0` (count 0 included),
-so every step rotates with current ones; `V` keeps its entries across a
-refresh (`eigh` orders the eigenvectors by eigenvalue on every refresh). The
-statistics start at `STATISTICS_EPSILON · I` (the paper's start at zero;
-the tiny ridge keeps the first ones definite). A decomposition that fails (a
-non-finite eigenbasis) keeps the previous basis.
+same `M`, one rotation per step fewer than rotating it every step. `V` keeps
+its entries across a refresh (`eigh` orders the eigenvectors by eigenvalue on
+every refresh). The statistics start at `STATISTICS_EPSILON · I` (the
+paper's start at zero; the tiny ridge keeps the first ones definite). A
+decomposition that fails (a non-finite eigenbasis) keeps the previous basis.
 
 Blocking, merging, `skip` and `max_preconditioner_dim` are Shampoo's
 (`blocks`): a parameter Shampoo would not precondition (rank < 2 after
@@ -36,7 +41,8 @@ routing) each device keeps its own statistics and its group's eigenbases
 (`sharded.ShardedStep`), the group keeps the moments of its blocks
 (`ScaleBySoapState.block_mu`), runs their Adam and sends the directions to
 every device (`core.routing`); parameters without bases keep replicated
-moments. Tensor-parallel meshes are refused for now.
+moments. On a tensor-parallel mesh (`model_axis`) every model shard runs SOAP
+on its local shards, as Shampoo does.
 
 A non-finite gradient, statistic or produced update skips the step on every
 device (`core.faults`).
@@ -64,6 +70,7 @@ from kfac_jax_dist.core import faults
 from kfac_jax_dist.core import linalg
 from kfac_jax_dist.core import settings
 from kfac_jax_dist.core import states
+from kfac_jax_dist.core import tensor_parallel
 from kfac_jax_dist.core import routing
 from kfac_jax_dist.shampoo import blocks
 from kfac_jax_dist.shampoo import replicated
@@ -100,10 +107,6 @@ class SoapConfig:
       settings.check_range("shampoo_beta", self.shampoo_beta, 0.0, 1.0,
                            closed_low=False, closed_high=True)
     settings.check_interval("precondition_every", self.precondition_every)
-    dist = self.distribution
-    if dist is not None and dist.model_axis is not None:
-      raise ValueError("scale_by_soap does not support a tensor-parallel Distribution "
-                       f"(model_axis={dist.model_axis!r}) so far.")
     _ = self.shampoo                  # Shampoo's checks of the shared options
 
   @functools.cached_property
@@ -215,18 +218,27 @@ def rebased(plan: blocks.ParamPlan, mu: jax.Array, old: Buckets, new: Buckets
   return _rotate(plan, _rotate(plan, mu, old, inverse=True), new)
 
 
+def adam_step(config: SoapConfig, g_rot: jax.Array, mu: jax.Array, nu: jax.Array,
+              count: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Adam in the rotated coordinates: (`N'`, new `M'`, new `V`); at count 0
+  zeros and the moments unchanged (see the module docstring)."""
+  t = jnp.maximum(count, 1).astype(mu.dtype)
+  new_mu = config.b1 * mu + (1.0 - config.b1) * g_rot
+  new_nu = config.b2 * nu + (1.0 - config.b2) * jnp.square(g_rot)
+  direction = (new_mu / (1.0 - config.b1 ** t)) / (
+      jnp.sqrt(new_nu / (1.0 - config.b2 ** t)) + config.eps)
+  first = count == 0
+  return (jnp.where(first, 0.0, direction).astype(mu.dtype), jnp.where(first, mu, new_mu),
+          jnp.where(first, nu, new_nu))
+
+
 def adam_in_bases(config: SoapConfig, plan: blocks.ParamPlan, g: jax.Array, mu: jax.Array,
                   nu: jax.Array, bases: Buckets, count: jax.Array
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(direction `N`, new `M`, new `V`) of one parameter, `M` and `V` in the
-  rotated coordinates (the module's formulas; plain Adam without bases)."""
-  step = (count + 1).astype(mu.dtype)
-  g_rot = _rotate(plan, g.astype(mu.dtype), bases)
-  mu = config.b1 * mu + (1.0 - config.b1) * g_rot
-  nu = config.b2 * nu + (1.0 - config.b2) * jnp.square(g_rot)
-  m_hat = mu / (1.0 - config.b1 ** step)
-  v_hat = nu / (1.0 - config.b2 ** step)
-  direction = m_hat / (jnp.sqrt(v_hat) + config.eps)
+  """(direction `N`, new `M'`, new `V`) of one parameter, the moments in the
+  rotated coordinates of `bases` (plain Adam without bases)."""
+  direction, mu, nu = adam_step(config, _rotate(plan, g.astype(mu.dtype), bases), mu, nu,
+                                count)
   return _rotate(plan, direction, bases, inverse=True), mu, nu
 
 
@@ -331,31 +343,31 @@ def replicated_step(config: SoapConfig, comm: collectives_lib.Collectives,
   """One owner group: (statistics, eigenbases, directions, `mu`, `nu`, block
   moments) with every statistic on every device."""
   shampoo, lay, count = config.shampoo, state.layout, state.count
+  out = [adam_in_bases(config, plan, g, m, v, state.bases, count)
+         for plan, g, m, v in zip(lay.params, grads, state.mu, state.nu)]
+  mu = tuple(m for _, m, _ in out)
   with jax.named_scope("soap_statistics"):
     stats = replicated.new_statistics(shampoo, lay, merged, state.statistics)
 
   def refreshed() -> tuple[Buckets, Moments]:
     new = replicated.new_roots(shampoo, comm, lay, stats, state.bases,
                                compute=checked_bases)
-    return new, tuple(rebased(plan, m, state.bases, new)
-                      for plan, m in zip(lay.params, state.mu))
+    return new, tuple(rebased(plan, m, state.bases, new) for plan, m in zip(lay.params, mu))
   with jax.named_scope("soap_eigenbases"):
     bases, mu = lax.cond(cadence.due(config.precondition_every, count), refreshed,
-                         lambda: (state.bases, state.mu))
-  out = [adam_in_bases(config, plan, g, m, v, bases, count)
-         for plan, g, m, v in zip(lay.params, grads, mu, state.nu)]
-  return (stats, bases, [d for d, _, _ in out], tuple(m for _, m, _ in out),
-          tuple(v for _, _, v in out), state.block_mu, state.block_nu)
+                         lambda: (state.bases, mu))
+  return (stats, bases, [d for d, _, _ in out], mu, tuple(v for _, _, v in out),
+          state.block_mu, state.block_nu)
 
 
 def _group_adam(config: SoapConfig, step: sharded.ShardedStep, g: int, bases: jax.Array,
                 mu: jax.Array, nu: jax.Array, due: jax.Array
                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Group `g`'s (directions, `M'`, `V`), flat in its gradient buffer's order,
-  from its blocks' moments `mu`, `nu` (this device's `[T]`; `M'` carried into
-  the new eigenbases `bases` on a refresh)."""
+  from its blocks' moments `mu`, `nu` (this device's `[T]`), rotated with the
+  eigenbases the step started with; `M'` carried into the new ones `bases`
+  on a refresh."""
   tables, dtype = step.tables, mu.dtype
-  t = (step.state.count + 1).astype(dtype)
   pieces: tuple[list, list, list] = ([], [], [])
   for (q, r), bs in tables.blocks[g].items():
     region = step.lay.params[q].regions[r]
@@ -366,13 +378,11 @@ def _group_adam(config: SoapConfig, step: sharded.ShardedStep, g: int, bases: ja
     x = step.blocks_of(g, q, r).astype(dtype)
     start, n = tables.starts[g][(q, r)], len(bs) * step.numel(q, r)
     m, v = (y[start:start + n].reshape(x.shape) for y in (mu, nu))
+    d, m, v = adam_step(config, blocks.precondition_blocks(x, old), m, v,
+                        step.state.count)
     m = lax.cond(due, lambda m=m, new=new, old=old: blocks.precondition_blocks(
         blocks.precondition_blocks(m, back(old)), new), lambda m=m: m)
-    g_rot = blocks.precondition_blocks(x, new)
-    m = config.b1 * m + (1.0 - config.b1) * g_rot
-    v = config.b2 * v + (1.0 - config.b2) * jnp.square(g_rot)
-    d = (m / (1.0 - config.b1 ** t)) / (jnp.sqrt(v / (1.0 - config.b2 ** t)) + config.eps)
-    for out, y in zip(pieces, (blocks.precondition_blocks(d, back(new)), m, v)):
+    for out, y in zip(pieces, (blocks.precondition_blocks(d, back(old)), m, v)):
       out.append(y.reshape(-1))
   flat = lambda ys: jnp.concatenate(ys) if ys else jnp.zeros(0, dtype)
   return flat(pieces[0]), flat(pieces[1]), flat(pieces[2])
@@ -477,12 +487,13 @@ def scale_by_soap(
       pattern that matches no parameter raises at `init`.
     statistics_dtype: dtype of the statistics and eigenbases (default
       float32, or float64 if a parameter is float64).
-    distribution: a `kd.Distribution` (no `model_axis`): `update` runs
+    distribution: a `kd.Distribution`: `update` runs
       inside `shard_map` with the state's specs from `kd.partition_specs`.
       `grad_worker_fraction=1` replicates the state (each eigenbasis
       decomposed by one owner and all-gathered); below 1 each owner group
       keeps its blocks' statistics, eigenbases and moments (MEM-OPT,
-      HYBRID-OPT), as Shampoo's. None: one device.
+      HYBRID-OPT), as Shampoo's; with `model_axis` each model shard runs
+      SOAP on its local shards. None: one device.
 
   Returns:
     An optax `GradientTransformationExtraArgs` (extra arguments of `update`
@@ -503,7 +514,11 @@ def scale_by_soap(
     del params, extra_args
     return update_state(config, comm, updates, state)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  if distribution is not None and distribution.model_axis is not None:
+    # Tensor-parallel: every model shard runs SOAP on its local shard (as Shampoo).
+    return tensor_parallel.wrap(tx, distribution, "scale_by_soap")
+  return tx
 
 
 def soap(
