@@ -461,12 +461,15 @@ def measure(model_name: str, args) -> dict:
               flops=b["flops"], rows=rows, raw_wall_seconds=wall, raw_cpu_seconds=cpu,
               final_losses=final_losses, steps_in_amortised_run=b["steps_per_cycle"],
               adaptive_cost=adaptive_cost(wall, cpu),
-              ekfac_cost={clock: statistics.median(
-                  e / k for e, k in zip(times["ekfac_amortised"], times["kfac_amortised"]))
-                  for clock, times in (("wall", wall), ("cpu", cpu))},
-              soap_cost={clock: statistics.median(
-                  a / b for a, b in zip(times["soap"], times["shampoo"]))
-                  for clock, times in (("wall", wall), ("cpu", cpu))})
+              ekfac_cost=cost_ratio(wall, cpu, "ekfac_amortised", "kfac_amortised"),
+              soap_cost=cost_ratio(wall, cpu, "soap", "shampoo"))
+
+
+def cost_ratio(wall: dict, cpu: dict, name: str, base: str) -> dict:
+  """`{"wall", "cpu"}`: the median over rounds of `name`'s time per step over
+  `base`'s."""
+  return {clock: statistics.median(a / b for a, b in zip(times[name], times[base]))
+          for clock, times in (("wall", wall), ("cpu", cpu))}
 
 
 # -------------------------------------------------------------------- report
@@ -524,19 +527,16 @@ def markdown(results: list[dict], env: dict, args) -> str:
                 "plain adaptive step (one forward expected, every T = 5 steps); the "
                 f"amortised adaptive run costs {a['amortised_cpu']:.2f}× "
                 f"({a['amortised_wall']:.2f}×) kfac_amortised per step.", ""]
-    e = res.get("ekfac_cost")
-    if e:
-      holds = "holds" if e["cpu"] <= 1.3 else "**does not hold**"
-      lines += [f"EK-FAC (issue 15; `eigenvalue_correction=\"ekfac\"`, the same amortised "
-                f"cadence): {e['cpu']:.2f}× ({e['wall']:.2f}× wall) kfac_amortised's CPU "
-                f"time per step (target ≤ 1.3: {holds}).", ""]
-    e = res.get("soap_cost")
-    if e:
-      holds = "holds" if e["cpu"] <= 1.3 else "**does not hold**"
-      lines += [f"SOAP (issue 15; `kd.soap`, eigenbases every {ROOTS_EVERY} steps): "
-                f"{e['cpu']:.2f}× ({e['wall']:.2f}× wall) the CPU time per step of "
-                f"`kd.shampoo` with roots every {ROOTS_EVERY} steps (target ≤ 1.3: "
-                f"{holds}).", ""]
+    for key, what, base in (
+        ("ekfac_cost", "EK-FAC (`eigenvalue_correction=\"ekfac\"`, the same amortised "
+         "cadence)", "kfac_amortised's"),
+        ("soap_cost", f"SOAP (`kd.soap`, eigenbases every {ROOTS_EVERY} steps)",
+         f"`kd.shampoo`'s (roots every {ROOTS_EVERY} steps)")):
+      e = res.get(key)
+      if e:
+        holds = "holds" if e["cpu"] <= 1.3 else "**does not hold**"
+        lines += [f"{what}: {e['cpu']:.2f}× ({e['wall']:.2f}× wall) {base} CPU time per "
+                  f"step (issue 15's target ≤ 1.3: {holds}).", ""]
   return "\n".join(lines)
 
 

@@ -27,3 +27,17 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 def pytest_xdist_auto_num_workers(config):
   del config
   return max(1, min(os.cpu_count() or 1, 4))
+
+
+import pytest  # noqa: E402  (after the XLA flags)
+
+
+@pytest.fixture(scope="module")
+def x64_module():
+  """float64 for a whole test module (`pytestmark = pytest.mark.usefixtures(
+  "x64_module")`), restored afterwards."""
+  import jax  # pylint: disable=import-outside-toplevel
+  previous = jax.config.jax_enable_x64
+  jax.config.update("jax_enable_x64", True)
+  yield
+  jax.config.update("jax_enable_x64", previous)

@@ -20,12 +20,7 @@ from kfac_jax_dist.kfac import correction as correction_lib
 LAMBDA, DECAY = 1e-2, 0.8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _x64():
-  previous = jax.config.jax_enable_x64
-  jax.config.update("jax_enable_x64", True)
-  yield
-  jax.config.update("jax_enable_x64", previous)
+pytestmark = pytest.mark.usefixtures("x64_module")
 
 
 class ConvNet(nn.Module):

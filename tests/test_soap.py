@@ -27,12 +27,7 @@ CASES = {"blocked": (4, ("w", "cube", "b")), "uneven": (4, ("slab", "b")),
          "unblocked": (None, ("w", "cube", "v", "b"))}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _x64():
-  previous = jax.config.jax_enable_x64
-  jax.config.update("jax_enable_x64", True)
-  yield
-  jax.config.update("jax_enable_x64", previous)
+pytestmark = pytest.mark.usefixtures("x64_module")
 
 
 def _mode(x: np.ndarray, m: np.ndarray, axis: int) -> np.ndarray:
