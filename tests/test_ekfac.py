@@ -168,8 +168,10 @@ def test_updates_equal_the_dense_solve_in_the_basis(name):
 
 
 @pytest.mark.parametrize("fraction,reduction", [
-    (1, "all_reduce"), (1 / 8, "all_reduce"), (1 / 4, "all_reduce"),
-    (1 / 8, "reduce_scatter")], ids=["comm_opt", "mem_opt", "hybrid", "sp_ngd"])
+    (1, "all_reduce"), (1 / 8, "all_reduce"),
+    pytest.param(1 / 4, "all_reduce", marks=pytest.mark.slow),
+    pytest.param(1 / 8, "reduce_scatter", marks=pytest.mark.slow)],
+    ids=["comm_opt", "mem_opt", "hybrid", "sp_ngd"])
 def test_eight_devices_equal_one_device(fraction, reduction):
   """On 8 CPU devices (per-device statistics, `S` averaged over the axis; the
   eigenbases gathered with several owner groups) K-FAC with EK-FAC equals the
@@ -271,7 +273,8 @@ class _Unrolled(nn.Module):
     return kd.linen.Dense(4, param_dtype=jnp.float64)(x)
 
 
-@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+@pytest.mark.parametrize("adaptive", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["fixed", "adaptive"])
 def test_scanned_layers_equal_unrolled(adaptive):
   """A `nn.scan`ned stack of Dense blocks (stacked eigenbases in the capture's
   probes) trains exactly as its unrolled copy, fixed and adaptive."""
