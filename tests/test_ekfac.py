@@ -335,3 +335,20 @@ def test_describe_explains_the_correction():
   numbers = sum(layer.a_dim * layer.g_dim for layer in layers)
   assert f"EK-FAC: the scaling s of 3 Dense/Conv layers, {numbers:,} numbers" in text
   assert "eigenbases gathered for the capture" in text
+
+
+def test_checkpoint_round_trip(tmp_path):
+  """The scaling (and, with owner groups, the gathered eigenbases) are saved
+  and restored with the rest of the state."""
+  loss_fn, params, x, y = _problem("conv")
+  grad_fn = kd.value_and_grad(loss_fn)
+  tx = kd.kfac(0.1, layers=grad_fn.discover(params, x, y), factor_dtype=jnp.float64,
+               eigenvalue_correction="ekfac")
+  state = tx.init(params)
+  for i in range(2):
+    _, grads, stats = grad_fn(params, *_batch(x, y, i), opt_state=state)
+    _, state = tx.update(grads, state, params, kfac_stats=stats)
+  kd.save_checkpoint(tmp_path / "ekfac", state)
+  restored = kd.restore_checkpoint(tmp_path / "ekfac", tx.init(params))
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -260,3 +260,15 @@ def test_owner_groups_equal_one_device(fraction, reduction):
   helpers.assert_trees_equal(dataclasses.replace(moved, layout=one.layout), one, rtol=1e-9)
   back = kd.convert_state(one, tx.init(_params(SHARDED)))
   helpers.assert_trees_equal(jax.tree.leaves(back), jax.tree.leaves(state), rtol=1e-9)
+
+
+def test_checkpoint_round_trip(tmp_path):
+  tx = kd.soap(1e-2, block_size=4)
+  params, rng = _params(SHARDED), np.random.default_rng(8)
+  state = tx.init(params)
+  for _ in range(3):
+    _, state = tx.update(_grads(rng, SHARDED), state, params)
+  kd.save_checkpoint(tmp_path / "soap", state)
+  restored = kd.restore_checkpoint(tmp_path / "soap", tx.init(params))
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
