@@ -194,7 +194,10 @@ def quadratic_model(gram: jax.Array, vectors: tuple[Any, Any], grads: Any,
   """`(A, D, b)` of the model in the span of `vectors`: `A = VᵀCV + w VᵀV`,
   `D = VᵀV` (the damping's), `b = Vᵀ∇` (averaged over the axes the local
   gradients vary over: the vectors are the same on every device)."""
-  dots = jnp.stack([jnp.stack([dot(u, v) for v in vectors]) for u in vectors])
+  k = len(vectors)
+  upper = {(i, j): dot(vectors[i], vectors[j]) for i in range(k) for j in range(i, k)}
+  dots = jnp.stack([jnp.stack([upper[min(i, j), max(i, j)] for j in range(k)])
+                    for i in range(k)])
   b = jnp.stack([dot(grads, v) for v in vectors])
   b = _mean_over(b, _compat.varying_axes(b))
   return gram + weight_decay * dots, dots, b
