@@ -46,6 +46,16 @@ DAMPING = 1e-3             # kd.kfac's damping when none is given
 ADAPTIVE_DAMPING = 1e-2    # ... and adaptive mode's initial λ
 
 
+def _kaisa_chain(layers: registry.LayerRegistry | None, learning_rate: Any, momentum: Any,
+                 weight_decay: float, nesterov: bool, kl_clip: Any, options: dict
+                 ) -> optax.GradientTransformationExtraArgs:
+  """The non-adaptive `kd.kfac`: K-FAC, weight decay, SGD (see `kfac`)."""
+  return faults.skip_faulty_steps(optax.chain(
+      scale_by_kfac(layers, kl_clip=kl_clip, learning_rate=learning_rate, **options),
+      optax.add_decayed_weights(weight_decay),
+      optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)))
+
+
 def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None = 0.9,
          weight_decay: float = 0.0, nesterov: bool = False,
          layers: registry.LayerRegistry | None = None, *,
@@ -170,15 +180,12 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
                  distribution=distribution, stale_threshold=stale_threshold,
                  eigenvalue_correction=eigenvalue_correction)
   if not adaptive_mode:
-    kl_clip = KL_CLIP.value if kl_clip is KL_CLIP else kl_clip
     if adapt_damping or micro_batches is not None:
       raise ValueError(f"{'adapt_damping' if adapt_damping else 'micro_batches'} "
                        "needs adaptive mode: learning_rate=None or momentum=None (and "
                        "grad_fn).")
-    return faults.skip_faulty_steps(optax.chain(
-        scale_by_kfac(layers, kl_clip=kl_clip, learning_rate=learning_rate, **options),
-        optax.add_decayed_weights(weight_decay),
-        optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)))
+    return _kaisa_chain(layers, learning_rate, momentum, weight_decay, nesterov,
+                        KL_CLIP.value if kl_clip is KL_CLIP else kl_clip, options)
   if nesterov:
     raise ValueError("nesterov applies to the SGD of the non-adaptive mode; adaptive "
                      "momentum is the model's.")
