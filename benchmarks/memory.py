@@ -33,6 +33,11 @@ device <= 1.15 × (COMM-OPT's total K-FAC state / 8).
 Usage: python benchmarks/memory.py [--quick] [--devices 1,2,4,8] [--out DIR]
 (--quick: P = 8 only; writes memory_quick.*).
 
+Peak memory of a step (issue 16): on one device, each step_time model's SGD
+step and amortised K-FAC step compiled with params and state donated; XLA's
+memory analysis against SGD's peak + the K-FAC state + the largest layer's
+eigendecomposition workspace (`step_peaks`; --quick: the MLP only).
+
 "+ EK-FAC" rows: the same strategy with `eigenvalue_correction="ekfac"`: its
 state adds the replicated scaling `s` (Σ d_A·d_G numbers, gradient-sized) and,
 with several owner groups, every owner's second-order segment gathered for the
@@ -51,6 +56,7 @@ _report.host_devices(8)
 
 # pylint: disable=wrong-import-position
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
@@ -58,6 +64,7 @@ from jax.sharding import Mesh
 import kfac_jax_dist as kd
 
 import _common as C  # noqa: E402
+import _models  # noqa: E402
 
 # Also measured with eigenvalue_correction="ekfac" (issue 15).
 EKFAC_STRATEGIES = ("COMM-OPT", "MEM-OPT", "HYBRID")
@@ -140,6 +147,79 @@ def measure(p: int, names) -> list[dict]:
   return rows
 
 
+# ------------------------------------------------------- peak memory of a step
+
+def step_peak(step, params, state, x, y) -> dict:
+  """XLA's memory analysis of `step` compiled with the parameters and the
+  optimizer state donated (as a training loop runs it): peak = arguments +
+  outputs − aliased + temporaries."""
+  stats = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, x, y).compile(
+      ).memory_analysis()
+  peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+          - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+  return {"peak": int(peak), "temp": int(stats.temp_size_in_bytes)}
+
+
+def decomposition_workspace(lay) -> int:
+  """The largest layer's eigendecomposition workspace, bytes: per full factor
+  of dimension d its copy and its eigenvectors (2d²) and LAPACK syevd's work
+  array (1 + 6d + 2d²), float32."""
+  def layer(plan) -> int:
+    return sum(4 * d * d + 6 * d + 1 for d in (f.dim for f in C.factor_places(plan)
+                                                if f.form == "full"))
+  return 4 * max((layer(plan) for plan in lay.plans), default=0)
+
+
+def step_peaks(models) -> list[dict]:
+  """Issue 16's memory check on the step_time models (one device): the
+  amortised K-FAC step's peak ≤ SGD's peak + the K-FAC state + one layer's
+  decomposition workspace."""
+  rows = []
+  for name in models:
+    model, params, x, y, _ = _models.step_problem(name)
+
+    def loss_fn(p, x, y, model=model):
+      return kd.losses.softmax_cross_entropy(model.apply(p, x), y)
+    grad_fn = kd.value_and_grad(loss_fn)
+    sgd = optax.sgd(1e-2, momentum=0.9)
+    kfac = kd.kfac(1e-2, layers=grad_fn.discover(params, x, y), factor_update_every=10,
+                   inverse_update_every=100)
+    copy = lambda t: jax.tree.map(jnp.copy, t)
+    first = step_peak(C.optax_step(loss_fn, sgd), copy(params), sgd.init(params), x, y)
+    kstate = kfac.init(params)
+    second = step_peak(C.kfac_step(grad_fn, kfac), copy(params), kstate, x, y)
+    state_bytes = global_bytes(C.kfac_state(kstate))
+    work = decomposition_workspace(C.kfac_state(kstate).layout)
+    bound = first["peak"] + state_bytes + work
+    rows.append({"model": name, "sgd_peak": first["peak"], "kfac_peak": second["peak"],
+                 "sgd_temp": first["temp"], "kfac_temp": second["temp"],
+                 "kfac_state": state_bytes, "workspace": work, "bound": bound,
+                 "holds": second["peak"] <= bound})
+    print(f"  {name}: SGD peak {C.fmt_bytes(first['peak'])}, K-FAC peak "
+          f"{C.fmt_bytes(second['peak'])}, bound {C.fmt_bytes(bound)}", flush=True)
+  return rows
+
+
+def render_peaks(rows) -> list[str]:
+  if not rows:
+    return []
+  table = [[r["model"], C.fmt_bytes(r["sgd_peak"]), C.fmt_bytes(r["kfac_peak"]),
+            C.fmt_bytes(r["kfac_state"]), C.fmt_bytes(r["workspace"]),
+            C.fmt_bytes(r["bound"]), f"{r['kfac_peak'] / r['bound']:.3f}",
+            "yes" if r["holds"] else "**no**"] for r in rows]
+  return ["", "## Peak memory of a step (issue 16)", "",
+          "One device, the step_time models (`_models.step_problem`), each step compiled "
+          "with the parameters and the optimizer state donated; peak = XLA's memory "
+          "analysis (arguments + outputs − aliased + temporaries), the largest over the "
+          "step's branches. K-FAC is `kd.kfac` at factors every 10 and "
+          "eigendecompositions every 100 steps; workspace = the largest layer's "
+          "eigendecomposition (its factors' copies and eigenvectors, 2d² each, and "
+          "LAPACK syevd's 1 + 6d + 2d² work array, float32). Target: K-FAC's peak ≤ "
+          "SGD's peak + K-FAC state + workspace.", "",
+          C.md_table(table, ["model", "SGD peak", "K-FAC peak", "K-FAC state",
+                             "workspace", "bound", "peak / bound", "holds"])]
+
+
 def checks(rows, p=8):
   by = {r["strategy"]: r for r in rows if r["P"] == p}
   if "MEM-OPT" not in by or "COMM-OPT" not in by:
@@ -165,7 +245,7 @@ def checks(rows, p=8):
            "target": f"<= {target:.0f} B", "holds": mem["kfac_max"] <= target, "why": why}]
 
 
-def render(rows, chk, head) -> str:
+def render(rows, chk, head, peaks=()) -> str:
   out = ["# Optimizer-state memory per device", "", C.header_md(head),
          f"- model: {C.MODEL_DESCRIPTION}",
          "- `kd.kfac` (scale_by_kfac + add_decayed_weights + sgd momentum), method eigen, "
@@ -197,6 +277,7 @@ def render(rows, chk, head) -> str:
       "max / ideal", "whole dev 0", "whole max", "factors per device, L₂, groups"]))
   out.append("")
   out += C.checks_markdown("Check", chk)
+  out += render_peaks(peaks)
   return "\n".join(out)
 
 
@@ -211,10 +292,11 @@ def main(argv=None):
   for p in ps:
     rows += measure(p, MEMORY_STRATEGIES)
   chk = checks(rows, 8) if 8 in ps else []
-  text = render(rows, chk, head)
+  peaks = step_peaks(("mlp",) if args.quick else ("mlp", "cnn", "lm"))
+  text = render(rows, chk, head, peaks)
   print(text)
   C.write_results(args.out, C.stem("memory", args.quick), text,
-                  {"header": head, "rows": rows, "checks": chk})
+                  {"header": head, "rows": rows, "checks": chk, "step_peaks": peaks})
 
 
 if __name__ == "__main__":

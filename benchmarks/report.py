@@ -255,6 +255,15 @@ def memory(d: Json) -> list[str]:
   lines += ["", f"At P = {p} ({others(d['rows'], p)}):", "",
             md_table(rows, ["strategy", "m", "K-FAC state, max device", "ideal",
                             "max / ideal", "whole optax state, max device"])]
+  peaks = d.get("step_peaks") or []
+  if peaks:
+    lines += ["", "Peak memory of the amortised K-FAC step against SGD's + the K-FAC state "
+              "+ one layer's eigendecomposition workspace (one device, XLA's memory "
+              "analysis):", "", md_table(
+                  [[r["model"], fmt_bytes(r["sgd_peak"]), fmt_bytes(r["kfac_peak"]),
+                    fmt_bytes(r["bound"]), f"{r['kfac_peak'] / r['bound']:.3f}",
+                    yes_no(r["holds"])] for r in peaks],
+                  ["model", "SGD peak", "K-FAC peak", "bound", "peak / bound", "holds"])]
   return lines + checks_table(d.get("checks", []))
 
 

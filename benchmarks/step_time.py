@@ -105,33 +105,6 @@ WATCHDOG = Watchdog(0)
 
 # --------------------------------------------------------------------- models
 
-LM_VOCAB, LM_CONTEXT = 96, 64
-
-
-def make_problem(name: str):
-  """(model, params, x, y, description) with a fixed synthetic batch."""
-  kx, ky, kp = jax.random.split(jax.random.key(0), 3)
-  if name == "mlp":
-    model = _models.MLP()
-    x = jax.random.normal(kx, (256, 784), jnp.float32)
-    y = jax.random.randint(ky, (256,), 0, 10)
-    desc = "MLP 784-512-512-10, ReLU, batch 256, synthetic data"
-  elif name == "cnn":
-    model = _models.CNN()
-    x = jax.random.normal(kx, (128, 32, 32, 3), jnp.float32)
-    y = jax.random.randint(ky, (128,), 0, 10)
-    desc = ("CNN conv3x3(32)-pool-conv3x3(64)-pool-conv3x3(64)-mean-dense(10), "
-            "32x32x3, batch 128, synthetic data")
-  elif name == "lm":
-    model = _models.CharLM(LM_VOCAB, width=128, blocks=2, heads=4, context=LM_CONTEXT)
-    x = jax.random.randint(kx, (32, LM_CONTEXT), 0, LM_VOCAB)
-    y = jax.random.randint(ky, (32, LM_CONTEXT), 0, LM_VOCAB)
-    desc = (model.describe() + f"; batch 32 x {LM_CONTEXT} tokens, synthetic tokens, "
-            "cross-entropy at every position")
-  else:
-    raise ValueError(f"unknown model {name!r} (mlp, cnn, lm)")
-  params = model.init(kp, x)
-  return model, params, x, y, desc
 
 
 # ---------------------------------------------------------------------- steps
@@ -249,7 +222,7 @@ def chained_runner(step, init, reps: int):
 
 
 def build(model_name: str, args):
-  model, params, x, y, desc = make_problem(model_name)
+  model, params, x, y, desc = _models.step_problem(model_name)
 
   def loss_fn(p, x, y):
     return kd.losses.softmax_cross_entropy(model.apply(p, x), y)
