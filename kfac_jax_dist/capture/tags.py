@@ -173,8 +173,9 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=
   `record` holds the `TaggedLayer` fields that only the tag knows (a_dim,
   g_dim, a_diagonal). `examples(x, ḡ)` (Dense and Conv layers) returns the
   positions `[..., d_A − bias]`, `[..., d_G]` and their `example_dims`, from
-  which EK-FAC's `S` is computed when the probes bring eigenbases. `kernel` and `bias` are one block's; `site` (see
-  `stacking`) says where they live when they are not leaves of the parameters.
+  which EK-FAC's `S` is computed when the probes bring eigenbases. `kernel`
+  and `bias` are one block's; `site` (see `stacking`) says where they live
+  when they are not leaves of the parameters.
   """
   trace = _context.tagging()
   params = (kernel,) if bias is None else (kernel, bias)
