@@ -36,17 +36,9 @@ them sooner. K-FAC's defaults (damping 0.03, KL clip 1e-2) were tuned on seed 0;
 with the KL clip binding, the step length is set by `--kl-clip` more than by
 `--kfac-lr`.
 
-`--adaptive` also trains adaptive K-FAC, which needs no tuning:
-`kd.kfac(None, None, grad_fn=grad_fn, damping=λ₀, min_damping=1e-3,
-adapt_damping=True)` (every
-other setting the library's default: factors and eigendecompositions every
-step, no KL clip) picks each step's learning rate η = −α and momentum μ from
-the exact quadratic model on the batch and adapts the damping λ
-(Levenberg-Marquardt, every 5 steps) from `--adaptive-damping` (λ₀), never
-below `--adaptive-min-damping` (kd.kfac's default floor, 1e-3: at kfac-jax's
-1e-8, λ collapses on these small batches, which the model fits, and training
-diverges); η, μ, λ
-and the reduction ratio ρ are printed and written to `autoencoder.csv`.
+`--adaptive` also trains adaptive K-FAC, which needs no tuning, with the
+library's defaults (`_adaptive_log` describes it and its options); η, μ, λ
+and ρ are written to `autoencoder.csv`.
 `--skip-fixed-kfac` leaves the fixed-hyperparameter K-FAC out.
 
     python examples/autoencoder.py              # well under a minute on 2 CPU cores
@@ -82,7 +74,8 @@ from sklearn.model_selection import train_test_split  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import kfac_jax_dist as kd  # noqa: E402
-from _adaptive_log import ADAPTED, adapted_values, summary  # noqa: E402
+import _adaptive_log  # noqa: E402
+from _adaptive_log import ADAPTED, summary  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -195,11 +188,7 @@ def train(name, tx, params, data, batches, eval_every, use_kfac, loss_fn, floors
       result.test.append(test_loss)
       shown = dict(train=f"{train_loss:.3f}", test=f"{test_loss:.3f}")
       if adaptive:
-        values = adapted_values(opt_state)
-        for k in ADAPTED:
-          result.adapted[k].append(values[k])
-        shown.update(lr=f"{values['learning_rate']:.3g}", μ=f"{values['momentum']:.2f}",
-                     λ=f"{values['damping']:.2g}")
+        _adaptive_log.record(opt_state, result.adapted, shown)
       bar.set_postfix(shown, refresh=False)
   return result
 
@@ -288,17 +277,7 @@ def main():
                     help="update the Kronecker factors every this many steps")
   kfac.add_argument("--inverse-every", type=int, default=25,
                     help="recompute the eigendecompositions every this many steps")
-  kfac.add_argument("--adaptive", action="store_true",
-                    help="also train adaptive K-FAC (learning rate and momentum from the "
-                         "quadratic model, "
-                         "λ by Levenberg-Marquardt; the library's other defaults)")
-  kfac.add_argument("--adaptive-damping", type=float, default=1e-2,
-                    help="adaptive K-FAC's initial damping λ₀")
-  kfac.add_argument("--adaptive-min-damping", type=float, default=1e-3,
-                    help="adaptive K-FAC's floor for λ (kd.kfac's default, kfac-jax's "
-                         "1e-8, lets λ collapse and training diverge on these tasks)")
-  kfac.add_argument("--skip-fixed-kfac", action="store_true",
-                    help="leave out the fixed-hyperparameter K-FAC (e.g. with --adaptive)")
+  _adaptive_log.add_arguments(kfac)
   base = parser.add_argument_group("baseline")
   base.add_argument("--adam-lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2])
   base.add_argument("--skip-baselines", action="store_true",

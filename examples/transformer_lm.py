@@ -37,17 +37,9 @@ Reported: steps and training seconds (compilation and evaluation excluded)
 until the validation loss first falls to `--target` nats per character, and
 the final validation loss.
 
-`--adaptive` also trains adaptive K-FAC, which needs no tuning:
-`kd.kfac(None, None, grad_fn=grad_fn, damping=λ₀, min_damping=1e-3,
-adapt_damping=True)` (every
-other setting the library's default: factors and eigendecompositions every
-step, no KL clip) picks each step's learning rate η = −α and momentum μ from
-the exact quadratic model on the batch and adapts the damping λ
-(Levenberg-Marquardt, every 5 steps) from `--adaptive-damping` (λ₀), never
-below `--adaptive-min-damping` (kd.kfac's default floor, 1e-3: at kfac-jax's
-1e-8, λ collapses on these small batches, which the model fits, and training
-diverges); η, μ, λ
-and the reduction ratio ρ are printed and written to `transformer_lm.csv`.
+`--adaptive` also trains adaptive K-FAC, which needs no tuning, with the
+library's defaults (`_adaptive_log` describes it and its options); η, μ, λ
+and ρ are written to `transformer_lm.csv`.
 With `--devices N` it runs under the same `kd.Distribution` as K-FAC.
 `--skip-fixed-kfac` leaves the fixed-hyperparameter K-FAC out.
 
@@ -97,7 +89,8 @@ import optax  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import kfac_jax_dist as kd  # noqa: E402
-from _adaptive_log import ADAPTED, adapted_values, summary  # noqa: E402
+import _adaptive_log  # noqa: E402
+from _adaptive_log import ADAPTED, summary  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -281,11 +274,7 @@ def train(name, tx, params, batches, valid_batch, eval_every, use_kfac, loss_fn,
       result.train.append(train_loss)
       shown = dict(train=f"{train_loss:.3f}", valid=f"{valid:.3f}")
       if adaptive:
-        values = adapted_values(opt_state)
-        for k in ADAPTED:
-          result.adapted[k].append(values[k])
-        shown.update(lr=f"{values['learning_rate']:.3g}", μ=f"{values['momentum']:.2f}",
-                     λ=f"{values['damping']:.2g}")
+        _adaptive_log.record(opt_state, result.adapted, shown)
       bar.set_postfix(shown, refresh=False)
   result.params = params
   return result
@@ -408,17 +397,7 @@ def main():
                     help="update the Kronecker factors every this many steps")
   kfac.add_argument("--inverse-every", type=int, default=50,
                     help="recompute the eigendecompositions every this many steps")
-  kfac.add_argument("--adaptive", action="store_true",
-                    help="also train adaptive K-FAC (learning rate and momentum from the "
-                         "quadratic model, "
-                         "λ by Levenberg-Marquardt; the library's other defaults)")
-  kfac.add_argument("--adaptive-damping", type=float, default=1e-2,
-                    help="adaptive K-FAC's initial damping λ₀")
-  kfac.add_argument("--adaptive-min-damping", type=float, default=1e-3,
-                    help="adaptive K-FAC's floor for λ (kd.kfac's default, kfac-jax's "
-                         "1e-8, lets λ collapse and training diverge on these tasks)")
-  kfac.add_argument("--skip-fixed-kfac", action="store_true",
-                    help="leave out the fixed-hyperparameter K-FAC (e.g. with --adaptive)")
+  _adaptive_log.add_arguments(kfac)
   base = parser.add_argument_group("baseline")
   base.add_argument("--adamw-lrs", type=float, nargs="+", default=[3e-3, 1e-2, 2e-2])
   base.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's")
