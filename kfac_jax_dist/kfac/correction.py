@@ -138,11 +138,10 @@ def reset(lay: layout_lib.Layout, second: jax.Array, gathered: jax.Array | None
   return CorrectionState(kfac_scaling(lay, second), jnp.asarray(True), gathered)
 
 
-def batch_scaling(config: KfacConfig, comm: collectives_lib.Collectives,
-                  lay: layout_lib.Layout, stats: Any) -> jax.Array:
-  """The batch's `S` of every corrected layer, flat, averaged over the data
-  axis."""
-  pieces = []
+def layer_statistics(lay: layout_lib.Layout, stats: Any) -> list[jax.Array]:
+  """The batch's `S` of every corrected layer (its block's, for a block of a
+  stacked layer), in layout order."""
+  out = []
   for plan, _ in corrected_plans(lay):
     layer = plan.layer
     if statistics.CORRECTED not in stats[layer.stats_name]:
@@ -151,9 +150,15 @@ def batch_scaling(config: KfacConfig, comm: collectives_lib.Collectives,
           "statistics with grad_fn(params, ..., opt_state=opt_state) so that the "
           "capture sees the eigenbases.")
     stat = stats[layer.stats_name][statistics.CORRECTED]
-    if layer.stack_index is not None:
-      stat = stat[layer.stack_index]
-    pieces.append(stat.astype(config.compute_dtype).ravel())
+    out.append(stat if layer.stack_index is None else stat[layer.stack_index])
+  return out
+
+
+def batch_scaling(config: KfacConfig, comm: collectives_lib.Collectives,
+                  lay: layout_lib.Layout, stats: Any) -> jax.Array:
+  """The batch's `S` of every corrected layer, flat, averaged over the data
+  axis."""
+  pieces = [x.astype(config.compute_dtype).ravel() for x in layer_statistics(lay, stats)]
   flat = jnp.concatenate(pieces) if pieces else jnp.zeros(0, config.compute_dtype)
   return comm.mean(flat)
 

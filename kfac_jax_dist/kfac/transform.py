@@ -216,8 +216,7 @@ def inputs_verdict(config: KfacConfig, comm: collectives_lib.Collectives,
   if stats is not None:
     finite = faults.all_finite(factors.all_statistics(state.layout, stats) + (
         [] if state.correction is None else
-        [correction_lib.batch_scaling(config, collectives_lib.Collectives(None),
-                                      state.layout, stats)]))
+        correction_lib.layer_statistics(state.layout, stats)))
     if comm.active:
       ok = ok & lax.cond(state.update_factors, lambda: faults.agree(finite, comm.varying),
                          lambda: jnp.asarray(True))

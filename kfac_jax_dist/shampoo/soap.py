@@ -371,17 +371,21 @@ def _group_adam(config: SoapConfig, step: sharded.ShardedStep, g: int, bases: ja
   pieces: tuple[list, list, list] = ([], [], [])
   for (q, r), bs in tables.blocks[g].items():
     region = step.lay.params[q].regions[r]
-    new = [step.group_roots(bases, region, a, bs) for a in range(len(region.block))]
-    old = [step.group_roots(step.state.roots[0], region, a, bs)
-           for a in range(len(region.block))]
+    axis_bases = lambda roots, region=region, bs=bs: [
+        step.group_roots(roots, region, a, bs) for a in range(len(region.block))]
+    old = axis_bases(step.state.roots[0])
     back = lambda qs: [jnp.swapaxes(x, -1, -2) for x in qs]
     x = step.blocks_of(g, q, r).astype(dtype)
     start, n = tables.starts[g][(q, r)], len(bs) * step.numel(q, r)
     m, v = (y[start:start + n].reshape(x.shape) for y in (mu, nu))
     d, m, v = adam_step(config, blocks.precondition_blocks(x, old), m, v,
                         step.state.count)
-    m = lax.cond(due, lambda m=m, new=new, old=old: blocks.precondition_blocks(
-        blocks.precondition_blocks(m, back(old)), new), lambda m=m: m)
+
+    def rebase(m=m, old=old, axis_bases=axis_bases) -> jax.Array:
+      """`M'` into the new eigenbases (read only on a refresh)."""
+      return blocks.precondition_blocks(blocks.precondition_blocks(m, back(old)),
+                                        axis_bases(bases))
+    m = lax.cond(due, rebase, lambda m=m: m)
     for out, y in zip(pieces, (blocks.precondition_blocks(d, back(old)), m, v)):
       out.append(y.reshape(-1))
   flat = lambda ys: jnp.concatenate(ys) if ys else jnp.zeros(0, dtype)
