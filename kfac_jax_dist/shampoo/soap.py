@@ -264,18 +264,15 @@ def param_moments(state: ScaleBySoapState) -> tuple[list[np.ndarray], list[np.nd
     for q, plan in enumerate(lay.params):
       if not plan.preconditioned:
         continue
-      merged = np.zeros(plan.merged, rows[0].dtype)
+      pieces = {}
       for r, region in enumerate(plan.regions):
-        x = np.asarray(blocks.to_blocks(jnp.asarray(blocks.region_slice(merged, region)),
-                                        region)).copy()
+        x = np.zeros((region.num_blocks,) + region.block, rows[0].dtype)
         for g, bs in ((g, t[(q, r)]) for g, t in enumerate(tables.blocks)
                       if (q, r) in t):
           start, n = tables.starts[g][(q, r)], math.prod(region.block)
           x[list(bs)] = rows[g][start:start + len(bs) * n].reshape((len(bs),) + region.block)
-        sl = tuple(slice(a, a + b * c) for a, b, c in zip(region.start, region.grid,
-                                                          region.block))
-        merged[sl] = np.asarray(blocks.from_blocks(jnp.asarray(x), region))
-      out[q] = merged.reshape(plan.shape)
+        pieces[region.index] = blocks.from_blocks(jnp.asarray(x), region)
+      out[q] = np.asarray(blocks.assemble(pieces, plan.segments)).reshape(plan.shape)
   return mu, nu
 
 
