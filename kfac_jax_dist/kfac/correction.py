@@ -133,9 +133,11 @@ def kfac_scaling(lay: layout_lib.Layout, second: jax.Array) -> jax.Array:
 
 def reset(lay: layout_lib.Layout, second: jax.Array, gathered: jax.Array | None
           ) -> CorrectionState:
-  """The scaling of new eigenbases: their `v_A v_Gᵀ`, fresh (`second`: every
-  owner's segment; `gathered`: the same, kept with several owner groups)."""
-  return CorrectionState(kfac_scaling(lay, second), jnp.asarray(True), gathered)
+  """The scaling of new eigenbases: their `v_A v_Gᵀ`, fresh (`second`: this
+  device's second-order array; `gathered`: every owner's segment, kept, with
+  several owner groups)."""
+  owners = second if gathered is None else gathered
+  return CorrectionState(kfac_scaling(lay, owners), jnp.asarray(True), gathered)
 
 
 def layer_statistics(lay: layout_lib.Layout, stats: Any) -> list[jax.Array]:

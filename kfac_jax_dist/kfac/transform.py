@@ -280,9 +280,9 @@ def corrected_states(config: KfacConfig, comm: collectives_lib.Collectives,
   decomposed = cadence.due(config.inverse_update_every, state.count) & ok
 
   def reset() -> correction_lib.CorrectionState:
-    gathered = correction_lib.gather_owners(comm, lay, new_state.second_order)
     return correction_lib.reset(
-        lay, new_state.second_order if gathered is None else gathered, gathered)
+        lay, new_state.second_order,
+        correction_lib.gather_owners(comm, lay, new_state.second_order))
   after = lax.cond(decomposed, reset, lambda: measured)
   return (dataclasses.replace(new_state, second_order=state.second_order,
                               correction=measured),
