@@ -378,7 +378,8 @@ def _group_adam(config: SoapConfig, step: sharded.ShardedStep, g: int, bases: ja
     d, m, v = adam_step(config, blocks.precondition_blocks(x, old), m, v,
                         step.state.count)
 
-    def rebase(m=m, old=old, axis_bases=axis_bases) -> jax.Array:
+    def rebase(m: jax.Array = m, old: list[jax.Array] = old,
+               axis_bases: Any = axis_bases) -> jax.Array:
       """`M'` into the new eigenbases (read only on a refresh)."""
       return blocks.precondition_blocks(blocks.precondition_blocks(m, back(old)),
                                         axis_bases(bases))
