@@ -23,9 +23,25 @@ from kfac_jax_dist.core.distribution import Distribution
 
 def pad_to(pieces: list[jax.Array], length: int, dtype, xp=jnp) -> jax.Array:
   """The pieces, flattened one after the other, zero-padded to `length`: a
-  device's segment of a collective or of the state."""
+  device's segment of a collective or of the state.
+
+  Traced, the pieces are written into zeros by `dynamic_update_slice`: XLA:CPU
+  runs a concatenate of large reshaped operands up to ~100× slower than these
+  in-place writes (a 1.4 M-number segment: 35 ms against 0.15 ms)."""
   used = sum(p.size for p in pieces)
-  return xp.concatenate(pieces + [xp.zeros(length - used, dtype)])
+  if xp is not jnp:
+    return xp.concatenate(pieces + [xp.zeros(length - used, dtype)])
+  out = jnp.zeros(length, jnp.result_type(dtype, *pieces))
+  offset = 0
+  for piece in pieces:
+    out = jax.lax.dynamic_update_slice(out, piece.reshape(-1).astype(out.dtype), (offset,))
+    offset += piece.size
+  return out
+
+
+def concat_flat(pieces: Sequence[jax.Array], dtype) -> jax.Array:
+  """The pieces flattened one after the other (`pad_to` without padding)."""
+  return pad_to(list(pieces), sum(p.size for p in pieces), dtype)
 
 
 class Collectives:
