@@ -75,6 +75,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # pylint: disable=g-import-not-at-top
 
 import kfac_jax_dist as kd  # pylint: disable=g-import-not-at-top
+from kfac_jax_dist.shampoo import state as shampoo_state  # pylint: disable=g-import-not-at-top
 
 import _models  # pylint: disable=g-import-not-at-top
 
@@ -195,7 +196,7 @@ def _oracle_root(h, p):
 def root_check(state):
   """Per bucket of a ScaleByShampooState: relative errors of the roots."""
   rows = []
-  for (d, p), stats in zip(state.layout.buckets, state.statistics):
+  for (d, p), stats in zip(state.layout.buckets, shampoo_state.bucket_arrays(state)[0]):
     want = [_oracle_root(h, p) for h in np.asarray(stats)]
     scale = [np.abs(x).max() for x in want]
     row = {"d": d, "p": p, "n": stats.shape[0]}

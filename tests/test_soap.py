@@ -238,7 +238,7 @@ def test_owner_groups_equal_one_device(fraction, reduction):
   options = dict(precondition_every=EVERY, block_size=4)
   single, tx = kd.scale_by_soap(**options), kd.scale_by_soap(distribution=dist, **options)
   state = tx.init(_params(SHARDED))
-  assert state.layout.sharded and state.block_mu[0].shape[0] % 8 == 0
+  assert not state.layout.roots_replicated and state.block_mu[0].shape[0] % 8 == 0
   specs = kd.partition_specs(state)
   state = kd.shard_state(state, mesh)
   local = reduction != "none"

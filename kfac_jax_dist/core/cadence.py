@@ -52,3 +52,13 @@ def due_from(start: ScalarOrSchedule, every: ScalarOrSchedule, count: jax.Array
 def always(every: ScalarOrSchedule, start: ScalarOrSchedule = 0) -> bool:
   """Whether the work is statically due at every count (no `lax.cond` needed)."""
   return is_number(every) and every == 1 and is_number(start) and start == 0
+
+
+def when_due(every: ScalarOrSchedule, count: jax.Array, new: Callable[[], Any],
+             old: Callable[[], Any], start: ScalarOrSchedule | None = None) -> Any:
+  """`new()` when the work is due at `count` (`due`, or `due_from(start, …)`),
+  else `old()`: a `lax.cond`, or `new()` alone when it is `always` due."""
+  if always(every, 0 if start is None else start):
+    return new()
+  ready = due(every, count) if start is None else due_from(start, every, count)
+  return jax.lax.cond(ready, new, old)

@@ -52,7 +52,10 @@ def reduce_to_groups(comm: collectives_lib.Collectives, buffers: Sequence[jax.Ar
 def per_group(comm: collectives_lib.Collectives,
               make: Callable[[int], jax.Array]) -> jax.Array:
   """`make(group)` on the devices of each owner group (a `lax.switch` on the
-  group index; typed varying over the axis, since a group may own nothing)."""
+  group index; typed varying over the axis, since a group may own nothing).
+  With one group, `make(0)` on every device, typed as its inputs."""
+  if comm.num_groups == 1:
+    return make(0)
   branches = [functools.partial(lambda g: _compat.as_varying(make(g), comm.varying), g)
               for g in range(comm.num_groups)]
   return lax.switch(comm.group_index(), branches)
@@ -64,7 +67,9 @@ def gather_from_groups(comm: collectives_lib.Collectives,
   """Every group's flat buffer (`make(group)`, of `sizes[group]` numbers, made
   on that group's devices) → on every device, one buffer per group: its
   numbers, or (several devices per group) the buffer padded to the common
-  width."""
+  width. With one group its buffer, unpadded: nothing travels."""
+  if comm.num_groups == 1:
+    return [make(0)]
   width = group_width(sizes, comm.group_size)
   mine = per_group(comm, lambda g: collectives_lib.pad_to([make(g)], width, dtype))
   return gather_made(comm, mine, sizes)
@@ -74,6 +79,8 @@ def gather_made(comm: collectives_lib.Collectives, mine: jax.Array, sizes: Seque
                 ) -> list[jax.Array]:
   """`gather_from_groups` of a buffer already made on each group's devices,
   `[group_width(sizes, m)]`."""
+  if comm.num_groups == 1:
+    return [mine[:sizes[0]]]
   if comm.group_size == 1:
     return comm.gather_uneven(mine, sizes)
   return list(comm.gather_groups(mine))

@@ -16,8 +16,9 @@ Shapes (Anil et al. 2020, §5; Google's `distributed_shampoo`):
 
 Statistics of equal dimension `d` and equal root `p` are stacked into one
 bucket `[n, d, d]` (`ShampooLayout`), so each refresh runs one batched root per
-bucket. A sharded layout (`shard_layout`) also assigns every block to an owner
-group and every statistic to one device of it (`core.owners`). The block math
+bucket. A placed layout (`shard_layout`) also assigns every block to an owner
+group and every statistic to one device of it (`core.owners`): one device and
+COMM-OPT are the cases of one group. The block math
 (`axis_statistics`, `precondition_blocks`) works on batches `[n, b₀, …]`.
 """
 
@@ -99,10 +100,11 @@ class ShampooLayout:
   """Static placement of every statistic: one bucket `[n, d, d]` per `(d, p)`.
 
   The buckets are the logical placement, the same for every distribution. A
-  sharded layout (`shard_layout`, `P/m > 1` owner groups) also says which
-  group owns each block and where each statistic lives: device `i` stores the
-  statistics it owns in a flat `[L]` segment (`segment`) and its group's roots,
-  the `m` segments of its members one after the other, `[m·L]`.
+  placed layout (`shard_layout`: `P/m` owner groups, one on one device and
+  under COMM-OPT) also says which group owns each block and where each
+  statistic lives: device `i` stores the statistics it owns in a flat `[L]`
+  segment (`segment`) and its group's roots, the `m` segments of its members
+  one after the other, `[m·L]`.
 
   Attributes:
     params: one plan per parameter leaf, in tree-flattening order.
@@ -110,12 +112,12 @@ class ShampooLayout:
     sizes: the number of matrices in each bucket.
     num_devices, group_size, axis: `P`, `m` and the mesh axis (1, 1, None on
       one device).
-    block_groups: sharded only: `[param][region]` → the owner group of each
+    block_groups: placed only: `[param][region]` → the owner group of each
       block (row-major), () for a diagonal parameter.
-    places: sharded only: `[bucket][slot]` → `(device, offset)`: the device
+    places: placed only: `[bucket][slot]` → `(device, offset)`: the device
       that owns the statistic (and computes its root) and its offset in that
       device's segment.
-    segment: sharded only: `L`, the longest device's statistics (numbers).
+    segment: placed only: `L`, the longest device's statistics (numbers).
   """
 
   params: tuple[ParamPlan, ...]
@@ -133,9 +135,10 @@ class ShampooLayout:
     return self.num_devices // self.group_size
 
   @property
-  def sharded(self) -> bool:
-    """Statistics and roots sharded over owner groups (`grad_worker_fraction < 1`)."""
-    return self.num_groups > 1
+  def roots_replicated(self) -> bool:
+    """One owner group: every device holds every root (the group's `[m·L]`),
+    so the roots are stored once, replicated, not once per device."""
+    return self.num_groups == 1
 
 
 def merge_small_dims(shape: Sequence[int], threshold: int | None) -> tuple[int, ...]:
@@ -217,7 +220,8 @@ def build_layout(paths_and_shapes: Sequence[tuple[str, tuple[int, ...]]], *,
 def shard_layout(lay: ShampooLayout, num_devices: int, group_size: int,
                  axis: str | None) -> ShampooLayout:
   """`lay` with its blocks assigned to `P/m` owner groups and their statistics
-  to the groups' devices (KAISA's HYBRID-OPT; MEM-OPT for `m = 1`).
+  to the groups' devices (KAISA's HYBRID-OPT; MEM-OPT for `m = 1`, COMM-OPT
+  for `m = P`, one device for `P = 1`).
 
   Blocks go to groups by the layout's two-criteria LPT, balancing the root
   cost `Σ_i d_i³` and the numbers stored `Σ_i d_i²`; a group's statistics go
@@ -226,8 +230,6 @@ def shard_layout(lay: ShampooLayout, num_devices: int, group_size: int,
   """
   lay = dataclasses.replace(lay, num_devices=num_devices, group_size=group_size,
                             axis=axis)
-  if lay.num_groups == 1:
-    return lay
   blocks = [(q, r, b) for q, plan in enumerate(lay.params)
             for r, region in enumerate(plan.regions) for b in range(region.num_blocks)]
   dims = lambda t: lay.params[t[0]].regions[t[1]].block
@@ -264,7 +266,7 @@ def shard_layout(lay: ShampooLayout, num_devices: int, group_size: int,
 
 @functools.lru_cache(maxsize=64)
 def shard_plan(lay: ShampooLayout):
-  """Static index tables of a sharded layout (see `ShampooLayout`).
+  """Static index tables of a placed layout (see `ShampooLayout`).
 
   Returns:
     group_blocks: `[group]` → `((q, r), (b, …)), …`: the group's blocks, in

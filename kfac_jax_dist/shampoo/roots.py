@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from kfac_jax_dist import _compat
 from kfac_jax_dist.core import linalg
 
 _HI = lax.Precision.HIGHEST
@@ -102,8 +103,10 @@ def power_iteration(matrix: jax.Array, max_iterations: int = 100,
 
   v0 = _start_vector(d, matrix.dtype)
   inf = jnp.asarray(jnp.inf, matrix.dtype)
-  _, _, s, _ = lax.while_loop(cond, body, (jnp.zeros([], jnp.int32), v0,
-                                           jnp.zeros([], matrix.dtype), inf))
+  # the carry varies over the mesh axes the matrix varies over (inside shard_map)
+  start = _compat.as_varying((v0, jnp.zeros([], matrix.dtype), inf),
+                             _compat.varying_axes(matrix))
+  _, _, s, _ = lax.while_loop(cond, body, (jnp.zeros([], jnp.int32),) + start)
   return s
 
 
@@ -143,7 +146,8 @@ def newton_inverse_pth_root(matrix: jax.Array, p: int, *, ridge_epsilon: float =
     return (i + 1, keep(m, m_new), keep(x, x_new),
             keep(err, jnp.max(jnp.abs(m_new - eye))), keep(fro, fro_new), diverged)
 
-  carry = (jnp.zeros([], jnp.int32), m0, x0, err0, fro0, jnp.asarray(False))
+  carry = (jnp.zeros([], jnp.int32), m0, x0, err0, fro0,
+           _compat.as_varying(jnp.asarray(False), _compat.varying_axes(matrix)))
   _, _, x, err, _, _ = lax.while_loop(cond, body, carry)
   return x, err
 

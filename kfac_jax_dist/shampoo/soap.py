@@ -33,16 +33,16 @@ Blocking, merging, `skip` and `max_preconditioner_dim` are Shampoo's
 (`blocks`): a parameter Shampoo would not precondition (rank < 2 after
 merging, a merged axis above `max_preconditioner_dim`, a `skip` match) gets
 plain Adam. The statistics and eigenbases live where Shampoo's statistics
-and roots live: on one device and with one owner group every device holds
-them (`replicated`: COMM-OPT, each eigenbasis decomposed by one owner and
-all-gathered) and `M`, `V` are parameter-shaped and replicated, like
-momentum; with several owner groups (MEM-OPT, HYBRID-OPT, SP-NGD's gradient
-routing) each device keeps its own statistics and its group's eigenbases
-(`sharded.ShardedStep`), the group keeps the moments of its blocks
+and roots live (`step.ShampooStep`): each device keeps its own statistics
+and its owner group's eigenbases (each decomposed by one owner and gathered
+in the group), the group keeps the moments of its blocks
 (`ScaleBySoapState.block_mu`), runs their Adam and sends the directions to
-every device (`core.routing`); parameters without bases keep replicated
-moments. On a tensor-parallel mesh (`model_axis`) every model shard runs SOAP
-on its local shards, as Shampoo does.
+every device (`core.routing`). One device and COMM-OPT are one group (the
+eigenbases and block moments replicated, nothing sent after the Adam step);
+MEM-OPT, HYBRID-OPT and SP-NGD's gradient routing have several. Parameters
+without bases keep replicated, parameter-shaped moments. On a tensor-parallel
+mesh (`model_axis`) every model shard runs SOAP on its local shards, as
+Shampoo does.
 
 A non-finite gradient, statistic or produced update skips the step on every
 device (`core.faults`).
@@ -73,8 +73,7 @@ from kfac_jax_dist.core import states
 from kfac_jax_dist.core import tensor_parallel
 from kfac_jax_dist.core import routing
 from kfac_jax_dist.shampoo import blocks
-from kfac_jax_dist.shampoo import replicated
-from kfac_jax_dist.shampoo import sharded
+from kfac_jax_dist.shampoo import step as step_lib
 from kfac_jax_dist.shampoo import state as state_lib
 from kfac_jax_dist.shampoo import transform as shampoo_transform
 from kfac_jax_dist.shampoo.config import ShampooConfig
@@ -141,20 +140,20 @@ class ScaleBySoapState(states.PreconditionerState):
 
   Attributes:
     count: number of updates so far (skipped ones excluded).
-    statistics: Shampoo's statistics, one `[n, d, d]` array per bucket of
-      `layout`.
-    bases: their eigenvectors `Q`, the same shapes.
-    mu: Adam's first moment `M` of every parameter leaf, in each block's
-      rotated coordinates (plain for a parameter without bases); with several
-      owner groups, `[0]` for the preconditioned ones (see `block_mu`).
+    statistics: Shampoo's statistics, in its placed form
+      (`ScaleByShampooState.statistics`).
+    bases: their eigenvectors `Q`, in the form of Shampoo's roots.
+    mu: Adam's first moment `M` of every parameter leaf without bases, in
+      tree order (the preconditioned ones' are in `block_mu`).
     nu: its second moment `V`, the same coordinates.
     skipped: number of updates skipped for a non-finite gradient, statistic
       or produced update.
     layout: Shampoo's static layout of the blocks and statistics.
-    block_mu, block_nu: with several owner groups, `M` and `V` of every
-      preconditioned block in one flat `[P·T]` array each, device `i` holding
+    block_mu, block_nu: `M` and `V` of every preconditioned block, in each
+      block's rotated coordinates, in one flat array each: device `i` holds
       its group's blocks (in the group's gradient buffer order,
-      `sharded.GroupTables`; `T` the largest group's numbers); `()` else.
+      `step.GroupTables`; `T` the largest group's numbers), `[T]` replicated
+      with one owner group, `[P·T]` sharded with several.
   """
 
   count: jax.Array
@@ -164,19 +163,18 @@ class ScaleBySoapState(states.PreconditionerState):
   nu: tuple[jax.Array, ...]
   skipped: jax.Array
   layout: blocks.ShampooLayout
-  block_mu: tuple[jax.Array, ...] = ()
-  block_nu: tuple[jax.Array, ...] = ()
+  block_mu: tuple[jax.Array, ...]
+  block_nu: tuple[jax.Array, ...]
 
   def partition_specs(self) -> ScaleBySoapState:
-    """Statistics, eigenbases and block moments sharded over the axis when
-    the layout is (as Shampoo's), everything else replicated."""
+    """Statistics sharded over the axis; eigenbases and block moments as
+    Shampoo's roots (sharded with several owner groups); the rest replicated."""
     specs = jax.tree_util.tree_map(lambda _: PartitionSpec(), self)
-    if not self.layout.sharded:
-      return specs
-    axis = PartitionSpec(self.layout.axis)
-    return dataclasses.replace(specs, **{
-        name: tuple(axis for _ in getattr(self, name))
-        for name in ("statistics", "bases", "block_mu", "block_nu")})
+    stats, groups = state_lib.statistics_and_root_specs(self.layout)
+    return dataclasses.replace(
+        specs, statistics=tuple(stats for _ in self.statistics),
+        **{name: tuple(groups for _ in getattr(self, name))
+           for name in ("bases", "block_mu", "block_nu")})
 
 
 def checked_bases(p: float, statistics: jax.Array, previous: jax.Array) -> jax.Array:
@@ -186,36 +184,6 @@ def checked_bases(p: float, statistics: jax.Array, previous: jax.Array) -> jax.A
   vectors, _ = linalg.eigh(statistics)
   ok = jnp.all(jnp.isfinite(vectors), axis=(1, 2))
   return jnp.where(ok[:, None, None], vectors.astype(previous.dtype), previous)
-
-
-def rotated(plan: blocks.ParamPlan, x: jax.Array, bases: Buckets, inverse: bool = False
-            ) -> jax.Array:
-  """`x` (merged shape) with every block `B` replaced by `B ×₁ Q₁ᵀ ⋯ ×_k Q_kᵀ`
-  (`inverse`: by `B ×₁ Q₁ ⋯ ×_k Q_k`)."""
-  pieces = {}
-  for region in plan.regions:
-    qs = [lax.dynamic_slice_in_dim(bases[j], s, region.num_blocks)
-          for j, s in zip(region.buckets, region.slots)]
-    if inverse:
-      qs = [jnp.swapaxes(q, -1, -2) for q in qs]
-    out = blocks.precondition_blocks(blocks.to_blocks(blocks.region_slice(x, region),
-                                                      region), qs)
-    pieces[region.index] = blocks.from_blocks(out, region)
-  return blocks.assemble(pieces, plan.segments)
-
-
-def _rotate(plan: blocks.ParamPlan, x: jax.Array, bases: Buckets, inverse: bool = False
-            ) -> jax.Array:
-  """`rotated` of a parameter-shaped `x`; `x` itself without bases."""
-  if not plan.preconditioned:
-    return x
-  return rotated(plan, x.reshape(plan.merged), bases, inverse).reshape(plan.shape)
-
-
-def rebased(plan: blocks.ParamPlan, mu: jax.Array, old: Buckets, new: Buckets
-            ) -> jax.Array:
-  """`M` in the rotated coordinates of `old` → those of `new` (a refresh)."""
-  return _rotate(plan, _rotate(plan, mu, old, inverse=True), new)
 
 
 def adam_step(config: SoapConfig, g_rot: jax.Array, mu: jax.Array, nu: jax.Array,
@@ -232,21 +200,13 @@ def adam_step(config: SoapConfig, g_rot: jax.Array, mu: jax.Array, nu: jax.Array
           jnp.where(first, nu, new_nu))
 
 
-def adam_in_bases(config: SoapConfig, plan: blocks.ParamPlan, g: jax.Array, mu: jax.Array,
-                  nu: jax.Array, bases: Buckets, count: jax.Array
-                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(direction `N`, new `M'`, new `V`) of one parameter, the moments in the
-  rotated coordinates of `bases` (plain Adam without bases)."""
-  direction, mu, nu = adam_step(config, _rotate(plan, g.astype(mu.dtype), bases), mu, nu,
-                                count)
-  return _rotate(plan, direction, bases, inverse=True), mu, nu
-
-
-# ------------------------------------------------- the two forms of the moments
+# --------------------------- the moments: per parameter leaf, or placed in groups
 
 def _block_rows(lay: blocks.ShampooLayout, flat: Any) -> list[np.ndarray]:
-  """A global `[P·T]` block-moment array → each group's `[T]` buffer (its
-  first device's)."""
+  """A global block-moment array (`[T]` or `[P·T]`) → each group's `[T]`
+  buffer (its first device's)."""
+  if lay.roots_replicated:
+    return [np.asarray(flat)]
   rows = np.asarray(flat).reshape(lay.num_devices, -1)
   return [rows[g * lay.group_size] for g in range(lay.num_groups)]
 
@@ -255,10 +215,11 @@ def param_moments(state: ScaleBySoapState) -> tuple[list[np.ndarray], list[np.nd
   """`(M, V)` of every parameter leaf as host arrays of its shape (rotated
   coordinates), whatever the distribution of a global state."""
   lay = state.layout
-  mu, nu = [np.asarray(x) for x in state.mu], [np.asarray(x) for x in state.nu]
-  if not lay.sharded:
-    return mu, nu
-  tables = sharded.GroupTables.of(lay)
+  plain = iter(range(len(state.mu)))
+  index = [None if plan.preconditioned else next(plain) for plan in lay.params]
+  mu = [None if k is None else np.asarray(state.mu[k]) for k in index]
+  nu = [None if k is None else np.asarray(state.nu[k]) for k in index]
+  tables = step_lib.GroupTables.of(lay)
   for out, flat in ((mu, state.block_mu[0]), (nu, state.block_nu[0])):
     rows = _block_rows(lay, flat)
     for q, plan in enumerate(lay.params):
@@ -281,11 +242,9 @@ def with_moments(template: ScaleBySoapState, mu: Sequence[Any], nu: Sequence[Any
   """`template` with the moments of every parameter leaf (`param_moments`'
   form) written in its own form."""
   lay = template.layout
-  cast = lambda xs, like: tuple(jnp.asarray(x, y.dtype) for x, y in zip(xs, like))
-  if not lay.sharded:
-    return dataclasses.replace(template, mu=cast(mu, template.mu), nu=cast(nu, template.nu))
-  tables = sharded.GroupTables.of(lay)
-  total = template.block_mu[0].shape[0] // lay.num_devices
+  tables = step_lib.GroupTables.of(lay)
+  copies = 1 if lay.roots_replicated else lay.group_size     # of each group's row
+  total = template.block_mu[0].shape[0] // (lay.num_groups * copies)
   flats = []
   for moments in (mu, nu):
     rows = np.zeros((lay.num_groups, total))
@@ -298,11 +257,12 @@ def with_moments(template: ScaleBySoapState, mu: Sequence[Any], nu: Sequence[Any
         start = tables.starts[g][(q, r)]
         values = np.asarray(x)[list(bs)].reshape(-1)
         rows[g, start:start + values.size] = values
-    flats.append(jnp.asarray(np.repeat(rows, lay.group_size, axis=0).reshape(-1),
+    flats.append(jnp.asarray(np.repeat(rows, copies, axis=0).reshape(-1),
                              template.block_mu[0].dtype))
   plain = lambda ms, like: tuple(
-      y if plan.preconditioned else jnp.asarray(m, y.dtype)
-      for plan, m, y in zip(lay.params, ms, like))
+      jnp.asarray(m, y.dtype)
+      for m, y in zip([m for plan, m in zip(lay.params, ms) if not plan.preconditioned],
+                      like))
   return dataclasses.replace(template, mu=plain(mu, template.mu), nu=plain(nu, template.nu),
                              block_mu=(flats[0],), block_nu=(flats[1],))
 
@@ -315,15 +275,14 @@ def init_state(config: SoapConfig, comm: collectives_lib.Collectives, params: An
   lay = shampoo.layout
 
   def zeros() -> tuple[jax.Array, ...]:      # two sets: a donated step gets distinct buffers
-    return tuple(jnp.zeros((0,) if lay.sharded and plan.preconditioned else jnp.shape(x),
-                           jnp.promote_types(jnp.result_type(x), jnp.float32))
-                 for plan, x in zip(lay.params, jax.tree_util.tree_leaves(params)))
+    return tuple(jnp.zeros(jnp.shape(x), jnp.promote_types(jnp.result_type(x), jnp.float32))
+                 for plan, x in zip(lay.params, jax.tree_util.tree_leaves(params))
+                 if not plan.preconditioned)
 
   def block_zeros() -> tuple[jax.Array, ...]:
-    if not lay.sharded:
-      return ()
-    total = max(max(sharded.GroupTables.of(lay).totals), 1)
-    return (jnp.zeros(lay.num_devices * total, shampoo.statistics[0].dtype),)
+    total = max(max(step_lib.GroupTables.of(lay).totals), 1)
+    copies = 1 if lay.roots_replicated else lay.num_devices
+    return (jnp.zeros(copies * total, shampoo.statistics[0].dtype),)
   return ScaleBySoapState(count=shampoo.count, statistics=shampoo.statistics,
                           bases=shampoo.roots, mu=zeros(), nu=zeros(),
                           skipped=shampoo.skipped, layout=lay, block_mu=block_zeros(),
@@ -334,30 +293,7 @@ Moments = tuple[jax.Array, ...]
 Step = tuple[Buckets, Buckets, list, Moments, Moments, Moments, Moments]
 
 
-def replicated_step(config: SoapConfig, comm: collectives_lib.Collectives,
-                    state: ScaleBySoapState, grads: list[jax.Array],
-                    merged: list[jax.Array | None]) -> Step:
-  """One owner group: (statistics, eigenbases, directions, `mu`, `nu`, block
-  moments) with every statistic on every device."""
-  shampoo, lay, count = config.shampoo, state.layout, state.count
-  out = [adam_in_bases(config, plan, g, m, v, state.bases, count)
-         for plan, g, m, v in zip(lay.params, grads, state.mu, state.nu)]
-  mu = tuple(m for _, m, _ in out)
-  with jax.named_scope("soap_statistics"):
-    stats = replicated.new_statistics(shampoo, lay, merged, state.statistics)
-
-  def refreshed() -> tuple[Buckets, Moments]:
-    new = replicated.new_roots(shampoo, comm, lay, stats, state.bases,
-                               compute=checked_bases)
-    return new, tuple(rebased(plan, m, state.bases, new) for plan, m in zip(lay.params, mu))
-  with jax.named_scope("soap_eigenbases"):
-    bases, mu = lax.cond(cadence.due(config.precondition_every, count), refreshed,
-                         lambda: (state.bases, mu))
-  return (stats, bases, [d for d, _, _ in out], mu, tuple(v for _, _, v in out),
-          state.block_mu, state.block_nu)
-
-
-def _group_adam(config: SoapConfig, step: sharded.ShardedStep, g: int, bases: jax.Array,
+def _group_adam(config: SoapConfig, step: step_lib.ShampooStep, g: int, bases: jax.Array,
                 mu: jax.Array, nu: jax.Array, due: jax.Array
                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Group `g`'s (directions, `M'`, `V`), flat in its gradient buffer's order,
@@ -386,23 +322,24 @@ def _group_adam(config: SoapConfig, step: sharded.ShardedStep, g: int, bases: ja
     m = lax.cond(due, rebase, lambda m=m: m)
     for out, y in zip(pieces, (blocks.precondition_blocks(d, back(old)), m, v)):
       out.append(y.reshape(-1))
-  flat = lambda ys: jnp.concatenate(ys) if ys else jnp.zeros(0, dtype)
+  flat = lambda ys: collectives_lib.concat_flat(ys, dtype)
   return flat(pieces[0]), flat(pieces[1]), flat(pieces[2])
 
 
-def sharded_step(config: SoapConfig, comm: collectives_lib.Collectives,
-                 state: ScaleBySoapState, grads: list[jax.Array],
-                 merged: list[jax.Array | None]) -> Step:
-  """Several owner groups: this device's statistics and its group's
-  eigenbases (Shampoo's `sharded.ShardedStep`), each group's Adam on its
-  blocks with their moments, the directions gathered from the groups; plain
-  Adam for the other parameters."""
+def soap_step(config: SoapConfig, comm: collectives_lib.Collectives,
+              state: ScaleBySoapState, grads: list[jax.Array],
+              merged: list[jax.Array | None]) -> Step:
+  """(statistics, eigenbases, directions, `mu`, `nu`, block moments): this
+  device's statistics and its group's eigenbases (Shampoo's
+  `step.ShampooStep`), each group's Adam on its blocks with their moments,
+  the directions gathered from the groups; plain Adam for the other
+  parameters."""
   lay, count = state.layout, state.count
   dtype = state.statistics[0].dtype
   as_shampoo = state_lib.ScaleByShampooState(
       count=count, statistics=state.statistics, roots=state.bases, graft=(),
       skipped=state.skipped, layout=lay)
-  step = sharded.ShardedStep(config.shampoo, comm, as_shampoo, merged, grads, dtype,
+  step = step_lib.ShampooStep(config.shampoo, comm, as_shampoo, merged, grads, dtype,
                              compute=checked_bases).routed()
   stats, bases = step.refreshed()
   due = cadence.due(config.precondition_every, count)
@@ -412,17 +349,18 @@ def sharded_step(config: SoapConfig, comm: collectives_lib.Collectives,
   def make(g: int) -> jax.Array:
     d, m, v = _group_adam(config, step, g, bases, state.block_mu[0], state.block_nu[0],
                           due)
-    return jnp.concatenate([collectives_lib.pad_to([d], width, dtype),
-                            collectives_lib.pad_to([m], total, dtype),
-                            collectives_lib.pad_to([v], total, dtype)])
+    return collectives_lib.pad_to([collectives_lib.pad_to([d], width, dtype),
+                                   collectives_lib.pad_to([m], total, dtype), v],
+                                  width + 2 * total, dtype)
   mine = routing.per_group(comm, make)
   buffers = routing.gather_made(comm, mine[:width], step.tables.totals)
-  out, mu, nu = [], list(state.mu), list(state.nu)
+  out, mu, nu, k = [], list(state.mu), list(state.nu), 0
   for q, (plan, g) in enumerate(zip(lay.params, grads)):
     if plan.preconditioned:
       out.append(step.assembled(buffers, q).reshape(plan.shape))
     else:
-      d, mu[q], nu[q] = adam_in_bases(config, plan, g, mu[q], nu[q], (), count)
+      d, mu[k], nu[k] = adam_step(config, g.astype(mu[k].dtype), mu[k], nu[k], count)
+      k += 1
       out.append(d)
   return ((stats,), (bases,), out, tuple(mu), tuple(nu), (mine[width:width + total],),
           (mine[width + total:],))
@@ -431,7 +369,7 @@ def sharded_step(config: SoapConfig, comm: collectives_lib.Collectives,
 def update_state(config: SoapConfig, comm: collectives_lib.Collectives, updates: Any,
                  state: ScaleBySoapState) -> tuple[Any, ScaleBySoapState]:
   """One SOAP update: statistics, eigenbases on refresh steps, Adam in them
-  (`replicated_step` or `sharded_step`), then the fault verdict and one
+  (`soap_step`), then the fault verdict and one
   select (as Shampoo's `update_state`)."""
   shampoo, lay, count = config.shampoo, state.layout, state.count
   shampoo_transform.check_placement(shampoo, comm, state, updates)
@@ -441,7 +379,7 @@ def update_state(config: SoapConfig, comm: collectives_lib.Collectives, updates:
   merged = [g.astype(dtype).reshape(plan.merged) if plan.preconditioned else None
             for g, plan in zip(grads, lay.params)]
   stats, bases, directions, mu, nu, block_mu, block_nu = (
-      sharded_step if lay.sharded else replicated_step)(config, comm, state, grads, merged)
+      soap_step(config, comm, state, grads, merged))
   new_updates = treedef.unflatten([d.astype(x.dtype) for d, x in zip(directions, leaves)])
   with jax.named_scope(faults.SCOPE):
     ok = faults.all_finite(list(grads) + list(stats) + jax.tree_util.tree_leaves(

@@ -1,10 +1,11 @@
 """Shampoo's optimizer state: statistics, roots and grafting accumulators.
 
-On one device and with one owner group (COMM-OPT) the statistics and roots
-are per-bucket arrays `[n, d, d]` (`blocks.ShampooLayout`), the same on every
-device; with several owner groups (MEM-OPT, HYBRID-OPT) each device stores its
-own statistics in a flat `[L]` segment and its group's roots, `[m·L]`
-(`sharded_arrays`, `bucket_arrays` read either form back per bucket).
+Every device stores the statistics it owns in a flat `[L]` segment and its
+owner group's roots, `[m·L]` (`blocks.ShampooLayout`): on one device that is
+every statistic and root; under COMM-OPT (one group of `P`) a `1/P` share of
+the statistics and every root, the roots stored once, replicated; with several
+groups (MEM-OPT, HYBRID-OPT) the roots are sharded too. `placed_arrays` writes
+per-bucket matrices `[n, d, d]` in this form, `bucket_arrays` reads them back.
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ class ScaleByShampooState(states.PreconditionerState):
 
   Attributes:
     count: number of updates so far (skipped ones excluded).
-    statistics: one `[n, d, d]` array per bucket of `layout`: the `H_i` of every
-      block axis of dimension `d` and root `p`. Sharded layouts: one flat
-      `[P·L]` array, device `i`'s `[L]` segment holding its own statistics
-      (`layout.places`); `bucket_arrays` reads either form.
-    roots: the matching `(H_i + ε_ridge λ_max I)^{-1/p}`, same shapes; sharded:
-      `[P·m·L]`, device `i` holding its group's `m` segments.
+    statistics: one flat `[P·L]` array: device `i`'s `[L]` segment holds the
+      `H_i` it owns (`layout.places`; `bucket_arrays` reads them per bucket of
+      dimension `d` and root `p`).
+    roots: the matching `(H_i + ε_ridge λ_max I)^{-1/p}`, one flat array:
+      `[m·L]` replicated with one owner group, `[P·m·L]` with several, device
+      `i` holding its group's `m` segments.
     graft: the grafting accumulators (`S` or `v`), one per parameter leaf in
       tree order; empty for "sgd" and "none".
     skipped: number of updates skipped for a non-finite gradient, statistic
@@ -53,15 +54,22 @@ class ScaleByShampooState(states.PreconditionerState):
   layout: ShampooLayout
 
   def partition_specs(self) -> ScaleByShampooState:
-    """Statistics and roots sharded over the axis when the layout is sharded,
+    """Statistics sharded over the axis, roots too with several owner groups,
     everything else replicated."""
+    stats, roots = statistics_and_root_specs(self.layout)
     replicated = PartitionSpec()
-    sharded = PartitionSpec(self.layout.axis) if self.layout.sharded else replicated
     return dataclasses.replace(
         self, count=replicated, skipped=replicated,
-        statistics=tuple(sharded for _ in self.statistics),
-        roots=tuple(sharded for _ in self.roots),
+        statistics=tuple(stats for _ in self.statistics),
+        roots=tuple(roots for _ in self.roots),
         graft=tuple(replicated for _ in self.graft))
+
+
+def statistics_and_root_specs(lay: ShampooLayout) -> tuple[PartitionSpec, PartitionSpec]:
+  """The specs of the statistics (sharded over the axis) and of the roots
+  (sharded with several owner groups, replicated with one)."""
+  stats = PartitionSpec() if lay.axis is None else PartitionSpec(lay.axis)
+  return stats, PartitionSpec() if lay.roots_replicated else stats
 
 
 def _device_segments(lay: ShampooLayout, buckets: Sequence[Any]) -> np.ndarray:
@@ -75,37 +83,36 @@ def _device_segments(lay: ShampooLayout, buckets: Sequence[Any]) -> np.ndarray:
   return out
 
 
-def sharded_arrays(lay: ShampooLayout, statistics: Sequence[Any], roots: Sequence[Any]
-                   ) -> tuple[np.ndarray, np.ndarray]:
-  """The global `(statistics [P·L], roots [P·m·L])` of a sharded layout from
-  per-bucket matrices (`[n, d, d]` each, host arrays): device `i` holds its own
-  statistics and its group's roots (each member's segment, in member order)."""
+def placed_arrays(lay: ShampooLayout, statistics: Sequence[Any], roots: Sequence[Any]
+                  ) -> tuple[np.ndarray, np.ndarray]:
+  """The global `(statistics [P·L], roots)` of a layout from per-bucket
+  matrices (`[n, d, d]` each, host arrays): device `i` holds its own
+  statistics and its group's roots (each member's segment, in member order);
+  the roots are `[m·L]` with one group (stored once), `[P·m·L]` with several."""
   m = lay.group_size
   stats, root_segments = _device_segments(lay, statistics), _device_segments(lay, roots)
-  groups = [root_segments[i // m * m:i // m * m + m].reshape(-1)
-            for i in range(lay.num_devices)]
-  return stats.reshape(-1), np.concatenate(groups)
+  groups = [root_segments[g * m:g * m + m].reshape(-1) for g in range(lay.num_groups)]
+  if lay.roots_replicated:
+    return stats.reshape(-1), groups[0]
+  return stats.reshape(-1), np.concatenate([groups[i // m] for i in range(lay.num_devices)])
 
 
 def bucket_arrays(state: ScaleByShampooState) -> tuple[tuple[np.ndarray, ...],
                                                          tuple[np.ndarray, ...]]:
   """`(statistics, roots)` of a (global) state as per-bucket `[n, d, d]` host
-  arrays, whatever its distribution: the single-device form."""
+  arrays, whatever its distribution: the inverse of `placed_arrays`."""
   lay = state.layout
-  if not lay.sharded:
-    return (tuple(np.asarray(x) for x in state.statistics),
-            tuple(np.asarray(x) for x in state.roots))
   m, length = lay.group_size, lay.segment
   stats = np.asarray(state.statistics[0]).reshape(lay.num_devices, length)
-  roots = np.asarray(state.roots[0]).reshape(lay.num_devices, m * length)
+  roots = np.asarray(state.roots[0]).reshape(-1, m * length)   # one row per copy
   out_stats, out_roots = [], []
   for j, (d, _) in enumerate(lay.buckets):
     s, r = [], []
     for device, offset in lay.places[j]:
       s.append(stats[device, offset:offset + d * d].reshape(d, d))
-      # the root, in the part of the group's first device
-      start = (device % m) * length + offset
-      r.append(roots[device // m * m, start:start + d * d].reshape(d, d))
+      # the root, in the copy of the group's first device
+      start, row = (device % m) * length + offset, 0 if lay.roots_replicated else device // m * m
+      r.append(roots[row, start:start + d * d].reshape(d, d))
     out_stats.append(np.stack(s))
     out_roots.append(np.stack(r))
   return tuple(out_stats), tuple(out_roots)
@@ -117,17 +124,11 @@ def initial_state(lay: ShampooLayout, epsilon: float, dtype: Any, graft_shapes: 
   (`graft_shapes`: (shape, dtype) of each; empty without accumulators).
   `xp`: numpy for host arrays (one transfer per array), or jax.numpy when
   traced."""
-  if lay.sharded:
-    eyes = [np.broadcast_to(np.eye(d, dtype=np.float32), (n, d, d))
-            for (d, _), n in zip(lay.buckets, lay.sizes)]
-    stats, roots = sharded_arrays(lay, eyes, eyes)
-    stats = ((epsilon * xp.asarray(stats, dtype)).astype(dtype),)
-    roots = (xp.asarray(roots, dtype),)
-  else:
-    stats = tuple((epsilon * xp.broadcast_to(xp.eye(d, dtype=dtype), (n, d, d))
-                   ).astype(dtype) for (d, _), n in zip(lay.buckets, lay.sizes))
-    roots = tuple(xp.broadcast_to(xp.eye(d, dtype=dtype), (n, d, d))
-                  for (d, _), n in zip(lay.buckets, lay.sizes))
+  eyes = [np.broadcast_to(np.eye(d, dtype=np.float32), (n, d, d))
+          for (d, _), n in zip(lay.buckets, lay.sizes)]
+  stats, roots = placed_arrays(lay, eyes, eyes)
+  stats = ((epsilon * xp.asarray(stats, dtype)).astype(dtype),)
+  roots = (xp.asarray(roots, dtype),)
   graft = tuple(xp.zeros(shape, g_dtype) for shape, g_dtype in graft_shapes)
   return ScaleByShampooState(count=xp.zeros([], jnp.int32), statistics=stats,
                              roots=roots, graft=graft, layout=lay,

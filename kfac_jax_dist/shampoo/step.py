@@ -1,23 +1,28 @@
-"""Shampoo with several owner groups: MEM-OPT (`grad_worker_fraction = 1/P`)
-and HYBRID-OPT (between), Anil et al. 2020 §5 with KAISA's groups.
+"""One Shampoo step on `P` devices in `P/m` owner groups: statistics, roots,
+directions (Anil et al. 2020 §5 with KAISA's groups). One device (`P = 1`)
+and COMM-OPT (`m = P`, one group) are cases of the same code, as are MEM-OPT
+(`m = 1`) and HYBRID-OPT (between).
 
 Every block belongs to one group (LPT on `Σ_i d_i³` and `Σ_i d_i²`), and each
 of its statistics to one device of the group (`blocks.shard_layout`). A
 device keeps only its own statistics, updated from the averaged gradient of
 their blocks (no statistics traffic), computes their roots, and the group's
 devices gather each other's roots on refresh steps (no traffic with
-`m = 1`); so a device holds `1/P` of the statistics and `m/P` of the roots.
-Each step the group preconditions its blocks (block grafting with its own
-norms; layer grafting is applied after the gather, on the whole parameter,
-as on one device) and the directions reach every device
-(`core.routing.gather_from_groups`). The grafting accumulators stay
-replicated, like momentum.
+`m = 1`); so a device holds `1/P` of the statistics and `m/P` of the roots
+(under COMM-OPT every root, stored replicated). Each step the group
+preconditions its blocks (block grafting with its own norms; layer grafting
+is applied after the gather, on the whole parameter) and the directions reach
+every device (`core.routing.gather_from_groups`; nothing travels with one
+group). The grafting accumulators stay replicated, like momentum.
 
 With `gradient_reduction="reduce_scatter"` (SP-NGD style) the raw local
 gradients of each group's blocks are reduce-scattered to it
 (`core.routing.reduce_to_groups`; the others all-reduced), so no device
 receives the averaged gradient of blocks it does not own. Layer grafting then
 needs each parameter's `Σ‖D_b‖²`, which the groups send with their directions.
+
+Named scopes mark each cadence's work in the HLO; refreshes run under
+`lax.cond` unless their interval is the constant 1.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -37,16 +42,27 @@ from kfac_jax_dist.core import collectives as collectives_lib
 from kfac_jax_dist.core import routing
 from kfac_jax_dist.shampoo import blocks
 from kfac_jax_dist.shampoo import grafting
+from kfac_jax_dist.shampoo import roots as roots_lib
 from kfac_jax_dist.shampoo.config import ShampooConfig
-from kfac_jax_dist.shampoo.replicated import checked_roots
 from kfac_jax_dist.shampoo.state import ScaleByShampooState
 
 Key = tuple[int, int]          # (parameter q, region r)
+RootFn = Callable[[float, jax.Array, jax.Array], jax.Array]
+
+
+def checked_roots(config: ShampooConfig, p: float, statistics: jax.Array,
+                  previous: jax.Array) -> jax.Array:
+  """`roots.checked_roots` of a bucket's statistics `[n, d, d]` with the
+  config's root options (a failed root keeps `previous`)."""
+  return roots_lib.checked_roots(
+      statistics, p, previous, method=config.root_method,
+      ridge_epsilon=config.ridge_epsilon, max_iterations=config.newton_max_iterations,
+      tolerance=config.newton_tolerance, failure_threshold=config.root_failure_threshold)
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupTables:
-  """Static index tables of a sharded layout (`blocks.shard_plan`).
+  """Static index tables of a placed layout (`blocks.shard_plan`).
 
   Attributes:
     blocks: `[group]` → `{(q, r): (b, …)}`, the group's blocks in parameter,
@@ -85,8 +101,8 @@ class GroupTables:
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardedStep:
-  """One update of a sharded layout: the data every stage reads."""
+class ShampooStep:
+  """One update: the data every stage reads."""
 
   config: ShampooConfig
   comm: collectives_lib.Collectives
@@ -95,7 +111,7 @@ class ShardedStep:
   diag: Sequence[jax.Array]              # the grafted diagonal updates D
   dtype: Any
   segment: jax.Array | None = None       # SP-NGD: this group's reduced gradients
-  compute: Any = None                    # (p, statistics, previous) → roots; None:
+  compute: RootFn | None = None          # (p, statistics, previous) → roots; None:
                                          # `checked_roots` (SOAP: its eigenbases)
 
   @property
@@ -113,14 +129,14 @@ class ShardedStep:
     region = self.lay.params[q].regions[r]
     return blocks.to_blocks(blocks.region_slice(x, region), region)
 
-  def routed(self) -> ShardedStep:
+  def routed(self) -> ShampooStep:
     """SP-NGD: this step with each group's averaged gradients of its blocks
     only (`segment`)."""
     if not self.config.reduce_scatter:
       return self
-    buffers = [jnp.concatenate([jnp.zeros(0, self.dtype)] + [
-        blocks.take(self.all_blocks(self.merged[q], q, r), bs).reshape(-1)
-        for (q, r), bs in self.tables.blocks[g].items()])
+    buffers = [collectives_lib.concat_flat([
+        blocks.take(self.all_blocks(self.merged[q], q, r), bs)
+        for (q, r), bs in self.tables.blocks[g].items()], self.dtype)
         for g in range(self.lay.num_groups)]
     width = routing.group_width(self.tables.totals, self.lay.group_size)
     return dataclasses.replace(
@@ -143,13 +159,12 @@ class ShardedStep:
     g, pieces, old_all = device // self.lay.group_size, [], self.state.statistics[0]
     for j, offset, items in self.tables.runs[device]:
       d = self.lay.buckets[j][0]
-      batch = jnp.concatenate([
-          blocks.axis_statistic(blocks.take(self.blocks_of(g, q, r), [
-              self.tables.position[g][(q, r)][b] for b in bs]), a)
-          for q, r, a, bs in items])
-      n = batch.shape[0]
+      batch = [blocks.axis_statistic(blocks.take(self.blocks_of(g, q, r), [
+          self.tables.position[g][(q, r)][b] for b in bs]), a) for q, r, a, bs in items]
+      n = sum(x.shape[0] for x in batch)
       old = old_all[offset:offset + n * d * d].reshape(n, d, d)
-      pieces.append(blocks.accumulate(old, batch, self.config.beta2).reshape(-1))
+      batch = collectives_lib.concat_flat(batch, self.dtype).reshape(n, d, d)
+      pieces.append(blocks.accumulate(old, batch, self.config.beta2))
     return collectives_lib.pad_to(pieces, self.lay.segment, self.dtype)
 
   def device_roots(self, device: int, stats: jax.Array) -> jax.Array:
@@ -169,16 +184,14 @@ class ShardedStep:
     cadence's refreshes."""
     config, comm, count = self.config, self.comm, self.state.count
     with jax.named_scope("shampoo_statistics"):
-      stats = lax.cond(cadence.due(config.statistics_compute_steps, count),
-                       lambda: comm.per_device(self.device_statistics),
-                       lambda: self.state.statistics[0])
+      stats = cadence.when_due(config.statistics_compute_steps, count,
+                               lambda: comm.per_device(self.device_statistics),
+                               lambda: self.state.statistics[0])
     with jax.named_scope("shampoo_roots"):
-      roots = lax.cond(
-          cadence.due_from(config.start_preconditioning_step,
-                           config.preconditioning_compute_steps, count),
-          lambda: comm.gather_group(comm.per_device(
-              lambda d: self.device_roots(d, stats))),
-          lambda: self.state.roots[0])
+      roots = cadence.when_due(
+          config.preconditioning_compute_steps, count,
+          lambda: comm.gather_group(comm.per_device(lambda d: self.device_roots(d, stats))),
+          lambda: self.state.roots[0], start=config.start_preconditioning_step)
     return stats, roots
 
   # ---------------------------------------------------------------- directions
@@ -197,8 +210,9 @@ class ShardedStep:
     d = self.lay.buckets[j][0]
     starts = [(device % m) * length + offset for device, offset in
               (self.lay.places[j][region.slots[axis] + b] for b in bs)]
-    return jnp.concatenate([roots[x:x + n * d * d] for x, n in blocks.runs(starts, d * d)]
-                           ).reshape(len(bs), d, d)
+    return collectives_lib.concat_flat(
+        [roots[x:x + n * d * d] for x, n in blocks.runs(starts, d * d)], roots.dtype
+    ).reshape(len(bs), d, d)
 
   def group_directions(self, g: int, roots: jax.Array, shampoo: bool) -> jax.Array:
     """Group `g`'s directions, flat, in its gradient buffer's order (then the
@@ -222,7 +236,7 @@ class ShardedStep:
       pieces.append(out.reshape(-1))
     if self.layer_norms:
       pieces.append(jnp.stack(sums))
-    return jnp.concatenate(pieces) if pieces else jnp.zeros(0, self.dtype)
+    return collectives_lib.concat_flat(pieces, self.dtype)
 
   def assembled(self, buffers: Sequence[jax.Array], q: int) -> jax.Array:
     """Parameter q's merged direction from the groups' buffers."""
@@ -236,7 +250,8 @@ class ShardedStep:
         first = tables.starts[g][(q, r)] + tables.position[g][(q, r)][b] * self.numel(q, r)
         parts.append(buffers[g][first:first + (e - b) * self.numel(q, r)])
         b = e
-      x = jnp.concatenate(parts).reshape((region.num_blocks,) + region.block)
+      x = collectives_lib.concat_flat(parts, buffers[0].dtype).reshape(
+          (region.num_blocks,) + region.block)
       pieces[region.index] = blocks.from_blocks(x, region)
     return blocks.assemble(pieces, plan.segments)
 
@@ -269,13 +284,14 @@ def update(config: ShampooConfig, comm: collectives_lib.Collectives,
            diag: Sequence[jax.Array], dtype: Any
            ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...], list[jax.Array]]:
   """New statistics and roots (this device's parts) and the directions of the
-  preconditioned parameters (whole, on every device)."""
+  preconditioned parameters (whole, on every device; before the start step
+  the grafted updates `diag`)."""
   pre = [q for q, plan in enumerate(state.layout.params) if plan.preconditioned]
   if not pre:
     return state.statistics, state.roots, []
-  step = ShardedStep(config, comm, state, merged, diag, dtype).routed()
+  step = ShampooStep(config, comm, state, merged, diag, dtype).routed()
   stats, roots = step.refreshed()
-  start = cadence.value_at(config.start_preconditioning_step, state.count)
+  start = config.start_preconditioning_step
 
   def graft_branch() -> list[jax.Array]:
     if config.reduce_scatter:
@@ -283,6 +299,9 @@ def update(config: ShampooConfig, comm: collectives_lib.Collectives,
     return [diag[q].astype(dtype) for q in pre]
 
   with jax.named_scope("shampoo_precondition"):
-    directions = lax.cond(state.count >= start, lambda: step.gathered(roots, True, pre),
-                          graft_branch)
+    if cadence.is_number(start) and start == 0:
+      directions = step.gathered(roots, True, pre)
+    else:
+      directions = lax.cond(state.count >= cadence.value_at(start, state.count),
+                            lambda: step.gathered(roots, True, pre), graft_branch)
   return (stats,), (roots,), directions

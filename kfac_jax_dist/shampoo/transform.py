@@ -20,8 +20,8 @@ One `update` runs these stages, each a function of the settings
 1. checks: placement (`core.placement`) and the updates' structure;
 2. gradient averaging as the distribution says, then the grafted diagonal
    updates `D` (`grafting`);
-3. statistics, roots and directions: `replicated` (one device, COMM-OPT) or
-   `sharded` (owner groups: MEM-OPT, HYBRID-OPT, SP-NGD routing);
+3. statistics, roots and directions on the owner groups (`step`: one group
+   on one device and under COMM-OPT; MEM-OPT, HYBRID-OPT, SP-NGD routing);
 4. fault verdict (`core.faults`) on the gradients, the statistics and the
    produced updates, then one select: a faulty step returns zeros and the old
    state with `skipped` + 1.
@@ -59,10 +59,9 @@ from kfac_jax_dist.core import placement
 from kfac_jax_dist.core import tensor_parallel
 from kfac_jax_dist.shampoo import blocks
 from kfac_jax_dist.shampoo import grafting as graft_lib
-from kfac_jax_dist.shampoo import replicated
-from kfac_jax_dist.shampoo import sharded
 from kfac_jax_dist.shampoo import state as state_lib
 from kfac_jax_dist.shampoo import roots
+from kfac_jax_dist.shampoo import step as step_lib
 from kfac_jax_dist.shampoo.config import GraftType
 from kfac_jax_dist.shampoo.config import Grafting
 from kfac_jax_dist.shampoo.config import ShampooConfig
@@ -78,9 +77,8 @@ def init_state(config: ShampooConfig, comm: collectives_lib.Collectives, params:
   paths = [registry.path_str(p) for p, _ in flat]
   lay = blocks.build_layout([(p, tuple(jnp.shape(x))) for p, (_, x) in zip(paths, flat)],
                             skip=config.skip, **config.shape_options())
-  if config.distribution is not None:
-    lay = blocks.shard_layout(lay, comm.num_devices, comm.group_size,
-                              config.distribution.axis)
+  lay = blocks.shard_layout(lay, comm.num_devices, comm.group_size,
+                            None if config.distribution is None else config.distribution.axis)
   placement.check_skip_patterns(config.skip, paths, paths, "parameter")
   dtype = config.statistics_dtype
   if dtype is None:
@@ -138,8 +136,7 @@ def update_state(config: ShampooConfig, comm: collectives_lib.Collectives, updat
   pre = [i for i, plan in enumerate(lay.params) if plan.preconditioned]
   stats, roots = state.statistics, state.roots
   if pre:
-    path = sharded if lay.sharded else replicated
-    stats, roots, directions = path.update(config, comm, state, merged, diag, dtype)
+    stats, roots, directions = step_lib.update(config, comm, state, merged, diag, dtype)
     for i, v in zip(pre, directions):
       diag[i] = v
   new_updates = treedef.unflatten([v.astype(x.dtype) for v, x in zip(diag, grads)])

@@ -347,9 +347,7 @@ def _convert_soap(old, new):
       count=x.count, statistics=x.statistics, roots=x.bases, graft=(), skipped=x.skipped,
       layout=x.layout)
   stats, bases = shampoo_state.bucket_arrays(as_shampoo(old))
-  if new.layout.sharded:
-    stats, bases = (tuple([x]) for x in shampoo_state.sharded_arrays(new.layout, stats,
-                                                                     bases))
+  stats, bases = (tuple([x]) for x in shampoo_state.placed_arrays(new.layout, stats, bases))
   cast = lambda xs, like: tuple(jnp.asarray(x, y.dtype) for x, y in zip(xs, like))
   out = soap_lib.with_moments(new, *soap_lib.param_moments(old))
   return dataclasses.replace(
@@ -361,10 +359,8 @@ def _convert_soap(old, new):
 def _convert_shampoo(old, new):
   lay = new.layout
   _check_same_blocks(old.layout, lay)
-  stats, roots = shampoo_state.bucket_arrays(old)
-  if lay.sharded:
-    stats, roots = shampoo_state.sharded_arrays(lay, stats, roots)
-    stats, roots = (stats,), (roots,)
+  stats, roots = (tuple([x]) for x in shampoo_state.placed_arrays(
+      lay, *shampoo_state.bucket_arrays(old)))
   cast = lambda xs, like: tuple(jnp.asarray(x, jnp.result_type(y)) for x, y in zip(xs, like))
   if len(old.graft) != len(new.graft):
     raise ValueError("convert_state: the Shampoo states have different grafting "
