@@ -1,6 +1,7 @@
 """kfac_jax_dist: distributed K-FAC (and Shampoo) as pure optax transforms."""
 
 from kfac_jax_dist.tools import checkpoint
+from kfac_jax_dist.flax import intercept as _intercept  # registers capture="flax"
 from kfac_jax_dist.flax import linen
 from kfac_jax_dist.capture import losses
 from kfac_jax_dist.flax import nnx

@@ -40,6 +40,9 @@ class Trace:
   seen_blocks: set = dataclasses.field(default_factory=set)    # (name, index)
   # discover: name -> the dtype of the layer's statistics (`statistics_dtype`).
   stats_dtypes: dict = dataclasses.field(default_factory=dict)
+  # discover: module path -> (layer kind, reason) of the layers a Flax wrapper
+  # or interception left to Flax (their parameters pass through unpreconditioned).
+  uncaptured: dict = dataclasses.field(default_factory=dict)
 
   def path_of(self, leaf) -> str | None:
     return None if leaf is None else self.leaf_paths.get(id(leaf))
@@ -55,6 +58,13 @@ def tagging() -> Trace | None:
   None: in a curvature trace the tags are the plain layers they are outside."""
   trace = current()
   return None if trace is None or trace.mode == CURVATURE else trace
+
+
+def record_uncaptured(where: str, kind: str, reason: str) -> None:
+  """Notes, in a discovering trace, a layer left uncaptured (see `Trace`)."""
+  trace = current()
+  if trace is not None and trace.mode == DISCOVER:
+    trace.uncaptured.setdefault(where, (kind, reason))
 
 
 @contextlib.contextmanager

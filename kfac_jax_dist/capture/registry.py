@@ -112,10 +112,23 @@ UNITWISE_KINDS = ("scale_and_shift",)
 
 
 @dataclasses.dataclass(frozen=True)
+class UncapturedLayer:
+  """A layer the Flax wrappers or the interception left to Flax (its
+  parameters pass through K-FAC unpreconditioned): its module path, its kind
+  ("Conv", "ConvTranspose", ...) and why."""
+
+  where: str
+  kind: str
+  reason: str
+
+
+@dataclasses.dataclass(frozen=True)
 class LayerRegistry:
-  """The tagged layers of a loss function, in the order they ran."""
+  """The tagged layers of a loss function, in the order they ran, and the
+  layers it ran that could not be captured."""
 
   layers: tuple[TaggedLayer, ...]
+  uncaptured: tuple[UncapturedLayer, ...] = ()
 
   def __iter__(self):
     return iter(self.layers)

@@ -41,6 +41,16 @@ from kfac_jax_dist.capture import context as _context
 from kfac_jax_dist.capture import statistics as factors
 
 FISHERS = ("empirical", "mc")
+# How the layers of the loss are captured (`value_and_grad(capture=...)`):
+# name -> a wrapper of the loss function, None for the tags alone. Later stages
+# register theirs (`kfac_jax_dist.flax.intercept`: "flax"), so that the capture
+# imports none of them.
+CAPTURES: dict[str, Callable[[Callable], Callable] | None] = {"tags": None}
+
+
+def register_capture(name: str, wrap: Callable[[Callable], Callable]) -> None:
+  """Makes `value_and_grad(fun, capture=name)` trace `wrap(fun)`."""
+  CAPTURES[name] = wrap
 
 
 def _new_trace(mode: str, params, **fields) -> _context.Trace:
@@ -111,10 +121,14 @@ def _binding_axes(fun: Callable, axis_names: Sequence[str]) -> Callable:
 class ValueAndGrad:
   """Callable returned by `kd.value_and_grad`; see there."""
 
-  def __init__(self, fun: Callable, has_aux: bool, fisher: str):
+  def __init__(self, fun: Callable, has_aux: bool, fisher: str, capture: str = "tags"):
     if fisher not in FISHERS:
       raise ValueError(f"fisher must be one of {FISHERS}, got {fisher!r}")
-    self.fun, self.has_aux, self.fisher = fun, has_aux, fisher
+    if capture not in CAPTURES:
+      raise ValueError(f"capture must be one of {tuple(CAPTURES)}, got {capture!r}")
+    wrap = CAPTURES[capture]
+    self.fun = fun if wrap is None else wrap(fun)
+    self.has_aux, self.fisher, self.capture = has_aux, fisher, capture
     functools.update_wrapper(self, fun)
 
   def discover(self, params, *args, distribution=None, **kwargs
@@ -182,10 +196,14 @@ class ValueAndGrad:
         bound.append(name)
         found.clear()
     layers = tuple(found[0].layers)
+    uncaptured = tuple(registry.UncapturedLayer(where, kind, reason)
+                       for where, (kind, reason) in found[0].uncaptured.items())
     if not layers:
+      left = "".join(f"; uncaptured: {u.where} ({u.kind}: {u.reason})" for u in uncaptured)
       raise ValueError("The loss function ran no tagged layer (kd.tags / kd.linen / "
-                       "kd.nnx); K-FAC has nothing to precondition.")
-    return _Discovered(registry.LayerRegistry(layers), dict(found[0].carriers),
+                       "kd.nnx, or a supported Flax layer with capture=\"flax\"); K-FAC "
+                       f"has nothing to precondition{left}.")
+    return _Discovered(registry.LayerRegistry(layers, uncaptured), dict(found[0].carriers),
                        dict(found[0].stats_dtypes))
 
   def __call__(self, params, *args, rng=None, opt_state=None, loss_scale=None, **kwargs):
@@ -367,8 +385,8 @@ class _Discovered:
   stats_dtypes: dict      # layer name -> the dtype of its statistics
 
 
-def value_and_grad(fun: Callable, has_aux: bool = False,
-                   fisher: str = "empirical") -> ValueAndGrad:
+def value_and_grad(fun: Callable, has_aux: bool = False, fisher: str = "empirical",
+                   capture: str = "tags") -> ValueAndGrad:
   """Like `jax.value_and_grad(fun, has_aux)` w.r.t. the first argument, plus stats.
 
   `grad_fn(params, *args, rng=None, opt_state=None, **kwargs)` returns
@@ -400,10 +418,19 @@ def value_and_grad(fun: Callable, has_aux: bool = False,
   `grad_fn.discover(params, *args, **kwargs)` returns the tagged layers, which
   `kd.scale_by_kfac(layers=...)` needs to lay out its state.
 
+  `capture="tags"` (default) captures the tagged layers (`kd.tags`,
+  `kd.linen`, `kd.nnx`); `capture="flax"` also captures the unmodified Flax
+  linen layers `fun` runs (`Dense`, `DenseGeneral` and the projections of
+  `MultiHeadDotProductAttention`, `Conv`, `Embed`, `LayerNorm`, `RMSNorm`,
+  `BatchNorm`) by method interception, as the `kd.linen` layers would; the
+  layers it cannot capture (e.g. `ConvTranspose`, a grouped `Conv`) run as
+  they are and `discover(...).uncaptured` lists them (see
+  `kfac_jax_dist.flax.intercept`).
+
   Exact curvature: `grad_fn.gauss_newton_gram(params, (v_1, ..., v_k), *args,
   **kwargs)` returns `[v_iᵀ C v_j]`, C the Gauss-Newton matrix of the mean
   registered loss, and `grad_fn.loss(params, *args, **kwargs)` the loss alone
   (forward only); inside `shard_map` both are the global batch's (see
   `ValueAndGrad.gauss_newton_gram`).
   """
-  return ValueAndGrad(fun, has_aux, fisher)
+  return ValueAndGrad(fun, has_aux, fisher, capture)

@@ -5,7 +5,7 @@ arithmetic of LayerNorm / BatchNorm up to their scale and shift."""
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +13,8 @@ import numpy as np
 from flax.core import meta
 from flax.linen.linear import canonicalize_padding
 from jax import lax
+
+from kfac_jax_dist.capture import context as _context
 
 
 def _pair(x, n: int) -> tuple[int, ...]:
@@ -41,8 +43,19 @@ def conv_config(kernel_size, strides, padding, input_dilation, kernel_dilation,
 
 
 def warn_untagged(layer: str, reason: str) -> None:
+  """An NNX layer K-FAC cannot capture: warns and records it for `discover`."""
   warnings.warn(f"kfac_jax_dist: {layer} with {reason} is not tagged; its parameters "
                 "pass through K-FAC unpreconditioned.", stacklevel=3)
+  _context.record_uncaptured(f"nnx.{layer}", layer, reason)
+
+
+def untagged(layer: str, reason: str, where: str, fallback: Callable[[], Any]) -> Any:
+  """A layer K-FAC cannot capture: warns, records it for `discover` as
+  uncaptured (`where`: its module path) and runs Flax's own code (`fallback`)."""
+  warnings.warn(f"kfac_jax_dist: {layer} with {reason} is not tagged; its parameters "
+                "pass through K-FAC unpreconditioned.", stacklevel=3)
+  _context.record_uncaptured(where, layer, reason)
+  return fallback()
 
 
 def flatten_batch(inputs, spatial: int = 2):
@@ -86,11 +99,12 @@ def norm_config(ndim: int, feature_axes, custom: bool) -> str | None:
 
 
 def moments(x, axes, dtype=None, axis_name=None, axis_index_groups=None,
-            fast_variance: bool = True, mask=None):
+            fast_variance: bool = True, mask=None, use_mean: bool = True):
   """Mean and variance of `x` over `axes`, as Flax's normalisation layers define
   them: in at least float32, `E[x²] − E[x]²` clipped at 0 with
   `fast_variance` (else `E[(x − E x)²]`), masked means with `mask`, and with
-  `axis_name` the means averaged over that mesh axis (one `pmean`)."""
+  `axis_name` the means averaged over that mesh axis (one `pmean`). Without
+  `use_mean` (RMSNorm) the mean is 0 and the "variance" `E[x²]`."""
   dtype = jnp.promote_types(jnp.result_type(x) if dtype is None else dtype, jnp.float32)
   x = jnp.asarray(x, dtype)
   axes = _canonical_axes(x.ndim, axes)
@@ -103,6 +117,9 @@ def moments(x, axes, dtype=None, axis_name=None, axis_index_groups=None,
                              axis_index_groups=axis_index_groups))
     return means
 
+  if not use_mean:
+    (mu2,) = mean(x * x)
+    return jnp.zeros_like(mu2), mu2
   if fast_variance:
     mu, mu2 = mean(x, x * x)
     return mu, jnp.maximum(mu2 - mu * mu, 0.0)

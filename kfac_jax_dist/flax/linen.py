@@ -7,7 +7,13 @@ tagged model. Configurations with no supported form here (grouped
 convolutions, masks, custom dot/conv functions, DenseGeneral batch axes or
 contractions over other than the last axes, normalisation over other than the
 last feature axis, an offset without a scale, ...) run Flax's own code,
-untagged, with a warning.
+untagged, with a warning (and `discover` lists them as uncaptured).
+
+Each layer's computation is a function of the module (`dense`, `conv`,
+`dense_general`, `embed`, `layer_norm`, `batch_norm`, `rms_norm`), shared by
+the classes below and by the interception of unmodified `flax.linen` layers
+(`kfac_jax_dist.flax.intercept`); on a plain Flax module they read
+`kfac_example_dims` as the class's default.
 
 Every tagged layer takes one extra, optional field, `kfac_example_dims`
 (see `kd.tags.dense` and `kd.tags.scale_and_shift`): how many leading axes of
@@ -27,6 +33,9 @@ finds its stacked parameter leaf by its scope path, and during
 
 from __future__ import annotations
 
+import functools
+from typing import Any, Callable
+
 import flax.linen as nn
 import jax.numpy as jnp
 from flax.linen import dtypes as linen_dtypes
@@ -36,6 +45,182 @@ from kfac_jax_dist.capture import stacking
 from kfac_jax_dist.capture import tags
 
 
+Fallback = Callable[[], Any]
+
+
+def where(module: nn.Module) -> str:
+  """The module's path, for the uncaptured-layer report."""
+  return "/".join(str(p) for p in module.scope.path) or type(module).__name__
+
+
+def _example_dims(module: nn.Module, default: int | None = None) -> int | None:
+  return getattr(module, "kfac_example_dims", default)
+
+
+def dense(module: nn.Dense, inputs, fallback: Fallback):
+  """`nn.Dense.__call__`, tagged with `kd.tags.dense`."""
+  if module.dot_general is not None or module.dot_general_cls is not None:
+    return _flax_common.untagged("Dense", "a custom dot_general", where(module), fallback)
+  kernel = module.param("kernel", module.kernel_init,
+                        (jnp.shape(inputs)[-1], module.features), module.param_dtype)
+  bias = (module.param("bias", module.bias_init, (module.features,), module.param_dtype)
+          if module.use_bias else None)
+  return tags.dense(inputs, kernel, bias, dtype=module.dtype, precision=module.precision,
+                    example_dims=_example_dims(module),
+                    _site=stacking.linen_site(module, kernel, bias, "kernel", "bias"))
+
+
+def conv(module: nn.Conv, inputs, fallback: Fallback):
+  """`nn.Conv.__call__` (2-D), tagged with `kd.tags.conv2d`."""
+  custom = (module.conv_general_dilated is not None
+            or module.conv_general_dilated_cls is not None or not module.shared_weights)
+  config = _flax_common.conv_config(
+      module.kernel_size, module.strides, module.padding, module.input_dilation,
+      module.kernel_dilation, module.feature_group_count, module.mask,
+      "a custom or unshared convolution" if custom else None)
+  if isinstance(config, str):
+    return _flax_common.untagged("Conv", config, where(module), fallback)
+  strides, padding, dilation = config
+  inputs, restore = _flax_common.flatten_batch(inputs)
+  kernel_size = tuple(module.kernel_size) if not isinstance(module.kernel_size, int) else (
+      module.kernel_size,) * 2
+  kernel = module.param("kernel", module.kernel_init,
+                        kernel_size + (inputs.shape[-1], module.features), module.param_dtype)
+  bias = (module.param("bias", module.bias_init, (module.features,), module.param_dtype)
+          if module.use_bias else None)
+  y = tags.conv2d(inputs, kernel, bias, strides=strides, padding=padding,
+                  dilation=dilation, dtype=module.dtype, precision=module.precision,
+                  example_dims=_example_dims(module),
+                  _site=stacking.linen_site(module, kernel, bias, "kernel", "bias"))
+  return restore(y)
+
+
+def dense_general(module: nn.DenseGeneral, inputs, fallback: Fallback):
+  """`nn.DenseGeneral.__call__`, tagged with `kd.tags.dense_general` when it
+  contracts the last input axes and has no `batch_dims`."""
+  custom = (module.dot_general is not None or module.dot_general_cls is not None
+            or _flax_common.custom_promote(module, linen_dtypes.promote_dtype))
+  in_dims = _flax_common.dense_general_config(module.axis, inputs.ndim,
+                                              tuple(module.batch_dims), custom)
+  if isinstance(in_dims, str):
+    return _flax_common.untagged("DenseGeneral", in_dims, where(module), fallback)
+  features = ((module.features,) if isinstance(module.features, int)
+              else tuple(module.features))
+  kernel = module.param("kernel", _flax_common.flat_init(module.kernel_init, in_dims),
+                        tuple(inputs.shape[inputs.ndim - in_dims:]) + features,
+                        module.param_dtype)
+  bias = (module.param("bias", _flax_common.flat_init(module.bias_init, 0), features,
+                       module.param_dtype) if module.use_bias else None)
+  return tags.dense_general(inputs, kernel, bias, in_dims=in_dims, dtype=module.dtype,
+                            precision=module.precision,
+                            example_dims=_example_dims(module),
+                            _site=stacking.linen_site(module, kernel, bias, "kernel",
+                                                      "bias"))
+
+
+def embed(module: nn.Embed, inputs, fallback: Fallback):
+  """`nn.Embed.__call__`, tagged with `kd.tags.embed`."""
+  if _flax_common.custom_promote(module, linen_dtypes.promote_dtype):
+    return _flax_common.untagged("Embed", "a custom promote_dtype", where(module),
+                                 fallback)
+  if not jnp.issubdtype(inputs.dtype, jnp.integer):
+    raise ValueError("Input type must be an integer or unsigned integer.")
+  if module.num_embeddings == 1:          # Flax broadcasts the single row
+    inputs = jnp.zeros_like(inputs)
+  return tags.embed(inputs, module.embedding, dtype=module.dtype,
+                    _site=stacking.linen_site(module, module.embedding, None, "embedding",
+                                              None))
+
+
+def _scale_and_shift(module: nn.Module, x, x_hat, example_dims: int | None):
+  """The learnable part of a linen normalisation, tagged: creates `scale`
+  (and `bias`, if the module has one) like Flax and casts the result to
+  Flax's dtype."""
+  features = (x.shape[-1],)
+  scale = module.param("scale", module.scale_init, features, module.param_dtype)
+  bias = (module.param("bias", module.bias_init, features, module.param_dtype)
+          if getattr(module, "use_bias", False) else None)
+  y = tags.scale_and_shift(x_hat, scale, bias, example_dims=example_dims,
+                           _site=stacking.linen_site(module, scale, bias, "scale",
+                                                     "bias" if bias is not None else None))
+  return jnp.asarray(y, linen_dtypes.canonicalize_dtype(x, scale, bias, dtype=module.dtype))
+
+
+def _norm_reason(module: nn.Module, ndim: int, feature_axes) -> str | None:
+  if not module.use_scale:
+    return "use_scale=False" if getattr(module, "use_bias", False) else None
+  return _flax_common.norm_config(ndim, feature_axes,
+                                  custom=not getattr(module, "force_float32_reductions", True))
+
+
+def _normalisation(kind: str, module: nn.Module, x, feature_axes, fallback: Fallback
+                   ) -> Any:
+  """None when the normalisation is tagged, else Flax's own result (an
+  unsupported configuration, reported; or nothing to precondition)."""
+  reason = _norm_reason(module, jnp.ndim(x), feature_axes)
+  if reason is not None:
+    return _flax_common.untagged(kind, reason, where(module), fallback)
+  if not module.use_scale:
+    return fallback()
+  return None
+
+
+def layer_norm(module: nn.LayerNorm, x, mask, fallback: Fallback):
+  """`nn.LayerNorm.__call__`, its scale and bias tagged with
+  `kd.tags.scale_and_shift` (SP-NGD's unit-wise Fisher)."""
+  out = _normalisation("LayerNorm", module, x, module.feature_axes, fallback)
+  if out is not None:
+    return out
+  mean, var = _flax_common.moments(x, module.reduction_axes, module.dtype, module.axis_name,
+                                   module.axis_index_groups, module.use_fast_variance, mask)
+  x_hat = _flax_common.normalized(x, mean, var, module.reduction_axes, module.epsilon)
+  return _scale_and_shift(module, x, x_hat, _example_dims(module))
+
+
+def rms_norm(module: nn.RMSNorm, x, mask, fallback: Fallback):
+  """`nn.RMSNorm.__call__`, its scale tagged with `kd.tags.scale_and_shift`
+  (no bias): `x̂ = x / sqrt(E[x²] + ε)`."""
+  out = _normalisation("RMSNorm", module, x, module.feature_axes, fallback)
+  if out is not None:
+    return out
+  mean, var = _flax_common.moments(x, module.reduction_axes, module.dtype, module.axis_name,
+                                   module.axis_index_groups, module.use_fast_variance, mask,
+                                   use_mean=False)
+  x_hat = _flax_common.normalized(x, mean, var, module.reduction_axes, module.epsilon)
+  return _scale_and_shift(module, x, x_hat, _example_dims(module))
+
+
+def batch_norm(module: nn.BatchNorm, x, use_running_average, mask, fallback: Fallback):
+  """`nn.BatchNorm.__call__` (same `batch_stats`), its scale and bias tagged
+  with `kd.tags.scale_and_shift`, one example per entry of the leading batch
+  axis by default."""
+  out = _normalisation("BatchNorm", module, x, module.axis, fallback)
+  if out is not None:
+    return out
+  use_running_average = nn.merge_param("use_running_average",
+                                       module.use_running_average, use_running_average)
+  features = (x.shape[-1],)
+  reduction_axes = tuple(range(x.ndim - 1))
+  ra_mean = module.variable("batch_stats", "mean",
+                            lambda s: jnp.zeros(s, jnp.float32), features)
+  ra_var = module.variable("batch_stats", "var",
+                           lambda s: jnp.ones(s, jnp.float32), features)
+  if use_running_average:
+    mean, var = ra_mean.value, ra_var.value
+  else:
+    initializing = module.is_initializing()
+    mean, var = _flax_common.moments(
+        x, reduction_axes, module.dtype, None if initializing else module.axis_name,
+        module.axis_index_groups, module.use_fast_variance, mask)
+    if not initializing:
+      ra_mean.value = module.momentum * ra_mean.value + (1 - module.momentum) * mean
+      ra_var.value = module.momentum * ra_var.value + (1 - module.momentum) * var
+  x_hat = _flax_common.normalized(x, mean, var, reduction_axes, module.epsilon)
+  return _scale_and_shift(module, x, x_hat, _example_dims(module, 1))
+
+
+# ------------------------------------------------------------ the drop-in classes
+
 class Dense(nn.Dense):
   """`flax.linen.Dense`, tagged with `kd.tags.dense`."""
 
@@ -43,15 +228,7 @@ class Dense(nn.Dense):
 
   @nn.compact
   def __call__(self, inputs):
-    if self.dot_general is not None or self.dot_general_cls is not None:
-      _flax_common.warn_untagged("Dense", "a custom dot_general")
-      return super().__call__(inputs)
-    kernel = self.param("kernel", self.kernel_init,
-                        (jnp.shape(inputs)[-1], self.features), self.param_dtype)
-    bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
-            if self.use_bias else None)
-    return tags.dense(inputs, kernel, bias, dtype=self.dtype, precision=self.precision,
-                      example_dims=self.kfac_example_dims, _site=stacking.linen_site(self, kernel, bias, "kernel", "bias"))
+    return dense(self, inputs, functools.partial(super().__call__, inputs))
 
 
 class Conv(nn.Conv):
@@ -61,28 +238,7 @@ class Conv(nn.Conv):
 
   @nn.compact
   def __call__(self, inputs):
-    custom = (self.conv_general_dilated is not None
-              or self.conv_general_dilated_cls is not None or not self.shared_weights)
-    config = _flax_common.conv_config(
-        self.kernel_size, self.strides, self.padding, self.input_dilation,
-        self.kernel_dilation, self.feature_group_count, self.mask,
-        "a custom or unshared convolution" if custom else None)
-    if isinstance(config, str):
-      _flax_common.warn_untagged("Conv", config)
-      return super().__call__(inputs)
-    strides, padding, dilation = config
-    inputs, restore = _flax_common.flatten_batch(inputs)
-    kernel_size = tuple(self.kernel_size) if not isinstance(self.kernel_size, int) else (
-        self.kernel_size,) * 2
-    kernel = self.param("kernel", self.kernel_init,
-                        kernel_size + (inputs.shape[-1], self.features), self.param_dtype)
-    bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
-            if self.use_bias else None)
-    y = tags.conv2d(inputs, kernel, bias, strides=strides, padding=padding,
-                    dilation=dilation, dtype=self.dtype, precision=self.precision,
-                    example_dims=self.kfac_example_dims,
-                    _site=stacking.linen_site(self, kernel, bias, "kernel", "bias"))
-    return restore(y)
+    return conv(self, inputs, functools.partial(super().__call__, inputs))
 
 
 class DenseGeneral(nn.DenseGeneral):
@@ -93,25 +249,7 @@ class DenseGeneral(nn.DenseGeneral):
 
   @nn.compact
   def __call__(self, inputs):
-    custom = (self.dot_general is not None or self.dot_general_cls is not None
-              or _flax_common.custom_promote(self, linen_dtypes.promote_dtype))
-    in_dims = _flax_common.dense_general_config(self.axis, inputs.ndim,
-                                                tuple(self.batch_dims), custom)
-    if isinstance(in_dims, str):
-      _flax_common.warn_untagged("DenseGeneral", in_dims)
-      return super().__call__(inputs)
-    features = ((self.features,) if isinstance(self.features, int)
-                else tuple(self.features))
-    kernel = self.param("kernel", _flax_common.flat_init(self.kernel_init, in_dims),
-                        tuple(inputs.shape[inputs.ndim - in_dims:]) + features,
-                        self.param_dtype)
-    bias = (self.param("bias", _flax_common.flat_init(self.bias_init, 0), features,
-                       self.param_dtype) if self.use_bias else None)
-    return tags.dense_general(inputs, kernel, bias, in_dims=in_dims, dtype=self.dtype,
-                              precision=self.precision,
-                              example_dims=self.kfac_example_dims,
-                              _site=stacking.linen_site(self, kernel, bias, "kernel",
-                                                        "bias"))
+    return dense_general(self, inputs, functools.partial(super().__call__, inputs))
 
 
 class Embed(nn.Embed):
@@ -119,35 +257,7 @@ class Embed(nn.Embed):
   the table as an output projection, is Flax's own and untagged)."""
 
   def __call__(self, inputs):
-    if _flax_common.custom_promote(self, linen_dtypes.promote_dtype):
-      _flax_common.warn_untagged("Embed", "a custom promote_dtype")
-      return super().__call__(inputs)
-    if not jnp.issubdtype(inputs.dtype, jnp.integer):
-      raise ValueError("Input type must be an integer or unsigned integer.")
-    if self.num_embeddings == 1:          # Flax broadcasts the single row
-      inputs = jnp.zeros_like(inputs)
-    return tags.embed(inputs, self.embedding, dtype=self.dtype,
-                      _site=stacking.linen_site(self, self.embedding, None, "embedding",
-                                                None))
-
-
-def _scale_and_shift(module, x, x_hat, example_dims):
-  """The learnable part of a linen LayerNorm / BatchNorm, tagged: creates
-  `scale` (and `bias`) like Flax and casts the result to Flax's dtype."""
-  features = (x.shape[-1],)
-  scale = module.param("scale", module.scale_init, features, module.param_dtype)
-  bias = (module.param("bias", module.bias_init, features, module.param_dtype)
-          if module.use_bias else None)
-  y = tags.scale_and_shift(x_hat, scale, bias, example_dims=example_dims,
-                           _site=stacking.linen_site(module, scale, bias, "scale", "bias"))
-  return jnp.asarray(y, linen_dtypes.canonicalize_dtype(x, scale, bias, dtype=module.dtype))
-
-
-def _norm_reason(module, ndim, feature_axes) -> str | None:
-  if not module.use_scale:
-    return "use_scale=False" if module.use_bias else None
-  return _flax_common.norm_config(ndim, feature_axes,
-                                  custom=not getattr(module, "force_float32_reductions", True))
+    return embed(self, inputs, functools.partial(super().__call__, inputs))
 
 
 class LayerNorm(nn.LayerNorm):
@@ -159,15 +269,18 @@ class LayerNorm(nn.LayerNorm):
 
   @nn.compact
   def __call__(self, x, *, mask=None):
-    reason = _norm_reason(self, jnp.ndim(x), self.feature_axes)
-    if reason is not None or not self.use_scale:
-      if reason is not None:
-        _flax_common.warn_untagged("LayerNorm", reason)
-      return super().__call__(x, mask=mask)
-    mean, var = _flax_common.moments(x, self.reduction_axes, self.dtype, self.axis_name,
-                                     self.axis_index_groups, self.use_fast_variance, mask)
-    x_hat = _flax_common.normalized(x, mean, var, self.reduction_axes, self.epsilon)
-    return _scale_and_shift(self, x, x_hat, self.kfac_example_dims)
+    return layer_norm(self, x, mask, functools.partial(super().__call__, x, mask=mask))
+
+
+class RMSNorm(nn.RMSNorm):
+  """`flax.linen.RMSNorm` whose scale is tagged with `kd.tags.scale_and_shift`
+  (no bias; tokens are examples unless `kfac_example_dims` says otherwise)."""
+
+  kfac_example_dims: int | None = None
+
+  @nn.compact
+  def __call__(self, x, *, mask=None):
+    return rms_norm(self, x, mask, functools.partial(super().__call__, x, mask=mask))
 
 
 class BatchNorm(nn.BatchNorm):
@@ -179,28 +292,8 @@ class BatchNorm(nn.BatchNorm):
 
   @nn.compact
   def __call__(self, x, use_running_average=None, *, mask=None):
-    reason = _norm_reason(self, jnp.ndim(x), self.axis)
-    if reason is not None or not self.use_scale:
-      if reason is not None:
-        _flax_common.warn_untagged("BatchNorm", reason)
-      return super().__call__(x, use_running_average, mask=mask)
-    use_running_average = nn.merge_param("use_running_average",
-                                         self.use_running_average, use_running_average)
-    features = (x.shape[-1],)
-    reduction_axes = tuple(range(x.ndim - 1))
-    ra_mean = self.variable("batch_stats", "mean",
-                            lambda s: jnp.zeros(s, jnp.float32), features)
-    ra_var = self.variable("batch_stats", "var",
-                           lambda s: jnp.ones(s, jnp.float32), features)
-    if use_running_average:
-      mean, var = ra_mean.value, ra_var.value
-    else:
-      initializing = self.is_initializing()
-      mean, var = _flax_common.moments(
-          x, reduction_axes, self.dtype, None if initializing else self.axis_name,
-          self.axis_index_groups, self.use_fast_variance, mask)
-      if not initializing:
-        ra_mean.value = self.momentum * ra_mean.value + (1 - self.momentum) * mean
-        ra_var.value = self.momentum * ra_var.value + (1 - self.momentum) * var
-    x_hat = _flax_common.normalized(x, mean, var, reduction_axes, self.epsilon)
-    return _scale_and_shift(self, x, x_hat, self.kfac_example_dims)
+    return batch_norm(self, x, use_running_average, mask, functools.partial(
+        super().__call__, x, use_running_average, mask=mask))
+
+
+TAGGED = (Dense, Conv, DenseGeneral, Embed, LayerNorm, RMSNorm, BatchNorm)

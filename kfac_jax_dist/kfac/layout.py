@@ -155,6 +155,9 @@ class Layout:
   factor_storage: str = CHUNKED      # CHUNKED | OWNER (see the module docstring)
   owner_sizes: tuple[int, ...] = ()  # numbers of running factors each device owns
   second_sizes: tuple[int, ...] = () # second-order numbers each device computes
+  # (module path, kind, reason) of the layers the capture could not tag
+  # (`LayerRegistry.uncaptured`): their parameters are in `passthrough`.
+  uncaptured: tuple[tuple[str, str, str], ...] = ()
 
   @property
   def owner_bases(self) -> tuple[int, ...]:

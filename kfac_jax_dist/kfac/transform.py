@@ -96,7 +96,8 @@ def build_layout(config: KfacConfig, comm: collectives_lib.Collectives,
         int(cadence.value_at(config.inverse_update_every, zero))))
   placement.check_skip_patterns(config.skip, lay.skipped, list(layers.names()),
                                 "tagged layer")
-  return lay
+  uncaptured = tuple((u.where, u.kind, u.reason) for u in getattr(layers, "uncaptured", ()))
+  return dataclasses.replace(lay, uncaptured=uncaptured)
 
 
 def init_state(config: KfacConfig, comm: collectives_lib.Collectives,

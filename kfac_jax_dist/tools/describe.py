@@ -50,11 +50,24 @@ def table(state: ScaleByKfacState) -> str:
   for name in lay.skipped:
     rows.append((name, "skipped", "-", "-", "-", "-", "0"))
   for path in lay.passthrough:
-    rows.append(("-", "untagged", path, "-", "-", "-", "0"))
+    rows.append(("-", _untagged_kind(lay, path), path, "-", "-", "-", "0"))
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
   lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
   lines.insert(1, "  ".join("-" * w for w in widths))
   return "\n".join(lines + [""] + _summary(state))
+
+
+def _untagged_kind(lay: layout_lib.Layout, path: str) -> str:
+  """"uncaptured" for a parameter of a layer the capture could not tag (see
+  `_uncaptured_lines`), "untagged" for any other parameter with no factor."""
+  inside = lambda where: path.startswith(where + "/")
+  return "uncaptured" if any(inside(where) for where, _, _ in lay.uncaptured) else "untagged"
+
+
+def _uncaptured_lines(lay: layout_lib.Layout) -> list[str]:
+  """One line per layer the capture ran but could not tag."""
+  return [f"Uncaptured layer {where} ({kind}: {reason}): its parameters pass through "
+          "unpreconditioned." for where, kind, reason in lay.uncaptured]
 
 
 def _summary(state: ScaleByKfacState) -> list[str]:
@@ -90,6 +103,7 @@ def _summary(state: ScaleByKfacState) -> list[str]:
                       for x in jax.tree_util.tree_leaves(state.correction))
   on_all = f" ({p * per_device:,} on all {p} devices)" if p > 1 else ""
   lines.append(f"K-FAC state: {per_device:,} bytes per device{on_all}.")
+  lines += _uncaptured_lines(lay)
   schemes = _uneven_schemes(lay)
   if schemes:
     lines.append("uneven collectives: " + "; ".join(schemes) + f" (chosen for a latency "

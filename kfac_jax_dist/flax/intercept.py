@@ -1,0 +1,102 @@
+"""Capture of unmodified Flax linen models: `kd.value_and_grad(loss_fn, capture="flax")`.
+
+The loss function runs under `flax.linen.intercept_methods`: when Flax is
+about to run the `__call__` of one of its own `Dense`, `DenseGeneral`
+(including the projections inside `MultiHeadDotProductAttention` /
+`SelfAttention`), `Conv`, `Embed`, `LayerNorm`, `RMSNorm` or `BatchNorm`
+(or of a subclass that does not replace it), the interceptor runs the same
+module through the tagged computation of `kd.linen` instead
+(`kfac_jax_dist.flax.linen`): the same parameters, names, statistics and
+conventions as the `kd.linen` layer, `kfac_example_dims` at its class default.
+Interception is Flax's public, stable hook, so nothing depends on the
+jaxpr's shape (kfac-jax's pattern matching does, and breaks across JAX
+releases).
+
+A configuration the tagged computation does not support (a grouped
+convolution, a custom `dot_general`, ...) and the layers with no tagged form
+(`ConvTranspose`, `ConvLocal`, `Einsum`, `GroupNorm`, `InstanceNorm`) run
+Flax's own code and are reported as uncaptured (`discover`'s
+`LayerRegistry.uncaptured`, `kd.describe`): their parameters pass through
+K-FAC unpreconditioned, never silently mis-captured. `kd.linen` layers
+inside an intercepted model tag themselves as before.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import flax.linen as nn
+
+from kfac_jax_dist.capture import context as _context
+from kfac_jax_dist.capture import value_and_grad as value_and_grad_lib
+from kfac_jax_dist.flax import linen
+
+Handler = Callable[..., Any]          # (module, fallback, *args, **kwargs) -> output
+
+
+def _raw(cls: type) -> Callable:
+  """The function Flax runs for `cls.__call__` (under its method wrapper)."""
+  method = cls.__call__
+  return getattr(method, "__wrapped__", method)
+
+
+@functools.lru_cache(maxsize=None)
+def _handlers() -> dict[Callable, Handler]:
+  """Flax's own `__call__` bodies → the tagged computation of the same module."""
+  plain = lambda tagged: (lambda module, fallback, inputs: tagged(module, inputs, fallback))
+  norm = lambda tagged: (lambda module, fallback, x, *, mask=None:
+                         tagged(module, x, mask, fallback))
+
+  def batch_norm(module: nn.BatchNorm, fallback: Callable[[], Any], x: Any,
+                 use_running_average: bool | None = None, *, mask: Any = None) -> Any:
+    return linen.batch_norm(module, x, use_running_average, mask, fallback)
+  return {_raw(nn.Dense): plain(linen.dense), _raw(nn.Conv): plain(linen.conv),
+          _raw(nn.DenseGeneral): plain(linen.dense_general),
+          _raw(nn.Embed): plain(linen.embed), _raw(nn.LayerNorm): norm(linen.layer_norm),
+          _raw(nn.RMSNorm): norm(linen.rms_norm), _raw(nn.BatchNorm): batch_norm}
+
+
+# Flax layers with parameters and no tagged form: reported, run as they are.
+UNSUPPORTED = {
+    "ConvTranspose": "a transposed convolution",
+    "ConvLocal": "an unshared (locally connected) convolution",
+    "Einsum": "a general einsum contraction",
+    "GroupNorm": "group normalisation (statistics over channel groups)",
+    "InstanceNorm": "instance normalisation",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _unsupported() -> dict[Callable, str]:
+  return {_raw(getattr(nn, name)): name for name in UNSUPPORTED if hasattr(nn, name)}
+
+
+def interceptor(next_fun: Callable, args: tuple, kwargs: dict,
+                context: nn.module.InterceptorContext) -> Any:
+  """Runs a supported Flax layer's `__call__` as its tagged computation (see
+  the module docstring); every other method call is left alone."""
+  raw = getattr(context.orig_method, "func", None)
+  module = context.module
+  if context.method_name != "__call__" or raw is None or isinstance(module, linen.TAGGED):
+    return next_fun(*args, **kwargs)
+  handler = _handlers().get(raw)
+  if handler is not None:
+    return handler(module, functools.partial(next_fun, *args, **kwargs), *args, **kwargs)
+  kind = _unsupported().get(raw)
+  if kind is not None:
+    _context.record_uncaptured(linen.where(module), kind, UNSUPPORTED[kind])
+  return next_fun(*args, **kwargs)
+
+
+def intercepted(fun: Callable) -> Callable:
+  """`fun` with every supported Flax linen layer it runs captured."""
+
+  @functools.wraps(fun)
+  def run(*args: Any, **kwargs: Any) -> Any:
+    with nn.intercept_methods(interceptor):
+      return fun(*args, **kwargs)
+  return run
+
+
+value_and_grad_lib.register_capture("flax", intercepted)
