@@ -10,6 +10,7 @@ version; layers with no tagged form are reported, never mis-captured.
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import flax.linen as nn
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import kfac_jax_dist as kd
 
@@ -146,9 +148,9 @@ def _train(grad_fn, params, batch, dist=None, steps=3):
   return params
 
 
-@pytest.mark.parametrize("name", ["cnn", "transformer", "resnet_train", "resnet_eval"])
-def test_intercepted_equals_tagged_model(name):
-  plain, tagged, params, batch = _problem(name)
+def _check_capture_equal(name, plain, tagged, params, batch):
+  """The intercepted plain model's layers, loss, gradients, statistics and
+  K-FAC trajectory are the tagged model's."""
   got_fn = kd.value_and_grad(plain, capture="flax")
   want_fn = kd.value_and_grad(tagged)
   got_layers, want_layers = got_fn.discover(params, *batch), want_fn.discover(params, *batch)
@@ -156,12 +158,14 @@ def test_intercepted_equals_tagged_model(name):
   if name == "transformer":           # the attention's four projections are captured
     assert {f"attention/{p}" for p in ("query", "key", "value", "out")} <= set(
         got_layers.names())
-  loss, grads, stats = jax.jit(got_fn)(params, *batch)
-  ref_loss, ref_grads, ref_stats = jax.jit(want_fn)(params, *batch)
-  helpers.assert_trees_equal(loss, ref_loss)
-  helpers.assert_trees_equal(grads, ref_grads)
-  helpers.assert_trees_equal(stats, ref_stats)
+  helpers.assert_trees_equal(jax.jit(got_fn)(params, *batch),
+                             jax.jit(want_fn)(params, *batch))
   helpers.assert_trees_equal(_train(got_fn, params, batch), _train(want_fn, params, batch))
+
+
+@pytest.mark.parametrize("name", ["cnn", "transformer", "resnet_train", "resnet_eval"])
+def test_intercepted_equals_tagged_model(name):
+  _check_capture_equal(name, *_problem(name))
 
 
 def test_without_interception_plain_layers_are_not_captured():
@@ -271,3 +275,202 @@ def test_uncaptured_layers_are_reported_and_pass_through():
   state = kd.kfac(0.1, layers=layers).init(params)
   table = kd.describe(state, print_table=False)
   assert "uncaptured" in table and "ConvTranspose" in table and "up/kernel" in table
+
+
+# ---------------------------------------------------------------------------
+# NNX: the same models with flax.nnx layers against kd.nnx ones.
+# ---------------------------------------------------------------------------
+
+NNX_PLAIN = types.SimpleNamespace(Linear=nnx.Linear, Conv=nnx.Conv, Embed=nnx.Embed,
+                                  LayerNorm=nnx.LayerNorm, RMSNorm=nnx.RMSNorm,
+                                  BatchNorm=nnx.BatchNorm)
+NNX_TAGGED = types.SimpleNamespace(**{k: getattr(kd.nnx, k) for k in vars(NNX_PLAIN)})
+MERGE_COPY = ({"copy": True} if "copy" in inspect.signature(nnx.merge).parameters else {})
+
+
+class NnxCnn(nnx.Module):
+  def __init__(self, lib, rngs):
+    self.c1 = lib.Conv(2, 4, (3, 3), param_dtype=F64, rngs=rngs)
+    self.c2 = lib.Conv(4, 6, (3, 3), strides=2, padding="VALID", param_dtype=F64,
+                       rngs=rngs)
+    self.d1 = lib.Linear(54, 12, param_dtype=F64, rngs=rngs)
+    self.d2 = lib.Linear(12, 10, use_bias=False, param_dtype=F64, rngs=rngs)
+
+  def __call__(self, x):
+    x = nnx.relu(self.c2(nnx.relu(self.c1(x))))
+    return self.d2(nnx.tanh(self.d1(x.reshape(x.shape[0], -1))))
+
+
+class NnxTaggedAttention(nnx.Module):
+  """`nnx.MultiHeadAttention(HEADS, WIDTH)` (self-attention, no mask, no
+  dropout) with `kd.nnx.LinearGeneral` projections: the same state paths."""
+
+  def __init__(self, rngs):
+    project = lambda: kd.nnx.LinearGeneral(WIDTH, (HEADS, WIDTH // HEADS), param_dtype=F64,
+                                           rngs=rngs)
+    self.query, self.key, self.value = project(), project(), project()
+    self.out = kd.nnx.LinearGeneral((HEADS, WIDTH // HEADS), WIDTH, axis=(-2, -1),
+                                    param_dtype=F64, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(nnx.dot_product_attention(self.query(x), self.key(x), self.value(x)))
+
+
+class NnxTransformer(nnx.Module):
+  def __init__(self, lib, attention, rngs):
+    self.embed = lib.Embed(VOCAB, WIDTH, param_dtype=F64, rngs=rngs)
+    self.ln1 = lib.LayerNorm(WIDTH, param_dtype=F64, rngs=rngs)
+    self.attention = attention
+    self.ln2 = lib.LayerNorm(WIDTH, param_dtype=F64, rngs=rngs)
+    self.up = lib.Linear(WIDTH, 2 * WIDTH, param_dtype=F64, rngs=rngs)
+    self.down = lib.Linear(2 * WIDTH, WIDTH, param_dtype=F64, rngs=rngs)
+    self.norm = lib.RMSNorm(WIDTH, param_dtype=F64, rngs=rngs)
+    self.head = lib.Linear(WIDTH, VOCAB, param_dtype=F64, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    x = x + self.attention(self.ln1(x))
+    x = x + self.down(nnx.gelu(self.up(self.ln2(x))))
+    return self.head(self.norm(x))
+
+
+class NnxResBlock(nnx.Module):
+  def __init__(self, lib, train, rngs):
+    norm = lambda: lib.BatchNorm(4, use_running_average=not train, param_dtype=F64,
+                                 rngs=rngs)
+    self.c1 = lib.Conv(2, 4, (3, 3), use_bias=False, param_dtype=F64, rngs=rngs)
+    self.n1 = norm()
+    self.c2 = lib.Conv(4, 4, (3, 3), use_bias=False, param_dtype=F64, rngs=rngs)
+    self.n2 = norm()
+    self.skip = lib.Conv(2, 4, (1, 1), param_dtype=F64, rngs=rngs)
+    self.head = lib.Linear(4, 10, param_dtype=F64, rngs=rngs)
+
+  def __call__(self, x):
+    h = self.n2(self.c2(nnx.relu(self.n1(self.c1(x)))))
+    return self.head(jnp.mean(nnx.relu(self.skip(x) + h), axis=(1, 2)))
+
+
+def _nnx_problem(name: str):
+  """(plain loss, kd.nnx loss, params, batch) of an NNX model built both ways
+  with the same state (float64, perturbed)."""
+  def build(lib, attention):
+    rngs = nnx.Rngs(0)
+    if name == "transformer":
+      return NnxTransformer(lib, attention(rngs), rngs)
+    if name == "cnn":
+      return NnxCnn(lib, rngs)
+    return NnxResBlock(lib, name == "resnet_train", rngs)
+  plain = build(NNX_PLAIN, lambda rngs: nnx.MultiHeadAttention(
+      HEADS, WIDTH, decode=False, param_dtype=F64, rngs=rngs))
+  tagged = build(NNX_TAGGED, NnxTaggedAttention)
+  nnx.update(plain, _perturbed(nnx.state(plain, nnx.Param)))
+  params = nnx.state(plain, nnx.Param)
+  nnx.update(tagged, params)
+  if name == "transformer":
+    x = jax.random.randint(jax.random.PRNGKey(0), (8, T), 0, VOCAB)
+    y = jax.random.randint(jax.random.PRNGKey(1), (8, T), 0, VOCAB)
+  else:
+    x = jax.random.normal(jax.random.PRNGKey(0), (8, 7, 7, 2), F64)
+    y = jax.random.randint(jax.random.PRNGKey(1), (8,), 0, 10)
+
+  def loss(model):
+    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(p, x, y):
+      return kd.losses.softmax_cross_entropy(nnx.merge(graphdef, p, rest, **MERGE_COPY)(x), y)
+    return loss_fn
+  return loss(plain), loss(tagged), params, (x, y)
+
+
+@pytest.mark.parametrize("name", ["cnn", "transformer", "resnet_train", "resnet_eval"])
+def test_nnx_intercepted_equals_tagged_model(name):
+  _check_capture_equal(name, *_nnx_problem(name))
+  # the classes are restored after the capture
+  assert "kfac_original" not in vars(nnx.Linear.__call__)
+
+
+@pytest.mark.parametrize("fraction", [1.0, pytest.param(1 / 8, marks=pytest.mark.slow)])
+def test_nnx_distributed_intercepted_equals_tagged_model(fraction):
+  plain, tagged, params, batch = _nnx_problem("cnn")
+  dist = kd.Distribution(helpers.data_mesh(8), grad_worker_fraction=fraction)
+  got = _train(kd.value_and_grad(plain, capture="flax"), params, batch, dist)
+  want = _train(kd.value_and_grad(tagged), params, batch, dist)
+  helpers.assert_trees_equal(got, want)
+
+
+class _NnxUnsupported(nnx.Module):
+  def __init__(self, rngs):
+    self.up = nnx.ConvTranspose(2, 4, (3, 3), param_dtype=F64, rngs=rngs)
+    self.grouped = nnx.Conv(4, 4, (3, 3), feature_group_count=2, param_dtype=F64,
+                            rngs=rngs)
+    self.plain = nnx.Conv(4, 4, (3, 3), param_dtype=F64, rngs=rngs)
+    self.head = nnx.Linear(100, 10, param_dtype=F64, rngs=rngs)
+
+  def __call__(self, x):
+    x = self.plain(self.grouped(self.up(x)))
+    return self.head(x.reshape(x.shape[0], -1))
+
+
+@pytest.mark.filterwarnings("ignore:kfac_jax_dist. Conv with grouped")
+def test_nnx_uncaptured_layers_are_reported():
+  model = _NnxUnsupported(nnx.Rngs(0))
+  graphdef, params = nnx.split(model, nnx.Param)
+  x = jax.random.normal(jax.random.PRNGKey(0), (4, 5, 5, 2), F64)
+  y = jax.random.randint(jax.random.PRNGKey(1), (4,), 0, 10)
+  grad_fn = kd.value_and_grad(lambda p, x, y: kd.losses.softmax_cross_entropy(
+      nnx.merge(graphdef, p)(x), y), capture="flax")
+  with pytest.warns(UserWarning, match="Conv with grouped.*not tagged"):
+    layers = grad_fn.discover(params, x, y)
+  assert layers.names() == ("plain", "head")
+  reported = {u.where: u.kind for u in layers.uncaptured}
+  assert reported == {"up": "ConvTranspose", "grouped": "Conv"}
+  _, grads, _ = grad_fn(params, x, y)
+  want = jax.grad(lambda p: kd.losses.softmax_cross_entropy(nnx.merge(graphdef, p)(x),
+                                                            y))(params)
+  helpers.assert_trees_equal(grads, want)
+
+
+class _NnxScanned(nnx.Module):
+  """Blocks created by `nnx.vmap` and applied by `nnx.scan`, of `lib`'s layers."""
+
+  def __init__(self, lib, rngs):
+    @nnx.split_rngs(splits=3)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs: nnx.Rngs) -> nnx.Module:
+      block = nnx.Module()
+      block.lin = lib.Linear(4, 4, param_dtype=F64, rngs=rngs)
+      block.ln = lib.LayerNorm(4, param_dtype=F64, rngs=rngs)
+      return block
+
+    self.blocks = create(rngs)
+    self.out = lib.Linear(4, 3, param_dtype=F64, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def body(x: jax.Array, block: nnx.Module) -> jax.Array:
+      return block.ln(jnp.tanh(block.lin(x)))
+
+    return self.out(body(x, self.blocks))
+
+
+def test_nnx_scanned_plain_model_equals_tagged():
+  """Per-block statistics of a scanned plain NNX model are those of the same
+  model with kd.nnx layers (test_scan checks that against the unrolled one)."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (8, 4), F64)
+  y = jax.random.randint(jax.random.PRNGKey(1), (8,), 0, 3)
+  graphs, params = [], None
+  for lib in (NNX_PLAIN, NNX_TAGGED):
+    graph, state = nnx.split(_NnxScanned(lib, nnx.Rngs(0)), nnx.Param)
+    params = _perturbed(state) if params is None else params
+    graphs.append(graph)
+  loss = lambda graph: (lambda p, x, y: kd.losses.softmax_cross_entropy(
+      nnx.merge(graph, p)(x), y))
+  got_fn = kd.value_and_grad(loss(graphs[0]), capture="flax")
+  want_fn = kd.value_and_grad(loss(graphs[1]))
+  layers = {l.name: l for l in got_fn.discover(params, x, y)}
+  assert set(layers) == {"blocks/lin", "blocks/ln", "out"}
+  assert layers["blocks/lin"].stack == (3,) and layers["blocks/ln"].stack == (3,)
+  got, want = jax.jit(got_fn)(params, x, y), jax.jit(want_fn)(params, x, y)
+  helpers.assert_trees_equal(got, want)
+  helpers.assert_trees_equal(_train(got_fn, params, (x, y)),
+                             _train(want_fn, params, (x, y)))

@@ -109,6 +109,12 @@ def _parts(path: str) -> list[str]:
   return parts
 
 
+def owner_path(leaf_path: str) -> str:
+  """The path of the module that holds a parameter leaf (`"fc1/kernel/value"` →
+  `"fc1"`): the leaf path without its box keys and its own name."""
+  return "/".join(_parts(leaf_path)[:-1])
+
+
 def stack_of(name: str, path: str, leaf_shape, block_shape) -> tuple[int, ...]:
   """The leading stack axes of a leaf holding blocks of `block_shape`."""
   leaf_shape, block_shape = tuple(leaf_shape), tuple(block_shape)
@@ -212,6 +218,11 @@ def _raw(variable):
 def _metadata(variable) -> dict:
   get = getattr(variable, "get_metadata", None)
   return dict(get()) if get is not None else dict(getattr(variable, "metadata", {}))
+
+
+def variable_path(variable) -> str | None:
+  """The leaf path the capture stamped on an NNX Variable (None: unstamped)."""
+  return _metadata(variable).get(PATH_METADATA)
 
 
 def nnx_site(kernel_var, bias_var):

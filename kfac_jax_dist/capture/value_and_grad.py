@@ -422,7 +422,8 @@ def value_and_grad(fun: Callable, has_aux: bool = False, fisher: str = "empirica
   `kd.linen`, `kd.nnx`); `capture="flax"` also captures the unmodified Flax
   linen layers `fun` runs (`Dense`, `DenseGeneral` and the projections of
   `MultiHeadDotProductAttention`, `Conv`, `Embed`, `LayerNorm`, `RMSNorm`,
-  `BatchNorm`) by method interception, as the `kd.linen` layers would; the
+  `BatchNorm`) by method interception, as the `kd.linen` layers would, and
+  the NNX ones (`nnx.Linear`, ...) as the `kd.nnx` layers would; the
   layers it cannot capture (e.g. `ConvTranspose`, a grouped `Conv`) run as
   they are and `discover(...).uncaptured` lists them (see
   `kfac_jax_dist.flax.intercept`).

@@ -1,5 +1,6 @@
-"""Capture of unmodified Flax linen models: `kd.value_and_grad(loss_fn, capture="flax")`.
+"""Capture of unmodified Flax models: `kd.value_and_grad(loss_fn, capture="flax")`.
 
+Linen:
 The loss function runs under `flax.linen.intercept_methods`: when Flax is
 about to run the `__call__` of one of its own `Dense`, `DenseGeneral`
 (including the projections inside `MultiHeadDotProductAttention` /
@@ -19,18 +20,33 @@ Flax's own code and are reported as uncaptured (`discover`'s
 `LayerRegistry.uncaptured`, `kd.describe`): their parameters pass through
 K-FAC unpreconditioned, never silently mis-captured. `kd.linen` layers
 inside an intercepted model tag themselves as before.
+
+NNX has no method interception: while the loss runs, the `__call__` of
+`nnx.Linear`, `LinearGeneral` (with `MultiHeadAttention`'s projections),
+`Conv`, `Embed`, `LayerNorm`, `RMSNorm` and `BatchNorm` is replaced on those
+classes by the tagged computation of `kd.nnx` (`kfac_jax_dist.flax.nnx`), and
+`ConvTranspose`, `Einsum`, `GroupNorm`, `InstanceNorm` report themselves as
+uncaptured; the classes are restored when the loss returns. The user's
+classes are untouched (a subclass that does not replace `__call__` is
+captured through its base). While a capture runs in one thread, another
+thread tracing NNX layers would run the tagged computations too (outside a
+capture they are the ordinary layers: same values).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable
+import threading
+from typing import Any, Callable, Iterator
 
 import flax.linen as nn
+from flax import nnx
 
 from kfac_jax_dist.capture import context as _context
 from kfac_jax_dist.capture import value_and_grad as value_and_grad_lib
 from kfac_jax_dist.flax import linen
+from kfac_jax_dist.flax import nnx as nnx_layers
 
 Handler = Callable[..., Any]          # (module, fallback, *args, **kwargs) -> output
 
@@ -89,12 +105,78 @@ def interceptor(next_fun: Callable, args: tuple, kwargs: dict,
   return next_fun(*args, **kwargs)
 
 
+# ----------------------------------------------------------------------- NNX
+
+def _nnx_handlers() -> dict[type, Handler]:
+  """NNX classes → the tagged computation of the same module."""
+  projection = lambda tagged: (lambda module, fallback, inputs, out_sharding=None:
+                               tagged(module, inputs, out_sharding, fallback))
+  norm = lambda tagged: (lambda module, fallback, x, mask=None:
+                         tagged(module, x, mask, fallback))
+
+  def batch_norm(module: nnx.BatchNorm, fallback: Callable[[], Any], x: Any,
+                 use_running_average: bool | None = None, *, mask: Any = None) -> Any:
+    return nnx_layers.batch_norm(module, x, use_running_average, mask, fallback)
+  return {nnx.Linear: projection(nnx_layers.linear), nnx.Conv: projection(nnx_layers.conv),
+          nnx.LinearGeneral: projection(nnx_layers.linear_general),
+          nnx.Embed: projection(nnx_layers.embed),
+          nnx.LayerNorm: norm(nnx_layers.layer_norm), nnx.RMSNorm: norm(nnx_layers.rms_norm),
+          nnx.BatchNorm: batch_norm}
+
+
+def _nnx_unsupported() -> dict[type, str]:
+  return {getattr(nnx, name): name for name in UNSUPPORTED if hasattr(nnx, name)}
+
+
+def _nnx_replacement(cls: type, original: Callable, handler: Handler | None,
+                     kind: str | None) -> Callable:
+  """What `cls.__call__` runs during a capture."""
+
+  def call(module: Any, *args: Any, **kwargs: Any) -> Any:
+    fallback = functools.partial(original, module, *args, **kwargs)
+    if isinstance(module, nnx_layers.TAGGED):     # kd.nnx's own fallback
+      return fallback()
+    if handler is None:
+      weight = "kernel" if hasattr(module, "kernel") else "scale"
+      _context.record_uncaptured(nnx_layers.where(module, weight), kind, UNSUPPORTED[kind])
+      return fallback()
+    return handler(module, fallback, *args, **kwargs)
+  return call
+
+
+_NNX_LOCK = threading.Lock()
+_nnx_depth = [0]
+
+
+@contextlib.contextmanager
+def _nnx_patched() -> Iterator[None]:
+  """The NNX classes' `__call__` replaced (nested captures share one patch)."""
+  targets = [(cls, handler, None) for cls, handler in _nnx_handlers().items()] + [
+      (cls, None, kind) for cls, kind in _nnx_unsupported().items()]
+  with _NNX_LOCK:
+    _nnx_depth[0] += 1
+    if _nnx_depth[0] == 1:
+      for cls, handler, kind in targets:
+        original = cls.__dict__["__call__"]
+        replacement = _nnx_replacement(cls, original, handler, kind)
+        replacement.kfac_original = original
+        cls.__call__ = replacement
+  try:
+    yield
+  finally:
+    with _NNX_LOCK:
+      _nnx_depth[0] -= 1
+      if _nnx_depth[0] == 0:
+        for cls, _, _ in targets:
+          cls.__call__ = cls.__dict__["__call__"].kfac_original
+
+
 def intercepted(fun: Callable) -> Callable:
-  """`fun` with every supported Flax linen layer it runs captured."""
+  """`fun` with every supported Flax linen and NNX layer it runs captured."""
 
   @functools.wraps(fun)
   def run(*args: Any, **kwargs: Any) -> Any:
-    with nn.intercept_methods(interceptor):
+    with nn.intercept_methods(interceptor), _nnx_patched():
       return fun(*args, **kwargs)
   return run
 

@@ -5,7 +5,13 @@ Same constructor arguments, attribute names and shapes (BatchNorm's `mean` and
 `Embed`, `LayerNorm` and `BatchNorm`. Unsupported configurations (grouped
 convolutions, masks, LinearGeneral batch axes, normalisation over other than
 the last feature axis, an offset without a scale, ...) run NNX's own code,
-untagged, with a warning.
+untagged, with a warning (and `discover` lists them as uncaptured).
+
+Each layer's computation is a function of the module (`linear`, `conv`,
+`linear_general`, `embed`, `layer_norm`, `rms_norm`, `batch_norm`), shared by
+the classes below and by the interception of unmodified `flax.nnx` layers
+(`kfac_jax_dist.flax.intercept`); on a plain NNX module they read
+`kfac_example_dims` as the class's default.
 
 Every tagged layer takes one extra, optional keyword, `kfac_example_dims`
 (see `kd.tags.dense` and `kd.tags.scale_and_shift`): how many leading axes of
@@ -28,7 +34,8 @@ kernel only through its layer inside the loss).
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import jax.numpy as jnp
 from flax import nnx
@@ -36,6 +43,7 @@ from flax.nnx.nn import dtypes as nnx_dtypes
 from jax import lax
 
 from kfac_jax_dist.flax import common as _flax_common
+from kfac_jax_dist.capture import context as _context
 from kfac_jax_dist.capture import stacking
 from kfac_jax_dist.capture import tags
 
@@ -57,6 +65,33 @@ def _assign(variable, value) -> None:
 
 
 _UNSET = object()
+Fallback = Callable[[], Any]
+
+
+def where(module: nnx.Module, attribute: str) -> str:
+  """The module's path (its `attribute` Variable's leaf path without the last
+  key), for the uncaptured-layer report; its class name where unknown."""
+  variable = getattr(module, attribute, None)
+  trace = _context.current()
+  path = None if trace is None else trace.path_of(_raw(variable))
+  if path is None and variable is not None:
+    path = stacking.variable_path(variable)
+  return (stacking.owner_path(path) if path else "") or type(module).__name__
+
+
+def _given(out_sharding: Any) -> tuple:
+  """`out_sharding` as a positional argument of NNX's own `__call__`, only when
+  given (flax < 0.12.x's layers have no such argument)."""
+  return () if out_sharding is None else (out_sharding,)
+
+
+def _example_dims(module: nnx.Module, default: int | None = None) -> int | None:
+  return getattr(module, "kfac_example_dims", default)
+
+
+def _untagged(kind: str, reason: str, module: nnx.Module, attribute: str,
+              fallback: Fallback) -> Any:
+  return _flax_common.untagged(kind, reason, where(module, attribute), fallback)
 
 
 class _ExampleDims:
@@ -70,39 +105,169 @@ class _ExampleDims:
                               else kfac_example_dims)
 
 
+def linear(module: nnx.Linear, inputs, out_sharding, fallback: Fallback):
+  """`nnx.Linear.__call__`, tagged with `kd.tags.dense`."""
+  if (module.dot_general is not lax.dot_general or out_sharding is not None
+      or getattr(module, "preferred_element_type", None) is not None):
+    return _untagged("Linear", "a custom dot_general or output sharding", module,
+                     "kernel", fallback)
+  kernel, bias, site = stacking.nnx_site(module.kernel, module.bias)
+  return tags.dense(inputs, kernel, bias, dtype=module.dtype, precision=module.precision,
+                    example_dims=_example_dims(module), _site=site)
+
+
+def conv(module: nnx.Conv, inputs, out_sharding, fallback: Fallback):
+  """`nnx.Conv.__call__` (2-D), tagged with `kd.tags.conv2d`."""
+  custom = (module.conv_general_dilated is not lax.conv_general_dilated
+            or out_sharding is not None
+            or getattr(module, "preferred_element_type", None) is not None)
+  config = _flax_common.conv_config(
+      module.kernel_size, module.strides, module.padding, module.input_dilation,
+      module.kernel_dilation, module.feature_group_count, module.mask,
+      "a custom convolution or output sharding" if custom else None)
+  if isinstance(config, str):
+    return _untagged("Conv", config, module, "kernel", fallback)
+  strides, padding, dilation = config
+  inputs, restore = _flax_common.flatten_batch(inputs)
+  kernel, bias, site = stacking.nnx_site(module.kernel, module.bias)
+  y = tags.conv2d(inputs, kernel, bias, strides=strides, padding=padding,
+                  dilation=dilation, dtype=module.dtype, precision=module.precision,
+                  example_dims=_example_dims(module), _site=site)
+  return restore(y)
+
+
+def linear_general(module: nnx.LinearGeneral, inputs, out_sharding, fallback: Fallback):
+  """`nnx.LinearGeneral.__call__`, tagged with `kd.tags.dense_general` when it
+  contracts the last input axes and has no `batch_axis`."""
+  custom = (module.dot_general is not None or module.dot_general_cls is not None
+            or out_sharding is not None
+            or getattr(module, "preferred_element_type", None) is not None
+            or _flax_common.custom_promote(module, nnx_dtypes.promote_dtype))
+  in_dims = _flax_common.dense_general_config(module.axis, inputs.ndim,
+                                              tuple(module.batch_axis), custom)
+  if isinstance(in_dims, str):
+    return _untagged("LinearGeneral", in_dims, module, "kernel", fallback)
+  kernel, bias, site = stacking.nnx_site(module.kernel, module.bias)
+  return tags.dense_general(inputs, kernel, bias, in_dims=in_dims, dtype=module.dtype,
+                            precision=module.precision,
+                            example_dims=_example_dims(module), _site=site)
+
+
+def embed(module: nnx.Embed, inputs, out_sharding, fallback: Fallback):
+  """`nnx.Embed.__call__`, tagged with `kd.tags.embed`."""
+  if out_sharding is not None or _flax_common.custom_promote(module,
+                                                             nnx_dtypes.promote_dtype):
+    return _untagged("Embed", "a custom promote_dtype or output sharding", module,
+                     "embedding", fallback)
+  if not jnp.issubdtype(inputs.dtype, jnp.integer):
+    raise ValueError("Input type must be an integer or unsigned integer.")
+  if module.num_embeddings == 1:          # NNX broadcasts the single row
+    inputs = jnp.zeros_like(inputs)
+  table, _, site = stacking.nnx_site(module.embedding, None)
+  return tags.embed(inputs, table, dtype=module.dtype, _site=site)
+
+
+def _normalisation(kind: str, module: nnx.Module, x, feature_axes, fallback: Fallback
+                   ) -> Any:
+  """None when the normalisation is tagged, else NNX's own result (an
+  unsupported configuration, reported; or nothing to precondition)."""
+  if not module.use_scale:
+    if getattr(module, "use_bias", False):
+      return _untagged(kind, "use_scale=False", module, "bias", fallback)
+    return fallback()
+  reason = _flax_common.norm_config(
+      jnp.ndim(x), feature_axes,
+      custom=_flax_common.custom_promote(module, nnx_dtypes.promote_dtype))
+  return None if reason is None else _untagged(kind, reason, module, "scale", fallback)
+
+
+def _normalised(module: nnx.Module, x, mask, use_mean: bool):
+  """`(x̂, dtype)`: `x` normalised over the module's reduction axes (LayerNorm:
+  centred; RMSNorm: not), in NNX's dtype."""
+  scale, bias, _ = stacking.nnx_site(module.scale, getattr(module, "bias", None))
+  dtype = nnx_dtypes.canonicalize_dtype(x, scale, bias, dtype=module.dtype)
+  x = jnp.asarray(x, dtype)
+  mean, var = _flax_common.moments(x, module.reduction_axes, module.dtype, module.axis_name,
+                                   module.axis_index_groups, module.use_fast_variance, mask,
+                                   use_mean=use_mean)
+  return _flax_common.normalized(x, mean, var, module.reduction_axes, module.epsilon), dtype
+
+
+def _scale_and_shift(module: nnx.Module, x_hat, dtype, default_dims: int | None = None):
+  """The module's scale (and bias, if it has one) applied to `x̂`, tagged."""
+  scale, bias, site = stacking.nnx_site(module.scale, getattr(module, "bias", None))
+  y = tags.scale_and_shift(x_hat, scale, bias,
+                           example_dims=_example_dims(module, default_dims), _site=site)
+  return jnp.asarray(y, dtype)
+
+
+def layer_norm(module: nnx.LayerNorm, x, mask, fallback: Fallback):
+  """`nnx.LayerNorm.__call__`, its scale and bias tagged with
+  `kd.tags.scale_and_shift` (SP-NGD's unit-wise Fisher)."""
+  out = _normalisation("LayerNorm", module, x, module.feature_axes, fallback)
+  if out is not None:
+    return out
+  return _scale_and_shift(module, *_normalised(module, x, mask, use_mean=True))
+
+
+def rms_norm(module: nnx.RMSNorm, x, mask, fallback: Fallback):
+  """`nnx.RMSNorm.__call__`, its scale tagged with `kd.tags.scale_and_shift`
+  (no bias): `x̂ = x / sqrt(E[x²] + ε)`."""
+  out = _normalisation("RMSNorm", module, x, module.feature_axes, fallback)
+  if out is not None:
+    return out
+  return _scale_and_shift(module, *_normalised(module, x, mask, use_mean=False))
+
+
+def batch_norm(module: nnx.BatchNorm, x, use_running_average, mask, fallback: Fallback):
+  """`nnx.BatchNorm.__call__` (same `mean`/`var` BatchStats), its scale and
+  bias tagged with `kd.tags.scale_and_shift`, one example per entry of the
+  leading batch axis by default."""
+  out = _normalisation("BatchNorm", module, x, module.axis, fallback)
+  if out is not None:
+    return out
+  use_running_average = _flax_common.call_flag(
+      "use_running_average", use_running_average, module.use_running_average)
+  scale, bias, _ = stacking.nnx_site(module.scale, module.bias)
+  running_mean, running_var = _raw(module.mean), _raw(module.var)
+  dtype = nnx_dtypes.canonicalize_dtype(x, running_mean, running_var, scale, bias,
+                                        dtype=module.dtype)
+  x = jnp.asarray(x, dtype)
+  reduction_axes = tuple(range(x.ndim - 1))
+  if use_running_average:
+    mean, var = jnp.asarray(running_mean, dtype), jnp.asarray(running_var, dtype)
+  else:
+    mean, var = _flax_common.moments(x, reduction_axes, module.dtype, module.axis_name,
+                                     module.axis_index_groups, module.use_fast_variance,
+                                     mask)
+    # As in NNX: no gradients through the running statistics, which keep
+    # their dtype.
+    _assign(module.mean, lax.stop_gradient(
+        module.momentum * running_mean + (1 - module.momentum) * mean
+    ).astype(running_mean.dtype))
+    _assign(module.var, lax.stop_gradient(
+        module.momentum * running_var + (1 - module.momentum) * var
+    ).astype(running_var.dtype))
+  x_hat = _flax_common.normalized(x, mean, var, reduction_axes, module.epsilon)
+  return _scale_and_shift(module, x_hat, dtype, default_dims=1)
+
+
+# ------------------------------------------------------------ the drop-in classes
+
 class Linear(_ExampleDims, nnx.Linear):
   """`flax.nnx.Linear`, tagged with `kd.tags.dense`."""
 
   def __call__(self, inputs, out_sharding=None):
-    if (self.dot_general is not lax.dot_general or out_sharding is not None
-        or self.preferred_element_type is not None):
-      _flax_common.warn_untagged("Linear", "a custom dot_general or output sharding")
-      return super().__call__(inputs, out_sharding)
-    kernel, bias, site = stacking.nnx_site(self.kernel, self.bias)
-    return tags.dense(inputs, kernel, bias, dtype=self.dtype, precision=self.precision,
-                      example_dims=self.kfac_example_dims, _site=site)
+    return linear(self, inputs, out_sharding,
+                  functools.partial(super().__call__, inputs, *_given(out_sharding)))
 
 
 class Conv(_ExampleDims, nnx.Conv):
   """`flax.nnx.Conv` (2-D), tagged with `kd.tags.conv2d`."""
 
   def __call__(self, inputs, out_sharding=None):
-    custom = (self.conv_general_dilated is not lax.conv_general_dilated
-              or out_sharding is not None or self.preferred_element_type is not None)
-    config = _flax_common.conv_config(
-        self.kernel_size, self.strides, self.padding, self.input_dilation,
-        self.kernel_dilation, self.feature_group_count, self.mask,
-        "a custom convolution or output sharding" if custom else None)
-    if isinstance(config, str):
-      _flax_common.warn_untagged("Conv", config)
-      return super().__call__(inputs, out_sharding)
-    strides, padding, dilation = config
-    inputs, restore = _flax_common.flatten_batch(inputs)
-    kernel, bias, site = stacking.nnx_site(self.kernel, self.bias)
-    y = tags.conv2d(inputs, kernel, bias, strides=strides, padding=padding,
-                    dilation=dilation, dtype=self.dtype, precision=self.precision,
-                    example_dims=self.kfac_example_dims, _site=site)
-    return restore(y)
+    return conv(self, inputs, out_sharding,
+                functools.partial(super().__call__, inputs, *_given(out_sharding)))
 
 
 class LinearGeneral(_ExampleDims, nnx.LinearGeneral):
@@ -110,19 +275,8 @@ class LinearGeneral(_ExampleDims, nnx.LinearGeneral):
   contracts the last input axes and has no `batch_axis`."""
 
   def __call__(self, inputs, out_sharding=None):
-    custom = (self.dot_general is not None or self.dot_general_cls is not None
-              or out_sharding is not None
-              or getattr(self, "preferred_element_type", None) is not None
-              or _flax_common.custom_promote(self, nnx_dtypes.promote_dtype))
-    in_dims = _flax_common.dense_general_config(self.axis, inputs.ndim,
-                                                tuple(self.batch_axis), custom)
-    if isinstance(in_dims, str):
-      _flax_common.warn_untagged("LinearGeneral", in_dims)
-      return super().__call__(inputs, out_sharding)
-    kernel, bias, site = stacking.nnx_site(self.kernel, self.bias)
-    return tags.dense_general(inputs, kernel, bias, in_dims=in_dims, dtype=self.dtype,
-                              precision=self.precision,
-                              example_dims=self.kfac_example_dims, _site=site)
+    return linear_general(self, inputs, out_sharding,
+                          functools.partial(super().__call__, inputs, *_given(out_sharding)))
 
 
 class Embed(nnx.Embed):
@@ -130,22 +284,8 @@ class Embed(nnx.Embed):
   table as an output projection, is NNX's own and untagged)."""
 
   def __call__(self, inputs, out_sharding=None):
-    if out_sharding is not None or _flax_common.custom_promote(self, nnx_dtypes.promote_dtype):
-      _flax_common.warn_untagged("Embed", "a custom promote_dtype or output sharding")
-      return super().__call__(inputs, out_sharding)
-    if not jnp.issubdtype(inputs.dtype, jnp.integer):
-      raise ValueError("Input type must be an integer or unsigned integer.")
-    if self.num_embeddings == 1:          # NNX broadcasts the single row
-      inputs = jnp.zeros_like(inputs)
-    table, _, site = stacking.nnx_site(self.embedding, None)
-    return tags.embed(inputs, table, dtype=self.dtype, _site=site)
-
-
-def _norm_reason(module, ndim, feature_axes) -> str | None:
-  if not module.use_scale:
-    return "use_scale=False" if module.use_bias else None
-  return _flax_common.norm_config(
-      ndim, feature_axes, custom=_flax_common.custom_promote(module, nnx_dtypes.promote_dtype))
+    return embed(self, inputs, out_sharding,
+                 functools.partial(super().__call__, inputs, *_given(out_sharding)))
 
 
 class LayerNorm(_ExampleDims, nnx.LayerNorm):
@@ -154,20 +294,15 @@ class LayerNorm(_ExampleDims, nnx.LayerNorm):
   unless `kfac_example_dims` says otherwise)."""
 
   def __call__(self, x, *, mask=None):
-    reason = _norm_reason(self, jnp.ndim(x), self.feature_axes)
-    if reason is not None or not self.use_scale:
-      if reason is not None:
-        _flax_common.warn_untagged("LayerNorm", reason)
-      return super().__call__(x, mask=mask)
-    scale, bias, site = stacking.nnx_site(self.scale, self.bias)
-    dtype = nnx_dtypes.canonicalize_dtype(x, scale, bias, dtype=self.dtype)
-    x = jnp.asarray(x, dtype)
-    mean, var = _flax_common.moments(x, self.reduction_axes, self.dtype, self.axis_name,
-                                     self.axis_index_groups, self.use_fast_variance, mask)
-    x_hat = _flax_common.normalized(x, mean, var, self.reduction_axes, self.epsilon)
-    y = tags.scale_and_shift(x_hat, scale, bias, example_dims=self.kfac_example_dims,
-                             _site=site)
-    return jnp.asarray(y, dtype)
+    return layer_norm(self, x, mask, functools.partial(super().__call__, x, mask=mask))
+
+
+class RMSNorm(_ExampleDims, nnx.RMSNorm):
+  """`flax.nnx.RMSNorm` whose scale is tagged with `kd.tags.scale_and_shift`
+  (no bias; tokens are examples unless `kfac_example_dims` says otherwise)."""
+
+  def __call__(self, x, *, mask=None):
+    return rms_norm(self, x, mask, functools.partial(super().__call__, x, mask=mask))
 
 
 class BatchNorm(_ExampleDims, nnx.BatchNorm):
@@ -178,34 +313,8 @@ class BatchNorm(_ExampleDims, nnx.BatchNorm):
   DEFAULT_EXAMPLE_DIMS = 1
 
   def __call__(self, x, use_running_average=None, *, mask=None):
-    reason = _norm_reason(self, jnp.ndim(x), self.axis)
-    if reason is not None or not self.use_scale:
-      if reason is not None:
-        _flax_common.warn_untagged("BatchNorm", reason)
-      return super().__call__(x, use_running_average, mask=mask)
-    use_running_average = _flax_common.call_flag(
-        "use_running_average", use_running_average, self.use_running_average)
-    scale, bias, site = stacking.nnx_site(self.scale, self.bias)
-    running_mean, running_var = _raw(self.mean), _raw(self.var)
-    dtype = nnx_dtypes.canonicalize_dtype(x, running_mean, running_var, scale, bias,
-                                          dtype=self.dtype)
-    x = jnp.asarray(x, dtype)
-    reduction_axes = tuple(range(x.ndim - 1))
-    if use_running_average:
-      mean, var = jnp.asarray(running_mean, dtype), jnp.asarray(running_var, dtype)
-    else:
-      mean, var = _flax_common.moments(x, reduction_axes, self.dtype, self.axis_name,
-                                       self.axis_index_groups, self.use_fast_variance,
-                                       mask)
-      # As in NNX: no gradients through the running statistics, which keep
-      # their dtype.
-      _assign(self.mean, lax.stop_gradient(
-          self.momentum * running_mean + (1 - self.momentum) * mean
-      ).astype(running_mean.dtype))
-      _assign(self.var, lax.stop_gradient(
-          self.momentum * running_var + (1 - self.momentum) * var
-      ).astype(running_var.dtype))
-    x_hat = _flax_common.normalized(x, mean, var, reduction_axes, self.epsilon)
-    y = tags.scale_and_shift(x_hat, scale, bias, example_dims=self.kfac_example_dims,
-                             _site=site)
-    return jnp.asarray(y, dtype)
+    return batch_norm(self, x, use_running_average, mask, functools.partial(
+        super().__call__, x, use_running_average, mask=mask))
+
+
+TAGGED = (Linear, Conv, LinearGeneral, Embed, LayerNorm, RMSNorm, BatchNorm)
