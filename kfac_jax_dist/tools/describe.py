@@ -6,6 +6,7 @@ from typing import Any
 
 import jax
 
+from kfac_jax_dist.capture import stacking
 from kfac_jax_dist.capture import statistics as factors
 from kfac_jax_dist.core import uneven
 from kfac_jax_dist.kfac.state import ScaleByKfacState
@@ -60,8 +61,9 @@ def table(state: ScaleByKfacState) -> str:
 def _untagged_kind(lay: layout_lib.Layout, path: str) -> str:
   """"uncaptured" for a parameter of a layer the capture could not tag (see
   `_uncaptured_lines`), "untagged" for any other parameter with no factor."""
-  inside = lambda where: path.startswith(where + "/")
-  return "uncaptured" if any(inside(where) for where, _, _ in lay.uncaptured) else "untagged"
+  owner = stacking.owner_path(path)   # the parameter's module (the path may start with
+  held = lambda where: owner == where or owner.endswith("/" + where)   # "params/")
+  return "uncaptured" if any(held(where) for where, _, _ in lay.uncaptured) else "untagged"
 
 
 def _uncaptured_lines(lay: layout_lib.Layout) -> list[str]:
