@@ -153,6 +153,8 @@ def _nnx_patched() -> Iterator[None]:
   """The NNX classes' `__call__` replaced (nested captures share one patch)."""
   targets = [(cls, handler, None) for cls, handler in _nnx_handlers().items()] + [
       (cls, None, kind) for cls, kind in _nnx_unsupported().items()]
+  # (a class that inherits its __call__ is covered by the class that defines it)
+  targets = [t for t in targets if "__call__" in vars(t[0])]
   with _NNX_LOCK:
     _nnx_depth[0] += 1
     if _nnx_depth[0] == 1:
