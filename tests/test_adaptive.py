@@ -332,6 +332,7 @@ def test_scanned_layers_equal_the_unrolled_model():
       float(_adaptive_state(want_state).damping), rel=1e-10)
 
 
+@pytest.mark.slow
 def test_checkpoint_and_convert_state_continue_the_trajectory(tmp_path):
   """An adaptive state saved on 8 devices (COMM-OPT), restored bit for bit, and
   moved to one device by `kd.convert_state`, continues the run: λ, v, α, μ, ρ

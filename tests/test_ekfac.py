@@ -168,7 +168,7 @@ def test_updates_equal_the_dense_solve_in_the_basis(name):
 
 
 @pytest.mark.parametrize("fraction,reduction", [
-    (1, "all_reduce"), (1 / 8, "all_reduce"),
+    pytest.param(1, "all_reduce", marks=pytest.mark.slow), (1 / 8, "all_reduce"),
     pytest.param(1 / 4, "all_reduce", marks=pytest.mark.slow),
     pytest.param(1 / 8, "reduce_scatter", marks=pytest.mark.slow)],
     ids=["comm_opt", "mem_opt", "hybrid", "sp_ngd"])

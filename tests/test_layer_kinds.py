@@ -254,6 +254,7 @@ def test_dp_kfac_trains(problem):
   assert int(find_states(state)[0].skipped) == 0
 
 
+@pytest.mark.slow
 def test_embedding_of_replicated_ids_inside_shard_map():
   """Position ids the same on every device (jnp.arange): A does not vary over
   the axis while G does; the capture must still type both alike."""

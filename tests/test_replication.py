@@ -121,6 +121,7 @@ def test_replicated_items_equal_single_device(fraction, factor_reduction, method
     jax.tree.map(check, got, want)
 
 
+@pytest.mark.slow
 def test_replicated_state_converts_both_ways():
   """convert_state moves split eigenbases and replicated factors exactly."""
   _, state = _distributed(1.0, "reduce_scatter", "eigen")

@@ -577,6 +577,7 @@ def _train_float32(problem, dist=None, steps=3):
   return params, state
 
 
+@pytest.mark.slow
 def test_scanned_transformer_matches_unrolled():
   with jax.enable_x64(False):
     got, state = _train_float32(_lm_problem())

@@ -149,6 +149,7 @@ def test_soap_is_adamw_in_the_eigenbasis():
     np.testing.assert_allclose(np.asarray(u1["b"]), np.asarray(u2["b"]), rtol=1e-12)
 
 
+@pytest.mark.slow
 def test_eight_devices_comm_opt_equal_one_device():
   """COMM-OPT (grad_worker_fraction=1): each eigenbasis decomposed by one
   owner and all-gathered; the updates equal the single-device run."""

@@ -178,8 +178,8 @@ def _adaptive(layers, grad_fn, dist=None):
                  factor_update_every=2, inverse_update_every=3, distribution=dist)
 
 
-@pytest.mark.parametrize("fraction", [1.0, pytest.param(1 / 2, marks=pytest.mark.slow)],
-                         ids=["COMM-OPT", "MEM-OPT"])
+@pytest.mark.parametrize("fraction", [1.0, 1 / 2], ids=["COMM-OPT", "MEM-OPT"])
+@pytest.mark.slow
 def test_adaptive_kfac_tensor_parallel_equals_block_model(fraction):
   """Adaptive K-FAC on the TP mesh equals the block model on one device: the
   same preconditioned direction per shard, and α, μ, λ, ρ from inner products
