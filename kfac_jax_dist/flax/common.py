@@ -42,13 +42,6 @@ def conv_config(kernel_size, strides, padding, input_dilation, kernel_dilation,
   return _pair(strides, 2), padding, _pair(kernel_dilation, 2)
 
 
-def warn_untagged(layer: str, reason: str) -> None:
-  """An NNX layer K-FAC cannot capture: warns and records it for `discover`."""
-  warnings.warn(f"kfac_jax_dist: {layer} with {reason} is not tagged; its parameters "
-                "pass through K-FAC unpreconditioned.", stacklevel=3)
-  _context.record_uncaptured(f"nnx.{layer}", layer, reason)
-
-
 def untagged(layer: str, reason: str, where: str, fallback: Callable[[], Any]) -> Any:
   """A layer K-FAC cannot capture: warns, records it for `discover` as
   uncaptured (`where`: its module path) and runs Flax's own code (`fallback`)."""
