@@ -107,6 +107,7 @@ def interceptor(next_fun: Callable, args: tuple, kwargs: dict,
 
 # ----------------------------------------------------------------------- NNX
 
+@functools.lru_cache(maxsize=None)
 def _nnx_handlers() -> dict[type, Handler]:
   """NNX classes → the tagged computation of the same module."""
   projection = lambda tagged: (lambda module, fallback, inputs, out_sharding=None:
@@ -124,6 +125,7 @@ def _nnx_handlers() -> dict[type, Handler]:
           nnx.BatchNorm: batch_norm}
 
 
+@functools.lru_cache(maxsize=None)
 def _nnx_unsupported() -> dict[type, str]:
   return {getattr(nnx, name): name for name in UNSUPPORTED if hasattr(nnx, name)}
 
@@ -148,13 +150,19 @@ _NNX_LOCK = threading.Lock()
 _nnx_depth = [0]
 
 
+@functools.lru_cache(maxsize=None)
+def _nnx_targets() -> tuple[tuple[type, Handler | None, str | None], ...]:
+  """(class, handler, unsupported kind) of every NNX class to patch; a class
+  that inherits its `__call__` is covered by the class that defines it."""
+  targets = [(cls, handler, None) for cls, handler in _nnx_handlers().items()] + [
+      (cls, None, kind) for cls, kind in _nnx_unsupported().items()]
+  return tuple(t for t in targets if "__call__" in vars(t[0]))
+
+
 @contextlib.contextmanager
 def _nnx_patched() -> Iterator[None]:
   """The NNX classes' `__call__` replaced (nested captures share one patch)."""
-  targets = [(cls, handler, None) for cls, handler in _nnx_handlers().items()] + [
-      (cls, None, kind) for cls, kind in _nnx_unsupported().items()]
-  # (a class that inherits its __call__ is covered by the class that defines it)
-  targets = [t for t in targets if "__call__" in vars(t[0])]
+  targets = _nnx_targets()
   with _NNX_LOCK:
     _nnx_depth[0] += 1
     if _nnx_depth[0] == 1:
