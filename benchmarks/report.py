@@ -106,7 +106,7 @@ def step_time(d: Json) -> list[str]:
       lines += ["", f"Adaptive K-FAC (α, μ, λ adapted, T = 5): a plain step costs "
                 f"{cost['jvp_cpu']:.2f}× a forward+backward more than K-FAC's (target "
                 f"≤ 1; {cost.get('alpha_jvp_cpu', float('nan')):.2f}× with the momentum "
-                "fixed at 0), a damping step {cost['damping_cpu']:.2f}× a forward more (CPU "
+                f"fixed at 0), a damping step {cost['damping_cpu']:.2f}× a forward more (CPU "
                 "time)."]
     for key, what, base in (("ekfac_cost", "EK-FAC", "K-FAC's amortised step"),
                             ("soap_cost", "SOAP", "Shampoo's step")):

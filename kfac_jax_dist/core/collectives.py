@@ -31,7 +31,10 @@ def pad_to(pieces: list[jax.Array], length: int, dtype, xp=jnp) -> jax.Array:
   used = sum(p.size for p in pieces)
   if xp is not jnp:
     return xp.concatenate(pieces + [xp.zeros(length - used, dtype)])
-  out = jnp.zeros(length, jnp.result_type(dtype, *pieces))
+  out_dtype = jnp.result_type(dtype, *pieces)
+  if len(pieces) == 1 and used == length:      # nothing to pad: no copy
+    return pieces[0].reshape(-1).astype(out_dtype)
+  out = jnp.zeros(length, out_dtype)
   offset = 0
   for piece in pieces:
     out = jax.lax.dynamic_update_slice(out, piece.reshape(-1).astype(out.dtype), (offset,))

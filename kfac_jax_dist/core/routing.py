@@ -22,7 +22,7 @@ of its own layers (K-FAC) or blocks (Shampoo). Two routes connect the groups:
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -49,9 +49,9 @@ def reduce_to_groups(comm: collectives_lib.Collectives, buffers: Sequence[jax.Ar
       [jnp.pad(x, (0, width - x.shape[0])) for x in buffers]))
 
 
-def per_group(comm: collectives_lib.Collectives,
-              make: Callable[[int], jax.Array]) -> jax.Array:
-  """`make(group)` on the devices of each owner group (a `lax.switch` on the
+def per_group(comm: collectives_lib.Collectives, make: Callable[[int], Any]) -> Any:
+  """`make(group)` (an array or a tuple of them, shaped alike for every group)
+  on the devices of each owner group (a `lax.switch` on the
   group index; typed varying over the axis, since a group may own nothing).
   With one group, `make(0)` on every device, typed as its inputs."""
   if comm.num_groups == 1:

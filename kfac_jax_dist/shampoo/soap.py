@@ -346,14 +346,13 @@ def soap_step(config: SoapConfig, comm: collectives_lib.Collectives,
   width = routing.group_width(step.tables.totals, lay.group_size)
   total = state.block_mu[0].shape[0]
 
-  def make(g: int) -> jax.Array:
+  def make(g: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     d, m, v = _group_adam(config, step, g, bases, state.block_mu[0], state.block_nu[0],
                           due)
-    return collectives_lib.pad_to([collectives_lib.pad_to([d], width, dtype),
-                                   collectives_lib.pad_to([m], total, dtype), v],
-                                  width + 2 * total, dtype)
-  mine = routing.per_group(comm, make)
-  buffers = routing.gather_made(comm, mine[:width], step.tables.totals)
+    return tuple(collectives_lib.pad_to([x], n, dtype)
+                 for x, n in ((d, width), (m, total), (v, total)))
+  directions, block_mu, block_nu = routing.per_group(comm, make)
+  buffers = routing.gather_made(comm, directions, step.tables.totals)
   out, mu, nu, k = [], list(state.mu), list(state.nu), 0
   for q, (plan, g) in enumerate(zip(lay.params, grads)):
     if plan.preconditioned:
@@ -362,8 +361,7 @@ def soap_step(config: SoapConfig, comm: collectives_lib.Collectives,
       d, mu[k], nu[k] = adam_step(config, g.astype(mu[k].dtype), mu[k], nu[k], count)
       k += 1
       out.append(d)
-  return ((stats,), (bases,), out, tuple(mu), tuple(nu), (mine[width:width + total],),
-          (mine[width + total:],))
+  return ((stats,), (bases,), out, tuple(mu), tuple(nu), (block_mu,), (block_nu,))
 
 
 def update_state(config: SoapConfig, comm: collectives_lib.Collectives, updates: Any,
