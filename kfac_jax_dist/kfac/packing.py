@@ -13,24 +13,68 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from kfac_jax_dist.capture import statistics as factors
 from kfac_jax_dist.core import collectives
 from kfac_jax_dist.kfac import layout as layout_lib
 
 
+def row_starts(rows, d: int):
+  """Where row `i` of a `d × d` upper triangle starts in its packed form:
+  `i·d − i(i−1)/2` (numpy or jax integers)."""
+  return rows * d - (rows * (rows - 1)) // 2
+
+
+def _traced_upper_indices(d: int) -> tuple[jax.Array, jax.Array]:
+  """`np.triu_indices(d)` computed in the program from an iota: as constants,
+  the indices of a 6401-wide factor would be 330 MB of the program itself.
+  Row `i` of entry `k` from the quadratic formula (float32, then one integer
+  correction either way), column `k − start(i) + i`."""
+  if d > 30000:
+    raise ValueError(f"packed factors support dimensions up to 30000 (int32 "
+                     f"indices), got {d}: set max_factor_dim")
+  k = lax.iota(jnp.int32, d * (d + 1) // 2)
+  v = (2 * d + 1) ** 2 - 8 * k
+  i = jnp.floor((2 * d + 1 - jnp.sqrt(v.astype(jnp.float32))) / 2).astype(jnp.int32)
+  i = jnp.clip(i, 0, d - 1)
+  i = jnp.where((i + 1 < d) & (row_starts(i + 1, d) <= k), i + 1, i)
+  i = jnp.where(row_starts(i, d) > k, i - 1, i)
+  return i, k - row_starts(i, d) + i
+
+
 def pack_upper(x: jax.Array) -> jax.Array:
   """`[..., d, d]` symmetric → its upper triangle, `[..., d(d+1)/2]`."""
-  rows, cols = np.triu_indices(x.shape[-1])
+  d = x.shape[-1]
+  if isinstance(x, np.ndarray):
+    rows, cols = np.triu_indices(d)
+  else:
+    rows, cols = _traced_upper_indices(d)
   return x[..., rows, cols]
 
 
 def unpack_upper(v: jax.Array, d: int) -> jax.Array:
-  """Inverse of `pack_upper` (a gather: entry (i, j) reads (min, max))."""
-  rows, cols = np.triu_indices(d)
-  position = np.zeros((d, d), np.int32)
-  position[rows, cols] = np.arange(rows.size)
-  return v[..., np.maximum(position, position.T)]
+  """Inverse of `pack_upper` (a gather: entry (i, j) reads (min, max)), its
+  positions computed in the program (no `d × d` constant)."""
+  xp = np if isinstance(v, np.ndarray) else jnp
+  i = xp.arange(d, dtype=np.int32)
+  lo, hi = xp.minimum(i[:, None], i[None, :]), xp.maximum(i[:, None], i[None, :])
+  return v[..., row_starts(lo, d) + hi - lo]
+
+
+def stored_identity(place: layout_lib.FactorPlace, dtype, packed: bool, xp=jnp
+                    ) -> jax.Array:
+  """The identity factor in its storage form (`pack_factor(identity(place))`
+  without building the `d × d` matrix when packed)."""
+  if place.form != factors.FULL or not packed:
+    return pack_factor(identity(place, dtype, xp), place.form, packed)
+  d = place.dim
+  diagonal = row_starts(np.arange(d), d)
+  if xp is np:
+    out = np.zeros(d * (d + 1) // 2, dtype)
+    out[diagonal] = 1
+    return out
+  return jnp.zeros(d * (d + 1) // 2, dtype).at[diagonal].set(1)
 
 
 def pack_factor(value: jax.Array, form: str, packed: bool) -> jax.Array:
@@ -51,17 +95,23 @@ def unpack_batch(segment: jax.Array, batch: layout_lib.Batch, packed: bool) -> j
   return block.reshape(batch.count, batch.dim, batch.dim)
 
 
-def owned_factors(lay: layout_lib.Layout, device: int, value_of, dtype) -> list[jax.Array]:
+def owned_factors(lay: layout_lib.Layout, device: int, value_of, dtype,
+                  stored_values: bool = False) -> list[jax.Array]:
   """The factors device `device` stores (`Layout.stored`), packed, with
-  `value_of(plan, which)` per factor."""
+  `value_of(plan, which)` per factor (already in storage form with
+  `stored_values`)."""
+  if stored_values:
+    return [value_of(plan, which).astype(dtype) for _, plan, which in lay.stored(device)]
   return [pack_factor(value_of(plan, which).astype(dtype), place.form, lay.packed)
           for place, plan, which in lay.stored(device)]
 
 
-def all_segments(lay: layout_lib.Layout, value_of, dtype, xp=jnp) -> jax.Array:
+def all_segments(lay: layout_lib.Layout, value_of, dtype, xp=jnp,
+                 stored_values: bool = False) -> jax.Array:
   """The global running-factor array, `[P · factor_shard]`: the owners' factors
   one owner after the other, tight ("chunked") or each padded to `L` ("owner")."""
-  per_device = [owned_factors(lay, d, value_of, dtype) for d in range(lay.num_devices)]
+  per_device = [owned_factors(lay, d, value_of, dtype, stored_values)
+                for d in range(lay.num_devices)]
   if lay.factor_storage == layout_lib.OWNER:
     per_device = [[collectives.pad_to(pieces, lay.segment, dtype, xp)] for pieces in per_device]
   return collectives.pad_to([p for pieces in per_device for p in pieces],

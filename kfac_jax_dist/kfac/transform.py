@@ -97,7 +97,8 @@ def build_layout(config: KfacConfig, comm: collectives_lib.Collectives,
   placement.check_skip_patterns(config.skip, lay.skipped, list(layers.names()),
                                 "tagged layer")
   uncaptured = tuple((u.where, u.kind, u.reason) for u in getattr(layers, "uncaptured", ()))
-  return dataclasses.replace(lay, uncaptured=uncaptured)
+  return dataclasses.replace(lay, uncaptured=uncaptured, strategy_choice=(
+      () if dist is None else dist.explanation))
 
 
 def init_state(config: KfacConfig, comm: collectives_lib.Collectives,
@@ -119,7 +120,9 @@ def init_state(config: KfacConfig, comm: collectives_lib.Collectives,
   xp = jnp if _compat.traced(params) else np
   dtype, compute = config.factor_dtype, config.compute_dtype
   running = packing.all_segments(
-      lay, lambda plan, which: packing.identity(getattr(plan, which), dtype, xp), dtype, xp)
+      lay, lambda plan, which: packing.stored_identity(getattr(plan, which), dtype,
+                                                       lay.packed, xp),
+      dtype, xp, stored_values=True)
   second = global_second_order(
       lay, [packing.second_order_segment(lay, d, compute, xp)
             for d in range(lay.num_devices)], xp)
