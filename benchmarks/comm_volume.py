@@ -106,6 +106,7 @@ import optax
 from jax.sharding import Mesh
 
 import kfac_jax_dist as kd
+from kfac_jax_dist.kfac import cost
 
 import _common as C  # noqa: E402
 import _models  # noqa: E402
@@ -152,38 +153,18 @@ def formulas(s: dict, strat: C.Strategy | None, p: int) -> dict:
 def uneven(sizes, p: int, what: str, gather: bool) -> dict:
   """The library's uneven all_gather / reduce-scatter (`uneven.gather`,
   `uneven.reduce_scatter`) of per-device sizes, in the scheme `uneven.plan`
-  picks; "terms": one (name, bytes sent per device) per collective, ring
-  model, f32 (ppermutes: the busiest sender's)."""
+  picks; "terms": the library's cost model (`kfac.cost.uneven_terms`), one
+  (name, bytes sent per device) per collective."""
   scheme = C.uneven_lib.plan(tuple(int(u) for u in sizes))
-  sent = scheme.device_bytes()[1 if gather else 0]
   if isinstance(scheme, C.uneven_lib.Prefix):
-    s, over = scheme.length, sum(scheme.overflow)
-    terms = [(f"{what} prefix (P-1)·S, S={s}", (p - 1) * s * F32)]
-    if over:
-      terms.append((f"{what} overflow psum ({over})", 2 * (p - 1) / p * over * F32))
-    text = (f"prefix S = {s}, overflow {over}" + ("" if over else
-                                                  " (no overflow: S is the largest size)"))
+    over = sum(scheme.overflow)
+    text = (f"prefix S = {scheme.length}, overflow {over}"
+            + ("" if over else " (no overflow: S is the largest size)"))
   else:
-    c = scheme.chunk
-    terms = [(f"{what} tight chunks (P-1)·C, C={c}", (p - 1) * c * F32),
-             (f"{what} ppermutes ({len(scheme.sends)})", (sent - (p - 1) * c) * F32)]
-    text = f"rechunk C = {c}, {len(scheme.sends)} ppermutes"
-  return {"terms": terms, "text": text, "bytes": max(scheme.device_bytes()) * F32,
+    text = f"rechunk C = {scheme.chunk}, {len(scheme.sends)} ppermutes"
+  return {"terms": cost.uneven_terms(sizes, what, gather, F32), "text": text,
+          "bytes": max(scheme.device_bytes()) * F32,
           "ideal": (p - 1) / p * sum(sizes) * F32}
-
-
-def joint_ppermutes(terms: list, sizes) -> list:
-  """SP-NGD's reduce-scatter and gather in the rechunk scheme: their
-  ppermutes as one term, the most one device sends in both (a host sends in
-  the reduce-scatter, an owner in the gather: the HLO count's busiest sender
-  over the step, not the sum of each collective's)."""
-  scheme = C.uneven_lib.plan(tuple(int(u) for u in sizes))
-  if not isinstance(scheme, C.uneven_lib.Rechunk) or not scheme.sends:
-    return terms
-  hosted, owned = scheme.forwarded()
-  kept = [t for t in terms if "ppermutes" not in t[0]]
-  return kept + [(f"grad RS + AG ppermutes ({2 * len(scheme.sends)}; the busiest sender)",
-                  float((hosted + owned).max()) * F32)]
 
 
 def layout_info(opt_state, p: int) -> dict:
@@ -205,48 +186,19 @@ def layout_info(opt_state, p: int) -> dict:
           "second_useful": second}
 
 
-def library_model(info: dict, strat: C.Strategy | None, p: int, s: dict) -> dict:
-  """The library's collectives for this layout, one term per collective:
-  {step kind: [(name, bytes per device)]} (see the docstring)."""
+def library_model(opt_state, strat: C.Strategy | None, p: int, s: dict) -> dict:
+  """The library's cost model (`kfac.cost.step_bytes` of the state's layout),
+  one term per collective, plus the untagged parameters' all-reduce (the same
+  under every strategy, so the model leaves it out): {step kind: [(name,
+  bytes per device)]}."""
   r = (p - 1) / p
-  out = {"plain": [], "factor": [], "inverse": []}
-  if strat is None or strat.gradient_reduction == "none":
-    out["plain"].append(("pmean of all gradients", 2 * r * s["params"] * F32))
-  if strat is None or p == 1:
-    return out
-  m, g = info["m"], info["G"]
-  fault = 2 * r * F32                       # psum of one int32
-  if strat.gradient_reduction != "none":
-    out["plain"].append(("fault-check psum (local gradients)", fault))
-  out["factor"].append(("fault-check psum (statistics)", fault))
-  if strat.gradient_reduction == "reduce_scatter":
-    out["plain"].append(("psum of untagged gradients", 2 * r * s["untagged"] * F32))
-    if m == 1 < g:
-      out["plain"] += uneven(info["group_sizes"], p, "grad RS", gather=False)["terms"]
-    else:
-      out["plain"].append(("grad RS [G·S] + AG in group",
-                           (r * g * info["S"] + (m - 1) * info["S"] / m) * F32))
-  if g > 1:
-    if m == 1:
-      out["plain"] += uneven(info["group_sizes"], p, "grad AG", gather=True)["terms"]
-      if strat.gradient_reduction == "reduce_scatter":
-        out["plain"] = joint_ppermutes(out["plain"], info["group_sizes"])
-    else:
-      out["plain"].append(("grad AG among equal ranks (G-1)·S", (g - 1) * info["S"] * F32))
-  t = info["factor_useful"]
-  if strat.factor_reduction == "reduce_scatter" and info["storage"] == "chunked":
-    out["factor"].append((f"factor RS (P-1)·C, C={info['C']}", (p - 1) * info["C"] * F32))
-    out["inverse"].append(("chunk AG (P-1)·C", (p - 1) * info["C"] * F32))
-  elif strat.factor_reduction == "reduce_scatter":
-    out["factor"].append((f"factor RS of owner segments (P-1)·L, L={info['C']}",
-                          (p - 1) * info["C"] * F32))
-  elif strat.factor_reduction == "all_reduce":
-    out["factor"].append(("factor AR 2(P-1)/P·T", 2 * r * t * F32))
-  if g == 1:
-    out["inverse"] += uneven(info["second_sizes"], p, "eigen AG", gather=True)["terms"]
-  elif m > 1:
-    out["inverse"].append(("eigen AG in group (m-1)·L₂", (m - 1) * info["L2"] * F32))
-  return out
+  if strat is None:
+    return {"plain": [("pmean of all gradients", 2 * r * s["params"] * F32)],
+            "factor": [], "inverse": []}
+  b = cost.step_bytes(C.kfac_state(opt_state).layout, strat.factor_reduction,
+                      strat.gradient_reduction, F32)
+  return {"plain": [("all-reduce of the untagged gradients", 2 * r * s["untagged"] * F32)]
+          + list(b.plain), "factor": list(b.factor), "inverse": list(b.inverse)}
 
 
 def measure(p: int, strategies, verbose=True, model=None) -> list[dict]:
@@ -282,7 +234,7 @@ def measure(p: int, strategies, verbose=True, model=None) -> list[dict]:
            "collectives": [dict(vars(c), fault_check=c.fault_check) for c in found],
            "fault": {k: C.fault_bytes(found, k) for k in ("every", "factor", "inverse")},
            "formula": formulas(sizes, strat, p), "sizes": sizes,
-           "model": library_model(info, strat, p, sizes)}
+           "model": library_model(state, strat, p, sizes)}
     for kind in ("plain", "factor", "inverse"):
       row[kind] = C.step_bytes(tot, kind)
       row[kind + "_payload"] = C.step_bytes(tot, kind, "payload")

@@ -15,6 +15,7 @@ from kfac_jax_dist.tools.checkpoint import restore_checkpoint
 from kfac_jax_dist.tools.checkpoint import save_checkpoint
 from kfac_jax_dist.tools.describe import describe
 from kfac_jax_dist.core.distribution import Distribution
+from kfac_jax_dist.kfac import cost as _cost  # registers Distribution.auto
 from kfac_jax_dist.core.faults import skip_faulty_steps
 from kfac_jax_dist.core.specs import partition_specs
 from kfac_jax_dist.core.specs import shard_state

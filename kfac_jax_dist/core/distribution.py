@@ -34,13 +34,23 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import jax
 import jax.numpy as jnp
 
 from kfac_jax_dist.core import settings
 from kfac_jax_dist.core import tensor_parallel
+
+# `Distribution.auto`'s chooser: the K-FAC stage registers its cost model
+# (`kfac.cost.auto_distribution`), so that the core imports no later stage.
+_AUTO: list[Callable[..., "Distribution"]] = []
+
+
+def register_auto(choose: Callable[..., "Distribution"]) -> None:
+  """Makes `Distribution.auto(...)` return `choose(...)`."""
+  _AUTO[:] = [choose]
+
 
 FactorReduction = Literal["all_reduce", "reduce_scatter", "local"]
 GradientReduction = Literal["none", "all_reduce", "reduce_scatter"]
@@ -92,6 +102,8 @@ class Distribution:
     param_specs: with `model_axis`, the `PartitionSpec` of every parameter (a
       pytree like the parameters, or a prefix of it); each shards at most one
       dimension, over `model_axis` only. None without `model_axis`.
+    explanation: why `Distribution.auto` chose this strategy (lines of text;
+      not compared or hashed).
   """
 
   mesh: jax.sharding.Mesh
@@ -103,6 +115,23 @@ class Distribution:
   comm_dtype: Any = None
   model_axis: str | None = None
   param_specs: Any = dataclasses.field(default=None, hash=False)
+  explanation: tuple[str, ...] = dataclasses.field(default=(), compare=False, repr=False)
+
+  @classmethod
+  def auto(cls, mesh: jax.sharding.Mesh, axis: str, layers: Any, *,
+           memory_budget: float | None = None, factor_update_every: int = 10,
+           inverse_update_every: int = 100, **layout_options: Any) -> "Distribution":
+    """The strategy (grad_worker_fraction, factor_reduction, gradient_reduction;
+    the transform then picks the factor storage) with the fewest bytes per
+    step at this cadence among those whose K-FAC state fits `memory_budget`
+    bytes per device, by the library's cost model (`kfac.cost`). The choice
+    and the runner-up are in `explanation`, and `kd.describe` prints them.
+    `layers`: `grad_fn.discover(...)`; `layout_options`: kd.kfac's `method`,
+    `max_factor_dim`, `skip`. With `gradient_reduction="reduce_scatter"` the
+    step passes its local gradients to `update` (no `pmean`)."""
+    return _AUTO[0](mesh, axis, layers, memory_budget=memory_budget,
+                    factor_update_every=factor_update_every,
+                    inverse_update_every=inverse_update_every, **layout_options)
 
   def __post_init__(self):
     if not isinstance(self.mesh, jax.sharding.Mesh):

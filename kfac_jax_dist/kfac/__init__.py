@@ -6,6 +6,7 @@
 preconditioned gradient), `stale` / `stale_update` (SP-NGD's stale
 statistics), `precondition` (owner groups, KL clip), `transform`
 (`scale_by_kfac`, which runs those stages in order), `adaptive` (the exact
-quadratic model's learning rate, momentum and damping) and `optimizer`
-(`kd.kfac`: K-FAC with SGD after it, or adaptive).
+quadratic model's learning rate, momentum and damping), `optimizer`
+(`kd.kfac`: K-FAC with SGD after it, or adaptive) and `cost` (the bytes and
+memory of a strategy; `kd.Distribution.auto`).
 """

@@ -158,6 +158,8 @@ class Layout:
   # (module path, kind, reason) of the layers the capture could not tag
   # (`LayerRegistry.uncaptured`): their parameters are in `passthrough`.
   uncaptured: tuple[tuple[str, str, str], ...] = ()
+  # why `Distribution.auto` chose this strategy (its `explanation`), in words
+  strategy_choice: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
   @property
   def owner_bases(self) -> tuple[int, ...]:

@@ -105,6 +105,7 @@ def _summary(state: ScaleByKfacState) -> list[str]:
                       for x in jax.tree_util.tree_leaves(state.correction))
   on_all = f" ({p * per_device:,} on all {p} devices)" if p > 1 else ""
   lines.append(f"K-FAC state: {per_device:,} bytes per device{on_all}.")
+  lines += list(lay.strategy_choice)
   lines += _uncaptured_lines(lay)
   schemes = _uneven_schemes(lay)
   if schemes:

@@ -1,0 +1,287 @@
+"""The K-FAC cost model: bytes per step and state per device of a strategy.
+
+For a `Distribution` and the layout `build_layout` gives it, every collective
+the K-FAC step runs over the data axis, per device, ring model (an
+all-reduce of N numbers sends 2(P−1)/P·N, a reduce-scatter of N numbers
+in and an all-gather of N out (P−1)/P·N, a ppermute N), in `bytes_per_number`
+(4: float32), by the steps it runs on:
+
+* every step: the tagged gradients' reduction: the caller's (or
+  `gradient_reduction="all_reduce"`'s) all-reduce, 2(P−1)/P·Σ a·g, or
+  SP-NGD's uneven reduce-scatter to the owners; MEM-OPT's uneven all-gather
+  of the preconditioned gradients, HYBRID's all-gather among the devices of
+  equal rank in their groups, (G−1)·S; with local gradients, the fault
+  check's all-reduce of one int32;
+* factor steps: the statistics to their owners: reduce-scatter of the tight
+  chunks (P−1)·C or of the owner segments (P−1)·L, or KAISA's all-reduce of
+  every factor 2(P−1)/P·T (DP-KFAC: nothing); the fault check's int32;
+* inverse (decomposition) steps: chunked storage gathers the chunks, (P−1)·C;
+  COMM-OPT sends every owner's second-order segment to every device (the
+  uneven all-gather of `Layout.second_sizes`), HYBRID within each group,
+  (m−1)·L₂.
+
+The uneven collectives cost what `uneven.plan` picks. The untagged
+parameters' all-reduce (the same under every strategy) is left out. This is
+the model `benchmarks/comm_volume.py` checks against the compiled HLO.
+
+State per device: the running factors (`C` or `L` numbers) and the
+second-order state (`m·L₂`: a group's devices each hold the whole group's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+
+from kfac_jax_dist.capture import registry
+from kfac_jax_dist.core import collectives as collectives_lib
+from kfac_jax_dist.core import distribution as distribution_lib
+from kfac_jax_dist.core import uneven
+from kfac_jax_dist.kfac import config as config_lib
+from kfac_jax_dist.kfac import layout as layout_lib
+from kfac_jax_dist.kfac import transform
+
+Terms = tuple[tuple[str, float], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBytes:
+  """Bytes per device of one strategy's collectives, one `(name, bytes)` term
+  per collective, by step kind (`inverse` steps are also factor steps)."""
+
+  plain: Terms
+  factor: Terms
+  inverse: Terms
+
+  def total(self, kind: str) -> float:
+    """Bytes of a whole step of `kind`: "plain", "factor" or "inverse"."""
+    kinds = {"plain": (self.plain,), "factor": (self.plain, self.factor),
+             "inverse": (self.plain, self.factor, self.inverse)}[kind]
+    return sum(b for terms in kinds for _, b in terms)
+
+  def amortised(self, factor_every: int, inverse_every: int) -> float:
+    """Mean bytes per step at this cadence."""
+    return (sum(b for _, b in self.plain) + sum(b for _, b in self.factor) / factor_every
+            + sum(b for _, b in self.inverse) / inverse_every)
+
+
+def uneven_terms(sizes: Sequence[int], what: str, gather: bool,
+                 bytes_per_number: int = 4) -> list[tuple[str, float]]:
+  """The uneven all-gather (`gather`) or reduce-scatter of per-device `sizes`
+  in the scheme `uneven.plan` picks: one term per collective (ppermutes: the
+  busiest device's sends or receives)."""
+  p = len(sizes)
+  scheme = uneven.plan(tuple(int(u) for u in sizes))
+  if isinstance(scheme, uneven.Prefix):
+    over = sum(scheme.overflow)
+    terms = [(f"{what} prefix (P-1)·S, S={scheme.length}", (p - 1) * scheme.length)]
+    if over:
+      terms.append((f"{what} overflow psum ({over})", 2 * (p - 1) / p * over))
+  else:
+    sent = scheme.device_bytes()[1 if gather else 0]
+    terms = [(f"{what} tight chunks (P-1)·C, C={scheme.chunk}", (p - 1) * scheme.chunk),
+             (f"{what} ppermutes ({len(scheme.sends)})", sent - (p - 1) * scheme.chunk)]
+  return [(name, n * bytes_per_number) for name, n in terms]
+
+
+def _joint_ppermutes(terms: list, sizes: Sequence[int], bytes_per_number: int) -> list:
+  """SP-NGD's reduce-scatter and gather in the rechunk scheme: their ppermutes
+  as one term, the most one device sends over both (a host sends in the
+  reduce-scatter, an owner in the gather)."""
+  scheme = uneven.plan(tuple(int(u) for u in sizes))
+  if not isinstance(scheme, uneven.Rechunk) or not scheme.sends:
+    return terms
+  hosted, owned = scheme.forwarded()
+  return [t for t in terms if "ppermutes" not in t[0]] + [
+      (f"grad RS + AG ppermutes ({2 * len(scheme.sends)})",
+       float((hosted + owned).max()) * bytes_per_number)]
+
+
+def _gradient_terms(lay: layout_lib.Layout, gradient_reduction: str,
+                    bytes_per_number: int) -> list[tuple[str, float]]:
+  """Every step: the tagged gradients' reduction and gather."""
+  p, m, g = lay.num_devices, lay.group_size, lay.num_groups
+  r, n = (p - 1) / p, bytes_per_number
+  _, group_sizes, s = layout_lib.gradient_offsets(lay)
+  tagged = sum(plan.layer.a_dim * plan.layer.g_dim for plan in lay.plans)
+  terms = []
+  if gradient_reduction == "reduce_scatter":
+    terms.append(("fault-check psum (local gradients)", 2 * r * 4))
+    if m == 1 < g:
+      terms += uneven_terms(group_sizes, "grad RS", False, n)
+    else:
+      terms.append(("grad RS [G·S] + AG in group", (r * g * s + (m - 1) * s / m) * n))
+  else:
+    terms.append(("all-reduce of the tagged gradients", 2 * r * tagged * n))
+    if gradient_reduction == "all_reduce":
+      terms.append(("fault-check psum (local gradients)", 2 * r * 4))
+  if g > 1 and m == 1:
+    terms += uneven_terms(group_sizes, "grad AG", True, n)
+    if gradient_reduction == "reduce_scatter":
+      terms = _joint_ppermutes(terms, group_sizes, n)
+  elif g > 1:
+    terms.append(("grad AG among equal ranks (G-1)·S", (g - 1) * s * n))
+  return terms
+
+
+def step_bytes(lay: layout_lib.Layout, factor_reduction: str, gradient_reduction: str,
+               bytes_per_number: int = 4) -> StepBytes:
+  """The collectives of the K-FAC step with layout `lay` (see the module
+  docstring), per device; one device: none."""
+  p, m, g = lay.num_devices, lay.group_size, lay.num_groups
+  if p == 1:
+    return StepBytes((), (), ())
+  r, n = (p - 1) / p, bytes_per_number
+  stored = sum(place.size for plan in lay.plans for _, place in plan.places)
+  factor = [("fault-check psum (statistics)", 2 * r * 4)]
+  inverse = []
+  chunked = lay.factor_storage == layout_lib.CHUNKED
+  if factor_reduction == "reduce_scatter":
+    factor.append((f"factor RS (P-1)·{'C' if chunked else 'L'}",
+                   (p - 1) * lay.factor_shard * n))
+    if chunked:
+      inverse.append(("chunk AG (P-1)·C", (p - 1) * lay.factor_shard * n))
+  elif factor_reduction == "all_reduce":
+    factor.append(("factor all-reduce 2(P-1)/P·T", 2 * r * stored * n))
+  if g == 1:
+    inverse += uneven_terms(lay.second_sizes, "second-order AG", True, n)
+  elif m > 1:
+    inverse.append(("second-order AG in group (m-1)·L₂", (m - 1) * lay.second_segment * n))
+  return StepBytes(tuple(_gradient_terms(lay, gradient_reduction, n)), tuple(factor),
+                   tuple(inverse))
+
+
+def state_bytes(lay: layout_lib.Layout, bytes_per_number: int = 4) -> int:
+  """K-FAC's state per device: running factors and second-order state."""
+  return (lay.factor_shard + lay.group_size * lay.second_segment) * bytes_per_number
+
+
+def layer_paths(layers: registry.LayerRegistry) -> tuple[str, ...]:
+  """The parameter paths of the tagged layers (what `layout.build` needs when
+  the parameters themselves are not at hand)."""
+  return tuple(path for layer in layers for path in (layer.kernel_path, layer.bias_path)
+               if path is not None)
+
+
+# ------------------------------------------------------- choosing a strategy
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One strategy, its layout's storage, bytes per step and state per device."""
+
+  group_size: int
+  factor_reduction: str
+  gradient_reduction: str
+  storage: str
+  bytes: StepBytes
+  amortised: float
+  state: int
+
+  def label(self, num_devices: int) -> str:
+    m = self.group_size
+    name = ("COMM-OPT" if m == num_devices else "MEM-OPT" if m == 1 else "HYBRID-OPT")
+    sp = ", SP-NGD gradients" if self.gradient_reduction == "reduce_scatter" else ""
+    return (f"{name} (grad_worker_fraction {m}/{num_devices}, factor_reduction "
+            f"{self.factor_reduction!r}{sp}; {self.storage} factor storage)")
+
+  def words(self, num_devices: int) -> str:
+    return (f"{self.label(num_devices)}: {_mb(self.amortised)} per step amortised "
+            f"(plain {_mb(self.bytes.total('plain'))}, factor steps +"
+            f"{_mb(self.bytes.total('factor') - self.bytes.total('plain'))}, inverse "
+            f"steps +{_mb(self.bytes.total('inverse') - self.bytes.total('factor'))}), "
+            f"K-FAC state {_mb(self.state)} per device")
+
+
+def _mb(n: float) -> str:
+  """Bytes in words: "9.43 MB", "11.2 GB"."""
+  return f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"
+
+
+def candidates(layout_of: Callable[[int, str, str], layout_lib.Layout], num_devices: int,
+               factor_every: int, inverse_every: int) -> list[Candidate]:
+  """Every strategy `Distribution.auto` considers, cheapest first (ties: less
+  state): each group size `m` dividing P, factors reduce-scattered or
+  all-reduced, gradients averaged by the caller or reduce-scattered to their
+  owners (SP-NGD). DP-KFAC's local factors are left out: they change the
+  factors, not only their cost. `layout_of(m, factor_reduction,
+  gradient_reduction)` is the layout the transform would build."""
+  found = []
+  for m in (d for d in range(1, num_devices + 1) if num_devices % d == 0):
+    for factor_reduction in ("reduce_scatter", "all_reduce"):
+      for gradient_reduction in (("none", "reduce_scatter") if num_devices > 1
+                                 else ("none",)):
+        lay = layout_of(m, factor_reduction, gradient_reduction)
+        b = step_bytes(lay, factor_reduction, gradient_reduction)
+        found.append(Candidate(m, factor_reduction, gradient_reduction,
+                               lay.factor_storage, b, b.amortised(factor_every,
+                                                                  inverse_every),
+                               state_bytes(lay)))
+  return sorted(found, key=lambda c: (round(c.amortised, 3), c.state, -c.group_size))
+
+
+def choose(found: list[Candidate], num_devices: int, memory_budget: float | None
+           ) -> tuple[Candidate, Candidate | None, tuple[str, ...]]:
+  """The cheapest candidate whose state fits `memory_budget` (bytes per
+  device; None: any), the runner-up, and the explanation in words."""
+  fits = [c for c in found if memory_budget is None or c.state <= memory_budget]
+  if not fits:
+    least = min(found, key=lambda c: c.state)
+    raise ValueError(
+        f"Distribution.auto: memory_budget={memory_budget:,.0f} bytes per device is below "
+        f"the smallest K-FAC state of any strategy, {least.state:,} bytes "
+        f"({least.label(num_devices)}); raise it, or pass max_factor_dim= to keep the "
+        "largest factors block-diagonal.")
+  best, runner = fits[0], (fits[1] if len(fits) > 1 else None)
+  budget = ("" if memory_budget is None else
+            f" under memory_budget {_mb(memory_budget)} ({len(fits)} of {len(found)} "
+            "strategies fit)")
+  lines = [f"Distribution.auto chose, of {len(found)} strategies{budget}, the fewest "
+           "bytes per step:", "  " + best.words(num_devices) + "."]
+  if runner is not None:
+    lines.append("  runner-up: " + runner.words(num_devices) + ".")
+  return best, runner, tuple(lines)
+
+
+def auto_distribution(mesh: jax.sharding.Mesh, axis: str,
+                      layers: registry.LayerRegistry, *, memory_budget: float | None,
+                      factor_update_every: int, inverse_update_every: int,
+                      **layout_options: Any) -> distribution_lib.Distribution:
+  """`kd.Distribution.auto` (see there): each candidate's layout is the one
+  `scale_by_kfac` builds for it at init."""
+  if not isinstance(layers, registry.LayerRegistry):
+    raise TypeError("Distribution.auto: layers must be grad_fn.discover(params, ...)'s "
+                    f"LayerRegistry, got {type(layers).__name__}")
+  for name, every in (("factor_update_every", factor_update_every),
+                      ("inverse_update_every", inverse_update_every)):
+    if not isinstance(every, int) or every < 1:
+      raise ValueError(f"Distribution.auto: {name} must be a positive int (the "
+                       f"cadence the choice amortises over), got {every!r}")
+  unknown = set(layout_options) - {"method", "max_factor_dim", "skip"}
+  if unknown:
+    raise TypeError(f"Distribution.auto: unknown argument(s) {sorted(unknown)}; the "
+                    "layout options are method, max_factor_dim and skip.")
+  base = distribution_lib.Distribution(mesh, axis)
+  p = base.num_devices
+
+  def layout_of(m: int, factor_reduction: str, gradient_reduction: str
+                ) -> layout_lib.Layout:
+    dist = dataclasses.replace(base, grad_worker_fraction=m / p,
+                               factor_reduction=factor_reduction,
+                               gradient_reduction=gradient_reduction)
+    config = config_lib.KfacConfig(
+        distribution=dist, factor_update_every=factor_update_every,
+        inverse_update_every=inverse_update_every, **layout_options)
+    return transform.build_layout(config, collectives_lib.Collectives(dist), layers,
+                                  layer_paths(layers))
+
+  best, _, lines = choose(candidates(layout_of, p, factor_update_every,
+                                     inverse_update_every), p, memory_budget)
+  return dataclasses.replace(base, grad_worker_fraction=best.group_size / p,
+                             factor_reduction=best.factor_reduction,
+                             gradient_reduction=best.gradient_reduction,
+                             explanation=lines)
+
+
+distribution_lib.register_auto(auto_distribution)
