@@ -81,16 +81,24 @@ class Collectives:
           f"({self.num_devices} devices): call update inside jax.shard_map over that "
           "axis, with in_specs/out_specs from kd.partition_specs(opt_state).") from e
 
-  def per_device(self, make):
+  def per_device(self, make, representatives: Sequence[int] | None = None):
     """`make(device)` on each device: devices own different work, so with P > 1
     this is a `lax.switch` on the device index (each device's code appears in
-    one branch only); results are typed varying over the axis."""
+    one branch only); results are typed varying over the axis.
+    `representatives[d]`: a device whose `make` computes the same as `d`'s
+    (idle devices: `Layout.device_branches`), so that they share one branch."""
     if self.num_devices == 1:
       return make(0)
     varying = self.varying
+    reps = list(range(self.num_devices) if representatives is None else representatives)
+    unique = sorted(set(reps))
     branches = [functools.partial(lambda d: _compat.as_varying(make(d), varying), d)
-                for d in range(self.num_devices)]
-    return jax.lax.switch(self.device_index(), branches)
+                for d in unique]
+    index = self.device_index()
+    if len(unique) < self.num_devices:
+      position = {r: i for i, r in enumerate(unique)}
+      index = jnp.asarray([position[r] for r in reps], jnp.int32)[index]
+    return jax.lax.switch(index, branches)
 
   def group_index(self) -> jax.Array:
     return self.device_index() // self.group_size

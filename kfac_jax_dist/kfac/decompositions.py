@@ -130,7 +130,8 @@ def pi_damping(config: KfacConfig, comm: collectives_lib.Collectives,
   """
   dtype = config.compute_dtype
   traces = comm.all_gather_owned(
-      comm.per_device(lambda d: _traces_segment(config, layout, d, owned_of(d))))
+      comm.per_device(lambda d: _traces_segment(config, layout, d, owned_of(d)),
+                      layout.device_branches))
   damping = jnp.ones(layout.num_devices * layout.max_factors, dtype)
   for plan in layout.plans:
     if plan.layer.unitwise:
@@ -187,9 +188,9 @@ def decompose(config: KfacConfig, comm: collectives_lib.Collectives,
   owned_of = owned_factors(comm, layout, running)
   if config.method == "eigen":
     local = comm.per_device(lambda d: eigen_segment(
-        config, layout, d, owned_of(d), previous_of(d)))
+        config, layout, d, owned_of(d), previous_of(d)), layout.device_branches)
   else:
     damping = pi_damping(config, comm, layout, owned_of, gamma)
     local = comm.per_device(lambda d: inverse_segment(
-        config, layout, d, owned_of(d), damping, previous_of(d)))
+        config, layout, d, owned_of(d), damping, previous_of(d)), layout.device_branches)
   return distribute_second(comm, layout, local)

@@ -121,7 +121,7 @@ def _all_reduced(config: KfacConfig, comm: collectives_lib.Collectives,
     pieces = [summed[offsets[(p.layer.name, w)]:offsets[(p.layer.name, w)] + place.size]
               for place, p, w in layout.owned(device)]
     return collectives_lib.pad_to(pieces, layout.segment, dtype)
-  return comm.per_device(own)
+  return comm.per_device(own, layout.device_branches)
 
 
 def batch_factors(config: KfacConfig, comm: collectives_lib.Collectives,

@@ -61,6 +61,7 @@ need the whole reduced gradient).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Sequence
 
@@ -199,6 +200,19 @@ class Layout:
   def second_base(self, place: FactorPlace, group: int) -> int:
     """Start of `place`'s owner segment in its group's `m·L₂` second-order array."""
     return (place.owner - group * self.group_size) * self.second_segment
+
+  @functools.cached_property
+  def device_branches(self) -> tuple[int, ...]:
+    """Each device's representative in a per-device switch
+    (`Collectives.per_device`): itself if it decomposes a factor; else the
+    first such idle device, since every idle device runs the same code (its
+    segments are zeros). At pod scale most devices are idle (GPT-2-XL's 576
+    factors on 1024 devices), and one branch each would grow the program
+    with P."""
+    owners = {q.owner for plan in self.plans for piece in plan.pieces
+              for _, place in piece.places for q in (place,) + place.copies}
+    idle = [d for d in range(self.num_devices) if d not in owners]
+    return tuple(d if d in owners else idle[0] for d in range(self.num_devices))
 
   def owned(self, device: int) -> list[tuple[FactorPlace, LayerPlan, str]]:
     """`(place, plan, "a" | "g" | "f")` of every factor `device` decomposes

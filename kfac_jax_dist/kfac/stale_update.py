@@ -86,7 +86,7 @@ def refresh_due_factors(config: KfacConfig, comm: collectives_lib.Collectives,
                             dtype=config.factor_dtype)
     return pad(pieces), pad(lasts), pad(befores), bits
 
-  running, last, before, bits = comm.per_device(owner_update)
+  running, last, before, bits = comm.per_device(owner_update, layout.device_branches)
   if comm.active:                            # owners tell everyone
     bits = lax.psum(bits, layout.axis)
   interval = stale.next_interval(bits[:, 0] > 0, bits[:, 1] > 0, r.interval,
@@ -145,6 +145,6 @@ def decompose_due_factors(config: KfacConfig, comm: collectives_lib.Collectives,
       pieces += mats + vecs
     return collectives_lib.pad_to(pieces, layout.second_segment, config.compute_dtype)
 
-  local = comm.per_device(owner_segment)
+  local = comm.per_device(owner_segment, layout.device_branches)
   return lax.cond(jnp.any(due), lambda: distribute_second(comm, layout, local),
                   lambda: state.second_order)
