@@ -11,7 +11,7 @@ very same models):
   examples/autoencoder.py's model (convergence);
 * `TransformerBlock` / `CharLM`: a pre-LayerNorm decoder-only Transformer
   (step_time, stale_statistics, convergence);
-* `ResNet50`, `BertLarge`: layer shapes for layout_balance.
+* `ResNet50`, `BertLarge`, `Gpt2Xl`: layer shapes for layout_balance.
 
 Flax derives every parameter's initialisation from its module path, so each
 model keeps the module names of the script that first had it: where two
@@ -291,6 +291,39 @@ class BertLarge(nn.Module):
       x = EncoderLayer(self.hidden)(x)
     pooled = jnp.tanh(kd.linen.Dense(self.hidden, name="pooler")(x[:, 0]))
     return nn.Dense(2, name="classifier")(pooled)      # untagged
+
+
+class _ScannedBlock(nn.Module):
+  """A `TransformerBlock` with `nn.scan`'s signature `(carry, x) -> (carry, y)`."""
+
+  heads: int
+
+  @nn.compact
+  def __call__(self, x: jax.Array, _: Any) -> tuple[jax.Array, None]:
+    return TransformerBlock(self.heads, name="block")(x), None
+
+
+class Gpt2Xl(nn.Module):
+  """GPT-2-XL's shapes: 48 pre-LN blocks of width 1600 (25 heads, MLP 6400)
+  under one `nn.scan` (a stacked layer per projection, `[48, ...]`); token
+  (vocabulary 50257) and position embeddings untagged, the head tied to the
+  token embedding and untagged (the vocabulary is skipped)."""
+
+  layers: int = 48
+  width: int = 1600
+  heads: int = 25
+  vocab: int = 50257
+  context: int = 1024
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    embed = nn.Embed(self.vocab, self.width, name="wte")
+    x = embed(tokens) + nn.Embed(self.context, self.width, name="wpe")(
+        jnp.arange(tokens.shape[1]))[None]
+    blocks = nn.scan(_ScannedBlock, variable_axes={"params": 0},
+                     split_rngs={"params": True}, length=self.layers)
+    x, _ = blocks(self.heads, name="blocks")(x, None)
+    return embed.attend(kd.linen.LayerNorm(name="ln_f")(x))
 
 
 # ------------------------------------------------------------ plain-JAX models

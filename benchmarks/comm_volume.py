@@ -37,8 +37,10 @@ reduce-scatter (P-1)/P·Σ; MEM-OPT preconditioned-gradient all-gather
 receivers get each other group's gradients once); eigenbasis all-gather to the
 m gradient workers (m-1)/m·Σ(d²+d)/G; DP-KFAC no factor traffic.
 
-And the library's own model ("model" columns), from its layout, one term per
-collective (ring model, f32), which the HLO numbers must match:
+And the library's own model ("model" columns: `kfac_jax_dist.kfac.cost.step_bytes`,
+the model `kd.Distribution.auto` chooses by, plus the untagged parameters'
+all-reduce), from its layout, one term per collective (ring model, f32), which
+the HLO numbers must match:
 
 * factor step, factor_reduction="reduce_scatter": the transform picks at init
   (`kfac.layout.cheaper_storage`, since 69e5d57) whichever running-factor storage
