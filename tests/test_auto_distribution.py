@@ -68,7 +68,8 @@ def exhaustive(layers, params, mesh, budget=None):
   return sorted(rows)
 
 
-@pytest.mark.parametrize("model", ["resnet50", "bert_large", "gpt2_xl"])
+@pytest.mark.parametrize("model", ["resnet50", pytest.param("bert_large", marks=pytest.mark.slow),
+                                   pytest.param("gpt2_xl", marks=pytest.mark.slow)])
 def test_auto_is_the_exhaustive_minimum_on_large_model_shapes(model):
   layers, _, params = layout_balance.discover(model)
   mesh = mesh8()

@@ -345,3 +345,26 @@ def test_cpu_decompositions_are_unbatched():
            if "lapack_" in line and "custom_call" in line]
   assert len(calls) >= 2
   assert all('num_batch_dims = "0"' in line for line in calls), calls
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 7, 361, 362, 400, 1601])
+def test_packed_triangles_match_numpy(d):
+  """Packed factors: the indices computed in the program (large `d`, no
+  constants) and the constant ones (small `d`) are numpy's triangle, and
+  unpacking inverts packing, traced and on the host."""
+  from kfac_jax_dist.kfac import packing  # pylint: disable=import-outside-toplevel
+  rows, cols = np.triu_indices(d)
+  got = jax.jit(packing._traced_upper_indices, static_argnums=0)(d)
+  np.testing.assert_array_equal(got[0], rows)
+  np.testing.assert_array_equal(got[1], cols)
+  x = np.random.default_rng(d).normal(size=(2, d, d)).astype(np.float32)
+  x = x + np.swapaxes(x, 1, 2)
+  packed = jax.jit(packing.pack_upper)(x)
+  np.testing.assert_array_equal(packed, x[:, rows, cols])
+  np.testing.assert_array_equal(packing.pack_upper(x), packed)
+  np.testing.assert_array_equal(jax.jit(lambda v: packing.unpack_upper(v, d))(packed), x)
+  np.testing.assert_array_equal(packing.unpack_upper(np.asarray(packed), d), x)
+  place = packing.layout_lib.FactorPlace("full", d, 0, 0, d * (d + 1) // 2, None, None, 0)
+  eye = np.eye(d, dtype=np.float32)[rows, cols]
+  np.testing.assert_array_equal(packing.stored_identity(place, np.float32, True, np), eye)
+  np.testing.assert_array_equal(packing.stored_identity(place, jnp.float32, True), eye)

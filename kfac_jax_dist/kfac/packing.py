@@ -43,20 +43,26 @@ def _traced_upper_indices(d: int) -> tuple[jax.Array, jax.Array]:
   return i, k - row_starts(i, d) + i
 
 
+# Triangles up to this many numbers index with constants (as small as the
+# computation that replaces them, and quicker to compile); larger ones compute
+# their indices in the program.
+CONSTANT_INDICES = 2 ** 16
+
+
 def pack_upper(x: jax.Array) -> jax.Array:
   """`[..., d, d]` symmetric → its upper triangle, `[..., d(d+1)/2]`."""
   d = x.shape[-1]
-  if isinstance(x, np.ndarray):
-    rows, cols = np.triu_indices(d)
+  if isinstance(x, np.ndarray) or d * (d + 1) // 2 <= CONSTANT_INDICES:
+    rows, cols = (r.astype(np.int32) for r in np.triu_indices(d))
   else:
     rows, cols = _traced_upper_indices(d)
   return x[..., rows, cols]
 
 
 def unpack_upper(v: jax.Array, d: int) -> jax.Array:
-  """Inverse of `pack_upper` (a gather: entry (i, j) reads (min, max)), its
-  positions computed in the program (no `d × d` constant)."""
-  xp = np if isinstance(v, np.ndarray) else jnp
+  """Inverse of `pack_upper` (a gather: entry (i, j) reads (min, max)); for a
+  large `d` its positions are computed in the program (no `d × d` constant)."""
+  xp = np if isinstance(v, np.ndarray) or d * (d + 1) // 2 <= CONSTANT_INDICES else jnp
   i = xp.arange(d, dtype=np.int32)
   lo, hi = xp.minimum(i[:, None], i[None, :]), xp.maximum(i[:, None], i[None, :])
   return v[..., row_starts(lo, d) + hi - lo]
