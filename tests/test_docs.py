@@ -186,6 +186,7 @@ def _public_names():
   """`(qualified name, object)`: `kd.<name>` for `__all__`, and the functions of
   `kd.tags` and `kd.losses`."""
   names = [(f"kd.{n}", getattr(kd, n)) for n in kd.__all__]
+  names.append(("kd.Distribution.auto", kd.Distribution.auto))
   for module in (kd.tags, kd.losses):
     short = module.__name__.split(".")[-1]
     names += [(f"kd.{short}.{n}", f) for n, f in vars(module).items()

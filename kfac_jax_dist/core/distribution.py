@@ -120,7 +120,7 @@ class Distribution:
   @classmethod
   def auto(cls, mesh: jax.sharding.Mesh, axis: str, layers: Any, *,
            memory_budget: float | None = None, factor_update_every: int = 10,
-           inverse_update_every: int = 100, **layout_options: Any) -> "Distribution":
+           inverse_update_every: int = 100, **layout_options: Any) -> Distribution:
     """The strategy (grad_worker_fraction, factor_reduction, gradient_reduction;
     the transform then picks the factor storage) with the fewest bytes per
     step at this cadence among those whose K-FAC state fits `memory_budget`
