@@ -153,9 +153,12 @@ def step_bytes(lay: layout_lib.Layout, factor_reduction: str, gradient_reduction
                    tuple(inverse))
 
 
-def state_bytes(lay: layout_lib.Layout, bytes_per_number: int = 4) -> int:
-  """K-FAC's state per device: running factors and second-order state."""
-  return (lay.factor_shard + lay.group_size * lay.second_segment) * bytes_per_number
+def state_bytes(lay: layout_lib.Layout, factor_bytes: int = 4, second_bytes: int = 4
+                ) -> int:
+  """K-FAC's state per device: running factors (`C` or `L` numbers of
+  `factor_bytes`) and second-order state (`m·L₂` of `second_bytes`)."""
+  return (lay.factor_shard * factor_bytes
+          + lay.group_size * lay.second_segment * second_bytes)
 
 
 def layer_paths(layers: registry.LayerRegistry) -> tuple[str, ...]:

@@ -49,10 +49,16 @@ def _traced_upper_indices(d: int) -> tuple[jax.Array, jax.Array]:
 CONSTANT_INDICES = 2 ** 16
 
 
+def _constant_indices(x, d: int) -> bool:
+  """Whether `x`'s triangle of width `d` is indexed with numpy constants (host
+  arrays, and triangles of at most `CONSTANT_INDICES` numbers)."""
+  return isinstance(x, np.ndarray) or d * (d + 1) // 2 <= CONSTANT_INDICES
+
+
 def pack_upper(x: jax.Array) -> jax.Array:
   """`[..., d, d]` symmetric → its upper triangle, `[..., d(d+1)/2]`."""
   d = x.shape[-1]
-  if isinstance(x, np.ndarray) or d * (d + 1) // 2 <= CONSTANT_INDICES:
+  if _constant_indices(x, d):
     rows, cols = (r.astype(np.int32) for r in np.triu_indices(d))
   else:
     rows, cols = _traced_upper_indices(d)
@@ -62,7 +68,7 @@ def pack_upper(x: jax.Array) -> jax.Array:
 def unpack_upper(v: jax.Array, d: int) -> jax.Array:
   """Inverse of `pack_upper` (a gather: entry (i, j) reads (min, max)); for a
   large `d` its positions are computed in the program (no `d × d` constant)."""
-  xp = np if isinstance(v, np.ndarray) or d * (d + 1) // 2 <= CONSTANT_INDICES else jnp
+  xp = np if _constant_indices(v, d) else jnp
   i = xp.arange(d, dtype=np.int32)
   lo, hi = xp.minimum(i[:, None], i[None, :]), xp.maximum(i[:, None], i[None, :])
   return v[..., row_starts(lo, d) + hi - lo]

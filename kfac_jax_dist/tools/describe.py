@@ -12,6 +12,7 @@ from kfac_jax_dist.core import uneven
 from kfac_jax_dist.kfac.state import ScaleByKfacState
 from kfac_jax_dist.kfac.state import find_states
 from kfac_jax_dist.kfac import correction as correction_lib
+from kfac_jax_dist.kfac import cost
 from kfac_jax_dist.kfac import layout as layout_lib
 
 
@@ -97,8 +98,8 @@ def _summary(state: ScaleByKfacState) -> list[str]:
   segments = f" (the segments of its group's {m} owners)" if m > 1 else ""
   lines.append(f"Second-order state ({what}): {m * lay.second_segment:,} numbers per "
                f"device{segments}.")
-  per_device = (lay.factor_shard * state.factors.dtype.itemsize
-                + m * lay.second_segment * state.second_order.dtype.itemsize)
+  per_device = cost.state_bytes(lay, state.factors.dtype.itemsize,
+                                state.second_order.dtype.itemsize)
   if state.correction is not None:
     lines.append(_correction_line(state))
     per_device += sum(x.size * x.dtype.itemsize
