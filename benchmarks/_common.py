@@ -210,8 +210,9 @@ def kfac_state(opt_state: Any) -> kd.ScaleByKfacState:
 
 
 def sharded_step(loss_fn, params, x, y, tx, grad_fn, mesh, gradient_reduction, *,
-                 kfac: bool = True):
-  """(jitted shard_map'd step, global opt_state placed on the mesh)."""
+                 kfac: bool = True, donate: bool = False):
+  """(jitted shard_map'd step, global opt_state placed on the mesh); `donate`:
+  the parameters and the state donated (as a training loop runs it)."""
   opt_state = tx.init(params)
   if kfac:
     opt_state = kd.shard_state(opt_state, mesh)
@@ -234,7 +235,7 @@ def sharded_step(loss_fn, params, x, y, tx, grad_fn, mesh, gradient_reduction, *
     return optax.apply_updates(params, updates), opt_state
 
   fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
-                             out_specs=(P(), specs)))
+                             out_specs=(P(), specs)), donate_argnums=(0, 1) if donate else ())
   return fn, opt_state
 
 

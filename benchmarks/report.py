@@ -268,8 +268,8 @@ def memory(d: Json) -> list[str]:
   peaks = d.get("step_peaks") or []
   if peaks:
     lines += ["", "Peak memory of the amortised K-FAC step against SGD's + the K-FAC state "
-              "+ one layer's eigendecomposition workspace (one device, XLA's memory "
-              "analysis):", "", md_table(
+              "+ one layer's eigendecomposition workspace (XLA's memory analysis; the "
+              "step_time models on one device, ResNet-50 per device of 8):", "", md_table(
                   [[r["model"], fmt_bytes(r["sgd_peak"]), fmt_bytes(r["kfac_peak"]),
                     fmt_bytes(r["bound"]), f"{r['kfac_peak'] / r['bound']:.3f}",
                     yes_no(r["holds"])] for r in peaks],
