@@ -645,8 +645,9 @@ def test_unknown_fisher_raises():
 # 7. Skipping the statistics on steps that update no factor.
 # ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("jit", [False, True])
-def test_statistics_skipped_between_factor_updates(jit):
+@pytest.mark.parametrize("jit,skip", [(False, "layer"), (True, "layer"), (False, "pass"),
+                                      (True, "pass")])
+def test_statistics_skipped_between_factor_updates(jit, skip):
   kp, kx, ky = jax.random.split(jax.random.PRNGKey(11), 3)
   params = mlp_params(kp, (3, 4, 5), (True, False))
   x = randn(kx, (6, 3))
@@ -655,7 +656,7 @@ def test_statistics_skipped_between_factor_updates(jit):
   def loss_fn(p, x, y):
     return kd.losses.softmax_cross_entropy(mlp(Tagged(), p, x), y)
 
-  grad_fn = kd.value_and_grad(loss_fn)
+  grad_fn = kd.value_and_grad(loss_fn, skip_statistics=skip)
   tx = kd.scale_by_kfac(layers=grad_fn.discover(params, x, y), factor_update_every=2)
   state = tx.init(params)
   call = lambda p, s: grad_fn(p, x, y, opt_state=s)
@@ -680,6 +681,46 @@ def test_statistics_skipped_between_factor_updates(jit):
           assert stats[name][factor].shape == bf[name][factor].shape
           assert np.all(np.isnan(f64(stats[name][factor]))), (count, name, factor)
     _, state = update(grads, state, stats)
+
+
+def _entry_conditionals(compiled_text: str) -> int:
+  """The conditionals of the ENTRY computation: those every step runs (on a
+  GPU, one host round trip each); nested ones run only inside a branch."""
+  entry = compiled_text[compiled_text.index("\nENTRY "):]
+  return entry[:entry.index("\n}")].count(" conditional(")
+
+
+@pytest.mark.parametrize("skip", ["layer", "pass"])
+def test_plain_step_conditionals_do_not_grow_with_layers(skip):
+  """skip_statistics="pass": one conditional around the capture whatever the
+  number of layers; "layer": one per tagged layer."""
+  def deep_mlp(p, x):
+    for name in sorted(p):
+      x = jnp.tanh(kd.tags.dense(x, p[name]["kernel"], p[name]["bias"], name=name))
+    return x
+
+  counts = []
+  for widths in ((3, 4, 5), (3, 4, 4, 4, 4, 5)):
+    params = mlp_params(jax.random.PRNGKey(0), widths, (True,) * (len(widths) - 1))
+    x, y = jnp.ones((4, 3)), jnp.zeros((4,), jnp.int32)
+    loss_fn = lambda p, x, y: kd.losses.softmax_cross_entropy(deep_mlp(p, x), y)
+    grad_fn = kd.value_and_grad(loss_fn, skip_statistics=skip)
+    tx = kd.scale_by_kfac(layers=grad_fn.discover(params, x, y), factor_update_every=3)
+
+    def step(p, s):
+      _, grads, stats = grad_fn(p, x, y, opt_state=s)
+      return tx.update(grads, s, kfac_stats=stats)
+    text = jax.jit(step).lower(params, tx.init(params)).compile().as_text()
+    counts.append(_entry_conditionals(text))
+  if skip == "pass":
+    assert counts[0] == counts[1], counts
+  else:
+    assert counts[1] - counts[0] == 3, counts
+
+
+def test_unknown_skip_statistics_raises():
+  with pytest.raises(ValueError, match="skip_statistics must be one of"):
+    kd.value_and_grad(lambda p: p, skip_statistics="never")
 
 
 # ---------------------------------------------------------------------------

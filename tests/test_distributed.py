@@ -47,14 +47,14 @@ def _single_device(method, cadence=(FACTOR_EVERY, INVERSE_EVERY)):
 
 def _distributed(num_devices, fraction, factor_reduction, gradient_reduction,
                  method="eigen", symmetric=True, steps=STEPS, comm_dtype=None,
-                 cadence=(FACTOR_EVERY, INVERSE_EVERY)):
+                 cadence=(FACTOR_EVERY, INVERSE_EVERY), skip_statistics="auto"):
   loss_fn, params, x, y = helpers.conv_dense_problem()
   mesh = helpers.data_mesh(num_devices)
   dist = kd.Distribution(mesh, axis="data", grad_worker_fraction=fraction,
                          factor_reduction=factor_reduction,
                          gradient_reduction=gradient_reduction, symmetric_comm=symmetric,
                          comm_dtype=comm_dtype)
-  grad_fn = kd.value_and_grad(loss_fn)
+  grad_fn = kd.value_and_grad(loss_fn, skip_statistics=skip_statistics)
   tx = kd.kfac(0.1, layers=grad_fn.discover(params, x, y), distribution=dist,
                **_options(cadence, method=method))
   state = kd.shard_state(tx.init(params), mesh)
@@ -105,6 +105,17 @@ def _matrix():
 def test_strategy_equals_single_device(fraction, factor_reduction, gradient_reduction):
   reference, _ = _single_device("eigen")
   trajectory, _, _ = _distributed(8, fraction, factor_reduction, gradient_reduction)
+  _assert_same(trajectory, reference)
+
+
+@pytest.mark.parametrize("fraction", [
+    1 / 4, pytest.param(1 / 8, marks=pytest.mark.slow), pytest.param(1.0, marks=pytest.mark.slow)])
+def test_whole_pass_statistics_skip_equals_single_device(fraction):
+  """skip_statistics="pass" (one conditional around the capture, the GPU
+  default) inside shard_map: the same trajectory as one device."""
+  reference, _ = _single_device("eigen")
+  trajectory, _, _ = _distributed(8, fraction, "reduce_scatter", "reduce_scatter",
+                                  skip_statistics="pass")
   _assert_same(trajectory, reference)
 
 

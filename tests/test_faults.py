@@ -389,3 +389,18 @@ def test_distribution_errors():
   replicated = jax.tree.map(lambda _: P(), specs)
   with pytest.raises(ValueError, match="partition_specs"):
     run(tx, state, mesh, replicated)
+
+
+def test_verdict_is_computed_once_without_a_gpu_conditional():
+  """`computed_once` keeps the verdict one value: a `lax.cond` on CPU, an
+  optimization barrier elsewhere (a GPU conditional is a host round trip)."""
+  from kfac_jax_dist.core import faults
+  traced = jax.jit(faults.computed_once).trace(jnp.asarray(True))
+  cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
+  cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
+  # The platform's branch alone is lowered (behind a constant selector that
+  # XLA folds away); CPU's is a conditional, CUDA's a barrier.
+  assert "optimization_barrier" in cuda and "optimization_barrier" not in cpu
+  compiled = jax.jit(faults.computed_once).lower(jnp.asarray(True)).compile().as_text()
+  assert compiled.count(" conditional(") == 1
+  assert bool(jax.jit(faults.computed_once)(jnp.asarray(False))) is False

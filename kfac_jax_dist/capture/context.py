@@ -30,7 +30,7 @@ class Trace:
   leaf_paths: dict[int, str]                  # id(param leaf tracer) -> path
   layers: list = dataclasses.field(default_factory=list)      # discover
   probes: dict = dataclasses.field(default_factory=dict)      # capture: name -> probes
-  compute_stats: Any = None                   # capture: traced bool
+  compute_stats: Any = None                   # capture: traced or Python bool
   losses: list = dataclasses.field(default_factory=list)      # registered losses
   seen: set = dataclasses.field(default_factory=set)
   leaf_shapes: dict = dataclasses.field(default_factory=dict)  # path -> shape

@@ -123,7 +123,12 @@ def _discover(trace, kind, name, kernel, bias, site, **record) -> None:
 
 def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag):
   """`apply(x, *params)` whose backward pass also returns `stats(x, ḡ,
-  probes)`, a pytree like `probes` (`x` may be integer: embedding ids)."""
+  probes)`, a pytree like `probes` (`x` may be integer: embedding ids).
+  `flag` says whether to compute them: a traced bool (a `lax.cond` here) or a
+  Python one (`skip_statistics="pass"`: the caller branched around the pass)."""
+  static_flag = flag if isinstance(flag, bool) else None
+  if static_flag is not None:
+    flag = None
 
   @jax.custom_vjp
   def layer(x: jax.Array, params: tuple, probes: Any, flag: Any) -> jax.Array:
@@ -156,7 +161,10 @@ def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag):
       values = jax.tree_util.tree_map(lambda s, p: s.astype(p.dtype),
                                       stats(x, cotangent, probes), probes)
       return _compat.as_varying(values, axes)
-    probe_bar = lax.cond(flag, computed, lambda: placeholders)
+    if static_flag is not None:             # the caller branched around the pass
+      probe_bar = computed() if static_flag else placeholders
+    else:
+      probe_bar = lax.cond(flag, computed, lambda: placeholders)
     return x_bar, tuple(params_bar), probe_bar, None
 
   layer.defvjp(fwd, bwd)

@@ -12,11 +12,24 @@ Fisher estimates (Martens & Grosse, 2015):
 * "mc": `G` from the gradients of the loss on targets drawn from the model's
   predictive distribution (one more backward pass over the same forward).
 
-Given `opt_state`, the statistics are skipped at run time (`lax.cond` in the
-backward pass) unless the K-FAC state's `update_factors` is set (the returned
-statistics are then NaN placeholders: consumed on a factor step, e.g. when
-captured with another step's `opt_state`, they make the step faulty and it is
-skipped), and diagonal factors are computed as diagonals.
+Given `opt_state`, the statistics are skipped at run time unless the K-FAC
+state's `update_factors` is set (the returned statistics are then NaN
+placeholders: consumed on a factor step, e.g. when captured with another
+step's `opt_state`, they make the step faulty and it is skipped), and diagonal
+factors are computed as diagonals. Where the skip happens is
+`skip_statistics`:
+
+* "layer": one `lax.cond` per tagged layer in the backward pass, around its
+  statistics (the model's forward and backward are compiled once);
+* "pass": one `lax.cond` around the whole forward and backward pass, one
+  branch with the statistics and one without (the model compiled twice).
+
+On a GPU every `lax.cond` copies its predicate to the host and waits for the
+device to drain (XLA's conditional thunk), about 70 µs each measured on an
+H100 (benchmarks/results/gpu): "layer" pays it once per tagged layer per
+step, "pass" once per step. "auto" (default) is "layer" on CPU, where a
+conditional costs nothing and compile time is what users wait for, and
+"pass" on other backends (`jax.default_backend()` when traced).
 
 Inside `shard_map` both the statistics and the gradients are the device's
 local ones (of its local batch): replicated parameters are cast to varying
@@ -41,6 +54,7 @@ from kfac_jax_dist.capture import context as _context
 from kfac_jax_dist.capture import statistics as factors
 
 FISHERS = ("empirical", "mc")
+SKIPS = ("auto", "layer", "pass")
 # How the layers of the loss are captured (`value_and_grad(capture=...)`):
 # name -> a wrapper of the loss function, None for the tags alone. Later stages
 # register theirs (`kfac_jax_dist.flax.intercept`: "flax"), so that the capture
@@ -121,14 +135,18 @@ def _binding_axes(fun: Callable, axis_names: Sequence[str]) -> Callable:
 class ValueAndGrad:
   """Callable returned by `kd.value_and_grad`; see there."""
 
-  def __init__(self, fun: Callable, has_aux: bool, fisher: str, capture: str = "tags"):
+  def __init__(self, fun: Callable, has_aux: bool, fisher: str, capture: str = "tags",
+               skip_statistics: str = "auto"):
     if fisher not in FISHERS:
       raise ValueError(f"fisher must be one of {FISHERS}, got {fisher!r}")
+    if skip_statistics not in SKIPS:
+      raise ValueError(f"skip_statistics must be one of {SKIPS}, got {skip_statistics!r}")
     if capture not in CAPTURES:
       raise ValueError(f"capture must be one of {tuple(CAPTURES)}, got {capture!r}")
     wrap = CAPTURES[capture]
     self.fun = fun if wrap is None else wrap(fun)
     self.has_aux, self.fisher, self.capture = has_aux, fisher, capture
+    self.skip_statistics = skip_statistics
     functools.update_wrapper(self, fun)
 
   def discover(self, params, *args, distribution=None, **kwargs
@@ -311,12 +329,41 @@ class ValueAndGrad:
                                micro_batches)
 
   def _evaluate(self, params, args, kwargs, rng, opt_state, loss_scale):
-    """(value, grads, stats, n) of one batch; see `value_and_grad`."""
+    """(value, grads, stats, n) of one batch; see `value_and_grad`. With a
+    K-FAC state, statistics only where its `update_factors` is set: skipped
+    per layer or for the whole pass (`skip_statistics`)."""
     if self.fisher == "mc" and rng is None:
       raise ValueError('fisher="mc" samples targets from the model: pass rng=.')
     discovered = self._discover(params, *args, **kwargs)
-    layers, carriers = discovered.layers, discovered.carriers
     state = _statistics_consumer(opt_state)
+    run = functools.partial(self._capture, discovered, params, args, kwargs, rng, state,
+                            loss_scale)
+    if state is None:
+      return run(True)
+    skip = self.skip_statistics
+    if skip == "auto":
+      skip = "layer" if jax.default_backend() == "cpu" else "pass"
+    if skip == "layer":
+      return run(state.update_factors)
+    static_n = []          # a Python number of examples stays one
+
+    def branch(flag: bool) -> Callable:
+      def capture() -> tuple:
+        value, grads, stats, n = run(flag)
+        if isinstance(n, (int, float)):
+          static_n.append(n)
+          n = None
+        return value, grads, stats, n
+      return capture
+    value, grads, stats, n = jax.lax.cond(state.update_factors, branch(True),
+                                          branch(False))
+    return value, grads, stats, (static_n[0] if static_n else n)
+
+  def _capture(self, discovered: "_Discovered", params, args, kwargs, rng, state,
+               loss_scale, compute_stats) -> tuple:
+    """(value, grads, stats, n) with the statistics where `compute_stats` (a
+    Python bool, or a traced one that each tag's backward pass reads)."""
+    layers, carriers = discovered.layers, discovered.carriers
     probes = {}
     for layer in layers:
       # The forms the optimizer uses (its first block's, for a stacked layer:
@@ -335,7 +382,6 @@ class ValueAndGrad:
     # axis (the batch is replicated there too) keeps autodiff's sum over it.
     probes = _compat.as_varying(probes, _compat.varying_axes(params, args, kwargs))
     params = _compat.as_varying(params, _compat.varying_axes(args, kwargs))
-    compute_stats = jnp.asarray(True) if state is None else state.update_factors
 
     def evaluate(p: Any, probes: dict) -> tuple:
       # Stacked linen / NNX layers get their probes through the parameter tree
@@ -386,7 +432,7 @@ class _Discovered:
 
 
 def value_and_grad(fun: Callable, has_aux: bool = False, fisher: str = "empirical",
-                   capture: str = "tags") -> ValueAndGrad:
+                   capture: str = "tags", skip_statistics: str = "auto") -> ValueAndGrad:
   """Like `jax.value_and_grad(fun, has_aux)` w.r.t. the first argument, plus stats.
 
   `grad_fn(params, *args, rng=None, opt_state=None, **kwargs)` returns
@@ -433,5 +479,10 @@ def value_and_grad(fun: Callable, has_aux: bool = False, fisher: str = "empirica
   registered loss, and `grad_fn.loss(params, *args, **kwargs)` the loss alone
   (forward only); inside `shard_map` both are the global batch's (see
   `ValueAndGrad.gauss_newton_gram`).
+
+  `skip_statistics` ("auto", "layer" or "pass"): how a step that updates no
+  factor skips the statistics, one conditional per tagged layer or one
+  around the whole pass; "auto" picks "layer" on CPU and "pass" elsewhere
+  (see the module docstring: a conditional costs a host round trip on GPU).
   """
-  return ValueAndGrad(fun, has_aux, fisher, capture)
+  return ValueAndGrad(fun, has_aux, fisher, capture, skip_statistics)

@@ -248,19 +248,28 @@ def refreshed_state(config: KfacConfig, comm: collectives_lib.Collectives,
     return dataclasses.replace(
         state, count=count + 1, factors=running, second_order=second, refresh=refresh,
         update_factors=jnp.any(refresh.next_step <= count + 1))
-  running, weight = state.factors, state.factor_weight
-  if stats is not None:
-    with jax.named_scope("kfac_factor_update"):
-      running, weight = lax.cond(
-          state.update_factors & ok,
-          lambda: factors.update_running_factors(config, comm, state, stats),
-          lambda: (state.factors, state.factor_weight))
-  with jax.named_scope("kfac_decomposition"):
-    second = lax.cond(
-        cadence.due(config.inverse_update_every, count) & ok,
-        lambda: decompositions.decompose(config, comm, state.layout, running, gamma,
-                                         state.second_order),
-        lambda: state.second_order)
+  decompose_now = cadence.due(config.inverse_update_every, count) & ok
+  update_now = (state.update_factors & ok) if stats is not None else jnp.asarray(False)
+
+  def refreshed() -> tuple:
+    running, weight = state.factors, state.factor_weight
+    if stats is not None:
+      with jax.named_scope("kfac_factor_update"):
+        running, weight = lax.cond(
+            update_now, lambda: factors.update_running_factors(config, comm, state, stats),
+            lambda: (state.factors, state.factor_weight))
+    with jax.named_scope("kfac_decomposition"):
+      second = lax.cond(
+          decompose_now,
+          lambda: decompositions.decompose(config, comm, state.layout, running, gamma,
+                                           state.second_order),
+          lambda: state.second_order)
+    return running, weight, second
+  # One conditional around both refreshes: a plain step (the most frequent)
+  # runs one, which on a GPU is one host round trip (see `kd.value_and_grad`).
+  running, weight, second = lax.cond(
+      update_now | decompose_now, refreshed,
+      lambda: (state.factors, state.factor_weight, state.second_order))
   return dataclasses.replace(
       state, count=count + 1, factor_weight=weight, factors=running, second_order=second,
       update_factors=cadence.due(config.factor_update_every, count + 1))
