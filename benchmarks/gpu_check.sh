@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The project's GPU check: one prepared run of at most about 6 minutes for a
+# The project's GPU check: one prepared run of at most about 8 minutes for a
 # machine with one NVIDIA GPU and a CUDA jax already installed (no network
 # there: the project is used from its checkout through PYTHONPATH).
 #
@@ -13,13 +13,19 @@
 #      mesh of several devices skip: tests/helpers.py), at matmul precision
 #      "highest": they check the math against float64 oracles, not TF32
 #      rounding;
-#   2. benchmarks/step_time.py: MLP, CNN and Transformer LM, K-FAC (every
-#      step and amortised 10/100) against optax SGD and Adam in the same run,
-#      at jax's default precision;
+#   2. benchmarks/step_time.py --core: MLP, CNN and Transformer LM, amortised
+#      K-FAC 10/100 (and each kind of its steps, and the pieces of a plain
+#      step) against optax SGD and Adam in the same run, at jax's default
+#      precision;
 #   3. benchmarks/vs_distributed_shampoo.py's models (kd.shampoo against
 #      Google's distributed_shampoo when the package `precondition` imports;
 #      otherwise that part is reported as skipped);
-#   4. examples/digits.py (K-FAC against Adam and SGD on sklearn's digits).
+#   4. examples/digits.py (K-FAC against Adam and SGD on sklearn's digits);
+#   5. only when GPU_CHECK_PARTS names `probe`: benchmarks/gpu_probe.py, the
+#      GPU eigh implementations at the models' factor sizes and where a plain
+#      K-FAC step's time goes (kernels and ms per piece), into the log.
+# The tests compile with XLA's GPU autotuning off (--xla_gpu_autotune_level=0:
+# they check values, not speed; compiles are most of their time there).
 # OUT_DIR receives at most 8 files (what the lent device machines return):
 #   summary.md, gpu_check.log, step_time.{md,json},
 #   vs_distributed_shampoo.{md,json}, digits/{metrics.csv,digits.png}.
@@ -56,13 +62,15 @@ if [ "$MODE" = cpu ]; then
   STEP_ARGS=(--quick)
   SHAMPOO_ARGS=(--steps 60 --rounds 2 --round-steps 20 --agree-steps 20)
   DIGITS_ARGS=(--steps 100 --adam-lrs 3e-3 --sgd-lrs 0.1)
-  LIMITS=(900 900 300 300)
+  LIMITS=(900 900 300 300 300)
   WORKERS=2
 else
-  STEP_ARGS=(--rounds 3 --reps 20 --cycles 1 --compile-reps 1)
-  SHAMPOO_ARGS=(--steps 300 --rounds 3 --round-steps 40)
+  STEP_ARGS=(--core --rounds 3 --reps 20 --cycles 1 --compile-reps 1)
+  SHAMPOO_ARGS=(--steps 200 --rounds 2 --round-steps 40)
   DIGITS_ARGS=()
-  LIMITS=(150 240 100 45)
+  # Measured on an H100 at 27f1bef (16 host cores): the tests did not finish in
+  # 150 s, step_time's full set took 240 s for two of its three models.
+  LIMITS=(190 150 80 60 40)
   WORKERS=8
 fi
 
@@ -124,7 +132,8 @@ part() {
 }
 
 # --- 1. single-device tests ---------------------------------------------------
-JAX_DEFAULT_MATMUL_PRECISION=highest part tests "single-device tests" "${LIMITS[0]}" \
+JAX_DEFAULT_MATMUL_PRECISION=highest XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
+  part tests "single-device tests" "${LIMITS[0]}" \
   "$PY" -m pytest -q -m "not slow" -p no:cacheprovider -n "$WORKERS" -o addopts="" --dist loadfile \
   --durations=15 tests
 grep -E "(passed|failed|error).* in [0-9.]+s" "$LOG" | tail -n 1 | sed 's/^=* */- tests: /; s/ *=*$//' >> "$SUMMARY"
@@ -146,6 +155,9 @@ fi
 # --- 4. the main example ------------------------------------------------------
 part digits "examples/digits.py" "${LIMITS[3]}" \
   "$PY" examples/digits.py "${DIGITS_ARGS[@]}" --out "$OUT/digits"
+
+# --- 5. (on request) where the plain step's time goes -------------------------
+part probe "gpu_probe (eigh, plain-step pieces)" "${LIMITS[4]}" "$PY" benchmarks/gpu_probe.py
 
 echo >> "$SUMMARY"
 for f in "$OUT"/step_time*.md; do

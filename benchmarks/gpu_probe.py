@@ -35,6 +35,10 @@ import _common
 import _models
 
 EIGH_SIZES = ((1, 785), (2, 513), (4, 257), (8, 129), (16, 65), (24, 35))
+# One matrix at a time: is a size 2^k + 1 (a factor with its bias row) slow?
+# (Measured on an H100, jax 0.11.2: cuSOLVER syevd took 26 ms per 513 matrix
+# in a batch of 2 and 9 ms for one 785.)
+SINGLE_SIZES = (256, 257, 272, 512, 513, 520, 544, 784, 785, 1024, 1025)
 SKIPPED_OPS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
                "after-all", "partition-id", "replica-id"}
 
@@ -54,8 +58,7 @@ def eigh_table(reps: int) -> list[str]:
   lines = ["eigh, ms per batched call (float32, random PSD):",
            "  batch x dim | " + " | ".join(["qr", "jacobi", "qdwh", "cholesky inverse"])]
   for batch, dim in EIGH_SIZES:
-    a = jax.random.normal(jax.random.key(dim), (batch, dim, 2 * dim), jnp.float32)
-    mats = a @ jnp.swapaxes(a, -1, -2) / dim + 1e-3 * jnp.eye(dim)
+    mats = random_psd(batch, dim)
     cells = []
     for impl in lax.linalg.EighImplementation:
       fn = jax.jit(lambda m, impl=impl: lax.linalg.eigh(m, implementation=impl))
@@ -67,7 +70,15 @@ def eigh_table(reps: int) -> list[str]:
         (jnp.linalg.cholesky(m), True), jnp.broadcast_to(jnp.eye(m.shape[-1]), m.shape)))
     cells.append(f"{timed(inv, mats, reps=reps):.2f}")
     lines.append(f"  {batch} x {dim} | " + " | ".join(cells))
+  lines.append("one matrix, default eigh, ms: " + ", ".join(
+      f"{dim}: {timed(jax.jit(jnp.linalg.eigh), random_psd(1, dim)[0], reps=reps):.2f}"
+      for dim in SINGLE_SIZES))
   return lines
+
+
+def random_psd(batch: int, dim: int) -> jax.Array:
+  a = jax.random.normal(jax.random.key(dim), (batch, dim, 2 * dim), jnp.float32)
+  return a @ jnp.swapaxes(a, -1, -2) / dim + 1e-3 * jnp.eye(dim)
 
 
 def kernel_census(compiled) -> collections.Counter:
@@ -132,7 +143,7 @@ def main():
   reps = 3 if args.quick else args.reps
   print(f"# gpu_probe: backend {jax.default_backend()}, {jax.devices()[0].device_kind}",
         flush=True)
-  for name in args.models.split(","):
+  for name in [m for m in args.models.split(",") if m]:
     print("\n".join(plain_step_pieces(name, reps)), flush=True)
   if not (args.quick or args.no_eigh):
     print("\n".join(eigh_table(max(3, reps // 5))), flush=True)
