@@ -213,3 +213,88 @@ def test_reduce_scatter_factor_storage_is_the_cheaper(num_devices, cadence):
   expected = "chunked" if lay.segment * k > chunks * (k + 1) else "owner"
   assert lay.factor_storage == expected
   assert expected == {2: "owner", 8: "chunked"}[num_devices]   # both paths covered
+
+
+def _same_width_mlp(widths=(12, 16, 16, 16, 16, 16, 16, 16, 16, 10), n=32):
+  """Many layers of one shape: on 8 devices several own the same work."""
+  keys = jax.random.split(jax.random.PRNGKey(0), len(widths))
+  params = {f"l{i}": {"kernel": jax.random.normal(keys[i], (a, b)) / np.sqrt(a),
+                      "bias": jnp.full((b,), 0.1)}
+            for i, (a, b) in enumerate(zip(widths[:-1], widths[1:]))}
+
+  def loss_fn(p, x, y):
+    h = x
+    for i in range(len(widths) - 1):
+      h = kd.tags.dense(h, p[f"l{i}"]["kernel"], p[f"l{i}"]["bias"], name=f"l{i}")
+      h = jnp.tanh(h) if i < len(widths) - 2 else h
+    return kd.losses.softmax_cross_entropy(h, y)
+  x = jax.random.normal(jax.random.PRNGKey(1), (n, widths[0]))
+  y = jax.random.randint(jax.random.PRNGKey(2), (n,), 0, widths[-1])
+  return loss_fn, params, x, y
+
+
+@pytest.mark.parametrize("fraction,method,cadence", [
+    (1 / 8, "eigen", (2, 3)), (1 / 2, "inverse", (2, 3)),
+    pytest.param(1 / 8, "inverse", (10, 100), marks=pytest.mark.slow),
+    pytest.param(1 / 2, "eigen", (10, 100), marks=pytest.mark.slow)])
+def test_devices_with_the_same_work_share_a_branch(fraction, method, cadence):
+  """`Layout.decomposition_branches`: devices whose decompositions have the
+  same shapes share one branch of the per-device switch, each reading its own
+  factors and segment at offsets from its index; the run equals one device's."""
+  loss_fn, params, x, y = _same_width_mlp()
+  grad_fn = kd.value_and_grad(loss_fn)
+  layers = grad_fn.discover(params, x, y)
+  opts = _options(cadence, method=method)
+
+  def run(tx, wrap):
+    state = tx.init(params)
+    step, state = wrap(tx, state)
+    p, out = params, []
+    for _ in range(5):
+      p, state = step(p, state, x, y)
+      out.append(p)
+    return out, state
+
+  def single(tx, state):
+    def step(p, s, x, y):
+      _, g, st = grad_fn(p, x, y, opt_state=s)
+      u, s = tx.update(g, s, p, kfac_stats=st)
+      return optax.apply_updates(p, u), s
+    return jax.jit(step), state
+
+  def sharded(tx, state):
+    def step(p, s, x, y):
+      _, g, st = grad_fn(p, x, y, opt_state=s)
+      u, s = tx.update(g, s, p, kfac_stats=st)
+      return optax.apply_updates(p, u), s
+    state = kd.shard_state(state, mesh)
+    specs = kd.partition_specs(state)
+    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
+                                 out_specs=(P(), specs))), state
+
+  mesh = helpers.data_mesh(8)
+  dist = kd.Distribution(mesh, axis="data", grad_worker_fraction=fraction,
+                         gradient_reduction="all_reduce")
+  reference, _ = run(kd.kfac(0.1, layers=layers, **opts), single)
+  trajectory, state = run(kd.kfac(0.1, layers=layers, distribution=dist, **opts), sharded)
+  layout = find_states(state)[0].layout
+  members = {r: layout.decomposition_branches.count(r) for r in layout.decomposition_branches}
+  assert any(n > 1 and layout.batches[r] for r, n in members.items()), members
+  _assert_same(trajectory, reference)
+
+
+def test_a_shared_branch_reads_each_devices_range():
+  """`decompositions._range_at`: each device's `[start, start + size)` of the
+  gathered chunks, read as (chunk row, column), the window clamped at the end."""
+  from kfac_jax_dist.core import collectives as collectives_lib
+  from kfac_jax_dist.kfac import decompositions
+  mesh = helpers.data_mesh(8)
+  dist = kd.Distribution(mesh, axis="data")
+  comm = collectives_lib.Collectives(dist)
+  full = jnp.arange(8 * 5, dtype=jnp.float32)          # P = 8 chunks of C = 5
+  for size, starts in ((3, (0, 4, 7, 12, 20, 33, 36, 37)), (11, (0, 1, 9, 14, 20, 24, 28, 29))):
+    read = jax.jit(jax.shard_map(
+        lambda f: decompositions._range_at(comm, f, starts, size)[None],
+        mesh=mesh, in_specs=P(), out_specs=P("data")))(full)
+    want = np.stack([np.asarray(full)[s:s + size] for s in starts])
+    np.testing.assert_array_equal(np.asarray(read), want)

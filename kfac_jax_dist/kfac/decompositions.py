@@ -18,6 +18,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from kfac_jax_dist.capture import statistics
 from kfac_jax_dist.core import collectives as collectives_lib
@@ -89,16 +90,20 @@ def eigen_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
 
 
 def inverse_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
-                    owned: jax.Array, damping: jax.Array, previous: jax.Array
-                    ) -> jax.Array:
+                    owned: jax.Array, damping: jax.Array, previous: jax.Array,
+                    comm: collectives_lib.Collectives) -> jax.Array:
   """As `eigen_segment`, with damped inverses; `damping` holds every factor's
   (a non-finite one, from a non-finite trace of either factor of the layer,
   keeps both inverses)."""
   dtype = config.compute_dtype
 
   def parts(batch: layout_lib.Batch, running: jax.Array) -> list[jax.Array]:
-    start = device * layout.max_factors + batch.first_index
-    damp = damping[start:start + batch.count]
+    if shares_branch(comm, layout, device):
+      base = comm.device_index() * layout.max_factors + batch.first_index
+      damp = lax.dynamic_slice_in_dim(damping, base, batch.count)
+    else:
+      start = device * layout.max_factors + batch.first_index
+      damp = damping[start:start + batch.count]
     inv = linalg.damped_inverse(running, damp)
     ok = finite_slots(running, inv, damp[:, None])
     if batch.matrix_offset is not None:
@@ -131,7 +136,7 @@ def pi_damping(config: KfacConfig, comm: collectives_lib.Collectives,
   dtype = config.compute_dtype
   traces = comm.all_gather_owned(
       comm.per_device(lambda d: _traces_segment(config, layout, d, owned_of(d)),
-                      layout.device_branches))
+                      layout.decomposition_branches))
   damping = jnp.ones(layout.num_devices * layout.max_factors, dtype)
   for plan in layout.plans:
     if plan.layer.unitwise:
@@ -155,14 +160,50 @@ def owned_factors(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
   owner needs its whole factors; a replica reads its home's copy."""
   if layout.factor_storage != layout_lib.CHUNKED:
     return lambda device: running
-  full, bases = comm.all_gather_owned(running), layout.owner_bases
+  full = comm.all_gather_owned(running)
+  replicas = [[(layout.factor_start(q), q.size) for q, _, _ in layout.owned(d)
+               if q.home is not None] for d in range(layout.num_devices)]
 
   def owned_of(device: int) -> jax.Array:
-    replicas = [full[layout.factor_start(q):layout.factor_start(q) + q.size]
-                for q, _, _ in layout.owned(device) if q.home is not None]
-    return jnp.concatenate(
-        [full[bases[device]:bases[device] + layout.owner_sizes[device]]] + replicas)
+    base, size = layout.owner_bases[device], layout.owner_sizes[device]
+    if not shares_branch(comm, layout, device):
+      return jnp.concatenate([full[base:base + size]] + [
+          full[start:start + n] for start, n in replicas[device]])
+    # Every device of the branch has the same sizes; each reads its own starts.
+    ranges = [(layout.owner_bases, size)] + [
+        (tuple(r[j][0] if j < len(r) else 0 for r in replicas), n)
+        for j, (_, n) in enumerate(replicas[device])]
+    return jnp.concatenate([_range_at(comm, full, starts, n) for starts, n in ranges])
   return owned_of
+
+
+def _range_at(comm: collectives_lib.Collectives, full: jax.Array,
+              starts: tuple[int, ...], size: int) -> jax.Array:
+  """`full[s:s + size]`, `s = starts[d]` of the running device d, in a branch
+  several devices share. `s` may pass int32 (GPT-2-XL's factors: 2.6e9
+  numbers), so it is read as (chunk row, column) of the gathered `[P, C]`
+  chunks, each small: a window of whole rows, then the range in it."""
+  p = comm.num_devices
+  chunk = full.shape[0] // p
+  rows = min(-(-size // chunk) + 1, p)
+  first = device_table(comm, tuple(s // chunk for s in starts))
+  column = device_table(comm, tuple(s % chunk for s in starts))
+  start = jnp.minimum(first, p - rows)          # the window stays inside the rows
+  window = lax.dynamic_slice_in_dim(full.reshape(p, chunk), start, rows).reshape(-1)
+  return lax.dynamic_slice_in_dim(window, (first - start) * chunk + column, size)
+
+
+def shares_branch(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
+                  device: int) -> bool:
+  """Whether `device`'s decomposition branch also serves other devices
+  (`Layout.decomposition_branches`): it then reads its inputs at offsets
+  from the running device's index."""
+  return comm.num_devices > 1 and layout.decomposition_branches.count(device) > 1
+
+
+def device_table(comm: collectives_lib.Collectives, values: tuple[int, ...]) -> jax.Array:
+  """`values[d]` of the device running this code (int32: small values only)."""
+  return jnp.asarray(values, jnp.int32)[comm.device_index()]
 
 
 def distribute_second(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
@@ -182,15 +223,20 @@ def decompose(config: KfacConfig, comm: collectives_lib.Collectives,
   one (this device's part), kept for any factor that fails."""
   def previous_of(device: int) -> jax.Array:
     # The device's own [L₂] segment within its local m·L₂ (P·L₂ with one group).
-    start = (device % layout.group_size) * layout.second_segment
-    return second[start:start + layout.second_segment]
+    m, size = layout.group_size, layout.second_segment
+    if not shares_branch(comm, layout, device):
+      start = (device % m) * size
+      return second[start:start + size]
+    row = device_table(comm, tuple(d % m for d in range(layout.num_devices)))
+    return lax.dynamic_index_in_dim(second.reshape(m, size), row, keepdims=False)
 
   owned_of = owned_factors(comm, layout, running)
   if config.method == "eigen":
     local = comm.per_device(lambda d: eigen_segment(
-        config, layout, d, owned_of(d), previous_of(d)), layout.device_branches)
+        config, layout, d, owned_of(d), previous_of(d)), layout.decomposition_branches)
   else:
     damping = pi_damping(config, comm, layout, owned_of, gamma)
     local = comm.per_device(lambda d: inverse_segment(
-        config, layout, d, owned_of(d), damping, previous_of(d)), layout.device_branches)
+        config, layout, d, owned_of(d), damping, previous_of(d), comm),
+        layout.decomposition_branches)
   return distribute_second(comm, layout, local)

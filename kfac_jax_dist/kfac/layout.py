@@ -214,6 +214,23 @@ class Layout:
     idle = [d for d in range(self.num_devices) if d not in owners]
     return tuple(d if d in owners else idle[0] for d in range(self.num_devices))
 
+  @functools.cached_property
+  def decomposition_branches(self) -> tuple[int, ...]:
+    """Each device's representative in the decompositions' per-device switch:
+    the first device whose decomposition work has the same shapes (the same
+    batches, owned size and replica sizes). Such devices run the same code on
+    different data, read at their own offsets (`decompositions.device_table`),
+    so the program grows with the distinct kinds of work, not with P (at
+    P = 1024 most of GPT-2-XL's devices own one factor of one of a few
+    shapes)."""
+    first: dict = {}
+    reps = []
+    for d in range(self.num_devices):
+      replicas = tuple(q.size for q, _, _ in self.owned(d) if q.home is not None)
+      size = self.owner_sizes[d] if self.owner_sizes else 0
+      reps.append(first.setdefault((self.batches[d], size, replicas), d))
+    return tuple(reps)
+
   def owned(self, device: int) -> list[tuple[FactorPlace, LayerPlan, str]]:
     """`(place, plan, "a" | "g" | "f")` of every factor `device` decomposes
     (replicas included, after its home factors), in segment order."""
