@@ -449,8 +449,10 @@ def program_sizes(args, compiles: list[dict], reused: list[dict]) -> list[dict]:
 
 def size_rows(sizes: list[dict], layouts: dict) -> tuple[list[list], list[str]]:
   """The program-size table and its verdicts (P = 1024 against P = 64); beside
-  each, the decomposition batches of all devices together (each device's
-  branch has its own: the code that grows with the devices that own work)."""
+  each, the decomposition batches of all devices together and the branches
+  of the decompositions' per-device switch (`Layout.decomposition_branches`:
+  devices with the same work share one, so the code grows with the kinds of
+  work, not with the devices)."""
   table, verdicts = [], []
   for r in sizes:
     base = [b for b in sizes if (b["model"], b["strategy"], b["P"]) ==
@@ -463,7 +465,8 @@ def size_rows(sizes: list[dict], layouts: dict) -> tuple[list[list], list[str]]:
     hlo_growth = (hlo / base[0]["hlo_instructions"]
                   if hlo and base and base[0].get("hlo_instructions") else None)
     lay = layouts.get((r["model"], r["P"], r["strategy"]))
-    batches = sum(len(b) for b in lay.batches) if lay is not None else ""
+    batches = (f"{sum(len(b) for b in lay.batches)} / {len(set(lay.decomposition_branches))}"
+               if lay is not None else "")
     table.append([r["model"], r["P"], r["strategy"], batches, f"{r['stablehlo_ops']:,}",
                   f"{r['stablehlo_chars'] / 1e6:.1f} M", f"{growth:.2f}",
                   f"{hlo:,}" if hlo else "not compiled",
@@ -801,19 +804,20 @@ def main(argv=None):
   out.append("")
   table, verdicts = size_rows(sizes, layouts)
   out.append(C.md_table(table, ["model", "P", "strategy", "decomposition batches (all "
-                                "devices)", "StableHLO ops", "text",
+                                "devices) / branches", "StableHLO ops", "text",
                                 "× P = 64", "compiled HLO instructions", "× P = 64",
                                 "trace+lower s"]))
   out.append("")
   out.extend(f"- {v}" for v in verdicts)
-  out += ["", "Every device's work is one branch of the per-device switch, with its own "
-          "batched eigendecompositions (one batch per factor shape it owns); idle "
-          "devices share one branch (`Layout.device_branches`). The program therefore "
-          "grows with the batches of all devices together: where P outgrows the "
-          "factors (GPT-2-XL: 576 factors, P = 1024) each factor becomes a batch of its "
-          "own, plus the copies of split items. Devices whose work has the same shapes "
-          "could share a branch, reading their segments at offsets from a per-device "
-          "table: not done yet (issue 16)."]
+  out += ["", "Each device's decompositions are a branch of the per-device switch "
+          "(one batched eigendecomposition per factor shape it owns). Devices whose "
+          "work has the same shapes (the same batches, owned size and replica sizes) "
+          "share one branch (`Layout.decomposition_branches`), each reading its "
+          "factors, replicas, previous segment and damping at offsets from its index; "
+          "so the branches grow with the kinds of work, not with P (GPT-2-XL at P = 1024: "
+          "576 factors, most devices owning one of a few shapes). The compiled HLO "
+          "instruction counts come from the compile rows, which may be from an earlier "
+          "commit (see the compile table's 'measured at')."]
   text = "\n".join(out)
   print(text)
   C.write_results(args.out, C.stem("layout_balance", args.quick)
