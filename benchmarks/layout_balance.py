@@ -61,7 +61,8 @@ grow with P (P = 1024 at most 2× P = 64).
 Usage: python benchmarks/layout_balance.py [--quick] [--devices 8,64,256,1024]
        [--compile 8,64,256] [--program-size 64,256,1024] [--compile-timeout S]
        [--reuse-compiles JSON] [--out DIR]
-(--quick: compiles the MEM-OPT update at P = 8 only; writes layout_balance_quick.*).
+(--quick: the balance at P = 8 and 64, the MEM-OPT update compiled at P = 8 only;
+writes layout_balance_quick.*).
 """
 
 from __future__ import annotations
@@ -509,7 +510,8 @@ def main(argv=None):
   ap.add_argument("--quick", action="store_true",
                   help="compiles the MEM-OPT update at P = 8 only (unless --compile); "
                   "writes layout_balance_quick.*")
-  ap.add_argument("--devices", default="8,64,256,1024")
+  ap.add_argument("--devices", default=None,
+                  help="P values of the balance tables (default 8,64,256,1024; quick 8,64)")
   ap.add_argument("--compile", default=None,
                   help="P values to compile the ResNet-50 update at (default 8,64,256; quick 8)")
   ap.add_argument("--program-size", default=None,
@@ -534,7 +536,8 @@ def main(argv=None):
   alt_build = load_build(args.alt_layout) if args.alt_layout else None
   if args.alt_layout:
     head["alt_layout"] = os.path.abspath(args.alt_layout)
-  ps = [int(v) for v in args.devices.split(",")]
+  ps = [int(v) for v in (args.devices or ("8,64" if args.quick else "8,64,256,1024")
+                         ).split(",")]
   rows = []
   models = {}
   layouts = {}          # (model, P, strategy) -> the library's layout

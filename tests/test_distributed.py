@@ -108,8 +108,8 @@ def test_strategy_equals_single_device(fraction, factor_reduction, gradient_redu
   _assert_same(trajectory, reference)
 
 
-@pytest.mark.parametrize("fraction", [
-    1 / 4, pytest.param(1 / 8, marks=pytest.mark.slow), pytest.param(1.0, marks=pytest.mark.slow)])
+@pytest.mark.slow     # the "pass" skip is also checked on one device (test_capture)
+@pytest.mark.parametrize("fraction", [1 / 4, 1 / 8, 1.0])
 def test_whole_pass_statistics_skip_equals_single_device(fraction):
   """skip_statistics="pass" (one conditional around the capture, the GPU
   default) inside shard_map: the same trajectory as one device."""
@@ -198,7 +198,8 @@ def test_low_precision_factor_traffic_warns_and_stays_close():
     _assert_same(trajectory, reference)
 
 
-@pytest.mark.parametrize("num_devices,cadence", [(2, (1, 1)), (8, (2, 3))])
+@pytest.mark.parametrize("num_devices,cadence", [
+    pytest.param(2, (1, 1), marks=pytest.mark.slow), (8, (2, 3))])
 def test_reduce_scatter_factor_storage_is_the_cheaper(num_devices, cadence):
   """Tight chunks (every factor step sends (P−1)·C, decomposition steps gather
   them back) or owner segments ((P−1)·L per factor step), whichever the
@@ -234,7 +235,7 @@ def _same_width_mlp(widths=(12, 16, 16, 16, 16, 16, 16, 16, 16, 10), n=32):
 
 
 @pytest.mark.parametrize("fraction,method,cadence", [
-    (1 / 8, "eigen", (2, 3)), (1 / 2, "inverse", (2, 3)),
+    (1 / 8, "eigen", (2, 3)), pytest.param(1 / 2, "inverse", (2, 3), marks=pytest.mark.slow),
     pytest.param(1 / 8, "inverse", (10, 100), marks=pytest.mark.slow),
     pytest.param(1 / 2, "eigen", (10, 100), marks=pytest.mark.slow)])
 def test_devices_with_the_same_work_share_a_branch(fraction, method, cadence):
