@@ -120,17 +120,29 @@ def second_order_base(lay: layout_lib.Layout, owner: int) -> int:
   return ((owner // m) * m * m + owner % m) * lay.second_segment
 
 
+def on_one_device(x: jax.Array) -> jax.Array:
+  """A concrete array sharded over several local devices, copied to one: the
+  readers below slice it once per factor, and each eager slice of a
+  multi-device array is an SPMD program of its own (slow, and where XLA's CPU
+  runtime has aborted under load, three times in CI). Traced arrays and
+  arrays of several processes stay as they are."""
+  if (isinstance(x, jax.core.Tracer) or not getattr(x, "is_fully_addressable", False)
+      or len(x.sharding.device_set) == 1):
+    return x
+  return jax.device_put(x, jax.local_devices()[0])
+
+
 def running_factors(state: ScaleByKfacState) -> dict[str, dict[str, jax.Array]]:
   """`{layer: {"A": A, "G": G}}` (`{"F": F}`, `[C, 3]`, for a unit-wise layer)
   of a global (not per-device) state; diagonal factors come back as their
   diagonal."""
-  lay = state.layout
+  lay, running = state.layout, on_one_device(state.factors)
   out = {}
   for plan in lay.plans:
     out[plan.layer.name] = {}
     for which, place in plan.places:
       start = lay.factor_start(place)
-      flat = state.factors[start:start + place.size]
+      flat = running[start:start + place.size]
       flat = flat.astype(jnp.promote_types(flat.dtype, jnp.float32))
       if place.form == statistics.DIAG:
         value = flat
@@ -150,7 +162,7 @@ def second_order_parts(state: ScaleByKfacState
   state: eigenbasis and eigenvalues ("eigen") or damped inverse ("inverse"),
   `None` where a factor has no such part (diagonal and unit-wise factors keep
   only a vector, `[d]` or `[d, 3]`)."""
-  lay, second = state.layout, state.second_order
+  lay, second = state.layout, on_one_device(state.second_order)
   out = {}
   for plan in lay.plans:
     out[plan.layer.name] = {}
