@@ -328,21 +328,22 @@ def build(model_name: str, args):
           "K-FAC update alone, plain step"),
   ]
 
-  if args.core:
-    return dict(desc=desc, layers=layers, runners=runners, compile=compile_med,
-                steps_per_cycle=cycle,
-                flops=flop_model(model, params, x, layers, loss_fn, y))
-  runners += adaptive_runners(grad_fn, layers, jitted["kfac_adaptive"], params,
-                              states["kfac_adaptive"], x, y, grads1, reps, cycle)
-  runners.append(Runner("ekfac_amortised", chained_runner(
-      jitted["ekfac_amortised"], (params, states["ekfac_amortised"], x, y), cycle),
-      "ekfac", f"EK-FAC, the amortised cadence; {cycle} consecutive steps"))
-  runners += [Runner(name, chained_runner(jitted[name], (params, states[name], x, y), cycle),
-                     "shampoo", f"{what}, every {ROOTS_EVERY} steps; {cycle} consecutive "
-                     "steps") for name, what in (("shampoo", "kd.shampoo: roots"),
-                                                 ("soap", "kd.soap: eigenbases"))]
+  if not args.core:
+    runners += adaptive_runners(grad_fn, layers, jitted["kfac_adaptive"], params,
+                                states["kfac_adaptive"], x, y, grads1, reps, cycle)
+    runners += chained_runners(jitted, states, params, x, y, cycle)
   return dict(desc=desc, layers=layers, runners=runners, compile=compile_med,
               steps_per_cycle=cycle, flops=flop_model(model, params, x, layers, loss_fn, y))
+
+
+def chained_runners(jitted: dict, states: dict, params, x, y, cycle: int) -> list[Runner]:
+  """EK-FAC, `kd.shampoo` and `kd.soap`, each over `cycle` consecutive steps."""
+  return [Runner("ekfac_amortised", chained_runner(
+      jitted["ekfac_amortised"], (params, states["ekfac_amortised"], x, y), cycle),
+      "ekfac", f"EK-FAC, the amortised cadence; {cycle} consecutive steps")] + [
+      Runner(name, chained_runner(jitted[name], (params, states[name], x, y), cycle),
+             "shampoo", f"{what}, every {ROOTS_EVERY} steps; {cycle} consecutive steps")
+      for name, what in (("shampoo", "kd.shampoo: roots"), ("soap", "kd.soap: eigenbases"))]
 
 
 def adaptive_runners(grad_fn, layers, step, params, state, x, y, grads, reps: int,
