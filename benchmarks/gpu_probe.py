@@ -38,7 +38,7 @@ EIGH_SIZES = ((1, 785), (2, 513), (4, 257), (8, 129), (16, 65), (24, 35))
 # One matrix at a time: is a size 2^k + 1 (a factor with its bias row) slow?
 # (Measured on an H100, jax 0.11.2: cuSOLVER syevd took 26 ms per 513 matrix
 # in a batch of 2 and 9 ms for one 785.)
-SINGLE_SIZES = (256, 257, 272, 512, 513, 520, 544, 784, 785, 1024, 1025)
+SINGLE_SIZES = (35, 65, 129, 256, 257, 272, 512, 513, 520, 544, 784, 785, 1024, 1025)
 SKIPPED_OPS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
                "after-all", "partition-id", "replica-id"}
 
@@ -56,7 +56,8 @@ def timed(fn, *args, reps: int) -> float:
 
 def eigh_table(reps: int) -> list[str]:
   lines = ["eigh, ms per batched call (float32, random PSD):",
-           "  batch x dim | " + " | ".join(["qr", "jacobi", "qdwh", "cholesky inverse"])]
+           "  batch x dim | " + " | ".join(["qr", "jacobi", "qdwh", "cholesky inverse",
+                                             "one at a time (lax.map)", "one at a time (unrolled)"])]
   for batch, dim in EIGH_SIZES:
     mats = random_psd(batch, dim)
     cells = []
@@ -69,6 +70,9 @@ def eigh_table(reps: int) -> list[str]:
     inv = jax.jit(lambda m: jax.scipy.linalg.cho_solve(
         (jnp.linalg.cholesky(m), True), jnp.broadcast_to(jnp.eye(m.shape[-1]), m.shape)))
     cells.append(f"{timed(inv, mats, reps=reps):.2f}")
+    mapped = jax.jit(lambda m: lax.map(jnp.linalg.eigh, m))
+    unrolled = jax.jit(lambda m: [jnp.linalg.eigh(m[i]) for i in range(m.shape[0])])
+    cells += [f"{timed(mapped, mats, reps=reps):.2f}", f"{timed(unrolled, mats, reps=reps):.2f}"]
     lines.append(f"  {batch} x {dim} | " + " | ".join(cells))
   lines.append("one matrix, default eigh, ms: " + ", ".join(
       f"{dim}: {timed(jax.jit(jnp.linalg.eigh), random_psd(1, dim)[0], reps=reps):.2f}"

@@ -15,10 +15,12 @@ import sys
 import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 import kfac_jax_dist as kd
 from kfac_jax_dist.kfac import cost
+
+import helpers
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
                                 "benchmarks"))
@@ -30,7 +32,7 @@ F32 = 4
 
 
 def mesh8():
-  return Mesh(np.array(jax.devices()[:8]), ("data",))
+  return helpers.data_mesh(8)
 
 
 def strategies(p: int):

@@ -402,5 +402,5 @@ def test_verdict_is_computed_once_without_a_gpu_conditional():
   # XLA folds away); CPU's is a conditional, CUDA's a barrier.
   assert "optimization_barrier" in cuda and "optimization_barrier" not in cpu
   compiled = jax.jit(faults.computed_once).lower(jnp.asarray(True)).compile().as_text()
-  assert compiled.count(" conditional(") == 1
+  assert compiled.count(" conditional(") == (1 if jax.default_backend() == "cpu" else 0)
   assert bool(jax.jit(faults.computed_once)(jnp.asarray(False))) is False
