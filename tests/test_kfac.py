@@ -347,6 +347,20 @@ def test_cpu_decompositions_are_unbatched():
   assert all('num_batch_dims = "0"' in line for line in calls), calls
 
 
+@pytest.mark.parametrize("d, one_at_a_time", [(129, False), (257, True)])
+def test_cuda_eigh_of_large_factors_one_matrix_per_call(d, one_at_a_time):
+  """The CUDA lowering: jaxlib's batched cuSOLVER eigh is slow above
+  `GPU_BATCHED_EIGH_MAX_DIM` (measured on an H100), so such a batch is one
+  single-matrix syevd per loop iteration; smaller factors stay one batched call."""
+  from kfac_jax_dist.core import linalg  # pylint: disable=import-outside-toplevel
+  stacked = jnp.ones((3, d, d), jnp.float32)
+  text = jax.jit(linalg.eigh).trace(stacked).lower(lowering_platforms=("cuda",)).as_text()
+  calls = [line for line in text.splitlines() if "cusolver_syevd" in line]
+  assert len(calls) == 1
+  assert ("stablehlo.while" in text) == one_at_a_time
+  assert ('num_batch_dims = "0"' in calls[0]) == one_at_a_time
+
+
 @pytest.mark.parametrize("d", [1, 2, 3, 7, 361, 362, 400, 1601])
 def test_packed_triangles_match_numpy(d):
   """Packed factors: the indices computed in the program (large `d`, no

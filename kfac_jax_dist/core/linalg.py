@@ -3,7 +3,8 @@
 `eigh` is the symmetric eigendecomposition of a batch of PSD matrices (K-FAC's
 factors, Shampoo's statistics), in float32 at least, eigenvalues clipped at 0.
 `batched` runs a per-matrix function over a batch: one batched call on
-accelerators, one call per matrix on CPU (see its docstring).
+accelerators, one call per matrix on CPU (see its docstring); `eigh` also runs
+one matrix at a time on CUDA above `GPU_BATCHED_EIGH_MAX_DIM`.
 """
 
 from __future__ import annotations
@@ -20,15 +21,24 @@ def at_least_f32(x: jax.Array) -> jax.Array:
   return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
-def batched(fn: Callable, stacked: jax.Array):
+# jaxlib's batched cuSOLVER eigh is slow on large matrices. Measured on an H100
+# (jax 0.11.2; benchmarks/results/gpu/summary.md): 8.4 ms per matrix in a batch
+# of 4 x 257 and 26 ms in 2 x 513, against 2.7 and 5.9 ms one at a time; a
+# batch of 8 x 129 took 0.23 ms per matrix (between 129 and 257: not measured).
+GPU_BATCHED_EIGH_MAX_DIM = 192
+
+
+def batched(fn: Callable, stacked: jax.Array, *, one_at_a_time_on_cuda: bool = False):
   """`fn` on every `[d, d]` slot of `stacked`: one batched call on accelerators,
-  one call per slot (`lax.map`) on CPU. jaxlib's batched CPU eigh/cholesky fans
-  the batch out over XLA's intra-op thread pool from inside that pool, and
-  deadlocks when every pool thread waits (seen on 2-core machines)."""
+  one call per slot (`lax.map`) on CPU, and on CUDA too if
+  `one_at_a_time_on_cuda`. jaxlib's batched CPU eigh/cholesky fans the batch
+  out over XLA's intra-op thread pool from inside that pool, and deadlocks
+  when every pool thread waits (seen on 2-core machines)."""
   if stacked.shape[0] == 1:
     return jax.tree_util.tree_map(lambda x: x[None], fn(stacked[0]))
-  return lax.platform_dependent(stacked, cpu=lambda s: lax.map(fn, s),
-                                default=jax.vmap(fn))
+  one_at_a_time = lambda s: lax.map(fn, s)
+  cuda = {"cuda": one_at_a_time} if one_at_a_time_on_cuda else {}
+  return lax.platform_dependent(stacked, cpu=one_at_a_time, **cuda, default=jax.vmap(fn))
 
 
 def eigh(factors: jax.Array) -> tuple[jax.Array | None, jax.Array]:
@@ -37,6 +47,7 @@ def eigh(factors: jax.Array) -> tuple[jax.Array | None, jax.Array]:
   if factors.ndim == 2:                      # diagonal factors
     return None, jnp.maximum(factors, 0.0)
   factors = 0.5 * (factors + jnp.swapaxes(factors, -1, -2))
-  values, vectors = batched(lambda f: jnp.linalg.eigh(f, symmetrize_input=False),
-                             factors)
+  values, vectors = batched(
+      lambda f: jnp.linalg.eigh(f, symmetrize_input=False), factors,
+      one_at_a_time_on_cuda=factors.shape[-1] > GPU_BATCHED_EIGH_MAX_DIM)
   return vectors, jnp.maximum(values, 0.0)
