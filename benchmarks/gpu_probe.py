@@ -87,9 +87,11 @@ def random_psd(batch: int, dim: int) -> jax.Array:
 
 def kernel_census(compiled) -> collections.Counter:
   """Opcode counts of the instructions that launch work: every instruction of
-  the non-fused computations, bookkeeping (tuples, parameters) left out."""
+  the computations that are neither fused nor a reduction's reducer
+  (`to_apply`), bookkeeping (tuples, parameters) left out. Untaken branches
+  of conditionals count too."""
   text = compiled.as_text()
-  fused = set(re.findall(r"calls=%?([\w.\-]+)", text))
+  fused = set(re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", text))
   counts: collections.Counter = collections.Counter()
   inside = False
   for line in text.splitlines():

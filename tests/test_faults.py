@@ -404,3 +404,27 @@ def test_verdict_is_computed_once_without_a_gpu_conditional():
   compiled = jax.jit(faults.computed_once).lower(jnp.asarray(True)).compile().as_text()
   assert compiled.count(" conditional(") == (1 if jax.default_backend() == "cpu" else 0)
   assert bool(jax.jit(faults.computed_once)(jnp.asarray(False))) is False
+
+
+def test_all_finite_against_numpy():
+  """`all_finite` (one `Σ|x|·0` reduction per array) is numpy's `isfinite().all()`
+  over every inexact array: huge finite values (whose sum would overflow) pass,
+  any NaN or ±∞ fails, in float32, bfloat16 and complex; integers are ignored."""
+  from kfac_jax_dist.core import faults
+  big = np.float32(3e38)
+  cases = [
+      [np.ones(3, np.float32), np.array([big, big, -big], np.float32)],
+      [np.array([1.0, np.inf], np.float32)],
+      [np.array([-np.inf], np.float32), np.ones(2, np.float32)],
+      [np.ones((2, 2), np.float32), np.array([np.nan], np.float32)],
+      [np.array([1 + 1j * np.inf], np.complex64)],
+      [np.array([1 + 2j], np.complex64)],
+      [np.arange(3)],
+      [],
+  ]
+  for arrays in cases:
+    want = all(np.isfinite(a).all() for a in arrays if np.issubdtype(a.dtype, np.inexact))
+    assert bool(jax.jit(faults.all_finite)(arrays)) == want, arrays
+  overflowing = jnp.asarray([1e38, 1e38, 1e38], jnp.float32).astype(jnp.bfloat16)
+  assert bool(jax.jit(faults.all_finite)([overflowing]))
+  assert not bool(jax.jit(faults.all_finite)([overflowing * 1e10]))
