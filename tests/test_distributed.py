@@ -234,14 +234,20 @@ def _same_width_mlp(widths=(12, 16, 16, 16, 16, 16, 16, 16, 16, 10), n=32):
   return loss_fn, params, x, y
 
 
-@pytest.mark.parametrize("fraction,method,cadence", [
-    (1 / 8, "eigen", (2, 3)), pytest.param(1 / 2, "inverse", (2, 3), marks=pytest.mark.slow),
-    pytest.param(1 / 8, "inverse", (10, 100), marks=pytest.mark.slow),
-    pytest.param(1 / 2, "eigen", (10, 100), marks=pytest.mark.slow)])
-def test_devices_with_the_same_work_share_a_branch(fraction, method, cadence):
-  """`Layout.decomposition_branches`: devices whose decompositions have the
-  same shapes share one branch of the per-device switch, each reading its own
-  factors and segment at offsets from its index; the run equals one device's."""
+@pytest.mark.parametrize("fraction,method,cadence,reduction", [
+    (1 / 8, "eigen", (2, 3), "reduce_scatter"),
+    pytest.param(1 / 2, "inverse", (2, 3), "reduce_scatter", marks=pytest.mark.slow),
+    pytest.param(1 / 8, "inverse", (10, 100), "reduce_scatter", marks=pytest.mark.slow),
+    pytest.param(1 / 2, "eigen", (10, 100), "reduce_scatter", marks=pytest.mark.slow),
+    pytest.param(1 / 8, "eigen", (2, 3), "all_reduce", marks=pytest.mark.slow)])
+def test_devices_with_the_same_work_share_a_branch(fraction, method, cadence, reduction,
+                                                   monkeypatch):
+  """`Layout.decomposition_branches` (and `copy_branches` of the all-reduce):
+  devices whose decompositions (copies) have the same shapes share one branch
+  of the per-device switch, each reading its own factors and segment at
+  offsets from its index; the run equals one device's."""
+  from kfac_jax_dist.kfac import layout as layout_lib
+  monkeypatch.setattr(layout_lib, "SHARED_COPY_MIN", 2)   # 8 devices: share from 2
   loss_fn, params, x, y = _same_width_mlp()
   grad_fn = kd.value_and_grad(loss_fn)
   layers = grad_fn.discover(params, x, y)
@@ -275,27 +281,28 @@ def test_devices_with_the_same_work_share_a_branch(fraction, method, cadence):
 
   mesh = helpers.data_mesh(8)
   dist = kd.Distribution(mesh, axis="data", grad_worker_fraction=fraction,
-                         gradient_reduction="all_reduce")
+                         factor_reduction=reduction, gradient_reduction="all_reduce")
   reference, _ = run(kd.kfac(0.1, layers=layers, **opts), single)
   trajectory, state = run(kd.kfac(0.1, layers=layers, distribution=dist, **opts), sharded)
   layout = find_states(state)[0].layout
   members = {r: layout.decomposition_branches.count(r) for r in layout.decomposition_branches}
   assert any(n > 1 and layout.batches[r] for r, n in members.items()), members
+  copies = {r: layout.copy_branches.count(r) for r in layout.copy_branches}
+  assert any(n > 1 and layout.owned(r) for r, n in copies.items()), copies
   _assert_same(trajectory, reference)
 
 
 def test_a_shared_branch_reads_each_devices_range():
-  """`decompositions._range_at`: each device's `[start, start + size)` of the
+  """`Collectives.range_at`: each device's `[start, start + size)` of the
   gathered chunks, read as (chunk row, column), the window clamped at the end."""
   from kfac_jax_dist.core import collectives as collectives_lib
-  from kfac_jax_dist.kfac import decompositions
   mesh = helpers.data_mesh(8)
   dist = kd.Distribution(mesh, axis="data")
   comm = collectives_lib.Collectives(dist)
   full = jnp.arange(8 * 5, dtype=jnp.float32)          # P = 8 chunks of C = 5
   for size, starts in ((3, (0, 4, 7, 12, 20, 33, 36, 37)), (11, (0, 1, 9, 14, 20, 24, 28, 29))):
     read = jax.jit(jax.shard_map(
-        lambda f: decompositions._range_at(comm, f, starts, size)[None],
+        lambda f: comm.range_at(f, starts, size)[None],
         mesh=mesh, in_specs=P(), out_specs=P("data")))(full)
     want = np.stack([np.asarray(full)[s:s + size] for s in starts])
     np.testing.assert_array_equal(np.asarray(read), want)

@@ -81,6 +81,25 @@ class Collectives:
           f"({self.num_devices} devices): call update inside jax.shard_map over that "
           "axis, with in_specs/out_specs from kd.partition_specs(opt_state).") from e
 
+  def device_table(self, values: Sequence[int]) -> jax.Array:
+    """`values[d]` of the device running this code (int32: small values only)."""
+    return jnp.asarray(values, jnp.int32)[self.device_index()]
+
+  def range_at(self, full: jax.Array, starts: Sequence[int], size: int) -> jax.Array:
+    """`full[s:s + size]`, `s = starts[d]` of the running device d, in a branch
+    of `per_device` that several devices share; `full`'s length a multiple of
+    P. `s` may pass int32 (GPT-2-XL's factors: 2.6e9 numbers), so it is read
+    as (row, column) of `full` as `[P, C]`, each small: a window of whole rows,
+    then the range in it."""
+    p = self.num_devices
+    chunk = full.shape[0] // p
+    rows = min(-(-size // chunk) + 1, p)
+    first = self.device_table(tuple(s // chunk for s in starts))
+    column = self.device_table(tuple(s % chunk for s in starts))
+    start = jnp.minimum(first, p - rows)          # the window stays inside the rows
+    window = jax.lax.dynamic_slice_in_dim(full.reshape(p, chunk), start, rows).reshape(-1)
+    return jax.lax.dynamic_slice_in_dim(window, (first - start) * chunk + column, size)
+
   def per_device(self, make, representatives: Sequence[int] | None = None):
     """`make(device)` on each device: devices own different work, so with P > 1
     this is a `lax.switch` on the device index (each device's code appears in

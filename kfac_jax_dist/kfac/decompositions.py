@@ -173,24 +173,8 @@ def owned_factors(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
     ranges = [(layout.owner_bases, size)] + [
         (tuple(r[j][0] if j < len(r) else 0 for r in replicas), n)
         for j, (_, n) in enumerate(replicas[device])]
-    return jnp.concatenate([_range_at(comm, full, starts, n) for starts, n in ranges])
+    return jnp.concatenate([comm.range_at(full, starts, n) for starts, n in ranges])
   return owned_of
-
-
-def _range_at(comm: collectives_lib.Collectives, full: jax.Array,
-              starts: tuple[int, ...], size: int) -> jax.Array:
-  """`full[s:s + size]`, `s = starts[d]` of the running device d, in a branch
-  several devices share. `s` may pass int32 (GPT-2-XL's factors: 2.6e9
-  numbers), so it is read as (chunk row, column) of the gathered `[P, C]`
-  chunks, each small: a window of whole rows, then the range in it."""
-  p = comm.num_devices
-  chunk = full.shape[0] // p
-  rows = min(-(-size // chunk) + 1, p)
-  first = device_table(comm, tuple(s // chunk for s in starts))
-  column = device_table(comm, tuple(s % chunk for s in starts))
-  start = jnp.minimum(first, p - rows)          # the window stays inside the rows
-  window = lax.dynamic_slice_in_dim(full.reshape(p, chunk), start, rows).reshape(-1)
-  return lax.dynamic_slice_in_dim(window, (first - start) * chunk + column, size)
 
 
 def shares_branch(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
@@ -199,11 +183,6 @@ def shares_branch(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
   (`Layout.decomposition_branches`): it then reads its inputs at offsets
   from the running device's index."""
   return comm.num_devices > 1 and layout.decomposition_branches.count(device) > 1
-
-
-def device_table(comm: collectives_lib.Collectives, values: tuple[int, ...]) -> jax.Array:
-  """`values[d]` of the device running this code (int32: small values only)."""
-  return jnp.asarray(values, jnp.int32)[comm.device_index()]
 
 
 def distribute_second(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
@@ -227,7 +206,7 @@ def decompose(config: KfacConfig, comm: collectives_lib.Collectives,
     if not shares_branch(comm, layout, device):
       start = (device % m) * size
       return second[start:start + size]
-    row = device_table(comm, tuple(d % m for d in range(layout.num_devices)))
+    row = comm.device_table(tuple(d % m for d in range(layout.num_devices)))
     return lax.dynamic_index_in_dim(second.reshape(m, size), row, keepdims=False)
 
   owned_of = owned_factors(comm, layout, running)

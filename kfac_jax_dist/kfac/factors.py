@@ -109,19 +109,28 @@ def stats_segments(layout: layout_lib.Layout, stats: Stats, dtype: Any) -> jax.A
 def _all_reduced(config: KfacConfig, comm: collectives_lib.Collectives,
                  layout: layout_lib.Layout, stats: Stats) -> jax.Array:
   """KAISA: all-reduce the unpadded buffer of every factor, then each owner
-  copies its own factors into its segment."""
+  copies its own factors into its segment (devices owning factors of the
+  same sizes share one branch of that copy: `Layout.copy_branches`)."""
   dtype = config.compute_dtype
   flat = jnp.concatenate([
       packing.pack_factor(layer_statistic(stats, plan, w).astype(dtype), place.form,
                           layout.packed)
       for plan in layout.plans for w, place in plan.places])
   summed, offsets = comm.all_reduce_factors(flat), layout_lib.tight_offsets(layout)
+  starts = [[offsets[(p.layer.name, w)] for _, p, w in layout.owned(d)]
+            for d in range(layout.num_devices)]
+  reps = layout.copy_branches
+  shared = jnp.pad(summed, (0, -summed.shape[0] % comm.num_devices))
 
   def own(device: int) -> jax.Array:
-    pieces = [summed[offsets[(p.layer.name, w)]:offsets[(p.layer.name, w)] + place.size]
-              for place, p, w in layout.owned(device)]
+    owned = layout.owned(device)
+    if comm.num_devices == 1 or reps.count(device) == 1:
+      pieces = [summed[s:s + q.size] for s, (q, _, _) in zip(starts[device], owned)]
+    else:     # devices of the same sizes share this branch, each at its offsets
+      pieces = [comm.range_at(shared, [s[k] if k < len(s) else 0 for s in starts], q.size)
+                for k, (q, _, _) in enumerate(owned)]
     return collectives_lib.pad_to(pieces, layout.segment, dtype)
-  return comm.per_device(own, layout.device_branches)
+  return comm.per_device(own, reps)
 
 
 def batch_factors(config: KfacConfig, comm: collectives_lib.Collectives,

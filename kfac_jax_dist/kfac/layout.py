@@ -72,6 +72,8 @@ from kfac_jax_dist.core import owners
 
 CHUNKED = "chunked"
 OWNER = "owner"
+# Fewest devices that share a branch of the all-reduce's copy (`copy_branches`).
+SHARED_COPY_MIN = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,8 +221,8 @@ class Layout:
     """Each device's representative in the decompositions' per-device switch:
     the first device whose decomposition work has the same shapes (the same
     batches, owned size and replica sizes). Such devices run the same code on
-    different data, read at their own offsets (`decompositions.device_table`),
-    so the program grows with the distinct kinds of work, not with P (at
+    different data, read at their own offsets (`Collectives.range_at`), so
+    the program grows with the distinct kinds of work, not with P (at
     P = 1024 most of GPT-2-XL's devices own one factor of one of a few
     shapes)."""
     first: dict = {}
@@ -230,6 +232,22 @@ class Layout:
       size = self.owner_sizes[d] if self.owner_sizes else 0
       reps.append(first.setdefault((self.batches[d], size, replicas), d))
     return tuple(reps)
+
+  @functools.cached_property
+  def copy_branches(self) -> tuple[int, ...]:
+    """Each device's representative in the per-device copy of its factors out
+    of an all-reduced buffer (`factor_reduction="all_reduce"`): the first
+    device that owns factors of the same sizes in the same order, if at least
+    `SHARED_COPY_MIN` devices do (idle devices always share): a shared branch
+    reads each factor at the running device's offset through about eight
+    operations (`Collectives.range_at`) where a device's own branch has one
+    static slice."""
+    sizes = [tuple(q.size for q, _, _ in self.owned(d)) for d in range(self.num_devices)]
+    members: dict = {}
+    for d, key in enumerate(sizes):
+      members.setdefault(key, []).append(d)
+    return tuple(members[key][0] if not key or len(members[key]) >= SHARED_COPY_MIN else d
+                 for d, key in enumerate(sizes))
 
   def owned(self, device: int) -> list[tuple[FactorPlace, LayerPlan, str]]:
     """`(place, plan, "a" | "g" | "f")` of every factor `device` decomposes
