@@ -32,17 +32,24 @@ from kfac_jax_dist.core import states as states_lib
 SCOPE = "kfac_fault_check"     # the named scope of the checks (benchmarks read it)
 
 
-def all_finite(arrays: Iterable[Any]) -> jax.Array:
-  """Whether every inexact array of `arrays` is finite (a scalar bool).
+def _zero_or_nan(x: jax.Array, axis: int | None = None) -> jax.Array:
+  """`Σ |x|·0` over `axis` (float32): 0 where every number is finite, NaN where
+  one is a NaN or ±∞ (∞·0 = NaN), exactly. One reduction (`all(isfinite(x))`
+  is an elementwise test and a reduction: on the LM's update the fault checks
+  were 40% of the launched kernels; see benchmarks/gpu_probe.py)."""
+  return jnp.sum(jnp.abs(x) * 0, axis=axis, dtype=jnp.float32)
 
-  One reduction per array: `Σ |x|·0` is 0 when `x` is finite and NaN when it
-  holds a NaN or an infinity (∞·0 = NaN), exactly. (`all(isfinite(x))` was
-  two kernels per array, an elementwise test and a reduction, and fault checks
-  were 40% of the launches of a plain LM update; see benchmarks/gpu_probe.py.)
-  """
-  zeros = [jnp.sum(jnp.abs(x) * 0, dtype=jnp.float32) for x in arrays
+
+def all_finite(arrays: Iterable[Any]) -> jax.Array:
+  """Whether every inexact array of `arrays` is finite (a scalar bool)."""
+  zeros = [_zero_or_nan(x) for x in arrays
            if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
   return jnp.isfinite(jnp.sum(jnp.stack(zeros))) if zeros else jnp.asarray(True)
+
+
+def finite_rows(x: jax.Array) -> jax.Array:
+  """`[k]`: whether row i of `x` (`[k, ...]`) is finite."""
+  return jnp.isfinite(_zero_or_nan(x.reshape(x.shape[0], -1), axis=1))
 
 
 def agree(ok: jax.Array, axes: tuple[str, ...]) -> jax.Array:

@@ -22,6 +22,7 @@ from jax import lax
 
 from kfac_jax_dist.capture import statistics
 from kfac_jax_dist.core import collectives as collectives_lib
+from kfac_jax_dist.core import faults
 from kfac_jax_dist.kfac import layout as layout_lib
 from kfac_jax_dist.kfac import linalg
 from kfac_jax_dist.kfac import packing
@@ -34,7 +35,7 @@ def finite_slots(*parts: jax.Array | None) -> jax.Array:
   for part in parts:
     if part is None:
       continue
-    finite = jnp.all(jnp.isfinite(part.reshape(part.shape[0], -1)), axis=1)
+    finite = faults.finite_rows(part)
     ok = finite if ok is None else ok & finite
   return ok
 

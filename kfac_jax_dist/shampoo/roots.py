@@ -49,6 +49,7 @@ import numpy as np
 from jax import lax
 
 from kfac_jax_dist import _compat
+from kfac_jax_dist.core import faults
 from kfac_jax_dist.core import linalg
 
 _HI = lax.Precision.HIGHEST
@@ -205,5 +206,5 @@ def checked_roots(statistics: jax.Array, p: float, previous: jax.Array, *,
   `failure_threshold` (a failed decomposition, not a step fault)."""
   new, error = inverse_pth_root(statistics, p, method=method, ridge_epsilon=ridge_epsilon,
                                 max_iterations=max_iterations, tolerance=tolerance)
-  ok = jnp.all(jnp.isfinite(new), axis=(1, 2)) & (error <= failure_threshold)
+  ok = faults.finite_rows(new) & (error <= failure_threshold)
   return jnp.where(ok[:, None, None], new.astype(previous.dtype), previous)

@@ -182,7 +182,7 @@ def checked_bases(p: float, statistics: jax.Array, previous: jax.Array) -> jax.A
   the previous basis of a block whose decomposition is not finite."""
   del p
   vectors, _ = linalg.eigh(statistics)
-  ok = jnp.all(jnp.isfinite(vectors), axis=(1, 2))
+  ok = faults.finite_rows(vectors)
   return jnp.where(ok[:, None, None], vectors.astype(previous.dtype), previous)
 
 
