@@ -8,8 +8,8 @@ layout and the state):
 
 1. checks: statistics and updates against the layout (`factors.check_stats`,
    `precondition.check_updates`), placement (`core.placement`);
-2. fault verdict on the inputs (`core.faults`): the gradients, and the
-   statistics on a factor step;
+2. fault verdict on the inputs (`core.faults`): the gradients (the statistics
+   are checked inside the factor update's conditional, on factor steps only);
 3. running factors (`factors`) on factor steps, or the due factors with stale
    statistics (`stale_update`);
 4. decompositions (`decompositions`) on decomposition steps;
@@ -201,78 +201,83 @@ def check_placement(config: KfacConfig, state: ScaleByKfacState) -> None:
 
 
 def inputs_verdict(config: KfacConfig, comm: collectives_lib.Collectives,
-                   state: ScaleByKfacState, leaves: dict[str, jax.Array],
-                   stats: factors.Stats | None) -> jax.Array:
-  """Whether the gradients, and the statistics on a factor step, are finite,
-  and the settings whose values only the step knows are valid (`KfacConfig.
-  settings_ok`).
-
-  The devices agree by a psum: of the statistics' verdict on factor steps only
-  (inside the factor step's `lax.cond`), and of the gradients' only if they
-  may differ between devices (local ones; averaged gradients, typed
-  invariant over the axis, are checked as is), so a plain COMM-OPT step has
-  no extra collective.
-  """
+                   state: ScaleByKfacState, leaves: dict[str, jax.Array]) -> jax.Array:
+  """Whether the gradients are finite and the settings whose values only the
+  step knows are valid (`KfacConfig.settings_ok`). The devices agree by a
+  psum, only if the gradients may differ between devices (local ones;
+  averaged gradients, typed invariant over the axis, are checked as is), so a
+  plain COMM-OPT step has no extra collective."""
   ok = faults.all_finite(leaves.values()) & config.settings_ok(state.count)
   if comm.active and (config.gradient_reduction != "none" or config.model_axis is not None
                       or comm.dist.axis in _compat.varying_axes(list(leaves.values()))):
     ok = faults.agree(ok, comm.varying)
-  if stats is not None:
+  return faults.computed_once(ok)
+
+
+def statistics_verdict(comm: collectives_lib.Collectives, state: ScaleByKfacState,
+                       stats: factors.Stats) -> jax.Array:
+  """Whether every statistic a factor step consumes is finite, agreed by the
+  devices. Evaluated inside the factor update's conditional, so that a plain
+  step (the most frequent) checks no statistics."""
+  with jax.named_scope(faults.SCOPE):
     finite = faults.all_finite(factors.all_statistics(state.layout, stats) + (
         [] if state.correction is None else
         correction_lib.layer_statistics(state.layout, stats)))
-    if comm.active:
-      ok = ok & lax.cond(state.update_factors, lambda: faults.agree(finite, comm.varying),
-                         lambda: jnp.asarray(True))
-    else:
-      ok = ok & (finite | ~state.update_factors)
-  return faults.computed_once(ok)
+    return faults.agree(finite, comm.varying) if comm.active else finite
 
 
 def refreshed_state(config: KfacConfig, comm: collectives_lib.Collectives,
                     state: ScaleByKfacState, stats: factors.Stats | None, ok: jax.Array,
-                    gamma: jax.Array) -> ScaleByKfacState:
+                    gamma: jax.Array) -> tuple[ScaleByKfacState, jax.Array]:
   """The state after this step's factor and decomposition refreshes (none on
-  a faulty step). Named scopes mark each cadence's work in the HLO."""
-  count = state.count
+  a faulty step), and whether the statistics a factor step consumed were
+  finite (True on other steps; if not, the step is faulty and the caller
+  keeps the old state). Named scopes mark each cadence's work in the HLO."""
+  count, true = state.count, jnp.asarray(True)
   if config.stale_threshold is not None:
     def refreshed() -> tuple:
       with jax.named_scope("kfac_factor_update"):
         running, refresh, due = stale_update.refresh_due_factors(config, comm, state,
                                                                  stats)
+        stats_ok = lax.cond(state.update_factors,
+                            lambda: statistics_verdict(comm, state, stats), lambda: true)
       with jax.named_scope("kfac_decomposition"):
         second = stale_update.decompose_due_factors(config, comm, state, running, due)
-      return running, second, refresh
-    running, second, refresh = lax.cond(
-        ok, refreshed, lambda: (state.factors, state.second_order, state.refresh))
+      return running, second, refresh, stats_ok
+    running, second, refresh, stats_ok = lax.cond(
+        ok, refreshed, lambda: (state.factors, state.second_order, state.refresh, true))
     return dataclasses.replace(
         state, count=count + 1, factors=running, second_order=second, refresh=refresh,
-        update_factors=jnp.any(refresh.next_step <= count + 1))
+        update_factors=jnp.any(refresh.next_step <= count + 1)), stats_ok
   decompose_now = cadence.due(config.inverse_update_every, count) & ok
   update_now = (state.update_factors & ok) if stats is not None else jnp.asarray(False)
 
+  def updated_factors() -> tuple:
+    running, weight = factors.update_running_factors(config, comm, state, stats)
+    return running, weight, statistics_verdict(comm, state, stats)
+
   def refreshed() -> tuple:
-    running, weight = state.factors, state.factor_weight
+    running, weight, stats_ok = state.factors, state.factor_weight, true
     if stats is not None:
       with jax.named_scope("kfac_factor_update"):
-        running, weight = lax.cond(
-            update_now, lambda: factors.update_running_factors(config, comm, state, stats),
-            lambda: (state.factors, state.factor_weight))
+        running, weight, stats_ok = lax.cond(
+            update_now, updated_factors,
+            lambda: (state.factors, state.factor_weight, true))
     with jax.named_scope("kfac_decomposition"):
       second = lax.cond(
           decompose_now,
           lambda: decompositions.decompose(config, comm, state.layout, running, gamma,
                                            state.second_order),
           lambda: state.second_order)
-    return running, weight, second
+    return running, weight, second, stats_ok
   # One conditional around both refreshes: a plain step (the most frequent)
   # runs one, which on a GPU is one host round trip (see `kd.value_and_grad`).
-  running, weight, second = lax.cond(
+  running, weight, second, stats_ok = lax.cond(
       update_now | decompose_now, refreshed,
-      lambda: (state.factors, state.factor_weight, state.second_order))
+      lambda: (state.factors, state.factor_weight, state.second_order, true))
   return dataclasses.replace(
       state, count=count + 1, factor_weight=weight, factors=running, second_order=second,
-      update_factors=cadence.due(config.factor_update_every, count + 1))
+      update_factors=cadence.due(config.factor_update_every, count + 1)), stats_ok
 
 
 def corrected_states(config: KfacConfig, comm: collectives_lib.Collectives,
@@ -348,15 +353,16 @@ def update_state(config: KfacConfig, comm: collectives_lib.Collectives, updates:
     placement.check_gradients_averaged("scale_by_kfac", config.distribution, updates)
   gamma = jnp.asarray(cadence.value_at(config.damping, state.count), config.compute_dtype)
   with jax.named_scope(faults.SCOPE):
-    ok = inputs_verdict(config, comm, state, leaves, stats)
-  new_state = refreshed_state(config, comm, state, stats, ok, gamma)
+    ok = inputs_verdict(config, comm, state, leaves)
+  new_state, stats_ok = refreshed_state(config, comm, state, stats, ok, gamma)
   applied = new_state
   if state.correction is not None:
     applied, new_state = corrected_states(config, comm, state, new_state, stats, ok)
   new_updates = preconditioned_updates(config, comm, applied, updates, leaves, gamma)
   with jax.named_scope(faults.SCOPE):
     produced = faults.all_finite(jax.tree_util.tree_leaves(new_updates))
-    ok = faults.computed_once(faults.agree(ok & produced, _compat.varying_axes(produced)))
+    ok = faults.computed_once(
+        faults.agree(ok & stats_ok & produced, _compat.varying_axes(produced)))
   return faults.accept_or_skip(ok, new_updates, new_state, state)
 
 
