@@ -256,6 +256,27 @@ def test_non_finite_produced_update_skips_the_step():
   np.testing.assert_array_equal(new_state.factors, state.factors)
 
 
+def test_update_overflowing_a_narrow_parameter_dtype_skips_the_step():
+  """A float16 parameter whose preconditioned update is finite in float32 but
+  overflows float16 when written back: skipped (the produced check reads one
+  scalar for the tagged layers, so narrow dtypes are checked leaf by leaf)."""
+  params = {"l": {"kernel": jnp.ones((3, 2), jnp.float16)}}
+  layers = kd.LayerRegistry((kd.TaggedLayer(
+      name="l", kind="dense", kernel_path="l/kernel", bias_path=None, kernel_shape=(3, 2),
+      a_dim=3, g_dim=2),))
+  tx = kd.scale_by_kfac(layers, damping=1e-6)
+  state = tx.init(params)
+  stats = {"l": {"A": jnp.eye(3) * 1e-15, "G": jnp.eye(2) * 1e-15}}
+  grads = {"l": {"kernel": jnp.ones((3, 2), jnp.float16)}}     # V = 1e6: inf in float16
+  updates, new_state = tx.update(grads, state, params, kfac_stats=stats)
+  assert int(new_state.skipped) == 1 and int(new_state.count) == 0
+  assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
+  small = {"l": {"kernel": jnp.full((3, 2), 1e-3, jnp.float16)}}   # V = 1e3: fits
+  updates, new_state = tx.update(small, state, params, kfac_stats=stats)
+  assert int(new_state.skipped) == 0 and int(new_state.count) == 1
+  assert np.all(np.isfinite(np.asarray(updates["l"]["kernel"], np.float32)))
+
+
 def test_injected_hyperparameters_are_checked_at_run_time():
   """optax.inject_hyperparams passes arrays: a bad value skips the step (its
   own step counter advances unless it, too, is wrapped in skip_faulty_steps)."""

@@ -309,9 +309,11 @@ def corrected_states(config: KfacConfig, comm: collectives_lib.Collectives,
 
 def preconditioned_updates(config: KfacConfig, comm: collectives_lib.Collectives,
                            state: ScaleByKfacState, updates: Any,
-                           leaves: dict[str, jax.Array], gamma: jax.Array) -> Any:
+                           leaves: dict[str, jax.Array], gamma: jax.Array
+                           ) -> tuple[Any, jax.Array]:
   """The updates with every tagged layer's gradient preconditioned (from the
-  refreshed `state`) and KL-clipped; untagged leaves pass through."""
+  refreshed `state`) and KL-clipped, untagged leaves passing through; and
+  whether they are finite (`produced_finite`)."""
   lay = state.layout
   replicated = (set() if config.model_axis is None else
                 tensor_parallel.replicated_paths(updates, config.distribution))
@@ -332,8 +334,27 @@ def preconditioned_updates(config: KfacConfig, comm: collectives_lib.Collectives
   for plan in lay.plans:
     precondition.write_back(plan, out[plan.layer.name], leaves)
   flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
-  return jax.tree_util.tree_unflatten(
-      treedef, [leaves[registry.path_str(p)] for p, _ in flat])
+  return (jax.tree_util.tree_unflatten(
+      treedef, [leaves[registry.path_str(p)] for p, _ in flat]),
+          produced_finite(config, lay, leaves, vg))
+
+
+def produced_finite(config: KfacConfig, lay: layout_lib.Layout,
+                    leaves: dict[str, jax.Array], vg: jax.Array) -> jax.Array:
+  """Whether the produced updates are finite, from one scalar for the tagged
+  layers: with finite gradients (checked), `Σ_l |⟨V_l, ∇_l⟩|` is finite iff
+  every preconditioned `V_l` is (a NaN or ±∞ in `V` makes its dot NaN or ±∞,
+  ∞·0 = NaN), barring an overflow of the sum itself, which skips the step
+  too. Leaves of no tagged layer, and tagged leaves of a dtype of smaller
+  range than `compute_dtype` (the cast of a finite `V` may overflow), are
+  checked one by one."""
+  narrow = jnp.finfo(config.compute_dtype).max
+  tagged = {p for plan in lay.plans
+            for p in (plan.layer.kernel_path, plan.layer.bias_path) if p is not None}
+  rest = [x for path, x in leaves.items()
+          if path not in tagged or (jnp.issubdtype(x.dtype, jnp.floating)
+                                    and jnp.finfo(x.dtype).max < narrow)]
+  return jnp.isfinite(vg) & faults.all_finite(rest)
 
 
 def update_state(config: KfacConfig, comm: collectives_lib.Collectives, updates: Any,
@@ -358,9 +379,9 @@ def update_state(config: KfacConfig, comm: collectives_lib.Collectives, updates:
   applied = new_state
   if state.correction is not None:
     applied, new_state = corrected_states(config, comm, state, new_state, stats, ok)
-  new_updates = preconditioned_updates(config, comm, applied, updates, leaves, gamma)
+  new_updates, produced = preconditioned_updates(config, comm, applied, updates, leaves,
+                                                 gamma)
   with jax.named_scope(faults.SCOPE):
-    produced = faults.all_finite(jax.tree_util.tree_leaves(new_updates))
     ok = faults.computed_once(
         faults.agree(ok & stats_ok & produced, _compat.varying_axes(produced)))
   return faults.accept_or_skip(ok, new_updates, new_state, state)
