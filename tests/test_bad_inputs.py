@@ -239,16 +239,22 @@ def test_statistics_of_another_step_skip_a_factor_step():
   assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
 
 
-def test_non_finite_produced_update_skips_the_step():
-  """Finite gradients and statistics, valid settings, yet an update that
-  overflows float32: skipped, the state unchanged (issue 13 item 1)."""
-  params = {"l": {"kernel": jnp.ones((3, 2))}}
+def _tiny_curvature_layer(dtype, damping):
+  """One 3×2 Dense layer of `dtype` whose statistics are 1e-15·I: K-FAC then
+  divides its gradient by about `damping`. (params, tx, state, stats)."""
+  params = {"l": {"kernel": jnp.ones((3, 2), dtype)}}
   layers = kd.LayerRegistry((kd.TaggedLayer(
       name="l", kind="dense", kernel_path="l/kernel", bias_path=None, kernel_shape=(3, 2),
       a_dim=3, g_dim=2),))
-  tx = kd.scale_by_kfac(layers, damping=1e-30)
-  state = tx.init(params)
+  tx = kd.scale_by_kfac(layers, damping=damping)
   stats = {"l": {"A": jnp.eye(3) * 1e-15, "G": jnp.eye(2) * 1e-15}}
+  return params, tx, tx.init(params), stats
+
+
+def test_non_finite_produced_update_skips_the_step():
+  """Finite gradients and statistics, valid settings, yet an update that
+  overflows float32: skipped, the state unchanged (issue 13 item 1)."""
+  params, tx, state, stats = _tiny_curvature_layer(jnp.float32, 1e-30)
   grads = {"l": {"kernel": jnp.full((3, 2), 1e10)}}
   updates, new_state = tx.update(grads, state, params, kfac_stats=stats)
   assert int(new_state.skipped) == 1 and int(new_state.count) == 0
@@ -260,13 +266,7 @@ def test_update_overflowing_a_narrow_parameter_dtype_skips_the_step():
   """A float16 parameter whose preconditioned update is finite in float32 but
   overflows float16 when written back: skipped (the produced check reads one
   scalar for the tagged layers, so narrow dtypes are checked leaf by leaf)."""
-  params = {"l": {"kernel": jnp.ones((3, 2), jnp.float16)}}
-  layers = kd.LayerRegistry((kd.TaggedLayer(
-      name="l", kind="dense", kernel_path="l/kernel", bias_path=None, kernel_shape=(3, 2),
-      a_dim=3, g_dim=2),))
-  tx = kd.scale_by_kfac(layers, damping=1e-6)
-  state = tx.init(params)
-  stats = {"l": {"A": jnp.eye(3) * 1e-15, "G": jnp.eye(2) * 1e-15}}
+  params, tx, state, stats = _tiny_curvature_layer(jnp.float16, 1e-6)
   grads = {"l": {"kernel": jnp.ones((3, 2), jnp.float16)}}     # V = 1e6: inf in float16
   updates, new_state = tx.update(grads, state, params, kfac_stats=stats)
   assert int(new_state.skipped) == 1 and int(new_state.count) == 0
