@@ -251,6 +251,33 @@ def _tiny_curvature_layer(dtype, damping):
   return params, tx, tx.init(params), stats
 
 
+@pytest.mark.parametrize("options", [{"factor_update_every": 2}, {"stale_threshold": 0.1}],
+                         ids=["cadence", "stale"])
+def test_non_finite_statistic_skips_a_factor_step(options):
+  """Finite gradients, one NaN in a statistic of a factor step (checked inside
+  the factor update's conditional): skipped, the state unchanged but the
+  counter; the same statistic on a step that reads none is ignored."""
+  tx = _kfac(**options)
+  params = _params()
+  state = tx.init(params)
+  _, grads, stats = GRAD_FN(params, *_batch(0), opt_state=state)
+  poisoned = jax.tree.map(lambda x: x, stats)
+  poisoned["out"]["G"] = poisoned["out"]["G"].at[0, 0].set(jnp.nan)
+  updates, new_state = tx.update(grads, state, params, kfac_stats=poisoned)
+  assert _skipped(new_state) == [1]
+  assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
+  changed = [not np.array_equal(a, b)
+             for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(new_state))]
+  assert sum(changed) == 1            # the `skipped` counter only
+  if "factor_update_every" in options:     # count 1 reads no statistics
+    _, state = _step(tx, params, state, _batch(0))
+    assert not bool(kd.find_states(state)[0].update_factors)
+    _, grads, stats = GRAD_FN(params, *_batch(1), opt_state=state)
+    stats["out"]["G"] = stats["out"]["G"].at[0, 0].set(jnp.nan)
+    _, after = tx.update(grads, state, params, kfac_stats=stats)
+    assert _skipped(after) == [0]
+
+
 def test_non_finite_produced_update_skips_the_step():
   """Finite gradients and statistics, valid settings, yet an update that
   overflows float32: skipped, the state unchanged (issue 13 item 1)."""

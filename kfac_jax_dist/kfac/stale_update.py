@@ -21,6 +21,7 @@ from jax import lax
 from kfac_jax_dist import _compat
 from kfac_jax_dist.capture import statistics
 from kfac_jax_dist.core import collectives as collectives_lib
+from kfac_jax_dist.core import faults
 from kfac_jax_dist.kfac import factors
 from kfac_jax_dist.kfac import layout as layout_lib
 from kfac_jax_dist.kfac import linalg
@@ -115,6 +116,16 @@ def _fresh_parts(config: KfacConfig, layout: layout_lib.Layout, running: jax.Arr
       vectors[..., lo:hi].astype(dtype).reshape(-1), values)
 
 
+def _fresh_or_kept(config: KfacConfig, layout: layout_lib.Layout, running: jax.Array,
+                   one: layout_lib.Batch, kept: tuple[jax.Array, ...]
+                   ) -> tuple[jax.Array, ...]:
+  """`_fresh_parts`, or the factor's previous parts `kept` where the new ones
+  are not finite (a failed decomposition, or a non-finite running factor)."""
+  fresh = _fresh_parts(config, layout, running, one)
+  ok = faults.all_finite(fresh)
+  return tuple(jnp.where(ok, new, old) for new, old in zip(fresh, kept))
+
+
 def decompose_due_factors(config: KfacConfig, comm: collectives_lib.Collectives,
                           state: ScaleByKfacState, running: jax.Array, due: jax.Array
                           ) -> jax.Array:
@@ -138,8 +149,8 @@ def decompose_due_factors(config: KfacConfig, comm: collectives_lib.Collectives,
         if comm.active:          # replicated (COMM-OPT) state vs local results
           kept = _compat.as_varying(kept, (layout.axis,))
         one = dataclasses.replace(batch, count=1, offset=place.offset)
-        out = lax.cond(due[f], functools.partial(_fresh_parts, config, layout, running,
-                                                 one), lambda kept=kept: kept)
+        out = lax.cond(due[f], functools.partial(_fresh_or_kept, config, layout, running,
+                                                 one, kept), lambda kept=kept: kept)
         mats += list(out[:-1])
         vecs.append(out[-1])
       pieces += mats + vecs

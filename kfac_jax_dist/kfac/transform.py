@@ -239,8 +239,12 @@ def refreshed_state(config: KfacConfig, comm: collectives_lib.Collectives,
       with jax.named_scope("kfac_factor_update"):
         running, refresh, due = stale_update.refresh_due_factors(config, comm, state,
                                                                  stats)
-        stats_ok = lax.cond(state.update_factors,
-                            lambda: statistics_verdict(comm, state, stats), lambda: true)
+        # (the psum of the devices' verdicts on factor steps only; without
+        # one, no conditional: on a GPU each is a host round trip)
+        stats_ok = (lax.cond(state.update_factors,
+                             lambda: statistics_verdict(comm, state, stats), lambda: true)
+                    if comm.active else
+                    statistics_verdict(comm, state, stats) | ~state.update_factors)
       with jax.named_scope("kfac_decomposition"):
         second = stale_update.decompose_due_factors(config, comm, state, running, due)
       return running, second, refresh, stats_ok
