@@ -120,7 +120,8 @@ def _all_reduced(config: KfacConfig, comm: collectives_lib.Collectives,
   starts = [[offsets[(p.layer.name, w)] for _, p, w in layout.owned(d)]
             for d in range(layout.num_devices)]
   reps = layout.copy_branches
-  shared = jnp.pad(summed, (0, -summed.shape[0] % comm.num_devices))
+  if len(set(reps)) < len(reps):     # a branch shared: read at offsets of `[P, C]` rows
+    shared = jnp.pad(summed, (0, -summed.shape[0] % comm.num_devices))
 
   def own(device: int) -> jax.Array:
     owned = layout.owned(device)

@@ -192,6 +192,12 @@ class Layout:
   def num_groups(self) -> int:
     return self.num_devices // self.group_size
 
+  @functools.cached_property
+  def tagged_paths(self) -> frozenset[str]:
+    """Paths of the parameter leaves of the tagged layers (kernels, biases)."""
+    return frozenset(p for plan in self.plans
+                     for p in (plan.layer.kernel_path, plan.layer.bias_path) if p is not None)
+
   def plan(self, name: str) -> LayerPlan | None:
     return next((p for p in self.plans if p.layer.name == name), None)
 

@@ -152,9 +152,8 @@ def routed_gradients(config: KfacConfig, comm: collectives_lib.Collectives,
       layer, start = plan.layer, offsets[(plan.layer.name, plan.group)]
       return segment[start:start + layer.a_dim * layer.g_dim].reshape(
           layer.a_dim, layer.g_dim)
-    tagged = {p for plan in layout.plans
-              for p in (plan.layer.kernel_path, plan.layer.bias_path) if p is not None}
-    return grad_of, {k: (v if k in tagged else comm.mean(v)) for k, v in leaves.items()}
+    return grad_of, {k: (v if k in layout.tagged_paths else comm.mean(v))
+                     for k, v in leaves.items()}
   if config.gradient_reduction == "all_reduce":
     leaves = comm.mean(leaves)
   return (lambda plan: gradient_matrix(plan, leaves).astype(dtype)), leaves

@@ -353,10 +353,8 @@ def produced_finite(config: KfacConfig, lay: layout_lib.Layout,
   range than `compute_dtype` (the cast of a finite `V` may overflow), are
   checked one by one."""
   narrow = jnp.finfo(config.compute_dtype).max
-  tagged = {p for plan in lay.plans
-            for p in (plan.layer.kernel_path, plan.layer.bias_path) if p is not None}
   rest = [x for path, x in leaves.items()
-          if path not in tagged or (jnp.issubdtype(x.dtype, jnp.floating)
+          if path not in lay.tagged_paths or (jnp.issubdtype(x.dtype, jnp.floating)
                                     and jnp.finfo(x.dtype).max < narrow)]
   return jnp.isfinite(vg) & faults.all_finite(rest)
 
