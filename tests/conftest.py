@@ -6,7 +6,7 @@ Single-threaded OpenBLAS: jax's CPU eigh calls it, and its worker threads on a
 The tests are compile-bound: XLA:CPU compiles about a third faster without
 LLVM optimisation (`--xla_backend_optimization_level=0`; the results differ
 by float rounding only), so that is the default here unless XLA_FLAGS sets a
-level (.ci/run's oldest-jax phase runs at the default level 3).
+level (.ci/run reruns the single-device oracles at the default level 3).
 
 pytest-xdist's `-n auto` (pyproject.toml) runs one worker per core, at most 4:
 each worker is a jax process with 8 virtual devices, and the tests are

@@ -218,14 +218,19 @@ def _shampoo(dist=None, **options):
 def test_shampoo_tensor_parallel_equals_split_params(grafting, fraction):
   """Each model shard's Shampoo is Shampoo of its local shard: one device
   with the sharded parameters split into M leaves takes the same steps (root
-  work over "data" COMM-style, or MEM-OPT: statistics and roots sharded)."""
-  params, x, y = _problem()
-  dist = _dist(fraction)
-  trajectory, _ = _train(lambda _: _shampoo(dist, grafting=grafting), tp_loss, params,
-                         x, y, dist)
-  reference, _ = _train(lambda _: _shampoo(grafting=grafting), block_loss,
-                        to_blocks(params), x, y)
-  _assert_same(trajectory, reference)
+  work over "data" COMM-style, or MEM-OPT: statistics and roots sharded).
+  In float64: the inverse fourth roots of the small statistics amplify
+  float32 rounding (which XLA's optimisation level changes) past any tight
+  tolerance."""
+  with jax.enable_x64(True):
+    params, x, y = _problem()                       # float64 under x64
+    assert x.dtype == jnp.float64
+    dist = _dist(fraction)
+    trajectory, _ = _train(lambda _: _shampoo(dist, grafting=grafting), tp_loss, params,
+                           x, y, dist)
+    reference, _ = _train(lambda _: _shampoo(grafting=grafting), block_loss,
+                          to_blocks(params), x, y)
+  _assert_same(trajectory, reference, rtol=1e-9, atol=1e-11)
 
 
 SOAP_WIDTH = 16        # a hidden layer of 16: each model shard's blocks are 4 x 4
