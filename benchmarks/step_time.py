@@ -142,7 +142,10 @@ def flop_model(model, params, x, layers, loss_fn, y) -> dict:
   ≈ 9·d³ per factor (Golub & Van Loan's count for a symmetric
   eigendecomposition with vectors; an upper estimate). An embedding (diagonal
   A) counts the G side only: 4·V·dG², 2·N·dG², 9·dG³. LayerNorm's unit-wise
-  2x2 blocks are negligible and not counted.
+  2x2 blocks are negligible and not counted. Adaptive K-FAC's tangent pass
+  `J v` (one per vector; two: Δ and the previous update) ≈ 2·2·N·(dA−1)·dG
+  per layer, `ẋW + xẆ` (2·N·(dA−1)·dG for the first layer, whose input
+  carries no tangent).
   """
   positions = {}
 
@@ -157,12 +160,13 @@ def flop_model(model, params, x, layers, loss_fn, y) -> dict:
     jax.eval_shape(model.apply, params, x)
   cost = jax.jit(jax.value_and_grad(loss_fn)).lower(params, x, y).compile().cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  total = dict(fwd_bwd=0.0, precondition=0.0, factors=0.0, eigh=0.0)
+  total = dict(fwd_bwd=0.0, precondition=0.0, factors=0.0, eigh=0.0, tangent=0.0)
   for i, layer in enumerate(layers):
     a, g = layer.a_dim, layer.g_dim
     n = positions[layer.name] // g      # the output has N positions × g features
     if layer.kind in ("dense", "conv2d"):
       total["fwd_bwd"] += 2 * n * (a - 1) * g * (2 if i == 0 else 3)
+      total["tangent"] += 2 * n * (a - 1) * g * (1 if i == 0 else 2)
       total["precondition"] += 4 * (a * a * g + a * g * g)
       total["factors"] += 2 * n * (a * a + g * g)
       total["eigh"] += 9 * (a ** 3 + g ** 3)
@@ -512,7 +516,8 @@ def markdown(results: list[dict], env: dict, args) -> str:
                 "forward+backward (`jax.value_and_grad`) more than K-FAC's plain step "
                 f"(target ≤ 1: {holds}; two tangent passes, for Δ and the previous "
                 f"update; with the momentum fixed at 0, one: {a['alpha_jvp_cpu']:.2f}× "
-                f"({a['alpha_jvp_wall']:.2f}×)), and a damping step {a['damping_cpu']:.2f}× "
+                f"({a['alpha_jvp_wall']:.2f}×){_tangent_floor(f)}), "
+                f"and a damping step {a['damping_cpu']:.2f}× "
                 f"({a['damping_wall']:.2f}×) of a forward (`grad_fn.loss`) more than a "
                 "plain adaptive step (one forward expected, every T = 5 steps); the "
                 f"amortised adaptive run costs {a['amortised_cpu']:.2f}× "
@@ -528,6 +533,19 @@ def markdown(results: list[dict], env: dict, args) -> str:
         lines += [f"{what}: {e['cpu']:.2f}× ({e['wall']:.2f}× wall) {base} CPU time per "
                   f"step (issue 15's target ≤ 1.3: {holds}).", ""]
   return "\n".join(lines)
+
+
+def _tangent_floor(flops: dict) -> str:
+  """The two tangent passes' FLOPs against a forward+backward's (the tagged
+  layers' matmuls; absent from results measured before they were counted)."""
+  if "tangent" not in flops:
+    return ""
+  return (f"; in the tagged layers' FLOPs the two tangent passes alone are "
+          f"{2 * flops['tangent'] / flops['fwd_bwd']:.2f}× a forward+backward, a floor "
+          "for the time ratio where the step's time is those matmuls at one FLOP rate "
+          "(the MLP; a conv's or an attention model's backward runs slower per FLOP "
+          "than its tangent passes); the forward they linearise is the gradient's, "
+          "shared by XLA's CSE")
 
 
 CORE = ("sgd", "adam", "kfac_amortised")

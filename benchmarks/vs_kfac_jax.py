@@ -63,6 +63,10 @@ Measured per model and cadence:
   source `op_name`; the markdown lists them so that a missed target has a
   concrete cause.
 
+`--compile-only` re-measures just the compile rows (and 'Where kd's compile time
+goes') and merges them into the existing results, the header saying when and at
+which commit.
+
 Equality in float64 (`--equality-only` runs just this and merges it into the
 existing results): in a child process with `jax_enable_x64`, float64
 parameters, images and kd factors (`factor_dtype=jnp.float64`), from the same
@@ -104,7 +108,7 @@ use jax 0.8.0, the oldest jax this project supports:
 Usage: python benchmarks/vs_kfac_jax.py [--models mlp,cnn,autoencoder]
        [--rounds R] [--compile-reps N] [--no-profile] [--quick]
        [--equality-models M,..] [--equality-cadences C,..] [--no-equality]
-       [--equality-only] [--from-json FILE] [--out benchmarks/results]
+       [--equality-only] [--compile-only] [--from-json FILE] [--out benchmarks/results]
 Writes vs_kfac_jax.md and vs_kfac_jax.json (vs_kfac_jax_quick.* with --quick:
 the MLP at cadence 1/10, no profile; float64 equality of the MLP at 1/1 and
 adaptive). Without kfac-jax importable, --quick
@@ -365,6 +369,23 @@ def compile_child(lib: str, model: str, cadence: str) -> None:
                         stages={k: v for k, v in stages.items()})))
 
 
+def compile_summary(compile_times: dict) -> dict:
+  """The compile fields of a cadence's result: medians per library, kd / kfac-jax."""
+  comp = {k: {"wall": statistics.median(e["wall"] for e in v),
+              "cpu": statistics.median(e["cpu"] for e in v),
+              "stages_cpu": {s: statistics.median(e["stages"][s][1] for e in v)
+                             for s in v[0]["stages"]}}
+          for k, v in compile_times.items()}
+  return dict(
+      compile=comp,
+      compile_ratio_wall=comp["kd"]["wall"] / comp["kfac-jax"]["wall"],
+      compile_ratio_cpu=comp["kd"]["cpu"] / comp["kfac-jax"]["cpu"],
+      compile_ratio_jit_init_wall=(comp["kd, jit(tx.init)"]["wall"]
+                                   / comp["kfac-jax"]["wall"]),
+      compile_ratio_jit_init_cpu=comp["kd, jit(tx.init)"]["cpu"] / comp["kfac-jax"]["cpu"],
+      compile_raw={k: v for k, v in compile_times.items()})
+
+
 def measure_compile(model, cadence, reps):
   """Median over `reps` fresh processes per library, in alternating order."""
   libs = ["kd", "kfac-jax", "kd, jit(tx.init)"]
@@ -500,11 +521,6 @@ def measure_cadence(model, cadence, data, args):
   def ratio(times):
     return statistics.median(a / b for a, b in zip(times["kd"], times["kfac-jax"]))
 
-  comp = {k: {"wall": statistics.median(e["wall"] for e in v),
-              "cpu": statistics.median(e["cpu"] for e in v),
-              "stages_cpu": {s: statistics.median(e["stages"][s][1] for e in v)
-                             for s in v[0]["stages"]}}
-          for k, v in compile_times.items()}
   return dict(
       cadence=cadence, factor_update_every=fe, inverse_update_every=ie, block=block,
       steps=n_steps,
@@ -512,13 +528,7 @@ def measure_cadence(model, cadence, data, args):
       cpu_ms={k: 1e3 * statistics.median(v) for k, v in cpu.items()},
       ratio_wall=ratio(wall), ratio_cpu=ratio(cpu),
       raw_wall=wall, raw_cpu=cpu,
-      compile=comp,
-      compile_ratio_wall=comp["kd"]["wall"] / comp["kfac-jax"]["wall"],
-      compile_ratio_cpu=comp["kd"]["cpu"] / comp["kfac-jax"]["cpu"],
-      compile_ratio_jit_init_wall=(comp["kd, jit(tx.init)"]["wall"]
-                                   / comp["kfac-jax"]["wall"]),
-      compile_ratio_jit_init_cpu=comp["kd, jit(tx.init)"]["cpu"] / comp["kfac-jax"]["cpu"],
-      compile_raw={k: v for k, v in compile_times.items()},
+      **compile_summary(compile_times),
       memory=mem,
       final={k: {"loss": v[0], "test_acc": v[1]} for k, v in final.items()},
       agreement={str(k): v for k, v in agreement.items()})
@@ -922,7 +932,10 @@ def markdown(results, env, args, pieces, profiles, checks, eq=None) -> str:
       f"program of the cadence has run once, minus the same steps' steady-state time "
       f"(kd: discover + `tx.init` + lower + compile + first step; kfac-jax: `opt.init` + "
       f"first step [+ first step without curvature update, a second program]); median "
-      f"of {args.compile_reps} processes per library in alternating order. "
+      f"of {args.compile_reps} processes per library in alternating order"
+      + (f" (re-measured {env['compile_date']} at git {env['compile_commit']} by "
+         "`--compile-only`; the other sections are the date's above)"
+         if "compile_date" in env else "") + ". "
       "'kd, jit(tx.init)' is the same with the user wrapping `tx.init` in `jax.jit` "
       "(a diagnostic: see 'Where kd's compile time goes').",
       "- memory: `memory_analysis()` of the compiled step (largest program), peak ≈ "
@@ -1137,6 +1150,38 @@ QUICK = dict(rounds=2, min_block=10, compile_reps=1, models="mlp", cadences="1/1
              no_profile=True, equality_models="mlp", equality_cadences="1/1")
 
 
+def remeasure_compile(args, stem: str, env: dict, cadences: list[str]) -> None:
+  """`--compile-only`: the compile rows of `args.models` x `cadences` and
+  kd's compile pieces measured again, merged into the saved results."""
+  path = os.path.join(args.out, stem + ".json")
+  if not os.path.exists(path):
+    sys.exit(f"--compile-only merges into an existing {path}: run the whole script "
+             "first.")
+  with open(path) as f:
+    saved = json.load(f)
+  (xtr, ytr), _ = digits()
+  for model in args.models:
+    for row in saved["results"][model]:
+      if row["cadence"] in cadences:
+        print(f"  compile {model} {row['cadence']}", flush=True)
+        row.update(compile_summary(measure_compile(model, row["cadence"],
+                                                   args.compile_reps)))
+    params0 = init_params(model, jax.random.PRNGKey(0))
+    saved["compile_pieces_cpu_s"][model] = pieces_kd(
+        model, params0, (jnp.asarray(xtr[:BATCH]), jnp.asarray(ytr[:BATCH])))
+  saved["environment"].setdefault("kfac_jax", saved["kfac_jax"])
+  saved["environment"].update(compile_date=env["date"], compile_commit=env["commit"])
+  profiles = {tuple(k.split(" ", 1)): v for k, v in saved["profiles"].items()}
+  eq = saved.get("float64_equality")
+  saved["checks"] = targets(saved["results"]) + equality_checks(eq)
+  text = markdown(saved["results"], saved["environment"],
+                  argparse.Namespace(**saved["args"]), saved["compile_pieces_cpu_s"],
+                  profiles, saved["checks"], eq)
+  _common.write_results(args.out, stem, text, saved)
+  print(text)
+  print(f"merged the compile rows into {os.path.join(args.out, stem)}.md and .json")
+
+
 def main():
   if len(sys.argv) > 1 and sys.argv[1] == _COMPILE_CHILD:
     compile_child(*sys.argv[2:5])
@@ -1166,6 +1211,9 @@ def main():
   parser.add_argument("--equality-only", action="store_true",
                       help="run only the float64 equality section and merge it into "
                       "the existing results (.json at --out), re-rendering the .md")
+  parser.add_argument("--compile-only", action="store_true",
+                      help="re-measure only the compile rows and merge them into the "
+                      "existing results (.json at --out), re-rendering the .md")
   _common.add_quick(parser, "vs_kfac_jax", QUICK)
   parser.add_argument("--from-json", default=None,
                       help="re-render the markdown (and checks) from a saved .json")
@@ -1220,6 +1268,9 @@ def main():
     print(text)
     print(f"merged the float64 equality section into {os.path.join(args.out, stem)}.md "
           "and .json")
+    return
+  if args.compile_only:
+    remeasure_compile(args, stem, env, cadences)
     return
   data = digits()
   results, pieces, profiles = {}, {}, {}

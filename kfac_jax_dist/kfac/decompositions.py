@@ -22,7 +22,6 @@ from jax import lax
 
 from kfac_jax_dist.capture import statistics
 from kfac_jax_dist.core import collectives as collectives_lib
-from kfac_jax_dist.core import faults
 from kfac_jax_dist.kfac import layout as layout_lib
 from kfac_jax_dist.kfac import linalg
 from kfac_jax_dist.kfac import packing
@@ -30,12 +29,18 @@ from kfac_jax_dist.kfac.config import KfacConfig
 
 
 def finite_slots(*parts: jax.Array | None) -> jax.Array:
-  """`[k]`: whether slot i of every `[k, ...]` part is finite."""
+  """`[k]`: whether slot i of every `[k, ...]` part is finite.
+
+  An elementwise test and a reduction per part, not `faults.finite_rows`'s one
+  `Σ|x|·0` reduction: with that, XLA:CPU's schedule of the whole step made
+  EK-FAC's plain steps on step_time's MLP 45% slower (33 ms CPU instead of
+  23; its factor steps 50 instead of 37), kernels outside the decomposition's
+  conditional running slower, for 0.3 s less compile of the CNN's step."""
   ok = None
   for part in parts:
     if part is None:
       continue
-    finite = faults.finite_rows(part)
+    finite = jnp.all(jnp.isfinite(part.reshape(part.shape[0], -1)), axis=1)
     ok = finite if ok is None else ok & finite
   return ok
 
