@@ -145,12 +145,14 @@ def batch_factors(config: KfacConfig, comm: collectives_lib.Collectives,
 
 def update_running_factors(config: KfacConfig, comm: collectives_lib.Collectives,
                            state: ScaleByKfacState, stats: Stats
-                           ) -> tuple[jax.Array, jax.Array]:
-  """The new running factors (this device's part) and total weight `w'`."""
+                           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The new running factors (this device's part), total weight `w'`, and the
+  batch's factors that were mixed in (this device's part: what the step
+  consumes of the statistics, reduced over the data axis)."""
   batch = batch_factors(config, comm, state.layout, stats)
   w = state.factor_weight
   decay = jnp.asarray(config.factor_decay, w.dtype)   # an injected array may be wider
   new_w = decay * w + (1.0 - decay)
   mixed = (decay * w * state.factors.astype(config.compute_dtype)
            + (1.0 - decay) * batch.astype(config.compute_dtype)) / new_w
-  return mixed.astype(config.factor_dtype), new_w
+  return mixed.astype(config.factor_dtype), new_w, batch

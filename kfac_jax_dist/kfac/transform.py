@@ -226,6 +226,20 @@ def statistics_verdict(comm: collectives_lib.Collectives, state: ScaleByKfacStat
     return faults.agree(finite, comm.varying) if comm.active else finite
 
 
+def consumed_verdict(comm: collectives_lib.Collectives, state: ScaleByKfacState,
+                     stats: factors.Stats, batch: jax.Array) -> jax.Array:
+  """`statistics_verdict` read from what the factor update consumed: this
+  device's reduced batch factors (a non-finite statistic of any device makes
+  the sum that holds it non-finite) and EK-FAC's statistics, agreed by the
+  devices. Checking the reduced, packed factors instead of every layer's dense
+  statistics lets those die as soon as they are packed."""
+  with jax.named_scope(faults.SCOPE):
+    finite = faults.all_finite([batch] + (
+        [] if state.correction is None else
+        correction_lib.layer_statistics(state.layout, stats)))
+    return faults.agree(finite, comm.varying) if comm.active else finite
+
+
 def refreshed_state(config: KfacConfig, comm: collectives_lib.Collectives,
                     state: ScaleByKfacState, stats: factors.Stats | None, ok: jax.Array,
                     gamma: jax.Array) -> tuple[ScaleByKfacState, jax.Array]:
@@ -257,8 +271,8 @@ def refreshed_state(config: KfacConfig, comm: collectives_lib.Collectives,
   update_now = (state.update_factors & ok) if stats is not None else jnp.asarray(False)
 
   def updated_factors() -> tuple:
-    running, weight = factors.update_running_factors(config, comm, state, stats)
-    return running, weight, statistics_verdict(comm, state, stats)
+    running, weight, batch = factors.update_running_factors(config, comm, state, stats)
+    return running, weight, consumed_verdict(comm, state, stats, batch)
 
   def refreshed() -> tuple:
     running, weight, stats_ok = state.factors, state.factor_weight, true
