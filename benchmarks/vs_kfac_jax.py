@@ -1150,15 +1150,34 @@ QUICK = dict(rounds=2, min_block=10, compile_reps=1, models="mlp", cadences="1/1
              no_profile=True, equality_models="mlp", equality_cadences="1/1")
 
 
+def load_saved(args, stem: str, flag: str) -> dict:
+  """The saved results (.json at `--out`) that `flag` merges into."""
+  path = os.path.join(args.out, stem + ".json")
+  if not os.path.exists(path):
+    sys.exit(f"{flag} merges into an existing {path}: run the whole script first.")
+  with open(path) as f:
+    saved = json.load(f)
+  saved["environment"].setdefault("kfac_jax", saved["kfac_jax"])
+  return saved
+
+
+def write_merged(args, stem: str, saved: dict, what: str) -> None:
+  """Re-renders the markdown of `saved` (checks recomputed) and writes both."""
+  profiles = {tuple(k.split(" ", 1)): v for k, v in saved["profiles"].items()}
+  eq = saved.get("float64_equality")
+  saved["checks"] = targets(saved["results"]) + equality_checks(eq)
+  text = markdown(saved["results"], saved["environment"],
+                  argparse.Namespace(**saved["args"]), saved["compile_pieces_cpu_s"],
+                  profiles, saved["checks"], eq)
+  _common.write_results(args.out, stem, text, saved)
+  print(text)
+  print(f"merged {what} into {os.path.join(args.out, stem)}.md and .json")
+
+
 def remeasure_compile(args, stem: str, env: dict, cadences: list[str]) -> None:
   """`--compile-only`: the compile rows of `args.models` x `cadences` and
   kd's compile pieces measured again, merged into the saved results."""
-  path = os.path.join(args.out, stem + ".json")
-  if not os.path.exists(path):
-    sys.exit(f"--compile-only merges into an existing {path}: run the whole script "
-             "first.")
-  with open(path) as f:
-    saved = json.load(f)
+  saved = load_saved(args, stem, "--compile-only")
   (xtr, ytr), _ = digits()
   for model in args.models:
     for row in saved["results"][model]:
@@ -1169,17 +1188,8 @@ def remeasure_compile(args, stem: str, env: dict, cadences: list[str]) -> None:
     params0 = init_params(model, jax.random.PRNGKey(0))
     saved["compile_pieces_cpu_s"][model] = pieces_kd(
         model, params0, (jnp.asarray(xtr[:BATCH]), jnp.asarray(ytr[:BATCH])))
-  saved["environment"].setdefault("kfac_jax", saved["kfac_jax"])
   saved["environment"].update(compile_date=env["date"], compile_commit=env["commit"])
-  profiles = {tuple(k.split(" ", 1)): v for k, v in saved["profiles"].items()}
-  eq = saved.get("float64_equality")
-  saved["checks"] = targets(saved["results"]) + equality_checks(eq)
-  text = markdown(saved["results"], saved["environment"],
-                  argparse.Namespace(**saved["args"]), saved["compile_pieces_cpu_s"],
-                  profiles, saved["checks"], eq)
-  _common.write_results(args.out, stem, text, saved)
-  print(text)
-  print(f"merged the compile rows into {os.path.join(args.out, stem)}.md and .json")
+  write_merged(args, stem, saved, "the compile rows")
 
 
 def main():
@@ -1249,25 +1259,11 @@ def main():
   print(f"jax {env['jax']}, kfac-jax {env['kfac_jax']}, {env['cpu']}", flush=True)
   stem = _common.stem("vs_kfac_jax", args.quick)
   if args.equality_only:
-    path = os.path.join(args.out, stem + ".json")
-    if not os.path.exists(path):
-      sys.exit(f"--equality-only merges into an existing {path}: run the whole "
-               "script first.")
-    with open(path) as f:
-      saved = json.load(f)
+    saved = load_saved(args, stem, "--equality-only")
     eq = run_equality(eq_models, eq_cadences)
     eq["environment"] = env
     saved["float64_equality"] = eq
-    saved["environment"].setdefault("kfac_jax", saved["kfac_jax"])
-    profiles = {tuple(k.split(" ", 1)): v for k, v in saved["profiles"].items()}
-    saved["checks"] = targets(saved["results"]) + equality_checks(eq)
-    text = markdown(saved["results"], saved["environment"],
-                    argparse.Namespace(**saved["args"]), saved["compile_pieces_cpu_s"],
-                    profiles, saved["checks"], eq)
-    _common.write_results(args.out, stem, text, saved)
-    print(text)
-    print(f"merged the float64 equality section into {os.path.join(args.out, stem)}.md "
-          "and .json")
+    write_merged(args, stem, saved, "the float64 equality section")
     return
   if args.compile_only:
     remeasure_compile(args, stem, env, cadences)
