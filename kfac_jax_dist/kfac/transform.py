@@ -288,6 +288,7 @@ def refreshed_state(config: KfacConfig, comm: collectives_lib.Collectives,
                                            state.second_order),
           lambda: state.second_order)
     return running, weight, second, stats_ok
+
   def unchanged() -> tuple:
     return state.factors, state.factor_weight, state.second_order, true
 
