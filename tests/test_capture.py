@@ -358,6 +358,23 @@ CONV_CASES = {
 }
 
 
+@pytest.mark.parametrize("kernel_hw,strides,padding,dilation", [
+    ((1, 1), (1, 1), "SAME", (1, 1)),            # the input itself
+    ((1, 1), (2, 3), "VALID", (1, 1)),           # a strided 1x1 (ResNet's shortcut)
+    ((1, 1), (2, 2), ((1, 0), (0, 2)), (1, 1)),  # padded 1x1
+    ((3, 3), (2, 2), "SAME", (1, 1)),            # one gather of 3x3 windows
+    ((2, 3), (1, 2), ((2, 1), (0, 1)), (2, 3)),  # dilated: every d-th window pixel
+])
+def test_conv_patches_equal_loops(kernel_hw, strides, padding, dilation):
+  """`statistics.conv_patches` (one gather, or the strided input for 1x1)
+  equals im2col built with explicit loops."""
+  from kfac_jax_dist.capture import statistics
+  x = randn(jax.random.PRNGKey(4), (2, 9, 8, 3))
+  got = statistics.conv_patches(x, (*kernel_hw, 3, 5), strides, padding, dilation)
+  np.testing.assert_array_equal(f64(got), brute_patches(x, kernel_hw, strides, padding,
+                                                        dilation))
+
+
 @pytest.mark.parametrize("case", list(CONV_CASES))
 def test_conv2d(case):
   cfg = dict(CONV_CASES[case])
