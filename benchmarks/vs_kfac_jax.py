@@ -1161,7 +1161,7 @@ def load_saved(args, stem: str, flag: str) -> dict:
   return saved
 
 
-def write_merged(args, stem: str, saved: dict, what: str) -> None:
+def write_rendered(args, stem: str, saved: dict) -> None:
   """Re-renders the markdown of `saved` (checks recomputed) and writes both."""
   profiles = {tuple(k.split(" ", 1)): v for k, v in saved["profiles"].items()}
   eq = saved.get("float64_equality")
@@ -1171,6 +1171,11 @@ def write_merged(args, stem: str, saved: dict, what: str) -> None:
                   profiles, saved["checks"], eq)
   _common.write_results(args.out, stem, text, saved)
   print(text)
+
+
+def write_merged(args, stem: str, saved: dict, what: str) -> None:
+  """`write_rendered`, saying what was merged."""
+  write_rendered(args, stem, saved)
   print(f"merged {what} into {os.path.join(args.out, stem)}.md and .json")
 
 
@@ -1237,17 +1242,8 @@ def main():
   if args.from_json:
     with open(args.from_json) as f:
       saved = json.load(f)
-    sargs = argparse.Namespace(**saved["args"])
     saved["environment"].setdefault("kfac_jax", saved["kfac_jax"])
-    profiles = {tuple(k.split(" ", 1)): v for k, v in saved["profiles"].items()}
-    eq = saved.get("float64_equality")
-    checks = targets(saved["results"]) + equality_checks(eq)
-    saved["checks"] = checks
-    text = markdown(saved["results"], saved["environment"], sargs,
-                    saved["compile_pieces_cpu_s"], profiles, checks, eq)
-    stem = _common.stem("vs_kfac_jax", sargs.quick)
-    _common.write_results(args.out, stem, text, saved)
-    print(text)
+    write_rendered(args, _common.stem("vs_kfac_jax", saved["args"]["quick"]), saved)
     return
   _common.fill_defaults(args, QUICK, FULL)
   args.models = [m.strip() for m in args.models.split(",")]

@@ -214,30 +214,36 @@ def inputs_verdict(config: KfacConfig, comm: collectives_lib.Collectives,
   return faults.computed_once(ok)
 
 
+def _agreed_finite(comm: collectives_lib.Collectives, arrays: list) -> jax.Array:
+  """Whether every array is finite, agreed by the devices."""
+  with jax.named_scope(faults.SCOPE):
+    finite = faults.all_finite(arrays)
+    return faults.agree(finite, comm.varying) if comm.active else finite
+
+
+def _corrected_statistics(state: ScaleByKfacState, stats: factors.Stats) -> list:
+  """EK-FAC's statistics `S` (none without a correction)."""
+  return ([] if state.correction is None else
+          correction_lib.layer_statistics(state.layout, stats))
+
+
 def statistics_verdict(comm: collectives_lib.Collectives, state: ScaleByKfacState,
                        stats: factors.Stats) -> jax.Array:
   """Whether every statistic a factor step consumes is finite, agreed by the
   devices. Evaluated inside the factor update's conditional, so that a plain
   step (the most frequent) checks no statistics."""
-  with jax.named_scope(faults.SCOPE):
-    finite = faults.all_finite(factors.all_statistics(state.layout, stats) + (
-        [] if state.correction is None else
-        correction_lib.layer_statistics(state.layout, stats)))
-    return faults.agree(finite, comm.varying) if comm.active else finite
+  return _agreed_finite(comm, factors.all_statistics(state.layout, stats)
+                        + _corrected_statistics(state, stats))
 
 
 def consumed_verdict(comm: collectives_lib.Collectives, state: ScaleByKfacState,
                      stats: factors.Stats, batch: jax.Array) -> jax.Array:
   """`statistics_verdict` read from what the factor update consumed: this
   device's reduced batch factors (a non-finite statistic of any device makes
-  the sum that holds it non-finite) and EK-FAC's statistics, agreed by the
-  devices. Checking the reduced, packed factors instead of every layer's dense
-  statistics lets those die as soon as they are packed."""
-  with jax.named_scope(faults.SCOPE):
-    finite = faults.all_finite([batch] + (
-        [] if state.correction is None else
-        correction_lib.layer_statistics(state.layout, stats)))
-    return faults.agree(finite, comm.varying) if comm.active else finite
+  the sum that holds it non-finite) and EK-FAC's statistics. Checking the
+  reduced, packed factors instead of every layer's dense statistics lets
+  those die as soon as they are packed."""
+  return _agreed_finite(comm, [batch] + _corrected_statistics(state, stats))
 
 
 def refreshed_state(config: KfacConfig, comm: collectives_lib.Collectives,
