@@ -305,7 +305,7 @@ def test_misconfigured_tensor_parallel_is_rejected():
     kd.Distribution(mesh, param_specs=PARAM_SPECS)
   with pytest.raises(ValueError, match="needs param_specs"):
     kd.Distribution(mesh, model_axis="model")
-  with pytest.raises(ValueError, match="another mesh axis"):
+  with pytest.raises(ValueError, match="must be other mesh axes"):
     kd.Distribution(mesh, axis="model", model_axis="model", param_specs=PARAM_SPECS)
   with pytest.raises(ValueError, match="over the tensor-parallel axis 'model' only"):
     kd.Distribution(mesh, model_axis="model", param_specs={"w": P("data")})

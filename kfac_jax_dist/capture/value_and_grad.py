@@ -165,7 +165,7 @@ class ValueAndGrad:
     `param_specs`, the batch replicated), so the layers have the local shard
     shapes that `update` sees (and `fun` may use collectives over the mesh
     axes)."""
-    if distribution is None or distribution.model_axis is None:
+    if distribution is None or not distribution.model_axes:
       return self._discover(params, *args, **kwargs).layers
     found = []
 

@@ -62,9 +62,9 @@ class Collectives:
     self.group_size = 1 if distribution is None else distribution.group_size
     self.num_groups = self.num_devices // self.group_size
     # Axes over which per-device results vary: the data axis, and the
-    # tensor-parallel axis (every model shard has its own state) if any.
-    self.varying = () if distribution is None else tuple(
-        a for a in (distribution.axis, distribution.model_axis) if a is not None)
+    # tensor-parallel axes (every model shard has its own state) if any.
+    self.varying = () if distribution is None else (
+        (distribution.axis,) + distribution.model_axes)
 
   @property
   def active(self) -> bool:

@@ -24,15 +24,16 @@ only the upper triangle of each factor (Ueno et al.; KAISA §5.4.1);
 eigenvalues: decompositions stay in float32).
 
 `model_axis` and `param_specs` add a tensor-parallel axis (a 2-D mesh
-`("data", "model")`, parameters sharded over "model" as `param_specs` says):
-every model shard preconditions its local shard with its own state, and the
-strategy above runs over `axis` within each model shard (see
-`tensor_parallel`).
+`("data", "model")`, parameters sharded over "model" as `param_specs` says),
+or several (a 3-D mesh `("data", "model", "stage")`): every model shard
+preconditions its local shard with its own state, and the strategy above
+runs over `axis` within each model shard (see `tensor_parallel`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from typing import Any, Callable, Literal
 
@@ -96,12 +97,15 @@ class Distribution:
       bits it warns: 16-bit factor traffic can lose small eigenvalues
       (decompositions stay in float32).
     model_axis: a second mesh axis over which the parameters are sharded
-      (tensor parallelism; None: none). Each model shard then preconditions
-      its local shard with its own state, the strategy above running over
-      `axis`. Needs `param_specs`; must differ from `axis`.
+      (tensor parallelism; None: none), or a tuple of axes (a 3-D mesh, e.g.
+      `("model", "stage")`: operator and pipeline parallelism). Each model
+      shard then preconditions its local shard with its own state, the
+      strategy above running over `axis`. Needs `param_specs`; must not
+      include `axis`.
     param_specs: with `model_axis`, the `PartitionSpec` of every parameter (a
-      pytree like the parameters, or a prefix of it); each shards at most one
-      dimension, over `model_axis` only. None without `model_axis`.
+      pytree like the parameters, or a prefix of it), over the model axes
+      only; each axis shards at most one dimension. None without
+      `model_axis`.
     explanation: why `Distribution.auto` chose this strategy (lines of text;
       not compared or hashed).
   """
@@ -113,7 +117,7 @@ class Distribution:
   gradient_reduction: GradientReduction = "none"
   symmetric_comm: bool = True
   comm_dtype: Any = None
-  model_axis: str | None = None
+  model_axis: str | tuple[str, ...] | None = None
   param_specs: Any = dataclasses.field(default=None, hash=False)
   explanation: tuple[str, ...] = dataclasses.field(default=(), compare=False, repr=False)
 
@@ -140,6 +144,8 @@ class Distribution:
     if self.axis not in self.mesh.axis_names:
       raise ValueError(f"Distribution: axis {self.axis!r} is not an axis of the mesh "
                        f"{dict(self.mesh.shape)}.")
+    if isinstance(self.model_axis, list):
+      object.__setattr__(self, "model_axis", tuple(self.model_axis))
     if self.model_axis is not None or self.param_specs is not None:
       tensor_parallel.check_distribution(self)
     if self.factor_reduction not in FACTOR_REDUCTIONS:
@@ -175,6 +181,14 @@ class Distribution:
     return self.num_devices // self.group_size
 
   @property
+  def model_axes(self) -> tuple[str, ...]:
+    """The tensor-parallel axes, as a tuple (`()` without any)."""
+    if self.model_axis is None:
+      return ()
+    return tuple(self.model_axis) if isinstance(self.model_axis, (tuple, list)) else (
+        self.model_axis,)
+
+  @property
   def model_size(self) -> int:
-    """Devices of the tensor-parallel axis (1 without one)."""
-    return 1 if self.model_axis is None else int(self.mesh.shape[self.model_axis])
+    """Model shards: devices of the tensor-parallel axes (1 without any)."""
+    return math.prod(int(self.mesh.shape[a]) for a in self.model_axes)

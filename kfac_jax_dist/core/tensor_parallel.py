@@ -28,6 +28,16 @@ from model shard 0 (a psum of its update and zeros, exact) so that they leave
 `shard_map` replicated. K-FAC's KL clip sums `|⟨V, ∇⟩|` over every layer's
 shards (a psum over "model", replicated layers counted once), and a step is
 skipped on every device if any device saw a non-finite number.
+
+Three-dimensional meshes (3D-Shampoo's data x operator x pipeline layout,
+Baumann 2023, §6): `model_axis` may name several axes, e.g. `("model",
+"stage")` on a `("data", "model", "stage")` mesh, where a stacked-blocks
+parameter `[L, ...]` is sharded over "stage" on its stack axis (each stage
+owns L/S blocks, as a pipeline lays them out) and its matrices over "model".
+The model shards are then the `M = Π sizes` positions on those axes (ordered
+row-major), the state's leaves are specced `P(("model", "stage", ...))`, and
+a leaf replicated over some of the axes is read from position 0 of those.
+Sharding a stack axis loses nothing: blocks have their own factors anyway.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+import numpy as np
 from jax.sharding import PartitionSpec
 import optax
 
@@ -52,16 +63,24 @@ def _is_spec(x) -> bool:
 
 
 def check_distribution(dist) -> None:
-  """Validates a `Distribution`'s `model_axis` and `param_specs`."""
+  """Validates a `Distribution`'s `model_axis` (one mesh axis or a tuple of
+  them) and `param_specs`."""
   if dist.model_axis is None:
     raise ValueError("Distribution: param_specs describe a tensor-parallel sharding; "
-                     "pass model_axis= too (the mesh axis they shard over).")
-  if dist.model_axis not in dist.mesh.axis_names:
-    raise ValueError(f"Distribution: model_axis {dist.model_axis!r} is not an axis of "
-                     f"the mesh {dict(dist.mesh.shape)}.")
-  if dist.model_axis == dist.axis:
+                     "pass model_axis= too (the mesh axis or axes they shard over).")
+  axes = dist.model_axes
+  if not axes or not all(isinstance(a, str) for a in axes):
+    raise ValueError(f"Distribution: model_axis must be a mesh axis name or a tuple of "
+                     f"them, got {dist.model_axis!r}.")
+  for a in axes:
+    if a not in dist.mesh.axis_names:
+      raise ValueError(f"Distribution: model_axis {a!r} is not an axis of the mesh "
+                       f"{dict(dist.mesh.shape)}.")
+  if len(set(axes)) != len(axes):
+    raise ValueError(f"Distribution: model_axis {dist.model_axis!r} names an axis twice.")
+  if dist.axis in axes:
     raise ValueError(f"Distribution: model_axis and axis are both {dist.axis!r}; the "
-                     "tensor-parallel axis must be another mesh axis.")
+                     "tensor-parallel axes must be other mesh axes.")
   if dist.param_specs is None:
     raise ValueError("Distribution: model_axis needs param_specs=, the PartitionSpec "
                      "of every parameter (a pytree like the parameters, or a prefix).")
@@ -69,27 +88,35 @@ def check_distribution(dist) -> None:
     if not _is_spec(spec):
       raise ValueError(f"Distribution: param_specs holds {spec!r}, not a "
                        "PartitionSpec.")
-    _sharded_dim(spec, dist.model_axis, "?")
+    _sharded_dims(spec, axes, "?")
 
 
-def _sharded_dim(spec: PartitionSpec, axis: str, path: str) -> int | None:
-  """The dimension `spec` shards over `axis` (None: replicated)."""
-  found = None
+def _describe_axes(axes: tuple[str, ...]) -> str:
+  return (f"axis {axes[0]!r}" if len(axes) == 1
+          else "axes " + ", ".join(repr(a) for a in axes))
+
+
+def _sharded_dims(spec: PartitionSpec, axes: tuple[str, ...], path: str
+                  ) -> tuple[int | None, ...]:
+  """The dimension `spec` shards over each of `axes` (None: replicated over it).
+  One dimension may be sharded over several axes; one axis shards at most one
+  dimension."""
+  found: dict[str, int] = {}
   for dim, entry in enumerate(spec):
     names = entry if isinstance(entry, tuple) else (entry,)
     for name in names:
       if name is None:
         continue
-      if name != axis:
+      if name not in axes:
         raise ValueError(
             f"param_specs['{path}'] = {spec} shards over {name!r}: parameters may be "
-            f"sharded over the tensor-parallel axis {axis!r} only (the data axis holds "
-            "replicas).")
-      if found is not None:
+            f"sharded over the tensor-parallel {_describe_axes(axes)} only (the data "
+            "axis holds replicas).")
+      if name in found:
         raise ValueError(f"param_specs['{path}'] = {spec} shards several dimensions "
-                         f"over {axis!r}; at most one may be.")
-      found = dim
-  return found
+                         f"over {name!r}; at most one may be.")
+      found[name] = dim
+  return tuple(found.get(a) for a in axes)
 
 
 def _leaf_specs(tree: Any, dist) -> list[tuple[str, Any, PartitionSpec]]:
@@ -109,53 +136,74 @@ def _leaf_specs(tree: Any, dist) -> list[tuple[str, Any, PartitionSpec]]:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSharding:
-  """Static metadata: how the parameters are sharded over the model axis.
+  """Static metadata: how the parameters are sharded over the model axes.
 
   Attributes:
-    axis: the tensor-parallel mesh axis.
-    size: its number of devices `M`.
+    axes: the tensor-parallel mesh axes (e.g. `("model",)`, or `("model",
+      "stage")` on a 3-D mesh).
+    sizes: their numbers of devices; `size = Π sizes` is the number `M` of
+      model shards, ordered row-major over `axes`.
     treedef: the parameters' tree structure.
     paths: every parameter leaf's path ("layer/kernel"), in tree order.
     shapes: the global shapes of the parameter leaves.
     specs: their `PartitionSpec`s.
-    dims: the dimension of each leaf sharded over `axis` (None: replicated).
+    dims: per leaf, the dimension sharded over each of `axes` (None:
+      replicated over that axis).
   """
 
-  axis: str
-  size: int
+  axes: tuple[str, ...]
+  sizes: tuple[int, ...]
   treedef: Any
   paths: tuple[str, ...]
   shapes: tuple[tuple[int, ...], ...]
   specs: tuple[PartitionSpec, ...]
-  dims: tuple[int | None, ...]
+  dims: tuple[tuple[int | None, ...], ...]
 
   @classmethod
   def of(cls, params, dist) -> ModelSharding:
     treedef = jax.tree_util.tree_structure(params)
-    size = dist.model_size
+    axes = dist.model_axes
+    sizes = tuple(int(dist.mesh.shape[a]) for a in axes)
     paths, shapes, specs, dims = [], [], [], []
     for name, x, spec in _leaf_specs(params, dist):
       shape = tuple(jnp.shape(x))
       if len(spec) > len(shape):
         raise ValueError(f"param_specs['{name}'] = {spec} has more entries than the "
                          f"parameter has dimensions ({shape}).")
-      dim = _sharded_dim(spec, dist.model_axis, name)
-      if dim is not None and shape[dim] % size:
-        raise ValueError(
-            f"Parameter '{name}' of shape {shape}: dimension {dim} ({shape[dim]}) is "
-            f"not divisible by the {size} devices of model axis {dist.model_axis!r}.")
+      leaf_dims = _sharded_dims(spec, axes, name)
+      for dim in set(leaf_dims) - {None}:
+        over = [a for a, d in zip(axes, leaf_dims) if d == dim]
+        devices = math.prod(int(dist.mesh.shape[a]) for a in over)
+        if shape[dim] % devices:
+          raise ValueError(
+              f"Parameter '{name}' of shape {shape}: dimension {dim} ({shape[dim]}) is "
+              f"not divisible by the {devices} devices of model "
+              f"{_describe_axes(tuple(over))}.")
       paths.append(name)
       shapes.append(shape)
       specs.append(spec)
-      dims.append(dim)
-    return cls(dist.model_axis, size, treedef, tuple(paths), tuple(shapes),
-               tuple(specs), tuple(dims))
+      dims.append(leaf_dims)
+    return cls(axes, sizes, treedef, tuple(paths), tuple(shapes), tuple(specs),
+               tuple(dims))
+
+  @property
+  def size(self) -> int:
+    """`M`, the number of model shards (devices of the model axes)."""
+    return math.prod(self.sizes)
+
+  def describe_axes(self) -> str:
+    return _describe_axes(self.axes)
 
   def local_shape(self, i: int) -> tuple[int, ...]:
-    shape, dim = list(self.shapes[i]), self.dims[i]
-    if dim is not None:
-      shape[dim] //= self.size
+    shape = list(self.shapes[i])
+    for dim, size in zip(self.dims[i], self.sizes):
+      if dim is not None:
+        shape[dim] //= size
     return tuple(shape)
+
+  def replicated_axes(self, i: int) -> tuple[str, ...]:
+    """The model axes over which leaf `i` is replicated."""
+    return tuple(a for a, d in zip(self.axes, self.dims[i]) if d is None)
 
   def param_specs(self):
     """The `PartitionSpec` of every parameter leaf, as a tree like the parameters."""
@@ -193,16 +241,21 @@ def _tile(x, size: int):
   return x if x.ndim == 0 else jnp.concatenate([x] * size)
 
 
-def model_shard(tree: Any, index: int) -> Any:
+def model_shard(tree: Any, index: int | tuple[int, ...]) -> Any:
   """`tree` (e.g. an optax state of global arrays) with every model-sharded
   transform state replaced by model shard `index`'s single-axis state: what
-  one device of that shard holds for `kd.running_factors` and the like."""
+  one device of that shard holds for `kd.running_factors` and the like.
+  `index`: the shard's position on each model axis (a tuple), or its
+  row-major number over them."""
   def one(node: Any) -> Any:
     if not isinstance(node, ModelShardedState):
       return node
-    size = node.sharding.size
+    sizes = node.sharding.sizes
+    flat = (int(np.ravel_multi_index(tuple(index), sizes))
+            if isinstance(index, tuple) else index)
     return jax.tree_util.tree_map(
-        lambda x: x if jnp.ndim(x) == 0 else jnp.split(jnp.asarray(x), size)[index],
+        lambda x: x if jnp.ndim(x) == 0 else jnp.split(jnp.asarray(x),
+                                                        math.prod(sizes))[flat],
         node.inner)
   return jax.tree_util.tree_map(one, tree,
                                 is_leaf=lambda x: isinstance(x, ModelShardedState))
@@ -210,18 +263,17 @@ def model_shard(tree: Any, index: int) -> Any:
 
 def inner_specs(node: ModelShardedState, specs: Any) -> Any:
   """The specs of a `ModelShardedState` from its inner state's single-axis
-  `specs`: the model axis prepended on the first axis of every array leaf."""
-  axis = node.sharding.axis
+  `specs`: the model axes prepended on the first axis of every array leaf."""
+  axes = node.sharding.axes
 
   def prepend(spec: PartitionSpec, x: Any) -> PartitionSpec:
     if jnp.ndim(x) == 0:
       return PartitionSpec()
     first = spec[0] if len(spec) else None
     rest = tuple(spec[1:])
-    if first is None:
-      return PartitionSpec(axis, *rest)
-    first = first if isinstance(first, tuple) else (first,)
-    return PartitionSpec((axis,) + first, *rest)
+    first = () if first is None else first if isinstance(first, tuple) else (first,)
+    names = axes + first
+    return PartitionSpec(names[0] if len(names) == 1 else names, *rest)
   return dataclasses.replace(node, inner=jax.tree_util.tree_map(
       prepend, specs, node.inner, is_leaf=_is_spec))
 
@@ -237,20 +289,46 @@ def find_sharding(tree: Any) -> ModelSharding | None:
   return found.pop() if found else None
 
 
-def replicated_paths(tree: Any, dist) -> set[str]:
-  """Paths of the leaves of `tree` (shaped like the parameters) that
-  `dist.param_specs` leaves replicated over the model axis."""
-  return {name for name, _, spec in _leaf_specs(tree, dist)
-          if _sharded_dim(spec, dist.model_axis, name) is None}
+def replicated_axes(tree: Any, dist) -> dict[str, tuple[str, ...]]:
+  """The model axes over which `dist.param_specs` replicates each leaf of
+  `tree` (shaped like the parameters), by path."""
+  axes = dist.model_axes
+  return {name: tuple(a for a, d in zip(axes, _sharded_dims(spec, axes, name))
+                      if d is None)
+          for name, _, spec in _leaf_specs(tree, dist)}
 
 
-def from_shard_zero(x: jax.Array, axis: str) -> jax.Array:
-  """`x` of model shard 0, typed replicated over `axis`: a psum of its value
-  and zeros (exact)."""
-  if axis not in _compat.varying_axes(x):
+def on_shard_zero(axes: tuple[str, ...]) -> jax.Array:
+  """Whether this device is at position 0 of every one of `axes`."""
+  mine = jnp.asarray(True)
+  for a in axes:
+    mine = mine & (lax.axis_index(a) == 0)
+  return mine
+
+
+def from_shard_zero(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """`x` of the model shards at position 0 of `axes`, typed replicated over
+  them: a psum of its value and zeros (exact)."""
+  axes = tuple(a for a in axes if a in _compat.varying_axes(x))
+  if not axes:
     return x
-  mine = lax.axis_index(axis) == 0
-  return lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), axis)
+  return lax.psum(jnp.where(on_shard_zero(axes), x, jnp.zeros_like(x)), axes)
+
+
+def _check_axis_sizes(sharding: ModelSharding, name: str) -> None:
+  """The enclosing shard_map has the state's model axes, of its sizes."""
+  for axis, expected in zip(sharding.axes, sharding.sizes):
+    try:
+      size = lax.axis_size(axis)
+    except NameError as e:
+      raise ValueError(
+          f"{name} is tensor-parallel over mesh {sharding.describe_axes()}: call "
+          "update inside jax.shard_map over the data and model axes, with "
+          "in_specs/out_specs from kd.partition_specs(opt_state) and the "
+          "param_specs.") from e
+    if size != expected:
+      raise ValueError(f"update runs in a shard_map whose axis {axis!r} has {size} "
+                       f"devices, but the state was built for {expected}.")
 
 
 def wrap(inner: optax.GradientTransformationExtraArgs, dist, name: str,
@@ -259,12 +337,13 @@ def wrap(inner: optax.GradientTransformationExtraArgs, dist, name: str,
 
   `init` builds `inner`'s state from the local shard shapes (`check(sharding)`
   may reject a sharding the transform cannot precondition) and stacks it for
-  the `M` shards. `update` runs inside `shard_map` over both axes on the
-  local shards; gradients and the `kfac_stats` are typed varying over the
-  model axis (the per-shard state is), and the updates of replicated
-  parameters leave replicated (model shard 0's, see the module docstring).
+  the `M` shards. `update` runs inside `shard_map` over the data and model
+  axes on the local shards; gradients and the `kfac_stats` are typed varying
+  over the model axes (the per-shard state is), and the updates of
+  parameters replicated over a model axis leave replicated over it (shard
+  0's, see the module docstring).
   """
-  axis = dist.model_axis
+  axes = dist.model_axes
 
   def init_fn(params: Any) -> ModelShardedState:
     sharding = ModelSharding.of(params, dist)
@@ -281,19 +360,10 @@ def wrap(inner: optax.GradientTransformationExtraArgs, dist, name: str,
   def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any
                 ) -> tuple[Any, ModelShardedState]:
     if not isinstance(state, ModelShardedState):
-      raise TypeError(f"{name}: this transform is tensor-parallel over {axis!r}; "
-                       "give it the state of its own init.")
+      raise TypeError(f"{name}: this transform is tensor-parallel over "
+                      f"{_describe_axes(axes)}; give it the state of its own init.")
     sharding = state.sharding
-    try:
-      size = lax.axis_size(axis)
-    except NameError as e:
-      raise ValueError(
-          f"{name} is tensor-parallel over mesh axis {axis!r}: call update inside "
-          "jax.shard_map over the data and model axes, with in_specs/out_specs from "
-          "kd.partition_specs(opt_state) and the param_specs.") from e
-    if size != sharding.size:
-      raise ValueError(f"update runs in a shard_map whose axis {axis!r} has {size} "
-                       f"devices, but the state was built for {sharding.size}.")
+    _check_axis_sizes(sharding, name)
     flat = sharding.treedef.flatten_up_to(updates)
     for i, x in enumerate(flat):
       if tuple(jnp.shape(x)) != sharding.local_shape(i):
@@ -302,14 +372,13 @@ def wrap(inner: optax.GradientTransformationExtraArgs, dist, name: str,
             f"expected its local shard {sharding.local_shape(i)} (global "
             f"{sharding.shapes[i]}): call update inside shard_map with the "
             "param_specs.")
-    varying = functools.partial(_compat.as_varying, axes=(axis,))
+    varying = functools.partial(_compat.as_varying, axes=axes)
     extra_args = {k: (varying(v) if k == "kfac_stats" and v is not None else v)
                   for k, v in extra_args.items()}
     new_updates, new_inner = inner.update(varying(updates), state.inner, params,
                                           **extra_args)
     out = sharding.treedef.flatten_up_to(new_updates)
-    out = [x if d is not None else from_shard_zero(x, axis)
-           for x, d in zip(out, sharding.dims)]
+    out = [from_shard_zero(x, sharding.replicated_axes(i)) for i, x in enumerate(out)]
     return (sharding.treedef.unflatten(out),
             dataclasses.replace(state, inner=new_inner))
 
@@ -317,40 +386,41 @@ def wrap(inner: optax.GradientTransformationExtraArgs, dist, name: str,
 
 
 def check_kfac_layers(layers, sharding: ModelSharding) -> None:
-  """Rejects a tagged layer whose kernel is sharded on an axis that is neither
-  an input nor an output axis (a conv's spatial axes, a stack axis), and a
-  row-parallel layer (kernel sharded on an input axis) whose tag adds a bias:
-  the bias belongs after the psum over the model axis."""
+  """Rejects a tagged layer whose local kernel shape is not its shard's, a
+  kernel sharded on a conv's spatial axis, and a row-parallel layer (kernel
+  sharded on an input axis) whose tag adds a bias: the bias belongs after
+  the psum over the model axis. A stack axis may be sharded (each shard then
+  owns whole blocks, e.g. a pipeline stage's: their factors are exact)."""
   for layer in layers:
     if layer.kernel_path not in sharding.paths:
       continue
     i = sharding.paths.index(layer.kernel_path)
-    dim = sharding.dims[i]
-    if dim is None:
-      continue
     if tuple(layer.stack) + tuple(layer.kernel_shape) != sharding.local_shape(i):
       raise ValueError(
           f"Tagged layer '{layer.name}' has kernel shape {layer.kernel_shape}, not its "
           f"local shard's {sharding.local_shape(i)}: discover the layers with "
           "grad_fn.discover(params, *batch, distribution=dist).")
-    stack = len(layer.stack)
-    if dim < stack:
-      raise ValueError(f"Tagged layer '{layer.name}': its kernel is sharded over "
-                       f"{sharding.axis!r} on a stack axis; shard a kernel axis.")
-    dim -= stack
-    shape = layer.kernel_shape
-    if layer.kind == "conv2d" and dim < len(shape) - 2:
+    for axis, dim in zip(sharding.axes, sharding.dims[i]):
+      if dim is not None and dim >= len(layer.stack):
+        _check_kernel_dim(layer, axis, dim - len(layer.stack))
+
+
+def _check_kernel_dim(layer, axis: str, dim: int) -> None:
+  """Kernel dimension `dim` of `layer` is sharded over `axis`: it must be an
+  input or output channel axis, and an input one only without a tagged bias."""
+  shape = layer.kernel_shape
+  if layer.kind == "conv2d" and dim < len(shape) - 2:
+    raise ValueError(
+        f"Tagged layer '{layer.name}': its kernel {shape} (local) is sharded over "
+        f"{axis!r} on spatial axis {dim}; K-FAC needs the input or output "
+        "channels sharded (row- or column-parallel).")
+  if layer.kind in ("dense", "conv2d"):
+    rows = layer.a_dim - layer.has_bias
+    in_dims = next((k for k in range(len(shape) + 1) if math.prod(shape[:k]) == rows),
+                   len(shape) - 1)
+    if dim < in_dims and layer.has_bias:
       raise ValueError(
-          f"Tagged layer '{layer.name}': its kernel {shape} (local) is sharded over "
-          f"{sharding.axis!r} on spatial axis {dim}; K-FAC needs the input or output "
-          "channels sharded (row- or column-parallel).")
-    if layer.kind in ("dense", "conv2d"):
-      rows = layer.a_dim - layer.has_bias
-      in_dims = next((k for k in range(len(shape) + 1) if math.prod(shape[:k]) == rows),
-                     len(shape) - 1)
-      if dim < in_dims and layer.has_bias:
-        raise ValueError(
-            f"Tagged layer '{layer.name}' is row-parallel (its kernel is sharded over "
-            f"{sharding.axis!r} on input axis {dim}) and its tag adds a bias, which "
-            "every model shard would add before the psum: add the bias after the "
-            "psum, outside the tag.")
+          f"Tagged layer '{layer.name}' is row-parallel (its kernel is sharded over "
+          f"{axis!r} on input axis {dim}) and its tag adds a bias, which "
+          "every model shard would add before the psum: add the bias after the "
+          "psum, outside the tag.")

@@ -164,23 +164,22 @@ Dot = Callable[[Any, Any], jax.Array]
 
 def inner_product(kfac_config: KfacConfig) -> Dot:
   """`⟨a, b⟩` of two parameter-shaped trees as the optimizer sees them: local
-  shards under a tensor-parallel `Distribution`, whose sharded leaves are
-  summed over the model axis and whose replicated leaves (the same on every
-  model shard) count once, typed invariant over that axis; `tree_vdot` else."""
-  if kfac_config.model_axis is None:
+  shards under a tensor-parallel `Distribution`, summed over the model axes,
+  a leaf replicated over some of them (the same on those shards) counted
+  once, typed invariant over the axes; `tree_vdot` else."""
+  if not kfac_config.model_axes:
     return tree_vdot
-  dist, axis = kfac_config.distribution, kfac_config.model_axis
+  dist, axes = kfac_config.distribution, kfac_config.model_axes
 
   def dot(a: Any, b: Any) -> jax.Array:
-    replicated = tensor_parallel.replicated_paths(a, dist)
+    replicated = tensor_parallel.replicated_axes(a, dist)
     flat, _ = jax.tree_util.tree_flatten_with_path(a)
-    sharded, once = [], []
+    local = jnp.zeros([])
     for (path, x), y in zip(flat, jax.tree_util.tree_leaves(b)):
-      part = once if registry.path_str(path) in replicated else sharded
-      part.append(tree_vdot(x, y))
-    local = sum(sharded, jnp.zeros([])) + jnp.where(
-        lax.axis_index(axis) == 0, sum(once, jnp.zeros([])), 0.0)
-    return lax.psum(_compat.as_varying(local, (axis,)), axis)
+      over = replicated[registry.path_str(path)]
+      local = local + jnp.where(tensor_parallel.on_shard_zero(over), tree_vdot(x, y),
+                                0.0)
+    return lax.psum(_compat.as_varying(local, axes), axes)
   return dot
 
 
@@ -252,9 +251,22 @@ def _objective(config: AdaptiveConfig, dot: Dot, loss: jax.Array, params: Any
 def _one_per_model(kfac_config: KfacConfig, x: jax.Array) -> jax.Array:
   """`x`, computed alike by every model shard (tensor parallelism), as model
   shard 0's value typed replicated; unchanged without a model axis."""
-  if kfac_config.model_axis is None:
-    return x
-  return tensor_parallel.from_shard_zero(x, kfac_config.model_axis)
+  return tensor_parallel.from_shard_zero(x, kfac_config.model_axes)
+
+
+def _typed_like_params(kfac_config: KfacConfig, tree: Any) -> Any:
+  """A parameter-shaped `tree` computed from the per-shard state (typed
+  varying over every model axis) with each leaf that the parameters
+  replicate over some model axes typed replicated over them (shard 0's
+  value, the same on every shard), as the model expects its parameters and
+  their tangents (a scan's carry, say, must keep its type)."""
+  if not kfac_config.model_axes:
+    return tree
+  replicated = tensor_parallel.replicated_axes(tree, kfac_config.distribution)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  return jax.tree_util.tree_unflatten(treedef, [
+      tensor_parallel.from_shard_zero(x, replicated[registry.path_str(path)])
+      for path, x in flat])
 
 
 def _damping_step(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
@@ -263,7 +275,8 @@ def _damping_step(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
   """(λ', ρ) after an adaptation step: one forward pass, for `L(θ + d)`
   (`loss` = L(θ) came with the Gram matrix)."""
   dot = inner_product(kfac_config)
-  new_params = jax.tree_util.tree_map(jnp.add, params, update)
+  new_params = jax.tree_util.tree_map(jnp.add, params,
+                                      _typed_like_params(kfac_config, update))
   new_loss = grad_fn.loss(new_params, *batch, micro_batches=config.micro_batches)
   rho = (_objective(config, dot, new_loss, new_params)
          - _objective(config, dot, loss, params)) / change
@@ -278,7 +291,8 @@ def _model_in_span(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any
   `L(θ)`, from one linearisation. With the momentum fixed at 0, `v`'s tangent
   pass is skipped: its row and column of `A` and `D` and its `b` are zeros."""
   no_momentum = isinstance(config.momentum, (int, float)) and config.momentum == 0
-  used = vectors[:1] if no_momentum else vectors
+  used = tuple(_typed_like_params(kfac_config, v)
+               for v in (vectors[:1] if no_momentum else vectors))
   gram, loss = grad_fn.gauss_newton_gram(params, used, *batch, with_loss=True,
                                          micro_batches=config.micro_batches)
   gram = _one_per_model(kfac_config, gram)
@@ -380,7 +394,7 @@ def scale_by_adaptive_kfac(
                         params, kfac_stats, kfac_batch)
 
   tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
-  if kfac_config.model_axis is None:
+  if not kfac_config.model_axes:
     return tx
   return tensor_parallel.wrap(
       tx, kfac_config.distribution, "kfac",

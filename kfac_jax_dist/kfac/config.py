@@ -91,7 +91,7 @@ class KfacConfig:
                        "leave factor_update_every and inverse_update_every at 1.")
     if self.method != "eigen":
       raise ValueError('stale_threshold supports method="eigen" only.')
-    if self.model_axis is not None:
+    if self.model_axes:
       raise ValueError("stale_threshold is not supported with a tensor-parallel "
                        "Distribution (model_axis): each model shard would refresh on "
                        "its own schedule.")
@@ -106,7 +106,7 @@ class KfacConfig:
     if self.stale_threshold is not None:
       raise ValueError('eigenvalue_correction="ekfac" is not supported with '
                        "stale_threshold.")
-    if self.model_axis is not None or self.local_factors:
+    if self.model_axes or self.local_factors:
       raise ValueError(
           'eigenvalue_correction="ekfac" is not supported with a tensor-parallel '
           'Distribution (model_axis) or factor_reduction="local" (DP-KFAC) so far.')
@@ -121,8 +121,9 @@ class KfacConfig:
     return "none" if self.distribution is None else self.distribution.gradient_reduction
 
   @property
-  def model_axis(self) -> str | None:
-    return None if self.distribution is None else self.distribution.model_axis
+  def model_axes(self) -> tuple[str, ...]:
+    """The tensor-parallel mesh axes (`()`: none)."""
+    return () if self.distribution is None else self.distribution.model_axes
 
   @property
   def factor_reduction(self) -> str | None:

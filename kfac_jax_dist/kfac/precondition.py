@@ -208,8 +208,8 @@ def kl_clip(config: KfacConfig, preconditioned: dict[str, jax.Array], vg: jax.Ar
   on a tensor-parallel mesh Σ|⟨V, ∇⟩| sums every layer's shards."""
   if config.kl_clip is None:
     return preconditioned
-  if config.model_axis is not None:
-    vg = lax.psum(vg, config.model_axis)
+  if config.model_axes:
+    vg = lax.psum(vg, config.model_axes)
   dtype = config.compute_dtype
   eta = jnp.asarray(cadence.value_at(config.learning_rate, count), dtype)
   kappa = jnp.asarray(cadence.value_at(config.kl_clip, count), dtype)

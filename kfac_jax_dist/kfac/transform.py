@@ -29,6 +29,7 @@ KL clip and the learning rate may be schedules of `count`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any, Sequence
 
@@ -208,7 +209,7 @@ def inputs_verdict(config: KfacConfig, comm: collectives_lib.Collectives,
   averaged gradients, typed invariant over the axis, are checked as is), so a
   plain COMM-OPT step has no extra collective."""
   ok = faults.all_finite(leaves.values()) & config.settings_ok(state.count)
-  if comm.active and (config.gradient_reduction != "none" or config.model_axis is not None
+  if comm.active and (config.gradient_reduction != "none" or config.model_axes
                       or comm.dist.axis in _compat.varying_axes(list(leaves.values()))):
     ok = faults.agree(ok, comm.varying)
   return faults.computed_once(ok)
@@ -346,14 +347,15 @@ def preconditioned_updates(config: KfacConfig, comm: collectives_lib.Collectives
   refreshed `state`) and KL-clipped, untagged leaves passing through; and
   whether they are finite (`produced_finite`)."""
   lay = state.layout
-  replicated = (set() if config.model_axis is None else
-                tensor_parallel.replicated_paths(updates, config.distribution))
+  replicated = ({} if not config.model_axes else
+                tensor_parallel.replicated_axes(updates, config.distribution))
 
   def kl_weight(plan: layout_lib.LayerPlan) -> float:
-    """A layer replicated over the model axis counts once in the psum'd KL sum."""
-    if plan.layer.kernel_path not in replicated:
-      return 1.0
-    return 1.0 / config.distribution.model_size
+    """A layer replicated over model axes counts once in the KL sum psum'd
+    over them."""
+    mesh = config.distribution.mesh if config.model_axes else None
+    return 1.0 / math.prod(int(mesh.shape[a])
+                           for a in replicated.get(plan.layer.kernel_path, ()))
 
   grad_of, leaves = precondition.routed_gradients(config, comm, lay, leaves)
   scaling = (None if state.correction is None
@@ -501,7 +503,7 @@ def scale_by_kfac(
     return update_state(config, comm, updates, state, kfac_stats)
 
   tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
-  if config.model_axis is None:
+  if not config.model_axes:
     return tx
   return tensor_parallel.wrap(
       tx, distribution, "scale_by_kfac",

@@ -453,7 +453,7 @@ def scale_by_soap(
     return update_state(config, comm, updates, state)
 
   tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
-  if distribution is not None and distribution.model_axis is not None:
+  if distribution is not None and distribution.model_axes:
     # Tensor-parallel: every model shard runs SOAP on its local shard (as Shampoo).
     return tensor_parallel.wrap(tx, distribution, "scale_by_soap")
   return tx

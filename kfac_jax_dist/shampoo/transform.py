@@ -252,7 +252,7 @@ def scale_by_shampoo(
     return update_state(config, comm, updates, state)
 
   tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
-  if distribution is not None and distribution.model_axis is not None:
+  if distribution is not None and distribution.model_axes:
     # Tensor-parallel: every model shard preconditions its local shard (3D-Shampoo).
     return tensor_parallel.wrap(tx, distribution, "scale_by_shampoo")
   return tx
