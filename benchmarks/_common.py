@@ -210,15 +210,17 @@ def kfac_state(opt_state: Any) -> kd.ScaleByKfacState:
 
 
 def sharded_step(loss_fn, params, x, y, tx, grad_fn, mesh, gradient_reduction, *,
-                 kfac: bool = True, donate: bool = False):
+                 kfac: bool = True, donate: bool = False, param_specs: Any = P()):
   """(jitted shard_map'd step, global opt_state placed on the mesh); `donate`:
-  the parameters and the state donated (as a training loop runs it)."""
+  the parameters and the state donated (as a training loop runs it);
+  `param_specs`: the parameters' specs on a tensor-parallel mesh (a tree like
+  them or a prefix; the batch is sharded over "data")."""
   opt_state = tx.init(params)
   if kfac:
     opt_state = kd.shard_state(opt_state, mesh)
     specs = kd.partition_specs(opt_state)
   else:
-    specs = jax.tree.map(lambda _: P(), opt_state)
+    specs = first_order_specs(opt_state, params, param_specs)
 
   def step(params, opt_state, x, y):
     if kfac:
@@ -234,9 +236,22 @@ def sharded_step(loss_fn, params, x, y, tx, grad_fn, mesh, gradient_reduction, *
       updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
-                             out_specs=(P(), specs)), donate_argnums=(0, 1) if donate else ())
+  fn = jax.jit(jax.shard_map(step, mesh=mesh,
+                             in_specs=(param_specs, specs, P("data"), P("data")),
+                             out_specs=(param_specs, specs)),
+               donate_argnums=(0, 1) if donate else ())
   return fn, opt_state
+
+
+def first_order_specs(opt_state: Any, params: Any, param_specs: Any) -> Any:
+  """Specs of a first-order optax state: every subtree shaped like the
+  parameters (momentum, Adam's moments) gets `param_specs`, the rest `P()`."""
+  full = jax.tree.map(lambda s, x: jax.tree.map(lambda _: s, x), param_specs, params,
+                      is_leaf=lambda s: isinstance(s, P))
+  treedef = jax.tree.structure(params)
+  return jax.tree.map(
+      lambda node: full if jax.tree.structure(node) == treedef else P(), opt_state,
+      is_leaf=lambda node: jax.tree.structure(node) == treedef)
 
 
 def _varying(tree):

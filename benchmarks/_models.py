@@ -407,3 +407,64 @@ def step_problem(name: str):
     raise ValueError(f"unknown model {name!r} (mlp, cnn, lm)")
   params = model.init(kp, x)
   return model, params, x, y, desc
+
+
+# --------------------------------- a pipelined, tensor-parallel stack (3-D mesh)
+
+PIPELINE_AXES = ("data", "model", "stage")
+
+
+def pipeline_problem(blocks: int = 8, width: int = 256, hidden: int = 1024,
+                     classes: int = 256, batch: int = 64):
+  """Residual Megatron MLP blocks stacked `[L, ...]` and a Dense head, for a
+  `("data", "model", "stage")` mesh (as tests/test_mesh3d.py, larger):
+  `(params, param_specs, pipeline_loss, flat_loss, x, y)`. The stack is
+  sharded over "stage" on its stack axis and its hidden units over "model";
+  `pipeline_loss` runs inside shard_map over the three axes (stage s runs its
+  L/S blocks in round s, activations passed on by `ppermute`); `flat_loss`
+  is the same model on a mesh without model axes (one scan over the L blocks)."""
+  k = jax.random.split(jax.random.key(1), 5)
+  params = {"up": {"kernel": jax.random.normal(k[0], (blocks, width, hidden))
+                   * np.sqrt(1.0 / width), "bias": jnp.zeros((blocks, hidden))},
+            "down": {"kernel": jax.random.normal(k[1], (blocks, hidden, width))
+                     * np.sqrt(0.5 / hidden / blocks)},
+            "head": dense_init(k[2], width, classes)}
+  specs = {"up": {"kernel": jax.sharding.PartitionSpec("stage", None, "model"),
+                  "bias": jax.sharding.PartitionSpec("stage", "model")},
+           "down": {"kernel": jax.sharding.PartitionSpec("stage", "model", None)},
+           "head": jax.sharding.PartitionSpec()}
+  x = jax.random.normal(k[3], (batch, width), jnp.float32)
+  y = jax.random.randint(k[4], (batch,), 0, classes)
+
+  def run_blocks(p, h, reduce):
+    def block(h, i):
+      u = jax.nn.gelu(kd.tags.dense(h, p["up"]["kernel"], p["up"]["bias"],
+                                    stack_index=i))
+      return h + reduce(kd.tags.dense(u, p["down"]["kernel"], stack_index=i)), None
+    return jax.lax.scan(block, h, jnp.arange(p["up"]["kernel"].shape[0]))[0]
+
+  def head(p, h, y):
+    return kd.losses.softmax_cross_entropy(
+        kd.tags.dense(h, p["head"]["kernel"], p["head"]["bias"]), y)
+
+  def pipeline_loss(p, x, y):
+    stages = jax.lax.axis_size("stage")
+    stage = jax.lax.axis_index("stage")
+    reduce = lambda z: jax.lax.psum(z, "model")
+
+    def one_round(h, r):
+      h = jax.lax.cond(stage == r, lambda h: run_blocks(p, h, reduce), lambda h: h, h)
+      return jax.lax.ppermute(h, "stage", [(s, (s + 1) % stages)
+                                           for s in range(stages)]), None
+    h = jax.lax.scan(one_round, _stage_varying(x), jnp.arange(stages))[0]
+    return head(p, jax.lax.psum(jnp.where(stage == 0, h, 0.0), "stage"), y)
+
+  def flat_loss(p, x, y):
+    return head(p, run_blocks(p, x, lambda z: z), y)
+  return params, specs, pipeline_loss, flat_loss, x, y
+
+
+def _stage_varying(x: jax.Array) -> jax.Array:
+  if hasattr(jax.lax, "pcast"):
+    return jax.lax.pcast(x, ("stage",), to="varying")
+  return jax.lax.pvary(x, ("stage",))

@@ -274,6 +274,16 @@ def memory(d: Json) -> list[str]:
                     fmt_bytes(r["bound"]), f"{r['kfac_peak'] / r['bound']:.3f}",
                     yes_no(r["holds"])] for r in peaks],
                   ["model", "SGD peak", "K-FAC peak", "bound", "peak / bound", "holds"])]
+  mesh3d = d.get("mesh3d") or []
+  if mesh3d:
+    lines += ["", "Per device on a 2×2×2 (data, model, stage) mesh, a pipelined and "
+              "tensor-parallel stack of 8 MLP blocks, against the same model on 8 data "
+              "devices:", "", md_table(
+                  [[r["mesh"], r["strategy"], fmt_bytes(r["params"]),
+                    fmt_bytes(r["kfac_state"]), fmt_bytes(r["kfac_peak"]),
+                    f"{r['kfac_peak'] / r['bound']:.3f}"] for r in mesh3d],
+                  ["mesh", "strategy", "parameters", "K-FAC state", "K-FAC peak",
+                   "peak / bound"])]
   return lines + checks_table(d.get("checks", []))
 
 
