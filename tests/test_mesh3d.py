@@ -87,6 +87,39 @@ def pipeline_loss(p, x, y):
   return _head(p, h, y)
 
 
+MICRO = 2                           # GPipe: micro-batches per data shard
+
+
+def gpipe_loss(p, x, y):
+  """Inside shard_map: a GPipe schedule of MICRO micro-batches over the S
+  stages, MICRO + S − 1 ticks; at tick t stage s runs its blocks on
+  micro-batch t − s when there is one (`lax.cond`: a bubble runs nothing),
+  then passes its activations on. Every block runs MICRO times a step: its
+  `A` is the mean over the runs, its `G` their sum (`statistics.RUNS`), so
+  the statistics are the whole batch's. The last stage's outputs are shared."""
+  stage, stages = lax.axis_index("stage"), lax.axis_size("stage")
+  reduce = functools.partial(lax.psum, axis_name="model")
+  micro = x.reshape(MICRO, -1, x.shape[-1])
+
+  def run_blocks(h):
+    return lax.scan(lambda h, i: (_block(h, p["up"], p["down"], p["shift"], i, reduce),
+                                  None), h, jnp.arange(p["shift"].shape[0]))[0]
+
+  def tick(carry, t):
+    received, outputs = carry
+    k = t - stage                                   # this stage's micro-batch
+    h = jnp.where(stage == 0, micro[jnp.clip(t, 0, MICRO - 1)], received)
+    h = lax.cond((k >= 0) & (k < MICRO), run_blocks, lambda h: h, h)
+    done = (stage == stages - 1) & (k >= 0) & (k < MICRO)
+    outputs = jnp.where(done, outputs.at[jnp.clip(k, 0, MICRO - 1)].set(h), outputs)
+    sent = lax.ppermute(h, "stage", [(s, (s + 1) % stages) for s in range(stages)])
+    return (sent, outputs), None
+  start = _compat.as_varying((micro[0], jnp.zeros_like(micro)), ("stage",))
+  (_, outputs), _ = lax.scan(tick, start, jnp.arange(MICRO + stages - 1))
+  h = lax.psum(jnp.where(stage == stages - 1, outputs, 0.0), "stage")
+  return _head(p, h.reshape(x.shape), y)
+
+
 def split_loss(p, x, y):
   """The split model on one device: stage s's blocks, model shard m's
   columns (rows) as the stacked leaves `up{s}{m}`, `down{s}{m}`, `shift{s}`,
@@ -209,6 +242,19 @@ def test_kfac_3d_mesh_equals_split_model(fraction, factor_reduction,
                                          err_msg=f"shard {(m, s)} {name}/{i} {key}")
   specs = kd.partition_specs(state)
   assert specs[0].inner.factors == P(("model", "stage", "data"))
+
+
+@pytest.mark.parametrize("fraction", [1.0, 1 / 2], ids=["COMM-OPT", "MEM-OPT"])
+def test_kfac_gpipe_micro_batches_equal_split_model(fraction):
+  """A micro-batched pipeline (GPipe, bubbles skipped by `lax.cond`) runs
+  each block MICRO times per step; K-FAC's statistics are still the whole
+  batch's (A the mean over the runs, G the sum), so the steps equal the
+  split model's on the whole batch."""
+  with jax.enable_x64(True):
+    params, x, y = _problem()
+    trajectory, _ = _train(_kfac, gpipe_loss, params, x, y, _dist(fraction))
+    reference, _ = _train(_kfac, split_loss, to_split(params), x, y)
+    _assert_same(trajectory, reference)
 
 
 def test_dp_kfac_3d_factors_are_the_owners_local_factors():

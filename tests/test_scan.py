@@ -452,6 +452,42 @@ def test_plain_scan_over_slices_needs_stack_index():
     kd.value_and_grad(loss_fn).discover(params, x, y)
 
 
+def test_kernel_shared_by_scan_iterations_gets_expand_statistics():
+  """A plain `lax.scan` closing over one kernel runs its tag R times in one
+  pass: its statistics are K-FAC-expand's for weight sharing (Eschenhagen et
+  al. 2023), every iteration's positions counted as examples of the layer:
+  `A` the mean of `a aᵀ` over all of them, `G = n Σ_r Σ_p g g ᵀ` (n = B, the
+  loss's examples), against float64 brute force from the unrolled model."""
+  runs = 3
+  k = jax.random.split(jax.random.PRNGKey(7), 4)
+  params = {"w": jax.random.normal(k[0], (D, D), F64) / 2,
+            "b": jax.random.normal(k[1], (D,), F64) / 4,
+            "out": jax.random.normal(k[2], (D, C), F64)}
+  x, y = _batch()
+
+  def loss_fn(p, x, y):
+    h, _ = lax.scan(lambda h, _: (jnp.tanh(kd.tags.dense(h, p["w"], p["b"])), None),
+                    x, None, length=runs)
+    return kd.losses.softmax_cross_entropy(h @ p["out"], y)
+  grad_fn = kd.value_and_grad(loss_fn)
+  assert [l.name for l in grad_fn.discover(params, x, y)] == ["w"]
+  _, _, stats = jax.jit(grad_fn)(params, x, y)
+
+  def unrolled(eps):                        # eps[r]: added to iteration r's output
+    h, inputs = x, []
+    for r in range(runs):
+      inputs.append(h)
+      h = jnp.tanh(h @ params["w"] + params["b"] + eps[r])
+    return kd.losses.softmax_cross_entropy(h @ params["out"], y), inputs
+  eps = jnp.zeros((runs,) + x.shape, F64)
+  g = jax.grad(lambda e: unrolled(e)[0])(eps)
+  a = jnp.concatenate([jnp.concatenate([h, jnp.ones((h.shape[0], 1), F64)], 1)
+                       for h in unrolled(eps)[1]])
+  np.testing.assert_allclose(stats["w"]["A"], a.T @ a / a.shape[0], rtol=1e-12)
+  want_g = x.shape[0] * sum(g[r].T @ g[r] for r in range(runs))
+  np.testing.assert_allclose(stats["w"]["G"], want_g, rtol=1e-12)
+
+
 def test_stacked_layer_applied_twice_by_traced_index_raises():
   x, y = _batch()
   params = _plain_params()

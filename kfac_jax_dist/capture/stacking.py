@@ -38,13 +38,14 @@ The registry records a stacked layer once, with `stack = (L,)` (leading axes
 only; several for nested scans); the optimizer's layout expands it into one
 layer per block (`TaggedLayer.blocks`).
 
-Not supported: weights shared by the iterations of a loop (nn.scan's
-`variable_broadcast="params"` raises "ran twice"; a plain `lax.scan` closing
-over one unstacked kernel is not detected and sums the iterations'
-statistics); stack axes other than the leading ones (raises); NNX parameters
-given as a pure dict (raises: not a leaf). A stack applied twice in one loss
-is not detected: JAX may reuse a traced loop body without running its tags
-again, so each block's statistics are then the sum of both uses.
+A layer (or block) that runs several times in one pass — a plain `lax.scan`
+closing over one unstacked kernel, a stack applied twice, a pipeline stage's
+blocks once per micro-batch — gets K-FAC-expand's statistics for weight
+sharing: every run's positions count as its examples (`A` the mean over the
+runs, `G` their sum; `statistics.RUNS`). Not supported: nn.scan's
+`variable_broadcast="params"` (its discovery raises "ran twice", as does a
+tag called twice in one trace); stack axes other than the leading ones
+(raises); NNX parameters given as a pure dict (raises: not a leaf).
 """
 
 from __future__ import annotations

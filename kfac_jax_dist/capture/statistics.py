@@ -64,6 +64,15 @@ in that basis, `S = n Σ_u (Q_Aᵀ ∇̂_u Q_G)²` with `∇̂_u = Σ_{p∈u} a_
 examples u are those of `A` and `G` (a Dense position, or an entry of the
 first `example_dims` axes; a Conv layer's image, its pixels summed).
 
+A layer that runs several times in one loss evaluation inside a compiled
+loop (a pipeline stage's blocks once per micro-batch under `lax.cond`, a
+scan's iterations sharing one kernel) has its probes' cotangents summed over
+the runs: `G`, `F` and `S`, sums over examples, are then those of all the
+runs' positions, and `A`, a mean per run, is divided by the number of runs
+(`RUNS`, a scalar probe per layer or block that each run's backward pass
+counts): every run's positions count as examples of one layer, K-FAC-expand's
+treatment of weight sharing (Eschenhagen et al. 2023).
+
 Precision: every statistic is computed in `statistics_dtype` of the layer's
 inputs and output cotangents, `promote_types(dtype, float32)`: a bfloat16 or
 float16 model gets float32 statistics, a float64 model float64 ones (the
@@ -88,6 +97,15 @@ SCALED_BY_NUM_EXAMPLES = frozenset({"G", "F", "S"})
 # EK-FAC: the corrected scaling `S` (`corrected_scaling`), computed in the
 # eigenbases the capture receives as the inputs `QA` and `QG`.
 CORRECTED, BASES = "S", ("QA", "QG")
+# How many times a layer (block) ran in the pass: `A`, a mean per run, is
+# divided by it (see the module docstring).
+RUNS = "runs"
+
+
+def per_run_mean(a: jax.Array, runs: jax.Array) -> jax.Array:
+  """`A` summed over `runs` runs (`[*stack]`) → their mean (0 runs: as is)."""
+  runs = jnp.maximum(runs, 1).astype(a.dtype)
+  return a / runs.reshape(runs.shape + (1,) * (a.ndim - runs.ndim))
 
 
 def statistics_dtype(*arrays) -> jnp.dtype:

@@ -105,7 +105,8 @@ def _discover(trace, kind, name, kernel, bias, site, **record) -> None:
         return
       # ... or a transform's second trace of its body (flax traces nn.scan's
       # twice). So a stack applied twice in one loss is not detected (nor can
-      # it be: JAX may reuse a traced scan body without tracing it again).
+      # it be: JAX may reuse a traced scan body without tracing it again);
+      # its statistics count both runs (`statistics.RUNS`).
       if stack and site.carrier is not None:
         return
     raise ValueError(
@@ -224,6 +225,8 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=
       xx = xx.astype(dtype)
     gg = gg.astype(dtype)
     out = stats(xx, gg, forms)
+    if factors.RUNS in inputs:                  # this run, counted
+      out[factors.RUNS] = jnp.ones_like(inputs[factors.RUNS])
     if factors.BASES[0] in inputs:
       qa, qg = (inputs[key] for key in factors.BASES)
       ex, eg, example_dims = examples(xx, gg)

@@ -87,7 +87,8 @@ def _probes(layer: registry.TaggedLayer, forms: tuple[str, str],
     return {"F": jnp.zeros(stack + (layer.g_dim, 3), dtype)}
   a_form = factors.DIAG if layer.a_diagonal else forms[0]
   return {key: jnp.zeros(stack + ((d, d) if form == factors.FULL else (d,)), dtype)
-          for key, d, form in (("A", layer.a_dim, a_form), ("G", layer.g_dim, forms[1]))}
+          for key, d, form in (("A", layer.a_dim, a_form), ("G", layer.g_dim, forms[1]))
+          } | {factors.RUNS: jnp.zeros(stack, dtype)}
 
 
 def _correction_probes(layer: registry.TaggedLayer, state: Any, dtype: Any) -> dict:
@@ -418,8 +419,12 @@ class ValueAndGrad:
     stats = {name: {key: (value * g_scale).astype(value.dtype)
                     if key in factors.SCALED_BY_NUM_EXAMPLES
                     else value for key, value in layer_stats.items()
-                    if key not in factors.BASES}
+                    if key not in factors.BASES + (factors.RUNS,)}
              for name, layer_stats in probe_bar.items()}
+    for name, layer_stats in probe_bar.items():      # A: the mean over the runs
+      if factors.RUNS in layer_stats:
+        stats[name]["A"] = factors.per_run_mean(stats[name]["A"],
+                                                layer_stats[factors.RUNS])
     value = (loss, aux) if self.has_aux else loss
     return value, grads, stats, n
 
