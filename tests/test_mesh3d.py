@@ -203,6 +203,20 @@ def _shampoo(layers=None, dist=None, grad_fn=None, graft_type="adagrad"):
                     distribution=dist)
 
 
+# Adagrad grafting needs every averaged gradient on every device: SGD grafting
+# where the gradients are reduce-scattered to their owners.
+_shampoo_sgd_graft = functools.partial(_shampoo, graft_type="sgd")
+
+
+@functools.cache
+def _reference(tx_of, shape=(DATA, M, S)):
+  """The split model trained on one device by `tx_of`, in float64 (several
+  tests compare against the same one)."""
+  with jax.enable_x64(True):
+    params, x, y = _problem()
+    return _train(tx_of, split_loss, to_split(params, *shape[1:]), x, y)
+
+
 def _assert_same(trajectory, reference, shape=(DATA, M, S), rtol=1e-9, atol=1e-11):
   for step, (got, want) in enumerate(zip(trajectory, reference)):
     check = functools.partial(np.testing.assert_allclose, rtol=rtol, atol=atol,
@@ -227,7 +241,7 @@ def test_kfac_3d_mesh_equals_split_model(fraction, factor_reduction,
     dist = _dist(fraction, shape, factor_reduction=factor_reduction,
                  gradient_reduction=gradient_reduction)
     trajectory, state = _train(_kfac, pipeline_loss, params, x, y, dist)
-    reference, ref_state = _train(_kfac, split_loss, to_split(params, *shape[1:]), x, y)
+    reference, ref_state = _reference(_kfac, shape)
     _assert_same(trajectory, reference, shape)
     # Shard (m, s) holds stage s's blocks of model shard m's columns.
     want = kd.running_factors(find_states(ref_state)[0])
@@ -253,7 +267,7 @@ def test_kfac_gpipe_micro_batches_equal_split_model(fraction):
   with jax.enable_x64(True):
     params, x, y = _problem()
     trajectory, _ = _train(_kfac, gpipe_loss, params, x, y, _dist(fraction))
-    reference, _ = _train(_kfac, split_loss, to_split(params), x, y)
+    reference, _ = _reference(_kfac)
     _assert_same(trajectory, reference)
 
 
@@ -296,16 +310,13 @@ def test_dp_kfac_3d_factors_are_the_owners_local_factors():
     ids=["COMM-OPT", "MEM-OPT", "MEM-OPT-reduce-scatter", "HYBRID-4x1x2"])
 def test_shampoo_3d_mesh_equals_split_params(fraction, gradient_reduction, shape):
   """Shampoo of each device's local shards (`[L/S, D, H/M]` blocks of the
-  stacked kernels) is Shampoo of the split model's leaves. (Adagrad grafting
-  needs every averaged gradient on every device: SGD grafting with the
-  gradients reduce-scattered to their owners.)"""
-  tx = functools.partial(_shampoo, graft_type="sgd" if gradient_reduction != "none"
-                         else "adagrad")
+  stacked kernels) is Shampoo of the split model's leaves."""
+  tx = _shampoo if gradient_reduction == "none" else _shampoo_sgd_graft
   with jax.enable_x64(True):
     params, x, y = _problem()
     dist = _dist(fraction, shape, gradient_reduction=gradient_reduction)
     trajectory, _ = _train(tx, pipeline_loss, params, x, y, dist)
-    reference, _ = _train(tx, split_loss, to_split(params, *shape[1:]), x, y)
+    reference, _ = _reference(tx, shape)
   _assert_same(trajectory, reference, shape)
 
 
@@ -317,7 +328,7 @@ def test_adaptive_kfac_3d_mesh_equals_split_model():
   with jax.enable_x64(True):
     params, x, y = _problem()
     trajectory, state = _train(_adaptive, pipeline_loss, params, x, y, _dist(1 / 2))
-    reference, ref_state = _train(_adaptive, split_loss, to_split(params), x, y)
+    reference, ref_state = _reference(_adaptive)
     _assert_same(trajectory, reference)
     got = _of_type(kd.model_shard(state, (1, 1)), adaptive.AdaptiveKfacState)[0]
     want = _of_type(ref_state, adaptive.AdaptiveKfacState)[0]
