@@ -9,6 +9,7 @@ stacking that is not supported.
 
 from __future__ import annotations
 
+import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -421,21 +422,55 @@ def test_stack_axis_must_be_leading():
     kd.value_and_grad(loss_fn).discover(params, x, y)
 
 
-def test_weights_shared_across_scan_iterations_raise():
+def test_linen_scan_with_broadcast_params_gets_expand_statistics():
+  """nn.scan with `variable_broadcast="params"`: one block's weights shared by
+  the L iterations. Its Dense layer's statistics are K-FAC-expand's over the
+  L runs (flax's LayerNorm written out for the brute force)."""
   class Shared(nn.Module):
     @nn.compact
     def __call__(self, x):
       blocks = nn.scan(LinenBlock, variable_broadcast="params",
                        split_rngs={"params": False}, length=L)
       x, _ = blocks(name="blocks")(x, None)
-      return kd.linen.Dense(C)(x)
+      return kd.linen.Dense(C, param_dtype=F64)(x)
 
   x, y = _batch()
   params = Shared().init(jax.random.PRNGKey(2), x)["params"]
 
   def loss_fn(p, x, y):
     return kd.losses.softmax_cross_entropy(Shared().apply({"params": p}, x), y)
-  with pytest.raises(ValueError, match="ran twice.*variable_broadcast"):
+  grad_fn = kd.value_and_grad(loss_fn)
+  names = [l.name for l in grad_fn.discover(params, x, y)]
+  dense = next(n for n in names if n.startswith("blocks") and n.endswith("Dense_0"))
+  _, _, stats = jax.jit(grad_fn)(params, x, y)
+  p = params["blocks"]
+
+  def unrolled(eps):
+    h, inputs = x, []
+    for r in range(L):
+      inputs.append(h)
+      t = jnp.tanh(h @ p["Dense_0"]["kernel"] + p["Dense_0"]["bias"] + eps[r])
+      mean = t.mean(-1, keepdims=True)
+      var = (t * t).mean(-1, keepdims=True) - mean * mean
+      h = ((t - mean) * lax.rsqrt(var + 1e-6) * p["LayerNorm_0"]["scale"]
+           + p["LayerNorm_0"]["bias"])
+    out = h @ params["Dense_0"]["kernel"] + params["Dense_0"]["bias"]
+    return kd.losses.softmax_cross_entropy(out, y), inputs
+  want_a, want_g = _expand_oracle(unrolled, x, L)
+  np.testing.assert_allclose(stats[dense]["A"], want_a, rtol=1e-10)
+  np.testing.assert_allclose(stats[dense]["G"], want_g, rtol=1e-10)
+
+
+def test_one_name_for_different_layers_raises():
+  """Two different layers under one name (here two kernels) are not one
+  shared layer: discovery raises."""
+  params = {"w": jnp.zeros((D, D), F64), "v": jnp.zeros((D, C), F64)}
+  x, y = _batch()
+
+  def loss_fn(p, x, y):
+    h = kd.tags.dense(x, p["w"], name="layer")
+    return kd.losses.softmax_cross_entropy(kd.tags.dense(h, p["v"], name="layer"), y)
+  with pytest.raises(ValueError, match="ran twice in one loss evaluation as different"):
     kd.value_and_grad(loss_fn).discover(params, x, y)
 
 
@@ -452,12 +487,25 @@ def test_plain_scan_over_slices_needs_stack_index():
     kd.value_and_grad(loss_fn).discover(params, x, y)
 
 
-def test_kernel_shared_by_scan_iterations_gets_expand_statistics():
-  """A plain `lax.scan` closing over one kernel runs its tag R times in one
-  pass: its statistics are K-FAC-expand's for weight sharing (Eschenhagen et
-  al. 2023), every iteration's positions counted as examples of the layer:
-  `A` the mean of `a aᵀ` over all of them, `G = n Σ_r Σ_p g g ᵀ` (n = B, the
-  loss's examples), against float64 brute force from the unrolled model."""
+def _expand_oracle(run, x, runs: int):
+  """K-FAC-expand's statistics of a Dense layer (with bias) that runs `runs`
+  times, by float64 brute force: `run(eps) -> (loss, inputs)` evaluates the
+  model unrolled with `eps[r]` added to run r's output and returns every
+  run's input. `A` = mean of `a aᵀ` over all runs' positions, `G = n Σ_r
+  g_rᵀ g_r` (n = B, the loss's examples)."""
+  eps = jnp.zeros((runs,) + x.shape[:-1] + (D,), F64)
+  g = jax.grad(lambda e: run(e)[0])(eps)
+  a = jnp.concatenate([jnp.concatenate([h, jnp.ones((h.shape[0], 1), F64)], 1)
+                       for h in run(eps)[1]])
+  return a.T @ a / a.shape[0], x.shape[0] * sum(g[r].T @ g[r] for r in range(runs))
+
+
+@pytest.mark.parametrize("loop", ["scan", "python"])
+def test_shared_kernel_gets_expand_statistics(loop):
+  """One kernel applied R times in one pass (a plain `lax.scan` closing over
+  it, or a Python loop: weight sharing) has K-FAC-expand's statistics
+  (Eschenhagen et al. 2023), every run's positions counted as examples of
+  the layer: `A` the mean of `a aᵀ` over all of them, `G = n Σ_r Σ_p g gᵀ`."""
   runs = 3
   k = jax.random.split(jax.random.PRNGKey(7), 4)
   params = {"w": jax.random.normal(k[0], (D, D), F64) / 2,
@@ -466,29 +514,32 @@ def test_kernel_shared_by_scan_iterations_gets_expand_statistics():
   x, y = _batch()
 
   def loss_fn(p, x, y):
-    h, _ = lax.scan(lambda h, _: (jnp.tanh(kd.tags.dense(h, p["w"], p["b"])), None),
-                    x, None, length=runs)
+    body = lambda h: jnp.tanh(kd.tags.dense(h, p["w"], p["b"]))
+    if loop == "scan":
+      h = lax.scan(lambda h, _: (body(h), None), x, None, length=runs)[0]
+    else:
+      h = x
+      for _ in range(runs):
+        h = body(h)
     return kd.losses.softmax_cross_entropy(h @ p["out"], y)
   grad_fn = kd.value_and_grad(loss_fn)
   assert [l.name for l in grad_fn.discover(params, x, y)] == ["w"]
   _, _, stats = jax.jit(grad_fn)(params, x, y)
 
-  def unrolled(eps):                        # eps[r]: added to iteration r's output
+  def unrolled(eps):
     h, inputs = x, []
     for r in range(runs):
       inputs.append(h)
       h = jnp.tanh(h @ params["w"] + params["b"] + eps[r])
     return kd.losses.softmax_cross_entropy(h @ params["out"], y), inputs
-  eps = jnp.zeros((runs,) + x.shape, F64)
-  g = jax.grad(lambda e: unrolled(e)[0])(eps)
-  a = jnp.concatenate([jnp.concatenate([h, jnp.ones((h.shape[0], 1), F64)], 1)
-                       for h in unrolled(eps)[1]])
-  np.testing.assert_allclose(stats["w"]["A"], a.T @ a / a.shape[0], rtol=1e-12)
-  want_g = x.shape[0] * sum(g[r].T @ g[r] for r in range(runs))
+  want_a, want_g = _expand_oracle(unrolled, x, runs)
+  np.testing.assert_allclose(stats["w"]["A"], want_a, rtol=1e-12)
   np.testing.assert_allclose(stats["w"]["G"], want_g, rtol=1e-12)
 
 
-def test_stacked_layer_applied_twice_by_traced_index_raises():
+def test_stack_applied_twice_gets_expand_statistics():
+  """A scanned stack applied twice (two `fori_loop`s over the blocks): every
+  block runs twice, and its statistics are K-FAC-expand's over both runs."""
   x, y = _batch()
   params = _plain_params()
 
@@ -497,8 +548,25 @@ def test_stacked_layer_applied_twice_by_traced_index_raises():
     for _ in range(2):                      # the whole stack, twice
       h = lax.fori_loop(0, L, lambda i, h: _plain_block(p["blocks"], h, i), h)
     return kd.losses.softmax_cross_entropy(kd.tags.dense(h, p["out"]["kernel"]), y)
-  with pytest.raises(ValueError, match="ran twice"):
-    kd.value_and_grad(loss_fn).discover(params, x, y)
+  grad_fn = kd.value_and_grad(loss_fn)
+  assert [l.stack for l in grad_fn.discover(params, x, y)] == [(L,), (L,), ()]
+  _, _, stats = jax.jit(grad_fn)(params, x, y)
+  blocks = params["blocks"]
+
+  def unrolled(eps, block):                 # eps[r]: block `block`'s run r
+    h, inputs = x, []
+    for r in range(2):
+      for i in range(L):
+        z = h @ blocks["dense"]["kernel"][i] + blocks["dense"]["bias"][i]
+        if i == block:
+          inputs.append(h)
+          z = z + eps[r]
+        h = jnp.tanh(z) * blocks["norm"]["scale"][i]
+    return (kd.losses.softmax_cross_entropy(h @ params["out"]["kernel"], y), inputs)
+  for i in range(L):
+    want_a, want_g = _expand_oracle(functools.partial(unrolled, block=i), x, 2)
+    np.testing.assert_allclose(stats["blocks/dense"]["A"][i], want_a, rtol=1e-12)
+    np.testing.assert_allclose(stats["blocks/dense"]["G"][i], want_g, rtol=1e-12)
 
 
 def test_nnx_pure_dict_state_raises():

@@ -37,7 +37,6 @@ class Trace:
   # Stacked layers (see `stacking`): discover: name -> how the capture hands
   # them their probes; capture: the names whose probes come that way.
   carriers: dict = dataclasses.field(default_factory=dict)
-  seen_blocks: set = dataclasses.field(default_factory=set)    # (name, index)
   # discover: name -> the dtype of the layer's statistics (`statistics_dtype`).
   stats_dtypes: dict = dataclasses.field(default_factory=dict)
   # discover: module path -> (layer kind, reason) of the layers a Flax wrapper

@@ -93,30 +93,20 @@ def _discover(trace, kind, name, kernel, bias, site, **record) -> None:
       name=name, kind=kind, kernel_path=kernel_path, bias_path=bias_path,
       kernel_shape=tuple(kernel.shape),
       bias_shape=None if bias is None else tuple(bias.shape), stack=stack, **record)
-  index = None if site is None or site.index is None else stacking.concrete_index(
-      site.index)
   if name in trace.seen:
+    # The same layer again: another block of an unrolled stack, a transform's
+    # second trace of its body (flax traces nn.scan's twice), or weight
+    # sharing (a second application, a scan's iterations over one kernel).
+    # The capture counts every run (`statistics.RUNS`): K-FAC-expand.
     previous = next(l for l in trace.layers if l.name == name)
-    if previous == layer and site is not None:
-      # Another block of a stack, by a concrete index (an unrolled loop)...
-      if index is not None and (name, index) not in trace.seen_blocks and (
-          (name, None) not in trace.seen_blocks):
-        trace.seen_blocks.add((name, index))
-        return
-      # ... or a transform's second trace of its body (flax traces nn.scan's
-      # twice). So a stack applied twice in one loss is not detected (nor can
-      # it be: JAX may reuse a traced scan body without tracing it again);
-      # its statistics count both runs (`statistics.RUNS`).
-      if stack and site.carrier is not None:
-        return
+    if previous == layer:
+      return
     raise ValueError(
-        f"Tagged layer '{name}' ran twice in one loss evaluation; shared layers "
-        "are not supported: give each application its own parameters and name "
-        "(this includes weights shared by the iterations of a scan, such as "
-        "nn.scan's variable_broadcast='params').")
+        f"Tagged layer '{name}' ran twice in one loss evaluation as different "
+        f"layers ({previous.kind} with kernel {previous.kernel_shape}, then {kind} "
+        f"with kernel {layer.kernel_shape}): a shared layer must be applied the same "
+        "way each time; give each application its own parameters and name.")
   trace.seen.add(name)
-  if site is not None and site.index is not None:
-    trace.seen_blocks.add((name, index))
   if site is not None and site.carrier is not None and stack:
     trace.carriers[name] = site.carrier
   trace.layers.append(layer)
