@@ -33,6 +33,11 @@ class Trace:
   compute_stats: Any = None                   # capture: traced or Python bool
   losses: list = dataclasses.field(default_factory=list)      # registered losses
   seen: set = dataclasses.field(default_factory=set)
+  # discover: the loss's own JAX trace, and the layers that may run more than
+  # once in a pass (called twice, or inside a loop, branch or transform: the
+  # capture counts their runs, `statistics.RUNS`).
+  top: Any = None
+  repeats: set = dataclasses.field(default_factory=set)
   leaf_shapes: dict = dataclasses.field(default_factory=dict)  # path -> shape
   # Stacked layers (see `stacking`): discover: name -> how the capture hands
   # them their probes; capture: the names whose probes come that way.

@@ -93,6 +93,8 @@ def _discover(trace, kind, name, kernel, bias, site, **record) -> None:
       name=name, kind=kind, kernel_path=kernel_path, bias_path=bias_path,
       kernel_shape=tuple(kernel.shape),
       bias_shape=None if bias is None else tuple(bias.shape), stack=stack, **record)
+  if name in trace.seen or _compat.current_trace() is not trace.top:
+    trace.repeats.add(name)
   if name in trace.seen:
     # The same layer again: another block of an unrolled stack, a transform's
     # second trace of its body (flax traces nn.scan's twice), or weight

@@ -78,17 +78,18 @@ def _new_trace(mode: str, params, **fields) -> _context.Trace:
 
 
 def _probes(layer: registry.TaggedLayer, forms: tuple[str, str],
-            dtype: Any = jnp.float32) -> dict:
+            dtype: Any = jnp.float32, repeats: bool = False) -> dict:
   """Zero probes shaped like the layer's statistics (see `value_and_grad`),
   with the leading stack axes of a stacked layer, in the statistics' `dtype`
-  (`factors.statistics_dtype`, recorded by the discovery)."""
+  (`factors.statistics_dtype`, recorded by the discovery); `repeats`: the
+  layer may run several times in a pass, and a probe counts its runs."""
   stack = tuple(layer.stack)
   if layer.unitwise:
     return {"F": jnp.zeros(stack + (layer.g_dim, 3), dtype)}
   a_form = factors.DIAG if layer.a_diagonal else forms[0]
   return {key: jnp.zeros(stack + ((d, d) if form == factors.FULL else (d,)), dtype)
           for key, d, form in (("A", layer.a_dim, a_form), ("G", layer.g_dim, forms[1]))
-          } | {factors.RUNS: jnp.zeros(stack, dtype)}
+          } | ({factors.RUNS: jnp.zeros(stack, dtype)} if repeats else {})
 
 
 def _correction_probes(layer: registry.TaggedLayer, state: Any, dtype: Any) -> dict:
@@ -195,7 +196,7 @@ class ValueAndGrad:
       arrays = iter(arrays)
       a, k = jax.tree_util.tree_unflatten(
           treedef, [next(arrays) if d else x for x, d in zip(flat, dynamic)])
-      trace = _new_trace(_context.DISCOVER, p)
+      trace = _new_trace(_context.DISCOVER, p, top=_compat.current_trace())
       with _context.active(trace):
         out = self.fun(stacking.prepare(p), *a, **k)
       _context.one_loss(trace)
@@ -223,7 +224,7 @@ class ValueAndGrad:
                        "kd.nnx, or a supported Flax layer with capture=\"flax\"); K-FAC "
                        f"has nothing to precondition{left}.")
     return _Discovered(registry.LayerRegistry(layers, uncaptured), dict(found[0].carriers),
-                       dict(found[0].stats_dtypes))
+                       dict(found[0].stats_dtypes), frozenset(found[0].repeats))
 
   def __call__(self, params, *args, rng=None, opt_state=None, loss_scale=None, **kwargs):
     value, grads, stats, _ = self._evaluate(params, args, kwargs, rng, opt_state,
@@ -373,7 +374,8 @@ class ValueAndGrad:
                else state.statistic_forms(layer.blocks()[0].name))
       if forms is not None:
         dtype = discovered.stats_dtypes.get(layer.name, jnp.float32)
-        probes[layer.name] = _probes(layer, forms, dtype) | _correction_probes(
+        probes[layer.name] = _probes(layer, forms, dtype,
+                                     layer.name in discovered.repeats) | _correction_probes(
             layer, state, dtype)
     # Inside shard_map the statistics vary with the local batch: so must the
     # probes. Parameters are made varying too, so that the gradients are the
@@ -434,6 +436,7 @@ class _Discovered:
   layers: registry.LayerRegistry
   carriers: dict          # stacked linen / NNX layer name -> stacking carrier
   stats_dtypes: dict      # layer name -> the dtype of its statistics
+  repeats: frozenset      # layers that may run several times in a pass
 
 
 def value_and_grad(fun: Callable, has_aux: bool = False, fisher: str = "empirical",
