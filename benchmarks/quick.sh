@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Every benchmark's smoke run (`--quick`), one after the other, so that none
+# Every benchmark's smoke run (`--quick`), in two lanes at once, so that none
 # can rot: .ci/run calls it after the tests of the newest jax.
 #
 #   benchmarks/quick.sh OUT_DIR      # PYTHON=... to pick the interpreter
 #
-# Results and logs go to OUT_DIR (never to benchmarks/results). Stops at the
-# first script that fails, showing the end of its log; prints each script's
+# Results and logs go to OUT_DIR (never to benchmarks/results). A lane stops at
+# its first script that fails, showing the end of its log, and the run fails; prints each script's
 # wall-clock and CPU seconds and the total. Peers that are not installed (kfac-jax, which needs an
 # older jax; precondition-opt) are skipped by their scripts with a message.
 set -euo pipefail
@@ -19,16 +19,34 @@ export OPENBLAS_NUM_THREADS=1
 # of a smoke run do not matter (the HLO and its bytes are the same).
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_backend_optimization_level=0"
 
-SCRIPTS=(comm_volume layout_balance memory shampoo_memory step_time stale_statistics
-         convergence vs_distributed_shampoo vs_kfac_jax)
+# Two lanes at once (2 cores; each script is mostly single-threaded compile),
+# each about half of the total.
+LANE_A=(step_time layout_balance memory shampoo_memory vs_kfac_jax)
+LANE_B=(comm_volume convergence stale_statistics vs_distributed_shampoo)
 TIMEFORMAT="%0R s (CPU %0U + %0S s)"
-{ time for script in "${SCRIPTS[@]}"; do
+
+run_one() {  # one script; on failure the end of its log
+  local script=$1
   if ! { time "$PY" "benchmarks/$script.py" --quick --out "$OUT" > "$OUT/$script.log" 2>&1; } \
       2> "$OUT/$script.time"; then
     tail -n 40 "$OUT/$script.log"
     echo "benchmarks/$script.py --quick FAILED (log: $OUT/$script.log)"
-    exit 1
+    return 1
   fi
   echo "benchmarks/$script.py --quick: $(cat "$OUT/$script.time")"
-done; } 2> "$OUT/total.time"
+}
+
+run_lane() {  # the scripts one after the other, stopping at the first failure
+  local script
+  for script in "$@"; do run_one "$script" || return 1; done
+}
+
+status=0
+{ time {
+  run_lane "${LANE_A[@]}" & lane_a=$!
+  run_lane "${LANE_B[@]}" & lane_b=$!
+  wait "$lane_a" || status=1
+  wait "$lane_b" || status=1
+}; } 2> "$OUT/total.time"
 echo "all quick benchmarks: $(cat "$OUT/total.time")"
+exit "$status"

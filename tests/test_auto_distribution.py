@@ -82,7 +82,7 @@ def test_auto_is_the_exhaustive_minimum_on_large_model_shapes(model):
   rows = exhaustive(layers, params, mesh)
   assert len(rows) == 16
   for budget in (None, sorted(r[1] for r in rows)[3]):   # then: only 4 or so fit
-    want = exhaustive(layers, params, mesh, budget)
+    want = [r for r in rows if budget is None or r[1] <= budget]   # exhaustive's filter
     dist = kd.Distribution.auto(mesh, "data", layers, memory_budget=budget,
                                 factor_update_every=FE, inverse_update_every=IE)
     got = (dist.group_size, dist.factor_reduction, dist.gradient_reduction)

@@ -225,8 +225,10 @@ def _assert_same(trajectory, reference, shape=(DATA, M, S), rtol=1e-9, atol=1e-1
 
 
 STRATEGIES = [(1.0, "reduce_scatter", "none", (DATA, M, S)),
-              (1 / 2, "all_reduce", "none", (DATA, M, S)),
-              (1 / 2, "reduce_scatter", "reduce_scatter", (DATA, M, S)),
+              pytest.param(1 / 2, "all_reduce", "none", (DATA, M, S),
+                           marks=pytest.mark.slow),
+              pytest.param(1 / 2, "reduce_scatter", "reduce_scatter", (DATA, M, S),
+                           marks=pytest.mark.slow),
               pytest.param(1 / 2, "reduce_scatter", "none", (4, 1, 2),
                            marks=pytest.mark.slow)]
 
@@ -258,7 +260,8 @@ def test_kfac_3d_mesh_equals_split_model(fraction, factor_reduction,
   assert specs[0].inner.factors == P(("model", "stage", "data"))
 
 
-@pytest.mark.parametrize("fraction", [1.0, 1 / 2], ids=["COMM-OPT", "MEM-OPT"])
+@pytest.mark.parametrize("fraction", [1.0, pytest.param(1 / 2, marks=pytest.mark.slow)],
+                         ids=["COMM-OPT", "MEM-OPT"])
 def test_kfac_gpipe_micro_batches_equal_split_model(fraction):
   """A micro-batched pipeline (GPipe, bubbles skipped by `lax.cond`) runs
   each block MICRO times per step; K-FAC's statistics are still the whole
@@ -304,7 +307,8 @@ def test_dp_kfac_3d_factors_are_the_owners_local_factors():
 
 
 @pytest.mark.parametrize("fraction,gradient_reduction,shape", [
-    (1.0, "none", (DATA, M, S)), (1 / 2, "none", (DATA, M, S)),
+    (1.0, "none", (DATA, M, S)),
+    pytest.param(1 / 2, "none", (DATA, M, S), marks=pytest.mark.slow),
     pytest.param(1 / 2, "reduce_scatter", (DATA, M, S), marks=pytest.mark.slow),
     pytest.param(1 / 2, "none", (4, 1, 2), marks=pytest.mark.slow)],
     ids=["COMM-OPT", "MEM-OPT", "MEM-OPT-reduce-scatter", "HYBRID-4x1x2"])
