@@ -70,8 +70,9 @@ scan's iterations sharing one kernel) has its probes' cotangents summed over
 the runs: `G`, `F` and `S`, sums over examples, are then those of all the
 runs' positions, and `A`, a mean per run, is divided by the number of runs
 (`RUNS`, a scalar probe per layer or block that each run's backward pass
-counts): every run's positions count as examples of one layer, K-FAC-expand's
-treatment of weight sharing (Eschenhagen et al. 2023).
+counts; only for the layers the discovery saw called twice or inside a loop,
+branch or transform): every run's positions count as examples of one layer,
+K-FAC-expand's treatment of weight sharing (Eschenhagen et al. 2023).
 
 Precision: every statistic is computed in `statistics_dtype` of the layer's
 inputs and output cotangents, `promote_types(dtype, float32)`: a bfloat16 or
