@@ -260,8 +260,8 @@ def test_kfac_3d_mesh_equals_split_model(fraction, factor_reduction,
   assert specs[0].inner.factors == P(("model", "stage", "data"))
 
 
-@pytest.mark.parametrize("fraction", [1.0, pytest.param(1 / 2, marks=pytest.mark.slow)],
-                         ids=["COMM-OPT", "MEM-OPT"])
+@pytest.mark.parametrize("fraction", [1.0, 1 / 2], ids=["COMM-OPT", "MEM-OPT"])
+@pytest.mark.slow
 def test_kfac_gpipe_micro_batches_equal_split_model(fraction):
   """A micro-batched pipeline (GPipe, bubbles skipped by `lax.cond`) runs
   each block MICRO times per step; K-FAC's statistics are still the whole
@@ -307,7 +307,7 @@ def test_dp_kfac_3d_factors_are_the_owners_local_factors():
 
 
 @pytest.mark.parametrize("fraction,gradient_reduction,shape", [
-    (1.0, "none", (DATA, M, S)),
+    pytest.param(1.0, "none", (DATA, M, S), marks=pytest.mark.slow),
     pytest.param(1 / 2, "none", (DATA, M, S), marks=pytest.mark.slow),
     pytest.param(1 / 2, "reduce_scatter", (DATA, M, S), marks=pytest.mark.slow),
     pytest.param(1 / 2, "none", (4, 1, 2), marks=pytest.mark.slow)],

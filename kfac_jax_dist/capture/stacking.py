@@ -40,12 +40,12 @@ layer per block (`TaggedLayer.blocks`).
 
 A layer (or block) that runs several times in one pass — a plain `lax.scan`
 closing over one unstacked kernel, a stack applied twice, a pipeline stage's
-blocks once per micro-batch, a layer called twice — gets K-FAC-expand's statistics for weight
+blocks once per micro-batch, a layer called twice, nn.scan's
+`variable_broadcast="params"` — gets K-FAC-expand's statistics for weight
 sharing: every run's positions count as its examples (`A` the mean over the
-runs, `G` their sum; `statistics.RUNS`), as does nn.scan's
-`variable_broadcast="params"`. Not supported: stack axes other than the
-leading ones (raises); NNX parameters given as a pure dict (raises: not a
-leaf).
+runs, `G` their sum; `statistics.RUNS`). Not supported: stack axes other
+than the leading ones (raises); NNX parameters given as a pure dict (raises:
+not a leaf).
 """
 
 from __future__ import annotations
