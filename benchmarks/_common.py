@@ -243,11 +243,16 @@ def sharded_step(loss_fn, params, x, y, tx, grad_fn, mesh, gradient_reduction, *
   return fn, opt_state
 
 
+def leaf_specs(param_specs: Any, params: Any) -> Any:
+  """`param_specs` (a tree like the parameters or a prefix) as a full tree."""
+  return jax.tree.map(lambda s, x: jax.tree.map(lambda _: s, x), param_specs, params,
+                      is_leaf=lambda s: isinstance(s, P))
+
+
 def first_order_specs(opt_state: Any, params: Any, param_specs: Any) -> Any:
   """Specs of a first-order optax state: every subtree shaped like the
   parameters (momentum, Adam's moments) gets `param_specs`, the rest `P()`."""
-  full = jax.tree.map(lambda s, x: jax.tree.map(lambda _: s, x), param_specs, params,
-                      is_leaf=lambda s: isinstance(s, P))
+  full = leaf_specs(param_specs, params)
   treedef = jax.tree.structure(params)
   return jax.tree.map(
       lambda node: full if jax.tree.structure(node) == treedef else P(), opt_state,

@@ -284,8 +284,8 @@ def mesh3d_rows(p: int = 8) -> list[dict]:
                                 grad_fn, mesh, "none", kfac=False, donate=True,
                                 param_specs=pspecs)
     placed = jax.device_put(params, jax.tree.map(
-        lambda s, q: jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, s), q),
-        pspecs, params, is_leaf=lambda s: isinstance(s, P)))
+        lambda s: jax.sharding.NamedSharding(mesh, s), C.leaf_specs(pspecs, params),
+        is_leaf=lambda s: isinstance(s, P)))
     param_dev = max(C.per_device_bytes(placed, devices))
     sgd_peak = memory_peak(sgd.lower(params, state, x, y).compile().memory_analysis())
     for strat, fraction in (("COMM-OPT", 1.0), ("MEM-OPT", 1 / mesh.shape["data"])):

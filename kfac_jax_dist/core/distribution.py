@@ -185,8 +185,7 @@ class Distribution:
     """The tensor-parallel axes, as a tuple (`()` without any)."""
     if self.model_axis is None:
       return ()
-    return tuple(self.model_axis) if isinstance(self.model_axis, (tuple, list)) else (
-        self.model_axis,)
+    return self.model_axis if isinstance(self.model_axis, tuple) else (self.model_axis,)
 
   @property
   def model_size(self) -> int:

@@ -257,16 +257,16 @@ def _one_per_model(kfac_config: KfacConfig, x: jax.Array) -> jax.Array:
 def _typed_like_params(kfac_config: KfacConfig, tree: Any) -> Any:
   """A parameter-shaped `tree` computed from the per-shard state (typed
   varying over every model axis) with each leaf that the parameters
-  replicate over some model axes typed replicated over them (shard 0's
-  value, the same on every shard), as the model expects its parameters and
-  their tangents (a scan's carry, say, must keep its type)."""
+  replicate over some model axes typed replicated over them, as the model
+  expects its parameters and their tangents (a scan's carry, say, must keep
+  its type). Those leaves are the same on the shards (the same program on
+  the same statistics and gradients): a typed no-op, no communication."""
   if not kfac_config.model_axes:
     return tree
   replicated = tensor_parallel.replicated_axes(tree, kfac_config.distribution)
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
   return jax.tree_util.tree_unflatten(treedef, [
-      tensor_parallel.from_shard_zero(x, replicated[registry.path_str(path)])
-      for path, x in flat])
+      _compat.equal_over(x, replicated[registry.path_str(path)]) for path, x in flat])
 
 
 def _damping_step(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,

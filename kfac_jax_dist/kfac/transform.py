@@ -353,8 +353,7 @@ def preconditioned_updates(config: KfacConfig, comm: collectives_lib.Collectives
   def kl_weight(plan: layout_lib.LayerPlan) -> float:
     """A layer replicated over model axes counts once in the KL sum psum'd
     over them."""
-    mesh = config.distribution.mesh if config.model_axes else None
-    return 1.0 / math.prod(int(mesh.shape[a])
+    return 1.0 / math.prod(int(config.distribution.mesh.shape[a])
                            for a in replicated.get(plan.layer.kernel_path, ()))
 
   grad_of, leaves = precondition.routed_gradients(config, comm, lay, leaves)
