@@ -240,6 +240,48 @@ def test_failed_decomposition_with_stale_statistics_keeps_previous():
   _check_kept(s, after, clean, {("out", "A")})
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_keep_failed_selects_exactly_the_failed_factors(seed):
+  """`decompositions.keep_failed` against a per-factor loop: runs of several
+  sizes (a factor with two parts, as eigenvectors and eigenvalues; running
+  factors with gaps and padding between them), non-finite numbers (NaN, ±∞)
+  written into random factors of either array; every factor with one keeps
+  its previous numbers, every other one takes its new numbers."""
+  from kfac_jax_dist.kfac import decompositions
+  rng = np.random.default_rng(seed)
+  batches = [(int(rng.integers(1, 4)), int(rng.integers(1, 7)), int(rng.integers(1, 3)))
+             for _ in range(int(rng.integers(1, 5)))]     # (count, size, parts)
+  new_runs, running_runs, at, at_running, slots = [], [], 0, 3, 0
+  for count, size, parts in batches:
+    running_runs.append((at_running, count, size + 1, slots))
+    at_running += count * (size + 1) + int(rng.integers(0, 3))     # a gap
+    for part in range(parts):
+      new_runs.append((at, count, size * (part + 1), slots))
+      at += count * size * (part + 1)
+    slots += count
+  new = rng.normal(size=at + 5)                  # padding after the last run
+  previous = rng.normal(size=new.shape)
+  running = rng.normal(size=at_running + 2)
+  failed = set()
+  for _ in range(int(rng.integers(0, 4))):
+    array, runs = ((new, new_runs), (running, running_runs))[int(rng.integers(0, 2))]
+    start, count, size, first = runs[int(rng.integers(0, len(runs)))]
+    j = int(rng.integers(0, count))
+    array[start + j * size + int(rng.integers(0, size))] = rng.choice([np.nan, np.inf, -np.inf])
+    failed.add(first + j)
+  expect = new.copy()
+  for start, count, size, first in new_runs:
+    for j in range(count):
+      if first + j in failed:
+        expect[start + j * size:start + (j + 1) * size] = previous[start + j * size:
+                                                                   start + (j + 1) * size]
+  got = jax.jit(lambda n, p, r: decompositions.keep_failed(
+      n, p, tuple(new_runs), r, tuple(running_runs), slots))(
+          jnp.asarray(new, jnp.float32), jnp.asarray(previous, jnp.float32),
+          jnp.asarray(running, jnp.float32))
+  np.testing.assert_array_equal(np.asarray(got), expect.astype(np.float32))
+
+
 # ------------------------------------------------------------- eight devices
 
 @functools.lru_cache(maxsize=None)

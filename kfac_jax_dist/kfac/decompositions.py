@@ -8,8 +8,8 @@ couples a layer's two factors. Each device decomposes the factors it owns
 then the owner group gathers its members' segments (`distribute_second`).
 
 A factor whose running value or decomposition is not finite keeps its
-previous second-order state, slot by slot (a decomposition failure is not a
-step fault: see `core.faults`).
+previous second-order state, slot by slot (`keep_failed`; a decomposition
+failure is not a step fault: see `core.faults`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+import numpy as np
 
+from kfac_jax_dist import _compat
 from kfac_jax_dist.capture import statistics
 from kfac_jax_dist.core import collectives as collectives_lib
 from kfac_jax_dist.kfac import layout as layout_lib
@@ -28,33 +30,47 @@ from kfac_jax_dist.kfac import packing
 from kfac_jax_dist.kfac.config import KfacConfig
 
 
-def finite_slots(*parts: jax.Array | None) -> jax.Array:
-  """`[k]`: whether slot i of every `[k, ...]` part is finite.
-
-  An elementwise test and a reduction per part, not `faults.finite_rows`'s one
-  `Σ|x|·0` reduction: with that, XLA:CPU's schedule of the whole step made
-  EK-FAC's plain steps on step_time's MLP 45% slower (33 ms CPU instead of
-  23; its factor steps 50 instead of 37), kernels outside the decomposition's
-  conditional running slower, for 0.3 s less compile of the CNN's step."""
-  ok = None
-  for part in parts:
-    if part is None:
-      continue
-    finite = jnp.all(jnp.isfinite(part.reshape(part.shape[0], -1)), axis=1)
-    ok = finite if ok is None else ok & finite
-  return ok
+Runs = tuple[tuple[int, int, int, int], ...]   # (start, count, size, first slot)
 
 
-def keep_failed(new: jax.Array, old: jax.Array, ok: jax.Array) -> jax.Array:
-  """Slots `[k, ...]` of `new` where `ok`, else the previous ones, flattened."""
-  new = new.reshape(ok.shape[0], -1)
-  return jnp.where(ok[:, None], new, old.reshape(new.shape)).reshape(-1)
+def _slot_ids(length: int, runs: Runs, slots: int) -> jax.Array:
+  """`[length]`: the slot each number of an array laid out in `runs` belongs
+  to (run r: `count` slots of `size` numbers from `start`, numbered from
+  `first slot`); numbers outside every run get the extra slot `slots`. One
+  fused comparison with every run (`[length, runs]`, never materialised)."""
+  start, count, size, first = (np.asarray([r[i] for r in runs], np.int32)
+                               for i in range(4))
+  at = lax.iota(jnp.int32, length)[:, None]
+  inside = (at >= start) & (at < start + count * size)
+  slot = first + (at - start) // np.maximum(size, 1)
+  return jnp.sum(jnp.where(inside, slot, 0), axis=1) + jnp.where(
+      jnp.any(inside, axis=1), 0, slots)
 
 
-def _previous(previous: jax.Array, batch: layout_lib.Batch, offset: int, size: int
-              ) -> jax.Array:
-  """The batch's `[count, size]` slots at `offset` of the previous segment."""
-  return previous[offset:offset + batch.count * size].reshape(batch.count, size)
+def keep_failed(new: jax.Array, previous: jax.Array, new_runs: Runs,
+                running: jax.Array, running_runs: Runs, slots: int) -> jax.Array:
+  """`new`, except that each of the `slots` factors whose running value (in
+  `running`) or new second-order numbers are not finite keeps its `previous`
+  numbers (the runs say where each factor's numbers lie in each array).
+
+  One finiteness check of the two whole arrays; only when it fails, the
+  factor-by-factor selection, written over slot ids so that its program does
+  not grow with the number of batches (per-batch checks and selects were a
+  quarter of the autoencoder's step compile: benchmarks/results/PERF_NOTES.md)."""
+  axes = _compat.varying_axes(new, previous, running)
+
+  def bad_slots(x: jax.Array, runs: Runs) -> tuple[jax.Array, jax.Array]:
+    ids = _slot_ids(x.shape[0], runs, slots)
+    return ids, jax.ops.segment_max((~jnp.isfinite(x)).astype(jnp.int32), ids, slots + 1)
+
+  def slot_by_slot() -> jax.Array:
+    ids, bad_new = bad_slots(new, new_runs)
+    _, bad_running = bad_slots(running, running_runs)
+    kept = (bad_new + bad_running)[ids] > 0
+    return _compat.as_varying(jnp.where(kept, previous, new), axes)
+
+  ok = jnp.all(jnp.isfinite(new)) & jnp.all(jnp.isfinite(running))
+  return lax.cond(ok, lambda: _compat.as_varying(new, axes), slot_by_slot)
 
 
 def _new_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
@@ -62,18 +78,22 @@ def _new_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
                  decompose_batch: Callable[[layout_lib.Batch, jax.Array], list[jax.Array]]
                  ) -> jax.Array:
   """The device's new `[L₂]` segment: `decompose_batch(batch, running)` of
-  each of its batches (a unit-wise batch keeps its `F`, solved in closed form
-  when applied)."""
-  pieces = []
+  each of its batches, each part `[count, ...]` (a unit-wise batch keeps its
+  `F`, solved in closed form when applied); a factor that fails keeps its
+  previous numbers (`keep_failed`)."""
+  pieces, new_runs, running_runs, slots = [], [], [], 0
   for batch in layout.batches[device]:
     running = packing.unpack_batch(owned, batch, layout.packed)
-    if batch.form == statistics.UNIT:
-      old = _previous(previous, batch, batch.vector_offset, 3 * batch.dim)
-      pieces.append(keep_failed(running.astype(config.compute_dtype), old,
-                                finite_slots(running)))
-    else:
-      pieces += decompose_batch(batch, running)
-  return collectives_lib.pad_to(pieces, layout.second_segment, config.compute_dtype)
+    parts = ([running.astype(config.compute_dtype)] if batch.form == statistics.UNIT
+             else decompose_batch(batch, running))
+    size = layout_lib.storage_size(batch.dim, batch.form, layout.packed)
+    running_runs.append((batch.offset, batch.count, size, slots))
+    for part in parts:
+      new_runs.append((sum(p.size for p in pieces), batch.count, part[0].size, slots))
+      pieces.append(part.reshape(-1))
+    slots += batch.count
+  new = collectives_lib.pad_to(pieces, layout.second_segment, config.compute_dtype)
+  return keep_failed(new, previous, tuple(new_runs), owned, tuple(running_runs), slots)
 
 
 def eigen_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
@@ -84,14 +104,9 @@ def eigen_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
 
   def parts(batch: layout_lib.Batch, running: jax.Array) -> list[jax.Array]:
     vectors, values = linalg.eigh(running)
-    ok = finite_slots(running, vectors, values)
     lo, hi = batch.columns or (0, batch.dim)
-    out = []
-    if vectors is not None:
-      old = _previous(previous, batch, batch.matrix_offset, batch.dim * (hi - lo))
-      out.append(keep_failed(vectors[..., lo:hi].astype(dtype), old, ok))
-    old = _previous(previous, batch, batch.vector_offset, hi - lo)
-    return out + [keep_failed(values[..., lo:hi].astype(dtype), old, ok)]
+    out = [] if vectors is None else [vectors[..., lo:hi].astype(dtype)]
+    return out + [values[..., lo:hi].astype(dtype)]
   return _new_segment(config, layout, device, owned, previous, parts)
 
 
@@ -110,15 +125,11 @@ def inverse_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
     else:
       start = device * layout.max_factors + batch.first_index
       damp = damping[start:start + batch.count]
-    inv = linalg.damped_inverse(running, damp)
-    ok = finite_slots(running, inv, damp[:, None])
+    inv = linalg.damped_inverse(running, damp)   # not finite where `damp` is not
     if batch.matrix_offset is not None:
       lo, hi = batch.columns or (0, batch.dim)
       inv = inv[..., lo:hi]
-      old = _previous(previous, batch, batch.matrix_offset, batch.dim * (hi - lo))
-    else:
-      old = _previous(previous, batch, batch.vector_offset, batch.dim)
-    return [keep_failed(inv.astype(dtype), old, ok)]
+    return [inv.astype(dtype)]
   return _new_segment(config, layout, device, owned, previous, parts)
 
 
