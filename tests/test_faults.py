@@ -139,6 +139,34 @@ def test_nonfinite_input_skips_the_step_bitwise(chained, fault):
   assert_bitwise(_without_skipped(s), clean_s, "state")
 
 
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+@pytest.mark.parametrize("path", ["l0/kernel", "l1/bias", "ln/scale", "out/kernel", "temp"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+def test_one_nonfinite_gradient_number_anywhere_skips(method, path, bad):
+  """One non-finite number in any gradient leaf (a dense kernel or bias, a
+  unit-wise scale, an untagged leaf) skips the step: zero updates, the state
+  unchanged but `skipped`. On a decomposition step, where the eigenbases
+  are no longer the identity."""
+  tx = _single_tx(False, method=method, inverse_every=1, max_factor_dim=8)
+  params = _params()
+  update = jax.jit(tx.update)
+  state = tx.init(params)
+  for i in range(2):
+    _, grads, stats = GRAD_FN(params, *_batch(i), opt_state=state)
+    updates, state = update(grads, state, params, kfac_stats=stats)
+    params = optax.apply_updates(params, updates)
+  _, grads, stats = GRAD_FN(params, *_batch(2), opt_state=state)
+  keys = path.split("/")
+  leaf = functools.reduce(lambda t, k: t[k], keys, grads)
+  bad_leaf = leaf.at[(0,) * leaf.ndim].set(bad)
+  grads = jax.tree_util.tree_map_with_path(
+      lambda p, x: bad_leaf if "/".join(k.key for k in p) == path else x, grads)
+  updates, new_state = update(grads, state, params, kfac_stats=stats)
+  assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
+  assert _skipped(new_state) == [1]
+  assert_bitwise(_without_skipped(new_state), _without_skipped(state), "state")
+
+
 def test_zero_updates_alone_would_move_momentum():
   """Why `kd.kfac` wraps its chain in `skip_faulty_steps`: without it, a
   skipped K-FAC step still decays the momentum and moves the parameters."""

@@ -10,8 +10,8 @@ in and an all-gather of N out (P−1)/P·N, a ppermute N), in `bytes_per_number`
   `gradient_reduction="all_reduce"`'s) all-reduce, 2(P−1)/P·Σ a·g, or
   SP-NGD's uneven reduce-scatter to the owners; MEM-OPT's uneven all-gather
   of the preconditioned gradients, HYBRID's all-gather among the devices of
-  equal rank in their groups, (G−1)·S; with local gradients, the fault
-  check's all-reduce of one int32;
+  equal rank in their groups, (G−1)·S (no fault check: every device reads
+  the gradients, reduced, through the updates it produces alike);
 * factor steps: the statistics to their owners: reduce-scatter of the tight
   chunks (P−1)·C or of the owner segments (P−1)·L, or KAISA's all-reduce of
   every factor 2(P−1)/P·T (DP-KFAC: nothing); the fault check's int32;
@@ -108,15 +108,12 @@ def _gradient_terms(lay: layout_lib.Layout, gradient_reduction: str,
   tagged = sum(plan.layer.a_dim * plan.layer.g_dim for plan in lay.plans)
   terms = []
   if gradient_reduction == "reduce_scatter":
-    terms.append(("fault-check psum (local gradients)", 2 * r * 4))
     if m == 1 < g:
       terms += uneven_terms(group_sizes, "grad RS", False, n)
     else:
       terms.append(("grad RS [G·S] + AG in group", (r * g * s + (m - 1) * s / m) * n))
   else:
     terms.append(("all-reduce of the tagged gradients", 2 * r * tagged * n))
-    if gradient_reduction == "all_reduce":
-      terms.append(("fault-check psum (local gradients)", 2 * r * 4))
   if g > 1 and m == 1:
     terms += uneven_terms(group_sizes, "grad AG", True, n)
     if gradient_reduction == "reduce_scatter":
