@@ -385,8 +385,8 @@ def checks(rows: list[dict], p: int = 8, model: str = "") -> list[dict]:
     ok = all(abs(r["fault"]["factor"] - want) < 0.5 and r["fault"]["inverse"] == 0
              and r["fault"]["every"] == 0 for r in fr)
     add(f"fault-check psums (since 04bba86), listed not hidden (P={p})",
-        f"factor steps: {want:.0f} B in every strategy; every step: {want:.0f} B in "
-        + (", ".join(every) or "none"),
+        f"factor steps: {want:.0f} B in every strategy; every step: "
+        + (f"{want:.0f} B in " + ", ".join(every) if every else "none"),
         "one int32 psum per factor step; none on plain steps",
         ok, "psum of the statistics' failure count (int32) so that all devices skip "
         "together; included in the factor column above, left out of the factor-traffic "
