@@ -1194,6 +1194,7 @@ def remeasure_compile(args, stem: str, env: dict, cadences: list[str]) -> None:
     saved["compile_pieces_cpu_s"][model] = pieces_kd(
         model, params0, (jnp.asarray(xtr[:BATCH]), jnp.asarray(ytr[:BATCH])))
   saved["environment"].update(compile_date=env["date"], compile_commit=env["commit"])
+  saved["args"]["compile_reps"] = args.compile_reps    # the header's "median of N"
   write_merged(args, stem, saved, "the compile rows")
 
 
