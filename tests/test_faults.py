@@ -268,14 +268,17 @@ def test_failed_decomposition_with_stale_statistics_keeps_previous():
   _check_kept(s, after, clean, {("out", "A")})
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_keep_failed_selects_exactly_the_failed_factors(seed):
+@pytest.mark.parametrize("chunk", [1 << 16, 7, 3], ids=["one-chunk", "chunks-of-7", "chunks-of-3"])
+@pytest.mark.parametrize("seed", range(6))
+def test_keep_failed_selects_exactly_the_failed_factors(seed, chunk, monkeypatch):
   """`decompositions.keep_failed` against a per-factor loop: runs of several
   sizes (a factor with two parts, as eigenvectors and eigenvalues; running
   factors with gaps and padding between them), non-finite numbers (NaN, ±∞)
   written into random factors of either array; every factor with one keeps
-  its previous numbers, every other one takes its new numbers."""
+  its previous numbers, every other one takes its new numbers. Also with the
+  selection's loops in chunks of 7 and 3 numbers (the last one shifted back)."""
   from kfac_jax_dist.kfac import decompositions
+  monkeypatch.setattr(decompositions, "_CHUNK", chunk)
   rng = np.random.default_rng(seed)
   batches = [(int(rng.integers(1, 4)), int(rng.integers(1, 7)), int(rng.integers(1, 3)))
              for _ in range(int(rng.integers(1, 5)))]     # (count, size, parts)
@@ -291,11 +294,12 @@ def test_keep_failed_selects_exactly_the_failed_factors(seed):
   previous = rng.normal(size=new.shape)
   running = rng.normal(size=at_running + 2)
   failed = set()
-  for _ in range(int(rng.integers(0, 4))):
+  for _ in range(int(rng.integers(0, 6))):
     array, runs = ((new, new_runs), (running, running_runs))[int(rng.integers(0, 2))]
     start, count, size, first = runs[int(rng.integers(0, len(runs)))]
     j = int(rng.integers(0, count))
-    array[start + j * size + int(rng.integers(0, size))] = rng.choice([np.nan, np.inf, -np.inf])
+    edge = start + j * size + (0, size - 1)[int(rng.integers(0, 2))]   # a slot's end
+    array[edge] = rng.choice([np.nan, np.inf, -np.inf])
     failed.add(first + j)
   expect = new.copy()
   for start, count, size, first in new_runs:

@@ -14,7 +14,7 @@ failure is not a step fault: see `core.faults`).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -33,18 +33,47 @@ from kfac_jax_dist.kfac.config import KfacConfig
 Runs = tuple[tuple[int, int, int, int], ...]   # (start, count, size, first slot)
 
 
-def _slot_ids(length: int, runs: Runs, slots: int) -> jax.Array:
-  """`[length]`: the slot each number of an array laid out in `runs` belongs
-  to (run r: `count` slots of `size` numbers from `start`, numbered from
-  `first slot`); numbers outside every run get the extra slot `slots`. One
-  fused comparison with every run (`[length, runs]`, never materialised)."""
+_CHUNK = 1 << 16     # numbers per iteration of `keep_failed`'s selection loops
+
+
+def _slot_ids(at: jax.Array, runs: Runs, slots: int) -> jax.Array:
+  """The slot of each position `at` of an array laid out in `runs` (run r:
+  `count` slots of `size` numbers from `start`, numbered from `first slot`);
+  positions outside every run get the extra slot `slots`. One fused
+  comparison with every run (`[len(at), runs]`, never materialised)."""
   start, count, size, first = (np.asarray([r[i] for r in runs], np.int32)
                                for i in range(4))
-  at = lax.iota(jnp.int32, length)[:, None]
+  at = at[:, None]
   inside = (at >= start) & (at < start + count * size)
   slot = first + (at - start) // np.maximum(size, 1)
   return jnp.sum(jnp.where(inside, slot, 0), axis=1) + jnp.where(
       jnp.any(inside, axis=1), 0, slots)
+
+
+def _chunked(length: int, body: Callable[[jax.Array, jax.Array, Any], Any], init: Any
+             ) -> Any:
+  """`body(start, positions, carry)` over the array in chunks of at most
+  `_CHUNK` numbers (the last one shifted back to end at `length`: its first
+  numbers are visited twice), so that no temporary is array-sized."""
+  size = min(length, _CHUNK)
+  if size == 0:
+    return init
+
+  def step(c: jax.Array, carry: Any) -> Any:
+    start = jnp.minimum(c * size, length - size)
+    return body(start, start + lax.iota(jnp.int32, size), carry)
+  return lax.fori_loop(0, -(-length // size), step, init)
+
+
+def _failed_slots(x: jax.Array, runs: Runs, slots: int, failed: jax.Array) -> jax.Array:
+  """`failed` (`[slots + 1]` int32) with every slot of `runs` holding a
+  non-finite number of `x` set to 1."""
+  size = min(x.shape[0], _CHUNK)
+
+  def body(start: jax.Array, at: jax.Array, failed: jax.Array) -> jax.Array:
+    bad = ~jnp.isfinite(lax.dynamic_slice_in_dim(x, start, size))
+    return failed.at[_slot_ids(at, runs, slots)].max(bad.astype(jnp.int32))
+  return _chunked(x.shape[0], body, failed)
 
 
 def keep_failed(new: jax.Array, previous: jax.Array, new_runs: Runs,
@@ -54,20 +83,24 @@ def keep_failed(new: jax.Array, previous: jax.Array, new_runs: Runs,
   numbers (the runs say where each factor's numbers lie in each array).
 
   One finiteness check of the two whole arrays; only when it fails, the
-  factor-by-factor selection, written over slot ids so that its program does
-  not grow with the number of batches (per-batch checks and selects were a
-  quarter of the autoencoder's step compile: benchmarks/results/PERF_NOTES.md)."""
+  factor-by-factor selection: loops over chunks of slot ids, so that neither
+  its program nor its memory grows with the number of batches or the
+  segment's size (per-batch checks and selects were a quarter of the
+  autoencoder's step compile: benchmarks/results/PERF_NOTES.md)."""
   axes = _compat.varying_axes(new, previous, running)
-
-  def bad_slots(x: jax.Array, runs: Runs) -> tuple[jax.Array, jax.Array]:
-    ids = _slot_ids(x.shape[0], runs, slots)
-    return ids, jax.ops.segment_max((~jnp.isfinite(x)).astype(jnp.int32), ids, slots + 1)
+  size = min(new.shape[0], _CHUNK)
 
   def slot_by_slot() -> jax.Array:
-    ids, bad_new = bad_slots(new, new_runs)
-    _, bad_running = bad_slots(running, running_runs)
-    kept = (bad_new + bad_running)[ids] > 0
-    return _compat.as_varying(jnp.where(kept, previous, new), axes)
+    failed = _compat.as_varying(jnp.zeros(slots + 1, jnp.int32), axes)
+    failed = _failed_slots(running, running_runs, slots,
+                           _failed_slots(new, new_runs, slots, failed))
+
+    def select(start: jax.Array, at: jax.Array, out: jax.Array) -> jax.Array:
+      kept = failed[_slot_ids(at, new_runs, slots)] > 0
+      chunk = jnp.where(kept, lax.dynamic_slice_in_dim(previous, start, size),
+                        lax.dynamic_slice_in_dim(out, start, size))
+      return lax.dynamic_update_slice_in_dim(out, chunk, start, 0)
+    return _chunked(new.shape[0], select, _compat.as_varying(new, axes))
 
   ok = jnp.all(jnp.isfinite(new)) & jnp.all(jnp.isfinite(running))
   return lax.cond(ok, lambda: _compat.as_varying(new, axes), slot_by_slot)
