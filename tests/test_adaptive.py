@@ -307,6 +307,7 @@ def _unrolled_loss(params, x, y):
       kd.tags.dense(h, params["out"]["kernel"], name="out"), y)
 
 
+@pytest.mark.slow          # newest-jax phase only (CI time)
 def test_scanned_layers_equal_the_unrolled_model():
   keys = jax.random.split(jax.random.PRNGKey(3), 2)
   stacked = {"blocks": {"kernel": 0.4 * jax.random.normal(keys[0], (3, 5, 5), jnp.float64),

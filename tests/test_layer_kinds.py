@@ -228,7 +228,7 @@ def _strategies():
 
 
 @pytest.mark.parametrize("fraction,factor_reduction", list(_strategies()))
-@pytest.mark.parametrize("problem", [_lm_problem, _bn_problem],
+@pytest.mark.parametrize("problem", [_lm_problem, pytest.param(_bn_problem, marks=pytest.mark.slow)],
                          ids=["transformer", "bn_resnet"])
 def test_distributed_equals_single_device(problem, factor_reduction, fraction):
   """Every strategy on 8 devices equals one device on the global batch; the
@@ -241,7 +241,7 @@ def test_distributed_equals_single_device(problem, factor_reduction, fraction):
                got, _reference(problem))
 
 
-@pytest.mark.parametrize("problem", [_lm_problem, _bn_problem],
+@pytest.mark.parametrize("problem", [_lm_problem, pytest.param(_bn_problem, marks=pytest.mark.slow)],
                          ids=["transformer", "bn_resnet"])
 def test_dp_kfac_trains(problem):
   """DP-KFAC (factor_reduction="local": each owner's factors from its own
