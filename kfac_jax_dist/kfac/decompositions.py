@@ -68,10 +68,8 @@ def _chunked(length: int, body: Callable[[jax.Array, jax.Array, Any], Any], init
 def _failed_slots(x: jax.Array, runs: Runs, slots: int, failed: jax.Array) -> jax.Array:
   """`failed` (`[slots + 1]` int32) with every slot of `runs` holding a
   non-finite number of `x` set to 1."""
-  size = min(x.shape[0], _CHUNK)
-
   def body(start: jax.Array, at: jax.Array, failed: jax.Array) -> jax.Array:
-    bad = ~jnp.isfinite(lax.dynamic_slice_in_dim(x, start, size))
+    bad = ~jnp.isfinite(lax.dynamic_slice_in_dim(x, start, at.shape[0]))
     return failed.at[_slot_ids(at, runs, slots)].max(bad.astype(jnp.int32))
   return _chunked(x.shape[0], body, failed)
 
@@ -88,7 +86,6 @@ def keep_failed(new: jax.Array, previous: jax.Array, new_runs: Runs,
   segment's size (per-batch checks and selects were a quarter of the
   autoencoder's step compile: benchmarks/results/PERF_NOTES.md)."""
   axes = _compat.varying_axes(new, previous, running)
-  size = min(new.shape[0], _CHUNK)
 
   def slot_by_slot() -> jax.Array:
     failed = _compat.as_varying(jnp.zeros(slots + 1, jnp.int32), axes)
@@ -97,8 +94,8 @@ def keep_failed(new: jax.Array, previous: jax.Array, new_runs: Runs,
 
     def select(start: jax.Array, at: jax.Array, out: jax.Array) -> jax.Array:
       kept = failed[_slot_ids(at, new_runs, slots)] > 0
-      chunk = jnp.where(kept, lax.dynamic_slice_in_dim(previous, start, size),
-                        lax.dynamic_slice_in_dim(out, start, size))
+      chunk = jnp.where(kept, lax.dynamic_slice_in_dim(previous, start, at.shape[0]),
+                        lax.dynamic_slice_in_dim(out, start, at.shape[0]))
       return lax.dynamic_update_slice_in_dim(out, chunk, start, 0)
     return _chunked(new.shape[0], select, _compat.as_varying(new, axes))
 
