@@ -1,28 +1,42 @@
 """Where K-FAC's step time goes on an accelerator: a short probe for the GPU check.
 
-Three measurements, printed as text (benchmarks/gpu_check.sh appends them to
-its log):
+Measurements, printed as text (benchmarks/gpu_check.sh appends them to its log):
 
-* eigh: ms per call of `lax.linalg.eigh` for each implementation the backend
-  offers (QR = cuSOLVER syevd, JACOBI = syevj, QDWH = jax's polar-based one)
-  on batches of random PSD matrices of the step_time models' factor sizes,
-  beside a Cholesky inverse of the same batch (the cheapest decomposition a
-  damped-inverse preconditioner could use);
 * kernels: the kernels each compiled piece of a K-FAC plain step launches
   (fusions, library calls, control flow) on the CNN and the LM, against
   `jax.value_and_grad` and optax SGD's whole step;
-* plain step: ms per call of those pieces (median of `--reps`).
+* plain step: ms per call of those pieces (median of `--reps`);
+* consecutive steps: 2 cycles of the amortised step (factors every 10, eigh
+  every 100) carried step to step, each step timed alone, summarised by kind
+  (eigh, factor, the plain step right after a factor step, other plain steps)
+  against the same kinds timed from one fixed state. On the H100 (run 4) the
+  LM's 100 consecutive steps took 4.63 ms each against 2.88 ms for the
+  cadence-weighted mean of its kinds; on the CPU the two agree;
+* `--command-buffer-ab`: the consecutive-step summary again in a child
+  process whose XLA_FLAGS add conditionals and loops to XLA's GPU command
+  buffers (CUDA graph conditional nodes), so that a plain step's
+  conditionals need no wait on the host;
+* `--eigh`: ms per call of `lax.linalg.eigh` for each implementation the
+  backend offers (QR = cuSOLVER syevd, JACOBI = syevj, QDWH = jax's
+  polar-based one) on batches of random PSD matrices of the step_time
+  models' factor sizes, beside a Cholesky inverse of the same batch and one
+  matrix at a time.
 
-Usage: python benchmarks/gpu_probe.py [--models cnn,lm] [--reps 50] [--no-eigh] [--quick]
+Usage: python benchmarks/gpu_probe.py [--models cnn,lm] [--reps 50]
+       [--command-buffer-ab] [--eigh] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import re
 import statistics
+import subprocess
+import sys
 import time
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +53,10 @@ EIGH_SIZES = ((1, 785), (2, 513), (4, 257), (8, 129), (16, 65), (24, 35))
 # (Measured on an H100, jax 0.11.2: cuSOLVER syevd took 26 ms per 513 matrix
 # in a batch of 2 and 9 ms for one 785.)
 SINGLE_SIZES = (35, 65, 129, 256, 257, 272, 512, 513, 520, 544, 784, 785, 1024, 1025)
+FACTOR_EVERY, INVERSE_EVERY = 10, 100
+# Conditionals and while loops recorded into CUDA graphs (XLA's `+TYPE`
+# syntax adds to the default command types).
+COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE"
 SKIPPED_OPS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
                "after-all", "partition-id", "replica-id"}
 
@@ -105,7 +123,19 @@ def kernel_census(compiled) -> collections.Counter:
   return counts
 
 
-def plain_step_pieces(name: str, reps: int) -> list[str]:
+class Problem(NamedTuple):
+  """A step_time model with the amortised K-FAC step and optax SGD's."""
+  name: str
+  loss_fn: Callable
+  grad_fn: Callable
+  tx: Any
+  kstep: Callable
+  params: Any
+  x: jax.Array
+  y: jax.Array
+
+
+def amortised_problem(name: str) -> Problem:
   model, params, x, y, _ = _models.step_problem(name)
 
   def loss_fn(p, x, y):
@@ -113,24 +143,30 @@ def plain_step_pieces(name: str, reps: int) -> list[str]:
 
   grad_fn = kd.value_and_grad(loss_fn)
   layers = grad_fn.discover(params, x, y)
-  tx = kd.kfac(1e-2, layers=layers, factor_update_every=10, inverse_update_every=100)
+  tx = kd.kfac(1e-2, layers=layers, factor_update_every=FACTOR_EVERY,
+               inverse_update_every=INVERSE_EVERY)
+  return Problem(name, loss_fn, grad_fn, tx, jax.jit(_common.kfac_step(grad_fn, tx)),
+                 params, x, y)
+
+
+def plain_step_pieces(pb: Problem, reps: int) -> list[str]:
   sgd = optax.sgd(1e-2, momentum=0.9)
-  kstep = jax.jit(_common.kfac_step(grad_fn, tx))
-  sstep = jax.jit(_common.optax_step(loss_fn, sgd))
-  state = tx.init(params)
-  p1, s1 = kstep(params, state, x, y)[:2]          # count 1: a plain step next
-  _, _, stats = grad_fn(p1, x, y, opt_state=s1)
-  _, grads = jax.value_and_grad(loss_fn)(p1, x, y)
+  sstep = jax.jit(_common.optax_step(pb.loss_fn, sgd))
+  p1, s1 = pb.kstep(pb.params, pb.tx.init(pb.params), pb.x, pb.y)[:2]  # count 1: plain
+  x, y = pb.x, pb.y
+  _, _, stats = pb.grad_fn(p1, x, y, opt_state=s1)
+  _, grads = jax.value_and_grad(pb.loss_fn)(p1, x, y)
   pieces = {
-      "sgd step": (sstep, (params, sgd.init(params), x, y)),
-      "jax.value_and_grad": (jax.jit(jax.value_and_grad(loss_fn)), (p1, x, y)),
-      "kd.value_and_grad plain": (jax.jit(lambda p, s, x, y: grad_fn(p, x, y, opt_state=s)),
-                                  (p1, s1, x, y)),
-      "kfac tx.update plain": (jax.jit(lambda g, s, p, st: tx.update(g, s, p, kfac_stats=st)),
-                               (grads, s1, p1, stats)),
-      "kfac step plain": (kstep, (p1, s1, x, y)),
+      "sgd step": (sstep, (pb.params, sgd.init(pb.params), x, y)),
+      "jax.value_and_grad": (jax.jit(jax.value_and_grad(pb.loss_fn)), (p1, x, y)),
+      "kd.value_and_grad plain": (
+          jax.jit(lambda p, s, x, y: pb.grad_fn(p, x, y, opt_state=s)), (p1, s1, x, y)),
+      "kfac tx.update plain": (
+          jax.jit(lambda g, s, p, st: pb.tx.update(g, s, p, kfac_stats=st)),
+          (grads, s1, p1, stats)),
+      "kfac step plain": (pb.kstep, (p1, s1, x, y)),
   }
-  lines = [f"{name}: piece | ms | kernels (launching instructions) | top opcodes"]
+  lines = [f"{pb.name}: piece | ms | kernels (launching instructions) | top opcodes"]
   for label, (fn, args) in pieces.items():
     census = kernel_census(fn.lower(*args).compile())
     top = ", ".join(f"{k} {v}" for k, v in census.most_common(6))
@@ -139,19 +175,82 @@ def plain_step_pieces(name: str, reps: int) -> list[str]:
   return lines
 
 
+def step_kind(count: int) -> str:
+  if count % INVERSE_EVERY == 0:
+    return "eigh"
+  if count % FACTOR_EVERY == 0:
+    return "factor"
+  return "plain after factor" if count % FACTOR_EVERY == 1 else "plain"
+
+
+def consecutive_profile(pb: Problem, reps: int) -> list[str]:
+  """Two cycles of consecutive amortised steps, each timed alone (blocked), by
+  kind, against each kind repeated from one fixed state: is a step slower in
+  sequence than alone, and which?"""
+  params, state = pb.params, pb.tx.init(pb.params)
+  in_sequence: dict[str, list[float]] = collections.defaultdict(list)
+  fixed_states = {}
+  for count in range(3 * INVERSE_EVERY):          # the first cycle warms up
+    kind = step_kind(count)
+    fixed_states.setdefault(kind, (params, state))
+    start = time.perf_counter()
+    params, state, loss = jax.block_until_ready(pb.kstep(params, state, pb.x, pb.y))
+    if count >= INVERSE_EVERY:
+      in_sequence[kind].append(1e3 * (time.perf_counter() - start))
+  lines = [f"{pb.name}: consecutive steps, ms per step by kind (median; min-max) | "
+           f"in sequence | alone, from one fixed state"]
+  alone = {}
+  for kind, times in in_sequence.items():
+    p, s = fixed_states[kind]
+    alone[kind] = timed(pb.kstep, p, s, pb.x, pb.y,
+                        reps=max(3, reps // 10) if kind == "eigh" else reps)
+    lines.append(f"  {kind} ({len(times)}) | {statistics.median(times):.3f} "
+                 f"({min(times):.3f}-{max(times):.3f}) | {alone[kind]:.3f}")
+  total = sum(sum(t) for t in in_sequence.values()) / (2 * INVERSE_EVERY)
+  weights = {"eigh": 1, "factor": INVERSE_EVERY // FACTOR_EVERY - 1,
+             "plain after factor": INVERSE_EVERY // FACTOR_EVERY}
+  weights["plain"] = INVERSE_EVERY - sum(weights.values())
+  mix = sum(w * alone[k] for k, w in weights.items()) / INVERSE_EVERY
+  lines.append(f"  mean per step in sequence {total:.3f} ms; cadence-weighted mean of "
+               f"the kinds alone {mix:.3f} ms (final loss {float(loss):.4f})")
+  return lines
+
+
+def command_buffer_ab(models: str, reps: int) -> list[str]:
+  """The consecutive-step profile in a child process with conditionals and
+  loops in XLA's command buffers."""
+  env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {COMMAND_BUFFER_FLAG}")
+  cmd = [sys.executable, __file__, "--models", models, "--reps", str(reps), "--profile-only"]
+  run = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+  head = f"with XLA_FLAGS {COMMAND_BUFFER_FLAG}:"
+  if run.returncode:
+    return [head, f"  failed (exit {run.returncode}): " + run.stderr.strip()[-800:]]
+  return [head] + ["  " + line for line in run.stdout.splitlines()[1:]]
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", default="cnn,lm")
   parser.add_argument("--reps", type=int, default=50)
-  parser.add_argument("--no-eigh", action="store_true", help="skip the eigh table")
-  parser.add_argument("--quick", action="store_true", help="3 reps, no eigh table")
+  parser.add_argument("--eigh", action="store_true", help="time the eigh table too")
+  parser.add_argument("--command-buffer-ab", action="store_true",
+                      help=f"the consecutive steps again with {COMMAND_BUFFER_FLAG}")
+  parser.add_argument("--profile-only", action="store_true",
+                      help="only the consecutive-step profile")
+  parser.add_argument("--quick", action="store_true", help="3 reps")
   args = parser.parse_args()
   reps = 3 if args.quick else args.reps
   print(f"# gpu_probe: backend {jax.default_backend()}, {jax.devices()[0].device_kind}",
         flush=True)
-  for name in [m for m in args.models.split(",") if m]:
-    print("\n".join(plain_step_pieces(name, reps)), flush=True)
-  if not (args.quick or args.no_eigh):
+  models = [m for m in args.models.split(",") if m]
+  for name in models:
+    pb = amortised_problem(name)
+    if not args.profile_only:
+      print("\n".join(plain_step_pieces(pb, reps)), flush=True)
+    print("\n".join(consecutive_profile(pb, reps)), flush=True)
+  if args.command_buffer_ab:
+    print("\n".join(command_buffer_ab(args.models, reps)), flush=True)
+  if args.eigh:
     print("\n".join(eigh_table(max(3, reps // 5))), flush=True)
 
 
