@@ -1053,7 +1053,8 @@ def _why_compile(r):
   step = kd_st["first step"] - kd_st["init"]
   kj_steps = kj_st[list(kj_st)[-1]] - kj_st["init"]
   n = len(kj_st) - 1
-  return (f"kd's one program (every cadence branch and the fault handling inside) "
+  return (f"kd's one program (the fault handling and the cadence's branches inside; "
+          f"work due every step runs unbranched) "
           f"takes {step:.1f} s CPU to trace, compile and run once vs kfac-jax's {n} "
           f"program{'s' if n > 1 else ''} {kj_steps:.1f} s (+ init {kj_st['init']:.1f} s); "
           f"kd's `tx.init` is {init:.2f} s; see 'Where kd's compile time goes'")

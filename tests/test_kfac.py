@@ -150,6 +150,27 @@ def test_running_average_and_cadence_step_by_step():
   assert weight > 0
 
 
+def test_refreshes_due_every_step_run_unbranched():
+  """An `every` of 1 (`cadence.always`) runs the factor update and the
+  decomposition with no conditional: 1/2 and 2/1 each add one over 1/1 (the
+  program lowered for CPU; 2/2 adds both and the platform's choice of the
+  conditional around them)."""
+  rng, layers, params = _setup()
+  stats, grads = _stats(rng, layers), _random_grads(rng, params)
+
+  def conditionals(factor_every: int, inverse_every: int) -> int:
+    tx = kd.scale_by_kfac(layers=layers, factor_update_every=factor_every,
+                          inverse_update_every=inverse_every, factor_dtype=F64)
+    text = jax.jit(lambda g, s, st: tx.update(g, s, kfac_stats=st)).trace(
+        grads, tx.init(params), stats).lower(lowering_platforms=("cpu",)).as_text()
+    return text.count("stablehlo.case") + text.count("stablehlo.if")
+
+  every_step = conditionals(1, 1)
+  assert conditionals(1, 2) == every_step + 1
+  assert conditionals(2, 1) == every_step + 1
+  assert conditionals(2, 2) > every_step + 1
+
+
 def test_schedules_for_damping_and_intervals():
   rng, layers, params = _setup(dims=((3, 2, True),))
   damping = lambda c: 0.1 / (1.0 + c)

@@ -277,6 +277,10 @@ def refreshed_state(config: KfacConfig, comm: collectives_lib.Collectives,
         update_factors=jnp.any(refresh.next_step <= count + 1)), stats_ok
   decompose_now = cadence.due(config.inverse_update_every, count) & ok
   update_now = (state.update_factors & ok) if stats is not None else jnp.asarray(False)
+  # Work due at every step (an every of 1) runs without a conditional: on a
+  # faulty step its result is discarded with the rest (`faults.accept_or_skip`).
+  update_always = stats is not None and cadence.always(config.factor_update_every)
+  decompose_always = cadence.always(config.inverse_update_every)
 
   def updated_factors() -> tuple:
     running, weight, batch = factors.update_running_factors(config, comm, state, stats)
@@ -286,15 +290,14 @@ def refreshed_state(config: KfacConfig, comm: collectives_lib.Collectives,
     running, weight, stats_ok = state.factors, state.factor_weight, true
     if stats is not None:
       with jax.named_scope("kfac_factor_update"):
-        running, weight, stats_ok = lax.cond(
+        running, weight, stats_ok = (updated_factors() if update_always else lax.cond(
             update_now, updated_factors,
-            lambda: (state.factors, state.factor_weight, true))
+            lambda: (state.factors, state.factor_weight, true)))
     with jax.named_scope("kfac_decomposition"):
-      second = lax.cond(
-          decompose_now,
-          lambda: decompositions.decompose(config, comm, state.layout, running, gamma,
-                                           state.second_order),
-          lambda: state.second_order)
+      new = lambda: decompositions.decompose(config, comm, state.layout, running, gamma,
+                                             state.second_order)
+      second = new() if decompose_always else lax.cond(decompose_now, new,
+                                                       lambda: state.second_order)
     return running, weight, second, stats_ok
 
   def unchanged() -> tuple:
@@ -305,9 +308,10 @@ def refreshed_state(config: KfacConfig, comm: collectives_lib.Collectives,
   # On CPU, where a conditional costs nothing, the two side by side: the outer
   # one holds one more copy at a decomposition step's peak (step_time's MLP:
   # 46.3 MB instead of 42.0).
-  running, weight, second, stats_ok = lax.platform_dependent(
-      update_now | decompose_now, cpu=lambda _: refreshed(),
-      default=lambda needed: lax.cond(needed, refreshed, unchanged))
+  running, weight, second, stats_ok = refreshed() if update_always or decompose_always \
+      else lax.platform_dependent(
+          update_now | decompose_now, cpu=lambda _: refreshed(),
+          default=lambda needed: lax.cond(needed, refreshed, unchanged))
   return dataclasses.replace(
       state, count=count + 1, factor_weight=weight, factors=running, second_order=second,
       update_factors=cadence.due(config.factor_update_every, count + 1)), stats_ok
