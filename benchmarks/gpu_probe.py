@@ -124,7 +124,7 @@ def kernel_census(compiled) -> collections.Counter:
 
 
 class Problem(NamedTuple):
-  """A step_time model with the amortised K-FAC step and optax SGD's."""
+  """A step_time model: its loss, capture and amortised K-FAC step (jitted)."""
   name: str
   loss_fn: Callable
   grad_fn: Callable
