@@ -54,11 +54,17 @@ def always(every: ScalarOrSchedule, start: ScalarOrSchedule = 0) -> bool:
   return is_number(every) and every == 1 and is_number(start) and start == 0
 
 
+def cond_unless_always(every: ScalarOrSchedule, ready: jax.Array, new: Callable[[], Any],
+                       old: Callable[[], Any], start: ScalarOrSchedule = 0) -> Any:
+  """`lax.cond(ready, new, old)`, or `new()` alone when the work is `always`
+  due (no conditional: on a GPU each is a host round trip)."""
+  return new() if always(every, start) else jax.lax.cond(ready, new, old)
+
+
 def when_due(every: ScalarOrSchedule, count: jax.Array, new: Callable[[], Any],
              old: Callable[[], Any], start: ScalarOrSchedule | None = None) -> Any:
   """`new()` when the work is due at `count` (`due`, or `due_from(start, …)`),
-  else `old()`: a `lax.cond`, or `new()` alone when it is `always` due."""
-  if always(every, 0 if start is None else start):
-    return new()
-  ready = due(every, count) if start is None else due_from(start, every, count)
-  return jax.lax.cond(ready, new, old)
+  else `old()` (`cond_unless_always`)."""
+  if start is None:
+    return cond_unless_always(every, due(every, count), new, old)
+  return cond_unless_always(every, due_from(start, every, count), new, old, start)

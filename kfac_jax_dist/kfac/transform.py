@@ -277,10 +277,11 @@ def refreshed_state(config: KfacConfig, comm: collectives_lib.Collectives,
         update_factors=jnp.any(refresh.next_step <= count + 1)), stats_ok
   decompose_now = cadence.due(config.inverse_update_every, count) & ok
   update_now = (state.update_factors & ok) if stats is not None else jnp.asarray(False)
-  # Work due at every step (an every of 1) runs without a conditional: on a
-  # faulty step its result is discarded with the rest (`faults.accept_or_skip`).
-  update_always = stats is not None and cadence.always(config.factor_update_every)
-  decompose_always = cadence.always(config.inverse_update_every)
+  # Work due at every step (an every of 1) runs without a conditional
+  # (`cadence.cond_unless_always`): on a faulty step its result is discarded
+  # with the rest (`faults.accept_or_skip`).
+  unbranched = (cadence.always(config.inverse_update_every) or
+                (stats is not None and cadence.always(config.factor_update_every)))
 
   def updated_factors() -> tuple:
     running, weight, batch = factors.update_running_factors(config, comm, state, stats)
@@ -290,14 +291,15 @@ def refreshed_state(config: KfacConfig, comm: collectives_lib.Collectives,
     running, weight, stats_ok = state.factors, state.factor_weight, true
     if stats is not None:
       with jax.named_scope("kfac_factor_update"):
-        running, weight, stats_ok = (updated_factors() if update_always else lax.cond(
-            update_now, updated_factors,
-            lambda: (state.factors, state.factor_weight, true)))
+        running, weight, stats_ok = cadence.cond_unless_always(
+            config.factor_update_every, update_now, updated_factors,
+            lambda: (state.factors, state.factor_weight, true))
     with jax.named_scope("kfac_decomposition"):
-      new = lambda: decompositions.decompose(config, comm, state.layout, running, gamma,
-                                             state.second_order)
-      second = new() if decompose_always else lax.cond(decompose_now, new,
-                                                       lambda: state.second_order)
+      second = cadence.cond_unless_always(
+          config.inverse_update_every, decompose_now,
+          lambda: decompositions.decompose(config, comm, state.layout, running, gamma,
+                                           state.second_order),
+          lambda: state.second_order)
     return running, weight, second, stats_ok
 
   def unchanged() -> tuple:
@@ -308,10 +310,9 @@ def refreshed_state(config: KfacConfig, comm: collectives_lib.Collectives,
   # On CPU, where a conditional costs nothing, the two side by side: the outer
   # one holds one more copy at a decomposition step's peak (step_time's MLP:
   # 46.3 MB instead of 42.0).
-  running, weight, second, stats_ok = refreshed() if update_always or decompose_always \
-      else lax.platform_dependent(
-          update_now | decompose_now, cpu=lambda _: refreshed(),
-          default=lambda needed: lax.cond(needed, refreshed, unchanged))
+  running, weight, second, stats_ok = refreshed() if unbranched else lax.platform_dependent(
+      update_now | decompose_now, cpu=lambda _: refreshed(),
+      default=lambda needed: lax.cond(needed, refreshed, unchanged))
   return dataclasses.replace(
       state, count=count + 1, factor_weight=weight, factors=running, second_order=second,
       update_factors=cadence.due(config.factor_update_every, count + 1)), stats_ok
