@@ -63,7 +63,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import Sequence
+from typing import Any, NamedTuple, Sequence
 
 from kfac_jax_dist.capture import registry
 from kfac_jax_dist.capture import statistics as factors
@@ -342,6 +342,144 @@ def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
                         replicate_layers=False, **options)
 
 
+# (factor name, copy, which, dim, form, columns): one factor slice a device owns
+Owned = tuple[str, int, str, int, str, Any]
+
+
+def _factors_of(layer: registry.TaggedLayer, max_factor_dim: int | None) -> tuple:
+  """`(which, dim, form)` of the layer's factors."""
+  if layer.unitwise:
+    return (("f", layer.g_dim, factors.UNIT),)
+  a_form = factors.DIAG if layer.a_diagonal else factor_form(layer.a_dim, max_factor_dim)
+  return (("a", layer.a_dim, a_form),
+          ("g", layer.g_dim, factor_form(layer.g_dim, max_factor_dim)))
+
+
+def _assign_owners(kept: list, max_factor_dim: int | None, num_devices: int,
+                   group_size: int, method: str, replicate_factors: bool,
+                   replicate_layers: bool, max_parts: int | None
+                   ) -> tuple[dict[str, list], list[list[Owned]]]:
+  """Layers to owner groups, then each group's factors to its devices. Both
+  balance the decomposition cost d³ and the numbers each owner sends: a
+  group's preconditioned gradients (gathered every step when there are
+  several groups), a device's eigenbases (gathered on decomposition steps).
+
+  Returns each layer's pieces `[(rows, group)]` (rows in order) and each
+  device's owned factor slices."""
+  num_groups = num_devices // group_size
+
+  def layer_cost(layer: registry.TaggedLayer) -> float:
+    return sum(eigh_cost(dim, form) for _, dim, form in _factors_of(layer, max_factor_dim))
+
+  split_layers = replicate_layers and num_groups > 1
+  group_bins = owners.assign(kept, num_groups, layer_cost,
+                             lambda l: l.a_dim * l.g_dim if num_groups > 1 else 0.0,
+                             lambda l: l.a_dim if split_layers and not l.unitwise else 0,
+                             max_parts=max_parts)
+  pieces: dict[str, list] = {}
+  for g, members in enumerate(group_bins):
+    for layer, rows in members:
+      pieces.setdefault(layer.name, []).append((rows, g))
+  for found in pieces.values():
+    found.sort(key=lambda t: t[0] or (0, 0))
+  split_factors = replicate_factors and num_groups == 1 and num_devices > 1
+  owned: list[list[Owned]] = [[] for _ in range(num_devices)]
+  for g, members in enumerate(group_bins):
+    items = [(layer.name, [t[1] for t in pieces[layer.name]].index(g), which, dim, form)
+             for layer, _ in members
+             for which, dim, form in _factors_of(layer, max_factor_dim)]
+    bins = owners.assign(items, group_size, lambda t: eigh_cost(t[3], t[4]),
+                         lambda t: sum(_second_parts(t[3], t[4], method)),
+                         lambda t: t[3] if split_factors and t[4] == factors.FULL else 0,
+                         max_parts=max_parts)
+    for r, mine in enumerate(bins):
+      owned[g * group_size + r] = [item + (columns,) for item, columns in mine]
+  return pieces, owned
+
+
+def _is_replica(item: Owned) -> bool:
+  """A copy of a replicated layer, or a factor's columns after the first."""
+  return item[1] > 0 or (item[5] is not None and item[5][0] > 0)
+
+
+class _Packed(NamedTuple):
+  """Every device's packed segments (`_pack`)."""
+  places: dict[tuple, FactorPlace]     # (name, copy, which, columns) -> place
+  batches: tuple[tuple[Batch, ...], ...]
+  owner_sizes: tuple[int, ...]         # stored (home) factor numbers per device
+  second_sizes: tuple[int, ...]        # second-order numbers per device
+  segment: int                         # the longest device's of each
+  second_segment: int
+  max_factors: int
+
+
+def _pack(owned: list[list[Owned]], packed: bool, method: str) -> _Packed:
+  """Packs each device's factors: home factors first (tight chunks store only
+  them), then replicas; runs of equal (form, dim, columns) contiguous, one
+  `Batch` each."""
+  places, batches, owner_sizes, second_sizes = {}, [], [], []
+  segment = second_segment = max_factors = 0
+  for device, mine in enumerate(owned):
+    runs: dict[tuple, list] = {}
+    for item in mine:
+      runs.setdefault((_is_replica(item), item[4], item[3], item[5]), []).append(item)
+    offset = second = index = 0
+    device_batches = []
+    for (_, form, dim, columns), run in sorted(
+        runs.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1], kv[0][3] or (0, 0))):
+      size = storage_size(dim, form, packed)
+      matrix, vector = _second_parts(dim, form, method, columns)
+      matrix_start = second if matrix else None
+      vector_start = second + len(run) * matrix if vector else None
+      device_batches.append(Batch(form, dim, len(run), offset, matrix_start, vector_start,
+                                  index, columns))
+      for j, (name, copy, which, _, _, _) in enumerate(run):
+        places[(name, copy, which, columns)] = FactorPlace(
+            form, dim, device, offset + j * size, size,
+            None if matrix_start is None else matrix_start + j * matrix,
+            None if vector_start is None else vector_start + j * vector, index + j,
+            columns)
+      offset += len(run) * size
+      second += len(run) * (matrix + vector)
+      index += len(run)
+    batches.append(tuple(device_batches))
+    owner_sizes.append(sum(storage_size(t[3], t[4], packed) for t in mine
+                           if not _is_replica(t)))
+    second_sizes.append(second)
+    segment, second_segment = max(segment, offset), max(second_segment, second)
+    max_factors = max(max_factors, index)
+  return _Packed(places, tuple(batches), tuple(owner_sizes), tuple(second_sizes),
+                 segment, second_segment, max_factors)
+
+
+def _layer_plans(kept: list, pieces: dict[str, list],
+                 places: dict[tuple, FactorPlace]) -> tuple[LayerPlan, ...]:
+  """Each layer's plan: a split factor's home place lists its other column
+  slices; replicas (and their slices) point at the home copy (owner, offset)."""
+  slices: dict[tuple, list] = {}
+  for (name, copy, which, columns), place in places.items():
+    slices.setdefault((name, copy, which), []).append(place)
+  for found in slices.values():
+    found.sort(key=lambda p: p.columns or (0, 0))
+
+  def place_of(name: str, copy: int, which: str) -> FactorPlace | None:
+    found = slices.get((name, copy, which))
+    if not found:
+      return None
+    home = slices[(name, 0, which)][0]
+    source = (home.owner, home.offset)
+    rest = tuple(dataclasses.replace(p, home=source) for p in found[1:])
+    return dataclasses.replace(found[0], copies=rest, home=None if copy == 0 else source)
+
+  plans = []
+  for layer in kept:
+    copies = [LayerPlan(layer, place_of(layer.name, k, "a"), place_of(layer.name, k, "g"),
+                        g, place_of(layer.name, k, "f"), rows)
+              for k, (rows, g) in enumerate(pieces[layer.name])]
+    plans.append(dataclasses.replace(copies[0], copies=tuple(copies[1:])))
+  return tuple(plans)
+
+
 def _build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
            skip: Sequence[str] = (), max_factor_dim: int | None = None,
            num_devices: int = 1, group_size: int = 1, axis: str | None = None,
@@ -365,116 +503,16 @@ def _build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
       skipped.append(layer)
     else:
       kept.extend(layer.blocks())
-  num_groups = num_devices // group_size
-
-  def factors_of(layer: registry.TaggedLayer) -> list:
-    """`(which, dim, form)` of the layer's factors."""
-    if layer.unitwise:
-      return (("f", layer.g_dim, factors.UNIT),)
-    a_form = factors.DIAG if layer.a_diagonal else factor_form(layer.a_dim, max_factor_dim)
-    return (("a", layer.a_dim, a_form),
-            ("g", layer.g_dim, factor_form(layer.g_dim, max_factor_dim)))
-
-  def layer_cost(layer: registry.TaggedLayer) -> float:
-    return sum(eigh_cost(dim, form) for _, dim, form in factors_of(layer))
-
-  # Layers to groups, then each group's factors to its devices. Both balance
-  # the decomposition cost d³ and the numbers each owner sends: a group's
-  # preconditioned gradients (gathered every step when there are several
-  # groups), a device's eigenbases (gathered on decomposition steps).
-  split_layers = replicate_layers and num_groups > 1
-  group_bins = owners.assign(kept, num_groups, layer_cost,
-                      lambda l: l.a_dim * l.g_dim if num_groups > 1 else 0.0,
-                      lambda l: l.a_dim if split_layers and not l.unitwise else 0,
-                      max_parts=max_parts)
-  pieces: dict[str, list] = {}                 # layer -> [(rows, group)], rows in order
-  for g, members in enumerate(group_bins):
-    for layer, rows in members:
-      pieces.setdefault(layer.name, []).append((rows, g))
-  for found in pieces.values():
-    found.sort(key=lambda t: t[0] or (0, 0))
-  split_factors = replicate_factors and num_groups == 1 and num_devices > 1
-  owned: list[list[tuple]] = [[] for _ in range(num_devices)]
-  for g, members in enumerate(group_bins):
-    items = [(layer.name, [t[1] for t in pieces[layer.name]].index(g), which, dim, form)
-             for layer, _ in members for which, dim, form in factors_of(layer)]
-    bins = owners.assign(items, group_size, lambda t: eigh_cost(t[3], t[4]),
-                  lambda t: sum(_second_parts(t[3], t[4], method)),
-                  lambda t: t[3] if split_factors and t[4] == factors.FULL else 0,
-                  max_parts=max_parts)
-    for r, mine in enumerate(bins):
-      owned[g * group_size + r] = [item + (columns,) for item, columns in mine]
-
-  # Pack each device's factors: home factors first (tight chunks store only
-  # them), then replicas; runs of equal (form, dim, columns) contiguous.
-  def is_replica(item: tuple) -> bool:
-    return item[1] > 0 or (item[5] is not None and item[5][0] > 0)
-
-  raw, batches, owner_sizes, second_sizes = {}, [], [], []
-  segment = second_segment = max_factors = 0
-  for device, mine in enumerate(owned):
-    runs: dict[tuple, list] = {}
-    for item in mine:
-      runs.setdefault((is_replica(item), item[4], item[3], item[5]), []).append(item)
-    offset = second = index = 0
-    device_batches = []
-    for (replica, form, dim, columns), run in sorted(
-        runs.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1], kv[0][3] or (0, 0))):
-      size = storage_size(dim, form, packed)
-      matrix, vector = _second_parts(dim, form, method, columns)
-      matrix_start = second if matrix else None
-      vector_start = second + len(run) * matrix if vector else None
-      device_batches.append(Batch(form, dim, len(run), offset, matrix_start, vector_start,
-                                  index, columns))
-      for j, (name, copy, which, _, _, _) in enumerate(run):
-        raw[(name, copy, which, columns)] = FactorPlace(
-            form, dim, device, offset + j * size, size,
-            None if matrix_start is None else matrix_start + j * matrix,
-            None if vector_start is None else vector_start + j * vector, index + j,
-            columns)
-      offset += len(run) * size
-      second += len(run) * (matrix + vector)
-      index += len(run)
-    batches.append(tuple(device_batches))
-    owner_sizes.append(sum(storage_size(t[3], t[4], packed) for t in mine
-                           if not is_replica(t)))
-    second_sizes.append(second)
-    segment, second_segment = max(segment, offset), max(second_segment, second)
-    max_factors = max(max_factors, index)
-
-  # Assemble: a split factor's home place lists its other column slices;
-  # replicas point at the home copy (owner, offset).
-  slices: dict[tuple, list] = {}
-  for (name, copy, which, columns), place in raw.items():
-    slices.setdefault((name, copy, which), []).append(place)
-  homes = {}
-  for key, found in slices.items():
-    found.sort(key=lambda p: p.columns or (0, 0))
-    homes[key] = found[0]
-
-  def place_of(name: str, copy: int, which: str) -> FactorPlace | None:
-    found = slices.get((name, copy, which))
-    if not found:
-      return None
-    home = homes[(name, 0, which)]
-    source = (home.owner, home.offset)
-    first, rest = found[0], found[1:]
-    rest = tuple(dataclasses.replace(p, home=source) for p in rest)
-    return dataclasses.replace(first, copies=rest, home=None if copy == 0 else source)
-
-  plans = []
-  for layer in kept:
-    copies = [LayerPlan(layer, place_of(layer.name, k, "a"), place_of(layer.name, k, "g"),
-                        g, place_of(layer.name, k, "f"), rows)
-              for k, (rows, g) in enumerate(pieces[layer.name])]
-    plans.append(dataclasses.replace(copies[0], copies=tuple(copies[1:])))
-  plans = tuple(plans)
+  pieces, owned = _assign_owners(kept, max_factor_dim, num_devices, group_size, method,
+                                 replicate_factors, replicate_layers, max_parts)
+  pack = _pack(owned, packed, method)
+  plans = _layer_plans(kept, pieces, pack.places)
   covered = {p for plan in plans for p in (plan.layer.kernel_path, plan.layer.bias_path)}
   passthrough = tuple(p for p in param_paths if p not in covered)
-  return Layout(plans, tuple(batches), max(segment, 1), max(second_segment, 1),
-                max(max_factors, 1), packed, method,
+  return Layout(plans, pack.batches, max(pack.segment, 1), max(pack.second_segment, 1),
+                max(pack.max_factors, 1), packed, method,
                 tuple(l.name for l in skipped), passthrough, num_devices, group_size,
-                axis, factor_storage, tuple(owner_sizes), tuple(second_sizes))
+                axis, factor_storage, pack.owner_sizes, pack.second_sizes)
 
 
 def tight_offsets(lay: Layout) -> dict[tuple[str, str], int]:
