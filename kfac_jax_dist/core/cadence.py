@@ -65,6 +65,5 @@ def when_due(every: ScalarOrSchedule, count: jax.Array, new: Callable[[], Any],
              old: Callable[[], Any], start: ScalarOrSchedule | None = None) -> Any:
   """`new()` when the work is due at `count` (`due`, or `due_from(start, …)`),
   else `old()` (`cond_unless_always`)."""
-  if start is None:
-    return cond_unless_always(every, due(every, count), new, old)
-  return cond_unless_always(every, due_from(start, every, count), new, old, start)
+  ready = due(every, count) if start is None else due_from(start, every, count)
+  return cond_unless_always(every, ready, new, old, 0 if start is None else start)

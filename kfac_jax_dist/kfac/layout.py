@@ -63,7 +63,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import Any, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 from kfac_jax_dist.capture import registry
 from kfac_jax_dist.capture import statistics as factors
@@ -343,7 +343,7 @@ def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
 
 
 # (factor name, copy, which, dim, form, columns): one factor slice a device owns
-Owned = tuple[str, int, str, int, str, Any]
+Owned = tuple[str, int, str, int, str, "tuple[int, int] | None"]
 
 
 def _factors_of(layer: registry.TaggedLayer, max_factor_dim: int | None) -> tuple:
