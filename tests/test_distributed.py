@@ -140,6 +140,41 @@ def test_rechunked_uneven_collectives_equal_single_device(fraction, scheme, monk
   _assert_same(trajectory, reference)
 
 
+@pytest.mark.parametrize("num_devices,fraction,cadence,storage", [
+    (8, 1.0, (FACTOR_EVERY, INVERSE_EVERY), "chunked"),
+    (8, 1 / 8, (FACTOR_EVERY, INVERSE_EVERY), "chunked"),
+    (2, 1.0, (1, 1), "owner")])
+def test_statistics_buffer_past_int32_is_written_by_rows(num_devices, fraction, cadence,
+                                                         storage, monkeypatch):
+  """The reduce-scatter's statistics buffer holds every factor; past 2³¹
+  numbers (GPT-2-XL's: 2.9e9) a flat offset would wrap, so it is written as
+  one row per device, factors split where they cross rows. As if int32 ended
+  just short of the buffer: bit for bit the flat buffer, in tight chunks and
+  in owner segments, and the step with it inside shard_map equals one
+  device."""
+  from kfac_jax_dist.kfac import packing  # pylint: disable=import-outside-toplevel
+  loss_fn, params, x, y = helpers.conv_dense_problem()
+  layers = kd.value_and_grad(loss_fn).discover(params, x, y)
+  dist = kd.Distribution(helpers.data_mesh(num_devices), grad_worker_fraction=fraction)
+  layout = find_states(kd.kfac(0.1, layers=layers, distribution=dist,
+                               **_options(cadence)).init(params))[0].layout
+  assert layout.factor_storage == storage
+  rng = np.random.default_rng(0)
+  stats = {(plan.layer.name, w): jnp.asarray(rng.normal(size=(q.dim, q.dim)), jnp.float32)
+           for plan in layout.plans for w, q in plan.places}
+
+  def segments():      # traced anew: _INT32_MAX is read at trace time
+    return jax.jit(lambda s: packing.all_segments(
+        layout, lambda plan, w: s[(plan.layer.name, w)], jnp.float32))(stats)
+  flat = segments()
+  monkeypatch.setattr(packing, "_INT32_MAX", layout.num_devices * layout.factor_shard - 1)
+  np.testing.assert_array_equal(segments(), flat)
+  reference, _ = _single_device("eigen", cadence)
+  trajectory, _, _ = _distributed(num_devices, fraction, "reduce_scatter", "reduce_scatter",
+                                  cadence=cadence)
+  _assert_same(trajectory, reference)
+
+
 @pytest.mark.parametrize("fraction", [1.0, 1 / 8])
 def test_inverse_method_and_full_factor_traffic(fraction):
   reference, _ = _single_device("inverse")

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from kfac_jax_dist import _compat
 from kfac_jax_dist.capture import statistics as factors
 from kfac_jax_dist.core import collectives
 from kfac_jax_dist.kfac import layout as layout_lib
@@ -118,10 +119,55 @@ def owned_factors(lay: layout_lib.Layout, device: int, value_of, dtype,
           for place, plan, which in lay.stored(device)]
 
 
+_INT32_MAX = 2 ** 31 - 1
+
+
+def _write_across_rows(out: jax.Array, at: int, piece: jax.Array) -> jax.Array:
+  """`out` (`[rows, width]`, read flat) with `piece` written from flat position
+  `at`, split where it crosses rows: every index is a (row, column) pair
+  within int32, whatever `at` (GPT-2-XL's statistics: 2.9e9 numbers)."""
+  width, i = out.shape[1], 0
+  while i < piece.shape[0]:
+    row, column = divmod(at + i, width)
+    k = min(width - column, piece.shape[0] - i)
+    out = lax.dynamic_update_slice(out, piece[i:i + k][None], (row, column))
+    i += k
+  return out
+
+
+def _written_segments(lay: layout_lib.Layout, value_of, dtype) -> jax.Array:
+  """`all_segments` of more than 2³¹ numbers (the reduce-scatter's buffer
+  holds every factor: GPT-2-XL's are 2.9e9), traced: written as one row per
+  device, each factor packed and split where it crosses rows, so that no
+  offset passes int32 (a flat one would wrap, and XLA would clamp the write
+  to another place)."""
+  values = [[(place, value_of(plan, which).astype(dtype))
+             for place, plan, which in lay.stored(d)] for d in range(lay.num_devices)]
+  width = lay.factor_shard
+  if width > _INT32_MAX:
+    raise ValueError(f"One device's running factors hold {width} numbers, more than "
+                     "int32 indices reach: spread them over more devices, or keep the "
+                     "largest factors diagonal (max_factor_dim) or skip their layers.")
+  axes = _compat.varying_axes(*(v for row in values for _, v in row))
+  out = _compat.as_varying(jnp.zeros((lay.num_devices, width), dtype), axes)
+  at = 0
+  for device, row in enumerate(values):
+    if lay.factor_storage == layout_lib.OWNER:
+      at = device * lay.segment
+    for place, value in row:
+      out = _write_across_rows(out, at, pack_factor(value, place.form, lay.packed))
+      at += place.size
+  return out.reshape(-1)
+
+
 def all_segments(lay: layout_lib.Layout, value_of, dtype, xp=jnp,
                  stored_values: bool = False) -> jax.Array:
   """The global running-factor array, `[P · factor_shard]`: the owners' factors
-  one owner after the other, tight ("chunked") or each padded to `L` ("owner")."""
+  one owner after the other, tight ("chunked") or each padded to `L` ("owner").
+  Traced past 2³¹ numbers, it is written by rows (`_written_segments`)."""
+  if (xp is jnp and not stored_values
+      and lay.num_devices * lay.factor_shard > _INT32_MAX):
+    return _written_segments(lay, value_of, dtype)
   per_device = [owned_factors(lay, d, value_of, dtype, stored_values)
                 for d in range(lay.num_devices)]
   if lay.factor_storage == layout_lib.OWNER:
