@@ -141,22 +141,21 @@ def _written_segments(lay: layout_lib.Layout, value_of, dtype) -> jax.Array:
   device, each factor packed and split where it crosses rows, so that no
   offset passes int32 (a flat one would wrap, and XLA would clamp the write
   to another place)."""
-  values = [[(place, value_of(plan, which).astype(dtype))
-             for place, plan, which in lay.stored(d)] for d in range(lay.num_devices)]
   width = lay.factor_shard
   if width > _INT32_MAX:
     raise ValueError(f"One device's running factors hold {width} numbers, more than "
                      "int32 indices reach: spread them over more devices, or keep the "
                      "largest factors diagonal (max_factor_dim) or skip their layers.")
-  axes = _compat.varying_axes(*(v for row in values for _, v in row))
+  pieces = [owned_factors(lay, d, value_of, dtype) for d in range(lay.num_devices)]
+  axes = _compat.varying_axes(*(p for row in pieces for p in row))
   out = _compat.as_varying(jnp.zeros((lay.num_devices, width), dtype), axes)
   at = 0
-  for device, row in enumerate(values):
+  for device, row in enumerate(pieces):
     if lay.factor_storage == layout_lib.OWNER:
       at = device * lay.segment
-    for place, value in row:
-      out = _write_across_rows(out, at, pack_factor(value, place.form, lay.packed))
-      at += place.size
+    for piece in row:
+      out = _write_across_rows(out, at, piece)
+      at += piece.shape[0]
   return out.reshape(-1)
 
 
