@@ -118,6 +118,44 @@ def test_auto_state_bytes_and_errors():
   assert "Distribution.auto chose" in kd.describe(tx.init(params), print_table=False)
 
 
+
+def test_state_past_int32_offsets_is_refused_and_auto_leaves_it_out(monkeypatch):
+  """One device's running factors and second-order segment are flat arrays
+  with int32 offsets (GPT-2-XL's eigenbases on 2 devices: 2.6e9 numbers): as
+  if int32 ended inside the range of this model's strategies, `init` of a
+  strategy past it raises naming what to change, `Distribution.auto` picks
+  the cheapest of the others (the exhaustive search's; on ResNet-50's shapes
+  not the cheapest of all, MEM-OPT's wider segments), and with every strategy
+  past it, auto raises the same error."""
+  from kfac_jax_dist.core import collectives  # pylint: disable=import-outside-toplevel
+  layers, _, params = layout_balance.discover("resnet50")
+  mesh = mesh8()
+  widest = {}
+  for m, fr, gr in strategies(8):
+    dist = kd.Distribution(mesh, "data", grad_worker_fraction=m / 8, factor_reduction=fr,
+                           gradient_reduction=gr)
+    lay = jax.eval_shape(kd.scale_by_kfac(layers=layers, distribution=dist,
+                                          factor_update_every=FE,
+                                          inverse_update_every=IE).init, params).layout
+    widest[m, fr, gr] = max(lay.segment, lay.factor_shard, lay.second_segment)
+  limit = sorted(set(widest.values()))[-2]        # the widest strategies pass it
+  everything = exhaustive(layers, params, mesh)
+  rows = [r for r in everything if widest[r[3:]] <= limit]
+  assert 0 < len(rows) < 16 and rows[0] != everything[0]   # the cheapest is left out
+  monkeypatch.setattr(collectives, "INT32_MAX", limit)
+  m, fr, gr = max(widest, key=widest.get)
+  with pytest.raises(ValueError, match=r"second-order state .* holds .* int32 offsets reach .*grad_worker_fraction"):
+    kd.scale_by_kfac(layers=layers, distribution=kd.Distribution(
+        mesh, "data", grad_worker_fraction=m / 8, factor_reduction=fr,
+        gradient_reduction=gr)).init(params)
+  dist = kd.Distribution.auto(mesh, "data", layers, factor_update_every=FE,
+                              inverse_update_every=IE)
+  assert (dist.group_size, dist.factor_reduction, dist.gradient_reduction) == rows[0][3:]
+  monkeypatch.setattr(collectives, "INT32_MAX", min(widest.values()) - 1)
+  with pytest.raises(ValueError, match=r"One device's .* numbers, more than int32"):
+    kd.Distribution.auto(mesh, "data", layers)
+
+
 def hlo_bytes(loss_fn, params, x, y, layers, mesh, m, fr, gr) -> dict:
   dist = kd.Distribution(mesh, "data", grad_worker_fraction=m / 8, factor_reduction=fr,
                          gradient_reduction=gr)

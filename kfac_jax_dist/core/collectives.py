@@ -11,7 +11,7 @@ a `lax.switch` per device, since devices own different work). Without a
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +19,20 @@ import jax.numpy as jnp
 from kfac_jax_dist import _compat
 from kfac_jax_dist.core import uneven
 from kfac_jax_dist.core.distribution import Distribution
+
+
+INT32_MAX = 2 ** 31 - 1
+
+
+def check_int32_offsets(sizes: Mapping[str, int], advice: str) -> None:
+  """Raises a `ValueError` naming the first of one device's flat state arrays
+  (`sizes`: words → numbers) past 2³¹ numbers, with `advice`. Their offsets
+  (`pad_to`'s writes, the dynamic reads) are int32, JAX's index type: past it
+  an offset wraps and XLA reads or writes another place, silently."""
+  for what, size in sizes.items():
+    if size > INT32_MAX:
+      raise ValueError(f"One device's {what} {size:,} numbers, more than int32 offsets "
+                       f"reach (2^31 - 1): {advice}")
 
 
 def pad_to(pieces: list[jax.Array], length: int, dtype, xp=jnp) -> jax.Array:

@@ -102,9 +102,9 @@ def gather_owners(comm: collectives_lib.Collectives, lay: layout_lib.Layout,
   broadcasts); None with one group."""
   if lay.num_groups == 1:
     return None
-  length = lay.second_segment
-  own = jax.lax.dynamic_slice_in_dim(
-      second, (comm.device_index() % lay.group_size) * length, length)
+  rows = second.reshape(lay.group_size, lay.second_segment)   # (device, column):
+  own = jax.lax.dynamic_index_in_dim(                          # m·L₂ may pass int32
+      rows, comm.device_index() % lay.group_size, keepdims=False)
   return comm.all_gather_owned(own)
 
 

@@ -205,7 +205,8 @@ def candidates(layout_of: Callable[[int, str, str], layout_lib.Layout], num_devi
   state): each group size `m` dividing P, factors reduce-scattered or
   all-reduced, gradients averaged by the caller or reduce-scattered to their
   owners (SP-NGD). DP-KFAC's local factors are left out: they change the
-  factors, not only their cost. `layout_of(m, factor_reduction,
+  factors, not only their cost; so are layouts whose per-device state passes
+  int32 offsets (`layout.addressable`). `layout_of(m, factor_reduction,
   gradient_reduction)` is the layout the transform would build."""
   found = []
   for m in (d for d in range(1, num_devices + 1) if num_devices % d == 0):
@@ -213,6 +214,8 @@ def candidates(layout_of: Callable[[int, str, str], layout_lib.Layout], num_devi
       for gradient_reduction in (("none", "reduce_scatter") if num_devices > 1
                                  else ("none",)):
         lay = layout_of(m, factor_reduction, gradient_reduction)
+        if not layout_lib.addressable(lay):
+          continue
         b = step_bytes(lay, factor_reduction, gradient_reduction)
         found.append(Candidate(m, factor_reduction, gradient_reduction,
                                lay.factor_storage, b, b.amortised(factor_every,
@@ -276,8 +279,10 @@ def auto_distribution(mesh: jax.sharding.Mesh, axis: str,
     return transform.build_layout(config, collectives_lib.Collectives(dist), layers,
                                   layer_paths(layers))
 
-  best, _, lines = choose(candidates(layout_of, p, factor_update_every,
-                                     inverse_update_every), p, memory_budget)
+  found = candidates(layout_of, p, factor_update_every, inverse_update_every)
+  if not found:       # MEM-OPT holds the least per device: its error says why
+    layout_lib.check_addressable(layout_of(1, "reduce_scatter", "none"))
+  best, _, lines = choose(found, p, memory_budget)
   return dataclasses.replace(base, grad_worker_fraction=best.group_size / p,
                              factor_reduction=best.factor_reduction,
                              gradient_reduction=best.gradient_reduction,

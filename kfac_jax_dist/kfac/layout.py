@@ -67,6 +67,7 @@ from typing import NamedTuple, Sequence
 
 from kfac_jax_dist.capture import registry
 from kfac_jax_dist.capture import statistics as factors
+from kfac_jax_dist.core import collectives
 from kfac_jax_dist.core import owners
 
 
@@ -547,6 +548,27 @@ def gradient_offsets(lay: Layout) -> tuple[dict[tuple[str, int], int], list[int]
     sizes.append(offset)
   m = lay.group_size
   return offsets, sizes, -(-max(sizes) // m) * m
+
+
+def flat_sizes(lay: Layout) -> dict[str, int]:
+  """One device's flat state arrays indexed with int32 offsets, words →
+  numbers: its running factors (`C` or `L`) and second-order segment (`L₂`;
+  GPT-2-XL's eigenbases on 2 devices: 2.6e9). Arrays over several devices
+  are read and written as (device, column)."""
+  return {"running factors hold": max(lay.segment, lay.factor_shard),
+          "second-order state (eigenbases or inverses) holds": lay.second_segment}
+
+
+def addressable(lay: Layout) -> bool:
+  return max(flat_sizes(lay).values()) <= collectives.INT32_MAX
+
+
+def check_addressable(lay: Layout) -> None:
+  """`collectives.check_int32_offsets` of `flat_sizes`, with what to change."""
+  collectives.check_int32_offsets(flat_sizes(lay), (
+      f"on {lay.num_devices} device(s) in {lay.num_groups} owner group(s), spread them "
+      "over more devices (more devices, or a smaller grad_worker_fraction), keep the "
+      "largest factors diagonal (max_factor_dim=) or leave their layers out (skip=)."))
 
 
 def cheaper_storage(lay: Layout, factor_every: int, inverse_every: int) -> str:

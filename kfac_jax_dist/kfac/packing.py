@@ -119,7 +119,7 @@ def owned_factors(lay: layout_lib.Layout, device: int, value_of, dtype,
           for place, plan, which in lay.stored(device)]
 
 
-_INT32_MAX = 2 ** 31 - 1
+_INT32_MAX = collectives.INT32_MAX     # past it, the buffer is written by rows
 
 
 def _write_across_rows(out: jax.Array, at: int, piece: jax.Array) -> jax.Array:
@@ -141,11 +141,7 @@ def _written_segments(lay: layout_lib.Layout, value_of, dtype) -> jax.Array:
   device, each factor packed and split where it crosses rows, so that no
   offset passes int32 (a flat one would wrap, and XLA would clamp the write
   to another place)."""
-  width = lay.factor_shard
-  if width > _INT32_MAX:
-    raise ValueError(f"One device's running factors hold {width} numbers, more than "
-                     "int32 indices reach: spread them over more devices, or keep the "
-                     "largest factors diagonal (max_factor_dim) or skip their layers.")
+  width = lay.factor_shard        # within int32: `layout.check_addressable` at init
   pieces = [owned_factors(lay, d, value_of, dtype) for d in range(lay.num_devices)]
   axes = _compat.varying_axes(*(p for row in pieces for p in row))
   out = _compat.as_varying(jnp.zeros((lay.num_devices, width), dtype), axes)

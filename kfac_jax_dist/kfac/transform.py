@@ -120,6 +120,7 @@ def init_state(config: KfacConfig, comm: collectives_lib.Collectives,
   leaves = registry.leaves_by_path(params)
   _check_params(layers, leaves)
   lay = build_layout(config, comm, layers, list(leaves))
+  layout_lib.check_addressable(lay)
   xp = jnp if _compat.traced(params) else np
   dtype, compute = config.factor_dtype, config.compute_dtype
   running = packing.all_segments(

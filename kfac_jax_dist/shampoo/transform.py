@@ -80,6 +80,9 @@ def init_state(config: ShampooConfig, comm: collectives_lib.Collectives, params:
   lay = blocks.shard_layout(lay, comm.num_devices, comm.group_size,
                             None if config.distribution is None else config.distribution.axis)
   placement.check_skip_patterns(config.skip, paths, paths, "parameter")
+  collectives_lib.check_int32_offsets({"Shampoo statistics hold": lay.segment}, (
+      f"on {lay.num_devices} device(s), spread them over more devices, or precondition "
+      "fewer axes (max_preconditioner_dim=, skip=)."))
   dtype = config.statistics_dtype
   if dtype is None:
     dtype = jnp.promote_types(jnp.float32, jnp.result_type(
