@@ -3,6 +3,7 @@ against scipy's fractional matrix powers."""
 
 import dataclasses
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -690,6 +691,30 @@ def test_sharded_shampoo_errors():
   state = kd.scale_by_shampoo(block_size=4).init(params)
   with pytest.raises(ValueError, match="laid out for.*convert_state"):
     mem.update(_grads(np.random.default_rng(0), SMALL, np.float32), state)
+
+
+@pytest.mark.parametrize("fraction", [None, 1.0, 1 / 4, 1 / 8])
+def test_traced_init_equals_the_host_init(fraction):
+  """`init` traced (`jax.jit`, `jax.eval_shape`) builds the identities from
+  runs of blocks, never as host arrays: bit for bit the host-built state, on
+  one device, COMM-OPT, HYBRID (2 groups of 4) and MEM-OPT (blocks of mixed
+  sizes, the devices' segments padded to the longest)."""
+  dist = None if fraction is None else kd.Distribution(_mesh(), grad_worker_fraction=fraction)
+  tx = kd.scale_by_shampoo(block_size=4, graft_type="adagrad", distribution=dist)
+  params = _params(SHARDED_SHAPES, np.float32)
+  host = tx.init(params)
+  traced = jax.jit(tx.init)(params)
+  padded = host.layout.segment * host.layout.num_devices > sum(
+      n * d * d for (d, _), n in zip(host.layout.buckets, host.layout.sizes))
+  assert padded == (fraction is not None)
+  for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(traced)):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert jax.tree.structure(jax.eval_shape(tx.init, params)) == jax.tree.structure(host)
+  # no array of the state's numbers in the program (scalars only: a host-built
+  # state there is a 1.8-2.6 thousand-character constant here)
+  text = jax.jit(tx.init).lower(params).as_text()
+  assert max(map(len, re.findall(r"stablehlo.constant dense<([^>]*)>", text))) < 40
 
 
 def test_statistics_past_int32_offsets_are_refused(monkeypatch):

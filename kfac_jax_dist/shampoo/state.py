@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from kfac_jax_dist.core import collectives as collectives_lib
 from kfac_jax_dist.core import states
 from kfac_jax_dist.shampoo.blocks import ShampooLayout
 
@@ -83,18 +84,51 @@ def _device_segments(lay: ShampooLayout, buckets: Sequence[Any]) -> np.ndarray:
   return out
 
 
+def _group_placed(lay: ShampooLayout, stats: Any, root_segments: Any, xp=np
+                  ) -> tuple[Any, Any]:
+  """`placed_arrays` from each device's segments `[P, L]` of statistics and
+  of roots."""
+  m = lay.group_size
+  groups = [root_segments[g * m:g * m + m].reshape(-1) for g in range(lay.num_groups)]
+  if lay.roots_replicated:
+    return stats.reshape(-1), groups[0]
+  return stats.reshape(-1), xp.concatenate([groups[i // m] for i in range(lay.num_devices)])
+
+
 def placed_arrays(lay: ShampooLayout, statistics: Sequence[Any], roots: Sequence[Any]
                   ) -> tuple[np.ndarray, np.ndarray]:
   """The global `(statistics [P·L], roots)` of a layout from per-bucket
   matrices (`[n, d, d]` each, host arrays): device `i` holds its own
   statistics and its group's roots (each member's segment, in member order);
   the roots are `[m·L]` with one group (stored once), `[P·m·L]` with several."""
-  m = lay.group_size
-  stats, root_segments = _device_segments(lay, statistics), _device_segments(lay, roots)
-  groups = [root_segments[g * m:g * m + m].reshape(-1) for g in range(lay.num_groups)]
-  if lay.roots_replicated:
-    return stats.reshape(-1), groups[0]
-  return stats.reshape(-1), np.concatenate([groups[i // m] for i in range(lay.num_devices)])
+  return _group_placed(lay, _device_segments(lay, statistics), _device_segments(lay, roots))
+
+
+def _identity_segments(lay: ShampooLayout) -> jax.Array:
+  """Traced `[P, L]`: the identity of its bucket's `d` in every block's
+  place, zeros elsewhere, built from runs of adjacent equal blocks (`tile`),
+  never as a host array (`jax.eval_shape` or `jax.jit` of a 13e9-parameter
+  model's init: tens of GB)."""
+  found = [[] for _ in range(lay.num_devices)]
+  for j, (d, _) in enumerate(lay.buckets):
+    for device, offset in lay.places[j]:
+      found[device].append((offset, d))
+  rows = []
+  for mine in found:
+    runs = []                                   # [offset, d, count]
+    for offset, d in sorted(mine):
+      if runs and runs[-1][1] == d and runs[-1][0] + runs[-1][2] * d * d == offset:
+        runs[-1][2] += 1
+      else:
+        runs.append([offset, d, 1])
+    pieces, at = [], 0
+    for offset, d, count in runs:
+      if offset > at:
+        pieces.append(jnp.zeros(offset - at, jnp.float32))
+      pieces.append(jnp.tile(jnp.eye(d, dtype=jnp.float32).reshape(-1), count))
+      at = offset + count * d * d
+    rows.append(collectives_lib.pad_to(pieces, lay.segment, jnp.float32))
+  return jnp.stack(rows)
 
 
 def bucket_arrays(state: ScaleByShampooState) -> tuple[tuple[np.ndarray, ...],
@@ -124,9 +158,12 @@ def initial_state(lay: ShampooLayout, epsilon: float, dtype: Any, graft_shapes: 
   (`graft_shapes`: (shape, dtype) of each; empty without accumulators).
   `xp`: numpy for host arrays (one transfer per array), or jax.numpy when
   traced."""
-  eyes = [np.broadcast_to(np.eye(d, dtype=np.float32), (n, d, d))
-          for (d, _), n in zip(lay.buckets, lay.sizes)]
-  stats, roots = placed_arrays(lay, eyes, eyes)
+  if xp is np:
+    eyes = _device_segments(lay, [np.broadcast_to(np.eye(d, dtype=np.float32), (n, d, d))
+                                  for (d, _), n in zip(lay.buckets, lay.sizes)])
+  else:
+    eyes = _identity_segments(lay)
+  stats, roots = _group_placed(lay, eyes, eyes, xp)
   stats = ((epsilon * xp.asarray(stats, dtype)).astype(dtype),)
   roots = (xp.asarray(roots, dtype),)
   graft = tuple(xp.zeros(shape, g_dtype) for shape, g_dtype in graft_shapes)
