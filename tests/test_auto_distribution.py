@@ -127,7 +127,7 @@ def test_state_past_int32_offsets_is_refused_and_auto_leaves_it_out(monkeypatch)
   the cheapest of the others (the exhaustive search's; on ResNet-50's shapes
   not the cheapest of all, MEM-OPT's wider segments), and with every strategy
   past it, auto raises the same error."""
-  from kfac_jax_dist.core import collectives  # pylint: disable=import-outside-toplevel
+  from kfac_jax_dist.core import offsets  # pylint: disable=import-outside-toplevel
   layers, _, params = layout_balance.discover("resnet50")
   mesh = mesh8()
   widest = {}
@@ -142,7 +142,7 @@ def test_state_past_int32_offsets_is_refused_and_auto_leaves_it_out(monkeypatch)
   everything = exhaustive(layers, params, mesh)
   rows = [r for r in everything if widest[r[3:]] <= limit]
   assert 0 < len(rows) < 16 and rows[0] != everything[0]   # the cheapest is left out
-  monkeypatch.setattr(collectives, "INT32_MAX", limit)
+  monkeypatch.setattr(offsets, "INT32_MAX", limit)
   m, fr, gr = max(widest, key=widest.get)
   with pytest.raises(ValueError, match=r"second-order state .* holds .* int32 offsets reach .*grad_worker_fraction"):
     kd.scale_by_kfac(layers=layers, distribution=kd.Distribution(
@@ -151,7 +151,7 @@ def test_state_past_int32_offsets_is_refused_and_auto_leaves_it_out(monkeypatch)
   dist = kd.Distribution.auto(mesh, "data", layers, factor_update_every=FE,
                               inverse_update_every=IE)
   assert (dist.group_size, dist.factor_reduction, dist.gradient_reduction) == rows[0][3:]
-  monkeypatch.setattr(collectives, "INT32_MAX", min(widest.values()) - 1)
+  monkeypatch.setattr(offsets, "INT32_MAX", min(widest.values()) - 1)
   with pytest.raises(ValueError, match=r"One device's .* numbers, more than int32"):
     kd.Distribution.auto(mesh, "data", layers)
 

@@ -721,14 +721,14 @@ def test_statistics_past_int32_offsets_are_refused(monkeypatch):
   """One device's statistics segment `[L]` is written at int32 offsets: as if
   int32 ended just short of it, init raises naming what to change (on one
   device and on eight, where each device holds 1/8 and passes)."""
-  from kfac_jax_dist.core import collectives  # pylint: disable=import-outside-toplevel
+  from kfac_jax_dist.core import offsets  # pylint: disable=import-outside-toplevel
   params = _params(SMALL, np.float32)
   one = kd.scale_by_shampoo(block_size=4)
   eight = kd.scale_by_shampoo(block_size=4, distribution=kd.Distribution(
       _mesh(), grad_worker_fraction=1 / 8))
   segment = one.init(params).layout.segment
   assert eight.init(params).layout.segment < segment
-  monkeypatch.setattr(collectives, "INT32_MAX", segment - 1)
+  monkeypatch.setattr(offsets, "INT32_MAX", segment - 1)
   with pytest.raises(ValueError, match=r"Shampoo statistics hold .* more than int32 "
                      r"offsets reach .* on 1 device.*max_preconditioner_dim"):
     one.init(params)

@@ -232,3 +232,17 @@ def test_describe_names_the_schemes():
       {k: v for k, v in params.items() if k in {f"l{i}" for i in range(3, 11)}}),
       print_table=False)
   assert "uneven collectives: eigenbasis broadcast prefix" in text, text
+
+
+def test_index_tables_past_int32_raise_instead_of_wrapping():
+  """numpy's int64 → int32 cast wraps silently (3e9 → -1294967296, an offset
+  XLA would clamp to another place); the per-device tables raise instead."""
+  from kfac_jax_dist.core import offsets  # pylint: disable=import-outside-toplevel
+  bases = np.cumsum([0, 2_000_000_000, 1_000_000_000])        # int64, past int32
+  assert np.asarray(bases, np.int32)[2] < 0                   # what numpy does
+  for table in (offsets.int32_table, lambda v: uneven._table(v, 0),  # pylint: disable=protected-access
+                lambda v: collectives.Collectives(None).device_table(v)):
+    with pytest.raises(ValueError, match="past the int32"):
+      table(bases)
+  np.testing.assert_array_equal(offsets.int32_table(bases[:2]), [0, 2_000_000_000])
+  assert offsets.int32_table([-5, 7]).dtype == np.int32

@@ -11,28 +11,15 @@ a `lax.switch` per device, since devices own different work). Without a
 from __future__ import annotations
 
 import functools
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 
 from kfac_jax_dist import _compat
+from kfac_jax_dist.core import offsets
 from kfac_jax_dist.core import uneven
 from kfac_jax_dist.core.distribution import Distribution
-
-
-INT32_MAX = 2 ** 31 - 1
-
-
-def check_int32_offsets(sizes: Mapping[str, int], advice: str) -> None:
-  """Raises a `ValueError` naming the first of one device's flat state arrays
-  (`sizes`: words → numbers) past 2³¹ numbers, with `advice`. Their offsets
-  (`pad_to`'s writes, the dynamic reads) are int32, JAX's index type: past it
-  an offset wraps and XLA reads or writes another place, silently."""
-  for what, size in sizes.items():
-    if size > INT32_MAX:
-      raise ValueError(f"One device's {what} {size:,} numbers, more than int32 offsets "
-                       f"reach (2^31 - 1): {advice}")
 
 
 def pad_to(pieces: list[jax.Array], length: int, dtype, xp=jnp) -> jax.Array:
@@ -96,8 +83,8 @@ class Collectives:
           "axis, with in_specs/out_specs from kd.partition_specs(opt_state).") from e
 
   def device_table(self, values: Sequence[int]) -> jax.Array:
-    """`values[d]` of the device running this code (int32: small values only)."""
-    return jnp.asarray(values, jnp.int32)[self.device_index()]
+    """`values[d]` of the device running this code (int32, checked)."""
+    return jnp.asarray(offsets.int32_table(values))[self.device_index()]
 
   def range_at(self, full: jax.Array, starts: Sequence[int], size: int) -> jax.Array:
     """`full[s:s + size]`, `s = starts[d]` of the running device d, in a branch

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kfac_jax_dist import _compat
+from kfac_jax_dist.core import offsets
 
 # The cost model's latency: what one collective costs beyond its bytes,
 # counted in the float32 numbers a link sends meanwhile (latency × bandwidth
@@ -343,7 +344,7 @@ def measure_latency(mesh: jax.sharding.Mesh, axis: str = "data",
 
 def _table(values, me) -> jax.Array:
   """`values[me]` for the traced device index `me`."""
-  return jnp.asarray(np.asarray(values, np.int32))[me]
+  return jnp.asarray(offsets.int32_table(values))[me]
 
 
 def _add_at(x: jax.Array, piece: jax.Array, start, used) -> jax.Array:

@@ -24,6 +24,7 @@ import numpy as np
 from kfac_jax_dist import _compat
 from kfac_jax_dist.capture import statistics
 from kfac_jax_dist.core import collectives as collectives_lib
+from kfac_jax_dist.core import offsets
 from kfac_jax_dist.kfac import layout as layout_lib
 from kfac_jax_dist.kfac import linalg
 from kfac_jax_dist.kfac import packing
@@ -41,7 +42,7 @@ def _slot_ids(at: jax.Array, runs: Runs, slots: int) -> jax.Array:
   `count` slots of `size` numbers from `start`, numbered from `first slot`);
   positions outside every run get the extra slot `slots`. One fused
   comparison with every run (`[len(at), runs]`, never materialised)."""
-  start, count, size, first = (np.asarray([r[i] for r in runs], np.int32)
+  start, count, size, first = (offsets.int32_table([r[i] for r in runs])
                                for i in range(4))
   at = at[:, None]
   inside = (at >= start) & (at < start + count * size)

@@ -67,7 +67,7 @@ from typing import NamedTuple, Sequence
 
 from kfac_jax_dist.capture import registry
 from kfac_jax_dist.capture import statistics as factors
-from kfac_jax_dist.core import collectives
+from kfac_jax_dist.core import offsets
 from kfac_jax_dist.core import owners
 
 
@@ -560,12 +560,12 @@ def flat_sizes(lay: Layout) -> dict[str, int]:
 
 
 def addressable(lay: Layout) -> bool:
-  return max(flat_sizes(lay).values()) <= collectives.INT32_MAX
+  return max(flat_sizes(lay).values()) <= offsets.INT32_MAX
 
 
 def check_addressable(lay: Layout) -> None:
-  """`collectives.check_int32_offsets` of `flat_sizes`, with what to change."""
-  collectives.check_int32_offsets(flat_sizes(lay), (
+  """`offsets.check_sizes` of `flat_sizes`, with what to change."""
+  offsets.check_sizes(flat_sizes(lay), (
       f"on {lay.num_devices} device(s) in {lay.num_groups} owner group(s), spread them "
       "over more devices (more devices, or a smaller grad_worker_fraction), keep the "
       "largest factors diagonal (max_factor_dim=) or leave their layers out (skip=)."))

@@ -18,6 +18,7 @@ from jax import lax
 from kfac_jax_dist import _compat
 from kfac_jax_dist.capture import statistics as factors
 from kfac_jax_dist.core import collectives
+from kfac_jax_dist.core import offsets
 from kfac_jax_dist.kfac import layout as layout_lib
 
 
@@ -119,7 +120,7 @@ def owned_factors(lay: layout_lib.Layout, device: int, value_of, dtype,
           for place, plan, which in lay.stored(device)]
 
 
-_INT32_MAX = collectives.INT32_MAX     # past it, the buffer is written by rows
+_INT32_MAX = offsets.INT32_MAX         # past it, the buffer is written by rows
 
 
 def _write_across_rows(out: jax.Array, at: int, piece: jax.Array) -> jax.Array:

@@ -55,6 +55,7 @@ from kfac_jax_dist.core import cadence
 from kfac_jax_dist.core import collectives as collectives_lib
 from kfac_jax_dist.core import distribution as distribution_lib
 from kfac_jax_dist.core import faults
+from kfac_jax_dist.core import offsets
 from kfac_jax_dist.core import placement
 from kfac_jax_dist.core import tensor_parallel
 from kfac_jax_dist.shampoo import blocks
@@ -80,7 +81,7 @@ def init_state(config: ShampooConfig, comm: collectives_lib.Collectives, params:
   lay = blocks.shard_layout(lay, comm.num_devices, comm.group_size,
                             None if config.distribution is None else config.distribution.axis)
   placement.check_skip_patterns(config.skip, paths, paths, "parameter")
-  collectives_lib.check_int32_offsets({"Shampoo statistics hold": lay.segment}, (
+  offsets.check_sizes({"Shampoo statistics hold": lay.segment}, (
       f"on {lay.num_devices} device(s), spread them over more devices, or precondition "
       "fewer axes (max_preconditioner_dim=, skip=)."))
   dtype = config.statistics_dtype
