@@ -171,3 +171,38 @@ def test_replication_stays_within_the_compile_budget():
   assert copies(layout._build(layers, paths, num_devices=64, max_parts=parts + 1)) > budget
   assert copies(layout.build(layers, paths, num_devices=64, replicate_layers=False,
                              replicate_factors=False)) == single
+
+
+def _brute_force_lpt(items, bins, cost, size):
+  """The whole-item rule of `owners.assign`, item by item over every bin:
+  largest relative cost or size first, each to the bin whose
+  `(max(cost + c, size + z), cost + c, bin)` is least."""
+  costs, sizes = [cost(x) for x in items], [size(x) for x in items]
+  ideal_cost = max([sum(costs) / bins] + costs) or 1.0
+  ideal_size = sum(sizes) / bins or 1.0
+  loads, out = [[0.0, 0.0] for _ in range(bins)], [[] for _ in range(bins)]
+  for i in sorted(range(len(items)),
+                  key=lambda i: -max(costs[i] / ideal_cost, sizes[i] / ideal_size)):
+    c, z = costs[i] / ideal_cost, sizes[i] / ideal_size
+    b = min(range(bins), key=lambda j: (max(loads[j][0] + c, loads[j][1] + z),
+                                        loads[j][0] + c, j))
+    loads[b][0] += c
+    loads[b][1] += z
+    out[b].append(items[i])
+  return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_owner_assignment_of_many_equal_items_is_the_brute_force_rule(seed):
+  """Runs of equal items (Shampoo's blocks: a million on a 13e9-parameter
+  model) are placed from a heap of the bins' keys; the bins are those of the
+  rule applied item by item over every bin."""
+  from kfac_jax_dist.core import owners  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(seed)
+  dims = rng.choice([4, 8, 8, 8, 16, 5], size=int(rng.integers(1, 400)))
+  items = list(enumerate(dims.tolist()))
+  bins = int(rng.choice([1, 3, 8, 64]))
+  cost, size = (lambda t: float(t[1]) ** 3), (lambda t: float(t[1]) ** 2)
+  got = owners.assign(items, bins, cost, size)
+  assert [sorted(b) for b in got] == [sorted(b) for b in _brute_force_lpt(items, bins,
+                                                                        cost, size)]

@@ -10,6 +10,7 @@ stores (`d²`). `assign` is that assignment; K-FAC's `layout` and Shampoo's
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from typing import Any, Callable, Sequence
@@ -59,6 +60,20 @@ def assign(items: Sequence, bins: int, cost: Callable[[Any], float],
   return whole
 
 
+def _place_run(run: Sequence[int], c: float, z: float, loads: list[list[float]],
+               put: Callable[[int, int, None], None]) -> None:
+  """Each of `run` (equal items, relative cost `c` and size `z`, none held
+  yet) whole to the bin whose key `(max(cost + c, size + z), cost + c, bin)`
+  is least, as `min` over the bins would choose, from a heap of those keys:
+  `O(log bins)` per item instead of `O(bins)`."""
+  heap = [(max(cost + c, size + z), cost + c, j) for j, (cost, size) in enumerate(loads)]
+  heapq.heapify(heap)
+  for i in run:
+    b = heapq.heappop(heap)[2]
+    put(b, i, None)
+    heapq.heappush(heap, (max(loads[b][0] + c, loads[b][1] + z), loads[b][0] + c, b))
+
+
 def _assign(items, bins, cost, size, units, level, max_parts=None):
   costs, sizes = [cost(x) for x in items], [size(x) for x in items]
   counts = [units(x) for x in items]
@@ -78,16 +93,26 @@ def _assign(items, bins, cost, size, units, level, max_parts=None):
     else:
       del held[b][i]
 
+  def parts_of(i: int) -> int:
+    z, n = sizes[i] / ideal_size, counts[i]
+    return min(bins, max_parts, n, math.ceil(z - 1e-9)) if n and z > 1 else 1
+
+  def kind(i: int) -> tuple:
+    return costs[i], sizes[i], counts[i], parts_of(i)
+
   order = sorted(range(len(items)),
                  key=lambda i: -max(costs[i] / ideal_cost, sizes[i] / ideal_size))
-  for i in order:
-    c, z, n = costs[i] / ideal_cost, sizes[i] / ideal_size, counts[i]
-    parts = min(bins, max_parts, n, math.ceil(z - 1e-9)) if n and z > 1 else 1
-    for rng in (_split(n, parts) if parts > 1 else [None]):
-      zk = z if rng is None else z * (rng[1] - rng[0]) / n
-      b = min((j for j in range(bins) if i not in held[j]),
-              key=lambda j: (max(loads[j][0] + c, loads[j][1] + zk), loads[j][0] + c, j))
-      put(b, i, rng)
+  for (cost_i, size_i, n, parts), run in itertools.groupby(order, key=kind):
+    c, z = cost_i / ideal_cost, size_i / ideal_size
+    if parts == 1:          # equal whole items (Shampoo: 1e6 blocks): one heap
+      _place_run(list(run), c, z, loads, put)
+      continue
+    for i in run:
+      for rng in _split(n, parts):
+        zk = z * (rng[1] - rng[0]) / n
+        b = min((j for j in range(bins) if i not in held[j]),
+                key=lambda j: (max(loads[j][0] + c, loads[j][1] + zk), loads[j][0] + c, j))
+        put(b, i, rng)
 
   worst = max(load[0] for load in loads)
   for _ in range(4 * bins + len(items)):
