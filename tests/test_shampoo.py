@@ -562,20 +562,30 @@ def _sharded_steps(tx, state, mesh, local_grads, reduction):
   return out
 
 
-@pytest.mark.parametrize("fraction,reduction,graft_type,grafting,rechunk", [
-    (1 / 8, "none", "adagrad", "block", False),         # MEM-OPT
-    (1 / 4, "all_reduce", "adagrad", "layer", False),   # HYBRID, 2 devices per group
-    (1 / 2, "none", "adam", "block", False),            # HYBRID, 4 devices per group
-    (1 / 8, "reduce_scatter", "sgd", "layer", False),   # SP-NGD style, MEM-OPT
-    (1 / 4, "reduce_scatter", "sgd", "block", False),
-    (1 / 8, "reduce_scatter", "sgd", "block", True),    # uneven collectives rechunked
-])
+# a parameter of 60 blocks: each group's blocks of it are many, dealt round-robin
+MANY_BLOCKS = dict(SHARDED_SHAPES, m=(40, 24))
+
+
+@pytest.mark.parametrize("fraction,reduction,graft_type,grafting,rechunk,shapes", [
+    (1 / 8, "none", "adagrad", "block", False, SHARDED_SHAPES),         # MEM-OPT
+    (1 / 4, "all_reduce", "adagrad", "layer", False, SHARDED_SHAPES),   # HYBRID, m = 2
+    (1 / 2, "none", "adam", "block", False, SHARDED_SHAPES),            # HYBRID, m = 4
+    (1 / 8, "reduce_scatter", "sgd", "layer", False, SHARDED_SHAPES),   # SP-NGD, MEM-OPT
+    (1 / 4, "reduce_scatter", "sgd", "block", False, SHARDED_SHAPES),
+    (1 / 8, "reduce_scatter", "sgd", "block", True, SHARDED_SHAPES),    # rechunked
+    (1 / 8, "none", "adagrad", "layer", False, MANY_BLOCKS),
+    (1 / 4, "reduce_scatter", "sgd", "block", False, MANY_BLOCKS),
+], ids=["mem", "hybrid2", "hybrid4", "spngd-mem", "spngd-hybrid", "rechunk",
+        "mem-many-blocks", "spngd-many-blocks"])
 def test_sharded_shampoo_equals_single_device(fraction, reduction, graft_type, grafting,
-                                              rechunk, x64, monkeypatch):
+                                              rechunk, shapes, x64, monkeypatch):
   """Owner groups hold, update and apply only their blocks' statistics and
   roots: the same updates and (gathered) state as one device, step by step.
   `rechunk`: every uneven gather / reduce-scatter takes `uneven`'s rechunk
-  scheme (tight chunks and ppermute forwarding)."""
+  scheme (tight chunks and ppermute forwarding). `MANY_BLOCKS`: a group's
+  blocks of a region are more runs than `blocks.TAKE_SLICES` (read by one
+  gather) and come back interleaved with other groups' (one gather into
+  block order)."""
   if rechunk:
     monkeypatch.setattr(uneven, "plan", uneven.rechunk)
   mesh = _mesh()
@@ -583,9 +593,13 @@ def test_sharded_shampoo_equals_single_device(fraction, reduction, graft_type, g
   single = kd.scale_by_shampoo(**options)
   dist = kd.Distribution(mesh, grad_worker_fraction=fraction, gradient_reduction=reduction)
   tx = kd.scale_by_shampoo(distribution=dist, **options)
-  params = _params(SHARDED_SHAPES)
+  params = _params(shapes)
   state = tx.init(params)
   lay = state.layout
+  if shapes is MANY_BLOCKS:
+    most = max(len(shampoo_blocks.runs([b for b, g in enumerate(gs) if g == group], 1))
+               for gs in (r for q in lay.block_groups for r in q) for group in set(gs))
+    assert most > shampoo_blocks.TAKE_SLICES
   assert not lay.roots_replicated and lay.num_groups == round(1 / fraction)
   # every group owns blocks, and each block's statistics stay within its group
   owners = {g for q in lay.block_groups for r in q for g in r}
@@ -597,13 +611,13 @@ def test_sharded_shampoo_equals_single_device(fraction, reduction, graft_type, g
           device = lay.places[region.buckets[a]][region.slots[a] + b][0]
           assert device // lay.group_size == g
   rng = np.random.default_rng(7)
-  local = [{k: jnp.asarray(rng.normal(size=(8,) + s)) for k, s in SHARDED_SHAPES.items()}
+  local = [{k: jnp.asarray(rng.normal(size=(8,) + s)) for k, s in shapes.items()}
            for _ in range(7)]
   runs = _sharded_steps(tx, state, mesh, local, reduction)
   one, update = single.init(params), jax.jit(single.update)
   for step, (g, (got, got_state)) in enumerate(zip(local, runs)):
     want, one = update(jax.tree.map(lambda x: x.mean(0), g), one)
-    for name in SHARDED_SHAPES:
+    for name in shapes:
       np.testing.assert_allclose(got[name], want[name], rtol=1e-9, atol=1e-12,
                                  err_msg=f"step {step}, {name}")
     for a, b in zip(jax.tree.leaves(shampoo_state.bucket_arrays(got_state)),

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kfac_jax_dist.core import offsets
 from kfac_jax_dist.core import owners
 
 _HI = lax.Precision.HIGHEST
@@ -310,9 +311,19 @@ def runs(positions: Sequence[int], step: int) -> list[tuple[int, int]]:
   return out
 
 
+TAKE_SLICES = 4     # more runs than this: one gather, not a slice per run
+
+
 def take(x: jax.Array, index: Sequence[int]) -> jax.Array:
-  """`x[index]` for a static increasing `index`, by slices of its runs."""
-  parts = [lax.slice_in_dim(x, start, start + n) for start, n in runs(index, 1)]
+  """`x[index]` for a static increasing `index`: slices of its runs, or past
+  `TAKE_SLICES` runs one gather (owners deal equal blocks round-robin, so a
+  device's blocks of a region are often every P-th: a slice per block was
+  most of a large model's program, 51840 slices of one LLaMA-13B layer)."""
+  spans = runs(index, 1)
+  if len(spans) > TAKE_SLICES:
+    return x.at[offsets.int32_table(index)].get(
+        mode="promise_in_bounds", indices_are_sorted=True, unique_indices=True)
+  parts = [lax.slice_in_dim(x, start, start + n) for start, n in spans]
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
