@@ -147,9 +147,8 @@ class Collectives:
     chunks), or its own local ones ("local", DP-KFAC; its owner segment)."""
     if not self.active:
       return segments
-    if self.dist.factor_reduction == "local":     # (row, column): no offset past int32
-      return jax.lax.dynamic_index_in_dim(segments.reshape(-1, length),
-                                          self.device_index(), keepdims=False)
+    if self.dist.factor_reduction == "local":
+      return offsets.segment_at(segments, length, self.device_index())
     summed = jax.lax.psum_scatter(self._traffic(segments), self.dist.axis,
                                   scatter_dimension=0, tiled=True)
     return summed.astype(segments.dtype) / self.num_devices

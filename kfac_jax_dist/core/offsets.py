@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
+import jax
 import numpy as np
 
 INT32_MAX = 2 ** 31 - 1
@@ -37,3 +38,10 @@ def int32_table(values: Sequence[int] | np.ndarray) -> np.ndarray:
                      "offsets JAX indexes with: a per-device segment or buffer is too "
                      "long (spread the state over more devices).")
   return wide.astype(np.int32)
+
+
+def segment_at(flat: jax.Array, length: int, index: jax.Array) -> jax.Array:
+  """`flat[index·length : (index + 1)·length]` for a traced `index`, read as
+  (row, column) of `flat` viewed `[-1, length]`: the flat offset would pass
+  int32 on arrays over many devices (GPT-2-XL's: 2.6e9 numbers)."""
+  return jax.lax.dynamic_index_in_dim(flat.reshape(-1, length), index, keepdims=False)

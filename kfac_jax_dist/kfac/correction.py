@@ -46,6 +46,7 @@ import jax.numpy as jnp
 
 from kfac_jax_dist.capture import statistics
 from kfac_jax_dist.core import collectives as collectives_lib
+from kfac_jax_dist.core import offsets
 from kfac_jax_dist.kfac import layout as layout_lib
 from kfac_jax_dist.kfac import packing
 from kfac_jax_dist.kfac.config import KfacConfig
@@ -102,9 +103,8 @@ def gather_owners(comm: collectives_lib.Collectives, lay: layout_lib.Layout,
   broadcasts); None with one group."""
   if lay.num_groups == 1:
     return None
-  rows = second.reshape(lay.group_size, lay.second_segment)   # (device, column):
-  own = jax.lax.dynamic_index_in_dim(                          # m·L₂ may pass int32
-      rows, comm.device_index() % lay.group_size, keepdims=False)
+  own = offsets.segment_at(second, lay.second_segment,    # m·L₂ may pass int32
+                           comm.device_index() % lay.group_size)
   return comm.all_gather_owned(own)
 
 

@@ -255,7 +255,7 @@ def decompose(config: KfacConfig, comm: collectives_lib.Collectives,
       start = (device % m) * size
       return second[start:start + size]
     row = comm.device_table(tuple(d % m for d in range(layout.num_devices)))
-    return lax.dynamic_index_in_dim(second.reshape(m, size), row, keepdims=False)
+    return offsets.segment_at(second, size, row)
 
   owned_of = owned_factors(comm, layout, running)
   if config.method == "eigen":
