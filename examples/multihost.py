@@ -181,12 +181,11 @@ def train(mesh, grad_worker_fraction: float, *, steps: int = 4, batch_size: int 
   on_mesh = lambda spec: NamedSharding(mesh, spec)
   params = jax.device_put(host_params, on_mesh(P()))
   # The optimizer state is created directly on the mesh, each process
-  # computing only its own pieces: `jit` with the state's partition specs as
-  # out_shardings. (`kd.shard_state(tx.init(params), mesh)` gives the same
-  # arrays, but builds the whole global state on every host first.)
-  specs = kd.partition_specs(jax.eval_shape(tx.init, params))
-  state = jax.jit(tx.init, out_shardings=jax.tree_util.tree_map(
-      on_mesh, specs, is_leaf=lambda x: isinstance(x, P)))(params)
+  # computing only its own pieces (`jit` with the state's partition specs as
+  # out_shardings). `kd.shard_state(tx.init(params), mesh)` gives the same
+  # arrays, but builds the whole global state on every host first.
+  state = kd.init_sharded(tx.init, params, mesh)
+  specs = kd.partition_specs(state)
 
   def step(params, state, x, y):
     loss, grads, stats = grad_fn(params, x, y, opt_state=state)   # this device's batch

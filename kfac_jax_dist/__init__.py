@@ -18,6 +18,7 @@ from kfac_jax_dist.core.distribution import Distribution
 from kfac_jax_dist.kfac import cost as _cost  # registers Distribution.auto
 from kfac_jax_dist.core.faults import skip_faulty_steps
 from kfac_jax_dist.core.specs import partition_specs
+from kfac_jax_dist.core.specs import init_sharded
 from kfac_jax_dist.core.specs import shard_state
 from kfac_jax_dist.kfac.state import find_states
 from kfac_jax_dist.kfac.state import running_factors
@@ -45,7 +46,7 @@ __all__ = [
     "ScaleBySoapState", "scale_by_soap", "soap",
     "checkpoint", "checkpoint_metadata", "convert_state", "restore_checkpoint",
     "save_checkpoint", "second_order_parts", "skip_faulty_steps",
-    "describe", "find_states", "kfac", "linen", "losses", "model_shard", "ModelShardedState", "nnx",
+    "describe", "find_states", "init_sharded", "kfac", "linen", "losses", "model_shard", "ModelShardedState", "nnx",
     "partition_specs", "running_factors", "scale_by_kfac", "shard_state", "tags",
     "tensor_parallel", "value_and_grad",
 ]

@@ -725,10 +725,11 @@ def test_traced_init_equals_the_host_init(fraction):
     assert a.shape == b.shape and a.dtype == b.dtype
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert jax.tree.structure(jax.eval_shape(tx.init, params)) == jax.tree.structure(host)
-  # no array of the state's numbers in the program (scalars only: a host-built
-  # state there is a 1.8-2.6 thousand-character constant here)
+  # no array of the state's numbers in the program, only the tables of the
+  # runs of blocks (`core.initial`, 14 runs here: at most 51 characters); a
+  # host-built state there is a 1.8-2.6 thousand-character constant
   text = jax.jit(tx.init).lower(params).as_text()
-  assert max(map(len, re.findall(r"stablehlo.constant dense<([^>]*)>", text))) < 40
+  assert max(map(len, re.findall(r"stablehlo.constant dense<([^>]*)>", text))) < 120
 
 
 def test_statistics_past_int32_offsets_are_refused(monkeypatch):

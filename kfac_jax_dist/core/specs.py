@@ -9,7 +9,7 @@ the parameters' specs when it is shaped like them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
@@ -60,3 +60,17 @@ def shard_state(opt_state: Any, mesh: jax.sharding.Mesh) -> Any:
   return jax.tree_util.tree_map(
       lambda s, x: jax.device_put(x, jax.sharding.NamedSharding(mesh, s)), specs,
       opt_state)
+
+
+def init_sharded(init_fn: Callable[[Any], Any], params: Any, mesh: jax.sharding.Mesh) -> Any:
+  """`init_fn(params)` (e.g. `tx.init`) built on `mesh`, each leaf with the
+  spec of `partition_specs`: one program (`jax.jit` with those
+  `out_shardings`) in which each device builds its own shard (K-FAC's and
+  Shampoo's identities elementwise, `core.initial`). No host holds the
+  global state, as `shard_state(tx.init(params), mesh)` does; with several
+  processes each builds only its devices' shards."""
+  shapes = jax.eval_shape(init_fn, params)
+  shardings = jax.tree_util.tree_map(
+      lambda s: jax.sharding.NamedSharding(mesh, s), partition_specs(shapes),
+      is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  return jax.jit(init_fn, out_shardings=shardings)(params)

@@ -10,6 +10,8 @@ arrays: an eager `tx.init` builds its state there and transfers it once).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,7 @@ from jax import lax
 from kfac_jax_dist import _compat
 from kfac_jax_dist.capture import statistics as factors
 from kfac_jax_dist.core import collectives
+from kfac_jax_dist.core import initial
 from kfac_jax_dist.core import offsets
 from kfac_jax_dist.kfac import layout as layout_lib
 
@@ -200,6 +203,56 @@ def second_order_segment(lay: layout_lib.Layout, device: int, dtype, xp=jnp
     elif batch.vector_offset is not None:
       pieces.append(xp.ones(batch.count * (hi - lo), dtype))
   return collectives.pad_to(pieces, lay.second_segment, dtype, xp)
+
+
+def _identity_piece(place: layout_lib.FactorPlace, packed: bool) -> tuple:
+  """The stored identity of `place` as an `initial` piece."""
+  if place.form == factors.DIAG:
+    return initial.ones(place.dim)
+  if place.form == factors.UNIT:
+    return initial.packed_eye(2, place.dim)         # rows (1, 0, 1)
+  return initial.packed_eye(place.dim, 1) if packed else initial.eye(place.dim, 1)
+
+
+def initial_factors(lay: layout_lib.Layout, dtype) -> jax.Array:
+  """Traced `all_segments` of the identity factors, `[P · factor_shard]`,
+  built elementwise (`core.initial`: each device's shard alone under
+  `jax.jit(..., out_shardings=...)`)."""
+  width, runs, at = lay.factor_shard, [], 0
+  for device in range(lay.num_devices):
+    if lay.factor_storage == layout_lib.OWNER:
+      at = device * lay.segment
+    pieces = [_identity_piece(place, lay.packed) for place, _, _ in lay.stored(device)]
+    runs += initial.lay_out(pieces, at, width)
+    at += sum(length for _, length in pieces)
+  return initial.build(runs, lay.num_devices, width, dtype, rows_per_device=1).reshape(-1)
+
+
+def _second_order_pieces(lay: layout_lib.Layout, owner: int) -> list[tuple]:
+  """`second_order_segment(lay, owner)` as `initial` pieces."""
+  pieces = []
+  for batch in lay.batches[owner]:
+    lo, hi = batch.columns or (0, batch.dim)
+    if batch.matrix_offset is not None:
+      pieces.append(initial.eye(batch.dim, batch.count, batch.columns))
+    if batch.form == factors.UNIT:
+      pieces.append(initial.packed_eye(2, batch.count * batch.dim))
+    elif batch.vector_offset is not None:
+      pieces.append(initial.ones(batch.count * (hi - lo)))
+  return pieces
+
+
+def initial_second_order(lay: layout_lib.Layout, owners: list[int], dtype,
+                         per_device: int | None) -> jax.Array:
+  """Traced: the `second_order_segment`s of `owners`, one after the other,
+  `[len(owners) · L₂]`, built elementwise (`core.initial`; `per_device`:
+  segments per device once sharded, None when replicated)."""
+  length, mine = lay.second_segment, {}
+  for owner in set(owners):
+    mine[owner] = initial.lay_out(_second_order_pieces(lay, owner), 0, length)
+  runs = [dataclasses.replace(run, row=row) for row, owner in enumerate(owners)
+          for run in mine[owner]]
+  return initial.build(runs, len(owners), length, dtype, per_device).reshape(-1)
 
 
 def width(place) -> int:

@@ -101,16 +101,21 @@ def find_states(tree: Any) -> list[ScaleByKfacState]:
   return states.find_states(tree, ScaleByKfacState)
 
 
+def second_order_owners(lay: layout_lib.Layout) -> list[int]:
+  """The owner of each `[L₂]` segment of the global second-order array, in
+  order: every owner once (one owner group: `[P·L₂]`, replicated), or device
+  after device its group's `m` owners (`[P·m·L₂]`, sharded)."""
+  if lay.num_groups == 1:
+    return list(range(lay.num_devices))
+  m = lay.group_size
+  return [j for i in range(lay.num_devices) for j in range(i // m * m, i // m * m + m)]
+
+
 def global_second_order(lay: layout_lib.Layout, segments: Sequence[jax.Array],
                         xp=jnp) -> jax.Array:
-  """The global second-order array from each owner's `[L₂]` segment: `[P·L₂]`
-  (replicated, one owner group), or device after device its group's `m`
-  segments, `[P·m·L₂]` (sharded)."""
-  if lay.num_groups == 1:
-    return xp.concatenate(segments)
-  m = lay.group_size
-  return xp.concatenate([segments[j] for i in range(lay.num_devices)
-                         for j in range(i // m * m, i // m * m + m)])
+  """The global second-order array from each owner's `[L₂]` segment
+  (`second_order_owners`)."""
+  return xp.concatenate([segments[j] for j in second_order_owners(lay)])
 
 
 def second_order_base(lay: layout_lib.Layout, owner: int) -> int:

@@ -58,6 +58,7 @@ from kfac_jax_dist.kfac import correction as correction_lib
 from kfac_jax_dist.kfac import layout as layout_lib
 from kfac_jax_dist.kfac.config import Correction, KfacConfig, Method
 from kfac_jax_dist.kfac.state import ScaleByKfacState, global_second_order
+from kfac_jax_dist.kfac.state import second_order_owners
 
 # ------------------------------------------------------------------------ init
 
@@ -122,31 +123,49 @@ def init_state(config: KfacConfig, comm: collectives_lib.Collectives,
   lay = build_layout(config, comm, layers, list(leaves))
   layout_lib.check_addressable(lay)
   xp = jnp if _compat.traced(params) else np
-  dtype, compute = config.factor_dtype, config.compute_dtype
-  running = packing.all_segments(
-      lay, lambda plan, which: packing.stored_identity(getattr(plan, which), dtype,
-                                                       lay.packed, xp),
-      dtype, xp, stored_values=True)
-  second = global_second_order(
-      lay, [packing.second_order_segment(lay, d, compute, xp)
-            for d in range(lay.num_devices)], xp)
+  running, second = initial_arrays(config, lay, xp)
   state = ScaleByKfacState(
-      count=xp.zeros([], jnp.int32), factor_weight=xp.zeros([], compute),
+      count=xp.zeros([], jnp.int32), factor_weight=xp.zeros([], config.compute_dtype),
       update_factors=xp.asarray(True), factors=running, second_order=second,
       skipped=xp.zeros([], jnp.int32), layout=lay,
       refresh=None if config.stale_threshold is None else stale.init(
-          lay, running, compute, xp),
+          lay, running, config.compute_dtype, xp),
       correction=None if config.eigenvalue_correction is None else initial_correction(
           lay, second, xp))
   return state if xp is jnp else jax.tree_util.tree_map(jnp.asarray, state)
+
+
+def initial_arrays(config: KfacConfig, lay: layout_lib.Layout, xp: Any
+                   ) -> tuple[Any, Any]:
+  """Identity running factors and second-order state (unit eigenvalues).
+  Traced, built elementwise (`packing.initial_factors`): under
+  `jax.jit(tx.init, out_shardings=...)` each device builds its shard alone.
+  On the host, in numpy."""
+  dtype, compute = config.factor_dtype, config.compute_dtype
+  if xp is jnp:
+    return (packing.initial_factors(lay, dtype),
+            packing.initial_second_order(lay, second_order_owners(lay), compute, None
+                                         if lay.num_groups == 1 else lay.group_size))
+  running = packing.all_segments(
+      lay, lambda plan, which: packing.stored_identity(getattr(plan, which), dtype,
+                                                       lay.packed, np),
+      dtype, np, stored_values=True)
+  second = global_second_order(
+      lay, [packing.second_order_segment(lay, d, compute, np)
+            for d in range(lay.num_devices)], np)
+  return running, second
 
 
 def initial_correction(lay: layout_lib.Layout, second: Any, xp: Any
                        ) -> correction_lib.CorrectionState:
   """EK-FAC's scaling at count 0 (`v_A v_Gᵀ` of the identity eigenbases), with
   the owners' segments `[P·L₂]` kept when there are several owner groups."""
-  owners = xp.concatenate([packing.second_order_segment(lay, d, second.dtype, xp)
-                           for d in range(lay.num_devices)])
+  if xp is jnp:
+    owners = packing.initial_second_order(lay, list(range(lay.num_devices)), second.dtype,
+                                          None)
+  else:
+    owners = np.concatenate([packing.second_order_segment(lay, d, second.dtype, np)
+                             for d in range(lay.num_devices)])
   return correction_lib.reset(lay, jnp.asarray(owners),
                               None if lay.num_groups == 1 else jnp.asarray(owners))
 

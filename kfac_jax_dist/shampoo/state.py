@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from kfac_jax_dist.core import collectives as collectives_lib
+from kfac_jax_dist.core import initial
 from kfac_jax_dist.core import states
 from kfac_jax_dist.shampoo.blocks import ShampooLayout
 
@@ -84,15 +84,21 @@ def _device_segments(lay: ShampooLayout, buckets: Sequence[Any]) -> np.ndarray:
   return out
 
 
-def _group_placed(lay: ShampooLayout, stats: Any, root_segments: Any, xp=np
-                  ) -> tuple[Any, Any]:
+def _group_rows(lay: ShampooLayout) -> list[int]:
+  """The device whose segment each `[L]` row of the global roots holds:
+  the group's `m` members once (one group), or device after device its
+  group's members (`placed_arrays`)."""
+  m = lay.group_size
+  if lay.roots_replicated:
+    return list(range(m))
+  return [i // m * m + k for i in range(lay.num_devices) for k in range(m)]
+
+
+def _group_placed(lay: ShampooLayout, stats: np.ndarray, root_segments: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
   """`placed_arrays` from each device's segments `[P, L]` of statistics and
   of roots."""
-  m = lay.group_size
-  groups = [root_segments[g * m:g * m + m].reshape(-1) for g in range(lay.num_groups)]
-  if lay.roots_replicated:
-    return stats.reshape(-1), groups[0]
-  return stats.reshape(-1), xp.concatenate([groups[i // m] for i in range(lay.num_devices)])
+  return stats.reshape(-1), root_segments[_group_rows(lay)].reshape(-1)
 
 
 def placed_arrays(lay: ShampooLayout, statistics: Sequence[Any], roots: Sequence[Any]
@@ -104,31 +110,33 @@ def placed_arrays(lay: ShampooLayout, statistics: Sequence[Any], roots: Sequence
   return _group_placed(lay, _device_segments(lay, statistics), _device_segments(lay, roots))
 
 
-def _identity_segments(lay: ShampooLayout) -> jax.Array:
-  """Traced `[P, L]`: the identity of its bucket's `d` in every block's
-  place, zeros elsewhere, built from runs of adjacent equal blocks (`tile`),
-  never as a host array (`jax.eval_shape` or `jax.jit` of a 13e9-parameter
-  model's init: tens of GB)."""
-  found = [[] for _ in range(lay.num_devices)]
-  for j, (d, _) in enumerate(lay.buckets):
-    for device, offset in lay.places[j]:
-      found[device].append((offset, d))
-  rows = []
-  for mine in found:
-    runs = []                                   # [offset, d, count]
-    for offset, d in sorted(mine):
-      if runs and runs[-1][1] == d and runs[-1][0] + runs[-1][2] * d * d == offset:
-        runs[-1][2] += 1
-      else:
-        runs.append([offset, d, 1])
+def _identity_rows(lay: ShampooLayout, devices: Sequence[int], per_device: int | None
+                   ) -> jax.Array:
+  """Traced `[len(devices)·L]`: in row `r`, device `devices[r]`'s segment
+  with the identity of its bucket's `d` in every block's place, built
+  elementwise (`core.initial`: never a host array, and under
+  `jax.jit(..., out_shardings=...)` each device's shard alone; `per_device`:
+  rows per device once sharded, None when replicated)."""
+  places = np.array([(device, offset, d) for j, (d, _) in enumerate(lay.buckets)
+                     for device, offset in lay.places[j]], np.int64).reshape(-1, 3)
+  places = places[np.lexsort((places[:, 1], places[:, 0]))]
+  bounds = np.searchsorted(places[:, 0], np.arange(lay.num_devices + 1))
+  runs_of = {}
+  for device in set(devices):
+    offsets, dims = places[bounds[device]:bounds[device + 1], 1:].T
+    # runs of adjacent blocks of one size
+    first = np.ones(len(dims), bool)
+    first[1:] = (dims[1:] != dims[:-1]) | (offsets[1:] != offsets[:-1] + dims[:-1] ** 2)
+    starts = np.flatnonzero(first)
     pieces, at = [], 0
-    for offset, d, count in runs:
-      if offset > at:
-        pieces.append(jnp.zeros(offset - at, jnp.float32))
-      pieces.append(jnp.tile(jnp.eye(d, dtype=jnp.float32).reshape(-1), count))
-      at = offset + count * d * d
-    rows.append(collectives_lib.pad_to(pieces, lay.segment, jnp.float32))
-  return jnp.stack(rows)
+    for start, count in zip(starts, np.diff(np.append(starts, len(dims)))):
+      d = int(dims[start])
+      pieces += [int(offsets[start]) - at, initial.eye(d, int(count))]
+      at = int(offsets[start]) + int(count) * d * d
+    runs_of[device] = initial.lay_out(pieces, 0, lay.segment)
+  runs = [dataclasses.replace(run, row=row) for row, device in enumerate(devices)
+          for run in runs_of[device]]
+  return initial.build(runs, len(devices), lay.segment, jnp.float32, per_device).reshape(-1)
 
 
 def bucket_arrays(state: ScaleByShampooState) -> tuple[tuple[np.ndarray, ...],
@@ -161,9 +169,11 @@ def initial_state(lay: ShampooLayout, epsilon: float, dtype: Any, graft_shapes: 
   if xp is np:
     eyes = _device_segments(lay, [np.broadcast_to(np.eye(d, dtype=np.float32), (n, d, d))
                                   for (d, _), n in zip(lay.buckets, lay.sizes)])
+    stats, roots = _group_placed(lay, eyes, eyes)
   else:
-    eyes = _identity_segments(lay)
-  stats, roots = _group_placed(lay, eyes, eyes, xp)
+    stats = _identity_rows(lay, range(lay.num_devices), 1)
+    roots = _identity_rows(lay, _group_rows(lay),
+                           None if lay.roots_replicated else lay.group_size)
   stats = ((epsilon * xp.asarray(stats, dtype)).astype(dtype),)
   roots = (xp.asarray(roots, dtype),)
   graft = tuple(xp.zeros(shape, g_dtype) for shape, g_dtype in graft_shapes)

@@ -1,0 +1,235 @@
+"""The initial state's flat arrays, built in the program one element at a time.
+
+At count 0 a preconditioner's state is identities and ones laid in flat
+per-device segments: K-FAC's running factors (full `d × d`, upper triangles,
+diagonals, SP-NGD's unit-wise 2×2 blocks) and eigenbases or inverses (whole or
+column slices), Shampoo's statistics and roots (blocks). Each array is
+described here as `Run`s, stretches of one row of a `[rows, width]` view that
+repeat one pattern, and `build` evaluates every element from its row and
+column: which run holds it (a scatter of the runs' starts and a running
+maximum along the row), then the run's pattern at its position.
+
+Built so, every op is elementwise along the rows or a read of a small table,
+and XLA's partitioner gives each device the rows of its own shard:
+`jax.jit(tx.init, out_shardings=...)` holds about one shard per device in
+temporaries. Concatenating per-device pieces, or writing them with
+`dynamic_update_slice`, makes it build about the whole global array on every
+device (ResNet-50's K-FAC state at P = 8, MEM-OPT: 3.8× the shard in
+temporaries; GPT-2-XL's at P = 64: 55.6 GB).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from kfac_jax_dist.core import offsets
+
+EYE = 0        # blocks `eye(dim)[:, low:low + width]`, row-major; ones: dim = width = 1
+PACKED = 1     # upper triangles of `eye(dim)`, row-major; a unit-wise 2×2 block: dim = 2
+
+
+def _period(kind: int, dim: int, width: int, low: int) -> int:
+  """Numbers in one repetition of a pattern."""
+  del low
+  return dim * (dim + 1) // 2 if kind == PACKED else dim * width
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """Columns `[start, start + length)` of `row` hold a pattern's numbers from
+  its position `phase` on, repeating every `period` numbers."""
+
+  row: int
+  start: int
+  length: int
+  kind: int = EYE
+  dim: int = 1
+  width: int = 1
+  low: int = 0
+  phase: int = 0
+
+  @property
+  def period(self) -> int:
+    return _period(self.kind, self.dim, self.width, self.low)
+
+
+def eye(dim: int, count: int, columns: tuple[int, int] | None = None) -> tuple:
+  """`count` blocks `eye(dim)` (of its `columns` only): (pattern, length)."""
+  low, high = columns or (0, dim)
+  return (EYE, dim, high - low, low), count * dim * (high - low)
+
+
+def ones(count: int) -> tuple:
+  return (EYE, 1, 1, 0), count
+
+
+def packed_eye(dim: int, count: int) -> tuple:
+  """`count` upper triangles of `eye(dim)` (a unit-wise 2×2 block: dim 2)."""
+  return (PACKED, dim, 1, 0), count * dim * (dim + 1) // 2
+
+
+def lay_out(pieces: Sequence[tuple[tuple, int] | int], start: int, width: int) -> list[Run]:
+  """Runs of `pieces` written one after the other from flat position `start`
+  of a `[rows, width]` view (an int: that many zeros), split where they cross
+  rows; adjacent pieces of one pattern are one run (a piece is whole
+  periods, so the pattern goes on)."""
+  merged: list[list] = []
+  for piece in pieces:
+    if isinstance(piece, int):
+      if piece:
+        merged.append([None, piece])
+    elif merged and merged[-1][0] == piece[0]:
+      merged[-1][1] += piece[1]
+    else:
+      merged.append(list(piece))
+  runs: list[Run] = []
+  at = start
+  for pattern, length in merged:
+    done = 0
+    while pattern is not None and done < length:
+      row, column = divmod(at + done, width)
+      n = min(width - column, length - done)
+      runs.append(Run(row, column, n, *pattern, phase=done % _period(*pattern)))
+      done += n
+    at += length
+  return runs
+
+
+def packed_rows(k: jax.Array, dim: jax.Array) -> jax.Array:
+  """The row `i` of entry `k` of a row-major `dim × dim` upper triangle
+  (`i·dim − i(i−1)/2 ≤ k`), elementwise. Counted from the triangle's end
+  (row `dim − 1 − j` starts `j(j+1)/2` entries before it), the quadratic
+  formula has no cancellation in float32; one integer correction either way
+  then makes it exact (`dim` up to 30000: int32 starts)."""
+  k, dim = jnp.asarray(k, jnp.int32), jnp.asarray(dim, jnp.int32)
+  from_end = (dim * (dim + 1) // 2 - 1 - k).astype(jnp.float32)
+  j = jnp.floor((jnp.sqrt(8.0 * from_end + 1.0) - 1.0) / 2).astype(jnp.int32)
+  i = jnp.clip(dim - 1 - j, 0, dim - 1)
+  starts = lambda r: r * dim - (r * (r - 1)) // 2
+  i = jnp.where((i + 1 < dim) & (starts(i + 1) <= k), i + 1, i)
+  return jnp.where(starts(i) > k, i - 1, i)
+
+
+# Elements evaluated at once per device: the temporaries of `build`, besides
+# its marks, are a few int32 arrays of this many numbers.
+CHUNK = 2 ** 16
+
+
+def _tables(runs: Sequence[Run]) -> dict[str, jax.Array]:
+  """Each field of the runs as an int32 table, read at each element's run."""
+  fields = ("start", "length", "kind", "dim", "width", "low", "phase", "period")
+  return {f: jnp.asarray(offsets.int32_table([getattr(r, f) for r in runs]))
+          for f in fields}
+
+
+def _numbering(runs: Sequence[Run], rows: int) -> tuple[np.ndarray, np.ndarray, Any]:
+  """Runs are numbered within their row, from 1: `(first, count, dtype)`:
+  each row's first run (in `runs`, sorted by row), its number of runs, and
+  the narrowest integer type that holds the numbers (int8 up to 127: a
+  quarter of a float32 array's bytes)."""
+  first = np.searchsorted(np.array([r.row for r in runs]), np.arange(rows))
+  count = np.diff(np.append(first, len(runs)))
+  return first, count, next(d for d in (jnp.int8, jnp.int16, jnp.int32)
+                            if count.max() <= jnp.iinfo(d).max)
+
+
+def _opaque(x: Any) -> Any:
+  """`x`, which XLA may not see as constant: it would fold a scatter of
+  constants into a constant array of the state's size (21 s for a 100 MB row
+  of Shampoo's roots)."""
+  return lax.optimization_barrier(jax.tree_util.tree_map(jnp.asarray, x))
+
+
+def _marks(runs: Sequence[Run], rows: int, width: int) -> jax.Array:
+  """`[rows, width]`: each run's number in its row at its start, zeros
+  elsewhere; their running maximum along a row is each element's run."""
+  first, _, dtype = _numbering(runs, rows)
+  rows_of = np.array([r.row for r in runs])
+  where, numbers = _opaque((
+      (offsets.int32_table(rows_of), offsets.int32_table([r.start for r in runs])),
+      offsets.int32_table(np.arange(len(runs)) - first[rows_of] + 1).astype(dtype)))
+  return jnp.zeros((rows, width), dtype).at[where].set(numbers, unique_indices=True)
+
+
+def _row_marks(runs: Sequence[Run], rows: int, width: int) -> Callable[[jax.Array], jax.Array]:
+  """`row ↦ [1, width]`: `_marks` of one (traced) row."""
+  first, count, dtype = _numbering(runs, rows)
+  k = jnp.arange(int(count.max()), dtype=jnp.int32)
+  first, count, starts = (jnp.asarray(offsets.int32_table(x)) for x in (
+      first, count, [r.start for r in runs]))
+
+  def marks(row: jax.Array) -> jax.Array:
+    columns, numbers = _opaque((
+        jnp.where(k < count[row], starts[jnp.minimum(first[row] + k, len(runs) - 1)], width),
+        (k + 1).astype(dtype)))
+    return jnp.zeros((1, width), dtype).at[0, columns].set(numbers, mode="drop")
+  return marks
+
+
+def _values(found: jax.Array, first: jax.Array, t: dict[str, jax.Array], start: Any, dtype
+            ) -> jax.Array:
+  """The numbers at columns `start + [0, n)` whose runs are `found` (`[rows, n]`,
+  the run's number in its row, 0 for none; `first`: each row's first run)."""
+  t = {name: table[first[:, None] + jnp.maximum(found - 1, 0)] for name, table in t.items()}
+  column = start + lax.broadcasted_iota(jnp.int32, found.shape, 1)
+  inside = (found > 0) & (column < t["start"] + t["length"])
+  q = ((column - t["start"]) % t["period"] + t["phase"]) % t["period"]
+  in_block = q % t["width"] + t["low"] == q // t["width"]
+  diagonal = packed_rows(q, t["dim"])
+  on_triangle = diagonal * t["dim"] - (diagonal * (diagonal - 1)) // 2 == q
+  return (inside & jnp.where(t["kind"] == PACKED, on_triangle, in_block)).astype(dtype)
+
+
+def _fill(out: jax.Array, row: Any, marks: jax.Array, first: jax.Array,
+          t: dict[str, jax.Array], chunk: int) -> jax.Array:
+  """`out` with rows `row + [0, r)` written from their `marks` (`[r, width]`;
+  `first`: their first runs), `chunk` columns at a time, the running maximum
+  carried across chunks."""
+  rows, width = marks.shape
+
+  def piece(start: Any, carry: jax.Array) -> tuple[jax.Array, jax.Array]:
+    found = lax.cummax(lax.dynamic_slice(marks, (0, start), (rows, chunk)), axis=1)
+    found = jnp.maximum(found.astype(jnp.int32), carry[:, None])
+    return _values(found, first, t, start, out.dtype), found[:, -1]
+
+  count = -(-width // chunk)
+  none = jnp.zeros([rows], jnp.int32)
+  if count == 1:
+    return lax.dynamic_update_slice(out, piece(0, none)[0], (row, 0))
+  # the last chunk ends at `width`, over the one before: its carry is that of
+  # its own first column, not the previous chunk's
+  last = marks[:, :width - chunk].max(axis=1).astype(jnp.int32)
+
+  def write(i: jax.Array, carried: tuple[jax.Array, jax.Array]) -> tuple:
+    out, carry = carried
+    start = jnp.minimum(i * chunk, width - chunk)
+    values, carry = piece(start, jnp.where(i == count - 1, last, carry))
+    return lax.dynamic_update_slice(out, values, (row, start)), carry
+  return lax.fori_loop(0, count, write, (out, none))[0]
+
+
+def build(runs: Sequence[Run], rows: int, width: int, dtype,
+          rows_per_device: int | None = None) -> jax.Array:
+  """The `[rows, width]` array of `runs` (zeros outside them), traced, in
+  chunks of `CHUNK` numbers per device. `rows_per_device`: the rows one
+  device holds once the array is sharded, built side by side; None: a
+  replicated array, built a row at a time (its marks one row's)."""
+  runs = sorted(runs, key=lambda r: (r.row, r.start))
+  out = jnp.zeros((rows, width), dtype)
+  if not runs:
+    return out
+  if max(r.start + r.length for r in runs) > width or runs[-1].row >= rows:
+    raise ValueError(f"a run ends past the [{rows}, {width}] array")
+  t, first = _tables(runs), jnp.asarray(offsets.int32_table(_numbering(runs, rows)[0]))
+  if rows_per_device is not None or rows == 1:
+    chunk = min(width, max(1, CHUNK // (rows_per_device or 1)))
+    return _fill(out, 0, _marks(runs, rows, width), first, t, chunk)
+  marks = _row_marks(runs, rows, width)
+  return lax.fori_loop(0, rows, lambda r, out: _fill(
+      out, r, marks(r), lax.dynamic_slice(first, (r,), (1,)), t, min(width, CHUNK)), out)
