@@ -284,6 +284,15 @@ def memory(d: Json) -> list[str]:
                     f"{r['kfac_peak'] / r['bound']:.3f}"] for r in mesh3d],
                   ["mesh", "strategy", "parameters", "K-FAC state", "K-FAC peak",
                    "peak / bound"])]
+  init = d.get("init") or []
+  if init:
+    lines += ["", "Building the state on the mesh (`kd.init_sharded`, ResNet-50's shapes on "
+              "8 devices): XLA's temporaries per device against the device's shard of the "
+              "state (target ≤ 0.5):", "", md_table(
+                  [[r["method"], r["strategy"], fmt_bytes(r["shard"]), fmt_bytes(r["temp"]),
+                    f"{r['temp'] / r['shard']:.3f}", yes_no(r["holds"])] for r in init],
+                  ["method", "strategy", "shard per device", "temporaries",
+                   "temporaries / shard", "holds"])]
   return lines + checks_table(d.get("checks", []))
 
 
