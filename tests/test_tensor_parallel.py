@@ -297,6 +297,23 @@ def test_soap_tensor_parallel_equals_split_params(fraction):
                                    err_msg=f"step {i}"), split(a), b)
 
 
+def test_init_sharded_builds_the_model_sharded_states():
+  """`kd.init_sharded` on the ("data", "model") mesh: the arrays and shardings
+  of `kd.shard_state(tx.init(params), mesh)` for K-FAC and Shampoo states per
+  model shard (COMM-OPT and MEM-OPT over "data")."""
+  params, x, y = _problem()
+  for fraction in (1.0, 1 / 2):
+    dist = _dist(fraction)
+    layers = kd.value_and_grad(tp_loss).discover(params, x, y, distribution=dist)
+    for tx in (_kfac(layers, dist), kd.shampoo(0.1, block_size=4, distribution=dist)):
+      placed = kd.shard_state(tx.init(params), _mesh())
+      built = kd.init_sharded(tx.init, params, _mesh())
+      assert jax.tree.structure(built) == jax.tree.structure(placed)
+      for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(built)):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_misconfigured_tensor_parallel_is_rejected():
   mesh = _mesh()
   with pytest.raises(ValueError, match="'tensor' is not an axis"):
