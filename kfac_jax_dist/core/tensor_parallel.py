@@ -237,8 +237,14 @@ class ModelShardedState:
 
 
 def _tile(x, size: int):
+  """`x` for each of `size` model shards, along its first axis: a broadcast
+  and a reshape, which XLA's partitioner splits by device (a concatenation of
+  copies it would build whole on each)."""
   x = jnp.asarray(x)
-  return x if x.ndim == 0 else jnp.concatenate([x] * size)
+  if x.ndim == 0:
+    return x
+  return jnp.broadcast_to(x[None], (size,) + x.shape).reshape((size * x.shape[0],)
+                                                              + x.shape[1:])
 
 
 def model_shard(tree: Any, index: int | tuple[int, ...]) -> Any:
@@ -350,9 +356,12 @@ def wrap(inner: optax.GradientTransformationExtraArgs, dist, name: str,
     if check is not None:
       check(sharding)
     flat = sharding.treedef.flatten_up_to(params)
+    # local shards of the shapes' parameters: traced when `params` are (the
+    # state is then built in the program, by each device for its own shard
+    # under jit with out_shardings), else abstract (built on the host)
+    local_param = jnp.zeros if _compat.traced(params) else jax.ShapeDtypeStruct
     local = sharding.treedef.unflatten([
-        jax.ShapeDtypeStruct(sharding.local_shape(i), jnp.result_type(x))
-        for i, x in enumerate(flat)])
+        local_param(sharding.local_shape(i), jnp.result_type(x)) for i, x in enumerate(flat)])
     state = inner.init(local)
     return ModelShardedState(
         jax.tree_util.tree_map(lambda x: _tile(x, sharding.size), state), sharding)
