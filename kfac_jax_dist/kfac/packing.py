@@ -34,17 +34,12 @@ def row_starts(rows, d: int):
 def _traced_upper_indices(d: int) -> tuple[jax.Array, jax.Array]:
   """`np.triu_indices(d)` computed in the program from an iota: as constants,
   the indices of a 6401-wide factor would be 330 MB of the program itself.
-  Row `i` of entry `k` from the quadratic formula (float32, then one integer
-  correction either way), column `k − start(i) + i`."""
+  Row `i` of entry `k` by `initial.packed_rows`, column `k − start(i) + i`."""
   if d > 30000:
     raise ValueError(f"packed factors support dimensions up to 30000 (int32 "
                      f"indices), got {d}: set max_factor_dim")
   k = lax.iota(jnp.int32, d * (d + 1) // 2)
-  v = (2 * d + 1) ** 2 - 8 * k
-  i = jnp.floor((2 * d + 1 - jnp.sqrt(v.astype(jnp.float32))) / 2).astype(jnp.int32)
-  i = jnp.clip(i, 0, d - 1)
-  i = jnp.where((i + 1 < d) & (row_starts(i + 1, d) <= k), i + 1, i)
-  i = jnp.where(row_starts(i, d) > k, i - 1, i)
+  i = initial.packed_rows(k, d)
   return i, k - row_starts(i, d) + i
 
 
