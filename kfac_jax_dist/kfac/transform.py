@@ -159,8 +159,11 @@ def initial_arrays(config: KfacConfig, lay: layout_lib.Layout, xp: Any
 def initial_correction(lay: layout_lib.Layout, second: Any, xp: Any
                        ) -> correction_lib.CorrectionState:
   """EK-FAC's scaling at count 0 (`v_A v_Gᵀ` of the identity eigenbases), with
-  the owners' segments `[P·L₂]` kept when there are several owner groups."""
-  if xp is jnp:
+  the owners' segments `[P·L₂]` kept when there are several owner groups
+  (with one, `second` is those segments already)."""
+  if lay.num_groups == 1:
+    owners = second
+  elif xp is jnp:
     owners = packing.initial_second_order(lay, list(range(lay.num_devices)), second.dtype,
                                           None)
   else:

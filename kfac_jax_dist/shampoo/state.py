@@ -110,21 +110,16 @@ def placed_arrays(lay: ShampooLayout, statistics: Sequence[Any], roots: Sequence
   return _group_placed(lay, _device_segments(lay, statistics), _device_segments(lay, roots))
 
 
-def _identity_rows(lay: ShampooLayout, devices: Sequence[int], per_device: int | None
-                   ) -> jax.Array:
-  """Traced `[len(devices)·L]`: in row `r`, device `devices[r]`'s segment
-  with the identity of its bucket's `d` in every block's place, built
-  elementwise (`core.initial`: never a host array, and under
-  `jax.jit(..., out_shardings=...)` each device's shard alone; `per_device`:
-  rows per device once sharded, None when replicated)."""
+def _identity_runs(lay: ShampooLayout) -> list[list[initial.Run]]:
+  """Each device's segment as `initial` runs: the identity of its bucket's
+  `d` in every block's place, adjacent blocks of one size one run."""
   places = np.array([(device, offset, d) for j, (d, _) in enumerate(lay.buckets)
                      for device, offset in lay.places[j]], np.int64).reshape(-1, 3)
   places = places[np.lexsort((places[:, 1], places[:, 0]))]
   bounds = np.searchsorted(places[:, 0], np.arange(lay.num_devices + 1))
-  runs_of = {}
-  for device in set(devices):
+  out = []
+  for device in range(lay.num_devices):
     offsets, dims = places[bounds[device]:bounds[device + 1], 1:].T
-    # runs of adjacent blocks of one size
     first = np.ones(len(dims), bool)
     first[1:] = (dims[1:] != dims[:-1]) | (offsets[1:] != offsets[:-1] + dims[:-1] ** 2)
     starts = np.flatnonzero(first)
@@ -133,7 +128,16 @@ def _identity_rows(lay: ShampooLayout, devices: Sequence[int], per_device: int |
       d = int(dims[start])
       pieces += [int(offsets[start]) - at, initial.eye(d, int(count))]
       at = int(offsets[start]) + int(count) * d * d
-    runs_of[device] = initial.lay_out(pieces, 0, lay.segment)
+    out.append(initial.lay_out(pieces, 0, lay.segment))
+  return out
+
+
+def _identity_rows(lay: ShampooLayout, runs_of: Sequence[Sequence[initial.Run]],
+                   devices: Sequence[int], per_device: int | None) -> jax.Array:
+  """Traced `[len(devices)·L]`: in row `r`, device `devices[r]`'s segment
+  (`runs_of`, `_identity_runs`), built elementwise (`core.initial`: never a
+  host array, and under `jax.jit(..., out_shardings=...)` each device's shard
+  alone; `per_device`: rows per device once sharded, None when replicated)."""
   runs = [dataclasses.replace(run, row=row) for row, device in enumerate(devices)
           for run in runs_of[device]]
   return initial.build(runs, len(devices), lay.segment, jnp.float32, per_device).reshape(-1)
@@ -171,8 +175,9 @@ def initial_state(lay: ShampooLayout, epsilon: float, dtype: Any, graft_shapes: 
                                   for (d, _), n in zip(lay.buckets, lay.sizes)])
     stats, roots = _group_placed(lay, eyes, eyes)
   else:
-    stats = _identity_rows(lay, range(lay.num_devices), 1)
-    roots = _identity_rows(lay, _group_rows(lay),
+    runs_of = _identity_runs(lay)
+    stats = _identity_rows(lay, runs_of, range(lay.num_devices), 1)
+    roots = _identity_rows(lay, runs_of, _group_rows(lay),
                            None if lay.roots_replicated else lay.group_size)
   stats = ((epsilon * xp.asarray(stats, dtype)).astype(dtype),)
   roots = (xp.asarray(roots, dtype),)
