@@ -26,11 +26,16 @@ from kfac_jax_dist.core import tensor_parallel
 
 import helpers
 from kfac_jax_dist.kfac import adaptive
+from kfac_jax_dist.kfac import correction
 from kfac_jax_dist.kfac.state import find_states
 from helpers import compile_step
 
 DATA, M, S = 2, 2, 2                # the mesh's sizes (HYBRID's test: 4 x 1 x 2)
-L, D, H, CLASSES = 4, 6, 8, 5       # 4 blocks, 2 per stage; hidden 8, 4 per model shard
+# 4 blocks, 2 per stage; hidden 8, 4 per model shard. CLASSES > D: the last
+# block's output gradients span R^D (no repeated zero eigenvalue of its G,
+# whose eigenvectors would be any basis of their space: EK-FAC measures its
+# scaling in the eigenbasis).
+L, D, H, CLASSES = 4, 6, 8, 8
 STEPS = 5                           # inverse at 0, 3; factor-only at 2, 4; plain at 1
 
 PARAM_SPECS = {"up": {"kernel": P("stage", None, "model"), "bias": P("stage", "model")},
@@ -189,6 +194,13 @@ def _kfac(layers, dist=None, grad_fn=None):
                  distribution=dist)
 
 
+def _ekfac(layers, dist=None, grad_fn=None):
+  del grad_fn
+  return kd.kfac(0.1, layers=layers, damping=1e-2, factor_update_every=2,
+                 inverse_update_every=3, kl_clip=1e-2, factor_dtype=jnp.float64,
+                 eigenvalue_correction="ekfac", distribution=dist)
+
+
 def _adaptive(layers, dist=None, grad_fn=None):
   return kd.kfac(None, None, layers=layers, grad_fn=grad_fn, damping=1e-2,
                  weight_decay=1e-3, adapt_damping=True, damping_adaptation_interval=2,
@@ -339,6 +351,29 @@ def test_adaptive_kfac_3d_mesh_equals_split_model():
     for field in ("damping", "learning_rate", "momentum", "rho"):
       np.testing.assert_allclose(float(getattr(got, field)),
                                  float(getattr(want, field)), rtol=1e-9, err_msg=field)
+
+
+@pytest.mark.slow
+def test_ekfac_3d_mesh_equals_split_model():
+  """EK-FAC (HYBRID over "data"): each (model, stage) shard measures the
+  scaling of its blocks' local shards in its own eigenbases, as one device
+  does for the split model's layers."""
+  with jax.enable_x64(True):
+    params, x, y = _problem()
+    trajectory, state = _train(_ekfac, pipeline_loss, params, x, y, _dist(1 / 2))
+    reference, ref_state = _reference(_ekfac)
+    _assert_same(trajectory, reference)
+    ref = find_states(ref_state)[0]
+    want = correction.layer_scaling(ref.layout, ref.correction)
+    for m in range(M):
+      for s in range(S):
+        shard = find_states(kd.model_shard(state, (m, s)))[0]
+        got = correction.layer_scaling(shard.layout, shard.correction)
+        for name, value in got.items():
+          base, _, block = name.partition("/")
+          np.testing.assert_allclose(
+              value, want[name if base == "head" else f"{base}{s}{m}/{block}"],
+              rtol=1e-9, atol=1e-15, err_msg=f"shard {(m, s)} {name}")
 
 
 def _of_type(tree, cls):

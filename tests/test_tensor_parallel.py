@@ -17,6 +17,7 @@ import kfac_jax_dist as kd
 
 import helpers
 from kfac_jax_dist.kfac import adaptive
+from kfac_jax_dist.kfac import correction
 from kfac_jax_dist.kfac.state import find_states
 from helpers import compile_step
 
@@ -35,7 +36,7 @@ def _mesh():
   return helpers.mesh((DATA, M), ("data", "model"))
 
 
-def _problem():
+def _problem(classes=CLASSES):
   k = jax.random.split(jax.random.PRNGKey(0), 8)
   params = {"col": {"kernel": jax.random.normal(k[0], (D_IN, HIDDEN)) * 0.5,
                     "bias": jax.random.normal(k[1], (HIDDEN,)) * 0.1},
@@ -43,10 +44,10 @@ def _problem():
             "rbias": jax.random.normal(k[3], (D_OUT,)) * 0.1,
             "norm": {"scale": 1.0 + 0.1 * jax.random.normal(k[4], (D_OUT,)),
                      "offset": jnp.zeros(D_OUT)},
-            "head": {"kernel": jax.random.normal(k[5], (D_OUT, CLASSES)) * 0.5,
-                     "bias": jnp.zeros(CLASSES)}}
+            "head": {"kernel": jax.random.normal(k[5], (D_OUT, classes)) * 0.5,
+                     "bias": jnp.zeros(classes)}}
   x = jax.random.normal(k[6], (32, D_IN))
-  y = jax.random.randint(k[7], (32,), 0, CLASSES)
+  y = jax.random.randint(k[7], (32,), 0, classes)
   return params, x, y
 
 
@@ -171,6 +172,38 @@ def test_kfac_tensor_parallel_equals_block_model(fraction, factor_reduction,
   assert kfac_specs.inner.count == P()
   momentum, = _of_type(specs, optax.TraceState)
   assert momentum.trace == PARAM_SPECS
+
+
+def _ekfac(layers, dist=None):
+  return kd.kfac(0.1, layers=layers, damping=1e-2, factor_update_every=2,
+                 inverse_update_every=3, kl_clip=1e-2, eigenvalue_correction="ekfac",
+                 distribution=dist)
+
+
+@pytest.mark.parametrize("fraction", [1.0, pytest.param(1 / 2, marks=pytest.mark.slow)],
+                         ids=["COMM-OPT", "MEM-OPT"])
+def test_ekfac_tensor_parallel_equals_block_model(fraction):
+  """EK-FAC on the TP mesh equals the block model's EK-FAC on one device: each
+  model shard measures `S` of its local shards (the column and row blocks) in
+  its own eigenbases, averaged over "data"; its scaling is the block layer's.
+  With more classes than D_OUT the row layer's output gradients span R^D_OUT:
+  a repeated zero eigenvalue of its G would leave its eigenvectors any basis
+  of their space, and EK-FAC measures its scaling in the eigenbasis."""
+  params, x, y = _problem(classes=D_OUT + 2)
+  dist = _dist(fraction)
+  trajectory, opt_state = _train(functools.partial(_ekfac, dist=dist), tp_loss, params, x,
+                                 y, dist)
+  reference, ref_state = _train(_ekfac, block_loss, to_blocks(params), x, y)
+  _assert_same(trajectory, reference)
+  ref = find_states(ref_state)[0]
+  want = correction.layer_scaling(ref.layout, ref.correction)
+  for i in range(M):
+    shard = find_states(kd.model_shard(opt_state, i))[0]
+    got = correction.layer_scaling(shard.layout, shard.correction)
+    assert set(got) == {"col", "row", "head"}
+    for name, block in (("col", f"col{i}"), ("row", f"row{i}"), ("head", "head")):
+      np.testing.assert_allclose(got[name], want[block], rtol=1e-4, atol=1e-7,
+                                 err_msg=f"shard {i} {name}")
 
 
 def _adaptive(layers, grad_fn, dist=None):

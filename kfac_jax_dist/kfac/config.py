@@ -106,10 +106,10 @@ class KfacConfig:
     if self.stale_threshold is not None:
       raise ValueError('eigenvalue_correction="ekfac" is not supported with '
                        "stale_threshold.")
-    if self.model_axes or self.local_factors:
+    if self.local_factors:
       raise ValueError(
-          'eigenvalue_correction="ekfac" is not supported with a tensor-parallel '
-          'Distribution (model_axis) or factor_reduction="local" (DP-KFAC) so far.')
+          'eigenvalue_correction="ekfac" is not supported with factor_reduction="local" '
+          "(DP-KFAC) so far.")
 
   @property
   def compute_dtype(self) -> Any:
