@@ -355,7 +355,7 @@ def test_adaptive_kfac_3d_mesh_equals_split_model():
 
 @pytest.mark.slow
 def test_ekfac_3d_mesh_equals_split_model():
-  """EK-FAC (HYBRID over "data"): each (model, stage) shard measures the
+  """EK-FAC (MEM-OPT over "data"): each (model, stage) shard measures the
   scaling of its blocks' local shards in its own eigenbases, as one device
   does for the split model's layers."""
   with jax.enable_x64(True):
