@@ -124,29 +124,21 @@ def test_corrected_scaling_equals_per_example_brute_force(name):
     helpers.assert_factor_close(stats[layer.name]["S"], want, layer.name)
 
 
-@pytest.mark.parametrize("name", sorted(PROBLEMS))
-def test_updates_equal_the_dense_solve_in_the_basis(name):
-  """Five steps, factors every step and eigenbases every second: each update
-  equals the dense solve with the eigenbases the step started with and the
-  scaling of the rule in `kfac.correction` (the batch's brute-force `S` on
-  fresh eigenbases, else its running average; `v_A v_Gᵀ` after a
-  decomposition), and the state keeps that scaling."""
-  loss_fn, params, x, y = _problem(name)
-  grad_fn = kd.value_and_grad(loss_fn)
-  layers = grad_fn.discover(params, x, y)
-  tx = kd.scale_by_kfac(layers, damping=LAMBDA, factor_decay=DECAY,
-                        inverse_update_every=2, factor_dtype=jnp.float64,
-                        eigenvalue_correction="ekfac")
-  state = tx.init(params)
-  update = jax.jit(tx.update)
+def _check_five_steps(loss_fn, params, x, y, layers, update, state):
+  """Five steps of `update(params, state, x, y) -> (updates, state)` (factors
+  every step, eigenbases every second): each update equals the dense solve
+  with the eigenbases the step started with and the scaling of the rule in
+  `kfac.correction` (the batch's brute-force `S` on fresh eigenbases, else its
+  running average; `v_A v_Gᵀ` after a decomposition), and the state keeps that
+  scaling."""
   scaling = {layer.name: np.ones((layer.a_dim, layer.g_dim)) for layer in layers}
   fresh = True
   for step in range(5):
     xb, yb = _batch(x, y, step)
-    _, grads, stats = grad_fn(params, xb, yb, opt_state=state)
+    grads = jax.grad(loss_fn)(params, xb, yb)
     per_example = _per_example_gradients(loss_fn, params, xb, yb)
     bases = {layer.name: state.correction_bases(layer.name) for layer in layers}
-    got, new_state = update(grads, state, kfac_stats=stats)
+    got, new_state = update(params, state, xb, yb)
     for layer in layers:
       qa, qg = bases[layer.name]
       measured = _brute_scaling(per_example, layer, qa, qg)
@@ -165,6 +157,63 @@ def test_updates_equal_the_dense_solve_in_the_basis(name):
       np.testing.assert_allclose(np.asarray(kept[n]), s, rtol=1e-10, atol=1e-14)
     state = new_state
     params = optax.apply_updates(params, jax.tree.map(lambda u: -0.1 * u, got))
+
+
+def _ekfac(layers, **options):
+  return kd.scale_by_kfac(layers, damping=LAMBDA, factor_decay=DECAY,
+                          inverse_update_every=2, factor_dtype=jnp.float64,
+                          eigenvalue_correction="ekfac", **options)
+
+
+@pytest.mark.parametrize("name", sorted(PROBLEMS))
+def test_updates_equal_the_dense_solve_in_the_basis(name):
+  """One device: five steps follow `_check_five_steps`' rule."""
+  loss_fn, params, x, y = _problem(name)
+  grad_fn = kd.value_and_grad(loss_fn)
+  layers = grad_fn.discover(params, x, y)
+  tx = _ekfac(layers)
+
+  @jax.jit
+  def update(params, state, x, y):
+    _, grads, stats = grad_fn(params, x, y, opt_state=state)
+    return tx.update(grads, state, kfac_stats=stats)
+  _check_five_steps(loss_fn, params, x, y, layers, update, tx.init(params))
+
+
+def test_dp_kfac_local_eigenbases_and_the_global_scaling():
+  """DP-KFAC (factor_reduction="local", one owner per device): each layer's
+  eigenbases are those of its owner's local factors (its 3 examples), `S` is
+  the whole batch's in them (averaged over the data axis), and the five steps
+  follow the rule above."""
+  loss_fn, params, x, y = _problem("conv")
+  x, y = jnp.concatenate([x] * 4), jnp.concatenate([y] * 4)   # 24: 3 per device
+  grad_fn = kd.value_and_grad(loss_fn)
+  layers = grad_fn.discover(params, x, y)
+  dist = kd.Distribution(helpers.data_mesh(8), grad_worker_fraction=1 / 8,
+                         factor_reduction="local")
+  tx = _ekfac(layers, distribution=dist)
+
+  def step(params, state, x, y):
+    _, grads, stats = grad_fn(params, x, y, opt_state=state)
+    updates, state = tx.update(jax.lax.pmean(grads, "data"), state, kfac_stats=stats)
+    return updates, state
+  run, state = helpers.compile_step(step, tx.init(params), dist, 2)
+  _check_five_steps(loss_fn, params, x, y, layers, run, state)
+  # The first decomposition (count 0) is of each owner's statistics of its batch.
+  _, state = run(params, state, *_batch(x, y, 0))
+  _, _, whole = grad_fn(params, *_batch(x, y, 0))
+  parts = kd.second_order_parts(state)
+  for plan in state.layout.plans:
+    for place, key in ((plan.a, "A"), (plan.g, "G")):
+      rows = slice(3 * place.owner, 3 * place.owner + 3)
+      _, _, local = grad_fn(params, *(b[rows] for b in _batch(x, y, 0)))
+      basis, values = (np.asarray(a) for a in parts[plan.layer.name][key])
+      rebuilt = basis @ np.diag(values) @ basis.T
+      want = np.asarray(local[plan.layer.name][key])
+      np.testing.assert_allclose(rebuilt, want, atol=1e-12 * np.abs(want).max(),
+                                 err_msg=f"{plan.layer.name} {key}")
+      assert not np.allclose(rebuilt, whole[plan.layer.name][key], atol=1e-6)
+  assert len({s.owner for p in state.layout.plans for s in (p.a, p.g)}) > 1
 
 
 @pytest.mark.parametrize("fraction,reduction", [
@@ -213,13 +262,6 @@ def test_eight_devices_equal_one_device(fraction, reduction):
 def test_refused_settings(options, message):
   with pytest.raises(ValueError, match=message):
     kd.scale_by_kfac(None, **({"eigenvalue_correction": "ekfac"} | options))
-
-
-def test_refused_with_dp_kfac():
-  dist = kd.Distribution(helpers.data_mesh(8), grad_worker_fraction=1 / 8,
-                         factor_reduction="local")
-  with pytest.raises(ValueError, match="DP-KFAC"):
-    kd.scale_by_kfac(None, distribution=dist, eigenvalue_correction="ekfac")
 
 
 def test_non_finite_statistic_skips_and_convert_state_keeps_the_scaling():

@@ -106,10 +106,6 @@ class KfacConfig:
     if self.stale_threshold is not None:
       raise ValueError('eigenvalue_correction="ekfac" is not supported with '
                        "stale_threshold.")
-    if self.local_factors:
-      raise ValueError(
-          'eigenvalue_correction="ekfac" is not supported with factor_reduction="local" '
-          "(DP-KFAC) so far.")
 
   @property
   def compute_dtype(self) -> Any:

@@ -30,9 +30,10 @@ keep K-FAC's preconditioning. With a distribution, `S` is averaged over the
 data axis (one all-reduce of gradient size on factor steps) and `s` is
 replicated. Every device projects its own examples, so it needs every
 eigenbasis: with one owner group (COMM-OPT) it has them; with several
-(MEM-OPT, HYBRID-OPT) each device's own second-order segment is all-gathered
-on decomposition steps into `CorrectionState.bases` (COMM-OPT's broadcast,
-and its memory for the eigenbases).
+(MEM-OPT, HYBRID-OPT, DP-KFAC) each device's own second-order segment is
+all-gathered on decomposition steps into `CorrectionState.bases` (COMM-OPT's
+broadcast, and its memory for the eigenbases). Under DP-KFAC those are the
+eigenbases of the owners' local factors, and `S` is still the whole batch's.
 """
 
 from __future__ import annotations

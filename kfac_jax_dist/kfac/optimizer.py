@@ -142,7 +142,7 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
       al. 2018, `kfac.correction`): Dense and Conv layers are scaled by the
       measured second moment of the per-example gradients in K-FAC's
       eigenbasis; pass `opt_state=` to `grad_fn`. Method "eigen"; not with
-      stale statistics or DP-KFAC. None: K-FAC's eigenvalues.
+      stale statistics. None: K-FAC's eigenvalues.
     grad_fn: the `kd.value_and_grad(loss_fn)` whose statistics feed this
       transform; needed in adaptive mode (exact curvature products, the
       loss for the damping's reduction ratio).

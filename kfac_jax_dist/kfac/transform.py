@@ -504,7 +504,7 @@ def scale_by_kfac(
       Conv layers divide by the second moment of the per-example gradients in
       the eigenbasis instead of K-FAC's eigenvalues (`kfac.correction`);
       `grad_fn` must get `opt_state=` so that the capture measures it. Needs
-      method "eigen"; not with stale statistics or DP-KFAC.
+      method "eigen"; not with stale statistics.
       Costs per factor step one all-reduce of gradient size, and with
       several owner groups an all-gather of the eigenbases on decomposition
       steps. None: K-FAC.
