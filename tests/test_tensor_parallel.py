@@ -3,6 +3,7 @@ Shampoo preconditioning each model shard's local shard equal one device
 running the same block structure (the sharded layers written as M layers on
 their column / row blocks)."""
 
+import dataclasses
 import functools
 import re
 
@@ -206,6 +207,49 @@ def test_ekfac_tensor_parallel_equals_block_model(fraction):
                                  err_msg=f"shard {i} {name}")
 
 
+def test_convert_state_between_strategies_continues():
+  """Two steps under COMM-OPT, `kd.convert_state` to MEM-OPT (each model
+  shard's state moved on its own: factors, eigenbases, counters), five more:
+  the block model's uninterrupted trajectory (step 2 preconditions with the
+  moved eigenbases of step 0)."""
+  params, x, y = _problem()
+  grad_fn = kd.value_and_grad(tp_loss)
+  comm, mem = _dist(1.0), _dist(1 / 2)
+  layers = grad_fn.discover(params, x, y, distribution=comm)
+
+  def run(tx, dist, params, state, steps):
+    def step(params, state, x, y):
+      _, grads, stats = grad_fn(params, x, y, opt_state=state)
+      grads = jax.lax.pmean(grads, "data")
+      updates, state = tx.update(grads, state, params, kfac_stats=stats)
+      return optax.apply_updates(params, updates), state
+    compiled, state = compile_step(step, state, dist, 2, param_specs=PARAM_SPECS)
+    out = []
+    for _ in range(steps):
+      params, state = compiled(params, state, x, y)
+      out.append(params)
+    return out, state
+
+  first, state = run(_kfac(layers, comm), comm, params, _kfac(layers, comm).init(params), 2)
+  template = _kfac(layers, mem).init(params)
+  moved = kd.convert_state(state, template)
+  assert jax.tree.map(jnp.shape, moved) == jax.tree.map(jnp.shape, template)
+  for i in (0, 3):
+    np.testing.assert_array_equal(
+        np.asarray(kd.running_factors(find_states(kd.model_shard(moved, i))[0])["row"]["G"]),
+        np.asarray(kd.running_factors(find_states(kd.model_shard(state, i))[0])["row"]["G"]))
+  rest, _ = run(_kfac(layers, mem), mem, first[-1], moved, STEPS - 2)
+  reference, _ = _kfac_reference()
+  _assert_same(first + rest, reference)
+  is_sharded = lambda n: isinstance(n, kd.ModelShardedState)
+  other_specs = jax.tree.map(                  # a template of other param_specs
+      lambda n: dataclasses.replace(n, sharding=dataclasses.replace(
+          n.sharding, specs=n.sharding.specs[::-1])) if is_sharded(n) else n,
+      template, is_leaf=is_sharded)
+  with pytest.raises(ValueError, match="same model axes, sizes and param_specs"):
+    kd.convert_state(state, other_specs)
+
+
 def _adaptive(layers, grad_fn, dist=None):
   return kd.kfac(None, None, layers=layers, grad_fn=grad_fn, damping=1e-2,
                  weight_decay=1e-3, adapt_damping=True, damping_adaptation_interval=2,
@@ -378,8 +422,6 @@ def test_misconfigured_tensor_parallel_is_rejected():
   state = tx.init(params)
   with pytest.raises(ValueError, match="inside jax.shard_map"):
     tx.update(params, state, params)
-  with pytest.raises(ValueError, match="convert_state does not move"):
-    kd.convert_state(state, state)
   # Layers discovered outside shard_map have the global shapes.
   global_layers = kd.value_and_grad(tp_loss).discover(params, x, y)
   with pytest.raises(ValueError, match="discover the layers with"):

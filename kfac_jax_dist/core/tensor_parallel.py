@@ -267,6 +267,16 @@ def model_shard(tree: Any, index: int | tuple[int, ...]) -> Any:
                                 is_leaf=lambda x: isinstance(x, ModelShardedState))
 
 
+def stack_shards(shards: list[Any]) -> Any:
+  """The inverse of `model_shard` for one transform's state: the `M` model
+  shards' single-axis states (the same structure) as `ModelShardedState.inner`,
+  each array leaf concatenated along its first axis (scalars, the same on
+  every shard, once)."""
+  def stack(*xs: Any) -> Any:
+    return xs[0] if jnp.ndim(xs[0]) == 0 else jnp.concatenate([jnp.asarray(x) for x in xs])
+  return jax.tree_util.tree_map(stack, *shards)
+
+
 def inner_specs(node: ModelShardedState, specs: Any) -> Any:
   """The specs of a `ModelShardedState` from its inner state's single-axis
   `specs`: the model axes prepended on the first axis of every array leaf."""

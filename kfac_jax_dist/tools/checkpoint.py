@@ -393,6 +393,10 @@ def convert_state(state: Any, template: Any) -> Any:
   them keeps the exact trajectory between inverse steps and costs no
   decomposition; they are per-factor data, independent of the layout.
 
+  A tensor-parallel state (`model_axis`) moves between strategies over the
+  data axis, each model shard's state on its own (the same model axes, sizes
+  and `param_specs` on both sides).
+
   Storing a factor as an upper triangle (`symmetric_comm=True`) keeps only
   that triangle of a full one. Leaves are placed with the template's
   shardings where it has them. Reads the arrays on this host (one process).
@@ -400,9 +404,8 @@ def convert_state(state: Any, template: Any) -> Any:
   Returns:
     A state with `template`'s structure, layouts and shardings.
   """
-  if tensor_parallel.find_sharding((state, template)) is not None:
-    raise ValueError("convert_state does not move tensor-parallel (model_axis) states; "
-                     "convert kd.model_shard(state, i) shard by shard.")
+  if any(tensor_parallel.find_sharding(x) is not None for x in (state, template)):
+    return _convert_model_sharded(state, template)
   leaves, treedef = jax.tree_util.tree_flatten(state, is_leaf=_is_state)
   targets, target_def = jax.tree_util.tree_flatten(template, is_leaf=_is_state)
   if treedef != target_def:
@@ -423,6 +426,33 @@ def convert_state(state: Any, template: Any) -> Any:
       value = jnp.asarray(np.asarray(leaf), jnp.result_type(target))
     value = jax.tree_util.tree_map(_place_like, value, target)
     out.append(value)
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _convert_model_sharded(state: Any, template: Any) -> Any:
+  """Tensor-parallel states (`model_axis`): each model shard's single-axis
+  state converted on its own (`model_shard`, then `stack_shards`), between
+  strategies over the data axis; the other leaves copied."""
+  is_sharded = lambda x: isinstance(x, tensor_parallel.ModelShardedState)
+  olds, treedef = jax.tree_util.tree_flatten(state, is_leaf=is_sharded)
+  news, target_def = jax.tree_util.tree_flatten(template, is_leaf=is_sharded)
+  if treedef != target_def:
+    raise ValueError(f"convert_state: the state and the template are different optax "
+                     f"states:\n{treedef}\nvs\n{target_def}")
+  out = []
+  for old, new in zip(olds, news):
+    if not is_sharded(new):
+      out.append(convert_state(old, new))
+      continue
+    if not is_sharded(old) or old.sharding != new.sharding:
+      raise ValueError("convert_state moves a tensor-parallel state between strategies "
+                       "over the data axis only: the state and the template need the "
+                       "same model axes, sizes and param_specs.")
+    shards = [convert_state(tensor_parallel.model_shard(old, i),
+                            tensor_parallel.model_shard(new, i))
+              for i in range(new.sharding.size)]
+    value = dataclasses.replace(new, inner=tensor_parallel.stack_shards(shards))
+    out.append(jax.tree_util.tree_map(_place_like, value, new))
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
