@@ -365,6 +365,7 @@ def test_ekfac_3d_mesh_equals_split_model():
     _assert_same(trajectory, reference)
     ref = find_states(ref_state)[0]
     want = correction.layer_scaling(ref.layout, ref.correction)
+    state = jax.device_get(state)
     for m in range(M):
       for s in range(S):
         shard = find_states(kd.model_shard(state, (m, s)))[0]

@@ -91,10 +91,6 @@ class KfacConfig:
                        "leave factor_update_every and inverse_update_every at 1.")
     if self.method != "eigen":
       raise ValueError('stale_threshold supports method="eigen" only.')
-    if self.model_axes:
-      raise ValueError("stale_threshold is not supported with a tensor-parallel "
-                       "Distribution (model_axis): each model shard would refresh on "
-                       "its own schedule.")
 
   def _check_correction(self) -> None:
     if self.eigenvalue_correction not in CORRECTIONS:

@@ -50,8 +50,9 @@ def _due_statistics(config: KfacConfig, comm: collectives_lib.Collectives,
     if config.local_factors:
       out.append(x)
     else:
+      zeros = _compat.as_varying(jnp.zeros(x.shape, x.dtype), config.model_axes)
       out.append(lax.cond(due[f], lambda x=x: comm.all_reduce_factors(x),
-                          lambda x=x: jnp.zeros(x.shape, x.dtype)))
+                          lambda zeros=zeros: zeros))
   return out
 
 
@@ -90,6 +91,8 @@ def refresh_due_factors(config: KfacConfig, comm: collectives_lib.Collectives,
   running, last, before, bits = comm.per_device(owner_update, layout.device_branches)
   if comm.active:                            # owners tell everyone
     bits = lax.psum(bits, layout.axis)
+  if config.model_axes:     # one schedule on every model shard: similar where all are
+    bits = lax.pmin(bits, config.model_axes)
   interval = stale.next_interval(bits[:, 0] > 0, bits[:, 1] > 0, r.interval,
                                  r.previous_interval)
   refresh = dataclasses.replace(

@@ -295,9 +295,12 @@ def refreshed_state(config: KfacConfig, comm: collectives_lib.Collectives,
       return running, second, refresh, stats_ok
     running, second, refresh, stats_ok = lax.cond(
         ok, refreshed, lambda: (state.factors, state.second_order, state.refresh, true))
+    update_next = jnp.any(refresh.next_step <= count + 1)
+    if config.model_axes:     # the same on every model shard (one schedule), so typed
+      update_next = lax.pmax(update_next.astype(jnp.int32), config.model_axes) > 0
     return dataclasses.replace(
         state, count=count + 1, factors=running, second_order=second, refresh=refresh,
-        update_factors=jnp.any(refresh.next_step <= count + 1)), stats_ok
+        update_factors=update_next), stats_ok
   decompose_now = cadence.due(config.inverse_update_every, count) & ok
   update_now = (state.update_factors & ok) if stats is not None else jnp.asarray(False)
   # Work due at every step (an every of 1) runs without a conditional
