@@ -12,7 +12,9 @@ imports another).
 * float64 oracle tools of the capture tests (test_capture, test_layers):
   `f64`, `randn`, `assert_factor_close`, `assert_trees_equal`,
   `ce_per_example`, `capture`, `mc_draws` / `check_mc_estimate`,
-  `param_shapes`, `randomized`. `randn` needs `jax_enable_x64`.
+  `param_shapes`, `randomized`. `randn` needs `jax_enable_x64`;
+* `stale_schedule`: SP-NGD's refresh steps of a factor, written out
+  (test_stale, test_tensor_parallel).
 """
 
 from __future__ import annotations
@@ -172,3 +174,31 @@ def randomized(tree, seed=7):
   return jax.tree_util.tree_unflatten(treedef, [
       jax.random.normal(k, jnp.shape(leaf), jnp.result_type(leaf))
       for k, leaf in zip(keys, leaves)])
+
+
+def stale_schedule(sequences, alpha: float) -> list[int]:
+  """SP-NGD's Algorithms 1-2 written out for one factor held by one or several
+  model shards, shard m fed `sequences[m][t]` at step t (factor_decay 0: a
+  refreshed value is the statistic itself); a refreshed value counts as
+  similar to an earlier one only where it is on every shard. The steps at
+  which the factor is refreshed."""
+  t_next, d1, d2, history, refreshed = 0, 1, 1, [], []
+  for t in range(len(sequences[0])):
+    if t != t_next:
+      continue
+    refreshed.append(t)
+    now = [seq[t] for seq in sequences]
+
+    def similar(before):
+      return all(np.linalg.norm(x - y) / np.linalg.norm(y) < alpha
+                 for x, y in zip(now, before))
+    if not history or not similar(history[-1]):
+      d = max(1, d1 // 2)
+    elif len(history) < 2 or not similar(history[-2]):
+      d = d1
+    else:
+      d = d1 + d2
+    d1, d2 = d, d1
+    t_next = t + d
+    history.append(now)
+  return refreshed

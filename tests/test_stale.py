@@ -22,24 +22,7 @@ ALPHA = 0.1
 def _oracle_schedule(sequence, alpha=ALPHA):
   """Algorithms 1-2 written out for one factor fed `sequence[t]` at step t
   (factor_decay 0: the refreshed value is the statistic itself)."""
-  t_next, d1, d2, history, refreshed = 0, 1, 1, [], []
-  for t, x in enumerate(sequence):
-    if t != t_next:
-      continue
-    refreshed.append(t)
-
-    def similar(y):
-      return np.linalg.norm(x - y) / np.linalg.norm(y) < alpha
-    if not history or not similar(history[-1]):
-      d = max(1, d1 // 2)
-    elif len(history) < 2 or not similar(history[-2]):
-      d = d1
-    else:
-      d = d1 + d2
-    d1, d2 = d, d1
-    t_next = t + d
-    history.append(x)
-  return refreshed
+  return helpers.stale_schedule([sequence], alpha)
 
 
 def _layer():

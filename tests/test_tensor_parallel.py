@@ -252,32 +252,6 @@ def test_convert_state_between_strategies_continues():
     kd.convert_state(state, other_specs)
 
 
-def _schedule_of_all(sequences, alpha):
-  """SP-NGD's Algorithms 1-2 for one factor held by several model shards,
-  shard m fed `sequences[m][t]` at step t (factor_decay 0): a refreshed value
-  counts as similar to an earlier one only where it is on every shard."""
-  t_next, d1, d2, history, refreshed = 0, 1, 1, [], []
-  for t in range(len(sequences[0])):
-    if t != t_next:
-      continue
-    refreshed.append(t)
-    now = [seq[t] for seq in sequences]
-
-    def similar(before):
-      return all(np.linalg.norm(x - y) / np.linalg.norm(y) < alpha
-                 for x, y in zip(now, before))
-    if not history or not similar(history[-1]):
-      d = max(1, d1 // 2)
-    elif len(history) < 2 or not similar(history[-2]):
-      d = d1
-    else:
-      d = d1 + d2
-    d1, d2 = d, d1
-    t_next = t + d
-    history.append(now)
-  return refreshed
-
-
 def test_stale_statistics_keep_one_schedule_on_every_model_shard():
   """A column-parallel layer fed hand-made statistics, shard m's own: its `A`
   stays put, then jumps at step 12 + 4m; its `G` drifts by 2 + 2m % per step.
@@ -321,7 +295,8 @@ def test_stale_statistics_keep_one_schedule_on_every_model_shard():
         if after[m][f] > before[m][f]:
           refreshed[m][key].append(t)
     before = after
-  want = {"A": _schedule_of_all(a_seq, alpha), "G": _schedule_of_all(g_seq, alpha)}
+  want = {key: helpers.stale_schedule(seq, alpha) for key, seq in (("A", a_seq),
+                                                                     ("G", g_seq))}
   state = jax.device_get(state)
   for m in range(M):
     assert refreshed[m] == want, f"shard {m}"
@@ -329,8 +304,8 @@ def test_stale_statistics_keep_one_schedule_on_every_model_shard():
     for key, seq in (("A", a_seq), ("G", g_seq)):
       np.testing.assert_allclose(factors[key], seq[m][want[key][-1]], rtol=1e-6)
   # The rule of one shard alone would have refreshed on other steps.
-  assert any(_schedule_of_all([a_seq[m]], alpha) != want["A"] for m in range(M))
-  assert any(_schedule_of_all([g_seq[m]], alpha) != want["G"] for m in range(M))
+  assert any(helpers.stale_schedule([a_seq[m]], alpha) != want["A"] for m in range(M))
+  assert any(helpers.stale_schedule([g_seq[m]], alpha) != want["G"] for m in range(M))
 
 
 def _stale(layers, dist=None):

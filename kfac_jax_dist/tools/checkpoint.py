@@ -408,9 +408,7 @@ def convert_state(state: Any, template: Any) -> Any:
     return _convert_model_sharded(state, template)
   leaves, treedef = jax.tree_util.tree_flatten(state, is_leaf=_is_state)
   targets, target_def = jax.tree_util.tree_flatten(template, is_leaf=_is_state)
-  if treedef != target_def:
-    raise ValueError(f"convert_state: the state and the template are different optax "
-                     f"states:\n{treedef}\nvs\n{target_def}")
+  _check_same_structure(treedef, target_def)
   out = []
   for leaf, target in zip(leaves, targets):
     if _is_kfac(target):
@@ -429,6 +427,12 @@ def convert_state(state: Any, template: Any) -> Any:
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
+def _check_same_structure(treedef: Any, target_def: Any) -> None:
+  if treedef != target_def:
+    raise ValueError(f"convert_state: the state and the template are different optax "
+                     f"states:\n{treedef}\nvs\n{target_def}")
+
+
 def _convert_model_sharded(state: Any, template: Any) -> Any:
   """Tensor-parallel states (`model_axis`): each model shard's single-axis
   state converted on its own (`model_shard`, then `stack_shards`), between
@@ -436,9 +440,7 @@ def _convert_model_sharded(state: Any, template: Any) -> Any:
   is_sharded = lambda x: isinstance(x, tensor_parallel.ModelShardedState)
   olds, treedef = jax.tree_util.tree_flatten(state, is_leaf=is_sharded)
   news, target_def = jax.tree_util.tree_flatten(template, is_leaf=is_sharded)
-  if treedef != target_def:
-    raise ValueError(f"convert_state: the state and the template are different optax "
-                     f"states:\n{treedef}\nvs\n{target_def}")
+  _check_same_structure(treedef, target_def)
   out = []
   for old, new in zip(olds, news):
     if not is_sharded(new):
