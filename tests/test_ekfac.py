@@ -180,6 +180,7 @@ def test_updates_equal_the_dense_solve_in_the_basis(name):
   _check_five_steps(loss_fn, params, x, y, layers, update, tx.init(params))
 
 
+@pytest.mark.slow     # (version-independent logic: the oldest-jax run skips it)
 def test_dp_kfac_local_eigenbases_and_the_global_scaling():
   """DP-KFAC (factor_reduction="local", one owner per device): each layer's
   eigenbases are those of its owner's local factors (its 3 examples), `S` is
