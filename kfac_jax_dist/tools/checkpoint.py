@@ -450,8 +450,11 @@ def _convert_model_sharded(state: Any, template: Any) -> Any:
       raise ValueError("convert_state moves a tensor-parallel state between strategies "
                        "over the data axis only: the state and the template need the "
                        "same model axes, sizes and param_specs.")
-    shards = [convert_state(tensor_parallel.model_shard(old, i),
-                            tensor_parallel.model_shard(new, i))
+    # shards read on the host once (no per-shard device splits and placements:
+    # the stacked result is placed like the template below)
+    old_host, new_host = jax.device_get((old, new))
+    shards = [convert_state(tensor_parallel.model_shard(old_host, i),
+                            tensor_parallel.model_shard(new_host, i))
               for i in range(new.sharding.size)]
     value = dataclasses.replace(new, inner=tensor_parallel.stack_shards(shards))
     out.append(jax.tree_util.tree_map(_place_like, value, new))
