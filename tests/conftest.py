@@ -8,6 +8,11 @@ LLVM optimisation (`--xla_backend_optimization_level=0`; the results differ
 by float rounding only), so that is the default here unless XLA_FLAGS sets a
 level (.ci/run reruns the single-device oracles at the default level 3).
 
+Tests marked `slow` (more strategies, layer kinds and meshes of cases that
+already run in the default selection) run only with `--slow`: `pytest -q`
+is the README's and CI's command, `pytest -q --slow` the whole suite (about
+twice as long).
+
 pytest-xdist's `-n auto` (pyproject.toml) runs one worker per core, at most 4:
 each worker is a jax process with 8 virtual devices, and the tests are
 compile-bound, so more workers than cores only add memory.
@@ -30,6 +35,21 @@ def pytest_xdist_auto_num_workers(config):
 
 
 import pytest  # noqa: E402  (after the XLA flags)
+
+
+def pytest_addoption(parser):
+  parser.addoption("--slow", action="store_true",
+                   help="also run the tests marked slow (the whole suite)")
+
+
+def pytest_collection_modifyitems(config, items):
+  """Deselects the slow tests unless `--slow` is given or `-m` names them."""
+  if config.getoption("--slow") or "slow" in (config.option.markexpr or ""):
+    return
+  slow = [item for item in items if item.get_closest_marker("slow")]
+  if slow:
+    config.hook.pytest_deselected(items=slow)
+    items[:] = [item for item in items if not item.get_closest_marker("slow")]
 
 
 @pytest.fixture(scope="module")

@@ -309,7 +309,7 @@ def _unrolled_loss(params, x, y):
       kd.tags.dense(h, params["out"]["kernel"], name="out"), y)
 
 
-@pytest.mark.slow          # newest-jax phase only (CI time)
+@pytest.mark.slow          # (CI time: test_ekfac's adaptive scanned case covers it)
 def test_scanned_layers_equal_the_unrolled_model():
   keys = jax.random.split(jax.random.PRNGKey(3), 2)
   stacked = {"blocks": {"kernel": 0.4 * jax.random.normal(keys[0], (3, 5, 5), jnp.float64),

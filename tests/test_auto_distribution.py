@@ -27,9 +27,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import _common as C  # noqa: E402  pylint: disable=wrong-import-position
 import layout_balance  # noqa: E402  pylint: disable=wrong-import-position
 
-# The cost model and its search are version-independent: the newest-jax phase
-# of CI runs them, the jax-0.8 phase (`-m "not slow"`, ~90 s of compiles) not.
-pytestmark = pytest.mark.slow
 
 FE, IE = 10, 100
 F32 = 4

@@ -211,7 +211,7 @@ def test_api_md_documents_the_signature(qualname, obj):
       f"docs/api.md: {documented}\ncode: {name}{inspect.signature(obj)}")
 
 
-@pytest.mark.slow          # (newest jax only in CI: the jax-0.8 phase is kept short)
+@pytest.mark.slow          # (.ci/run runs it on the oldest jax)
 def test_api_md_examples_run(tmp_path):
   """The page's python blocks, in order, in one fresh interpreter (8 CPU
   devices, as its Distribution example assumes; its checkpoint goes to

@@ -180,7 +180,7 @@ def test_updates_equal_the_dense_solve_in_the_basis(name):
   _check_five_steps(loss_fn, params, x, y, layers, update, tx.init(params))
 
 
-@pytest.mark.slow     # (version-independent logic: the oldest-jax run skips it)
+@pytest.mark.slow     # (CI time: test_mesh3d's DP-KFAC case checks owners' local factors)
 def test_dp_kfac_local_eigenbases_and_the_global_scaling():
   """DP-KFAC (factor_reduction="local", one owner per device): each layer's
   eigenbases are those of its owner's local factors (its 3 examples), `S` is
@@ -316,8 +316,8 @@ class _Unrolled(nn.Module):
     return kd.linen.Dense(4, param_dtype=jnp.float64)(x)
 
 
-# (slow: the newest-jax phase of .ci/run only, for CI time; on jax 0.8
-# test_scan covers scanned layers and this module EK-FAC)
+# (slow, for CI time: test_scan covers scanned layers and this module EK-FAC;
+# .ci/run runs the adaptive case on the oldest jax)
 @pytest.mark.slow
 @pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
 def test_scanned_layers_equal_unrolled(adaptive):

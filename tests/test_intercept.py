@@ -27,8 +27,9 @@ import helpers
 from helpers import compile_step
 
 pytestmark = pytest.mark.usefixtures("x64_module")
-# The jax-0.8 CI phase runs the not-slow subset: one device for both APIs, the
-# linen CNN on 8 devices; every other case runs on the newest jax.
+# The default selection (not slow): one device for both APIs, the linen CNN on
+# 8 devices; `--slow` adds the other models (.ci/run runs the NNX scanned model
+# on the oldest jax).
 SLOW = pytest.mark.slow
 
 F64 = jnp.float64
@@ -181,7 +182,7 @@ def test_without_interception_plain_layers_are_not_captured():
 
 
 # The interception does not depend on the owner groups: the CNN runs at both
-# fractions (COMM-OPT on jax 0.8 too), the other models at one each.
+# fractions (COMM-OPT by default), the other models at one each.
 @pytest.mark.parametrize("name,fraction", [
     ("cnn", 1.0), pytest.param("cnn", 1 / 8, marks=SLOW),
     pytest.param("transformer", 1 / 8, marks=SLOW),

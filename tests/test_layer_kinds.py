@@ -229,8 +229,8 @@ def _strategies():
     yield pytest.param(fraction, reduction, id=f"{name}-{reduction}")
 
 
-# (slow: the newest-jax phase of .ci/run only, for CI time; on jax 0.8 the
-# transformer's layer kinds run on 8 devices in test_dp_kfac_trains)
+# (slow, for CI time: by default the transformer's layer kinds run on 8
+# devices in test_dp_kfac_trains)
 @pytest.mark.slow
 @pytest.mark.parametrize("fraction,factor_reduction", list(_strategies()))
 @pytest.mark.parametrize("problem", [_lm_problem, _bn_problem], ids=["transformer", "bn_resnet"])

@@ -208,7 +208,7 @@ def test_ekfac_tensor_parallel_equals_block_model(fraction):
                                  err_msg=f"shard {i} {name}")
 
 
-@pytest.mark.slow     # (host-side conversion: the oldest-jax run skips it)
+@pytest.mark.slow     # (.ci/run runs it on the oldest jax)
 def test_convert_state_between_strategies_continues():
   """Two steps under COMM-OPT, `kd.convert_state` to MEM-OPT (each model
   shard's state moved on its own: factors, eigenbases, counters), five more:
