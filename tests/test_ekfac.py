@@ -111,11 +111,11 @@ def test_corrected_scaling_equals_per_example_brute_force(name):
   layers = grad_fn.discover(params, x, y)
   tx = kd.scale_by_kfac(layers, damping=LAMBDA, factor_dtype=jnp.float64,
                         eigenvalue_correction="ekfac")
-  state = tx.init(params)
+  state, statistics, update = tx.init(params), jax.jit(grad_fn), jax.jit(tx.update)
   for step in range(2):
-    _, grads, stats = grad_fn(params, *_batch(x, y, step), opt_state=state)
-    _, state = tx.update(grads, state, kfac_stats=stats)
-  _, _, stats = grad_fn(params, x, y, opt_state=state)
+    _, grads, stats = statistics(params, *_batch(x, y, step), opt_state=state)
+    _, state = update(grads, state, kfac_stats=stats)
+  _, _, stats = statistics(params, x, y, opt_state=state)
   per_example = _per_example_gradients(loss_fn, params, x, y)
   for layer in layers:
     qa, qg = state.correction_bases(layer.name)
@@ -273,13 +273,13 @@ def test_non_finite_statistic_skips_and_convert_state_keeps_the_scaling():
   layers = grad_fn.discover(params, x, y)
   tx = kd.scale_by_kfac(layers, damping=LAMBDA, factor_dtype=jnp.float64,
                         inverse_update_every=3, eigenvalue_correction="ekfac")
-  state = tx.init(params)
+  state, statistics, update = tx.init(params), jax.jit(grad_fn), jax.jit(tx.update)
   for i in range(2):
-    _, grads, stats = grad_fn(params, *_batch(x, y, i), opt_state=state)
-    _, state = tx.update(grads, state, kfac_stats=stats)
+    _, grads, stats = statistics(params, *_batch(x, y, i), opt_state=state)
+    _, state = update(grads, state, kfac_stats=stats)
   bad = x.at[0, 0, 0, 0].set(jnp.nan)
-  _, grads, stats = grad_fn(params, bad, y, opt_state=state)
-  _, skipped = tx.update(grads, state, kfac_stats=stats)
+  _, grads, stats = statistics(params, bad, y, opt_state=state)
+  _, skipped = update(grads, state, kfac_stats=stats)
   assert int(skipped.skipped) == 1
   np.testing.assert_array_equal(np.asarray(skipped.correction.scaling),
                                 np.asarray(state.correction.scaling))
@@ -389,10 +389,10 @@ def test_checkpoint_round_trip(tmp_path):
   grad_fn = kd.value_and_grad(loss_fn)
   tx = kd.kfac(0.1, layers=grad_fn.discover(params, x, y), factor_dtype=jnp.float64,
                eigenvalue_correction="ekfac")
-  state = tx.init(params)
+  state, statistics, update = tx.init(params), jax.jit(grad_fn), jax.jit(tx.update)
   for i in range(2):
-    _, grads, stats = grad_fn(params, *_batch(x, y, i), opt_state=state)
-    _, state = tx.update(grads, state, params, kfac_stats=stats)
+    _, grads, stats = statistics(params, *_batch(x, y, i), opt_state=state)
+    _, state = update(grads, state, params, kfac_stats=stats)
   kd.save_checkpoint(tmp_path / "ekfac", state)
   restored = kd.restore_checkpoint(tmp_path / "ekfac", tx.init(params))
   for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
