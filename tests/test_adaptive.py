@@ -102,11 +102,11 @@ def test_first_two_updates_solve_the_quadratic_model(momentum):
   update, both against the dense solve (≤ 1e-10). With the momentum fixed at
   0 (one tangent pass), α alone on every step."""
   tx, params = _tx(momentum=momentum), _params()
-  state = tx.init(params)
+  state, statistics, update = tx.init(params), jax.jit(GRAD_FN), jax.jit(tx.update)
   velocity = None
   for step in range(2):
     x, y = _batch(step)
-    _, grads, stats = GRAD_FN(params, x, y, opt_state=state)
+    _, grads, stats = statistics(params, x, y, opt_state=state)
     inner = _adaptive_state(state)
     g, delta = _kfac_direction(params, inner, grads, stats)
     c = _dense_ggn(params, x, y) + (WD + LAMBDA) * np.eye(g.size)
@@ -117,7 +117,7 @@ def test_first_two_updates_solve_the_quadratic_model(momentum):
       v = np.stack([delta, velocity])
       w = -np.linalg.solve(v @ c @ v.T, v @ g)
       want = w @ v
-    updates, state = tx.update(grads, state, params, kfac_stats=stats, kfac_batch=(x, y))
+    updates, state = update(grads, state, params, kfac_stats=stats, kfac_batch=(x, y))
     got = _flat(updates)
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12 * np.abs(want).max(),
                                err_msg=f"step {step}")
