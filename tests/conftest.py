@@ -8,10 +8,11 @@ LLVM optimisation (`--xla_backend_optimization_level=0`; the results differ
 by float rounding only), so that is the default here unless XLA_FLAGS sets a
 level (.ci/run reruns the single-device oracles at the default level 3).
 
-Tests marked `slow` (more strategies, layer kinds and meshes of cases that
-already run in the default selection) run only with `--slow`: `pytest -q`
-is the README's and CI's command, `pytest -q --slow` the whole suite (about
-twice as long).
+Tests marked `slow` run only with `--slow`: more strategies, layer kinds and
+meshes of cases that the default selection has, and the longer end-to-end
+checks (examples, notebooks, docs/api.md's code). `pytest -q` is the README's
+and CI's command, `pytest -q --slow` the whole suite (about twice as long);
+.ci/run also runs one slow case of each kind on the oldest jax.
 
 pytest-xdist's `-n auto` (pyproject.toml) runs one worker per core, at most 4:
 each worker is a jax process with 8 virtual devices, and the tests are
