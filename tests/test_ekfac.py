@@ -83,6 +83,12 @@ def _per_example_gradients(loss_fn, params, x, y) -> dict:
   return _by_path(grads)
 
 
+def _jitted_start(tx, grad_fn, params):
+  """`tx`'s initial state and jitted `grad_fn` and `tx.update` (one program
+  each instead of every op compiled alone)."""
+  return tx.init(params), jax.jit(grad_fn), jax.jit(tx.update)
+
+
 def _by_path(tree) -> dict:
   return {registry.path_str(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
@@ -111,7 +117,7 @@ def test_corrected_scaling_equals_per_example_brute_force(name):
   layers = grad_fn.discover(params, x, y)
   tx = kd.scale_by_kfac(layers, damping=LAMBDA, factor_dtype=jnp.float64,
                         eigenvalue_correction="ekfac")
-  state, statistics, update = tx.init(params), jax.jit(grad_fn), jax.jit(tx.update)
+  state, statistics, update = _jitted_start(tx, grad_fn, params)
   for step in range(2):
     _, grads, stats = statistics(params, *_batch(x, y, step), opt_state=state)
     _, state = update(grads, state, kfac_stats=stats)
@@ -180,7 +186,7 @@ def test_updates_equal_the_dense_solve_in_the_basis(name):
   _check_five_steps(loss_fn, params, x, y, layers, update, tx.init(params))
 
 
-@pytest.mark.slow     # (CI time: test_mesh3d's DP-KFAC case checks owners' local factors)
+@pytest.mark.slow     # (CI time; K-FAC's DP-KFAC local factors are checked by default elsewhere)
 def test_dp_kfac_local_eigenbases_and_the_global_scaling():
   """DP-KFAC (factor_reduction="local", one owner per device): each layer's
   eigenbases are those of its owner's local factors (its 3 examples), `S` is
@@ -273,7 +279,7 @@ def test_non_finite_statistic_skips_and_convert_state_keeps_the_scaling():
   layers = grad_fn.discover(params, x, y)
   tx = kd.scale_by_kfac(layers, damping=LAMBDA, factor_dtype=jnp.float64,
                         inverse_update_every=3, eigenvalue_correction="ekfac")
-  state, statistics, update = tx.init(params), jax.jit(grad_fn), jax.jit(tx.update)
+  state, statistics, update = _jitted_start(tx, grad_fn, params)
   for i in range(2):
     _, grads, stats = statistics(params, *_batch(x, y, i), opt_state=state)
     _, state = update(grads, state, kfac_stats=stats)
@@ -389,7 +395,7 @@ def test_checkpoint_round_trip(tmp_path):
   grad_fn = kd.value_and_grad(loss_fn)
   tx = kd.kfac(0.1, layers=grad_fn.discover(params, x, y), factor_dtype=jnp.float64,
                eigenvalue_correction="ekfac")
-  state, statistics, update = tx.init(params), jax.jit(grad_fn), jax.jit(tx.update)
+  state, statistics, update = _jitted_start(tx, grad_fn, params)
   for i in range(2):
     _, grads, stats = statistics(params, *_batch(x, y, i), opt_state=state)
     _, state = update(grads, state, params, kfac_stats=stats)
