@@ -365,18 +365,8 @@ class ValueAndGrad:
                loss_scale, compute_stats) -> tuple:
     """(value, grads, stats, n) with the statistics where `compute_stats` (a
     Python bool, or a traced one that each tag's backward pass reads)."""
-    layers, carriers = discovered.layers, discovered.carriers
-    probes = {}
-    for layer in layers:
-      # The forms the optimizer uses (its first block's, for a stacked layer:
-      # every block has the same forms); None: skipped, no statistics.
-      forms = ((factors.FULL, factors.FULL) if state is None
-               else state.statistic_forms(layer.blocks()[0].name))
-      if forms is not None:
-        dtype = discovered.stats_dtypes.get(layer.name, jnp.float32)
-        probes[layer.name] = _probes(layer, forms, dtype,
-                                     layer.name in discovered.repeats) | _correction_probes(
-            layer, state, dtype)
+    carriers = discovered.carriers
+    probes = _all_probes(discovered, state)
     # Inside shard_map the statistics vary with the local batch: so must the
     # probes. Parameters are made varying too, so that the gradients are the
     # local ones (autodiff would otherwise psum the gradient of a replicated
@@ -417,18 +407,40 @@ class ValueAndGrad:
       grads = jax.tree_util.tree_map(lambda g: (g * inv.astype(g.dtype)).astype(g.dtype),
                                      grads)
       g_scale = n * inv * inv
-    # Each statistic keeps the dtype of its layer's (`factors.statistics_dtype`).
-    stats = {name: {key: (value * g_scale).astype(value.dtype)
-                    if key in factors.SCALED_BY_NUM_EXAMPLES
-                    else value for key, value in layer_stats.items()
-                    if key not in factors.BASES + (factors.RUNS,)}
-             for name, layer_stats in probe_bar.items()}
-    for name, layer_stats in probe_bar.items():      # A: the mean over the runs
-      if factors.RUNS in layer_stats:
-        stats[name]["A"] = factors.per_run_mean(stats[name]["A"],
-                                                layer_stats[factors.RUNS])
     value = (loss, aux) if self.has_aux else loss
-    return value, grads, stats, n
+    return value, grads, _statistics(probe_bar, g_scale), n
+
+
+def _all_probes(discovered: "_Discovered", state: Any) -> dict:
+  """Layer name -> its zero probes, for every layer the optimizer `state`
+  preconditions (all, without a state), in the forms it uses (its first
+  block's, for a stacked layer: every block has the same forms)."""
+  probes = {}
+  for layer in discovered.layers:
+    forms = ((factors.FULL, factors.FULL) if state is None
+             else state.statistic_forms(layer.blocks()[0].name))
+    if forms is not None:           # None: skipped, no statistics
+      dtype = discovered.stats_dtypes.get(layer.name, jnp.float32)
+      probes[layer.name] = _probes(layer, forms, dtype, layer.name in discovered.repeats
+                                   ) | _correction_probes(layer, state, dtype)
+  return probes
+
+
+def _statistics(probe_bar: dict, g_scale: Any) -> dict:
+  """The statistics from the probes' cotangents: those built from output
+  cotangents (`factors.SCALED_BY_NUM_EXAMPLES`, cotangents of the mean loss)
+  times `g_scale` (the number of examples, divided by the loss scale
+  squared), `A` the mean over a repeated layer's runs, EK-FAC's bases and the
+  run counts dropped. Each keeps its layer's dtype (`factors.statistics_dtype`)."""
+  stats = {name: {key: (value * g_scale).astype(value.dtype)
+                  if key in factors.SCALED_BY_NUM_EXAMPLES
+                  else value for key, value in layer_stats.items()
+                  if key not in factors.BASES + (factors.RUNS,)}
+           for name, layer_stats in probe_bar.items()}
+  for name, layer_stats in probe_bar.items():
+    if factors.RUNS in layer_stats:
+      stats[name]["A"] = factors.per_run_mean(stats[name]["A"], layer_stats[factors.RUNS])
+  return stats
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,87 +60,122 @@ def assign(items: Sequence, bins: int, cost: Callable[[Any], float],
   return whole
 
 
-def _place_run(run: Sequence[int], c: float, z: float, loads: list[list[float]],
-               put: Callable[[int, int, None], None]) -> None:
+class _Bins:
+  """The bins' loads while `_assign` fills them: per bin `[cost, size]`, each
+  relative to its ideal (`assign`), and the pieces it holds (item index →
+  `(lo, hi)` units, or None for the whole item)."""
+
+  def __init__(self, costs: list[float], sizes: list[float], counts: list[int],
+               bins: int):
+    self.costs, self.sizes, self.counts, self.bins = costs, sizes, counts, bins
+    self.ideal_cost = max([sum(costs) / bins] + costs) or 1.0
+    self.ideal_size = sum(sizes) / bins or 1.0
+    self.loads = [[0.0, 0.0] for _ in range(bins)]
+    self.held: list[dict] = [{} for _ in range(bins)]
+
+  def cost(self, i: int) -> float:
+    return self.costs[i] / self.ideal_cost
+
+  def size(self, i: int) -> float:
+    return self.sizes[i] / self.ideal_size
+
+  def put(self, b: int, i: int, rng: tuple[int, int] | None, sign: float = 1.0) -> None:
+    """Charge (`sign` 1) or refund (-1) bin `b` item `i`'s whole cost and
+    the size of its units `rng` (None: all)."""
+    n = self.counts[i]
+    share = 1.0 if rng is None else (rng[1] - rng[0]) / n
+    self.loads[b][0] += sign * self.costs[i] / self.ideal_cost
+    self.loads[b][1] += sign * share * self.sizes[i] / self.ideal_size
+    if sign > 0:
+      self.held[b][i] = None if rng is None or rng == (0, n) else rng
+    else:
+      del self.held[b][i]
+
+  def parts_of(self, i: int, max_parts: int) -> int:
+    """Pieces of item `i`: `⌈size / share⌉` when it splits and is larger than
+    the share, else 1."""
+    z, n = self.size(i), self.counts[i]
+    return min(self.bins, max_parts, n, math.ceil(z - 1e-9)) if n and z > 1 else 1
+
+
+def _place_run(run: Sequence[int], c: float, z: float, bins: _Bins) -> None:
   """Each of `run` (equal items, relative cost `c` and size `z`, none held
   yet) whole to the bin whose key `(max(cost + c, size + z), cost + c, bin)`
   is least, as `min` over the bins would choose, from a heap of those keys:
   `O(log bins)` per item instead of `O(bins)`."""
+  loads = bins.loads
   heap = [(max(cost + c, size + z), cost + c, j) for j, (cost, size) in enumerate(loads)]
   heapq.heapify(heap)
   for i in run:
     b = heapq.heappop(heap)[2]
-    put(b, i, None)
+    bins.put(b, i, None)
     heapq.heappush(heap, (max(loads[b][0] + c, loads[b][1] + z), loads[b][0] + c, b))
 
 
-def _assign(items, bins, cost, size, units, level, max_parts=None):
-  costs, sizes = [cost(x) for x in items], [size(x) for x in items]
-  counts = [units(x) for x in items]
-  max_parts = max_parts or bins
-  ideal_cost = max([sum(costs) / bins] + costs) or 1.0
-  ideal_size = sum(sizes) / bins or 1.0
-  loads = [[0.0, 0.0] for _ in range(bins)]
-  held: list[dict] = [{} for _ in range(bins)]      # item index -> range or None
-
-  def put(b: int, i: int, rng: tuple[int, int] | None, sign: float = 1.0) -> None:
-    n = counts[i]
-    share = 1.0 if rng is None else (rng[1] - rng[0]) / n
-    loads[b][0] += sign * costs[i] / ideal_cost
-    loads[b][1] += sign * share * sizes[i] / ideal_size
-    if sign > 0:
-      held[b][i] = None if rng is None or rng == (0, n) else rng
-    else:
-      del held[b][i]
-
-  def parts_of(i: int) -> int:
-    z, n = sizes[i] / ideal_size, counts[i]
-    return min(bins, max_parts, n, math.ceil(z - 1e-9)) if n and z > 1 else 1
+def _place(bins: _Bins, max_parts: int) -> None:
+  """The greedy pass: items by decreasing larger relative load, each whole
+  (or each of its pieces, to distinct bins) where the larger load grows least."""
+  loads, held = bins.loads, bins.held
 
   def kind(i: int) -> tuple:
-    return costs[i], sizes[i], counts[i], parts_of(i)
+    return bins.costs[i], bins.sizes[i], bins.counts[i], bins.parts_of(i, max_parts)
 
-  order = sorted(range(len(items)),
-                 key=lambda i: -max(costs[i] / ideal_cost, sizes[i] / ideal_size))
-  for (cost_i, size_i, n, parts), run in itertools.groupby(order, key=kind):
-    c, z = cost_i / ideal_cost, size_i / ideal_size
+  order = sorted(range(len(bins.costs)), key=lambda i: -max(bins.cost(i), bins.size(i)))
+  for (_, _, n, parts), run in itertools.groupby(order, key=kind):
     if parts == 1:          # equal whole items (Shampoo: 1e6 blocks): one heap
-      _place_run(list(run), c, z, loads, put)
+      run = list(run)
+      _place_run(run, bins.cost(run[0]), bins.size(run[0]), bins)
       continue
     for i in run:
+      c = bins.cost(i)
       for rng in _split(n, parts):
-        zk = z * (rng[1] - rng[0]) / n
-        b = min((j for j in range(bins) if i not in held[j]),
+        zk = bins.size(i) * (rng[1] - rng[0]) / n
+        b = min((j for j in range(bins.bins) if i not in held[j]),
                 key=lambda j: (max(loads[j][0] + c, loads[j][1] + zk), loads[j][0] + c, j))
-        put(b, i, rng)
+        bins.put(b, i, rng)
 
-  worst = max(load[0] for load in loads)
+
+def _hand_over(bins: _Bins, b: int, worst: float, max_parts: int) -> bool:
+  """Bin `b` hands the last units of its cheapest splittable piece that can
+  move to the emptiest bin that holds none of that item, stays within the
+  share and keeps its cost within `worst`; False if no piece can move."""
+  loads, held = bins.loads, bins.held
+  for i in sorted((i for i in held[b] if bins.counts[i]), key=lambda i: (bins.costs[i], i)):
+    n = bins.counts[i]
+    lo, hi = held[b][i] or (0, n)
+    per, c = bins.size(i) / n, bins.cost(i)
+    if sum(i in mine for mine in held) >= max_parts:
+      continue
+    targets = [j for j in range(bins.bins) if i not in held[j]
+               and loads[j][1] + per <= 1.0 and loads[j][0] + c <= worst + 1e-9]
+    if not targets:
+      continue
+    t = min(targets, key=lambda j: (loads[j][1], j))
+    move = min(hi - lo, math.ceil((loads[b][1] - 1.0) / per - 1e-9),
+               math.floor((1.0 - loads[t][1]) / per + 1e-9))
+    if move <= 0:
+      continue
+    bins.put(b, i, (lo, hi), -1.0)
+    if move < hi - lo:
+      bins.put(b, i, (lo, hi - move))
+    bins.put(t, i, (hi - move, hi))
+    return True
+  return False
+
+
+def _assign(items, bins: int, cost, size, units, level: float, max_parts=None):
+  """`assign`'s one pass at a given `units` (`lambda x: 0`: items whole):
+  the greedy placement, then, while the fullest bin is over `level`, units
+  handed over (`_hand_over`). Returns per bin `[(item, range)]` and the loads."""
+  state = _Bins([cost(x) for x in items], [size(x) for x in items],
+                [units(x) for x in items], bins)
+  max_parts = max_parts or bins
+  _place(state, max_parts)
+  worst = max(load[0] for load in state.loads)
   for _ in range(4 * bins + len(items)):
-    b = max(range(bins), key=lambda j: (loads[j][1], -j))
-    if loads[b][1] <= level:
-      break
-    for i in sorted((i for i in held[b] if counts[i]), key=lambda i: (costs[i], i)):
-      n = counts[i]
-      lo, hi = held[b][i] or (0, n)
-      per, c = sizes[i] / ideal_size / n, costs[i] / ideal_cost
-      if sum(i in mine for mine in held) >= max_parts:
-        continue
-      targets = [j for j in range(bins) if i not in held[j]
-                 and loads[j][1] + per <= 1.0 and loads[j][0] + c <= worst + 1e-9]
-      if not targets:
-        continue
-      t = min(targets, key=lambda j: (loads[j][1], j))
-      move = min(hi - lo, math.ceil((loads[b][1] - 1.0) / per - 1e-9),
-                 math.floor((1.0 - loads[t][1]) / per + 1e-9))
-      if move <= 0:
-        continue
-      put(b, i, (lo, hi), -1.0)
-      if move < hi - lo:
-        put(b, i, (lo, hi - move))
-      put(t, i, (hi - move, hi))
-      break
-    else:
-      break             # nothing movable: the fullest bin stays as it is
-  return [[(items[i], rng) for i, rng in mine.items()] for mine in held], loads
+    b = max(range(bins), key=lambda j: (state.loads[j][1], -j))
+    if state.loads[b][1] <= level or not _hand_over(state, b, worst, max_parts):
+      break               # balanced, or nothing movable: the fullest bin stays
+  return [[(items[i], rng) for i, rng in mine.items()] for mine in state.held], state.loads
 
 

@@ -271,6 +271,35 @@ def consumed_verdict(comm: collectives_lib.Collectives, state: ScaleByKfacState,
   return _agreed_finite(comm, [batch] + _corrected_statistics(state, stats))
 
 
+def _refreshed_stale_state(config: KfacConfig, comm: collectives_lib.Collectives,
+                           state: ScaleByKfacState, stats: factors.Stats | None,
+                           ok: jax.Array) -> tuple[ScaleByKfacState, jax.Array]:
+  """`refreshed_state` with stale statistics (`stale_threshold`): each factor
+  refreshed and decomposed on its own schedule (`stale_update`)."""
+  count, true = state.count, jnp.asarray(True)
+
+  def refreshed() -> tuple:
+    with jax.named_scope("kfac_factor_update"):
+      running, refresh, due = stale_update.refresh_due_factors(config, comm, state, stats)
+      # (the psum of the devices' verdicts on factor steps only; without
+      # one, no conditional: on a GPU each is a host round trip)
+      stats_ok = (lax.cond(state.update_factors,
+                           lambda: statistics_verdict(comm, state, stats), lambda: true)
+                  if comm.active else
+                  statistics_verdict(comm, state, stats) | ~state.update_factors)
+    with jax.named_scope("kfac_decomposition"):
+      second = stale_update.decompose_due_factors(config, comm, state, running, due)
+    return running, second, refresh, stats_ok
+  running, second, refresh, stats_ok = lax.cond(
+      ok, refreshed, lambda: (state.factors, state.second_order, state.refresh, true))
+  update_next = jnp.any(refresh.next_step <= count + 1)
+  if config.model_axes:     # the same on every model shard (one schedule), so typed
+    update_next = lax.pmax(update_next.astype(jnp.int32), config.model_axes) > 0
+  return dataclasses.replace(
+      state, count=count + 1, factors=running, second_order=second, refresh=refresh,
+      update_factors=update_next), stats_ok
+
+
 def refreshed_state(config: KfacConfig, comm: collectives_lib.Collectives,
                     state: ScaleByKfacState, stats: factors.Stats | None, ok: jax.Array,
                     gamma: jax.Array) -> tuple[ScaleByKfacState, jax.Array]:
@@ -278,29 +307,9 @@ def refreshed_state(config: KfacConfig, comm: collectives_lib.Collectives,
   a faulty step), and whether the statistics a factor step consumed were
   finite (True on other steps; if not, the step is faulty and the caller
   keeps the old state). Named scopes mark each cadence's work in the HLO."""
-  count, true = state.count, jnp.asarray(True)
   if config.stale_threshold is not None:
-    def refreshed() -> tuple:
-      with jax.named_scope("kfac_factor_update"):
-        running, refresh, due = stale_update.refresh_due_factors(config, comm, state,
-                                                                 stats)
-        # (the psum of the devices' verdicts on factor steps only; without
-        # one, no conditional: on a GPU each is a host round trip)
-        stats_ok = (lax.cond(state.update_factors,
-                             lambda: statistics_verdict(comm, state, stats), lambda: true)
-                    if comm.active else
-                    statistics_verdict(comm, state, stats) | ~state.update_factors)
-      with jax.named_scope("kfac_decomposition"):
-        second = stale_update.decompose_due_factors(config, comm, state, running, due)
-      return running, second, refresh, stats_ok
-    running, second, refresh, stats_ok = lax.cond(
-        ok, refreshed, lambda: (state.factors, state.second_order, state.refresh, true))
-    update_next = jnp.any(refresh.next_step <= count + 1)
-    if config.model_axes:     # the same on every model shard (one schedule), so typed
-      update_next = lax.pmax(update_next.astype(jnp.int32), config.model_axes) > 0
-    return dataclasses.replace(
-        state, count=count + 1, factors=running, second_order=second, refresh=refresh,
-        update_factors=update_next), stats_ok
+    return _refreshed_stale_state(config, comm, state, stats, ok)
+  count, true = state.count, jnp.asarray(True)
   decompose_now = cadence.due(config.inverse_update_every, count) & ok
   update_now = (state.update_factors & ok) if stats is not None else jnp.asarray(False)
   # Work due at every step (an every of 1) runs without a conditional
