@@ -274,8 +274,9 @@ def read_parts(second: jax.Array, base_of, place: layout_lib.FactorPlace):
   """`(matrix, vector)` of a factor, its column slices (`place` and its
   `copies`, each at `base_of(slice)`) put together; None where it has none."""
   slices = (place,) + place.copies
-  matrix = (None if place.matrix_offset is None else jnp.concatenate(
+  xp = np if isinstance(second, np.ndarray) else jnp
+  matrix = (None if place.matrix_offset is None else xp.concatenate(
       [read_matrix(second, base_of(q), q) for q in slices], axis=1))
-  vector = (None if place.vector_offset is None else jnp.concatenate(
+  vector = (None if place.vector_offset is None else xp.concatenate(
       [read_vector(second, base_of(q), q) for q in slices], axis=0))
   return matrix, vector

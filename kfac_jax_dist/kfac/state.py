@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from kfac_jax_dist.capture import statistics
@@ -125,23 +126,26 @@ def second_order_base(lay: layout_lib.Layout, owner: int) -> int:
   return ((owner // m) * m * m + owner % m) * lay.second_segment
 
 
-def on_one_device(x: jax.Array) -> jax.Array:
-  """A concrete array sharded over several local devices, copied to one: the
-  readers below slice it once per factor, and each eager slice of a
-  multi-device array is an SPMD program of its own (slow, and where XLA's CPU
-  runtime has aborted under load, three times in CI). Traced arrays and
-  arrays of several processes stay as they are."""
-  if (isinstance(x, jax.core.Tracer) or not getattr(x, "is_fully_addressable", False)
-      or len(x.sharding.device_set) == 1):
-    return x
-  return jax.device_put(x, jax.local_devices()[0])
+def _on_host(x: Any) -> tuple[Any, Any]:
+  """`(x, back)`: a concrete array of this process as numpy, which the
+  readers below slice once per factor (each eager slice of a device array is
+  a program of its own: a compile per factor shape, and of a multi-device
+  array an SPMD program, where XLA's CPU runtime has aborted under load), and
+  `back`, which makes a result of a device array one again. Traced arrays
+  and arrays of several processes stay as they are."""
+  if isinstance(x, jax.core.Tracer) or (isinstance(x, jax.Array)
+                                        and not x.is_fully_addressable):
+    return x, lambda tree: tree
+  back = ((lambda tree: jax.tree_util.tree_map(jnp.asarray, tree))
+          if isinstance(x, jax.Array) else (lambda tree: tree))
+  return np.asarray(x), back
 
 
 def running_factors(state: ScaleByKfacState) -> dict[str, dict[str, jax.Array]]:
   """`{layer: {"A": A, "G": G}}` (`{"F": F}`, `[C, 3]`, for a unit-wise layer)
   of a global (not per-device) state; diagonal factors come back as their
   diagonal."""
-  lay, running = state.layout, on_one_device(state.factors)
+  lay, (running, back) = state.layout, _on_host(state.factors)
   out = {}
   for plan in lay.plans:
     out[plan.layer.name] = {}
@@ -158,7 +162,7 @@ def running_factors(state: ScaleByKfacState) -> dict[str, dict[str, jax.Array]]:
       else:
         value = flat.reshape(place.dim, place.dim)
       out[plan.layer.name][which.upper()] = value
-  return out
+  return back(out)
 
 
 def second_order_parts(state: ScaleByKfacState
@@ -167,11 +171,11 @@ def second_order_parts(state: ScaleByKfacState
   state: eigenbasis and eigenvalues ("eigen") or damped inverse ("inverse"),
   `None` where a factor has no such part (diagonal and unit-wise factors keep
   only a vector, `[d]` or `[d, 3]`)."""
-  lay, second = state.layout, on_one_device(state.second_order)
+  lay, (second, back) = state.layout, _on_host(state.second_order)
   out = {}
   for plan in lay.plans:
     out[plan.layer.name] = {}
     for which, place in plan.places:
       out[plan.layer.name][which.upper()] = packing.read_parts(
           second, lambda q: second_order_base(lay, q.owner), place)
-  return out
+  return back(out)

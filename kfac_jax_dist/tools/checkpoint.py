@@ -285,12 +285,12 @@ def _convert_kfac(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfacState
   running = kfac_lib.running_factors(old)
   factors = packing.all_segments(
       lay, lambda plan, which: running[plan.layer.name][which.upper()],
-      new.factors.dtype)
+      new.factors.dtype, np)
   parts = kfac_lib.second_order_parts(old)
   dtype = new.second_order.dtype
   segments = []
   for device in range(lay.num_devices):
-    segment = np.array(packing.second_order_segment(lay, device, dtype))
+    segment = packing.second_order_segment(lay, device, dtype, np)
     for place, plan, which in lay.owned(device):
       matrix, vector = parts[plan.layer.name][which.upper()]
       lo, hi = place.columns or (0, place.dim)     # a split factor's columns
@@ -301,12 +301,13 @@ def _convert_kfac(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfacState
         vector = np.asarray(vector)
         vector = (vector if place.form == factors_lib.UNIT else vector[lo:hi]).reshape(-1)
         segment[place.vector_offset:place.vector_offset + vector.size] = vector
-    segments.append(jnp.asarray(segment))
+    segments.append(segment)
   return kfac_lib.ScaleByKfacState(
       count=jnp.asarray(old.count, new.count.dtype),
       factor_weight=jnp.asarray(old.factor_weight, new.factor_weight.dtype),
       update_factors=jnp.asarray(old.update_factors, new.update_factors.dtype),
-      factors=factors, second_order=kfac_lib.global_second_order(lay, segments),
+      factors=jnp.asarray(factors),
+      second_order=jnp.asarray(kfac_lib.global_second_order(lay, segments, np)),
       skipped=jnp.asarray(old.skipped, new.skipped.dtype), layout=lay,
       correction=_convert_correction(old, new))
 
