@@ -1,6 +1,8 @@
 """Training-loop features: micro-batch accumulation, loss scaling, mixed precision."""
 
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -154,3 +156,55 @@ def test_bfloat16_params_and_activations_keep_float32_factors():
   assert all(u.dtype == jnp.bfloat16 for u in jax.tree.leaves(updates))
   assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(params))
   assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+
+
+def _training_step(kind, loss_fn, params, tokens, mask):
+  """`(tx, step(params, state, tokens, mask) -> (params, state))` of `kind`:
+  K-FAC (amortised cadence), adaptive K-FAC, Shampoo, or K-FAC under MEM-OPT
+  on 8 devices (the step's `Distribution`, else None, third)."""
+  grad_fn = kd.value_and_grad(loss_fn)
+  layers = grad_fn.discover(params, tokens, mask)
+  dist = None
+  if kind == "shampoo":
+    tx = kd.shampoo(0.1, preconditioning_compute_steps=10)
+  elif kind == "adaptive":
+    tx = kd.kfac(None, None, layers=layers, grad_fn=grad_fn, adapt_damping=True)
+  else:
+    if kind == "kfac MEM-OPT":
+      dist = kd.Distribution(helpers.data_mesh(8), grad_worker_fraction=1 / 8,
+                             gradient_reduction="all_reduce")
+    tx = kd.kfac(0.1, layers=layers, factor_update_every=10, inverse_update_every=100,
+                 distribution=dist)
+
+  def step(params, state, tokens, mask):
+    if kind == "shampoo":
+      grads, extra = jax.grad(loss_fn)(params, tokens, mask), {}
+    else:
+      _, grads, stats = grad_fn(params, tokens, mask, opt_state=state)
+      extra = dict(kfac_stats=stats, **({"kfac_batch": (tokens, mask)}
+                                        if kind == "adaptive" else {}))
+    updates, state = tx.update(grads, state, params, **extra)
+    return optax.apply_updates(params, updates), state
+  return tx, step, dist
+
+
+@pytest.mark.parametrize("kind", ["kfac", "adaptive", "shampoo", "kfac MEM-OPT"])
+def test_steps_have_no_host_callbacks(kind):
+  """A training step's program holds no host callback, so JAX's persistent
+  compilation cache (`jax_compilation_cache_dir`) stores it and a restarted
+  run skips its compile (JAX writes no entry for a program with one:
+  kfac-jax's step has one, benchmarks/results/vs_kfac_jax.md). The check has
+  teeth: a `jax.debug.callback` beside the step is found."""
+  loss_fn, params, tokens, mask = _problem()
+  tx, step, dist = _training_step(kind, loss_fn, params, tokens, mask)
+  compiled, state = compile_step(step, tx.init(params), dist, 2)
+
+  def callbacks(fn):
+    text = jax.jit(fn).lower(params, state, tokens, mask).as_text()
+    return [t for t in set(re.findall(r"custom_call @(\w+)", text)) if "callback" in t]
+  assert callbacks(compiled) == []
+
+  def noisy(params, state, tokens, mask):
+    jax.debug.callback(lambda _: None, tokens)
+    return compiled(params, state, tokens, mask)
+  assert callbacks(noisy) != []
