@@ -1174,11 +1174,11 @@ ANALYSIS = """\
   builds its state on the host (numpy) and transfers it once: 0.07-0.15 s CPU,
   down from 1.7-3.7 s when it ran eagerly op by op (the 'kd, jit(tx.init)'
   column, a user wrapping init in `jax.jit`, is now slower than the plain
-  call: it compiles a program). What is left is kd's one step program: it
-  takes 1.5-1.8× as long to trace, compile and run once as kfac-jax's one
-  program at cadences 1/1 and 1/10 (MLP 1/10: 0.8×, kfac-jax's program took
-  3.4 s there against 2.0 s at 1/1, load) and 0.85-0.94× of kfac-jax's two
-  at 10/100. Measured on the autoencoder at 1/1 (jax 0.8.0, CPU seconds of
+  call: it compiles a program). What is left is kd's one step program: at
+  cadences 1/1 and 1/10 it takes longer to trace, compile and run once than
+  kfac-jax's one program, at 10/100 less than kfac-jax's two (the Targets
+  table; these rows move by about ±0.2 with the machine's load). Measured on
+  the autoencoder at 1/1 (2026-11-26, jax 0.8.0, CPU seconds of
   `lower` + `compile`, one process each, variants patched in for the
   measurement only): full 0.28 + 3.55 s, 3360 HLO instructions; without the
   gradient/statistics fault check 2.94 s (2539); without the kept-on-failure
@@ -1197,7 +1197,9 @@ ANALYSIS = """\
   (PERF_NOTES.md, finding 4) the decompositions check each device's whole
   segment once and the gradients are checked through the produced updates:
   the autoencoder's step is 2701 instructions and compiles about 20% faster
-  (the compile rows above are measured after that change).
+  (the compile rows above are measured after that change). What XLA:CPU
+  spends the rest on (code generation per kernel; the CNN step's 336 kernels
+  against SGD's 128, spread over every stage): PERF_NOTES.md, §6.
 * **Restarts.** With JAX's persistent compilation cache warm, kd's restart
   pays tracing and lowering only (its step holds no host callback:
   tests/test_training_loops.py), while kfac-jax's step has one, which JAX
