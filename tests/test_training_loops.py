@@ -181,8 +181,9 @@ def _training_step(kind, loss_fn, params, tokens, mask):
       grads, extra = jax.grad(loss_fn)(params, tokens, mask), {}
     else:
       _, grads, stats = grad_fn(params, tokens, mask, opt_state=state)
-      extra = dict(kfac_stats=stats, **({"kfac_batch": (tokens, mask)}
-                                        if kind == "adaptive" else {}))
+      extra = {"kfac_stats": stats}
+      if kind == "adaptive":
+        extra["kfac_batch"] = (tokens, mask)
     updates, state = tx.update(grads, state, params, **extra)
     return optax.apply_updates(params, updates), state
   return tx, step, dist
