@@ -101,10 +101,38 @@ def f64(x) -> np.ndarray:
   return np.asarray(x, np.float64)
 
 
+def upper(x) -> np.ndarray:
+  """The upper triangle of `[..., d, d]` row by row: the packed form in which the
+  capture delivers a full statistic to a K-FAC state that stores its factors
+  packed (the default)."""
+  rows, cols = np.triu_indices(x.shape[-1])
+  return np.asarray(x)[..., rows, cols]
+
+
+def packed_dim(n: int) -> int:
+  """`d` of a packed triangle of `n = d(d+1)/2` numbers."""
+  d = (math.isqrt(8 * n + 1) - 1) // 2
+  assert d * (d + 1) // 2 == n, n
+  return d
+
+
+def entry(stat, i: int, j: int):
+  """Where entry (i, j), i ≤ j, of a statistic is: `(i, j)` of a `[d, d]` one,
+  its position in a packed `[d(d+1)/2]` one."""
+  if stat.ndim == 2:
+    return i, j
+  d = packed_dim(stat.shape[0])
+  return i * d - i * (i - 1) // 2 + j - i
+
+
 def assert_factor_close(actual, desired, what=""):
   """Equality up to float64 rounding (the statistics of a float64 model are
-  computed in float64)."""
+  computed in float64); a packed `actual` against the upper triangle of a
+  `[d, d]` `desired`."""
   actual, desired = f64(actual), f64(desired)
+  if actual.ndim == desired.ndim - 1 and desired.shape[-1] > 1 and (
+      actual.shape[-1:] == upper(desired).shape[-1:]):
+    desired = upper(desired)
   assert actual.shape == desired.shape, (what, actual.shape, desired.shape)
   scale = max(np.abs(desired).max(), 1e-30)
   np.testing.assert_allclose(actual, desired, rtol=1e-10, atol=1e-12 * scale,

@@ -58,7 +58,8 @@ def _poison(grads, stats, grad_bad, stat_bad):
   `stat_bad` to one statistic (0.0: unchanged; NaN/Inf: a fault)."""
   grads = dict(grads, l1=dict(grads["l1"], kernel=grads["l1"]["kernel"].at[0, 0].add(grad_bad)),
                temp=grads["temp"].at[1].add(grad_bad))
-  stats = dict(stats, out=dict(stats["out"], G=stats["out"]["G"].at[1, 1].add(stat_bad)))
+  g = stats["out"]["G"]
+  stats = dict(stats, out=dict(stats["out"], G=g.at[helpers.entry(g, 1, 1)].add(stat_bad)))
   return grads, stats
 
 

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 
 import kfac_jax_dist as kd
 from kfac_jax_dist.core import initial
-from kfac_jax_dist.kfac import packing
+from kfac_jax_dist.capture import triangles
 
 import helpers
 
@@ -60,20 +60,20 @@ def test_packed_rows_are_exact_up_to_30000():
     size = d * (d + 1) // 2
     k = np.unique(np.concatenate([np.arange(min(size, 5000)), size - 1 - np.arange(
         min(size, 5000)), np.random.default_rng(d).integers(0, size, 20000)]))
-    i = np.asarray(jax.jit(initial.packed_rows)(k, d)).astype(np.int64)
+    i = np.asarray(jax.jit(triangles.packed_rows)(k, d)).astype(np.int64)
     start = lambda r: r * d - r * (r - 1) // 2
     assert np.all((start(i) <= k) & ((i == d - 1) | (start(i + 1) > k))), d
 
 
 def test_packed_triangle_indices_reach_30000():
-  """Packing a factor in the program (`packing._traced_upper_indices`) took
+  """Packing a factor in the program (`triangles._traced_upper_indices`) took
   the row of an entry from `(2d + 1)² − 8k`, which passes int32 beyond
   d = 23169: a 24000-wide factor raised an OverflowError while tracing (x64
   off, as users run). Now `packed_rows` gives it (exact to 30000, above); the
   programs lower (not run: 2.9e8 indices)."""
   with jax.enable_x64(False):
     for d in (23170, 24000, 30000):
-      jax.jit(packing._traced_upper_indices, static_argnums=0).lower(d)
+      jax.jit(triangles._traced_upper_indices, static_argnums=0).lower(d)
 
 
 def _layers() -> kd.LayerRegistry:

@@ -387,18 +387,19 @@ def test_packed_triangles_match_numpy(d):
   """Packed factors: the indices computed in the program (large `d`, no
   constants) and the constant ones (small `d`) are numpy's triangle, and
   unpacking inverts packing, traced and on the host."""
+  from kfac_jax_dist.capture import triangles  # pylint: disable=import-outside-toplevel
   from kfac_jax_dist.kfac import packing  # pylint: disable=import-outside-toplevel
   rows, cols = np.triu_indices(d)
-  got = jax.jit(packing._traced_upper_indices, static_argnums=0)(d)
+  got = jax.jit(triangles._traced_upper_indices, static_argnums=0)(d)
   np.testing.assert_array_equal(got[0], rows)
   np.testing.assert_array_equal(got[1], cols)
   x = np.random.default_rng(d).normal(size=(2, d, d)).astype(np.float32)
   x = x + np.swapaxes(x, 1, 2)
-  packed = jax.jit(packing.pack_upper)(x)
+  packed = jax.jit(triangles.pack_upper)(x)
   np.testing.assert_array_equal(packed, x[:, rows, cols])
-  np.testing.assert_array_equal(packing.pack_upper(x), packed)
-  np.testing.assert_array_equal(jax.jit(lambda v: packing.unpack_upper(v, d))(packed), x)
-  np.testing.assert_array_equal(packing.unpack_upper(np.asarray(packed), d), x)
+  np.testing.assert_array_equal(triangles.pack_upper(x), packed)
+  np.testing.assert_array_equal(jax.jit(lambda v: triangles.unpack_upper(v, d))(packed), x)
+  np.testing.assert_array_equal(triangles.unpack_upper(np.asarray(packed), d), x)
   place = packing.layout_lib.FactorPlace("full", d, 0, 0, d * (d + 1) // 2, None, None, 0)
   eye = np.eye(d, dtype=np.float32)[rows, cols]
   np.testing.assert_array_equal(packing.stored_identity(place, np.float32, True, np), eye)

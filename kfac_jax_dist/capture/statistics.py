@@ -89,9 +89,22 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kfac_jax_dist.capture import triangles
+
 FULL = "full"
 DIAG = "diag"
 UNIT = "unit"      # a scale-and-shift layer's [C, 3] unit-wise Fisher
+# A full statistic delivered as its upper triangle (`capture.triangles`), for a
+# state that stores its factors so: packed inside the capture's conditional,
+# each layer's `d × d` statistic lives only there, not until the factor update.
+PACKED = "packed"
+
+
+def statistic_shape(dim: int, form: str) -> tuple[int, ...]:
+  """One block's statistic of dimension `dim` in `form` (FULL, PACKED or DIAG)."""
+  if form == FULL:
+    return (dim, dim)
+  return (triangles.packed_size(dim),) if form == PACKED else (dim,)
 
 # Statistics built from output cotangents: the capture multiplies them by n.
 SCALED_BY_NUM_EXAMPLES = frozenset({"G", "F", "S"})

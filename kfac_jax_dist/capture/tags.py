@@ -46,6 +46,7 @@ from kfac_jax_dist import _compat
 from kfac_jax_dist.capture import context as _context
 from kfac_jax_dist.capture import registry, stacking
 from kfac_jax_dist.capture import statistics as factors
+from kfac_jax_dist.capture import triangles
 
 
 def _promote(dtype, *arrays):
@@ -173,13 +174,30 @@ def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag,
   return layer(x, params, probes, flag)
 
 
+def _forms(probes: dict, record: dict) -> dict[str, str]:
+  """Each probe's form: a matrix is FULL, a vector DIAG, or PACKED where it
+  holds the upper triangle of the statistic's dimension (`a_dim`, `g_dim`)."""
+  dims = {"A": record.get("a_dim"), "G": record.get("g_dim")}
+
+  def form(key: str, probe: jax.Array) -> str:
+    if probe.ndim != 1:
+      return factors.FULL
+    d = dims.get(key)
+    packed = d is not None and d > 1 and probe.shape == factors.statistic_shape(
+        d, factors.PACKED)
+    return factors.PACKED if packed else factors.DIAG
+  return {key: form(key, probe) for key, probe in probes.items()}
+
+
 def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=None,
             stats_input=None, **record):
   """Runs `apply(x, kernel[, bias])`, recording or capturing the layer.
 
   `stats(x, ḡ, forms)` returns the statistics as a dict keyed like the probes
   that the capture made for this layer (`{"A", "G"}` or `{"F"}`), where
-  `forms[key]` says whether the probe is a full matrix or a diagonal.
+  `forms[key]` says whether the probe is a full matrix or a diagonal (a
+  PACKED probe's statistic is computed full and packed here, inside the
+  capture's conditional).
   `record` holds the `TaggedLayer` fields that only the tag knows (a_dim,
   g_dim, a_diagonal). `stats_input(x)` is the input as `stats` and
   `examples` read it (default `x`; see `_captured`). `examples(x, ḡ)` (Dense
@@ -212,8 +230,9 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=
       probes = jax.tree_util.tree_map(lambda p: p[site.index], probes)
   if probes is None:        # not preconditioned (skipped by the optimizer)
     return apply(x, *params)
-  forms = {key: factors.DIAG if p.ndim == 1 else factors.FULL
-           for key, p in probes.items()}
+  forms = _forms(probes, record)
+  packed = [key for key, form in forms.items() if form == factors.PACKED]
+  forms = {key: factors.FULL if key in packed else form for key, form in forms.items()}
   dtype = jnp.result_type(*probes.values())
 
   if factors.BASES[0] in probes and examples is None:
@@ -227,6 +246,8 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=
       xx = xx.astype(dtype)
     gg = gg.astype(dtype)
     out = stats(xx, gg, forms)
+    for key in packed:                          # inside the conditional
+      out[key] = triangles.pack_upper(out[key])
     if factors.RUNS in inputs:                  # this run, counted
       out[factors.RUNS] = jnp.ones_like(inputs[factors.RUNS])
     if factors.BASES[0] in inputs:

@@ -87,7 +87,7 @@ def _probes(layer: registry.TaggedLayer, forms: tuple[str, str],
   if layer.unitwise:
     return {"F": jnp.zeros(stack + (layer.g_dim, 3), dtype)}
   a_form = factors.DIAG if layer.a_diagonal else forms[0]
-  return {key: jnp.zeros(stack + ((d, d) if form == factors.FULL else (d,)), dtype)
+  return {key: jnp.zeros(stack + factors.statistic_shape(d, form), dtype)
           for key, d, form in (("A", layer.a_dim, a_form), ("G", layer.g_dim, forms[1]))
           } | ({factors.RUNS: jnp.zeros(stack, dtype)} if repeats else {})
 
@@ -460,9 +460,11 @@ def value_and_grad(fun: Callable, has_aux: bool = False, fisher: str = "empirica
   for every tagged layer (see `factors` for the normalisation)
 
   * dense, dense_general, conv2d: `stats[layer] = {"A": A, "G": G}`, each
-    `[d, d]` (or its diagonal `[d]` where the optimizer keeps one);
+    `[d, d]` (or its diagonal `[d]` where the optimizer keeps one; its upper
+    triangle `[d(d+1)/2]` where it stores the factor packed, packed inside the
+    capture's conditional: `factors.PACKED`);
   * embed: `{"A": A, "G": G}` with `A` always the diagonal `[V]` (token
-    frequencies) and `G` `[d, d]` (or `[d]`);
+    frequencies) and `G` as above;
   * scale_and_shift (LayerNorm / BatchNorm): `{"F": F}`, `[C, 3]`, SP-NGD's
     unit-wise Fisher `(γγ, γβ, ββ)` per channel.
 

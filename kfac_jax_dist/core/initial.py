@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from kfac_jax_dist.capture import triangles
 from kfac_jax_dist.core import offsets
 
 EYE = 0        # blocks `eye(dim)[:, low:low + width]`, row-major; ones: dim = width = 1
@@ -101,21 +102,6 @@ def lay_out(pieces: Sequence[tuple[tuple, int] | int], start: int, width: int) -
   return runs
 
 
-def packed_rows(k: jax.Array, dim: jax.Array) -> jax.Array:
-  """The row `i` of entry `k` of a row-major `dim × dim` upper triangle
-  (`i·dim − i(i−1)/2 ≤ k`), elementwise. Counted from the triangle's end
-  (row `dim − 1 − j` starts `j(j+1)/2` entries before it), the quadratic
-  formula has no cancellation in float32; one integer correction either way
-  then makes it exact (`dim` up to 30000: int32 starts)."""
-  k, dim = jnp.asarray(k, jnp.int32), jnp.asarray(dim, jnp.int32)
-  from_end = (dim * (dim + 1) // 2 - 1 - k).astype(jnp.float32)
-  j = jnp.floor((jnp.sqrt(8.0 * from_end + 1.0) - 1.0) / 2).astype(jnp.int32)
-  i = jnp.clip(dim - 1 - j, 0, dim - 1)
-  starts = lambda r: r * dim - (r * (r - 1)) // 2
-  i = jnp.where((i + 1 < dim) & (starts(i + 1) <= k), i + 1, i)
-  return jnp.where(starts(i) > k, i - 1, i)
-
-
 # Elements evaluated at once per device: the temporaries of `build`, besides
 # its marks, are a few int32 arrays of this many numbers.
 CHUNK = 2 ** 16
@@ -181,8 +167,8 @@ def _values(found: jax.Array, first: jax.Array, t: dict[str, jax.Array], start: 
   inside = (found > 0) & (column < t["start"] + t["length"])
   q = ((column - t["start"]) % t["period"] + t["phase"]) % t["period"]
   in_block = q % t["width"] + t["low"] == q // t["width"]
-  diagonal = packed_rows(q, t["dim"])
-  on_triangle = diagonal * t["dim"] - (diagonal * (diagonal - 1)) // 2 == q
+  diagonal = triangles.packed_rows(q, t["dim"])
+  on_triangle = triangles.row_starts(diagonal, t["dim"]) == q
   return (inside & jnp.where(t["kind"] == PACKED, on_triangle, in_block)).astype(dtype)
 
 

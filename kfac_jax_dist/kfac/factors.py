@@ -68,13 +68,17 @@ def check_stats(layout: layout_lib.Layout, stats: Stats | None, update_flag: Any
 
 
 def _checked_shape(stat: jax.Array, place: layout_lib.FactorPlace, name: str,
-                   key: str) -> jax.Array:
+                   key: str, packed: bool) -> jax.Array:
   """`stat` in the form of `place` (a full statistic of a diagonal factor
-  gives its diagonal), or an error naming the layer."""
+  gives its diagonal; a full factor of a `packed` layout may come packed, as
+  the capture delivers it), or an error naming the layer."""
   expected = {statistics.FULL: (place.dim, place.dim), statistics.DIAG: (place.dim,),
               statistics.UNIT: (place.dim, 3)}[place.form]
   if place.form == statistics.DIAG and stat.shape == (place.dim, place.dim):
     return jnp.diagonal(stat)
+  if (packed and place.form == statistics.FULL
+      and stat.shape == statistics.statistic_shape(place.dim, statistics.PACKED)):
+    return stat
   if stat.shape != expected:
     raise ValueError(f"Statistic {key} of layer '{name}' has shape {stat.shape}; "
                      f"the optimizer state expects {place.form} factors of dimension "
@@ -82,9 +86,11 @@ def _checked_shape(stat: jax.Array, place: layout_lib.FactorPlace, name: str,
   return stat
 
 
-def layer_statistic(stats: Stats, plan: layout_lib.LayerPlan, which: str) -> jax.Array:
+def layer_statistic(stats: Stats, plan: layout_lib.LayerPlan, which: str, packed: bool
+                    ) -> jax.Array:
   """The batch statistic `which` ("a", "g", "f") of the plan's layer (its
-  block's, for a block of a stacked layer)."""
+  block's, for a block of a stacked layer); a full one may come packed when
+  the layout is `packed`."""
   key, layer = which.upper(), plan.layer
   stat = stats[layer.stats_name][key]
   if layer.stack_index is not None:
@@ -92,18 +98,19 @@ def layer_statistic(stats: Stats, plan: layout_lib.LayerPlan, which: str) -> jax
       raise ValueError(f"Statistic {key} of stacked layer '{layer.stats_name}' has "
                        f"shape {stat.shape}; expected leading stack axes {layer.stack}.")
     stat = stat[layer.stack_index]
-  return _checked_shape(stat, getattr(plan, which), layer.name, key)
+  return _checked_shape(stat, getattr(plan, which), layer.name, key, packed)
 
 
 def all_statistics(layout: layout_lib.Layout, stats: Stats) -> list[jax.Array]:
   """Every statistic the layout consumes, in plan order (for the fault check)."""
-  return [layer_statistic(stats, plan, w) for plan in layout.plans for w, _ in plan.places]
+  return [layer_statistic(stats, plan, w, layout.packed)
+          for plan in layout.plans for w, _ in plan.places]
 
 
 def stats_segments(layout: layout_lib.Layout, stats: Stats, dtype: Any) -> jax.Array:
   """The batch statistics laid out as the running factors, `[P·length]`."""
-  return packing.all_segments(layout, lambda plan, w: layer_statistic(stats, plan, w),
-                              dtype)
+  return packing.all_segments(
+      layout, lambda plan, w: layer_statistic(stats, plan, w, layout.packed), dtype)
 
 
 def _all_reduced(config: KfacConfig, comm: collectives_lib.Collectives,
@@ -113,8 +120,8 @@ def _all_reduced(config: KfacConfig, comm: collectives_lib.Collectives,
   same sizes share one branch of that copy: `Layout.copy_branches`)."""
   dtype = config.compute_dtype
   flat = jnp.concatenate([
-      packing.pack_factor(layer_statistic(stats, plan, w).astype(dtype), place.form,
-                          layout.packed)
+      packing.pack_factor(layer_statistic(stats, plan, w, layout.packed).astype(dtype),
+                          place.form, layout.packed)
       for plan in layout.plans for w, place in plan.places])
   summed, offsets = comm.all_reduce_factors(flat), layout_lib.tight_offsets(layout)
   starts = [[offsets[(p.layer.name, w)] for _, p, w in layout.owned(d)]

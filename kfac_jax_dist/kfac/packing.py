@@ -19,62 +19,11 @@ from jax import lax
 
 from kfac_jax_dist import _compat
 from kfac_jax_dist.capture import statistics as factors
+from kfac_jax_dist.capture import triangles
 from kfac_jax_dist.core import collectives
 from kfac_jax_dist.core import initial
 from kfac_jax_dist.core import offsets
 from kfac_jax_dist.kfac import layout as layout_lib
-
-
-def row_starts(rows, d: int):
-  """Where row `i` of a `d × d` upper triangle starts in its packed form:
-  `i·d − i(i−1)/2` (numpy or jax integers)."""
-  return rows * d - (rows * (rows - 1)) // 2
-
-
-def _traced_upper_indices(d: int) -> tuple[jax.Array, jax.Array]:
-  """`np.triu_indices(d)` computed in the program from an iota: as constants,
-  the indices of a 6401-wide factor would be 330 MB of the program itself.
-  Row `i` of entry `k` by `initial.packed_rows`, column `k − start(i) + i`."""
-  if d > 30000:
-    raise ValueError(f"packed factors support dimensions up to 30000 (int32 "
-                     f"indices), got {d}: set max_factor_dim")
-  k = lax.iota(jnp.int32, d * (d + 1) // 2)
-  i = initial.packed_rows(k, d)
-  return i, k - row_starts(i, d) + i
-
-
-# Triangles up to this many numbers index with constants (as small as the
-# computation that replaces them, and quicker to compile); larger ones compute
-# their indices in the program.
-CONSTANT_INDICES = 2 ** 16
-
-
-def _constant_indices(x, d: int) -> bool:
-  """Whether `x`'s triangle of width `d` is indexed with numpy constants (host
-  arrays, and triangles of at most `CONSTANT_INDICES` numbers)."""
-  return isinstance(x, np.ndarray) or d * (d + 1) // 2 <= CONSTANT_INDICES
-
-
-def pack_upper(x: jax.Array) -> jax.Array:
-  """`[..., d, d]` symmetric → its upper triangle, `[..., d(d+1)/2]`; past
-  `CONSTANT_INDICES`, a gather from the flattened matrix by one index per
-  entry, computed in the program (a (row, column) pair per entry held twice
-  the bytes: 85 MB for a 4608-wide factor)."""
-  d = x.shape[-1]
-  if _constant_indices(x, d):
-    rows, cols = (r.astype(np.int32) for r in np.triu_indices(d))
-    return x[..., rows, cols]
-  rows, cols = _traced_upper_indices(d)
-  return x.reshape(x.shape[:-2] + (d * d,))[..., rows * d + cols]
-
-
-def unpack_upper(v: jax.Array, d: int) -> jax.Array:
-  """Inverse of `pack_upper` (a gather: entry (i, j) reads (min, max)); for a
-  large `d` its positions are computed in the program (no `d × d` constant)."""
-  xp = np if _constant_indices(v, d) else jnp
-  i = xp.arange(d, dtype=np.int32)
-  lo, hi = xp.minimum(i[:, None], i[None, :]), xp.maximum(i[:, None], i[None, :])
-  return v[..., row_starts(lo, d) + hi - lo]
 
 
 def stored_identity(place: layout_lib.FactorPlace, dtype, packed: bool, xp=jnp
@@ -84,18 +33,20 @@ def stored_identity(place: layout_lib.FactorPlace, dtype, packed: bool, xp=jnp
   if place.form != factors.FULL or not packed:
     return pack_factor(identity(place, dtype, xp), place.form, packed)
   d = place.dim
-  diagonal = row_starts(np.arange(d), d)
+  diagonal = triangles.row_starts(np.arange(d), d)
   if xp is np:
-    out = np.zeros(d * (d + 1) // 2, dtype)
+    out = np.zeros(triangles.packed_size(d), dtype)
     out[diagonal] = 1
     return out
-  return jnp.zeros(d * (d + 1) // 2, dtype).at[diagonal].set(1)
+  return jnp.zeros(triangles.packed_size(d), dtype).at[diagonal].set(1)
 
 
 def pack_factor(value: jax.Array, form: str, packed: bool) -> jax.Array:
-  if form in (factors.DIAG, factors.UNIT):
+  """A factor in its storage form, flat; a full one that came packed (the
+  capture's `PACKED` statistics) as it is."""
+  if form in (factors.DIAG, factors.UNIT) or value.ndim == 1:
     return value.reshape(-1)
-  return pack_upper(value) if packed else value.reshape(-1)
+  return triangles.pack_upper(value) if packed else value.reshape(-1)
 
 
 def unpack_batch(segment: jax.Array, batch: layout_lib.Batch, packed: bool) -> jax.Array:
@@ -106,7 +57,7 @@ def unpack_batch(segment: jax.Array, batch: layout_lib.Batch, packed: bool) -> j
   if batch.form in (factors.DIAG, factors.UNIT):
     return block
   if packed:
-    return unpack_upper(block, batch.dim)
+    return triangles.unpack_upper(block, batch.dim)
   return block.reshape(batch.count, batch.dim, batch.dim)
 
 

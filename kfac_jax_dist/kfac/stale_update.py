@@ -45,7 +45,8 @@ def _due_statistics(config: KfacConfig, comm: collectives_lib.Collectives,
   out = []
   for f, (plan, which, place) in enumerate(stale.factor_order(layout)):
     x = packing.pack_factor(
-        factors.layer_statistic(stats, plan, which).astype(config.compute_dtype),
+        factors.layer_statistic(stats, plan, which, layout.packed).astype(
+            config.compute_dtype),
         place.form, layout.packed)
     if config.local_factors:
       out.append(x)

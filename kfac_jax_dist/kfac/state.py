@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec
 
 from kfac_jax_dist.capture import statistics
 from kfac_jax_dist.core import states
+from kfac_jax_dist.capture import triangles
 from kfac_jax_dist.kfac import correction as correction_lib
 from kfac_jax_dist.kfac import layout as layout_lib
 from kfac_jax_dist.kfac import packing
@@ -81,11 +82,16 @@ class ScaleByKfacState(states.PreconditionerState):
                                                            self.correction))
 
   def statistic_forms(self, layer_name: str) -> tuple[str, str] | None:
-    """The forms ("full" or "diag") of the statistics `A` and `G` the state
-    consumes for a tagged layer; None for a layer it skips. The capture reads
-    it to compute only what is used."""
+    """The forms ("full", "packed" or "diag") of the statistics `A` and `G`
+    the state consumes for a tagged layer; None for a layer it skips. The
+    capture reads it to compute only what is used, and to pack a full one
+    inside its conditional when the factors are stored packed."""
     plan = self.layout.plan(layer_name)
-    return None if plan is None else (plan.a_form, plan.g_form)
+    if plan is None:
+      return None
+    packed = lambda form: (statistics.PACKED if form == statistics.FULL and self.layout.packed
+                           else form)
+    return packed(plan.a_form), packed(plan.g_form)
 
   def correction_bases(self, layer_name: str) -> tuple[jax.Array, jax.Array] | None:
     """EK-FAC: the eigenbases `(Q_A, Q_G)` in which the capture measures the
@@ -158,7 +164,7 @@ def running_factors(state: ScaleByKfacState) -> dict[str, dict[str, jax.Array]]:
       elif place.form == statistics.UNIT:
         value = flat.reshape(place.dim, 3)
       elif lay.packed:
-        value = packing.unpack_upper(flat, place.dim)
+        value = triangles.unpack_upper(flat, place.dim)
       else:
         value = flat.reshape(place.dim, place.dim)
       out[plan.layer.name][which.upper()] = value
