@@ -19,8 +19,8 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from kfac_jax_dist.capture import statistics
-from kfac_jax_dist.core import states
 from kfac_jax_dist.capture import triangles
+from kfac_jax_dist.core import states
 from kfac_jax_dist.kfac import correction as correction_lib
 from kfac_jax_dist.kfac import layout as layout_lib
 from kfac_jax_dist.kfac import packing
