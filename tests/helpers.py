@@ -29,6 +29,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import kfac_jax_dist as kd
+from kfac_jax_dist.capture import triangles
 
 
 def mesh(shape: tuple[int, ...], axes: tuple[str, ...]) -> Mesh:
@@ -121,8 +122,7 @@ def entry(stat, i: int, j: int):
   its position in a packed `[d(d+1)/2]` one."""
   if stat.ndim == 2:
     return i, j
-  d = packed_dim(stat.shape[0])
-  return i * d - i * (i - 1) // 2 + j - i
+  return triangles.row_starts(i, packed_dim(stat.shape[0])) + j - i
 
 
 def assert_factor_close(actual, desired, what=""):

@@ -38,7 +38,7 @@ def packed_rows(k: jax.Array, dim: jax.Array) -> jax.Array:
   formula has no cancellation in float32; one integer correction either way
   then makes it exact (`dim` up to 30000: int32 starts)."""
   k, dim = jnp.asarray(k, jnp.int32), jnp.asarray(dim, jnp.int32)
-  from_end = (dim * (dim + 1) // 2 - 1 - k).astype(jnp.float32)
+  from_end = (packed_size(dim) - 1 - k).astype(jnp.float32)
   j = jnp.floor((jnp.sqrt(8.0 * from_end + 1.0) - 1.0) / 2).astype(jnp.int32)
   i = jnp.clip(dim - 1 - j, 0, dim - 1)
   i = jnp.where((i + 1 < dim) & (row_starts(i + 1, dim) <= k), i + 1, i)
