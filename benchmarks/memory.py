@@ -476,7 +476,16 @@ def render_peaks(rows) -> list[str]:
           "per round, so the program grows with P) or the statistics be written into the "
           "send buffer as the backward pass produces them. Earlier: writing the "
           "triangles into the send buffer chunk by chunk took the peak from 1557 to "
-          "1527 MB and was not kept (benchmarks/results/PERF_NOTES.md §5).", "",
+          "1527 MB and was not kept (benchmarks/results/PERF_NOTES.md §5). "
+          "**resnet50 (COMM-OPT)** (2026-11-29): the peak is in the decomposition step, "
+          "at the gather of the new second-order array (680 MB on every device, every "
+          "owner's segment): the gathered tight chunks (616 MB) are sliced per owner "
+          "(656 MB) and concatenated (680 MB), beside the previous array (680 MB), which "
+          "the step's fault select reads at the end. Writing the new array over the "
+          "previous one in place would take the step to 1.92 GB (1.11×), but only without "
+          "the undo that a faulty step needs; with an exact undo (the previous array "
+          "rebuilt from each owner's kept segment) XLA copies the array at the "
+          "conditionals' boundaries, 2.57–3.63 GB (benchmarks/results/PERF_NOTES.md §8).", "",
           C.md_table(table, ["model", "SGD peak", "K-FAC peak", "K-FAC state",
                              "workspace", "bound", "peak / bound", "holds"])]
 
