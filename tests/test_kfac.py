@@ -382,17 +382,19 @@ def test_cuda_eigh_of_large_factors_one_matrix_per_call(d, one_at_a_time):
   assert ('num_batch_dims = "0"' in calls[0]) == one_at_a_time
 
 
-@pytest.mark.parametrize("d", [1, 2, 3, 7, 361, 362, 400, 1601])
+@pytest.mark.parametrize("d", [1, 2, 3, 7, 400, 724, 725, 1023, 1024, 1601])
 def test_packed_triangles_match_numpy(d):
-  """Packed factors: the indices computed in the program (large `d`, no
-  constants) and the constant ones (small `d`) are numpy's triangle, and
+  """Packed factors: the positions computed in the program and the constant
+  ones (packing up to 1023 wide, unpacking up to 724: both sides of each
+  `CONSTANT_INDICES` boundary are among the cases) are numpy's triangle, and
   unpacking inverts packing, traced and on the host."""
   from kfac_jax_dist.capture import triangles  # pylint: disable=import-outside-toplevel
   from kfac_jax_dist.kfac import packing  # pylint: disable=import-outside-toplevel
+  assert triangles.packed_size(1023) <= triangles.CONSTANT_INDICES < triangles.packed_size(1024)
+  assert 724 ** 2 <= triangles.CONSTANT_INDICES < 725 ** 2
   rows, cols = np.triu_indices(d)
-  got = jax.jit(triangles._traced_upper_indices, static_argnums=0)(d)
-  np.testing.assert_array_equal(got[0], rows)
-  np.testing.assert_array_equal(got[1], cols)
+  got = jax.jit(triangles._traced_upper_positions, static_argnums=0)(d)
+  np.testing.assert_array_equal(got, rows * d + cols)
   x = np.random.default_rng(d).normal(size=(2, d, d)).astype(np.float32)
   x = x + np.swapaxes(x, 1, 2)
   packed = jax.jit(triangles.pack_upper)(x)

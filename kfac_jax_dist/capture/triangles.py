@@ -14,10 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-# Triangles up to this many numbers index with constants (as small as the
-# computation that replaces them, and quicker to compile); larger ones compute
-# their indices in the program.
-CONSTANT_INDICES = 2 ** 16
+# Index arrays up to this many numbers (int32, 2 MB) are program constants: a
+# gather by constant indices is several times quicker on CPU than one whose
+# indices are computed in its own loop (PERF_NOTES §7). Larger ones are
+# computed in the program.
+CONSTANT_INDICES = 2 ** 19
 
 
 def packed_size(d: int) -> int:
@@ -26,9 +27,10 @@ def packed_size(d: int) -> int:
 
 
 def row_starts(rows, d: int):
-  """Where row `i` of a `d × d` upper triangle starts in its packed form:
-  `i·d − i(i−1)/2` (numpy or jax integers)."""
-  return rows * d - (rows * (rows - 1)) // 2
+  """Where row `i ≥ 0` of a `d × d` upper triangle starts in its packed form:
+  `i·d − i(i−1)/2` (numpy or jax integers; the halving is a shift, as
+  `i(i−1) ≥ 0`)."""
+  return rows * d - ((rows * (rows - 1)) >> 1)
 
 
 def packed_rows(k: jax.Array, dim: jax.Array) -> jax.Array:
@@ -45,41 +47,42 @@ def packed_rows(k: jax.Array, dim: jax.Array) -> jax.Array:
   return jnp.where(row_starts(i, dim) > k, i - 1, i)
 
 
-def _traced_upper_indices(d: int) -> tuple[jax.Array, jax.Array]:
-  """`np.triu_indices(d)` computed in the program from an iota: as constants,
-  the indices of a 6401-wide factor would be 330 MB of the program itself.
-  Row `i` of entry `k` by `packed_rows`, column `k − start(i) + i`."""
+def _traced_upper_positions(d: int) -> jax.Array:
+  """Where entry `k` of the upper triangle sits in the flattened `d × d`
+  matrix, `i·d + j = k + i(i+1)/2` (row `i` by `packed_rows`), computed in
+  the program from an iota: as constants, the positions of a 6401-wide factor
+  would be 82 MB of the program itself."""
   if d > 30000:
     raise ValueError(f"packed factors support dimensions up to 30000 (int32 "
                      f"indices), got {d}: set max_factor_dim")
   k = lax.iota(jnp.int32, packed_size(d))
   i = packed_rows(k, d)
-  return i, k - row_starts(i, d) + i
+  return k + ((i * (i + 1)) >> 1)
 
 
-def _constant_indices(x, d: int) -> bool:
-  """Whether `x`'s triangle of width `d` is indexed with numpy constants (host
-  arrays, and triangles of at most `CONSTANT_INDICES` numbers)."""
-  return isinstance(x, np.ndarray) or packed_size(d) <= CONSTANT_INDICES
+def _constant_indices(x, count: int) -> bool:
+  """Whether an index array of `count` numbers into `x` is a numpy constant
+  (always for host arrays; up to `CONSTANT_INDICES` numbers for traced ones)."""
+  return isinstance(x, np.ndarray) or count <= CONSTANT_INDICES
 
 
 def pack_upper(x: jax.Array) -> jax.Array:
-  """`[..., d, d]` symmetric → its upper triangle, `[..., d(d+1)/2]`; past
-  `CONSTANT_INDICES`, a gather from the flattened matrix by one index per
-  entry, computed in the program (a (row, column) pair per entry held twice
-  the bytes: 85 MB for a 4608-wide factor)."""
+  """`[..., d, d]` symmetric → its upper triangle, `[..., d(d+1)/2]`: a gather
+  from the flattened matrix by one position per entry (constant, or past
+  `CONSTANT_INDICES` computed in the program)."""
   d = x.shape[-1]
-  if _constant_indices(x, d):
-    rows, cols = (r.astype(np.int32) for r in np.triu_indices(d))
-    return x[..., rows, cols]
-  rows, cols = _traced_upper_indices(d)
-  return x.reshape(x.shape[:-2] + (d * d,))[..., rows * d + cols]
+  if _constant_indices(x, packed_size(d)):
+    rows, cols = np.triu_indices(d)
+    positions = (rows * d + cols).astype(np.int32)
+  else:
+    positions = _traced_upper_positions(d)
+  return x.reshape(x.shape[:-2] + (d * d,))[..., positions]
 
 
 def unpack_upper(v: jax.Array, d: int) -> jax.Array:
-  """Inverse of `pack_upper` (a gather: entry (i, j) reads (min, max)); for a
-  large `d` its positions are computed in the program (no `d × d` constant)."""
-  xp = np if _constant_indices(v, d) else jnp
+  """Inverse of `pack_upper` (a gather: entry (i, j) reads (min, max)); past
+  `CONSTANT_INDICES` its `d × d` positions are computed in the program."""
+  xp = np if _constant_indices(v, d * d) else jnp
   i = xp.arange(d, dtype=np.int32)
   lo, hi = xp.minimum(i[:, None], i[None, :]), xp.maximum(i[:, None], i[None, :])
   return v[..., row_starts(lo, d) + hi - lo]
