@@ -66,14 +66,15 @@ def test_packed_rows_are_exact_up_to_30000():
 
 
 def test_packed_triangle_indices_reach_30000():
-  """Packing a factor in the program (`triangles._traced_upper_indices`) took
-  the row of an entry from `(2d + 1)² − 8k`, which passes int32 beyond
-  d = 23169: a 24000-wide factor raised an OverflowError while tracing (x64
-  off, as users run). Now `packed_rows` gives it (exact to 30000, above); the
-  programs lower (not run: 2.9e8 indices)."""
+  """Packing a factor in the program (`triangles._traced_upper_positions`)
+  once took the row of an entry from `(2d + 1)² − 8k`, which passes int32
+  beyond d = 23169: a 24000-wide factor raised an OverflowError while tracing
+  (x64 off, as users run). Now `packed_rows` gives it (exact to 30000, above)
+  and the flat positions stay below d² < 2³¹; the programs lower (not run:
+  2.9e8 indices)."""
   with jax.enable_x64(False):
     for d in (23170, 24000, 30000):
-      jax.jit(triangles._traced_upper_indices, static_argnums=0).lower(d)
+      jax.jit(triangles._traced_upper_positions, static_argnums=0).lower(d)
 
 
 def _layers() -> kd.LayerRegistry:

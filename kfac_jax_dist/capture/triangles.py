@@ -27,9 +27,9 @@ def packed_size(d: int) -> int:
 
 
 def row_starts(rows, d: int):
-  """Where row `i ≥ 0` of a `d × d` upper triangle starts in its packed form:
-  `i·d − i(i−1)/2` (numpy or jax integers; the halving is a shift, as
-  `i(i−1) ≥ 0`)."""
+  """Where row `i` of a `d × d` upper triangle starts in its packed form:
+  `i·d − i(i−1)/2` (numpy or jax integers; the halving is a shift, exact as
+  `i(i−1) ≥ 0` for every integer `i`)."""
   return rows * d - ((rows * (rows - 1)) >> 1)
 
 
