@@ -21,9 +21,10 @@ from jax import lax
 CONSTANT_INDICES = 2 ** 19
 
 
-def packed_size(d: int) -> int:
-  """Numbers in the upper triangle of a `d × d` matrix."""
-  return d * (d + 1) // 2
+def packed_size(d):
+  """Numbers in the upper triangle of a `d × d` matrix, `d(d+1)/2` (Python,
+  numpy or jax integers; the halving is a shift)."""
+  return (d * (d + 1)) >> 1
 
 
 def row_starts(rows, d: int):
@@ -49,15 +50,16 @@ def packed_rows(k: jax.Array, dim: jax.Array) -> jax.Array:
 
 def _traced_upper_positions(d: int) -> jax.Array:
   """Where entry `k` of the upper triangle sits in the flattened `d × d`
-  matrix, `i·d + j = k + i(i+1)/2` (row `i` by `packed_rows`), computed in
-  the program from an iota: as constants, the positions of a 6401-wide factor
-  would be 82 MB of the program itself."""
+  matrix: `k` plus the `i(i+1)/2` numbers below the diagonal in rows `0..i`
+  (row `i` by `packed_rows`), computed in the program from an iota: as
+  constants, the positions of a 6401-wide factor would be 82 MB of the
+  program itself."""
   if d > 30000:
     raise ValueError(f"packed factors support dimensions up to 30000 (int32 "
                      f"indices), got {d}: set max_factor_dim")
   k = lax.iota(jnp.int32, packed_size(d))
   i = packed_rows(k, d)
-  return k + ((i * (i + 1)) >> 1)
+  return k + packed_size(i)
 
 
 def _constant_indices(x, count: int) -> bool:

@@ -38,7 +38,7 @@ PACKED = 1     # upper triangles of `eye(dim)`, row-major; a unit-wise 2×2 bloc
 def _period(kind: int, dim: int, width: int, low: int) -> int:
   """Numbers in one repetition of a pattern."""
   del low
-  return dim * (dim + 1) // 2 if kind == PACKED else dim * width
+  return triangles.packed_size(dim) if kind == PACKED else dim * width
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +72,7 @@ def ones(count: int) -> tuple:
 
 def packed_eye(dim: int, count: int) -> tuple:
   """`count` upper triangles of `eye(dim)` (a unit-wise 2×2 block: dim 2)."""
-  return (PACKED, dim, 1, 0), count * dim * (dim + 1) // 2
+  return (PACKED, dim, 1, 0), count * triangles.packed_size(dim)
 
 
 def lay_out(pieces: Sequence[tuple[tuple, int] | int], start: int, width: int) -> list[Run]:

@@ -67,6 +67,7 @@ from typing import NamedTuple, Sequence
 
 from kfac_jax_dist.capture import registry
 from kfac_jax_dist.capture import statistics as factors
+from kfac_jax_dist.capture import triangles
 from kfac_jax_dist.core import offsets
 from kfac_jax_dist.core import owners
 
@@ -288,7 +289,7 @@ def storage_size(dim: int, form: str, packed: bool) -> int:
     return dim
   if form == factors.UNIT:
     return 3 * dim
-  return dim * (dim + 1) // 2 if packed else dim * dim
+  return triangles.packed_size(dim) if packed else dim * dim
 
 
 def _second_parts(dim: int, form: str, method: str,
