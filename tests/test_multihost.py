@@ -39,9 +39,10 @@ STRATEGIES = ("mem-opt", "comm-opt", "hybrid", "hybrid+adaptive")
 CONFIG = dict(steps=4, batch_size=32, factor_update_every=2, inverse_update_every=3,
               learning_rate=0.1, damping=1e-2, seed=0, nan_step=1)
 TIMEOUT_S = 100          # the workers, from launch to exit (killed after that)
-# The workers' XLA compiles twice as fast without LLVM optimisation (2 processes
-# compile at once on CI's 2 cores); the results differ by float32 rounding.
-WORKER_XLA_FLAGS = ("--xla_backend_optimization_level=0",)
+# The workers' XLA compiles faster with conftest's settings (no LLVM
+# optimisation, the elemental fusion emitters; 2 processes compile at once on
+# CI's 2 cores); the results differ by float32 rounding.
+WORKER_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 
 
 def _gloo_missing() -> str | None:
