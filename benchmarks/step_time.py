@@ -33,7 +33,8 @@ The machine is shared and noisy, so the methods are interleaved (round r runs
 every method once) and each ratio is the median over rounds of the per-round
 ratio to SGD (and to Adam). Each block is timed in wall-clock and in process
 CPU time (all threads): on a machine shared with other jobs the CPU-time ratios
-are the steadier ones. Compile time is `jit(step).lower(...).compile()`. Under
+are the steadier ones. Compile time is `jit(step).lower(...).compile()` after
+`jax.clear_caches()`, so that every repetition traces and compiles anew. Under
 each table, an analytic FLOP count (see `flop_model`) gives the floor that
 K-FAC's extra arithmetic puts under each kind of step. A watchdog exits with
 status 3 (and every thread's Python stack) when no step finishes for
@@ -120,7 +121,10 @@ def advance(step, params, opt_state, x, y, n):
 
 
 def compile_time(fn, *args) -> dict[str, float]:
-  """Seconds to trace+lower and to compile a fresh `jax.jit(fn)`."""
+  """Seconds to trace+lower and to compile a fresh `jax.jit(fn)`. jax's
+  in-memory caches are cleared first: they key on `fn` and the computation,
+  and would answer a repetition in milliseconds."""
+  jax.clear_caches()
   jitted = jax.jit(fn)
   t0 = time.perf_counter()
   lowered = jitted.lower(*args)
