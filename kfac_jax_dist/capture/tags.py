@@ -446,9 +446,13 @@ def conv2d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
     return y if bias is None else y + bias
 
   def stats(x: jax.Array, g: jax.Array, forms: tuple[str, str]) -> dict:
-    patches = factors.conv_patches(x, kernel.shape, strides, padding, dilation)
-    return {"A": factors.input_factor(patches, bias is not None, forms["A"],
-                                      example_dims),
+    # A gathered patch gets its bias's 1 in the gather (`conv_patches`); a
+    # 1x1 kernel's patches are the input itself, which a 1 would copy.
+    homogeneous = bias is not None and kernel.shape[:2] != (1, 1)
+    patches = factors.conv_patches(x, kernel.shape, strides, padding, dilation,
+                                   homogeneous)
+    return {"A": factors.input_factor(patches, bias is not None and not homogeneous,
+                                      forms["A"], example_dims),
             "G": factors.output_factor(g, forms["G"], example_dims)}
 
   def examples(x: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array, int]:
