@@ -26,9 +26,11 @@ def pad_to(pieces: list[jax.Array], length: int, dtype, xp=jnp) -> jax.Array:
   """The pieces, flattened one after the other, zero-padded to `length`: a
   device's segment of a collective or of the state.
 
-  Traced, the pieces are written into zeros by `dynamic_update_slice`: XLA:CPU
-  runs a concatenate of large reshaped operands up to ~100× slower than these
-  in-place writes (a 1.4 M-number segment: 35 ms against 0.15 ms)."""
+  Traced, the pieces are written into zeros by `dynamic_update_slice`: each
+  piece's producer (an eigendecomposition's transposed output, a clip) fuses
+  into its write, where XLA:CPU ran a concatenate of large reshaped operands
+  up to ~100× slower (a 1.4 M-number segment: 35 ms against 0.15 ms). Pieces
+  already materialised join faster in one concatenate (`concatenated`)."""
   used = sum(p.size for p in pieces)
   if xp is not jnp:
     return xp.concatenate(pieces + [xp.zeros(length - used, dtype)])
@@ -41,6 +43,21 @@ def pad_to(pieces: list[jax.Array], length: int, dtype, xp=jnp) -> jax.Array:
     out = jax.lax.dynamic_update_slice(out, piece.reshape(-1).astype(out.dtype), (offset,))
     offset += piece.size
   return out
+
+
+def concatenated(pieces: Sequence[jax.Array], length: int, dtype) -> jax.Array:
+  """`pad_to` in one concatenate, for pieces that are already materialised
+  (the statistics, results of the capture's conditionals): XLA:CPU copies
+  them in one kernel where `pad_to` writes each in its own, which pays only
+  where a piece's producer fuses into its write (measured on the step_time
+  CNN: 7 fewer kernels, and 1.5 M numbers of flat statistics joined in 0.8-1.1
+  ms against 2.3-2.6 ms)."""
+  used = sum(p.size for p in pieces)
+  out_dtype = jnp.result_type(dtype, *pieces)
+  parts = [p.reshape(-1).astype(out_dtype) for p in pieces if p.size]
+  if length > used or not parts:
+    parts.append(jnp.zeros(length - used, out_dtype))
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
 def concat_flat(pieces: Sequence[jax.Array], dtype) -> jax.Array:

@@ -119,9 +119,11 @@ def _new_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
              else decompose_batch(batch, running))
     size = layout_lib.storage_size(batch.dim, batch.form, layout.packed)
     running_runs.append((batch.offset, batch.count, size, slots))
+    at = sum(p.size for p in pieces)    # a batch's parts in one write (one kernel)
     for part in parts:
-      new_runs.append((sum(p.size for p in pieces), batch.count, part[0].size, slots))
-      pieces.append(part.reshape(-1))
+      new_runs.append((at, batch.count, part[0].size, slots))
+      at += part.size
+    pieces.append(jnp.concatenate([part.reshape(-1) for part in parts]))
     slots += batch.count
   new = collectives_lib.pad_to(pieces, layout.second_segment, config.compute_dtype)
   return keep_failed(new, previous, tuple(new_runs), owned, tuple(running_runs), slots)

@@ -11,6 +11,7 @@ arrays: an eager `tx.init` builds its state there and transfers it once).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -118,10 +119,12 @@ def all_segments(lay: layout_lib.Layout, value_of, dtype, xp=jnp,
     return _written_segments(lay, value_of, dtype)
   per_device = [owned_factors(lay, d, value_of, dtype, stored_values)
                 for d in range(lay.num_devices)]
+  join = (collectives.concatenated if xp is jnp
+          else functools.partial(collectives.pad_to, xp=xp))
   if lay.factor_storage == layout_lib.OWNER:
-    per_device = [[collectives.pad_to(pieces, lay.segment, dtype, xp)] for pieces in per_device]
-  return collectives.pad_to([p for pieces in per_device for p in pieces],
-                lay.num_devices * lay.factor_shard, dtype, xp)
+    per_device = [[join(pieces, lay.segment, dtype)] for pieces in per_device]
+  return join([p for pieces in per_device for p in pieces],
+              lay.num_devices * lay.factor_shard, dtype)
 
 
 def _unit_identity(dim: int, dtype, xp=jnp) -> jax.Array:
