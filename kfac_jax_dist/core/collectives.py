@@ -88,6 +88,18 @@ class Collectives:
   def active(self) -> bool:
     return self.dist is not None
 
+  @property
+  def on_cpu(self) -> bool:
+    """Whether the step runs on CPU, as known when tracing: the platform of
+    the mesh's devices, else jax's default backend. Only choices of speed
+    and memory rest on it, never results (a program lowered for another
+    platform computes the same, in the other platform's arrangement); unlike
+    `lax.platform_dependent`, it traces the chosen arrangement alone."""
+    devices = getattr(self.dist.mesh, "devices", None) if self.active else None
+    if devices is not None and devices.size:
+      return devices.flat[0].platform == "cpu"
+    return jax.default_backend() == "cpu"
+
   def device_index(self) -> jax.Array:
     if not self.active:
       return jnp.zeros([], jnp.int32)
