@@ -1,5 +1,6 @@
 """The K-FAC transform against float64 oracles: preconditioning, averages, cadence."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -169,6 +170,39 @@ def test_refreshes_due_every_step_run_unbranched():
   assert conditionals(1, 2) == every_step + 1
   assert conditionals(2, 1) == every_step + 1
   assert conditionals(2, 2) > every_step + 1
+
+
+@pytest.mark.parametrize("on_cpu", [True, False])
+def test_refresh_arrangements_agree(monkeypatch, on_cpu):
+  """The refreshes' two arrangements, chosen when tracing (`Collectives.on_cpu`):
+  side by side on CPU, inside one conditional elsewhere (a plain step then runs
+  one conditional, one host round trip on a GPU). Forced here on this machine:
+  the same states and updates over steps that refresh both, one, or neither,
+  and the outer conditional only off CPU."""
+  from kfac_jax_dist.core import collectives  # pylint: disable=import-outside-toplevel
+  rng, layers, params = _setup()
+  stats = [_stats(rng, layers) for _ in range(5)]
+  grads = [_random_grads(rng, params) for _ in range(5)]
+
+  def run(arrangement_on_cpu: bool):
+    monkeypatch.setattr(collectives.Collectives, "on_cpu", property(
+        lambda self: arrangement_on_cpu))
+    tx = kd.scale_by_kfac(layers=layers, factor_update_every=2, inverse_update_every=3,
+                          factor_dtype=F64)
+    update = jax.jit(lambda g, s, st: tx.update(g, s, kfac_stats=st))
+    state, outs = tx.init(params), []
+    for g, st in zip(grads, stats):            # counts 0..4: both, -, f, i, f
+      out, state = update(g, state, st)
+      outs.append(out)
+    text = update.trace(grads[0], tx.init(params), stats[0]).lower(
+        lowering_platforms=("cpu",)).as_text()
+    return outs, state, text.count("stablehlo.case") + text.count("stablehlo.if")
+
+  outs, state, conds = run(on_cpu)
+  want_outs, want_state, cpu_conds = run(True)
+  chex.assert_trees_all_close(outs, want_outs, rtol=0, atol=0)
+  chex.assert_trees_all_close(state, want_state, rtol=0, atol=0)
+  assert conds == cpu_conds + (0 if on_cpu else 1)
 
 
 def test_schedules_for_damping_and_intervals():
