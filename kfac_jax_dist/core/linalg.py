@@ -9,7 +9,7 @@ one matrix at a time on CUDA above `GPU_BATCHED_EIGH_MAX_DIM`.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +42,7 @@ def batched(fn: Callable, stacked: jax.Array, *, one_at_a_time_on_cuda: bool = F
   jaxlib's batched CPU eigh/cholesky fans the batch out over XLA's intra-op
   thread pool from inside that pool, and deadlocks when every pool thread
   waits (seen on 2-core machines)."""
-  def written_out(s: jax.Array):
+  def written_out(s: jax.Array) -> Any:
     return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs),
                                   *[fn(s[i]) for i in range(s.shape[0])])
 
