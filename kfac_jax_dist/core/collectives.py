@@ -95,9 +95,9 @@ class Collectives:
     and memory rest on it, never results (a program lowered for another
     platform computes the same, in the other platform's arrangement); unlike
     `lax.platform_dependent`, it traces the chosen arrangement alone."""
-    devices = getattr(self.dist.mesh, "devices", None) if self.active else None
-    if devices is not None and devices.size:
-      return devices.flat[0].platform == "cpu"
+    mesh = self.dist.mesh if self.active else None
+    if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size:
+      return mesh.devices.flat[0].platform == "cpu"
     return jax.default_backend() == "cpu"
 
   def device_index(self) -> jax.Array:
