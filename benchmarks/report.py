@@ -100,7 +100,8 @@ def step_time(d: Json) -> list[str]:
             for r in res["rows"]
             if r["group"] in ("main", "kind", "ekfac", "shampoo")
             or r["name"] == "kfac_adaptive"]
-    lines += ["", f"**{res['model']}**: {res['description']}", "", md_table(rows, head)]
+    when = f" (measured {res['measured_at']})" if res.get("measured_at") else ""
+    lines += ["", f"**{res['model']}**{when}: {res['description']}", "", md_table(rows, head)]
     cost = res.get("adaptive_cost")
     if cost:
       lines += ["", f"Adaptive K-FAC (α, μ, λ adapted, T = 5): a plain step costs "
