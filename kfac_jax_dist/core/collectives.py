@@ -93,7 +93,8 @@ class Collectives:
     """Whether the step runs on CPU, as known when tracing: the platform of
     the mesh's devices, else jax's default backend. Only choices of speed
     and memory rest on it, never results (a program lowered for another
-    platform computes the same, in the other platform's arrangement); unlike
+    platform computes the same, in the other platform's arrangement), as for
+    `kd.value_and_grad`'s `skip_statistics="auto"`; unlike
     `lax.platform_dependent`, it traces the chosen arrangement alone."""
     mesh = self.dist.mesh if self.active else None
     if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size:

@@ -112,17 +112,17 @@ def _new_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
   each of its batches, each part `[count, ...]` (a unit-wise batch keeps its
   `F`, solved in closed form when applied); a factor that fails keeps its
   previous numbers (`keep_failed`)."""
-  pieces, new_runs, running_runs, slots = [], [], [], 0
+  pieces, new_runs, running_runs, slots, at = [], [], [], 0, 0
   for batch in layout.batches[device]:
     running = packing.unpack_batch(owned, batch, layout.packed)
     parts = ([running.astype(config.compute_dtype)] if batch.form == statistics.UNIT
              else decompose_batch(batch, running))
     size = layout_lib.storage_size(batch.dim, batch.form, layout.packed)
     running_runs.append((batch.offset, batch.count, size, slots))
-    at = sum(p.size for p in pieces)    # a batch's parts in one write (one kernel)
     for part in parts:
       new_runs.append((at, batch.count, part[0].size, slots))
       at += part.size
+    # A batch's parts, contiguous, in one write (one kernel).
     pieces.append(jnp.concatenate([part.reshape(-1) for part in parts]))
     slots += batch.count
   new = collectives_lib.pad_to(pieces, layout.second_segment, config.compute_dtype)
