@@ -93,8 +93,9 @@ initialisation and the timing runs' first batches:
   curvature is not, so its preconditioner's damping has to be its model's / B
   (`precon_damping_mult`); then its Δ is B times kd's and its α is kd's / B.
 
-Targets: issue 6, kd's step time ≤ 0.7× kfac-jax's at every cadence and
-compile time ≤ 0.5×; issue 13, non-adaptive float64 Δθ ≤ 1e-10 after 1 and 10
+Targets: issue 6, kd's step time ≤ 0.7× kfac-jax's at every cadence; issue
+16, time to first step (the compile rows: trace, compile and one run) ≤ 0.7×
+(issue 6 had asked ≤ 0.5×); issue 13, non-adaptive float64 Δθ ≤ 1e-10 after 1 and 10
 steps; issue 14, adaptive float64 Δθ ≤ 1e-8 after each of 5 steps.
 
 Needs both libraries in one environment, with a jax that kfac-jax 0.0.8 still
@@ -1129,8 +1130,8 @@ def targets(results):
       checks.append(dict(
           check=f"{model} {r['cadence']}: compile kd / kfac-jax",
           value=f"{r['compile_ratio_wall']:.2f} (CPU {r['compile_ratio_cpu']:.2f})",
-          target="≤ 0.5",
-          holds=r["compile_ratio_wall"] <= 0.5 and r["compile_ratio_cpu"] <= 0.5,
+          target="≤ 0.7",     # issue 16 (issue 6 had asked ≤ 0.5)
+          holds=r["compile_ratio_wall"] <= 0.7 and r["compile_ratio_cpu"] <= 0.7,
           why=_why_compile(r)))
   return checks
 
@@ -1170,7 +1171,8 @@ ANALYSIS = """\
   bucket's result in place (`dynamic_update_slice` into the state) or keeping
   buckets as separate leaves on one device would remove those copies; that is a
   library change (kfac_jax_dist/kfac.py, linalg.py), not made here.
-* **Where the 0.5× compile target misses** (everywhere): kd's `tx.init` now
+* **Where the compile target misses** (issue 6's 0.5× everywhere; issue 16's
+  0.7× on the six 1/1 and 1/10 rows, CNN 1/10 by 0.01): kd's `tx.init` now
   builds its state on the host (numpy) and transfers it once: 0.07-0.15 s CPU,
   down from 1.7-3.7 s when it ran eagerly op by op (the 'kd, jit(tx.init)'
   column, a user wrapping init in `jax.jit`, is now slower than the plain
