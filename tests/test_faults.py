@@ -284,7 +284,8 @@ def test_keep_failed_selects_exactly_the_failed_factors(seed, chunk, monkeypatch
   factors with gaps and padding between them), non-finite numbers (NaN, ±∞)
   written into random factors of either array; every factor with one keeps
   its previous numbers, every other one takes its new numbers. Also with the
-  selection's loops in chunks of 7 and 3 numbers (the last one shifted back)."""
+  selection's loops in chunks of 7 and 3 numbers (the last one shifted back),
+  and the runs handed over in a random order."""
   from kfac_jax_dist.kfac import decompositions
   monkeypatch.setattr(decompositions, "_CHUNK", chunk)
   rng = np.random.default_rng(seed)
@@ -315,6 +316,9 @@ def test_keep_failed_selects_exactly_the_failed_factors(seed, chunk, monkeypatch
       if first + j in failed:
         expect[start + j * size:start + (j + 1) * size] = previous[start + j * size:
                                                                    start + (j + 1) * size]
+  # The runs in any order (`_slot_ids` finds each position's run by start).
+  new_runs, running_runs = ([runs[i] for i in rng.permutation(len(runs))]
+                            for runs in (new_runs, running_runs))
   got = jax.jit(lambda n, p, r: decompositions.keep_failed(
       n, p, tuple(new_runs), r, tuple(running_runs), slots))(
           jnp.asarray(new, jnp.float32), jnp.asarray(previous, jnp.float32),

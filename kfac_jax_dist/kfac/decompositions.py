@@ -41,15 +41,21 @@ _CHUNK = 1 << 16     # numbers per iteration of `keep_failed`'s selection loops
 def _slot_ids(at: jax.Array, runs: Runs, slots: int) -> jax.Array:
   """The slot of each position `at` of an array laid out in `runs` (run r:
   `count` slots of `size` numbers from `start`, numbered from `first slot`);
-  positions outside every run get the extra slot `slots`. One fused
-  comparison with every run (`[len(at), runs]`, never materialised)."""
-  start, count, size, first = (offsets.int32_table([r[i] for r in runs])
+  positions outside every run get the extra slot `slots`. The run of `at` is
+  the last one starting at or before it (a count of `[len(at), runs]`
+  comparisons, never materialised); one truncating `lax.div` by its size
+  then (`//` per run, with its remainder and sign fix-ups, took three times
+  this kernel's compile)."""
+  if not runs:
+    return jnp.full(at.shape, slots, jnp.int32)
+  runs = sorted(runs)
+  start, count, size, first = (jnp.asarray(offsets.int32_table([r[i] for r in runs]))
                                for i in range(4))
-  at = at[:, None]
-  inside = (at >= start) & (at < start + count * size)
-  slot = first + (at - start) // np.maximum(size, 1)
-  return jnp.sum(jnp.where(inside, slot, 0), axis=1) + jnp.where(
-      jnp.any(inside, axis=1), 0, slots)
+  r = jnp.sum((at[:, None] >= start).astype(jnp.int32), axis=1) - 1
+  r_clipped = jnp.maximum(r, 0)
+  run_start, run_size = start[r_clipped], jnp.maximum(size, 1)[r_clipped]
+  inside = (r >= 0) & (at < run_start + count[r_clipped] * run_size)
+  return jnp.where(inside, first[r_clipped] + lax.div(at - run_start, run_size), slots)
 
 
 def _chunked(length: int, body: Callable[[jax.Array, jax.Array, Any], Any], init: Any
