@@ -54,12 +54,16 @@ def batched(fn: Callable, stacked: jax.Array, *, one_at_a_time_on_cuda: bool = F
   return lax.platform_dependent(stacked, cpu=on_cpu, **cuda, default=jax.vmap(fn))
 
 
-def eigh(factors: jax.Array) -> tuple[jax.Array | None, jax.Array]:
-  """Batched eigendecomposition; eigenvalues clipped at 0 (factors are PSD)."""
+def eigh(factors: jax.Array, symmetric: bool = False
+         ) -> tuple[jax.Array | None, jax.Array]:
+  """Batched eigendecomposition; eigenvalues clipped at 0 (factors are PSD).
+  `factors` are symmetrised first unless `symmetric` says they are exactly
+  (unpacked from a triangle: the average would read every number twice)."""
   factors = at_least_f32(factors)
   if factors.ndim == 2:                      # diagonal factors
     return None, jnp.maximum(factors, 0.0)
-  factors = 0.5 * (factors + jnp.swapaxes(factors, -1, -2))
+  if not symmetric:
+    factors = 0.5 * (factors + jnp.swapaxes(factors, -1, -2))
   values, vectors = batched(
       lambda f: jnp.linalg.eigh(f, symmetrize_input=False), factors,
       one_at_a_time_on_cuda=factors.shape[-1] > GPU_BATCHED_EIGH_MAX_DIM)

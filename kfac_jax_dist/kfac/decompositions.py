@@ -145,7 +145,7 @@ def eigen_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
   dtype = config.compute_dtype
 
   def parts(batch: layout_lib.Batch, running: jax.Array) -> list[jax.Array]:
-    vectors, values = linalg.eigh(running)
+    vectors, values = linalg.eigh(running, symmetric=layout.packed)
     lo, hi = batch.columns or (0, batch.dim)
     out = [] if vectors is None else [vectors[..., lo:hi].astype(dtype)]
     return out + [values[..., lo:hi].astype(dtype)]
