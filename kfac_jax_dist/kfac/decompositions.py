@@ -19,7 +19,6 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
-import numpy as np
 
 from kfac_jax_dist import _compat
 from kfac_jax_dist.capture import statistics
@@ -43,9 +42,9 @@ def _slot_ids(at: jax.Array, runs: Runs, slots: int) -> jax.Array:
   `count` slots of `size` numbers from `start`, numbered from `first slot`);
   positions outside every run get the extra slot `slots`. The run of `at` is
   the last one starting at or before it (a count of `[len(at), runs]`
-  comparisons, never materialised); one truncating `lax.div` by its size
-  then (`//` per run, with its remainder and sign fix-ups, took three times
-  this kernel's compile)."""
+  comparisons, never materialised); then one truncating `lax.div` by its
+  size (a `//` by every run's size, with its remainder and sign fix-ups,
+  were vector integer divisions that LLVM expands: PERF_NOTES §10)."""
   if not runs:
     return jnp.full(at.shape, slots, jnp.int32)
   runs = sorted(runs)
