@@ -1172,7 +1172,7 @@ ANALYSIS = """\
   buckets as separate leaves on one device would remove those copies; that is a
   library change (kfac_jax_dist/kfac.py, linalg.py), not made here.
 * **Where the compile target misses** (issue 6's 0.5× everywhere; issue 16's
-  0.7× on the six 1/1 and 1/10 rows, CNN 1/10 by 0.01): kd's `tx.init` now
+  0.7× on the six 1/1 and 1/10 rows: the Targets table): kd's `tx.init` now
   builds its state on the host (numpy) and transfers it once: 0.07-0.15 s CPU,
   down from 1.7-3.7 s when it ran eagerly op by op (the 'kd, jit(tx.init)'
   column, a user wrapping init in `jax.jit`, is now slower than the plain
