@@ -47,13 +47,14 @@ def _slot_ids(at: jax.Array, runs: Runs, slots: int) -> jax.Array:
   were vector integer divisions that LLVM expands: PERF_NOTES §10)."""
   if not runs:
     return jnp.full(at.shape, slots, jnp.int32)
-  runs = sorted(runs)
-  start, count, size, first = (jnp.asarray(offsets.int32_table([r[i] for r in runs]))
-                               for i in range(4))
+  rows = [(start, start + count * size, max(size, 1), first)
+          for start, count, size, first in sorted(runs)]
+  start, end, size, first = (jnp.asarray(offsets.int32_table([row[i] for row in rows]))
+                             for i in range(4))
   r = jnp.sum((at[:, None] >= start).astype(jnp.int32), axis=1) - 1
   r_clipped = jnp.maximum(r, 0)
-  run_start, run_size = start[r_clipped], jnp.maximum(size, 1)[r_clipped]
-  inside = (r >= 0) & (at < run_start + count[r_clipped] * run_size)
+  run_start, run_size = start[r_clipped], size[r_clipped]
+  inside = (r >= 0) & (at < end[r_clipped])
   return jnp.where(inside, first[r_clipped] + lax.div(at - run_start, run_size), slots)
 
 
