@@ -529,3 +529,28 @@ def test_all_finite_against_numpy():
   overflowing = jnp.asarray([1e38, 1e38, 1e38], jnp.float32).astype(jnp.bfloat16)
   assert bool(jax.jit(faults.all_finite)([overflowing]))
   assert not bool(jax.jit(faults.all_finite)([overflowing * 1e10]))
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (5,), (3, 4), (2, 0), (3, 3, 3, 32)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32])
+def test_pick_is_a_select_on_its_flag(shape, dtype):
+  """`pick` (a select whose predicate varies along the innermost axis, so
+  that LLVM does not unswitch the fused loop) returns either operand bit for
+  bit, NaNs and infinities included, with a traced flag; a scalar operand
+  broadcasts like `jnp.where`'s."""
+  from kfac_jax_dist.core import faults
+  rng = np.random.default_rng(len(shape))
+  a = rng.normal(size=shape) * 1e3
+  b = rng.normal(size=shape)
+  if a.size and jnp.issubdtype(dtype, jnp.floating):
+    a.flat[0], b.flat[-1] = np.nan, -np.inf
+  a, b = jnp.asarray(a, dtype), jnp.asarray(b, dtype)
+  pick = jax.jit(faults.pick)
+  for flag, want in ((True, a), (False, b)):
+    got = pick(jnp.asarray(flag), a, b)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert_bitwise(got, want, f"pick({flag})")
+    zeros = jnp.zeros((), dtype)
+    assert_bitwise(pick(jnp.asarray(flag), zeros, a),
+                   jnp.broadcast_to(zeros, a.shape) if flag else a,
+                   f"pick({flag}) against a scalar")

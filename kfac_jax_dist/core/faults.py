@@ -9,7 +9,10 @@ bit for bit, the run without it. Inside `shard_map` the devices agree on the
 verdict (`agree`: one device's NaN skips the step on all of them).
 
 `skip_faulty_steps` extends this to a whole optax chain (momentum, schedules'
-counts): `kd.kfac` and `kd.shampoo` wrap their chains in it.
+counts): `kd.kfac` and `kd.shampoo` wrap their chains in it. Inside it, a
+preconditioner leaves the zeroing of a faulty step's updates to the wrapper,
+which zeroes the whole chain's anyway: one select per parameter less in every
+fused update (PERF_NOTES §11).
 
 Decompositions fail differently: a factor or statistic whose decomposition
 (eigenbasis, inverse, inverse root) is not finite keeps its previous one, and
@@ -18,6 +21,7 @@ the step goes on; that is each preconditioner's own business.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from typing import Any, Iterable
 
@@ -30,6 +34,10 @@ from kfac_jax_dist import _compat
 from kfac_jax_dist.core import states as states_lib
 
 SCOPE = "kfac_fault_check"     # the named scope of the checks (benchmarks read it)
+
+# True while `skip_faulty_steps` traces its inner transform: the wrapper then
+# zeroes a skipped step's updates, so the preconditioners need not.
+_ZEROED_BY_WRAPPER = contextvars.ContextVar("kd_zeroed_by_wrapper", default=False)
 
 
 def _zero_or_nan(x: jax.Array, axis: int | None = None) -> jax.Array:
@@ -77,6 +85,22 @@ def computed_once(flag: jax.Array) -> jax.Array:
   return lax.platform_dependent(flag, cpu=on_cpu, default=lax.optimization_barrier)
 
 
+def pick(flag: jax.Array, if_true: jax.Array, if_false: jax.Array) -> jax.Array:
+  """`if_true` if the scalar `flag`, else `if_false`, number by number.
+
+  As `jnp.where(flag, ...)`, but the predicate compares the innermost axis's
+  index with 0 or that axis's length: XLA:CPU's LLVM unswitches a fused loop
+  on a loop-invariant select, one copy of the loop per value (the skip's
+  selects in the parameters' updates were 4,000 lines of the step_time CNN's
+  IR: PERF_NOTES §11); a predicate that varies along the loop is not."""
+  shape = jnp.broadcast_shapes(jnp.shape(if_true), jnp.shape(if_false))
+  if not shape:
+    return jnp.where(flag, if_true, if_false)
+  bound = jnp.where(flag, shape[-1], 0)
+  inner = lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
+  return jnp.where(inner < bound, if_true, if_false)
+
+
 def select(ok: jax.Array, new: Any, old: Any) -> Any:
   """`new` where `ok`, else `old`, leaf by leaf."""
   return jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new, old)
@@ -85,12 +109,15 @@ def select(ok: jax.Array, new: Any, old: Any) -> Any:
 def accept_or_skip(ok: jax.Array, updates: Any, new_state: states_lib.S,
                    old_state: states_lib.S) -> tuple[Any, states_lib.S]:
   """`(updates, new_state)` of an accepted step; for a faulty one (`ok`
-  False), zero updates and `old_state` with one more `skipped`."""
-  zeros = jax.tree_util.tree_map(
-      lambda u: jnp.where(ok, u, jnp.zeros(u.shape, u.dtype)), updates)
+  False), zero updates and `old_state` with one more `skipped`. Inside
+  `skip_faulty_steps` a faulty step's updates are left as computed: the
+  wrapper replaces them (and everything after them in its chain) by zeros."""
+  if not _ZEROED_BY_WRAPPER.get():
+    updates = jax.tree_util.tree_map(
+        lambda u: pick(ok, u, jnp.zeros(u.shape, u.dtype)), updates)
   skipped = old_state.skipped + (~ok).astype(old_state.skipped.dtype)
   kept = dataclasses.replace(old_state, skipped=skipped)
-  return zeros, select(ok, dataclasses.replace(new_state, skipped=skipped), kept)
+  return updates, select(ok, dataclasses.replace(new_state, skipped=skipped), kept)
 
 
 def skip_faulty_steps(inner: optax.GradientTransformation
@@ -110,7 +137,11 @@ def skip_faulty_steps(inner: optax.GradientTransformation
 
   def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any
                 ) -> tuple[Any, Any]:
-    new_updates, new_state = inner.update(updates, state, params, **extra_args)
+    token = _ZEROED_BY_WRAPPER.set(True)
+    try:
+      new_updates, new_state = inner.update(updates, state, params, **extra_args)
+    finally:
+      _ZEROED_BY_WRAPPER.reset(token)
     old, new = states_lib.find_states(state), states_lib.find_states(new_state)
     if not new:
       raise ValueError("skip_faulty_steps wraps a transform with no scale_by_kfac "
@@ -120,10 +151,10 @@ def skip_faulty_steps(inner: optax.GradientTransformation
     def keep(before: Any, after: Any) -> Any:
       if is_state(after):       # already unchanged but for its `skipped` count
         return after
-      return jnp.where(skipped, before, after)
+      return pick(skipped, before, after)
     kept = jax.tree_util.tree_map(keep, state, new_state, is_leaf=is_state)
     zeros = jax.tree_util.tree_map(
-        lambda u: jnp.where(skipped, jnp.zeros(u.shape, u.dtype), u), new_updates)
+        lambda u: pick(skipped, jnp.zeros(u.shape, u.dtype), u), new_updates)
     return zeros, kept
 
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)
