@@ -90,9 +90,10 @@ def pick(flag: jax.Array, if_true: jax.Array, if_false: jax.Array) -> jax.Array:
 
   As `jnp.where(flag, ...)`, but the predicate compares the innermost axis's
   index with 0 or that axis's length: XLA:CPU's LLVM unswitches a fused loop
-  on a loop-invariant select, one copy of the loop per value (the skip's
-  selects in the parameters' updates were 4,000 lines of the step_time CNN's
-  IR: PERF_NOTES §11); a predicate that varies along the loop is not."""
+  on a loop-invariant select, one copy of the loop per value, and not on a
+  predicate that varies along the loop (with the wrapper's zeroing, the
+  step_time CNN's update kernels went from 9152 to 3692 lines of LLVM IR,
+  SGD's being 2763: PERF_NOTES §11)."""
   shape = jnp.broadcast_shapes(jnp.shape(if_true), jnp.shape(if_false))
   if not shape:
     return jnp.where(flag, if_true, if_false)
