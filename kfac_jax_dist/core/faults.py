@@ -102,6 +102,12 @@ def pick(flag: jax.Array, if_true: jax.Array, if_false: jax.Array) -> jax.Array:
   return jnp.where(inner < bound, if_true, if_false)
 
 
+def zeros_unless(ok: jax.Array, updates: Any) -> Any:
+  """`updates` where `ok`, else zeros of their shapes and dtypes (`pick`)."""
+  return jax.tree_util.tree_map(
+      lambda u: pick(ok, u, jnp.zeros(u.shape, u.dtype)), updates)
+
+
 def select(ok: jax.Array, new: Any, old: Any) -> Any:
   """`new` where `ok`, else `old`, leaf by leaf."""
   return jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new, old)
@@ -114,8 +120,7 @@ def accept_or_skip(ok: jax.Array, updates: Any, new_state: states_lib.S,
   `skip_faulty_steps` a faulty step's updates are left as computed: the
   wrapper replaces them (and everything after them in its chain) by zeros."""
   if not _ZEROED_BY_WRAPPER.get():
-    updates = jax.tree_util.tree_map(
-        lambda u: pick(ok, u, jnp.zeros(u.shape, u.dtype)), updates)
+    updates = zeros_unless(ok, updates)
   skipped = old_state.skipped + (~ok).astype(old_state.skipped.dtype)
   kept = dataclasses.replace(old_state, skipped=skipped)
   return updates, select(ok, dataclasses.replace(new_state, skipped=skipped), kept)
@@ -154,8 +159,6 @@ def skip_faulty_steps(inner: optax.GradientTransformation
         return after
       return pick(skipped, before, after)
     kept = jax.tree_util.tree_map(keep, state, new_state, is_leaf=is_state)
-    zeros = jax.tree_util.tree_map(
-        lambda u: pick(skipped, jnp.zeros(u.shape, u.dtype), u), new_updates)
-    return zeros, kept
+    return zeros_unless(~skipped, new_updates), kept
 
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)
