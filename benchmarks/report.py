@@ -2,7 +2,7 @@
 
 One section per results file that exists (step time, convergence, the two
 peer comparisons, communication volume, layout balance, memory, Shampoo's
-memory, stale statistics): where its script is, what it measures, and a
+memory, stale statistics, the compiled code): where its script is, what it measures, and a
 summary table of the numbers as the script recorded them, with a link to the
 full report the script wrote beside its JSON. No number in docs/benchmarks.md
 is typed by hand: rerun a benchmark, then this script.
@@ -342,6 +342,19 @@ def stale_statistics(d: Json) -> list[str]:
   return lines
 
 
+def ir_census(d: Json) -> list[str]:
+  sgd = {r["model"]: r["lines"] for r in d["rows"] if r["method"] == "sgd"}
+  rows = [[r["model"], r["method"], r["kernels"], r["lines"],
+           f"{r['lines'] / sgd[r['model']]:.2f}" if r["model"] in sgd else "",
+           r["unswitched_kernels"]] for r in d["rows"]]
+  return ["XLA:CPU's optimised LLVM IR of each step_time step (one child process per "
+          "step, XLA's dump): kernels and lines, which the compile time tracks, and the "
+          "kernels whose loops LLVM unswitched; the full report attributes the lines to "
+          "the library's source lines.", "",
+          md_table(rows, ["model", "method", "kernels", "IR lines", "× SGD's lines",
+                          "unswitched kernels"])]
+
+
 # (results stem, section title, script, renderer), in the page's order.
 SECTIONS: tuple[tuple[str, str, str, Callable[[Json], list[str]]], ...] = (
     ("step_time", "Step time", "step_time.py", step_time),
@@ -354,6 +367,7 @@ SECTIONS: tuple[tuple[str, str, str, Callable[[Json], list[str]]], ...] = (
     ("memory", "Memory", "memory.py", memory),
     ("shampoo_memory", "Shampoo memory", "shampoo_memory.py", shampoo_memory),
     ("stale_statistics", "Stale statistics", "stale_statistics.py", stale_statistics),
+    ("ir_census", "Compiled code (LLVM IR census)", "ir_census.py", ir_census),
 )
 
 

@@ -62,7 +62,7 @@ import statistics
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -231,7 +231,23 @@ def chained_runner(step, init, reps: int):
   return run
 
 
-def build(model_name: str, args):
+class Methods(NamedTuple):
+  """A step_time model, its batch and every method's transform and step."""
+  model: nn.Module
+  params: Any
+  x: jax.Array
+  y: jax.Array
+  desc: str
+  loss_fn: Callable
+  grad_fn: kd.ValueAndGrad
+  layers: tuple
+  txs: dict[str, optax.GradientTransformation]
+  steps: dict[str, Callable]     # unjitted (params, opt_state, x, y) -> ...
+
+
+def methods(model_name: str) -> Methods:
+  """The model `model_name`, every method's optax transform and its step
+  (`_common.kfac_step` / `optax_step`), by method name."""
   model, params, x, y, desc = _models.step_problem(model_name)
 
   def loss_fn(p, x, y):
@@ -265,6 +281,11 @@ def build(model_name: str, args):
       "shampoo": _common.optax_step(loss_fn, txs["shampoo"]),
       "soap": _common.optax_step(loss_fn, txs["soap"]),
   }
+  return Methods(model, params, x, y, desc, loss_fn, grad_fn, layers, txs, steps)
+
+
+def build(model_name: str, args):
+  model, params, x, y, desc, loss_fn, grad_fn, layers, txs, steps = methods(model_name)
   if args.core:                  # the GPU check's set: SGD, Adam, amortised K-FAC
     txs = {k: txs[k] for k in CORE}
     steps = {k: steps[k] for k in CORE}
