@@ -41,11 +41,15 @@ status 3 (and every thread's Python stack) when no step finishes for
 `--hang-timeout` seconds.
 
 On CPU, `jnp.linalg.eigh` calls LAPACK from scipy's OpenBLAS, whose own threads
-compete with XLA's thread pool (and spin while they wait): on a small machine
-set `OPENBLAS_NUM_THREADS=1` (before Python starts) for eigh times that are
-an order of magnitude lower and far less erratic; the header records it.
+compete with XLA's thread pool (and spin while they wait), so this script sets
+`OPENBLAS_NUM_THREADS=1` unless it is set, as the other benchmarks do: eigh
+times an order of magnitude lower and far less erratic, and no cost carried into
+the next runner. With OpenBLAS's default threads the MLP's SGD step, the first
+runner of each round (after the previous round's Shampoo and SOAP), took 10.0
+ms against Adam's 6.4 (2026-11-29, 2149aaa); alone, 5.3-6.3 ms against 6.6-7.0,
+and 8.7-14.0 ms right after one 512 x 512 eigh. The header records the setting.
 
-Usage: [OPENBLAS_NUM_THREADS=1] python benchmarks/step_time.py [--quick]
+Usage: [OPENBLAS_NUM_THREADS=n] python benchmarks/step_time.py [--quick]
        [--models mlp,cnn,lm] [--rounds R] [--reps N] [--cycles C]
        [--compile-reps K] [--hang-timeout S] [--core] [--merge]
        [--out benchmarks/results]
@@ -64,7 +68,9 @@ import threading
 import time
 from typing import Any, Callable, NamedTuple
 
-import flax.linen as nn
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")   # before numpy loads OpenBLAS
+
+import flax.linen as nn  # pylint: disable=wrong-import-position
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -499,8 +505,8 @@ def markdown(results: list[dict], env: dict, args) -> str:
            f"CPU: {env['cpu']} ({env['cpu_count']} cores, shared with other jobs)",
            f"- library: {env['library']} at commit {env['commit']}; thread settings: "
            f"{env['threads_env'] or 'defaults'} (LAPACK eigh runs on scipy's OpenBLAS: "
-           "with its default threads it contends with XLA's own pool, see "
-           "OPENBLAS_NUM_THREADS in the docstring)",
+           "with its default threads it contends with XLA's own pool and slows the "
+           "next runner, see OPENBLAS_NUM_THREADS in the docstring)",
            f"- {args.rounds} interleaved rounds (every method once per round); wall ms = "
            "median per step (min-max over rounds); CPU ms = process CPU time (all "
            "threads) per step, less disturbed by other jobs on the machine; each ratio "
