@@ -56,8 +56,8 @@ from kfac_jax_dist.shampoo import roots as roots_lib  # noqa: F401
 import _models
 # The report writer, re-exported: the scripts' one import.
 from _report import (add_quick, argument_parser, checks_markdown,  # noqa: F401
-                     environment, fill_defaults, fmt_bytes, header_md, md_table, stem,
-                     write_json, write_results)
+                     env_with_xla_flags, environment, fill_defaults, fmt_bytes,
+                     header_md, md_table, stem, write_json, write_results)
 
 FACTOR_SCOPE, DECOMP_SCOPE = "kfac_factor_update", "kfac_decomposition"
 # The fault checks (04bba86): a 4-byte psum of the statistics' verdict inside a

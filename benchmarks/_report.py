@@ -31,6 +31,13 @@ def host_devices(n: int) -> None:
   os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
+def env_with_xla_flags(*flags: str) -> dict[str, str]:
+  """This process's environment with `flags` appended to XLA_FLAGS, for a
+  child process (XLA reads its flags once, when its backend starts)."""
+  return {**os.environ,
+          "XLA_FLAGS": " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()}
+
+
 def _git(cwd: str, *args: str) -> str:
   try:
     return subprocess.run(["git", *args], capture_output=True, text=True,

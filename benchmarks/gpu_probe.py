@@ -46,17 +46,15 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-import kfac_jax_dist as kd
-
 import _common
-import _models
+import step_time
 
 EIGH_SIZES = ((1, 785), (2, 513), (4, 257), (8, 129), (16, 65), (24, 35))
 # One matrix at a time: is a size 2^k + 1 (a factor with its bias row) slow?
 # (Measured on an H100, jax 0.11.2: cuSOLVER syevd took 26 ms per 513 matrix
 # in a batch of 2 and 9 ms for one 785.)
 SINGLE_SIZES = (35, 65, 129, 256, 257, 272, 512, 513, 520, 544, 784, 785, 1024, 1025)
-FACTOR_EVERY, INVERSE_EVERY = 10, 100
+FACTOR_EVERY, INVERSE_EVERY = step_time.FACTOR_EVERY, step_time.INVERSE_EVERY
 # Conditionals and while loops recorded into CUDA graphs (XLA's `+TYPE`
 # syntax adds to the default command types).
 COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer=+CONDITIONAL,+WHILE"
@@ -139,17 +137,10 @@ class Problem(NamedTuple):
 
 
 def amortised_problem(name: str) -> Problem:
-  model, params, x, y, _ = _models.step_problem(name)
-
-  def loss_fn(p, x, y):
-    return kd.losses.softmax_cross_entropy(model.apply(p, x), y)
-
-  grad_fn = kd.value_and_grad(loss_fn)
-  layers = grad_fn.discover(params, x, y)
-  tx = kd.kfac(1e-2, layers=layers, factor_update_every=FACTOR_EVERY,
-               inverse_update_every=INVERSE_EVERY)
-  return Problem(name, loss_fn, grad_fn, tx, jax.jit(_common.kfac_step(grad_fn, tx)),
-                 params, x, y)
+  """step_time's model `name` and its amortised K-FAC (`step_time.methods`)."""
+  m = step_time.methods(name)
+  return Problem(name, m.loss_fn, m.grad_fn, m.txs["kfac_amortised"],
+                 jax.jit(m.steps["kfac_amortised"]), m.params, m.x, m.y)
 
 
 def plain_step_pieces(pb: Problem, reps: int) -> list[str]:

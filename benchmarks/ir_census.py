@@ -61,10 +61,9 @@ class Kernel(NamedTuple):
 def compile_dumped(model: str, method: str, dump: str) -> float:
   """Compile `method`'s step on `model` in a child process that dumps its
   HLO and LLVM IR to `dump`; the child's trace + compile seconds."""
-  flags = " ".join([os.environ.get("XLA_FLAGS", ""), f"--xla_dump_to={dump}",
-                    f"--xla_dump_hlo_module_re={MODULE}"])
-  out = subprocess.run([sys.executable, __file__, "--child", model, method],
-                       env={**os.environ, "XLA_FLAGS": flags.strip()},
+  env = _report.env_with_xla_flags(f"--xla_dump_to={dump}",
+                                   f"--xla_dump_hlo_module_re={MODULE}")
+  out = subprocess.run([sys.executable, __file__, "--child", model, method], env=env,
                        capture_output=True, text=True, check=True)
   return float(out.stdout.split()[-1])
 

@@ -636,8 +636,7 @@ def _op_metadata(texts, module, op):
 def run_profile(model, cadence, steps=10) -> dict | None:
   dump = tempfile.mkdtemp()
   out = os.path.join(dump, "profile.json")
-  env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
-                                    f" --xla_dump_to={dump} --xla_dump_hlo_as_text").strip(),
+  env = dict(_common.env_with_xla_flags(f"--xla_dump_to={dump}", "--xla_dump_hlo_as_text"),
              KD_DUMP_DIR=dump)
   proc = subprocess.run([sys.executable, os.path.abspath(__file__), _PROFILE_CHILD, model,
                          cadence, out, str(steps)], env=env, capture_output=True, text=True,
