@@ -8,7 +8,8 @@ without changing what is computed (the results differ by float rounding only):
 no LLVM optimisation (`--xla_backend_optimization_level=0`, about a third
 faster), and XLA's older elemental fusion emitters instead of its MLIR ones
 (`--xla_cpu_use_fusion_emitters=false`: the distributed steps' XLA compile
-takes about 0.55x the time, on jax 0.8 and the newest alike). Each is the
+takes about 0.55x the time, on jax 0.8 to 0.10; jaxlib 0.11 has no such
+flag). Each is the
 default here unless XLA_FLAGS names it; .ci/run reruns the single-device
 oracles at XLA's own defaults.
 
@@ -23,14 +24,26 @@ each worker is a jax process with 8 virtual devices, and the tests are
 compile-bound, so more workers than cores only add memory.
 """
 
+import importlib.metadata
 import os
 
-for _flag, _name in (("--xla_force_host_platform_device_count=8",
-                      "xla_force_host_platform_device_count"),
-                     ("--xla_backend_optimization_level=0",
-                      "xla_backend_optimization_level"),
-                     ("--xla_cpu_use_fusion_emitters=false",
-                      "xla_cpu_use_fusion_emitters")):
+
+def _jaxlib_version() -> tuple[int, ...]:
+  release = importlib.metadata.version("jaxlib").split(".")[:3]
+  return tuple(int(part) for part in release if part.isdigit())
+
+
+_FLAGS = [("--xla_force_host_platform_device_count=8",
+           "xla_force_host_platform_device_count"),
+          ("--xla_backend_optimization_level=0",
+           "xla_backend_optimization_level")]
+# XLA aborts the process on a flag it does not know, and jaxlib 0.11 no longer
+# knows this one (seen on the GPU machine's jaxlib 0.11.2: every test worker
+# died at start-up).
+if _jaxlib_version() < (0, 11):
+  _FLAGS.append(("--xla_cpu_use_fusion_emitters=false",
+                 "xla_cpu_use_fusion_emitters"))
+for _flag, _name in _FLAGS:
   if _name not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
