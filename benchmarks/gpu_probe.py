@@ -8,13 +8,16 @@ Measurements, printed as text (benchmarks/gpu_check.sh appends them to its log):
 * plain step: ms per call of those pieces (median of `--reps`);
 * consecutive steps: 2 cycles of the amortised step (factors every 10, eigh
   every 100) carried step to step, each step timed alone, summarised by kind
-  (eigh, factor, the plain step right after a factor step, other plain steps)
-  against the same kinds timed from one fixed state (the first of its kind
-  after the warm-up cycle: on this CPU the LM's eigh of its count-0 factors,
-  one batch's statistics, took 73 ms against 83-88 ms for the running
-  averages of later cycles; run 4 timed the count-0 eigh). On the H100 (run 4) the
-  LM's 100 consecutive steps took 4.63 ms each against 2.88 ms for the
-  cadence-weighted mean of its kinds; on the CPU the two agree;
+  (eigh, factor, the plain step right after a factor step, other plain steps),
+  in a plain loop and in a loop whose step donates the parameters and the
+  state, against the same kinds timed from one fixed state (the first of its
+  kind after the warm-up cycle: on this CPU the LM's eigh of its count-0
+  factors, one batch's statistics, took 73 ms against 83-88 ms for the
+  running averages of later cycles; run 4 timed the count-0 eigh). On the
+  H100 (run 4) the LM's 100 consecutive steps took 4.63 ms each against 2.88
+  ms for the cadence-weighted mean of its kinds; on the CPU the two agree. On
+  the H200 (run 5) the LM's plain step took 4.17 ms in a plain loop, 2.37 ms
+  from a fixed state and 2.11 ms in a donating loop;
 * `--command-buffer-ab`: the consecutive-step summary again in a child
   process whose XLA_FLAGS add conditionals and loops to XLA's GPU command
   buffers (CUDA graph conditional nodes), so that a plain step's
@@ -131,6 +134,7 @@ class Problem(NamedTuple):
   grad_fn: Callable
   tx: Any
   kstep: Callable
+  kstep_donated: Callable     # the same step with donate_argnums=(0, 1)
   params: Any
   x: jax.Array
   y: jax.Array
@@ -139,8 +143,9 @@ class Problem(NamedTuple):
 def amortised_problem(name: str) -> Problem:
   """step_time's model `name` and its amortised K-FAC (`step_time.methods`)."""
   m = step_time.methods(name)
-  return Problem(name, m.loss_fn, m.grad_fn, m.txs["kfac_amortised"],
-                 jax.jit(m.steps["kfac_amortised"]), m.params, m.x, m.y)
+  step = m.steps["kfac_amortised"]
+  return Problem(name, m.loss_fn, m.grad_fn, m.txs["kfac_amortised"], jax.jit(step),
+                 jax.jit(step, donate_argnums=(0, 1)), m.params, m.x, m.y)
 
 
 def plain_step_pieces(pb: Problem, reps: int) -> list[str]:
@@ -177,37 +182,52 @@ def step_kind(count: int) -> str:
   return "plain after factor" if count % FACTOR_EVERY == 1 else "plain"
 
 
-def consecutive_profile(pb: Problem, reps: int) -> list[str]:
-  """Two cycles of consecutive amortised steps, each timed alone (blocked), by
-  kind, against each kind repeated from one fixed state: is a step slower in
-  sequence than alone, and which?"""
-  params, state = pb.params, pb.tx.init(pb.params)
-  in_sequence: dict[str, list[float]] = collections.defaultdict(list)
-  fixed_states = {}
+def sequence_times(step: Callable, params, state, pb: Problem, keep_states: bool):
+  """Three cycles of consecutive amortised steps of `step`, each timed alone
+  (blocked): ms by kind over the last two cycles, the inputs of the first step
+  of each kind there (if `keep_states`: not for a step that donates them) and
+  the last loss."""
+  times: dict[str, list[float]] = collections.defaultdict(list)
+  first_inputs = {}
   for count in range(3 * INVERSE_EVERY):          # the first cycle warms up
     kind = step_kind(count)
-    if count >= INVERSE_EVERY:   # (at count 0 the eigh sees one batch's factors)
-      fixed_states.setdefault(kind, (params, state))
+    if keep_states and count >= INVERSE_EVERY:   # (count 0's eigh sees one batch)
+      first_inputs.setdefault(kind, (params, state))
     start = time.perf_counter()
-    params, state, loss = jax.block_until_ready(pb.kstep(params, state, pb.x, pb.y))
+    params, state, loss = jax.block_until_ready(step(params, state, pb.x, pb.y))
     if count >= INVERSE_EVERY:
-      in_sequence[kind].append(1e3 * (time.perf_counter() - start))
+      times[kind].append(1e3 * (time.perf_counter() - start))
+  return times, first_inputs, float(loss)
+
+
+def consecutive_profile(pb: Problem, reps: int) -> list[str]:
+  """Two cycles of consecutive amortised steps, each timed alone (blocked), by
+  kind: a plain loop, a loop whose step donates the parameters and the state
+  (`donate_argnums=(0, 1)`, as training loops run it), and each kind repeated
+  from one fixed state. Is a step slower in sequence than alone, and which?"""
+  state0 = pb.tx.init(pb.params)
+  in_sequence, fixed_states, loss = sequence_times(pb.kstep, pb.params, state0, pb, True)
+  copy = lambda tree: jax.tree.map(jnp.copy, tree)
+  donated, _, loss_donated = sequence_times(pb.kstep_donated, copy(pb.params), copy(state0),
+                                            pb, False)
   lines = [f"{pb.name}: consecutive steps, ms per step by kind (median; min-max) | "
-           f"in sequence | alone, from one fixed state"]
+           f"in sequence | in sequence, donated | alone, from one fixed state"]
   alone = {}
   for kind, times in in_sequence.items():
     p, s = fixed_states[kind]
     alone[kind] = timed(pb.kstep, p, s, pb.x, pb.y,
                         reps=max(3, reps // 10) if kind == "eigh" else reps)
     lines.append(f"  {kind} ({len(times)}) | {statistics.median(times):.3f} "
-                 f"({min(times):.3f}-{max(times):.3f}) | {alone[kind]:.3f}")
-  total = sum(sum(t) for t in in_sequence.values()) / (2 * INVERSE_EVERY)
+                 f"({min(times):.3f}-{max(times):.3f}) | "
+                 f"{statistics.median(donated[kind]):.3f} | {alone[kind]:.3f}")
+  mean = lambda by_kind: sum(sum(t) for t in by_kind.values()) / (2 * INVERSE_EVERY)
   weights = {"eigh": 1, "factor": INVERSE_EVERY // FACTOR_EVERY - 1,
              "plain after factor": INVERSE_EVERY // FACTOR_EVERY}
   weights["plain"] = INVERSE_EVERY - sum(weights.values())
   mix = sum(w * alone[k] for k, w in weights.items()) / INVERSE_EVERY
-  lines.append(f"  mean per step in sequence {total:.3f} ms; cadence-weighted mean of "
-               f"the kinds alone {mix:.3f} ms (final loss {float(loss):.4f})")
+  lines.append(f"  mean per step in sequence {mean(in_sequence):.3f} ms, donated "
+               f"{mean(donated):.3f} ms; cadence-weighted mean of the kinds alone "
+               f"{mix:.3f} ms (final loss {loss:.4f}, donated {loss_donated:.4f})")
   return lines
 
 
