@@ -189,6 +189,41 @@ def _training_step(kind, loss_fn, params, tokens, mask):
   return tx, step, dist
 
 
+@pytest.fixture
+def x64():
+  """float64 for one test, restored afterwards."""
+  previous = jax.config.jax_enable_x64
+  jax.config.update("jax_enable_x64", True)
+  yield
+  jax.config.update("jax_enable_x64", previous)
+
+
+@pytest.mark.parametrize("kind", ["kfac", "adaptive", "shampoo"])
+def test_a_donating_step_equals_the_plain_one(kind, x64):
+  """Params and state donated to the step (`donate_argnums=(0, 1)`, as the
+  README's loop runs it), straight from `tx.init`: no two leaves of the state
+  share a buffer with each other or with the parameters (the call would fail),
+  and 3 steps (K-FAC's first one updates factors and eigenbases) equal the
+  steps without donation, in float64 (the donating program is fused
+  differently: in float32 the eigenbases differ in their rounding). A step
+  returns the state with the types it took (a float64 model, float32
+  factors: adaptive K-FAC's scalars once came back float64), as a
+  `lax.scan` carry needs."""
+  del x64
+  loss_fn, params, tokens, mask = _problem(jnp.float64, jnp.float64)
+  tx, step, _ = _training_step(kind, loss_fn, params, tokens, mask)
+  plain, donating = jax.jit(step), jax.jit(step, donate_argnums=(0, 1))
+  p, s = params, tx.init(params)
+  pd = jax.tree.map(jnp.copy, params)
+  sd = tx.init(pd)
+  types = lambda tree: jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), tree)
+  assert types(jax.eval_shape(step, p, s, tokens, mask)[1]) == types(s)
+  for _ in range(3):
+    p, s = plain(p, s, tokens, mask)
+    pd, sd = donating(pd, sd, tokens, mask)
+  helpers.assert_trees_equal((p, s), (pd, sd), rtol=1e-10)
+
+
 @pytest.mark.parametrize("kind", ["kfac", "adaptive", "shampoo", "kfac MEM-OPT"])
 def test_steps_have_no_host_callbacks(kind):
   """A training step's program holds no host callback, so JAX's persistent

@@ -281,7 +281,9 @@ def _damping_step(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
   rho = (_objective(config, dot, new_loss, new_params)
          - _objective(config, dot, loss, params)) / change
   rho = _one_per_model(kfac_config, rho)
-  return new_damping(config, damping, rho), rho
+  # In the state's dtype: a float64 model's loss is float64, its state float32.
+  return (new_damping(config, damping, rho).astype(damping.dtype),
+          rho.astype(damping.dtype))
 
 
 def _model_in_span(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
@@ -339,9 +341,10 @@ def update_state(config: AdaptiveConfig, kfac_config: KfacConfig,
         due, lambda: _damping_step(config, kfac_config, grad_fn, params, batch, loss,
                                    update, model_change(a, b, w), state.damping),
         lambda: (state.damping, state.rho))
+  typed = lambda x: jnp.asarray(x, state.rho.dtype)     # the state keeps its types
   new_state = dataclasses.replace(
-      state, kfac=kfac_state, damping=damping, velocity=update, learning_rate=-w[0],
-      momentum=w[1], rho=rho, count=count + 1)
+      state, kfac=kfac_state, damping=typed(damping), velocity=update,
+      learning_rate=typed(-w[0]), momentum=typed(w[1]), rho=rho, count=count + 1)
   with jax.named_scope(faults.SCOPE):
     ok = (kfac_state.skipped == state.kfac.skipped) & faults.all_finite(
         [w, damping] + jax.tree_util.tree_leaves(update))
