@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import functools
 import os
 import time
 
@@ -149,6 +150,17 @@ def distribution(strategy: str, mesh) -> kd.Distribution:
                          factor_reduction=factor_reduction)
 
 
+# The training steps donate the parameters and the optimizer state: XLA updates
+# them in place, and on a GPU a loop without donation was up to 2x slower
+# (benchmarks/results/gpu/summary.md, run 5).
+donating_jit = functools.partial(jax.jit, donate_argnums=(0, 1))
+
+
+def _copy(tree):
+  """Fresh buffers for a donating step (the caller keeps its own)."""
+  return jax.tree.map(jnp.copy, tree)
+
+
 def _varying(tree):
   """Marks replicated values as varying over "data" inside shard_map, so that
   `jax.grad` returns each device's local gradient (no automatic psum)."""
@@ -187,7 +199,7 @@ def sharded_step(tx, loss_fn, use_kfac, mesh, opt_state, data, key, fisher,
                              in_specs=(P(), specs, P("data"), P("data"), P()),
                              out_specs=(P(), specs, P()))
 
-  @jax.jit
+  @donating_jit
   def step(params, opt_state, idx, t):
     return local_step(params, opt_state, x_train[idx], y_train[idx], t)
   return step
@@ -202,6 +214,7 @@ def train(name, tx, params, data, batches, eval_every, use_kfac, loss_fn,
   x_train, y_train, x_test, y_test = (jnp.asarray(a) for a in data)
   key = jax.random.PRNGKey(seed)
 
+  params = _copy(params)          # the steps donate it; the caller's stays
   opt_state = tx.init(params)
   if mesh is not None:
     replicated = NamedSharding(mesh, P())
@@ -213,7 +226,7 @@ def train(name, tx, params, data, batches, eval_every, use_kfac, loss_fn,
   elif use_kfac:
     grad_fn = kd.value_and_grad(loss_fn, fisher=fisher)
 
-    @jax.jit
+    @donating_jit
     def step(params, opt_state, idx, t):
       x, y = x_train[idx], y_train[idx]
       rng = jax.random.fold_in(key, t)  # only the MC Fisher uses it
@@ -223,7 +236,7 @@ def train(name, tx, params, data, batches, eval_every, use_kfac, loss_fn,
       updates, opt_state = tx.update(grads, opt_state, params, kfac_stats=stats, **batch)
       return optax.apply_updates(params, updates), opt_state, loss
   else:
-    @jax.jit
+    @donating_jit
     def step(params, opt_state, idx, t):
       del t
       x, y = x_train[idx], y_train[idx]
@@ -237,7 +250,7 @@ def train(name, tx, params, data, batches, eval_every, use_kfac, loss_fn,
     return jnp.mean(jnp.argmax(logits, -1) == y_test)
 
   # Compile (and run once, discarding the result) before timing anything.
-  jax.block_until_ready(step(params, opt_state, batches[0], 0))
+  jax.block_until_ready(step(*_copy((params, opt_state)), batches[0], 0))
   jax.block_until_ready(accuracy(params))
 
   result = Result(name, [0], [0.0], [float(accuracy(params))], [float("nan")])
