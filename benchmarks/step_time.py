@@ -12,12 +12,12 @@ Adam run the very same model):
 
 For each model every method is one jitted training step
 `value_and_grad -> tx.update -> optax.apply_updates`, run with
-`jax.block_until_ready` after every step. The rows of consecutive steps (the
-methods' own rows) donate the parameters and the optimizer state
-(`donate_argnums=(0, 1)`), as a training loop should: on an H200 (2026-11-29,
-fdb28b5) the LM's plain K-FAC step took 4.17 ms in a loop without donation,
-2.11 ms with it, and SGD's 2.33 against 1.51 ms (benchmarks/results/gpu). The
-rows from one fixed state do not donate it.
+`jax.block_until_ready` after every step. Every step donates the parameters
+and the optimizer state (`donate_argnums=(0, 1)`), as a training loop should:
+on an H200 (2026-11-29, fdb28b5) the LM's plain K-FAC step took 4.17 ms in a
+loop without donation, 2.11 ms with it, and SGD's 2.33 against 1.51 ms
+(benchmarks/results/gpu). The rows from one fixed state run the same program
+on fresh copies of that state, made outside the timing.
 
 * sgd: `optax.sgd(lr, momentum=0.9)`; adam: `optax.adam(lr)`;
 * kfac_every: `kd.kfac(..., factor_update_every=1, inverse_update_every=1)`;
@@ -123,7 +123,15 @@ WATCHDOG = Watchdog(0)
 
 # ---------------------------------------------------------------------- steps
 
+def copies(params, opt_state):
+  """Fresh buffers of (params, opt_state), for a step that donates them."""
+  return jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, (params, opt_state)))
+
+
 def advance(step, params, opt_state, x, y, n):
+  """(params, opt_state) after `n` steps from copies of the given ones (which
+  stay valid: `step` may donate its inputs)."""
+  params, opt_state = copies(params, opt_state)
   for _ in range(n):
     params, opt_state, _ = step(params, opt_state, x, y)
     jax.block_until_ready(opt_state)
@@ -206,19 +214,24 @@ class Runner:
     self.name, self.run, self.group, self.note = name, run, group, note
 
 
-def fixed_runner(fn, args, reps: int):
-  """Calls `fn(*args)` `reps` times from the same inputs.
+def fixed_runner(fn, args, reps: int, donated: bool = False):
+  """Calls `fn(*args)` `reps` times from the same inputs (`donated`: `fn`
+  donates its first two arguments, so each call gets fresh copies of them,
+  made outside the timing).
 
   Returns (wall, cpu) seconds per call; cpu is the process's CPU time (all
   threads), which other processes on a shared machine disturb much less.
   """
   def run(n=None):
     n = reps if n is None else n
-    t, c = time.perf_counter(), time.process_time()
+    wall = cpu = 0.0
     for _ in range(n):
-      jax.block_until_ready(fn(*args))
+      call_args = copies(*args[:2]) + tuple(args[2:]) if donated else args
+      t, c = time.perf_counter(), time.process_time()
+      jax.block_until_ready(fn(*call_args))
+      wall, cpu = wall + time.perf_counter() - t, cpu + time.process_time() - c
       WATCHDOG.kick()
-    return (time.perf_counter() - t) / n, (time.process_time() - c) / n
+    return wall / n, cpu / n
   return run
 
 
@@ -227,7 +240,7 @@ def chained_runner(step, init, reps: int):
   per step. `step` may donate its first two arguments: it starts from copies
   of `init`'s."""
   params, opt_state, x, y = init
-  carry = [jax.tree_util.tree_map(jnp.copy, (params, opt_state)) + (x, y)]
+  carry = [copies(params, opt_state) + (x, y)]
   def run(n=None):
     n = reps if n is None else n
     params, opt_state, x, y = carry[0]
@@ -312,11 +325,12 @@ def build(model_name: str, args):
   compile_med = {k: {f: statistics.median(r[f] for r in v) for f in v[0]}
                  for k, v in compile_times.items()}
 
-  jitted = {k: jax.jit(s) for k, s in steps.items()}
+  # Every step donates params and state, as a training loop runs it; the
+  # rows from one fixed state give it fresh copies (`fixed_runner`).
   donating = {k: jax.jit(s, donate_argnums=(0, 1)) for k, s in steps.items()}
 
   # Fixed K-FAC states of the amortised optimizer at each kind of step.
-  amort = jitted["kfac_amortised"]
+  amort = donating["kfac_amortised"]
   st0 = states["kfac_amortised"]                                    # count 0
   p1, st1 = advance(amort, params, st0, x, y, 1)                    # count 1
   p10, st10 = advance(amort, p1, st1, x, y, FACTOR_EVERY - 1)       # count 10
@@ -348,8 +362,7 @@ def build(model_name: str, args):
              "main", "optax.sgd(momentum=0.9)"),
       Runner("adam", chained_runner(donating["adam"], (params, states["adam"], x, y), reps),
              "main", "optax.adam"),
-      Runner("kfac_amortised", chained_runner(donating["kfac_amortised"], (params, st0, x, y),
-                                             cycle),
+      Runner("kfac_amortised", chained_runner(amort, (params, st0, x, y), cycle),
              "main", f"factors every {FACTOR_EVERY}, eigh every {INVERSE_EVERY}; "
              f"{cycle} consecutive steps"),
   ]
@@ -361,7 +374,8 @@ def build(model_name: str, args):
     note = {"kfac_plain": "no factor, no eigh", "kfac_factor": "factors, no eigh",
             "kfac_inverse": "factors + eigh"}[name]
     n = max(2, reps // 4) if name == "kfac_inverse" else reps
-    runners.append(Runner(name, fixed_runner(amort, (p, s, x, y), n), "kind", note))
+    runners.append(Runner(name, fixed_runner(amort, (p, s, x, y), n, donated=True), "kind",
+                          note))
   runners += [
       Runner("jax.value_and_grad", fixed_runner(jax_vg, (p1, x, y), reps), "piece",
              "capture-free gradient"),
@@ -377,9 +391,8 @@ def build(model_name: str, args):
   ]
 
   if not args.core:
-    runners += adaptive_runners(grad_fn, layers, jitted["kfac_adaptive"],
-                                donating["kfac_adaptive"], params, states["kfac_adaptive"],
-                                x, y, grads1, reps, cycle)
+    runners += adaptive_runners(grad_fn, layers, donating["kfac_adaptive"], params,
+                                states["kfac_adaptive"], x, y, grads1, reps, cycle)
     runners += chained_runners(donating, states, params, x, y, cycle)
   return dict(desc=desc, layers=layers, runners=runners, compile=compile_med,
               steps_per_cycle=cycle, flops=flop_model(model, params, x, layers, loss_fn, y))
@@ -396,31 +409,34 @@ def chained_runners(donating: dict, states: dict, params, x, y, cycle: int) -> l
       for name, what in (("shampoo", "kd.shampoo: roots"), ("soap", "kd.soap: eigenbases"))]
 
 
-def adaptive_runners(grad_fn, layers, step, donating_step, params, state, x, y, grads,
-                     reps: int, cycle: int) -> list[Runner]:
+def adaptive_runners(grad_fn, layers, step, params, state, x, y, grads, reps: int,
+                     cycle: int) -> list[Runner]:
   """Adaptive K-FAC (`kd.kfac(None, None, adapt_damping=True)`, the amortised
   cadence, damping adapted every T = 5 steps): the chained run, one step of
   each kind from fixed states (count 1: plain, no damping step; count 4:
   plain with the damping step), the plain step with the momentum fixed at 0
-  (α alone: one tangent pass), and its two extra pieces."""
+  (α alone: one tangent pass), and its two extra pieces. `step` donates
+  params and state, as the other K-FAC rows' steps."""
   p1, s1 = advance(step, params, state, x, y, 1)
   p4, s4 = advance(step, p1, s1, x, y, 3)
   alpha_tx = kd.kfac(None, 0.0, layers=layers, grad_fn=grad_fn, adapt_damping=True,
                      factor_update_every=FACTOR_EVERY, inverse_update_every=INVERSE_EVERY)
-  alpha_step = jax.jit(_common.kfac_step(grad_fn, alpha_tx, adaptive=True))
+  alpha_step = jax.jit(_common.kfac_step(grad_fn, alpha_tx, adaptive=True),
+                       donate_argnums=(0, 1))
   pa, sa = advance(alpha_step, params, alpha_tx.init(params), x, y, 1)
   # Two different vectors (XLA would share the tangent passes of equal ones).
   gram = jax.jit(lambda p, v, x, y: grad_fn.gauss_newton_gram(p, (v, p), x, y,
                                                               with_loss=True))
   loss = jax.jit(grad_fn.loss)
   return [
-      Runner("kfac_adaptive", chained_runner(donating_step, (params, state, x, y), cycle),
+      Runner("kfac_adaptive", chained_runner(step, (params, state, x, y), cycle),
              "adaptive", f"α, μ, λ adapted (T = 5); {cycle} consecutive steps"),
-      Runner("adaptive_plain", fixed_runner(step, (p1, s1, x, y), reps), "adaptive",
-             "no factor, no eigh, no damping step"),
-      Runner("adaptive_damping", fixed_runner(step, (p4, s4, x, y), reps), "adaptive",
-             "no factor, no eigh, damping step"),
-      Runner("adaptive_alpha_plain", fixed_runner(alpha_step, (pa, sa, x, y), reps),
+      Runner("adaptive_plain", fixed_runner(step, (p1, s1, x, y), reps, donated=True),
+             "adaptive", "no factor, no eigh, no damping step"),
+      Runner("adaptive_damping", fixed_runner(step, (p4, s4, x, y), reps, donated=True),
+             "adaptive", "no factor, no eigh, damping step"),
+      Runner("adaptive_alpha_plain", fixed_runner(alpha_step, (pa, sa, x, y), reps,
+                                                  donated=True),
              "adaptive", "momentum fixed at 0 (α alone), no factor, no eigh"),
       Runner("gauss_newton_gram k=2", fixed_runner(gram, (p1, grads, x, y), reps),
              "adaptive", "the model's Gram matrix and L(θ): one linearisation"),
@@ -522,9 +538,9 @@ def markdown(results: list[dict], env: dict, args) -> str:
            "median per step (min-max over rounds); CPU ms = process CPU time (all "
            "threads) per step, less disturbed by other jobs on the machine; each ratio "
            "is the median over rounds of the per-round ratio.",
-           "- Rows of consecutive steps run the step jitted with `donate_argnums=(0, 1)` "
-           "(params and optimizer state, as a training loop should); rows from one fixed "
-           "state do not donate.",
+           "- Every step is jitted with `donate_argnums=(0, 1)` (params and optimizer "
+           "state, as a training loop should); the rows from one fixed state run it on "
+           "fresh copies of that state, made outside the timing.",
            f"- K-FAC: `kd.kfac(lr, ...)`, method eigen, KL clip 1e-3; amortised = "
            f"factor_update_every={FACTOR_EVERY}, inverse_update_every={INVERSE_EVERY}.",
            "- compile s = `jax.jit(step).lower(...).compile()`, trace + XLA compile.",
