@@ -9,9 +9,8 @@ no LLVM optimisation (`--xla_backend_optimization_level=0`, about a third
 faster), and XLA's older elemental fusion emitters instead of its MLIR ones
 (`--xla_cpu_use_fusion_emitters=false`: the distributed steps' XLA compile
 takes about 0.55x the time, on jax 0.8 to 0.10; jaxlib 0.11 has no such
-flag). Each is the
-default here unless XLA_FLAGS names it; .ci/run reruns the single-device
-oracles at XLA's own defaults.
+flag). Each is the default here unless XLA_FLAGS names it; .ci/run reruns
+the single-device oracles at XLA's own defaults.
 
 Tests marked `slow` run only with `--slow`: more strategies, layer kinds and
 meshes of cases that the default selection has, and the longer end-to-end
