@@ -213,9 +213,8 @@ def consecutive_profile(pb: Problem, reps: int) -> list[str]:
   from one fixed state. Is a step slower in sequence than alone, and which?"""
   state0 = pb.tx.init(pb.params)
   in_sequence, fixed_states, loss = sequence_times(pb.kstep, pb.params, state0, pb, True)
-  copy = lambda tree: jax.tree.map(jnp.copy, tree)
-  donated, _, loss_donated = sequence_times(pb.kstep_donated, copy(pb.params), copy(state0),
-                                            pb, False)
+  donated, _, loss_donated = sequence_times(pb.kstep_donated,
+                                            *step_time.copies(pb.params, state0), pb, False)
   lines = [f"{pb.name}: consecutive steps, ms per step by kind (median; min-max) | "
            f"in sequence | in sequence, donated | alone, from one fixed state"]
   alone = {}

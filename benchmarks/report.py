@@ -4,8 +4,8 @@ One section per results file that exists (step time, convergence, the two
 peer comparisons, communication volume, layout balance, memory, Shampoo's
 memory, stale statistics, the compiled code): where its script is, what it
 measures, and a summary table of the numbers as the script recorded them, with
-a link to the full report the script wrote beside its JSON. No number in docs/benchmarks.md
-is typed by hand: rerun a benchmark, then this script.
+a link to the full report the script wrote beside its JSON. No number in
+docs/benchmarks.md is typed by hand: rerun a benchmark, then this script.
 
     python benchmarks/report.py            # rewrites docs/benchmarks.md
     python benchmarks/report.py --check    # exit 1 if docs/benchmarks.md is stale

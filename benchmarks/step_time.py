@@ -338,8 +338,7 @@ def build(model_name: str, args):
   # batch's statistics, whose eigh ran 15% faster than later running averages
   # (the LM on this CPU: 73 against 83-88 ms).
   p100, st100 = advance(amort, p10, st10, x, y, INVERSE_EVERY - FACTOR_EVERY)
-  pre = jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, (p1, st1)))
-  kinds = {"kfac_plain": (pre[0], pre[1]), "kfac_factor": (p10, st10),
+  kinds = {"kfac_plain": copies(p1, st1), "kfac_factor": (p10, st10),
            "kfac_inverse": (p100, st100)}
   for name, (_, s) in kinds.items():
     ks = _common.kfac_state(s)

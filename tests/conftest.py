@@ -71,12 +71,23 @@ def pytest_collection_modifyitems(config, items):
     items[:] = [item for item in items if not item.get_closest_marker("slow")]
 
 
-@pytest.fixture(scope="module")
-def x64_module():
-  """float64 for a whole test module (`pytestmark = pytest.mark.usefixtures(
-  "x64_module")`), restored afterwards."""
+def _float64():
+  """Turns jax_enable_x64 on until the generator resumes, then restores it."""
   import jax  # pylint: disable=import-outside-toplevel
   previous = jax.config.jax_enable_x64
   jax.config.update("jax_enable_x64", True)
   yield
   jax.config.update("jax_enable_x64", previous)
+
+
+@pytest.fixture(scope="module")
+def x64_module():
+  """float64 for a whole test module (`pytestmark = pytest.mark.usefixtures(
+  "x64_module")`), restored afterwards."""
+  yield from _float64()
+
+
+@pytest.fixture
+def x64():
+  """float64 for one test, restored afterwards."""
+  yield from _float64()

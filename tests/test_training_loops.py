@@ -189,15 +189,6 @@ def _training_step(kind, loss_fn, params, tokens, mask):
   return tx, step, dist
 
 
-@pytest.fixture
-def x64():
-  """float64 for one test, restored afterwards."""
-  previous = jax.config.jax_enable_x64
-  jax.config.update("jax_enable_x64", True)
-  yield
-  jax.config.update("jax_enable_x64", previous)
-
-
 @pytest.mark.parametrize("kind", ["kfac", "adaptive", "shampoo"])
 def test_a_donating_step_equals_the_plain_one(kind, x64):
   """Params and state donated to the step (`donate_argnums=(0, 1)`, as the
