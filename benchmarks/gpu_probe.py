@@ -5,7 +5,10 @@ Measurements, printed as text (benchmarks/gpu_check.sh appends them to its log):
 * kernels: the kernels each compiled piece of a K-FAC plain step launches
   (fusions, library calls, control flow) on the CNN and the LM, against
   `jax.value_and_grad` and optax SGD's whole step;
-* plain step: ms per call of those pieces (median of `--reps`);
+* plain step: ms per call of those pieces (median of `--reps`), and of the
+  step with the preconditioning's two arrangements forced
+  (`precondition.BATCH_RUNS`): equal-shape layers in runs (the default off
+  CPU; the LM's eight attention projections one batch) and one layer at a time;
 * consecutive steps: 2 cycles of the amortised step (factors every 10, eigh
   every 100) carried step to step, each step timed alone, summarised by kind
   (eigh, factor, the plain step right after a factor step, other plain steps),
@@ -51,6 +54,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+
+from kfac_jax_dist.kfac import precondition
 
 import _common
 import step_time
@@ -139,6 +144,7 @@ class Problem(NamedTuple):
   loss_fn: Callable
   grad_fn: Callable
   tx: Any
+  step: Callable              # the K-FAC step, not jitted
   kstep: Callable
   kstep_donated: Callable     # the same step with donate_argnums=(0, 1)
   params: Any
@@ -150,8 +156,19 @@ def amortised_problem(name: str) -> Problem:
   """step_time's model `name` and its amortised K-FAC (`step_time.methods`)."""
   m = step_time.methods(name)
   step = m.steps["kfac_amortised"]
-  return Problem(name, m.loss_fn, m.grad_fn, m.txs["kfac_amortised"], jax.jit(step),
+  return Problem(name, m.loss_fn, m.grad_fn, m.txs["kfac_amortised"], step, jax.jit(step),
                  jax.jit(step, donate_argnums=(0, 1)), m.params, m.x, m.y)
+
+
+def arranged_step(pb: Problem, batch_runs: bool, *args) -> jax.stages.Compiled:
+  """`pb`'s K-FAC step compiled for `args` with the preconditioning's
+  arrangement forced (`precondition.BATCH_RUNS`): equal-shape layers in
+  runs (the default off CPU) or one layer at a time (on CPU)."""
+  precondition.BATCH_RUNS = batch_runs
+  try:       # a new function: jax reuses the trace of `pb.step` (the default arrangement)
+    return jax.jit(lambda *a: pb.step(*a)).lower(*args).compile()
+  finally:
+    precondition.BATCH_RUNS = None
 
 
 def plain_step_pieces(pb: Problem, reps: int) -> list[str]:
@@ -170,10 +187,15 @@ def plain_step_pieces(pb: Problem, reps: int) -> list[str]:
           jax.jit(lambda g, s, p, st: pb.tx.update(g, s, p, kfac_stats=st)),
           (grads, s1, p1, stats)),
       "kfac step plain": (pb.kstep, (p1, s1, x, y)),
+      "kfac step plain, equal layers batched": (
+          arranged_step(pb, True, p1, s1, x, y), (p1, s1, x, y)),
+      "kfac step plain, one layer at a time": (
+          arranged_step(pb, False, p1, s1, x, y), (p1, s1, x, y)),
   }
   lines = [f"{pb.name}: piece | ms | kernels (launching instructions) | top opcodes"]
   for label, (fn, args) in pieces.items():
-    census = kernel_census(fn.lower(*args).compile())
+    compiled = fn if isinstance(fn, jax.stages.Compiled) else fn.lower(*args).compile()
+    census = kernel_census(compiled)
     top = ", ".join(f"{k} {v}" for k, v in census.most_common(6))
     lines.append(f"  {label} | {timed(fn, *args, reps=reps):.3f} | "
                  f"{sum(census.values())} | {top}")

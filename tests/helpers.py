@@ -89,6 +89,24 @@ def classifier_problem(model: nn.Module, x_shape: tuple[int, ...], seed: int = 0
   return loss_fn, params, x, y
 
 
+class ResidualStack(nn.Module):
+  """24 equal Dense layers (12 → 12, residual) and a head: on one device one
+  run of preconditioning (`layout.precondition_runs`), on 8 devices runs of
+  2-3 per owner group in every strategy."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(kd.linen.Dense(12)(x))
+    for _ in range(23):
+      x = x + nn.tanh(kd.linen.Dense(12)(x))
+    return kd.linen.Dense(10)(x)
+
+
+def residual_stack_problem():
+  """`ResidualStack` on a random batch of 32 12-vectors (`classifier_problem`)."""
+  return classifier_problem(ResidualStack(), (32, 12))
+
+
 def conv_dense_problem():
   """`ConvDenseNet` on a random batch of 32 8x8x2 images (`classifier_problem`)."""
   return classifier_problem(ConvDenseNet(), (32, 8, 8, 2))

@@ -25,8 +25,9 @@ def _options(cadence=(FACTOR_EVERY, INVERSE_EVERY), **extra):
 
 
 @functools.lru_cache(maxsize=None)
-def _single_device(method, cadence=(FACTOR_EVERY, INVERSE_EVERY)):
-  loss_fn, params, x, y = helpers.conv_dense_problem()
+def _single_device(method, cadence=(FACTOR_EVERY, INVERSE_EVERY),
+                   problem=helpers.conv_dense_problem):
+  loss_fn, params, x, y = problem()
   grad_fn = kd.value_and_grad(loss_fn)
   tx = kd.kfac(0.1, layers=grad_fn.discover(params, x, y),
                **_options(cadence, method=method))
@@ -47,8 +48,9 @@ def _single_device(method, cadence=(FACTOR_EVERY, INVERSE_EVERY)):
 
 def _distributed(num_devices, fraction, factor_reduction, gradient_reduction,
                  method="eigen", symmetric=True, steps=STEPS, comm_dtype=None,
-                 cadence=(FACTOR_EVERY, INVERSE_EVERY), skip_statistics="auto"):
-  loss_fn, params, x, y = helpers.conv_dense_problem()
+                 cadence=(FACTOR_EVERY, INVERSE_EVERY), skip_statistics="auto",
+                 problem=helpers.conv_dense_problem):
+  loss_fn, params, x, y = problem()
   mesh = helpers.data_mesh(num_devices)
   dist = kd.Distribution(mesh, axis="data", grad_worker_fraction=fraction,
                          factor_reduction=factor_reduction,
@@ -172,6 +174,28 @@ def test_statistics_buffer_past_int32_is_written_by_rows(num_devices, fraction, 
   reference, _ = _single_device("eigen", cadence)
   trajectory, _, _ = _distributed(num_devices, fraction, "reduce_scatter", "reduce_scatter",
                                   cadence=cadence)
+  _assert_same(trajectory, reference)
+
+
+@pytest.mark.parametrize("fraction,factor_reduction,gradient_reduction", [
+    (1 / 2, "reduce_scatter", "reduce_scatter"), (1 / 8, "all_reduce", "all_reduce"),
+    pytest.param(1.0, "reduce_scatter", "all_reduce", marks=pytest.mark.slow)])
+def test_batched_preconditioning_equals_single_device(monkeypatch, fraction,
+                                                      factor_reduction,
+                                                      gradient_reduction):
+  """Off CPU, equal-shape layers whose second-order state follows one another
+  in an owner group's array are preconditioned as one batch
+  (`precondition.precondition`). Forced here on the 8 CPU devices, against
+  the single device's layer-at-a-time run, with runs of 2-3 in every group."""
+  from kfac_jax_dist.kfac import layout as layout_lib  # pylint: disable=import-outside-toplevel
+  from kfac_jax_dist.kfac import precondition  # pylint: disable=import-outside-toplevel
+  reference, _ = _single_device("eigen", problem=helpers.residual_stack_problem)
+  monkeypatch.setattr(precondition, "BATCH_RUNS", True)
+  trajectory, state, _ = _distributed(8, fraction, factor_reduction, gradient_reduction,
+                                      problem=helpers.residual_stack_problem)
+  lay = find_states(state)[0].layout
+  assert all(any(len(run) > 1 for run in layout_lib.precondition_runs(lay, g))
+             for g in range(lay.num_groups))
   _assert_same(trajectory, reference)
 
 

@@ -16,6 +16,7 @@ import helpers
 import kfac_jax_dist as kd
 from kfac_jax_dist.capture import registry
 from kfac_jax_dist.kfac import correction as correction_lib
+from kfac_jax_dist.kfac.state import find_states
 
 LAMBDA, DECAY = 1e-2, 0.8
 
@@ -47,7 +48,10 @@ PROBLEMS = {"conv": (ConvNet(), (6, 5, 5, 2)), "sequence": (SequenceNet(), (6, 4
 
 
 def _problem(name: str):
-  model, shape = PROBLEMS[name]
+  return _problem_of(*PROBLEMS[name])
+
+
+def _problem_of(model: nn.Module, shape: tuple[int, ...]):
   kx, ky, kp = jax.random.split(jax.random.PRNGKey(0), 3)
   x = jax.random.normal(kx, shape, jnp.float64)
   y = jax.random.randint(ky, shape[:1], 0, 4)
@@ -184,6 +188,38 @@ def test_updates_equal_the_dense_solve_in_the_basis(name):
     _, grads, stats = grad_fn(params, x, y, opt_state=state)
     return tx.update(grads, state, kfac_stats=stats)
   _check_five_steps(loss_fn, params, x, y, layers, update, tx.init(params))
+
+
+class RepeatedNet(nn.Module):
+  """Three equal Dense layers and a head."""
+
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(3):
+      x = nn.tanh(kd.linen.Dense(5)(x))
+    return kd.linen.Dense(4)(x)
+
+
+def test_batched_preconditioning_follows_the_dense_solve(monkeypatch):
+  """Off CPU the three equal layers are preconditioned as one run, their
+  scalings stacked (`precondition.precondition`; forced here): five steps
+  follow `_check_five_steps`' rule as one layer at a time does."""
+  from kfac_jax_dist.kfac import layout as layout_lib  # pylint: disable=import-outside-toplevel
+  from kfac_jax_dist.kfac import precondition  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(precondition, "BATCH_RUNS", True)
+  loss_fn, params, x, y = _problem_of(RepeatedNet(), (6, 5))
+  grad_fn = kd.value_and_grad(loss_fn)
+  layers = grad_fn.discover(params, x, y)
+  tx = _ekfac(layers)
+  state = tx.init(params)
+  runs = layout_lib.precondition_runs(find_states(state)[0].layout, 0)
+  assert sorted(len(run) for run in runs) == [1, 3]
+
+  @jax.jit
+  def update(params, state, x, y):
+    _, grads, stats = grad_fn(params, x, y, opt_state=state)
+    return tx.update(grads, state, kfac_stats=stats)
+  _check_five_steps(loss_fn, params, x, y, layers, update, state)
 
 
 @pytest.mark.slow     # (CI time; K-FAC's DP-KFAC local factors are checked by default elsewhere)

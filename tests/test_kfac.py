@@ -65,13 +65,28 @@ def _random_grads(rng, params):
   return jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), F64), params)
 
 
+# Three layers of one shape: preconditioned as one run off CPU.
+RUN_DIMS = ((4, 3, True), (4, 3, True), (2, 6, False), (4, 3, True), (6, 2, True))
+
+
 @pytest.mark.parametrize("method", ["eigen", "inverse"])
-def test_single_step_matches_dense_oracle(method):
-  rng, layers, params = _setup()
+@pytest.mark.parametrize("arrangement", ["one_at_a_time", "batched"])
+def test_single_step_matches_dense_oracle(monkeypatch, method, arrangement):
+  """One step against `(A ⊗ G + γI)⁻¹ vec(∇)` built densely: one layer at a
+  time (on CPU by default) and with the equal-shape layers batched (off CPU,
+  `precondition.precondition`); both forced here."""
+  from kfac_jax_dist.kfac import layout as layout_lib  # pylint: disable=import-outside-toplevel
+  from kfac_jax_dist.kfac import precondition  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(precondition, "BATCH_RUNS", arrangement == "batched")
+  rng, layers, params = _setup(dims=RUN_DIMS)
   gamma = 0.03
   tx = kd.scale_by_kfac(layers=layers, damping=gamma, method=method,
                         factor_dtype=F64)
   state = tx.init(params)
+  runs = layout_lib.precondition_runs(state.layout, 0)
+  assert sorted(len(run) for run in runs) == [1, 1, 3]
+  # On CPU (by default) only a stack's blocks run together: none here.
+  assert len(layout_lib.precondition_runs(state.layout, 0, False)) == len(layers)
   stats = _stats(rng, layers)
   grads = _random_grads(rng, params)
   updates, _ = tx.update(grads, state, kfac_stats=stats)

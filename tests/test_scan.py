@@ -167,6 +167,24 @@ def test_linen_scan_matches_unrolled():
   assert running["blocks/Dense_0/1"]["A"].shape == (D + 1, D + 1)
 
 
+def test_batched_preconditioning_of_a_stack_equals_layer_at_a_time(monkeypatch):
+  """The blocks of a scanned layer are preconditioned as one run (on every
+  platform, `precondition.precondition`) and train as one block at a time
+  (forced) does."""
+  from kfac_jax_dist.kfac import layout as layout_lib  # pylint: disable=import-outside-toplevel
+  from kfac_jax_dist.kfac import precondition  # pylint: disable=import-outside-toplevel
+  (loss_s, params_s), _, batch = _linen_problem()
+  got, state = _train(loss_s, params_s, batch)
+  monkeypatch.setattr(precondition, "BATCH_RUNS", False)
+  want, _ = _train(loss_s, params_s, batch)
+  lay = find_states(state)[0].layout
+  for across_layers in (True, False):
+    runs = layout_lib.precondition_runs(lay, 0, across_layers)
+    assert [run[0].layer.name for run in runs if len(run) > 1] == ["blocks/Dense_0/0"]
+    assert max(len(run) for run in runs) == L
+  jax.tree.map(lambda a, b: _assert_close(a, b, 1e-10), got, want)
+
+
 def test_linen_scan_skip_and_sparse_statistics():
   """`skip` takes a stacked layer's blocks together; diagonal factors stack too."""
   (loss_s, params_s), _, batch = _linen_problem()

@@ -493,7 +493,7 @@ def _build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
   A stacked layer becomes one plan per block (`TaggedLayer.blocks`), each with
   its own factors; `skip` patterns match the stacked layer's name, so its
   blocks are kept or skipped together. `plans` keep the blocks consecutive,
-  block 0 first (`kfac._write_back` relies on it). Oversized full factors
+  block 0 first (`precondition.write_back` relies on it). Oversized full factors
   (one owner group: COMM-OPT) and layers (several groups) are split over
   several owners (at most `max_parts`) unless `replicate_factors` /
   `replicate_layers` is False (see the module docstring).
@@ -515,6 +515,54 @@ def _build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
                 max(pack.max_factors, 1), packed, method,
                 tuple(l.name for l in skipped), passthrough, num_devices, group_size,
                 axis, factor_storage, pack.owner_sizes, pack.second_sizes)
+
+
+def _runnable(plan: LayerPlan) -> bool:
+  """Whether the plan can be preconditioned batched with others: a whole
+  (unsplit) Kronecker layer with two full factors."""
+  return (plan.rows is None and plan.a is not None and plan.g is not None
+          and all(p.form == factors.FULL and p.columns is None and not p.copies
+                  for p in (plan.a, plan.g)))
+
+
+def _starts(lay: Layout, plan: LayerPlan, group: int) -> tuple:
+  """Where the plan's second-order parts start in its group's array."""
+  return tuple(None if offset is None else lay.second_base(place, group) + offset
+               for place in (plan.a, plan.g)
+               for offset in (place.matrix_offset, place.vector_offset))
+
+
+def precondition_runs(lay: Layout, group: int, across_layers: bool = True
+                      ) -> tuple[tuple[LayerPlan, ...], ...]:
+  """The group's plans, those that are preconditioned together in one run:
+  layers of equal `(d_A, d_G)` whose eigenbases (inverses) and eigenvalues
+  follow one another in the group's second-order array, so that one slice of
+  each reads them as `[k, d, d]` and `[k, d]` (a transformer's q, k, v and o
+  projections, the blocks of a stack). Every other plan is a run of its own.
+  `across_layers=False`: only blocks of one stacked layer run together."""
+  def key(plan: LayerPlan) -> tuple:
+    return (plan.a.dim, plan.g.dim) + (() if across_layers else (plan.layer.stack_name,))
+  runs: list[list[LayerPlan]] = []
+  plans = lay.group_plans(group)
+  joins = [_runnable(p) and (across_layers or p.layer.stack_name is not None)
+           for p in plans]
+  single = [(plan,) for plan, join in zip(plans, joins) if not join]
+  batchable = sorted((plan for plan, join in zip(plans, joins) if join),
+                     key=lambda p: (key(p), _starts(lay, p, group)))
+  for plan in batchable:
+    if runs:
+      last = runs[-1][-1]
+      steps = tuple(n * d for d in (plan.a.dim, plan.g.dim)
+                    for n in (d, 1))             # matrix d², then vector d
+      follows = key(plan) == key(last) and all(
+          (now is None) == (before is None) and (now is None or now == before + step)
+          for now, before, step in zip(_starts(lay, plan, group),
+                                       _starts(lay, last, group), steps))
+      if follows:
+        runs[-1].append(plan)
+        continue
+    runs.append([plan])
+  return tuple(single) + tuple(tuple(run) for run in runs)
 
 
 def tight_offsets(lay: Layout) -> dict[tuple[str, str], int]:

@@ -62,21 +62,29 @@ def pi_adjusted_damping(trace_a: jax.Array, trace_g: jax.Array, damping
 
 
 def _rotate(m, basis_a, basis_g, transpose: bool):
+  """`Q_Aᵀ m Q_G` (`transpose`) or `Q_A m Q_Gᵀ`, batched over leading axes."""
   if basis_a is not None:
-    m = jnp.matmul(basis_a.T if transpose else basis_a, m, precision=_HI)
+    m = jnp.matmul(_t(basis_a) if transpose else basis_a, m, precision=_HI)
   if basis_g is not None:
-    m = jnp.matmul(m, basis_g if transpose else basis_g.T, precision=_HI)
+    m = jnp.matmul(m, basis_g if transpose else _t(basis_g), precision=_HI)
   return m
+
+
+def _t(x: jax.Array) -> jax.Array:
+  """The matrices' transposes (the last two axes swapped)."""
+  return jnp.swapaxes(x, -1, -2)
 
 
 def precondition_eigen(grad, basis_a, values_a, basis_g, values_g, damping, rows=None,
                        scaling=None):
   """`Q_A [(Q_Aᵀ ∇ Q_G) / (v_A v_Gᵀ + γ)] Q_Gᵀ`; a `None` basis is the identity.
   `rows=(lo, hi)`: only those rows of the result (`Q_A[lo:hi]` on the left).
-  `scaling` `[d_A, d_G]` replaces `v_A v_Gᵀ` (EK-FAC, `kfac.correction`)."""
+  `scaling` `[d_A, d_G]` replaces `v_A v_Gᵀ` (EK-FAC, `kfac.correction`).
+  Without `rows`, batched: `[k, d_A, d_G]` gradients with `[k, d, d]` bases
+  and `[k, d]` values (`layout.precondition_runs`)."""
   m = _rotate(grad, basis_a, basis_g, transpose=True)
   if scaling is None:
-    scaling = values_a[:, None] * values_g[None, :]
+    scaling = values_a[..., :, None] * values_g[..., None, :]
   m = m / (scaling.astype(m.dtype) + damping)
   if rows is not None:
     if basis_a is None:
@@ -88,7 +96,8 @@ def precondition_eigen(grad, basis_a, values_a, basis_g, values_g, damping, rows
 
 def precondition_inverse(grad, inverse_a, inverse_g, rows=None):
   """`A_damped⁻¹ ∇ G_damped⁻¹`; 1-D inverses are diagonal. `rows=(lo, hi)`:
-  only those rows of the result."""
+  only those rows of the result. Full inverses may be batched (`[k, d, d]`,
+  gradients `[k, d_A, d_G]`)."""
   if rows is not None:
     inverse_a = inverse_a[rows[0]:rows[1]]
     if inverse_a.ndim == 1:

@@ -227,6 +227,19 @@ def read_vector(second: jax.Array, base: int, place: layout_lib.FactorPlace) -> 
   return second[start:start + width(place)]
 
 
+def read_run(second: jax.Array, base_of, places: tuple[layout_lib.FactorPlace, ...]):
+  """`(matrices [k, d, d], vectors [k, d])` of `k` full factors whose parts
+  follow one another (`layout.precondition_runs`): one slice each; the
+  vectors None where there are none (method "inverse")."""
+  first, k, d = places[0], len(places), places[0].dim
+  start = base_of(first) + first.matrix_offset
+  matrices = second[start:start + k * d * d].reshape(k, d, d)
+  if first.vector_offset is None:
+    return matrices, None
+  start = base_of(first) + first.vector_offset
+  return matrices, second[start:start + k * d].reshape(k, d)
+
+
 def read_parts(second: jax.Array, base_of, place: layout_lib.FactorPlace):
   """`(matrix, vector)` of a factor, its column slices (`place` and its
   `copies`, each at `base_of(slice)`) put together; None where it has none."""

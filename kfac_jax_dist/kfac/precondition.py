@@ -13,7 +13,7 @@ every preconditioned gradient; `η` is `learning_rate` (float or schedule).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,12 @@ from kfac_jax_dist.kfac.config import KfacConfig
 
 Leaves = dict[str, jax.Array]
 GradOf = Callable[[layout_lib.LayerPlan], jax.Array]
+Runs = Literal["all", "stacks", "none"]     # which equal-shape layers run batched
+
+# Which equal-shape layers are preconditioned in runs (`precondition`): None
+# chooses by platform; True: all runs, False: none (the tests,
+# benchmarks/gpu_probe.py).
+BATCH_RUNS: bool | None = None
 
 
 def _block(leaf: jax.Array, layer: registry.TaggedLayer) -> jax.Array:
@@ -49,26 +55,29 @@ def gradient_matrix(plan: layout_lib.LayerPlan, leaves: Leaves) -> jax.Array:
   return m
 
 
-def write_back(plan: layout_lib.LayerPlan, m: jax.Array, leaves: Leaves) -> None:
-  """Writes a `(d_A, d_G)` matrix into the layer's kernel and bias leaves."""
-  layer = plan.layer
-  rows = layer.a_dim - layer.has_bias
-  parts = [(layer.kernel_path, m[:rows])] + (
-      [(layer.bias_path, m[rows])] if layer.has_bias else [])
-  for path, value in parts:
+def write_back(layout: layout_lib.Layout, out: dict[str, jax.Array], leaves: Leaves
+               ) -> None:
+  """Writes each layer's `(d_A, d_G)` matrix `out[name]` into its kernel and
+  bias leaves. The blocks of a stacked leaf (every block: a stack is skipped
+  whole; consecutive plans, row-major) are stacked in one op, which XLA turns
+  into one slice where a batched run produced them (`precondition_runs`)
+  instead of one update of the leaf per block; the result carries only their
+  type (not the raw gradient's, varying over the mesh axis under SP-NGD's
+  reduce-scatter)."""
+  blocks: dict[str, list[jax.Array]] = {}
+  for plan in layout.plans:
+    layer, m = plan.layer, out[plan.layer.name]
+    rows = layer.a_dim - layer.has_bias
+    parts = [(layer.kernel_path, m[:rows])] + (
+        [(layer.bias_path, m[rows])] if layer.has_bias else [])
+    for path, value in parts:
+      if layer.stack_index is None:
+        leaves[path] = value.reshape(leaves[path].shape).astype(leaves[path].dtype)
+      else:
+        blocks.setdefault(path, []).append(value)
+  for path, values in blocks.items():
     leaf = leaves[path]
-    if layer.stack_index is None:
-      leaves[path] = value.reshape(leaf.shape).astype(leaf.dtype)
-    else:
-      # One block of a stacked leaf. Every block is written (a stack is skipped
-      # whole), block 0 first (layout order), so block 0 starts from zeros: the
-      # result then does not inherit the raw gradient's type (local, varying
-      # over the mesh axis under SP-NGD's reduce-scatter).
-      if not any(layer.stack_index):
-        leaf = jnp.zeros(leaf.shape, leaf.dtype)
-      block_shape = leaf.shape[len(layer.stack_index):]
-      leaves[path] = leaf.at[layer.stack_index].set(
-          value.reshape(block_shape).astype(leaf.dtype))
+    leaves[path] = jnp.stack(values).reshape(leaf.shape).astype(leaf.dtype)
 
 
 def check_updates(layout: layout_lib.Layout, leaves: Leaves) -> None:
@@ -91,12 +100,17 @@ def check_updates(layout: layout_lib.Layout, leaves: Leaves) -> None:
 def precondition_group(config: KfacConfig, layout: layout_lib.Layout,
                        second: jax.Array, gamma: jax.Array, group: int, grad_of: GradOf,
                        kl_weight: Callable[[layout_lib.LayerPlan], float],
-                       scaling: dict[str, jax.Array] | None = None
+                       scaling: dict[str, jax.Array] | None = None,
+                       runs: Runs = "none"
                        ) -> tuple[dict[Any, jax.Array], jax.Array]:
   """Preconditioned gradients of one owner group's layers and its Σ|⟨V, ∇⟩|;
   a piece of a replicated layer leaves its partial ⟨V, ∇⟩ under
-  `(name, "dot")` instead. `scaling`: EK-FAC's `s` of the layers it corrects."""
+  `(name, "dot")` instead. `scaling`: EK-FAC's `s` of the layers it corrects.
+  `runs`: which equal-shape layers are batched (`layout.precondition_runs`):
+  "all", "stacks" (blocks of one stacked layer) or "none" (see `precondition`)."""
   dtype = config.compute_dtype
+  batches = (tuple((plan,) for plan in layout.group_plans(group)) if runs == "none"
+             else layout_lib.precondition_runs(layout, group, runs == "all"))
 
   def parts(place: layout_lib.FactorPlace) -> tuple[jax.Array | None, jax.Array]:
     """(matrix or None, vector), column slices put together."""
@@ -107,7 +121,14 @@ def precondition_group(config: KfacConfig, layout: layout_lib.Layout,
     return vector if matrix is None else matrix
 
   out, vg = {}, jnp.zeros([], dtype)
-  for plan in layout.group_plans(group):
+  for run in batches:
+    if len(run) > 1:
+      batch, run_vg = _precondition_run(config, layout, second, gamma, group, run,
+                                        grad_of, kl_weight, scaling)
+      out.update(batch)
+      vg = vg + run_vg
+      continue
+    plan = run[0]
     grad = grad_of(plan)
     if plan.layer.unitwise:             # SP-NGD: (F_c + γI)⁻¹ per channel
       v_gamma, v_beta = linalg.unitwise_precondition(
@@ -128,6 +149,32 @@ def precondition_group(config: KfacConfig, layout: layout_lib.Layout,
     else:                               # a piece: |Σ of the pieces' dots| later
       out[(plan.layer.name, "dot")] = dot
   return out, vg
+
+
+def _precondition_run(config: KfacConfig, layout: layout_lib.Layout, second: jax.Array,
+                      gamma: jax.Array, group: int, run: tuple[layout_lib.LayerPlan, ...],
+                      grad_of: GradOf, kl_weight: Callable[[layout_lib.LayerPlan], float],
+                      scaling: dict[str, jax.Array] | None
+                      ) -> tuple[dict[str, jax.Array], jax.Array]:
+  """`precondition_group` of a run of `k` equal-shape layers
+  (`layout.precondition_runs`) at once: gradients stacked `[k, d_A, d_G]`,
+  each factor part read by one slice, batched products (the same numbers,
+  a few kernels for the run instead of a few per layer)."""
+  def base_of(place: layout_lib.FactorPlace) -> int:
+    return layout.second_base(place, group)
+  grads = jnp.stack([grad_of(plan) for plan in run])
+  a = packing.read_run(second, base_of, tuple(plan.a for plan in run))
+  g = packing.read_run(second, base_of, tuple(plan.g for plan in run))
+  if config.method == "eigen":
+    stacked = None if scaling is None else jnp.stack(
+        [scaling[plan.layer.name] for plan in run])
+    v = linalg.precondition_eigen(grads, *a, *g, gamma, scaling=stacked)
+  else:
+    v = linalg.precondition_inverse(grads, a[0], g[0])
+  dots = jnp.einsum("kij,kij->k", v, grads).astype(config.compute_dtype)
+  weights = jnp.asarray([kl_weight(plan) for plan in run], config.compute_dtype)
+  return ({plan.layer.name: v[i] for i, plan in enumerate(run)},
+          jnp.sum(jnp.abs(dots) * weights))
 
 
 def routed_gradients(config: KfacConfig, comm: collectives_lib.Collectives,
@@ -175,15 +222,28 @@ def precondition(config: KfacConfig, comm: collectives_lib.Collectives,
                  scaling: dict[str, jax.Array] | None = None
                  ) -> tuple[dict[str, jax.Array], jax.Array]:
   """Every layer's preconditioned gradient (on every device) and Σ|⟨V, ∇⟩|
-  (`scaling`: EK-FAC's `s` of the layers it corrects, on every device)."""
+  (`scaling`: EK-FAC's `s` of the layers it corrects, on every device).
+
+  Off CPU, layers of equal shape whose second-order state lies in one run are
+  preconditioned together (`precondition_runs`: the step_time LM's eight
+  attention projections in one batch of four products instead of 32
+  products, 16 slices and 8 divisions, each a kernel launch on a GPU). On CPU
+  only the blocks of a stacked layer are: XLA:CPU compiles identical kernels
+  once, so separate layers of one shape cost it little one at a time, and a
+  batch's slices made each layer's update kernel distinct (the LM's step: 270
+  → 274 kernels, +8 % IR), where a stack's blocks are slices of one leaf
+  either way (a scan of 8 Dense blocks: 170 → 143 kernels). Chosen when
+  tracing (`Collectives.on_cpu`) unless `BATCH_RUNS` says; the numbers are the
+  same up to the order of the KL sum."""
+  runs = {None: "stacks" if comm.on_cpu else "all", True: "all", False: "none"}[BATCH_RUNS]
   if layout.num_groups == 1:
     return precondition_group(config, layout, second, gamma, 0, grad_of, kl_weight,
-                              scaling)
+                              scaling, runs)
   offsets, sizes, _ = layout_lib.gradient_offsets(layout)
 
   def make(g: int) -> jax.Array:
     out, vg = precondition_group(config, layout, second, gamma, g, grad_of, kl_weight,
-                                 scaling)
+                                 scaling, runs)
     return _group_buffer(config, layout, g, out, vg)
   buffers = routing.gather_from_groups(comm, make, sizes, config.compute_dtype)
   vg = sum(b[0] for b in buffers)

@@ -405,8 +405,7 @@ def preconditioned_updates(config: KfacConfig, comm: collectives_lib.Collectives
                                       grad_of, kl_weight, scaling)
   out = precondition.kl_clip(config, out, vg, state.count)
   leaves = dict(leaves)
-  for plan in lay.plans:
-    precondition.write_back(plan, out[plan.layer.name], leaves)
+  precondition.write_back(lay, out, leaves)
   flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
   return (jax.tree_util.tree_unflatten(
       treedef, [leaves[registry.path_str(p)] for p, _ in flat]),
