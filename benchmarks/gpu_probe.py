@@ -6,9 +6,10 @@ Measurements, printed as text (benchmarks/gpu_check.sh appends them to its log):
   (fusions, library calls, control flow) on the CNN and the LM, against
   `jax.value_and_grad` and optax SGD's whole step;
 * plain step: ms per call of those pieces (median of `--reps`), and of the
-  step with the preconditioning's two arrangements forced
-  (`precondition.BATCH_RUNS`): equal-shape layers in runs (the default off
-  CPU; the LM's eight attention projections one batch) and one layer at a time;
+  step in the preconditioning's other arrangement (`precondition.BATCH_RUNS`)
+  where the model has equal-shape layers (the LM): off CPU, where they are
+  batched by default (its eight attention projections one run), one layer at
+  a time; on CPU the reverse;
 * consecutive steps: 2 cycles of the amortised step (factors every 10, eigh
   every 100) carried step to step, each step timed alone, summarised by kind
   (eigh, factor, the plain step right after a factor step, other plain steps),
@@ -55,7 +56,9 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from kfac_jax_dist.kfac import layout as layout_lib
 from kfac_jax_dist.kfac import precondition
+from kfac_jax_dist.kfac.state import find_states
 
 import _common
 import step_time
@@ -160,15 +163,24 @@ def amortised_problem(name: str) -> Problem:
                  jax.jit(step, donate_argnums=(0, 1)), m.params, m.x, m.y)
 
 
-def arranged_step(pb: Problem, batch_runs: bool, *args) -> jax.stages.Compiled:
-  """`pb`'s K-FAC step compiled for `args` with the preconditioning's
-  arrangement forced (`precondition.BATCH_RUNS`): equal-shape layers in
-  runs (the default off CPU) or one layer at a time (on CPU)."""
-  precondition.BATCH_RUNS = batch_runs
+def other_arrangement(pb: Problem, state, *args) -> dict[str, tuple]:
+  """`{label: (compiled step, args)}` of `pb`'s K-FAC step in the
+  preconditioning arrangement the platform does not use
+  (`precondition.BATCH_RUNS`): off CPU one layer at a time, on CPU every run
+  of equal-shape layers batched; empty where the model has no such run (the
+  same program)."""
+  lay = find_states(state)[0].layout
+  if not any(len(run) > 1 for run in layout_lib.precondition_runs(lay, 0)):
+    return {}
+  on_cpu = jax.default_backend() == "cpu"
+  label = ("kfac step plain, equal layers batched" if on_cpu
+           else "kfac step plain, one layer at a time")
+  precondition.BATCH_RUNS = on_cpu
   try:       # a new function: jax reuses the trace of `pb.step` (the default arrangement)
-    return jax.jit(lambda *a: pb.step(*a)).lower(*args).compile()
+    compiled = jax.jit(lambda *a: pb.step(*a)).lower(*args).compile()
   finally:
     precondition.BATCH_RUNS = None
+  return {label: (compiled, args)}
 
 
 def plain_step_pieces(pb: Problem, reps: int) -> list[str]:
@@ -187,10 +199,7 @@ def plain_step_pieces(pb: Problem, reps: int) -> list[str]:
           jax.jit(lambda g, s, p, st: pb.tx.update(g, s, p, kfac_stats=st)),
           (grads, s1, p1, stats)),
       "kfac step plain": (pb.kstep, (p1, s1, x, y)),
-      "kfac step plain, equal layers batched": (
-          arranged_step(pb, True, p1, s1, x, y), (p1, s1, x, y)),
-      "kfac step plain, one layer at a time": (
-          arranged_step(pb, False, p1, s1, x, y), (p1, s1, x, y)),
+      **other_arrangement(pb, s1, p1, s1, x, y),
   }
   lines = [f"{pb.name}: piece | ms | kernels (launching instructions) | top opcodes"]
   for label, (fn, args) in pieces.items():
