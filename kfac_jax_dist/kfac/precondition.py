@@ -108,9 +108,27 @@ def precondition_group(config: KfacConfig, layout: layout_lib.Layout,
   `(name, "dot")` instead. `scaling`: EK-FAC's `s` of the layers it corrects.
   `runs`: which equal-shape layers are batched (`layout.precondition_runs`):
   "all", "stacks" (blocks of one stacked layer) or "none" (see `precondition`)."""
-  dtype = config.compute_dtype
   batches = (tuple((plan,) for plan in layout.group_plans(group)) if runs == "none"
              else layout_lib.precondition_runs(layout, group, runs == "all"))
+  out, vg = {}, jnp.zeros([], config.compute_dtype)
+  for run in batches:
+    apply = _precondition_run if len(run) > 1 else _precondition_one
+    found, run_vg = apply(config, layout, second, gamma, group, run, grad_of, kl_weight,
+                          scaling)
+    out.update(found)
+    vg = vg + run_vg
+  return out, vg
+
+
+def _precondition_one(config: KfacConfig, layout: layout_lib.Layout, second: jax.Array,
+                      gamma: jax.Array, group: int, run: tuple[layout_lib.LayerPlan],
+                      grad_of: GradOf, kl_weight: Callable[[layout_lib.LayerPlan], float],
+                      scaling: dict[str, jax.Array] | None
+                      ) -> tuple[dict[Any, jax.Array], jax.Array]:
+  """`precondition_group` of one layer (or a piece of a replicated one, whose
+  partial ⟨V, ∇⟩ goes under `(name, "dot")`, counted later)."""
+  (plan,) = run
+  dtype = config.compute_dtype
 
   def parts(place: layout_lib.FactorPlace) -> tuple[jax.Array | None, jax.Array]:
     """(matrix or None, vector), column slices put together."""
@@ -120,35 +138,22 @@ def precondition_group(config: KfacConfig, layout: layout_lib.Layout,
     matrix, vector = parts(place)
     return vector if matrix is None else matrix
 
-  out, vg = {}, jnp.zeros([], dtype)
-  for run in batches:
-    if len(run) > 1:
-      batch, run_vg = _precondition_run(config, layout, second, gamma, group, run,
-                                        grad_of, kl_weight, scaling)
-      out.update(batch)
-      vg = vg + run_vg
-      continue
-    plan = run[0]
-    grad = grad_of(plan)
-    if plan.layer.unitwise:             # SP-NGD: (F_c + γI)⁻¹ per channel
-      v_gamma, v_beta = linalg.unitwise_precondition(
-          grad[0], grad[1] if plan.layer.has_bias else None, parts(plan.f)[1], gamma)
-      v = jnp.stack([v_gamma] + ([v_beta] if v_beta is not None else []))
-    elif config.method == "eigen":
-      v = linalg.precondition_eigen(grad, *parts(plan.a), *parts(plan.g), gamma,
-                                    rows=plan.rows,
-                                    scaling=(scaling or {}).get(plan.layer.name))
-    else:
-      v = linalg.precondition_inverse(grad, either(plan.a), either(plan.g),
-                                      rows=plan.rows)
-    out[plan.layer.name] = v
-    lo, hi = layout_lib.piece_rows(plan)
-    dot = jnp.vdot(v, grad[lo:hi]).astype(dtype)
-    if plan.rows is None:
-      vg = vg + jnp.abs(dot) * kl_weight(plan)
-    else:                               # a piece: |Σ of the pieces' dots| later
-      out[(plan.layer.name, "dot")] = dot
-  return out, vg
+  grad = grad_of(plan)
+  if plan.layer.unitwise:             # SP-NGD: (F_c + γI)⁻¹ per channel
+    v_gamma, v_beta = linalg.unitwise_precondition(
+        grad[0], grad[1] if plan.layer.has_bias else None, parts(plan.f)[1], gamma)
+    v = jnp.stack([v_gamma] + ([v_beta] if v_beta is not None else []))
+  elif config.method == "eigen":
+    v = linalg.precondition_eigen(grad, *parts(plan.a), *parts(plan.g), gamma,
+                                  rows=plan.rows,
+                                  scaling=(scaling or {}).get(plan.layer.name))
+  else:
+    v = linalg.precondition_inverse(grad, either(plan.a), either(plan.g), rows=plan.rows)
+  lo, hi = layout_lib.piece_rows(plan)
+  dot = jnp.vdot(v, grad[lo:hi]).astype(dtype)
+  if plan.rows is None:
+    return {plan.layer.name: v}, jnp.abs(dot) * kl_weight(plan)
+  return {plan.layer.name: v, (plan.layer.name, "dot"): dot}, jnp.zeros([], dtype)
 
 
 def _precondition_run(config: KfacConfig, layout: layout_lib.Layout, second: jax.Array,
