@@ -341,9 +341,10 @@ def update_state(config: AdaptiveConfig, kfac_config: KfacConfig,
         due, lambda: _damping_step(config, kfac_config, grad_fn, params, batch, loss,
                                    update, model_change(a, b, w), state.damping),
         lambda: (state.damping, state.rho))
-  typed = lambda x: jnp.asarray(x, state.rho.dtype)     # the state keeps its types
+  # The state keeps its types (damping and rho are cast in `_damping_step`).
+  typed = lambda x: jnp.asarray(x, state.rho.dtype)
   new_state = dataclasses.replace(
-      state, kfac=kfac_state, damping=typed(damping), velocity=update,
+      state, kfac=kfac_state, damping=damping, velocity=update,
       learning_rate=typed(-w[0]), momentum=typed(w[1]), rho=rho, count=count + 1)
   with jax.named_scope(faults.SCOPE):
     ok = (kfac_state.skipped == state.kfac.skipped) & faults.all_finite(
