@@ -37,10 +37,11 @@ Methods, each from the same initial weights on the same batch sequence (per seed
   inverse_update_every=…)`, the examples' defaults (`KFAC_BASE`) with the
   values of `KFAC_GRID` varied around them;
 * adaptive K-FAC: `kd.kfac(None, None, grad_fn=…, adapt_damping=True)` with
-  the library's defaults (`ADAPTIVE_DAMPING`, `ADAPTIVE_MIN_DAMPING`: λ₀ 1e-2,
-  floor 1e-3), learning rate and momentum from the exact quadratic model,
-  Levenberg-Marquardt damping, factors and eigendecompositions every step, no
-  KL clip: no grid, no per-task setting;
+  the library's defaults (`ADAPTIVE_DAMPING`, `ADAPTIVE_MIN_DAMPING`,
+  `ADAPTIVE_INVERSE_EVERY`: λ₀ 0.1, floor 1e-3, factors every step and
+  eigendecompositions every 10), learning rate and momentum from the exact
+  quadratic model, Levenberg-Marquardt damping, no KL clip: no grid, no
+  per-task setting;
 * EK-FAC: the tuned K-FAC's settings with `eigenvalue_correction="ekfac"`
   (no grid of its own);
 * Shampoo: `kd.shampoo(lr, preconditioning_compute_steps=SHAMPOO_ROOTS_EVERY)`,
@@ -158,9 +159,10 @@ SGD_GRID = {"cnn": (0.03, 0.1, 0.3, 1.0), "autoencoder": (0.01, 0.03, 0.1, 0.3),
 WARMUP = {"cnn": 0, "autoencoder": 0, "lm": 50}
 # Adaptive K-FAC runs with kd.kfac's defaults: its initial damping λ₀ (the
 # Levenberg-Marquardt rule moves λ by 0.9⁵ ≈ 0.59 every 5 steps from there: a
-# factor 10 in about 22 steps) and its floor, read from the library.
+# factor 10 in about 22 steps), its floor and its cadence, read from the library.
 ADAPTIVE_DAMPING = kfac_optimizer.ADAPTIVE_DAMPING
 ADAPTIVE_MIN_DAMPING = inspect.signature(kd.kfac).parameters["min_damping"].default
+ADAPTIVE_INVERSE_EVERY = kfac_optimizer.ADAPTIVE_INVERSE_UPDATE_EVERY
 TARGETS = {"cnn": 0.03, "autoencoder": 1.5, "lm": 1.6}
 METRIC = {"cnn": "held-out error (1 − accuracy, 360 images)",
           "autoencoder": "train loss above the entropy floor (nats/image)",
@@ -179,63 +181,26 @@ SECOND_ORDER = ("K-FAC", "Adaptive K-FAC", "EK-FAC", "Shampoo", "SOAP")
 FIRST_ORDER = ("Adam", "SGD")
 
 CHANGES = """\
-The previous version of this study (git 552ab0c: tuned K-FAC's target held on
-0 of 3 tasks, adaptive K-FAC, run with λ₀ = 1e-2 and a floor of 1e-3 passed
-explicitly, on 0 of 3) differed in:
+The previous version of this study (git 9e1087a: adaptive K-FAC's target held
+on 0 of 3 tasks, tuned K-FAC's on 1 of 3) differed in adaptive K-FAC's
+defaults, which the library changed after it: λ₀ = 0.1 (was 1e-2) and
+eigendecompositions every 10 steps (was every step); factors every step and
+the floor 1e-3 as before. Why (lockstep runs against the tuned Adam(W), seeds
+1..3, before the change):
 
-* adaptive K-FAC runs with the library's defaults, which now are that λ₀
-  (`kd.kfac`'s `damping=None`: 1e-2 in adaptive mode) and that floor
-  (`min_damping=1e-3`, no longer kfac-jax's 1e-8): nothing is passed.
-* EK-FAC (issue 15) is new: the tuned K-FAC's settings with
-  `eigenvalue_correction="ekfac"`, no grid of its own.
-* Shampoo and SOAP (issue 15) are new, each with its learning rate tuned on
-  seed 0 like the first-order methods (`SHAMPOO_GRID`; SOAP over `ADAM_GRID`),
-  their roots / eigenbases every 10 steps, the library's defaults otherwise.
+* the old defaults' steps cost 9.2× and 10.2× the first-order step on the
+  CNN and the autoencoder (the previous run); at λ₀ = 1e-2, eigendecompositions
+  every 5 or 10 steps diverged on the CNN (seed 1: μ = −48 on the third
+  step, every later step skipped);
+* at λ₀ = 0.1 and every 1/10 no seed diverged; per seed against the old
+  defaults: CNN 45, 40, 40 steps against 30, 15, 20, at 0.4× the cost per
+  step; autoencoder 60 steps against 60 at 0.53× the cost, and a test loss at
+  the training target of 1.78-1.86 against 2.21-2.28; LM 300, 300, 340
+  against 280, 300, 300 at 0.79× the cost.
 
 Tasks, targets, the first-order grids and K-FAC's grid are unchanged."""
 # Written after the run (interpretation of its numbers); empty: none.
-NOTES = """\
-Notes on the run above (git 9e1087a, 2 shared cores; ratios come from
-lockstep runs, absolute seconds depend on the machine's load):
-
-* **Issue 15's target (the best second-order method)** holds on 1 of 3 tasks:
-  the autoencoder, by tuned K-FAC (0.29× the steps and 0.54× the seconds on
-  the training loss, 0.39× / 0.76× on the test loss). On the LM the best
-  second-order methods need 0.62× AdamW's steps (K-FAC, EK-FAC and SOAP: 300
-  against 480; SOAP 0.65× the seconds): the steps target asks for ≤ 240, a
-  miss by 1.25×. On the CNN Adam reaches 97 % held-out accuracy in 60 steps
-  (0.13 s); adaptive K-FAC needs 20 (0.33×) but each of its default-cadence
-  steps costs 9.2× (3.0× the seconds), and SOAP, whose step costs 1.4×,
-  needs 65 (it would need ≤ 34 for 0.8× the seconds).
-* **Issue 14's target (adaptive K-FAC, defaults)** holds on 0 of 3: steps
-  0.33× (CNN), 0.18× (autoencoder, training loss), 0.67× (LM), so the steps
-  target holds on the CNN and the autoencoder's training loss; seconds 3.0×,
-  1.6×, 1.6×. The cost is the default cadence: fixed K-FAC at factors and
-  eigendecompositions every step is 12.0 of adaptive K-FAC's 13.4 ms on the
-  CNN, 17.4 of 18.8 on the autoencoder, 46.0 of 56.1 on the LM (step-cost
-  table). At the tuned K-FAC's cadence an adaptive step costs 3.2×, 2.9× and
-  1.6× the first-order step: with these step counts about 1.1×, 0.53× and
-  1.1× the seconds (estimated, not run). Its autoencoder test loss misses
-  (2.22 at its training target against 1.98).
-* **The initial damping.** A run of this study on this checkout with the
-  previous default λ₀ = 1e-3 (floor 1e-3) failed on the CNN on all three
-  seeds: the quadratic model chose momenta between −22 and 11, one seed took
-  a step with η = 160 and μ = −3042 and diverged (every later step skipped),
-  and the held-out error stayed at 0.89-0.91 after 400 steps. With λ₀ = 1e-2
-  (now the adaptive default) the CNN reaches the target in 15-30 steps.
-* **EK-FAC** ran at K-FAC's tuned settings (learning rate, damping and KL
-  clip chosen for K-FAC's eigenvalues) and needed more steps than K-FAC on
-  the CNN (65 against 55) and the autoencoder (150 against 100), the same on
-  the LM (300); its corrected scaling changes the size of the preconditioned
-  gradient, so those settings are not EK-FAC's best: a grid of its own is
-  the next step before judging it.
-* **SOAP** (Adam's learning rate grid) is the fastest second-order method in
-  seconds on the CNN (1.57×) and the LM (0.65×), and holds the target on the
-  autoencoder's training loss (0.32× / 0.60×) but not on its test loss (2.35
-  at its training target; 4.16 after 1000 steps: it overfits, as K-FAC does).
-* **Shampoo** (SGD grafting, tuned learning rate) needs more steps than the
-  best first-order method on the CNN (1.75×) and the LM (1.08×), 0.53× on the
-  autoencoder."""
+NOTES = ""
 
 
 # --------------------------------------------------------------------- tasks
@@ -380,7 +345,7 @@ class Method:
         return (f"K-FAC adaptive (λ₀={h['damping']:g}, every "
                 f"{h['factor_update_every']}/{h['inverse_update_every']})")
       return (f"K-FAC adaptive (defaults, λ₀={h['damping']:g}, "
-              f"λ ≥ {h.get('min_damping', 1e-8):g})")
+              f"λ ≥ {h.get('min_damping', 1e-8):g}, every 1/{ADAPTIVE_INVERSE_EVERY})")
     if self.kind in ("kfac", "ekfac"):
       kl = "off" if h["kl_clip"] is None else f"{h['kl_clip']:g}"
       return (f"{'EK-FAC' if self.kind == 'ekfac' else 'K-FAC'} lr={h['learning_rate']:g} "
@@ -665,15 +630,16 @@ def flop_floor(task) -> dict:
 
 def step_costs(task, best, args, log, rounds: int = 6) -> list[dict]:
   """ms/step of the evaluated methods and of two variants that split adaptive
-  K-FAC's cost: fixed K-FAC at the library's default cadence (factors and
-  eigendecompositions every step, as adaptive K-FAC's defaults), and adaptive
+  K-FAC's cost: fixed K-FAC at adaptive K-FAC's default cadence (factors every
+  step, eigendecompositions every `ADAPTIVE_INVERSE_EVERY`), and adaptive
   K-FAC at the tuned K-FAC's cadence. `rounds` blocks of `eval_every` steps,
   in rotating order (seed 1's batches; the training outcome is ignored)."""
   k = dict(best["K-FAC"].hparams)
   cadence = dict(factor_update_every=k["factor_update_every"],
                  inverse_update_every=k["inverse_update_every"])
   methods = [best["Adam"], best["K-FAC"],
-             method("kfac", **dict(k, factor_update_every=1, inverse_update_every=1)),
+             method("kfac", **dict(k, factor_update_every=1,
+                                   inverse_update_every=ADAPTIVE_INVERSE_EVERY)),
              best["Adaptive K-FAC"],
              method("adaptive", **dict(best["Adaptive K-FAC"].hparams, **cadence))]
   methods = list(dict.fromkeys(methods))
@@ -924,21 +890,24 @@ def _cost_words(res) -> str:
   by = lambda fam, pred: next((c for c in costs if c["family"] == fam and pred(c["hparams"])),
                               None)
   every = lambda h: (h.get("factor_update_every", 1), h.get("inverse_update_every", 1))
-  base = costs[0]
-  tuned = by("K-FAC", lambda h: every(h) != (1, 1)) or by("K-FAC", lambda h: True)
-  fixed_11 = by("K-FAC", lambda h: every(h) == (1, 1))
+  base, default = costs[0], (1, ADAPTIVE_INVERSE_EVERY)
+  tuned = by("K-FAC", lambda h: every(h) != default) or by("K-FAC", lambda h: True)
+  fixed = by("K-FAC", lambda h: every(h) == default)
   adaptive = by("Adaptive K-FAC", lambda h: "factor_update_every" not in h)
   amortised = by("Adaptive K-FAC", lambda h: "factor_update_every" in h)
-  if not (fixed_11 and adaptive):
+  if not (fixed and adaptive):
     return ""
   fe, ie = every(tuned["hparams"])
   words = (f" Step cost (separate lockstep timing, ms/step; × {base['method']}): adaptive "
            f"K-FAC {adaptive['ms_per_step']:.1f} ({adaptive['vs_first_order']:.1f}×) = "
-           f"fixed K-FAC at the same default cadence 1/1 {fixed_11['ms_per_step']:.1f} "
-           f"({fixed_11['vs_first_order']:.1f}×) + the quadratic model and damping "
-           f"adaptation {adaptive['ms_per_step'] - fixed_11['ms_per_step']:.1f}; fixed "
-           f"K-FAC at its tuned cadence {fe}/{ie} costs {tuned['ms_per_step']:.1f} "
-           f"({tuned['vs_first_order']:.1f}×)")
+           f"fixed K-FAC at the same default cadence 1/{ADAPTIVE_INVERSE_EVERY} "
+           f"{fixed['ms_per_step']:.1f} ({fixed['vs_first_order']:.1f}×) + the quadratic "
+           f"model and damping adaptation "
+           f"{adaptive['ms_per_step'] - fixed['ms_per_step']:.1f}")
+  if (fe, ie) == default:
+    return words + " (the tuned K-FAC's cadence is the same)."
+  words += (f"; fixed K-FAC at its tuned cadence {fe}/{ie} costs "
+            f"{tuned['ms_per_step']:.1f} ({tuned['vs_first_order']:.1f}×)")
   if amortised:
     words += (f", adaptive K-FAC at that cadence {amortised['ms_per_step']:.1f} "
               f"({amortised['vs_first_order']:.1f}×)")
@@ -957,7 +926,8 @@ def markdown(results, env, args) -> str:
       f"- protocol: the learning rates of the first-order methods, Shampoo and SOAP, and "
       "K-FAC's settings, tuned on seed 0 (grids below); adaptive K-FAC untuned "
       f"(`kd.kfac(None, None, grad_fn=…, adapt_damping=True)`: the library's defaults, "
-      f"λ₀ = {ADAPTIVE_DAMPING:g}, floor {ADAPTIVE_MIN_DAMPING:g}, the same on every "
+      f"λ₀ = {ADAPTIVE_DAMPING:g}, floor {ADAPTIVE_MIN_DAMPING:g}, factors every step "
+      f"and eigendecompositions every {ADAPTIVE_INVERSE_EVERY}, the same on every "
       "task); EK-FAC at the tuned K-FAC's settings; then the seven methods on seeds "
       f"1..{args.seeds}, trained in lockstep (blocks of `eval_every` steps in rotating "
       "order, so load changes hit all alike); seconds = the method's own training "
@@ -1037,7 +1007,7 @@ def markdown(results, env, args) -> str:
         "before any factor or eigendecomposition work; adaptive K-FAC adds the "
         "curvature products of its quadratic model (a linearisation of the model and two "
         "Jacobian-vector products each step) and, with the library's default cadence, "
-        "factors and eigendecompositions every step.")
+        f"factors every step and eigendecompositions every {ADAPTIVE_INVERSE_EVERY}.")
   if NOTES:
     lines += ["", NOTES]
   coef = [[name] + row for name, res in results.items() for row in _coefficients(res["rows"])]
@@ -1062,10 +1032,10 @@ def markdown(results, env, args) -> str:
     lines += ["", "## Step cost", "",
               "A separate timing per task (after the evaluation seeds; "
               "6 blocks of `eval_every` steps per method in rotating order, seed 1's "
-              "batches): the evaluated methods, fixed K-FAC at the library's default cadence "
-              "(factors and eigendecompositions every step, the cadence adaptive K-FAC runs "
-              "at with its defaults) and adaptive K-FAC at the tuned K-FAC's cadence, to "
-              "split adaptive K-FAC's cost into the cadence and the quadratic model.", "",
+              "batches): the evaluated methods, fixed K-FAC at adaptive K-FAC's default "
+              f"cadence (factors every step, eigendecompositions every "
+              f"{ADAPTIVE_INVERSE_EVERY}) and adaptive K-FAC at the tuned K-FAC's cadence, "
+              "to split adaptive K-FAC's cost into the cadence and the quadratic model.", "",
               _common.md_table(cost_rows, ["task", "method", "ms/step",
                                            "× the tuned Adam(W)"]), ""]
   lines += ["", "## Changes from the previous study", "", CHANGES, ""]
@@ -1077,7 +1047,7 @@ def markdown(results, env, args) -> str:
               f"Adaptive K-FAC: `kd.kfac(None, None, grad_fn=grad_fn, "
               f"damping={res.get('adaptive', {}).get('damping', ADAPTIVE_DAMPING):g}, "
               f"min_damping={res.get('adaptive', {}).get('min_damping', 1e-8):g}, "
-              "adapt_damping=True)`. "
+              "adapt_damping=True)` (its default cadence). "
               + ("Every run of the evaluation seeds trains to "
                  f"{res['final_step_max']} steps." if res.get("full_curves") else
                  "Runs stop at the target."), ""]
@@ -1281,6 +1251,7 @@ def main():
         environment=env, args=vars(args), targets=TARGETS, metric=METRIC,
         max_steps=MAX_STEPS, eval_every=EVAL_EVERY, warmup=WARMUP, kfac_base=KFAC_BASE,
         adaptive_damping=ADAPTIVE_DAMPING, adaptive_min_damping=ADAPTIVE_MIN_DAMPING,
+        adaptive_inverse_every=ADAPTIVE_INVERSE_EVERY,
         heldout=HELDOUT, full_curves=FULL_CURVES,
         kfac_grid=KFAC_GRID, adam_grid=ADAM_GRID, sgd_grid=SGD_GRID, results=results))
   print(write_report(results, env, args, args.out, stem))

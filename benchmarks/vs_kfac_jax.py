@@ -80,7 +80,7 @@ initialisation and the timing runs' first batches:
 * non-adaptive: the settings above, Δθ after 1 and 10 steps, every model and
   cadence;
 * adaptive: kd's `kd.kfac(None, None, damping=λ₀, adapt_damping=True,
-  damping_adaptation_interval=1)` against kfac-jax's
+  damping_adaptation_interval=1, inverse_update_every=1)` against kfac-jax's
   `use_adaptive_learning_rate=True, use_adaptive_momentum=True,
   use_adaptive_damping=True, initial_damping=λ₀, damping_adaptation_interval=1,
   precon_damping_mult=1/B` (`fisher_empirical`, exact inverses every step),
@@ -697,7 +697,7 @@ class KdAdaptive:
     tx = kd.kfac(None, None, weight_decay, layers=grad_fn.discover(params, *batch0),
                  grad_fn=grad_fn,
                  damping=damping, adapt_damping=True, damping_adaptation_interval=1,
-                 damping_adaptation_decay=0.9, min_damping=1e-8,
+                 damping_adaptation_decay=0.9, min_damping=1e-8, inverse_update_every=1,
                  factor_decay=FACTOR_DECAY, factor_dtype=jnp.float64)
     self.state = tx.init(params)
 
@@ -890,7 +890,8 @@ def equality_markdown(eq) -> list[str]:
       f"Δθ @{k}" for k in eq["eq_steps"]]), ""]
   lines += [
       "**Adaptive.** kd: `kd.kfac(None, None, damping=λ₀, adapt_damping=True, "
-      "damping_adaptation_interval=1, factor_decay=0.95, factor_dtype=jnp.float64)` "
+      "damping_adaptation_interval=1, inverse_update_every=1, factor_decay=0.95, "
+      "factor_dtype=jnp.float64)` "
       "(exact eigen inverses every step); kfac-jax: `use_adaptive_learning_rate=True, "
       "use_adaptive_momentum=True, use_adaptive_damping=True, initial_damping=λ₀, "
       f"damping_adaptation_interval=1, precon_damping_mult=1/{BATCH}, "

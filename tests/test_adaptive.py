@@ -13,7 +13,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import kfac_jax_dist as kd
+from kfac_jax_dist.core.states import find_states
 from kfac_jax_dist.kfac import adaptive
+from kfac_jax_dist.kfac.state import ScaleByKfacState
 
 BATCH, CLASSES = 16, 3
 LAMBDA, WD = 1e-2, 1e-3
@@ -55,8 +57,9 @@ GRAD_FN = kd.value_and_grad(loss_fn)
 
 def _tx(**options):
   layers = GRAD_FN.discover(_params(), *_batch(0))
-  options = dict(dict(damping=LAMBDA, weight_decay=WD, factor_dtype=jnp.float64),
-                 **options)
+  # Decompositions every step: the brute force decomposes the current factors.
+  options = dict(dict(damping=LAMBDA, weight_decay=WD, factor_dtype=jnp.float64,
+                      inverse_update_every=1), **options)
   return kd.kfac(options.pop("learning_rate", None), options.pop("momentum", None),
                  layers=layers, grad_fn=GRAD_FN, **options)
 
@@ -172,6 +175,37 @@ def test_fixed_learning_rate_adapts_momentum_only():
     new = _adaptive_state(state)
     np.testing.assert_allclose(float(new.learning_rate), 0.05, rtol=1e-12)
   assert float(new.momentum) != 0.0
+
+
+def _second_order_per_step(tx, steps):
+  """The K-FAC state's eigenbases and eigenvalues after each of `steps` updates."""
+  params, seen = _params(), []
+  state, update = tx.init(params), jax.jit(tx.update)
+  for step in range(steps):
+    x, y = _batch(step)
+    _, grads, stats = GRAD_FN(params, x, y, opt_state=state)
+    updates, state = update(grads, state, params, kfac_stats=stats, kfac_batch=(x, y))
+    params = optax.apply_updates(params, updates)
+    seen.append(np.asarray(find_states(state, ScaleByKfacState)[0].second_order))
+  return state, seen
+
+
+def test_adaptive_defaults():
+  """`kd.kfac(None, None)`'s defaults: λ₀ = 0.1 and the eigendecompositions
+  every 10 updates (factors every update); the non-adaptive mode, and adaptive
+  mode with stale statistics, decompose every update."""
+  layers = GRAD_FN.discover(_params(), *_batch(0))
+  adaptive_tx = kd.kfac(None, None, layers=layers, grad_fn=GRAD_FN,
+                        factor_dtype=jnp.float64)
+  state, seen = _second_order_per_step(adaptive_tx, 12)
+  assert float(_adaptive_state(adaptive_tx.init(_params())).damping) == 0.1
+  assert all(np.array_equal(seen[0], s) for s in seen[1:10])
+  assert not np.array_equal(seen[9], seen[10]) and np.array_equal(seen[10], seen[11])
+  assert int(_adaptive_state(state).count) == 12
+  fixed = kd.kfac(0.1, layers=layers, factor_dtype=jnp.float64)
+  assert not np.array_equal(*_second_order_per_step(fixed, 2)[1])
+  stale = kd.kfac(None, None, layers=layers, grad_fn=GRAD_FN, stale_threshold=0.1)
+  stale.init(_params())      # needs both intervals at 1: the default gives them
 
 
 def test_adaptive_mode_needs_the_batch_and_grad_fn():
