@@ -2,11 +2,11 @@
 
 `--adaptive` also trains adaptive K-FAC, which needs no tuning:
 `kd.kfac(None, None, grad_fn=grad_fn, adapt_damping=True)` with the library's
-defaults (factors and eigendecompositions every step, no KL clip) picks each
+defaults (factors every step, eigendecompositions every 10, no KL clip) picks each
 step's learning rate η = −α and momentum μ from the exact quadratic model on
 the batch and adapts the damping λ (Levenberg-Marquardt, every 5 steps) from
 `--adaptive-damping` (λ₀) within `--adaptive-min-damping` (both default to the
-library's: 1e-2 and 1e-3; at kfac-jax's floor, 1e-8, λ collapses on these
+library's: 0.1 and 1e-3; at kfac-jax's floor, 1e-8, λ collapses on these
 small batches, which the model fits, and training diverges). η, μ, λ and the
 reduction ratio ρ are printed and written to each example's CSV.
 `--skip-fixed-kfac` leaves the fixed-hyperparameter K-FAC out.

@@ -58,6 +58,19 @@ def _kaisa_chain(layers: registry.LayerRegistry | None, learning_rate: Any, mome
       optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)))
 
 
+def _mode_defaults(adaptive_mode: bool, damping: Any, inverse_update_every: Any,
+                   stale_threshold: float | None) -> tuple[Any, Any]:
+  """`damping` and `inverse_update_every`, a None replaced by the mode's
+  default (stale statistics refresh at their own intervals: every step)."""
+  if damping is None:
+    damping = ADAPTIVE_DAMPING if adaptive_mode else DAMPING
+  if inverse_update_every is None:
+    adaptive_cadence = adaptive_mode and stale_threshold is None
+    inverse_update_every = (ADAPTIVE_INVERSE_UPDATE_EVERY if adaptive_cadence
+                            else INVERSE_UPDATE_EVERY)
+  return damping, inverse_update_every
+
+
 def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None = 0.9,
          weight_decay: float = 0.0, nesterov: bool = False,
          layers: registry.LayerRegistry | None = None, *,
@@ -106,14 +119,9 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
     damping: `γ` of `(A ⊗ G + γI)⁻¹`, positive; a float or a schedule of the
       update count. With method "inverse" a new value takes effect at the next
       inverse update. None: `DAMPING` (1e-3), or in adaptive mode
-      `ADAPTIVE_DAMPING` (0.1) as the initial λ. With eigenbases refreshed
-      every 10 steps, λ₀ = 1e-2 let the digits CNN's quadratic model pick
-      μ = −48 on its third step and diverge (the exact GGN of a batch has
-      rank ≤ 1152 against 38282 parameters, so off its range only λ bounds
-      the step, and the Levenberg-Marquardt rule moves λ by at most 1.69× in
-      5 steps); 0.1 trained the three tasks of benchmarks/convergence.py on
-      every seed, and the rule lowers λ by 10× in about 22 steps where the
-      model is good.
+      `ADAPTIVE_DAMPING` (0.1) as the initial λ: with eigenbases every 10
+      steps, 1e-2 diverged on the digits CNN, 0.1 trained the convergence
+      study's three tasks on every seed (docs/concepts.md, adaptive K-FAC).
     factor_decay: weight of the *old* value in the running factor averages,
       in [0, 1) (the papers' ξ is `1 − factor_decay`).
     factor_update_every: compute the statistics and update the running factors
@@ -125,12 +133,8 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
       positive int or a schedule. None: `INVERSE_UPDATE_EVERY` (1: an
       eigendecomposition of every factor every step, `O(d³)` per factor and
       the most costly part of K-FAC; KAISA uses 100), or in adaptive mode
-      `ADAPTIVE_INVERSE_UPDATE_EVERY` (10; 1 with `stale_threshold`): the
-      quadratic model sets each step's length along the stale directions
-      too. On benchmarks/convergence.py's three tasks (3 seeds), 10 with λ₀ =
-      0.1 took 1.0-2.7× the steps of every-step decompositions with λ₀ = 1e-2
-      at 0.4-0.8× the cost per step, 0.54-1.06× the seconds (kfac-jax's
-      default period is 5).
+      `ADAPTIVE_INVERSE_UPDATE_EVERY` (10; 1 with `stale_threshold`), where
+      the quadratic model sets the step's length along stale directions too.
     method: "eigen" (exact `(A⊗G + γI)⁻¹` from eigendecompositions; four
       matrix products per layer and step) or "inverse" (π-damped Cholesky
       inverses, an approximation; two products).
@@ -184,12 +188,8 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
     (and, in adaptive mode, `kfac_batch=`).
   """
   adaptive_mode = learning_rate is None or momentum is None
-  if damping is None:
-    damping = ADAPTIVE_DAMPING if adaptive_mode else DAMPING
-  if inverse_update_every is None:
-    inverse_update_every = (ADAPTIVE_INVERSE_UPDATE_EVERY
-                            if adaptive_mode and stale_threshold is None
-                            else INVERSE_UPDATE_EVERY)
+  damping, inverse_update_every = _mode_defaults(adaptive_mode, damping,
+                                                 inverse_update_every, stale_threshold)
   options = dict(damping=damping, factor_decay=factor_decay,
                  factor_update_every=factor_update_every,
                  inverse_update_every=inverse_update_every, method=method,
