@@ -38,7 +38,10 @@ with the KL clip binding, the step length is set by `--kl-clip` more than by
 
 `--adaptive` also trains adaptive K-FAC, which needs no tuning, with the
 library's defaults (`_adaptive_log` describes it and its options); η, μ, λ
-and ρ are written to `autoencoder.csv`.
+and ρ are written to `autoencoder.csv`. On seed 0 it reached the target in 60
+steps and 0.61 s (Adam 3e-3: 350 steps, 1.06 s) with a test loss of 1.85
+there, below Adam's 1.97 at its target; it too overfits later (2.10 after 500
+steps, Adam 1.77).
 `--skip-fixed-kfac` leaves the fixed-hyperparameter K-FAC out.
 
     python examples/autoencoder.py              # well under a minute on 2 CPU cores
