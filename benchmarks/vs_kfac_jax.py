@@ -86,7 +86,10 @@ initialisation and the timing runs' first batches:
   precon_damping_mult=1/B` (`fisher_empirical`, exact inverses every step),
   5 steps: Δθ and both sides' learning rate −α, momentum μ, damping λ and
   reduction ratio ρ after every step, on each model at its timing λ and on the
-  MLP from λ₀ = 3e-4 (every branch of the Levenberg-Marquardt rule);
+  MLP from λ₀ = 3e-4 (every branch of the Levenberg-Marquardt rule); and at
+  kd's adaptive default cadence, eigenbases every 10 steps
+  (`inverse_update_every=10` / `inverse_update_period=10`: both apply the
+  current λ to the cached eigenbases), the MLP and the CNN over 12 steps;
 * the damping mapping: the MLP's adaptive run with kfac-jax's damping mapped
   three ways, of which only the one above takes kd's steps. kfac-jax's
   `fisher_empirical` factors are kd's / B while its exact quadratic model's
@@ -658,11 +661,19 @@ def run_profile(model, cadence, steps=10) -> dict | None:
 EQ_STEPS = (1, 10)
 ADAPTIVE_STEPS = 5
 EQ_TARGET, ADAPTIVE_TARGET = 1e-10, 1e-8
-# Adaptive runs: (model, initial λ in kd's units). The MLP from λ₀ = 3e-4 takes
-# every branch of the Levenberg-Marquardt rule within 5 steps (ρ < ¼, ¼ ≤ ρ ≤ ¾,
-# ρ > ¾); from the timing runs' λ the models only see ρ in or above the band.
-ADAPTIVE_RUNS = (("mlp", DAMPING["mlp"]), ("cnn", DAMPING["cnn"]),
-                 ("autoencoder", DAMPING["autoencoder"]), ("mlp", 3e-4))
+# Adaptive runs: (model, initial λ in kd's units, decompositions every k steps,
+# steps). The MLP from λ₀ = 3e-4 takes every branch of the Levenberg-Marquardt
+# rule within 5 steps (ρ < ¼, ¼ ≤ ρ ≤ ¾, ρ > ¾); from the timing runs' λ the
+# models only see ρ in or above the band. The last two run at kd's adaptive
+# default cadence (eigenbases every 10 steps, the current λ applied to them;
+# kfac-jax's `use_exact_inverses` caches eigenbases likewise) across a refresh.
+ADAPTIVE_CADENCE = 10
+ADAPTIVE_RUNS = (("mlp", DAMPING["mlp"], 1, ADAPTIVE_STEPS),
+                 ("cnn", DAMPING["cnn"], 1, ADAPTIVE_STEPS),
+                 ("autoencoder", DAMPING["autoencoder"], 1, ADAPTIVE_STEPS),
+                 ("mlp", 3e-4, 1, ADAPTIVE_STEPS),
+                 ("mlp", DAMPING["mlp"], ADAPTIVE_CADENCE, 12),
+                 ("cnn", DAMPING["cnn"], ADAPTIVE_CADENCE, 12))
 # kfac-jax settings tried against the mapping (the MLP, its timing λ):
 # (name, kfac-jax initial_damping / kd's λ, precon_damping_mult, weight decay:
 # kd's weight_decay = kfac-jax's l2_reg, its loss + (w/2)|θ|²).
@@ -690,14 +701,15 @@ def _batches64(n):
 
 class KdAdaptive:
   """kd's adaptive mode: `kd.kfac(None, None, adapt_damping=True)`, λ moved
-  every step; float64 factors."""
+  every step, eigendecompositions every `inverse_every`; float64 factors."""
 
-  def __init__(self, model, params, batch0, damping, weight_decay=0.0):
+  def __init__(self, model, params, batch0, damping, weight_decay=0.0, inverse_every=1):
     grad_fn = kd.value_and_grad(kd_loss_fn(model))
     tx = kd.kfac(None, None, weight_decay, layers=grad_fn.discover(params, *batch0),
                  grad_fn=grad_fn,
                  damping=damping, adapt_damping=True, damping_adaptation_interval=1,
-                 damping_adaptation_decay=0.9, min_damping=1e-8, inverse_update_every=1,
+                 damping_adaptation_decay=0.9, min_damping=1e-8,
+                 inverse_update_every=inverse_every,
                  factor_decay=FACTOR_DECAY, factor_dtype=jnp.float64)
     self.state = tx.init(params)
 
@@ -717,10 +729,11 @@ class KdAdaptive:
 
 class KjAdaptive:
   """kfac-jax with `use_adaptive_learning_rate/momentum/damping=True`, λ
-  moved every step (`damping_adaptation_interval=1`)."""
+  moved every step (`damping_adaptation_interval=1`), inverses every
+  `inverse_every`."""
 
   def __init__(self, model, params, batch0, damping, precon_damping_mult,
-               l2_reg=0.0):
+               l2_reg=0.0, inverse_every=1):
     loss_fn = kj_loss_fn(model)
 
     def regularised(p, batch):   # kfac-jax expects the regulariser in the loss
@@ -734,7 +747,8 @@ class KjAdaptive:
         damping_adaptation_interval=1, damping_adaptation_decay=0.9, min_damping=1e-8,
         include_damping_in_quad_change=False, precon_damping_mult=precon_damping_mult,
         norm_constraint=None, estimation_mode="fisher_empirical", use_exact_inverses=True,
-        curvature_ema=FACTOR_DECAY, curvature_update_period=1, inverse_update_period=1,
+        curvature_ema=FACTOR_DECAY, curvature_update_period=1,
+        inverse_update_period=inverse_every,
         num_burnin_steps=0, multi_device=False)
     self.rng = jax.random.PRNGKey(42)
     self.state = self.opt.init(params, self.rng, batch0)
@@ -753,13 +767,14 @@ def _rel(a, b):
 
 
 def adaptive_run(model, damping, batches, kj_damping_scale=1.0,
-                 precon_damping_mult=1.0 / BATCH, weight_decay=0.0, log=True):
+                 precon_damping_mult=1.0 / BATCH, weight_decay=0.0, log=True,
+                 inverse_every=1):
   """Both adaptive optimizers from the same float64 init over `batches`: Δθ
   and both sides' (η, μ, λ, ρ) after every step."""
   params0 = _f64(init_params(model, jax.random.PRNGKey(0)))
-  kd_opt = KdAdaptive(model, params0, batches[0], damping, weight_decay)
+  kd_opt = KdAdaptive(model, params0, batches[0], damping, weight_decay, inverse_every)
   kj_opt = KjAdaptive(model, params0, batches[0], damping * kj_damping_scale,
-                      precon_damping_mult, weight_decay)
+                      precon_damping_mult, weight_decay, inverse_every)
   p_kd, p_kj = _copy(params0), _copy(params0)
   steps = []
   for i, (x, y) in enumerate(batches):
@@ -767,7 +782,7 @@ def adaptive_run(model, damping, batches, kj_damping_scale=1.0,
     p_kj, s_kj = kj_opt.step(p_kj, x, y)
     steps.append(dict(step=i + 1, dtheta=rel_diff(p_kd, p_kj), kd=s_kd, kj=s_kj))
     if log:
-      print(f"  [float64 adaptive {model} λ₀={damping:g}] step {i + 1}: Δθ "
+      print(f"  [float64 adaptive {model} λ₀={damping:g} 1/{inverse_every}] step {i + 1}: Δθ "
             f"{steps[-1]['dtheta']:.1e}", flush=True)
   # The scalars under the mapping: η_kd = B·η_kj, μ, λ, ρ equal.
   worst = dict(
@@ -776,7 +791,8 @@ def adaptive_run(model, damping, batches, kj_damping_scale=1.0,
       momentum=max(abs(s["kd"]["momentum"] - s["kj"]["momentum"]) for s in steps),
       damping=max(_rel(s["kd"]["damping"], s["kj"]["damping"]) for s in steps),
       rho=max(_rel(s["kd"]["rho"], s["kj"]["rho"]) for s in steps))
-  return dict(model=model, damping=damping, steps=steps, scalars_max_diff=worst)
+  return dict(model=model, damping=damping, inverse_every=inverse_every, steps=steps,
+              scalars_max_diff=worst)
 
 
 def nonadaptive_run(model, cadence, batches):
@@ -802,11 +818,11 @@ def equality_child(out_json: str, models: str, cadences: str) -> None:
   """In a fresh process with `jax_enable_x64`: the float64 comparisons."""
   jax.config.update("jax_enable_x64", True)
   models = [m for m in models.split(",") if m]
-  batches = _batches64(max(max(EQ_STEPS), ADAPTIVE_STEPS))
+  batches = _batches64(max(max(EQ_STEPS), *(n for *_, n in ADAPTIVE_RUNS)))
   nonadaptive = {m: [nonadaptive_run(m, c, batches[:max(EQ_STEPS)])
                      for c in cadences.split(",") if c] for m in models}
-  adaptive = [adaptive_run(m, lam, batches[:ADAPTIVE_STEPS])
-              for m, lam in ADAPTIVE_RUNS if m in models]
+  adaptive = [adaptive_run(m, lam, batches[:n], inverse_every=k)
+              for m, lam, k, n in ADAPTIVE_RUNS if m in models]
   mappings = []
   if "mlp" in models:
     for name, scale, mult, wd in MAPPINGS:
@@ -856,7 +872,8 @@ def equality_checks(eq) -> list[dict]:
   for r in eq["adaptive"]:
     worst = max(s["dtheta"] for s in r["steps"])
     checks.append(dict(
-        check=f"float64 adaptive {r['model']} (λ₀ {r['damping']:g}): Δθ after each of "
+        check=f"float64 adaptive {r['model']} (λ₀ {r['damping']:g}, eigenbases every "
+              f"{r.get('inverse_every', 1)}): Δθ after each of "
               f"{len(r['steps'])} steps",
         value=f"max {worst:.1e}", target=f"≤ {_sci(ADAPTIVE_TARGET)}",
         holds=worst <= ADAPTIVE_TARGET,
@@ -897,12 +914,17 @@ def equality_markdown(eq) -> list[str]:
       f"damping_adaptation_interval=1, precon_damping_mult=1/{BATCH}, "
       "estimation_mode=\"fisher_empirical\", use_exact_inverses=True, "
       "curvature_ema=0.95, inverse_update_period=1, norm_constraint=None, l2_reg=0, "
-      "num_burnin_steps=0`; both with ω = 0.9, λ ≥ 1e-8, the model change M₀ "
+      "num_burnin_steps=0` (the runs marked so: eigenbases every 10 steps on both "
+      "sides, each applying the current λ to its cached eigenbases); both with ω = 0.9, λ ≥ 1e-8, the model change M₀ "
       "without the damping term. Per step: η = −α, the coefficient of the "
       "preconditioned gradient as both libraries log it (`learning_rate`), kfac-jax's "
       f"times B = {BATCH}; μ; the λ the step used; ρ (which sets the next λ).", ""]
   for r in eq["adaptive"]:
-    lines += [f"*{r['model']}, λ₀ = {r['damping']:g}*", ""]
+    every = r.get("inverse_every", 1)
+    lines += [f"*{r['model']}, λ₀ = {r['damping']:g}"
+              + (f", eigenbases every {every} steps (`inverse_update_every={every}`, "
+                 f"kfac-jax's `inverse_update_period={every}`)" if every != 1 else "")
+              + "*", ""]
     rows = [[s["step"], f"{s['dtheta']:.1e}",
              f"{s['kd']['learning_rate']:.9g}", f"{BATCH * s['kj']['learning_rate']:.9g}",
              f"{s['kd']['momentum'] + 0.0:.9g}", f"{s['kj']['momentum'] + 0.0:.9g}",
