@@ -42,10 +42,12 @@ class _DefaultKlClip:
 
 
 KL_CLIP = _DefaultKlClip()
-DAMPING = 1e-3             # kd.kfac's damping when none is given
-ADAPTIVE_DAMPING = 0.1     # ... and adaptive mode's initial λ
-INVERSE_UPDATE_EVERY = 1   # kd.kfac's decomposition cadence when none is given
-ADAPTIVE_INVERSE_UPDATE_EVERY = 10   # ... and adaptive mode's
+# kd.kfac's damping and decomposition cadence when none is given: the
+# preconditioner's own defaults (1e-3, every step), and adaptive mode's.
+DAMPING = KfacConfig.damping
+INVERSE_UPDATE_EVERY = KfacConfig.inverse_update_every
+ADAPTIVE_DAMPING = 0.1     # the initial λ
+ADAPTIVE_INVERSE_UPDATE_EVERY = 10
 
 
 def _kaisa_chain(layers: registry.LayerRegistry | None, learning_rate: Any, momentum: Any,
