@@ -194,8 +194,9 @@ def train(mesh, grad_worker_fraction: float, *, steps: int = 4, batch_size: int 
     updates, state = tx.update(grads, state, params, kfac_stats=stats, **batch)
     return optax.apply_updates(params, updates), state, jax.lax.pmean(loss, "data")
 
+  # Params and state are donated: each step updates them in place.
   step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
-                               out_specs=(P(), specs, P())))
+                               out_specs=(P(), specs, P())), donate_argnums=(0, 1))
 
   # This process's rows of the global batch: the devices of a process hold
   # consecutive pieces of axis "data" (a real input pipeline would read only

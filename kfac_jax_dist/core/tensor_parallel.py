@@ -347,6 +347,16 @@ def _check_axis_sizes(sharding: ModelSharding, name: str) -> None:
                        f"devices, but the state was built for {expected}.")
 
 
+def for_model_shards(tx: optax.GradientTransformationExtraArgs, dist, name: str,
+                     check=None) -> optax.GradientTransformationExtraArgs:
+  """`tx` as it is without model axes (no distribution, or a data axis only);
+  on a tensor-parallel mesh `wrap(tx, dist, name, check)`: one state per model
+  shard. The one place the public transforms decide it."""
+  if dist is None or not dist.model_axes:
+    return tx
+  return wrap(tx, dist, name, check)
+
+
 def wrap(inner: optax.GradientTransformationExtraArgs, dist, name: str,
          check=None) -> optax.GradientTransformationExtraArgs:
   """`inner` (a single-axis transform over `dist.axis`) for every model shard.

@@ -397,9 +397,7 @@ def scale_by_adaptive_kfac(
     return update_state(adaptive_config, kfac_config, comm, grad_fn, updates, state,
                         params, kfac_stats, kfac_batch)
 
-  tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
-  if not kfac_config.model_axes:
-    return tx
-  return tensor_parallel.wrap(
-      tx, kfac_config.distribution, "kfac",
+  return tensor_parallel.for_model_shards(
+      optax.GradientTransformationExtraArgs(init_fn, update_fn), kfac_config.distribution,
+      "kfac",
       lambda sharding: tensor_parallel.check_kfac_layers(layers or (), sharding))

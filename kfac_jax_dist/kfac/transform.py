@@ -543,9 +543,7 @@ def scale_by_kfac(
     del params, extra_args
     return update_state(config, comm, updates, state, kfac_stats)
 
-  tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
-  if not config.model_axes:
-    return tx
-  return tensor_parallel.wrap(
-      tx, distribution, "scale_by_kfac",
+  return tensor_parallel.for_model_shards(
+      optax.GradientTransformationExtraArgs(init_fn, update_fn), distribution,
+      "scale_by_kfac",
       lambda sharding: tensor_parallel.check_kfac_layers(layers or (), sharding))

@@ -452,11 +452,10 @@ def scale_by_soap(
     del params, extra_args
     return update_state(config, comm, updates, state)
 
-  tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
-  if distribution is not None and distribution.model_axes:
-    # Tensor-parallel: every model shard runs SOAP on its local shard (as Shampoo).
-    return tensor_parallel.wrap(tx, distribution, "scale_by_soap")
-  return tx
+  # Tensor-parallel: every model shard runs SOAP on its local shard (as Shampoo).
+  return tensor_parallel.for_model_shards(
+      optax.GradientTransformationExtraArgs(init_fn, update_fn), distribution,
+      "scale_by_soap")
 
 
 def soap(

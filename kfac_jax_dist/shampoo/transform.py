@@ -255,11 +255,10 @@ def scale_by_shampoo(
     del params, extra_args
     return update_state(config, comm, updates, state)
 
-  tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
-  if distribution is not None and distribution.model_axes:
-    # Tensor-parallel: every model shard preconditions its local shard (3D-Shampoo).
-    return tensor_parallel.wrap(tx, distribution, "scale_by_shampoo")
-  return tx
+  # Tensor-parallel: every model shard preconditions its local shard (3D-Shampoo).
+  return tensor_parallel.for_model_shards(
+      optax.GradientTransformationExtraArgs(init_fn, update_fn), distribution,
+      "scale_by_shampoo")
 
 
 def shampoo(
