@@ -122,6 +122,84 @@ def test_kfac_types_are_validated():
     kd.kfac(-0.1, layers=LAYERS)
 
 
+_OPTIMIZERS = {"kfac": lambda lr, **kw: kd.kfac(lr, layers=LAYERS, **kw),
+               "shampoo": kd.shampoo, "soap": kd.soap}
+_TAIL_CASES = [
+    ("learning_rate", -0.1, "learning_rate must be finite and ≥ 0"),
+    ("learning_rate", float("nan"), "learning_rate must be finite and ≥ 0"),
+    ("weight_decay", -1e-4, "weight_decay must be finite and ≥ 0"),
+    ("weight_decay", float("inf"), "weight_decay must be finite and ≥ 0"),
+    ("momentum", 1.0, r"momentum must be in \[0, 1\)"),
+    ("momentum", -0.5, r"momentum must be in \[0, 1\)"),
+]
+
+
+@pytest.mark.parametrize("name,option,value,match", [
+    (name, *case) for name in _OPTIMIZERS for case in _TAIL_CASES
+    if not (name == "soap" and case[0] == "momentum")])   # SOAP's b1: its settings
+def test_the_first_order_tail_is_validated(name, option, value, match):
+  """The SGD (Adam) after each preconditioner: a diverging momentum, a negative
+  rate or decay is refused at construction, not left to a silently wrong run."""
+  options = {option: value}
+  learning_rate = options.pop("learning_rate", 0.1)
+  with pytest.raises(ValueError, match=match):
+    _OPTIMIZERS[name](learning_rate, **options)
+
+
+def test_layers_must_be_discovered_records():
+  """Layer names instead of `discover`'s records: a TypeError naming the fix at
+  construction, not an AttributeError at init."""
+  for make in (lambda layers: kd.kfac(0.1, layers=layers),
+               lambda layers: kd.kfac(None, None, layers=layers, grad_fn=GRAD_FN)):
+    with pytest.raises(TypeError, match="layers must be the LayerRegistry .*got list"):
+      make(["l0", "out"])
+    with pytest.raises(TypeError, match="layers must be the LayerRegistry .*got str"):
+      make("l0")
+    with pytest.raises(TypeError, match="pass skip="):
+      make(list(LAYERS)[:1])            # a pick of the records: skip= is the way
+
+
+def test_kfac_batch_must_be_a_tuple():
+  """Adaptive K-FAC's `kfac_batch` is the arguments after the parameters: an
+  array or a dict is named, not unpacked into the loss function's arguments."""
+  tx = kd.kfac(None, None, layers=LAYERS, grad_fn=GRAD_FN)
+  params, batch = _params(), _batch()
+  state = tx.init(params)
+  _, grads, stats = GRAD_FN(params, *batch, opt_state=state)
+  for wrong in (batch[0], {"x": batch[0], "y": batch[1]}):
+    with pytest.raises(TypeError, match=f"kfac_batch must be the tuple .*{type(wrong).__name__}"):
+      tx.update(grads, state, params, kfac_stats=stats, kfac_batch=wrong)
+
+
+@pytest.mark.parametrize("loss,match", [
+    (lambda o, y: kd.losses.softmax_cross_entropy(o, y[:8]),
+     r"softmax_cross_entropy: targets of shape \(8,\) .*integer classes of shape \(16,\)"),
+    (lambda o, y: kd.losses.softmax_cross_entropy(o, y.astype(jnp.float32)),
+     r"target distributions of shape \(16, 4\)"),
+    (lambda o, y: kd.losses.sigmoid_cross_entropy(o, jax.nn.one_hot(y, CLASSES)[:, :1]),
+     r"sigmoid_cross_entropy: targets of shape \(16, 1\) .*labels of shape \(16, 4\)"),
+    (lambda o, y: kd.losses.squared_error(o[:, :1], y.astype(jnp.float32)),
+     r"squared_error: targets of shape \(16,\) for inputs of shape \(16, 1\)"),
+])
+def test_targets_of_another_shape_are_refused(loss, match):
+  """Targets that only broadcast against the model's outputs (`[B]` against
+  `[B, 1]` pairs every example with every target) are named at the first call."""
+  def fn(params, x, y):
+    h = jnp.tanh(kd.tags.dense(x, params["l0"]["kernel"], params["l0"]["bias"], name="l0"))
+    return loss(kd.tags.dense(h, params["out"]["kernel"], name="out"), y)
+  with pytest.raises(ValueError, match=match):
+    kd.value_and_grad(fn)(_params(), *_batch())
+
+
+def test_the_loss_function_returns_a_scalar():
+  """A non-scalar loss, or `has_aux=True` without `(loss, aux)`, as
+  `jax.value_and_grad` refuses them."""
+  with pytest.raises(TypeError, match=r"must return a scalar .*got shape \(2,\)"):
+    kd.value_and_grad(lambda p, x, y: loss_fn(p, x, y) * jnp.ones(2))(_params(), *_batch())
+  with pytest.raises(TypeError, match=r"has_aux=True\): the loss function must return a pair"):
+    kd.value_and_grad(loss_fn, has_aux=True)(_params(), *_batch())
+
+
 def test_distribution_is_validated():
   mesh = helpers.data_mesh(8)
   with pytest.raises(TypeError, match="comm_dtype must be a floating dtype.*int8"):
@@ -400,6 +478,29 @@ def test_restore_casting_a_dtype_is_refused(saved):
     kd.restore_checkpoint(path, template)
 
 
+@pytest.mark.parametrize("make", [
+    lambda dist: _kfac(distribution=dist),
+    lambda dist: kd.kfac(None, None, layers=LAYERS, grad_fn=GRAD_FN, distribution=dist),
+    lambda dist: kd.shampoo(0.1, distribution=dist)], ids=["kfac", "adaptive", "shampoo"])
+def test_placing_a_state_on_another_mesh_is_refused(make):
+  """A state laid out for 8 devices placed on a 4-device mesh: named by
+  shard_state, not found out inside the step (or not at all)."""
+  mesh = helpers.data_mesh(8)
+  state = make(kd.Distribution(mesh, grad_worker_fraction=1 / 8)).init(_params())
+  with pytest.raises(ValueError, match="shard_state: the state is laid out for 8 devices "
+                                       "of axis 'data', the mesh has"):
+    kd.shard_state(state, helpers.data_mesh(4))
+  kd.shard_state(state, mesh)
+
+
+def test_converting_into_another_optimizer_is_refused():
+  """convert_state moves a state between distributions; a K-FAC state into a
+  Shampoo template is named, not an AttributeError."""
+  with pytest.raises(ValueError, match="holds a ScaleByKfacState where the template "
+                                       "holds a ScaleByShampooState"):
+    kd.convert_state(_kfac().init(_params()), kd.shampoo(0.1).init(_params()))
+
+
 def test_restore_onto_another_mesh_is_refused(tmp_path):
   pytest.importorskip("orbax.checkpoint")
   mesh = helpers.data_mesh(8)
@@ -409,7 +510,8 @@ def test_restore_onto_another_mesh_is_refused(tmp_path):
   template = jax.eval_shape(tx.init, _params())
   with pytest.raises(ValueError, match="not placed on a mesh: pass mesh="):
     kd.restore_checkpoint(tmp_path / "ckpt", template)
-  with pytest.raises(ValueError, match="laid out for 8 devices of axis 'data', mesh= has"):
+  with pytest.raises(ValueError, match="restore_checkpoint: the state is laid out for 8 "
+                                       "devices of axis 'data', the mesh has"):
     kd.restore_checkpoint(tmp_path / "ckpt", template, mesh=helpers.data_mesh(4))
   restored = kd.restore_checkpoint(tmp_path / "ckpt", template, mesh=mesh)
   for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):

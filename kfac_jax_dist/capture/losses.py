@@ -70,6 +70,16 @@ def _squared_error_hessian(predictions: jax.Array, u: jax.Array, w: jax.Array
   return jnp.sum(u * w, axis=-1)
 
 
+def _check_targets(name: str, inputs: jax.Array, targets: jax.Array,
+                   expected: tuple[int, ...], allowed: str) -> None:
+  """`targets` must have the `expected` shape (broadcasting, e.g. `[B]`
+  targets against `[B, 1]` predictions, would silently pair every example with
+  every target); `allowed` says what may be passed."""
+  if jnp.shape(targets) != tuple(expected):
+    raise ValueError(f"kd.losses.{name}: targets of shape {jnp.shape(targets)} for "
+                     f"inputs of shape {jnp.shape(inputs)}; expected {allowed}.")
+
+
 def _register(name: str, loss_of_targets, targets, sample, mask, inputs,
               output_hessian, invalid: jax.Array | None = None):
   value, n = _mean(loss_of_targets(targets), mask)
@@ -104,8 +114,12 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array,
     return jax.random.categorical(rng, jax.lax.stop_gradient(logits32), axis=-1)
 
   labels = jnp.asarray(labels)
-  invalid = ((labels < 0) | (labels >= classes)
-             if jnp.issubdtype(labels.dtype, jnp.integer) else None)
+  integer = jnp.issubdtype(labels.dtype, jnp.integer)
+  _check_targets("softmax_cross_entropy", logits, labels,
+                 logits.shape[:-1] if integer else logits.shape,
+                 f"integer classes of shape {logits.shape[:-1]} or floating target "
+                 f"distributions of shape {logits.shape}")
+  invalid = (labels < 0) | (labels >= classes) if integer else None
   return _register("softmax_cross_entropy", loss_of, labels, sample, mask, logits,
                    _softmax_hessian, invalid)
 
@@ -114,6 +128,8 @@ def sigmoid_cross_entropy(logits: jax.Array, labels: jax.Array,
                           mask: jax.Array | None = None) -> jax.Array:
   """Mean over examples of the binary cross-entropies summed over the last axis
   (independent Bernoulli outputs); `labels` in [0, 1], shaped like `logits`."""
+  _check_targets("sigmoid_cross_entropy", logits, labels, jnp.shape(logits),
+                 f"labels of shape {jnp.shape(logits)}")
   logits32 = _at_least_f32(logits)
 
   def loss_of(targets: jax.Array) -> jax.Array:
@@ -133,7 +149,10 @@ def sigmoid_cross_entropy(logits: jax.Array, labels: jax.Array,
 def squared_error(predictions: jax.Array, targets: jax.Array,
                   mask: jax.Array | None = None) -> jax.Array:
   """Mean over examples of `½ Σ (prediction − target)²` over the last axis: the
-  negative log-likelihood of a unit-variance Gaussian, up to a constant."""
+  negative log-likelihood of a unit-variance Gaussian, up to a constant;
+  `targets` shaped like `predictions`."""
+  _check_targets("squared_error", predictions, targets, jnp.shape(predictions),
+                 f"targets of shape {jnp.shape(predictions)}")
   predictions32 = _at_least_f32(predictions)
 
   def loss_of(t: jax.Array) -> jax.Array:

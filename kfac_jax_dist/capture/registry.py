@@ -140,6 +140,17 @@ class LayerRegistry:
     return tuple(layer.name for layer in self.layers)
 
 
+def check_layers(layers: Any) -> None:
+  """`layers` must be None or what `grad_fn.discover(...)` returned (a
+  `LayerRegistry`), not layer names nor a list picked from it."""
+  if layers is None or isinstance(layers, LayerRegistry):
+    return
+  raise TypeError(
+      "layers must be the LayerRegistry that kd.value_and_grad(loss_fn).discover(params, "
+      f"*batch) returns, got {type(layers).__name__} {layers!r:.80}; to leave layers "
+      "out, pass skip=[regular expressions] instead.")
+
+
 def leaves_by_path(tree: Any) -> dict[str, Any]:
   """`{path_str: leaf}` of a parameter (or gradient) tree."""
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]

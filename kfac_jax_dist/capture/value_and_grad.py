@@ -200,6 +200,7 @@ class ValueAndGrad:
       with _context.active(trace):
         out = self.fun(stacking.prepare(p), *a, **k)
       _context.one_loss(trace)
+      _check_output(out, self.has_aux)
       found.append(trace)
       return out
 
@@ -409,6 +410,18 @@ class ValueAndGrad:
       g_scale = n * inv * inv
     value = (loss, aux) if self.has_aux else loss
     return value, grads, _statistics(probe_bar, g_scale), n
+
+
+def _check_output(out: Any, has_aux: bool) -> None:
+  """The loss function returns a scalar loss (`(loss, aux)` with `has_aux`),
+  as `jax.value_and_grad` requires."""
+  if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+    raise TypeError("value_and_grad(..., has_aux=True): the loss function must return "
+                    f"a pair (loss, aux), got {type(out).__name__}.")
+  loss = out[0] if has_aux else out
+  if jnp.shape(loss) != ():
+    raise TypeError("The loss function must return a scalar (the registered mean loss, "
+                    f"plus any regularisation), got shape {jnp.shape(loss)}.")
 
 
 def _all_probes(discovered: "_Discovered", state: Any) -> dict:

@@ -51,6 +51,18 @@ def check_range(name: str, value: Any, low: float, high: float, *,
     raise ValueError(f"{name} must be in {interval}, got {value!r}")
 
 
+def check_first_order_tail(learning_rate: Any, momentum: Any = None,
+                           weight_decay: Any = 0.0) -> None:
+  """The optax steps that `kd.kfac`, `kd.shampoo` and `kd.soap` chain after
+  their preconditioner: `learning_rate` ≥ 0 (0: a warm-up's first value),
+  `momentum` None or in [0, 1), `weight_decay` ≥ 0. Numbers are checked here;
+  an array or a schedule goes to optax as it is."""
+  check_positive("learning_rate", learning_rate, allow_zero=True)
+  if momentum is not None:
+    check_range("momentum", momentum, 0.0, 1.0)
+  check_positive("weight_decay", weight_decay, allow_zero=True)
+
+
 def check_interval(name: str, value: Any) -> None:
   """An interval: a positive int, or a schedule of the update count (its
   values are checked at run time)."""

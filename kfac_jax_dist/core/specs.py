@@ -53,9 +53,33 @@ def partition_specs(opt_state: Any) -> Any:
   return jax.tree_util.tree_map(node_spec, opt_state, is_leaf=is_node)
 
 
+def laid_out_states(opt_state: Any) -> list[Any]:
+  """The preconditioner states inside `opt_state` that carry a layout (K-FAC's,
+  Shampoo's, SOAP's; adaptive K-FAC's and tensor-parallel ones hold them)."""
+  has_layout = lambda x: isinstance(x, states.PreconditionerState) and hasattr(x, "layout")
+  return [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=has_layout)
+          if has_layout(x)]
+
+
+def check_mesh(opt_state: Any, mesh: jax.sharding.Mesh, who: str) -> None:
+  """Every distributed state of `opt_state` is laid out for as many devices as
+  `mesh` has on its axis (a ValueError naming `who` otherwise)."""
+  for state in laid_out_states(opt_state):
+    lay = state.layout
+    if lay.num_devices == 1 or lay.axis is None:
+      continue
+    if lay.axis not in mesh.shape or mesh.shape[lay.axis] != lay.num_devices:
+      raise ValueError(
+          f"{who}: the state is laid out for {lay.num_devices} devices of axis "
+          f"{lay.axis!r}, the mesh has {dict(mesh.shape)}. Use the mesh of its "
+          "Distribution (kd.convert_state moves a state to another one).")
+
+
 def shard_state(opt_state: Any, mesh: jax.sharding.Mesh) -> Any:
   """Places a global optax state (e.g. fresh from `tx.init`) on `mesh` with the
-  specs of `partition_specs`."""
+  specs of `partition_specs`; the mesh must be the one its distributed states
+  were laid out for."""
+  check_mesh(opt_state, mesh, "shard_state")
   specs = partition_specs(opt_state)
   return jax.tree_util.tree_map(
       lambda s, x: jax.device_put(x, jax.sharding.NamedSharding(mesh, s)), specs,

@@ -305,17 +305,26 @@ def _model_in_span(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any
   return a, dots, b, loss
 
 
+def _check_call(params: Any, batch: Any) -> None:
+  """`update` got the parameters and `kfac_batch`, a tuple (a list) of the
+  arguments `grad_fn` received after the parameters."""
+  if params is None or batch is None:
+    raise ValueError("adaptive K-FAC needs the parameters and the batch: call "
+                     "tx.update(grads, opt_state, params, kfac_stats=stats, "
+                     "kfac_batch=(x, y)) with the arguments grad_fn received after "
+                     "the parameters.")
+  if not isinstance(batch, (tuple, list)):
+    raise TypeError("kfac_batch must be the tuple of arguments grad_fn received after "
+                    f"the parameters, e.g. kfac_batch=(x, y); got {type(batch).__name__}.")
+
+
 def update_state(config: AdaptiveConfig, kfac_config: KfacConfig,
                  comm: collectives_lib.Collectives, grad_fn: Any, grads: Any,
                  state: AdaptiveKfacState, params: Any, stats: Any, batch: tuple
                  ) -> tuple[Any, AdaptiveKfacState]:
   """One adaptive update: K-FAC's direction with the current λ, the model's
   coefficients, the update, and every T steps the new λ."""
-  if params is None or batch is None:
-    raise ValueError("adaptive K-FAC needs the parameters and the batch: call "
-                     "tx.update(grads, opt_state, params, kfac_stats=stats, "
-                     "kfac_batch=(x, y)) with the arguments grad_fn received after "
-                     "the parameters.")
+  _check_call(params, batch)
   count, wd = state.count, config.weight_decay
   lam = (state.damping if config.adapt_damping else
          jnp.asarray(cadence.value_at(kfac_config.damping, count), state.damping.dtype))
@@ -370,6 +379,7 @@ def scale_by_adaptive_kfac(
   """K-FAC whose learning rate, momentum and damping come from the exact
   quadratic model (module docstring); `update` takes `kfac_stats=` and
   `kfac_batch=`, and returns the whole update `d` (no SGD after it)."""
+  registry.check_layers(layers)
   comm = collectives_lib.Collectives(kfac_config.distribution)
   if not hasattr(grad_fn, "gauss_newton_gram"):
     raise TypeError("adaptive K-FAC needs grad_fn=kd.value_and_grad(loss_fn) (it "

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 import optax
 
 from kfac_jax_dist.capture import registry
-from kfac_jax_dist.core import cadence, faults
+from kfac_jax_dist.core import cadence, faults, settings
 from kfac_jax_dist.core import distribution as distribution_lib
 from kfac_jax_dist.kfac import adaptive
 from kfac_jax_dist.kfac.config import Correction, KfacConfig, Method
@@ -54,6 +54,7 @@ def _kaisa_chain(layers: registry.LayerRegistry | None, learning_rate: Any, mome
                  weight_decay: float, nesterov: bool, kl_clip: Any, options: dict
                  ) -> optax.GradientTransformationExtraArgs:
   """The non-adaptive `kd.kfac`: K-FAC, weight decay, SGD (see `kfac`)."""
+  settings.check_first_order_tail(learning_rate, momentum, weight_decay)
   return faults.skip_faulty_steps(optax.chain(
       scale_by_kfac(layers, kl_clip=kl_clip, learning_rate=learning_rate, **options),
       optax.add_decayed_weights(weight_decay),
@@ -110,14 +111,14 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
   Args:
     learning_rate: `η`, a float or an optax schedule of the update count; the
       KL clip uses it too. None: adapted (needs `grad_fn`).
-    momentum: heavy-ball momentum of the SGD step (0: none). KAISA's 0.9;
+    momentum: heavy-ball momentum of the SGD step, in [0, 1). KAISA's 0.9;
       where the KL clip binds on a small problem, 0 often works better. None:
       adapted (needs `grad_fn`).
     weight_decay: coefficient added to the preconditioned gradient times the
-      parameters (`optax.add_decayed_weights`); 0: none.
+      parameters (`optax.add_decayed_weights`), ≥ 0.
     nesterov: Nesterov momentum instead of heavy ball.
-    layers: the tagged layers, `kd.value_and_grad(loss_fn).discover(params,
-      *batch)`; `init` needs them: they fix the state's layout.
+    layers: the `LayerRegistry` of `kd.value_and_grad(loss_fn).discover(params,
+      *batch)`; `init` needs it: it fixes the state's layout.
     damping: `γ` of `(A ⊗ G + γI)⁻¹`, positive; a float or a schedule of the
       update count. With method "inverse" a new value takes effect at the next
       inverse update. None: `DAMPING` (1e-3), or in adaptive mode

@@ -526,6 +526,7 @@ def scale_by_kfac(
     A step whose gradients, statistics or produced updates are not finite is
     skipped (zero updates, state unchanged but `skipped`; see `core.faults`).
   """
+  registry.check_layers(layers)
   config = KfacConfig(
       damping=damping, factor_decay=factor_decay, factor_update_every=factor_update_every,
       inverse_update_every=inverse_update_every, method=method, kl_clip=kl_clip,

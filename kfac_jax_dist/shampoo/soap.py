@@ -482,11 +482,11 @@ def soap(
   chain. Works with `optax.inject_hyperparams`.
 
   Args:
-    learning_rate: `η`, a float or an optax schedule of the update count.
+    learning_rate: `η` ≥ 0, a float or an optax schedule of the update count.
     b1: Adam's `β₁`, in [0, 1).
     b2: Adam's `β₂` (second moment, in the eigenbasis), in [0, 1).
     eps: Adam's `ε`.
-    weight_decay: `w` of the decoupled weight decay; 0: none.
+    weight_decay: `w` of the decoupled weight decay, ≥ 0; 0: none.
     shampoo_beta: `β_s` of the statistics (None: `b2`).
     precondition_every: recompute the eigenbases when `count % this == 0`.
     block_size: Shampoo's block size (None: no blocking).
@@ -500,6 +500,7 @@ def soap(
   Returns:
     An `optax.GradientTransformationExtraArgs`.
   """
+  settings.check_first_order_tail(learning_rate, weight_decay=weight_decay)
   return faults.skip_faulty_steps(optax.chain(
       scale_by_soap(b1, b2, eps, shampoo_beta=shampoo_beta,
                     precondition_every=precondition_every, block_size=block_size,

@@ -57,6 +57,7 @@ from kfac_jax_dist.core import distribution as distribution_lib
 from kfac_jax_dist.core import faults
 from kfac_jax_dist.core import offsets
 from kfac_jax_dist.core import placement
+from kfac_jax_dist.core import settings
 from kfac_jax_dist.core import tensor_parallel
 from kfac_jax_dist.shampoo import blocks
 from kfac_jax_dist.shampoo import grafting as graft_lib
@@ -300,10 +301,10 @@ def shampoo(
   module docstring has the math.
 
   Args:
-    learning_rate: a float or an optax schedule of the update count.
-    momentum: heavy-ball momentum of the SGD step (None or 0: none).
+    learning_rate: a float ≥ 0 or an optax schedule of the update count.
+    momentum: heavy-ball momentum of the SGD step, in [0, 1) (None or 0: none).
     weight_decay: coefficient added to the Shampoo step times the parameters
-      (`optax.add_decayed_weights`); 0: none.
+      (`optax.add_decayed_weights`), ≥ 0; 0: none.
     nesterov: Nesterov momentum instead of heavy ball.
     block_size: largest block per merged axis, a positive int; None: no
       blocking (a statistic per whole axis: `d³` root work per axis).
@@ -362,6 +363,7 @@ def shampoo(
     An `optax.GradientTransformationExtraArgs` (extra arguments of `update`
     are ignored).
   """
+  settings.check_first_order_tail(learning_rate, momentum, weight_decay)
   return faults.skip_faulty_steps(optax.chain(
       scale_by_shampoo(
           block_size, beta2, epsilon, graft_type=graft_type, grafting=grafting,

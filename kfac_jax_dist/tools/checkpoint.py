@@ -213,25 +213,20 @@ def _check_dtypes(saved: dict, template: Any) -> None:
 def _check_mesh(template: Any, mesh: jax.sharding.Mesh | None) -> None:
   """A distributed state is restored onto a mesh of its device count (or into
   a template already placed on one)."""
-  laid_out = [x for x in jax.tree_util.tree_leaves(template, is_leaf=_is_state)
-              if _is_state(x)]
-  for state in laid_out:
+  if mesh is not None:
+    specs.check_mesh(template, mesh, "restore_checkpoint")
+    return
+  for state in specs.laid_out_states(template):
     lay = state.layout
     if lay.num_devices == 1 or lay.axis is None:
       continue
-    if mesh is None:
-      placed = [x for x in jax.tree_util.tree_leaves(state)
-                if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)]
-      if not placed:
-        raise ValueError(
-            f"restore_checkpoint: the template holds a state distributed over "
-            f"{lay.num_devices} devices of axis {lay.axis!r} but is not placed on a "
-            "mesh: pass mesh= (the mesh of its Distribution).")
-    elif lay.axis not in mesh.shape or mesh.shape[lay.axis] != lay.num_devices:
+    placed = [x for x in jax.tree_util.tree_leaves(state)
+              if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)]
+    if not placed:
       raise ValueError(
-          f"restore_checkpoint: the template's state is laid out for {lay.num_devices} "
-          f"devices of axis {lay.axis!r}, mesh= has {dict(mesh.shape)}. Restore onto the "
-          "saved mesh, then kd.convert_state to move it.")
+          f"restore_checkpoint: the template holds a state distributed over "
+          f"{lay.num_devices} devices of axis {lay.axis!r} but is not placed on a "
+          "mesh: pass mesh= (the mesh of its Distribution).")
 
 
 def _check_compatible(saved: dict, wanted: dict) -> None:
@@ -412,6 +407,10 @@ def convert_state(state: Any, template: Any) -> Any:
   _check_same_structure(treedef, target_def)
   out = []
   for leaf, target in zip(leaves, targets):
+    if (_is_state(leaf) or _is_state(target)) and type(leaf) is not type(target):
+      raise ValueError(f"convert_state: the state holds a {type(leaf).__name__} where the "
+                       f"template holds a {type(target).__name__}; it moves a state "
+                       "between distributions of the same optimizer.")
     if _is_kfac(target):
       value = _convert_kfac(leaf, target)
     elif _is_shampoo(target):
