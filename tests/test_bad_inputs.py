@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import kfac_jax_dist as kd
+from kfac_jax_dist.core import states as states_lib
 
 import helpers
 
@@ -401,6 +402,53 @@ def test_injected_hyperparameters_are_checked_at_run_time():
     return shampoo.update(grads, state, params)
   updates, state = shampoo_step(_params(), shampoo.init(_params()), _batch(5))
   assert _skipped(state) == [1]
+
+
+def _injectable(name: str, options: dict) -> tuple:
+  """(factory, static_args, options) for optax.inject_hyperparams."""
+  if name == "kfac":
+    return kd.kfac, ("layers",), dict(options, layers=LAYERS)
+  return {"shampoo": kd.shampoo, "soap": kd.soap}[name], (), options
+
+
+@pytest.mark.parametrize("name,options", [
+    ("kfac", dict(momentum=1.5)), ("kfac", dict(weight_decay=-1.0)),
+    ("shampoo", dict(learning_rate=-0.1)), ("shampoo", dict(momentum=1.0)),
+    ("soap", dict(weight_decay=-1e-3))])
+def test_injected_first_order_tail_is_checked_at_run_time(name, options):
+  """optax.inject_hyperparams hands the SGD (Adam) after the preconditioner
+  arrays, which construction cannot check: a bad one skips the step (the
+  gradients are made NaN before the preconditioner, whose fault path skips)."""
+  make, static, options = _injectable(name, dict(learning_rate=0.1) | options)
+  tx = kd.skip_faulty_steps(optax.inject_hyperparams(make, static_args=static)(**options))
+  if name == "kfac":
+    _assert_skipped_unchanged(tx, _batch(5), steps_before=0)
+    return
+  params, batch = _params(), _batch(5)
+  state = tx.init(params)
+  updates, new_state = tx.update(jax.grad(loss_fn)(params, *batch), state, params)
+  assert [int(s.skipped) for s in states_lib.find_states(new_state)] == [1]
+  assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
+
+
+@pytest.mark.parametrize("name", ["kfac", "shampoo", "soap"])
+def test_injected_good_first_order_tail_changes_nothing(name):
+  """With good injected values the check lets the step through: not skipped,
+  the updates of the transform built with the numbers (up to the float32
+  rounding by which arrays and Python numbers differ in K-FAC's eager ops,
+  as before the check: 8e-4 at most here)."""
+  make, static, options = _injectable(name, dict(learning_rate=0.1, weight_decay=1e-3) | (
+      {} if name == "soap" else dict(momentum=0.5)))
+  injected = optax.inject_hyperparams(make, static_args=static)(**options)
+  plain = make(**options)
+  params, batch = _params(), _batch(5)
+  _, grads, stats = GRAD_FN(params, *batch, opt_state=None)
+  extra = dict(kfac_stats=stats) if name == "kfac" else {}
+  got, state = injected.update(grads, injected.init(params), params, **extra)
+  want, _ = plain.update(grads, plain.init(params), params, **extra)
+  assert [int(s.skipped) for s in states_lib.find_states(state)] == [0]
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=2e-3, atol=1e-7)
 
 
 def test_schedule_values_are_checked_at_run_time():

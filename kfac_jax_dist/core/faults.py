@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,7 @@ from jax import lax
 import optax
 
 from kfac_jax_dist import _compat
+from kfac_jax_dist.core import settings
 from kfac_jax_dist.core import states as states_lib
 
 SCOPE = "kfac_fault_check"     # the named scope of the checks (benchmarks read it)
@@ -129,6 +130,22 @@ def accept_or_skip(ok: jax.Array, updates: Any, new_state: states_lib.S,
   skipped = old_state.skipped + (~ok).astype(old_state.skipped.dtype)
   kept = dataclasses.replace(old_state, skipped=skipped)
   return updates, select(ok, dataclasses.replace(new_state, skipped=skipped), kept)
+
+
+def poison_unless(checks: list[Callable[[], jax.Array]]) -> list[optax.GradientTransformation]:
+  """A first link for a preconditioner's chain that makes the step faulty when
+  a run-time check fails: the gradients become NaN, so the preconditioner
+  after it skips the step its own way (every device, state unchanged). No link
+  (`[]`) when there is nothing to check."""
+  if not checks:
+    return []
+
+  def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+    del params
+    ok = settings.all_ok(checks)
+    return jax.tree_util.tree_map(lambda g: jnp.where(ok, g, jnp.nan).astype(g.dtype),
+                                  updates), state
+  return [optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)]
 
 
 def skip_faulty_steps(inner: optax.GradientTransformation

@@ -127,6 +127,21 @@ def interval_ok(value: Any, count: jax.Array) -> jax.Array:
   return jnp.all(x >= 1)
 
 
+def first_order_tail_checks(learning_rate: Any, momentum: Any = None,
+                            weight_decay: Any = 0.0) -> list[Callable[[], jax.Array]]:
+  """The run-time checks of `check_first_order_tail` for the values it could
+  not check: arrays, as `optax.inject_hyperparams` passes every numeric
+  hyperparameter (a schedule is evaluated by optax on its own count)."""
+  checks = []
+  if hasattr(learning_rate, "dtype"):
+    checks.append(lambda: positive_ok(learning_rate, 0, allow_zero=True))
+  if hasattr(momentum, "dtype"):
+    checks.append(lambda: range_ok(momentum, 0, 0.0, 1.0))
+  if hasattr(weight_decay, "dtype"):
+    checks.append(lambda: positive_ok(weight_decay, 0, allow_zero=True))
+  return checks
+
+
 def all_ok(checks: Sequence[Callable[[], jax.Array]]) -> jax.Array:
   """The `and` of the run-time checks."""
   ok = jnp.asarray(True)

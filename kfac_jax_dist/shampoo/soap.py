@@ -502,6 +502,8 @@ def soap(
   """
   settings.check_first_order_tail(learning_rate, weight_decay=weight_decay)
   return faults.skip_faulty_steps(optax.chain(
+      *faults.poison_unless(settings.first_order_tail_checks(
+          learning_rate, weight_decay=weight_decay)),
       scale_by_soap(b1, b2, eps, shampoo_beta=shampoo_beta,
                     precondition_every=precondition_every, block_size=block_size,
                     merge_small_dims=merge_small_dims,

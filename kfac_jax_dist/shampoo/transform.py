@@ -365,6 +365,8 @@ def shampoo(
   """
   settings.check_first_order_tail(learning_rate, momentum, weight_decay)
   return faults.skip_faulty_steps(optax.chain(
+      *faults.poison_unless(settings.first_order_tail_checks(learning_rate, momentum,
+                                                             weight_decay)),
       scale_by_shampoo(
           block_size, beta2, epsilon, graft_type=graft_type, grafting=grafting,
           graft_beta2=graft_beta2, graft_epsilon=graft_epsilon,
