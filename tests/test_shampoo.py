@@ -809,3 +809,72 @@ def test_sharded_shampoo_checkpoint_restores_and_refuses_another_layout(tmp_path
     np.testing.assert_array_equal(a, b)
   with pytest.raises(ValueError, match="Shampoo states were saved with another layout"):
     kd.restore_checkpoint(tmp_path / "ckpt", tx(1 / 8).init(params))
+
+
+@pytest.mark.parametrize("make,fraction", [
+    (lambda dist: kd.shampoo(0.1, block_size=32, graft_type="adam", graft_beta2=0.9,
+                             distribution=dist), None),
+    (lambda dist: kd.shampoo(0.1, block_size=32, distribution=dist), 1 / 4),
+    (lambda dist: kd.soap(0.1, block_size=32, distribution=dist), 1.0),
+    (lambda dist: kd.soap(0.1, block_size=32, distribution=dist), 1 / 8)],
+    ids=["shampoo-1dev-adam-graft", "shampoo-4-groups", "soap-comm", "soap-mem"])
+def test_describe_tabulates_blocks_and_bytes(make, fraction):
+  """kd.describe of Shampoo and SOAP states: each parameter's blocks (counted
+  from its shape here), its bytes (blocks' d² per axis for statistics and
+  roots or bases, SOAP's block moments, the diagonal methods' accumulators),
+  and the bytes per device, equal to what device 0 holds once placed."""
+  params = {"a": jnp.ones((70, 40)), "b": jnp.ones((3, 3, 4, 8)), "c": jnp.ones((40,))}
+  dist = None if fraction is None else kd.Distribution(helpers.data_mesh(8),
+                                                        grad_worker_fraction=fraction)
+  state = make(dist).init(params)
+  sh = [s for s in jax.tree.leaves(state, is_leaf=lambda x: hasattr(x, "layout"))
+        if hasattr(s, "layout")][0]
+  soap = "soap" in type(sh).__name__.lower()
+  text = kd.describe(state, print_table=False)
+  rows = {line.split()[0]: line for line in text.splitlines()
+          if line.split() and line.split()[0] in ("a", "b", "c")}
+  # "a": (70, 40), blocks of 32: 2x(32, 32), 1x(6, 32), 2x(32, 8), 1x(6, 8)
+  assert "2 x (32, 32), 2 x (32, 8), 1 x (6, 32), 1 x (6, 8)" in rows["a"]
+  blocks_a = [(32, 32)] * 2 + [(32, 8)] * 2 + [(6, 32), (6, 8)]
+  numbers = 2 * sum(r * r + c * c for r, c in blocks_a) + (2 * 70 * 40 if soap else 0)
+  graft = 70 * 40 * 4 if not soap and fraction is None else 0   # adam grafting: its v
+  assert rows["a"].split()[-1] == f"{4 * numbers + graft:,}"
+  # "b" merges to (9, 32) -> one (9, 32) block; "c" is diagonal
+  assert "1 x (9, 32)" in rows["b"] and "diagonal" in rows["c"]
+  diagonal_c = 2 * 40 * 4 if soap else 40 * 4 if fraction is None else 0   # M, V / v
+  assert rows["c"].split()[-1] == f"{diagonal_c:,}"
+  per_device = int(re.search(r"state: ([\d,]+) bytes per device", text).group(1).replace(",", ""))
+  placed = state if dist is None else kd.shard_state(state, dist.mesh)
+  device0 = jax.devices()[0]
+  held = sum(shard.data.nbytes for leaf in jax.tree.leaves(
+      [s for s in jax.tree.leaves(placed, is_leaf=lambda x: hasattr(x, "layout"))
+       if hasattr(s, "layout")][0]) for shard in leaf.addressable_shards
+      if shard.device == device0)
+  assert per_device == held
+
+
+def test_describe_counts_one_model_shard():
+  """On a ("data", "model") mesh each model shard keeps its own state: the
+  bytes per device that kd.describe gives are what device 0 holds once
+  placed (not M times them)."""
+  mesh = helpers.mesh((4, 2), ("data", "model"))
+  params = {"w": jnp.ones((16, 24)), "b": jnp.ones((24,))}
+  specs = {"w": jax.sharding.PartitionSpec(None, "model"),
+           "b": jax.sharding.PartitionSpec("model")}
+  dist = kd.Distribution(mesh, axis="data", model_axis="model", param_specs=specs,
+                         grad_worker_fraction=1 / 2)
+  for tx in (kd.shampoo(0.1, block_size=8, graft_type="adagrad", distribution=dist),
+             kd.soap(0.1, block_size=8, distribution=dist)):
+    state = tx.init(params)
+    text = kd.describe(state, print_table=False)
+    assert "of each of the 2 model shards" in text
+    assert "(16, 12)" in text                       # the local shard of "w"
+    per_device = int(re.search(r"shards: ([\d,]+) bytes per device",
+                               text).group(1).replace(",", ""))
+    placed = kd.shard_state(state, mesh)
+    sharded = [s for s in jax.tree.leaves(placed, is_leaf=lambda x: hasattr(x, "inner"))
+               if hasattr(s, "inner")]
+    device0 = jax.devices()[0]
+    held = sum(shard.data.nbytes for leaf in jax.tree.leaves(sharded)
+               for shard in leaf.addressable_shards if shard.device == device0)
+    assert per_device == held

@@ -1,19 +1,26 @@
-"""`kd.describe`: the registration table of every K-FAC state in an optax state."""
+"""`kd.describe`: the registration table of every K-FAC, Shampoo and SOAP state
+in an optax state."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 
 from kfac_jax_dist.capture import stacking
 from kfac_jax_dist.capture import statistics as factors
+from kfac_jax_dist.core import states as states_lib
+from kfac_jax_dist.core import tensor_parallel
 from kfac_jax_dist.core import uneven
 from kfac_jax_dist.kfac.state import ScaleByKfacState
 from kfac_jax_dist.kfac.state import find_states
 from kfac_jax_dist.kfac import correction as correction_lib
 from kfac_jax_dist.kfac import cost
 from kfac_jax_dist.kfac import layout as layout_lib
+from kfac_jax_dist.shampoo import blocks as blocks_lib
+from kfac_jax_dist.shampoo.soap import ScaleBySoapState
+from kfac_jax_dist.shampoo.state import ScaleByShampooState
 
 
 def _factor(place: layout_lib.FactorPlace | None) -> str:
@@ -53,10 +60,7 @@ def table(state: ScaleByKfacState) -> str:
     rows.append((name, "skipped", "-", "-", "-", "-", "0"))
   for path in lay.passthrough:
     rows.append(("-", _untagged_kind(lay, path), path, "-", "-", "-", "0"))
-  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-  lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-  lines.insert(1, "  ".join("-" * w for w in widths))
-  return "\n".join(lines + [""] + _summary(state))
+  return "\n".join(_columns(rows) + [""] + _summary(state))
 
 
 def _untagged_kind(lay: layout_lib.Layout, path: str) -> str:
@@ -153,30 +157,139 @@ def _uneven_schemes(lay: layout_lib.Layout) -> list[str]:
   return []
 
 
-def describe(opt_state: Any, print_table: bool = True) -> str:
-  """Prints (and returns) the table of every K-FAC state in `opt_state`.
+def _columns(rows: list[tuple[str, ...]]) -> list[str]:
+  """Left-aligned columns, a rule under the header row."""
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+  lines.insert(1, "  ".join("-" * w for w in widths))
+  return lines
 
-  One row per tagged layer (kind, parameter paths, factor shapes, owner
+
+def _blocks(plan: blocks_lib.ParamPlan) -> str:
+  """`n x (b₀, b₁)` per region shape: the blocks a parameter is cut into."""
+  counts: dict[tuple[int, ...], int] = {}
+  for region in plan.regions:
+    counts[region.block] = counts.get(region.block, 0) + region.num_blocks
+  return ", ".join(f"{n} x {tuple(block)}" for block, n in counts.items())
+
+
+def _block_numbers(plan: blocks_lib.ParamPlan, soap: bool) -> int:
+  """Numbers a parameter's blocks keep: a statistic and a root (SOAP: an
+  eigenbasis) per axis, and SOAP's two moments of every block."""
+  per_axis = sum(r.num_blocks * sum(d * d for d in r.block) for r in plan.regions)
+  moments = sum(r.num_blocks * math.prod(r.block) for r in plan.regions) if soap else 0
+  return 2 * per_axis + 2 * moments
+
+
+def _diagonal_bytes(state: ScaleByShampooState | ScaleBySoapState, shards: int) -> list[int]:
+  """Per parameter, the bytes of its diagonal method's accumulators: Shampoo's
+  grafting ones (every parameter; none for "sgd" and "none"), SOAP's Adam
+  moments of a parameter without blocks (one model shard's of `shards`)."""
+  size = lambda tree: sum(a.size * a.dtype.itemsize
+                          for a in jax.tree_util.tree_leaves(tree)) // shards
+  plans = state.layout.params
+  if isinstance(state, ScaleByShampooState):
+    return [size(g) for g in state.graft] if state.graft else [0] * len(plans)
+  moments = iter(zip(state.mu, state.nu))
+  return [0 if plan.preconditioned else size(next(moments)) for plan in plans]
+
+
+def _per_device_bytes(state: states_lib.PreconditionerState, shards: int = 1) -> int:
+  """Bytes of the state's arrays on one device: a leaf specced over the axis
+  holds 1/P of its numbers there, every other leaf all of them; of a state
+  kept for `shards` model shards (`tensor_parallel`), one shard's."""
+  lay, specs = state.layout, state.partition_specs()
+  leaves = jax.tree_util.tree_leaves(state)
+  spec_leaves = jax.tree_util.tree_leaves(
+      specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  total = 0
+  for leaf, spec in zip(leaves, spec_leaves):
+    sharded = lay.axis is not None and len(spec) > 0 and spec[0] is not None
+    tiled = shards if leaf.ndim else 1           # scalars are kept once
+    total += leaf.size * leaf.dtype.itemsize // (lay.num_devices if sharded else 1) // tiled
+  return total
+
+
+def shampoo_table(state: ScaleByShampooState | ScaleBySoapState, shards: int = 1) -> str:
+  """One row per parameter: its merged shape, blocks, roots and owner
+  groups (or the diagonal method it gets), then the placement in words (of
+  one model shard's state, kept for `shards` of them: `tensor_parallel`)."""
+  lay, soap = state.layout, isinstance(state, ScaleBySoapState)
+  itemsize = state.statistics[0].dtype.itemsize if state.statistics else 4
+  shard = f" of each of the {shards} model shards" if shards > 1 else ""
+  rows = [("parameter", "shape", "merged", "blocks", "root" if not soap else "basis",
+           "owner groups", "bytes")]
+  for i, (plan, diagonal) in enumerate(zip(lay.params, _diagonal_bytes(state, shards))):
+    if not plan.preconditioned:
+      rows.append((plan.path, str(tuple(plan.shape)), "-", "diagonal ("
+                   + ("Adam" if soap else "grafted") + ")", "-", "-", f"{diagonal:,}"))
+      continue
+    groups = sorted({g for region in (lay.block_groups[i] if lay.block_groups else ())
+                     for g in region})
+    rows.append((plan.path, str(tuple(plan.shape)), str(tuple(plan.merged)), _blocks(plan),
+                 "eigh" if soap else f"H^(-1/{plan.exponent:g})",
+                 ",".join(map(str, groups)) or "-",
+                 f"{itemsize * _block_numbers(plan, soap) + diagonal:,}"))
+  name = "SOAP" if soap else "Shampoo"
+  p, m = lay.num_devices, lay.group_size
+  lines = _columns(rows) + [
+      "", "bytes: the blocks' statistics and "
+      + ("eigenbases and their Adam moments, a diagonal parameter's Adam moments"
+         if soap else "roots, and the grafting accumulators") + " (all devices together).",
+      "1 device." if p == 1 else
+      f"{p} devices in {lay.num_groups} owner group{'s' * (lay.num_groups > 1)} of {m}: "
+      "each statistic lives on one device of its block's group.",
+      f"Statistics: {lay.segment:,} numbers per device; "
+      + ("eigenbases" if soap else "roots") + f": {m * lay.segment:,} per device"
+      + (" (replicated: one owner group)." if lay.roots_replicated and p > 1 else "."),
+      f"{name} state{shard}: {_per_device_bytes(state, shards):,} bytes per device."]
+  return "\n".join(lines)
+
+
+def _shampoo_states(opt_state: Any) -> list[tuple[Any, int]]:
+  """Every Shampoo and SOAP state with the number of model shards it is kept
+  for (1, or `M` inside a tensor-parallel `ModelShardedState`)."""
+  kinds = (ScaleByShampooState, ScaleBySoapState)
+  node = lambda x: isinstance(x, kinds + (tensor_parallel.ModelShardedState,))
+  found = []
+  for x in jax.tree_util.tree_leaves(opt_state, is_leaf=node):
+    if isinstance(x, tensor_parallel.ModelShardedState):
+      found += [(s, x.sharding.size) for kind in kinds
+                for s in states_lib.find_states(x.inner, kind)]
+    elif isinstance(x, kinds):
+      found.append((x, 1))
+  return found
+
+
+def describe(opt_state: Any, print_table: bool = True) -> str:
+  """Prints (and returns) the table of every K-FAC, Shampoo and SOAP state in
+  `opt_state`.
+
+  K-FAC: one row per tagged layer (kind, parameter paths, factor shapes, owner
   devices, bytes), per skipped layer and per parameter passed through
   unpreconditioned; then a legend and, in words, the devices and owner groups,
   how the running factors and the second-order state are stored, the state's
   bytes per device and, when distributed, how the uneven collectives travel.
+  Shampoo and SOAP: one row per parameter (shape, merged shape, blocks, root,
+  owner groups, bytes, or the diagonal method it gets), then the placement
+  and the state's bytes per device.
 
   Args:
-    opt_state: an optax state holding one or more `scale_by_kfac` states
-      (global, as `tx.init` makes it).
+    opt_state: an optax state holding `scale_by_kfac`, `scale_by_shampoo` or
+      `scale_by_soap` states (global, as `tx.init` makes it).
     print_table: print the text as well as returning it.
 
   Returns:
-    The text (the tables of several K-FAC states separated by a blank line).
+    The text (the tables of several states separated by a blank line).
 
   Raises:
-    ValueError: `opt_state` holds no K-FAC state.
+    ValueError: `opt_state` holds no K-FAC, Shampoo or SOAP state.
   """
-  states = find_states(opt_state)
-  if not states:
-    raise ValueError("opt_state holds no K-FAC state.")
-  text = "\n\n".join(table(s) for s in states)
+  tables = [table(s) for s in find_states(opt_state)] + [
+      shampoo_table(s, shards) for s, shards in _shampoo_states(opt_state)]
+  if not tables:
+    raise ValueError("opt_state holds no K-FAC, Shampoo or SOAP state.")
+  text = "\n\n".join(tables)
   if print_table:
     print(text)
   return text
