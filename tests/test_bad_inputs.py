@@ -408,11 +408,17 @@ def _injectable(name: str, options: dict) -> tuple:
   """(factory, static_args, options) for optax.inject_hyperparams."""
   if name == "kfac":
     return kd.kfac, ("layers",), dict(options, layers=LAYERS)
+  if name == "adaptive":         # learning_rate=None (adapted) cannot be injected
+    options = {k: v for k, v in options.items() if k != "learning_rate"}
+    return (kd.kfac, ("layers", "grad_fn", "learning_rate"),
+            dict(options, learning_rate=None, layers=LAYERS, grad_fn=GRAD_FN))
   return {"shampoo": kd.shampoo, "soap": kd.soap}[name], (), options
 
 
 @pytest.mark.parametrize("name,options", [
     ("kfac", dict(momentum=1.5)), ("kfac", dict(weight_decay=-1.0)),
+    ("kfac", dict(learning_rate=-0.1, kl_clip=None)),
+    ("adaptive", dict(momentum=1.5)), ("adaptive", dict(weight_decay=-1e-3)),
     ("shampoo", dict(learning_rate=-0.1)), ("shampoo", dict(momentum=1.0)),
     ("soap", dict(weight_decay=-1e-3))])
 def test_injected_first_order_tail_is_checked_at_run_time(name, options):
@@ -423,6 +429,15 @@ def test_injected_first_order_tail_is_checked_at_run_time(name, options):
   tx = kd.skip_faulty_steps(optax.inject_hyperparams(make, static_args=static)(**options))
   if name == "kfac":
     _assert_skipped_unchanged(tx, _batch(5), steps_before=0)
+    return
+  if name == "adaptive":
+    params, batch = _params(), _batch(5)
+    state = tx.init(params)
+    _, grads, stats = GRAD_FN(params, *batch, opt_state=state)
+    updates, new_state = tx.update(grads, state, params, kfac_stats=stats,
+                                   kfac_batch=batch)
+    assert [int(s.skipped) for s in states_lib.find_states(new_state)] == [1]
+    assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
     return
   params, batch = _params(), _batch(5)
   state = tx.init(params)

@@ -93,6 +93,17 @@ class AdaptiveConfig:
       raise ValueError("need 0 <= damping_lower_threshold < damping_upper_threshold, got "
                        f"{self.damping_lower_threshold}, {self.damping_upper_threshold}")
 
+  def settings_ok(self, count: jax.Array) -> jax.Array:
+    """The run-time check of the values only the step knows (arrays from
+    `optax.inject_hyperparams`, schedules' values at `count`)."""
+    checks = []
+    if self.learning_rate is not None:
+      checks.append(lambda: settings.positive_ok(self.learning_rate, count))
+    if self.momentum is not None:
+      checks.append(lambda: settings.range_ok(self.momentum, count, 0.0, 1.0))
+    checks.append(lambda: settings.positive_ok(self.weight_decay, count, allow_zero=True))
+    return settings.all_ok(checks)
+
   @property
   def damping_factor(self) -> float:
     """ω^T, the factor λ moves by on an adaptation step."""
@@ -356,8 +367,8 @@ def update_state(config: AdaptiveConfig, kfac_config: KfacConfig,
       state, kfac=kfac_state, damping=damping, velocity=update,
       learning_rate=typed(-w[0]), momentum=typed(w[1]), rho=rho, count=count + 1)
   with jax.named_scope(faults.SCOPE):
-    ok = (kfac_state.skipped == state.kfac.skipped) & faults.all_finite(
-        [w, damping] + jax.tree_util.tree_leaves(update))
+    ok = (kfac_state.skipped == state.kfac.skipped) & config.settings_ok(count) & (
+        faults.all_finite([w, damping] + jax.tree_util.tree_leaves(update)))
     ok = faults.computed_once(faults.agree(ok, _compat.varying_axes(ok)))
   # The K-FAC state is selected once (on a skip: the old one, keeping its own
   # skip count); the rest of the state by `accept_or_skip`.

@@ -56,7 +56,8 @@ def _kaisa_chain(layers: registry.LayerRegistry | None, learning_rate: Any, mome
   """The non-adaptive `kd.kfac`: K-FAC, weight decay, SGD (see `kfac`)."""
   settings.check_first_order_tail(learning_rate, momentum, weight_decay)
   return faults.skip_faulty_steps(optax.chain(
-      *faults.poison_unless(settings.first_order_tail_checks(None, momentum, weight_decay)),
+      *faults.poison_unless(settings.first_order_tail_checks(learning_rate, momentum,
+                                                             weight_decay)),
       scale_by_kfac(layers, kl_clip=kl_clip, learning_rate=learning_rate, **options),
       optax.add_decayed_weights(weight_decay),
       optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)))
