@@ -192,6 +192,26 @@ def test_targets_of_another_shape_are_refused(loss, match):
     kd.value_and_grad(fn)(_params(), *_batch())
 
 
+def test_masks_and_loss_scales_are_checked():
+  """A mask that does not broadcast to the examples is named with both shapes
+  (a `[B, 1]` mask against `[B]` examples would not mean what it says); a
+  Python loss scale ≤ 0 is refused (an array of 0 makes the step faulty)."""
+  def masked(mask):
+    def fn(params, x, y):
+      h = jnp.tanh(kd.tags.dense(x, params["l0"]["kernel"], params["l0"]["bias"], name="l0"))
+      logits = kd.tags.dense(h, params["out"]["kernel"], name="out")
+      return kd.losses.softmax_cross_entropy(logits, y, mask=mask)
+    return kd.value_and_grad(fn)
+  for mask in (jnp.ones(BATCH // 2), jnp.ones((BATCH, 1))):
+    with pytest.raises(ValueError, match=r"mask of shape .* does not broadcast to the "
+                                         r"examples' shape \(16,\)"):
+      masked(mask)(_params(), *_batch())
+  masked(jnp.ones(BATCH))(_params(), *_batch())
+  for scale in (0.0, -2.0, float("inf")):
+    with pytest.raises(ValueError, match="loss_scale must be finite and > 0"):
+      GRAD_FN(_params(), *_batch(), loss_scale=scale)
+
+
 def test_the_loss_function_returns_a_scalar():
   """A non-scalar loss, or `has_aux=True` without `(loss, aux)`, as
   `jax.value_and_grad` refuses them."""

@@ -80,8 +80,22 @@ def _check_targets(name: str, inputs: jax.Array, targets: jax.Array,
                      f"inputs of shape {jnp.shape(inputs)}; expected {allowed}.")
 
 
+def _check_mask(name: str, inputs: jax.Array, mask: jax.Array | None) -> None:
+  """`mask` must broadcast to the examples' shape `inputs.shape[:-1]`."""
+  examples = tuple(jnp.shape(inputs)[:-1])
+  try:
+    broadcast = mask is None or jnp.broadcast_shapes(jnp.shape(mask), examples) == examples
+  except ValueError:
+    broadcast = False
+  if not broadcast:
+    raise ValueError(f"kd.losses.{name}: mask of shape {jnp.shape(mask)} does not "
+                     f"broadcast to the examples' shape {examples} (the inputs' "
+                     f"{jnp.shape(inputs)} without the last axis).")
+
+
 def _register(name: str, loss_of_targets, targets, sample, mask, inputs,
               output_hessian, invalid: jax.Array | None = None):
+  _check_mask(name, inputs, mask)
   value, n = _mean(loss_of_targets(targets), mask)
   if invalid is not None:
     value = _poisoned(value, invalid, mask)

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 from typing import Any, Callable, Sequence
 
@@ -337,6 +338,9 @@ class ValueAndGrad:
     per layer or for the whole pass (`skip_statistics`)."""
     if self.fisher == "mc" and rng is None:
       raise ValueError('fisher="mc" samples targets from the model: pass rng=.')
+    if isinstance(loss_scale, (int, float)) and not (
+        math.isfinite(loss_scale) and loss_scale > 0):   # an array of 0: a faulty step
+      raise ValueError(f"loss_scale must be finite and > 0, got {loss_scale!r}")
     discovered = self._discover(params, *args, **kwargs)
     state = _statistics_consumer(opt_state)
     run = functools.partial(self._capture, discovered, params, args, kwargs, rng, state,
