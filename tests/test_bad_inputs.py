@@ -160,6 +160,23 @@ def test_layers_must_be_discovered_records():
       make(list(LAYERS)[:1])            # a pick of the records: skip= is the way
 
 
+def test_adaptive_settings_that_do_not_do_what_they_say_are_refused():
+  """Adaptive mode: a KL clip (defined through a fixed learning rate) is named
+  as such, and with adapt_damping an initial λ outside [min_damping,
+  max_damping] (the rule would move it there at once) is refused; without
+  adapt_damping the bounds do not apply."""
+  adaptive = lambda **kw: kd.kfac(None, None, layers=LAYERS, grad_fn=GRAD_FN, **kw)
+  with pytest.raises(ValueError, match="kl_clip is defined through a fixed learning rate"):
+    adaptive(kl_clip=1e-3)
+  with pytest.raises(ValueError, match=r"damping=0.0001 \(the initial λ\) is outside "
+                                       r"\[min_damping, max_damping\] = \[0.001, None\]"):
+    adaptive(damping=1e-4, adapt_damping=True)
+  with pytest.raises(ValueError, match=r"damping=1.0 .* = \[0.001, 0.5\]"):
+    adaptive(damping=1.0, max_damping=0.5, adapt_damping=True)
+  adaptive(damping=1e-4)
+  adaptive(damping=1e-3, adapt_damping=True)
+
+
 def test_kfac_batch_must_be_a_tuple():
   """Adaptive K-FAC's `kfac_batch` is the arguments after the parameters: an
   array or a dict is named, not unpacked into the loss function's arguments."""

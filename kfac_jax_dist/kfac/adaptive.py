@@ -316,6 +316,28 @@ def _model_in_span(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any
   return a, dots, b, loss
 
 
+def check_no_kl_clip(kl_clip: Any) -> None:
+  """Adaptive mode has no KL clip: it is defined through a fixed learning rate
+  (kfac-jax, too, turns its norm constraint off in adaptive mode)."""
+  if kl_clip is not None:
+    raise ValueError("kl_clip is defined through a fixed learning rate: pass "
+                     "kl_clip=None with an adapted learning_rate or momentum.")
+
+
+def _check_initial_damping(config: AdaptiveConfig, damping: Any) -> None:
+  """With `adapt_damping`, the initial λ (a number) lies in `[min_damping,
+  max_damping]`: the Levenberg-Marquardt rule would move it there at its first
+  adaptation, so a λ₀ outside is a setting that does not do what it says."""
+  if not (config.adapt_damping and cadence.is_number(damping)):
+    return
+  hi = config.max_damping
+  if damping < config.min_damping or (hi is not None and damping > hi):
+    raise ValueError(
+        f"damping={damping!r} (the initial λ) is outside [min_damping, max_damping] = "
+        f"[{config.min_damping!r}, {hi!r}] of adapt_damping=True; move the bound "
+        "(e.g. min_damping) or the initial damping.")
+
+
 def _check_call(params: Any, batch: Any) -> None:
   """`update` got the parameters and `kfac_batch`, a tuple (a list) of the
   arguments `grad_fn` received after the parameters."""
@@ -395,9 +417,8 @@ def scale_by_adaptive_kfac(
   if not hasattr(grad_fn, "gauss_newton_gram"):
     raise TypeError("adaptive K-FAC needs grad_fn=kd.value_and_grad(loss_fn) (it "
                     "computes the exact curvature products of the registered loss).")
-  if kfac_config.kl_clip is not None:
-    raise ValueError("kl_clip is defined through a fixed learning rate: pass "
-                     "kl_clip=None with an adapted learning_rate or momentum.")
+  check_no_kl_clip(kfac_config.kl_clip)
+  _check_initial_damping(adaptive_config, kfac_config.damping)
 
   def init_fn(params: Any) -> AdaptiveKfacState:
     inner = transform.init_state(kfac_config, comm, layers, params)

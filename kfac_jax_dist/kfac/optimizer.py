@@ -63,6 +63,12 @@ def _kaisa_chain(layers: registry.LayerRegistry | None, learning_rate: Any, mome
       optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)))
 
 
+def _adaptive_kl_clip(kl_clip: Any) -> None:
+  """Adaptive mode's KL clip: off by default, refused when given (before
+  `KfacConfig`, whose own message would ask for a learning rate)."""
+  adaptive.check_no_kl_clip(None if kl_clip is KL_CLIP else kl_clip)
+
+
 def _mode_defaults(adaptive_mode: bool, damping: Any, inverse_update_every: Any,
                    stale_threshold: float | None) -> tuple[Any, Any]:
   """`damping` and `inverse_update_every`, a None replaced by the mode's
@@ -211,8 +217,8 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
   if nesterov:
     raise ValueError("nesterov applies to the SGD of the non-adaptive mode; adaptive "
                      "momentum is the model's.")
-  kfac_config = KfacConfig(kl_clip=None if kl_clip is KL_CLIP else kl_clip,
-                           learning_rate=learning_rate, **options)
+  kfac_config = KfacConfig(kl_clip=_adaptive_kl_clip(kl_clip), learning_rate=learning_rate,
+                           **options)
   adaptive_config = adaptive.AdaptiveConfig(
       learning_rate=learning_rate, momentum=momentum, weight_decay=weight_decay,
       adapt_damping=adapt_damping, damping_adaptation_interval=damping_adaptation_interval,
