@@ -80,8 +80,9 @@ class KfacConfig:
               lambda: settings.interval_ok(self.factor_update_every, count),
               lambda: settings.interval_ok(self.inverse_update_every, count)]
     if self.kl_clip is not None:
-      checks += [lambda: settings.positive_ok(self.kl_clip, count),
-                 lambda: settings.positive_ok(self.learning_rate, count, allow_zero=True)]
+      checks.append(lambda: settings.positive_ok(self.kl_clip, count))
+    if self.learning_rate is not None:
+      checks.append(lambda: settings.positive_ok(self.learning_rate, count, allow_zero=True))
     return settings.all_ok(checks)
 
   def _check_stale(self) -> None:

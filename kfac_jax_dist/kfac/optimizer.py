@@ -56,17 +56,11 @@ def _kaisa_chain(layers: registry.LayerRegistry | None, learning_rate: Any, mome
   """The non-adaptive `kd.kfac`: K-FAC, weight decay, SGD (see `kfac`)."""
   settings.check_first_order_tail(learning_rate, momentum, weight_decay)
   return faults.skip_faulty_steps(optax.chain(
-      *faults.poison_unless(settings.first_order_tail_checks(learning_rate, momentum,
-                                                             weight_decay)),
+      # The learning rate is scale_by_kfac's to check (KfacConfig.settings_ok).
+      *faults.poison_unless(settings.first_order_tail_checks(None, momentum, weight_decay)),
       scale_by_kfac(layers, kl_clip=kl_clip, learning_rate=learning_rate, **options),
       optax.add_decayed_weights(weight_decay),
       optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)))
-
-
-def _adaptive_kl_clip(kl_clip: Any) -> None:
-  """Adaptive mode's KL clip: off by default, refused when given (before
-  `KfacConfig`, whose own message would ask for a learning rate)."""
-  adaptive.check_no_kl_clip(None if kl_clip is KL_CLIP else kl_clip)
 
 
 def _mode_defaults(adaptive_mode: bool, damping: Any, inverse_update_every: Any,
@@ -217,8 +211,9 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
   if nesterov:
     raise ValueError("nesterov applies to the SGD of the non-adaptive mode; adaptive "
                      "momentum is the model's.")
-  kfac_config = KfacConfig(kl_clip=_adaptive_kl_clip(kl_clip), learning_rate=learning_rate,
-                           **options)
+  # Before KfacConfig, whose own message would ask for a learning rate.
+  adaptive.check_no_kl_clip(None if kl_clip is KL_CLIP else kl_clip)
+  kfac_config = KfacConfig(kl_clip=None, learning_rate=learning_rate, **options)
   adaptive_config = adaptive.AdaptiveConfig(
       learning_rate=learning_rate, momentum=momentum, weight_decay=weight_decay,
       adapt_damping=adapt_damping, damping_adaptation_interval=damping_adaptation_interval,
