@@ -68,9 +68,7 @@ def _step(tx, params, state, batch):
 
 
 def _skipped(state):
-  return [int(s.skipped) for s in jax.tree.leaves(
-      state, is_leaf=lambda x: isinstance(x, (kd.ScaleByKfacState, kd.ScaleByShampooState)))
-          if isinstance(s, (kd.ScaleByKfacState, kd.ScaleByShampooState))]
+  return [int(s.skipped) for s in states_lib.find_states(state)]
 
 
 def _assert_skipped_unchanged(tx, batch, params=None, state=None, steps_before=1):
@@ -501,6 +499,56 @@ def test_injected_good_first_order_tail_changes_nothing(name):
   assert [int(s.skipped) for s in states_lib.find_states(state)] == [0]
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=2e-3, atol=1e-7)
+
+
+def _tail_transform(name: str, **options) -> optax.GradientTransformation:
+  if name == "kfac":
+    return kd.kfac(layers=LAYERS, **options)
+  return {"shampoo": kd.shampoo, "soap": kd.soap}[name](**options)
+
+
+@pytest.mark.parametrize("name,options", [
+    ("kfac", dict(weight_decay=lambda count: jnp.where(count >= 1, -1e-3, 1e-3))),
+    ("shampoo", dict(learning_rate=lambda count: jnp.where(count >= 1, -0.1, 0.1))),
+    ("shampoo", dict(weight_decay=optax.linear_schedule(1e-3, -1e-3, 1))),
+    ("soap", dict(learning_rate=optax.linear_schedule(1e-3, -1e-3, 1)))])
+def test_first_order_tail_schedules_are_checked_at_run_time(name, options):
+  """A learning-rate or weight-decay schedule of the optax tail that goes
+  negative (a linear decay past zero) skips the steps where it does, state
+  unchanged: the link that checks it counts the accepted steps, as optax's
+  schedules do, so it stays skipped."""
+  tx = _tail_transform(name, **(dict(learning_rate=1e-3) | options))
+  params, state = _step(tx, _params(), tx.init(_params()), _batch(0))
+  assert _skipped(state) == [0]
+  _assert_skipped_unchanged(tx, _batch(1), params, state, steps_before=0)
+  for i in (1, 2):
+    params, state = _step(tx, params, state, _batch(i))
+  assert _skipped(state) == [2]
+
+
+@pytest.mark.parametrize("name", ["kfac", "shampoo", "soap"])
+def test_good_first_order_tail_schedules_change_nothing(name):
+  """A schedule that stays valid is checked and the steps go on: three steps
+  equal those with its constant value, bit for bit."""
+  scheduled = _tail_transform(name, learning_rate=lambda count: 1e-3 + 0 * count,
+                              weight_decay=lambda count: 1e-4 + 0 * count)
+  constant = _tail_transform(name, learning_rate=1e-3, weight_decay=1e-4)
+  runs = []
+  for tx in (scheduled, constant):
+    params, state = _params(), tx.init(_params())
+    for i in range(3):
+      params, state = _step(tx, params, state, _batch(i))
+    assert _skipped(state) == [0]
+    runs.append(params)
+  for a, b in zip(*map(jax.tree.leaves, runs)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_momentum_schedules_are_refused():
+  """optax's momentum trace takes a number, not a schedule."""
+  for make in (lambda m: kd.kfac(0.1, m, layers=LAYERS), lambda m: kd.shampoo(0.1, m)):
+    with pytest.raises(TypeError, match="momentum must be a number or an array"):
+      make(lambda count: 0.9)
 
 
 def test_schedule_values_are_checked_at_run_time():

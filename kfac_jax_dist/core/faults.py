@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 from typing import Any, Callable, Iterable
 
 import jax
@@ -132,20 +133,34 @@ def accept_or_skip(ok: jax.Array, updates: Any, new_state: states_lib.S,
   return updates, select(ok, dataclasses.replace(new_state, skipped=skipped), kept)
 
 
-def poison_unless(checks: list[Callable[[], jax.Array]]) -> list[optax.GradientTransformation]:
+def poison_unless(run_time: settings.RunTimeChecks
+                  ) -> list[optax.GradientTransformation]:
   """A first link for a preconditioner's chain that makes the step faulty when
   a run-time check fails: the gradients become NaN, so the preconditioner
-  after it skips the step its own way (every device, state unchanged). No link
-  (`[]`) when there is nothing to check."""
-  if not checks:
+  after it skips the step its own way (every device, state unchanged). The
+  checks see the chain's update count, which the link keeps when one of them
+  evaluates a schedule (`ScaleByScheduleState`, advanced as optax's schedules'
+  counts are: a skipped step leaves it where it was). No link (`[]`) when
+  there is nothing to check."""
+  if not run_time.checks:
     return []
+
+  def init_fn(params: Any) -> Any:
+    del params
+    if not run_time.counted:
+      return optax.EmptyState()
+    return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
 
   def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
     del params
-    ok = settings.all_ok(checks)
-    return jax.tree_util.tree_map(lambda g: jnp.where(ok, g, jnp.nan).astype(g.dtype),
-                                  updates), state
-  return [optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)]
+    count = getattr(state, "count", jnp.zeros([], jnp.int32))
+    ok = settings.all_ok([functools.partial(check, count) for check in run_time.checks])
+    poisoned = jax.tree_util.tree_map(
+        lambda g: jnp.where(ok, g, jnp.nan).astype(g.dtype), updates)
+    if run_time.counted:
+      state = optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+    return poisoned, state
+  return [optax.GradientTransformation(init_fn, update_fn)]
 
 
 def skip_faulty_steps(inner: optax.GradientTransformation

@@ -11,8 +11,9 @@ bool; for Python numbers a constant that XLA folds away).
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,9 +56,12 @@ def check_first_order_tail(learning_rate: Any, momentum: Any = None,
                            weight_decay: Any = 0.0) -> None:
   """The optax steps that `kd.kfac`, `kd.shampoo` and `kd.soap` chain after
   their preconditioner: `learning_rate` ≥ 0 (0: a warm-up's first value),
-  `momentum` None or in [0, 1), `weight_decay` ≥ 0. Numbers are checked here;
-  an array or a schedule goes to optax as it is."""
+  `momentum` None or in [0, 1) (no schedule), `weight_decay` ≥ 0. Numbers are
+  checked here; arrays and schedules at run time (`first_order_tail_checks`)."""
   check_positive("learning_rate", learning_rate, allow_zero=True)
+  if callable(momentum) and not hasattr(momentum, "dtype"):
+    raise TypeError(f"momentum must be a number or an array (optax's momentum trace "
+                    f"takes no schedule), got {momentum!r}")
   if momentum is not None:
     check_range("momentum", momentum, 0.0, 1.0)
   check_positive("weight_decay", weight_decay, allow_zero=True)
@@ -127,19 +131,29 @@ def interval_ok(value: Any, count: jax.Array) -> jax.Array:
   return jnp.all(x >= 1)
 
 
+class RunTimeChecks(NamedTuple):
+  """Checks of values only the step knows, each a function of the optax
+  chain's update count; `counted`: one of them evaluates a schedule there
+  (whoever runs them must then keep the count)."""
+  checks: tuple[Callable[[jax.Array], jax.Array], ...]
+  counted: bool
+
+
 def first_order_tail_checks(learning_rate: Any, momentum: Any = None,
-                            weight_decay: Any = 0.0) -> list[Callable[[], jax.Array]]:
+                            weight_decay: Any = 0.0) -> RunTimeChecks:
   """The run-time checks of `check_first_order_tail` for the values it could
-  not check: arrays, as `optax.inject_hyperparams` passes every numeric
-  hyperparameter (a schedule is evaluated by optax on its own count)."""
-  checks = []
-  if hasattr(learning_rate, "dtype"):
-    checks.append(lambda: positive_ok(learning_rate, 0, allow_zero=True))
-  if hasattr(momentum, "dtype"):
-    checks.append(lambda: range_ok(momentum, 0, 0.0, 1.0))
-  if hasattr(weight_decay, "dtype"):
-    checks.append(lambda: positive_ok(weight_decay, 0, allow_zero=True))
-  return checks
+  not check: arrays (`optax.inject_hyperparams` passes every numeric
+  hyperparameter as one) and schedules (their value at the count, as optax's
+  own count evaluates them: a cosine decay to a negative floor, a linear one
+  past zero)."""
+  named = ((learning_rate, lambda v, c: positive_ok(v, c, allow_zero=True)),
+           (momentum, lambda v, c: range_ok(v, c, 0.0, 1.0)),
+           (weight_decay, lambda v, c: positive_ok(v, c, allow_zero=True)))
+  run_time = [(value, check) for value, check in named
+              if hasattr(value, "dtype") or callable(value)]
+  return RunTimeChecks(
+      tuple(functools.partial(check, value) for value, check in run_time),
+      any(not hasattr(value, "dtype") for value, _ in run_time))
 
 
 def all_ok(checks: Sequence[Callable[[], jax.Array]]) -> jax.Array:
