@@ -544,6 +544,22 @@ def test_good_first_order_tail_schedules_change_nothing(name):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("name,kind", [("shampoo", kd.ScaleByShampooState),
+                                       ("soap", kd.ScaleBySoapState)])
+def test_find_states_reads_every_preconditioner(name, kind):
+  """`kd.find_states(tree, kind)` reaches Shampoo's and SOAP's counters, under
+  the chain and `skip_faulty_steps`, as K-FAC's; another kind is refused."""
+  tx = _tail_transform(name, learning_rate=1e-3)
+  params, state = _step(tx, _params(), tx.init(_params()), _batch(0))
+  bad = _batch(1)
+  _, state = _step(tx, params, state, (bad[0].at[0, 0].set(jnp.nan), bad[1]))
+  (found,) = kd.find_states(state, kind)
+  assert (int(found.count), int(found.skipped)) == (1, 1)
+  assert kd.find_states(state) == []                  # K-FAC's: none here
+  with pytest.raises(TypeError, match="kind must be one of the library's state classes"):
+    kd.find_states(state, optax.ScaleByScheduleState)
+
+
 def test_momentum_schedules_are_refused():
   """optax's momentum trace takes a number, not a schedule."""
   for make in (lambda m: kd.kfac(0.1, m, layers=LAYERS), lambda m: kd.shampoo(0.1, m)):

@@ -140,6 +140,14 @@ def _code_signature(obj) -> tuple:
   return params, ret
 
 
+def _value(node: ast.expr):
+  """A documented default: a literal, or a public name of the package (a
+  state class)."""
+  if isinstance(node, ast.Name) and node.id in kd.__all__:
+    return getattr(kd, node.id)
+  return ast.literal_eval(node)
+
+
 def _doc_signature(text: str) -> tuple:
   """The same, from a documented `name(...) -> ...` (Python syntax)."""
   fn = ast.parse(f"def {text}: pass").body[0]
@@ -148,8 +156,7 @@ def _doc_signature(text: str) -> tuple:
 
   def add(arg, kind, default):
     ann = None if arg.annotation is None else _annotation(ast.unparse(arg.annotation))
-    out.append((arg.arg, kind, ann,
-                None if default is None else ("=", ast.literal_eval(default))))
+    out.append((arg.arg, kind, ann, None if default is None else ("=", _value(default))))
 
   positional = args.posonlyargs + args.args
   defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)

@@ -103,9 +103,14 @@ class ScaleByKfacState(states.PreconditionerState):
         layer_name)
 
 
-def find_states(tree: Any) -> list[ScaleByKfacState]:
-  """Every `ScaleByKfacState` inside an optax state tree."""
-  return states.find_states(tree, ScaleByKfacState)
+def find_states(tree: Any, kind: type[states.S] = ScaleByKfacState) -> list[states.S]:
+  """Every state of `kind` inside an optax state tree: K-FAC's by default, or
+  another preconditioner's (`kd.ScaleByShampooState`, `kd.ScaleBySoapState`)."""
+  if not (isinstance(kind, type) and issubclass(kind, states.PreconditionerState)):
+    raise TypeError("find_states: kind must be one of the library's state classes "
+                    "(kd.ScaleByKfacState, kd.ScaleByShampooState, kd.ScaleBySoapState), "
+                    f"got {kind!r}")
+  return states.find_states(tree, kind)
 
 
 def second_order_owners(lay: layout_lib.Layout) -> list[int]:
