@@ -31,6 +31,11 @@ class Trace:
   layers: list = dataclasses.field(default_factory=list)      # discover
   probes: dict = dataclasses.field(default_factory=dict)      # capture: name -> probes
   compute_stats: Any = None                   # capture: traced or Python bool
+  # capture: the statistics' scale when a Python number (set after the
+  # forward pass, read by the backward pass: `value_and_grad._capture`), and
+  # the layers whose backward pass applied it inside their conditional.
+  statistics_scale: float | None = None
+  scaled: set = dataclasses.field(default_factory=set)
   losses: list = dataclasses.field(default_factory=list)      # registered losses
   seen: set = dataclasses.field(default_factory=set)
   # discover: the loss's own JAX trace, and the layers that may run more than
@@ -97,6 +102,8 @@ class RegisteredLoss:
   # (inputs, u, w) -> uᵀ H w per example (the last axis contracted), H the
   # Hessian of the per-example loss in its input, in closed form.
   output_hessian: Callable[[Any, Any, Any], Any] | None = None
+  # n as a Python number where tracing knows it (no mask: every example).
+  static_num_examples: int | None = None
 
 
 def one_loss(trace: Trace) -> RegisteredLoss:

@@ -96,7 +96,8 @@ def _check_mask(name: str, inputs: jax.Array, mask: jax.Array | None) -> None:
 def _register(name: str, loss_of_targets, targets, sample, mask, inputs,
               output_hessian, invalid: jax.Array | None = None):
   _check_mask(name, inputs, mask)
-  value, n = _mean(loss_of_targets(targets), mask)
+  per_example = loss_of_targets(targets)
+  value, n = _mean(per_example, mask)
   if invalid is not None:
     value = _poisoned(value, invalid, mask)
   trace = _context.current()
@@ -106,7 +107,8 @@ def _register(name: str, loss_of_targets, targets, sample, mask, inputs,
       return _mean(loss_of_targets(drawn), mask)[0]
     trace.losses.append(_context.RegisteredLoss(
         name, value, n, sampled_loss, inputs=inputs, mask=mask,
-        output_hessian=output_hessian))
+        output_hessian=output_hessian,
+        static_num_examples=per_example.size if mask is None else None))
   return value
 
 

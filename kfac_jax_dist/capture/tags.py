@@ -174,6 +174,21 @@ def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag,
   return layer(x, params, probes, flag)
 
 
+def _scaled_inside(trace: _context.Trace, name: str, out: dict) -> dict:
+  """`out` with the statistics built from output cotangents times the
+  capture's scale when it is a Python number (`Trace.statistics_scale`):
+  inside the conditional that computes them, where the product fuses into
+  their packing, instead of one more kernel each after it (PERF_NOTES §17).
+  The layer is marked so that `value_and_grad` does not scale it again."""
+  scale = trace.statistics_scale
+  if scale is None:
+    return out
+  trace.scaled.add(name)
+  return {key: (value * scale).astype(value.dtype)
+          if key in factors.SCALED_BY_NUM_EXAMPLES else value
+          for key, value in out.items()}
+
+
 def _forms(probes: dict, record: dict) -> dict[str, str]:
   """Each probe's form: a matrix is FULL, a vector DIAG, or PACKED where it
   holds the upper triangle of the statistic's dimension (`a_dim`, `g_dim`)."""
@@ -256,7 +271,7 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=
       out[factors.CORRECTED] = factors.corrected_scaling(ex, eg, bias is not None, qa, qg,
                                                          example_dims)
       out.update({key: jnp.zeros_like(inputs[key]) for key in factors.BASES})
-    return out
+    return _scaled_inside(trace, name, out)
   return _captured(apply, cast_stats, x, params, probes, trace.compute_stats, stats_input)
 
 

@@ -388,6 +388,7 @@ class ValueAndGrad:
       trace = _new_trace(_context.CAPTURE, p, compute_stats=compute_stats,
                          probes={n: v for n, v in probes.items() if n not in carried},
                          carriers={n: carriers[n] for n in carried})
+      traces.append(trace)
       with _context.active(trace):
         out = self.fun(stacking.prepare(p, carried), *args, **kwargs)
       loss, aux = out if self.has_aux else (out, None)
@@ -395,7 +396,12 @@ class ValueAndGrad:
       sampled = registered.sampled_loss(rng) if self.fisher == "mc" else None
       return (loss, sampled), (aux, registered.num_examples)
 
+    traces: list[_context.Trace] = []
     (loss, sampled), vjp, (aux, n) = jax.vjp(evaluate, params, probes, has_aux=True)
+    # A scale known when tracing is applied by the tags' backward passes,
+    # traced by the calls of `vjp` below (`tags._scaled_inside`).
+    if loss_scale is None:
+      traces[0].statistics_scale = _context.one_loss(traces[0]).static_num_examples
     # Loss scaling: the backward pass starts from `loss_scale` instead of 1, so
     # low-precision cotangents stay representable; gradients are divided by
     # it, and `G`/`F` (quadratic in the cotangents) by its square.
@@ -413,7 +419,7 @@ class ValueAndGrad:
                                      grads)
       g_scale = n * inv * inv
     value = (loss, aux) if self.has_aux else loss
-    return value, grads, _statistics(probe_bar, g_scale), n
+    return value, grads, _statistics(probe_bar, g_scale, traces[0].scaled), n
 
 
 def _check_output(out: Any, has_aux: bool) -> None:
@@ -443,14 +449,15 @@ def _all_probes(discovered: "_Discovered", state: Any) -> dict:
   return probes
 
 
-def _statistics(probe_bar: dict, g_scale: Any) -> dict:
+def _statistics(probe_bar: dict, g_scale: Any, scaled: set[str]) -> dict:
   """The statistics from the probes' cotangents: those built from output
   cotangents (`factors.SCALED_BY_NUM_EXAMPLES`, cotangents of the mean loss)
   times `g_scale` (the number of examples, divided by the loss scale
-  squared), `A` the mean over a repeated layer's runs, EK-FAC's bases and the
-  run counts dropped. Each keeps its layer's dtype (`factors.statistics_dtype`)."""
+  squared) unless their layer is in `scaled` (its backward pass did it), `A`
+  the mean over a repeated layer's runs, EK-FAC's bases and the run counts
+  dropped. Each keeps its layer's dtype (`factors.statistics_dtype`)."""
   stats = {name: {key: (value * g_scale).astype(value.dtype)
-                  if key in factors.SCALED_BY_NUM_EXAMPLES
+                  if key in factors.SCALED_BY_NUM_EXAMPLES and name not in scaled
                   else value for key, value in layer_stats.items()
                   if key not in factors.BASES + (factors.RUNS,)}
            for name, layer_stats in probe_bar.items()}
