@@ -600,6 +600,36 @@ def test_one_process_nan_skips_on_every_device_shampoo():
   assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
 
 
+def test_a_schedule_that_goes_negative_skips_on_every_device():
+  """kd.shampoo over 8 devices (MEM-OPT) with a learning-rate schedule that is
+  negative from count 1: the first step goes, the second is skipped on every
+  device with the whole chain's state (the link's replicated count included)
+  unchanged but `skipped`."""
+  mesh = helpers.data_mesh(8)
+  dist = kd.Distribution(mesh, grad_worker_fraction=1 / 8,
+                         gradient_reduction="all_reduce")
+  tx = kd.shampoo(lambda count: jnp.where(count >= 1, -1e-3, 1e-3), block_size=4,
+                  distribution=dist)
+  params = _params()
+  state = tx.init(params)
+  specs = kd.partition_specs(state)
+
+  def step(grads, state, params):
+    return tx.update(jax.tree.map(lambda g: g[0], grads), state, params)
+  run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("data"), specs, P()),
+                              out_specs=(P(), specs)))
+  grads = jax.tree.map(lambda p: jnp.ones((8,) + p.shape), params)
+  updates, first = run(grads, kd.shard_state(state, mesh), params)
+  assert _skipped(first) == [0] and any(np.any(np.asarray(u))
+                                        for u in jax.tree.leaves(updates))
+  updates, second = run(grads, first, params)
+  assert _skipped(second) == [1]
+  assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
+  changed = [not np.array_equal(a, b)
+             for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second))]
+  assert sum(changed) == 1            # the `skipped` counter only
+
+
 # ------------------------------------------------------------------ checkpoints
 
 @pytest.fixture
