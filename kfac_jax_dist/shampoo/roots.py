@@ -189,8 +189,12 @@ def inverse_pth_root(matrices: jax.Array, p: float, *, method: str = "eigh",
     raise ValueError(f"root method must be one of {METHODS}, got {method!r}")
   matrices = matrices.astype(jnp.promote_types(matrices.dtype, jnp.float32))
   if method == "eigh":
-    vectors, values = linalg.eigh(matrices)
-    roots = _eigh_root(vectors, values, p, ridge_epsilon)
+    # Each slot's root from its own eigendecomposition, the roots stacked: a
+    # stack of the eigenvectors themselves fused jax's per-slot `info == 0`
+    # selects into one loop, which LLVM unswitched once per slot (PERF_NOTES §17).
+    roots = linalg.batched(
+        lambda h: eigh_inverse_pth_root(h, p, ridge_epsilon=ridge_epsilon)[0], matrices,
+        one_at_a_time_on_cuda=matrices.shape[-1] > linalg.GPU_BATCHED_EIGH_MAX_DIM)
     return roots, jnp.zeros(matrices.shape[:1], matrices.dtype)
   fn = lambda h: newton_inverse_pth_root(
       h, p, ridge_epsilon=ridge_epsilon, max_iterations=max_iterations,
