@@ -53,21 +53,20 @@ def partition_specs(opt_state: Any) -> Any:
   return jax.tree_util.tree_map(node_spec, opt_state, is_leaf=is_node)
 
 
-def laid_out_states(opt_state: Any) -> list[Any]:
-  """The preconditioner states inside `opt_state` that carry a layout (K-FAC's,
-  Shampoo's, SOAP's; adaptive K-FAC's and tensor-parallel ones hold them)."""
+def distributed_states(opt_state: Any) -> list[Any]:
+  """The preconditioner states inside `opt_state` laid out over a mesh axis of
+  several devices (K-FAC's, Shampoo's, SOAP's; adaptive K-FAC's and
+  tensor-parallel ones hold them)."""
   has_layout = lambda x: isinstance(x, states.PreconditionerState) and hasattr(x, "layout")
   return [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=has_layout)
-          if has_layout(x)]
+          if has_layout(x) and x.layout.num_devices > 1 and x.layout.axis is not None]
 
 
 def check_mesh(opt_state: Any, mesh: jax.sharding.Mesh, who: str) -> None:
   """Every distributed state of `opt_state` is laid out for as many devices as
   `mesh` has on its axis (a ValueError naming `who` otherwise)."""
-  for state in laid_out_states(opt_state):
+  for state in distributed_states(opt_state):
     lay = state.layout
-    if lay.num_devices == 1 or lay.axis is None:
-      continue
     if lay.axis not in mesh.shape or mesh.shape[lay.axis] != lay.num_devices:
       raise ValueError(
           f"{who}: the state is laid out for {lay.num_devices} devices of axis "

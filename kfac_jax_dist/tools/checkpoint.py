@@ -216,13 +216,10 @@ def _check_mesh(template: Any, mesh: jax.sharding.Mesh | None) -> None:
   if mesh is not None:
     specs.check_mesh(template, mesh, "restore_checkpoint")
     return
-  for state in specs.laid_out_states(template):
+  for state in specs.distributed_states(template):
     lay = state.layout
-    if lay.num_devices == 1 or lay.axis is None:
-      continue
-    placed = [x for x in jax.tree_util.tree_leaves(state)
-              if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)]
-    if not placed:
+    if not any(isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)
+               for x in jax.tree_util.tree_leaves(state)):
       raise ValueError(
           f"restore_checkpoint: the template holds a state distributed over "
           f"{lay.num_devices} devices of axis {lay.axis!r} but is not placed on a "
