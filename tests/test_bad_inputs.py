@@ -162,7 +162,8 @@ def test_adaptive_settings_that_do_not_do_what_they_say_are_refused():
   """Adaptive mode: a KL clip (defined through a fixed learning rate) is named
   as such, and with adapt_damping an initial λ outside [min_damping,
   max_damping] (the rule would move it there at once) is refused; without
-  adapt_damping the bounds do not apply."""
+  adapt_damping the bounds do not apply. Nesterov (the fixed mode's SGD) and
+  the adaptive-only settings outside adaptive mode are refused by name."""
   adaptive = lambda **kw: kd.kfac(None, None, layers=LAYERS, grad_fn=GRAD_FN, **kw)
   with pytest.raises(ValueError, match="kl_clip is defined through a fixed learning rate"):
     adaptive(kl_clip=1e-3)
@@ -173,6 +174,11 @@ def test_adaptive_settings_that_do_not_do_what_they_say_are_refused():
     adaptive(damping=1.0, max_damping=0.5, adapt_damping=True)
   adaptive(damping=1e-4)
   adaptive(damping=1e-3, adapt_damping=True)
+  with pytest.raises(ValueError, match="nesterov applies to the SGD of the non-adaptive"):
+    adaptive(nesterov=True)
+  for option in (dict(adapt_damping=True), dict(micro_batches=2)):
+    with pytest.raises(ValueError, match=f"{next(iter(option))} needs adaptive mode"):
+      kd.kfac(0.1, layers=LAYERS, **option)
 
 
 def test_kfac_batch_must_be_a_tuple():

@@ -63,6 +63,24 @@ def _kaisa_chain(layers: registry.LayerRegistry | None, learning_rate: Any, mome
       optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)))
 
 
+def _adaptive_chain(layers: registry.LayerRegistry | None, learning_rate: Any, momentum: Any,
+                    weight_decay: float, nesterov: bool, kl_clip: Any, options: dict, *,
+                    grad_fn: Callable | None, adaptive_config: dict
+                    ) -> optax.GradientTransformationExtraArgs:
+  """The adaptive `kd.kfac` (`kfac.adaptive`): K-FAC's direction scaled by the
+  quadratic model's coefficients, no SGD after it (see `kfac`)."""
+  if nesterov:
+    raise ValueError("nesterov applies to the SGD of the non-adaptive mode; adaptive "
+                     "momentum is the model's.")
+  # Before KfacConfig, whose own message would ask for a learning rate.
+  adaptive.check_no_kl_clip(None if kl_clip is KL_CLIP else kl_clip)
+  kfac_config = KfacConfig(kl_clip=None, learning_rate=learning_rate, **options)
+  config = adaptive.AdaptiveConfig(learning_rate=learning_rate, momentum=momentum,
+                                   weight_decay=weight_decay, **adaptive_config)
+  return faults.skip_faulty_steps(adaptive.scale_by_adaptive_kfac(
+      layers, grad_fn, kfac_config=kfac_config, adaptive_config=config))
+
+
 def _mode_defaults(adaptive_mode: bool, damping: Any, inverse_update_every: Any,
                    stale_threshold: float | None) -> tuple[Any, Any]:
   """`damping` and `inverse_update_every`, a None replaced by the mode's
@@ -208,17 +226,10 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
                        "grad_fn).")
     return _kaisa_chain(layers, learning_rate, momentum, weight_decay, nesterov,
                         KL_CLIP.value if kl_clip is KL_CLIP else kl_clip, options)
-  if nesterov:
-    raise ValueError("nesterov applies to the SGD of the non-adaptive mode; adaptive "
-                     "momentum is the model's.")
-  # Before KfacConfig, whose own message would ask for a learning rate.
-  adaptive.check_no_kl_clip(None if kl_clip is KL_CLIP else kl_clip)
-  kfac_config = KfacConfig(kl_clip=None, learning_rate=learning_rate, **options)
-  adaptive_config = adaptive.AdaptiveConfig(
-      learning_rate=learning_rate, momentum=momentum, weight_decay=weight_decay,
-      adapt_damping=adapt_damping, damping_adaptation_interval=damping_adaptation_interval,
-      damping_adaptation_decay=damping_adaptation_decay, min_damping=min_damping,
-      max_damping=max_damping,
-      micro_batches=1 if micro_batches is None else micro_batches)
-  return faults.skip_faulty_steps(adaptive.scale_by_adaptive_kfac(
-      layers, grad_fn, kfac_config=kfac_config, adaptive_config=adaptive_config))
+  return _adaptive_chain(layers, learning_rate, momentum, weight_decay, nesterov,
+                         kl_clip, options, grad_fn=grad_fn, adaptive_config=dict(
+                             adapt_damping=adapt_damping,
+                             damping_adaptation_interval=damping_adaptation_interval,
+                             damping_adaptation_decay=damping_adaptation_decay,
+                             min_damping=min_damping, max_damping=max_damping,
+                             micro_batches=1 if micro_batches is None else micro_batches))
