@@ -221,7 +221,12 @@ lockstep runs, absolute seconds depend on the machine's load):
   ≤ 240 needed), each 2.2× AdamW's: fixed K-FAC at the same cadence costs
   1.49× and the quadratic model (a linearisation of the Transformer and two
   tangent passes) 21.9 ms, 0.68× an AdamW step. Its seconds are 1.39× (1.56×
-  before).
+  before). The 0.62× steps is not the batch's noise: at 4× the batch AdamW
+  needs 240, 220, 220 steps and adaptive K-FAC 140, 140, 140 (0.64×); nor the
+  damping's floor (1e-4: 320 steps, 1e-6: diverged), nor one kind of layer
+  (leaving q and k, the embeddings, the LayerNorms or the MLPs' second and
+  output layers unpreconditioned: 320 to more than 360 steps). PERF_NOTES
+  §18 (measured after this run, seed 1 but the batch's three seeds).
 * **Issue 15's target (the best second-order method)** holds on 1 of 3
   tasks: the autoencoder, by tuned K-FAC (0.29×/0.50×, test 0.39×/0.72×) and
   by adaptive K-FAC; SOAP holds its training loss only (test 2.34 at its
