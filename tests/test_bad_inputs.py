@@ -181,6 +181,28 @@ def test_adaptive_settings_that_do_not_do_what_they_say_are_refused():
       kd.kfac(0.1, layers=LAYERS, **option)
 
 
+def test_another_optimizers_state_is_named():
+  """`update` given a state that its own `init` did not return (another
+  optimizer's `opt_state`, a chain's element out of place): a TypeError naming
+  both kinds, before any of its fields is read (it was an AttributeError on a
+  field deep inside)."""
+  params, batch = _params(), _batch()
+  _, grads, stats = GRAD_FN(params, *batch)
+  kinds = {"scale_by_kfac": (kd.scale_by_kfac(LAYERS), "ScaleByKfacState"),
+           "scale_by_shampoo": (kd.scale_by_shampoo(), "ScaleByShampooState"),
+           "scale_by_soap": (kd.scale_by_soap(), "ScaleBySoapState"),
+           "kfac": (kd.kfac(None, None, layers=LAYERS, grad_fn=GRAD_FN),
+                    "AdaptiveKfacState")}
+  for name, (tx, own) in kinds.items():
+    for other, (other_tx, theirs) in kinds.items():
+      if other == name:
+        continue
+      state = other_tx.init(params)
+      with pytest.raises(TypeError, match=f"{name}.update got a {theirs} as its state; "
+                                          f"it takes the {own}"):
+        tx.update(grads, state, params, kfac_stats=stats, kfac_batch=batch)
+
+
 def test_kfac_batch_must_be_a_tuple():
   """Adaptive K-FAC's `kfac_batch` is the arguments after the parameters: an
   array or a dict is named, not unpacked into the loss function's arguments."""

@@ -36,3 +36,12 @@ def find_states(tree: Any, kind: type[S] = PreconditionerState) -> list[S]:
   """Every node of type `kind` inside a pytree (e.g. an optax state)."""
   leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, kind))
   return [x for x in leaves if isinstance(x, kind)]
+
+
+def check_kind(state: Any, kind: type[PreconditionerState], transform: str) -> None:
+  """A clear error when `transform`'s update gets a state that is not its own
+  (e.g. another optimizer's `opt_state`), before any field of it is read."""
+  if not isinstance(state, kind):
+    raise TypeError(f"{transform}.update got a {type(state).__name__} as its state; "
+                    f"it takes the {kind.__name__} that its own init returned (is "
+                    "this another optimizer's opt_state?).")

@@ -436,6 +436,7 @@ def scale_by_adaptive_kfac(
                 kfac_stats: Any = None, kfac_batch: tuple | None = None,
                 **extra_args: Any) -> tuple[Any, AdaptiveKfacState]:
     del extra_args
+    states.check_kind(state, AdaptiveKfacState, "kfac")
     return update_state(adaptive_config, kfac_config, comm, grad_fn, updates, state,
                         params, kfac_stats, kfac_batch)
 

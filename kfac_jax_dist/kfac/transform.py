@@ -43,7 +43,7 @@ from jax import lax
 
 from kfac_jax_dist import _compat
 from kfac_jax_dist.capture import registry
-from kfac_jax_dist.core import cadence, faults, placement, tensor_parallel
+from kfac_jax_dist.core import cadence, faults, placement, states, tensor_parallel
 from kfac_jax_dist.core import collectives as collectives_lib
 from kfac_jax_dist.core import distribution as distribution_lib
 from kfac_jax_dist.kfac import (
@@ -542,6 +542,7 @@ def scale_by_kfac(
                 kfac_stats: factors.Stats | None = None, **extra_args: Any
                 ) -> tuple[Any, ScaleByKfacState]:
     del params, extra_args
+    states.check_kind(state, ScaleByKfacState, "scale_by_kfac")
     return update_state(config, comm, updates, state, kfac_stats)
 
   return tensor_parallel.for_model_shards(

@@ -450,6 +450,7 @@ def scale_by_soap(
   def update_fn(updates: Any, state: ScaleBySoapState, params: Any = None,
                 **extra_args: Any) -> tuple[Any, ScaleBySoapState]:
     del params, extra_args
+    states.check_kind(state, ScaleBySoapState, "scale_by_soap")
     return update_state(config, comm, updates, state)
 
   # Tensor-parallel: every model shard runs SOAP on its local shard (as Shampoo).

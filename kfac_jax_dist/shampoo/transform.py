@@ -58,6 +58,7 @@ from kfac_jax_dist.core import faults
 from kfac_jax_dist.core import offsets
 from kfac_jax_dist.core import placement
 from kfac_jax_dist.core import settings
+from kfac_jax_dist.core import states
 from kfac_jax_dist.core import tensor_parallel
 from kfac_jax_dist.shampoo import blocks
 from kfac_jax_dist.shampoo import grafting as graft_lib
@@ -254,6 +255,7 @@ def scale_by_shampoo(
   def update_fn(updates: Any, state: ScaleByShampooState, params: Any = None,
                 **extra_args: Any) -> tuple[Any, ScaleByShampooState]:
     del params, extra_args
+    states.check_kind(state, ScaleByShampooState, "scale_by_shampoo")
     return update_state(config, comm, updates, state)
 
   # Tensor-parallel: every model shard preconditions its local shard (3D-Shampoo).
