@@ -83,11 +83,12 @@ def _dense_ggn(params, x, y):
   return c / BATCH
 
 
-def _kfac_direction(params, state, grads, stats):
+def _kfac_direction(params, state, grads, stats, **options):
   """Δ: K-FAC's preconditioned gradient of ∇ + wθ, damped with the state's
   λ plus the weight decay w (the curvature of (w/2)|θ|²)."""
   inner = kd.scale_by_kfac(GRAD_FN.discover(_params(), *_batch(0)),
-                           damping=float(state.damping) + WD, factor_dtype=jnp.float64)
+                           damping=float(state.damping) + WD, factor_dtype=jnp.float64,
+                           **options)
   total = jax.tree.map(lambda g, p: g + WD * p, grads, params)
   direction, _ = inner.update(total, state.kfac, params, kfac_stats=stats)
   return _flat(total), _flat(direction)
@@ -99,19 +100,23 @@ def _adaptive_state(state):
               if isinstance(s, adaptive.AdaptiveKfacState))
 
 
-@pytest.mark.parametrize("momentum", [None, 0.0], ids=["adapted", "zero"])
-def test_first_two_updates_solve_the_quadratic_model(momentum):
+@pytest.mark.parametrize("momentum,options", [
+    (None, {}), (0.0, {}), (None, {"method": "inverse"}),
+    (None, {"eigenvalue_correction": "ekfac"})],
+    ids=["adapted", "zero", "inverse", "ekfac"])
+def test_first_two_updates_solve_the_quadratic_model(momentum, options):
   """Step 1: α alone; step 2: (α, μ) of the 2×2 model with the previous
   update, both against the dense solve (≤ 1e-10). With the momentum fixed at
-  0 (one tangent pass), α alone on every step."""
-  tx, params = _tx(momentum=momentum), _params()
+  0 (one tangent pass), α alone on every step. The model takes any K-FAC
+  direction Δ: π-damped inverses and EK-FAC's as well."""
+  tx, params = _tx(momentum=momentum, **options), _params()
   state, statistics, update = tx.init(params), jax.jit(GRAD_FN), jax.jit(tx.update)
   velocity = None
   for step in range(2):
     x, y = _batch(step)
     _, grads, stats = statistics(params, x, y, opt_state=state)
     inner = _adaptive_state(state)
-    g, delta = _kfac_direction(params, inner, grads, stats)
+    g, delta = _kfac_direction(params, inner, grads, stats, **options)
     c = _dense_ggn(params, x, y) + (WD + LAMBDA) * np.eye(g.size)
     if velocity is None or momentum == 0.0:
       alpha = -(g @ delta) / (delta @ c @ delta)
