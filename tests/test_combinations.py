@@ -69,17 +69,29 @@ def _assert_close(trajectory, reference, what):
       np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * scale, err_msg=f"{what}, step {step}")
 
 
-def _kfac_case(seed: int):
-  rng = random.Random(seed)
-  options, adaptive = _kfac_options(rng)
-  loss_fn, params, x, y = helpers.classifier_problem(helpers.ConvDenseNet(), (160, 8, 8, 2))
-  grad_fn = kd.value_and_grad(loss_fn)
-  layers = grad_fn.discover(params, x, y)
-  lr = None if adaptive else 0.1
-  extra = dict(kfac_batch=(x, y)) if adaptive else {}
-  mesh = helpers.data_mesh(8)
-  dist, reduction = _distribution(rng, mesh)
-  return options, adaptive, lr, extra, params, x, y, grad_fn, layers, mesh, dist, reduction
+def _one_device(step, params, state) -> list:
+  """The parameters after each of `STEPS` steps of the jitted `step(params, state)`."""
+  trajectory = []
+  for _ in range(STEPS):
+    params, state = step(params, state)
+    trajectory.append(params)
+  return trajectory
+
+
+def _eight_devices(local_step, tx, params, mesh, x, y) -> tuple[list, object]:
+  """The same for `local_step(params, state, x, y)` inside `shard_map` over the
+  "data" axis (the batch split, the state placed by `kd.partition_specs`),
+  and the last state."""
+  state = kd.shard_state(tx.init(params), mesh)
+  specs = kd.partition_specs(state)
+  run = jax.jit(jax.shard_map(local_step, mesh=mesh,
+                              in_specs=(P(), specs, P("data"), P("data")),
+                              out_specs=(P(), specs)))
+  trajectory = []
+  for _ in range(STEPS):
+    params, state = run(params, state, x, y)
+    trajectory.append(params)
+  return trajectory, state
 
 
 @pytest.mark.parametrize("seed", [
@@ -90,41 +102,28 @@ def test_kfac_combinations_equal_one_device(seed):
   and the user's own gradient average. The others: adaptive (damping fixed or
   adapted, method "inverse", EK-FAC), MEM-OPT, COMM-OPT, SP-NGD's fused
   reduce-scatter."""
-  options, adaptive, lr, extra, params, x, y, grad_fn, layers, mesh, dist, reduction = (
-      _kfac_case(seed))
-  what = f"seed {seed}: {options}, {dist}"
+  rng = random.Random(seed)
+  options, adaptive = _kfac_options(rng)
+  mesh = helpers.data_mesh(8)
+  dist, reduction = _distribution(rng, mesh)
+  loss_fn, params, x, y = helpers.classifier_problem(helpers.ConvDenseNet(), (160, 8, 8, 2))
+  grad_fn = kd.value_and_grad(loss_fn)
+  layers = grad_fn.discover(params, x, y)
+  lr = None if adaptive else 0.1
   tx = kd.kfac(lr, layers=layers, grad_fn=grad_fn, **options)
-
-  @jax.jit
-  def step(p, s):
-    _, grads, stats = grad_fn(p, x, y, opt_state=s)
-    updates, s = tx.update(grads, s, p, kfac_stats=stats, **extra)
-    return optax.apply_updates(p, updates), s
-
-  reference, p, s = [], params, tx.init(params)
-  for _ in range(STEPS):
-    p, s = step(p, s)
-    reference.append(p)
-
   dtx = kd.kfac(lr, layers=layers, grad_fn=grad_fn, distribution=dist, **options)
-  state = kd.shard_state(dtx.init(params), mesh)
-  specs = kd.partition_specs(state)
 
-  def local_step(p, s, x, y):
+  def step(p, s, x, y, tx, reduce=lambda g: g):
     _, grads, stats = grad_fn(p, x, y, opt_state=s)
-    if reduction == "none":
-      grads = jax.lax.pmean(grads, "data")
-    updates, s = dtx.update(grads, s, p, kfac_stats=stats,
-                            **(dict(kfac_batch=(x, y)) if adaptive else {}))
+    updates, s = tx.update(reduce(grads), s, p, kfac_stats=stats,
+                           **(dict(kfac_batch=(x, y)) if adaptive else {}))
     return optax.apply_updates(p, updates), s
 
-  run = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), specs, P("data"),
-                                                               P("data")),
-                              out_specs=(P(), specs)))
-  trajectory, p = [], params
-  for _ in range(STEPS):
-    p, state = run(p, state, x, y)
-    trajectory.append(p)
+  reference = _one_device(jax.jit(lambda p, s: step(p, s, x, y, tx)), params, tx.init(params))
+  average = (lambda g: jax.lax.pmean(g, "data")) if reduction == "none" else (lambda g: g)
+  trajectory, state = _eight_devices(
+      lambda p, s, x, y: step(p, s, x, y, dtx, average), dtx, params, mesh, x, y)
+  what = f"seed {seed}: {options}, {dist}"
   assert all(int(k.skipped) == 0 for kind in (kd.ScaleByKfacState, AdaptiveKfacState)
              for k in kd.find_states(state, kind)), what
   _assert_close(trajectory, reference, what)
@@ -156,36 +155,19 @@ def test_shampoo_combinations_equal_one_device(seed):
   a replicated parameter's gradients)."""
   options, fraction = _shampoo_options(random.Random(seed))
   loss_fn, params, x, y = helpers.classifier_problem(helpers.ConvDenseNet(), (64, 8, 8, 2))
-  tx = kd.shampoo(0.05, **options)
-  value_and_grad = jax.value_and_grad(loss_fn)
-
-  @jax.jit
-  def step(p, s):
-    updates, s = tx.update(value_and_grad(p, x, y)[1], s, p)
-    return optax.apply_updates(p, updates), s
-
-  reference, p, s = [], params, tx.init(params)
-  for _ in range(STEPS):
-    p, s = step(p, s)
-    reference.append(p)
-
   mesh = helpers.data_mesh(8)
+  tx = kd.shampoo(0.05, **options)
   dtx = kd.shampoo(0.05, distribution=kd.Distribution(mesh, axis="data",
                                                        grad_worker_fraction=fraction),
                    **options)
-  state = kd.shard_state(dtx.init(params), mesh)
-  specs = kd.partition_specs(state)
 
-  def local_step(p, s, x, y):
-    grads = jax.grad(lambda q: jax.lax.pmean(loss_fn(q, x, y), "data"))(p)
-    updates, s = dtx.update(grads, s, p)
+  def step(p, s, x, y, tx, mean=lambda loss: loss):
+    grads = jax.grad(lambda q: mean(loss_fn(q, x, y)))(p)
+    updates, s = tx.update(grads, s, p)
     return optax.apply_updates(p, updates), s
 
-  run = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), specs, P("data"),
-                                                               P("data")),
-                              out_specs=(P(), specs)))
-  trajectory, p = [], params
-  for _ in range(STEPS):
-    p, state = run(p, state, x, y)
-    trajectory.append(p)
+  reference = _one_device(jax.jit(lambda p, s: step(p, s, x, y, tx)), params, tx.init(params))
+  trajectory, _ = _eight_devices(
+      lambda p, s, x, y: step(p, s, x, y, dtx, lambda loss: jax.lax.pmean(loss, "data")),
+      dtx, params, mesh, x, y)
   _assert_close(trajectory, reference, f"seed {seed}: {options}, fraction {fraction}")
