@@ -12,11 +12,11 @@ test_soap), and dampings below 0.1 without a KL clip (on this problem such
 runs leave the loss's basin within five steps, which amplifies rounding).
 """
 
+import functools
 import random
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
@@ -69,24 +69,11 @@ def _assert_close(trajectory, reference, what):
       np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * scale, err_msg=f"{what}, step {step}")
 
 
-def _one_device(step, params, state) -> list:
-  """The parameters after each of `STEPS` steps of the jitted `step(params, state)`."""
-  trajectory = []
-  for _ in range(STEPS):
-    params, state = step(params, state)
-    trajectory.append(params)
-  return trajectory
-
-
-def _eight_devices(local_step, tx, params, mesh, x, y) -> tuple[list, object]:
-  """The same for `local_step(params, state, x, y)` inside `shard_map` over the
-  "data" axis (the batch split, the state placed by `kd.partition_specs`),
-  and the last state."""
-  state = kd.shard_state(tx.init(params), mesh)
-  specs = kd.partition_specs(state)
-  run = jax.jit(jax.shard_map(local_step, mesh=mesh,
-                              in_specs=(P(), specs, P("data"), P("data")),
-                              out_specs=(P(), specs)))
+def _trajectory(step, tx, dist, params, x, y) -> tuple[list, object]:
+  """The parameters after each of `STEPS` steps of `step(params, state, x, y)`
+  (on 8 devices inside `shard_map` when `dist` is given:
+  `helpers.compile_step`), and the last state."""
+  run, state = helpers.compile_step(step, tx.init(params), dist, 2)
   trajectory = []
   for _ in range(STEPS):
     params, state = run(params, state, x, y)
@@ -104,8 +91,7 @@ def test_kfac_combinations_equal_one_device(seed):
   reduce-scatter."""
   rng = random.Random(seed)
   options, adaptive = _kfac_options(rng)
-  mesh = helpers.data_mesh(8)
-  dist, reduction = _distribution(rng, mesh)
+  dist, reduction = _distribution(rng, helpers.data_mesh(8))
   loss_fn, params, x, y = helpers.classifier_problem(helpers.ConvDenseNet(), (160, 8, 8, 2))
   grad_fn = kd.value_and_grad(loss_fn)
   layers = grad_fn.discover(params, x, y)
@@ -119,10 +105,10 @@ def test_kfac_combinations_equal_one_device(seed):
                            **(dict(kfac_batch=(x, y)) if adaptive else {}))
     return optax.apply_updates(p, updates), s
 
-  reference = _one_device(jax.jit(lambda p, s: step(p, s, x, y, tx)), params, tx.init(params))
+  reference, _ = _trajectory(functools.partial(step, tx=tx), tx, None, params, x, y)
   average = (lambda g: jax.lax.pmean(g, "data")) if reduction == "none" else (lambda g: g)
-  trajectory, state = _eight_devices(
-      lambda p, s, x, y: step(p, s, x, y, dtx, average), dtx, params, mesh, x, y)
+  trajectory, state = _trajectory(functools.partial(step, tx=dtx, reduce=average), dtx, dist,
+                                  params, x, y)
   what = f"seed {seed}: {options}, {dist}"
   assert all(int(k.skipped) == 0 for kind in (kd.ScaleByKfacState, AdaptiveKfacState)
              for k in kd.find_states(state, kind)), what
@@ -155,19 +141,17 @@ def test_shampoo_combinations_equal_one_device(seed):
   a replicated parameter's gradients)."""
   options, fraction = _shampoo_options(random.Random(seed))
   loss_fn, params, x, y = helpers.classifier_problem(helpers.ConvDenseNet(), (64, 8, 8, 2))
-  mesh = helpers.data_mesh(8)
   tx = kd.shampoo(0.05, **options)
-  dtx = kd.shampoo(0.05, distribution=kd.Distribution(mesh, axis="data",
-                                                       grad_worker_fraction=fraction),
-                   **options)
+  dist = kd.Distribution(helpers.data_mesh(8), axis="data", grad_worker_fraction=fraction)
+  dtx = kd.shampoo(0.05, distribution=dist, **options)
 
   def step(p, s, x, y, tx, mean=lambda loss: loss):
     grads = jax.grad(lambda q: mean(loss_fn(q, x, y)))(p)
     updates, s = tx.update(grads, s, p)
     return optax.apply_updates(p, updates), s
 
-  reference = _one_device(jax.jit(lambda p, s: step(p, s, x, y, tx)), params, tx.init(params))
-  trajectory, _ = _eight_devices(
-      lambda p, s, x, y: step(p, s, x, y, dtx, lambda loss: jax.lax.pmean(loss, "data")),
-      dtx, params, mesh, x, y)
+  reference, _ = _trajectory(functools.partial(step, tx=tx), tx, None, params, x, y)
+  trajectory, _ = _trajectory(
+      functools.partial(step, tx=dtx, mean=lambda loss: jax.lax.pmean(loss, "data")), dtx,
+      dist, params, x, y)
   _assert_close(trajectory, reference, f"seed {seed}: {options}, fraction {fraction}")

@@ -65,10 +65,11 @@ def _kaisa_chain(layers: registry.LayerRegistry | None, learning_rate: Any, mome
 
 def _adaptive_chain(layers: registry.LayerRegistry | None, learning_rate: Any, momentum: Any,
                     weight_decay: float, nesterov: bool, kl_clip: Any, options: dict, *,
-                    grad_fn: Callable | None, adaptive_config: dict
+                    grad_fn: Callable | None, adaptive_options: dict[str, Any]
                     ) -> optax.GradientTransformationExtraArgs:
   """The adaptive `kd.kfac` (`kfac.adaptive`): K-FAC's direction scaled by the
-  quadratic model's coefficients, no SGD after it (see `kfac`)."""
+  quadratic model's coefficients, no SGD after it (see `kfac`). `adaptive_options`
+  are `AdaptiveConfig`'s other fields, checked after nesterov and the KL clip."""
   if nesterov:
     raise ValueError("nesterov applies to the SGD of the non-adaptive mode; adaptive "
                      "momentum is the model's.")
@@ -76,7 +77,7 @@ def _adaptive_chain(layers: registry.LayerRegistry | None, learning_rate: Any, m
   adaptive.check_no_kl_clip(None if kl_clip is KL_CLIP else kl_clip)
   kfac_config = KfacConfig(kl_clip=None, learning_rate=learning_rate, **options)
   config = adaptive.AdaptiveConfig(learning_rate=learning_rate, momentum=momentum,
-                                   weight_decay=weight_decay, **adaptive_config)
+                                   weight_decay=weight_decay, **adaptive_options)
   return faults.skip_faulty_steps(adaptive.scale_by_adaptive_kfac(
       layers, grad_fn, kfac_config=kfac_config, adaptive_config=config))
 
@@ -227,7 +228,7 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
     return _kaisa_chain(layers, learning_rate, momentum, weight_decay, nesterov,
                         KL_CLIP.value if kl_clip is KL_CLIP else kl_clip, options)
   return _adaptive_chain(layers, learning_rate, momentum, weight_decay, nesterov,
-                         kl_clip, options, grad_fn=grad_fn, adaptive_config=dict(
+                         kl_clip, options, grad_fn=grad_fn, adaptive_options=dict(
                              adapt_damping=adapt_damping,
                              damping_adaptation_interval=damping_adaptation_interval,
                              damping_adaptation_decay=damping_adaptation_decay,
