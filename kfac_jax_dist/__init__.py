@@ -6,6 +6,7 @@ from kfac_jax_dist.flax import linen
 from kfac_jax_dist.capture import losses
 from kfac_jax_dist.flax import nnx
 from kfac_jax_dist.capture import tags
+from kfac_jax_dist.capture.tags import remat
 from kfac_jax_dist.core import tensor_parallel
 from kfac_jax_dist.capture.value_and_grad import value_and_grad
 from kfac_jax_dist.capture.value_and_grad import ValueAndGrad
@@ -47,6 +48,6 @@ __all__ = [
     "checkpoint", "checkpoint_metadata", "convert_state", "restore_checkpoint",
     "save_checkpoint", "second_order_parts", "skip_faulty_steps",
     "describe", "find_states", "init_sharded", "kfac", "linen", "losses", "model_shard", "ModelShardedState", "nnx",
-    "partition_specs", "running_factors", "scale_by_kfac", "shard_state", "tags",
+    "partition_specs", "remat", "running_factors", "scale_by_kfac", "shard_state", "tags",
     "tensor_parallel", "value_and_grad",
 ]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 _STACK = threading.local()
 DISCOVER, CAPTURE, CURVATURE = "discover", "capture", "curvature"
@@ -55,6 +55,21 @@ class Trace:
 
   def path_of(self, leaf) -> str | None:
     return None if leaf is None else self.leaf_paths.get(id(leaf))
+
+  @contextlib.contextmanager
+  def aliases(self, outer: list, inner: list) -> Iterator[None]:
+    """While a transform traces its body (`tags.remat`): each `inner` leaf,
+    the body's tracer of an argument, has the path of the `outer` parameter
+    leaf it stands for (removed afterwards, so that no id outlives its
+    tracer)."""
+    added = {id(i): self.leaf_paths[id(o)] for o, i in zip(outer, inner, strict=True)
+             if id(o) in self.leaf_paths and id(i) not in self.leaf_paths}
+    self.leaf_paths.update(added)
+    try:
+      yield
+    finally:
+      for key in added:
+        self.leaf_paths.pop(key, None)
 
 
 def current() -> Trace | None:

@@ -36,6 +36,7 @@ indexes several leading stack axes. `kd.linen` / `kd.nnx` layers inside
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -58,7 +59,9 @@ def _promote(dtype, *arrays):
 _NOT_A_LEAF = (
     "Pass the parameter itself (cast it with the tag's dtype= argument). Inside a "
     "loop over stacked weights, pass the stacked leaf and stack_index=; a plain "
-    "JAX tag cannot follow a slice made by a transform.")
+    "JAX tag cannot follow a slice made by a transform. Inside jax.checkpoint "
+    "(jax.remat) of a function that takes the parameters as arguments, use "
+    "kd.remat instead.")
 
 
 def _layer_name(trace: _context.Trace, name: str | None, kernel,
@@ -559,3 +562,34 @@ def scale_and_shift(x: jax.Array, scale: jax.Array, offset: jax.Array | None = N
 
   return _tagged("scale_and_shift", name, apply, stats, x, scale, offset, site,
                  a_dim=1 + has_offset, g_dim=scale.shape[0])
+
+
+def remat(fun: Callable, *, prevent_cse: bool = True, policy: Callable | None = None,
+          static_argnums: int | tuple[int, ...] = ()) -> Callable:
+  """`jax.checkpoint(fun, ...)` (rematerialisation: `fun`'s activations are
+  recomputed in the backward pass instead of stored) for a function that runs
+  tags on parameters it takes as arguments.
+
+  `jax.checkpoint` traces `fun` with new tracers for its arguments, so a tag
+  cannot find its kernel among the loss's parameters by identity (a function
+  that closes over the parameters can use `jax.checkpoint` itself). `remat`
+  tells the capture which parameter leaf each argument leaf is; the discovery,
+  an abstract pass with nothing to save, calls `fun` directly. Outside
+  `kd.value_and_grad`, and in the curvature products, it is `jax.checkpoint`.
+  `flax.linen.remat` and `nnx.remat` need nothing of this: their layers are
+  found by module path."""
+  options = dict(prevent_cse=prevent_cse, policy=policy, static_argnums=static_argnums)
+
+  def checkpointed(*args: Any, **kwargs: Any) -> Any:
+    trace = _context.tagging()
+    if trace is None:
+      return jax.checkpoint(fun, **options)(*args, **kwargs)
+    if trace.mode == _context.DISCOVER:
+      return fun(*args, **kwargs)
+    outer = jax.tree_util.tree_leaves((args, kwargs))
+
+    def body(*inner_args: Any, **inner_kwargs: Any) -> Any:
+      with trace.aliases(outer, jax.tree_util.tree_leaves((inner_args, inner_kwargs))):
+        return fun(*inner_args, **inner_kwargs)
+    return jax.checkpoint(body, **options)(*args, **kwargs)
+  return functools.wraps(fun)(checkpointed)
