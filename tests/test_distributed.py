@@ -214,6 +214,33 @@ def test_one_device_distribution_equals_single_device(fraction):
   _assert_same(trajectory, reference)
 
 
+def test_jit_on_a_sharded_batch_equals_single_device():
+  """No `shard_map` and no `Distribution`: the same jitted step given a batch
+  sharded over 8 devices and replicated parameters and state (XLA's SPMD
+  partitioner splits the batch's work) takes the single-device steps."""
+  reference, _ = _single_device("eigen")
+  loss_fn, params, x, y = helpers.conv_dense_problem()
+  grad_fn = kd.value_and_grad(loss_fn)
+  tx = kd.kfac(0.1, layers=grad_fn.discover(params, x, y), **_options(method="eigen"))
+  mesh = helpers.data_mesh()
+  replicated, rows = (jax.sharding.NamedSharding(mesh, spec) for spec in (P(), P("data")))
+  params, state = jax.device_put((params, tx.init(params)), replicated)
+  x, y = jax.device_put((x, y), rows)
+
+  @jax.jit
+  def step(params, state, x, y):
+    _, grads, stats = grad_fn(params, x, y, opt_state=state)
+    updates, state = tx.update(grads, state, params, kfac_stats=stats)
+    return optax.apply_updates(params, updates), state
+
+  trajectory = []
+  for _ in range(STEPS):
+    params, state = step(params, state, x, y)
+    trajectory.append(params)
+  assert len(x.sharding.device_set) == 8
+  _assert_same(trajectory, reference)
+
+
 def test_dp_kfac_factors_are_the_owners_local_factors():
   loss_fn, params, x, y = helpers.conv_dense_problem()
   _, opt_state, _ = _distributed(8, 1 / 8, "local", "none", steps=1)
