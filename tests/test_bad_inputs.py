@@ -114,6 +114,8 @@ def test_kfac_types_are_validated():
     _kfac(factor_dtype=jnp.int32)
   with pytest.raises(TypeError, match="skip must be a sequence of regular expressions"):
     _kfac(skip="out")                       # a string would be read as characters
+  with pytest.raises(TypeError, match=r"skip must be a sequence .*\(\) for none.*None"):
+    _kfac(skip=None)
   with pytest.raises(TypeError, match="distribution must be a kd.Distribution"):
     _kfac(distribution="comm")
   with pytest.raises(ValueError, match="learning_rate must be finite and >= 0|"

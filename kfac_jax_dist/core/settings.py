@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -92,10 +92,11 @@ def check_floating_dtype(name: str, dtype: Any) -> None:
 
 def check_patterns(name: str, patterns: Any) -> tuple[str, ...]:
   """A sequence of regular expressions (a bare string would be read as its
-  characters)."""
-  if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
+  characters; None is not "none": that is `()`)."""
+  if (isinstance(patterns, str) or not isinstance(patterns, Iterable)
+      or not all(isinstance(p, str) for p in patterns)):
     raise TypeError(f"{name} must be a sequence of regular expressions (e.g. "
-                    f"[\"head\"]), got {patterns!r}")
+                    f"[\"head\"], or () for none), got {patterns!r}")
   return tuple(patterns)
 
 
