@@ -281,3 +281,13 @@ def test_kd_remat_on_eight_devices_equals_one_device_without_it(fraction):
       params, state = step(params, state, x, y)
     runs.append(params)
   helpers.assert_trees_equal(runs[1], runs[0], rtol=1e-10)
+
+
+def test_kd_remat_around_the_loss_is_refused():
+  """The capture and the curvature products read the registered loss's inputs
+  after the pass: a checkpointed function that computes the loss is refused
+  at discovery, naming what to checkpoint instead."""
+  loss_fn, params, _ = PROBLEMS["plain"](False)
+  with pytest.raises(ValueError, match=r"kd\.remat: the checkpointed function computes "
+                                       r"the kd\.losses loss.*Checkpoint the model"):
+    kd.value_and_grad(kd.remat(loss_fn)).discover(params, *_batch())

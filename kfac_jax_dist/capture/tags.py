@@ -564,6 +564,22 @@ def scale_and_shift(x: jax.Array, scale: jax.Array, offset: jax.Array | None = N
                  a_dim=1 + has_offset, g_dim=scale.shape[0])
 
 
+def _registering_no_loss(trace: _context.Trace, fun: Callable) -> Callable:
+  """`fun`, refused if it registers the loss: the capture and the curvature
+  products read the loss's inputs after the pass, which a checkpointed
+  function's trace cannot hand out (they would be its tracers)."""
+  def run(*args: Any, **kwargs: Any) -> Any:
+    registered = len(trace.losses)
+    out = fun(*args, **kwargs)
+    if len(trace.losses) != registered:
+      raise ValueError(
+          "kd.remat: the checkpointed function computes the kd.losses loss; K-FAC reads "
+          "the loss's inputs outside it. Checkpoint the model (or its blocks) and "
+          "compute the loss outside kd.remat.")
+    return out
+  return run
+
+
 def remat(fun: Callable, *, prevent_cse: bool = True, policy: Callable | None = None,
           static_argnums: int | tuple[int, ...] = ()) -> Callable:
   """`jax.checkpoint(fun, ...)` (rematerialisation: `fun`'s activations are
@@ -576,20 +592,24 @@ def remat(fun: Callable, *, prevent_cse: bool = True, policy: Callable | None = 
   tells the capture which parameter leaf each argument leaf is; the discovery,
   an abstract pass with nothing to save, calls `fun` directly. Outside
   `kd.value_and_grad`, and in the curvature products, it is `jax.checkpoint`.
-  `flax.linen.remat` and `nnx.remat` need nothing of this: their layers are
-  found by module path."""
+  `fun` must not compute the `kd.losses` loss (checkpoint the model, not the
+  loss). `flax.linen.remat` and `nnx.remat` need nothing of this: their layers
+  are found by module path."""
   options = dict(prevent_cse=prevent_cse, policy=policy, static_argnums=static_argnums)
 
   def checkpointed(*args: Any, **kwargs: Any) -> Any:
-    trace = _context.tagging()
+    trace = _context.current()
     if trace is None:
       return jax.checkpoint(fun, **options)(*args, **kwargs)
+    run = _registering_no_loss(trace, fun)
     if trace.mode == _context.DISCOVER:
-      return fun(*args, **kwargs)
+      return run(*args, **kwargs)
+    if trace.mode == _context.CURVATURE:        # the tags are plain layers here
+      return jax.checkpoint(run, **options)(*args, **kwargs)
     outer = jax.tree_util.tree_leaves((args, kwargs))
 
     def body(*inner_args: Any, **inner_kwargs: Any) -> Any:
       with trace.aliases(outer, jax.tree_util.tree_leaves((inner_args, inner_kwargs))):
-        return fun(*inner_args, **inner_kwargs)
+        return run(*inner_args, **inner_kwargs)
     return jax.checkpoint(body, **options)(*args, **kwargs)
   return functools.wraps(fun)(checkpointed)
