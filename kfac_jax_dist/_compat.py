@@ -111,3 +111,10 @@ def current_trace() -> object:
     return core.trace_ctx.trace
   except (ImportError, AttributeError):
     return object()
+
+
+def inside_another_trace(top: object) -> bool:
+  """Whether the JAX trace being built is not `top` (a `current_trace()`
+  taken earlier); False where this JAX does not say."""
+  now = current_trace()
+  return now is not top and now is current_trace()

@@ -641,6 +641,26 @@ def test_no_registered_loss_raises():
     kd.value_and_grad(loss_fn)(params, x, y)
 
 
+@pytest.mark.parametrize("transform", ["jit", "checkpoint", "scan"])
+def test_loss_inside_a_transform_of_the_loss_function_raises(transform):
+  """The capture and the curvature products read the registered loss's
+  inputs after the pass; registered inside a transform they would be its
+  tracers (fisher="mc" and adaptive K-FAC failed with jax's leaked-tracer
+  error, a nested jit's cached trace registered nothing)."""
+  params, x, y = _small_problem()
+  head = lambda logits: kd.losses.softmax_cross_entropy(logits, y)
+  wrapped = {"jit": jax.jit(head), "checkpoint": jax.checkpoint(head),
+             "scan": lambda logits: jax.lax.scan(
+                 lambda c, _: (c, head(logits)), 0.0, None, length=1)[1][0]}[transform]
+
+  def loss_fn(p, x, y):
+    return wrapped(mlp(Tagged(), p, x))
+
+  with pytest.raises(ValueError, match="softmax_cross_entropy ran inside a JAX transform "
+                                       "within the loss function.*top level"):
+    kd.value_and_grad(loss_fn).discover(params, x, y)
+
+
 def test_two_registered_losses_raise():
   params, x, y = _small_problem()
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kfac_jax_dist import _compat
 from kfac_jax_dist.capture import context as _context
 
 
@@ -101,6 +102,14 @@ def _register(name: str, loss_of_targets, targets, sample, mask, inputs,
   if invalid is not None:
     value = _poisoned(value, invalid, mask)
   trace = _context.current()
+  if trace is not None and trace.mode == _context.DISCOVER and (
+      _compat.inside_another_trace(trace.top)):
+    raise ValueError(
+        f"kd.losses.{name} ran inside a JAX transform within the loss function "
+        "(jax.checkpoint, jax.jit, lax.scan, vmap, cond, ...); K-FAC reads the loss's "
+        "inputs after the pass, outside the transform. Call it at the loss function's "
+        "top level, on the model's output (checkpoint the model with kd.remat, "
+        "nn.remat or nnx.remat, not the loss).")
   if trace is not None:
     def sampled_loss(rng: jax.Array) -> jax.Array:
       drawn = jax.lax.stop_gradient(sample(rng))
