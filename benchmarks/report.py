@@ -355,6 +355,17 @@ def ir_census(d: Json) -> list[str]:
                           "unswitched kernels"])]
 
 
+def tied_embedding(d: Json) -> list[str]:
+  a, results = d["args"], d["results"].values()
+  rows = [[r["label"], f"{r['lr']:g}", f"{r['median']:.3f}"] for r in results]
+  return [f"A character LM whose head is its token embedding (`Embed.attend`), {a['steps']} "
+          f"steps, validation loss (median over {a['seeds']} seeds): K-FAC with the tied "
+          "table preconditioned by its lookup's factors (the library's behaviour: `attend` "
+          "is untagged), K-FAC with the table left out (`skip=`), K-FAC on the untied "
+          "model, and AdamW.", "",
+          md_table(rows, ["arm", "lr", "validation loss"])] + checks_table(d.get("checks", []))
+
+
 # (results stem, section title, script, renderer), in the page's order.
 SECTIONS: tuple[tuple[str, str, str, Callable[[Json], list[str]]], ...] = (
     ("step_time", "Step time", "step_time.py", step_time),
@@ -368,6 +379,7 @@ SECTIONS: tuple[tuple[str, str, str, Callable[[Json], list[str]]], ...] = (
     ("shampoo_memory", "Shampoo memory", "shampoo_memory.py", shampoo_memory),
     ("stale_statistics", "Stale statistics", "stale_statistics.py", stale_statistics),
     ("ir_census", "Compiled code (LLVM IR census)", "ir_census.py", ir_census),
+    ("tied_embedding", "Tied embeddings", "tied_embedding.py", tied_embedding),
 )
 
 

@@ -165,6 +165,76 @@ def test_embed_per_token(masked):
   assert_factor_close(stats["emb"]["G"], g_vmap.T @ g_vmap / n, "G of emb (vmap)")
 
 
+def _tied_models(vocab, d):
+  """`(name, loss_fn(params, ids, y), params_of(table), stats name, capture)`
+  of one tied model, `tanh(table[ids]) @ tableᵀ`, written four ways."""
+  class Linen(nn.Module):
+    embed: type
+
+    @nn.compact
+    def __call__(self, ids):
+      table = self.embed(vocab, d, param_dtype=jnp.float64, name="emb")
+      return table.attend(jnp.tanh(table(ids)))
+
+  class Nnx(nnx.Module):
+    def __init__(self, embed):
+      self.emb = embed(vocab, d, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+
+    def __call__(self, ids):
+      return self.emb.attend(jnp.tanh(self.emb(ids)))
+
+  def plain(p, ids, y):
+    table = p["emb"]["embedding"]
+    return kd.losses.softmax_cross_entropy(jnp.tanh(kd.tags.embed(ids, table)) @ table.T, y)
+
+  def linen(embed):
+    model = Linen(embed)
+    return (lambda p, ids, y: kd.losses.softmax_cross_entropy(model.apply(p, ids), y),
+            lambda table: {"params": {"emb": {"embedding": table}}}, "params/emb")
+
+  def nnx_model(embed):
+    graphdef, state = nnx.split(Nnx(embed), nnx.Param)
+
+    def params_of(table):
+      return jax.tree.map(lambda _: table, state)
+    return (lambda p, ids, y: kd.losses.softmax_cross_entropy(
+        nnx.merge(graphdef, p)(ids), y), params_of, "emb")
+
+  return {"plain": (plain, lambda table: {"emb": {"embedding": table}}, "emb", "tags"),
+          "linen-intercepted": (*linen(nn.Embed), "flax"),
+          "kd.linen": (*linen(kd.linen.Embed), "tags"),
+          "nnx-intercepted": (*nnx_model(nnx.Embed), "flax"),
+          "kd.nnx": (*nnx_model(kd.nnx.Embed), "tags")}
+
+
+@pytest.mark.parametrize("model", ["plain", "linen-intercepted", "kd.linen",
+                                   "nnx-intercepted", "kd.nnx"])
+def test_tied_embedding_gets_its_lookups_statistics_and_whole_gradient(model):
+  """A table that is also the output projection (`attend`, `x @ tableᵀ`): the
+  lookup is captured (its statistics are the lookup's, brute force), the head
+  is not, and the table's gradient is the whole gradient (both uses)."""
+  vocab, d = 7, 4
+  kp, ki, ky = jax.random.split(jax.random.PRNGKey(3), 3)
+  table = randn(kp, (vocab, d))
+  ids = jax.random.randint(ki, (3, 5), 0, 6)
+  y = jax.random.randint(ky, (3, 5), 0, vocab)
+  loss_fn, params_of, name, how = _tied_models(vocab, d)[model]
+  params = params_of(table)
+  grad_fn = kd.value_and_grad(loss_fn, capture=how)
+  assert grad_fn.discover(params, ids, y).names() == (name,)
+  loss, grads, stats = grad_fn(params, ids, y)
+  ref_loss, ref_grads = jax.value_and_grad(loss_fn)(params, ids, y)
+  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-12)
+  assert_trees_equal(grads, ref_grads)
+
+  def forward(e):
+    return jnp.tanh(table[ids] + e["emb"]) @ table.T
+
+  g = output_gradients(forward, {"emb": jnp.zeros(ids.shape + (d,))},
+                       lambda o: ce_per_example(o, y))
+  check_stats(stats, {"emb": embed_stats(ids, vocab, g["emb"], ids.size)}, {"emb": name})
+
+
 def test_embed_errors_and_broadcast():
   with pytest.raises(ValueError, match="integers"):
     kd.tags.embed(jnp.ones((2,)), jnp.ones((3, 2)))
