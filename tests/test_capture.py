@@ -92,6 +92,22 @@ def brute_patches(x, kernel_hw, strides, padding, dilation):
   return out
 
 
+def brute_patches_1d(x, k, stride, padding, dilation):
+  """1-D im2col with explicit loops: `[B, Lo, k*C]`, features (k, C)."""
+  x = f64(x)
+  b, length, c = x.shape
+  lo, hi = (explicit_conv_padding(length, k, stride, dilation, padding)
+            if isinstance(padding, str) else tuple(padding[0]))
+  xp = np.zeros((b, length + lo + hi, c))
+  xp[:, lo:lo + length] = x
+  out_len = (xp.shape[1] - ((k - 1) * dilation + 1)) // stride + 1
+  out = np.zeros((b, out_len, k * c))
+  for n in range(b):
+    for t in range(out_len):
+      out[n, t] = [xp[n, t * stride + j * dilation, ch] for j in range(k) for ch in range(c)]
+  return out
+
+
 class Ref:
   """Plain-jnp layers: record each layer's input rows `a_p` and output, and add a
   perturbation `eps[name]` to the output (to differentiate w.r.t. it)."""
@@ -128,6 +144,17 @@ class Ref:
             if self.record else None)
     return self._finish(name, rows, y, bias is not None)
 
+  def conv1d(self, x, kernel, bias=None, *, name, strides=(1,), padding="SAME",
+             dilation=(1,)):
+    y = lax.conv_general_dilated(x, kernel, strides, padding, rhs_dilation=dilation,
+                                 dimension_numbers=("NWC", "WIO", "NWC"),
+                                 precision=HIGHEST)
+    if bias is not None:
+      y = y + bias
+    rows = (brute_patches_1d(x, kernel.shape[0], strides[0], padding, dilation[0])
+            if self.record else None)
+    return self._finish(name, rows, y, bias is not None)
+
 
 class Tagged:
   """The same layers through `kd.tags` (names left to the default: the path);
@@ -142,6 +169,11 @@ class Tagged:
   def conv2d(self, x, kernel, bias=None, *, name, strides=(1, 1), padding="SAME",
              dilation=(1, 1)):
     return kd.tags.conv2d(x, kernel, bias, strides=strides, padding=padding,
+                          dilation=dilation, example_dims=self.example_dims.get(name))
+
+  def conv1d(self, x, kernel, bias=None, *, name, strides=(1,), padding="SAME",
+             dilation=(1,)):
+    return kd.tags.conv1d(x, kernel, bias, strides=strides, padding=padding,
                           dilation=dilation, example_dims=self.example_dims.get(name))
 
 
@@ -432,6 +464,56 @@ def test_conv2d_reduce_over_pixels():
   _, _, stats = capture(loss_fn)(params, x, y)
   _, bf = brute_force(lambda l, p, x: conv_net(l, p, x, cfg), params, x,
                       lambda o: ce_per_example(o, y), reduce_to={"conv": 3})
+  check_against_brute_force(stats, bf)
+
+
+CONV1D_CASES = {
+    "s1_same_bias": dict(strides=(1,), padding="SAME", dilation=(1,), bias=True),
+    "s2_same": dict(strides=(2,), padding="SAME", dilation=(1,), bias=False),
+    "s1_valid_bias": dict(strides=(1,), padding="VALID", dilation=(1,), bias=True),
+    "causal_dilated_bias": dict(strides=(1,), padding=((4, 0),), dilation=(2,), bias=True),
+    "s3_explicit": dict(strides=(3,), padding=((1, 2),), dilation=(1,), bias=False),
+}
+
+
+def conv1d_net(layers, p, x, cfg):
+  """conv1d → tanh → mean over positions → dense."""
+  h = jnp.tanh(layers.conv1d(x, p["conv"]["kernel"], p["conv"].get("bias"),
+                             name="conv", **cfg))
+  return layers.dense(h.mean(axis=1), p["dense"]["kernel"], None, name="dense")
+
+
+@pytest.mark.parametrize("example_dims", [None, 1])
+@pytest.mark.parametrize("case", list(CONV1D_CASES))
+def test_conv1d(case, example_dims):
+  """A 1-D convolution (`[N, L, C]`, kernel `(k, in, out)`): the forward pass
+  equals lax's and Flax's, the statistics brute-force 1-D im2col (every
+  position an example, or with `example_dims=1` each sequence)."""
+  cfg = dict(CONV1D_CASES[case])
+  use_bias = cfg.pop("bias")
+  kp, kx, ky = jax.random.split(jax.random.PRNGKey(8), 3)
+  params = conv_params(kp, (3, 2, 3), use_bias, classes=4)
+  x = randn(kx, (3, 10, 2))
+  y = jax.random.randint(ky, (3,), 0, 4)
+  kernel, bias = params["conv"]["kernel"], params["conv"].get("bias")
+  out = kd.tags.conv1d(x, kernel, bias, **cfg)
+  flax_conv = nn.Conv(3, kernel_size=(3,), strides=cfg["strides"], padding=cfg["padding"],
+                      kernel_dilation=cfg["dilation"], use_bias=use_bias,
+                      param_dtype=jnp.float64, precision=HIGHEST)
+  flax_vars = {"params": {"kernel": kernel, **({"bias": bias} if use_bias else {})}}
+  np.testing.assert_allclose(f64(flax_conv.apply(flax_vars, x)), f64(out),
+                             rtol=1e-10, atol=1e-10)
+
+  def loss_fn(p, x, y):
+    layers = Tagged({"conv": example_dims} if example_dims else None)
+    return kd.losses.softmax_cross_entropy(conv1d_net(layers, p, x, cfg), y)
+
+  loss, _, stats = capture(loss_fn)(params, x, y)
+  bf_loss, bf = brute_force(lambda l, p, x: conv1d_net(l, p, x, cfg), params, x,
+                            lambda o: ce_per_example(o, y),
+                            reduce_to={"conv": 3} if example_dims else None)
+  assert bf["conv"]["A"].shape == (3 * 2 + use_bias,) * 2
+  np.testing.assert_allclose(float(loss), bf_loss, rtol=1e-6)
   check_against_brute_force(stats, bf)
 
 
@@ -801,6 +883,43 @@ def test_linen_conv_drop_in(kwargs):
   x5 = x.reshape((1,) + x.shape)
   np.testing.assert_allclose(kd.linen.Conv(**kwargs).apply(flax_vars, x5),
                              nn.Conv(**kwargs).apply(flax_vars, x5), rtol=1e-5, atol=1e-5)
+
+
+CONV1D_KWARGS = [
+    dict(features=3, kernel_size=(3,)),
+    dict(features=3, kernel_size=3, strides=2, padding="VALID"),       # an int: 1-D
+    dict(features=2, kernel_size=(4,), padding="CAUSAL", kernel_dilation=2),
+    dict(features=2, kernel_size=(2,), padding=((2, 1),), use_bias=False),
+]
+
+
+@pytest.mark.parametrize("kwargs", CONV1D_KWARGS)
+def test_conv1d_drop_in_and_interception(kwargs):
+  """`kd.linen.Conv` / `kd.nnx.Conv` with one spatial axis run Flax's 1-D
+  convolution (CAUSAL padding included) and tag it `conv1d`; an unmodified
+  Flax model under capture="flax" gets the same layer and statistics."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 9, 2), jnp.float64)
+  y = jnp.array([0, 1])
+  flax_vars = _randomized(nn.Conv(**kwargs, param_dtype=jnp.float64).init(
+      jax.random.PRNGKey(1), x))
+  np.testing.assert_allclose(
+      kd.linen.Conv(**kwargs, param_dtype=jnp.float64).apply(flax_vars, x),
+      nn.Conv(**kwargs, param_dtype=jnp.float64).apply(flax_vars, x), rtol=1e-12, atol=1e-12)
+  nnx_kwargs = dict(kwargs)
+  ours, theirs = _nnx_pair(kd.nnx.Conv, nnx.Conv, 2, nnx_kwargs.pop("features"),
+                           param_dtype=jnp.float64, **nnx_kwargs)
+  np.testing.assert_allclose(ours(x), theirs(x), rtol=1e-12, atol=1e-12)
+
+  def loss_of(module):
+    return lambda p, x, y: kd.losses.softmax_cross_entropy(
+        module.apply(p, x).mean(axis=1), y)
+  plain = kd.value_and_grad(loss_of(nn.Conv(**kwargs, param_dtype=jnp.float64)),
+                            capture="flax")
+  tagged = kd.value_and_grad(loss_of(kd.linen.Conv(**kwargs, param_dtype=jnp.float64)))
+  layer, = plain.discover(flax_vars, x, y)
+  assert layer.kind == "conv1d" and layer.kernel_shape == flax_vars["params"]["kernel"].shape
+  for got, want in zip(plain(flax_vars, x, y), tagged(flax_vars, x, y)):
+    assert_trees_equal(got, want)
 
 
 def _nnx_pair(kd_cls, flax_cls, *args, **kwargs):

@@ -37,6 +37,7 @@ indexes several leading stack axes. `kd.linen` / `kd.nnx` layers inside
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -412,15 +413,83 @@ def dense_general(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None
                  g_dim=_size(out_shape))
 
 
-def _conv_padding(padding):
+def _conv_padding(tag: str, padding, spatial: int):
   if isinstance(padding, str):
     if padding.upper() not in ("SAME", "VALID"):
-      raise ValueError(f"kd.tags.conv2d supports SAME, VALID or explicit padding, "
+      raise ValueError(f"kd.tags.{tag} supports SAME, VALID or explicit padding, "
                        f"got {padding!r}")
     return padding.upper()
   if isinstance(padding, int):
-    return ((padding, padding), (padding, padding))
+    return ((padding, padding),) * spatial
   return tuple((int(lo), int(hi)) for lo, hi in padding)
+
+
+def _spatial(value, spatial: int) -> tuple[int, ...]:
+  """Strides or dilations: one int for every spatial axis, or one per axis."""
+  return (int(value),) * spatial if isinstance(value, int) else tuple(value)
+
+
+def _as_image(spatial: int, x: jax.Array, kernel_shape, strides, padding, dilation):
+  """A 1-D convolution as a 2-D one over images of height 1 (input `[N, 1, L,
+  C]`, kernel `(1, k, C, O)`): the statistics' view; a 2-D one as it is."""
+  if spatial == 2:
+    return x, tuple(kernel_shape), strides, padding, dilation
+  padding = padding if isinstance(padding, str) else ((0, 0),) + tuple(padding)
+  return (x[:, None], (1,) + tuple(kernel_shape), (1,) + strides, padding,
+          (1,) + dilation)
+
+
+def _convolution(tag: str, spatial: int, x: jax.Array, kernel: jax.Array,
+                 bias: jax.Array | None, name, strides, padding, dilation,
+                 feature_group_count: int, dtype, precision, example_dims,
+                 site) -> jax.Array:
+  """`conv1d` / `conv2d`: channels-last input `[N, *spatial, C]`, Flax's
+  kernel `(*window, in, out)`; the statistics of a 1-D one are those of the
+  same convolution over images of height 1 (`_as_image`)."""
+  if feature_group_count != 1:
+    raise ValueError(
+        f"kd.tags.{tag}: grouped/depthwise convolutions (feature_group_count="
+        f"{feature_group_count}) have no K-FAC factors here; use an untagged "
+        "convolution for this layer.")
+  layout = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC")}[spatial]
+  if x.ndim != spatial + 2 or kernel.ndim != spatial + 2:
+    raise ValueError(f"kd.tags.{tag} expects {layout[0]} inputs and {layout[1]} "
+                     f"kernels, got {x.shape} and {kernel.shape}")
+  if x.shape[-1] != kernel.shape[-2]:
+    raise ValueError(f"kd.tags.{tag}: input channels {x.shape[-1]} do not match "
+                     f"kernel {kernel.shape}")
+  _check_example_dims(tag, example_dims, spatial + 1, x.shape)
+  strides, dilation = _spatial(strides, spatial), _spatial(dilation, spatial)
+  padding = _conv_padding(tag, padding, spatial)
+
+  def apply(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None
+            ) -> jax.Array:
+    x, kernel, bias = _promote(dtype, x, kernel, bias)
+    y = lax.conv_general_dilated(
+        x, kernel, window_strides=strides, padding=padding, rhs_dilation=dilation,
+        dimension_numbers=layout, precision=precision)
+    return y if bias is None else y + bias
+
+  def patches(x: jax.Array, homogeneous: bool = False) -> jax.Array:
+    image, *geometry = _as_image(spatial, x, kernel.shape, strides, padding, dilation)
+    return factors.conv_patches(image, *geometry, homogeneous)
+
+  def stats(x: jax.Array, g: jax.Array, forms: tuple[str, str]) -> dict:
+    # A gathered patch gets its bias's 1 in the gather (`conv_patches`); a
+    # 1x1 kernel's patches are the input itself, which a 1 would copy.
+    homogeneous = bias is not None and math.prod(kernel.shape[:-2]) != 1
+    return {"A": factors.input_factor(patches(x, homogeneous),
+                                      bias is not None and not homogeneous,
+                                      forms["A"], example_dims),
+            "G": factors.output_factor(g, forms["G"], example_dims)}
+
+  def examples(x: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array, int]:
+    """Patches and cotangents; an example is an image (its pixels summed)."""
+    return patches(x), g, 1 if example_dims is None else example_dims
+
+  return _tagged(tag, name, apply, stats, x, kernel, bias, site, examples=examples,
+                 a_dim=math.prod(kernel.shape[:-1]) + (bias is not None),
+                 g_dim=kernel.shape[-1])
 
 
 def conv2d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
@@ -440,47 +509,27 @@ def conv2d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
   the tag applies block `kernel[stack_index]` (see the module docstring).
   """
   kernel, bias, site = _block_of(kernel, bias, stack_index, _site)
-  if feature_group_count != 1:
-    raise ValueError(
-        f"kd.tags.conv2d: grouped/depthwise convolutions (feature_group_count="
-        f"{feature_group_count}) have no K-FAC factors here; use an untagged "
-        "convolution for this layer.")
-  if x.ndim != 4 or kernel.ndim != 4:
-    raise ValueError(f"kd.tags.conv2d expects NHWC inputs and HWIO kernels, got "
-                     f"{x.shape} and {kernel.shape}")
-  if x.shape[-1] != kernel.shape[2]:
-    raise ValueError(f"kd.tags.conv2d: input channels {x.shape[-1]} do not match "
-                     f"kernel {kernel.shape}")
-  _check_example_dims("conv2d", example_dims, 3, x.shape)
-  strides, dilation = tuple(strides), tuple(dilation)
-  padding = _conv_padding(padding)
+  return _convolution("conv2d", 2, x, kernel, bias, name, strides, padding, dilation,
+                      feature_group_count, dtype, precision, example_dims, site)
 
-  def apply(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None
-            ) -> jax.Array:
-    x, kernel, bias = _promote(dtype, x, kernel, bias)
-    y = lax.conv_general_dilated(
-        x, kernel, window_strides=strides, padding=padding, rhs_dilation=dilation,
-        dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=precision)
-    return y if bias is None else y + bias
 
-  def stats(x: jax.Array, g: jax.Array, forms: tuple[str, str]) -> dict:
-    # A gathered patch gets its bias's 1 in the gather (`conv_patches`); a
-    # 1x1 kernel's patches are the input itself, which a 1 would copy.
-    homogeneous = bias is not None and kernel.shape[:2] != (1, 1)
-    patches = factors.conv_patches(x, kernel.shape, strides, padding, dilation,
-                                   homogeneous)
-    return {"A": factors.input_factor(patches, bias is not None and not homogeneous,
-                                      forms["A"], example_dims),
-            "G": factors.output_factor(g, forms["G"], example_dims)}
+def conv1d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
+           name: str | None = None, strides: int | Sequence[int] = (1,),
+           padding: str | Sequence[tuple[int, int]] = "SAME",
+           dilation: int | Sequence[int] = (1,), feature_group_count: int = 1,
+           dtype: Any = None, precision=None, example_dims: int | None = None,
+           stack_index=None, _site=None) -> jax.Array:
+  """1-D convolution, NWC input `[N, L, C]` and Flax's WIO kernel `(k, in,
+  out)` (sequences: audio, text, time series).
 
-  def examples(x: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array, int]:
-    """Patches and cotangents; an example is an image (its pixels summed)."""
-    patches = factors.conv_patches(x, kernel.shape, strides, padding, dilation)
-    return patches, g, 1 if example_dims is None else example_dims
-
-  kh, kw, cin, cout = kernel.shape
-  return _tagged("conv2d", name, apply, stats, x, kernel, bias, site, examples=examples,
-                 a_dim=kh * kw * cin + (bias is not None), g_dim=cout)
+  Captured as `conv2d` over images of height 1: `A` from the `[k·in(+1)]`
+  patches of every output position, `G` from the output cotangents there;
+  every position is an example unless `example_dims=1` (one example per
+  sequence). `stack_index` as for `conv2d`.
+  """
+  kernel, bias, site = _block_of(kernel, bias, stack_index, _site)
+  return _convolution("conv1d", 1, x, kernel, bias, name, strides, padding, dilation,
+                      feature_group_count, dtype, precision, example_dims, site)
 
 
 def embed(ids: jax.Array, table: jax.Array, *, name: str | None = None,

@@ -24,22 +24,28 @@ def _pair(x, n: int) -> tuple[int, ...]:
 
 def conv_config(kernel_size, strides, padding, input_dilation, kernel_dilation,
                 feature_group_count, mask, extra_reason: str | None = None):
-  """`(strides, padding, dilation)` for `kd.tags.conv2d`, or a reason string."""
+  """`(spatial, strides, padding, dilation)` for `kd.tags.conv1d` (spatial 1)
+  or `conv2d` (2), or a reason string. `CAUSAL` padding (1-D) becomes Flax's
+  explicit `(dilation·(k − 1), 0)`."""
   kernel_size = _pair(kernel_size, 1)
-  if len(kernel_size) != 2:
-    return f"{len(kernel_size)}-D convolution (only 2-D is tagged)"
+  spatial = len(kernel_size)
+  if spatial not in (1, 2):
+    return f"{spatial}-D convolution (1-D and 2-D are tagged)"
   if feature_group_count != 1:
     return f"grouped/depthwise convolution (feature_group_count={feature_group_count})"
   if mask is not None:
     return "masked kernel"
-  if _pair(input_dilation, 2) != (1, 1):
+  if _pair(input_dilation, spatial) != (1,) * spatial:
     return "input dilation"
   if extra_reason:
     return extra_reason
-  padding = canonicalize_padding(padding, 2)
+  dilation = _pair(kernel_dilation, spatial)
+  if spatial == 1 and isinstance(padding, str) and padding.upper() == "CAUSAL":
+    padding = (((kernel_size[0] - 1) * dilation[0], 0),)
+  padding = canonicalize_padding(padding, spatial)
   if isinstance(padding, str) and padding not in ("SAME", "VALID"):
     return f"{padding} padding"
-  return _pair(strides, 2), padding, _pair(kernel_dilation, 2)
+  return spatial, _pair(strides, spatial), padding, dilation
 
 
 def untagged(layer: str, reason: str, where: str, fallback: Callable[[], Any]) -> Any:
@@ -51,7 +57,12 @@ def untagged(layer: str, reason: str, where: str, fallback: Callable[[], Any]) -
   return fallback()
 
 
-def flatten_batch(inputs, spatial: int = 2):
+def kernel_window(kernel_size) -> tuple[int, ...]:
+  """Flax's `kernel_size` as a tuple (an int is one spatial axis, as in Flax)."""
+  return (kernel_size,) if isinstance(kernel_size, int) else tuple(kernel_size)
+
+
+def flatten_batch(inputs, spatial: int):
   """Flattens all batch axes into one (as Flax's Conv does); returns the undo."""
   batch_dims = inputs.ndim - (spatial + 1)
   if batch_dims == 1:

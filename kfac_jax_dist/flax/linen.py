@@ -71,7 +71,7 @@ def dense(module: nn.Dense, inputs, fallback: Fallback):
 
 
 def conv(module: nn.Conv, inputs, fallback: Fallback):
-  """`nn.Conv.__call__` (2-D), tagged with `kd.tags.conv2d`."""
+  """`nn.Conv.__call__` (1-D or 2-D), tagged with `kd.tags.conv1d` / `conv2d`."""
   custom = (module.conv_general_dilated is not None
             or module.conv_general_dilated_cls is not None or not module.shared_weights)
   config = _flax_common.conv_config(
@@ -80,18 +80,18 @@ def conv(module: nn.Conv, inputs, fallback: Fallback):
       "a custom or unshared convolution" if custom else None)
   if isinstance(config, str):
     return _flax_common.untagged("Conv", config, where(module), fallback)
-  strides, padding, dilation = config
-  inputs, restore = _flax_common.flatten_batch(inputs)
-  kernel_size = tuple(module.kernel_size) if not isinstance(module.kernel_size, int) else (
-      module.kernel_size,) * 2
+  spatial, strides, padding, dilation = config
+  inputs, restore = _flax_common.flatten_batch(inputs, spatial)
+  kernel_size = _flax_common.kernel_window(module.kernel_size)
   kernel = module.param("kernel", module.kernel_init,
                         kernel_size + (inputs.shape[-1], module.features), module.param_dtype)
   bias = (module.param("bias", module.bias_init, (module.features,), module.param_dtype)
           if module.use_bias else None)
-  y = tags.conv2d(inputs, kernel, bias, strides=strides, padding=padding,
-                  dilation=dilation, dtype=module.dtype, precision=module.precision,
-                  example_dims=_example_dims(module),
-                  _site=stacking.linen_site(module, kernel, bias, "kernel", "bias"))
+  tag = tags.conv1d if spatial == 1 else tags.conv2d
+  y = tag(inputs, kernel, bias, strides=strides, padding=padding,
+          dilation=dilation, dtype=module.dtype, precision=module.precision,
+          example_dims=_example_dims(module),
+          _site=stacking.linen_site(module, kernel, bias, "kernel", "bias"))
   return restore(y)
 
 

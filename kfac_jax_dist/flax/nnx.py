@@ -117,7 +117,7 @@ def linear(module: nnx.Linear, inputs, out_sharding, fallback: Fallback):
 
 
 def conv(module: nnx.Conv, inputs, out_sharding, fallback: Fallback):
-  """`nnx.Conv.__call__` (2-D), tagged with `kd.tags.conv2d`."""
+  """`nnx.Conv.__call__` (1-D or 2-D), tagged with `kd.tags.conv1d` / `conv2d`."""
   custom = (module.conv_general_dilated is not lax.conv_general_dilated
             or out_sharding is not None
             or getattr(module, "preferred_element_type", None) is not None)
@@ -127,12 +127,13 @@ def conv(module: nnx.Conv, inputs, out_sharding, fallback: Fallback):
       "a custom convolution or output sharding" if custom else None)
   if isinstance(config, str):
     return _untagged("Conv", config, module, "kernel", fallback)
-  strides, padding, dilation = config
-  inputs, restore = _flax_common.flatten_batch(inputs)
+  spatial, strides, padding, dilation = config
+  inputs, restore = _flax_common.flatten_batch(inputs, spatial)
   kernel, bias, site = stacking.nnx_site(module.kernel, module.bias)
-  y = tags.conv2d(inputs, kernel, bias, strides=strides, padding=padding,
-                  dilation=dilation, dtype=module.dtype, precision=module.precision,
-                  example_dims=_example_dims(module), _site=site)
+  tag = tags.conv1d if spatial == 1 else tags.conv2d
+  y = tag(inputs, kernel, bias, strides=strides, padding=padding,
+          dilation=dilation, dtype=module.dtype, precision=module.precision,
+          example_dims=_example_dims(module), _site=site)
   return restore(y)
 
 
