@@ -439,3 +439,48 @@ def test_checkpoint_round_trip(tmp_path):
   restored = kd.restore_checkpoint(tmp_path / "ekfac", tx.init(params))
   for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+class _SequenceConv(nn.Module):
+  """A strided 1-D convolution over sequences, or the same one written as a
+  2-D convolution over images of height 1 (`as_image`)."""
+
+  as_image: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    if self.as_image:
+      conv = kd.linen.Conv(5, (1, 3), strides=(1, 2), param_dtype=jnp.float64, name="c")
+      h = conv(x[:, None])[:, 0]
+    else:
+      h = kd.linen.Conv(5, (3,), strides=2, param_dtype=jnp.float64, name="c")(x)
+    return kd.linen.Dense(4, param_dtype=jnp.float64, name="d")(jnp.tanh(h).mean(1))
+
+
+@pytest.mark.parametrize("correction", [None, "ekfac"])
+def test_conv1d_steps_equal_the_height_one_conv2d(correction):
+  """K-FAC and EK-FAC (`S` from each sequence's patches) steps of a 1-D
+  convolution equal those of the same convolution as a height-1 2-D one."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (8, 12, 3), jnp.float64)
+  y = jnp.arange(8) % 4
+  params = _SequenceConv().init(jax.random.PRNGKey(1), x)
+  image_params = jax.tree.map(lambda a: a, params)
+  image_params["params"]["c"]["kernel"] = params["params"]["c"]["kernel"][None]
+  runs = []
+  for model, p in ((_SequenceConv(), params), (_SequenceConv(True), image_params)):
+    grad_fn = kd.value_and_grad(
+        lambda p, x, y, model=model: kd.losses.softmax_cross_entropy(model.apply(p, x), y))
+    tx = kd.kfac(0.1, layers=grad_fn.discover(p, x, y), eigenvalue_correction=correction,
+                 factor_dtype=jnp.float64, damping=LAMBDA)
+    state = tx.init(p)
+
+    @jax.jit
+    def step(p, state, grad_fn=grad_fn, tx=tx):
+      _, grads, stats = grad_fn(p, x, y, opt_state=state)
+      updates, state = tx.update(grads, state, p, kfac_stats=stats)
+      return optax.apply_updates(p, updates), state
+    for _ in range(3):
+      p, state = step(p, state)
+    runs.append(p)
+  runs[1]["params"]["c"]["kernel"] = runs[1]["params"]["c"]["kernel"][0]
+  helpers.assert_trees_equal(runs[0], runs[1])
