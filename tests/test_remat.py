@@ -32,16 +32,10 @@ import kfac_jax_dist as kd
 
 import helpers
 
+pytestmark = pytest.mark.usefixtures("x64_module")
+
 D, C, B, BLOCKS = 6, 4, 16, 2
 F64 = jnp.float64
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _enable_x64():
-  previous = jax.config.jax_enable_x64
-  jax.config.update("jax_enable_x64", True)
-  yield
-  jax.config.update("jax_enable_x64", previous)
 
 
 def _batch():
