@@ -116,6 +116,8 @@ def test_kfac_types_are_validated():
     _kfac(skip="out")                       # a string would be read as characters
   with pytest.raises(TypeError, match=r"skip must be a sequence .*\(\) for none.*None"):
     _kfac(skip=None)
+  with pytest.raises(ValueError, match=r"skip: 'Dense_\[0' is not a regular expression"):
+    _kfac(skip=["Dense_[0"])
   with pytest.raises(TypeError, match="distribution must be a kd.Distribution"):
     _kfac(distribution="comm")
   with pytest.raises(ValueError, match="learning_rate must be finite and >= 0|"

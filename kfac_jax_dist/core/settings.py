@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import jax
@@ -97,6 +98,11 @@ def check_patterns(name: str, patterns: Any) -> tuple[str, ...]:
       or not all(isinstance(p, str) for p in patterns)):
     raise TypeError(f"{name} must be a sequence of regular expressions (e.g. "
                     f"[\"head\"], or () for none), got {patterns!r}")
+  for pattern in patterns:
+    try:
+      re.compile(pattern)
+    except re.error as error:
+      raise ValueError(f"{name}: {pattern!r} is not a regular expression ({error}).") from None
   return tuple(patterns)
 
 
