@@ -108,6 +108,27 @@ def brute_patches_1d(x, k, stride, padding, dilation):
   return out
 
 
+def brute_patches_3d(x, size, strides, padding, dilation):
+  """3-D im2col with explicit loops: `[B, Do, Ho, Wo, kd*kh*kw*C]`, features
+  (kd, kh, kw, C)."""
+  x = f64(x)
+  b, *spatial, c = x.shape
+  pads = [explicit_conv_padding(n, k, s, d, padding) if isinstance(padding, str)
+          else tuple(p) for n, k, s, d, p in zip(spatial, size, strides, dilation,
+                                                 padding if not isinstance(padding, str)
+                                                 else [padding] * 3)]
+  xp = np.pad(x, [(0, 0)] + pads + [(0, 0)])
+  out = [(xp.shape[1 + i] - ((size[i] - 1) * dilation[i] + 1)) // strides[i] + 1
+         for i in range(3)]
+  patches = np.zeros((b, *out, int(np.prod(size)) * c))
+  for n in range(b):
+    for o in np.ndindex(*out):
+      patches[(n, *o)] = [
+          xp[(n,) + tuple(o[i] * strides[i] + w[i] * dilation[i] for i in range(3)) + (ch,)]
+          for w in np.ndindex(*size) for ch in range(c)]
+  return patches
+
+
 class Ref:
   """Plain-jnp layers: record each layer's input rows `a_p` and output, and add a
   perturbation `eps[name]` to the output (to differentiate w.r.t. it)."""
@@ -517,6 +538,56 @@ def test_conv1d(case, example_dims):
   check_against_brute_force(stats, bf)
 
 
+@pytest.mark.parametrize("strides,padding,dilation,use_bias", [
+    ((1, 1, 1), "SAME", (1, 1, 1), True),
+    ((2, 1, 2), "VALID", (1, 1, 1), False),
+    ((1, 2, 1), ((1, 0), (0, 1), (2, 1)), (2, 1, 1), True),
+])
+def test_conv3d(strides, padding, dilation, use_bias):
+  """A 3-D convolution (NDHWC, kernel `(kd, kh, kw, in, out)`): forward as
+  Flax's, `A` the brute-force 3-D im2col patches' second moment, `G` the
+  output cotangents' (every output voxel a position)."""
+  kp, kx, ky = jax.random.split(jax.random.PRNGKey(9), 3)
+  params = conv_params(kp, (2, 3, 2, 2, 3), use_bias, classes=4)
+  x = randn(kx, (2, 4, 5, 4, 2))
+  y = jax.random.randint(ky, (2,), 0, 4)
+  cfg = dict(strides=strides, padding=padding, dilation=dilation)
+  kernel, bias = params["conv"]["kernel"], params["conv"].get("bias")
+  flax_conv = nn.Conv(3, kernel_size=(2, 3, 2), strides=strides, padding=padding,
+                      kernel_dilation=dilation, use_bias=use_bias,
+                      param_dtype=jnp.float64, precision=HIGHEST)
+  flax_vars = {"params": {"kernel": kernel, **({"bias": bias} if use_bias else {})}}
+  out = kd.tags.conv3d(x, kernel, bias, **cfg)
+  np.testing.assert_allclose(f64(flax_conv.apply(flax_vars, x)), f64(out),
+                             rtol=1e-10, atol=1e-10)
+
+  def net(p, x):
+    h = jnp.tanh(kd.tags.conv3d(x, p["conv"]["kernel"], p["conv"].get("bias"), **cfg))
+    return kd.tags.dense(h.mean(axis=(1, 2, 3)), p["dense"]["kernel"])
+
+  _, grads, stats = capture(lambda p, x, y: kd.losses.softmax_cross_entropy(net(p, x), y))(
+      params, x, y)
+  rows = brute_patches_3d(x, (2, 3, 2), strides, padding, dilation)
+  rows = rows.reshape(-1, rows.shape[-1])
+  if use_bias:
+    rows = np.concatenate([rows, np.ones((rows.shape[0], 1))], axis=1)
+
+  conv_out = lax.conv_general_dilated(x, kernel, strides, padding, rhs_dilation=dilation,
+                                      precision=HIGHEST,
+                                      dimension_numbers=("NDHWC", "DHWIO", "NDHWC"))
+  conv_out = conv_out + (bias if use_bias else 0)
+
+  def with_eps(eps):                  # the output perturbed: ∂ℓ_e/∂s_p by jacrev
+    h = jnp.tanh(conv_out + eps)
+    return h.mean(axis=(1, 2, 3)) @ params["dense"]["kernel"]
+
+  jac = f64(jax.jacrev(lambda e: ce_per_example(with_eps(e), y))(jnp.zeros_like(conv_out)))
+  g = jac.sum(0).reshape(-1, 3)
+  assert_factor_close(stats["conv"]["A"], rows.T @ rows / rows.shape[0], "A of conv3d")
+  assert_factor_close(stats["conv"]["G"], g.T @ g / x.shape[0], "G of conv3d")
+  assert set(grads["conv"]) == set(params["conv"])
+
+
 # ---------------------------------------------------------------------------
 # 3. Gradients equal jax.value_and_grad's.
 # ---------------------------------------------------------------------------
@@ -885,20 +956,25 @@ def test_linen_conv_drop_in(kwargs):
                              nn.Conv(**kwargs).apply(flax_vars, x5), rtol=1e-5, atol=1e-5)
 
 
-CONV1D_KWARGS = [
+CONV_ND_KWARGS = [
     dict(features=3, kernel_size=(3,)),
     dict(features=3, kernel_size=3, strides=2, padding="VALID"),       # an int: 1-D
     dict(features=2, kernel_size=(4,), padding="CAUSAL", kernel_dilation=2),
     dict(features=2, kernel_size=(2,), padding=((2, 1),), use_bias=False),
+    dict(features=2, kernel_size=(2, 3, 2), strides=(1, 2, 1)),
+    dict(features=3, kernel_size=(3, 1, 2), padding="VALID", kernel_dilation=(1, 1, 2)),
 ]
 
 
-@pytest.mark.parametrize("kwargs", CONV1D_KWARGS)
-def test_conv1d_drop_in_and_interception(kwargs):
-  """`kd.linen.Conv` / `kd.nnx.Conv` with one spatial axis run Flax's 1-D
-  convolution (CAUSAL padding included) and tag it `conv1d`; an unmodified
-  Flax model under capture="flax" gets the same layer and statistics."""
-  x = jax.random.normal(jax.random.PRNGKey(0), (2, 9, 2), jnp.float64)
+@pytest.mark.parametrize("kwargs", CONV_ND_KWARGS)
+def test_conv1d_conv3d_drop_in_and_interception(kwargs):
+  """`kd.linen.Conv` / `kd.nnx.Conv` with one or three spatial axes run
+  Flax's convolution (1-D CAUSAL padding included) and tag it `conv1d` /
+  `conv3d`; an unmodified Flax model under capture="flax" gets the same
+  layer and statistics."""
+  spatial = 1 if isinstance(kwargs["kernel_size"], int) else len(kwargs["kernel_size"])
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 9, 2) if spatial == 1 else (2, 4, 6, 5, 2),
+                        jnp.float64)
   y = jnp.array([0, 1])
   flax_vars = _randomized(nn.Conv(**kwargs, param_dtype=jnp.float64).init(
       jax.random.PRNGKey(1), x))
@@ -912,12 +988,13 @@ def test_conv1d_drop_in_and_interception(kwargs):
 
   def loss_of(module):
     return lambda p, x, y: kd.losses.softmax_cross_entropy(
-        module.apply(p, x).mean(axis=1), y)
+        module.apply(p, x).mean(axis=tuple(range(1, 1 + spatial))), y)
   plain = kd.value_and_grad(loss_of(nn.Conv(**kwargs, param_dtype=jnp.float64)),
                             capture="flax")
   tagged = kd.value_and_grad(loss_of(kd.linen.Conv(**kwargs, param_dtype=jnp.float64)))
   layer, = plain.discover(flax_vars, x, y)
-  assert layer.kind == "conv1d" and layer.kernel_shape == flax_vars["params"]["kernel"].shape
+  assert layer.kind == f"conv{spatial}d"
+  assert layer.kernel_shape == flax_vars["params"]["kernel"].shape
   for got, want in zip(plain(flax_vars, x, y), tagged(flax_vars, x, y)):
     assert_trees_equal(got, want)
 

@@ -7,7 +7,8 @@ factors `A` (inputs, bias folded in) and `G` (outputs). The registry is static
 
 Kinds and the statistics `kd.value_and_grad` returns for them (see `factors`):
 
-* "dense" (also `kd.tags.dense_general`), "conv1d", "conv2d": `{"A": [a, a], "G": [g, g]}`
+* "dense" (also `kd.tags.dense_general`), "conv1d", "conv2d", "conv3d":
+  `{"A": [a, a], "G": [g, g]}`
   (either may be a diagonal `[d]` when the optimizer asks for one);
 * "embed": `{"A": [V], "G": [d, d]}`; `A` is diagonal by construction
   (`a_diagonal=True`): the token frequencies of the vocabulary rows;
@@ -70,7 +71,7 @@ class TaggedLayer:
   """
 
   name: str
-  kind: str                 # "dense" | "conv1d" | "conv2d" | "embed" | "scale_and_shift"
+  kind: str                 # "dense" | "conv1d|2d|3d" | "embed" | "scale_and_shift"
   kernel_path: str          # path_str of the kernel leaf
   bias_path: str | None
   kernel_shape: tuple[int, ...]

@@ -184,50 +184,48 @@ def output_factor(g: jax.Array, form: str = FULL,
 
 def conv_patches(x: jax.Array, kernel_shape, strides, padding, dilation,
                  homogeneous: bool = False) -> jax.Array:
-  """im2col patches of an NHWC input, features ordered like `kernel.reshape(-1, O)`;
-  `homogeneous`: with a last feature of ones, the bias's input (`[x, 1]`).
+  """im2col patches of a channels-last input `[B, *spatial, C]` (NWC, NHWC,
+  NDHWC), features ordered like `kernel.reshape(-1, O)`; `homogeneous`: with
+  a last feature of ones, the bias's input (`[x, 1]`).
 
-  Flax's HWIO kernel flattens as `(kh, kw, C)`, so the patch of an output pixel
-  is its receptive field in the padded input, `[kh, kw, C]` flattened (with a
-  dilation, every `d`-th pixel of the dilated window): `patches @
-  kernel.reshape(-1, O)` is the convolution (a 1x1 kernel's are the input, no
-  copy when unstrided). Otherwise one gather copies the windows,
-  starting at `(oh·s_h, ow·s_w)`, straight into `[B, oh, ow, kh, kw, C]`: pure
-  data movement in one kernel, which also writes the column of ones (a
-  biased layer's `A` is then one matmul of the patches, not a matmul, a
-  mean and a block assembly: 5 fewer kernels per conv layer to compile).
-  (`kh·kw` strided slices and a concatenation
-  run 3% faster on XLA:CPU but take ten times longer to compile, as long as
-  the rest of the capture; `lax.conv_general_dilated_patches` builds the
-  patches with a grouped convolution against a one-hot kernel, which XLA's CPU
-  backend runs as slowly as the factor's matmul itself.)
+  Flax's kernel `(*window, C, O)` flattens as `(*window, C)`, so the patch of
+  an output position is its receptive field in the padded input, `[*window,
+  C]` flattened (with a dilation, every `d`-th position of the dilated
+  window): `patches @ kernel.reshape(-1, O)` is the convolution (a 1x1
+  kernel's are the input, no copy when unstrided). Otherwise one gather
+  copies the windows, starting at `(o₁·s₁, o₂·s₂, ...)`, straight into `[B,
+  *out, *window, C]`: pure data movement in one kernel.
+  (`kh·kw` strided slices and a concatenation run 3% faster on XLA:CPU but
+  take ten times longer to compile, as long as the rest of the capture;
+  `lax.conv_general_dilated_patches` builds the patches with a grouped
+  convolution against a one-hot kernel, which XLA's CPU backend runs as
+  slowly as the factor's matmul itself.)
   """
-  kh, kw = kernel_shape[0], kernel_shape[1]
-  (sh, sw), (dh, dw) = tuple(strides), tuple(dilation)
-  window = ((kh - 1) * dh + 1, (kw - 1) * dw + 1)
+  n = x.ndim - 2
+  size, strides, dilation = tuple(kernel_shape[:n]), tuple(strides), tuple(dilation)
+  window = tuple((k - 1) * d + 1 for k, d in zip(size, dilation))
   if isinstance(padding, str):
-    padding = lax.padtype_to_pads(x.shape[1:3], window, (sh, sw), padding)
-  (top, bottom), (left, right) = padding
+    padding = lax.padtype_to_pads(x.shape[1:1 + n], window, strides, padding)
   x = lax.pad(x, jnp.zeros((), x.dtype),
-              ((0, 0, 0), (top, bottom, 0), (left, right, 0), (0, 0, 0)))
-  batch, height, width, channels = x.shape
-  out_h = (height - window[0]) // sh + 1
-  out_w = (width - window[1]) // sw + 1
-  if kh == kw == 1:               # a 1x1 kernel's patches are the (strided) input
-    patches = lax.slice(x, (0, 0, 0, 0), (batch, (out_h - 1) * sh + 1,
-                                          (out_w - 1) * sw + 1, channels), (1, sh, sw, 1))
+              ((0, 0, 0),) + tuple((lo, hi, 0) for lo, hi in padding) + ((0, 0, 0),))
+  batch, *padded, channels = x.shape
+  out = tuple((p - w) // s + 1 for p, w, s in zip(padded, window, strides))
+  if all(k == 1 for k in size):     # a 1x1 kernel's patches are the (strided) input
+    patches = lax.slice(x, (0,) * (n + 2),
+                        (batch,) + tuple((o - 1) * s + 1 for o, s in zip(out, strides))
+                        + (channels,), (1,) + strides + (1,))
     return _with_ones(patches) if homogeneous else patches
-  starts = jnp.stack(jnp.meshgrid(jnp.arange(out_h) * sh, jnp.arange(out_w) * sw,
-                                  indexing="ij"), axis=-1)          # [oh, ow, 2]
+  starts = jnp.stack(jnp.meshgrid(*(jnp.arange(o) * s for o, s in zip(out, strides)),
+                                  indexing="ij"), axis=-1)          # [*out, n]
   windows = lax.gather(
-      x, starts, lax.GatherDimensionNumbers(offset_dims=(0, 3, 4, 5),
+      x, starts, lax.GatherDimensionNumbers(offset_dims=(0,) + tuple(range(n + 1, 2 * n + 2)),
                                             collapsed_slice_dims=(),
-                                            start_index_map=(1, 2)),
+                                            start_index_map=tuple(range(1, n + 1))),
       slice_sizes=(batch, *window, channels),
-      mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)   # [B, oh, ow, *window, C]
-  if (dh, dw) != (1, 1):
-    windows = windows[:, :, :, ::dh, ::dw]
-  patches = windows.reshape(batch, out_h, out_w, kh * kw * channels)
+      mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)   # [B, *out, *window, C]
+  if any(d != 1 for d in dilation):
+    windows = windows[(slice(None),) * (n + 1) + tuple(slice(None, None, d) for d in dilation)]
+  patches = windows.reshape((batch,) + out + (math.prod(size) * channels,))
   return _with_ones(patches) if homogeneous else patches
 
 

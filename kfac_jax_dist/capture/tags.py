@@ -429,29 +429,20 @@ def _spatial(value, spatial: int) -> tuple[int, ...]:
   return (int(value),) * spatial if isinstance(value, int) else tuple(value)
 
 
-def _as_image(spatial: int, x: jax.Array, kernel_shape, strides, padding, dilation):
-  """A 1-D convolution as a 2-D one over images of height 1 (input `[N, 1, L,
-  C]`, kernel `(1, k, C, O)`): the statistics' view; a 2-D one as it is."""
-  if spatial == 2:
-    return x, tuple(kernel_shape), strides, padding, dilation
-  padding = padding if isinstance(padding, str) else ((0, 0),) + tuple(padding)
-  return (x[:, None], (1,) + tuple(kernel_shape), (1,) + strides, padding,
-          (1,) + dilation)
-
-
 def _convolution(tag: str, spatial: int, x: jax.Array, kernel: jax.Array,
                  bias: jax.Array | None, name, strides, padding, dilation,
                  feature_group_count: int, dtype, precision, example_dims,
                  site) -> jax.Array:
-  """`conv1d` / `conv2d`: channels-last input `[N, *spatial, C]`, Flax's
-  kernel `(*window, in, out)`; the statistics of a 1-D one are those of the
-  same convolution over images of height 1 (`_as_image`)."""
+  """`conv1d` / `conv2d` / `conv3d`: channels-last input `[N, *spatial, C]`,
+  Flax's kernel `(*window, in, out)`; `A` from the im2col patches
+  (`factors.conv_patches`), `G` from the output cotangents."""
   if feature_group_count != 1:
     raise ValueError(
         f"kd.tags.{tag}: grouped/depthwise convolutions (feature_group_count="
         f"{feature_group_count}) have no K-FAC factors here; use an untagged "
         "convolution for this layer.")
-  layout = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC")}[spatial]
+  layout = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC"),
+            3: ("NDHWC", "DHWIO", "NDHWC")}[spatial]
   if x.ndim != spatial + 2 or kernel.ndim != spatial + 2:
     raise ValueError(f"kd.tags.{tag} expects {layout[0]} inputs and {layout[1]} "
                      f"kernels, got {x.shape} and {kernel.shape}")
@@ -471,8 +462,7 @@ def _convolution(tag: str, spatial: int, x: jax.Array, kernel: jax.Array,
     return y if bias is None else y + bias
 
   def patches(x: jax.Array, homogeneous: bool = False) -> jax.Array:
-    image, *geometry = _as_image(spatial, x, kernel.shape, strides, padding, dilation)
-    return factors.conv_patches(image, *geometry, homogeneous)
+    return factors.conv_patches(x, kernel.shape, strides, padding, dilation, homogeneous)
 
   def stats(x: jax.Array, g: jax.Array, forms: tuple[str, str]) -> dict:
     # A gathered patch gets its bias's 1 in the gather (`conv_patches`); a
@@ -522,13 +512,32 @@ def conv1d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
   """1-D convolution, NWC input `[N, L, C]` and Flax's WIO kernel `(k, in,
   out)` (sequences: audio, text, time series).
 
-  Captured as `conv2d` over images of height 1: `A` from the `[k·in(+1)]`
-  patches of every output position, `G` from the output cotangents there;
-  every position is an example unless `example_dims=1` (one example per
-  sequence). `stack_index` as for `conv2d`.
+  As `conv2d` along one axis: `A` from the `[k·in(+1)]` patches of every
+  output position, `G` from the output cotangents there; every position is
+  an example unless `example_dims=1` (one example per sequence).
+  `stack_index` as for `conv2d`.
   """
   kernel, bias, site = _block_of(kernel, bias, stack_index, _site)
   return _convolution("conv1d", 1, x, kernel, bias, name, strides, padding, dilation,
+                      feature_group_count, dtype, precision, example_dims, site)
+
+
+def conv3d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
+           name: str | None = None, strides: int | Sequence[int] = (1, 1, 1),
+           padding: str | Sequence[tuple[int, int]] = "SAME",
+           dilation: int | Sequence[int] = (1, 1, 1), feature_group_count: int = 1,
+           dtype: Any = None, precision=None, example_dims: int | None = None,
+           stack_index=None, _site=None) -> jax.Array:
+  """3-D convolution, NDHWC input `[N, D, H, W, C]` and Flax's DHWIO kernel
+  `(kd, kh, kw, in, out)` (video, volumes).
+
+  As `conv2d` over three axes: `A` from the `[kd·kh·kw·in(+1)]` patches of
+  every output voxel, `G` from the output cotangents there; every voxel is
+  an example unless `example_dims=1` (one example per volume).
+  `stack_index` as for `conv2d`.
+  """
+  kernel, bias, site = _block_of(kernel, bias, stack_index, _site)
+  return _convolution("conv3d", 3, x, kernel, bias, name, strides, padding, dilation,
                       feature_group_count, dtype, precision, example_dims, site)
 
 

@@ -24,13 +24,13 @@ def _pair(x, n: int) -> tuple[int, ...]:
 
 def conv_config(kernel_size, strides, padding, input_dilation, kernel_dilation,
                 feature_group_count, mask, extra_reason: str | None = None):
-  """`(spatial, strides, padding, dilation)` for `kd.tags.conv1d` (spatial 1)
-  or `conv2d` (2), or a reason string. `CAUSAL` padding (1-D) becomes Flax's
-  explicit `(dilation·(k − 1), 0)`."""
+  """`(spatial, strides, padding, dilation)` for `kd.tags.conv1d`, `conv2d` or
+  `conv3d` (spatial 1, 2, 3), or a reason string. `CAUSAL` padding (1-D)
+  becomes Flax's explicit `(dilation·(k − 1), 0)`."""
   kernel_size = _pair(kernel_size, 1)
   spatial = len(kernel_size)
-  if spatial not in (1, 2):
-    return f"{spatial}-D convolution (1-D and 2-D are tagged)"
+  if spatial not in (1, 2, 3):
+    return f"{spatial}-D convolution (1-D, 2-D and 3-D are tagged)"
   if feature_group_count != 1:
     return f"grouped/depthwise convolution (feature_group_count={feature_group_count})"
   if mask is not None:

@@ -71,7 +71,8 @@ def dense(module: nn.Dense, inputs, fallback: Fallback):
 
 
 def conv(module: nn.Conv, inputs, fallback: Fallback):
-  """`nn.Conv.__call__` (1-D or 2-D), tagged with `kd.tags.conv1d` / `conv2d`."""
+  """`nn.Conv.__call__` (1-D, 2-D or 3-D), tagged with `kd.tags.conv1d` /
+  `conv2d` / `conv3d`."""
   custom = (module.conv_general_dilated is not None
             or module.conv_general_dilated_cls is not None or not module.shared_weights)
   config = _flax_common.conv_config(
@@ -87,7 +88,7 @@ def conv(module: nn.Conv, inputs, fallback: Fallback):
                         kernel_size + (inputs.shape[-1], module.features), module.param_dtype)
   bias = (module.param("bias", module.bias_init, (module.features,), module.param_dtype)
           if module.use_bias else None)
-  tag = tags.conv1d if spatial == 1 else tags.conv2d
+  tag = {1: tags.conv1d, 2: tags.conv2d, 3: tags.conv3d}[spatial]
   y = tag(inputs, kernel, bias, strides=strides, padding=padding,
           dilation=dilation, dtype=module.dtype, precision=module.precision,
           example_dims=_example_dims(module),

@@ -117,7 +117,8 @@ def linear(module: nnx.Linear, inputs, out_sharding, fallback: Fallback):
 
 
 def conv(module: nnx.Conv, inputs, out_sharding, fallback: Fallback):
-  """`nnx.Conv.__call__` (1-D or 2-D), tagged with `kd.tags.conv1d` / `conv2d`."""
+  """`nnx.Conv.__call__` (1-D, 2-D or 3-D), tagged with `kd.tags.conv1d` /
+  `conv2d` / `conv3d`."""
   custom = (module.conv_general_dilated is not lax.conv_general_dilated
             or out_sharding is not None
             or getattr(module, "preferred_element_type", None) is not None)
@@ -130,7 +131,7 @@ def conv(module: nnx.Conv, inputs, out_sharding, fallback: Fallback):
   spatial, strides, padding, dilation = config
   inputs, restore = _flax_common.flatten_batch(inputs, spatial)
   kernel, bias, site = stacking.nnx_site(module.kernel, module.bias)
-  tag = tags.conv1d if spatial == 1 else tags.conv2d
+  tag = {1: tags.conv1d, 2: tags.conv2d, 3: tags.conv3d}[spatial]
   y = tag(inputs, kernel, bias, strides=strides, padding=padding,
           dilation=dilation, dtype=module.dtype, precision=module.precision,
           example_dims=_example_dims(module), _site=site)
