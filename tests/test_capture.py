@@ -588,6 +588,52 @@ def test_conv3d(strides, padding, dilation, use_bias):
   assert set(grads["conv"]) == set(params["conv"])
 
 
+@pytest.mark.parametrize("kwargs", [
+    dict(kernel_size=(3, 3), strides=(2, 2)),
+    dict(kernel_size=(3, 2), strides=(2, 1), padding="VALID", use_bias=False),
+    dict(kernel_size=(4, 3), strides=(3, 2), kernel_dilation=(2, 1)),
+])
+def test_conv_transpose_statistics(kwargs):
+  """A transposed convolution is the convolution of the input dilated by the
+  strides: brute-force patches of the numpy-dilated input reproduce Flax's
+  `ConvTranspose` output (`patches @ kernel`), and the captured `A`, `G` are
+  theirs and the output cotangents' second moments."""
+  from kfac_jax_dist.flax import common  # pylint: disable=import-outside-toplevel
+  kx, ky, kp = jax.random.split(jax.random.PRNGKey(10), 3)
+  x = randn(kx, (2, 4, 3, 2))
+  module = nn.ConvTranspose(3, **kwargs, param_dtype=jnp.float64, precision=HIGHEST)
+  params = _randomized(module.init(kp, x))
+  y_out = module.apply(params, x)
+  targets = randn(ky, y_out.shape)
+
+  def loss_fn(p, x):
+    return kd.losses.squared_error(jnp.tanh(module.apply(p, x)), targets)
+
+  grad_fn = kd.value_and_grad(loss_fn, capture="flax")
+  layer, = grad_fn.discover(params, x)
+  _, _, stats = grad_fn(params, x)
+  _, _, pads, dilation, strides = common.conv_transpose_config(
+      kwargs["kernel_size"], kwargs["strides"], kwargs.get("padding", "SAME"),
+      kwargs.get("kernel_dilation", 1), False, None)
+  dilated = np.zeros((2, (4 - 1) * strides[0] + 1, (3 - 1) * strides[1] + 1, 2))
+  dilated[:, ::strides[0], ::strides[1]] = f64(x)
+  rows = brute_patches(dilated, kwargs["kernel_size"], (1, 1), pads, dilation)
+  kernel = f64(params["params"]["kernel"])
+  bias = f64(params["params"]["bias"]) if "bias" in params["params"] else 0
+  np.testing.assert_allclose(rows @ kernel.reshape(-1, 3) + bias, f64(y_out), rtol=1e-10,
+                             atol=1e-10)
+  rows = rows.reshape(-1, rows.shape[-1])
+  if layer.has_bias:
+    rows = np.concatenate([rows, np.ones((rows.shape[0], 1))], axis=1)
+  jac = f64(jax.jacrev(lambda e: jnp.sum(
+      0.5 * (jnp.tanh(y_out + e) - targets) ** 2, axis=-1).reshape(2, -1).sum(1))(
+          jnp.zeros_like(y_out)))
+  g = jac.sum(0).reshape(-1, 3)
+  n = int(np.prod(y_out.shape[:-1]))          # squared error: every position an example
+  assert_factor_close(stats[layer.name]["A"], rows.T @ rows / rows.shape[0], "A")
+  assert_factor_close(stats[layer.name]["G"], g.T @ g / n, "G")
+
+
 # ---------------------------------------------------------------------------
 # 3. Gradients equal jax.value_and_grad's.
 # ---------------------------------------------------------------------------
@@ -997,6 +1043,49 @@ def test_conv1d_conv3d_drop_in_and_interception(kwargs):
   assert layer.kernel_shape == flax_vars["params"]["kernel"].shape
   for got, want in zip(plain(flax_vars, x, y), tagged(flax_vars, x, y)):
     assert_trees_equal(got, want)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(kernel_size=(3, 3), strides=(2, 2)),
+    dict(kernel_size=(2, 3), strides=(1, 3), padding="VALID", kernel_dilation=(2, 1)),
+    dict(kernel_size=(3,), strides=(2,)),
+    dict(kernel_size=(2, 2, 3), strides=(2, 1, 2), use_bias=False),
+])
+def test_conv_transpose_drop_in_and_interception(kwargs):
+  """`kd.linen.ConvTranspose` / `kd.nnx.ConvTranspose` equal Flax's; Flax's
+  own under capture="flax" gets the same layer (a `conv{n}d` of the input
+  dilated by the strides) and statistics as the kd layer."""
+  spatial = len(kwargs["kernel_size"])
+  x = jax.random.normal(jax.random.PRNGKey(0), (2,) + (5, 4, 3)[:spatial] + (2,),
+                        jnp.float64)
+  plain = nn.ConvTranspose(3, **kwargs, param_dtype=jnp.float64)
+  tagged = kd.linen.ConvTranspose(3, **kwargs, param_dtype=jnp.float64)
+  flax_vars = _randomized(plain.init(jax.random.PRNGKey(1), x))
+  np.testing.assert_allclose(tagged.apply(flax_vars, x), plain.apply(flax_vars, x),
+                             rtol=1e-12, atol=1e-12)
+  ours, theirs = _nnx_pair(kd.nnx.ConvTranspose, nnx.ConvTranspose, 2, 3,
+                           param_dtype=jnp.float64, **kwargs)
+  np.testing.assert_allclose(ours(x), theirs(x), rtol=1e-12, atol=1e-12)
+
+  target = jnp.zeros_like(plain.apply(flax_vars, x))
+  loss_of = lambda module: (lambda p, x: kd.losses.squared_error(module.apply(p, x), target))
+  intercepted = kd.value_and_grad(loss_of(plain), capture="flax")
+  layer, = intercepted.discover(flax_vars, x)
+  assert layer.kind == f"conv{spatial}d"
+  for got, want in zip(intercepted(flax_vars, x), kd.value_and_grad(loss_of(tagged))(
+      flax_vars, x)):
+    assert_trees_equal(got, want)
+
+
+def test_conv_transpose_with_a_transposed_kernel_is_reported():
+  x = jnp.ones((2, 4, 4, 2))
+  module = nn.ConvTranspose(3, (3, 3), strides=(2, 2), transpose_kernel=True)
+  params = module.init(jax.random.PRNGKey(0), x)
+  grad_fn = kd.value_and_grad(lambda p, x: kd.losses.squared_error(
+      module.apply(p, x), jnp.zeros((2, 8, 8, 3))), capture="flax")
+  with pytest.warns(UserWarning, match="ConvTranspose with transpose_kernel=True"):
+    with pytest.raises(ValueError, match="ran no tagged layer.*ConvTranspose"):
+      grad_fn.discover(params, x)
 
 
 def _nnx_pair(kd_cls, flax_cls, *args, **kwargs):

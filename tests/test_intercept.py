@@ -255,13 +255,14 @@ def test_scanned_plain_model_equals_unrolled():
 class _Unsupported(nn.Module):
   @nn.compact
   def __call__(self, x):
-    x = nn.ConvTranspose(4, (3, 3), param_dtype=F64, name="up")(x)
+    x = nn.ConvTranspose(4, (3, 3), transpose_kernel=True, param_dtype=F64, name="up")(x)
     x = nn.Conv(4, (3, 3), feature_group_count=2, param_dtype=F64, name="grouped")(x)
     x = nn.Conv(4, (3, 3), param_dtype=F64, name="plain")(x)
     return nn.Dense(10, param_dtype=F64)(x.reshape(x.shape[0], -1))
 
 
-@pytest.mark.filterwarnings("ignore:kfac_jax_dist. Conv with grouped")
+@pytest.mark.filterwarnings("ignore:kfac_jax_dist. Conv with grouped",
+                            "ignore:kfac_jax_dist. ConvTranspose with transpose_kernel")
 def test_uncaptured_layers_are_reported_and_pass_through():
   x = jax.random.normal(jax.random.PRNGKey(0), (4, 5, 5, 2), F64)
   y = jax.random.randint(jax.random.PRNGKey(1), (4,), 0, 10)
@@ -415,7 +416,8 @@ def test_nnx_distributed_intercepted_equals_tagged_model(name, fraction):
 
 class _NnxUnsupported(nnx.Module):
   def __init__(self, rngs):
-    self.up = nnx.ConvTranspose(2, 4, (3, 3), param_dtype=F64, rngs=rngs)
+    self.up = nnx.ConvTranspose(2, 4, (3, 3), transpose_kernel=True, param_dtype=F64,
+                                rngs=rngs)
     self.grouped = nnx.Conv(4, 4, (3, 3), feature_group_count=2, param_dtype=F64,
                             rngs=rngs)
     self.plain = nnx.Conv(4, 4, (3, 3), param_dtype=F64, rngs=rngs)
@@ -426,7 +428,8 @@ class _NnxUnsupported(nnx.Module):
     return self.head(x.reshape(x.shape[0], -1))
 
 
-@pytest.mark.filterwarnings("ignore:kfac_jax_dist. Conv with grouped")
+@pytest.mark.filterwarnings("ignore:kfac_jax_dist. Conv with grouped",
+                            "ignore:kfac_jax_dist. ConvTranspose with transpose_kernel")
 def test_nnx_uncaptured_layers_are_reported():
   model = _NnxUnsupported(nnx.Rngs(0))
   graphdef, params = nnx.split(model, nnx.Param)

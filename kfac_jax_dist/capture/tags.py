@@ -431,11 +431,13 @@ def _spatial(value, spatial: int) -> tuple[int, ...]:
 
 def _convolution(tag: str, spatial: int, x: jax.Array, kernel: jax.Array,
                  bias: jax.Array | None, name, strides, padding, dilation,
-                 feature_group_count: int, dtype, precision, example_dims,
-                 site) -> jax.Array:
+                 input_dilation, feature_group_count: int, dtype, precision,
+                 example_dims, site) -> jax.Array:
   """`conv1d` / `conv2d` / `conv3d`: channels-last input `[N, *spatial, C]`,
   Flax's kernel `(*window, in, out)`; `A` from the im2col patches
-  (`factors.conv_patches`), `G` from the output cotangents."""
+  (`factors.conv_patches`) of the input, with `input_dilation − 1` zeros
+  between its entries when dilated (a transposed convolution), `G` from the
+  output cotangents."""
   if feature_group_count != 1:
     raise ValueError(
         f"kd.tags.{tag}: grouped/depthwise convolutions (feature_group_count="
@@ -451,17 +453,21 @@ def _convolution(tag: str, spatial: int, x: jax.Array, kernel: jax.Array,
                      f"kernel {kernel.shape}")
   _check_example_dims(tag, example_dims, spatial + 1, x.shape)
   strides, dilation = _spatial(strides, spatial), _spatial(dilation, spatial)
+  input_dilation = _spatial(input_dilation, spatial)
   padding = _conv_padding(tag, padding, spatial)
 
   def apply(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None
             ) -> jax.Array:
     x, kernel, bias = _promote(dtype, x, kernel, bias)
     y = lax.conv_general_dilated(
-        x, kernel, window_strides=strides, padding=padding, rhs_dilation=dilation,
-        dimension_numbers=layout, precision=precision)
+        x, kernel, window_strides=strides, padding=padding, lhs_dilation=input_dilation,
+        rhs_dilation=dilation, dimension_numbers=layout, precision=precision)
     return y if bias is None else y + bias
 
   def patches(x: jax.Array, homogeneous: bool = False) -> jax.Array:
+    if any(d != 1 for d in input_dilation):
+      x = lax.pad(x, jnp.zeros((), x.dtype), ((0, 0, 0),) + tuple(
+          (0, 0, d - 1) for d in input_dilation) + ((0, 0, 0),))
     return factors.conv_patches(x, kernel.shape, strides, padding, dilation, homogeneous)
 
   def stats(x: jax.Array, g: jax.Array, forms: tuple[str, str]) -> dict:
@@ -485,9 +491,9 @@ def _convolution(tag: str, spatial: int, x: jax.Array, kernel: jax.Array,
 def conv2d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
            name: str | None = None, strides: Sequence[int] = (1, 1),
            padding: str | Sequence[tuple[int, int]] = "SAME",
-           dilation: Sequence[int] = (1, 1), feature_group_count: int = 1,
-           dtype: Any = None, precision=None, example_dims: int | None = None,
-           stack_index=None, _site=None) -> jax.Array:
+           dilation: Sequence[int] = (1, 1), input_dilation: Sequence[int] = (1, 1),
+           feature_group_count: int = 1, dtype: Any = None, precision=None,
+           example_dims: int | None = None, stack_index=None, _site=None) -> jax.Array:
   """2-D convolution, NHWC input and Flax's HWIO kernel `(kh, kw, in, out)`.
 
   `A` is built from im2col patches (see `factors.conv_patches`), `G` from the
@@ -495,20 +501,24 @@ def conv2d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
   have no Kronecker-factored form here and raise an error. Every output pixel
   is a position (KFC); `example_dims=1` reduces each image's pixels first
   (patches averaged, output gradients summed: K-FAC-reduce).
+  `input_dilation` (`lax.conv_general_dilated`'s `lhs_dilation`: what a
+  transposed convolution with these strides computes) puts `d − 1` zeros
+  between the input's entries before the patches are taken.
   `stack_index`: `kernel` (and `bias`) are stacked leaves `[*stack, ...]` and
   the tag applies block `kernel[stack_index]` (see the module docstring).
   """
   kernel, bias, site = _block_of(kernel, bias, stack_index, _site)
   return _convolution("conv2d", 2, x, kernel, bias, name, strides, padding, dilation,
-                      feature_group_count, dtype, precision, example_dims, site)
+                      input_dilation, feature_group_count, dtype, precision,
+                      example_dims, site)
 
 
 def conv1d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
            name: str | None = None, strides: int | Sequence[int] = (1,),
            padding: str | Sequence[tuple[int, int]] = "SAME",
-           dilation: int | Sequence[int] = (1,), feature_group_count: int = 1,
-           dtype: Any = None, precision=None, example_dims: int | None = None,
-           stack_index=None, _site=None) -> jax.Array:
+           dilation: int | Sequence[int] = (1,), input_dilation: int | Sequence[int] = (1,),
+           feature_group_count: int = 1, dtype: Any = None, precision=None,
+           example_dims: int | None = None, stack_index=None, _site=None) -> jax.Array:
   """1-D convolution, NWC input `[N, L, C]` and Flax's WIO kernel `(k, in,
   out)` (sequences: audio, text, time series).
 
@@ -519,13 +529,15 @@ def conv1d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
   """
   kernel, bias, site = _block_of(kernel, bias, stack_index, _site)
   return _convolution("conv1d", 1, x, kernel, bias, name, strides, padding, dilation,
-                      feature_group_count, dtype, precision, example_dims, site)
+                      input_dilation, feature_group_count, dtype, precision,
+                      example_dims, site)
 
 
 def conv3d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
            name: str | None = None, strides: int | Sequence[int] = (1, 1, 1),
            padding: str | Sequence[tuple[int, int]] = "SAME",
-           dilation: int | Sequence[int] = (1, 1, 1), feature_group_count: int = 1,
+           dilation: int | Sequence[int] = (1, 1, 1),
+           input_dilation: int | Sequence[int] = (1, 1, 1), feature_group_count: int = 1,
            dtype: Any = None, precision=None, example_dims: int | None = None,
            stack_index=None, _site=None) -> jax.Array:
   """3-D convolution, NDHWC input `[N, D, H, W, C]` and Flax's DHWIO kernel
@@ -538,7 +550,8 @@ def conv3d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
   """
   kernel, bias, site = _block_of(kernel, bias, stack_index, _site)
   return _convolution("conv3d", 3, x, kernel, bias, name, strides, padding, dilation,
-                      feature_group_count, dtype, precision, example_dims, site)
+                      input_dilation, feature_group_count, dtype, precision,
+                      example_dims, site)
 
 
 def embed(ids: jax.Array, table: jax.Array, *, name: str | None = None,

@@ -24,9 +24,9 @@ def _pair(x, n: int) -> tuple[int, ...]:
 
 def conv_config(kernel_size, strides, padding, input_dilation, kernel_dilation,
                 feature_group_count, mask, extra_reason: str | None = None):
-  """`(spatial, strides, padding, dilation)` for `kd.tags.conv1d`, `conv2d` or
-  `conv3d` (spatial 1, 2, 3), or a reason string. `CAUSAL` padding (1-D)
-  becomes Flax's explicit `(dilation·(k − 1), 0)`."""
+  """`(spatial, strides, padding, dilation, input_dilation)` for
+  `kd.tags.conv1d`, `conv2d` or `conv3d` (spatial 1, 2, 3), or a reason
+  string. `CAUSAL` padding (1-D) becomes Flax's explicit `(dilation·(k − 1), 0)`."""
   kernel_size = _pair(kernel_size, 1)
   spatial = len(kernel_size)
   if spatial not in (1, 2, 3):
@@ -35,8 +35,6 @@ def conv_config(kernel_size, strides, padding, input_dilation, kernel_dilation,
     return f"grouped/depthwise convolution (feature_group_count={feature_group_count})"
   if mask is not None:
     return "masked kernel"
-  if _pair(input_dilation, spatial) != (1,) * spatial:
-    return "input dilation"
   if extra_reason:
     return extra_reason
   dilation = _pair(kernel_dilation, spatial)
@@ -45,7 +43,46 @@ def conv_config(kernel_size, strides, padding, input_dilation, kernel_dilation,
   padding = canonicalize_padding(padding, spatial)
   if isinstance(padding, str) and padding not in ("SAME", "VALID"):
     return f"{padding} padding"
-  return spatial, _pair(strides, spatial), padding, dilation
+  return spatial, _pair(strides, spatial), padding, dilation, _pair(input_dilation, spatial)
+
+
+def _transpose_pads(window: int, stride: int, padding: str) -> tuple[int, int]:
+  """`lax.conv_transpose`'s padding of one axis for SAME / VALID (`window`:
+  the dilated kernel's extent), the same on every supported jax."""
+  if padding == "SAME":
+    total = window + stride - 2
+    before = window - 1 if stride > window - 1 else -(-total // 2)
+  else:
+    total = window + stride - 2 + max(window - stride, 0)
+    before = window - 1
+  return before, total - before
+
+
+def conv_transpose_config(kernel_size, strides, padding, kernel_dilation, transpose_kernel,
+                          mask, extra_reason: str | None = None):
+  """A transposed convolution (`lax.conv_transpose`, Flax's `ConvTranspose`)
+  as the convolution it computes: `(spatial, strides, padding, dilation,
+  input_dilation)` with unit strides, the input dilated by the strides and
+  lax's padding; or a reason string."""
+  kernel_size = _pair(kernel_size, 1)
+  spatial = len(kernel_size)
+  if spatial not in (1, 2, 3):
+    return f"{spatial}-D transposed convolution (1-D, 2-D and 3-D are tagged)"
+  if transpose_kernel:
+    return "transpose_kernel=True (a flipped, swapped kernel)"
+  if mask is not None:
+    return "masked kernel"
+  if extra_reason:
+    return extra_reason
+  padding = canonicalize_padding(padding, spatial)
+  if padding not in ("SAME", "VALID"):
+    # jax's explicit padding of a transposed convolution changed meaning
+    # across releases (`use_consistent_padding`).
+    return f"{padding if isinstance(padding, str) else 'explicit'} padding"
+  strides, dilation = _pair(strides, spatial), _pair(kernel_dilation, spatial)
+  pads = tuple(_transpose_pads((k - 1) * d + 1, s, padding)
+               for k, s, d in zip(kernel_size, strides, dilation))
+  return spatial, (1,) * spatial, pads, dilation, strides
 
 
 def untagged(layer: str, reason: str, where: str, fallback: Callable[[], Any]) -> Any:

@@ -4,9 +4,9 @@ Linen:
 The loss function runs under `flax.linen.intercept_methods`: when Flax is
 about to run the `__call__` of one of its own `Dense`, `DenseGeneral`
 (including the projections inside `MultiHeadDotProductAttention` /
-`SelfAttention`), `Conv`, `Embed`, `LayerNorm`, `RMSNorm` or `BatchNorm`
-(or of a subclass that does not replace it), the interceptor runs the same
-module through the tagged computation of `kd.linen` instead
+`SelfAttention`), `Conv`, `ConvTranspose`, `Embed`, `LayerNorm`, `RMSNorm`
+or `BatchNorm` (or of a subclass that does not replace it), the interceptor
+runs the same module through the tagged computation of `kd.linen` instead
 (`kfac_jax_dist.flax.linen`): the same parameters, names, statistics and
 conventions as the `kd.linen` layer, `kfac_example_dims` at its class default.
 Interception is Flax's public, stable hook, so nothing depends on the
@@ -15,7 +15,7 @@ releases).
 
 A configuration the tagged computation does not support (a grouped
 convolution, a custom `dot_general`, ...) and the layers with no tagged form
-(`ConvTranspose`, `ConvLocal`, `Einsum`, `GroupNorm`, `InstanceNorm`) run
+(`ConvLocal`, `Einsum`, `GroupNorm`, `InstanceNorm`) run
 Flax's own code and are reported as uncaptured (`discover`'s
 `LayerRegistry.uncaptured`, `kd.describe`): their parameters pass through
 K-FAC unpreconditioned, never silently mis-captured. `kd.linen` layers
@@ -23,11 +23,11 @@ inside an intercepted model tag themselves as before.
 
 NNX has no method interception: while the loss runs, the `__call__` of
 `nnx.Linear`, `LinearGeneral` (with `MultiHeadAttention`'s projections),
-`Conv`, `Embed`, `LayerNorm`, `RMSNorm` and `BatchNorm` is replaced on those
-classes by the tagged computation of `kd.nnx` (`kfac_jax_dist.flax.nnx`), and
-`ConvTranspose`, `Einsum`, `GroupNorm`, `InstanceNorm` report themselves as
-uncaptured; the classes are restored when the loss returns. The user's
-classes are untouched (a subclass that does not replace `__call__` is
+`Conv`, `ConvTranspose`, `Embed`, `LayerNorm`, `RMSNorm` and `BatchNorm` is
+replaced on those classes by the tagged computation of `kd.nnx`
+(`kfac_jax_dist.flax.nnx`), and `Einsum`, `GroupNorm`, `InstanceNorm` report
+themselves as uncaptured; the classes are restored when the loss returns. The
+user's classes are untouched (a subclass that does not replace `__call__` is
 captured through its base). While a capture runs in one thread, another
 thread tracing NNX layers would run the tagged computations too (outside a
 capture they are the ordinary layers: same values).
@@ -68,6 +68,7 @@ def _handlers() -> dict[Callable, Handler]:
                  use_running_average: bool | None = None, *, mask: Any = None) -> Any:
     return linen.batch_norm(module, x, use_running_average, mask, fallback)
   return {_raw(nn.Dense): plain(linen.dense), _raw(nn.Conv): plain(linen.conv),
+          _raw(nn.ConvTranspose): plain(linen.conv_transpose),
           _raw(nn.DenseGeneral): plain(linen.dense_general),
           _raw(nn.Embed): plain(linen.embed), _raw(nn.LayerNorm): norm(linen.layer_norm),
           _raw(nn.RMSNorm): norm(linen.rms_norm), _raw(nn.BatchNorm): batch_norm}
@@ -75,7 +76,6 @@ def _handlers() -> dict[Callable, Handler]:
 
 # Flax layers with parameters and no tagged form: reported, run as they are.
 UNSUPPORTED = {
-    "ConvTranspose": "a transposed convolution",
     "ConvLocal": "an unshared (locally connected) convolution",
     "Einsum": "a general einsum contraction",
     "GroupNorm": "group normalisation (statistics over channel groups)",
@@ -119,6 +119,8 @@ def _nnx_handlers() -> dict[type, Handler]:
                  use_running_average: bool | None = None, *, mask: Any = None) -> Any:
     return nnx_layers.batch_norm(module, x, use_running_average, mask, fallback)
   return {nnx.Linear: projection(nnx_layers.linear), nnx.Conv: projection(nnx_layers.conv),
+          nnx.ConvTranspose: lambda module, fallback, inputs: nnx_layers.conv_transpose(
+              module, inputs, fallback),
           nnx.LinearGeneral: projection(nnx_layers.linear_general),
           nnx.Embed: projection(nnx_layers.embed),
           nnx.LayerNorm: norm(nnx_layers.layer_norm), nnx.RMSNorm: norm(nnx_layers.rms_norm),

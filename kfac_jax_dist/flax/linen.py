@@ -2,7 +2,7 @@
 
 Same constructor arguments, parameter names and shapes (and, for BatchNorm,
 `batch_stats` collection) as `flax.linen.Dense`, `DenseGeneral`, `Conv`,
-`Embed`, `LayerNorm` and `BatchNorm`, so a plain Flax checkpoint loads into the
+`ConvTranspose`, `Embed`, `LayerNorm` and `BatchNorm`, so a plain Flax checkpoint loads into the
 tagged model. Configurations with no supported form here (grouped
 convolutions, masks, custom dot/conv functions, DenseGeneral batch axes or
 contractions over other than the last axes, normalisation over other than the
@@ -37,6 +37,7 @@ import functools
 from typing import Any, Callable
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from flax.linen import dtypes as linen_dtypes
 
@@ -70,6 +71,24 @@ def dense(module: nn.Dense, inputs, fallback: Fallback):
                     _site=stacking.linen_site(module, kernel, bias, "kernel", "bias"))
 
 
+def _conv_tagged(module: nn.Module, inputs, config: tuple) -> jax.Array:
+  """A linen convolution's parameters created as Flax does, and the tag of its
+  dimension (`config`: `common.conv_config` / `conv_transpose_config`'s)."""
+  spatial, strides, padding, dilation, input_dilation = config
+  inputs, restore = _flax_common.flatten_batch(inputs, spatial)
+  kernel_size = _flax_common.kernel_window(module.kernel_size)
+  kernel = module.param("kernel", module.kernel_init,
+                        kernel_size + (inputs.shape[-1], module.features), module.param_dtype)
+  bias = (module.param("bias", module.bias_init, (module.features,), module.param_dtype)
+          if module.use_bias else None)
+  tag = {1: tags.conv1d, 2: tags.conv2d, 3: tags.conv3d}[spatial]
+  y = tag(inputs, kernel, bias, strides=strides, padding=padding, dilation=dilation,
+          input_dilation=input_dilation, dtype=module.dtype, precision=module.precision,
+          example_dims=_example_dims(module),
+          _site=stacking.linen_site(module, kernel, bias, "kernel", "bias"))
+  return restore(y)
+
+
 def conv(module: nn.Conv, inputs, fallback: Fallback):
   """`nn.Conv.__call__` (1-D, 2-D or 3-D), tagged with `kd.tags.conv1d` /
   `conv2d` / `conv3d`."""
@@ -81,19 +100,21 @@ def conv(module: nn.Conv, inputs, fallback: Fallback):
       "a custom or unshared convolution" if custom else None)
   if isinstance(config, str):
     return _flax_common.untagged("Conv", config, where(module), fallback)
-  spatial, strides, padding, dilation = config
-  inputs, restore = _flax_common.flatten_batch(inputs, spatial)
-  kernel_size = _flax_common.kernel_window(module.kernel_size)
-  kernel = module.param("kernel", module.kernel_init,
-                        kernel_size + (inputs.shape[-1], module.features), module.param_dtype)
-  bias = (module.param("bias", module.bias_init, (module.features,), module.param_dtype)
-          if module.use_bias else None)
-  tag = {1: tags.conv1d, 2: tags.conv2d, 3: tags.conv3d}[spatial]
-  y = tag(inputs, kernel, bias, strides=strides, padding=padding,
-          dilation=dilation, dtype=module.dtype, precision=module.precision,
-          example_dims=_example_dims(module),
-          _site=stacking.linen_site(module, kernel, bias, "kernel", "bias"))
-  return restore(y)
+  return _conv_tagged(module, inputs, config)
+
+
+def conv_transpose(module: nn.ConvTranspose, inputs, fallback: Fallback):
+  """`nn.ConvTranspose.__call__`, tagged as the convolution of the input
+  dilated by the strides that it computes (`common.conv_transpose_config`)."""
+  custom = getattr(module, "preferred_element_type", None) is not None or (
+      _flax_common.custom_promote(module, linen_dtypes.promote_dtype))
+  config = _flax_common.conv_transpose_config(
+      module.kernel_size, module.strides, module.padding, module.kernel_dilation,
+      module.transpose_kernel, module.mask,
+      "a custom promote_dtype or preferred_element_type" if custom else None)
+  if isinstance(config, str):
+    return _flax_common.untagged("ConvTranspose", config, where(module), fallback)
+  return _conv_tagged(module, inputs, config)
 
 
 def dense_general(module: nn.DenseGeneral, inputs, fallback: Fallback):
@@ -233,13 +254,26 @@ class Dense(nn.Dense):
 
 
 class Conv(nn.Conv):
-  """`flax.linen.Conv` (2-D), tagged with `kd.tags.conv2d`."""
+  """`flax.linen.Conv` (1-D, 2-D or 3-D), tagged with `kd.tags.conv1d` /
+  `conv2d` / `conv3d`."""
 
   kfac_example_dims: int | None = None
 
   @nn.compact
   def __call__(self, inputs):
     return conv(self, inputs, functools.partial(super().__call__, inputs))
+
+
+class ConvTranspose(nn.ConvTranspose):
+  """`flax.linen.ConvTranspose` (`transpose_kernel=False`, SAME or VALID
+  padding), tagged as the convolution it computes: `kd.tags.conv1d` /
+  `conv2d` / `conv3d` of the input dilated by the strides."""
+
+  kfac_example_dims: int | None = None
+
+  @nn.compact
+  def __call__(self, inputs):
+    return conv_transpose(self, inputs, functools.partial(super().__call__, inputs))
 
 
 class DenseGeneral(nn.DenseGeneral):
@@ -297,4 +331,4 @@ class BatchNorm(nn.BatchNorm):
         super().__call__, x, use_running_average, mask=mask))
 
 
-TAGGED = (Dense, Conv, DenseGeneral, Embed, LayerNorm, RMSNorm, BatchNorm)
+TAGGED = (Dense, Conv, ConvTranspose, DenseGeneral, Embed, LayerNorm, RMSNorm, BatchNorm)

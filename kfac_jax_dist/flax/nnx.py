@@ -2,7 +2,7 @@
 
 Same constructor arguments, attribute names and shapes (BatchNorm's `mean` and
 `var` BatchStats included) as `flax.nnx.Linear`, `LinearGeneral`, `Conv`,
-`Embed`, `LayerNorm` and `BatchNorm`. Unsupported configurations (grouped
+`ConvTranspose`, `Embed`, `LayerNorm` and `BatchNorm`. Unsupported configurations (grouped
 convolutions, masks, LinearGeneral batch axes, normalisation over other than
 the last feature axis, an offset without a scale, ...) run NNX's own code,
 untagged, with a warning (and `discover` lists them as uncaptured).
@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
@@ -116,6 +117,19 @@ def linear(module: nnx.Linear, inputs, out_sharding, fallback: Fallback):
                     example_dims=_example_dims(module), _site=site)
 
 
+def _conv_tagged(module: nnx.Module, inputs, config: tuple) -> jax.Array:
+  """An NNX convolution through the tag of its dimension (`config`:
+  `common.conv_config` / `conv_transpose_config`'s)."""
+  spatial, strides, padding, dilation, input_dilation = config
+  inputs, restore = _flax_common.flatten_batch(inputs, spatial)
+  kernel, bias, site = stacking.nnx_site(module.kernel, module.bias)
+  tag = {1: tags.conv1d, 2: tags.conv2d, 3: tags.conv3d}[spatial]
+  y = tag(inputs, kernel, bias, strides=strides, padding=padding, dilation=dilation,
+          input_dilation=input_dilation, dtype=module.dtype, precision=module.precision,
+          example_dims=_example_dims(module), _site=site)
+  return restore(y)
+
+
 def conv(module: nnx.Conv, inputs, out_sharding, fallback: Fallback):
   """`nnx.Conv.__call__` (1-D, 2-D or 3-D), tagged with `kd.tags.conv1d` /
   `conv2d` / `conv3d`."""
@@ -128,14 +142,21 @@ def conv(module: nnx.Conv, inputs, out_sharding, fallback: Fallback):
       "a custom convolution or output sharding" if custom else None)
   if isinstance(config, str):
     return _untagged("Conv", config, module, "kernel", fallback)
-  spatial, strides, padding, dilation = config
-  inputs, restore = _flax_common.flatten_batch(inputs, spatial)
-  kernel, bias, site = stacking.nnx_site(module.kernel, module.bias)
-  tag = {1: tags.conv1d, 2: tags.conv2d, 3: tags.conv3d}[spatial]
-  y = tag(inputs, kernel, bias, strides=strides, padding=padding,
-          dilation=dilation, dtype=module.dtype, precision=module.precision,
-          example_dims=_example_dims(module), _site=site)
-  return restore(y)
+  return _conv_tagged(module, inputs, config)
+
+
+def conv_transpose(module: nnx.ConvTranspose, inputs, fallback: Fallback):
+  """`nnx.ConvTranspose.__call__`, tagged as the convolution of the input
+  dilated by the strides that it computes (`common.conv_transpose_config`)."""
+  custom = getattr(module, "preferred_element_type", None) is not None or (
+      _flax_common.custom_promote(module, nnx_dtypes.promote_dtype))
+  config = _flax_common.conv_transpose_config(
+      module.kernel_size, module.strides, module.padding, module.kernel_dilation,
+      module.transpose_kernel, module.mask,
+      "a custom promote_dtype or preferred_element_type" if custom else None)
+  if isinstance(config, str):
+    return _untagged("ConvTranspose", config, module, "kernel", fallback)
+  return _conv_tagged(module, inputs, config)
 
 
 def linear_general(module: nnx.LinearGeneral, inputs, out_sharding, fallback: Fallback):
@@ -265,11 +286,21 @@ class Linear(_ExampleDims, nnx.Linear):
 
 
 class Conv(_ExampleDims, nnx.Conv):
-  """`flax.nnx.Conv` (2-D), tagged with `kd.tags.conv2d`."""
+  """`flax.nnx.Conv` (1-D, 2-D or 3-D), tagged with `kd.tags.conv1d` /
+  `conv2d` / `conv3d`."""
 
   def __call__(self, inputs, out_sharding=None):
     return conv(self, inputs, out_sharding,
                 functools.partial(super().__call__, inputs, *_given(out_sharding)))
+
+
+class ConvTranspose(_ExampleDims, nnx.ConvTranspose):
+  """`flax.nnx.ConvTranspose` (`transpose_kernel=False`, SAME or VALID
+  padding), tagged as the convolution it computes: `kd.tags.conv1d` /
+  `conv2d` / `conv3d` of the input dilated by the strides."""
+
+  def __call__(self, inputs):
+    return conv_transpose(self, inputs, functools.partial(super().__call__, inputs))
 
 
 class LinearGeneral(_ExampleDims, nnx.LinearGeneral):
@@ -319,4 +350,4 @@ class BatchNorm(_ExampleDims, nnx.BatchNorm):
         super().__call__, x, use_running_average, mask=mask))
 
 
-TAGGED = (Linear, Conv, LinearGeneral, Embed, LayerNorm, RMSNorm, BatchNorm)
+TAGGED = (Linear, Conv, ConvTranspose, LinearGeneral, Embed, LayerNorm, RMSNorm, BatchNorm)
