@@ -1009,18 +1009,20 @@ CONV_ND_KWARGS = [
     dict(features=2, kernel_size=(2,), padding=((2, 1),), use_bias=False),
     dict(features=2, kernel_size=(2, 3, 2), strides=(1, 2, 1)),
     dict(features=3, kernel_size=(3, 1, 2), padding="VALID", kernel_dilation=(1, 1, 2)),
+    dict(features=2, kernel_size=(3, 2), input_dilation=(2, 1), strides=(1, 2),
+         padding=((1, 1), (0, 1))),
 ]
 
 
 @pytest.mark.parametrize("kwargs", CONV_ND_KWARGS)
 def test_conv1d_conv3d_drop_in_and_interception(kwargs):
-  """`kd.linen.Conv` / `kd.nnx.Conv` with one or three spatial axes run
-  Flax's convolution (1-D CAUSAL padding included) and tag it `conv1d` /
-  `conv3d`; an unmodified Flax model under capture="flax" gets the same
-  layer and statistics."""
+  """`kd.linen.Conv` / `kd.nnx.Conv` with one or three spatial axes (or an
+  input dilation) run Flax's convolution (1-D CAUSAL padding included) and
+  tag it `conv1d` / `conv3d` (`conv2d`); an unmodified Flax model under
+  capture="flax" gets the same layer and statistics."""
   spatial = 1 if isinstance(kwargs["kernel_size"], int) else len(kwargs["kernel_size"])
-  x = jax.random.normal(jax.random.PRNGKey(0), (2, 9, 2) if spatial == 1 else (2, 4, 6, 5, 2),
-                        jnp.float64)
+  x = jax.random.normal(jax.random.PRNGKey(0), {1: (2, 9, 2), 2: (2, 6, 5, 2),
+                                               3: (2, 4, 6, 5, 2)}[spatial], jnp.float64)
   y = jnp.array([0, 1])
   flax_vars = _randomized(nn.Conv(**kwargs, param_dtype=jnp.float64).init(
       jax.random.PRNGKey(1), x))
