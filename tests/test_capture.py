@@ -613,8 +613,7 @@ def test_conv_transpose_statistics(kwargs):
   layer, = grad_fn.discover(params, x)
   _, _, stats = grad_fn(params, x)
   _, _, pads, dilation, strides = common.conv_transpose_config(
-      kwargs["kernel_size"], kwargs["strides"], kwargs.get("padding", "SAME"),
-      kwargs.get("kernel_dilation", 1), False, None)
+      module, nn.dtypes.promote_dtype)
   dilated = np.zeros((2, (4 - 1) * strides[0] + 1, (3 - 1) * strides[1] + 1, 2))
   dilated[:, ::strides[0], ::strides[1]] = f64(x)
   rows = brute_patches(dilated, kwargs["kernel_size"], (1, 1), pads, dilation)

@@ -58,28 +58,28 @@ def _transpose_pads(window: int, stride: int, padding: str) -> tuple[int, int]:
   return before, total - before
 
 
-def conv_transpose_config(kernel_size, strides, padding, kernel_dilation, transpose_kernel,
-                          mask, extra_reason: str | None = None):
-  """A transposed convolution (`lax.conv_transpose`, Flax's `ConvTranspose`)
-  as the convolution it computes: `(spatial, strides, padding, dilation,
-  input_dilation)` with unit strides, the input dilated by the strides and
-  lax's padding; or a reason string."""
-  kernel_size = _pair(kernel_size, 1)
+def conv_transpose_config(module, default_promote):
+  """A linen or NNX `ConvTranspose` (`lax.conv_transpose`) as the convolution
+  it computes: `(spatial, strides, padding, dilation, input_dilation)` with
+  unit strides, the input dilated by the strides and lax's padding; or a
+  reason string (`default_promote`: the API's own `promote_dtype`)."""
+  kernel_size = _pair(module.kernel_size, 1)
   spatial = len(kernel_size)
   if spatial not in (1, 2, 3):
     return f"{spatial}-D transposed convolution (1-D, 2-D and 3-D are tagged)"
-  if transpose_kernel:
+  if module.transpose_kernel:
     return "transpose_kernel=True (a flipped, swapped kernel)"
-  if mask is not None:
+  if module.mask is not None:
     return "masked kernel"
-  if extra_reason:
-    return extra_reason
-  padding = canonicalize_padding(padding, spatial)
+  if (getattr(module, "preferred_element_type", None) is not None
+      or custom_promote(module, default_promote)):
+    return "a custom promote_dtype or preferred_element_type"
+  padding = canonicalize_padding(module.padding, spatial)
   if padding not in ("SAME", "VALID"):
     # jax's explicit padding of a transposed convolution changed meaning
     # across releases (`use_consistent_padding`).
     return f"{padding if isinstance(padding, str) else 'explicit'} padding"
-  strides, dilation = _pair(strides, spatial), _pair(kernel_dilation, spatial)
+  strides, dilation = _pair(module.strides, spatial), _pair(module.kernel_dilation, spatial)
   pads = tuple(_transpose_pads((k - 1) * d + 1, s, padding)
                for k, s, d in zip(kernel_size, strides, dilation))
   return spatial, (1,) * spatial, pads, dilation, strides

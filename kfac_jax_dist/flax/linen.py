@@ -106,12 +106,7 @@ def conv(module: nn.Conv, inputs, fallback: Fallback):
 def conv_transpose(module: nn.ConvTranspose, inputs, fallback: Fallback):
   """`nn.ConvTranspose.__call__`, tagged as the convolution of the input
   dilated by the strides that it computes (`common.conv_transpose_config`)."""
-  custom = getattr(module, "preferred_element_type", None) is not None or (
-      _flax_common.custom_promote(module, linen_dtypes.promote_dtype))
-  config = _flax_common.conv_transpose_config(
-      module.kernel_size, module.strides, module.padding, module.kernel_dilation,
-      module.transpose_kernel, module.mask,
-      "a custom promote_dtype or preferred_element_type" if custom else None)
+  config = _flax_common.conv_transpose_config(module, linen_dtypes.promote_dtype)
   if isinstance(config, str):
     return _flax_common.untagged("ConvTranspose", config, where(module), fallback)
   return _conv_tagged(module, inputs, config)

@@ -148,12 +148,7 @@ def conv(module: nnx.Conv, inputs, out_sharding, fallback: Fallback):
 def conv_transpose(module: nnx.ConvTranspose, inputs, fallback: Fallback):
   """`nnx.ConvTranspose.__call__`, tagged as the convolution of the input
   dilated by the strides that it computes (`common.conv_transpose_config`)."""
-  custom = getattr(module, "preferred_element_type", None) is not None or (
-      _flax_common.custom_promote(module, nnx_dtypes.promote_dtype))
-  config = _flax_common.conv_transpose_config(
-      module.kernel_size, module.strides, module.padding, module.kernel_dilation,
-      module.transpose_kernel, module.mask,
-      "a custom promote_dtype or preferred_element_type" if custom else None)
+  config = _flax_common.conv_transpose_config(module, nnx_dtypes.promote_dtype)
   if isinstance(config, str):
     return _untagged("ConvTranspose", config, module, "kernel", fallback)
   return _conv_tagged(module, inputs, config)
