@@ -2,12 +2,12 @@
 
 Same constructor arguments, parameter names and shapes (and, for BatchNorm,
 `batch_stats` collection) as `flax.linen.Dense`, `DenseGeneral`, `Conv`,
-`ConvTranspose`, `Embed`, `LayerNorm` and `BatchNorm`, so a plain Flax checkpoint loads into the
-tagged model. Configurations with no supported form here (grouped
-convolutions, masks, custom dot/conv functions, DenseGeneral batch axes or
-contractions over other than the last axes, normalisation over other than the
-last feature axis, an offset without a scale, ...) run Flax's own code,
-untagged, with a warning (and `discover` lists them as uncaptured).
+`ConvTranspose`, `Embed`, `LayerNorm` and `BatchNorm`, so a plain Flax
+checkpoint loads into the tagged model. Configurations with no supported form
+here (grouped convolutions, masks, custom dot/conv functions, DenseGeneral
+batch axes or contractions over other than the last axes, normalisation over
+other than the last feature axis, an offset without a scale, ...) run Flax's
+own code, untagged, with a warning (and `discover` lists them as uncaptured).
 
 Each layer's computation is a function of the module (`dense`, `conv`,
 `dense_general`, `embed`, `layer_norm`, `batch_norm`, `rms_norm`), shared by
