@@ -18,6 +18,7 @@ convention (scaling, order, bias position) is off by far more than that.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 import warnings
@@ -588,20 +589,27 @@ def test_conv3d(strides, padding, dilation, use_bias):
   assert set(grads["conv"]) == set(params["conv"])
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(kernel_size=(3, 3), strides=(2, 2)),
-    dict(kernel_size=(3, 2), strides=(2, 1), padding="VALID", use_bias=False),
-    dict(kernel_size=(4, 3), strides=(3, 2), kernel_dilation=(2, 1)),
-])
-def test_conv_transpose_statistics(kwargs):
+@pytest.mark.parametrize("cls,kwargs", [
+    (nn.ConvTranspose, dict(kernel_size=(3, 3), strides=(2, 2))),
+    (nn.ConvTranspose, dict(kernel_size=(3, 2), strides=(2, 1), padding="VALID",
+                            use_bias=False)),
+    (nn.ConvTranspose, dict(kernel_size=(4, 3), strides=(3, 2), kernel_dilation=(2, 1))),
+    (nn.Conv, dict(kernel_size=(3, 2), strides=(2, 1), padding="CIRCULAR")),
+    (nn.Conv, dict(kernel_size=(3, 3), padding="REFLECT", kernel_dilation=(1, 2))),
+], ids=["transpose-same", "transpose-valid", "transpose-dilated", "circular", "reflect"])
+def test_flax_conv_geometries_statistics(cls, kwargs):
   """A transposed convolution is the convolution of the input dilated by the
-  strides: brute-force patches of the numpy-dilated input reproduce Flax's
-  `ConvTranspose` output (`patches @ kernel`), and the captured `A`, `G` are
-  theirs and the output cotangents' second moments."""
+  strides; CIRCULAR / REFLECT padding pads the input with its own entries
+  first. Brute-force patches of the input so prepared in numpy reproduce
+  Flax's output (`patches @ kernel`), and the captured `A`, `G` are theirs
+  and the output cotangents' second moments."""
   from kfac_jax_dist.flax import common  # pylint: disable=import-outside-toplevel
+  if kwargs.get("padding") == "REFLECT" and "'REFLECT'" not in inspect.getsource(
+      inspect.getmodule(nn.Conv)):
+    pytest.skip("this Flax has no REFLECT padding")
   kx, ky, kp = jax.random.split(jax.random.PRNGKey(10), 3)
-  x = randn(kx, (2, 4, 3, 2))
-  module = nn.ConvTranspose(3, **kwargs, param_dtype=jnp.float64, precision=HIGHEST)
+  x = randn(kx, (2, 4, 5, 2))
+  module = cls(3, **kwargs, param_dtype=jnp.float64, precision=HIGHEST)
   params = _randomized(module.init(kp, x))
   y_out = module.apply(params, x)
   targets = randn(ky, y_out.shape)
@@ -612,11 +620,19 @@ def test_conv_transpose_statistics(kwargs):
   grad_fn = kd.value_and_grad(loss_fn, capture="flax")
   layer, = grad_fn.discover(params, x)
   _, _, stats = grad_fn(params, x)
-  _, _, pads, dilation, strides = common.conv_transpose_config(
-      module, nn.dtypes.promote_dtype)
-  dilated = np.zeros((2, (4 - 1) * strides[0] + 1, (3 - 1) * strides[1] + 1, 2))
-  dilated[:, ::strides[0], ::strides[1]] = f64(x)
-  rows = brute_patches(dilated, kwargs["kernel_size"], (1, 1), pads, dilation)
+  if cls is nn.ConvTranspose:
+    config = common.conv_transpose_config(module, nn.dtypes.promote_dtype)
+    s = config.input_dilation
+    prepared = np.zeros((2, (4 - 1) * s[0] + 1, (5 - 1) * s[1] + 1, 2))
+    prepared[:, ::s[0], ::s[1]] = f64(x)
+  else:
+    config = common.conv_config(kwargs["kernel_size"], kwargs.get("strides", 1),
+                                kwargs["padding"], 1, kwargs.get("kernel_dilation", 1),
+                                1, None)
+    mode, pads = config.edge
+    prepared = np.pad(f64(x), ((0, 0),) + pads + ((0, 0),), mode=mode)
+  rows = brute_patches(prepared, kwargs["kernel_size"], config.strides, config.padding,
+                       config.dilation)
   kernel = f64(params["params"]["kernel"])
   bias = f64(params["params"]["bias"]) if "bias" in params["params"] else 0
   np.testing.assert_allclose(rows @ kernel.reshape(-1, 3) + bias, f64(y_out), rtol=1e-10,
@@ -1010,6 +1026,8 @@ CONV_ND_KWARGS = [
     dict(features=3, kernel_size=(3, 1, 2), padding="VALID", kernel_dilation=(1, 1, 2)),
     dict(features=2, kernel_size=(3, 2), input_dilation=(2, 1), strides=(1, 2),
          padding=((1, 1), (0, 1))),
+    dict(features=2, kernel_size=(3, 3), strides=2, padding="CIRCULAR"),
+    dict(features=2, kernel_size=(4,), padding="REFLECT"),
 ]
 
 

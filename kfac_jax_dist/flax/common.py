@@ -5,7 +5,7 @@ arithmetic of LayerNorm / BatchNorm up to their scale and shift."""
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,11 +22,32 @@ def _pair(x, n: int) -> tuple[int, ...]:
   return (x,) * n if isinstance(x, int) else tuple(x)
 
 
+class ConvConfig(NamedTuple):
+  """How a Flax convolution runs as `kd.tags.conv1d` / `conv2d` / `conv3d`:
+  the tag's geometry, and `edge`: None, or `(mode, pads)` for `jnp.pad` of the
+  input first (Flax's CIRCULAR and REFLECT padding, then VALID)."""
+
+  spatial: int
+  strides: tuple[int, ...]
+  padding: Any
+  dilation: tuple[int, ...]
+  input_dilation: tuple[int, ...]
+  edge: tuple[str, tuple] | None = None
+
+
+def padded_edges(inputs, edge: tuple[str, tuple] | None):
+  """`inputs` (`[B, *spatial, C]`) padded as `ConvConfig.edge` says."""
+  if edge is None:
+    return inputs
+  mode, pads = edge
+  return jnp.pad(inputs, ((0, 0),) + pads + ((0, 0),), mode=mode)
+
+
 def conv_config(kernel_size, strides, padding, input_dilation, kernel_dilation,
                 feature_group_count, mask, extra_reason: str | None = None):
-  """`(spatial, strides, padding, dilation, input_dilation)` for
-  `kd.tags.conv1d`, `conv2d` or `conv3d` (spatial 1, 2, 3), or a reason
-  string. `CAUSAL` padding (1-D) becomes Flax's explicit `(dilation·(k − 1), 0)`."""
+  """The `ConvConfig` of a Flax `Conv`, or a reason string. `CAUSAL` padding
+  (1-D) becomes Flax's explicit `(dilation·(k − 1), 0)`; `CIRCULAR` and
+  `REFLECT` pad the input as Flax does (`edge`), then VALID."""
   kernel_size = _pair(kernel_size, 1)
   spatial = len(kernel_size)
   if spatial not in (1, 2, 3):
@@ -40,10 +61,16 @@ def conv_config(kernel_size, strides, padding, input_dilation, kernel_dilation,
   dilation = _pair(kernel_dilation, spatial)
   if spatial == 1 and isinstance(padding, str) and padding.upper() == "CAUSAL":
     padding = (((kernel_size[0] - 1) * dilation[0], 0),)
-  padding = canonicalize_padding(padding, spatial)
+  padding, edge = canonicalize_padding(padding, spatial), None
+  if padding in ("CIRCULAR", "REFLECT"):
+    window = [(k - 1) * d + 1 for k, d in zip(kernel_size, dilation)]
+    edge = ({"CIRCULAR": "wrap", "REFLECT": "reflect"}[padding],
+            tuple(((w - 1) // 2, w // 2) for w in window))
+    padding = "VALID"
   if isinstance(padding, str) and padding not in ("SAME", "VALID"):
     return f"{padding} padding"
-  return spatial, _pair(strides, spatial), padding, dilation, _pair(input_dilation, spatial)
+  return ConvConfig(spatial, _pair(strides, spatial), padding, dilation,
+                    _pair(input_dilation, spatial), edge)
 
 
 def _transpose_pads(window: int, stride: int, padding: str) -> tuple[int, int]:
@@ -60,9 +87,9 @@ def _transpose_pads(window: int, stride: int, padding: str) -> tuple[int, int]:
 
 def conv_transpose_config(module, default_promote):
   """A linen or NNX `ConvTranspose` (`lax.conv_transpose`) as the convolution
-  it computes: `(spatial, strides, padding, dilation, input_dilation)` with
-  unit strides, the input dilated by the strides and lax's padding; or a
-  reason string (`default_promote`: the API's own `promote_dtype`)."""
+  it computes: a `ConvConfig` with unit strides, the input dilated by the
+  strides and lax's padding; or a reason string (`default_promote`: the
+  API's own `promote_dtype`)."""
   kernel_size = _pair(module.kernel_size, 1)
   spatial = len(kernel_size)
   if spatial not in (1, 2, 3):
@@ -82,7 +109,7 @@ def conv_transpose_config(module, default_promote):
   strides, dilation = _pair(module.strides, spatial), _pair(module.kernel_dilation, spatial)
   pads = tuple(_transpose_pads((k - 1) * d + 1, s, padding)
                for k, s, d in zip(kernel_size, strides, dilation))
-  return spatial, (1,) * spatial, pads, dilation, strides
+  return ConvConfig(spatial, (1,) * spatial, pads, dilation, strides)
 
 
 def untagged(layer: str, reason: str, where: str, fallback: Callable[[], Any]) -> Any:

@@ -71,19 +71,20 @@ def dense(module: nn.Dense, inputs, fallback: Fallback):
                     _site=stacking.linen_site(module, kernel, bias, "kernel", "bias"))
 
 
-def _conv_tagged(module: nn.Module, inputs, config: tuple) -> jax.Array:
+def _conv_tagged(module: nn.Module, inputs, config: _flax_common.ConvConfig) -> jax.Array:
   """A linen convolution's parameters created as Flax does, and the tag of its
   dimension (`config`: `common.conv_config` / `conv_transpose_config`'s)."""
-  spatial, strides, padding, dilation, input_dilation = config
-  inputs, restore = _flax_common.flatten_batch(inputs, spatial)
+  inputs, restore = _flax_common.flatten_batch(inputs, config.spatial)
+  inputs = _flax_common.padded_edges(inputs, config.edge)
   kernel_size = _flax_common.kernel_window(module.kernel_size)
   kernel = module.param("kernel", module.kernel_init,
                         kernel_size + (inputs.shape[-1], module.features), module.param_dtype)
   bias = (module.param("bias", module.bias_init, (module.features,), module.param_dtype)
           if module.use_bias else None)
-  tag = {1: tags.conv1d, 2: tags.conv2d, 3: tags.conv3d}[spatial]
-  y = tag(inputs, kernel, bias, strides=strides, padding=padding, dilation=dilation,
-          input_dilation=input_dilation, dtype=module.dtype, precision=module.precision,
+  tag = {1: tags.conv1d, 2: tags.conv2d, 3: tags.conv3d}[config.spatial]
+  y = tag(inputs, kernel, bias, strides=config.strides, padding=config.padding,
+          dilation=config.dilation, input_dilation=config.input_dilation,
+          dtype=module.dtype, precision=module.precision,
           example_dims=_example_dims(module),
           _site=stacking.linen_site(module, kernel, bias, "kernel", "bias"))
   return restore(y)

@@ -117,15 +117,17 @@ def linear(module: nnx.Linear, inputs, out_sharding, fallback: Fallback):
                     example_dims=_example_dims(module), _site=site)
 
 
-def _conv_tagged(module: nnx.Module, inputs, config: tuple) -> jax.Array:
+def _conv_tagged(module: nnx.Module, inputs, config: _flax_common.ConvConfig
+                 ) -> jax.Array:
   """An NNX convolution through the tag of its dimension (`config`:
   `common.conv_config` / `conv_transpose_config`'s)."""
-  spatial, strides, padding, dilation, input_dilation = config
-  inputs, restore = _flax_common.flatten_batch(inputs, spatial)
+  inputs, restore = _flax_common.flatten_batch(inputs, config.spatial)
+  inputs = _flax_common.padded_edges(inputs, config.edge)
   kernel, bias, site = stacking.nnx_site(module.kernel, module.bias)
-  tag = {1: tags.conv1d, 2: tags.conv2d, 3: tags.conv3d}[spatial]
-  y = tag(inputs, kernel, bias, strides=strides, padding=padding, dilation=dilation,
-          input_dilation=input_dilation, dtype=module.dtype, precision=module.precision,
+  tag = {1: tags.conv1d, 2: tags.conv2d, 3: tags.conv3d}[config.spatial]
+  y = tag(inputs, kernel, bias, strides=config.strides, padding=config.padding,
+          dilation=config.dilation, input_dilation=config.input_dilation,
+          dtype=module.dtype, precision=module.precision,
           example_dims=_example_dims(module), _site=site)
   return restore(y)
 
