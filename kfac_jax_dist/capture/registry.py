@@ -110,6 +110,7 @@ class TaggedLayer:
 
 
 UNITWISE_KINDS = ("scale_and_shift",)
+CONV_KINDS = ("conv1d", "conv2d", "conv3d")     # kernels `(*window, in, out)`
 
 
 @dataclasses.dataclass(frozen=True)

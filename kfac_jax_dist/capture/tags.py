@@ -554,6 +554,9 @@ def conv3d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
                       example_dims, site)
 
 
+CONVOLUTIONS = {1: conv1d, 2: conv2d, 3: conv3d}   # the tag of each spatial rank
+
+
 def embed(ids: jax.Array, table: jax.Array, *, name: str | None = None,
           dtype: Any = None, stack_index=None, _site=None) -> jax.Array:
   """Embedding lookup `table[ids]` (`jnp.take` along axis 0, like Flax's Embed).

@@ -438,12 +438,12 @@ def _check_kernel_dim(layer, axis: str, dim: int) -> None:
   """Kernel dimension `dim` of `layer` is sharded over `axis`: it must be an
   input or output channel axis, and an input one only without a tagged bias."""
   shape = layer.kernel_shape
-  if layer.kind in ("conv1d", "conv2d", "conv3d") and dim < len(shape) - 2:
+  if layer.kind in registry.CONV_KINDS and dim < len(shape) - 2:
     raise ValueError(
         f"Tagged layer '{layer.name}': its kernel {shape} (local) is sharded over "
         f"{axis!r} on spatial axis {dim}; K-FAC needs the input or output "
         "channels sharded (row- or column-parallel).")
-  if layer.kind in ("dense", "conv1d", "conv2d", "conv3d"):
+  if layer.kind == "dense" or layer.kind in registry.CONV_KINDS:
     rows = layer.a_dim - layer.has_bias
     in_dims = next((k for k in range(len(shape) + 1) if math.prod(shape[:k]) == rows),
                    len(shape) - 1)

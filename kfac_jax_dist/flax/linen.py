@@ -81,12 +81,12 @@ def _conv_tagged(module: nn.Module, inputs, config: _flax_common.ConvConfig) -> 
                         kernel_size + (inputs.shape[-1], module.features), module.param_dtype)
   bias = (module.param("bias", module.bias_init, (module.features,), module.param_dtype)
           if module.use_bias else None)
-  tag = {1: tags.conv1d, 2: tags.conv2d, 3: tags.conv3d}[config.spatial]
-  y = tag(inputs, kernel, bias, strides=config.strides, padding=config.padding,
-          dilation=config.dilation, input_dilation=config.input_dilation,
-          dtype=module.dtype, precision=module.precision,
-          example_dims=_example_dims(module),
-          _site=stacking.linen_site(module, kernel, bias, "kernel", "bias"))
+  y = tags.CONVOLUTIONS[config.spatial](
+      inputs, kernel, bias, strides=config.strides, padding=config.padding,
+      dilation=config.dilation, input_dilation=config.input_dilation,
+      dtype=module.dtype, precision=module.precision,
+      example_dims=_example_dims(module),
+      _site=stacking.linen_site(module, kernel, bias, "kernel", "bias"))
   return restore(y)
 
 

@@ -2,10 +2,11 @@
 
 Same constructor arguments, attribute names and shapes (BatchNorm's `mean` and
 `var` BatchStats included) as `flax.nnx.Linear`, `LinearGeneral`, `Conv`,
-`ConvTranspose`, `Embed`, `LayerNorm` and `BatchNorm`. Unsupported configurations (grouped
-convolutions, masks, LinearGeneral batch axes, normalisation over other than
-the last feature axis, an offset without a scale, ...) run NNX's own code,
-untagged, with a warning (and `discover` lists them as uncaptured).
+`ConvTranspose`, `Embed`, `LayerNorm` and `BatchNorm`. Unsupported
+configurations (grouped convolutions, masks, LinearGeneral batch axes,
+normalisation over other than the last feature axis, an offset without a
+scale, ...) run NNX's own code, untagged, with a warning (and `discover`
+lists them as uncaptured).
 
 Each layer's computation is a function of the module (`linear`, `conv`,
 `linear_general`, `embed`, `layer_norm`, `rms_norm`, `batch_norm`), shared by
@@ -124,11 +125,11 @@ def _conv_tagged(module: nnx.Module, inputs, config: _flax_common.ConvConfig
   inputs, restore = _flax_common.flatten_batch(inputs, config.spatial)
   inputs = _flax_common.padded_edges(inputs, config.edge)
   kernel, bias, site = stacking.nnx_site(module.kernel, module.bias)
-  tag = {1: tags.conv1d, 2: tags.conv2d, 3: tags.conv3d}[config.spatial]
-  y = tag(inputs, kernel, bias, strides=config.strides, padding=config.padding,
-          dilation=config.dilation, input_dilation=config.input_dilation,
-          dtype=module.dtype, precision=module.precision,
-          example_dims=_example_dims(module), _site=site)
+  y = tags.CONVOLUTIONS[config.spatial](
+      inputs, kernel, bias, strides=config.strides, padding=config.padding,
+      dilation=config.dilation, input_dilation=config.input_dilation,
+      dtype=module.dtype, precision=module.precision,
+      example_dims=_example_dims(module), _site=site)
   return restore(y)
 
 
