@@ -176,19 +176,31 @@ def test_replication_stays_within_the_compile_budget():
 def _brute_force_lpt(items, bins, cost, size):
   """The whole-item rule of `owners.assign`, item by item over every bin:
   largest relative cost or size first, each to the bin whose
-  `(max(cost + c, size + z), cost + c, bin)` is least."""
+  `(max(cost + c, size + z), cost + c, bin)` is least; then each run of
+  equal items (consecutive in that order) is dealt to its chosen bins in
+  order, the lowest bin taking the first items."""
   costs, sizes = [cost(x) for x in items], [size(x) for x in items]
   ideal_cost = max([sum(costs) / bins] + costs) or 1.0
   ideal_size = sum(sizes) / bins or 1.0
-  loads, out = [[0.0, 0.0] for _ in range(bins)], [[] for _ in range(bins)]
-  for i in sorted(range(len(items)),
-                  key=lambda i: -max(costs[i] / ideal_cost, sizes[i] / ideal_size)):
+  loads, chosen = [[0.0, 0.0] for _ in range(bins)], []
+  order = sorted(range(len(items)),
+                 key=lambda i: -max(costs[i] / ideal_cost, sizes[i] / ideal_size))
+  for i in order:
     c, z = costs[i] / ideal_cost, sizes[i] / ideal_size
     b = min(range(bins), key=lambda j: (max(loads[j][0] + c, loads[j][1] + z),
                                         loads[j][0] + c, j))
     loads[b][0] += c
     loads[b][1] += z
-    out[b].append(items[i])
+    chosen.append(b)
+  out, start = [[] for _ in range(bins)], 0
+  while start < len(order):
+    end = start + 1
+    while end < len(order) and (costs[order[end]], sizes[order[end]]) == (
+        costs[order[start]], sizes[order[start]]):
+      end += 1
+    for i, b in zip(order[start:end], sorted(chosen[start:end])):
+      out[b].append(items[i])
+    start = end
   return out
 
 
@@ -196,7 +208,8 @@ def _brute_force_lpt(items, bins, cost, size):
 def test_owner_assignment_of_many_equal_items_is_the_brute_force_rule(seed):
   """Runs of equal items (Shampoo's blocks: a million on a 13e9-parameter
   model) are placed from a heap of the bins' keys; the bins are those of the
-  rule applied item by item over every bin."""
+  rule applied item by item over every bin, and each bin's items of a run
+  are consecutive (a stacked layer's blocks share their owner)."""
   from kfac_jax_dist.core import owners  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(seed)
   dims = rng.choice([4, 8, 8, 8, 16, 5], size=int(rng.integers(1, 400)))

@@ -582,10 +582,9 @@ def test_sharded_shampoo_equals_single_device(fraction, reduction, graft_type, g
   """Owner groups hold, update and apply only their blocks' statistics and
   roots: the same updates and (gathered) state as one device, step by step.
   `rechunk`: every uneven gather / reduce-scatter takes `uneven`'s rechunk
-  scheme (tight chunks and ppermute forwarding). `MANY_BLOCKS`: a group's
-  blocks of a region are more runs than `blocks.TAKE_SLICES` (read by one
-  gather) and come back interleaved with other groups' (one gather into
-  block order)."""
+  scheme (tight chunks and ppermute forwarding). `MANY_BLOCKS`: 60 equal
+  blocks over the groups, each group's one run of consecutive blocks
+  (`owners.assign` deals equal items in order), read by one slice."""
   if rechunk:
     monkeypatch.setattr(uneven, "plan", uneven.rechunk)
   mesh = _mesh()
@@ -599,7 +598,7 @@ def test_sharded_shampoo_equals_single_device(fraction, reduction, graft_type, g
   if shapes is MANY_BLOCKS:
     most = max(len(shampoo_blocks.runs([b for b, g in enumerate(gs) if g == group], 1))
                for gs in (r for q in lay.block_groups for r in q) for group in set(gs))
-    assert most > shampoo_blocks.TAKE_SLICES
+    assert most == 1
   assert not lay.roots_replicated and lay.num_groups == round(1 / fraction)
   # every group owns blocks, and each block's statistics stay within its group
   owners = {g for q in lay.block_groups for r in q for g in r}
@@ -878,3 +877,15 @@ def test_describe_counts_one_model_shard():
     held = sum(shard.data.nbytes for leaf in jax.tree.leaves(sharded)
                for shard in leaf.addressable_shards if shard.device == device0)
     assert per_device == held
+
+
+@pytest.mark.parametrize("index", [[2, 3, 4], [0, 5, 6, 9], [1, 3, 5, 7, 9, 11, 12, 13],
+                                   list(range(0, 30, 3))])
+def test_take_is_indexing(index):
+  """`blocks.take`: slices of the runs of a static index, or past
+  `TAKE_SLICES` runs one gather; either way `x[index]`."""
+  x = np.arange(30 * 2, dtype=np.float32).reshape(30, 2)
+  spans = shampoo_blocks.runs(index, 1)
+  assert (len(spans) > shampoo_blocks.TAKE_SLICES) == (len(index) >= 8)
+  np.testing.assert_array_equal(np.asarray(jax.jit(
+      lambda v: shampoo_blocks.take(v, index))(jnp.asarray(x))), x[index])

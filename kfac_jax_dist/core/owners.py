@@ -102,14 +102,22 @@ def _place_run(run: Sequence[int], c: float, z: float, bins: _Bins) -> None:
   """Each of `run` (equal items, relative cost `c` and size `z`, none held
   yet) whole to the bin whose key `(max(cost + c, size + z), cost + c, bin)`
   is least, as `min` over the bins would choose, from a heap of those keys:
-  `O(log bins)` per item instead of `O(bins)`."""
-  loads = bins.loads
+  `O(log bins)` per item instead of `O(bins)`. The items then go to the
+  chosen bins in order (the lowest bin takes the first ones): the same loads,
+  and consecutive items (the blocks of a stacked layer) share an owner, which
+  reads and packs them as slices (`layout.block_runs`)."""
+  loads = [list(load) for load in bins.loads]
   heap = [(max(cost + c, size + z), cost + c, j) for j, (cost, size) in enumerate(loads)]
   heapq.heapify(heap)
-  for i in run:
+  chosen = []
+  for _ in run:
     b = heapq.heappop(heap)[2]
-    bins.put(b, i, None)
+    chosen.append(b)
+    loads[b][0] += c
+    loads[b][1] += z
     heapq.heappush(heap, (max(loads[b][0] + c, loads[b][1] + z), loads[b][0] + c, b))
+  for i, b in zip(run, sorted(chosen)):
+    bins.put(b, i, None)
 
 
 def _place(bins: _Bins, max_parts: int) -> None:

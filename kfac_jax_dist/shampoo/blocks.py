@@ -316,9 +316,10 @@ TAKE_SLICES = 4     # more runs than this: one gather, not a slice per run
 
 def take(x: jax.Array, index: Sequence[int]) -> jax.Array:
   """`x[index]` for a static increasing `index`: slices of its runs, or past
-  `TAKE_SLICES` runs one gather (owners deal equal blocks round-robin, so a
-  device's blocks of a region are often every P-th: a slice per block was
-  most of a large model's program, 51840 slices of one LLaMA-13B layer)."""
+  `TAKE_SLICES` runs one gather (a slice per block was most of a large
+  model's program when owners dealt equal blocks round-robin: 51840 slices
+  of one LLaMA-13B layer; they now deal them in order, `owners.assign`, and a
+  device's blocks of a region are one run)."""
   spans = runs(index, 1)
   if len(spans) > TAKE_SLICES:
     return x.at[offsets.int32_table(index)].get(

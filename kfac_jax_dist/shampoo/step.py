@@ -253,8 +253,9 @@ class ShampooStep:
   def region_blocks(self, buffers: Sequence[jax.Array], q: int, r: int) -> jax.Array:
     """Region r of parameter q's direction blocks `[n, b₀, …]`, in block order.
     Each group's blocks of the region lie together in its buffer: one slice
-    per group, then (blocks of several groups, dealt round-robin by the
-    owners) one gather into block order, not a slice per block."""
+    per group, then, where the groups' blocks interleave, one gather into
+    block order, not a slice per block (the owners deal equal blocks in order,
+    `owners.assign`, so the groups' ranges usually follow one another)."""
     region, numel, held, order = self.lay.params[q].regions[r], self.numel(q, r), [], []
     for g in sorted(set(self.lay.block_groups[q][r])):
       mine, start = self.tables.blocks[g][(q, r)], self.tables.starts[g][(q, r)]
