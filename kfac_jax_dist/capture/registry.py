@@ -104,6 +104,17 @@ class TaggedLayer:
         for index in itertools.product(*(range(n) for n in self.stack)))
 
   @property
+  def block_number(self) -> int | None:
+    """A block's position in its stacked layer, counted row-major over the
+    stack axes (`blocks()` order); None for a layer that is not a block."""
+    if self.stack_index is None:
+      return None
+    number = 0
+    for index, size in zip(self.stack_index, self.stack):
+      number = number * size + index
+    return number
+
+  @property
   def unitwise(self) -> bool:
     """Preconditioned with a 2×2 block per channel (`"F"`), not `A ⊗ G`."""
     return self.kind in UNITWISE_KINDS

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from kfac_jax_dist import _compat
@@ -190,26 +191,31 @@ def pi_damping(config: KfacConfig, comm: collectives_lib.Collectives,
 
   π couples a layer's A and G, which may sit on different devices: the
   (scalar) traces of all factors are shared, then each copy of a factor gets
-  its layer's damping (NaN where either trace is not finite).
+  its layer's damping (NaN where either trace is not finite): one gather of
+  the traces and one scatter of the values for all layers, not ops per layer.
   """
   dtype = config.compute_dtype
   traces = comm.all_gather_owned(
       comm.per_device(lambda d: _traces_segment(config, layout, d, owned_of(d)),
                       layout.decomposition_branches))
   damping = jnp.ones(layout.num_devices * layout.max_factors, dtype)
-  for plan in layout.plans:
-    if plan.layer.unitwise:
-      continue
-    ia = plan.a.owner * layout.max_factors + plan.a.index
-    ig = plan.g.owner * layout.max_factors + plan.g.index
-    d_a, d_g = linalg.pi_adjusted_damping(traces[ia], traces[ig], gamma)
-    finite = jnp.isfinite(traces[ia]) & jnp.isfinite(traces[ig])
-    d_a, d_g = (jnp.where(finite, x, jnp.nan) for x in (d_a, d_g))
-    for piece in plan.pieces:          # every copy of a replicated factor
-      for place, value in ((piece.a, d_a), (piece.g, d_g)):
+  plans = [plan for plan in layout.plans if not plan.layer.unitwise]
+  if not plans:
+    return damping
+  slot = lambda q: q.owner * layout.max_factors + q.index
+  trace_a, trace_g = (traces[np.asarray([slot(getattr(p, w)) for p in plans])]
+                      for w in ("a", "g"))
+  d_a, d_g = linalg.pi_adjusted_damping(trace_a, trace_g, gamma)
+  finite = jnp.isfinite(trace_a) & jnp.isfinite(trace_g)
+  values = jnp.where(finite, jnp.concatenate([d_a, d_g]).reshape(2, -1), jnp.nan)
+  targets, sources = [], []        # every copy of a replicated factor gets its value
+  for k, plan in enumerate(plans):
+    for piece in plan.pieces:
+      for row, place in enumerate((piece.a, piece.g)):
         for q in (place,) + place.copies:
-          damping = damping.at[q.owner * layout.max_factors + q.index].set(value)
-  return damping
+          targets.append(slot(q))
+          sources.append(row * len(plans) + k)
+  return damping.at[np.asarray(targets)].set(values.reshape(-1)[np.asarray(sources)])
 
 
 def owned_factors(comm: collectives_lib.Collectives, layout: layout_lib.Layout,

@@ -14,7 +14,7 @@ owner's own local statistics.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -69,48 +69,62 @@ def check_stats(layout: layout_lib.Layout, stats: Stats | None, update_flag: Any
 
 def _checked_shape(stat: jax.Array, place: layout_lib.FactorPlace, name: str,
                    key: str, packed: bool) -> jax.Array:
-  """`stat` in the form of `place` (a full statistic of a diagonal factor
-  gives its diagonal; a full factor of a `packed` layout may come packed, as
-  the capture delivers it), or an error naming the layer."""
+  """`stat` (`[k, ...]`: `k` blocks' statistics) in the form of `place` (a
+  full statistic of a diagonal factor gives its diagonal; a full factor of a
+  `packed` layout may come packed, as the capture delivers it), or an error
+  naming the layer."""
   expected = {statistics.FULL: (place.dim, place.dim), statistics.DIAG: (place.dim,),
               statistics.UNIT: (place.dim, 3)}[place.form]
-  if place.form == statistics.DIAG and stat.shape == (place.dim, place.dim):
-    return jnp.diagonal(stat)
+  shape = stat.shape[1:]
+  if place.form == statistics.DIAG and shape == (place.dim, place.dim):
+    return jnp.diagonal(stat, axis1=-2, axis2=-1)
   if (packed and place.form == statistics.FULL
-      and stat.shape == statistics.statistic_shape(place.dim, statistics.PACKED)):
+      and shape == statistics.statistic_shape(place.dim, statistics.PACKED)):
     return stat
-  if stat.shape != expected:
-    raise ValueError(f"Statistic {key} of layer '{name}' has shape {stat.shape}; "
+  if shape != expected:
+    raise ValueError(f"Statistic {key} of layer '{name}' has shape {shape}; "
                      f"the optimizer state expects {place.form} factors of dimension "
                      f"{place.dim}.")
   return stat
 
 
-def layer_statistic(stats: Stats, plan: layout_lib.LayerPlan, which: str, packed: bool
-                    ) -> jax.Array:
-  """The batch statistic `which` ("a", "g", "f") of the plan's layer (its
-  block's, for a block of a stacked layer); a full one may come packed when
-  the layout is `packed`."""
-  key, layer = which.upper(), plan.layer
+def layer_statistics(stats: Stats, plans: Sequence[layout_lib.LayerPlan], which: str,
+                     packed: bool) -> jax.Array:
+  """The batch statistic `which` ("a", "g", "f") of one layer, or of
+  consecutive blocks of a stacked one (`layout.block_runs`: one slice of the
+  stacked statistic), `[k, ...]`; a full one may come packed when the layout
+  is `packed`."""
+  key, layer = which.upper(), plans[0].layer
   stat = stats[layer.stats_name][key]
   if layer.stack_index is not None:
     if tuple(stat.shape[:len(layer.stack)]) != layer.stack:
       raise ValueError(f"Statistic {key} of stacked layer '{layer.stats_name}' has "
                        f"shape {stat.shape}; expected leading stack axes {layer.stack}.")
-    stat = stat[layer.stack_index]
-  return _checked_shape(stat, getattr(plan, which), layer.name, key, packed)
+  stat = stat.reshape((-1,) + stat.shape[len(layer.stack):])
+  start = layer.block_number or 0
+  return _checked_shape(stat[start:start + len(plans)], getattr(plans[0], which),
+                        layer.name, key, packed)
+
+
+def layer_statistic(stats: Stats, plan: layout_lib.LayerPlan, which: str, packed: bool
+                    ) -> jax.Array:
+  """`layer_statistics` of one plan (its block's, for a block of a stacked layer)."""
+  return layer_statistics(stats, (plan,), which, packed)[0]
 
 
 def all_statistics(layout: layout_lib.Layout, stats: Stats) -> list[jax.Array]:
-  """Every statistic the layout consumes, in plan order (for the fault check)."""
-  return [layer_statistic(stats, plan, w, layout.packed)
-          for plan in layout.plans for w, _ in plan.places]
+  """Every statistic the layout consumes, a stacked layer's blocks together
+  (for the fault check)."""
+  return [layer_statistics(stats, run, w, layout.packed)
+          for run in layout_lib.block_runs(layout.plans) for w, _ in run[0].places]
 
 
 def stats_segments(layout: layout_lib.Layout, stats: Stats, dtype: Any) -> jax.Array:
-  """The batch statistics laid out as the running factors, `[P·length]`."""
+  """The batch statistics laid out as the running factors, `[P·length]`,
+  consecutive blocks of a stacked layer read and packed together."""
   return packing.all_segments(
-      layout, lambda plan, w: layer_statistic(stats, plan, w, layout.packed), dtype)
+      layout, lambda plans, w: layer_statistics(stats, plans, w, layout.packed), dtype,
+      batched=True)
 
 
 def _all_reduced(config: KfacConfig, comm: collectives_lib.Collectives,
@@ -119,10 +133,12 @@ def _all_reduced(config: KfacConfig, comm: collectives_lib.Collectives,
   copies its own factors into its segment (devices owning factors of the
   same sizes share one branch of that copy: `Layout.copy_branches`)."""
   dtype = config.compute_dtype
-  flat = jnp.concatenate([
-      packing.pack_factor(layer_statistic(stats, plan, w, layout.packed).astype(dtype),
-                          place.form, layout.packed)
-      for plan in layout.plans for w, place in plan.places])
+  flat = jnp.concatenate([    # plan order; a stack's blocks `[k, size_A + size_G]`
+      jnp.concatenate([packing.pack_factors(
+          layer_statistics(stats, run, w, layout.packed).astype(dtype), place,
+          layout.packed).reshape(len(run), -1) for w, place in run[0].places],
+                      axis=1).reshape(-1)
+      for run in layout_lib.block_runs(layout.plans)])
   summed, offsets = comm.all_reduce_factors(flat), layout_lib.tight_offsets(layout)
   starts = [[offsets[(p.layer.name, w)] for _, p, w in layout.owned(d)]
             for d in range(layout.num_devices)]

@@ -63,7 +63,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from kfac_jax_dist.capture import registry
 from kfac_jax_dist.capture import statistics as factors
@@ -415,16 +415,35 @@ class _Packed(NamedTuple):
   max_factors: int
 
 
-def _pack(owned: list[list[Owned]], packed: bool, method: str) -> _Packed:
+def _stacks_together(run: list[Owned], blocks: dict[str, registry.TaggedLayer]
+                     ) -> list[Owned]:
+  """`run` with the same factor of the blocks of one stacked layer together,
+  in block order, where the layer's first block was (a scan's `up` and `down`
+  projections of one width: every `up` G, then every `down` A, not
+  alternating), so that the step reads, packs and preconditions them as
+  slices (`block_runs`, `precondition_runs`)."""
+  def group(item: Owned) -> tuple:
+    layer = blocks[item[0]]
+    return (layer.stack_name or layer.name,) + item[1:3]
+  first: dict[tuple, int] = {}
+  for item in run:
+    first.setdefault(group(item), len(first))
+  return sorted(run, key=lambda t: (first[group(t)], blocks[t[0]].block_number or 0))
+
+
+def _pack(owned: list[list[Owned]], packed: bool, method: str,
+          blocks: dict[str, registry.TaggedLayer]) -> _Packed:
   """Packs each device's factors: home factors first (tight chunks store only
   them), then replicas; runs of equal (form, dim, columns) contiguous, one
-  `Batch` each."""
+  `Batch` each, the blocks of a stacked layer together (`_stacks_together`).
+  `blocks`: the kept layers (blocks) by name."""
   places, batches, owner_sizes, second_sizes = {}, [], [], []
   segment = second_segment = max_factors = 0
   for device, mine in enumerate(owned):
     runs: dict[tuple, list] = {}
     for item in mine:
       runs.setdefault((_is_replica(item), item[4], item[3], item[5]), []).append(item)
+    runs = {key: _stacks_together(run, blocks) for key, run in runs.items()}
     offset = second = index = 0
     device_batches = []
     for (_, form, dim, columns), run in sorted(
@@ -507,7 +526,7 @@ def _build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
       kept.extend(layer.blocks())
   pieces, owned = _assign_owners(kept, max_factor_dim, num_devices, group_size, method,
                                  replicate_factors, replicate_layers, max_parts)
-  pack = _pack(owned, packed, method)
+  pack = _pack(owned, packed, method, {layer.name: layer for layer in kept})
   plans = _layer_plans(kept, pieces, pack.places)
   covered = {p for plan in plans for p in (plan.layer.kernel_path, plan.layer.bias_path)}
   passthrough = tuple(p for p in param_paths if p not in covered)
@@ -519,17 +538,25 @@ def _build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
 
 def _runnable(plan: LayerPlan) -> bool:
   """Whether the plan can be preconditioned batched with others: a whole
-  (unsplit) Kronecker layer with two full factors."""
-  return (plan.rows is None and plan.a is not None and plan.g is not None
-          and all(p.form == factors.FULL and p.columns is None and not p.copies
-                  for p in (plan.a, plan.g)))
+  (unsplit) Kronecker layer with two full factors, or a unit-wise one."""
+  kronecker = plan.a is not None and plan.g is not None and all(
+      p.form == factors.FULL for p in (plan.a, plan.g))
+  return (plan.rows is None and (kronecker or plan.f is not None)
+          and all(p.columns is None and not p.copies for _, p in plan.places))
 
 
 def _starts(lay: Layout, plan: LayerPlan, group: int) -> tuple:
   """Where the plan's second-order parts start in its group's array."""
   return tuple(None if offset is None else lay.second_base(place, group) + offset
-               for place in (plan.a, plan.g)
+               for _, place in plan.places
                for offset in (place.matrix_offset, place.vector_offset))
+
+
+def _part_sizes(plan: LayerPlan) -> tuple:
+  """The numbers of each part `_starts` points at (matrix `d²`, then vector
+  `d`, or a unit-wise Fisher's `3d`)."""
+  return tuple(n for _, place in plan.places
+               for n in _second_parts(place.dim, place.form, "eigen"))
 
 
 def precondition_runs(lay: Layout, group: int, across_layers: bool = True
@@ -538,10 +565,12 @@ def precondition_runs(lay: Layout, group: int, across_layers: bool = True
   layers of equal `(d_A, d_G)` whose eigenbases (inverses) and eigenvalues
   follow one another in the group's second-order array, so that one slice of
   each reads them as `[k, d, d]` and `[k, d]` (a transformer's q, k, v and o
-  projections, the blocks of a stack). Every other plan is a run of its own.
+  projections, the blocks of a stack), and unit-wise layers whose Fishers
+  follow one another (`[k, C, 3]`). Every other plan is a run of its own.
   `across_layers=False`: only blocks of one stacked layer run together."""
   def key(plan: LayerPlan) -> tuple:
-    return (plan.a.dim, plan.g.dim) + (() if across_layers else (plan.layer.stack_name,))
+    return tuple((w, p.dim) for w, p in plan.places) + (
+        () if across_layers else (plan.layer.stack_name,))
   runs: list[list[LayerPlan]] = []
   plans = lay.group_plans(group)
   joins = [_runnable(p) and (across_layers or p.layer.stack_name is not None)
@@ -552,12 +581,10 @@ def precondition_runs(lay: Layout, group: int, across_layers: bool = True
   for plan in batchable:
     if runs:
       last = runs[-1][-1]
-      steps = tuple(n * d for d in (plan.a.dim, plan.g.dim)
-                    for n in (d, 1))             # matrix d², then vector d
       follows = key(plan) == key(last) and all(
           (now is None) == (before is None) and (now is None or now == before + step)
           for now, before, step in zip(_starts(lay, plan, group),
-                                       _starts(lay, last, group), steps))
+                                       _starts(lay, last, group), _part_sizes(last)))
       if follows:
         runs[-1].append(plan)
         continue
@@ -573,6 +600,44 @@ def tight_offsets(lay: Layout) -> dict[tuple[str, str], int]:
       offsets[(plan.layer.name, which)] = offset
       offset += place.size
   return offsets
+
+
+def follows(plan: LayerPlan, previous: LayerPlan) -> bool:
+  """Whether `plan` is the block after `previous` of one stacked layer, both
+  whole (not a piece of a layer split over groups)."""
+  now, before = plan.layer, previous.layer
+  return (now.stack_name is not None and now.stack_name == before.stack_name
+          and plan.rows is None and previous.rows is None
+          and now.block_number == before.block_number + 1)
+
+
+def block_runs(items: Sequence[Any], plan_of: Callable[[Any], LayerPlan] = lambda x: x,
+               joins: Callable[[Any, Any], bool] = lambda now, before: True
+               ) -> list[list[Any]]:
+  """`items` cut into maximal runs of consecutive blocks of one stacked layer
+  (`follows`, and `joins(item, previous)`), every other item a run of its own:
+  what the step can read, pack or write as one slice of the stacked leaf or
+  statistic instead of one op per block (a scan of L blocks would otherwise
+  compile L copies of each)."""
+  runs: list[list] = []
+  for item in items:
+    if runs and follows(plan_of(item), plan_of(runs[-1][-1])) and joins(item, runs[-1][-1]):
+      runs[-1].append(item)
+    else:
+      runs.append([item])
+  return runs
+
+
+def buffer_runs(plans: Sequence[LayerPlan], offsets: dict[tuple[str, int], int]
+                ) -> list[list[LayerPlan]]:
+  """`block_runs` of `plans` whose gradients (or preconditioned rows) also
+  follow one another in their group's buffer (`gradient_offsets`): one slice
+  `[k, d_A, d_G]` of it each."""
+  def contiguous(plan: LayerPlan, before: LayerPlan) -> bool:
+    start = offsets[(before.layer.name, before.group)]
+    return plan.group == before.group and offsets[(plan.layer.name, plan.group)] == (
+        start + before.layer.a_dim * before.layer.g_dim)
+  return block_runs(plans, joins=contiguous)
 
 
 def piece_rows(plan: LayerPlan) -> tuple[int, int]:

@@ -50,6 +50,14 @@ def pack_factor(value: jax.Array, form: str, packed: bool) -> jax.Array:
   return triangles.pack_upper(value) if packed else value.reshape(-1)
 
 
+def pack_factors(values: jax.Array, place: layout_lib.FactorPlace, packed: bool
+                 ) -> jax.Array:
+  """`pack_factor` of `k` factors of one place's form and dimension, `[k, ...]`
+  (a full one maybe packed already), flat: one gather for all of them."""
+  full = place.form == factors.FULL and values.shape[-2:] == (place.dim, place.dim)
+  return (triangles.pack_upper(values) if full and packed else values).reshape(-1)
+
+
 def unpack_batch(segment: jax.Array, batch: layout_lib.Batch, packed: bool) -> jax.Array:
   """The batch's running factors, `[k, d, d]` (`[k, d]` diagonal, `[k, 3d]`
   unit-wise)."""
@@ -62,15 +70,28 @@ def unpack_batch(segment: jax.Array, batch: layout_lib.Batch, packed: bool) -> j
   return block.reshape(batch.count, batch.dim, batch.dim)
 
 
+def _stored_together(now: tuple, before: tuple) -> bool:
+  """Whether two factors a device stores follow one another whole: the same
+  factor ("a", "g") of consecutive blocks, the second right after the first."""
+  (place, _, which), (last, _, last_which) = now, before
+  return (which == last_which and place.offset == last.offset + last.size
+          and place.columns is None and last.columns is None)
+
+
 def owned_factors(lay: layout_lib.Layout, device: int, value_of, dtype,
-                  stored_values: bool = False) -> list[jax.Array]:
+                  stored_values: bool = False, batched: bool = False) -> list[jax.Array]:
   """The factors device `device` stores (`Layout.stored`), packed, with
   `value_of(plan, which)` per factor (already in storage form with
-  `stored_values`)."""
+  `stored_values`). `batched`: `value_of(plans, which)` gives `[k, ...]` for
+  consecutive blocks of a stacked layer, which are packed as one piece."""
   if stored_values:
     return [value_of(plan, which).astype(dtype) for _, plan, which in lay.stored(device)]
-  return [pack_factor(value_of(plan, which).astype(dtype), place.form, lay.packed)
-          for place, plan, which in lay.stored(device)]
+  if not batched:
+    return [pack_factor(value_of(plan, which).astype(dtype), place.form, lay.packed)
+            for place, plan, which in lay.stored(device)]
+  runs = layout_lib.block_runs(lay.stored(device), lambda t: t[1], _stored_together)
+  return [pack_factors(value_of([plan for _, plan, _ in run], run[0][2]).astype(dtype),
+                       run[0][0], lay.packed) for run in runs]
 
 
 _INT32_MAX = offsets.INT32_MAX         # past it, the buffer is written by rows
@@ -89,14 +110,16 @@ def _write_across_rows(out: jax.Array, at: int, piece: jax.Array) -> jax.Array:
   return out
 
 
-def _written_segments(lay: layout_lib.Layout, value_of, dtype) -> jax.Array:
+def _written_segments(lay: layout_lib.Layout, value_of, dtype, batched: bool
+                      ) -> jax.Array:
   """`all_segments` of more than 2³¹ numbers (the reduce-scatter's buffer
   holds every factor: GPT-2-XL's are 2.9e9), traced: written as one row per
   device, each factor packed and split where it crosses rows, so that no
   offset passes int32 (a flat one would wrap, and XLA would clamp the write
   to another place)."""
   width = lay.factor_shard        # within int32: `layout.check_addressable` at init
-  pieces = [owned_factors(lay, d, value_of, dtype) for d in range(lay.num_devices)]
+  pieces = [owned_factors(lay, d, value_of, dtype, batched=batched)
+            for d in range(lay.num_devices)]
   axes = _compat.varying_axes(*(p for row in pieces for p in row))
   out = _compat.as_varying(jnp.zeros((lay.num_devices, width), dtype), axes)
   at = 0
@@ -110,14 +133,15 @@ def _written_segments(lay: layout_lib.Layout, value_of, dtype) -> jax.Array:
 
 
 def all_segments(lay: layout_lib.Layout, value_of, dtype, xp=jnp,
-                 stored_values: bool = False) -> jax.Array:
+                 stored_values: bool = False, batched: bool = False) -> jax.Array:
   """The global running-factor array, `[P · factor_shard]`: the owners' factors
   one owner after the other, tight ("chunked") or each padded to `L` ("owner").
-  Traced past 2³¹ numbers, it is written by rows (`_written_segments`)."""
+  Traced past 2³¹ numbers, it is written by rows (`_written_segments`).
+  `value_of`, `stored_values`, `batched`: as `owned_factors`."""
   if (xp is jnp and not stored_values
       and lay.num_devices * lay.factor_shard > _INT32_MAX):
-    return _written_segments(lay, value_of, dtype)
-  per_device = [owned_factors(lay, d, value_of, dtype, stored_values)
+    return _written_segments(lay, value_of, dtype, batched)
+  per_device = [owned_factors(lay, d, value_of, dtype, stored_values, batched)
                 for d in range(lay.num_devices)]
   join = (collectives.concatenated if xp is jnp
           else functools.partial(collectives.pad_to, xp=xp))

@@ -13,13 +13,12 @@ every preconditioned gradient; `η` is `learning_rate` (float or schedule).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kfac_jax_dist.capture import registry
 from kfac_jax_dist.core import cadence
 from kfac_jax_dist.core import collectives as collectives_lib
 from kfac_jax_dist.core import routing
@@ -29,7 +28,8 @@ from kfac_jax_dist.kfac import packing
 from kfac_jax_dist.kfac.config import KfacConfig
 
 Leaves = dict[str, jax.Array]
-GradOf = Callable[[layout_lib.LayerPlan], jax.Array]
+# The gradients of plans, `[k, d_A, d_G]` (`gradient_matrices`).
+GradOf = Callable[[Sequence[layout_lib.LayerPlan]], jax.Array]
 Runs = Literal["all", "stacks", "none"]     # which equal-shape layers run batched
 
 # Which equal-shape layers are preconditioned in runs (`precondition`): None
@@ -38,46 +38,62 @@ Runs = Literal["all", "stacks", "none"]     # which equal-shape layers run batch
 BATCH_RUNS: bool | None = None
 
 
-def _block(leaf: jax.Array, layer: registry.TaggedLayer) -> jax.Array:
-  """The layer's part of a parameter leaf: block `stack_index` of a stacked one."""
-  return leaf if layer.stack_index is None else leaf[layer.stack_index]
+def _blocks(leaf: jax.Array, plans: Sequence[layout_lib.LayerPlan],
+            shape: tuple[int, ...]) -> jax.Array:
+  """`[k, *shape]`: the plans' parts of a parameter leaf, the whole leaf of a
+  layer that is not stacked, one slice for consecutive blocks of a stack."""
+  start = plans[0].layer.block_number or 0
+  return leaf.reshape((-1,) + tuple(shape))[start:start + len(plans)]
 
 
-def gradient_matrix(plan: layout_lib.LayerPlan, leaves: Leaves) -> jax.Array:
-  """The layer's gradient as `(d_A, d_G)`: kernel rows, then the bias row."""
-  layer = plan.layer
-  kernel = _block(leaves[layer.kernel_path], layer)
+def gradient_matrices(plans: Sequence[layout_lib.LayerPlan], leaves: Leaves
+                      ) -> jax.Array:
+  """The gradients of one layer or of consecutive blocks of a stacked one
+  (`layout.block_runs`), `[k, d_A, d_G]`: kernel rows, then the bias row."""
+  layer, k = plans[0].layer, len(plans)
+  kernel = _blocks(leaves[layer.kernel_path], plans, layer.kernel_shape)
   dtype = jnp.promote_types(kernel.dtype, jnp.float32)
-  m = kernel.astype(dtype).reshape(layer.a_dim - layer.has_bias, layer.g_dim)
+  m = kernel.astype(dtype).reshape(k, layer.a_dim - layer.has_bias, layer.g_dim)
   if layer.has_bias:
-    bias = _block(leaves[layer.bias_path], layer)
-    m = jnp.concatenate([m, bias.astype(dtype).reshape(1, -1)], axis=0)
+    bias = _blocks(leaves[layer.bias_path], plans, layer.bias_shape or (layer.g_dim,))
+    m = jnp.concatenate([m, bias.astype(dtype).reshape(k, 1, layer.g_dim)], axis=1)
   return m
 
 
-def write_back(layout: layout_lib.Layout, out: dict[str, jax.Array], leaves: Leaves
-               ) -> None:
-  """Writes each layer's `(d_A, d_G)` matrix `out[name]` into its kernel and
-  bias leaves. The blocks of a stacked leaf (every block: a stack is skipped
-  whole; consecutive plans, row-major) are stacked in one op, which XLA turns
-  into one slice where a batched run produced them (`precondition_runs`)
-  instead of one update of the leaf per block; the result carries only their
-  type (not the raw gradient's, varying over the mesh axis under SP-NGD's
-  reduce-scatter)."""
-  blocks: dict[str, list[jax.Array]] = {}
-  for plan in layout.plans:
-    layer, m = plan.layer, out[plan.layer.name]
+def _joined(parts: list[jax.Array]) -> jax.Array:
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+
+def _read_run(buffer: jax.Array, offsets: dict[tuple[str, int], int],
+              run: Sequence[layout_lib.LayerPlan]) -> jax.Array:
+  """`[k, d_A, d_G]`: a run of `layout.buffer_runs` read from its group's buffer."""
+  layer = run[0].layer
+  start = offsets[(layer.name, run[0].group)]
+  return buffer[start:start + len(run) * layer.a_dim * layer.g_dim].reshape(
+      len(run), layer.a_dim, layer.g_dim)
+
+
+def write_back(layout: layout_lib.Layout, out: dict[str, jax.Array], leaves: Leaves,
+               scale: jax.Array | None = None) -> None:
+  """Writes each layer's `(d_A, d_G)` matrix `out[name]`, times `scale` (the
+  KL clip's `ν`), into its kernel and bias leaves. The blocks of a stacked
+  leaf (every block: a stack is skipped whole; consecutive plans, row-major)
+  are stacked in one op, which XLA turns into one slice where a batched run
+  produced them (`precondition_runs`), then split into kernel and bias rows
+  once, not once per block; the result carries only their type (not the raw
+  gradient's, varying over the mesh axis under SP-NGD's reduce-scatter)."""
+  parts: dict[str, list[jax.Array]] = {}
+  for run in layout_lib.block_runs(layout.plans):
+    layer = run[0].layer
+    m = jnp.stack([out[plan.layer.name] for plan in run])
+    m = m if scale is None else scale.astype(m.dtype) * m
     rows = layer.a_dim - layer.has_bias
-    parts = [(layer.kernel_path, m[:rows])] + (
-        [(layer.bias_path, m[rows])] if layer.has_bias else [])
-    for path, value in parts:
-      if layer.stack_index is None:
-        leaves[path] = value.reshape(leaves[path].shape).astype(leaves[path].dtype)
-      else:
-        blocks.setdefault(path, []).append(value)
-  for path, values in blocks.items():
+    parts.setdefault(layer.kernel_path, []).append(m[:, :rows])
+    if layer.has_bias:
+      parts.setdefault(layer.bias_path, []).append(m[:, rows])
+  for path, values in parts.items():
     leaf = leaves[path]
-    leaves[path] = jnp.stack(values).reshape(leaf.shape).astype(leaf.dtype)
+    leaves[path] = _joined(values).reshape(leaf.shape).astype(leaf.dtype)
 
 
 def check_updates(layout: layout_lib.Layout, leaves: Leaves) -> None:
@@ -138,7 +154,7 @@ def _precondition_one(config: KfacConfig, layout: layout_lib.Layout, second: jax
     matrix, vector = parts(place)
     return vector if matrix is None else matrix
 
-  grad = grad_of(plan)
+  grad = grad_of((plan,))[0]
   if plan.layer.unitwise:             # SP-NGD: (F_c + γI)⁻¹ per channel
     v_gamma, v_beta = linalg.unitwise_precondition(
         grad[0], grad[1] if plan.layer.has_bias else None, parts(plan.f)[1], gamma)
@@ -167,7 +183,15 @@ def _precondition_run(config: KfacConfig, layout: layout_lib.Layout, second: jax
   a few kernels for the run instead of a few per layer)."""
   def base_of(place: layout_lib.FactorPlace) -> int:
     return layout.second_base(place, group)
-  grads = jnp.stack([grad_of(plan) for plan in run])
+  grads = grad_of(run)
+  if run[0].layer.unitwise:          # SP-NGD: (F_c + γI)⁻¹ per channel, [k, C, 3]
+    first = run[0].f
+    start = base_of(first) + first.vector_offset
+    fisher = second[start:start + len(run) * 3 * first.dim].reshape(-1, first.dim, 3)
+    v = jnp.stack([x for x in linalg.unitwise_precondition(
+        grads[:, 0], grads[:, 1] if run[0].layer.has_bias else None, fisher, gamma)
+        if x is not None], axis=1)
+    return _run_results(config, run, v, grads, kl_weight)
   a = packing.read_run(second, base_of, tuple(plan.a for plan in run))
   g = packing.read_run(second, base_of, tuple(plan.g for plan in run))
   if config.method == "eigen":
@@ -176,6 +200,15 @@ def _precondition_run(config: KfacConfig, layout: layout_lib.Layout, second: jax
     v = linalg.precondition_eigen(grads, *a, *g, gamma, scaling=stacked)
   else:
     v = linalg.precondition_inverse(grads, a[0], g[0])
+  return _run_results(config, run, v, grads, kl_weight)
+
+
+def _run_results(config: KfacConfig, run: tuple[layout_lib.LayerPlan, ...],
+                 v: jax.Array, grads: jax.Array,
+                 kl_weight: Callable[[layout_lib.LayerPlan], float]
+                 ) -> tuple[dict[str, jax.Array], jax.Array]:
+  """Each layer's row of the run's preconditioned `v [k, ...]`, and the run's
+  Σ|⟨V, ∇⟩| (each layer's KL weight)."""
   dots = jnp.einsum("kij,kij->k", v, grads).astype(config.compute_dtype)
   weights = jnp.asarray([kl_weight(plan) for plan in run], config.compute_dtype)
   return ({plan.layer.name: v[i] for i, plan in enumerate(run)},
@@ -196,28 +229,27 @@ def routed_gradients(config: KfacConfig, comm: collectives_lib.Collectives,
   if config.gradient_reduction == "reduce_scatter" and layout.plans:
     offsets, _, width = layout_lib.gradient_offsets(layout)
     buffers = [jnp.concatenate([jnp.zeros(1, dtype)] + [
-        gradient_matrix(p, leaves).ravel().astype(dtype)
-        for p in layout.group_plans(g)]) for g in range(layout.num_groups)]
+        gradient_matrices(run, leaves).ravel().astype(dtype)
+        for run in layout_lib.block_runs(layout.group_plans(g))])
+        for g in range(layout.num_groups)]
     segment = routing.reduce_to_groups(comm, buffers, width)
 
-    def grad_of(plan: layout_lib.LayerPlan) -> jax.Array:
-      layer, start = plan.layer, offsets[(plan.layer.name, plan.group)]
-      return segment[start:start + layer.a_dim * layer.g_dim].reshape(
-          layer.a_dim, layer.g_dim)
-    return grad_of, {k: (v if k in layout.tagged_paths else comm.mean(v))
-                     for k, v in leaves.items()}
+    return (lambda plans: _joined([_read_run(segment, offsets, run) for run in
+                                   layout_lib.buffer_runs(plans, offsets)])), {
+        k: (v if k in layout.tagged_paths else comm.mean(v)) for k, v in leaves.items()}
   if config.gradient_reduction == "all_reduce":
     leaves = comm.mean(leaves)
-  return (lambda plan: gradient_matrix(plan, leaves).astype(dtype)), leaves
+  return (lambda plans: _joined([gradient_matrices(run, leaves).astype(dtype)
+                                 for run in layout_lib.block_runs(plans)])), leaves
 
 
 def _group_buffer(config: KfacConfig, layout: layout_lib.Layout, group: int,
                   out: dict[Any, jax.Array], vg: jax.Array) -> jax.Array:
   """A group's results as one flat buffer: its KL sum, then per layer (a
   piece: its partial dot first) the preconditioned rows."""
-  flat = [x for p in layout.group_plans(group) for x in (
-      [out[(p.layer.name, "dot")][None]] if p.rows is not None else []) + [
-          out[p.layer.name].ravel()]]
+  flat = [x for run in layout_lib.block_runs(layout.group_plans(group)) for x in (
+      [out[(run[0].layer.name, "dot")][None]] if run[0].rows is not None else []) + [
+          jnp.stack([out[p.layer.name] for p in run]).reshape(-1)]]
   return jnp.concatenate([vg[None].astype(config.compute_dtype)] + flat)
 
 
@@ -253,7 +285,13 @@ def precondition(config: KfacConfig, comm: collectives_lib.Collectives,
   buffers = routing.gather_from_groups(comm, make, sizes, config.compute_dtype)
   vg = sum(b[0] for b in buffers)
   preconditioned = {}
+  for run in layout_lib.buffer_runs(layout.plans, offsets):
+    if len(run) > 1:                    # a stack's blocks: one slice
+      v = _read_run(buffers[run[0].group], offsets, run)
+      preconditioned.update((plan.layer.name, v[i]) for i, plan in enumerate(run))
   for plan in layout.plans:             # a replicated layer: its pieces' rows
+    if plan.layer.name in preconditioned:
+      continue
     layer, rows, dots = plan.layer, [], []
     for piece in plan.pieces:
       lo, hi = layout_lib.piece_rows(piece)
@@ -267,16 +305,15 @@ def precondition(config: KfacConfig, comm: collectives_lib.Collectives,
   return preconditioned, vg
 
 
-def kl_clip(config: KfacConfig, preconditioned: dict[str, jax.Array], vg: jax.Array,
-            count: jax.Array) -> dict[str, jax.Array]:
-  """KAISA's KL clip of every preconditioned gradient (none without `kl_clip`);
-  on a tensor-parallel mesh Σ|⟨V, ∇⟩| sums every layer's shards."""
+def kl_clip(config: KfacConfig, vg: jax.Array, count: jax.Array) -> jax.Array | None:
+  """`ν` of KAISA's KL clip, which scales every preconditioned gradient (None
+  without `kl_clip`); on a tensor-parallel mesh Σ|⟨V, ∇⟩| sums every
+  layer's shards."""
   if config.kl_clip is None:
-    return preconditioned
+    return None
   if config.model_axes:
     vg = lax.psum(vg, config.model_axes)
   dtype = config.compute_dtype
   eta = jnp.asarray(cadence.value_at(config.learning_rate, count), dtype)
   kappa = jnp.asarray(cadence.value_at(config.kl_clip, count), dtype)
-  nu = jnp.where(vg > 0, jnp.minimum(1.0, jnp.sqrt(kappa / (eta ** 2 * vg))), 1.0)
-  return {n: nu * v for n, v in preconditioned.items()}
+  return jnp.where(vg > 0, jnp.minimum(1.0, jnp.sqrt(kappa / (eta ** 2 * vg))), 1.0)

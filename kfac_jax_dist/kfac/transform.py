@@ -403,9 +403,8 @@ def preconditioned_updates(config: KfacConfig, comm: collectives_lib.Collectives
              else correction_lib.layer_scaling(lay, state.correction))
   out, vg = precondition.precondition(config, comm, lay, state.second_order, gamma,
                                       grad_of, kl_weight, scaling)
-  out = precondition.kl_clip(config, out, vg, state.count)
   leaves = dict(leaves)
-  precondition.write_back(lay, out, leaves)
+  precondition.write_back(lay, out, leaves, precondition.kl_clip(config, vg, state.count))
   flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
   return (jax.tree_util.tree_unflatten(
       treedef, [leaves[registry.path_str(p)] for p, _ in flat]),
