@@ -366,6 +366,19 @@ def tied_embedding(d: Json) -> list[str]:
           md_table(rows, ["arm", "lr", "validation loss"])] + checks_table(d.get("checks", []))
 
 
+def scan_depth(d: Json) -> list[str]:
+  sgd = {r["depth"]: r["instructions"] for r in d["rows"] if r["method"] == "sgd"}
+  rows = [[r["depth"], r["method"], f"{r['compile_s']:.2f}", r["instructions"],
+           f"{r['instructions'] / sgd[r['depth']]:.2f}" if r["depth"] in sgd else ""]
+          for r in d["rows"]]
+  return ["A decoder of L pre-LN blocks under one `nn.scan` (width 64: six Kronecker and "
+          "two unit-wise layers per block): each step compiled once in a process of its "
+          "own; the optimised HLO's instructions, which the compile tracks, should not "
+          "grow with L.", "",
+          md_table(rows, ["blocks", "method", "compile s", "HLO instructions",
+                          "× SGD's"])] + checks_table(d.get("checks", []))
+
+
 # (results stem, section title, script, renderer), in the page's order.
 SECTIONS: tuple[tuple[str, str, str, Callable[[Json], list[str]]], ...] = (
     ("step_time", "Step time", "step_time.py", step_time),
@@ -380,6 +393,7 @@ SECTIONS: tuple[tuple[str, str, str, Callable[[Json], list[str]]], ...] = (
     ("stale_statistics", "Stale statistics", "stale_statistics.py", stale_statistics),
     ("ir_census", "Compiled code (LLVM IR census)", "ir_census.py", ir_census),
     ("tied_embedding", "Tied embeddings", "tied_embedding.py", tied_embedding),
+    ("scan_depth", "Compile against depth", "scan_depth.py", scan_depth),
 )
 
 
