@@ -801,3 +801,43 @@ def test_stacked_step_program_does_not_grow_with_blocks(method):
     counts.append(_instructions(
         jax.jit(step).lower(params, tx.init(params)).compile().as_text()))
   assert abs(counts[1] - counts[0]) <= 0.02 * counts[0], counts
+
+
+def _deep_stack_problem(blocks: int = 16):
+  """A Dense input projection (devices own factors of different sizes: each
+  copies its own out of the all-reduced buffer), then `blocks` tanh Dense
+  blocks under `lax.scan`, the head untagged: the stack's factors are the
+  last in plan order, so a device's run of them can end the buffer."""
+  keys = jax.random.split(jax.random.PRNGKey(5), 6)
+  params = {"inputs": jax.random.normal(keys[5], (2 * D, D), F64) / 3,
+            "dense": {"kernel": jax.random.normal(keys[0], (blocks, D, D), F64) / 2,
+                      "bias": jax.random.normal(keys[1], (blocks, D), F64) / 4},
+            "head": jax.random.normal(keys[2], (D, C), F64)}
+
+  def loss_fn(p, x, y):
+    def block(h, i):
+      return jnp.tanh(kd.tags.dense(h, p["dense"]["kernel"], p["dense"]["bias"],
+                                    stack_index=i)), None
+    h, _ = lax.scan(block, kd.tags.dense(x, p["inputs"]), jnp.arange(blocks))
+    return kd.losses.softmax_cross_entropy(h @ p["head"], y)
+  x = jax.random.normal(keys[3], (16, 2 * D), F64)
+  return loss_fn, params, (x, jax.random.randint(keys[4], (16,), 0, C))
+
+
+@pytest.mark.parametrize("fraction", [1.0, 1 / 8])
+def test_all_reduced_factors_of_consecutive_blocks_equal_single_device(fraction):
+  """KAISA's factor all-reduce: each device copies its factors of consecutive
+  blocks out of the summed buffer as one strided slice (`factors._copied`),
+  a run at the buffer's end too; the steps equal one device's."""
+  from kfac_jax_dist.kfac import layout as layout_lib  # pylint: disable=import-outside-toplevel
+  from kfac_jax_dist.kfac import packing  # pylint: disable=import-outside-toplevel
+  problem = _deep_stack_problem()
+  dist = kd.Distribution(helpers.data_mesh(8), grad_worker_fraction=fraction,
+                         factor_reduction="all_reduce", gradient_reduction="none")
+  got, state = _train_float32(problem, dist)
+  want, _ = _train_float32(problem)
+  lay = find_states(state)[0].layout
+  runs = [len(run) for d in range(8) for run in layout_lib.block_runs(
+      lay.owned(d), lambda t: t[1], packing.stored_together)]
+  assert max(runs) > 1 and len(set(lay.copy_branches)) == 8
+  jax.tree.map(lambda a, b: _assert_close(a, b, 1e-6), got, want)

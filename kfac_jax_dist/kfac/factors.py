@@ -127,6 +127,28 @@ def stats_segments(layout: layout_lib.Layout, stats: Stats, dtype: Any) -> jax.A
       batched=True)
 
 
+def _copied(summed: jax.Array, owned: list[tuple[tuple, int]]) -> list[jax.Array]:
+  """A device's factors `(place, plan, which)` copied out of the all-reduced
+  buffer from their starts in it: the same factor of consecutive blocks of a
+  stack (`packing.stored_together`), whose starts advance by one stride (each
+  block's factors, plan order), as one slice `[k, stride]` whose rows'
+  first `size` numbers are the factors; any other factor, one slice."""
+  runs = layout_lib.block_runs(owned, lambda t: t[0][1],
+                               lambda now, before: packing.stored_together(now[0], before[0]))
+  pieces = []
+  for run in runs:
+    size, first, k = run[0][0][0].size, run[0][1], len(run)
+    stride = run[1][1] - first if k > 1 else size
+    if k == 1 or stride < size or any(b[1] - a[1] != stride for a, b in zip(run, run[1:])):
+      pieces += [summed[s:s + q.size] for (q, _, _), s in run]
+      continue
+    rows = k if first + k * stride <= summed.shape[0] else k - 1   # the buffer's end
+    pieces.append(summed[first:first + rows * stride].reshape(rows, stride)[:, :size]
+                  .reshape(-1))
+    pieces += [summed[s:s + size] for _, s in run[rows:]]
+  return pieces
+
+
 def _all_reduced(config: KfacConfig, comm: collectives_lib.Collectives,
                  layout: layout_lib.Layout, stats: Stats) -> jax.Array:
   """KAISA: all-reduce the unpadded buffer of every factor, then each owner
@@ -149,7 +171,7 @@ def _all_reduced(config: KfacConfig, comm: collectives_lib.Collectives,
   def own(device: int) -> jax.Array:
     owned = layout.owned(device)
     if comm.num_devices == 1 or reps.count(device) == 1:
-      pieces = [summed[s:s + q.size] for s, (q, _, _) in zip(starts[device], owned)]
+      pieces = _copied(summed, list(zip(owned, starts[device])))
     else:     # devices of the same sizes share this branch, each at its offsets
       pieces = [comm.range_at(shared, [s[k] if k < len(s) else 0 for s in starts], q.size)
                 for k, (q, _, _) in enumerate(owned)]

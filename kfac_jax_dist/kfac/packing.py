@@ -70,7 +70,7 @@ def unpack_batch(segment: jax.Array, batch: layout_lib.Batch, packed: bool) -> j
   return block.reshape(batch.count, batch.dim, batch.dim)
 
 
-def _stored_together(now: tuple, before: tuple) -> bool:
+def stored_together(now: tuple, before: tuple) -> bool:
   """Whether two factors a device stores follow one another whole: the same
   factor ("a", "g") of consecutive blocks, the second right after the first."""
   (place, _, which), (last, _, last_which) = now, before
@@ -89,7 +89,7 @@ def owned_factors(lay: layout_lib.Layout, device: int, value_of, dtype,
   if not batched:
     return [pack_factor(value_of(plan, which).astype(dtype), place.form, lay.packed)
             for place, plan, which in lay.stored(device)]
-  runs = layout_lib.block_runs(lay.stored(device), lambda t: t[1], _stored_together)
+  runs = layout_lib.block_runs(lay.stored(device), lambda t: t[1], stored_together)
   return [pack_factors(value_of([plan for _, plan, _ in run], run[0][2]).astype(dtype),
                        run[0][0], lay.packed) for run in runs]
 
