@@ -841,3 +841,40 @@ def test_all_reduced_factors_of_consecutive_blocks_equal_single_device(fraction)
       lay.owned(d), lambda t: t[1], packing.stored_together)]
   assert max(runs) > 1 and len(set(lay.copy_branches)) == 8
   jax.tree.map(lambda a, b: _assert_close(a, b, 1e-6), got, want)
+
+
+def test_two_stack_axes_train_as_unrolled():
+  """A stack with two leading axes (`[2, 3, ...]`, `stack_index=(i, j)`, a
+  pipeline's stages × blocks): blocks numbered row-major, read and written as
+  slices of the flattened stack, train as the six layers unrolled, on one
+  device and on 8 (MEM-OPT)."""
+  keys = jax.random.split(jax.random.PRNGKey(6), 3)
+  params = {"dense": {"kernel": jax.random.normal(keys[0], (2, 3, D, D), F64) / 2,
+                      "bias": jax.random.normal(keys[1], (2, 3, D), F64) / 4},
+            "out": {"kernel": jax.random.normal(keys[2], (D, C), F64)}}
+
+  def stacked(p, x, y):
+    for i in range(2):
+      for j in range(3):
+        x = jnp.tanh(kd.tags.dense(x, p["dense"]["kernel"], p["dense"]["bias"],
+                                   stack_index=(i, j)))
+    return kd.losses.softmax_cross_entropy(kd.tags.dense(x, p["out"]["kernel"]), y)
+
+  def unrolled(p, x, y):
+    for k in range(6):
+      x = jnp.tanh(kd.tags.dense(x, p[f"b{k}"]["kernel"], p[f"b{k}"]["bias"]))
+    return kd.losses.softmax_cross_entropy(kd.tags.dense(x, p["out"]["kernel"]), y)
+  flat = {f"b{k}": {n: v.reshape((6,) + v.shape[2:])[k] for n, v in params["dense"].items()}
+          for k in range(6)} | {"out": params["out"]}
+  x = jax.random.normal(jax.random.PRNGKey(7), (16, D), F64)
+  y = jax.random.randint(jax.random.PRNGKey(8), (16,), 0, C)
+  want, _ = _train_float32((unrolled, flat, (x, y)))
+  dist = kd.Distribution(helpers.data_mesh(8), grad_worker_fraction=1 / 8,
+                         gradient_reduction="none")
+  for distribution in (None, dist):
+    got, state = _train_float32((stacked, params, (x, y)), distribution)
+    assert [p.layer.name for p in find_states(state)[0].layout.plans][:2] == [
+        "dense/0/0", "dense/0/1"]
+    for k in range(6):
+      jax.tree.map(lambda a, b, k=k: _assert_close(a.reshape((6,) + a.shape[2:])[k], b,
+                                                   1e-5), got["dense"], want[f"b{k}"])
