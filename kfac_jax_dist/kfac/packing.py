@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -254,14 +255,18 @@ def read_vector(second: jax.Array, base: int, place: layout_lib.FactorPlace) -> 
 def read_run(second: jax.Array, base_of, places: tuple[layout_lib.FactorPlace, ...]):
   """`(matrices [k, d, d], vectors [k, d])` of `k` full factors whose parts
   follow one another (`layout.precondition_runs`): one slice each; the
-  vectors None where there are none (method "inverse")."""
+  vectors None where there are none (method "inverse"). Of `k` unit-wise
+  Fishers: `(None, [k, d, 3])`."""
   first, k, d = places[0], len(places), places[0].dim
-  start = base_of(first) + first.matrix_offset
-  matrices = second[start:start + k * d * d].reshape(k, d, d)
+  matrices = None
+  if first.matrix_offset is not None:
+    start = base_of(first) + first.matrix_offset
+    matrices = second[start:start + k * d * d].reshape(k, d, d)
   if first.vector_offset is None:
     return matrices, None
   start = base_of(first) + first.vector_offset
-  return matrices, second[start:start + k * d].reshape(k, d)
+  shape = (k, d, 3) if first.form == factors.UNIT else (k, d)
+  return matrices, second[start:start + math.prod(shape)].reshape(shape)
 
 
 def read_parts(second: jax.Array, base_of, place: layout_lib.FactorPlace):

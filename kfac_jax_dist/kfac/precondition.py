@@ -64,7 +64,7 @@ def _joined(parts: list[jax.Array]) -> jax.Array:
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
-def _read_run(buffer: jax.Array, offsets: dict[tuple[str, int], int],
+def _buffer_run(buffer: jax.Array, offsets: dict[tuple[str, int], int],
               run: Sequence[layout_lib.LayerPlan]) -> jax.Array:
   """`[k, d_A, d_G]`: a run of `layout.buffer_runs` read from its group's buffer."""
   layer = run[0].layer
@@ -185,9 +185,7 @@ def _precondition_run(config: KfacConfig, layout: layout_lib.Layout, second: jax
     return layout.second_base(place, group)
   grads = grad_of(run)
   if run[0].layer.unitwise:          # SP-NGD: (F_c + γI)⁻¹ per channel, [k, C, 3]
-    first = run[0].f
-    start = base_of(first) + first.vector_offset
-    fisher = second[start:start + len(run) * 3 * first.dim].reshape(-1, first.dim, 3)
+    _, fisher = packing.read_run(second, base_of, tuple(plan.f for plan in run))
     v = jnp.stack([x for x in linalg.unitwise_precondition(
         grads[:, 0], grads[:, 1] if run[0].layer.has_bias else None, fisher, gamma)
         if x is not None], axis=1)
@@ -234,7 +232,7 @@ def routed_gradients(config: KfacConfig, comm: collectives_lib.Collectives,
         for g in range(layout.num_groups)]
     segment = routing.reduce_to_groups(comm, buffers, width)
 
-    return (lambda plans: _joined([_read_run(segment, offsets, run) for run in
+    return (lambda plans: _joined([_buffer_run(segment, offsets, run) for run in
                                    layout_lib.buffer_runs(plans, offsets)])), {
         k: (v if k in layout.tagged_paths else comm.mean(v)) for k, v in leaves.items()}
   if config.gradient_reduction == "all_reduce":
@@ -287,7 +285,7 @@ def precondition(config: KfacConfig, comm: collectives_lib.Collectives,
   preconditioned = {}
   for run in layout_lib.buffer_runs(layout.plans, offsets):
     if len(run) > 1:                    # a stack's blocks: one slice
-      v = _read_run(buffers[run[0].group], offsets, run)
+      v = _buffer_run(buffers[run[0].group], offsets, run)
       preconditioned.update((plan.layer.name, v[i]) for i, plan in enumerate(run))
   for plan in layout.plans:             # a replicated layer: its pieces' rows
     if plan.layer.name in preconditioned:
