@@ -602,26 +602,28 @@ def tight_offsets(lay: Layout) -> dict[tuple[str, str], int]:
   return offsets
 
 
-def follows(plan: LayerPlan, previous: LayerPlan) -> bool:
+def follows(plan: LayerPlan, previous: LayerPlan, pieces: bool = False) -> bool:
   """Whether `plan` is the block after `previous` of one stacked layer, both
-  whole (not a piece of a layer split over groups)."""
+  whole (not a piece of a layer split over groups) unless `pieces`."""
   now, before = plan.layer, previous.layer
   return (now.stack_name is not None and now.stack_name == before.stack_name
-          and plan.rows is None and previous.rows is None
+          and (pieces or plan.rows is None and previous.rows is None)
           and now.block_number == before.block_number + 1)
 
 
 def block_runs(items: Sequence[Any], plan_of: Callable[[Any], LayerPlan] = lambda x: x,
-               joins: Callable[[Any, Any], bool] = lambda now, before: True
-               ) -> list[list[Any]]:
+               joins: Callable[[Any, Any], bool] = lambda now, before: True,
+               pieces: bool = False) -> list[list[Any]]:
   """`items` cut into maximal runs of consecutive blocks of one stacked layer
   (`follows`, and `joins(item, previous)`), every other item a run of its own:
   what the step can read, pack or write as one slice of the stacked leaf or
   statistic instead of one op per block (a scan of L blocks would otherwise
-  compile L copies of each)."""
+  compile L copies of each). `pieces`: a layer split over groups joins too
+  (its factors are whole)."""
   runs: list[list] = []
   for item in items:
-    if runs and follows(plan_of(item), plan_of(runs[-1][-1])) and joins(item, runs[-1][-1]):
+    if (runs and follows(plan_of(item), plan_of(runs[-1][-1]), pieces)
+        and joins(item, runs[-1][-1])):
       runs[-1].append(item)
     else:
       runs.append([item])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -79,20 +80,42 @@ def stored_together(now: tuple, before: tuple) -> bool:
           and place.columns is None and last.columns is None)
 
 
+def packed_by_stack(lay: layout_lib.Layout, value_of, dtype):
+  """`(plans, which) -> [k · size]`, the storage form of consecutive blocks'
+  factors `which`, given `value_of(plans, which)` (`[k, ...]`): each factor
+  of a stack's blocks (`block_runs` of `lay.plans`) is packed once, by one
+  gather, and each device's run is a slice of it. Packing each device's
+  blocks apart made the program grow with P: at P = 1024 each device owns
+  one or two of GPT-2-XL's factors, so 576 packs of their own."""
+  where = {plan.layer.name: (run, i)
+           for run in layout_lib.block_runs(lay.plans, pieces=True)
+           for i, plan in enumerate(run)}
+  done: dict[tuple[str, str], jax.Array] = {}
+
+  def packed(plans: Sequence[layout_lib.LayerPlan], which: str) -> jax.Array:
+    run, i = where[plans[0].layer.name]
+    key = (run[0].layer.name, which)
+    if key not in done:
+      done[key] = pack_factors(value_of(run, which).astype(dtype),
+                               dict(run[0].places)[which], lay.packed).reshape(len(run), -1)
+    return done[key][i:i + len(plans)].reshape(-1)
+  return packed
+
+
 def owned_factors(lay: layout_lib.Layout, device: int, value_of, dtype,
                   stored_values: bool = False, batched: bool = False) -> list[jax.Array]:
   """The factors device `device` stores (`Layout.stored`), packed, with
   `value_of(plan, which)` per factor (already in storage form with
-  `stored_values`). `batched`: `value_of(plans, which)` gives `[k, ...]` for
-  consecutive blocks of a stacked layer, which are packed as one piece."""
+  `stored_values`). `batched`: `value_of(plans, which)` gives the storage
+  form of consecutive blocks of a stacked layer, flat (`packed_by_stack`),
+  one piece for them."""
   if stored_values:
     return [value_of(plan, which).astype(dtype) for _, plan, which in lay.stored(device)]
   if not batched:
     return [pack_factor(value_of(plan, which).astype(dtype), place.form, lay.packed)
             for place, plan, which in lay.stored(device)]
   runs = layout_lib.block_runs(lay.stored(device), lambda t: t[1], stored_together)
-  return [pack_factors(value_of([plan for _, plan, _ in run], run[0][2]).astype(dtype),
-                       run[0][0], lay.packed) for run in runs]
+  return [value_of([plan for _, plan, _ in run], run[0][2]) for run in runs]
 
 
 _INT32_MAX = offsets.INT32_MAX         # past it, the buffer is written by rows
@@ -139,6 +162,8 @@ def all_segments(lay: layout_lib.Layout, value_of, dtype, xp=jnp,
   one owner after the other, tight ("chunked") or each padded to `L` ("owner").
   Traced past 2³¹ numbers, it is written by rows (`_written_segments`).
   `value_of`, `stored_values`, `batched`: as `owned_factors`."""
+  if batched:
+    value_of = packed_by_stack(lay, value_of, dtype)
   if (xp is jnp and not stored_values
       and lay.num_devices * lay.factor_shard > _INT32_MAX):
     return _written_segments(lay, value_of, dtype, batched)
