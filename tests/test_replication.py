@@ -89,7 +89,8 @@ def _distributed(fraction, factor_reduction, method):
 
 
 def _cases():
-  fast = {("MEM", "reduce_scatter"), ("HYBRID", "all_reduce")}   # default selection
+  fast = {("MEM", "reduce_scatter"), ("HYBRID", "all_reduce"),    # default selection
+          ("COMM", "reduce_scatter")}
   for fraction, name in ((1.0, "COMM"), (1 / 8, "MEM"), (1 / 4, "HYBRID")):
     for reduction in ("all_reduce", "reduce_scatter"):
       yield pytest.param(fraction, reduction, "eigen", id=f"{name}-{reduction}",
@@ -109,6 +110,11 @@ def test_replicated_items_equal_single_device(fraction, factor_reduction, method
     assert [q.columns for q in slices] == sorted(q.columns for q in slices)
     assert slices[0].columns[0] == 0 and slices[-1].columns[1] == big.a.dim
     assert len({q.owner for q in slices}) == len(slices)
+    # Devices keeping other columns of the same width share a decomposition
+    # branch, each slicing its own columns at a start from a table.
+    shared = [d for d, rep in enumerate(lay.decomposition_branches) if rep != d]
+    assert any(lay.batches[d] != lay.batches[lay.decomposition_branches[d]]
+               for d in shared)
   else:                                    # MEM-OPT / HYBRID: the layer, by rows
     assert big.copies
     rows = [p.rows for p in big.pieces]

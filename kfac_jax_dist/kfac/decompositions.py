@@ -140,17 +140,34 @@ def _new_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
 
 
 def eigen_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
-                  owned: jax.Array, previous: jax.Array) -> jax.Array:
+                  owned: jax.Array, previous: jax.Array,
+                  comm: collectives_lib.Collectives) -> jax.Array:
   """The device's new `[L₂]` segment: eigenbases and eigenvalues of its
   factors (a split factor keeps its columns)."""
   dtype = config.compute_dtype
 
   def parts(batch: layout_lib.Batch, running: jax.Array) -> list[jax.Array]:
     vectors, values = linalg.eigh(running, symmetric=layout.packed)
-    lo, hi = batch.columns or (0, batch.dim)
-    out = [] if vectors is None else [vectors[..., lo:hi].astype(dtype)]
-    return out + [values[..., lo:hi].astype(dtype)]
+    kept = lambda x: kept_columns(comm, layout, device, batch, x).astype(dtype)
+    return ([] if vectors is None else [kept(vectors)]) + [kept(values)]
   return _new_segment(config, layout, device, owned, previous, parts)
+
+
+def kept_columns(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
+                 device: int, batch: layout_lib.Batch, x: jax.Array) -> jax.Array:
+  """`x[..., lo:hi]`, the columns of a split factor that `batch` keeps (all
+  of them if it is whole). In a branch that devices keeping other columns of
+  the same width share (`Layout.decomposition_branches`), `lo` is the
+  running device's, from a table."""
+  if batch.columns is None:
+    return x
+  lo, hi = batch.columns
+  if not shares_branch(comm, layout, device):
+    return x[..., lo:hi]
+  j = layout.batches[device].index(batch)
+  starts = tuple(layout.batches[d][j].columns[0] if rep == device else 0
+                 for d, rep in enumerate(layout.decomposition_branches))
+  return lax.dynamic_slice_in_dim(x, comm.device_table(starts), hi - lo, axis=x.ndim - 1)
 
 
 def inverse_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
@@ -170,8 +187,7 @@ def inverse_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
       damp = damping[start:start + batch.count]
     inv = linalg.damped_inverse(running, damp)   # not finite where `damp` is not
     if batch.matrix_offset is not None:
-      lo, hi = batch.columns or (0, batch.dim)
-      inv = inv[..., lo:hi]
+      inv = kept_columns(comm, layout, device, batch, inv)
     return [inv.astype(dtype)]
   return _new_segment(config, layout, device, owned, previous, parts)
 
@@ -277,7 +293,7 @@ def decompose(config: KfacConfig, comm: collectives_lib.Collectives,
   owned_of = owned_factors(comm, layout, running)
   if config.method == "eigen":
     local = comm.per_device(lambda d: eigen_segment(
-        config, layout, d, owned_of(d), previous_of(d)), layout.decomposition_branches)
+        config, layout, d, owned_of(d), previous_of(d), comm), layout.decomposition_branches)
   else:
     damping = pi_damping(config, comm, layout, owned_of, gamma)
     local = comm.per_device(lambda d: inverse_segment(
