@@ -878,3 +878,46 @@ def test_two_stack_axes_train_as_unrolled():
     for k in range(6):
       jax.tree.map(lambda a, b, k=k: _assert_close(a.reshape((6,) + a.shape[2:])[k], b,
                                                    1e-5), got["dense"], want[f"b{k}"])
+
+
+def _apart(lay, run) -> bool:
+  """Whether a precondition run's A eigenbases do not follow one another."""
+  starts = [lay.second_base(p.a, p.group) + p.a.matrix_offset for p in run]
+  return any(b - a != run[0].a.dim ** 2 for a, b in zip(starts, starts[1:]))
+
+
+@pytest.mark.parametrize("fraction,gradient_reduction", [
+    (1 / 8, "all_reduce"), (1 / 8, "reduce_scatter"), (1.0, "all_reduce")])
+def test_one_block_per_owner_equals_single_device(fraction, gradient_reduction):
+  """Eight blocks on eight devices, as at pod scale, where each device owns
+  about one block: under MEM-OPT the owner groups of equal blocks share one
+  branch of the preconditioning, each reading its own block of the stacked
+  gradient at a shift from a table (`Layout.group_branches`); under COMM-OPT
+  a run of blocks whose eigenbases lie one per device is read as one strided
+  slice or gather (`packing.read_at`). The steps equal one device's."""
+  from kfac_jax_dist.kfac import layout as layout_lib  # pylint: disable=import-outside-toplevel
+  problem = _deep_stack_problem(blocks=8)
+  dist = kd.Distribution(helpers.data_mesh(8), grad_worker_fraction=fraction,
+                         gradient_reduction=gradient_reduction)
+  got, state = _train_float32(problem, dist)
+  want, _ = _train_float32(problem)
+  lay = find_states(state)[0].layout
+  if fraction < 1:
+    assert len(set(lay.group_branches)) < lay.num_groups // 2, lay.group_branches
+  else:
+    runs = [run for run in layout_lib.precondition_runs(lay, 0, across_layers=False)
+            if len(run) > 1]
+    assert any(_apart(lay, run) for run in runs)
+  jax.tree.map(lambda a, b: _assert_close(a, b, 1e-6), got, want)
+
+
+@pytest.mark.parametrize("starts", [(3, 7, 11), (2, 12, 22, 32), (1, 14, 20, 36), (25,)])
+def test_read_at_is_indexing(starts):
+  """`packing.read_at`: parts that follow one another, lie a constant stride
+  apart (the last row cut short by the array's end) or anywhere in their
+  rows (a gather) are read as numpy's slices."""
+  from kfac_jax_dist.kfac import packing  # pylint: disable=import-outside-toplevel
+  x = np.arange(40.0)
+  got = jax.jit(lambda v: packing.read_at(v, starts, (2, 2), row=10))(jnp.asarray(x))
+  want = np.stack([x[s:s + 4].reshape(2, 2) for s in starts])
+  np.testing.assert_array_equal(got, want)

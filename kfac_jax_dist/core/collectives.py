@@ -116,6 +116,10 @@ class Collectives:
     """`values[d]` of the device running this code (int32, checked)."""
     return jnp.asarray(offsets.int32_table(values))[self.device_index()]
 
+  def group_table(self, values: Sequence[int]) -> jax.Array:
+    """`values[g]` of the owner group of the device running this code."""
+    return jnp.asarray(offsets.int32_table(values))[self.group_index()]
+
   def range_at(self, full: jax.Array, starts: Sequence[int], size: int) -> jax.Array:
     """`full[s:s + size]`, `s = starts[d]` of the running device d, in a branch
     of `per_device` that several devices share; `full`'s length a multiple of

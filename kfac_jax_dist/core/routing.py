@@ -49,29 +49,41 @@ def reduce_to_groups(comm: collectives_lib.Collectives, buffers: Sequence[jax.Ar
       [jnp.pad(x, (0, width - x.shape[0])) for x in buffers]))
 
 
-def per_group(comm: collectives_lib.Collectives, make: Callable[[int], Any]) -> Any:
+def per_group(comm: collectives_lib.Collectives, make: Callable[[int], Any],
+              representatives: Sequence[int] | None = None) -> Any:
   """`make(group)` (an array or a tuple of them, shaped alike for every group)
-  on the devices of each owner group (a `lax.switch` on the
-  group index; typed varying over the axis, since a group may own nothing).
-  With one group, `make(0)` on every device, typed as its inputs."""
+  on the devices of each owner group (a `lax.switch` on the group index;
+  typed varying over the axis, since a group may own nothing).
+  `representatives[g]`: a group whose branch also serves `g` (it then reads
+  at the running group's offsets), one branch for both. With one group,
+  `make(0)` on every device, typed as its inputs."""
   if comm.num_groups == 1:
     return make(0)
+  reps = list(range(comm.num_groups) if representatives is None else representatives)
+  unique = sorted(set(reps))
   branches = [functools.partial(lambda g: _compat.as_varying(make(g), comm.varying), g)
-              for g in range(comm.num_groups)]
-  return lax.switch(comm.group_index(), branches)
+              for g in unique]
+  index = comm.group_index()
+  if len(unique) < comm.num_groups:
+    position = {r: i for i, r in enumerate(unique)}
+    index = jnp.asarray([position[r] for r in reps], jnp.int32)[index]
+  return lax.switch(index, branches)
 
 
 def gather_from_groups(comm: collectives_lib.Collectives,
                        make: Callable[[int], jax.Array], sizes: Sequence[int],
-                       dtype) -> list[jax.Array]:
+                       dtype, representatives: Sequence[int] | None = None
+                       ) -> list[jax.Array]:
   """Every group's flat buffer (`make(group)`, of `sizes[group]` numbers, made
-  on that group's devices) → on every device, one buffer per group: its
-  numbers, or (several devices per group) the buffer padded to the common
-  width. With one group its buffer, unpadded: nothing travels."""
+  on that group's devices; `representatives` as `per_group`) → on every
+  device, one buffer per group: its numbers, or (several devices per group)
+  the buffer padded to the common width. With one group its buffer,
+  unpadded: nothing travels."""
   if comm.num_groups == 1:
     return [make(0)]
   width = group_width(sizes, comm.group_size)
-  mine = per_group(comm, lambda g: collectives_lib.pad_to([make(g)], width, dtype))
+  mine = per_group(comm, lambda g: collectives_lib.pad_to([make(g)], width, dtype),
+                   representatives)
   return gather_made(comm, mine, sizes)
 
 

@@ -247,6 +247,43 @@ class Layout:
       reps.append(first.setdefault((batches, size, replicas), d))
     return tuple(reps)
 
+  def stack_bases(self, group: int) -> dict[str, int]:
+    """The first block of each stacked layer among `group`'s plans."""
+    bases: dict[str, int] = {}
+    for plan in self.group_plans(group):
+      if plan.layer.stack_name is not None:
+        bases.setdefault(plan.layer.stack_name, plan.layer.block_number)
+    return bases
+
+  def _group_work(self, group: int) -> tuple:
+    """What `group` preconditions, up to which blocks of its stacked layers:
+    per plan, its stack, its block past the stack's first in the group, its
+    rows (a piece of a split layer) and its factors' second-order places
+    relative to the group. A group with an unstacked layer is unique."""
+    m, bases, work = self.group_size, self.stack_bases(group), []
+    for plan in self.group_plans(group):
+      layer = plan.layer
+      if layer.stack_name is None:
+        return ("group", group)
+      places = tuple((w, q.form, q.dim, tuple(
+          (c.owner - group * m, c.matrix_offset, c.vector_offset, c.columns)
+          for c in (q,) + q.copies)) for w, q in plan.places)
+      work.append((layer.stack_name, layer.block_number - bases[layer.stack_name],
+                   plan.rows, places))
+    return tuple(work)
+
+  @functools.cached_property
+  def group_branches(self) -> tuple[int, ...]:
+    """Each owner group's representative in the preconditioning's switch
+    (`routing.per_group`): the first group with the same work up to which
+    blocks of its stacked layers it holds (`_group_work`). It reads the
+    running group's blocks from the stacked leaves at a shift from a table
+    (`precondition`), so that at P = 1024 under MEM-OPT, where each device
+    preconditions one block, the program holds one branch per kind of block
+    instead of 1024."""
+    first: dict = {}
+    return tuple(first.setdefault(self._group_work(g), g) for g in range(self.num_groups))
+
   @functools.cached_property
   def copy_branches(self) -> tuple[int, ...]:
     """Each device's representative in the per-device copy of its factors out
@@ -544,58 +581,52 @@ def _build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
 
 def _runnable(plan: LayerPlan) -> bool:
   """Whether the plan can be preconditioned batched with others: a whole
-  (unsplit) Kronecker layer with two full factors, or a unit-wise one."""
+  (unsplit by rows) Kronecker layer with two full factors (maybe split by
+  columns), or a unit-wise one."""
   kronecker = plan.a is not None and plan.g is not None and all(
       p.form == factors.FULL for p in (plan.a, plan.g))
-  return (plan.rows is None and (kronecker or plan.f is not None)
-          and all(p.columns is None and not p.copies for _, p in plan.places))
+  return plan.rows is None and (kronecker or plan.f is not None)
 
 
-def _starts(lay: Layout, plan: LayerPlan, group: int) -> tuple:
-  """Where the plan's second-order parts start in its group's array."""
-  return tuple(None if offset is None else lay.second_base(place, group) + offset
-               for _, place in plan.places
-               for offset in (place.matrix_offset, place.vector_offset))
+def _second_numbers(plan: LayerPlan) -> int:
+  """The second-order numbers of the plan's factors (eigenbases `d·w` and
+  eigenvalues `w` of each column slice, `w = d` unsplit, or a unit-wise
+  Fisher's `3d`)."""
+  return sum(n for _, place in plan.places for q in (place,) + place.copies
+             for n in _second_parts(q.dim, q.form, "eigen", q.columns))
 
 
-def _part_sizes(plan: LayerPlan) -> tuple:
-  """The numbers of each part `_starts` points at (matrix `d²`, then vector
-  `d`, or a unit-wise Fisher's `3d`)."""
-  return tuple(n for _, place in plan.places
-               for n in _second_parts(place.dim, place.form, "eigen"))
+# Second-order numbers (eigenbases or inverses) one preconditioning run reads
+# at most: its `[k, d, d]` reads are copies, and a GPT-2-XL stack's 48 fc
+# eigenbases (6400²) would be 7.9 GB at once.
+RUN_NUMBERS = 1 << 26
 
 
 def precondition_runs(lay: Layout, group: int, across_layers: bool = True
                       ) -> tuple[tuple[LayerPlan, ...], ...]:
   """The group's plans, those that are preconditioned together in one run:
-  layers of equal `(d_A, d_G)` whose eigenbases (inverses) and eigenvalues
-  follow one another in the group's second-order array, so that one slice of
-  each reads them as `[k, d, d]` and `[k, d]` (a transformer's q, k, v and o
-  projections, the blocks of a stack), and unit-wise layers whose Fishers
-  follow one another (`[k, C, 3]`). Every other plan is a run of its own.
+  layers of equal `(d_A, d_G)` and column splits, their eigenbases (inverses)
+  and eigenvalues read as `[k, d, d]` and `[k, d]` by one slice or gather
+  each, wherever they lie (`packing.read_run`: a transformer's q, k, v and o
+  projections, the blocks of a stack, at P = 1024 one per owner), and
+  unit-wise layers (`[k, C, 3]`); in plan order, at most `RUN_NUMBERS`
+  second-order numbers each. Every other plan is a run of its own.
   `across_layers=False`: only blocks of one stacked layer run together."""
   def key(plan: LayerPlan) -> tuple:
-    return tuple((w, p.dim) for w, p in plan.places) + (
+    return tuple((w, p.dim, tuple(q.columns or () for q in (p,) + p.copies))
+                 for w, p in plan.places) + (
         () if across_layers else (plan.layer.stack_name,))
-  runs: list[list[LayerPlan]] = []
-  plans = lay.group_plans(group)
-  joins = [_runnable(p) and (across_layers or p.layer.stack_name is not None)
-           for p in plans]
-  single = [(plan,) for plan, join in zip(plans, joins) if not join]
-  batchable = sorted((plan for plan, join in zip(plans, joins) if join),
-                     key=lambda p: (key(p), _starts(lay, p, group)))
-  for plan in batchable:
-    if runs:
-      last = runs[-1][-1]
-      follows = key(plan) == key(last) and all(
-          (now is None) == (before is None) and (now is None or now == before + step)
-          for now, before, step in zip(_starts(lay, plan, group),
-                                       _starts(lay, last, group), _part_sizes(last)))
-      if follows:
-        runs[-1].append(plan)
-        continue
-    runs.append([plan])
-  return tuple(single) + tuple(tuple(run) for run in runs)
+  runs: dict[tuple, list[list[LayerPlan]]] = {}
+  single = []
+  for plan in lay.group_plans(group):
+    if not _runnable(plan) or not (across_layers or plan.layer.stack_name is not None):
+      single.append((plan,))
+      continue
+    same = runs.setdefault(key(plan), [[]])
+    if same[-1] and _second_numbers(plan) * (len(same[-1]) + 1) > RUN_NUMBERS:
+      same.append([])
+    same[-1].append(plan)
+  return tuple(single) + tuple(tuple(run) for same in runs.values() for run in same)
 
 
 def tight_offsets(lay: Layout) -> dict[tuple[str, str], int]:

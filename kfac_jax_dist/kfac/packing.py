@@ -277,21 +277,47 @@ def read_vector(second: jax.Array, base: int, place: layout_lib.FactorPlace) -> 
   return second[start:start + width(place)]
 
 
-def read_run(second: jax.Array, base_of, places: tuple[layout_lib.FactorPlace, ...]):
-  """`(matrices [k, d, d], vectors [k, d])` of `k` full factors whose parts
-  follow one another (`layout.precondition_runs`): one slice each; the
-  vectors None where there are none (method "inverse"). Of `k` unit-wise
-  Fishers: `(None, [k, d, 3])`."""
-  first, k, d = places[0], len(places), places[0].dim
+def read_at(x: jax.Array, starts: tuple[int, ...], shape: tuple[int, ...], row: int
+            ) -> jax.Array:
+  """`[k, *shape]`: `k` parts of `x` at static `starts`, each inside one row
+  of `x` viewed as `[-1, row]`. A constant stride apart (at least a part's
+  size), one slice of `[k, stride]` rows (the last padded where `x` ends
+  first); else one gather of the `k` windows at (row, column) starts, within
+  int32 whatever `x`'s length (GPT-2-XL's at P = 1024: 4·10¹⁰ numbers)."""
+  k, n = len(starts), math.prod(shape)
+  stride = starts[1] - starts[0] if k > 1 else n
+  if stride >= n and all(b - a == stride for a, b in zip(starts, starts[1:])):
+    window = x[starts[0]:min(starts[0] + k * stride, x.shape[0])]
+    window = jnp.pad(window, (0, k * stride - window.shape[0]))
+    return window.reshape(k, stride)[:, :n].reshape((k,) + tuple(shape))
+  at = jnp.asarray(np.array([divmod(s, row) for s in starts], np.int32))
+  view = x.reshape(-1, row)
+  windows = jax.vmap(lambda i: lax.dynamic_slice(view, (i[0], i[1]), (1, n)))(at)
+  return windows.reshape((k,) + tuple(shape))
+
+
+def read_run(second: jax.Array, base_of, places: tuple[layout_lib.FactorPlace, ...],
+             row: int):
+  """`(matrices [k, d, d], vectors [k, d])` of `k` full factors
+  (`layout.precondition_runs`), each column slice of a split factor read at
+  once (`read_at`; every part inside one `row`-long owner segment), put
+  together; the vectors None where there are none (method "inverse"). Of
+  `k` unit-wise Fishers: `(None, [k, d, 3])`."""
+  first, d = places[0], places[0].dim
+  slices = [tuple(((q,) + q.copies)[j] for q in places) for j in range(1 + len(first.copies))]
+
+  def part(offset: str, shape: Callable[[layout_lib.FactorPlace], tuple]) -> jax.Array:
+    return jnp.concatenate([read_at(
+        second, tuple(base_of(q) + getattr(q, offset) for q in qs), shape(qs[0]), row)
+        for qs in slices], axis=-1)
   matrices = None
   if first.matrix_offset is not None:
-    start = base_of(first) + first.matrix_offset
-    matrices = second[start:start + k * d * d].reshape(k, d, d)
+    matrices = part("matrix_offset", lambda q: (d, width(q)))
   if first.vector_offset is None:
     return matrices, None
-  start = base_of(first) + first.vector_offset
-  shape = (k, d, 3) if first.form == factors.UNIT else (k, d)
-  return matrices, second[start:start + math.prod(shape)].reshape(shape)
+  if first.form == factors.UNIT:
+    return matrices, part("vector_offset", lambda q: (d, 3))
+  return matrices, part("vector_offset", lambda q: (width(q),))
 
 
 def read_parts(second: jax.Array, base_of, place: layout_lib.FactorPlace):

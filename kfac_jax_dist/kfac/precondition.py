@@ -13,7 +13,7 @@ every preconditioned gradient; `η` is `learning_rate` (float or schedule).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +28,12 @@ from kfac_jax_dist.kfac import packing
 from kfac_jax_dist.kfac.config import KfacConfig
 
 Leaves = dict[str, jax.Array]
-# The gradients of plans, `[k, d_A, d_G]` (`gradient_matrices`).
-GradOf = Callable[[Sequence[layout_lib.LayerPlan]], jax.Array]
+# Per stacked layer, how many blocks past the plans' own the running owner
+# group's are, in a branch several groups share (`Layout.group_branches`).
+Shift = Mapping[str, jax.Array]
+# The gradients of plans (moved by a shift), `[k, d_A, d_G]` (`gradient_matrices`).
+GradOf = Callable[[Sequence[layout_lib.LayerPlan], Shift], jax.Array]
+ReadGrad = Callable[[Sequence[layout_lib.LayerPlan]], jax.Array]   # a shift applied
 Runs = Literal["all", "stacks", "none"]     # which equal-shape layers run batched
 
 # Which equal-shape layers are preconditioned in runs (`precondition`): None
@@ -39,23 +43,30 @@ BATCH_RUNS: bool | None = None
 
 
 def _blocks(leaf: jax.Array, plans: Sequence[layout_lib.LayerPlan],
-            shape: tuple[int, ...]) -> jax.Array:
+            shape: tuple[int, ...], shift: Shift) -> jax.Array:
   """`[k, *shape]`: the plans' parts of a parameter leaf, the whole leaf of a
-  layer that is not stacked, one slice for consecutive blocks of a stack."""
+  layer that is not stacked, one slice for consecutive blocks of a stack
+  (`shift[stack]` blocks further on, read at a traced start, if given)."""
   start = plans[0].layer.block_number or 0
-  return leaf.reshape((-1,) + tuple(shape))[start:start + len(plans)]
+  blocks = leaf.reshape((-1,) + tuple(shape))
+  moved = shift.get(plans[0].layer.stack_name) if shift else None
+  if moved is None:
+    return blocks[start:start + len(plans)]
+  return lax.dynamic_slice_in_dim(blocks, start + moved, len(plans))
 
 
-def gradient_matrices(plans: Sequence[layout_lib.LayerPlan], leaves: Leaves
-                      ) -> jax.Array:
+def gradient_matrices(plans: Sequence[layout_lib.LayerPlan], leaves: Leaves,
+                      shift: Shift | None = None) -> jax.Array:
   """The gradients of one layer or of consecutive blocks of a stacked one
-  (`layout.block_runs`), `[k, d_A, d_G]`: kernel rows, then the bias row."""
+  (`layout.block_runs`; `shift` as `_blocks`), `[k, d_A, d_G]`: kernel
+  rows, then the bias row."""
   layer, k = plans[0].layer, len(plans)
-  kernel = _blocks(leaves[layer.kernel_path], plans, layer.kernel_shape)
+  kernel = _blocks(leaves[layer.kernel_path], plans, layer.kernel_shape, shift)
   dtype = jnp.promote_types(kernel.dtype, jnp.float32)
   m = kernel.astype(dtype).reshape(k, layer.a_dim - layer.has_bias, layer.g_dim)
   if layer.has_bias:
-    bias = _blocks(leaves[layer.bias_path], plans, layer.bias_shape or (layer.g_dim,))
+    bias = _blocks(leaves[layer.bias_path], plans, layer.bias_shape or (layer.g_dim,),
+                   shift)
     m = jnp.concatenate([m, bias.astype(dtype).reshape(k, 1, layer.g_dim)], axis=1)
   return m
 
@@ -117,19 +128,21 @@ def precondition_group(config: KfacConfig, layout: layout_lib.Layout,
                        second: jax.Array, gamma: jax.Array, group: int, grad_of: GradOf,
                        kl_weight: Callable[[layout_lib.LayerPlan], float],
                        scaling: dict[str, jax.Array] | None = None,
-                       runs: Runs = "none"
+                       runs: Runs = "none", shift: Shift | None = None
                        ) -> tuple[dict[Any, jax.Array], jax.Array]:
   """Preconditioned gradients of one owner group's layers and its Σ|⟨V, ∇⟩|;
   a piece of a replicated layer leaves its partial ⟨V, ∇⟩ under
   `(name, "dot")` instead. `scaling`: EK-FAC's `s` of the layers it corrects.
   `runs`: which equal-shape layers are batched (`layout.precondition_runs`):
-  "all", "stacks" (blocks of one stacked layer) or "none" (see `precondition`)."""
+  "all", "stacks" (blocks of one stacked layer) or "none" (see `precondition`).
+  `shift`: in a branch the group shares, where the running group's blocks are."""
   batches = (tuple((plan,) for plan in layout.group_plans(group)) if runs == "none"
              else layout_lib.precondition_runs(layout, group, runs == "all"))
   out, vg = {}, jnp.zeros([], config.compute_dtype)
+  read = lambda plans: grad_of(plans, shift or {})
   for run in batches:
     apply = _precondition_run if len(run) > 1 else _precondition_one
-    found, run_vg = apply(config, layout, second, gamma, group, run, grad_of, kl_weight,
+    found, run_vg = apply(config, layout, second, gamma, group, run, read, kl_weight,
                           scaling)
     out.update(found)
     vg = vg + run_vg
@@ -138,7 +151,8 @@ def precondition_group(config: KfacConfig, layout: layout_lib.Layout,
 
 def _precondition_one(config: KfacConfig, layout: layout_lib.Layout, second: jax.Array,
                       gamma: jax.Array, group: int, run: tuple[layout_lib.LayerPlan],
-                      grad_of: GradOf, kl_weight: Callable[[layout_lib.LayerPlan], float],
+                      grad_of: ReadGrad,
+                      kl_weight: Callable[[layout_lib.LayerPlan], float],
                       scaling: dict[str, jax.Array] | None
                       ) -> tuple[dict[Any, jax.Array], jax.Array]:
   """`precondition_group` of one layer (or a piece of a replicated one, whose
@@ -174,24 +188,26 @@ def _precondition_one(config: KfacConfig, layout: layout_lib.Layout, second: jax
 
 def _precondition_run(config: KfacConfig, layout: layout_lib.Layout, second: jax.Array,
                       gamma: jax.Array, group: int, run: tuple[layout_lib.LayerPlan, ...],
-                      grad_of: GradOf, kl_weight: Callable[[layout_lib.LayerPlan], float],
+                      grad_of: ReadGrad,
+                      kl_weight: Callable[[layout_lib.LayerPlan], float],
                       scaling: dict[str, jax.Array] | None
                       ) -> tuple[dict[str, jax.Array], jax.Array]:
   """`precondition_group` of a run of `k` equal-shape layers
   (`layout.precondition_runs`) at once: gradients stacked `[k, d_A, d_G]`,
-  each factor part read by one slice, batched products (the same numbers,
-  a few kernels for the run instead of a few per layer)."""
+  each factor part read by one slice or gather, batched products (the same
+  numbers, a few kernels for the run instead of a few per layer)."""
   def base_of(place: layout_lib.FactorPlace) -> int:
     return layout.second_base(place, group)
   grads = grad_of(run)
   if run[0].layer.unitwise:          # SP-NGD: (F_c + γI)⁻¹ per channel, [k, C, 3]
-    _, fisher = packing.read_run(second, base_of, tuple(plan.f for plan in run))
+    _, fisher = packing.read_run(second, base_of, tuple(plan.f for plan in run),
+                                 layout.second_segment)
     v = jnp.stack([x for x in linalg.unitwise_precondition(
         grads[:, 0], grads[:, 1] if run[0].layer.has_bias else None, fisher, gamma)
         if x is not None], axis=1)
     return _run_results(config, run, v, grads, kl_weight)
-  a = packing.read_run(second, base_of, tuple(plan.a for plan in run))
-  g = packing.read_run(second, base_of, tuple(plan.g for plan in run))
+  a, g = (packing.read_run(second, base_of, tuple(getattr(plan, w) for plan in run),
+                           layout.second_segment) for w in "ag")
   if config.method == "eigen":
     stacked = None if scaling is None else jnp.stack(
         [scaling[plan.layer.name] for plan in run])
@@ -232,13 +248,13 @@ def routed_gradients(config: KfacConfig, comm: collectives_lib.Collectives,
         for g in range(layout.num_groups)]
     segment = routing.reduce_to_groups(comm, buffers, width)
 
-    return (lambda plans: _joined([_buffer_run(segment, offsets, run) for run in
-                                   layout_lib.buffer_runs(plans, offsets)])), {
-        k: (v if k in layout.tagged_paths else comm.mean(v)) for k, v in leaves.items()}
+    return (lambda plans, shift: _joined([  # a shared branch's offsets are the group's
+        _buffer_run(segment, offsets, run) for run in layout_lib.buffer_runs(plans, offsets)
+    ])), {k: (v if k in layout.tagged_paths else comm.mean(v)) for k, v in leaves.items()}
   if config.gradient_reduction == "all_reduce":
     leaves = comm.mean(leaves)
-  return (lambda plans: _joined([gradient_matrices(run, leaves).astype(dtype)
-                                 for run in layout_lib.block_runs(plans)])), leaves
+  return (lambda plans, shift: _joined([gradient_matrices(run, leaves, shift).astype(dtype)
+                                        for run in layout_lib.block_runs(plans)])), leaves
 
 
 def _group_buffer(config: KfacConfig, layout: layout_lib.Layout, group: int,
@@ -275,12 +291,14 @@ def precondition(config: KfacConfig, comm: collectives_lib.Collectives,
     return precondition_group(config, layout, second, gamma, 0, grad_of, kl_weight,
                               scaling, runs)
   offsets, sizes, _ = layout_lib.gradient_offsets(layout)
+  # EK-FAC's `s` is read by layer name: no branch shared with it.
+  reps = layout.group_branches if scaling is None else None
 
   def make(g: int) -> jax.Array:
     out, vg = precondition_group(config, layout, second, gamma, g, grad_of, kl_weight,
-                                 scaling, runs)
+                                 scaling, runs, _shift(comm, layout, g, reps))
     return _group_buffer(config, layout, g, out, vg)
-  buffers = routing.gather_from_groups(comm, make, sizes, config.compute_dtype)
+  buffers = routing.gather_from_groups(comm, make, sizes, config.compute_dtype, reps)
   vg = sum(b[0] for b in buffers)
   preconditioned = {}
   for run in layout_lib.buffer_runs(layout.plans, offsets):
@@ -301,6 +319,20 @@ def precondition(config: KfacConfig, comm: collectives_lib.Collectives,
     if plan.copies:
       vg = vg + jnp.abs(sum(dots)) * kl_weight(plan)
   return preconditioned, vg
+
+
+def _shift(comm: collectives_lib.Collectives, layout: layout_lib.Layout, group: int,
+           representatives: Sequence[int] | None) -> Shift:
+  """In a branch `group` shares (`representatives`), how many blocks past
+  its own each stacked layer's blocks of the running group are (a table
+  lookup); empty in a branch of its own."""
+  if representatives is None or representatives.count(group) == 1:
+    return {}
+  served = [g for g, rep in enumerate(representatives) if rep == group]
+  bases = {g: layout.stack_bases(g) for g in served}
+  return {stack: comm.group_table(tuple(bases[g][stack] - base if g in bases else 0
+                                        for g in range(layout.num_groups)))
+          for stack, base in bases[group].items()}
 
 
 def kl_clip(config: KfacConfig, vg: jax.Array, count: jax.Array) -> jax.Array | None:
