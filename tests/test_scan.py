@@ -167,13 +167,19 @@ def test_linen_scan_matches_unrolled():
   assert running["blocks/Dense_0/1"]["A"].shape == (D + 1, D + 1)
 
 
-def test_batched_preconditioning_of_a_stack_equals_layer_at_a_time(monkeypatch):
+@pytest.mark.parametrize("run_numbers", [None, 120])
+def test_batched_preconditioning_of_a_stack_equals_layer_at_a_time(monkeypatch,
+                                                                   run_numbers):
   """The blocks of a scanned layer are preconditioned as one run (on every
   platform, `precondition.precondition`), the LayerNorm's unit-wise blocks
-  too, and train as one block at a time (forced) does."""
+  too, and train as one block at a time (forced) does; so does a run read
+  chunk by chunk through a loop (`RUN_NUMBERS`: 2 of the Dense's blocks per
+  chunk, the last chunk short)."""
   from kfac_jax_dist.kfac import layout as layout_lib  # pylint: disable=import-outside-toplevel
   from kfac_jax_dist.kfac import precondition  # pylint: disable=import-outside-toplevel
   (loss_s, params_s), _, batch = _linen_problem()
+  if run_numbers is not None:
+    monkeypatch.setattr(precondition, "RUN_NUMBERS", run_numbers)
   got, state = _train(loss_s, params_s, batch)
   monkeypatch.setattr(precondition, "BATCH_RUNS", False)
   want, _ = _train(loss_s, params_s, batch)
@@ -183,6 +189,9 @@ def test_batched_preconditioning_of_a_stack_equals_layer_at_a_time(monkeypatch):
     assert [run[0].layer.name for run in runs if len(run) > 1] == [
         "blocks/Dense_0/0", "blocks/LayerNorm_0/0"]
     assert max(len(run) for run in runs) == L
+  if run_numbers is not None:
+    dense = lay.plan("blocks/Dense_0/0")
+    assert run_numbers // layout_lib.second_numbers(dense) == 2 < L
   jax.tree.map(lambda a, b: _assert_close(a, b, 1e-10), got, want)
 
 

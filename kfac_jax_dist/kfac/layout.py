@@ -588,7 +588,7 @@ def _runnable(plan: LayerPlan) -> bool:
   return plan.rows is None and (kronecker or plan.f is not None)
 
 
-def _second_numbers(plan: LayerPlan) -> int:
+def second_numbers(plan: LayerPlan) -> int:
   """The second-order numbers of the plan's factors (eigenbases `d·w` and
   eigenvalues `w` of each column slice, `w = d` unsplit, or a unit-wise
   Fisher's `3d`)."""
@@ -596,37 +596,28 @@ def _second_numbers(plan: LayerPlan) -> int:
              for n in _second_parts(q.dim, q.form, "eigen", q.columns))
 
 
-# Second-order numbers (eigenbases or inverses) one preconditioning run reads
-# at most: its `[k, d, d]` reads are copies, and a GPT-2-XL stack's 48 fc
-# eigenbases (6400²) would be 7.9 GB at once.
-RUN_NUMBERS = 1 << 26
-
-
 def precondition_runs(lay: Layout, group: int, across_layers: bool = True
                       ) -> tuple[tuple[LayerPlan, ...], ...]:
   """The group's plans, those that are preconditioned together in one run:
-  layers of equal `(d_A, d_G)` and column splits, their eigenbases (inverses)
-  and eigenvalues read as `[k, d, d]` and `[k, d]` by one slice or gather
-  each, wherever they lie (`packing.read_run`: a transformer's q, k, v and o
-  projections, the blocks of a stack, at P = 1024 one per owner), and
-  unit-wise layers (`[k, C, 3]`); in plan order, at most `RUN_NUMBERS`
-  second-order numbers each. Every other plan is a run of its own.
-  `across_layers=False`: only blocks of one stacked layer run together."""
+  layers of equal `(d_A, d_G)` and column splits, in plan order, wherever
+  their eigenbases (inverses) and eigenvalues lie (a transformer's q, k, v
+  and o projections, the blocks of a stack, at P = 1024 one per owner), and
+  unit-wise layers (`[k, C, 3]`); `precondition` reads them as `[k, d, d]`
+  and `[k, d]` (`packing.read_run`), a large run chunk by chunk. Every other
+  plan is a run of its own. `across_layers=False`: only blocks of one
+  stacked layer run together."""
   def key(plan: LayerPlan) -> tuple:
     return tuple((w, p.dim, tuple(q.columns or () for q in (p,) + p.copies))
                  for w, p in plan.places) + (
         () if across_layers else (plan.layer.stack_name,))
-  runs: dict[tuple, list[list[LayerPlan]]] = {}
+  runs: dict[tuple, list[LayerPlan]] = {}
   single = []
   for plan in lay.group_plans(group):
-    if not _runnable(plan) or not (across_layers or plan.layer.stack_name is not None):
+    if _runnable(plan) and (across_layers or plan.layer.stack_name is not None):
+      runs.setdefault(key(plan), []).append(plan)
+    else:
       single.append((plan,))
-      continue
-    same = runs.setdefault(key(plan), [[]])
-    if same[-1] and _second_numbers(plan) * (len(same[-1]) + 1) > RUN_NUMBERS:
-      same.append([])
-    same[-1].append(plan)
-  return tuple(single) + tuple(tuple(run) for same in runs.values() for run in same)
+  return tuple(single) + tuple(tuple(run) for run in runs.values())
 
 
 def tight_offsets(lay: Layout) -> dict[tuple[str, str], int]:

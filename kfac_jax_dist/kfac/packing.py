@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -277,6 +277,55 @@ def read_vector(second: jax.Array, base: int, place: layout_lib.FactorPlace) -> 
   return second[start:start + width(place)]
 
 
+class RunPart(NamedTuple):
+  """One part of each of a run's `k` factors (`run_parts`): its matrix or
+  vector (`offset`) of one column slice, `shape` each, at `starts`."""
+
+  offset: str                    # "matrix_offset" | "vector_offset"
+  shape: tuple[int, ...]
+  starts: tuple[int, ...]
+
+
+def run_parts(base_of, places: tuple[layout_lib.FactorPlace, ...]) -> list[RunPart]:
+  """Where the second-order parts of `k` factors of one form, dimension and
+  column split lie (`layout.precondition_runs`): per part, per column slice."""
+  first, d = places[0], places[0].dim
+  slices = [tuple(((q,) + q.copies)[j] for q in places) for j in range(1 + len(first.copies))]
+  shapes = {"matrix_offset": lambda q: (d, width(q)),
+            "vector_offset": lambda q: (d, 3) if q.form == factors.UNIT else (width(q),)}
+  return [RunPart(offset, shape(qs[0]), tuple(base_of(q) + getattr(q, offset) for q in qs))
+          for offset, shape in shapes.items() if getattr(first, offset) is not None
+          for qs in slices]
+
+
+def _assembled(parts: list[RunPart], read: Callable[[RunPart], jax.Array]):
+  """`(matrices, vectors)`, each `read` part's column slices put together
+  (None where the factors have none: a vector is all a unit-wise Fisher or
+  method "inverse"'s matrix has)."""
+  out = {}
+  for part in parts:
+    out.setdefault(part.offset, []).append(read(part))
+  joined = {k: v[0] if len(v) == 1 else jnp.concatenate(v, axis=-1) for k, v in out.items()}
+  return joined.get("matrix_offset"), joined.get("vector_offset")
+
+
+def start_table(starts: tuple[int, ...], row: int) -> np.ndarray:
+  """`[k, 2]` int32 (row, column) of each start in an array viewed as `[-1, row]`."""
+  return np.array([divmod(s, row) for s in starts], np.int32).reshape(-1, 2)
+
+
+def gather_windows(x: jax.Array, at: jax.Array, shape: tuple[int, ...], row: int
+                   ) -> jax.Array:
+  """`[c, *shape]`: windows of `x` (viewed as `[-1, row]`, each inside one
+  row) from the (row, column) starts `at` (`[c, 2]`, in bounds): one gather."""
+  n = math.prod(shape)
+  dims = lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,),
+                                    start_index_map=(0, 1))
+  windows = lax.gather(x.reshape(-1, row), at, dims, slice_sizes=(1, n),
+                       mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+  return windows.reshape((at.shape[0],) + tuple(shape))
+
+
 def read_at(x: jax.Array, starts: tuple[int, ...], shape: tuple[int, ...], row: int
             ) -> jax.Array:
   """`[k, *shape]`: `k` parts of `x` at static `starts`, each inside one row
@@ -290,34 +339,22 @@ def read_at(x: jax.Array, starts: tuple[int, ...], shape: tuple[int, ...], row: 
     window = x[starts[0]:min(starts[0] + k * stride, x.shape[0])]
     window = jnp.pad(window, (0, k * stride - window.shape[0]))
     return window.reshape(k, stride)[:, :n].reshape((k,) + tuple(shape))
-  at = jnp.asarray(np.array([divmod(s, row) for s in starts], np.int32))
-  view = x.reshape(-1, row)
-  windows = jax.vmap(lambda i: lax.dynamic_slice(view, (i[0], i[1]), (1, n)))(at)
-  return windows.reshape((k,) + tuple(shape))
+  return gather_windows(x, jnp.asarray(start_table(starts, row)), shape, row)
 
 
-def read_run(second: jax.Array, base_of, places: tuple[layout_lib.FactorPlace, ...],
-             row: int):
-  """`(matrices [k, d, d], vectors [k, d])` of `k` full factors
-  (`layout.precondition_runs`), each column slice of a split factor read at
-  once (`read_at`; every part inside one `row`-long owner segment), put
-  together; the vectors None where there are none (method "inverse"). Of
-  `k` unit-wise Fishers: `(None, [k, d, 3])`."""
-  first, d = places[0], places[0].dim
-  slices = [tuple(((q,) + q.copies)[j] for q in places) for j in range(1 + len(first.copies))]
-
-  def part(offset: str, shape: Callable[[layout_lib.FactorPlace], tuple]) -> jax.Array:
-    return jnp.concatenate([read_at(
-        second, tuple(base_of(q) + getattr(q, offset) for q in qs), shape(qs[0]), row)
-        for qs in slices], axis=-1)
-  matrices = None
-  if first.matrix_offset is not None:
-    matrices = part("matrix_offset", lambda q: (d, width(q)))
-  if first.vector_offset is None:
-    return matrices, None
-  if first.form == factors.UNIT:
-    return matrices, part("vector_offset", lambda q: (d, 3))
-  return matrices, part("vector_offset", lambda q: (width(q),))
+def read_run(second: jax.Array, parts: list[RunPart], row: int,
+             at: list[jax.Array] | None = None):
+  """`(matrices [k, d, d], vectors [k, d])` of a run's `k` full factors
+  (`run_parts`; each part inside one `row`-long owner segment), column
+  slices put together, each part read at once (`read_at`); the matrices None
+  where there are none (a unit-wise Fisher, `[k, d, 3]`), the vectors None
+  under method "inverse". `at`: per part, the (row, column) starts of some
+  of the factors only (`[c, 2]`, traced: a loop over a large run's chunks),
+  read by one gather each."""
+  if at is None:
+    return _assembled(parts, lambda p: read_at(second, p.starts, p.shape, row))
+  where = dict(zip(map(id, parts), at))
+  return _assembled(parts, lambda p: gather_windows(second, where[id(p)], p.shape, row))
 
 
 def read_parts(second: jax.Array, base_of, place: layout_lib.FactorPlace):

@@ -17,6 +17,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from kfac_jax_dist.core import cadence
@@ -40,6 +41,10 @@ Runs = Literal["all", "stacks", "none"]     # which equal-shape layers run batch
 # chooses by platform; True: all runs, False: none (the tests,
 # benchmarks/gpu_probe.py).
 BATCH_RUNS: bool | None = None
+
+# Second-order numbers (eigenbases or inverses) a run reads at once at most
+# (`_precondition_run`: past it, chunk by chunk through a loop).
+RUN_NUMBERS = 1 << 26
 
 
 def _blocks(leaf: jax.Array, plans: Sequence[layout_lib.LayerPlan],
@@ -195,26 +200,50 @@ def _precondition_run(config: KfacConfig, layout: layout_lib.Layout, second: jax
   """`precondition_group` of a run of `k` equal-shape layers
   (`layout.precondition_runs`) at once: gradients stacked `[k, d_A, d_G]`,
   each factor part read by one slice or gather, batched products (the same
-  numbers, a few kernels for the run instead of a few per layer)."""
-  def base_of(place: layout_lib.FactorPlace) -> int:
-    return layout.second_base(place, group)
+  numbers, a few kernels for the run instead of a few per layer). A run of
+  more than `RUN_NUMBERS` second-order numbers goes chunk by chunk through a
+  loop (`lax.map`): the reads are copies, and 48 of GPT-2-XL's 6400-wide
+  eigenbases at once would be 7.9 GB."""
   grads = grad_of(run)
-  if run[0].layer.unitwise:          # SP-NGD: (F_c + γI)⁻¹ per channel, [k, C, 3]
-    _, fisher = packing.read_run(second, base_of, tuple(plan.f for plan in run),
-                                 layout.second_segment)
-    v = jnp.stack([x for x in linalg.unitwise_precondition(
-        grads[:, 0], grads[:, 1] if run[0].layer.has_bias else None, fisher, gamma)
-        if x is not None], axis=1)
+  parts = {w: packing.run_parts(lambda q: layout.second_base(q, group),
+                                tuple(getattr(plan, w) for plan in run))
+           for w, _ in run[0].places}
+  stacked = None if scaling is None else jnp.stack([scaling[p.layer.name] for p in run])
+  k, c = len(run), max(1, RUN_NUMBERS // layout_lib.second_numbers(run[0]))
+  if k <= c:
+    read = lambda w: packing.read_run(second, parts[w], layout.second_segment)
+    v = _solved(config, run[0], grads, read, gamma, stacked)
     return _run_results(config, run, v, grads, kl_weight)
-  a, g = (packing.read_run(second, base_of, tuple(getattr(plan, w) for plan in run),
-                           layout.second_segment) for w in "ag")
+  # Chunks of c layers, the last one padded with the run's last layer.
+  order = np.minimum(np.arange(-(-k // c) * c), k - 1).reshape(-1, c)
+  row = layout.second_segment
+  tables = {w: [jnp.asarray(packing.start_table(p.starts, row)[order]) for p in ps]
+            for w, ps in parts.items()}
+
+  def solve_chunk(chunk: tuple) -> jax.Array:
+    g, s, at = chunk
+    read = lambda w: packing.read_run(second, parts[w], row, at[w])
+    return _solved(config, run[0], g, read, gamma, s)
+  v = lax.map(solve_chunk, (grads[order], None if stacked is None else stacked[order],
+                            tables))
+  return _run_results(config, run, v.reshape((-1,) + v.shape[2:])[:k], grads, kl_weight)
+
+
+def _solved(config: KfacConfig, plan: layout_lib.LayerPlan, grads: jax.Array,
+            read: Callable[[str], tuple], gamma: jax.Array, scaling: jax.Array | None
+            ) -> jax.Array:
+  """`(A ⊗ G + γI)⁻¹ ∇` (or its π-damped form, or SP-NGD's per channel) of
+  one layer like `plan` or a batch of them (`grads` `[..., d_A, d_G]`), its
+  factors' parts from `read("a" | "g" | "f")`."""
+  if plan.layer.unitwise:          # SP-NGD: (F_c + γI)⁻¹ per channel, [..., C, 3]
+    v_gamma, v_beta = linalg.unitwise_precondition(
+        grads[..., 0, :], grads[..., 1, :] if plan.layer.has_bias else None,
+        read("f")[1], gamma)
+    return jnp.stack([v_gamma] + ([v_beta] if v_beta is not None else []), axis=-2)
+  a, g = read("a"), read("g")
   if config.method == "eigen":
-    stacked = None if scaling is None else jnp.stack(
-        [scaling[plan.layer.name] for plan in run])
-    v = linalg.precondition_eigen(grads, *a, *g, gamma, scaling=stacked)
-  else:
-    v = linalg.precondition_inverse(grads, a[0], g[0])
-  return _run_results(config, run, v, grads, kl_weight)
+    return linalg.precondition_eigen(grads, *a, *g, gamma, scaling=scaling)
+  return linalg.precondition_inverse(grads, a[0], g[0])
 
 
 def _run_results(config: KfacConfig, run: tuple[layout_lib.LayerPlan, ...],
