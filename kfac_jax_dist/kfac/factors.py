@@ -156,11 +156,12 @@ def _all_reduced(config: KfacConfig, comm: collectives_lib.Collectives,
   same sizes share one branch of that copy: `Layout.copy_branches`)."""
   dtype = config.compute_dtype
   flat = jnp.concatenate([    # plan order; a stack's blocks `[k, size_A + size_G]`
+      # (a layer split by rows over groups too: its factors are whole)
       jnp.concatenate([packing.pack_factors(
           layer_statistics(stats, run, w, layout.packed).astype(dtype), place,
           layout.packed).reshape(len(run), -1) for w, place in run[0].places],
                       axis=1).reshape(-1)
-      for run in layout_lib.block_runs(layout.plans)])
+      for run in layout_lib.block_runs(layout.plans, pieces=True)])
   summed, offsets = comm.all_reduce_factors(flat), layout_lib.tight_offsets(layout)
   starts = [[offsets[(p.layer.name, w)] for _, p, w in layout.owned(d)]
             for d in range(layout.num_devices)]
