@@ -11,7 +11,7 @@ a `lax.switch` per device, since devices own different work). Without a
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -143,13 +143,17 @@ class Collectives:
     (idle devices: `Layout.device_branches`), so that they share one branch."""
     if self.num_devices == 1:
       return make(0)
-    varying = self.varying
-    reps = list(range(self.num_devices) if representatives is None else representatives)
+    return self.switch(self.device_index(), make, representatives or range(self.num_devices))
+
+  def switch(self, index: jax.Array, make: Callable[[int], Any],
+             representatives: Sequence[int]) -> Any:
+    """`make(representatives[index])`: a `lax.switch` with one branch per
+    distinct representative, results typed varying over the axis."""
+    reps = list(representatives)
     unique = sorted(set(reps))
-    branches = [functools.partial(lambda d: _compat.as_varying(make(d), varying), d)
-                for d in unique]
-    index = self.device_index()
-    if len(unique) < self.num_devices:
+    branches = [functools.partial(lambda r: _compat.as_varying(make(r), self.varying), r)
+                for r in unique]
+    if len(unique) < len(reps):
       position = {r: i for i, r in enumerate(unique)}
       index = jnp.asarray([position[r] for r in reps], jnp.int32)[index]
     return jax.lax.switch(index, branches)

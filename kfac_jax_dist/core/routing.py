@@ -21,14 +21,11 @@ of its own layers (K-FAC) or blocks (Shampoo). Two routes connect the groups:
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from kfac_jax_dist import _compat
 from kfac_jax_dist.core import collectives as collectives_lib
 
 
@@ -59,15 +56,7 @@ def per_group(comm: collectives_lib.Collectives, make: Callable[[int], Any],
   `make(0)` on every device, typed as its inputs."""
   if comm.num_groups == 1:
     return make(0)
-  reps = list(range(comm.num_groups) if representatives is None else representatives)
-  unique = sorted(set(reps))
-  branches = [functools.partial(lambda g: _compat.as_varying(make(g), comm.varying), g)
-              for g in unique]
-  index = comm.group_index()
-  if len(unique) < comm.num_groups:
-    position = {r: i for i, r in enumerate(unique)}
-    index = jnp.asarray([position[r] for r in reps], jnp.int32)[index]
-  return lax.switch(index, branches)
+  return comm.switch(comm.group_index(), make, representatives or range(comm.num_groups))
 
 
 def gather_from_groups(comm: collectives_lib.Collectives,
