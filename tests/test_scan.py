@@ -167,19 +167,13 @@ def test_linen_scan_matches_unrolled():
   assert running["blocks/Dense_0/1"]["A"].shape == (D + 1, D + 1)
 
 
-@pytest.mark.parametrize("run_numbers", [None, 120])
-def test_batched_preconditioning_of_a_stack_equals_layer_at_a_time(monkeypatch,
-                                                                   run_numbers):
+def test_batched_preconditioning_of_a_stack_equals_layer_at_a_time(monkeypatch):
   """The blocks of a scanned layer are preconditioned as one run (on every
   platform, `precondition.precondition`), the LayerNorm's unit-wise blocks
-  too, and train as one block at a time (forced) does; so does a run read
-  chunk by chunk through a loop (`RUN_NUMBERS`: 2 of the Dense's blocks per
-  chunk, the last chunk short)."""
+  too, and train as one block at a time (forced) does."""
   from kfac_jax_dist.kfac import layout as layout_lib  # pylint: disable=import-outside-toplevel
   from kfac_jax_dist.kfac import precondition  # pylint: disable=import-outside-toplevel
   (loss_s, params_s), _, batch = _linen_problem()
-  if run_numbers is not None:
-    monkeypatch.setattr(precondition, "RUN_NUMBERS", run_numbers)
   got, state = _train(loss_s, params_s, batch)
   monkeypatch.setattr(precondition, "BATCH_RUNS", False)
   want, _ = _train(loss_s, params_s, batch)
@@ -189,9 +183,6 @@ def test_batched_preconditioning_of_a_stack_equals_layer_at_a_time(monkeypatch,
     assert [run[0].layer.name for run in runs if len(run) > 1] == [
         "blocks/Dense_0/0", "blocks/LayerNorm_0/0"]
     assert max(len(run) for run in runs) == L
-  if run_numbers is not None:
-    dense = lay.plan("blocks/Dense_0/0")
-    assert run_numbers // layout_lib.second_numbers(dense) == 2 < L
   jax.tree.map(lambda a, b: _assert_close(a, b, 1e-10), got, want)
 
 
@@ -889,22 +880,35 @@ def test_two_stack_axes_train_as_unrolled():
                                                    1e-5), got["dense"], want[f"b{k}"])
 
 
+def _strided(lay, run) -> bool:
+  """Whether a precondition run's A eigenbases lie a constant stride apart."""
+  starts = [lay.second_base(p.a, p.group) + p.a.matrix_offset for p in run]
+  return len({b - a for a, b in zip(starts, starts[1:])}) == 1
+
+
 def _apart(lay, run) -> bool:
   """Whether a precondition run's A eigenbases do not follow one another."""
   starts = [lay.second_base(p.a, p.group) + p.a.matrix_offset for p in run]
   return any(b - a != run[0].a.dim ** 2 for a, b in zip(starts, starts[1:]))
 
 
-@pytest.mark.parametrize("fraction,gradient_reduction", [
-    (1 / 8, "all_reduce"), (1 / 8, "reduce_scatter"), (1.0, "all_reduce")])
-def test_one_block_per_owner_equals_single_device(fraction, gradient_reduction):
+@pytest.mark.parametrize("fraction,gradient_reduction,run_numbers", [
+    (1 / 8, "all_reduce", None), (1 / 8, "reduce_scatter", None),
+    (1.0, "all_reduce", None), (1.0, "all_reduce", 120)])
+def test_one_block_per_owner_equals_single_device(monkeypatch, fraction,
+                                                  gradient_reduction, run_numbers):
   """Eight blocks on eight devices, as at pod scale, where each device owns
   about one block: under MEM-OPT the owner groups of equal blocks share one
   branch of the preconditioning, each reading its own block of the stacked
   gradient at a shift from a table (`Layout.group_branches`); under COMM-OPT
   a run of blocks whose eigenbases lie one per device is read as one strided
-  slice or gather (`packing.read_at`). The steps equal one device's."""
+  slice or gather (`packing.read_at`), and past `RUN_NUMBERS` (120: two
+  blocks a chunk) chunk by chunk through a loop. The steps equal one
+  device's."""
   from kfac_jax_dist.kfac import layout as layout_lib  # pylint: disable=import-outside-toplevel
+  from kfac_jax_dist.kfac import precondition  # pylint: disable=import-outside-toplevel
+  if run_numbers is not None:
+    monkeypatch.setattr(precondition, "RUN_NUMBERS", run_numbers)
   problem = _deep_stack_problem(blocks=8)
   dist = kd.Distribution(helpers.data_mesh(8), grad_worker_fraction=fraction,
                          gradient_reduction=gradient_reduction)
@@ -917,6 +921,9 @@ def test_one_block_per_owner_equals_single_device(fraction, gradient_reduction):
     runs = [run for run in layout_lib.precondition_runs(lay, 0, across_layers=False)
             if len(run) > 1]
     assert any(_apart(lay, run) for run in runs)
+    if run_numbers is not None:     # gathered, in chunks of 2 of the 8 blocks
+      assert run_numbers // layout_lib.second_numbers(runs[0][0]) == 2
+      assert not _strided(lay, runs[0]) and len(runs[0]) == 8
   jax.tree.map(lambda a, b: _assert_close(a, b, 1e-6), got, want)
 
 

@@ -326,6 +326,13 @@ def gather_windows(x: jax.Array, at: jax.Array, shape: tuple[int, ...], row: int
   return windows.reshape((at.shape[0],) + tuple(shape))
 
 
+def strided(starts: tuple[int, ...], n: int) -> bool:
+  """Whether parts of `n` numbers at `starts` lie a constant stride (at
+  least `n`) apart: `read_at` reads them by one slice, not a gather."""
+  stride = starts[1] - starts[0] if len(starts) > 1 else n
+  return stride >= n and all(b - a == stride for a, b in zip(starts, starts[1:]))
+
+
 def read_at(x: jax.Array, starts: tuple[int, ...], shape: tuple[int, ...], row: int
             ) -> jax.Array:
   """`[k, *shape]`: `k` parts of `x` at static `starts`, each inside one row
@@ -334,8 +341,8 @@ def read_at(x: jax.Array, starts: tuple[int, ...], shape: tuple[int, ...], row: 
   first); else one gather of the `k` windows at (row, column) starts, within
   int32 whatever `x`'s length (GPT-2-XL's at P = 1024: 4·10¹⁰ numbers)."""
   k, n = len(starts), math.prod(shape)
-  stride = starts[1] - starts[0] if k > 1 else n
-  if stride >= n and all(b - a == stride for a, b in zip(starts, starts[1:])):
+  if strided(starts, n):
+    stride = starts[1] - starts[0] if k > 1 else n
     window = x[starts[0]:min(starts[0] + k * stride, x.shape[0])]
     window = jnp.pad(window, (0, k * stride - window.shape[0]))
     return window.reshape(k, stride)[:, :n].reshape((k,) + tuple(shape))

@@ -13,6 +13,7 @@ every preconditioned gradient; `η` is `learning_rate` (float or schedule).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 import jax
@@ -42,7 +43,7 @@ Runs = Literal["all", "stacks", "none"]     # which equal-shape layers run batch
 # benchmarks/gpu_probe.py).
 BATCH_RUNS: bool | None = None
 
-# Second-order numbers (eigenbases or inverses) a run reads at once at most
+# Second-order numbers (eigenbases or inverses) a run gathers at once at most
 # (`_precondition_run`: past it, chunk by chunk through a loop).
 RUN_NUMBERS = 1 << 26
 
@@ -201,16 +202,19 @@ def _precondition_run(config: KfacConfig, layout: layout_lib.Layout, second: jax
   (`layout.precondition_runs`) at once: gradients stacked `[k, d_A, d_G]`,
   each factor part read by one slice or gather, batched products (the same
   numbers, a few kernels for the run instead of a few per layer). A run of
-  more than `RUN_NUMBERS` second-order numbers goes chunk by chunk through a
-  loop (`lax.map`): the reads are copies, and 48 of GPT-2-XL's 6400-wide
-  eigenbases at once would be 7.9 GB."""
+  more than `RUN_NUMBERS` second-order numbers that would be gathered goes
+  chunk by chunk through a loop (`lax.map`): a gather is a copy, and 48 of
+  GPT-2-XL's 6400-wide eigenbases at once (COMM-OPT at P = 1024, one per
+  owner) would be 7.9 GB; a slice feeds the products without one."""
   grads = grad_of(run)
   parts = {w: packing.run_parts(lambda q: layout.second_base(q, group),
                                 tuple(getattr(plan, w) for plan in run))
            for w, _ in run[0].places}
   stacked = None if scaling is None else jnp.stack([scaling[p.layer.name] for p in run])
   k, c = len(run), max(1, RUN_NUMBERS // layout_lib.second_numbers(run[0]))
-  if k <= c:
+  sliced = all(packing.strided(p.starts, math.prod(p.shape))
+               for ps in parts.values() for p in ps)
+  if k <= c or sliced:
     read = lambda w: packing.read_run(second, parts[w], layout.second_segment)
     v = _solved(config, run[0], grads, read, gamma, stacked)
     return _run_results(config, run, v, grads, kl_weight)
