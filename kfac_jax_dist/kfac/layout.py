@@ -205,7 +205,17 @@ class Layout:
 
   def group_plans(self, group: int) -> tuple[LayerPlan, ...]:
     """Plans (and copies of replicated layers) whose gradient `group` sends."""
-    return tuple(p for plan in self.plans for p in plan.pieces if p.group == group)
+    return self._plans_by_group.get(group, ())
+
+  @functools.cached_property
+  def _plans_by_group(self) -> dict[int, tuple[LayerPlan, ...]]:
+    """`group_plans` of every group, in plan order, found once (the layout's
+    helpers ask for each of P = 1024 groups' plans several times)."""
+    found: dict[int, list[LayerPlan]] = {}
+    for plan in self.plans:
+      for piece in plan.pieces:
+        found.setdefault(piece.group, []).append(piece)
+    return {g: tuple(plans) for g, plans in found.items()}
 
   def second_base(self, place: FactorPlace, group: int) -> int:
     """Start of `place`'s owner segment in its group's `m·L₂` second-order array."""

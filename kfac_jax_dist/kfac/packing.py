@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -298,13 +298,13 @@ def run_parts(base_of, places: tuple[layout_lib.FactorPlace, ...]) -> list[RunPa
           for qs in slices]
 
 
-def _assembled(parts: list[RunPart], read: Callable[[RunPart], jax.Array]):
-  """`(matrices, vectors)`, each `read` part's column slices put together
-  (None where the factors have none: a vector is all a unit-wise Fisher or
-  method "inverse"'s matrix has)."""
+def _assembled(parts: list[RunPart], values: list[jax.Array]):
+  """`(matrices, vectors)`, the parts' `values` (read in their order) with
+  column slices put together (None where the factors have none: a vector is
+  all a unit-wise Fisher or method "inverse"'s matrix has)."""
   out = {}
-  for part in parts:
-    out.setdefault(part.offset, []).append(read(part))
+  for part, value in zip(parts, values):
+    out.setdefault(part.offset, []).append(value)
   joined = {k: v[0] if len(v) == 1 else jnp.concatenate(v, axis=-1) for k, v in out.items()}
   return joined.get("matrix_offset"), joined.get("vector_offset")
 
@@ -326,11 +326,13 @@ def gather_windows(x: jax.Array, at: jax.Array, shape: tuple[int, ...], row: int
   return windows.reshape((at.shape[0],) + tuple(shape))
 
 
-def strided(starts: tuple[int, ...], n: int) -> bool:
-  """Whether parts of `n` numbers at `starts` lie a constant stride (at
-  least `n`) apart: `read_at` reads them by one slice, not a gather."""
+def stride_of(starts: tuple[int, ...], n: int) -> int | None:
+  """The constant stride (at least `n`) parts of `n` numbers at `starts` lie
+  apart (`n` for one part), or None: `read_at` then gathers, not slices."""
   stride = starts[1] - starts[0] if len(starts) > 1 else n
-  return stride >= n and all(b - a == stride for a, b in zip(starts, starts[1:]))
+  if stride >= n and all(b - a == stride for a, b in zip(starts, starts[1:])):
+    return stride
+  return None
 
 
 def read_at(x: jax.Array, starts: tuple[int, ...], shape: tuple[int, ...], row: int
@@ -341,8 +343,8 @@ def read_at(x: jax.Array, starts: tuple[int, ...], shape: tuple[int, ...], row: 
   first); else one gather of the `k` windows at (row, column) starts, within
   int32 whatever `x`'s length (GPT-2-XL's at P = 1024: 4·10¹⁰ numbers)."""
   k, n = len(starts), math.prod(shape)
-  if strided(starts, n):
-    stride = starts[1] - starts[0] if k > 1 else n
+  stride = stride_of(starts, n)
+  if stride is not None:
     window = x[starts[0]:min(starts[0] + k * stride, x.shape[0])]
     window = jnp.pad(window, (0, k * stride - window.shape[0]))
     return window.reshape(k, stride)[:, :n].reshape((k,) + tuple(shape))
@@ -359,9 +361,9 @@ def read_run(second: jax.Array, parts: list[RunPart], row: int,
   of the factors only (`[c, 2]`, traced: a loop over a large run's chunks),
   read by one gather each."""
   if at is None:
-    return _assembled(parts, lambda p: read_at(second, p.starts, p.shape, row))
-  where = dict(zip(map(id, parts), at))
-  return _assembled(parts, lambda p: gather_windows(second, where[id(p)], p.shape, row))
+    return _assembled(parts, [read_at(second, p.starts, p.shape, row) for p in parts])
+  return _assembled(parts, [gather_windows(second, starts, p.shape, row)
+                            for p, starts in zip(parts, at)])
 
 
 def read_parts(second: jax.Array, base_of, place: layout_lib.FactorPlace):

@@ -212,7 +212,7 @@ def _precondition_run(config: KfacConfig, layout: layout_lib.Layout, second: jax
            for w, _ in run[0].places}
   stacked = None if scaling is None else jnp.stack([scaling[p.layer.name] for p in run])
   k, c = len(run), max(1, RUN_NUMBERS // layout_lib.second_numbers(run[0]))
-  sliced = all(packing.strided(p.starts, math.prod(p.shape))
+  sliced = all(packing.stride_of(p.starts, math.prod(p.shape)) is not None
                for ps in parts.values() for p in ps)
   if k <= c or sliced:
     read = lambda w: packing.read_run(second, parts[w], layout.second_segment)
