@@ -937,3 +937,55 @@ def test_read_at_is_indexing(starts):
   got = jax.jit(lambda v: packing.read_at(v, starts, (2, 2), row=10))(jnp.asarray(x))
   want = np.stack([x[s:s + 4].reshape(2, 2) for s in starts])
   np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("at,size", [(3, 4), (7, 25), (10, 20), (0, 3), (5, 15), (20, 40)])
+def test_write_span_is_flat_assignment(at, size):
+  """`packing._write_span`: the end of a row, whole rows, the start of a row,
+  in any combination, write what a flat assignment writes."""
+  from kfac_jax_dist.kfac import packing  # pylint: disable=import-outside-toplevel
+  span = np.arange(1.0, size + 1)
+  got = jax.jit(lambda s: packing._write_span(jnp.zeros((6, 10)), at, s))(jnp.asarray(span))
+  want = np.zeros(60)
+  want[at:at + size] = span
+  np.testing.assert_array_equal(np.asarray(got).reshape(-1), want)
+
+
+@pytest.mark.parametrize("blocks,fraction,storage", [(32, 1 / 8, "chunked"),
+                                                    (64, 1.0, "owner")])
+def test_statistics_spans_past_int32_equal_the_flat_buffer(monkeypatch, blocks, fraction,
+                                                           storage):
+  """Past 2³¹ numbers the statistics buffer is written by rows, a stack's
+  factor in one span where consecutive devices store consecutive blocks of it
+  (`packing._spans`: at P = 1024 one write per stack instead of one per
+  device). As if int32 ended just short of the buffer, on 8 devices in tight
+  chunks and in owner segments: bit for bit the flat buffer, and the
+  layer-at-a-time one."""
+  from kfac_jax_dist.kfac import packing  # pylint: disable=import-outside-toplevel
+  loss_fn, params, batch = _deep_stack_problem(blocks=blocks)
+  dist = kd.Distribution(helpers.data_mesh(8), grad_worker_fraction=fraction)
+  tx = kd.kfac(0.1, layers=kd.value_and_grad(loss_fn).discover(params, *batch),
+               distribution=dist, factor_update_every=10, inverse_update_every=100)
+  lay = find_states(tx.init(params))[0].layout
+  assert lay.factor_storage == storage
+  rng = np.random.default_rng(0)
+  stats = {(plan.layer.name, w): jnp.asarray(rng.normal(size=(q.dim, q.dim)), jnp.float32)
+           for plan in lay.plans for w, q in plan.places}
+
+  def stacked(plans, w):
+    return jnp.stack([stats[(plan.layer.name, w)] for plan in plans])
+
+  def one(plan, w):
+    return stats[(plan.layer.name, w)]
+
+  def segments(batched):     # traced anew: _INT32_MAX is read at trace time
+    return np.asarray(jax.jit(lambda: packing.all_segments(
+        lay, stacked if batched else one, jnp.float32, batched=batched))())
+  flat = segments(True)
+  runs = sum(len(packing._stored_runs(lay, d)) for d in range(lay.num_devices))
+  spans = packing._spans(lay, packing.PackedStacks(lay, stacked, jnp.float32),
+                         jnp.float32, True)
+  assert storage == "owner" or len(spans) < runs, (len(spans), runs)
+  monkeypatch.setattr(packing, "_INT32_MAX", flat.shape[0] - 1)
+  np.testing.assert_array_equal(segments(True), flat)
+  np.testing.assert_array_equal(segments(False), flat)

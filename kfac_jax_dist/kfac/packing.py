@@ -80,26 +80,44 @@ def stored_together(now: tuple, before: tuple) -> bool:
           and place.columns is None and last.columns is None)
 
 
-def packed_by_stack(lay: layout_lib.Layout, value_of, dtype):
-  """`(plans, which) -> [k · size]`, the storage form of consecutive blocks'
-  factors `which`, given `value_of(plans, which)` (`[k, ...]`): each factor
-  of a stack's blocks (`block_runs` of `lay.plans`) is packed once, by one
-  gather, and each device's run is a slice of it. Packing each device's
-  blocks apart made the program grow with P: at P = 1024 each device owns
-  one or two of GPT-2-XL's factors, so 576 packs of their own."""
-  where = {plan.layer.name: (run, i)
-           for run in layout_lib.block_runs(lay.plans, pieces=True)
-           for i, plan in enumerate(run)}
-  done: dict[tuple[str, str], jax.Array] = {}
+class PackedStacks:
+  """Each factor of a stack's blocks (`block_runs` of `lay.plans`, pieces
+  included) packed once, by one gather, whichever devices own them, from
+  `value_of(plans, which)` (`[k, ...]`); a device's run of blocks is a slice
+  of it. Packing each device's blocks apart made the program grow with P: at
+  P = 1024 each device owns one or two of GPT-2-XL's factors, so 576 packs
+  of their own. Called as `value_of`: `(plans, which) -> [k · size]`."""
 
-  def packed(plans: Sequence[layout_lib.LayerPlan], which: str) -> jax.Array:
-    run, i = where[plans[0].layer.name]
-    key = (run[0].layer.name, which)
-    if key not in done:
-      done[key] = pack_factors(value_of(run, which).astype(dtype),
-                               dict(run[0].places)[which], lay.packed).reshape(len(run), -1)
-    return done[key][i:i + len(plans)].reshape(-1)
-  return packed
+  def __init__(self, lay: layout_lib.Layout, value_of, dtype):
+    self._lay, self._value_of, self._dtype = lay, value_of, dtype
+    self._where = {plan.layer.name: (run, i)
+                   for run in layout_lib.block_runs(lay.plans, pieces=True)
+                   for i, plan in enumerate(run)}
+    self._done: dict[tuple[str, str], jax.Array] = {}
+
+  def locate(self, plans: Sequence[layout_lib.LayerPlan], which: str
+             ) -> tuple[tuple[str, str], int, int]:
+    """`(stack key, first block, end block)` of `plans`' factors `which`."""
+    run, i = self._where[plans[0].layer.name]
+    return (run[0].layer.name, which), i, i + len(plans)
+
+  def blocks(self, key: tuple[str, str], lo: int, hi: int) -> jax.Array:
+    """Blocks `[lo, hi)` of the stack `key`'s packed factors, flat."""
+    if key not in self._done:
+      run, _ = self._where[key[0]]
+      self._done[key] = pack_factors(self._value_of(run, key[1]).astype(self._dtype),
+                                     dict(run[0].places)[key[1]],
+                                     self._lay.packed).reshape(len(run), -1)
+    return self._done[key][lo:hi].reshape(-1)
+
+  def __call__(self, plans: Sequence[layout_lib.LayerPlan], which: str) -> jax.Array:
+    return self.blocks(*self.locate(plans, which))
+
+
+def _stored_runs(lay: layout_lib.Layout, device: int) -> list[list[tuple]]:
+  """The factors `device` stores (`Layout.stored`) in runs that follow one
+  another whole (`stored_together`)."""
+  return layout_lib.block_runs(lay.stored(device), lambda t: t[1], stored_together)
 
 
 def owned_factors(lay: layout_lib.Layout, device: int, value_of, dtype,
@@ -107,52 +125,83 @@ def owned_factors(lay: layout_lib.Layout, device: int, value_of, dtype,
   """The factors device `device` stores (`Layout.stored`), packed, with
   `value_of(plan, which)` per factor (already in storage form with
   `stored_values`). `batched`: `value_of(plans, which)` gives the storage
-  form of consecutive blocks of a stacked layer, flat (`packed_by_stack`),
+  form of consecutive blocks of a stacked layer, flat (`PackedStacks`),
   one piece for them."""
   if stored_values:
     return [value_of(plan, which).astype(dtype) for _, plan, which in lay.stored(device)]
   if not batched:
     return [pack_factor(value_of(plan, which).astype(dtype), place.form, lay.packed)
             for place, plan, which in lay.stored(device)]
-  runs = layout_lib.block_runs(lay.stored(device), lambda t: t[1], stored_together)
-  return [value_of([plan for _, plan, _ in run], run[0][2]) for run in runs]
+  return [value_of([plan for _, plan, _ in run], run[0][2])
+          for run in _stored_runs(lay, device)]
 
 
 _INT32_MAX = offsets.INT32_MAX         # past it, the buffer is written by rows
 
 
-def _write_across_rows(out: jax.Array, at: int, piece: jax.Array) -> jax.Array:
-  """`out` (`[rows, width]`, read flat) with `piece` written from flat position
-  `at`, split where it crosses rows: every index is a (row, column) pair
-  within int32, whatever `at` (GPT-2-XL's statistics: 2.9e9 numbers)."""
-  width, i = out.shape[1], 0
-  while i < piece.shape[0]:
-    row, column = divmod(at + i, width)
-    k = min(width - column, piece.shape[0] - i)
-    out = lax.dynamic_update_slice(out, piece[i:i + k][None], (row, column))
-    i += k
+def _write_span(out: jax.Array, at: int, span: jax.Array) -> jax.Array:
+  """`out` (`[rows, width]`, read flat) with `span` written from flat
+  position `at`: the end of a row, whole rows, the start of a row (at most
+  three writes, however many rows it crosses), every index a (row, column)
+  pair within int32, whatever `at` (GPT-2-XL's statistics: 2.9e9 numbers)."""
+  width, i, n = out.shape[1], 0, span.shape[0]
+  row, column = divmod(at, width)
+  if column:
+    i = min(width - column, n)
+    out = lax.dynamic_update_slice(out, span[:i][None], (row, column))
+    row += 1
+  rows = (n - i) // width
+  if rows:
+    out = lax.dynamic_update_slice(out, span[i:i + rows * width].reshape(rows, width),
+                                   (row, 0))
+    i, row = i + rows * width, row + rows
+  if i < n:
+    out = lax.dynamic_update_slice(out, span[i:][None], (row, 0))
   return out
+
+
+def _spans(lay: layout_lib.Layout, value_of, dtype, batched: bool
+           ) -> list[tuple[int, jax.Array]]:
+  """`(at, numbers)` of every device's stored factors in the global array.
+  `batched` (`value_of` a `PackedStacks`): a device's run continuing the
+  last one in both the array and its stack's packed factors (the next
+  device's blocks of the same factor, in tight chunks) joins it: one span
+  per stack and factor where the layout allows, not one per device."""
+  located: list[list] = []            # [at, size, key, lo, hi] or [at, size, array]
+  at = 0
+  for device in range(lay.num_devices):
+    if lay.factor_storage == layout_lib.OWNER:
+      at = device * lay.segment
+    if not batched:
+      for piece in owned_factors(lay, device, value_of, dtype):
+        located.append([at, piece.shape[0], piece])
+        at += piece.shape[0]
+      continue
+    for run in _stored_runs(lay, device):
+      key, lo, hi = value_of.locate([plan for _, plan, _ in run], run[0][2])
+      size = sum(place.size for place, _, _ in run)
+      last = located[-1] if located else None
+      if last and last[0] + last[1] == at and last[2] == key and last[4] == lo:
+        last[1], last[4] = last[1] + size, hi
+      else:
+        located.append([at, size, key, lo, hi])
+      at += size
+  return [(x[0], x[2] if len(x) == 3 else value_of.blocks(*x[2:])) for x in located]
 
 
 def _written_segments(lay: layout_lib.Layout, value_of, dtype, batched: bool
                       ) -> jax.Array:
   """`all_segments` of more than 2³¹ numbers (the reduce-scatter's buffer
   holds every factor: GPT-2-XL's are 2.9e9), traced: written as one row per
-  device, each factor packed and split where it crosses rows, so that no
-  offset passes int32 (a flat one would wrap, and XLA would clamp the write
-  to another place)."""
+  device, each span (`_spans`) split where it crosses rows (`_write_span`),
+  so that no offset passes int32 (a flat one would wrap, and XLA would clamp
+  the write to another place)."""
   width = lay.factor_shard        # within int32: `layout.check_addressable` at init
-  pieces = [owned_factors(lay, d, value_of, dtype, batched=batched)
-            for d in range(lay.num_devices)]
-  axes = _compat.varying_axes(*(p for row in pieces for p in row))
+  spans = _spans(lay, value_of, dtype, batched)
+  axes = _compat.varying_axes(*(x for _, x in spans))
   out = _compat.as_varying(jnp.zeros((lay.num_devices, width), dtype), axes)
-  at = 0
-  for device, row in enumerate(pieces):
-    if lay.factor_storage == layout_lib.OWNER:
-      at = device * lay.segment
-    for piece in row:
-      out = _write_across_rows(out, at, piece)
-      at += piece.shape[0]
+  for at, span in spans:
+    out = _write_span(out, at, span)
   return out.reshape(-1)
 
 
@@ -163,7 +212,7 @@ def all_segments(lay: layout_lib.Layout, value_of, dtype, xp=jnp,
   Traced past 2³¹ numbers, it is written by rows (`_written_segments`).
   `value_of`, `stored_values`, `batched`: as `owned_factors`."""
   if batched:
-    value_of = packed_by_stack(lay, value_of, dtype)
+    value_of = PackedStacks(lay, value_of, dtype)
   if (xp is jnp and not stored_values
       and lay.num_devices * lay.factor_shard > _INT32_MAX):
     return _written_segments(lay, value_of, dtype, batched)
