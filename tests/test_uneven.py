@@ -48,18 +48,30 @@ def test_uneven_collectives(sizes, name):
   for j, u in enumerate(sizes):
     local[:, j, :u] = rng.normal(size=(8, u))
 
+  # Every device's numbers read whole, in ranges of 3 (crossing the edges of
+  # forwarded pieces), and one at a time at once.
+  ranges = [(i, k, min(3, u - k)) for i, u in enumerate(sizes) for k in range(0, u, 3)]
+  points = [(i, k) for i, u in enumerate(sizes) for k in range(u)][::-1]
+
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("data"), P("data")),
-                     out_specs=(P(), P("data")))
+                     out_specs=(P(), P(), P(), P(), P("data")))
   def run(seg, loc):
     me = jax.lax.axis_index("data")
     rows = uneven.gather(seg[0], sizes, "data", me, scheme)
     assert [r.shape[0] for r in rows] == list(sizes)
     gathered = jnp.stack([jnp.pad(r, (0, length - r.shape[0])) for r in rows])
+    read = jnp.concatenate([rows.read(*r) for r in ranges] + [jnp.zeros(0)])
+    numbers = rows.numbers(points) if points else jnp.zeros(0)
     mine = [loc[0, j, :u] for j, u in enumerate(sizes)]
-    return gathered, uneven.reduce_scatter(mine, length, "data", me, scheme)[None]
+    return (gathered, rows.padded(length), read, numbers,
+            uneven.reduce_scatter(mine, length, "data", me, scheme)[None])
 
-  gathered, reduced = jax.jit(run)(segments, local)
+  gathered, padded, read, numbers, reduced = jax.jit(run)(segments, local)
   np.testing.assert_array_equal(np.asarray(gathered), segments)
+  np.testing.assert_array_equal(np.asarray(padded), segments.reshape(-1))
+  used = np.concatenate([segments[i, :u] for i, u in enumerate(sizes)])
+  np.testing.assert_array_equal(np.asarray(read), used)
+  np.testing.assert_array_equal(np.asarray(numbers), used[::-1])
   np.testing.assert_allclose(np.asarray(reduced), local.sum(0), rtol=1e-5, atol=1e-6)
 
 

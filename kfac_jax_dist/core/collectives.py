@@ -216,13 +216,13 @@ class Collectives:
       return tree
     return jax.tree_util.tree_map(lambda x: jax.lax.pmean(x, self.dist.axis), tree)
 
-  def gather_uneven(self, segment: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
+  def gather_uneven(self, segment: jax.Array, sizes: Sequence[int]) -> uneven.Gathered:
     """Every device's `[L]` segment, of which device `i` uses the first
     `sizes[i]` numbers (the rest are zeros), → every device's used numbers,
-    `[sizes[i]]` each, on every device, without padded traffic (see
-    `uneven`)."""
+    `[sizes[i]]` each, on every device, without padded traffic, read where
+    they arrived (`uneven.Gathered`)."""
     if not self.active:
-      return [segment[:sizes[0]]]
+      return uneven.Gathered((segment,), ((0, 0, sizes[0]),))
     return uneven.gather(segment, sizes, self.dist.axis, self.device_index())
 
   def reduce_uneven(self, segments: Sequence[jax.Array], length: int) -> jax.Array:

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from kfac_jax_dist.core import collectives as collectives_lib
+from kfac_jax_dist.core import uneven
 
 
 def group_width(sizes: Sequence[int], group_size: int) -> int:
@@ -62,14 +63,14 @@ def per_group(comm: collectives_lib.Collectives, make: Callable[[int], Any],
 def gather_from_groups(comm: collectives_lib.Collectives,
                        make: Callable[[int], jax.Array], sizes: Sequence[int],
                        dtype, representatives: Sequence[int] | None = None
-                       ) -> list[jax.Array]:
+                       ) -> uneven.Gathered:
   """Every group's flat buffer (`make(group)`, of `sizes[group]` numbers, made
   on that group's devices; `representatives` as `per_group`) → on every
-  device, one buffer per group: its numbers, or (several devices per group)
-  the buffer padded to the common width. With one group its buffer,
-  unpadded: nothing travels."""
+  device, every group's buffer, read where it arrived (`uneven.Gathered`):
+  its numbers, or (several devices per group) the buffer padded to the
+  common width. With one group its buffer, unpadded: nothing travels."""
   if comm.num_groups == 1:
-    return [make(0)]
+    return _rows(make(0), 1, sizes[0])
   width = group_width(sizes, comm.group_size)
   mine = per_group(comm, lambda g: collectives_lib.pad_to([make(g)], width, dtype),
                    representatives)
@@ -77,11 +78,16 @@ def gather_from_groups(comm: collectives_lib.Collectives,
 
 
 def gather_made(comm: collectives_lib.Collectives, mine: jax.Array, sizes: Sequence[int]
-                ) -> list[jax.Array]:
+                ) -> uneven.Gathered:
   """`gather_from_groups` of a buffer already made on each group's devices,
   `[group_width(sizes, m)]`."""
   if comm.num_groups == 1:
-    return [mine[:sizes[0]]]
+    return _rows(mine, 1, sizes[0])
   if comm.group_size == 1:
     return comm.gather_uneven(mine, sizes)
-  return list(comm.gather_groups(mine))
+  return _rows(comm.gather_groups(mine).reshape(-1), comm.num_groups, mine.shape[0])
+
+
+def _rows(flat: jax.Array, count: int, size: int) -> uneven.Gathered:
+  """`count` buffers of `size` numbers one after the other in `flat`."""
+  return uneven.Gathered((flat,), tuple(((0, i * size, size),) for i in range(count)))

@@ -377,12 +377,82 @@ def _forward(send: Send, x: jax.Array, num_devices: int, me, axis: str,
   return received, _table(write, me), _table(used, me)
 
 
+@dataclasses.dataclass(frozen=True)
+class Gathered:
+  """Every device's used numbers after a gather, read where they arrived
+  instead of copied out into an array per device (a slice and a
+  concatenation per device: O(P) operations in the program). Device `i`'s
+  numbers are the runs `parts[i]`, each `(array, at, size)`: `size` numbers
+  of `arrays[array]` from `at`, in order."""
+  arrays: tuple[jax.Array, ...]
+  parts: tuple[tuple[tuple[int, int, int], ...], ...]
+
+  def __len__(self) -> int:
+    return len(self.parts)
+
+  def __getitem__(self, device: int) -> jax.Array:
+    return self.read(device, 0, self.size(device))
+
+  def __iter__(self):
+    return (self[i] for i in range(len(self)))
+
+  def size(self, device: int) -> int:
+    return sum(n for _, _, n in self.parts[device])
+
+  def _pieces(self, device: int, start: int, size: int) -> list[tuple[int, int, int]]:
+    """`(array, at, size)` runs of numbers `[start, start + size)` of `device`'s."""
+    out, offset = [], 0
+    for array, at, n in self.parts[device]:
+      lo, hi = max(start, offset), min(start + size, offset + n)
+      if lo < hi:
+        out.append((array, at + lo - offset, hi - lo))
+      offset += n
+    return out
+
+  def read(self, device: int, start: int, size: int) -> jax.Array:
+    """Numbers `[start, start + size)` of `device`'s: one slice of each run
+    they cross (one, unless they cross a forwarded piece's edge)."""
+    pieces = [self.arrays[a][at:at + n] for a, at, n in self._pieces(device, start, size)]
+    if len(pieces) == 1:
+      return pieces[0]
+    return jnp.concatenate(pieces) if pieces else jnp.zeros(0, self.arrays[0].dtype)
+
+  def numbers(self, points: Sequence[tuple[int, int]]) -> jax.Array:
+    """`[n]`: number `k` of device `i` for each `(i, k)` of `points`, by one
+    gather of constant positions per array (a slice each past int32)."""
+    where = [self._pieces(i, k, 1)[0][:2] for i, k in points]
+    if any(self.arrays[a].shape[0] > offsets.INT32_MAX for a, _ in where):
+      return jnp.stack([self.arrays[a][at] for a, at in where])
+    picked, order = [], []
+    for a, array in enumerate(self.arrays):
+      mine = [j for j, (b, _) in enumerate(where) if b == a]
+      if mine:
+        picked.append(array[offsets.int32_table([where[j][1] for j in mine])])
+        order += mine
+    out = jnp.concatenate(picked) if len(picked) > 1 else picked[0]
+    if order != sorted(order):
+      out = out[offsets.int32_table(np.argsort(order))]
+    return out
+
+  def padded(self, length: int) -> jax.Array:
+    """`[P·length]`: each device's numbers, zeros past them to `length`: one
+    concatenation of the runs' slices and the zeros."""
+    pieces, zeros = [], {}        # one array of zeros per length
+    for device, parts in enumerate(self.parts):
+      pieces += [self.arrays[a][at:at + n] for a, at, n in parts]
+      n = length - self.size(device)
+      if n > 0:
+        pieces.append(zeros.setdefault(n, jnp.zeros(n, self.arrays[0].dtype)))
+    return jnp.concatenate(pieces)
+
+
 def gather(segment: jax.Array, sizes: Sequence[int], axis: str, me,
-           scheme: Prefix | Rechunk | None = None) -> list[jax.Array]:
+           scheme: Prefix | Rechunk | None = None) -> Gathered:
   """Every device's `[L]` segment, of which device `i` uses the first
-  `sizes[i]` numbers (the rest are zeros), → the list of every device's used
-  numbers, `[sizes[i]]`, on every device (typed invariant over `axis`); `me`
-  is the device index, `scheme` by default `plan(sizes)`."""
+  `sizes[i]` numbers (the rest are zeros), → every device's used numbers,
+  `[sizes[i]]`, on every device (typed invariant over `axis`), as they
+  arrived (`Gathered`); `me` is the device index, `scheme` by default
+  `plan(sizes)`."""
   p = len(sizes)
   scheme = scheme or plan(tuple(int(u) for u in sizes))
   if isinstance(scheme, Prefix):
@@ -392,11 +462,11 @@ def gather(segment: jax.Array, sizes: Sequence[int], axis: str, me,
   for send in scheme.sends:
     mine = _add_at(mine, *_forward(send, segment, p, me, axis, to_owner=False))
   flat = _compat.all_gather_invariant(mine[:c], axis, tiled=True)
-  parts = [[(0, i * c, keep[i])] for i in range(p)]
+  parts = [[(0, 0, i * c, keep[i])] for i in range(p)]
   for q in scheme.pieces():
-    parts[q.owner].append((q.segment_start, q.host * c + q.chunk_start, q.size))
-  return [jnp.concatenate([flat[at:at + n] for _, at, n in sorted(parts[i])])
-          for i in range(p)]
+    parts[q.owner].append((q.segment_start, 0, q.host * c + q.chunk_start, q.size))
+  return Gathered((flat,), tuple(tuple(run[1:] for run in sorted(parts[i]) if run[3])
+                                 for i in range(p)))
 
 
 def reduce_scatter(segments: Sequence[jax.Array], length: int, axis: str, me,
@@ -429,13 +499,15 @@ def reduce_scatter(segments: Sequence[jax.Array], length: int, axis: str, me,
   return out[:length]
 
 
-def _gather_prefix(segment, scheme: Prefix, axis, me):
+def _gather_prefix(segment, scheme: Prefix, axis, me) -> Gathered:
   p, prefix, sizes = len(scheme.sizes), scheme.length, scheme.sizes
-  head = (_compat.all_gather_invariant(segment[:prefix], axis, tiled=False)
-          if prefix else jnp.zeros((p, 0), segment.dtype))
+  head = (_compat.all_gather_invariant(segment[:prefix], axis, tiled=True)
+          if prefix else jnp.zeros(0, segment.dtype))
+  parts = [[(0, i * prefix, min(u, prefix))] if min(u, prefix) else []
+           for i, u in enumerate(sizes)]
   over = list(scheme.overflow)
   if not sum(over):
-    return [head[i, :sizes[i]] for i in range(p)]
+    return Gathered((head,), tuple(map(tuple, parts)))
   # The tight overflow buffer holds device i's overflow at bases[i]; each
   # device writes its own there (zeros elsewhere) and the psum adds them up.
   bases, most = np.cumsum([0] + over[:-1]), max(over)
@@ -443,8 +515,10 @@ def _gather_prefix(segment, scheme: Prefix, axis, me):
   summed = jax.lax.psum(jax.lax.dynamic_update_slice_in_dim(
       jnp.zeros(sum(over) + most, segment.dtype), mine, _table(bases, me), 0)[:sum(over)],
                         axis)
-  return [jnp.concatenate([head[i, :min(sizes[i], prefix)],
-                           summed[bases[i]:bases[i] + over[i]]]) for i in range(p)]
+  for i in range(p):
+    if over[i]:
+      parts[i].append((1, int(bases[i]), over[i]))
+  return Gathered((head, summed), tuple(map(tuple, parts)))
 
 
 def _reduce_prefix(segments, length, scheme: Prefix, axis, me):

@@ -270,9 +270,7 @@ def distribute_second(comm: collectives_lib.Collectives, layout: layout_lib.Layo
                       local: jax.Array) -> jax.Array:
   """Each device's new `[L₂]` → the second-order array of its spec."""
   if layout.num_groups == 1 and comm.active:    # every device gets every segment
-    rows = comm.gather_uneven(local, layout.second_sizes)
-    return jnp.concatenate([jnp.pad(r, (0, layout.second_segment - r.shape[0]))
-                            for r in rows])
+    return comm.gather_uneven(local, layout.second_sizes).padded(layout.second_segment)
   return comm.gather_group(local)
 
 

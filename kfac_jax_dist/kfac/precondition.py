@@ -13,6 +13,7 @@ every preconditioned gradient; `η` is `learning_rate` (float or schedule).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Literal, Mapping, Sequence
 
@@ -24,6 +25,7 @@ from jax import lax
 from kfac_jax_dist.core import cadence
 from kfac_jax_dist.core import collectives as collectives_lib
 from kfac_jax_dist.core import routing
+from kfac_jax_dist.core import uneven
 from kfac_jax_dist.kfac import layout as layout_lib
 from kfac_jax_dist.kfac import linalg
 from kfac_jax_dist.kfac import packing
@@ -81,13 +83,14 @@ def _joined(parts: list[jax.Array]) -> jax.Array:
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
-def _buffer_run(buffer: jax.Array, offsets: dict[tuple[str, int], int],
-              run: Sequence[layout_lib.LayerPlan]) -> jax.Array:
-  """`[k, d_A, d_G]`: a run of `layout.buffer_runs` read from its group's buffer."""
+def _buffer_run(read: Callable[[int, int], jax.Array], offsets: dict[tuple[str, int], int],
+                run: Sequence[layout_lib.LayerPlan]) -> jax.Array:
+  """`[k, d_A, d_G]`: a run of `layout.buffer_runs` read from its group's
+  buffer (`read(start, size)`: its numbers `[start, start + size)`)."""
   layer = run[0].layer
-  start = offsets[(layer.name, run[0].group)]
-  return buffer[start:start + len(run) * layer.a_dim * layer.g_dim].reshape(
-      len(run), layer.a_dim, layer.g_dim)
+  return read(offsets[(layer.name, run[0].group)],
+              len(run) * layer.a_dim * layer.g_dim).reshape(len(run), layer.a_dim,
+                                                             layer.g_dim)
 
 
 def write_back(layout: layout_lib.Layout, out: dict[str, jax.Array], leaves: Leaves,
@@ -282,7 +285,8 @@ def routed_gradients(config: KfacConfig, comm: collectives_lib.Collectives,
     segment = routing.reduce_to_groups(comm, buffers, width)
 
     return (lambda plans, shift: _joined([  # a shared branch's offsets are the group's
-        _buffer_run(segment, offsets, run) for run in layout_lib.buffer_runs(plans, offsets)
+        _buffer_run(lambda start, n: segment[start:start + n], offsets, run)
+        for run in layout_lib.buffer_runs(plans, offsets)
     ])), {k: (v if k in layout.tagged_paths else comm.mean(v)) for k, v in leaves.items()}
   if config.gradient_reduction == "all_reduce":
     leaves = comm.mean(leaves)
@@ -332,26 +336,43 @@ def precondition(config: KfacConfig, comm: collectives_lib.Collectives,
                                  scaling, runs, _shift(comm, layout, g, reps))
     return _group_buffer(config, layout, g, out, vg)
   buffers = routing.gather_from_groups(comm, make, sizes, config.compute_dtype, reps)
-  vg = sum(b[0] for b in buffers)
   preconditioned = {}
   for run in layout_lib.buffer_runs(layout.plans, offsets):
     if len(run) > 1:                    # a stack's blocks: one slice
-      v = _buffer_run(buffers[run[0].group], offsets, run)
+      v = _buffer_run(functools.partial(buffers.read, run[0].group), offsets, run)
       preconditioned.update((plan.layer.name, v[i]) for i, plan in enumerate(run))
+  split, dots, weights = [], [], []
   for plan in layout.plans:             # a replicated layer: its pieces' rows
     if plan.layer.name in preconditioned:
       continue
-    layer, rows, dots = plan.layer, [], []
+    layer, rows = plan.layer, []
     for piece in plan.pieces:
       lo, hi = layout_lib.piece_rows(piece)
       start = offsets[(layer.name, piece.group)]
-      rows.append(buffers[piece.group][start:start + (hi - lo) * layer.g_dim].reshape(
+      rows.append(buffers.read(piece.group, start, (hi - lo) * layer.g_dim).reshape(
           hi - lo, layer.g_dim))
-      dots.append(buffers[piece.group][start - 1])
+      if plan.copies:
+        dots.append((piece.group, start - 1))
     preconditioned[layer.name] = jnp.concatenate(rows) if plan.copies else rows[0]
     if plan.copies:
-      vg = vg + jnp.abs(sum(dots)) * kl_weight(plan)
-  return preconditioned, vg
+      weights.append(kl_weight(plan))
+      split += [len(weights) - 1] * len(plan.pieces)
+  return preconditioned, _kl_sum(layout.num_groups, buffers, split, dots, weights)
+
+
+def _kl_sum(num_groups: int, buffers: uneven.Gathered, split: list[int],
+            dots: list[tuple[int, int]], weights: list[float]) -> jax.Array:
+  """Σ|⟨V, ∇⟩| of every layer: each group's sum (its buffer's first number)
+  and, for each split layer `i`, `weights[i]`·|Σ of its pieces' partial
+  dots| (`dots[j]`: where piece `j`'s is, `split[j]` its layer); the numbers
+  read by one gather, not one slice per group and piece."""
+  numbers = buffers.numbers([(g, 0) for g in range(num_groups)] + dots)
+  vg = numbers[:num_groups].sum()
+  if weights:
+    per_layer = jax.ops.segment_sum(numbers[num_groups:], jnp.asarray(split),
+                                    num_segments=len(weights))
+    vg = vg + (jnp.abs(per_layer) * jnp.asarray(weights, per_layer.dtype)).sum()
+  return vg
 
 
 def _shift(comm: collectives_lib.Collectives, layout: layout_lib.Layout, group: int,

@@ -42,6 +42,7 @@ from kfac_jax_dist.core import cadence
 from kfac_jax_dist.core import collectives as collectives_lib
 from kfac_jax_dist.core import offsets
 from kfac_jax_dist.core import routing
+from kfac_jax_dist.core import uneven
 from kfac_jax_dist.shampoo import blocks
 from kfac_jax_dist.shampoo import grafting
 from kfac_jax_dist.shampoo import roots as roots_lib
@@ -243,14 +244,14 @@ class ShampooStep:
       pieces.append(jnp.stack(sums))
     return collectives_lib.concat_flat(pieces, self.dtype)
 
-  def assembled(self, buffers: Sequence[jax.Array], q: int) -> jax.Array:
+  def assembled(self, buffers: uneven.Gathered, q: int) -> jax.Array:
     """Parameter q's merged direction from the groups' buffers."""
     plan, pieces = self.lay.params[q], {}
     for r, region in enumerate(plan.regions):
       pieces[region.index] = blocks.from_blocks(self.region_blocks(buffers, q, r), region)
     return blocks.assemble(pieces, plan.segments)
 
-  def region_blocks(self, buffers: Sequence[jax.Array], q: int, r: int) -> jax.Array:
+  def region_blocks(self, buffers: uneven.Gathered, q: int, r: int) -> jax.Array:
     """Region r of parameter q's direction blocks `[n, b₀, …]`, in block order.
     Each group's blocks of the region lie together in its buffer: one slice
     per group, then, where the groups' blocks interleave, one gather into
@@ -259,9 +260,10 @@ class ShampooStep:
     region, numel, held, order = self.lay.params[q].regions[r], self.numel(q, r), [], []
     for g in sorted(set(self.lay.block_groups[q][r])):
       mine, start = self.tables.blocks[g][(q, r)], self.tables.starts[g][(q, r)]
-      held.append(buffers[g][start:start + len(mine) * numel])
+      held.append(buffers.read(g, start, len(mine) * numel))
       order += mine
-    x = collectives_lib.concat_flat(held, buffers[0].dtype).reshape((len(order), numel))
+    x = collectives_lib.concat_flat(held, buffers.arrays[0].dtype).reshape(
+        (len(order), numel))
     if order != sorted(order):
       x = x.at[offsets.int32_table(np.argsort(order))].get(
           mode="promise_in_bounds", unique_indices=True)
@@ -280,7 +282,7 @@ class ShampooStep:
       x = self.assembled(buffers, q)
       if shampoo and self.config.graft_type != "none" and self.config.grafting == "layer":
         if self.layer_norms:
-          target = jnp.sqrt(sum(buffers[g][self.tables.totals[g] + q]
+          target = jnp.sqrt(sum(buffers.read(g, self.tables.totals[g] + q, 1)[0]
                                 for g in range(self.lay.num_groups)))
         else:
           target = jnp.linalg.norm(self.diag[q].astype(self.dtype).ravel())
