@@ -951,15 +951,17 @@ def test_write_span_is_flat_assignment(at, size):
   np.testing.assert_array_equal(np.asarray(got).reshape(-1), want)
 
 
-@pytest.mark.parametrize("blocks,fraction,storage", [(32, 1 / 8, "chunked"),
-                                                    (64, 1.0, "owner")])
+@pytest.mark.parametrize("blocks,fraction,storage,interleaved", [
+    (32, 1 / 8, "chunked", False), (64, 1.0, "owner", False), (8, 1 / 2, "chunked", True)])
 def test_statistics_spans_past_int32_equal_the_flat_buffer(monkeypatch, blocks, fraction,
-                                                           storage):
+                                                           storage, interleaved):
   """Past 2³¹ numbers the statistics buffer is written by rows, a stack's
-  factor in one span where consecutive devices store consecutive blocks of it
-  (`packing._spans`: at P = 1024 one write per stack instead of one per
-  device). As if int32 ended just short of the buffer, on 8 devices in tight
-  chunks and in owner segments: bit for bit the flat buffer, and the
+  blocks over consecutive devices in one span (`packing._span_plan`: at
+  P = 1024 one write per stack instead of one per device), per factor or,
+  where each device stores a block's two factors together, the factors
+  interleaved block by block (8 blocks on 4 groups: a span of more than two
+  whole rows). As if int32 ended just short of the buffer, on 8 devices in
+  tight chunks and in owner segments: bit for bit the flat buffer, and the
   layer-at-a-time one."""
   from kfac_jax_dist.kfac import packing  # pylint: disable=import-outside-toplevel
   loss_fn, params, batch = _deep_stack_problem(blocks=blocks)
@@ -983,9 +985,10 @@ def test_statistics_spans_past_int32_equal_the_flat_buffer(monkeypatch, blocks, 
         lay, stacked if batched else one, jnp.float32, batched=batched))())
   flat = segments(True)
   runs = sum(len(packing._stored_runs(lay, d)) for d in range(lay.num_devices))
-  spans = packing._spans(lay, packing.PackedStacks(lay, stacked, jnp.float32),
-                         jnp.float32, True)
-  assert storage == "owner" or len(spans) < runs, (len(spans), runs)
+  plan = packing._span_plan(lay, packing.PackedStacks(lay, stacked, jnp.float32))
+  assert storage == "owner" or len(plan) < runs, (len(plan), runs)
+  assert interleaved == any(len(r.cycle) > 1 and r.stop - r.start > 2 * lay.factor_shard
+                            for r in plan)
   monkeypatch.setattr(packing, "_INT32_MAX", flat.shape[0] - 1)
   np.testing.assert_array_equal(segments(True), flat)
   np.testing.assert_array_equal(segments(False), flat)

@@ -10,8 +10,10 @@ arrays: an eager `tx.init` builds its state there and transfers it once).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import itertools
 import math
 from typing import NamedTuple, Sequence
 
@@ -94,6 +96,7 @@ class PackedStacks:
                    for run in layout_lib.block_runs(lay.plans, pieces=True)
                    for i, plan in enumerate(run)}
     self._done: dict[tuple[str, str], jax.Array] = {}
+    self._cycles: dict[tuple[str, tuple[str, ...]], jax.Array] = {}
 
   def locate(self, plans: Sequence[layout_lib.LayerPlan], which: str
              ) -> tuple[tuple[str, str], int, int]:
@@ -101,17 +104,36 @@ class PackedStacks:
     run, i = self._where[plans[0].layer.name]
     return (run[0].layer.name, which), i, i + len(plans)
 
-  def blocks(self, key: tuple[str, str], lo: int, hi: int) -> jax.Array:
-    """Blocks `[lo, hi)` of the stack `key`'s packed factors, flat."""
+  def places(self, stack: str) -> tuple[tuple[str, layout_lib.FactorPlace], ...]:
+    """The stack's factors `(which, place)`, in a block's storage order."""
+    return self._where[stack][0][0].places
+
+  def _packed(self, key: tuple[str, str]) -> jax.Array:
     if key not in self._done:
       run, _ = self._where[key[0]]
       self._done[key] = pack_factors(self._value_of(run, key[1]).astype(self._dtype),
                                      dict(run[0].places)[key[1]],
                                      self._lay.packed).reshape(len(run), -1)
-    return self._done[key][lo:hi].reshape(-1)
+    return self._done[key]
+
+  def blocks(self, key: tuple[str, str], lo: int, hi: int) -> jax.Array:
+    """Blocks `[lo, hi)` of the stack `key`'s packed factors, flat."""
+    return self._packed(key)[lo:hi].reshape(-1)
+
+  def interleaved(self, stack: str, cycle: tuple[str, ...]) -> jax.Array:
+    """The stack's packed factors `cycle`, block by block (each block's
+    factors in `cycle`'s order), flat: `[k · Σ sizes]`."""
+    if (stack, cycle) not in self._cycles:
+      self._cycles[(stack, cycle)] = _joined(
+          [self._packed((stack, w)) for w in cycle], axis=1).reshape(-1)
+    return self._cycles[(stack, cycle)]
 
   def __call__(self, plans: Sequence[layout_lib.LayerPlan], which: str) -> jax.Array:
     return self.blocks(*self.locate(plans, which))
+
+
+def _joined(parts: Sequence[jax.Array], axis: int = 0) -> jax.Array:
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=axis)
 
 
 def _stored_runs(lay: layout_lib.Layout, device: int) -> list[list[tuple]]:
@@ -160,33 +182,93 @@ def _write_span(out: jax.Array, at: int, span: jax.Array) -> jax.Array:
   return out
 
 
-def _spans(lay: layout_lib.Layout, value_of, dtype, batched: bool
-           ) -> list[tuple[int, jax.Array]]:
-  """`(at, numbers)` of every device's stored factors in the global array.
-  `batched` (`value_of` a `PackedStacks`): a device's run continuing the
-  last one in both the array and its stack's packed factors (the next
-  device's blocks of the same factor, in tight chunks) joins it: one span
-  per stack and factor where the layout allows, not one per device."""
-  located: list[list] = []            # [at, size, key, lo, hi] or [at, size, array]
-  at = 0
+class _Range(NamedTuple):
+  """Numbers `[start, stop)` of a stack's packed factors `cycle`
+  (`PackedStacks.interleaved`), at `at` in the global array."""
+  at: int
+  stack: str
+  cycle: tuple[str, ...]
+  start: int
+  stop: int
+
+
+def _ranges(lay: layout_lib.Layout, packs: PackedStacks,
+            cycles: dict[str, tuple[str, ...]]) -> list[_Range]:
+  """Every stored run of blocks as ranges of its stack's packed factors:
+  alone (`cycle` its factor), or for the stacks in `cycles` one range per
+  block in the stack's factors interleaved block by block in that order
+  (where a device stores a layer's factors together, as MEM-OPT's owners
+  do, consecutive blocks then follow one another)."""
+  out, at = [], 0
   for device in range(lay.num_devices):
     if lay.factor_storage == layout_lib.OWNER:
       at = device * lay.segment
-    if not batched:
-      for piece in owned_factors(lay, device, value_of, dtype):
-        located.append([at, piece.shape[0], piece])
-        at += piece.shape[0]
-      continue
     for run in _stored_runs(lay, device):
-      key, lo, hi = value_of.locate([plan for _, plan, _ in run], run[0][2])
-      size = sum(place.size for place, _, _ in run)
-      last = located[-1] if located else None
-      if last and last[0] + last[1] == at and last[2] == key and last[4] == lo:
-        last[1], last[4] = last[1] + size, hi
-      else:
-        located.append([at, size, key, lo, hi])
-      at += size
-  return [(x[0], x[2] if len(x) == 3 else value_of.blocks(*x[2:])) for x in located]
+      (stack, which), lo, hi = packs.locate([plan for _, plan, _ in run], run[0][2])
+      sizes = {w: place.size for w, place in packs.places(stack)}
+      if stack not in cycles:
+        out.append(_Range(at, stack, (which,), lo * sizes[which], hi * sizes[which]))
+        at += (hi - lo) * sizes[which]
+        continue
+      cycle = cycles[stack]
+      width, offset = sum(sizes.values()), sum(sizes[w] for w in cycle[:cycle.index(which)])
+      for block in range(lo, hi):
+        start = block * width + offset
+        out.append(_Range(at, stack, cycle, start, start + sizes[which]))
+        at += sizes[which]
+  return out
+
+
+def _merged(ranges: Sequence[_Range]) -> list[_Range]:
+  """`ranges`, each that continues the last in both the global array and the
+  same packed factors joined to it."""
+  out: list[_Range] = []
+  for r in ranges:
+    last = out[-1] if out else None
+    if (last and last.stack == r.stack and last.cycle == r.cycle and last.stop == r.start
+        and last.at + last.stop - last.start == r.at):
+      out[-1] = last._replace(stop=r.stop)
+    else:
+      out.append(r)
+  return out
+
+
+def _span_plan(lay: layout_lib.Layout, packs: PackedStacks) -> list[_Range]:
+  """The fewest ranges of packed factors that write every stored factor: a
+  stack's blocks over consecutive devices in one range, per factor (tight
+  chunks of COMM-OPT's single factors) or interleaved in either order
+  (MEM-OPT's layers, both factors on one device), whichever is fewest for
+  the stack (one form per stack: each is a copy of its statistics)."""
+  def count(cycles: dict[str, tuple[str, ...]]) -> collections.Counter:
+    return collections.Counter(r.stack for r in _merged(_ranges(lay, packs, cycles)))
+  best, chosen = count({}), {}
+  kinds = {stack: tuple(w for w, _ in packs.places(stack)) for stack in best
+           if len(packs.places(stack)) > 1}
+  for cycle in {c for kind in kinds.values() for c in itertools.permutations(kind)}:
+    cycles = {stack: cycle for stack, kind in kinds.items() if set(kind) == set(cycle)}
+    fewer = count(cycles)
+    for stack in cycles:
+      if fewer[stack] < best[stack]:
+        best[stack], chosen[stack] = fewer[stack], cycle
+  return _merged(_ranges(lay, packs, chosen))
+
+
+def _spans(lay: layout_lib.Layout, value_of, dtype, batched: bool
+           ) -> list[tuple[int, jax.Array]]:
+  """`(at, numbers)` of every device's stored factors in the global array.
+  `batched` (`value_of` a `PackedStacks`): one span per range of
+  `_span_plan`, so per stack where the layout allows, not per device."""
+  if batched:
+    return [(r.at, value_of.interleaved(r.stack, r.cycle)[r.start:r.stop])
+            for r in _span_plan(lay, value_of)]
+  located, at = [], 0
+  for device in range(lay.num_devices):
+    if lay.factor_storage == layout_lib.OWNER:
+      at = device * lay.segment
+    for piece in owned_factors(lay, device, value_of, dtype):
+      located.append((at, piece))
+      at += piece.shape[0]
+  return located
 
 
 def _written_segments(lay: layout_lib.Layout, value_of, dtype, batched: bool
