@@ -390,8 +390,13 @@ def test_one_device_fault_skips_on_all_devices(fraction, gradient_reduction):
   assert_bitwise(_without_skipped(s), clean_s, "state")
 
 
-@pytest.mark.parametrize("fraction,gradient_reduction", FRACTIONS)
+@pytest.mark.parametrize("fraction,gradient_reduction", [
+    FRACTIONS[0], pytest.param(1 / 8, "none", id="MEM-OPT-none"), FRACTIONS[2]])
 def test_failed_decomposition_on_its_owner_keeps_previous(fraction, gradient_reduction):
+  """A non-finite running factor keeps its previous second-order state on
+  its owner, every other factor updates. MEM-OPT's devices own two factors
+  each, in branches of different layouts: reading another branch's slot
+  table fails it."""
   _, mesh, state0, step = _distributed_step(fraction, gradient_reduction)
   params = _params()
   p, s, _ = step(params, state0, *_batch(0), -1, -1)
@@ -399,11 +404,16 @@ def test_failed_decomposition_on_its_owner_keeps_previous(fraction, gradient_red
   _, clean, _ = step(p, s, *_batch(2), -1, -1)
   lay = find_states(s)[0].layout
   assert len({pl.owner for plan in lay.plans for _, pl in plan.places}) > 1
-  bad = kd.shard_state(_poison_factor(s, "out", "a"), mesh)
-  _, after, updates = step(p, bad, *_batch(2), -1, -1)
-  assert _skipped(after) == [0]
-  assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))
-  _check_kept(s, after, clean, {("out", "A")})
+  # Every factor in turn, so every decomposition branch's slot tables are read
+  # (`decompositions._slot_tables`: `keep_failed` runs after the switch).
+  assert len(set(lay.decomposition_branches)) > 1
+  for plan in lay.plans:
+    for which, _ in plan.places:
+      bad = kd.shard_state(_poison_factor(s, plan.layer.name, which), mesh)
+      _, after, updates = step(p, bad, *_batch(2), -1, -1)
+      assert _skipped(after) == [0]
+      assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))
+      _check_kept(s, after, clean, {(plan.layer.name, which.upper())})
 
 
 # ------------------------------------------------------------ clear errors

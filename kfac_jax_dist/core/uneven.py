@@ -442,7 +442,9 @@ class Gathered:
       pieces += [self.arrays[a][at:at + n] for a, at, n in parts]
       n = length - self.size(device)
       if n > 0:
-        pieces.append(zeros.setdefault(n, jnp.zeros(n, self.arrays[0].dtype)))
+        if n not in zeros:
+          zeros[n] = jnp.zeros(n, self.arrays[0].dtype)
+        pieces.append(zeros[n])
     return jnp.concatenate(pieces)
 
 

@@ -14,7 +14,7 @@ failure is not a step fault: see `core.faults`).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,20 +38,35 @@ Runs = tuple[tuple[int, int, int, int], ...]   # (start, count, size, first slot
 _CHUNK = 1 << 16     # numbers per iteration of `keep_failed`'s selection loops
 
 
-def _slot_ids(at: jax.Array, runs: Runs, slots: int) -> jax.Array:
-  """The slot of each position `at` of an array laid out in `runs` (run r:
-  `count` slots of `size` numbers from `start`, numbered from `first slot`);
-  positions outside every run get the extra slot `slots`. The run of `at` is
-  the last one starting at or before it (a count of `[len(at), runs]`
-  comparisons, never materialised); then one truncating `lax.div` by its
-  size (a `//` by every run's size, with its remainder and sign fix-ups,
-  were vector integer divisions that LLVM expands: PERF_NOTES §10)."""
-  if not runs:
+class SlotRuns(NamedTuple):
+  """Where a device's factors lie: `new` in its new `[L₂]` segment, `running`
+  in its owned running factors (`Runs` each), `slots` factors in all."""
+  new: Runs
+  running: Runs
+  slots: int
+
+
+def run_table(runs: Runs, rows: int = 0) -> np.ndarray:
+  """`[max(R, rows), 4]` int32 rows `(start, end, size, first slot)` of
+  `runs`, sorted by start; padded with runs that no position falls in."""
+  table = [(start, start + count * size, max(size, 1), first)
+           for start, count, size, first in sorted(runs)]
+  table += [(offsets.INT32_MAX, offsets.INT32_MAX, 1, 0)] * (rows - len(table))
+  return offsets.int32_table(np.asarray(table, np.int64).reshape(-1, 4))
+
+
+def _slot_ids(at: jax.Array, table: jax.Array, slots: int) -> jax.Array:
+  """The slot of each position `at` of an array laid out in runs (`table`,
+  `run_table`'s rows: run r covers `[start, end)` in slots of `size`
+  numbers, numbered from `first slot`); positions outside every run get the
+  extra slot `slots`. The run of `at` is the last one starting at or before
+  it (a count of `[len(at), runs]` comparisons, never materialised); then one
+  truncating `lax.div` by its size (a `//` by every run's size, with its
+  remainder and sign fix-ups, were vector integer divisions that LLVM
+  expands: PERF_NOTES §10)."""
+  if not table.shape[0]:
     return jnp.full(at.shape, slots, jnp.int32)
-  rows = [(start, start + count * size, max(size, 1), first)
-          for start, count, size, first in sorted(runs)]
-  start, end, size, first = (jnp.asarray(offsets.int32_table([row[i] for row in rows]))
-                             for i in range(4))
+  start, end, size, first = (table[:, i] for i in range(4))
   r = jnp.sum((at[:, None] >= start).astype(jnp.int32), axis=1) - 1
   r_clipped = jnp.maximum(r, 0)
   run_start, run_size = start[r_clipped], size[r_clipped]
@@ -74,20 +89,23 @@ def _chunked(length: int, body: Callable[[jax.Array, jax.Array, Any], Any], init
   return lax.fori_loop(0, -(-length // size), step, init)
 
 
-def _failed_slots(x: jax.Array, runs: Runs, slots: int, failed: jax.Array) -> jax.Array:
-  """`failed` (`[slots + 1]` int32) with every slot of `runs` holding a
-  non-finite number of `x` set to 1."""
+def _failed_slots(x: jax.Array, table: jax.Array, slots: int, failed: jax.Array
+                  ) -> jax.Array:
+  """`failed` (`[slots + 1]` int32) with every slot of the runs `table`
+  holding a non-finite number of `x` set to 1."""
   def body(start: jax.Array, at: jax.Array, failed: jax.Array) -> jax.Array:
     bad = ~jnp.isfinite(lax.dynamic_slice_in_dim(x, start, at.shape[0]))
-    return failed.at[_slot_ids(at, runs, slots)].max(bad.astype(jnp.int32))
+    return failed.at[_slot_ids(at, table, slots)].max(bad.astype(jnp.int32))
   return _chunked(x.shape[0], body, failed)
 
 
-def keep_failed(new: jax.Array, previous: jax.Array, new_runs: Runs,
-                running: jax.Array, running_runs: Runs, slots: int) -> jax.Array:
+def keep_failed(new: jax.Array, previous: jax.Array, new_runs: Runs | jax.Array,
+                running: jax.Array, running_runs: Runs | jax.Array, slots: int
+                ) -> jax.Array:
   """`new`, except that each of the `slots` factors whose running value (in
   `running`) or new second-order numbers are not finite keeps its `previous`
-  numbers (the runs say where each factor's numbers lie in each array).
+  numbers (the runs, or their `run_table`s, say where each factor's numbers
+  lie in each array).
 
   One finiteness check of the two whole arrays (`faults.all_finite`: a sum
   each, where `all(isfinite(·))`'s boolean reductions were 9 kernels of the
@@ -97,14 +115,17 @@ def keep_failed(new: jax.Array, previous: jax.Array, new_runs: Runs,
   segment's size (per-batch checks and selects were a quarter of the
   autoencoder's step compile: benchmarks/results/PERF_NOTES.md)."""
   axes = _compat.varying_axes(new, previous, running)
+  new_table, running_table = (runs if isinstance(runs, jax.Array)
+                              else jnp.asarray(run_table(runs))
+                              for runs in (new_runs, running_runs))
 
   def slot_by_slot() -> jax.Array:
     failed = _compat.as_varying(jnp.zeros(slots + 1, jnp.int32), axes)
-    failed = _failed_slots(running, running_runs, slots,
-                           _failed_slots(new, new_runs, slots, failed))
+    failed = _failed_slots(running, running_table, slots,
+                           _failed_slots(new, new_table, slots, failed))
 
     def select(start: jax.Array, at: jax.Array, out: jax.Array) -> jax.Array:
-      kept = failed[_slot_ids(at, new_runs, slots)] > 0
+      kept = failed[_slot_ids(at, new_table, slots)] > 0
       chunk = jnp.where(kept, lax.dynamic_slice_in_dim(previous, start, at.shape[0]),
                         lax.dynamic_slice_in_dim(out, start, at.shape[0]))
       return lax.dynamic_update_slice_in_dim(out, chunk, start, 0)
@@ -115,13 +136,13 @@ def keep_failed(new: jax.Array, previous: jax.Array, new_runs: Runs,
 
 
 def _new_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
-                 owned: jax.Array, previous: jax.Array,
+                 owned: jax.Array,
                  decompose_batch: Callable[[layout_lib.Batch, jax.Array], list[jax.Array]]
-                 ) -> jax.Array:
-  """The device's new `[L₂]` segment: `decompose_batch(batch, running)` of
+                 ) -> tuple[jax.Array, SlotRuns]:
+  """The device's new `[L₂]` segment, `decompose_batch(batch, running)` of
   each of its batches, each part `[count, ...]` (a unit-wise batch keeps its
-  `F`, solved in closed form when applied); a factor that fails keeps its
-  previous numbers (`keep_failed`)."""
+  `F`, solved in closed form when applied), and where its factors lie (for
+  `keep_failed`, which `decompose` runs on it)."""
   pieces, new_runs, running_runs, slots, at = [], [], [], 0, 0
   for batch in layout.batches[device]:
     running = packing.unpack_batch(owned, batch, layout.packed)
@@ -136,21 +157,21 @@ def _new_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
     pieces.append(jnp.concatenate([part.reshape(-1) for part in parts]))
     slots += batch.count
   new = collectives_lib.pad_to(pieces, layout.second_segment, config.compute_dtype)
-  return keep_failed(new, previous, tuple(new_runs), owned, tuple(running_runs), slots)
+  return new, SlotRuns(tuple(new_runs), tuple(running_runs), slots)
 
 
 def eigen_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
-                  owned: jax.Array, previous: jax.Array,
-                  comm: collectives_lib.Collectives) -> jax.Array:
+                  owned: jax.Array, comm: collectives_lib.Collectives
+                  ) -> tuple[jax.Array, SlotRuns]:
   """The device's new `[L₂]` segment: eigenbases and eigenvalues of its
-  factors (a split factor keeps its columns)."""
+  factors (a split factor keeps its columns); as `_new_segment`."""
   dtype = config.compute_dtype
 
   def parts(batch: layout_lib.Batch, running: jax.Array) -> list[jax.Array]:
     vectors, values = linalg.eigh(running, symmetric=layout.packed)
     kept = lambda x: kept_columns(comm, layout, device, batch, x).astype(dtype)
     return ([] if vectors is None else [kept(vectors)]) + [kept(values)]
-  return _new_segment(config, layout, device, owned, previous, parts)
+  return _new_segment(config, layout, device, owned, parts)
 
 
 def kept_columns(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
@@ -171,8 +192,8 @@ def kept_columns(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
 
 
 def inverse_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
-                    owned: jax.Array, damping: jax.Array, previous: jax.Array,
-                    comm: collectives_lib.Collectives) -> jax.Array:
+                    owned: jax.Array, damping: jax.Array,
+                    comm: collectives_lib.Collectives) -> tuple[jax.Array, SlotRuns]:
   """As `eigen_segment`, with damped inverses; `damping` holds every factor's
   (a non-finite one, from a non-finite trace of either factor of the layer,
   keeps both inverses)."""
@@ -189,7 +210,7 @@ def inverse_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
     if batch.matrix_offset is not None:
       inv = kept_columns(comm, layout, device, batch, inv)
     return [inv.astype(dtype)]
-  return _new_segment(config, layout, device, owned, previous, parts)
+  return _new_segment(config, layout, device, owned, parts)
 
 
 def _traces_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
@@ -242,20 +263,29 @@ def owned_factors(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
   if layout.factor_storage != layout_lib.CHUNKED:
     return lambda device: running
   full = comm.all_gather_owned(running)
-  replicas = [[(layout.factor_start(q), q.size) for q, _, _ in layout.owned(d)
-               if q.home is not None] for d in range(layout.num_devices)]
+  ranges = [layout.input_ranges(d) for d in range(layout.num_devices)]
 
   def owned_of(device: int) -> jax.Array:
-    base, size = layout.owner_bases[device], layout.owner_sizes[device]
+    mine, size = ranges[device], sum(n for _, n in ranges[device])
     if not shares_branch(comm, layout, device):
-      return jnp.concatenate([full[base:base + size]] + [
-          full[start:start + n] for start, n in replicas[device]])
-    # Every device of the branch has the same sizes; each reads its own starts.
-    ranges = [(layout.owner_bases, size)] + [
-        (tuple(r[j][0] if j < len(r) else 0 for r in replicas), n)
-        for j, (_, n) in enumerate(replicas[device])]
-    return jnp.concatenate([comm.range_at(full, starts, n) for starts, n in ranges])
+      return collectives_lib.concatenated([full[s:s + n] for s, n in _adjoined(mine)],
+                                          size, full.dtype)
+    # Every device of the branch reads ranges of the same sizes, each at its own starts.
+    return collectives_lib.concatenated([
+        comm.range_at(full, tuple(r[j][0] if j < len(r) else 0 for r in ranges), n)
+        for j, (_, n) in enumerate(mine)], size, full.dtype)
   return owned_of
+
+
+def _adjoined(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+  """`(start, size)` ranges, each that continues the last joined to it."""
+  out: list[tuple[int, int]] = []
+  for start, size in ranges:
+    if out and sum(out[-1]) == start:
+      out[-1] = (out[-1][0], out[-1][1] + size)
+    else:
+      out.append((start, size))
+  return out
 
 
 def shares_branch(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
@@ -278,23 +308,60 @@ def decompose(config: KfacConfig, comm: collectives_lib.Collectives,
               layout: layout_lib.Layout, running: jax.Array, gamma: jax.Array,
               second: jax.Array) -> jax.Array:
   """New second-order state from the running factors; `second` is the current
-  one (this device's part), kept for any factor that fails."""
-  def previous_of(device: int) -> jax.Array:
-    # The device's own [L₂] segment within its local m·L₂ (P·L₂ with one group).
-    m, size = layout.group_size, layout.second_segment
-    if not shares_branch(comm, layout, device):
-      start = (device % m) * size
-      return second[start:start + size]
-    row = comm.device_table(tuple(d % m for d in range(layout.num_devices)))
-    return offsets.segment_at(second, size, row)
-
+  one (this device's part), kept for any factor that fails. The per-device
+  switch decomposes; `keep_failed` runs once after it, on tables of where
+  each device's factors lie, not once in every branch."""
   owned_of = owned_factors(comm, layout, running)
-  if config.method == "eigen":
-    local = comm.per_device(lambda d: eigen_segment(
-        config, layout, d, owned_of(d), previous_of(d), comm), layout.decomposition_branches)
-  else:
-    damping = pi_damping(config, comm, layout, owned_of, gamma)
-    local = comm.per_device(lambda d: inverse_segment(
-        config, layout, d, owned_of(d), damping, previous_of(d), comm),
-        layout.decomposition_branches)
+  width = max(_owned_sizes(layout, running))
+  damping = None if config.method == "eigen" else pi_damping(config, comm, layout,
+                                                               owned_of, gamma)
+  runs: dict[int, SlotRuns] = {}
+
+  def branch(device: int) -> tuple[jax.Array, jax.Array]:
+    owned = owned_of(device)
+    if damping is None:
+      new, runs[device] = eigen_segment(config, layout, device, owned, comm)
+    else:
+      new, runs[device] = inverse_segment(config, layout, device, owned, damping, comm)
+    return new, collectives_lib.pad_to([owned], width, owned.dtype)
+  new, owned = comm.per_device(branch, layout.decomposition_branches)
+  new_runs, running_runs, slots = _slot_tables(comm, layout, runs)
+  local = keep_failed(new, _previous_segment(comm, layout, second), new_runs, owned,
+                      running_runs, slots)
   return distribute_second(comm, layout, local)
+
+
+def _owned_sizes(layout: layout_lib.Layout, running: jax.Array) -> list[int]:
+  """Numbers of running factors each device decomposes (`owned_factors`)."""
+  if layout.factor_storage != layout_lib.CHUNKED:
+    return [running.shape[0]]
+  return [sum(n for _, n in layout.input_ranges(d)) for d in range(layout.num_devices)]
+
+
+def _previous_segment(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
+                      second: jax.Array) -> jax.Array:
+  """The device's own `[L₂]` segment within its local `m·L₂` (`P·L₂` with
+  one group)."""
+  m, size = layout.group_size, layout.second_segment
+  if comm.num_devices == 1:
+    return second[:size]
+  row = comm.device_table(tuple(d % m for d in range(layout.num_devices)))
+  return offsets.segment_at(second, size, row)
+
+
+def _slot_tables(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
+                 runs: dict[int, SlotRuns]) -> tuple[Any, Any, int]:
+  """The running device's `SlotRuns` (`runs` of each branch's
+  representative) as `run_table`s read at its branch, and the most slots of
+  any device (its slots past its own are never used)."""
+  if comm.num_devices == 1:
+    return runs[0]
+  reps = layout.decomposition_branches
+  order = sorted(runs)
+  tables = []
+  for field in ("new", "running"):
+    rows = max(len(getattr(runs[r], field)) for r in order)
+    tables.append(jnp.asarray(np.stack([run_table(getattr(runs[r], field), rows)
+                                        for r in order]))[
+        comm.device_table(tuple(order.index(r) for r in reps))])
+  return tables[0], tables[1], max(runs[r].slots for r in order)
