@@ -36,8 +36,22 @@ class OneBigLayer(nn.Module):
     return kd.linen.Dense(10)(x)
 
 
+class ThreeWideLayers(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    x = x.reshape(x.shape[0], -1)
+    for _ in range(3):                  # A: 129, then 97, 97; G: 96
+      x = nn.tanh(kd.linen.Dense(96)(x))
+    return kd.linen.Dense(10)(x)
+
+
 def _problem():
   return helpers.classifier_problem(OneBigLayer(), (32, 8, 8, 1), seed=1)
+
+
+def _wide_problem():
+  return helpers.classifier_problem(ThreeWideLayers(), (16, 8, 8, 2), seed=1)
 
 
 def _transform(layers, method, distribution=None):
@@ -46,8 +60,8 @@ def _transform(layers, method, distribution=None):
 
 
 @functools.cache
-def _single_device(method):
-  loss_fn, params, x, y = _problem()
+def _single_device(method, problem=_problem):
+  loss_fn, params, x, y = problem()
   grad_fn = kd.value_and_grad(loss_fn)
   tx = _transform(grad_fn.discover(params, x, y), method)
   state = tx.init(params)
@@ -64,8 +78,8 @@ def _single_device(method):
   return trajectory
 
 
-def _distributed(fraction, factor_reduction, method):
-  loss_fn, params, x, y = _problem()
+def _distributed(fraction, factor_reduction, method, problem=_problem):
+  loss_fn, params, x, y = problem()
   mesh = helpers.data_mesh(8)
   dist = kd.Distribution(mesh, grad_worker_fraction=fraction,
                          factor_reduction=factor_reduction)
@@ -97,6 +111,26 @@ def _cases():
                          marks=() if (name, reduction) in fast else pytest.mark.slow)
   yield pytest.param(1.0, "reduce_scatter", "inverse", id="COMM-inverse",
                      marks=pytest.mark.slow)
+
+
+def test_home_and_replica_readers_share_a_decomposition_branch():
+  """COMM-OPT in tight chunks: the devices that keep other columns of a
+  split factor read its home's copy, and its home reads its own chunk; with
+  the same shapes to read (`Layout.input_ranges`) they share one branch, each
+  reading at its own starts from a table: here a device that stores a factor
+  of one layer and reads a copy of another's shares with one that stores
+  both of its own. The steps equal one device's."""
+  trajectory, state = _distributed(1.0, "reduce_scatter", "eigen", _wide_problem)
+  lay = find_states(state)[0].layout
+  assert lay.factor_storage == "chunked"
+  def stored(device):
+    return [q.home is None for q, _, _ in lay.owned(device)]
+  assert any(stored(d) != stored(rep) and lay.input_ranges(d) != lay.input_ranges(rep)
+             for d, rep in enumerate(lay.decomposition_branches))
+  for step, (got, want) in enumerate(zip(trajectory, _single_device("eigen",
+                                                                      _wide_problem))):
+    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=2e-4, atol=2e-5,
+                                   err_msg=f"step {step}"), got, want)
 
 
 @pytest.mark.parametrize("fraction,factor_reduction,method", list(_cases()))
