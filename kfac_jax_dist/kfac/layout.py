@@ -238,7 +238,8 @@ class Layout:
   def decomposition_branches(self) -> tuple[int, ...]:
     """Each device's representative in the decompositions' per-device switch:
     the first device whose decomposition work has the same shapes (the same
-    batches, owned size and replica sizes). Such devices run the same code on
+    batches, and the sizes of the running factors it reads, `input_ranges`;
+    with owner segments, its replicas' sizes). Such devices run the same code on
     different data, read at their own offsets (`Collectives.range_at`), so
     the program grows with the distinct kinds of work, not with P (at
     P = 1024 most of GPT-2-XL's devices own one factor of one of a few
