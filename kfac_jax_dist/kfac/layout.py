@@ -329,9 +329,20 @@ class Layout:
   def owned(self, device: int) -> list[tuple[FactorPlace, LayerPlan, str]]:
     """`(place, plan, "a" | "g" | "f")` of every factor `device` decomposes
     (replicas included, after its home factors), in segment order."""
-    found = [(q, p, w) for plan in self.plans for p in plan.pieces for w, place in p.places
-             for q in (place,) + place.copies if q.owner == device]
-    return sorted(found, key=lambda t: t[0].offset)
+    return list(self._owned_by_device.get(device, ()))
+
+  @functools.cached_property
+  def _owned_by_device(self) -> dict[int, tuple[tuple[FactorPlace, LayerPlan, str], ...]]:
+    """`owned` of every device, found in one pass over the plans (the
+    layout's helpers ask for each of P = 1024 devices' factors several times
+    while the update is traced)."""
+    found: dict[int, list] = {}
+    for plan in self.plans:
+      for p in plan.pieces:
+        for w, place in p.places:
+          for q in (place,) + place.copies:
+            found.setdefault(q.owner, []).append((q, p, w))
+    return {d: tuple(sorted(f, key=lambda t: t[0].offset)) for d, f in found.items()}
 
   def stored(self, device: int) -> list[tuple[FactorPlace, LayerPlan, str]]:
     """`owned`, less the replicas that tight chunks do not store."""

@@ -124,7 +124,7 @@ class PackedStacks:
     """The stack's packed factors `cycle`, block by block (each block's
     factors in `cycle`'s order), flat: `[k · Σ sizes]`."""
     if (stack, cycle) not in self._cycles:
-      self._cycles[(stack, cycle)] = _joined(
+      self._cycles[(stack, cycle)] = joined(
           [self._packed((stack, w)) for w in cycle], axis=1).reshape(-1)
     return self._cycles[(stack, cycle)]
 
@@ -132,7 +132,8 @@ class PackedStacks:
     return self.blocks(*self.locate(plans, which))
 
 
-def _joined(parts: Sequence[jax.Array], axis: int = 0) -> jax.Array:
+def joined(parts: Sequence[jax.Array], axis: int = 0) -> jax.Array:
+  """`parts` concatenated along `axis` (one part as it is: no copy)."""
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=axis)
 
 
@@ -436,8 +437,8 @@ def _assembled(parts: list[RunPart], values: list[jax.Array]):
   out = {}
   for part, value in zip(parts, values):
     out.setdefault(part.offset, []).append(value)
-  joined = {k: v[0] if len(v) == 1 else jnp.concatenate(v, axis=-1) for k, v in out.items()}
-  return joined.get("matrix_offset"), joined.get("vector_offset")
+  together = {k: joined(v, axis=-1) for k, v in out.items()}
+  return together.get("matrix_offset"), together.get("vector_offset")
 
 
 def start_table(starts: tuple[int, ...], row: int) -> np.ndarray:

@@ -79,10 +79,6 @@ def gradient_matrices(plans: Sequence[layout_lib.LayerPlan], leaves: Leaves,
   return m
 
 
-def _joined(parts: list[jax.Array]) -> jax.Array:
-  return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-
-
 def _buffer_run(read: Callable[[int, int], jax.Array], offsets: dict[tuple[str, int], int],
                 run: Sequence[layout_lib.LayerPlan]) -> jax.Array:
   """`[k, d_A, d_G]`: a run of `layout.buffer_runs` read from its group's
@@ -113,7 +109,7 @@ def write_back(layout: layout_lib.Layout, out: dict[str, jax.Array], leaves: Lea
       parts.setdefault(layer.bias_path, []).append(m[:, rows])
   for path, values in parts.items():
     leaf = leaves[path]
-    leaves[path] = _joined(values).reshape(leaf.shape).astype(leaf.dtype)
+    leaves[path] = packing.joined(values).reshape(leaf.shape).astype(leaf.dtype)
 
 
 def check_updates(layout: layout_lib.Layout, leaves: Leaves) -> None:
@@ -284,14 +280,15 @@ def routed_gradients(config: KfacConfig, comm: collectives_lib.Collectives,
         for g in range(layout.num_groups)]
     segment = routing.reduce_to_groups(comm, buffers, width)
 
-    return (lambda plans, shift: _joined([  # a shared branch's offsets are the group's
+    return (lambda plans, shift: packing.joined([  # a shared branch's offsets are the group's
         _buffer_run(lambda start, n: segment[start:start + n], offsets, run)
         for run in layout_lib.buffer_runs(plans, offsets)
     ])), {k: (v if k in layout.tagged_paths else comm.mean(v)) for k, v in leaves.items()}
   if config.gradient_reduction == "all_reduce":
     leaves = comm.mean(leaves)
-  return (lambda plans, shift: _joined([gradient_matrices(run, leaves, shift).astype(dtype)
-                                        for run in layout_lib.block_runs(plans)])), leaves
+  return (lambda plans, shift: packing.joined([
+      gradient_matrices(run, leaves, shift).astype(dtype)
+      for run in layout_lib.block_runs(plans)])), leaves
 
 
 def _group_buffer(config: KfacConfig, layout: layout_lib.Layout, group: int,
