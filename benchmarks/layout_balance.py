@@ -56,7 +56,8 @@ HLO bytes are checked against the layout model. The program's size: the
 update of ResNet-50 and GPT-2-XL lowered (not compiled: 1024-device programs
 are beyond this machine's compile budget) at P = 64, 256 and 1024 in
 subprocesses, its StableHLO operations counted; the per-device code must not
-grow with P (P = 1024 at most 2× P = 64).
+grow with P (P = 1024 at most 2× P = 64). GPT-2-XL's update is also lowered with
+SP-NGD's stale statistics (`stale_threshold=0.1`, "stale" rows).
 
 Usage: python benchmarks/layout_balance.py [--quick] [--devices 8,64,256,1024]
        [--compile 8,64,256] [--program-size 64,256,1024] [--compile-timeout S]
@@ -358,17 +359,22 @@ HLO_OP = re.compile(r"^\s*(ROOT\s+)?%?[\w.\-]+\s*=\s*\S")
 STABLEHLO_OP = re.compile(r"^\s*(%[\w#:]+(, %[\w#:]+)*\s*=\s*)?\"?(stablehlo|sdy|mhlo|func)\.")
 
 
+STALE = " stale"       # a strategy with SP-NGD's stale statistics (α = 0.1)
+
+
 def compile_update(model: str, p: int, strategy: str, compile_program: bool = True) -> dict:
-  """The shard_map'd K-FAC update (`tx.update`, eigen, cadence 10/100) of
-  `model` at P devices, on abstract gradients, statistics and state: lowered
+  """The shard_map'd K-FAC update (`tx.update`, eigen, cadence 10/100, or
+  stale statistics for a strategy ending in `STALE`) of `model` at P devices,
+  on abstract gradients, statistics and state: lowered
   (its StableHLO operations: the program's size) and, unless
   `compile_program` is false, compiled (its HLO instructions and collectives)."""
   layers, paths, params = discover(model)
   mesh = Mesh(np.array(jax.devices()[:p]), ("data",))
-  m = p if strategy == "COMM-OPT" else 1
+  m = p if strategy.startswith("COMM-OPT") else 1
   dist = kd.Distribution(mesh, grad_worker_fraction=m / p)
-  tx = kd.kfac(0.1, layers=layers, distribution=dist, factor_update_every=10,
-               inverse_update_every=100)
+  cadence = (dict(stale_threshold=0.1) if strategy.endswith(STALE) else
+             dict(factor_update_every=10, inverse_update_every=100))
+  tx = kd.kfac(0.1, layers=layers, distribution=dist, **cadence)
   state = jax.eval_shape(tx.init, params)
   specs = kd.partition_specs(state)
   stats = _statistics_shapes(model, p, params)
@@ -423,6 +429,8 @@ def compile_in_subprocess(model, p, strategy, timeout, compile_program=True) -> 
 # ------------------------------------------------------------- program size
 
 SIZE_MODELS = ("resnet50", "gpt2_xl")
+SIZE_STRATEGIES = {"resnet50": ("MEM-OPT", "COMM-OPT"),
+                   "gpt2_xl": ("MEM-OPT", "COMM-OPT", "MEM-OPT" + STALE, "COMM-OPT" + STALE)}
 TARGET_SIZE = 2.0        # ops at P = 1024 over ops at P = 64
 
 
@@ -436,7 +444,7 @@ def program_sizes(args, compiles: list[dict], reused: list[dict]) -> list[dict]:
   out = []
   for model in SIZE_MODELS:
     for p in ps:
-      for strategy in ("MEM-OPT", "COMM-OPT"):
+      for strategy in SIZE_STRATEGIES[model]:
         done = [c for c in compiles + reused if (c["model"], c["P"], c["strategy"]) ==
                 (model, p, strategy) and "stablehlo_ops" in c]
         res = (done[0] if done else
@@ -800,7 +808,8 @@ def main(argv=None):
   out.append("")
   out.append("## Program size of the update (does the per-device code grow with P?)")
   out.append("")
-  out.append("The shard_map'd `tx.update` (eigen, cadence 10/100) lowered at each P in a "
+  out.append("The shard_map'd `tx.update` (eigen, cadence 10/100; \"stale\" rows: "
+             "stale statistics, `stale_threshold=0.1`) lowered at each P in a "
              "subprocess with P host devices: its StableHLO operations (the program XLA "
              "receives; every device runs the same program, its own work in a branch of "
              f"a `lax.switch` on its index). Target: P = 1024 <= {TARGET_SIZE}× P = 64.")

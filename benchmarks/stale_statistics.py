@@ -510,7 +510,7 @@ def render(head, data_desc, results, device, args, describe_text):
         f"{res['time']['ratio_wall']:.3f}** (Σ wall; CPU time {res['time']['ratio_cpu']:.3f}; "
         f"median of per-50-step-window ratios {res['time']['ratio_windows']:.3f}); compile: "
         f"plain {res['compile_s']['plain']:.0f} s, stale {res['compile_s']['stale']:.0f} s "
-        "(one conditional and one eigh per factor)", ""]
+        "(the due factors' eighs one at a time, in a loop per batch of equal factors)", ""]
     rows = []
     for f, (t, r) in enumerate(zip(res["table"], stale["refreshes"][-1])):
       rows.append([t["layer"], t["factor"], t["form"], t["dim"], f"{t['size']:,}", r,
@@ -537,8 +537,8 @@ def render(head, data_desc, results, device, args, describe_text):
               f"interleaved rounds × {args.reps} steps from the final states)", "",
               C.md_table(rows, ["step", "ms (median)", "min-max", "× plain step"]), "",
               "A stale step with every factor due is the same work as a plain step, done "
-              "factor by factor (one conditional and one eigh per factor instead of "
-              "batched eighs); with none due the statistics are not even computed "
+              "factor by factor (a loop over each batch's due factors, one eigh each, "
+              "instead of batched eighs); with none due the statistics are not even computed "
               "(`update_factors` is False): what remains is forward/backward and "
               "preconditioning. These few fixed-state timings are the noisiest numbers "
               "here: on the shared machine the 'every factor due' ratio has come out "

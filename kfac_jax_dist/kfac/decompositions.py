@@ -135,19 +135,22 @@ def keep_failed(new: jax.Array, previous: jax.Array, new_runs: Runs | jax.Array,
   return lax.cond(ok, lambda: _compat.as_varying(new, axes), slot_by_slot)
 
 
+BatchDecomposer = Callable[[layout_lib.Batch, jax.Array, int], list[jax.Array]]
+
+
 def _new_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
-                 owned: jax.Array,
-                 decompose_batch: Callable[[layout_lib.Batch, jax.Array], list[jax.Array]]
+                 owned: jax.Array, decompose_batch: BatchDecomposer
                  ) -> tuple[jax.Array, SlotRuns]:
-  """The device's new `[L₂]` segment, `decompose_batch(batch, running)` of
-  each of its batches, each part `[count, ...]` (a unit-wise batch keeps its
-  `F`, solved in closed form when applied), and where its factors lie (for
-  `keep_failed`, which `decompose` runs on it)."""
+  """The device's new `[L₂]` segment, `decompose_batch(batch, running, at)`
+  of each of its batches (`at`: where its parts start in the segment), each
+  part `[count, ...]` (a unit-wise batch keeps its `F`, solved in closed form
+  when applied), and where its factors lie (for `keep_failed`, which
+  `decompose` runs on it)."""
   pieces, new_runs, running_runs, slots, at = [], [], [], 0, 0
   for batch in layout.batches[device]:
     running = packing.unpack_batch(owned, batch, layout.packed)
     parts = ([running.astype(config.compute_dtype)] if batch.form == statistics.UNIT
-             else decompose_batch(batch, running))
+             else decompose_batch(batch, running, at))
     size = layout_lib.storage_size(batch.dim, batch.form, layout.packed)
     running_runs.append((batch.offset, batch.count, size, slots))
     for part in parts:
@@ -161,17 +164,83 @@ def _new_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
 
 
 def eigen_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
-                  owned: jax.Array, comm: collectives_lib.Collectives
-                  ) -> tuple[jax.Array, SlotRuns]:
+                  owned: jax.Array, comm: collectives_lib.Collectives,
+                  due: DueFactors | None = None) -> tuple[jax.Array, SlotRuns]:
   """The device's new `[L₂]` segment: eigenbases and eigenvalues of its
-  factors (a split factor keeps its columns); as `_new_segment`."""
+  factors (a split factor keeps its columns); as `_new_segment`. With `due`
+  (stale statistics), only the due factors' (`_due_eigen_parts`)."""
   dtype = config.compute_dtype
 
-  def parts(batch: layout_lib.Batch, running: jax.Array) -> list[jax.Array]:
-    vectors, values = linalg.eigh(running, symmetric=layout.packed)
+  def parts(batch: layout_lib.Batch, running: jax.Array, at: int) -> list[jax.Array]:
     kept = lambda x: kept_columns(comm, layout, device, batch, x).astype(dtype)
-    return ([] if vectors is None else [kept(vectors)]) + [kept(values)]
+    if due is not None and batch.form == statistics.FULL:
+      return _due_eigen_parts(layout, running, due.previous_parts(batch, at),
+                              due.members(comm, layout, device, batch), kept)
+    vectors, values = linalg.eigh(running, symmetric=layout.packed)
+    new = ([] if vectors is None else [kept(vectors)]) + [kept(values)]
+    if due is None:
+      return new
+    flags = due.members(comm, layout, device, batch)     # diagonal: cheap, select
+    return [jnp.where(flags.reshape((-1,) + (1,) * (x.ndim - 1)), x, old)
+            for x, old in zip(new, due.previous_parts(batch, at))]
   return _new_segment(config, layout, device, owned, parts)
+
+
+class DueFactors(NamedTuple):
+  """Stale statistics (SP-NGD §4.3): which factors are due (`flags`, `[F]`
+  in plan order) and the device's current `[L₂]` segment (`previous`),
+  whose parts the factors that are not due keep."""
+  flags: jax.Array
+  previous: jax.Array
+
+  def members(self, comm: collectives_lib.Collectives, layout: layout_lib.Layout,
+              device: int, batch: layout_lib.Batch) -> jax.Array:
+    """`[count]`: whether each factor of `batch` on the running device is due."""
+    return self.flags[batch_factor_numbers(comm, layout, device, batch)]
+
+  def previous_parts(self, batch: layout_lib.Batch, at: int) -> list[jax.Array]:
+    """The batch's current parts `[count, ...]` (vectors, then values), from `at`."""
+    width = (batch.columns[1] - batch.columns[0]) if batch.columns else batch.dim
+    shapes = ([(batch.count, batch.dim, width)] if batch.form == statistics.FULL
+              else []) + [(batch.count, width)]
+    out = []
+    for shape in shapes:
+      size = int(np.prod(shape))
+      out.append(self.previous[at:at + size].reshape(shape))
+      at += size
+    return out
+
+
+def batch_factor_numbers(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
+                         device: int, batch: layout_lib.Batch) -> jax.Array:
+  """`[count]`: the numbers (plan order) of `batch`'s factors on the running
+  device (`Layout.factor_numbers`; read at its row where devices share the
+  branch)."""
+  span = slice(batch.first_index, batch.first_index + batch.count)
+  if not shares_branch(comm, layout, device):
+    return jnp.asarray(np.asarray(layout.factor_numbers[device][span], np.int32))
+  rows = jnp.asarray(offsets.int32_table(layout.factor_numbers))
+  return rows[comm.device_index()][span]
+
+
+def _due_eigen_parts(layout: layout_lib.Layout, running: jax.Array,
+                     previous: list[jax.Array], flags: jax.Array,
+                     kept: Callable[[jax.Array], jax.Array]) -> list[jax.Array]:
+  """`[vectors, values]` of a batch of full factors `[count, d, d]`: the due
+  ones (`flags`) decomposed one at a time in a loop over them (due first, a
+  stable order), the others' `previous` parts kept. The loop's body is one
+  eigh, whatever the batch's size or which factors are due."""
+  order = jnp.argsort(~flags, stable=True)
+  axes = _compat.varying_axes(running, *previous, flags)
+
+  def one(i: jax.Array, parts: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    j = order[i]
+    vectors, values = linalg.eigh(lax.dynamic_slice_in_dim(running, j, 1),
+                                  symmetric=layout.packed)
+    return tuple(lax.dynamic_update_slice_in_dim(p, kept(x).astype(p.dtype), j, 0)
+                 for p, x in zip(parts, (vectors, values)))
+  start = tuple(_compat.as_varying(p, axes) for p in previous)
+  return list(lax.fori_loop(0, jnp.sum(flags.astype(jnp.int32)), one, start))
 
 
 def kept_columns(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
@@ -199,7 +268,7 @@ def inverse_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
   keeps both inverses)."""
   dtype = config.compute_dtype
 
-  def parts(batch: layout_lib.Batch, running: jax.Array) -> list[jax.Array]:
+  def parts(batch: layout_lib.Batch, running: jax.Array, _: int) -> list[jax.Array]:
     if shares_branch(comm, layout, device):
       base = comm.device_index() * layout.max_factors + batch.first_index
       damp = lax.dynamic_slice_in_dim(damping, base, batch.count)
@@ -305,12 +374,15 @@ def distribute_second(comm: collectives_lib.Collectives, layout: layout_lib.Layo
 
 
 def decompose(config: KfacConfig, comm: collectives_lib.Collectives,
-              layout: layout_lib.Layout, running: jax.Array, gamma: jax.Array,
-              second: jax.Array) -> jax.Array:
+              layout: layout_lib.Layout, running: jax.Array, gamma: jax.Array | None,
+              second: jax.Array, due: jax.Array | None = None) -> jax.Array:
   """New second-order state from the running factors; `second` is the current
-  one (this device's part), kept for any factor that fails. The per-device
-  switch decomposes; `keep_failed` runs once after it, on tables of where
-  each device's factors lie, not once in every branch."""
+  one (this device's part), kept for any factor that fails, and with stale
+  statistics for every factor not `due` (`[F]`, plan order; method "eigen").
+  The per-device switch decomposes; `keep_failed` runs once after it, on
+  tables of where each device's factors lie, not once in every branch."""
+  previous = _previous_segment(comm, layout, second)
+  stale = None if due is None else DueFactors(due, previous)
   owned_of = owned_factors(comm, layout, running)
   width = max(_owned_sizes(layout, running))
   damping = None if config.method == "eigen" else pi_damping(config, comm, layout,
@@ -320,14 +392,13 @@ def decompose(config: KfacConfig, comm: collectives_lib.Collectives,
   def branch(device: int) -> tuple[jax.Array, jax.Array]:
     owned = owned_of(device)
     if damping is None:
-      new, runs[device] = eigen_segment(config, layout, device, owned, comm)
+      new, runs[device] = eigen_segment(config, layout, device, owned, comm, stale)
     else:
       new, runs[device] = inverse_segment(config, layout, device, owned, damping, comm)
     return new, collectives_lib.pad_to([owned], width, owned.dtype)
   new, owned = comm.per_device(branch, layout.decomposition_branches)
   new_runs, running_runs, slots = _slot_tables(comm, layout, runs)
-  local = keep_failed(new, _previous_segment(comm, layout, second), new_runs, owned,
-                      running_runs, slots)
+  local = keep_failed(new, previous, new_runs, owned, running_runs, slots)
   return distribute_second(comm, layout, local)
 
 

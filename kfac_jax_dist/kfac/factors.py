@@ -149,20 +149,30 @@ def _copied(summed: jax.Array, owned: list[tuple[tuple, int]]) -> list[jax.Array
   return pieces
 
 
-def _all_reduced(config: KfacConfig, comm: collectives_lib.Collectives,
-                 layout: layout_lib.Layout, stats: Stats) -> jax.Array:
-  """KAISA: all-reduce the unpadded buffer of every factor, then each owner
-  copies its own factors into its segment (devices owning factors of the
-  same sizes share one branch of that copy: `Layout.copy_branches`)."""
+def packed_runs(config: KfacConfig, layout: layout_lib.Layout, stats: Stats
+                ) -> list[list[jax.Array]]:
+  """Each run of blocks of a stacked layer (`block_runs`, a layer split over
+  groups too: its factors are whole; any other layer a run of its own), its
+  factors packed, `[k, size]` each, in plan order (`tight_offsets`)."""
+  return [[packing.pack_factors(
+      layer_statistics(stats, run, w, layout.packed).astype(config.compute_dtype), place,
+      layout.packed).reshape(len(run), -1) for w, place in run[0].places]
+          for run in layout_lib.block_runs(layout.plans, pieces=True)]
+
+
+def joined_runs(runs: list[list[jax.Array]]) -> jax.Array:
+  """`packed_runs` as one unpadded buffer of every factor (`tight_offsets`):
+  a stack's blocks `[k, size_A + size_G]`."""
+  return jnp.concatenate([packing.joined(run, axis=1).reshape(-1) for run in runs])
+
+
+def owner_copies(config: KfacConfig, comm: collectives_lib.Collectives,
+                 layout: layout_lib.Layout, summed: jax.Array) -> jax.Array:
+  """Each owner's factors copied out of a buffer of every factor
+  (`joined_runs`) into its `[L]` segment (devices owning factors of the same
+  sizes share one branch of that copy: `Layout.copy_branches`)."""
   dtype = config.compute_dtype
-  flat = jnp.concatenate([    # plan order; a stack's blocks `[k, size_A + size_G]`
-      # (a layer split by rows over groups too: its factors are whole)
-      jnp.concatenate([packing.pack_factors(
-          layer_statistics(stats, run, w, layout.packed).astype(dtype), place,
-          layout.packed).reshape(len(run), -1) for w, place in run[0].places],
-                      axis=1).reshape(-1)
-      for run in layout_lib.block_runs(layout.plans, pieces=True)])
-  summed, offsets = comm.all_reduce_factors(flat), layout_lib.tight_offsets(layout)
+  offsets = layout_lib.tight_offsets(layout)
   starts = [[offsets[(p.layer.name, w)] for _, p, w in layout.owned(d)]
             for d in range(layout.num_devices)]
   reps = layout.copy_branches
@@ -178,6 +188,14 @@ def _all_reduced(config: KfacConfig, comm: collectives_lib.Collectives,
                 for k, (q, _, _) in enumerate(owned)]
     return collectives_lib.pad_to(pieces, layout.segment, dtype)
   return comm.per_device(own, reps)
+
+
+def _all_reduced(config: KfacConfig, comm: collectives_lib.Collectives,
+                 layout: layout_lib.Layout, stats: Stats) -> jax.Array:
+  """KAISA: all-reduce the unpadded buffer of every factor, then each owner
+  copies its own factors into its segment."""
+  flat = joined_runs(packed_runs(config, layout, stats))
+  return owner_copies(config, comm, layout, comm.all_reduce_factors(flat))
 
 
 def batch_factors(config: KfacConfig, comm: collectives_lib.Collectives,

@@ -344,6 +344,19 @@ class Layout:
             found.setdefault(q.owner, []).append((q, p, w))
     return {d: tuple(sorted(f, key=lambda t: t[0].offset)) for d, f in found.items()}
 
+  @functools.cached_property
+  def factor_numbers(self) -> tuple[tuple[int, ...], ...]:
+    """`[P][max_factors]`: the number, in plan order (every layer's factors
+    as `tight_offsets` lays them out), of each device's factor at each
+    `FactorPlace.index` (a copy's is its layer's; unused indices 0): what
+    per-factor vectors, such as stale statistics' schedule, are indexed by."""
+    number = {key: f for f, key in enumerate(tight_offsets(self))}
+    table = [[0] * self.max_factors for _ in range(self.num_devices)]
+    for d, owned in self._owned_by_device.items():
+      for q, plan, which in owned:
+        table[d][q.index] = number[(plan.layer.name, which)]
+    return tuple(tuple(row) for row in table)
+
   def stored(self, device: int) -> list[tuple[FactorPlace, LayerPlan, str]]:
     """`owned`, less the replicas that tight chunks do not store."""
     return [t for t in self.owned(device)

@@ -80,24 +80,31 @@ def next_interval(similar_last: jax.Array, similar_before_last: jax.Array,
                    jnp.where(~similar_before_last, interval, interval + previous_interval))
 
 
-def _squared_weights(place: layout_lib.FactorPlace, packed: bool, dtype) -> jax.Array:
+def _squared_weights(form: str, dim: int, packed: bool, dtype) -> jax.Array:
   """`w` with `Σ w x² = ‖X‖_F²` for the numbers stored for X: off-diagonal
   entries of a packed triangle (and the γβ entry of a unit-wise block) count
   twice."""
-  if place.form == factors_lib.UNIT:
-    return jnp.tile(jnp.asarray([1.0, 2.0, 1.0], dtype), place.dim)
-  if place.form == factors_lib.DIAG or not packed:
-    return jnp.ones([place.size], dtype)
-  d = place.dim
-  rows = jnp.arange(d)
-  diagonal = rows * d - rows * (rows - 1) // 2        # row-major upper triangle
-  return jnp.full([place.size], 2.0, dtype).at[diagonal].set(1.0)
+  if form == factors_lib.UNIT:
+    return jnp.tile(jnp.asarray([1.0, 2.0, 1.0], dtype), dim)
+  size = layout_lib.storage_size(dim, form, packed)
+  if form == factors_lib.DIAG or not packed:
+    return jnp.ones([size], dtype)
+  rows = jnp.arange(dim)
+  diagonal = rows * dim - rows * (rows - 1) // 2        # row-major upper triangle
+  return jnp.full([size], 2.0, dtype).at[diagonal].set(1.0)
+
+
+def relative_changes(x: jax.Array, y: jax.Array, form: str, dim: int, packed: bool
+                     ) -> jax.Array:
+  """`‖X − Y‖_F / ‖Y‖_F` of each row of `[n, size]` stored numbers of factors
+  of one form and dimension (inf where Y = 0)."""
+  w = _squared_weights(form, dim, packed, x.dtype)
+  num = jnp.sum(w * jnp.square(x - y), axis=-1)
+  den = jnp.sum(w * jnp.square(y), axis=-1)
+  return jnp.where(den > 0, jnp.sqrt(num / jnp.where(den > 0, den, 1.0)), jnp.inf)
 
 
 def relative_change(x: jax.Array, y: jax.Array, place: layout_lib.FactorPlace,
                     packed: bool) -> jax.Array:
-  """`‖X − Y‖_F / ‖Y‖_F` from the stored numbers of two factors (inf if Y = 0)."""
-  w = _squared_weights(place, packed, x.dtype)
-  num = jnp.sum(w * jnp.square(x - y))
-  den = jnp.sum(w * jnp.square(y))
-  return jnp.where(den > 0, jnp.sqrt(num / jnp.where(den > 0, den, 1.0)), jnp.inf)
+  """`relative_changes` of one factor's stored numbers."""
+  return relative_changes(x, y, place.form, place.dim, packed)
