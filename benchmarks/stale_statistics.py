@@ -58,8 +58,9 @@ process with XLA_FLAGS=--xla_force_host_platform_device_count=8 under
 `shard_map` (MEM-OPT, grad_worker_fraction 1/8, global batch as above split
 over the 8 devices), checks that its refresh decisions equal the single-device
 ones, and reads the collectives of the compiled HLO with `_common.collectives`:
-every factor's all-reduce must sit in the true branch of its own conditional
-(in the `kfac_factor_update` scope), so a stale factor sends nothing; the
+every factor's all-reduce must sit in the body of a loop over the due blocks
+of its layer (in the `kfac_factor_update` scope; an unstacked layer's loop runs
+once or not at all), so a stale factor sends nothing; the
 per-step bytes per device follow from the factors refreshed at each step.
 
 SP-NGD (Osawa et al. 2020, Table II; /work/shared/reference/seeds-ueno-spngd.md
@@ -294,7 +295,7 @@ def child(args):
   lay = C.kfac_state(state).layout
   table = factor_table(lay)
   found, notes = C.collectives(hlo, p)
-  cond = factor_conditionals(hlo)
+  cond = factor_collectives(hlo)
   refreshes, prm = [], params
   for i in range(args.device_steps):
     prm, state = compiled(prm, state, data[i, :, :-1], data[i, :, 1:])
@@ -308,10 +309,11 @@ def child(args):
     json.dump(payload, f, default=str)
 
 
-def factor_conditionals(hlo: str):
-  """Every conditional in the factor-update scope with the all-reduces (payload
-  bytes) of each of its branches, and the all-reduces of that scope outside any
-  such conditional."""
+def factor_collectives(hlo: str):
+  """Every loop (`while`) and every conditional in the factor-update scope with
+  the all-reduces (payload bytes) reachable from its body or each of its
+  branches, and the all-reduces of that scope outside any such loop or
+  conditional."""
   comps, entry = C.parse_computations(hlo)
 
   def instructions(comp):
@@ -332,19 +334,24 @@ def factor_conditionals(hlo: str):
         out += reduces(c)
     return out
 
-  found, outside = [], []
+  loops, conds, outside = [], [], []
 
   def walk(comp):
     for name, shape, tail, opcode, op in instructions(comp):
+      if opcode == "while" and C.FACTOR_SCOPE in op:
+        loops.append(dict(name=name, body=[b for c in C.called_names(tail)
+                                           for b in reduces(c)]))
+        continue
       if opcode == "conditional" and C.FACTOR_SCOPE in op:
-        found.append(dict(name=name, branches=[reduces(b) for b in C.branch_names(tail)]))
+        conds.append(dict(name=name, branches=[reduces(b) for b in C.branch_names(tail)]))
         continue
       if opcode in ("all-reduce", "all-reduce-start") and C.FACTOR_SCOPE in op:
         outside.append(dict(name=name, bytes=C.shape_bytes(shape), op_name=op))
       for c in callees(tail, opcode):
         walk(c)
   walk(entry)
-  return dict(factor_scope_conditionals=found, factor_scope_all_reduces_outside=outside)
+  return dict(factor_scope_loops=loops, factor_scope_conditionals=conds,
+              factor_scope_all_reduces_outside=outside)
 
 
 def run_child(args, p):
@@ -367,15 +374,17 @@ def run_child(args, p):
 
 
 def device_analysis(res, single_refreshes, table):
-  """Refresh decisions vs one device; per-factor all-reduces in conditionals."""
+  """Refresh decisions vs one device; per-factor all-reduces in loops over
+  the due blocks (one block each here: the model has no stacked layers)."""
   p = res["p"]
   sizes = [4 * r["size"] for r in table]
+  loops = res["conditionals"]["factor_scope_loops"]
   conds = res["conditionals"]["factor_scope_conditionals"]
-  per_factor = [c for c in conds if sum(len(b) for b in c["branches"]) == 1
-                and len(c["branches"][0]) == 0 and len(c["branches"][-1]) == 1]
-  payloads = sorted(c["branches"][-1][0] for c in per_factor)
+  per_factor = [c for c in loops if len(c["body"]) == 1]
+  payloads = sorted(c["body"][0] for c in per_factor)
   matched = payloads == sorted(sizes)
-  other_conds = [c for c in conds if c not in per_factor]
+  other_conds = conds + [dict(name=c["name"], branches=[c["body"]])
+                         for c in loops if c not in per_factor]
   every = [c for c in res["collectives"] if c["step"] == "every"]
   inverse = [c for c in res["collectives"] if c["step"] == "inverse"]
   every_ring = sum(c["ring"] for c in every)
@@ -395,9 +404,9 @@ def device_analysis(res, single_refreshes, table):
       refreshes_equal_single_device=res["refreshes"] == single_refreshes[:res["steps"]],
       refreshes_last=res["refreshes"][-1],
       single_device_refreshes_last=single_refreshes[res["steps"] - 1],
-      factor_conditionals=len(conds), per_factor_all_reduce_conditionals=len(per_factor),
+      factor_loops=len(loops), per_factor_all_reduce_loops=len(per_factor),
       payloads_match_factor_sizes=matched, other_factor_conditionals=other_conds,
-      factor_all_reduces_outside_conditionals=res["conditionals"][
+      factor_all_reduces_outside_loops=res["conditionals"][
           "factor_scope_all_reduces_outside"],
       every_step_ring_bytes=every_ring,
       every_step=[dict(kind=c["kind"], payload=c["payload"], ring=c["ring"],
@@ -566,18 +575,20 @@ def device_md(dv, results):
            f"(refreshes after {dv['steps']} steps: {dv['refreshes_last']}"
            + ("" if dv["refreshes_equal_single_device"] else
               f"; one device: {dv['single_device_refreshes_last']}") + ")",
-           f"- compiled HLO: {dv['factor_conditionals']} conditionals in the "
-           f"`kfac_factor_update` scope, {dv['per_factor_all_reduce_conditionals']} of them "
-           "with exactly one all-reduce, in the true branch, and nothing in the false "
-           "branch; their payloads equal the 4·size of the factors one to one: "
+           f"- compiled HLO: {dv['factor_loops']} loops in the `kfac_factor_update` "
+           f"scope, {dv['per_factor_all_reduce_loops']} of them with exactly one all-reduce "
+           "in their body (a loop over a layer's due blocks: here one block each, run once "
+           "when the factor is due, not at all otherwise); their payloads equal the 4·size "
+           "of the factors one to one: "
            f"**{'yes' if dv['payloads_match_factor_sizes'] else 'NO'}**; all-reduces of that "
-           "scope outside any conditional: "
+           "scope outside any loop or conditional: "
            + (", ".join(f"{o['bytes']} B ({o['op_name'].split('/')[-1]})"
-                        for o in dv["factor_all_reduces_outside_conditionals"]) or "none")
+                        for o in dv["factor_all_reduces_outside_loops"]) or "none")
            + " (the refresh decisions, one int32 pair per factor, psum'd every step); "
            f"other conditionals of that scope: {len(dv['other_factor_conditionals'])}, with "
            f"{sum(len(b) for c in dv['other_factor_conditionals'] for b in c['branches'])} "
-           "all-reduces (the per-device `lax.switch` of the owners' updates)",
+           "all-reduces (the per-device `lax.switch`es of the owners' copies and updates, "
+           "the statistics' verdict)",
            f"- every-step collectives: {fb(dv['every_step_ring_bytes'])} per device ("
            + ", ".join(f"{c['kind']} {fb(c['payload'])} ({c['op']})" for c in dv["every_step"])
            + f"); decomposition-scope collectives (steps with a refresh): "

@@ -2,6 +2,8 @@
 hand-made sequence, unchanged state for stale factors, and every strategy."""
 
 import functools
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,10 @@ import kfac_jax_dist as kd
 import helpers
 from kfac_jax_dist.kfac import stale
 from kfac_jax_dist.kfac.state import find_states
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                "benchmarks"))
+import stale_statistics  # noqa: E402  pylint: disable=wrong-import-position
 
 ALPHA = 0.1
 
@@ -163,6 +169,36 @@ def test_stale_statistics_under_every_strategy(fraction, factor_reduction):
   np.testing.assert_array_equal(refreshes, ref_refreshes)
   assert refreshes.min() < 6                 # something was actually skipped
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5), p, ref)
+
+
+def test_due_factors_are_all_reduced_inside_their_loops():
+  """In the compiled 8-device program each factor's all-reduce stays in the
+  body of its layer's loop over due blocks, so a stale factor sends nothing:
+  written straight into the loop's carry, XLA moved it out of the loop
+  (`WhileLoopAllReduceCodeMotion`) and all-reduced every factor at every factor
+  step. The only all-reduce of the factor update outside a loop is the
+  refresh decisions' (an int32 pair per factor)."""
+  loss_fn, params, x, y = helpers.conv_dense_problem()
+  mesh = helpers.data_mesh(8)
+  grad_fn = kd.value_and_grad(loss_fn)
+  layers = grad_fn.discover(params, x, y)
+  tx = kd.kfac(0.1, layers=layers, stale_threshold=0.3,
+               distribution=kd.Distribution(mesh, grad_worker_fraction=0.125))
+  state = kd.shard_state(tx.init(params), mesh)
+  specs = kd.partition_specs(state)
+
+  def step(p, state, x, y):
+    _, grads, stats = grad_fn(p, x, y, opt_state=state)
+    return tx.update(jax.lax.pmean(grads, "data"), state, p, kfac_stats=stats)
+  hlo = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
+                              out_specs=(P(), specs))).lower(params, state, x, y).compile()
+  found = stale_statistics.factor_collectives(hlo.as_text())
+  lay = find_states(state)[0].layout
+  sizes = sorted(4 * place.size for _, _, place in stale.factor_order(lay))
+  assert sorted(b for loop in found["factor_scope_loops"] for b in loop["body"]) == sizes
+  assert all(len(loop["body"]) == 1 for loop in found["factor_scope_loops"])
+  assert [o["bytes"] for o in found["factor_scope_all_reduces_outside"]] == [
+      4 * 2 * len(sizes)]
 
 
 def test_stale_misconfiguration_errors():
