@@ -228,19 +228,25 @@ def _due_eigen_parts(layout: layout_lib.Layout, running: jax.Array,
                      kept: Callable[[jax.Array], jax.Array]) -> list[jax.Array]:
   """`[vectors, values]` of a batch of full factors `[count, d, d]`: the due
   ones (`flags`) decomposed one at a time in a loop over them (due first, a
-  stable order), the others' `previous` parts kept. The loop's body is one
-  eigh, whatever the batch's size or which factors are due."""
+  stable order), the others' `previous` parts kept; all of them in one
+  batched call when all are due, as a plain decomposition step (a GPU then
+  runs one batched eigh instead of a loop of single ones). The loop's body is
+  one eigh, whatever the batch's size or which factors are due."""
   order = jnp.argsort(~flags, stable=True)
   axes = _compat.varying_axes(running, *previous, flags)
+  start = tuple(_compat.as_varying(p, axes) for p in previous)
+
+  def decomposed(x: jax.Array) -> tuple[jax.Array, ...]:
+    vectors, values = linalg.eigh(x, symmetric=layout.packed)
+    return tuple(kept(v).astype(p.dtype) for v, p in zip((vectors, values), previous))
 
   def one(i: jax.Array, parts: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
     j = order[i]
-    vectors, values = linalg.eigh(lax.dynamic_slice_in_dim(running, j, 1),
-                                  symmetric=layout.packed)
-    return tuple(lax.dynamic_update_slice_in_dim(p, kept(x).astype(p.dtype), j, 0)
-                 for p, x in zip(parts, (vectors, values)))
-  start = tuple(_compat.as_varying(p, axes) for p in previous)
-  return list(lax.fori_loop(0, jnp.sum(flags.astype(jnp.int32)), one, start))
+    return tuple(lax.dynamic_update_slice_in_dim(p, x, j, 0) for p, x in zip(
+        parts, decomposed(lax.dynamic_slice_in_dim(running, j, 1))))
+  return list(lax.cond(
+      jnp.all(flags), lambda: _compat.as_varying(decomposed(running), axes),
+      lambda: lax.fori_loop(0, jnp.sum(flags.astype(jnp.int32)), one, start)))
 
 
 def kept_columns(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
