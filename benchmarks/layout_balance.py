@@ -564,6 +564,9 @@ def main(argv=None):
         r.update(model=model, layout="library LPT", strategy=name,
                  build_s=time.perf_counter() - t0)
         layouts[(model, p, name)] = lay
+        # stale statistics store the running factors per owner (`KfacConfig.factor_storage`)
+        layouts[(model, p, name + STALE)] = dataclasses.replace(
+            lay, factor_storage=layout_lib.OWNER)
         rows.append(r)
         if alt_build is not None:
           t0 = time.perf_counter()
