@@ -54,16 +54,18 @@ def _wide_problem():
   return helpers.classifier_problem(ThreeWideLayers(), (16, 8, 8, 2), seed=1)
 
 
-def _transform(layers, method, distribution=None):
+def _transform(layers, method, distribution=None, stale=None):
+  """`CADENCE`, or with `stale` SP-NGD's stale statistics at that threshold."""
+  schedule = CADENCE if stale is None else {"stale_threshold": stale}
   return kd.kfac(0.1, layers=layers, damping=1e-2, kl_clip=1e-2, method=method,
-                 distribution=distribution, **CADENCE)
+                 distribution=distribution, **schedule)
 
 
 @functools.cache
-def _single_device(method, problem=_problem):
+def _single_device(method, problem=_problem, stale=None):
   loss_fn, params, x, y = problem()
   grad_fn = kd.value_and_grad(loss_fn)
-  tx = _transform(grad_fn.discover(params, x, y), method)
+  tx = _transform(grad_fn.discover(params, x, y), method, stale=stale)
   state = tx.init(params)
 
   @jax.jit
@@ -78,13 +80,13 @@ def _single_device(method, problem=_problem):
   return trajectory
 
 
-def _distributed(fraction, factor_reduction, method, problem=_problem):
+def _distributed(fraction, factor_reduction, method, problem=_problem, stale=None):
   loss_fn, params, x, y = problem()
   mesh = helpers.data_mesh(8)
   dist = kd.Distribution(mesh, grad_worker_fraction=fraction,
                          factor_reduction=factor_reduction)
   grad_fn = kd.value_and_grad(loss_fn)
-  tx = _transform(grad_fn.discover(params, x, y), method, dist)
+  tx = _transform(grad_fn.discover(params, x, y), method, dist, stale)
   state = kd.shard_state(tx.init(params), mesh)
   specs = kd.partition_specs(state)
 
@@ -159,6 +161,26 @@ def test_replicated_items_equal_single_device(fraction, factor_reduction, method
     check = functools.partial(np.testing.assert_allclose, rtol=2e-4, atol=2e-5,
                               err_msg=f"step {step}")
     jax.tree.map(check, got, want)
+
+
+@pytest.mark.parametrize("fraction,problem", [
+    pytest.param(1.0, _problem, id="COMM-columns"),
+    pytest.param(1.0, _wide_problem, id="COMM-shared-branches", marks=pytest.mark.slow),
+    pytest.param(1 / 8, _problem, id="MEM-rows", marks=pytest.mark.slow)])
+def test_stale_statistics_with_replicated_items_equal_single_device(fraction, problem):
+  """Stale statistics where a factor's eigenbasis is split by columns over
+  several owners (each decomposes the whole factor when it is due and keeps
+  its columns, the others keep theirs), or a layer by rows over owner groups:
+  the refreshes and the steps equal one device's."""
+  trajectory, state = _distributed(fraction, "all_reduce", "eigen", problem, stale=0.3)
+  lay = find_states(state)[0].layout
+  assert any(b.columns for batches in lay.batches for b in batches) == (fraction == 1.0)
+  refreshes = np.asarray(find_states(state)[0].refresh.refreshes)
+  assert 0 < refreshes.min() < STEPS
+  for step, (got, want) in enumerate(zip(trajectory, _single_device("eigen", problem,
+                                                                      stale=0.3))):
+    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=2e-4, atol=2e-5,
+                                   err_msg=f"step {step}"), got, want)
 
 
 @pytest.mark.slow
