@@ -222,6 +222,61 @@ def test_batched_preconditioning_follows_the_dense_solve(monkeypatch):
   _check_five_steps(loss_fn, params, x, y, layers, update, state)
 
 
+class _NormedBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x, _=None):
+    h = jnp.tanh(kd.linen.Dense(5, param_dtype=jnp.float64)(x))
+    return kd.linen.LayerNorm(param_dtype=jnp.float64)(h), None
+
+
+class NormedNet(nn.Module):
+  """Three equal Dense + LayerNorm blocks, unrolled or scanned, and a head."""
+  scanned: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    if self.scanned:
+      x, _ = nn.scan(_NormedBlock, variable_axes={"params": 0},
+                     split_rngs={"params": True}, length=3)(name="blocks")(x, None)
+    else:
+      for _ in range(3):
+        x, _ = _NormedBlock()(x)
+    return kd.linen.Dense(4, param_dtype=jnp.float64)(x)
+
+
+@pytest.mark.parametrize("scanned,batch_runs", [(False, True), (True, None)],
+                         ids=["equal-layers-batched", "scanned-blocks"])
+def test_unit_wise_runs_beside_corrected_layers(monkeypatch, scanned, batch_runs):
+  """EK-FAC corrects the Kronecker layers only: a run of unit-wise layers
+  (a transformer's LayerNorms, preconditioned as one batch off CPU, or a
+  scanned stack's on CPU too) takes no scaling. Five steps equal
+  preconditioning one layer at a time (`BATCH_RUNS = False`), which
+  `test_updates_equal_the_dense_solve_in_the_basis` checks against the dense
+  solve."""
+  from kfac_jax_dist.kfac import precondition  # pylint: disable=import-outside-toplevel
+  loss_fn, params, x, y = _problem_of(NormedNet(scanned), (6, 5))
+  params = jax.tree.map(lambda a: a + 0.1 * jnp.cos(jnp.arange(a.size).reshape(a.shape)),
+                        params)                  # LayerNorm scales and biases not 1 and 0
+  grad_fn = kd.value_and_grad(loss_fn)
+  tx = _ekfac(grad_fn.discover(params, x, y))
+
+  def five_steps(runs):
+    monkeypatch.setattr(precondition, "BATCH_RUNS", runs)
+
+    @jax.jit                        # traced anew: BATCH_RUNS is read when tracing
+    def update(params, state, x, y):
+      _, grads, stats = grad_fn(params, x, y, opt_state=state)
+      return tx.update(grads, state, kfac_stats=stats)
+    p, state, out = params, tx.init(params), []
+    for step in range(5):
+      updates, state = update(p, state, *_batch(x, y, step))
+      p = optax.apply_updates(p, jax.tree.map(lambda u: -0.1 * u, updates))
+      out.append(updates)
+    return out
+  for got, want in zip(five_steps(batch_runs), five_steps(False)):
+    helpers.assert_trees_equal(got, want, rtol=1e-10)
+
+
 @pytest.mark.slow     # (CI time; K-FAC's DP-KFAC local factors are checked by default elsewhere)
 def test_dp_kfac_local_eigenbases_and_the_global_scaling():
   """DP-KFAC (factor_reduction="local", one owner per device): each layer's

@@ -209,7 +209,8 @@ def _precondition_run(config: KfacConfig, layout: layout_lib.Layout, second: jax
   parts = {w: packing.run_parts(lambda q: layout.second_base(q, group),
                                 tuple(getattr(plan, w) for plan in run))
            for w, _ in run[0].places}
-  stacked = None if scaling is None else jnp.stack([scaling[p.layer.name] for p in run])
+  stacked = (None if scaling is None or run[0].layer.unitwise else   # EK-FAC: Kronecker
+             jnp.stack([scaling[p.layer.name] for p in run]))             # layers only
   k, c = len(run), max(1, RUN_NUMBERS // layout_lib.second_numbers(run[0]))
   sliced = all(packing.stride_of(p.starts, math.prod(p.shape)) is not None
                for ps in parts.values() for p in ps)
