@@ -449,6 +449,32 @@ def test_scanned_layers_equal_unrolled(adaptive):
   helpers.assert_trees_equal(got["Dense_0"], want["Dense_0"], rtol=1e-10)
 
 
+def test_reset_scaling_of_scanned_blocks_is_each_blocks_own():
+  """After a decomposition the scaling is each corrected layer's `v_A v_Gᵀ`
+  (fresh), a stack's blocks read as one run (`correction._corrected_runs`):
+  block by block, its own eigenvalues' outer product; and the batch's `S` of
+  each block is its own slice of the stacked statistic."""
+  x = jax.random.normal(jax.random.PRNGKey(1), (8, 4), jnp.float64)
+  y = jax.random.randint(jax.random.PRNGKey(2), (8,), 0, 4)
+  params = _Scanned().init(jax.random.PRNGKey(3), x)["params"]
+
+  def loss_fn(p, x, y):
+    return kd.losses.softmax_cross_entropy(_Scanned().apply({"params": p}, x), y)
+  grad_fn = kd.value_and_grad(loss_fn)
+  tx = _ekfac(grad_fn.discover(params, x, y))
+  state = tx.init(params)
+  _, _, stats = grad_fn(params, x, y, opt_state=state)
+  _, state = tx.update(params, state, kfac_stats=stats)       # count 0: decomposition
+  kept = correction_lib.layer_scaling(state.layout, state.correction)
+  parts = kd.second_order_parts(state)
+  assert {"blocks/Dense_0/0", "blocks/Dense_0/2"} <= set(parts)
+  for name, p in parts.items():
+    np.testing.assert_allclose(kept[name], np.outer(p["A"][1], p["G"][1]), rtol=1e-12)
+  runs = correction_lib.layer_statistics(state.layout, stats)
+  assert [r.shape[0] for r in runs] == [3, 1]           # the stack's blocks, the head
+  np.testing.assert_array_equal(runs[0], stats["blocks/Dense_0"]["S"])
+
+
 def test_accumulated_micro_batches_equal_the_whole_batch():
   """`grad_fn.accumulate` weights `S` like `G`: two micro-batches give the
   whole batch's `S`."""

@@ -96,13 +96,12 @@ def _probes(layer: registry.TaggedLayer, forms: tuple[str, str],
 def _correction_probes(layer: registry.TaggedLayer, state: Any, dtype: Any) -> dict:
   """EK-FAC: the eigenbases `QA`, `QG` the state asks the layer's `S` in
   (stacked like the layer) and a zero probe for `S`; `{}` otherwise."""
-  bases_of = getattr(state, "correction_bases", None)
-  bases = [None] if bases_of is None else [bases_of(b.name) for b in layer.blocks()]
-  if bases[0] is None:
+  bases_of = getattr(state, "correction_block_bases", None)
+  bases = None if bases_of is None else bases_of(tuple(b.name for b in layer.blocks()))
+  if bases is None:
     return {}
   stack = tuple(layer.stack)
-  qa, qg = (jnp.stack([b[i] for b in bases]).reshape(stack + bases[0][i].shape
-                                                     ).astype(dtype) for i in (0, 1))
+  qa, qg = (q.reshape(stack + q.shape[1:]).astype(dtype) for q in bases)
   return {factors.BASES[0]: qa, factors.BASES[1]: qg,
           factors.CORRECTED: jnp.zeros(stack + (layer.a_dim, layer.g_dim), dtype)}
 

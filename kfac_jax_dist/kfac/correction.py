@@ -109,26 +109,52 @@ def gather_owners(comm: collectives_lib.Collectives, lay: layout_lib.Layout,
   return comm.all_gather_owned(own)
 
 
-def _parts(lay: layout_lib.Layout, second: jax.Array, place: layout_lib.FactorPlace
-           ) -> tuple[jax.Array, jax.Array]:
-  """(eigenbasis, eigenvalues) of a factor from every owner's segment,
-  `[P·L₂]` (`owners_second`)."""
-  return packing.read_parts(second, lambda q: q.owner * lay.second_segment, place)
+def _runs(plans: list[layout_lib.LayerPlan]) -> list[list[layout_lib.LayerPlan]]:
+  """`plans` cut into runs of consecutive blocks of a stacked layer whose
+  factors are split alike (`layout.block_runs`): one read of the second-order
+  state each, not one per block."""
+  def split(plan: layout_lib.LayerPlan) -> tuple:
+    return tuple(q.columns for p in (plan.a, plan.g) for q in (p,) + p.copies)
+  return layout_lib.block_runs(plans, joins=lambda now, before: split(now) == split(before),
+                               pieces=True)
 
 
-def bases(lay: layout_lib.Layout, second: jax.Array, name: str
+def _run_parts(lay: layout_lib.Layout, second: jax.Array,
+               run: list[layout_lib.LayerPlan], which: str, part: str) -> jax.Array:
+  """`[k, d, d]` eigenbases (`part` "matrix_offset") or `[k, d]` eigenvalues
+  ("vector_offset") of factor `which` of a run's layers, column slices put
+  together, from every owner's segment, `[P·L₂]`."""
+  parts = packing.run_parts(lambda q: q.owner * lay.second_segment,
+                            tuple(getattr(plan, which) for plan in run))
+  matrices, vectors = packing.read_run(second, [p for p in parts if p.offset == part],
+                                       lay.second_segment)
+  return vectors if matrices is None else matrices
+
+
+def bases(lay: layout_lib.Layout, second: jax.Array, names: tuple[str, ...]
           ) -> tuple[jax.Array, jax.Array] | None:
-  """`(Q_A, Q_G)` of a corrected layer; None for any other."""
-  plan = lay.plan(name)
-  if plan is None or not is_corrected(plan):
+  """`(Q_A [k, d_A, d_A], Q_G [k, d_G, d_G])` of corrected layers (a stack's
+  blocks), a run of consecutive blocks read at once; None unless all are
+  corrected."""
+  plans = [lay.plan(name) for name in names]
+  if any(plan is None or not is_corrected(plan) for plan in plans):
     return None
-  return _parts(lay, second, plan.a)[0], _parts(lay, second, plan.g)[0]
+  runs = _runs(plans)
+  return tuple(packing.joined([_run_parts(lay, second, run, w, "matrix_offset")
+                               for run in runs]) for w in ("a", "g"))
+
+
+def _corrected_runs(lay: layout_lib.Layout) -> list[list[layout_lib.LayerPlan]]:
+  """The corrected layers in `corrected_plans`' order, in `_runs`: what the
+  scaling's stages read, write and check as one slice each."""
+  return _runs([plan for plan, _ in corrected_plans(lay)])
 
 
 def kfac_scaling(lay: layout_lib.Layout, second: jax.Array) -> jax.Array:
   """K-FAC's `v_A v_Gᵀ` of every corrected layer, as `CorrectionState.scaling`."""
-  pieces = [jnp.outer(_parts(lay, second, plan.a)[1], _parts(lay, second, plan.g)[1]
-                      ).ravel() for plan, _ in corrected_plans(lay)]
+  pieces = [jnp.einsum("ki,kj->kij", _run_parts(lay, second, run, "a", "vector_offset"),
+                       _run_parts(lay, second, run, "g", "vector_offset")).ravel()
+            for run in _corrected_runs(lay)]
   return jnp.concatenate(pieces) if pieces else jnp.zeros(0, second.dtype)
 
 
@@ -142,18 +168,21 @@ def reset(lay: layout_lib.Layout, second: jax.Array, gathered: jax.Array | None
 
 
 def layer_statistics(lay: layout_lib.Layout, stats: Any) -> list[jax.Array]:
-  """The batch's `S` of every corrected layer (its block's, for a block of a
-  stacked layer), in layout order."""
+  """The batch's `S` of every corrected layer, in layout order, `[k, d_A,
+  d_G]` per run of `_corrected_runs` (consecutive blocks of a stacked layer:
+  one slice of its stacked statistic)."""
   out = []
-  for plan, _ in corrected_plans(lay):
-    layer = plan.layer
+  for run in _corrected_runs(lay):
+    layer = run[0].layer
     if statistics.CORRECTED not in stats[layer.stats_name]:
       raise ValueError(
           f"kfac_stats['{layer.stats_name}'] has no EK-FAC statistic 'S': compute the "
           "statistics with grad_fn(params, ..., opt_state=opt_state) so that the "
           "capture sees the eigenbases.")
     stat = stats[layer.stats_name][statistics.CORRECTED]
-    out.append(stat if layer.stack_index is None else stat[layer.stack_index])
+    blocks = stat.reshape((-1,) + stat.shape[len(layer.stack):])
+    start = layer.block_number or 0
+    out.append(blocks[start:start + len(run)])
   return out
 
 

@@ -96,11 +96,18 @@ class ScaleByKfacState(states.PreconditionerState):
   def correction_bases(self, layer_name: str) -> tuple[jax.Array, jax.Array] | None:
     """EK-FAC: the eigenbases `(Q_A, Q_G)` in which the capture measures the
     layer's `S`; None without the correction or for a layer it leaves alone."""
+    found = self.correction_block_bases((layer_name,))
+    return None if found is None else (found[0][0], found[1][0])
+
+  def correction_block_bases(self, layer_names: tuple[str, ...]
+                             ) -> tuple[jax.Array, jax.Array] | None:
+    """`correction_bases` of several layers (a stack's blocks), `[k, d, d]`
+    each, consecutive blocks read at once."""
     if self.correction is None:
       return None
     return correction_lib.bases(
         self.layout, correction_lib.owners_second(self.second_order, self.correction),
-        layer_name)
+        layer_names)
 
 
 def find_states(tree: Any, kind: type[states.S] = ScaleByKfacState) -> list[states.S]:
