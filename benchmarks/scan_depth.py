@@ -13,7 +13,10 @@ own device count):
 * `sgd`: optax SGD on `jax.value_and_grad` (the baseline);
 * `kfac`: `kd.kfac`, factors every 10 steps, eigendecompositions every 100;
 * `kfac_mem8`: the same on 8 host CPU devices, MEM-OPT (`grad_worker_fraction`
-  1/8, the batch sharded over them: each device decomposes its blocks).
+  1/8, the batch sharded over them: each device decomposes its blocks);
+* `ekfac`: `kfac` with EK-FAC's correction (`eigenvalue_correction="ekfac"`);
+* `kfac_stale`: `kd.kfac` with SP-NGD's stale statistics (`stale_threshold=0.1`,
+  every factor on its own schedule).
 
 Reported per depth: trace + lower and compile seconds (one compile each, on a
 shared machine: a sanity check of the instruction counts, which do not move
@@ -22,7 +25,7 @@ computation, fusions included); K-FAC's instructions against SGD's, and each
 method's instructions added per block from the smallest depth to the largest.
 
 Usage: python benchmarks/scan_depth.py [--quick] [--depths 6,24,96]
-       [--methods sgd,kfac,kfac_mem8] [--out benchmarks/results]
+       [--methods sgd,kfac,kfac_mem8,ekfac,kfac_stale] [--out benchmarks/results]
 Writes scan_depth.md and scan_depth.json (scan_depth_quick.* with --quick:
 depths 4 and 16, single device).
 """
@@ -35,7 +38,7 @@ import sys
 
 import _report  # benchmarks/, on sys.path when run as a script
 
-METHODS = ("sgd", "kfac", "kfac_mem8")
+METHODS = ("sgd", "kfac", "kfac_mem8", "ekfac", "kfac_stale")
 FULL = dict(depths="6,24,96", methods=",".join(METHODS))
 QUICK = dict(depths="4,16", methods="sgd,kfac")
 WIDTH, CONTEXT, BATCH, VOCAB, HEADS = 64, 32, 8, 256, 4
@@ -79,9 +82,11 @@ def child(depth: int, method: str) -> None:
     mesh = Mesh(np.array(jax.devices()), ("data",)) if method == "kfac_mem8" else None
     dist = None if mesh is None else kd.Distribution(
         mesh, "data", grad_worker_fraction=1 / 8, gradient_reduction="all_reduce")
-    tx = kd.kfac(learning_rate=1e-3, damping=1e-3, factor_update_every=10,
-                 inverse_update_every=100, distribution=dist,
-                 layers=grad_fn.discover(params, x, y))
+    schedule = (dict(stale_threshold=0.1) if method == "kfac_stale" else
+                dict(factor_update_every=10, inverse_update_every=100))
+    correction = dict(eigenvalue_correction="ekfac") if method == "ekfac" else {}
+    tx = kd.kfac(learning_rate=1e-3, damping=1e-3, distribution=dist,
+                 layers=grad_fn.discover(params, x, y), **schedule, **correction)
     state = tx.init(params)
 
     def step(p, s, x, y):

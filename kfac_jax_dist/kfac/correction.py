@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -205,6 +205,23 @@ def updated(config: KfacConfig, comm: collectives_lib.Collectives,
   scaling = jnp.where(state.fresh, batch, decay * state.scaling + (1 - decay) * batch)
   return CorrectionState(scaling.astype(state.scaling.dtype), jnp.asarray(False),
                          state.bases)
+
+
+def scaling_reader(lay: layout_lib.Layout, state: CorrectionState
+                   ) -> Callable[[Sequence[layout_lib.LayerPlan]], jax.Array | None]:
+  """`plans -> s [k, d_A, d_G]` of layers of one shape (None for layers EK-FAC
+  leaves alone): one slice where they lie one after the other in
+  `CorrectionState.scaling` (a stack's consecutive blocks), else one gather
+  (`packing.read_at`)."""
+  offsets = {plan.layer.name: offset for plan, offset in corrected_plans(lay)}
+
+  def read(plans: Sequence[layout_lib.LayerPlan]) -> jax.Array | None:
+    if plans[0].layer.name not in offsets:
+      return None
+    shape = (plans[0].layer.a_dim, plans[0].layer.g_dim)
+    return packing.read_at(state.scaling, tuple(offsets[p.layer.name] for p in plans),
+                           shape, state.scaling.shape[0])
+  return read
 
 
 def layer_scaling(lay: layout_lib.Layout, state: CorrectionState

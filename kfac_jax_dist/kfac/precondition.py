@@ -39,6 +39,8 @@ Shift = Mapping[str, jax.Array]
 GradOf = Callable[[Sequence[layout_lib.LayerPlan], Shift], jax.Array]
 ReadGrad = Callable[[Sequence[layout_lib.LayerPlan]], jax.Array]   # a shift applied
 Runs = Literal["all", "stacks", "none"]     # which equal-shape layers run batched
+# EK-FAC's `s` of layers of one shape, `[k, d_A, d_G]` (`correction.scaling_reader`)
+Scaling = Callable[[Sequence[layout_lib.LayerPlan]], jax.Array | None]
 
 # Which equal-shape layers are preconditioned in runs (`precondition`): None
 # chooses by platform; True: all runs, False: none (the tests,
@@ -132,7 +134,7 @@ def check_updates(layout: layout_lib.Layout, leaves: Leaves) -> None:
 def precondition_group(config: KfacConfig, layout: layout_lib.Layout,
                        second: jax.Array, gamma: jax.Array, group: int, grad_of: GradOf,
                        kl_weight: Callable[[layout_lib.LayerPlan], float],
-                       scaling: dict[str, jax.Array] | None = None,
+                       scaling: Scaling | None = None,
                        runs: Runs = "none", shift: Shift | None = None
                        ) -> tuple[dict[Any, jax.Array], jax.Array]:
   """Preconditioned gradients of one owner group's layers and its Σ|⟨V, ∇⟩|;
@@ -158,7 +160,7 @@ def _precondition_one(config: KfacConfig, layout: layout_lib.Layout, second: jax
                       gamma: jax.Array, group: int, run: tuple[layout_lib.LayerPlan],
                       grad_of: ReadGrad,
                       kl_weight: Callable[[layout_lib.LayerPlan], float],
-                      scaling: dict[str, jax.Array] | None
+                      scaling: Scaling | None
                       ) -> tuple[dict[Any, jax.Array], jax.Array]:
   """`precondition_group` of one layer (or a piece of a replicated one, whose
   partial ⟨V, ∇⟩ goes under `(name, "dot")`, counted later)."""
@@ -173,7 +175,7 @@ def _precondition_one(config: KfacConfig, layout: layout_lib.Layout, second: jax
     matrix, vector = parts(place)
     return vector if matrix is None else matrix
 
-  grad = grad_of((plan,))[0]
+  grad, s = grad_of((plan,))[0], _scaled(scaling, run)
   if plan.layer.unitwise:             # SP-NGD: (F_c + γI)⁻¹ per channel
     v_gamma, v_beta = linalg.unitwise_precondition(
         grad[0], grad[1] if plan.layer.has_bias else None, parts(plan.f)[1], gamma)
@@ -181,7 +183,7 @@ def _precondition_one(config: KfacConfig, layout: layout_lib.Layout, second: jax
   elif config.method == "eigen":
     v = linalg.precondition_eigen(grad, *parts(plan.a), *parts(plan.g), gamma,
                                   rows=plan.rows,
-                                  scaling=(scaling or {}).get(plan.layer.name))
+                                  scaling=None if s is None else s[0])
   else:
     v = linalg.precondition_inverse(grad, either(plan.a), either(plan.g), rows=plan.rows)
   lo, hi = layout_lib.piece_rows(plan)
@@ -191,11 +193,19 @@ def _precondition_one(config: KfacConfig, layout: layout_lib.Layout, second: jax
   return {plan.layer.name: v, (plan.layer.name, "dot"): dot}, jnp.zeros([], dtype)
 
 
+def _scaled(scaling: Scaling | None, run: Sequence[layout_lib.LayerPlan]
+            ) -> jax.Array | None:
+  """EK-FAC's `s` of a run's layers, `[k, d_A, d_G]`; None without the
+  correction and for layers it leaves alone (unit-wise ones, diagonal
+  factors)."""
+  return None if scaling is None or run[0].layer.unitwise else scaling(run)
+
+
 def _precondition_run(config: KfacConfig, layout: layout_lib.Layout, second: jax.Array,
                       gamma: jax.Array, group: int, run: tuple[layout_lib.LayerPlan, ...],
                       grad_of: ReadGrad,
                       kl_weight: Callable[[layout_lib.LayerPlan], float],
-                      scaling: dict[str, jax.Array] | None
+                      scaling: Scaling | None
                       ) -> tuple[dict[str, jax.Array], jax.Array]:
   """`precondition_group` of a run of `k` equal-shape layers
   (`layout.precondition_runs`) at once: gradients stacked `[k, d_A, d_G]`,
@@ -209,8 +219,7 @@ def _precondition_run(config: KfacConfig, layout: layout_lib.Layout, second: jax
   parts = {w: packing.run_parts(lambda q: layout.second_base(q, group),
                                 tuple(getattr(plan, w) for plan in run))
            for w, _ in run[0].places}
-  stacked = (None if scaling is None or run[0].layer.unitwise else   # EK-FAC: Kronecker
-             jnp.stack([scaling[p.layer.name] for p in run]))             # layers only
+  stacked = _scaled(scaling, run)
   k, c = len(run), max(1, RUN_NUMBERS // layout_lib.second_numbers(run[0]))
   sliced = all(packing.stride_of(p.starts, math.prod(p.shape)) is not None
                for ps in parts.values() for p in ps)
@@ -305,7 +314,7 @@ def _group_buffer(config: KfacConfig, layout: layout_lib.Layout, group: int,
 def precondition(config: KfacConfig, comm: collectives_lib.Collectives,
                  layout: layout_lib.Layout, second: jax.Array, gamma: jax.Array,
                  grad_of: GradOf, kl_weight: Callable[[layout_lib.LayerPlan], float],
-                 scaling: dict[str, jax.Array] | None = None
+                 scaling: Scaling | None = None
                  ) -> tuple[dict[str, jax.Array], jax.Array]:
   """Every layer's preconditioned gradient (on every device) and Σ|⟨V, ∇⟩|
   (`scaling`: EK-FAC's `s` of the layers it corrects, on every device).

@@ -400,7 +400,7 @@ def preconditioned_updates(config: KfacConfig, comm: collectives_lib.Collectives
 
   grad_of, leaves = precondition.routed_gradients(config, comm, lay, leaves)
   scaling = (None if state.correction is None
-             else correction_lib.layer_scaling(lay, state.correction))
+             else correction_lib.scaling_reader(lay, state.correction))
   out, vg = precondition.precondition(config, comm, lay, state.second_order, gamma,
                                       grad_of, kl_weight, scaling)
   leaves = dict(leaves)
