@@ -16,7 +16,9 @@ own device count):
   1/8, the batch sharded over them: each device decomposes its blocks);
 * `ekfac`: `kfac` with EK-FAC's correction (`eigenvalue_correction="ekfac"`);
 * `kfac_stale`: `kd.kfac` with SP-NGD's stale statistics (`stale_threshold=0.1`,
-  every factor on its own schedule).
+  every factor on its own schedule);
+* `kfac_adaptive`: `kfac` with the learning rate and momentum adapted by the
+  quadratic model (`kd.kfac(None, None, grad_fn=...)`).
 
 Reported per depth: trace + lower and compile seconds (one compile each, on a
 shared machine: a sanity check of the instruction counts, which do not move
@@ -25,7 +27,8 @@ computation, fusions included); K-FAC's instructions against SGD's, and each
 method's instructions added per block from the smallest depth to the largest.
 
 Usage: python benchmarks/scan_depth.py [--quick] [--depths 6,24,96]
-       [--methods sgd,kfac,kfac_mem8,ekfac,kfac_stale] [--out benchmarks/results]
+       [--methods sgd,kfac,kfac_mem8,ekfac,kfac_stale,kfac_adaptive]
+       [--out benchmarks/results]
 Writes scan_depth.md and scan_depth.json (scan_depth_quick.* with --quick:
 depths 4 and 16, single device).
 """
@@ -38,7 +41,7 @@ import sys
 
 import _report  # benchmarks/, on sys.path when run as a script
 
-METHODS = ("sgd", "kfac", "kfac_mem8", "ekfac", "kfac_stale")
+METHODS = ("sgd", "kfac", "kfac_mem8", "ekfac", "kfac_stale", "kfac_adaptive")
 FULL = dict(depths="6,24,96", methods=",".join(METHODS))
 QUICK = dict(depths="4,16", methods="sgd,kfac")
 WIDTH, CONTEXT, BATCH, VOCAB, HEADS = 64, 32, 8, 256, 4
@@ -85,13 +88,17 @@ def child(depth: int, method: str) -> None:
     schedule = (dict(stale_threshold=0.1) if method == "kfac_stale" else
                 dict(factor_update_every=10, inverse_update_every=100))
     correction = dict(eigenvalue_correction="ekfac") if method == "ekfac" else {}
-    tx = kd.kfac(learning_rate=1e-3, damping=1e-3, distribution=dist,
+    adaptive = method == "kfac_adaptive"
+    tx = kd.kfac(learning_rate=None if adaptive else 1e-3,
+                 momentum=None if adaptive else 0.9, damping=1e-3, distribution=dist,
+                 grad_fn=grad_fn if adaptive else None,
                  layers=grad_fn.discover(params, x, y), **schedule, **correction)
+    batch = {"kfac_batch": (x, y)} if adaptive else {}
     state = tx.init(params)
 
     def step(p, s, x, y):
       _, grads, stats = grad_fn(p, x, y, opt_state=s)
-      updates, s = tx.update(grads, s, p, kfac_stats=stats)
+      updates, s = tx.update(grads, s, p, kfac_stats=stats, **batch)
       return optax.apply_updates(p, updates), s
     if mesh is None:
       compiled_fn = jax.jit(step)
