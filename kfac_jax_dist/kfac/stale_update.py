@@ -12,8 +12,10 @@ The program holds code per run of a stacked layer's blocks and per batch of
 equal factors, not per factor: a loop over a run's due blocks communicates
 them, each owner updates its batches with the due flags read through
 `Layout.factor_numbers`, and the decompositions loop over a batch's due
-factors (`decompositions.DueFactors`). One branch per factor made GPT-2-XL's
-update 210,000 operations on 8 devices.
+factors (`decompositions.DueFactors`). Code per factor (a conditional, an
+all-reduce, an update and an eigh each) made GPT-2-XL's update 209,473
+operations on 8 devices, and a 96-block scan 547,745 HLO instructions
+(benchmarks/results/PERF_NOTES.md §22-23).
 """
 
 from __future__ import annotations
