@@ -277,6 +277,54 @@ def test_unit_wise_runs_beside_corrected_layers(monkeypatch, scanned, batch_runs
     helpers.assert_trees_equal(got, want, rtol=1e-10)
 
 
+class _DeepScanned(nn.Module):
+  """16 scanned Dense blocks and a head: at P = 8 under MEM-OPT most owner
+  groups precondition blocks of one kind, and share a branch."""
+
+  @nn.compact
+  def __call__(self, x):
+    x, _ = nn.scan(_Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                   length=16)(name="blocks")(x, None)
+    return kd.linen.Dense(4, param_dtype=jnp.float64)(x)
+
+
+def test_shared_group_branches_read_their_own_scaling():
+  """MEM-OPT at P = 8 on 16 scanned blocks: owner groups holding the same
+  kinds of blocks share one preconditioning branch (`Layout.group_branches`),
+  each reading its gradients and its blocks' EK-FAC scaling at its own shift
+  (`correction.scaling_reader`); four steps equal one device's."""
+  x = jax.random.normal(jax.random.PRNGKey(1), (16, 4), jnp.float64)
+  y = jax.random.randint(jax.random.PRNGKey(2), (16,), 0, 4)
+  params = _DeepScanned().init(jax.random.PRNGKey(3), x)["params"]
+
+  def loss_fn(p, x, y):
+    return kd.losses.softmax_cross_entropy(_DeepScanned().apply({"params": p}, x), y)
+  grad_fn = kd.value_and_grad(loss_fn)
+  layers = grad_fn.discover(params, x, y)
+
+  def train(dist):
+    tx = _ekfac(layers, distribution=dist)
+
+    def step(params, state, x, y):
+      _, grads, stats = grad_fn(params, x, y, opt_state=state)
+      if dist is not None:
+        grads = jax.lax.pmean(grads, "data")
+      updates, state = tx.update(grads, state, kfac_stats=stats)
+      return optax.apply_updates(params, jax.tree.map(lambda u: -0.1 * u, updates)), state
+    run, state = helpers.compile_step(step, tx.init(params), dist, 2)
+    p = params
+    for i in range(4):
+      p, state = run(p, state, *_batch(x, y, i))
+    return p, state
+  got, state = train(kd.Distribution(helpers.data_mesh(8), grad_worker_fraction=1 / 8))
+  reps = find_states(state)[0].layout.group_branches
+  assert any(reps.count(g) > 1 for g in set(reps))
+  want, _ = train(None)
+  # float64 rounding of 16 blocks, 8 devices' sums: ≤ 2e-7 relative; a branch
+  # reading the representative group's scaling is off by O(1)
+  helpers.assert_trees_equal(got, want, rtol=1e-6)
+
+
 @pytest.mark.slow     # (CI time; K-FAC's DP-KFAC local factors are checked by default elsewhere)
 def test_dp_kfac_local_eigenbases_and_the_global_scaling():
   """DP-KFAC (factor_reduction="local", one owner per device): each layer's

@@ -40,10 +40,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from kfac_jax_dist.capture import statistics
 from kfac_jax_dist.core import collectives as collectives_lib
@@ -208,19 +209,31 @@ def updated(config: KfacConfig, comm: collectives_lib.Collectives,
 
 
 def scaling_reader(lay: layout_lib.Layout, state: CorrectionState
-                   ) -> Callable[[Sequence[layout_lib.LayerPlan]], jax.Array | None]:
-  """`plans -> s [k, d_A, d_G]` of layers of one shape (None for layers EK-FAC
-  leaves alone): one slice where they lie one after the other in
-  `CorrectionState.scaling` (a stack's consecutive blocks), else one gather
-  (`packing.read_at`)."""
+                   ) -> Callable[[Sequence[layout_lib.LayerPlan], Mapping[str, jax.Array]],
+                                 jax.Array | None]:
+  """`(plans, shift) -> s [k, d_A, d_G]` of layers of one shape (None for
+  layers EK-FAC leaves alone), per run of consecutive blocks of a stack (they
+  lie one after the other in `CorrectionState.scaling`): one slice, or one
+  gather (`packing.read_at`) of layers that do not follow one another. In an
+  owner groups' branch that several share, `shift[stack]`: how many blocks
+  past the plans' own the running group's are (`precondition._shift`)."""
   offsets = {plan.layer.name: offset for plan, offset in corrected_plans(lay)}
 
-  def read(plans: Sequence[layout_lib.LayerPlan]) -> jax.Array | None:
+  def read(plans: Sequence[layout_lib.LayerPlan], shift: Mapping[str, jax.Array]
+           ) -> jax.Array | None:
     if plans[0].layer.name not in offsets:
       return None
-    shape = (plans[0].layer.a_dim, plans[0].layer.g_dim)
-    return packing.read_at(state.scaling, tuple(offsets[p.layer.name] for p in plans),
-                           shape, state.scaling.shape[0])
+    layer = plans[0].layer
+    shape, size = (layer.a_dim, layer.g_dim), layer.a_dim * layer.g_dim
+    pieces = []
+    for run in layout_lib.block_runs(plans, pieces=True):
+      starts = tuple(offsets[p.layer.name] for p in run)
+      moved = shift.get(run[0].layer.stack_name)
+      pieces.append(packing.read_at(state.scaling, starts, shape, state.scaling.shape[0])
+                    if moved is None else lax.dynamic_slice_in_dim(
+                        state.scaling, starts[0] + moved * size, len(run) * size
+                    ).reshape((len(run),) + shape))
+    return packing.joined(pieces)
   return read
 
 

@@ -38,9 +38,11 @@ Shift = Mapping[str, jax.Array]
 # The gradients of plans (moved by a shift), `[k, d_A, d_G]` (`gradient_matrices`).
 GradOf = Callable[[Sequence[layout_lib.LayerPlan], Shift], jax.Array]
 ReadGrad = Callable[[Sequence[layout_lib.LayerPlan]], jax.Array]   # a shift applied
+ReadScaling = Callable[[Sequence[layout_lib.LayerPlan]], jax.Array | None]   # likewise
 Runs = Literal["all", "stacks", "none"]     # which equal-shape layers run batched
-# EK-FAC's `s` of layers of one shape, `[k, d_A, d_G]` (`correction.scaling_reader`)
-Scaling = Callable[[Sequence[layout_lib.LayerPlan]], jax.Array | None]
+# EK-FAC's `s` of layers of one shape, `[k, d_A, d_G]`, a shift applied
+# (`correction.scaling_reader`)
+Scaling = Callable[[Sequence[layout_lib.LayerPlan], Shift], jax.Array | None]
 
 # Which equal-shape layers are preconditioned in runs (`precondition`): None
 # chooses by platform; True: all runs, False: none (the tests,
@@ -147,10 +149,11 @@ def precondition_group(config: KfacConfig, layout: layout_lib.Layout,
              else layout_lib.precondition_runs(layout, group, runs == "all"))
   out, vg = {}, jnp.zeros([], config.compute_dtype)
   read = lambda plans: grad_of(plans, shift or {})
+  scaled = None if scaling is None else lambda plans: scaling(plans, shift or {})
   for run in batches:
     apply = _precondition_run if len(run) > 1 else _precondition_one
     found, run_vg = apply(config, layout, second, gamma, group, run, read, kl_weight,
-                          scaling)
+                          scaled)
     out.update(found)
     vg = vg + run_vg
   return out, vg
@@ -160,7 +163,7 @@ def _precondition_one(config: KfacConfig, layout: layout_lib.Layout, second: jax
                       gamma: jax.Array, group: int, run: tuple[layout_lib.LayerPlan],
                       grad_of: ReadGrad,
                       kl_weight: Callable[[layout_lib.LayerPlan], float],
-                      scaling: Scaling | None
+                      scaling: ReadScaling | None
                       ) -> tuple[dict[Any, jax.Array], jax.Array]:
   """`precondition_group` of one layer (or a piece of a replicated one, whose
   partial ⟨V, ∇⟩ goes under `(name, "dot")`, counted later)."""
@@ -193,7 +196,7 @@ def _precondition_one(config: KfacConfig, layout: layout_lib.Layout, second: jax
   return {plan.layer.name: v, (plan.layer.name, "dot"): dot}, jnp.zeros([], dtype)
 
 
-def _scaled(scaling: Scaling | None, run: Sequence[layout_lib.LayerPlan]
+def _scaled(scaling: ReadScaling | None, run: Sequence[layout_lib.LayerPlan]
             ) -> jax.Array | None:
   """EK-FAC's `s` of a run's layers, `[k, d_A, d_G]`; None without the
   correction and for layers it leaves alone (unit-wise ones, diagonal
@@ -205,7 +208,7 @@ def _precondition_run(config: KfacConfig, layout: layout_lib.Layout, second: jax
                       gamma: jax.Array, group: int, run: tuple[layout_lib.LayerPlan, ...],
                       grad_of: ReadGrad,
                       kl_weight: Callable[[layout_lib.LayerPlan], float],
-                      scaling: Scaling | None
+                      scaling: ReadScaling | None
                       ) -> tuple[dict[str, jax.Array], jax.Array]:
   """`precondition_group` of a run of `k` equal-shape layers
   (`layout.precondition_runs`) at once: gradients stacked `[k, d_A, d_G]`,
@@ -335,8 +338,7 @@ def precondition(config: KfacConfig, comm: collectives_lib.Collectives,
     return precondition_group(config, layout, second, gamma, 0, grad_of, kl_weight,
                               scaling, runs)
   offsets, sizes, _ = layout_lib.gradient_offsets(layout)
-  # EK-FAC's `s` is read by layer name: no branch shared with it.
-  reps = layout.group_branches if scaling is None else None
+  reps = layout.group_branches
 
   def make(g: int) -> jax.Array:
     out, vg = precondition_group(config, layout, second, gamma, g, grad_of, kl_weight,
