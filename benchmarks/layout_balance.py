@@ -57,7 +57,8 @@ update of ResNet-50 and GPT-2-XL lowered (not compiled: 1024-device programs
 are beyond this machine's compile budget) at P = 64, 256 and 1024 in
 subprocesses, its StableHLO operations counted; the per-device code must not
 grow with P (P = 1024 at most 2× P = 64). GPT-2-XL's update is also lowered with
-SP-NGD's stale statistics (`stale_threshold=0.1`, "stale" rows).
+SP-NGD's stale statistics (`stale_threshold=0.1`, "stale" rows) and, as a whole
+step with its capture, with EK-FAC ("ekfac" rows).
 
 Usage: python benchmarks/layout_balance.py [--quick] [--devices 8,64,256,1024]
        [--compile 8,64,256] [--program-size 64,256,1024] [--compile-timeout S]
@@ -360,33 +361,51 @@ STABLEHLO_OP = re.compile(r"^\s*(%[\w#:]+(, %[\w#:]+)*\s*=\s*)?\"?(stablehlo|sdy
 
 
 STALE = " stale"       # a strategy with SP-NGD's stale statistics (α = 0.1)
+EKFAC = " ekfac"       # a strategy with EK-FAC's correction: the whole step, capture included
 
 
-def compile_update(model: str, p: int, strategy: str, compile_program: bool = True) -> dict:
-  """The shard_map'd K-FAC update (`tx.update`, eigen, cadence 10/100, or
-  stale statistics for a strategy ending in `STALE`) of `model` at P devices,
-  on abstract gradients, statistics and state: lowered
-  (its StableHLO operations: the program's size) and, unless
-  `compile_program` is false, compiled (its HLO instructions and collectives)."""
-  layers, paths, params = discover(model)
+def _update_program(model: str, p: int, strategy: str):
+  """(the jitted shard_map'd program, its abstract arguments): `tx.update`
+  of `kd.kfac` (eigen, cadence 10/100; stale statistics for `STALE`) on
+  abstract gradients, statistics and state; for `EKFAC` the whole step, the
+  capture included (EK-FAC's statistic `S` is measured in the state's
+  eigenbases, so the capture needs the state)."""
+  layers, _, params = discover(model)
   mesh = Mesh(np.array(jax.devices()[:p]), ("data",))
   m = p if strategy.startswith("COMM-OPT") else 1
   dist = kd.Distribution(mesh, grad_worker_fraction=m / p)
   cadence = (dict(stale_threshold=0.1) if strategy.endswith(STALE) else
              dict(factor_update_every=10, inverse_update_every=100))
-  tx = kd.kfac(0.1, layers=layers, distribution=dist, **cadence)
+  correction = dict(eigenvalue_correction="ekfac") if strategy.endswith(EKFAC) else {}
+  tx = kd.kfac(0.1, layers=layers, distribution=dist, **cadence, **correction)
   state = jax.eval_shape(tx.init, params)
   specs = kd.partition_specs(state)
+  if correction:
+    _, _, _, grad_fn, x, y = discover(model, with_loss=True)
+    batch = [jax.ShapeDtypeStruct((p * a.shape[0],) + a.shape[1:], a.dtype) for a in (x, y)]
+
+    def step(params, state, x, y):
+      _, grads, stats = grad_fn(params, x, y, opt_state=state)
+      return tx.update(jax.lax.pmean(grads, "data"), state, params, kfac_stats=stats)
+    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data"),
+                                                            P("data")),
+                                 out_specs=(P(), specs))), (params, state, *batch)
   stats = _statistics_shapes(model, p, params)
-  stat_specs = jax.tree.map(lambda _: P("data"), stats)
 
   def update(grads, state, params, stats):
     return tx.update(grads, state, params, kfac_stats=stats)
+  in_specs = (P(), specs, P(), jax.tree.map(lambda _: P("data"), stats))
+  return jax.jit(jax.shard_map(update, mesh=mesh, in_specs=in_specs,
+                               out_specs=(P(), specs))), (params, state, params, stats)
 
-  fn = jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(P(), specs, P(), stat_specs),
-                             out_specs=(P(), specs)))
+
+def compile_update(model: str, p: int, strategy: str, compile_program: bool = True) -> dict:
+  """`_update_program` of `model` at P devices lowered (its StableHLO
+  operations: the program's size) and, unless `compile_program` is false,
+  compiled (its HLO instructions and collectives)."""
+  fn, args = _update_program(model, p, strategy)
   t0 = time.perf_counter()
-  lowered = fn.lower(params, state, params, stats)
+  lowered = fn.lower(*args)
   t1 = time.perf_counter()
   text = lowered.as_text()
   out = {"model": model, "P": p, "strategy": strategy, "lower_s": t1 - t0,
@@ -430,7 +449,8 @@ def compile_in_subprocess(model, p, strategy, timeout, compile_program=True) -> 
 
 SIZE_MODELS = ("resnet50", "gpt2_xl")
 SIZE_STRATEGIES = {"resnet50": ("MEM-OPT", "COMM-OPT"),
-                   "gpt2_xl": ("MEM-OPT", "COMM-OPT", "MEM-OPT" + STALE, "COMM-OPT" + STALE)}
+                   "gpt2_xl": ("MEM-OPT", "COMM-OPT", "MEM-OPT" + STALE, "COMM-OPT" + STALE,
+                               "MEM-OPT" + EKFAC, "COMM-OPT" + EKFAC)}
 TARGET_SIZE = 2.0        # ops at P = 1024 over ops at P = 64
 
 
@@ -567,6 +587,7 @@ def main(argv=None):
         # stale statistics store the running factors per owner (`KfacConfig.factor_storage`)
         layouts[(model, p, name + STALE)] = dataclasses.replace(
             lay, factor_storage=layout_lib.OWNER)
+        layouts[(model, p, name + EKFAC)] = lay
         rows.append(r)
         if alt_build is not None:
           t0 = time.perf_counter()
@@ -812,7 +833,8 @@ def main(argv=None):
   out.append("## Program size of the update (does the per-device code grow with P?)")
   out.append("")
   out.append("The shard_map'd `tx.update` (eigen, cadence 10/100; \"stale\" rows: "
-             "stale statistics, `stale_threshold=0.1`) lowered at each P in a "
+             "stale statistics, `stale_threshold=0.1`; \"ekfac\" rows: EK-FAC, the whole "
+             "step with the capture that measures its statistic) lowered at each P in a "
              "subprocess with P host devices: its StableHLO operations (the program XLA "
              "receives; every device runs the same program, its own work in a branch of "
              f"a `lax.switch` on its index). Target: P = 1024 <= {TARGET_SIZE}× P = 64.")
