@@ -288,18 +288,23 @@ class _DeepScanned(nn.Module):
     return kd.linen.Dense(4, param_dtype=jnp.float64)(x)
 
 
+def _scanned_problem(model: nn.Module, batch: int):
+  """(grad_fn, params, x, y) of a scanned model of 4-wide blocks, float64."""
+  x = jax.random.normal(jax.random.PRNGKey(1), (batch, 4), jnp.float64)
+  y = jax.random.randint(jax.random.PRNGKey(2), (batch,), 0, 4)
+  params = model.init(jax.random.PRNGKey(3), x)["params"]
+
+  def loss_fn(p, x, y):
+    return kd.losses.softmax_cross_entropy(model.apply({"params": p}, x), y)
+  return kd.value_and_grad(loss_fn), params, x, y
+
+
 def test_shared_group_branches_read_their_own_scaling():
   """MEM-OPT at P = 8 on 16 scanned blocks: owner groups holding the same
   kinds of blocks share one preconditioning branch (`Layout.group_branches`),
   each reading its gradients and its blocks' EK-FAC scaling at its own shift
   (`correction.scaling_reader`); four steps equal one device's."""
-  x = jax.random.normal(jax.random.PRNGKey(1), (16, 4), jnp.float64)
-  y = jax.random.randint(jax.random.PRNGKey(2), (16,), 0, 4)
-  params = _DeepScanned().init(jax.random.PRNGKey(3), x)["params"]
-
-  def loss_fn(p, x, y):
-    return kd.losses.softmax_cross_entropy(_DeepScanned().apply({"params": p}, x), y)
-  grad_fn = kd.value_and_grad(loss_fn)
+  grad_fn, params, x, y = _scanned_problem(_DeepScanned(), 16)
   layers = grad_fn.discover(params, x, y)
 
   def train(dist):
@@ -502,13 +507,7 @@ def test_reset_scaling_of_scanned_blocks_is_each_blocks_own():
   (fresh), a stack's blocks read as one run (`correction._corrected_runs`):
   block by block, its own eigenvalues' outer product; and the batch's `S` of
   each block is its own slice of the stacked statistic."""
-  x = jax.random.normal(jax.random.PRNGKey(1), (8, 4), jnp.float64)
-  y = jax.random.randint(jax.random.PRNGKey(2), (8,), 0, 4)
-  params = _Scanned().init(jax.random.PRNGKey(3), x)["params"]
-
-  def loss_fn(p, x, y):
-    return kd.losses.softmax_cross_entropy(_Scanned().apply({"params": p}, x), y)
-  grad_fn = kd.value_and_grad(loss_fn)
+  grad_fn, params, x, y = _scanned_problem(_Scanned(), 8)
   tx = _ekfac(grad_fn.discover(params, x, y))
   state = tx.init(params)
   _, _, stats = grad_fn(params, x, y, opt_state=state)
