@@ -71,16 +71,21 @@ def gradient_matrices(plans: Sequence[layout_lib.LayerPlan], leaves: Leaves,
                       shift: Shift | None = None) -> jax.Array:
   """The gradients of one layer or of consecutive blocks of a stacked one
   (`layout.block_runs`; `shift` as `_blocks`), `[k, d_A, d_G]`: kernel
-  rows, then the bias row."""
+  rows, then the bias row. One layer's is joined as a `[d_A, d_G]` matrix
+  (the leading axis added after): its readers, the product and ⟨V, ∇⟩, then
+  see one array, which XLA:CPU otherwise built twice, once per shape, each a
+  kernel as large as the parameter's update (PERF_NOTES §24)."""
   layer, k = plans[0].layer, len(plans)
   kernel = _blocks(leaves[layer.kernel_path], plans, layer.kernel_shape, shift)
   dtype = jnp.promote_types(kernel.dtype, jnp.float32)
   m = kernel.astype(dtype).reshape(k, layer.a_dim - layer.has_bias, layer.g_dim)
-  if layer.has_bias:
-    bias = _blocks(leaves[layer.bias_path], plans, layer.bias_shape or (layer.g_dim,),
-                   shift)
-    m = jnp.concatenate([m, bias.astype(dtype).reshape(k, 1, layer.g_dim)], axis=1)
-  return m
+  if not layer.has_bias:
+    return m
+  bias = _blocks(leaves[layer.bias_path], plans, layer.bias_shape or (layer.g_dim,),
+                 shift).astype(dtype).reshape(k, 1, layer.g_dim)
+  if k == 1:
+    return jnp.concatenate([m[0], bias[0]])[None]
+  return jnp.concatenate([m, bias], axis=1)
 
 
 def _buffer_run(read: Callable[[int, int], jax.Array], offsets: dict[tuple[str, int], int],
