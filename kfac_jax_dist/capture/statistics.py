@@ -166,8 +166,13 @@ def input_factor(a: jax.Array, has_bias: bool, form: str = FULL,
   second = jnp.matmul(a.T, a, precision=lax.Precision.HIGHEST) / num_positions
   if not has_bias:
     return second
+  # The last row `[E xᵀ, 1]` is joined as a vector: XLA:CPU built the mean
+  # once more, as a separate kernel, for each shape it was read in (a
+  # `[d, 1]` column and a `[1, d]` row: PERF_NOTES §24).
   mean = jnp.mean(a, axis=0)
-  return jnp.block([[second, mean[:, None]], [mean[None, :], jnp.ones((1, 1), a.dtype)]])
+  last_row = jnp.concatenate([mean, jnp.ones((1,), a.dtype)])
+  return jnp.concatenate([jnp.concatenate([second, mean[:, None]], axis=1),
+                          last_row[None]])
 
 
 def output_factor(g: jax.Array, form: str = FULL,
