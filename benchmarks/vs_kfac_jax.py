@@ -1201,7 +1201,11 @@ ANALYSIS = """\
   call: it compiles a program). What is left is kd's one step program: at
   cadences 1/1 and 1/10 it takes longer to trace, compile and run once than
   kfac-jax's one program, at 10/100 less than kfac-jax's two (the Targets
-  table; these rows move by about ±0.2 with the machine's load). Measured on
+  table; these rows move by about ±0.2 with the machine's load: on
+  2026-12-01, after PERF_NOTES §24's cuts, the autoencoder's 1/10 row read
+  1.27 while the machine slowed under it, kd's trace + lower taking 0.65-1.04
+  s against 0.48 s the run before and kfac-jax's 1/1 program 6.3 s against
+  3.7 s). Measured on
   the autoencoder at 1/1 (2026-11-26, jax 0.8.0, CPU seconds of
   `lower` + `compile`, one process each, variants patched in for the
   measurement only): full 0.28 + 3.55 s, 3360 HLO instructions; without the
