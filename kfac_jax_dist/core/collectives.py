@@ -140,7 +140,8 @@ class Collectives:
     this is a `lax.switch` on the device index (each device's code appears in
     one branch only); results are typed varying over the axis.
     `representatives[d]`: a device whose `make` computes the same as `d`'s
-    (idle devices: `Layout.device_branches`), so that they share one branch."""
+    (devices with the same kind of work: `Layout.decomposition_branches`),
+    so that they share one branch."""
     if self.num_devices == 1:
       return make(0)
     return self.switch(self.device_index(), make, representatives or range(self.num_devices))

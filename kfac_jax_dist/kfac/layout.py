@@ -222,19 +222,6 @@ class Layout:
     return (place.owner - group * self.group_size) * self.second_segment
 
   @functools.cached_property
-  def device_branches(self) -> tuple[int, ...]:
-    """Each device's representative in a per-device switch
-    (`Collectives.per_device`): itself if it decomposes a factor; else the
-    first such idle device, since every idle device runs the same code (its
-    segments are zeros). At pod scale most devices are idle (GPT-2-XL's 576
-    factors on 1024 devices), and one branch each would grow the program
-    with P."""
-    owners = {q.owner for plan in self.plans for piece in plan.pieces
-              for _, place in piece.places for q in (place,) + place.copies}
-    idle = [d for d in range(self.num_devices) if d not in owners]
-    return tuple(d if d in owners else idle[0] for d in range(self.num_devices))
-
-  @functools.cached_property
   def decomposition_branches(self) -> tuple[int, ...]:
     """Each device's representative in the decompositions' per-device switch:
     the first device whose decomposition work has the same shapes (the same
