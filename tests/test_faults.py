@@ -261,19 +261,22 @@ def test_failed_decomposition_keeps_previous_second_order(method, layer, which, 
   _check_kept(s, after, clean, kept)
 
 
-def test_failed_decomposition_with_stale_statistics_keeps_previous():
-  """`stale_threshold`: a due factor whose running value (hence eigenbasis) is
-  not finite keeps its previous second-order parts, and the step is taken; the
-  others are refreshed as in a clean run. (Before, its NaN eigenbasis was
-  written into the state and every later step was skipped.)"""
-  tx, step = _single_step(False, inverse_every=1, stale_threshold=0.0)
+@pytest.mark.parametrize("method,kept", [
+    ("eigen", {("out", "A")}),
+    ("inverse", {("out", "A"), ("out", "G")})])              # π couples A and G
+def test_failed_decomposition_with_stale_statistics_keeps_previous(method, kept):
+  """`stale_threshold`: a due factor whose running value (hence eigenbasis or
+  inverse) is not finite keeps its previous second-order parts, and the step
+  is taken; the others are refreshed as in a clean run. (Before, its NaN
+  eigenbasis was written into the state and every later step was skipped.)"""
+  tx, step = _single_step(False, method=method, inverse_every=1, stale_threshold=0.0)
   params = _params()
   p, s, _ = step(params, tx.init(params), *_batch(0), 0.0, 0.0)
   _, clean, _ = step(p, s, *_batch(1), 0.0, 0.0)
   _, after, updates = step(p, _poison_factor(s, "out", "a"), *_batch(1), 0.0, 0.0)
   assert _skipped(after) == [0] and int(find_states(after)[0].count) == 2
   assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))
-  _check_kept(s, after, clean, {("out", "A")})
+  _check_kept(s, after, clean, kept)
 
 
 @pytest.mark.parametrize("chunk", [1 << 16, 7, 3], ids=["one-chunk", "chunks-of-7", "chunks-of-3"])

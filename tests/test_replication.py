@@ -163,21 +163,27 @@ def test_replicated_items_equal_single_device(fraction, factor_reduction, method
     jax.tree.map(check, got, want)
 
 
-@pytest.mark.parametrize("fraction,problem", [
-    pytest.param(1.0, _problem, id="COMM-columns"),
-    pytest.param(1.0, _wide_problem, id="COMM-shared-branches", marks=pytest.mark.slow),
-    pytest.param(1 / 8, _problem, id="MEM-rows", marks=pytest.mark.slow)])
-def test_stale_statistics_with_replicated_items_equal_single_device(fraction, problem):
-  """Stale statistics where a factor's eigenbasis is split by columns over
-  several owners (each decomposes the whole factor when it is due and keeps
-  its columns, the others keep theirs), or a layer by rows over owner groups:
-  the refreshes and the steps equal one device's."""
-  trajectory, state = _distributed(fraction, "all_reduce", "eigen", problem, stale=0.3)
+@pytest.mark.parametrize("fraction,problem,method", [
+    pytest.param(1.0, _problem, "eigen", id="COMM-columns"),
+    pytest.param(1.0, _wide_problem, "eigen", id="COMM-shared-branches",
+                 marks=pytest.mark.slow),
+    pytest.param(1 / 8, _problem, "eigen", id="MEM-rows", marks=pytest.mark.slow),
+    pytest.param(1.0, _problem, "inverse", id="COMM-columns-inverse",
+                 marks=pytest.mark.slow),
+    pytest.param(1.0, _wide_problem, "inverse", id="COMM-shared-branches-inverse",
+                 marks=pytest.mark.slow)])
+def test_stale_statistics_with_replicated_items_equal_single_device(fraction, problem,
+                                                                    method):
+  """Stale statistics where a factor's eigenbasis (or inverse) is split by
+  columns over several owners (each decomposes the whole factor when it is
+  due and keeps its columns, the others keep theirs), or a layer by rows over
+  owner groups: the refreshes and the steps equal one device's."""
+  trajectory, state = _distributed(fraction, "all_reduce", method, problem, stale=0.3)
   lay = find_states(state)[0].layout
   assert any(b.columns for batches in lay.batches for b in batches) == (fraction == 1.0)
   refreshes = np.asarray(find_states(state)[0].refresh.refreshes)
   assert 0 < refreshes.min() < STEPS
-  for step, (got, want) in enumerate(zip(trajectory, _single_device("eigen", problem,
+  for step, (got, want) in enumerate(zip(trajectory, _single_device(method, problem,
                                                                       stale=0.3))):
     jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=2e-4, atol=2e-5,
                                    err_msg=f"step {step}"), got, want)

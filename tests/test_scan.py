@@ -169,13 +169,13 @@ def test_linen_scan_matches_unrolled():
   assert running["blocks/Dense_0/1"]["A"].shape == (D + 1, D + 1)
 
 
-def _train_stale(loss_fn, params, batch, dist=None, steps=8):
+def _train_stale(loss_fn, params, batch, dist=None, steps=8, method="eigen"):
   """kd.kfac with stale statistics (SP-NGD §4.3), float64: the parameters and
   each factor's refreshes by (layer, factor), an unrolled block's layer named
   as the stack's block (`block_1/Dense_0` → `blocks/Dense_0/1`)."""
   grad_fn = kd.value_and_grad(loss_fn)
   tx = kd.kfac(0.1, layers=grad_fn.discover(params, *batch), damping=1e-2, kl_clip=1e-2,
-               stale_threshold=0.3, factor_dtype=F64, distribution=dist)
+               stale_threshold=0.3, factor_dtype=F64, distribution=dist, method=method)
 
   def step(params, state, x, y):
     _, grads, stats = grad_fn(params, x, y, opt_state=state)
@@ -193,12 +193,15 @@ def _train_stale(loss_fn, params, batch, dist=None, steps=8):
                   for f, (plan, which, _) in enumerate(stale.factor_order(kstate.layout))}
 
 
-@pytest.mark.parametrize("strategy", [
-    None, "MEM-OPT", pytest.param("COMM-OPT", marks=pytest.mark.slow)])
-def test_stale_statistics_scanned_equal_unrolled(strategy):
+@pytest.mark.parametrize("strategy,method", [
+    (None, "eigen"), ("MEM-OPT", "eigen"),
+    pytest.param("COMM-OPT", "eigen", marks=pytest.mark.slow), (None, "inverse"),
+    pytest.param("MEM-OPT", "inverse", marks=pytest.mark.slow)])
+def test_stale_statistics_scanned_equal_unrolled(strategy, method):
   """Stale statistics on a scan: each block's factors keep their own schedule
   (a loop over a stack's due blocks communicates them; owners and
-  decompositions read the due flags by factor number), as the unrolled model's
+  decompositions read the due flags by factor number; with inverses, a
+  block's two factors are inverted together), as the unrolled model's
   layers, one run each, on one device (float64). Misnumbering a stack's or a
   batch's factors refreshes the wrong blocks."""
   (loss_s, params_s), (loss_u, params_u), (x, y) = _linen_problem()
@@ -207,8 +210,8 @@ def test_stale_statistics_scanned_equal_unrolled(strategy):
   dist = None if strategy is None else kd.Distribution(
       helpers.data_mesh(8), grad_worker_fraction=1.0 if strategy == "COMM-OPT" else 0.125,
       factor_reduction="all_reduce" if strategy == "COMM-OPT" else "reduce_scatter")
-  got, got_refreshes = _train_stale(loss_s, params_s, (x, y), dist)
-  want, want_refreshes = _train_stale(loss_u, params_u, (x, y))
+  got, got_refreshes = _train_stale(loss_s, params_s, (x, y), dist, method=method)
+  want, want_refreshes = _train_stale(loss_u, params_u, (x, y), method=method)
   assert got_refreshes == want_refreshes
   assert len(set(want_refreshes.values())) > 2           # schedules differ by factor
   assert len({want_refreshes[(f"blocks/Dense_0/{i}", "g")] for i in range(L)}) > 1

@@ -89,14 +89,64 @@ def test_stale_factor_leaves_its_state_bit_identical():
   assert np.array_equal(after.second_order[span], state.second_order[span])
 
 
-def test_threshold_zero_is_plain_kfac():
+def _inverse_update(a, g, grad, gamma):
+  """`(A + π√γ I)⁻¹ ∇ (G + √γ/π I)⁻¹`, π² = (tr A/d_A)/(tr G/d_G), in NumPy."""
+  pi = np.sqrt((np.trace(a) / len(a)) / (np.trace(g) / len(g)))
+  root = np.sqrt(gamma)
+  return (np.linalg.inv(a + pi * root * np.eye(len(a))) @ grad
+          @ np.linalg.inv(g + root / pi * np.eye(len(g))))
+
+
+def test_stale_inverses_equal_float64_brute_force(x64):
+  """method="inverse" with stale statistics, against NumPy in float64: A and
+  G refresh on their own schedules (Algorithms 1-2), and whenever either
+  does, both are inverted again, at the π of the running factors then and at
+  that step's γ (a decaying schedule); between refreshes every step is
+  preconditioned with those inverses."""
+  rng = np.random.default_rng(0)
+  m = rng.normal(size=(3, 3))
+  a0, g0 = m @ m.T + np.eye(3), np.diag([1.0, 2.0])
+  steps = 30
+  a_seq = [a0 if t < 12 else 3 * a0 for t in range(steps)]
+  g_seq = [g0 * 1.03 ** t for t in range(steps)]
+  grads = rng.normal(size=(steps, 3, 2))
+  gamma = lambda count: 0.1 * 0.8 ** count
+  tx = kd.scale_by_kfac(layers=kd.LayerRegistry((_layer(),)), damping=gamma,
+                        factor_decay=0.0, stale_threshold=ALPHA, method="inverse",
+                        factor_dtype=jnp.float64)
+  state = tx.init({"l": {"kernel": jnp.ones((3, 2), jnp.float64)}})
+  update = jax.jit(tx.update)
+  refreshed = [helpers.stale_schedule([seq], ALPHA) for seq in (a_seq, g_seq)]
+  # steps where A refreshes alone and steps where G does (12 and 10 first)
+  assert set(refreshed[0]) - set(refreshed[1]) and set(refreshed[1]) - set(refreshed[0])
+  inverses_made = []
+  for t in range(steps):
+    stats = {"l": {"A": jnp.asarray(a_seq[t]), "G": jnp.asarray(g_seq[t])}}
+    updates, state = update({"l": {"kernel": jnp.asarray(grads[t])}}, state,
+                            kfac_stats=stats)
+    # the running factors: each one's statistic at its last refresh
+    a, g = (seq[max(r for r in steps_of if r <= t)]
+            for seq, steps_of in zip((a_seq, g_seq), refreshed))
+    if t in refreshed[0] or t in refreshed[1]:
+      inverses_made.append(t)
+      made_at, made_with = t, (a, g)
+    expected = _inverse_update(*made_with, grads[t], gamma(made_at))
+    got = np.asarray(updates["l"]["kernel"])
+    assert got.dtype == np.float64
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=0, err_msg=f"step {t}")
+  assert len(inverses_made) < 0.6 * steps         # many steps reused the inverses
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_threshold_zero_is_plain_kfac(method):
   """α = 0: nothing is ever similar, every factor refreshes every step."""
   loss_fn, params, x, y = helpers.conv_dense_problem()
   grad_fn = kd.value_and_grad(loss_fn)
   layers = grad_fn.discover(params, x, y)
 
   def run(**options):
-    tx = kd.kfac(0.1, layers=layers, damping=1e-2, kl_clip=1e-2, **options)
+    tx = kd.kfac(0.1, layers=layers, damping=1e-2, kl_clip=1e-2, method=method,
+                 **options)
     state, p = tx.init(params), params
 
     @jax.jit
@@ -115,11 +165,11 @@ def test_threshold_zero_is_plain_kfac():
 
 
 @functools.lru_cache(maxsize=None)
-def _stale_single_device(steps=6):
+def _stale_single_device(method, steps=6):
   loss_fn, params, x, y = helpers.conv_dense_problem()
   grad_fn = kd.value_and_grad(loss_fn)
   tx = kd.kfac(0.1, layers=grad_fn.discover(params, x, y), damping=1e-2, kl_clip=1e-2,
-               stale_threshold=0.3)
+               stale_threshold=0.3, method=method)
   state, p = tx.init(params), params
 
   @jax.jit
@@ -134,23 +184,26 @@ def _stale_single_device(steps=6):
 
 def _stale_strategies():
   """Every owner-group shape and both factor reductions, not their product
-  (test_distributed.py has the product without stale statistics)."""
-  for fraction, name, reduction in ((1.0, "COMM", "all_reduce"),
-                                    (0.5, "HYBRID", "reduce_scatter"),
-                                    (0.125, "MEM", "reduce_scatter")):
-    marks = () if name == "MEM" else pytest.mark.slow
-    yield pytest.param(fraction, reduction, id=f"{name}-{reduction}", marks=marks)
+  (test_distributed.py has the product without stale statistics), for each
+  method (the inverses' π couples a layer's factors across owners)."""
+  for method in ("eigen", "inverse"):
+    for fraction, name, reduction in ((1.0, "COMM", "all_reduce"),
+                                      (0.5, "HYBRID", "reduce_scatter"),
+                                      (0.125, "MEM", "reduce_scatter")):
+      marks = () if name == "MEM" else pytest.mark.slow
+      yield pytest.param(fraction, reduction, method, id=f"{name}-{reduction}-{method}",
+                         marks=marks)
 
 
-@pytest.mark.parametrize("fraction,factor_reduction", list(_stale_strategies()))
-def test_stale_statistics_under_every_strategy(fraction, factor_reduction):
+@pytest.mark.parametrize("fraction,factor_reduction,method", list(_stale_strategies()))
+def test_stale_statistics_under_every_strategy(fraction, factor_reduction, method):
   loss_fn, params, x, y = helpers.conv_dense_problem()
   mesh = helpers.data_mesh(8)
   dist = kd.Distribution(mesh, grad_worker_fraction=fraction,
                          factor_reduction=factor_reduction)
   grad_fn = kd.value_and_grad(loss_fn)
   tx = kd.kfac(0.1, layers=grad_fn.discover(params, x, y), damping=1e-2, kl_clip=1e-2,
-               stale_threshold=0.3, distribution=dist)
+               stale_threshold=0.3, method=method, distribution=dist)
   state = kd.shard_state(tx.init(params), mesh)
   specs = kd.partition_specs(state)
 
@@ -164,7 +217,7 @@ def test_stale_statistics_under_every_strategy(fraction, factor_reduction):
   p = params
   for _ in range(6):
     p, state = step(p, state, x, y)
-  ref, ref_refreshes = _stale_single_device()
+  ref, ref_refreshes = _stale_single_device(method)
   refreshes = np.asarray(find_states(state)[0].refresh.refreshes)
   np.testing.assert_array_equal(refreshes, ref_refreshes)
   assert refreshes.min() < 6                 # something was actually skipped
@@ -205,5 +258,5 @@ def test_stale_misconfiguration_errors():
   layers = kd.LayerRegistry((_layer(),))
   with pytest.raises(ValueError, match="factor_update_every"):
     kd.scale_by_kfac(layers=layers, stale_threshold=0.1, factor_update_every=2)
-  with pytest.raises(ValueError, match="eigen"):
-    kd.scale_by_kfac(layers=layers, stale_threshold=0.1, method="inverse")
+  with pytest.raises(ValueError, match="stale_threshold"):
+    kd.scale_by_kfac(layers=layers, stale_threshold=0.1, eigenvalue_correction="ekfac")

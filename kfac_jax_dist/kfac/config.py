@@ -90,8 +90,6 @@ class KfacConfig:
     if not all(isinstance(e, int) and e == 1 for e in every):
       raise ValueError("stale_threshold chooses every factor's refresh steps itself: "
                        "leave factor_update_every and inverse_update_every at 1.")
-    if self.method != "eigen":
-      raise ValueError('stale_threshold supports method="eigen" only.')
 
   def _check_correction(self) -> None:
     if self.eigenvalue_correction not in CORRECTIONS:

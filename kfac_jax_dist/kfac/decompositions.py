@@ -168,22 +168,36 @@ def eigen_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
                   due: DueFactors | None = None) -> tuple[jax.Array, SlotRuns]:
   """The device's new `[L₂]` segment: eigenbases and eigenvalues of its
   factors (a split factor keeps its columns); as `_new_segment`. With `due`
-  (stale statistics), only the due factors' (`_due_eigen_parts`)."""
+  (stale statistics), only the due factors' (`DueFactors.parts`)."""
   dtype = config.compute_dtype
 
   def parts(batch: layout_lib.Batch, running: jax.Array, at: int) -> list[jax.Array]:
     kept = lambda x: kept_columns(comm, layout, device, batch, x).astype(dtype)
-    if due is not None and batch.form == statistics.FULL:
-      return _due_eigen_parts(layout, running, due.previous_parts(batch, at),
-                              due.members(comm, layout, device, batch), kept)
-    vectors, values = linalg.eigh(running, symmetric=layout.packed)
-    new = ([] if vectors is None else [kept(vectors)]) + [kept(values)]
+
+    def decomposed(x: jax.Array, _: jax.Array | None) -> list[jax.Array]:
+      vectors, values = linalg.eigh(x, symmetric=layout.packed)
+      return ([] if vectors is None else [kept(vectors)]) + [kept(values)]
     if due is None:
-      return new
-    flags = due.members(comm, layout, device, batch)     # diagonal: cheap, select
-    return [jnp.where(flags.reshape((-1,) + (1,) * (x.ndim - 1)), x, old)
-            for x, old in zip(new, due.previous_parts(batch, at))]
+      return decomposed(running, None)
+    return due.parts(comm, layout, device, batch, at, "eigen", running, None, decomposed)
   return _new_segment(config, layout, device, owned, parts)
+
+
+def part_shapes(batch: layout_lib.Batch, method: str) -> list[tuple[int, ...]]:
+  """A batch's second-order parts: with `method` "eigen" eigenbases `[count,
+  d, w]` (full factors) then eigenvalues `[count, w]`, else damped inverses
+  `[count, d, w]` (diagonal: `[count, w]`); `w` the columns kept."""
+  count, dim = batch.count, batch.dim
+  width = (batch.columns[1] - batch.columns[0]) if batch.columns else dim
+  full = batch.form == statistics.FULL
+  if method == "eigen":
+    return ([(count, dim, width)] if full else []) + [(count, width)]
+  return [(count, dim, width) if full else (count, width)]
+
+
+# A batch's parts from its running factors `[count, ...]` and their per-slot
+# input (`[count]`: an inverse's damping; None for eigendecompositions).
+PartsOf = Callable[[jax.Array, "jax.Array | None"], list[jax.Array]]
 
 
 class DueFactors(NamedTuple):
@@ -198,17 +212,29 @@ class DueFactors(NamedTuple):
     """`[count]`: whether each factor of `batch` on the running device is due."""
     return self.flags[batch_factor_numbers(comm, layout, device, batch)]
 
-  def previous_parts(self, batch: layout_lib.Batch, at: int) -> list[jax.Array]:
-    """The batch's current parts `[count, ...]` (vectors, then values), from `at`."""
-    width = (batch.columns[1] - batch.columns[0]) if batch.columns else batch.dim
-    shapes = ([(batch.count, batch.dim, width)] if batch.form == statistics.FULL
-              else []) + [(batch.count, width)]
+  def previous_parts(self, batch: layout_lib.Batch, at: int,
+                     shapes: list[tuple[int, ...]]) -> list[jax.Array]:
+    """The batch's current parts, of `shapes` (`part_shapes`), from `at`."""
     out = []
     for shape in shapes:
       size = int(np.prod(shape))
       out.append(self.previous[at:at + size].reshape(shape))
       at += size
     return out
+
+  def parts(self, comm: collectives_lib.Collectives, layout: layout_lib.Layout,
+            device: int, batch: layout_lib.Batch, at: int, method: str,
+            running: jax.Array, inputs: jax.Array | None, parts_of: PartsOf
+            ) -> list[jax.Array]:
+    """`parts_of` the batch's due factors, the others' current parts kept:
+    full factors one at a time in a loop over the due ones (`_due_parts`),
+    diagonal ones all computed and selected (cheap)."""
+    previous = self.previous_parts(batch, at, part_shapes(batch, method))
+    flags = self.members(comm, layout, device, batch)
+    if batch.form == statistics.FULL:
+      return _due_parts(running, inputs, previous, flags, parts_of)
+    return [jnp.where(flags.reshape((-1,) + (1,) * (x.ndim - 1)), x.astype(old.dtype), old)
+            for x, old in zip(parts_of(running, inputs), previous)]
 
 
 def batch_factor_numbers(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
@@ -223,29 +249,29 @@ def batch_factor_numbers(comm: collectives_lib.Collectives, layout: layout_lib.L
   return rows[comm.device_index()][span]
 
 
-def _due_eigen_parts(layout: layout_lib.Layout, running: jax.Array,
-                     previous: list[jax.Array], flags: jax.Array,
-                     kept: Callable[[jax.Array], jax.Array]) -> list[jax.Array]:
-  """`[vectors, values]` of a batch of full factors `[count, d, d]`: the due
-  ones (`flags`) decomposed one at a time in a loop over them (due first, a
-  stable order), the others' `previous` parts kept; all of them in one
-  batched call when all are due, as a plain decomposition step (a GPU then
-  runs one batched eigh instead of a loop of single ones). The loop's body is
-  one eigh, whatever the batch's size or which factors are due."""
+def _due_parts(running: jax.Array, inputs: jax.Array | None, previous: list[jax.Array],
+               flags: jax.Array, parts_of: PartsOf) -> list[jax.Array]:
+  """`parts_of` a batch of full factors `[count, d, d]` (eigenbases and
+  eigenvalues, or damped inverses of the per-slot `inputs`): the due ones
+  (`flags`) one at a time in a loop over them (due first, a stable order),
+  the others' `previous` parts kept; all of them in one batched call when
+  all are due, as a plain decomposition step (a GPU then runs one batched
+  eigh instead of a loop of single ones). The loop's body is one
+  decomposition, whatever the batch's size or which factors are due."""
   order = jnp.argsort(~flags, stable=True)
   axes = _compat.varying_axes(running, *previous, flags)
   start = tuple(_compat.as_varying(p, axes) for p in previous)
 
-  def decomposed(x: jax.Array) -> tuple[jax.Array, ...]:
-    vectors, values = linalg.eigh(x, symmetric=layout.packed)
-    return tuple(kept(v).astype(p.dtype) for v, p in zip((vectors, values), previous))
+  def decomposed(x: jax.Array, extra: jax.Array | None) -> tuple[jax.Array, ...]:
+    return tuple(v.astype(p.dtype) for v, p in zip(parts_of(x, extra), previous))
 
   def one(i: jax.Array, parts: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
     j = order[i]
+    row = lambda x: None if x is None else lax.dynamic_slice_in_dim(x, j, 1)
     return tuple(lax.dynamic_update_slice_in_dim(p, x, j, 0) for p, x in zip(
-        parts, decomposed(lax.dynamic_slice_in_dim(running, j, 1))))
+        parts, decomposed(row(running), row(inputs))))
   return list(lax.cond(
-      jnp.all(flags), lambda: _compat.as_varying(decomposed(running), axes),
+      jnp.all(flags), lambda: _compat.as_varying(decomposed(running, inputs), axes),
       lambda: lax.fori_loop(0, jnp.sum(flags.astype(jnp.int32)), one, start)))
 
 
@@ -267,24 +293,29 @@ def kept_columns(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
 
 
 def inverse_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
-                    owned: jax.Array, damping: jax.Array,
-                    comm: collectives_lib.Collectives) -> tuple[jax.Array, SlotRuns]:
+                    owned: jax.Array, damping: jax.Array, comm: collectives_lib.Collectives,
+                    due: DueFactors | None = None) -> tuple[jax.Array, SlotRuns]:
   """As `eigen_segment`, with damped inverses; `damping` holds every factor's
   (a non-finite one, from a non-finite trace of either factor of the layer,
   keeps both inverses)."""
   dtype = config.compute_dtype
 
-  def parts(batch: layout_lib.Batch, running: jax.Array, _: int) -> list[jax.Array]:
+  def parts(batch: layout_lib.Batch, running: jax.Array, at: int) -> list[jax.Array]:
     if shares_branch(comm, layout, device):
       base = comm.device_index() * layout.max_factors + batch.first_index
       damp = lax.dynamic_slice_in_dim(damping, base, batch.count)
     else:
       start = device * layout.max_factors + batch.first_index
       damp = damping[start:start + batch.count]
-    inv = linalg.damped_inverse(running, damp)   # not finite where `damp` is not
-    if batch.matrix_offset is not None:
-      inv = kept_columns(comm, layout, device, batch, inv)
-    return [inv.astype(dtype)]
+
+    def inverted(x: jax.Array, d: jax.Array) -> list[jax.Array]:
+      inv = linalg.damped_inverse(x, d)          # not finite where `d` is not
+      if batch.matrix_offset is not None:
+        inv = kept_columns(comm, layout, device, batch, inv)
+      return [inv.astype(dtype)]
+    if due is None:
+      return inverted(running, damp)
+    return due.parts(comm, layout, device, batch, at, "inverse", running, damp, inverted)
   return _new_segment(config, layout, device, owned, parts)
 
 
@@ -384,7 +415,7 @@ def decompose(config: KfacConfig, comm: collectives_lib.Collectives,
               second: jax.Array, due: jax.Array | None = None) -> jax.Array:
   """New second-order state from the running factors; `second` is the current
   one (this device's part), kept for any factor that fails, and with stale
-  statistics for every factor not `due` (`[F]`, plan order; method "eigen").
+  statistics for every factor not `due` (`[F]`, plan order).
   The per-device switch decomposes; `keep_failed` runs once after it, on
   tables of where each device's factors lie, not once in every branch."""
   previous = _previous_segment(comm, layout, second)
@@ -400,7 +431,8 @@ def decompose(config: KfacConfig, comm: collectives_lib.Collectives,
     if damping is None:
       new, runs[device] = eigen_segment(config, layout, device, owned, comm, stale)
     else:
-      new, runs[device] = inverse_segment(config, layout, device, owned, damping, comm)
+      new, runs[device] = inverse_segment(config, layout, device, owned, damping, comm,
+                                          stale)
     return new, collectives_lib.pad_to([owned], width, owned.dtype)
   new, owned = comm.per_device(branch, layout.decomposition_branches)
   new_runs, running_runs, slots = _slot_tables(comm, layout, runs)

@@ -177,8 +177,8 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
       one device.
     stale_threshold: `α` of SP-NGD's stale statistics (the paper uses 0.1):
       each factor is refreshed at its own adaptive interval. Needs both
-      intervals at 1 and method "eigen"; not with a tensor-parallel
-      distribution. None: off.
+      intervals at 1; with method "inverse" a refresh of either factor of a
+      layer inverts both (π couples them). None: off.
     eigenvalue_correction: "ekfac": eigenvalue-corrected K-FAC (George et
       al. 2018, `kfac.correction`): Dense and Conv layers are scaled by the
       measured second moment of the per-example gradients in K-FAC's

@@ -5,8 +5,8 @@ come (`next_step ≤ count`) are communicated (each in its own all-reduce: a
 fused reduce-scatter cannot leave stale factors out) and averaged into their
 running factors; their owners compare them with their last two refreshed
 values and set the next interval (Algorithm 2, `stale.next_interval`).
-`decompose_due_factors`: eigendecompositions of those factors only. The
-schedule math is in `stale`.
+`decompose_due_factors`: eigendecompositions (or π-damped inverses) of those
+factors only. The schedule math is in `stale`.
 
 The program holds code per run of a stacked layer's blocks and per batch of
 equal factors, not per factor: a loop over a run's due blocks communicates
@@ -142,10 +142,28 @@ def refresh_due_factors(config: KfacConfig, comm: collectives_lib.Collectives,
   return running, refresh, due
 
 
+def with_layer_partners(layout: layout_lib.Layout, due: jax.Array) -> jax.Array:
+  """`due` (`[F]`) widened to every factor of a layer with a due factor.
+
+  A π-damped inverse (`method="inverse"`) depends on both factors' traces
+  (π² = (tr A/d_A)/(tr G/d_G), Martens & Grosse 2015 §6.3): when one factor
+  of a layer refreshes, both are inverted again at the new π, so that the
+  layer's two inverses always share one π, as a plain inverse step's do."""
+  layer_of = np.asarray([k for k, plan in enumerate(layout.plans) for _ in plan.places],
+                        np.int32)
+  any_due = jax.ops.segment_max(due.astype(jnp.int32), layer_of,
+                                num_segments=len(layout.plans))
+  return any_due[layer_of] > 0
+
+
 def decompose_due_factors(config: KfacConfig, comm: collectives_lib.Collectives,
-                          state: ScaleByKfacState, running: jax.Array, due: jax.Array
-                          ) -> jax.Array:
-  """Eigendecompositions of the due factors only; the others keep theirs."""
+                          state: ScaleByKfacState, running: jax.Array, due: jax.Array,
+                          gamma: jax.Array) -> jax.Array:
+  """Decompositions of the due factors only (with `method="inverse"`, of
+  every factor of a layer with a due one: `with_layer_partners`); the others
+  keep theirs. An inverse keeps the damping `gamma` of the step that made it."""
+  if config.method != "eigen":
+    due = with_layer_partners(state.layout, due)
   return lax.cond(jnp.any(due), lambda: decompositions.decompose(
-      config, comm, state.layout, running, None, state.second_order, due=due),
+      config, comm, state.layout, running, gamma, state.second_order, due=due),
                   lambda: state.second_order)

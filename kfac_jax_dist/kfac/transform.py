@@ -273,7 +273,8 @@ def consumed_verdict(comm: collectives_lib.Collectives, state: ScaleByKfacState,
 
 def _refreshed_stale_state(config: KfacConfig, comm: collectives_lib.Collectives,
                            state: ScaleByKfacState, stats: factors.Stats | None,
-                           ok: jax.Array) -> tuple[ScaleByKfacState, jax.Array]:
+                           ok: jax.Array, gamma: jax.Array
+                           ) -> tuple[ScaleByKfacState, jax.Array]:
   """`refreshed_state` with stale statistics (`stale_threshold`): each factor
   refreshed and decomposed on its own schedule (`stale_update`)."""
   count, true = state.count, jnp.asarray(True)
@@ -288,7 +289,8 @@ def _refreshed_stale_state(config: KfacConfig, comm: collectives_lib.Collectives
                   if comm.active else
                   statistics_verdict(comm, state, stats) | ~state.update_factors)
     with jax.named_scope("kfac_decomposition"):
-      second = stale_update.decompose_due_factors(config, comm, state, running, due)
+      second = stale_update.decompose_due_factors(config, comm, state, running, due,
+                                                  gamma)
     return running, second, refresh, stats_ok
   running, second, refresh, stats_ok = lax.cond(
       ok, refreshed, lambda: (state.factors, state.second_order, state.refresh, true))
@@ -308,7 +310,7 @@ def refreshed_state(config: KfacConfig, comm: collectives_lib.Collectives,
   finite (True on other steps; if not, the step is faulty and the caller
   keeps the old state). Named scopes mark each cadence's work in the HLO."""
   if config.stale_threshold is not None:
-    return _refreshed_stale_state(config, comm, state, stats, ok)
+    return _refreshed_stale_state(config, comm, state, stats, ok, gamma)
   count, true = state.count, jnp.asarray(True)
   decompose_now = cadence.due(config.inverse_update_every, count) & ok
   update_now = (state.update_factors & ok) if stats is not None else jnp.asarray(False)
@@ -508,9 +510,11 @@ def scale_by_kfac(
     stale_threshold: α of SP-NGD's stale statistics (§4.3; the paper uses
       0.1): each factor is refreshed (communicated, averaged, decomposed) at
       its own adaptive interval instead of every step (see `kfac.stale`).
-      Needs `factor_update_every = inverse_update_every = 1` and method
-      "eigen"; each refreshed factor then travels in its own all-reduce (a
-      fused reduce-scatter cannot leave stale factors out). None: off.
+      Needs `factor_update_every = inverse_update_every = 1`; with method
+      "inverse" a refresh of either factor of a layer inverts both at the
+      new π (`stale_update.with_layer_partners`). Each refreshed factor
+      travels in its own all-reduce (a fused reduce-scatter cannot leave
+      stale factors out). None: off.
     eigenvalue_correction: "ekfac": EK-FAC (George et al. 2018): Dense and
       Conv layers divide by the second moment of the per-example gradients in
       the eigenbasis instead of K-FAC's eigenvalues (`kfac.correction`);
