@@ -309,21 +309,23 @@ def test_stale_statistics_keep_one_schedule_on_every_model_shard():
   assert any(helpers.stale_schedule([g_seq[m]], alpha) != want["G"] for m in range(M))
 
 
-def _stale(layers, dist=None):
+def _stale(layers, dist=None, method="eigen"):
   return kd.kfac(0.1, layers=layers, damping=1e-2, kl_clip=1e-2, stale_threshold=0.0,
-                 distribution=dist)
+                 method=method, distribution=dist)
 
 
 @pytest.mark.slow
-def test_stale_statistics_tensor_parallel_equals_block_model():
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_stale_statistics_tensor_parallel_equals_block_model(method):
   """With threshold 0 every factor is refreshed every step (SP-NGD's rule never
   finds a factor similar): the TP run, its refreshes in conditionals around
   the data axis' collectives, equals the block model's on one device."""
   params, x, y = _problem()
   dist = _dist(1 / 2)
-  trajectory, state = _train(functools.partial(_stale, dist=dist), tp_loss, params, x, y,
-                             dist, steps=4)
-  reference, _ = _train(_stale, block_loss, to_blocks(params), x, y, steps=4)
+  trajectory, state = _train(functools.partial(_stale, dist=dist, method=method), tp_loss,
+                             params, x, y, dist, steps=4)
+  reference, _ = _train(functools.partial(_stale, method=method), block_loss,
+                        to_blocks(params), x, y, steps=4)
   _assert_same(trajectory, reference)
   state = jax.device_get(state)
   for i in range(M):
