@@ -106,16 +106,22 @@ def write_back(layout: layout_lib.Layout, out: dict[str, jax.Array], leaves: Lea
   are stacked in one op, which XLA turns into one slice where a batched run
   produced them (`precondition_runs`), then split into kernel and bias rows
   once, not once per block; the result carries only their type (not the raw
-  gradient's, varying over the mesh axis under SP-NGD's reduce-scatter)."""
+  gradient's, varying over the mesh axis under SP-NGD's reduce-scatter).
+  A layer that is not stacked has its kernel rows sliced from the `[d_A,
+  d_G]` matrix itself (as `gradient_matrices` joins it): sliced from `[1,
+  d_A, d_G]`, XLA:CPU sliced them once per shape its readers saw (adaptive
+  K-FAC's tangent pass and inner products; PERF_NOTES §25). Its bias row
+  keeps the leading axis, with which its readers' code is smaller."""
   parts: dict[str, list[jax.Array]] = {}
   for run in layout_lib.block_runs(layout.plans):
     layer = run[0].layer
-    m = jnp.stack([out[plan.layer.name] for plan in run])
+    stacked = layer.block_number is not None
+    m = jnp.stack([out[plan.layer.name] for plan in run]) if stacked else out[layer.name]
     m = m if scale is None else scale.astype(m.dtype) * m
     rows = layer.a_dim - layer.has_bias
-    parts.setdefault(layer.kernel_path, []).append(m[:, :rows])
+    parts.setdefault(layer.kernel_path, []).append(m[:, :rows] if stacked else m[:rows])
     if layer.has_bias:
-      parts.setdefault(layer.bias_path, []).append(m[:, rows])
+      parts.setdefault(layer.bias_path, []).append((m if stacked else m[None])[:, rows])
   for path, values in parts.items():
     leaf = leaves[path]
     leaves[path] = packing.joined(values).reshape(leaf.shape).astype(leaf.dtype)
