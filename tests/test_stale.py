@@ -185,22 +185,29 @@ def _stale_single_device(method, steps=6):
 def _stale_strategies():
   """Every owner-group shape and both factor reductions, not their product
   (test_distributed.py has the product without stale statistics), for each
-  method (the inverses' π couples a layer's factors across owners)."""
+  method (the inverses' π couples a layer's factors across owners), and
+  SP-NGD's own configuration (π-damped inverses, raw gradients reduce-scattered
+  to their owners)."""
   for method in ("eigen", "inverse"):
     for fraction, name, reduction in ((1.0, "COMM", "all_reduce"),
                                       (0.5, "HYBRID", "reduce_scatter"),
                                       (0.125, "MEM", "reduce_scatter")):
       marks = () if name == "MEM" else pytest.mark.slow
-      yield pytest.param(fraction, reduction, method, id=f"{name}-{reduction}-{method}",
-                         marks=marks)
+      yield pytest.param(fraction, reduction, method, "none",
+                         id=f"{name}-{reduction}-{method}", marks=marks)
+  yield pytest.param(0.125, "reduce_scatter", "inverse", "reduce_scatter",
+                     id="SP-NGD-fused-inverse", marks=pytest.mark.slow)
 
 
-@pytest.mark.parametrize("fraction,factor_reduction,method", list(_stale_strategies()))
-def test_stale_statistics_under_every_strategy(fraction, factor_reduction, method):
+@pytest.mark.parametrize("fraction,factor_reduction,method,gradient_reduction",
+                         list(_stale_strategies()))
+def test_stale_statistics_under_every_strategy(fraction, factor_reduction, method,
+                                               gradient_reduction):
   loss_fn, params, x, y = helpers.conv_dense_problem()
   mesh = helpers.data_mesh(8)
   dist = kd.Distribution(mesh, grad_worker_fraction=fraction,
-                         factor_reduction=factor_reduction)
+                         factor_reduction=factor_reduction,
+                         gradient_reduction=gradient_reduction)
   grad_fn = kd.value_and_grad(loss_fn)
   tx = kd.kfac(0.1, layers=grad_fn.discover(params, x, y), damping=1e-2, kl_clip=1e-2,
                stale_threshold=0.3, method=method, distribution=dist)
@@ -209,7 +216,8 @@ def test_stale_statistics_under_every_strategy(fraction, factor_reduction, metho
 
   def step(p, state, x, y):
     _, grads, stats = grad_fn(p, x, y, opt_state=state)
-    grads = jax.lax.pmean(grads, "data")
+    if gradient_reduction == "none":       # the caller averages; else raw local ones
+      grads = jax.lax.pmean(grads, "data")
     updates, state = tx.update(grads, state, p, kfac_stats=stats)
     return optax.apply_updates(p, updates), state
   step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, P("data"), P("data")),
