@@ -316,8 +316,10 @@ def shampoo_memory(d: Json) -> list[str]:
 
 def stale_statistics(d: Json) -> list[str]:
   a = d["args"]
+  second = {"eigen": "eigenbases", "inverse": "π-damped inverses (a layer's two factors "
+            "both inverted when either refreshes)"}[a.get("method", "eigen")]
   lines = ["SP-NGD's stale statistics (`stale_threshold`) on a character-level "
-           f"Transformer: {a['steps']} steps with factors and eigenbases due every step, "
+           f"Transformer: {a['steps']} steps with factors and {second} due every step, "
            f"with and without α = {a['alpha']}, for each `factor_decay`: the share of "
            "refreshes, of factor bytes and of decomposition work left, the step-time "
            "ratio, and the final losses of both runs."]
@@ -391,6 +393,8 @@ SECTIONS: tuple[tuple[str, str, str, Callable[[Json], list[str]]], ...] = (
     ("memory", "Memory", "memory.py", memory),
     ("shampoo_memory", "Shampoo memory", "shampoo_memory.py", shampoo_memory),
     ("stale_statistics", "Stale statistics", "stale_statistics.py", stale_statistics),
+    ("stale_statistics_inverse", "Stale statistics with SP-NGD's inverses",
+     "stale_statistics.py", stale_statistics),
     ("ir_census", "Compiled code (LLVM IR census)", "ir_census.py", ir_census),
     ("tied_embedding", "Tied embeddings", "tied_embedding.py", tied_embedding),
     ("scan_depth", "Compile against depth", "scan_depth.py", scan_depth),
