@@ -262,6 +262,17 @@ def test_due_factors_are_all_reduced_inside_their_loops():
       4 * 2 * len(sizes)]
 
 
+def test_benchmark_counts_a_layers_inverses_at_either_factors_refresh():
+  """stale_statistics.py's decomposition counts: with eigendecompositions a
+  factor's refreshes; with π-damped inverses every step at which either factor
+  of its layer refreshed (the cumulative refreshes after each step in)."""
+  table = [dict(layer="l", factor="a"), dict(layer="l", factor="g"),
+           dict(layer="m", factor="f")]
+  history = [[1, 1, 1], [2, 1, 1], [2, 2, 1], [2, 2, 2]]   # a at 0, 1; g at 0, 2; f at 0, 3
+  assert stale_statistics.decompositions(table, history, "eigen").tolist() == [2, 2, 2]
+  assert stale_statistics.decompositions(table, history, "inverse").tolist() == [3, 3, 2]
+
+
 def test_stale_misconfiguration_errors():
   layers = kd.LayerRegistry((_layer(),))
   with pytest.raises(ValueError, match="factor_update_every"):
