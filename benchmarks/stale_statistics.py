@@ -674,11 +674,11 @@ def comparison_md(results):
 # ------------------------------------------------------------------------ main
 
 FULL = dict(steps=300, decays="0.95,0", devices=8, rounds=3, reps=4)
+QUICK = dict(steps=16, decays="0.95", devices=0, rounds=1, reps=2)
 # The decompositions of each method, what solves a full factor, the results' stem.
 KIND = {"eigen": "eigendecompositions", "inverse": "π-damped inverses (Cholesky)"}
 SOLVER = {"eigen": "eigh", "inverse": "Cholesky"}
 STEMS = {"eigen": "stale_statistics", "inverse": "stale_statistics_inverse"}
-QUICK = dict(steps=16, decays="0.95", devices=0, rounds=1, reps=2)
 
 
 def parser():

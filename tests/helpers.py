@@ -13,6 +13,8 @@ imports another).
   `f64`, `randn`, `assert_factor_close`, `assert_trees_equal`,
   `ce_per_example`, `capture`, `mc_draws` / `check_mc_estimate`,
   `param_shapes`, `randomized`. `randn` needs `jax_enable_x64`;
+* `inverse_update`: the π-damped K-FAC update, in float64 NumPy
+  (test_float64, test_stale);
 * `stale_schedule`: SP-NGD's refresh steps of a factor, written out
   (test_stale, test_tensor_parallel).
 """
@@ -220,6 +222,15 @@ def randomized(tree, seed=7):
   return jax.tree_util.tree_unflatten(treedef, [
       jax.random.normal(k, jnp.shape(leaf), jnp.result_type(leaf))
       for k, leaf in zip(keys, leaves)])
+
+
+def inverse_update(a: np.ndarray, g: np.ndarray, grad: np.ndarray, gamma: float
+                   ) -> np.ndarray:
+  """π-damped K-FAC in float64 NumPy (test_float64, test_stale):
+  `(A + π√γ I)⁻¹ ∇ (G + √γ/π I)⁻¹`, `π² = (tr A/d_A)/(tr G/d_G)`."""
+  pi = np.sqrt((np.trace(a) / a.shape[0]) / (np.trace(g) / g.shape[0]))
+  left = np.linalg.solve(a + pi * np.sqrt(gamma) * np.eye(a.shape[0]), grad)
+  return np.linalg.solve(g + np.sqrt(gamma) / pi * np.eye(g.shape[0]), left.T).T
 
 
 def stale_schedule(sequences, alpha: float) -> list[int]:

@@ -113,14 +113,6 @@ def eigen_update(a: np.ndarray, g: np.ndarray, grad: np.ndarray, gamma: float
   return np.linalg.solve(big, grad.reshape(-1)).reshape(grad.shape)
 
 
-def inverse_update(a: np.ndarray, g: np.ndarray, grad: np.ndarray, gamma: float
-                   ) -> np.ndarray:
-  """`(A + π√γ I)⁻¹ ∇ (G + √γ/π I)⁻¹`, `π² = (tr A/d_A)/(tr G/d_G)`."""
-  pi = np.sqrt((np.trace(a) / a.shape[0]) / (np.trace(g) / g.shape[0]))
-  left = np.linalg.solve(a + pi * np.sqrt(gamma) * np.eye(a.shape[0]), grad)
-  return np.linalg.solve(g + np.sqrt(gamma) / pi * np.eye(g.shape[0]), left.T).T
-
-
 def unitwise_update(f: np.ndarray, grad: np.ndarray, gamma: float) -> np.ndarray:
   """`(F + γI)⁻¹ [∇γ; ∇β]` with F the block-diagonal `2C × 2C` unit-wise Fisher
   (channel c: rows/columns `c` and `C + c`), solved densely."""
@@ -309,7 +301,7 @@ def brute_update(case: Case, method: str) -> np.ndarray:
     return unitwise_update(case.stats["F"], case.grad, GAMMA)
   a = case.stats["A"]
   a = np.diag(a) if a.ndim == 1 else a
-  solve = eigen_update if method == "eigen" else inverse_update
+  solve = eigen_update if method == "eigen" else helpers.inverse_update
   return solve(a, case.stats["G"], case.grad, GAMMA)
 
 

@@ -89,14 +89,6 @@ def test_stale_factor_leaves_its_state_bit_identical():
   assert np.array_equal(after.second_order[span], state.second_order[span])
 
 
-def _inverse_update(a, g, grad, gamma):
-  """`(A + π√γ I)⁻¹ ∇ (G + √γ/π I)⁻¹`, π² = (tr A/d_A)/(tr G/d_G), in NumPy."""
-  pi = np.sqrt((np.trace(a) / len(a)) / (np.trace(g) / len(g)))
-  root = np.sqrt(gamma)
-  return (np.linalg.inv(a + pi * root * np.eye(len(a))) @ grad
-          @ np.linalg.inv(g + root / pi * np.eye(len(g))))
-
-
 def test_stale_inverses_equal_float64_brute_force(x64):
   """method="inverse" with stale statistics, against NumPy in float64: A and
   G refresh on their own schedules (Algorithms 1-2), and whenever either
@@ -130,7 +122,7 @@ def test_stale_inverses_equal_float64_brute_force(x64):
     if t in refreshed[0] or t in refreshed[1]:
       inverses_made.append(t)
       made_at, made_with = t, (a, g)
-    expected = _inverse_update(*made_with, grads[t], gamma(made_at))
+    expected = helpers.inverse_update(*made_with, grads[t], gamma(made_at))
     got = np.asarray(updates["l"]["kernel"])
     assert got.dtype == np.float64
     np.testing.assert_allclose(got, expected, rtol=1e-12, atol=0, err_msg=f"step {t}")

@@ -212,24 +212,19 @@ class DueFactors(NamedTuple):
     """`[count]`: whether each factor of `batch` on the running device is due."""
     return self.flags[batch_factor_numbers(comm, layout, device, batch)]
 
-  def previous_parts(self, batch: layout_lib.Batch, at: int,
-                     shapes: list[tuple[int, ...]]) -> list[jax.Array]:
-    """The batch's current parts, of `shapes` (`part_shapes`), from `at`."""
-    out = []
-    for shape in shapes:
-      size = int(np.prod(shape))
-      out.append(self.previous[at:at + size].reshape(shape))
-      at += size
-    return out
-
   def parts(self, comm: collectives_lib.Collectives, layout: layout_lib.Layout,
             device: int, batch: layout_lib.Batch, at: int, method: str,
             running: jax.Array, inputs: jax.Array | None, parts_of: PartsOf
             ) -> list[jax.Array]:
-    """`parts_of` the batch's due factors, the others' current parts kept:
-    full factors one at a time in a loop over the due ones (`_due_parts`),
-    diagonal ones all computed and selected (cheap)."""
-    previous = self.previous_parts(batch, at, part_shapes(batch, method))
+    """`parts_of` the batch's due factors, the others' current parts (those
+    from `at` in `previous`) kept: full factors one at a time in a loop over
+    the due ones (`_due_parts`), diagonal ones all computed and selected
+    (cheap)."""
+    previous = []
+    for shape in part_shapes(batch, method):
+      size = int(np.prod(shape))
+      previous.append(self.previous[at:at + size].reshape(shape))
+      at += size
     flags = self.members(comm, layout, device, batch)
     if batch.form == statistics.FULL:
       return _due_parts(running, inputs, previous, flags, parts_of)
