@@ -16,6 +16,7 @@ import types
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import optax
 import pytest
@@ -252,16 +253,19 @@ def test_scanned_plain_model_equals_unrolled():
                                want[f"block_{i}"], rtol=1e-10)
 
 
+_MASK = jnp.ones((3, 3, 4, 4)).at[1, 1].set(0.0)   # a masked kernel: not tagged
+
+
 class _Unsupported(nn.Module):
   @nn.compact
   def __call__(self, x):
     x = nn.ConvTranspose(4, (3, 3), transpose_kernel=True, param_dtype=F64, name="up")(x)
-    x = nn.Conv(4, (3, 3), feature_group_count=2, param_dtype=F64, name="grouped")(x)
+    x = nn.Conv(4, (3, 3), mask=_MASK, param_dtype=F64, name="masked")(x)
     x = nn.Conv(4, (3, 3), param_dtype=F64, name="plain")(x)
     return nn.Dense(10, param_dtype=F64)(x.reshape(x.shape[0], -1))
 
 
-@pytest.mark.filterwarnings("ignore:kfac_jax_dist. Conv with grouped",
+@pytest.mark.filterwarnings("ignore:kfac_jax_dist. Conv with masked",
                             "ignore:kfac_jax_dist. ConvTranspose with transpose_kernel")
 def test_uncaptured_layers_are_reported_and_pass_through():
   x = jax.random.normal(jax.random.PRNGKey(0), (4, 5, 5, 2), F64)
@@ -270,13 +274,12 @@ def test_uncaptured_layers_are_reported_and_pass_through():
   params = model.init(jax.random.PRNGKey(2), x)["params"]
   grad_fn = kd.value_and_grad(lambda p, x, y: kd.losses.softmax_cross_entropy(
       model.apply({"params": p}, x), y), capture="flax")
-  with pytest.warns(UserWarning, match="Conv with grouped.*not tagged"):
+  with pytest.warns(UserWarning, match="Conv with masked.*not tagged"):
     layers = grad_fn.discover(params, x, y)
   assert layers.names() == ("plain", "Dense_0")
   reported = {u.where: (u.kind, u.reason) for u in layers.uncaptured}
   assert reported["up"][0] == "ConvTranspose"
-  assert reported["grouped"] == ("Conv", "grouped/depthwise convolution "
-                                         "(feature_group_count=2)")
+  assert reported["masked"] == ("Conv", "masked kernel")
   # their gradients are jax's; the K-FAC state passes them through and says so
   _, grads, _ = grad_fn(params, x, y)
   want = jax.grad(lambda p: kd.losses.softmax_cross_entropy(model.apply({"params": p}, x),
@@ -418,17 +421,17 @@ class _NnxUnsupported(nnx.Module):
   def __init__(self, rngs):
     self.up = nnx.ConvTranspose(2, 4, (3, 3), transpose_kernel=True, param_dtype=F64,
                                 rngs=rngs)
-    self.grouped = nnx.Conv(4, 4, (3, 3), feature_group_count=2, param_dtype=F64,
-                            rngs=rngs)
+    self.custom = nnx.Conv(4, 4, (3, 3), param_dtype=F64, rngs=rngs,
+                           conv_general_dilated=lambda *a, **k: lax.conv_general_dilated(*a, **k))
     self.plain = nnx.Conv(4, 4, (3, 3), param_dtype=F64, rngs=rngs)
     self.head = nnx.Linear(100, 10, param_dtype=F64, rngs=rngs)
 
   def __call__(self, x):
-    x = self.plain(self.grouped(self.up(x)))
+    x = self.plain(self.custom(self.up(x)))
     return self.head(x.reshape(x.shape[0], -1))
 
 
-@pytest.mark.filterwarnings("ignore:kfac_jax_dist. Conv with grouped",
+@pytest.mark.filterwarnings("ignore:kfac_jax_dist. Conv with a custom",
                             "ignore:kfac_jax_dist. ConvTranspose with transpose_kernel")
 def test_nnx_uncaptured_layers_are_reported():
   model = _NnxUnsupported(nnx.Rngs(0))
@@ -437,11 +440,11 @@ def test_nnx_uncaptured_layers_are_reported():
   y = jax.random.randint(jax.random.PRNGKey(1), (4,), 0, 10)
   grad_fn = kd.value_and_grad(lambda p, x, y: kd.losses.softmax_cross_entropy(
       nnx.merge(graphdef, p)(x), y), capture="flax")
-  with pytest.warns(UserWarning, match="Conv with grouped.*not tagged"):
+  with pytest.warns(UserWarning, match="Conv with a custom.*not tagged"):
     layers = grad_fn.discover(params, x, y)
   assert layers.names() == ("plain", "head")
   reported = {u.where: u.kind for u in layers.uncaptured}
-  assert reported == {"up": "ConvTranspose", "grouped": "Conv"}
+  assert reported == {"up": "ConvTranspose", "custom": "Conv"}
   _, grads, _ = grad_fn(params, x, y)
   want = jax.grad(lambda p: kd.losses.softmax_cross_entropy(nnx.merge(graphdef, p)(x),
                                                             y))(params)
@@ -450,7 +453,7 @@ def test_nnx_uncaptured_layers_are_reported():
   uncaptured = {r[2] for r in (line.split() for line in table.splitlines())
                 if r[:2] == ["-", "uncaptured"]}
   assert {p.split("/value")[0] for p in uncaptured} == {"up/kernel", "up/bias",
-                                                        "grouped/kernel", "grouped/bias"}
+                                                        "custom/kernel", "custom/bias"}
   assert "Uncaptured layer up (ConvTranspose" in table
 
 

@@ -511,7 +511,8 @@ def test_misconfigured_tensor_parallel_is_rejected():
 
 def test_kfac_rejects_shardings_it_cannot_precondition():
   """A row-parallel layer whose tag adds the bias (every shard would add it
-  before the psum), and a conv kernel sharded on a spatial axis."""
+  before the psum), a conv kernel sharded on a spatial axis and a grouped
+  convolution's sharded kernel."""
   mesh = _mesh()
 
   def row_with_bias(p, x, y):
@@ -527,8 +528,16 @@ def test_kfac_rejects_shardings_it_cannot_precondition():
   conv_params = {"conv": {"kernel": jnp.zeros((4, 3, 2, CLASSES))}}
   conv_specs = {"conv": {"kernel": P("model")}}
   xc = jnp.zeros((4, 6, 6, 2))
+
+  def grouped(p, x, y):       # column-parallel: each shard has its own 2 groups
+    z = kd.tags.conv2d(x, p["grouped"]["kernel"], feature_group_count=2)
+    return kd.losses.softmax_cross_entropy(z.mean((1, 2)), y)
+  grouped_params = {"grouped": {"kernel": jnp.zeros((3, 3, 1, 2 * M))}}
+  grouped_specs = {"grouped": {"kernel": P(None, None, None, "model")}}
   for loss, p, s, xx, match in ((row_with_bias, params, specs, x, "add the bias after"),
-                                (conv, conv_params, conv_specs, xc, "spatial axis")):
+                                (conv, conv_params, conv_specs, xc, "spatial axis"),
+                                (grouped, grouped_params, grouped_specs, xc,
+                                 "'grouped' is a grouped convolution")):
     dist = kd.Distribution(mesh, model_axis="model", param_specs=s)
     layers = kd.value_and_grad(loss).discover(p, xx, y, distribution=dist)
     with pytest.raises(ValueError, match=match):

@@ -23,6 +23,16 @@ statistics carry them too (`{"A": [L, a, a], "G": [L, g, g]}`). The optimizer
 treats each block as a layer of its own (`TaggedLayer.blocks`): block `l` is
 named `"<name>/<l>"` and preconditions slice `l` of the stacked gradient with
 its own factors, exactly as if the blocks were unrolled.
+
+A *grouped* convolution (`feature_group_count = n > 1`, depthwise when every
+group has one input channel) is `n` independent convolutions, group `i`
+mapping input channels `[i·c_in, (i+1)·c_in)` to output channels `[i·c_out,
+(i+1)·c_out)`. It is recorded as a stacked layer of `n` blocks (`groups = n`,
+`stack = (n,)`; `kernel_shape` `(*window, c_in, c_out)` and `a_dim`, `g_dim`
+one group's), so that each group gets its own Kronecker factors (block-
+diagonal over the groups: exact K-FAC for the groups, which share no
+weight); only the way its blocks lie in the leaves differs, inside the
+kernel's last axis (`leaf_blocks`, `blocks_leaf`).
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import itertools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 Path = tuple  # a tuple of jax.tree_util keys
 
@@ -67,7 +78,8 @@ class TaggedLayer:
   leaves, e.g. `(L,)` for `L` scanned blocks; `kernel_shape` and `bias_shape`
   are then one block's. `stack_index` and `stack_name` are set on the per-block
   records of `blocks()` only: which block, and the stacked layer (the key of
-  the statistics) it belongs to.
+  the statistics) it belongs to. `groups`: a grouped convolution's
+  `feature_group_count` (its blocks are the groups, `stack == (groups,)`).
   """
 
   name: str
@@ -82,10 +94,16 @@ class TaggedLayer:
   stack: tuple[int, ...] = ()
   stack_index: tuple[int, ...] | None = None
   stack_name: str | None = None
+  groups: int = 1
 
   @property
   def has_bias(self) -> bool:
     return self.bias_path is not None
+
+  @property
+  def bias_block_shape(self) -> tuple[int, ...]:
+    """One block's bias shape (`bias_shape`, `(g_dim,)` when not recorded)."""
+    return tuple(self.bias_shape or (self.g_dim,))
 
   @property
   def stats_name(self) -> str:
@@ -113,6 +131,31 @@ class TaggedLayer:
     for index, size in zip(self.stack_index, self.stack):
       number = number * size + index
     return number
+
+  def leaf_shape(self, block_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of a parameter leaf whose blocks are `block_shape` (the
+    kernel's `kernel_shape` or the bias's): `[*stack, *block_shape]`; a
+    grouped convolution's groups side by side in the last axis."""
+    if self.groups > 1:
+      return tuple(block_shape[:-1]) + (self.groups * block_shape[-1],)
+    return tuple(self.stack) + tuple(block_shape)
+
+  def leaf_blocks(self, leaf: jax.Array, block_shape: tuple[int, ...]) -> jax.Array:
+    """`[blocks, *block_shape]`: every block of a parameter leaf (the
+    stacked layer's blocks, a grouped convolution's groups; a single layer's
+    leaf with a leading axis of one)."""
+    if self.groups > 1:
+      grouped = leaf.reshape(leaf.shape[:-1] + (self.groups, block_shape[-1]))
+      return jnp.moveaxis(grouped, -2, 0)
+    return leaf.reshape((-1,) + tuple(block_shape))
+
+  def blocks_leaf(self, blocks: jax.Array, block_shape: tuple[int, ...]) -> jax.Array:
+    """The parameter leaf of `blocks` (`[blocks, *block_shape]`, or its
+    numbers in that order): the inverse of `leaf_blocks`."""
+    if self.groups > 1:
+      grouped = blocks.reshape((self.groups,) + tuple(block_shape))
+      return jnp.moveaxis(grouped, 0, -2).reshape(self.leaf_shape(block_shape))
+    return blocks.reshape(self.leaf_shape(block_shape))
 
   @property
   def unitwise(self) -> bool:

@@ -94,10 +94,20 @@ def _discover(trace, kind, name, kernel, bias, site, **record) -> None:
     raise ValueError(
         f"Tagged layer '{name}': its bias is not a leaf of the parameters given to "
         "kd.value_and_grad.")
+  kernel_shape, bias_shape = tuple(kernel.shape), None if bias is None else tuple(bias.shape)
+  groups = record.get("groups", 1)
+  if groups > 1:              # one group's blocks (see `registry`)
+    if stack:
+      raise ValueError(
+          f"Tagged layer '{name}': a grouped convolution (feature_group_count="
+          f"{groups}) inside stacked layers (a scan over layers, stack_index=) is not "
+          "supported; unroll the stack or leave the layer untagged.")
+    stack = (groups,)
+    kernel_shape = kernel_shape[:-1] + (kernel_shape[-1] // groups,)
+    bias_shape = None if bias is None else (bias_shape[-1] // groups,)
   layer = registry.TaggedLayer(
       name=name, kind=kind, kernel_path=kernel_path, bias_path=bias_path,
-      kernel_shape=tuple(kernel.shape),
-      bias_shape=None if bias is None else tuple(bias.shape), stack=stack, **record)
+      kernel_shape=kernel_shape, bias_shape=bias_shape, stack=stack, **record)
   if name in trace.seen or _compat.current_trace() is not trace.top:
     trace.repeats.add(name)
   if name in trace.seen:
@@ -249,7 +259,9 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=
       probes = jax.tree_util.tree_map(lambda p: p[site.index], probes)
   if probes is None:        # not preconditioned (skipped by the optimizer)
     return apply(x, *params)
-  forms = _forms(probes, record)
+  groups = record.get("groups", 1)
+  forms = _forms(probes if groups == 1 else jax.tree_util.tree_map(lambda p: p[0], probes),
+                 record)
   packed = [key for key, form in forms.items() if form == factors.PACKED]
   forms = {key: factors.FULL if key in packed else form for key, form in forms.items()}
   dtype = jnp.result_type(*probes.values())
@@ -257,26 +269,43 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=
   if factors.BASES[0] in probes and examples is None:
     raise ValueError(f"Tagged layer '{name}' ({kind}) has no EK-FAC statistic.")
 
-  def cast_stats(xx: jax.Array, gg: jax.Array, inputs: dict) -> dict:
-    """`stats` of the input (ids stay integers) and the output cotangent, both
-    cast to the statistics' dtype; with eigenbases among the probes `inputs`,
-    also EK-FAC's `S` (and zeros for the bases)."""
-    if not jnp.issubdtype(xx.dtype, jnp.integer):
-      xx = xx.astype(dtype)
-    gg = gg.astype(dtype)
+  def block_stats(xx: jax.Array, gg: jax.Array, bases: dict) -> dict:
+    """One block's statistics; with eigenbases `bases`, also EK-FAC's `S`."""
     out = stats(xx, gg, forms)
     for key in packed:                          # inside the conditional
       out[key] = triangles.pack_upper(out[key])
+    if bases:
+      ex, eg, example_dims = examples(xx, gg)
+      out[factors.CORRECTED] = factors.corrected_scaling(
+          ex, eg, bias is not None, *(bases[key] for key in factors.BASES), example_dims)
+    return out
+
+  def cast_stats(xx: jax.Array, gg: jax.Array, inputs: dict) -> dict:
+    """`block_stats` of the input (ids stay integers) and the output
+    cotangent, both cast to the statistics' dtype (a grouped convolution's:
+    of each group's channels, mapped over the groups); with eigenbases among
+    the probes `inputs`, zeros for them."""
+    if not jnp.issubdtype(xx.dtype, jnp.integer):
+      xx = xx.astype(dtype)
+    gg = gg.astype(dtype)
+    bases = {key: inputs[key] for key in factors.BASES if key in inputs}
+    if groups == 1:
+      out = block_stats(xx, gg, bases)
+    else:
+      out = jax.vmap(block_stats)(_groups_first(xx, groups), _groups_first(gg, groups),
+                                  bases)
     if factors.RUNS in inputs:                  # this run, counted
       out[factors.RUNS] = jnp.ones_like(inputs[factors.RUNS])
-    if factors.BASES[0] in inputs:
-      qa, qg = (inputs[key] for key in factors.BASES)
-      ex, eg, example_dims = examples(xx, gg)
-      out[factors.CORRECTED] = factors.corrected_scaling(ex, eg, bias is not None, qa, qg,
-                                                         example_dims)
-      out.update({key: jnp.zeros_like(inputs[key]) for key in factors.BASES})
+    out.update({key: jnp.zeros_like(value) for key, value in bases.items()})
     return _scaled_inside(trace, name, out)
   return _captured(apply, cast_stats, x, params, probes, trace.compute_stats, stats_input)
+
+
+def _groups_first(x: jax.Array, groups: int) -> jax.Array:
+  """`[..., groups·c]` → `[groups, ..., c]`: each group's channels (a grouped
+  convolution's inputs or outputs) as one slice of a leading axis."""
+  grouped = x.reshape(x.shape[:-1] + (groups, x.shape[-1] // groups))
+  return jnp.moveaxis(grouped, -2, 0)
 
 
 def _block_of(kernel, bias, stack_index, site):
@@ -437,20 +466,21 @@ def _convolution(tag: str, spatial: int, x: jax.Array, kernel: jax.Array,
   Flax's kernel `(*window, in, out)`; `A` from the im2col patches
   (`factors.conv_patches`) of the input, with `input_dilation − 1` zeros
   between its entries when dilated (a transposed convolution), `G` from the
-  output cotangents."""
-  if feature_group_count != 1:
-    raise ValueError(
-        f"kd.tags.{tag}: grouped/depthwise convolutions (feature_group_count="
-        f"{feature_group_count}) have no K-FAC factors here; use an untagged "
-        "convolution for this layer.")
+  output cotangents. A grouped convolution (`feature_group_count = n`: kernel
+  `(*window, in / n, out)`) is `n` blocks, each group's channels a
+  convolution of its own (see `registry`)."""
+  groups = int(feature_group_count)
   layout = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC"),
             3: ("NDHWC", "DHWIO", "NDHWC")}[spatial]
   if x.ndim != spatial + 2 or kernel.ndim != spatial + 2:
     raise ValueError(f"kd.tags.{tag} expects {layout[0]} inputs and {layout[1]} "
                      f"kernels, got {x.shape} and {kernel.shape}")
-  if x.shape[-1] != kernel.shape[-2]:
+  if groups < 1 or kernel.shape[-1] % groups:
+    raise ValueError(f"kd.tags.{tag}: feature_group_count={feature_group_count} must be "
+                     f"a positive divisor of the kernel's output channels {kernel.shape[-1]}")
+  if x.shape[-1] != kernel.shape[-2] * groups:
     raise ValueError(f"kd.tags.{tag}: input channels {x.shape[-1]} do not match "
-                     f"kernel {kernel.shape}")
+                     f"kernel {kernel.shape} with feature_group_count={groups}")
   _check_example_dims(tag, example_dims, spatial + 1, x.shape)
   strides, dilation = _spatial(strides, spatial), _spatial(dilation, spatial)
   input_dilation = _spatial(input_dilation, spatial)
@@ -461,7 +491,8 @@ def _convolution(tag: str, spatial: int, x: jax.Array, kernel: jax.Array,
     x, kernel, bias = _promote(dtype, x, kernel, bias)
     y = lax.conv_general_dilated(
         x, kernel, window_strides=strides, padding=padding, lhs_dilation=input_dilation,
-        rhs_dilation=dilation, dimension_numbers=layout, precision=precision)
+        rhs_dilation=dilation, dimension_numbers=layout, feature_group_count=groups,
+        precision=precision)
     return y if bias is None else y + bias
 
   def patches(x: jax.Array, homogeneous: bool = False) -> jax.Array:
@@ -485,7 +516,7 @@ def _convolution(tag: str, spatial: int, x: jax.Array, kernel: jax.Array,
 
   return _tagged(tag, name, apply, stats, x, kernel, bias, site, examples=examples,
                  a_dim=math.prod(kernel.shape[:-1]) + (bias is not None),
-                 g_dim=kernel.shape[-1])
+                 g_dim=kernel.shape[-1] // groups, groups=groups)
 
 
 def conv2d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
@@ -497,8 +528,9 @@ def conv2d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
   """2-D convolution, NHWC input and Flax's HWIO kernel `(kh, kw, in, out)`.
 
   `A` is built from im2col patches (see `factors.conv_patches`), `G` from the
-  output cotangents at every output pixel. Grouped or depthwise convolutions
-  have no Kronecker-factored form here and raise an error. Every output pixel
+  output cotangents at every output pixel. A grouped or depthwise convolution
+  (`feature_group_count = n`, kernel `(kh, kw, in / n, out)`) has factors per
+  group, one block each (see `registry`). Every output pixel
   is a position (KFC); `example_dims=1` reduces each image's pixels first
   (patches averaged, output gradients summed: K-FAC-reduce).
   `input_dilation` (`lax.conv_general_dilated`'s `lhs_dilation`: what a

@@ -515,7 +515,7 @@ def value_and_grad(fun: Callable, has_aux: bool = False, fisher: str = "empirica
   `MultiHeadDotProductAttention`, `Conv`, `Embed`, `LayerNorm`, `RMSNorm`,
   `BatchNorm`) by method interception, as the `kd.linen` layers would, and
   the NNX ones (`nnx.Linear`, ...) as the `kd.nnx` layers would; the
-  layers it cannot capture (e.g. `Einsum`, a grouped `Conv`) run as
+  layers it cannot capture (e.g. `Einsum`, a masked `Conv`) run as
   they are and `discover(...).uncaptured` lists them (see
   `kfac_jax_dist.flax.intercept`).
 

@@ -33,6 +33,7 @@ class ConvConfig(NamedTuple):
   dilation: tuple[int, ...]
   input_dilation: tuple[int, ...]
   edge: tuple[str, tuple] | None = None
+  groups: int = 1                 # feature_group_count
 
 
 def padded_edges(inputs, edge: tuple[str, tuple] | None):
@@ -52,8 +53,6 @@ def conv_config(kernel_size, strides, padding, input_dilation, kernel_dilation,
   spatial = len(kernel_size)
   if spatial not in (1, 2, 3):
     return f"{spatial}-D convolution (1-D, 2-D and 3-D are tagged)"
-  if feature_group_count != 1:
-    return f"grouped/depthwise convolution (feature_group_count={feature_group_count})"
   if mask is not None:
     return "masked kernel"
   if extra_reason:
@@ -70,7 +69,7 @@ def conv_config(kernel_size, strides, padding, input_dilation, kernel_dilation,
   if isinstance(padding, str) and padding not in ("SAME", "VALID"):
     return f"{padding} padding"
   return ConvConfig(spatial, _pair(strides, spatial), padding, dilation,
-                    _pair(input_dilation, spatial), edge)
+                    _pair(input_dilation, spatial), edge, int(feature_group_count))
 
 
 def _transpose_pads(window: int, stride: int, padding: str) -> tuple[int, int]:

@@ -13,8 +13,8 @@ Interception is Flax's public, stable hook, so nothing depends on the
 jaxpr's shape (kfac-jax's pattern matching does, and breaks across JAX
 releases).
 
-A configuration the tagged computation does not support (a grouped
-convolution, a custom `dot_general`, ...) and the layers with no tagged form
+A configuration the tagged computation does not support (a masked
+kernel, a custom `dot_general`, ...) and the layers with no tagged form
 (`ConvLocal`, `Einsum`, `GroupNorm`, `InstanceNorm`) run
 Flax's own code and are reported as uncaptured (`discover`'s
 `LayerRegistry.uncaptured`, `kd.describe`): their parameters pass through

@@ -4,7 +4,7 @@ Same constructor arguments, parameter names and shapes (and, for BatchNorm,
 `batch_stats` collection) as `flax.linen.Dense`, `DenseGeneral`, `Conv`,
 `ConvTranspose`, `Embed`, `LayerNorm` and `BatchNorm`, so a plain Flax
 checkpoint loads into the tagged model. Configurations with no supported form
-here (grouped convolutions, masks, custom dot/conv functions, DenseGeneral
+here (masks, custom dot/conv functions, DenseGeneral
 batch axes or contractions over other than the last axes, normalisation over
 other than the last feature axis, an offset without a scale, ...) run Flax's
 own code, untagged, with a warning (and `discover` lists them as uncaptured).
@@ -78,13 +78,14 @@ def _conv_tagged(module: nn.Module, inputs, config: _flax_common.ConvConfig) -> 
   inputs = _flax_common.padded_edges(inputs, config.edge)
   kernel_size = _flax_common.kernel_window(module.kernel_size)
   kernel = module.param("kernel", module.kernel_init,
-                        kernel_size + (inputs.shape[-1], module.features), module.param_dtype)
+                        kernel_size + (inputs.shape[-1] // config.groups, module.features),
+                        module.param_dtype)
   bias = (module.param("bias", module.bias_init, (module.features,), module.param_dtype)
           if module.use_bias else None)
   y = tags.CONVOLUTIONS[config.spatial](
       inputs, kernel, bias, strides=config.strides, padding=config.padding,
       dilation=config.dilation, input_dilation=config.input_dilation,
-      dtype=module.dtype, precision=module.precision,
+      feature_group_count=config.groups, dtype=module.dtype, precision=module.precision,
       example_dims=_example_dims(module),
       _site=stacking.linen_site(module, kernel, bias, "kernel", "bias"))
   return restore(y)

@@ -3,7 +3,7 @@
 Same constructor arguments, attribute names and shapes (BatchNorm's `mean` and
 `var` BatchStats included) as `flax.nnx.Linear`, `LinearGeneral`, `Conv`,
 `ConvTranspose`, `Embed`, `LayerNorm` and `BatchNorm`. Unsupported
-configurations (grouped convolutions, masks, LinearGeneral batch axes,
+configurations (masks, LinearGeneral batch axes,
 normalisation over other than the last feature axis, an offset without a
 scale, ...) run NNX's own code, untagged, with a warning (and `discover`
 lists them as uncaptured).
@@ -128,7 +128,7 @@ def _conv_tagged(module: nnx.Module, inputs, config: _flax_common.ConvConfig
   y = tags.CONVOLUTIONS[config.spatial](
       inputs, kernel, bias, strides=config.strides, padding=config.padding,
       dilation=config.dilation, input_dilation=config.input_dilation,
-      dtype=module.dtype, precision=module.precision,
+      feature_group_count=config.groups, dtype=module.dtype, precision=module.precision,
       example_dims=_example_dims(module), _site=site)
   return restore(y)
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from kfac_jax_dist.capture import registry
 from kfac_jax_dist.core import cadence
 from kfac_jax_dist.core import collectives as collectives_lib
 from kfac_jax_dist.core import routing
@@ -60,7 +61,7 @@ def _blocks(leaf: jax.Array, plans: Sequence[layout_lib.LayerPlan],
   layer that is not stacked, one slice for consecutive blocks of a stack
   (`shift[stack]` blocks further on, read at a traced start, if given)."""
   start = plans[0].layer.block_number or 0
-  blocks = leaf.reshape((-1,) + tuple(shape))
+  blocks = plans[0].layer.leaf_blocks(leaf, shape)
   moved = shift.get(plans[0].layer.stack_name) if shift else None
   if moved is None:
     return blocks[start:start + len(plans)]
@@ -81,8 +82,7 @@ def gradient_matrices(plans: Sequence[layout_lib.LayerPlan], leaves: Leaves,
   m = kernel.astype(dtype).reshape(k, layer.a_dim - layer.has_bias, layer.g_dim)
   if not layer.has_bias:
     return m
-  bias = _blocks(leaves[layer.bias_path], plans, layer.bias_shape or (layer.g_dim,),
-                 shift).astype(dtype).reshape(k, 1, layer.g_dim)
+  bias = _blocks(leaves[layer.bias_path], plans, layer.bias_block_shape, shift).astype(dtype).reshape(k, 1, layer.g_dim)
   if k == 1:
     return jnp.concatenate([m[0], bias[0]])[None]
   return jnp.concatenate([m, bias], axis=1)
@@ -113,6 +113,7 @@ def write_back(layout: layout_lib.Layout, out: dict[str, jax.Array], leaves: Lea
   K-FAC's tangent pass and inner products; PERF_NOTES §25). Its bias row
   keeps the leading axis, with which its readers' code is smaller."""
   parts: dict[str, list[jax.Array]] = {}
+  layers: dict[str, tuple[registry.TaggedLayer, tuple[int, ...]]] = {}
   for run in layout_lib.block_runs(layout.plans):
     layer = run[0].layer
     stacked = layer.block_number is not None
@@ -120,11 +121,14 @@ def write_back(layout: layout_lib.Layout, out: dict[str, jax.Array], leaves: Lea
     m = m if scale is None else scale.astype(m.dtype) * m
     rows = layer.a_dim - layer.has_bias
     parts.setdefault(layer.kernel_path, []).append(m[:, :rows] if stacked else m[:rows])
+    layers[layer.kernel_path] = (layer, layer.kernel_shape)
     if layer.has_bias:
       parts.setdefault(layer.bias_path, []).append((m if stacked else m[None])[:, rows])
+      layers[layer.bias_path] = (layer, layer.bias_block_shape)
   for path, values in parts.items():
-    leaf = leaves[path]
-    leaves[path] = packing.joined(values).reshape(leaf.shape).astype(leaf.dtype)
+    layer, shape = layers[path]
+    leaves[path] = layer.blocks_leaf(packing.joined(values), shape).astype(
+        leaves[path].dtype)
 
 
 def check_updates(layout: layout_lib.Layout, leaves: Leaves) -> None:
@@ -132,13 +136,13 @@ def check_updates(layout: layout_lib.Layout, leaves: Leaves) -> None:
   for plan in layout.plans:
     layer = plan.layer
     for path, shape in ((layer.kernel_path, layer.kernel_shape),
-                        (layer.bias_path, layer.bias_shape or (layer.g_dim,))):
+                        (layer.bias_path, layer.bias_block_shape)):
       if path is None:
         continue
       if path not in leaves:
         raise ValueError(f"Tagged layer '{layer.name}': '{path}' is missing "
                          "from the updates given to scale_by_kfac.")
-      shape = tuple(layer.stack) + tuple(shape)     # stacked: [L, *block shape]
+      shape = layer.leaf_shape(shape)     # stacked: [L, *block shape]
       if tuple(jnp.shape(leaves[path])) != shape:
         raise ValueError(f"Tagged layer '{layer.name}': the update of '{path}' has "
                          f"shape {jnp.shape(leaves[path])}, expected {tuple(shape)}.")

@@ -67,10 +67,10 @@ def _check_params(layers: registry.LayerRegistry, leaves: dict[str, Any]) -> Non
   shapes the layer was discovered with."""
   for layer in layers:
     for path, shape in ((layer.kernel_path, layer.kernel_shape),
-                        (layer.bias_path, layer.bias_shape or (layer.g_dim,))):
+                        (layer.bias_path, layer.bias_block_shape)):
       if path is None:
         continue
-      shape = tuple(layer.stack) + tuple(shape)     # stacked: [L, *block shape]
+      shape = layer.leaf_shape(shape)     # stacked: [L, *block shape]
       if path not in leaves:
         raise ValueError(f"Tagged layer '{layer.name}': parameter '{path}' is not in "
                          "the tree given to init.")
