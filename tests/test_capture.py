@@ -18,6 +18,7 @@ convention (scaling, order, bias position) is off by far more than that.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import math
@@ -1238,14 +1239,19 @@ class _Groups:
   def __init__(self, layers, groups):
     self.layers, self.groups = layers, groups
 
-  def conv2d(self, x, kernel, bias=None, *, name, **kwargs):
+  def _conv(self, kind, x, kernel, bias=None, *, name, **kwargs):
     if isinstance(self.layers, Tagged):
-      return kd.tags.conv2d(x, kernel, bias, feature_group_count=self.groups, **kwargs)
+      return getattr(kd.tags, kind)(x, kernel, bias, feature_group_count=self.groups,
+                                    example_dims=self.layers.example_dims.get(name),
+                                    **kwargs)
     c_in, c_out = x.shape[-1] // self.groups, kernel.shape[-1] // self.groups
-    return jnp.concatenate([self.layers.conv2d(
+    return jnp.concatenate([getattr(self.layers, kind)(
         x[..., g * c_in:(g + 1) * c_in], kernel[..., g * c_out:(g + 1) * c_out],
         None if bias is None else bias[g * c_out:(g + 1) * c_out], name=f"{name}/{g}",
         **kwargs) for g in range(self.groups)], axis=-1)
+
+  conv1d = functools.partialmethod(_conv, "conv1d")
+  conv2d = functools.partialmethod(_conv, "conv2d")
 
   def dense(self, *args, **kwargs):
     return self.layers.dense(*args, **kwargs)
@@ -1303,6 +1309,33 @@ def test_grouped_conv_statistics_equal_brute_force(case):
       assert_factor_close(stats["conv"][factor][g], bf[f"conv/{g}"][factor],
                           f"{factor} of group {g}")
   assert_factor_close(stats["dense"]["A"], bf["dense"]["A"], "A of dense")
+
+
+@pytest.mark.parametrize("example_dims", [None, 1])
+def test_depthwise_causal_conv1d_statistics_equal_brute_force(example_dims):
+  """A depthwise causal 1-D convolution (a sequence model's short
+  convolution: one channel per group, left padding): per-channel factors
+  equal the brute force, every position an example or each sequence one
+  (`example_dims=1`, K-FAC-reduce)."""
+  cfg = dict(strides=(1,), padding=((3, 0),), dilation=(1,))
+  kp, kx, ky = jax.random.split(jax.random.PRNGKey(9), 3)
+  params = conv_params(kp, (4, 1, 3), True, classes=4)
+  x = randn(kx, (3, 9, 3))
+  y = jax.random.randint(ky, (3,), 0, 4)
+
+  def loss_fn(p, x, y):
+    layers = _Groups(Tagged({"conv": example_dims} if example_dims else None), 3)
+    return kd.losses.softmax_cross_entropy(conv1d_net(layers, p, x, cfg), y)
+
+  _, _, stats = capture(loss_fn)(params, x, y)
+  _, bf = brute_force(lambda l, p, x: conv1d_net(_Groups(l, 3), p, x, cfg), params, x,
+                      lambda o: ce_per_example(o, y),
+                      reduce_to={f"conv/{g}": 3 for g in range(3)} if example_dims else None)
+  assert stats["conv"]["A"].shape == (3, 5, 5) and stats["conv"]["G"].shape == (3, 1, 1)
+  for g in range(3):
+    for factor in ("A", "G"):
+      assert_factor_close(stats["conv"][factor][g], bf[f"conv/{g}"][factor],
+                          f"{factor} of channel {g}")
 
 
 def test_grouped_conv_bad_group_count_raises():
