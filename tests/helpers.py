@@ -233,18 +233,23 @@ def inverse_update(a: np.ndarray, g: np.ndarray, grad: np.ndarray, gamma: float
   return np.linalg.solve(g + np.sqrt(gamma) / pi * np.eye(g.shape[0]), left.T).T
 
 
-def stale_schedule(sequences, alpha: float) -> list[int]:
+def stale_refreshes(sequences, alpha: float, decay: float = 0.0
+                    ) -> dict[int, list[np.ndarray]]:
   """SP-NGD's Algorithms 1-2 written out for one factor held by one or several
-  model shards, shard m fed `sequences[m][t]` at step t (factor_decay 0: a
-  refreshed value is the statistic itself); a refreshed value counts as
-  similar to an earlier one only where it is on every shard. The steps at
-  which the factor is refreshed."""
-  t_next, d1, d2, history, refreshed = 0, 1, 1, [], []
+  model shards, shard m fed `sequences[m][t]` at step t; a refreshed value is
+  the running average `(β w X + (1 − β) S) / (β w + 1 − β)` (β = `decay`,
+  w its total weight, 0 at first: with β = 0 the statistic itself) and counts
+  as similar to an earlier one only where it is on every shard. `{refresh
+  step: the refreshed values, one per shard}`."""
+  t_next, d1, d2, history, weight, refreshed = 0, 1, 1, [], 0.0, []
   for t in range(len(sequences[0])):
     if t != t_next:
       continue
     refreshed.append(t)
-    now = [seq[t] for seq in sequences]
+    new_weight = decay * weight + (1 - decay)
+    now = [(decay * weight * (history[-1][m] if history else 0) + (1 - decay) * seq[t])
+           / new_weight for m, seq in enumerate(sequences)]
+    weight = new_weight
 
     def similar(before):
       return all(np.linalg.norm(x - y) / np.linalg.norm(y) < alpha
@@ -258,4 +263,9 @@ def stale_schedule(sequences, alpha: float) -> list[int]:
     d1, d2 = d, d1
     t_next = t + d
     history.append(now)
-  return refreshed
+  return dict(zip(refreshed, history))
+
+
+def stale_schedule(sequences, alpha: float) -> list[int]:
+  """The steps at which `stale_refreshes` (factor_decay 0) refreshes."""
+  return sorted(stale_refreshes(sequences, alpha))

@@ -367,16 +367,23 @@ def test_dp_kfac_local_eigenbases_and_the_global_scaling():
   assert len({s.owner for p in state.layout.plans for s in (p.a, p.g)}) > 1
 
 
-@pytest.mark.parametrize("fraction,reduction", [
-    pytest.param(1, "all_reduce", marks=pytest.mark.slow), (1 / 8, "all_reduce"),
-    pytest.param(1 / 4, "all_reduce", marks=pytest.mark.slow),
-    pytest.param(1 / 8, "reduce_scatter", marks=pytest.mark.slow)],
-    ids=["comm_opt", "mem_opt", "hybrid", "sp_ngd"])
-def test_eight_devices_equal_one_device(fraction, reduction):
+STALE_THRESHOLD = 0.5     # the random batches' factors differ by ~0.2-0.6
+
+
+@pytest.mark.parametrize("fraction,reduction,stale", [
+    pytest.param(1, "all_reduce", False, marks=pytest.mark.slow),
+    (1 / 8, "all_reduce", False),
+    pytest.param(1 / 4, "all_reduce", False, marks=pytest.mark.slow),
+    pytest.param(1 / 8, "reduce_scatter", False, marks=pytest.mark.slow),
+    pytest.param(1, "all_reduce", True, marks=pytest.mark.slow),
+    (1 / 4, "all_reduce", True)],
+    ids=["comm_opt", "mem_opt", "hybrid", "sp_ngd", "comm_opt-stale", "hybrid-stale"])
+def test_eight_devices_equal_one_device(fraction, reduction, stale):
   """On 8 CPU devices (per-device statistics, `S` averaged over the axis; the
   eigenbases gathered with several owner groups) K-FAC with EK-FAC equals the
   single-device run under COMM-OPT, MEM-OPT, HYBRID-OPT and SP-NGD's fused
-  gradient reduce-scatter."""
+  gradient reduce-scatter, and with stale statistics (each layer's scaling
+  reset when one of its factors refreshes)."""
   loss_fn, params, x, y = _problem("conv")
   x, y = jnp.concatenate([x] * 4), jnp.concatenate([y] * 4)   # 24: 3 per device
   grad_fn = kd.value_and_grad(loss_fn)
@@ -384,7 +391,9 @@ def test_eight_devices_equal_one_device(fraction, reduction):
   dist = kd.Distribution(helpers.data_mesh(8), grad_worker_fraction=fraction,
                          gradient_reduction=reduction)
   options = dict(layers=layers, damping=LAMBDA, factor_dtype=jnp.float64,
-                 inverse_update_every=2, eigenvalue_correction="ekfac")
+                 eigenvalue_correction="ekfac")
+  options |= (dict(stale_threshold=STALE_THRESHOLD) if stale
+              else dict(inverse_update_every=2))
   single, tx = kd.kfac(0.1, 0.9, **options), kd.kfac(0.1, 0.9, distribution=dist,
                                                      **options)
 
@@ -403,11 +412,35 @@ def test_eight_devices_equal_one_device(fraction, reduction):
     updates, one_state = single.update(grads, one_state, one_params, kfac_stats=stats)
     one_params = optax.apply_updates(one_params, updates)
     helpers.assert_trees_equal(params, one_params, rtol=1e-9)
+  if stale:                                  # some factors were left stale
+    refreshes = np.asarray(find_states(state)[0].refresh.refreshes)
+    np.testing.assert_array_equal(refreshes, find_states(one_state)[0].refresh.refreshes)
+    assert 1 <= refreshes.min() < 4, refreshes
+
+
+def test_stale_threshold_zero_is_ekfac():
+  """α = 0: every factor refreshes at every step, so every layer's scaling is
+  reset at every step, as EK-FAC's with both intervals 1."""
+  loss_fn, params, x, y = _problem("conv")
+  grad_fn = kd.value_and_grad(loss_fn)
+  layers = grad_fn.discover(params, x, y)
+
+  def run(**options):
+    tx = kd.kfac(0.1, 0.9, layers=layers, damping=LAMBDA, factor_dtype=jnp.float64,
+                 eigenvalue_correction="ekfac", **options)
+    state, p = tx.init(params), params
+    for i in range(4):
+      _, grads, stats = grad_fn(p, *_batch(x, y, i), opt_state=state)
+      updates, state = tx.update(grads, state, p, kfac_stats=stats)
+      p = optax.apply_updates(p, updates)
+    return p, find_states(state)[0]
+  (plain, _), (stale, state) = run(), run(stale_threshold=0.0)
+  assert np.all(np.asarray(state.refresh.refreshes) == 4)
+  helpers.assert_trees_equal(stale, plain, rtol=1e-9)
 
 
 @pytest.mark.parametrize("options,message", [
     (dict(method="inverse"), 'method="eigen"'),
-    (dict(stale_threshold=0.1), "stale_threshold"),
     (dict(eigenvalue_correction="shampoo"), "eigenvalue_correction must be"),
 ])
 def test_refused_settings(options, message):

@@ -98,9 +98,6 @@ class KfacConfig:
     if self.method != "eigen":
       raise ValueError('eigenvalue_correction="ekfac" rescales the eigenbases: it needs '
                        'method="eigen".')
-    if self.stale_threshold is not None:
-      raise ValueError('eigenvalue_correction="ekfac" is not supported with '
-                       "stale_threshold.")
 
   @property
   def compute_dtype(self) -> Any:

@@ -22,7 +22,9 @@ factor step the running `s` becomes the batch's `S` if the basis is new
 (`fresh`), else `β s + (1 − β) S` (β = `factor_decay`); a decomposition resets
 it to the new basis's `v_A v_Gᵀ` (fresh), which steps without statistics use
 until the next factor step. With both intervals 1, each step uses the basis
-of the step before and its own batch's `S`.
+of the step before and its own batch's `S`. Freshness is kept per layer: with
+stale statistics (SP-NGD §4.3) a decomposition changes the eigenbases of some
+layers only (those with a refreshed factor), and only theirs are reset.
 
 Layers corrected: Dense, DenseGeneral and Conv layers whose `A` and `G` are
 full matrices; the others (diagonal factors, embeddings, unit-wise layers)
@@ -46,6 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kfac_jax_dist import _compat
 from kfac_jax_dist.capture import statistics
 from kfac_jax_dist.core import collectives as collectives_lib
 from kfac_jax_dist.core import offsets
@@ -63,8 +66,9 @@ class CorrectionState:
   Attributes:
     scaling: every corrected layer's `s` (`[d_A, d_G]`, row-major), in
       layout order (`corrected_plans`).
-    fresh: whether `scaling` is K-FAC's `v_A v_Gᵀ` of eigenbases that no
-      factor step has measured yet (the next `S` replaces it).
+    fresh: `[C]` bool, per corrected layer: whether its `scaling` is K-FAC's
+      `v_A v_Gᵀ` of eigenbases that no factor step has measured yet (the next
+      `S` replaces it).
     bases: with several owner groups (MEM-OPT, HYBRID-OPT), every owner's
       second-order segment, `[P·L₂]`, gathered on decomposition steps so that
       every device can project its examples; None with one group, whose
@@ -159,13 +163,35 @@ def kfac_scaling(lay: layout_lib.Layout, second: jax.Array) -> jax.Array:
   return jnp.concatenate(pieces) if pieces else jnp.zeros(0, second.dtype)
 
 
-def reset(lay: layout_lib.Layout, second: jax.Array, gathered: jax.Array | None
+def per_number(lay: layout_lib.Layout, flags: jax.Array) -> jax.Array:
+  """Per-layer flags (`[C]`, `corrected_plans`' order) repeated over each
+  layer's `d_A·d_G` numbers of `CorrectionState.scaling`: one broadcast per
+  run of `_corrected_runs`."""
+  pieces, first = [], 0
+  for run in _corrected_runs(lay):
+    layer, k = run[0].layer, len(run)
+    pieces.append(jnp.broadcast_to(flags[first:first + k, None],
+                                   (k, layer.a_dim * layer.g_dim)).ravel())
+    first += k
+  return jnp.concatenate(pieces) if pieces else jnp.zeros(0, flags.dtype)
+
+
+def reset(lay: layout_lib.Layout, second: jax.Array, gathered: jax.Array | None,
+          previous: CorrectionState | None = None, changed: jax.Array | None = None
           ) -> CorrectionState:
   """The scaling of new eigenbases: their `v_A v_Gᵀ`, fresh (`second`: this
   device's second-order array; `gathered`: every owner's segment, kept, with
-  several owner groups)."""
+  several owner groups). With `changed` (`[C]`, stale statistics), only those
+  layers' eigenbases are new: the others keep `previous`' scaling."""
   owners = second if gathered is None else gathered
-  return CorrectionState(kfac_scaling(lay, owners), jnp.asarray(True), gathered)
+  scaling = kfac_scaling(lay, owners)
+  if changed is None:
+    fresh = jnp.ones(len(corrected_plans(lay)), bool)
+    if previous is not None:         # typed as the state's (a model axis may vary it)
+      fresh = _compat.as_varying(fresh, _compat.varying_axes(previous.fresh))
+    return CorrectionState(scaling, fresh, gathered)
+  return CorrectionState(jnp.where(per_number(lay, changed), scaling, previous.scaling),
+                         changed | previous.fresh, gathered)
 
 
 def layer_statistics(lay: layout_lib.Layout, stats: Any) -> list[jax.Array]:
@@ -199,13 +225,14 @@ def batch_scaling(config: KfacConfig, comm: collectives_lib.Collectives,
 def updated(config: KfacConfig, comm: collectives_lib.Collectives,
             lay: layout_lib.Layout, state: CorrectionState, stats: Any
             ) -> CorrectionState:
-  """The running scaling after a factor step: the batch's `S` on fresh
-  eigenbases, else its `factor_decay` running average."""
+  """The running scaling after a factor step: the batch's `S` in layers with
+  fresh eigenbases, its `factor_decay` running average in the others."""
   batch = batch_scaling(config, comm, lay, stats)
   decay = jnp.asarray(config.factor_decay, batch.dtype)
-  scaling = jnp.where(state.fresh, batch, decay * state.scaling + (1 - decay) * batch)
-  return CorrectionState(scaling.astype(state.scaling.dtype), jnp.asarray(False),
-                         state.bases)
+  scaling = jnp.where(per_number(lay, state.fresh), batch,
+                      decay * state.scaling + (1 - decay) * batch)
+  return CorrectionState(scaling.astype(state.scaling.dtype),
+                         jnp.zeros_like(state.fresh), state.bases)
 
 
 def scaling_reader(lay: layout_lib.Layout, state: CorrectionState

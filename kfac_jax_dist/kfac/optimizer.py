@@ -182,8 +182,8 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
     eigenvalue_correction: "ekfac": eigenvalue-corrected K-FAC (George et
       al. 2018, `kfac.correction`): Dense and Conv layers are scaled by the
       measured second moment of the per-example gradients in K-FAC's
-      eigenbasis; pass `opt_state=` to `grad_fn`. Method "eigen"; not with
-      stale statistics. None: K-FAC's eigenvalues.
+      eigenbasis; pass `opt_state=` to `grad_fn`. Method "eigen". None:
+      K-FAC's eigenvalues.
     grad_fn: the `kd.value_and_grad(loss_fn)` whose statistics feed this
       transform; needed in adaptive mode (exact curvature products, the
       loss for the damping's reduction ratio).

@@ -142,6 +142,19 @@ def refresh_due_factors(config: KfacConfig, comm: collectives_lib.Collectives,
   return running, refresh, due
 
 
+def _layer_of(layout: layout_lib.Layout) -> np.ndarray:
+  """`[F]`: the index in `layout.plans` of each factor's layer."""
+  return np.asarray([k for k, plan in enumerate(layout.plans) for _ in plan.places],
+                    np.int32)
+
+
+def layers_due(layout: layout_lib.Layout, due: jax.Array) -> jax.Array:
+  """`[len(layout.plans)]`: whether a layer has a due factor (`due`, `[F]`):
+  its second-order state changes this step."""
+  return jax.ops.segment_max(due.astype(jnp.int32), _layer_of(layout),
+                             num_segments=len(layout.plans)) > 0
+
+
 def with_layer_partners(layout: layout_lib.Layout, due: jax.Array) -> jax.Array:
   """`due` (`[F]`) widened to every factor of a layer with a due factor.
 
@@ -149,11 +162,7 @@ def with_layer_partners(layout: layout_lib.Layout, due: jax.Array) -> jax.Array:
   (π² = (tr A/d_A)/(tr G/d_G), Martens & Grosse 2015 §6.3): when one factor
   of a layer refreshes, both are inverted again at the new π, so that the
   layer's two inverses always share one π, as a plain inverse step's do."""
-  layer_of = np.asarray([k for k, plan in enumerate(layout.plans) for _ in plan.places],
-                        np.int32)
-  any_due = jax.ops.segment_max(due.astype(jnp.int32), layer_of,
-                                num_segments=len(layout.plans))
-  return any_due[layer_of] > 0
+  return layers_due(layout, due)[_layer_of(layout)]
 
 
 def decompose_due_factors(config: KfacConfig, comm: collectives_lib.Collectives,

@@ -356,6 +356,15 @@ def refreshed_state(config: KfacConfig, comm: collectives_lib.Collectives,
       update_factors=cadence.due(config.factor_update_every, count + 1)), stats_ok
 
 
+def _corrected_layers_refreshed(state: ScaleByKfacState) -> jax.Array:
+  """Stale statistics: `[C]`, whether each EK-FAC-corrected layer has a factor
+  refreshed (so decomposed) this step (`stale_update.layers_due`)."""
+  corrected = np.asarray([k for k, plan in enumerate(state.layout.plans)
+                          if correction_lib.is_corrected(plan)], np.int32)
+  due = state.refresh.next_step <= state.count
+  return stale_update.layers_due(state.layout, due)[corrected]
+
+
 def corrected_states(config: KfacConfig, comm: collectives_lib.Collectives,
                      state: ScaleByKfacState, new_state: ScaleByKfacState,
                      stats: factors.Stats | None, ok: jax.Array
@@ -363,7 +372,8 @@ def corrected_states(config: KfacConfig, comm: collectives_lib.Collectives,
   """EK-FAC (`correction`): (the state this step preconditions with: the
   eigenbases it started with and the scaling measured in them on a factor
   step; the state after the step: on a decomposition step, the new eigenbases
-  and their `v_A v_Gᵀ`, fresh)."""
+  and their `v_A v_Gᵀ`, fresh; with stale statistics, of the layers with a
+  refreshed factor only)."""
   lay, measured = state.layout, state.correction
   if stats is not None:
     with jax.named_scope("kfac_factor_update"):
@@ -371,12 +381,17 @@ def corrected_states(config: KfacConfig, comm: collectives_lib.Collectives,
           state.update_factors & ok,
           lambda: correction_lib.updated(config, comm, lay, state.correction, stats),
           lambda: state.correction)
-  decomposed = cadence.due(config.inverse_update_every, state.count) & ok
+  changed = None
+  if config.stale_threshold is None:
+    decomposed = cadence.due(config.inverse_update_every, state.count) & ok
+  else:
+    changed = _corrected_layers_refreshed(state) & ok
+    decomposed = jnp.any(changed)
 
   def reset() -> correction_lib.CorrectionState:
     return correction_lib.reset(
         lay, new_state.second_order,
-        correction_lib.gather_owners(comm, lay, new_state.second_order))
+        correction_lib.gather_owners(comm, lay, new_state.second_order), measured, changed)
   after = lax.cond(decomposed, reset, lambda: measured)
   return (dataclasses.replace(new_state, second_order=state.second_order,
                               correction=measured),
@@ -519,7 +534,8 @@ def scale_by_kfac(
       Conv layers divide by the second moment of the per-example gradients in
       the eigenbasis instead of K-FAC's eigenvalues (`kfac.correction`);
       `grad_fn` must get `opt_state=` so that the capture measures it. Needs
-      method "eigen"; not with stale statistics.
+      method "eigen". With stale statistics, a layer's scaling restarts
+      from its new `v_A v_Gᵀ` when either of its factors refreshes.
       Costs per factor step one all-reduce of gradient size, and with
       several owner groups an all-gather of the eigenbases on decomposition
       steps. None: K-FAC.

@@ -314,12 +314,15 @@ def _convert_correction(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfa
   if new.correction is None:
     return None
   scaling = correction_lib.layer_scaling(old.layout, old.correction)
-  flat = [np.asarray(scaling[plan.layer.name]).reshape(-1)
-          for plan, _ in correction_lib.corrected_plans(new.layout)]
+  old_names = [plan.layer.name for plan, _ in correction_lib.corrected_plans(old.layout)]
+  fresh = dict(zip(old_names, np.broadcast_to(np.asarray(old.correction.fresh),
+                                              (len(old_names),))))
+  names = [plan.layer.name for plan, _ in correction_lib.corrected_plans(new.layout)]
+  flat = [np.asarray(scaling[name]).reshape(-1) for name in names]
   return correction_lib.CorrectionState(
       jnp.asarray(np.concatenate(flat) if flat else np.zeros(0),
                   new.correction.scaling.dtype),
-      jnp.asarray(old.correction.fresh))
+      jnp.asarray([fresh[name] for name in names], bool).reshape(len(names)))
 
 
 def _check_same_blocks(old_layout, lay) -> None:
