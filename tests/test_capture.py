@@ -595,9 +595,11 @@ def test_conv3d(strides, padding, dilation, use_bias):
     (nn.ConvTranspose, dict(kernel_size=(3, 2), strides=(2, 1), padding="VALID",
                             use_bias=False)),
     (nn.ConvTranspose, dict(kernel_size=(4, 3), strides=(3, 2), kernel_dilation=(2, 1))),
+    (nn.ConvTranspose, dict(kernel_size=(3, 3), strides=(2, 2), padding=((1, 3), (0, 2)))),
     (nn.Conv, dict(kernel_size=(3, 2), strides=(2, 1), padding="CIRCULAR")),
     (nn.Conv, dict(kernel_size=(3, 3), padding="REFLECT", kernel_dilation=(1, 2))),
-], ids=["transpose-same", "transpose-valid", "transpose-dilated", "circular", "reflect"])
+], ids=["transpose-same", "transpose-valid", "transpose-dilated", "transpose-explicit",
+        "circular", "reflect"])
 def test_flax_conv_geometries_statistics(cls, kwargs):
   """A transposed convolution is the convolution of the input dilated by the
   strides; CIRCULAR / REFLECT padding pads the input with its own entries
@@ -1070,6 +1072,8 @@ def test_conv1d_conv3d_drop_in_and_interception(kwargs):
     dict(kernel_size=(2, 3), strides=(1, 3), padding="VALID", kernel_dilation=(2, 1)),
     dict(kernel_size=(3,), strides=(2,)),
     dict(kernel_size=(2, 2, 3), strides=(2, 1, 2), use_bias=False),
+    dict(kernel_size=(3, 3), strides=(2, 2), padding=((2, 0), (1, 3))),
+    dict(kernel_size=(4,), strides=(3,), padding=1),
 ])
 def test_conv_transpose_drop_in_and_interception(kwargs):
   """`kd.linen.ConvTranspose` / `kd.nnx.ConvTranspose` equal Flax's; Flax's
@@ -1095,6 +1099,21 @@ def test_conv_transpose_drop_in_and_interception(kwargs):
   for got, want in zip(intercepted(flax_vars, x), kd.value_and_grad(loss_of(tagged))(
       flax_vars, x)):
     assert_trees_equal(got, want)
+
+
+def test_conv_transpose_explicit_padding_of_a_consistent_jax_is_reported(monkeypatch):
+  """A jax whose `lax.conv_transpose` reads explicit pads as the forward
+  convolution's (`use_consistent_padding` True by default) would compute
+  another convolution: the layer is left to Flax, with the reason."""
+  real = jax.lax.conv_transpose
+
+  def consistent(*args, use_consistent_padding=True, **kwargs):
+    return real(*args, **kwargs)
+  monkeypatch.setattr(jax.lax, "conv_transpose", consistent)
+  x = jnp.ones((2, 4, 4, 2))
+  module = kd.linen.ConvTranspose(3, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+  with pytest.warns(UserWarning, match="explicit padding .this jax's use_consistent"):
+    module.init(jax.random.PRNGKey(0), x)
 
 
 def test_conv_transpose_with_a_transposed_kernel_is_reported():

@@ -4,6 +4,7 @@ arithmetic of LayerNorm / BatchNorm up to their scale and shift."""
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any, Callable, NamedTuple
 
@@ -101,14 +102,27 @@ def conv_transpose_config(module, default_promote):
       or custom_promote(module, default_promote)):
     return "a custom promote_dtype or preferred_element_type"
   padding = canonicalize_padding(module.padding, spatial)
-  if padding not in ("SAME", "VALID"):
-    # jax's explicit padding of a transposed convolution changed meaning
-    # across releases (`use_consistent_padding`).
-    return f"{padding if isinstance(padding, str) else 'explicit'} padding"
+  if isinstance(padding, str) and padding not in ("SAME", "VALID"):
+    return f"{padding} padding"
+  if not isinstance(padding, str) and not _explicit_transpose_pads_as_given():
+    return "explicit padding (this jax's use_consistent_padding default)"
   strides, dilation = _pair(module.strides, spatial), _pair(module.kernel_dilation, spatial)
-  pads = tuple(_transpose_pads((k - 1) * d + 1, s, padding)
-               for k, s, d in zip(kernel_size, strides, dilation))
+  if isinstance(padding, str):
+    pads = tuple(_transpose_pads((k - 1) * d + 1, s, padding)
+                 for k, s, d in zip(kernel_size, strides, dilation))
+  else:
+    pads = tuple((int(lo), int(hi)) for lo, hi in padding)
   return ConvConfig(spatial, (1,) * spatial, pads, dilation, strides)
+
+
+def _explicit_transpose_pads_as_given() -> bool:
+  """Whether `lax.conv_transpose`, as Flax calls it, pads the dilated input
+  by explicit `(low, high)` pairs as given: every jax up to now (before
+  `use_consistent_padding`, and with its default False since). With that
+  default True, they would be the pads of the forward convolution it
+  transposes (jax-ml/jax#32267); such a jax leaves the layer untagged."""
+  flag = inspect.signature(lax.conv_transpose).parameters.get("use_consistent_padding")
+  return flag is None or flag.default is False
 
 
 def untagged(layer: str, reason: str, where: str, fallback: Callable[[], Any]) -> Any:
