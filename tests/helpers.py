@@ -15,8 +15,11 @@ imports another).
   `param_shapes`, `randomized`. `randn` needs `jax_enable_x64`;
 * `inverse_update`: the π-damped K-FAC update, in float64 NumPy
   (test_float64, test_stale);
-* `stale_schedule`: SP-NGD's refresh steps of a factor, written out
-  (test_stale, test_tensor_parallel).
+* `stale_refreshes` / `stale_schedule`: SP-NGD's refresh steps of a factor
+  and its refreshed values, written out (test_stale, test_tensor_parallel);
+* `METHOD_CONFIGS`, `method_trajectory`, `train_classifier`, `image_batch`,
+  `first_kfac_step`: K-FAC's methods run on a network and on its rewritten
+  twin (test_grouped_conv, test_transposed_kernel).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
@@ -269,3 +273,88 @@ def stale_refreshes(sequences, alpha: float, decay: float = 0.0
 def stale_schedule(sequences, alpha: float) -> list[int]:
   """The steps at which `stale_refreshes` (factor_decay 0) refreshes."""
   return sorted(stale_refreshes(sequences, alpha))
+
+
+# K-FAC's methods, each as `kd.kfac` options (`method_trajectory`).
+METHOD_CONFIGS = {
+    "eigen": dict(learning_rate=0.1),
+    "inverse": dict(learning_rate=0.1, method="inverse"),
+    "ekfac": dict(learning_rate=0.1, eigenvalue_correction="ekfac"),
+    "diagonal_A": dict(learning_rate=0.1, max_factor_dim=10),
+    "stale": dict(learning_rate=0.1, stale_threshold=0.1, inverse_update_every=1),
+    "adaptive": dict(learning_rate=None, momentum=None, adapt_damping=True,
+                     damping_adaptation_interval=1),
+}
+
+
+def image_batch(shape: tuple[int, ...], classes: int = 5, seed: int = 3) -> tuple:
+  """Random float64 images `shape` (`[n, *spatial, c]`) and integer labels
+  (needs `jax_enable_x64`)."""
+  kx, ky = jax.random.split(jax.random.PRNGKey(seed))
+  return (jax.random.normal(kx, shape, jnp.float64),
+          jax.random.randint(ky, shape[:1], 0, classes))
+
+
+def first_kfac_step(loss_fn, params, batch: tuple, damping: float):
+  """`kd.scale_by_kfac`'s first update (float64 factors, every refresh due):
+  (gradients, updates, running factors by layer name, state)."""
+  grad_fn = kd.value_and_grad(loss_fn)
+  tx = kd.scale_by_kfac(layers=grad_fn.discover(params, *batch), damping=damping,
+                        factor_dtype=jnp.float64)
+  state = tx.init(params)
+  _, grads, stats = grad_fn(params, *batch, opt_state=state)
+  updates, state = tx.update(grads, state, kfac_stats=stats)
+  return grads, updates, kd.running_factors(state), state
+
+
+def method_trajectory(loss_fn, params, batch: tuple, config: dict, steps: int = 4):
+  """The parameters after `steps` jitted `kd.kfac` steps of `config` (one of
+  `METHOD_CONFIGS`: damping 1e-2, factors every step, decompositions every
+  other, float64 factors) on one batch."""
+  grad_fn = kd.value_and_grad(loss_fn)
+  options = dict(damping=1e-2, factor_update_every=1, inverse_update_every=2,
+                 factor_dtype=jnp.float64) | config
+  if config.get("learning_rate", 0.1) is None:
+    options["grad_fn"] = grad_fn
+  tx = kd.kfac(layers=grad_fn.discover(params, *batch), **options)
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state):
+    _, grads, stats = grad_fn(params, *batch, opt_state=state)
+    updates, state = tx.update(grads, state, params, kfac_stats=stats, kfac_batch=batch)
+    return optax.apply_updates(params, updates), state
+  for _ in range(steps):
+    params, state = step(params, state)
+  return params
+
+
+def train_classifier(model: nn.Module, x, y, dist=None, steps: int = 4,
+                     check_layers=None, **options):
+  """`steps` `kd.kfac` steps (lr 0.05, damping 1e-2, decompositions every
+  other step) of a linen classifier on one batch, on one device or over
+  `dist` (the gradients averaged over "data"): (parameters, losses).
+  `check_layers(layers)` sees the discovered registry first."""
+  params = model.init(jax.random.PRNGKey(0), x)["params"]
+
+  def loss_fn(p, x, y):
+    return kd.losses.softmax_cross_entropy(model.apply({"params": p}, x), y)
+  grad_fn = kd.value_and_grad(loss_fn)
+  layers = grad_fn.discover(params, x, y)
+  if check_layers is not None:
+    check_layers(layers)
+  tx = kd.kfac(0.05, layers=layers, damping=1e-2, factor_update_every=1,
+               inverse_update_every=2, distribution=dist, **options)
+
+  def step(params, state, x, y):
+    loss, grads, stats = grad_fn(params, x, y, opt_state=state)
+    if dist is not None:
+      grads, loss = jax.lax.pmean((grads, loss), "data")
+    updates, state = tx.update(grads, state, params, kfac_stats=stats)
+    return optax.apply_updates(params, updates), state, loss
+  step, state = compile_step(step, tx.init(params), dist, 2, extra_out=(P(),))
+  losses = []
+  for _ in range(steps):
+    params, state, loss = step(params, state, x, y)
+    losses.append(float(loss))
+  return params, losses

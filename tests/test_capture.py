@@ -596,16 +596,18 @@ def test_conv3d(strides, padding, dilation, use_bias):
                             use_bias=False)),
     (nn.ConvTranspose, dict(kernel_size=(4, 3), strides=(3, 2), kernel_dilation=(2, 1))),
     (nn.ConvTranspose, dict(kernel_size=(3, 3), strides=(2, 2), padding=((1, 3), (0, 2)))),
+    (nn.ConvTranspose, dict(kernel_size=(3, 2), strides=(2, 2), transpose_kernel=True)),
     (nn.Conv, dict(kernel_size=(3, 2), strides=(2, 1), padding="CIRCULAR")),
     (nn.Conv, dict(kernel_size=(3, 3), padding="REFLECT", kernel_dilation=(1, 2))),
 ], ids=["transpose-same", "transpose-valid", "transpose-dilated", "transpose-explicit",
-        "circular", "reflect"])
+        "transpose-kernel", "circular", "reflect"])
 def test_flax_conv_geometries_statistics(cls, kwargs):
   """A transposed convolution is the convolution of the input dilated by the
   strides; CIRCULAR / REFLECT padding pads the input with its own entries
   first. Brute-force patches of the input so prepared in numpy reproduce
   Flax's output (`patches @ kernel`), and the captured `A`, `G` are theirs
-  and the output cotangents' second moments."""
+  and the output cotangents' second moments. A transposed kernel (`(*window,
+  out, in)`) applies its window flipped, channel axes swapped."""
   from kfac_jax_dist.flax import common  # pylint: disable=import-outside-toplevel
   if kwargs.get("padding") == "REFLECT" and "'REFLECT'" not in inspect.getsource(
       inspect.getmodule(nn.Conv)):
@@ -637,6 +639,9 @@ def test_flax_conv_geometries_statistics(cls, kwargs):
   rows = brute_patches(prepared, kwargs["kernel_size"], config.strides, config.padding,
                        config.dilation)
   kernel = f64(params["params"]["kernel"])
+  if kwargs.get("transpose_kernel"):
+    kernel = np.flip(kernel, (0, 1)).swapaxes(-1, -2)
+    assert layer.transposed_kernel and layer.kernel_shape == kernel.shape
   bias = f64(params["params"]["bias"]) if "bias" in params["params"] else 0
   np.testing.assert_allclose(rows @ kernel.reshape(-1, 3) + bias, f64(y_out), rtol=1e-10,
                              atol=1e-10)
@@ -1074,6 +1079,9 @@ def test_conv1d_conv3d_drop_in_and_interception(kwargs):
     dict(kernel_size=(2, 2, 3), strides=(2, 1, 2), use_bias=False),
     dict(kernel_size=(3, 3), strides=(2, 2), padding=((2, 0), (1, 3))),
     dict(kernel_size=(4,), strides=(3,), padding=1),
+    dict(kernel_size=(3, 2), strides=(2, 1), transpose_kernel=True),
+    dict(kernel_size=(3,), strides=(2,), padding="VALID", transpose_kernel=True),
+    dict(kernel_size=(2, 2, 3), strides=(2, 1, 2), transpose_kernel=True, use_bias=False),
 ])
 def test_conv_transpose_drop_in_and_interception(kwargs):
   """`kd.linen.ConvTranspose` / `kd.nnx.ConvTranspose` equal Flax's; Flax's
@@ -1116,13 +1124,13 @@ def test_conv_transpose_explicit_padding_of_a_consistent_jax_is_reported(monkeyp
     module.init(jax.random.PRNGKey(0), x)
 
 
-def test_conv_transpose_with_a_transposed_kernel_is_reported():
+def test_conv_transpose_with_circular_padding_is_reported():
   x = jnp.ones((2, 4, 4, 2))
-  module = nn.ConvTranspose(3, (3, 3), strides=(2, 2), transpose_kernel=True)
+  module = nn.ConvTranspose(3, (3, 3), strides=(2, 2), padding="CIRCULAR")
   params = module.init(jax.random.PRNGKey(0), x)
   grad_fn = kd.value_and_grad(lambda p, x: kd.losses.squared_error(
       module.apply(p, x), jnp.zeros((2, 8, 8, 3))), capture="flax")
-  with pytest.warns(UserWarning, match="ConvTranspose with transpose_kernel=True"):
+  with pytest.warns(UserWarning, match="ConvTranspose with CIRCULAR padding"):
     with pytest.raises(ValueError, match="ran no tagged layer.*ConvTranspose"):
       grad_fn.discover(params, x)
 
@@ -1363,6 +1371,10 @@ def test_grouped_conv_bad_group_count_raises():
     kd.tags.conv2d(x, jnp.ones((3, 3, 2, 4)), feature_group_count=3)
   with pytest.raises(ValueError, match="input channels 4 do not match"):
     kd.tags.conv2d(x, jnp.ones((3, 3, 1, 4)), feature_group_count=2)
+  with pytest.raises(ValueError, match="transpose_kernel=True with feature_group_count=2"):
+    kd.tags.conv2d(x, jnp.ones((3, 3, 4, 2)), feature_group_count=2, transpose_kernel=True)
+  with pytest.raises(ValueError, match="do not match .* and transpose_kernel=True"):
+    kd.tags.conv2d(x, jnp.ones((3, 3, 4, 3)), transpose_kernel=True)   # (out 4, in 3)
 
 
 def test_grouped_conv_in_a_stack_raises():

@@ -13,14 +13,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import kfac_jax_dist as kd
 
 import helpers
-from helpers import compile_step
 
 F64 = jnp.float64
 # (name, groups, input channels per group, output channels per group, bias)
@@ -75,55 +72,28 @@ def _joined(split: dict) -> dict:
 
 
 def _batch(n: int = 16):
-  kx, ky = jax.random.split(jax.random.PRNGKey(3))
-  return (jax.random.normal(kx, (n, 6, 6, 2), F64), jax.random.randint(ky, (n,), 0, 5))
+  return helpers.image_batch((n, 6, 6, 2))
 
 
 def _loss(split: bool):
   return lambda p, x, y: kd.losses.softmax_cross_entropy(_network(p, x, split), y)
 
 
-CONFIGS = {
-    "eigen": dict(learning_rate=0.1),
-    "inverse": dict(learning_rate=0.1, method="inverse"),
-    "ekfac": dict(learning_rate=0.1, eigenvalue_correction="ekfac"),
-    "diagonal_A": dict(learning_rate=0.1, max_factor_dim=10),
-    "stale": dict(learning_rate=0.1, stale_threshold=0.1, inverse_update_every=1),
-    "adaptive": dict(learning_rate=None, momentum=None, adapt_damping=True,
-                     damping_adaptation_interval=1),
-}
-
-
-def _trajectory(split: bool, config: dict, steps: int = 4) -> dict:
-  params, batch = _params(), _batch()
-  params = _split_params(params) if split else params
-  grad_fn = kd.value_and_grad(_loss(split))
-  options = dict(damping=1e-2, factor_update_every=1, inverse_update_every=2,
-                 factor_dtype=F64) | config
-  if config.get("learning_rate", 0.1) is None:
-    options["grad_fn"] = grad_fn
-  tx = kd.kfac(layers=grad_fn.discover(params, *batch), **options)
-  state = tx.init(params)
-
-  @jax.jit
-  def step(params, state):
-    _, grads, stats = grad_fn(params, *batch, opt_state=state)
-    updates, state = tx.update(grads, state, params, kfac_stats=stats, kfac_batch=batch)
-    return optax.apply_updates(params, updates), state
-  for _ in range(steps):
-    params, state = step(params, state)
+def _trajectory(split: bool, config: dict) -> dict:
+  params = _split_params(_params()) if split else _params()
+  params = helpers.method_trajectory(_loss(split), params, _batch(), config)
   return _joined(params) if split else params
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("config", list(helpers.METHOD_CONFIGS))
 def test_grouped_updates_equal_split_convolutions(config):
   """Each group is preconditioned exactly as a convolution of its own: four
   steps of every method (eigen, inverses, EK-FAC, a diagonal `A`, stale
   statistics, adaptive learning rate, momentum and damping) give the
   parameters of the split network to float64 precision."""
   with jax.enable_x64(True):
-    got = _trajectory(False, CONFIGS[config])
-    want = _trajectory(True, CONFIGS[config])
+    got = _trajectory(False, helpers.METHOD_CONFIGS[config])
+    want = _trajectory(True, helpers.METHOD_CONFIGS[config])
     start = _params()
     assert float(jnp.max(jnp.abs(got["depthwise"]["kernel"] - start["depthwise"]["kernel"]))
                  ) > 1e-3
@@ -135,15 +105,9 @@ def test_grouped_update_equals_kronecker_solve():
   G_g + γI) vec(V) = vec(∇_g)` with the group's own factors, ∇_g its slice of
   the kernel's last axis (and of the bias)."""
   with jax.enable_x64(True):
-    params, batch = _params(), _batch()
-    grad_fn = kd.value_and_grad(_loss(False))
     gamma = 1e-2
-    tx = kd.scale_by_kfac(layers=grad_fn.discover(params, *batch), damping=gamma,
-                          factor_dtype=F64)
-    state = tx.init(params)
-    _, grads, stats = grad_fn(params, *batch, opt_state=state)
-    updates, state = tx.update(grads, state, kfac_stats=stats)
-    factors = kd.running_factors(state)
+    grads, updates, factors, state = helpers.first_kfac_step(_loss(False), _params(),
+                                                             _batch(), gamma)
     for name, groups, c_in, c_out, bias in GROUPED:
       kernel = np.asarray(grads[name]["kernel"])
       for g in range(groups):
@@ -178,32 +142,13 @@ class _LinenNet(nn.Module):
     return kd.linen.Dense(5)(x.mean((1, 2)))
 
 
-def _linen_train(dist=None, steps=4, **options):
+def _linen_train(dist=None, **options):
   x = jax.random.normal(jax.random.PRNGKey(1), (16, 6, 6, 4))
   y = jax.random.randint(jax.random.PRNGKey(2), (16,), 0, 5)
-  model = _LinenNet()
-  params = model.init(jax.random.PRNGKey(0), x)["params"]
 
-  def loss_fn(p, x, y):
-    return kd.losses.softmax_cross_entropy(model.apply({"params": p}, x), y)
-  grad_fn = kd.value_and_grad(loss_fn)
-  layers = grad_fn.discover(params, x, y)
-  assert [layer.groups for layer in layers] == [1, 8, 2, 1] and not layers.uncaptured
-  tx = kd.kfac(0.05, layers=layers, damping=1e-2, factor_update_every=1,
-               inverse_update_every=2, distribution=dist, **options)
-
-  def step(params, state, x, y):
-    loss, grads, stats = grad_fn(params, x, y, opt_state=state)
-    if dist is not None:
-      grads, loss = jax.lax.pmean((grads, loss), "data")
-    updates, state = tx.update(grads, state, params, kfac_stats=stats)
-    return optax.apply_updates(params, updates), state, loss
-  step, state = compile_step(step, tx.init(params), dist, 2, extra_out=(P(),))
-  losses = []
-  for _ in range(steps):
-    params, state, loss = step(params, state, x, y)
-    losses.append(float(loss))
-  return params, losses
+  def check(layers):
+    assert [layer.groups for layer in layers] == [1, 8, 2, 1] and not layers.uncaptured
+  return helpers.train_classifier(_LinenNet(), x, y, dist, check_layers=check, **options)
 
 
 STRATEGIES = {

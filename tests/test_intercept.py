@@ -259,14 +259,14 @@ _MASK = jnp.ones((3, 3, 4, 4)).at[1, 1].set(0.0)   # a masked kernel: not tagged
 class _Unsupported(nn.Module):
   @nn.compact
   def __call__(self, x):
-    x = nn.ConvTranspose(4, (3, 3), transpose_kernel=True, param_dtype=F64, name="up")(x)
+    x = nn.ConvTranspose(4, (3, 3), padding="CIRCULAR", param_dtype=F64, name="up")(x)
     x = nn.Conv(4, (3, 3), mask=_MASK, param_dtype=F64, name="masked")(x)
     x = nn.Conv(4, (3, 3), param_dtype=F64, name="plain")(x)
     return nn.Dense(10, param_dtype=F64)(x.reshape(x.shape[0], -1))
 
 
 @pytest.mark.filterwarnings("ignore:kfac_jax_dist. Conv with masked",
-                            "ignore:kfac_jax_dist. ConvTranspose with transpose_kernel")
+                            "ignore:kfac_jax_dist. ConvTranspose with CIRCULAR")
 def test_uncaptured_layers_are_reported_and_pass_through():
   x = jax.random.normal(jax.random.PRNGKey(0), (4, 5, 5, 2), F64)
   y = jax.random.randint(jax.random.PRNGKey(1), (4,), 0, 10)
@@ -419,7 +419,7 @@ def test_nnx_distributed_intercepted_equals_tagged_model(name, fraction):
 
 class _NnxUnsupported(nnx.Module):
   def __init__(self, rngs):
-    self.up = nnx.ConvTranspose(2, 4, (3, 3), transpose_kernel=True, param_dtype=F64,
+    self.up = nnx.ConvTranspose(2, 4, (3, 3), padding="CIRCULAR", param_dtype=F64,
                                 rngs=rngs)
     self.custom = nnx.Conv(4, 4, (3, 3), param_dtype=F64, rngs=rngs,
                            conv_general_dilated=lambda *a, **k: lax.conv_general_dilated(*a, **k))
@@ -432,7 +432,7 @@ class _NnxUnsupported(nnx.Module):
 
 
 @pytest.mark.filterwarnings("ignore:kfac_jax_dist. Conv with a custom",
-                            "ignore:kfac_jax_dist. ConvTranspose with transpose_kernel")
+                            "ignore:kfac_jax_dist. ConvTranspose with CIRCULAR")
 def test_nnx_uncaptured_layers_are_reported():
   model = _NnxUnsupported(nnx.Rngs(0))
   graphdef, params = nnx.split(model, nnx.Param)

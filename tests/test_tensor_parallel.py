@@ -515,8 +515,8 @@ def test_misconfigured_tensor_parallel_is_rejected():
 
 def test_kfac_rejects_shardings_it_cannot_precondition():
   """A row-parallel layer whose tag adds the bias (every shard would add it
-  before the psum), a conv kernel sharded on a spatial axis and a grouped
-  convolution's sharded kernel."""
+  before the psum), a conv kernel sharded on a spatial axis, and a grouped
+  convolution's or a transposed kernel's sharded kernel."""
   mesh = _mesh()
 
   def row_with_bias(p, x, y):
@@ -538,11 +538,27 @@ def test_kfac_rejects_shardings_it_cannot_precondition():
     return kd.losses.softmax_cross_entropy(z.mean((1, 2)), y)
   grouped_params = {"grouped": {"kernel": jnp.zeros((3, 3, 1, 2 * M))}}
   grouped_specs = {"grouped": {"kernel": P(None, None, None, "model")}}
+
+  def transposed(p, x, y):    # a transposed kernel (*window, out, in), column-parallel
+    z = kd.tags.conv2d(x, p["transposed"]["kernel"], transpose_kernel=True)
+    return kd.losses.softmax_cross_entropy(z.mean((1, 2)), y)
+  transposed_params = {"transposed": {"kernel": jnp.zeros((3, 3, M, 2))}}
+  transposed_specs = {"transposed": {"kernel": P(None, None, "model", None)}}
   for loss, p, s, xx, match in ((row_with_bias, params, specs, x, "add the bias after"),
                                 (conv, conv_params, conv_specs, xc, "spatial axis"),
                                 (grouped, grouped_params, grouped_specs, xc,
-                                 "'grouped' is a grouped convolution")):
+                                 "'grouped' is a grouped convolution"),
+                                (transposed, transposed_params, transposed_specs, xc,
+                                 "'transposed' is a convolution with a transposed kernel")):
     dist = kd.Distribution(mesh, model_axis="model", param_specs=s)
     layers = kd.value_and_grad(loss).discover(p, xx, y, distribution=dist)
     with pytest.raises(ValueError, match=match):
       kd.kfac(0.1, layers=layers, distribution=dist).init(p)
+  # Replicated on the model axis, both are preconditioned (their leaves are
+  # not one block's shape: the check reads `TaggedLayer.leaf_shape`).
+  for loss, p in ((grouped, {"grouped": {"kernel": jnp.zeros((3, 3, 1, 4))}}),
+                  (transposed, {"transposed": {"kernel": jnp.zeros((3, 3, 3, 2))}})):
+    s = jax.tree.map(lambda _: P(), p)
+    dist = kd.Distribution(mesh, model_axis="model", param_specs=s)
+    layers = kd.value_and_grad(loss).discover(p, xc, y, distribution=dist)
+    kd.kfac(0.1, layers=layers, distribution=dist).init(p)

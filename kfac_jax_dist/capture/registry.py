@@ -33,6 +33,13 @@ one group's), so that each group gets its own Kronecker factors (block-
 diagonal over the groups: exact K-FAC for the groups, which share no
 weight); only the way its blocks lie in the leaves differs, inside the
 kernel's last axis (`leaf_blocks`, `blocks_leaf`).
+
+A *transposed kernel* (`transposed_kernel=True`: Flax's `ConvTranspose` with
+`transpose_kernel=True`, PyTorch's convention) is stored `(*window, out, in)`
+and applied flipped over its window with the two channel axes swapped
+(`lax.conv_transpose`): `kernel_shape` is that applied kernel's `(*window,
+in, out)`, whose rows the factors describe, and `leaf_blocks` / `blocks_leaf`
+flip and swap between it and the leaf.
 """
 
 from __future__ import annotations
@@ -80,6 +87,8 @@ class TaggedLayer:
   records of `blocks()` only: which block, and the stacked layer (the key of
   the statistics) it belongs to. `groups`: a grouped convolution's
   `feature_group_count` (its blocks are the groups, `stack == (groups,)`).
+  `transposed_kernel`: the kernel leaf is the applied kernel flipped over
+  its window, channel axes swapped (see the module docstring).
   """
 
   name: str
@@ -95,6 +104,7 @@ class TaggedLayer:
   stack_index: tuple[int, ...] | None = None
   stack_name: str | None = None
   groups: int = 1
+  transposed_kernel: bool = False
 
   @property
   def has_bias(self) -> bool:
@@ -132,21 +142,37 @@ class TaggedLayer:
       number = number * size + index
     return number
 
+  def _transposes(self, block_shape: tuple[int, ...]) -> bool:
+    """Whether leaves of `block_shape` are a transposed kernel's."""
+    return self.transposed_kernel and tuple(block_shape) == tuple(self.kernel_shape)
+
   def leaf_shape(self, block_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape of a parameter leaf whose blocks are `block_shape` (the
     kernel's `kernel_shape` or the bias's): `[*stack, *block_shape]`; a
-    grouped convolution's groups side by side in the last axis."""
+    grouped convolution's groups side by side in the last axis; a
+    transposed kernel's channel axes swapped."""
     if self.groups > 1:
       return tuple(block_shape[:-1]) + (self.groups * block_shape[-1],)
+    if self._transposes(block_shape):
+      block_shape = tuple(block_shape[:-2]) + (block_shape[-1], block_shape[-2])
     return tuple(self.stack) + tuple(block_shape)
+
+  def _flip_swap(self, kernels: jax.Array) -> jax.Array:
+    """`[..., *window, c, c']` flipped over the window, `c` and `c'` swapped:
+    its own inverse (the applied kernel ↔ a transposed kernel's leaf)."""
+    window = len(self.kernel_shape) - 2
+    flipped = jnp.flip(kernels, tuple(range(kernels.ndim - 2 - window, kernels.ndim - 2)))
+    return jnp.swapaxes(flipped, -1, -2)
 
   def leaf_blocks(self, leaf: jax.Array, block_shape: tuple[int, ...]) -> jax.Array:
     """`[blocks, *block_shape]`: every block of a parameter leaf (the
     stacked layer's blocks, a grouped convolution's groups; a single layer's
-    leaf with a leading axis of one)."""
+    leaf with a leading axis of one; a transposed kernel as applied)."""
     if self.groups > 1:
       grouped = leaf.reshape(leaf.shape[:-1] + (self.groups, block_shape[-1]))
       return jnp.moveaxis(grouped, -2, 0)
+    if self._transposes(block_shape):
+      leaf = self._flip_swap(leaf)
     return leaf.reshape((-1,) + tuple(block_shape))
 
   def blocks_leaf(self, blocks: jax.Array, block_shape: tuple[int, ...]) -> jax.Array:
@@ -155,6 +181,8 @@ class TaggedLayer:
     if self.groups > 1:
       grouped = blocks.reshape((self.groups,) + tuple(block_shape))
       return jnp.moveaxis(grouped, 0, -2).reshape(self.leaf_shape(block_shape))
+    if self._transposes(block_shape):
+      return self._flip_swap(blocks.reshape(tuple(self.stack) + tuple(block_shape)))
     return blocks.reshape(self.leaf_shape(block_shape))
 
   @property

@@ -95,6 +95,8 @@ def _discover(trace, kind, name, kernel, bias, site, **record) -> None:
         f"Tagged layer '{name}': its bias is not a leaf of the parameters given to "
         "kd.value_and_grad.")
   kernel_shape, bias_shape = tuple(kernel.shape), None if bias is None else tuple(bias.shape)
+  if record.get("transposed_kernel"):       # the applied kernel's (see `registry`)
+    kernel_shape = kernel_shape[:-2] + (kernel_shape[-1], kernel_shape[-2])
   groups = record.get("groups", 1)
   if groups > 1:              # one group's blocks (see `registry`)
     if stack:
@@ -458,29 +460,58 @@ def _spatial(value, spatial: int) -> tuple[int, ...]:
   return (int(value),) * spatial if isinstance(value, int) else tuple(value)
 
 
+def _applied_kernel(kernel: jax.Array, transpose_kernel: bool) -> jax.Array:
+  """The kernel a convolution applies: a transposed one (`(*window, out,
+  in)`, `lax.conv_transpose(transpose_kernel=True)`) flipped over its window,
+  channel axes swapped."""
+  if not transpose_kernel:
+    return kernel
+  flipped = jnp.flip(kernel, tuple(range(kernel.ndim - 2)))
+  return jnp.swapaxes(flipped, -1, -2)
+
+
+_CONV_LAYOUTS = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC"),
+                 3: ("NDHWC", "DHWIO", "NDHWC")}
+
+
+def _applied_shape(tag: str, spatial: int, x: jax.Array, kernel: jax.Array, groups: int,
+                   transpose_kernel: bool) -> tuple[int, ...]:
+  """The shape of the kernel a convolution applies (`(*window, in / groups,
+  out)`), after checking that the input and the kernel fit it."""
+  layout = _CONV_LAYOUTS[spatial]
+  if x.ndim != spatial + 2 or kernel.ndim != spatial + 2:
+    raise ValueError(f"kd.tags.{tag} expects {layout[0]} inputs and {layout[1]} "
+                     f"kernels, got {x.shape} and {kernel.shape}")
+  if transpose_kernel and groups != 1:
+    raise ValueError(f"kd.tags.{tag}: transpose_kernel=True with feature_group_count="
+                     f"{groups}; a transposed kernel has one group.")
+  shape = (kernel.shape[:-2] + (kernel.shape[-1], kernel.shape[-2]) if transpose_kernel
+           else kernel.shape)
+  if groups < 1 or shape[-1] % groups:
+    raise ValueError(f"kd.tags.{tag}: feature_group_count={groups} must be "
+                     f"a positive divisor of the kernel's output channels {shape[-1]}")
+  if x.shape[-1] != shape[-2] * groups:
+    raise ValueError(f"kd.tags.{tag}: input channels {x.shape[-1]} do not match "
+                     f"kernel {kernel.shape} with feature_group_count={groups}"
+                     + " and transpose_kernel=True" * transpose_kernel)
+  return tuple(shape)
+
+
 def _convolution(tag: str, spatial: int, x: jax.Array, kernel: jax.Array,
                  bias: jax.Array | None, name, strides, padding, dilation,
                  input_dilation, feature_group_count: int, dtype, precision,
-                 example_dims, site) -> jax.Array:
+                 example_dims, site, transpose_kernel: bool = False) -> jax.Array:
   """`conv1d` / `conv2d` / `conv3d`: channels-last input `[N, *spatial, C]`,
   Flax's kernel `(*window, in, out)`; `A` from the im2col patches
   (`factors.conv_patches`) of the input, with `input_dilation − 1` zeros
   between its entries when dilated (a transposed convolution), `G` from the
   output cotangents. A grouped convolution (`feature_group_count = n`: kernel
   `(*window, in / n, out)`) is `n` blocks, each group's channels a
-  convolution of its own (see `registry`)."""
+  convolution of its own (see `registry`). `transpose_kernel`: the kernel is
+  stored `(*window, out, in)` and applied flipped (`_applied_kernel`)."""
   groups = int(feature_group_count)
-  layout = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC"),
-            3: ("NDHWC", "DHWIO", "NDHWC")}[spatial]
-  if x.ndim != spatial + 2 or kernel.ndim != spatial + 2:
-    raise ValueError(f"kd.tags.{tag} expects {layout[0]} inputs and {layout[1]} "
-                     f"kernels, got {x.shape} and {kernel.shape}")
-  if groups < 1 or kernel.shape[-1] % groups:
-    raise ValueError(f"kd.tags.{tag}: feature_group_count={feature_group_count} must be "
-                     f"a positive divisor of the kernel's output channels {kernel.shape[-1]}")
-  if x.shape[-1] != kernel.shape[-2] * groups:
-    raise ValueError(f"kd.tags.{tag}: input channels {x.shape[-1]} do not match "
-                     f"kernel {kernel.shape} with feature_group_count={groups}")
+  layout = _CONV_LAYOUTS[spatial]
+  shape = _applied_shape(tag, spatial, x, kernel, groups, transpose_kernel)
   _check_example_dims(tag, example_dims, spatial + 1, x.shape)
   strides, dilation = _spatial(strides, spatial), _spatial(dilation, spatial)
   input_dilation = _spatial(input_dilation, spatial)
@@ -490,7 +521,8 @@ def _convolution(tag: str, spatial: int, x: jax.Array, kernel: jax.Array,
             ) -> jax.Array:
     x, kernel, bias = _promote(dtype, x, kernel, bias)
     y = lax.conv_general_dilated(
-        x, kernel, window_strides=strides, padding=padding, lhs_dilation=input_dilation,
+        x, _applied_kernel(kernel, transpose_kernel), window_strides=strides,
+        padding=padding, lhs_dilation=input_dilation,
         rhs_dilation=dilation, dimension_numbers=layout, feature_group_count=groups,
         precision=precision)
     return y if bias is None else y + bias
@@ -499,12 +531,12 @@ def _convolution(tag: str, spatial: int, x: jax.Array, kernel: jax.Array,
     if any(d != 1 for d in input_dilation):
       x = lax.pad(x, jnp.zeros((), x.dtype), ((0, 0, 0),) + tuple(
           (0, 0, d - 1) for d in input_dilation) + ((0, 0, 0),))
-    return factors.conv_patches(x, kernel.shape, strides, padding, dilation, homogeneous)
+    return factors.conv_patches(x, shape, strides, padding, dilation, homogeneous)
 
   def stats(x: jax.Array, g: jax.Array, forms: tuple[str, str]) -> dict:
     # A gathered patch gets its bias's 1 in the gather (`conv_patches`); a
     # 1x1 kernel's patches are the input itself, which a 1 would copy.
-    homogeneous = bias is not None and math.prod(kernel.shape[:-2]) != 1
+    homogeneous = bias is not None and math.prod(shape[:-2]) != 1
     return {"A": factors.input_factor(patches(x, homogeneous),
                                       bias is not None and not homogeneous,
                                       forms["A"], example_dims),
@@ -514,9 +546,10 @@ def _convolution(tag: str, spatial: int, x: jax.Array, kernel: jax.Array,
     """Patches and cotangents; an example is an image (its pixels summed)."""
     return patches(x), g, 1 if example_dims is None else example_dims
 
+  transposed = {"transposed_kernel": True} if transpose_kernel else {}
   return _tagged(tag, name, apply, stats, x, kernel, bias, site, examples=examples,
-                 a_dim=math.prod(kernel.shape[:-1]) + (bias is not None),
-                 g_dim=kernel.shape[-1] // groups, groups=groups)
+                 a_dim=math.prod(shape[:-1]) + (bias is not None),
+                 g_dim=shape[-1] // groups, groups=groups, **transposed)
 
 
 def conv2d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
@@ -524,7 +557,8 @@ def conv2d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
            padding: str | Sequence[tuple[int, int]] = "SAME",
            dilation: Sequence[int] = (1, 1), input_dilation: Sequence[int] = (1, 1),
            feature_group_count: int = 1, dtype: Any = None, precision=None,
-           example_dims: int | None = None, stack_index=None, _site=None) -> jax.Array:
+           example_dims: int | None = None, stack_index=None, transpose_kernel: bool = False,
+           _site=None) -> jax.Array:
   """2-D convolution, NHWC input and Flax's HWIO kernel `(kh, kw, in, out)`.
 
   `A` is built from im2col patches (see `factors.conv_patches`), `G` from the
@@ -538,11 +572,15 @@ def conv2d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
   between the input's entries before the patches are taken.
   `stack_index`: `kernel` (and `bias`) are stacked leaves `[*stack, ...]` and
   the tag applies block `kernel[stack_index]` (see the module docstring).
+  `transpose_kernel`: the kernel is stored `(kh, kw, out, in)` and applied
+  flipped over its window, channel axes swapped, as `lax.conv_transpose`'s
+  `transpose_kernel=True` (PyTorch's transposed-convolution weights); the
+  factors are the applied kernel's.
   """
   kernel, bias, site = _block_of(kernel, bias, stack_index, _site)
   return _convolution("conv2d", 2, x, kernel, bias, name, strides, padding, dilation,
                       input_dilation, feature_group_count, dtype, precision,
-                      example_dims, site)
+                      example_dims, site, transpose_kernel)
 
 
 def conv1d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
@@ -550,19 +588,20 @@ def conv1d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
            padding: str | Sequence[tuple[int, int]] = "SAME",
            dilation: int | Sequence[int] = (1,), input_dilation: int | Sequence[int] = (1,),
            feature_group_count: int = 1, dtype: Any = None, precision=None,
-           example_dims: int | None = None, stack_index=None, _site=None) -> jax.Array:
+           example_dims: int | None = None, stack_index=None, transpose_kernel: bool = False,
+           _site=None) -> jax.Array:
   """1-D convolution, NWC input `[N, L, C]` and Flax's WIO kernel `(k, in,
   out)` (sequences: audio, text, time series).
 
   As `conv2d` along one axis: `A` from the `[k·in(+1)]` patches of every
   output position, `G` from the output cotangents there; every position is
   an example unless `example_dims=1` (one example per sequence).
-  `stack_index` as for `conv2d`.
+  `stack_index` and `transpose_kernel` as for `conv2d`.
   """
   kernel, bias, site = _block_of(kernel, bias, stack_index, _site)
   return _convolution("conv1d", 1, x, kernel, bias, name, strides, padding, dilation,
                       input_dilation, feature_group_count, dtype, precision,
-                      example_dims, site)
+                      example_dims, site, transpose_kernel)
 
 
 def conv3d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
@@ -571,19 +610,19 @@ def conv3d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
            dilation: int | Sequence[int] = (1, 1, 1),
            input_dilation: int | Sequence[int] = (1, 1, 1), feature_group_count: int = 1,
            dtype: Any = None, precision=None, example_dims: int | None = None,
-           stack_index=None, _site=None) -> jax.Array:
+           stack_index=None, transpose_kernel: bool = False, _site=None) -> jax.Array:
   """3-D convolution, NDHWC input `[N, D, H, W, C]` and Flax's DHWIO kernel
   `(kd, kh, kw, in, out)` (video, volumes).
 
   As `conv2d` over three axes: `A` from the `[kd·kh·kw·in(+1)]` patches of
   every output voxel, `G` from the output cotangents there; every voxel is
   an example unless `example_dims=1` (one example per volume).
-  `stack_index` as for `conv2d`.
+  `stack_index` and `transpose_kernel` as for `conv2d`.
   """
   kernel, bias, site = _block_of(kernel, bias, stack_index, _site)
   return _convolution("conv3d", 3, x, kernel, bias, name, strides, padding, dilation,
                       input_dilation, feature_group_count, dtype, precision,
-                      example_dims, site)
+                      example_dims, site, transpose_kernel)
 
 
 CONVOLUTIONS = {1: conv1d, 2: conv2d, 3: conv3d}   # the tag of each spatial rank

@@ -424,13 +424,15 @@ def check_kfac_layers(layers, sharding: ModelSharding) -> None:
     if layer.kernel_path not in sharding.paths:
       continue
     i = sharding.paths.index(layer.kernel_path)
-    if layer.groups > 1 and any(dim is not None for dim in sharding.dims[i]):
+    kind = (f"a grouped convolution (feature_group_count={layer.groups})"
+            if layer.groups > 1 else
+            "a convolution with a transposed kernel" if layer.transposed_kernel else None)
+    if kind and any(dim is not None for dim in sharding.dims[i]):
       raise ValueError(
-          f"Tagged layer '{layer.name}' is a grouped convolution (feature_group_count="
-          f"{layer.groups}) whose kernel is sharded over a model axis; K-FAC supports "
-          "grouped convolutions with replicated kernels only: replicate it, or leave it "
-          "untagged.")
-    if tuple(layer.stack) + tuple(layer.kernel_shape) != sharding.local_shape(i):
+          f"Tagged layer '{layer.name}' is {kind} whose kernel is sharded over a model "
+          "axis; K-FAC supports such layers with replicated kernels only: replicate "
+          "it, or leave it untagged.")
+    if layer.leaf_shape(layer.kernel_shape) != tuple(sharding.local_shape(i)):
       raise ValueError(
           f"Tagged layer '{layer.name}' has kernel shape {layer.kernel_shape}, not its "
           f"local shard's {sharding.local_shape(i)}: discover the layers with "

@@ -35,6 +35,7 @@ class ConvConfig(NamedTuple):
   input_dilation: tuple[int, ...]
   edge: tuple[str, tuple] | None = None
   groups: int = 1                 # feature_group_count
+  transpose_kernel: bool = False  # ConvTranspose's: the kernel `(*window, out, in)`
 
 
 def padded_edges(inputs, edge: tuple[str, tuple] | None):
@@ -88,14 +89,13 @@ def _transpose_pads(window: int, stride: int, padding: str) -> tuple[int, int]:
 def conv_transpose_config(module, default_promote):
   """A linen or NNX `ConvTranspose` (`lax.conv_transpose`) as the convolution
   it computes: a `ConvConfig` with unit strides, the input dilated by the
-  strides and lax's padding; or a reason string (`default_promote`: the
+  strides and lax's padding (with `transpose_kernel=True`, the kernel flipped
+  and swapped: `kd.tags.conv2d`'s `transpose_kernel`); or a reason string (`default_promote`: the
   API's own `promote_dtype`)."""
   kernel_size = _pair(module.kernel_size, 1)
   spatial = len(kernel_size)
   if spatial not in (1, 2, 3):
     return f"{spatial}-D transposed convolution (1-D, 2-D and 3-D are tagged)"
-  if module.transpose_kernel:
-    return "transpose_kernel=True (a flipped, swapped kernel)"
   if module.mask is not None:
     return "masked kernel"
   if (getattr(module, "preferred_element_type", None) is not None
@@ -112,7 +112,8 @@ def conv_transpose_config(module, default_promote):
                  for k, s, d in zip(kernel_size, strides, dilation))
   else:
     pads = tuple((int(lo), int(hi)) for lo, hi in padding)
-  return ConvConfig(spatial, (1,) * spatial, pads, dilation, strides)
+  return ConvConfig(spatial, (1,) * spatial, pads, dilation, strides,
+                    transpose_kernel=bool(module.transpose_kernel))
 
 
 def _explicit_transpose_pads_as_given() -> bool:

@@ -77,8 +77,9 @@ def _conv_tagged(module: nn.Module, inputs, config: _flax_common.ConvConfig) -> 
   inputs, restore = _flax_common.flatten_batch(inputs, config.spatial)
   inputs = _flax_common.padded_edges(inputs, config.edge)
   kernel_size = _flax_common.kernel_window(module.kernel_size)
-  kernel = module.param("kernel", module.kernel_init,
-                        kernel_size + (inputs.shape[-1] // config.groups, module.features),
+  channels = ((module.features, inputs.shape[-1]) if config.transpose_kernel
+              else (inputs.shape[-1] // config.groups, module.features))
+  kernel = module.param("kernel", module.kernel_init, kernel_size + channels,
                         module.param_dtype)
   bias = (module.param("bias", module.bias_init, (module.features,), module.param_dtype)
           if module.use_bias else None)
@@ -86,7 +87,7 @@ def _conv_tagged(module: nn.Module, inputs, config: _flax_common.ConvConfig) -> 
       inputs, kernel, bias, strides=config.strides, padding=config.padding,
       dilation=config.dilation, input_dilation=config.input_dilation,
       feature_group_count=config.groups, dtype=module.dtype, precision=module.precision,
-      example_dims=_example_dims(module),
+      example_dims=_example_dims(module), transpose_kernel=config.transpose_kernel,
       _site=stacking.linen_site(module, kernel, bias, "kernel", "bias"))
   return restore(y)
 

@@ -129,7 +129,8 @@ def _conv_tagged(module: nnx.Module, inputs, config: _flax_common.ConvConfig
       inputs, kernel, bias, strides=config.strides, padding=config.padding,
       dilation=config.dilation, input_dilation=config.input_dilation,
       feature_group_count=config.groups, dtype=module.dtype, precision=module.precision,
-      example_dims=_example_dims(module), _site=site)
+      example_dims=_example_dims(module), transpose_kernel=config.transpose_kernel,
+      _site=site)
   return restore(y)
 
 
