@@ -560,16 +560,17 @@ def test_plain_scan_over_slices_needs_stack_index():
     kd.value_and_grad(loss_fn).discover(params, x, y)
 
 
-def _expand_oracle(run, x, runs: int):
-  """K-FAC-expand's statistics of a Dense layer (with bias) that runs `runs`
-  times, by float64 brute force: `run(eps) -> (loss, inputs)` evaluates the
-  model unrolled with `eps[r]` added to run r's output and returns every
-  run's input. `A` = mean of `a aᵀ` over all runs' positions, `G = n Σ_r
-  g_rᵀ g_r` (n = B, the loss's examples)."""
+def _expand_oracle(run, x, runs: int, bias: bool = True):
+  """K-FAC-expand's statistics of a Dense layer (`[·, D]` outputs) that runs
+  `runs` times, by float64 brute force: `run(eps) -> (loss, inputs)`
+  evaluates the model unrolled with `eps[r]` added to run r's output and
+  returns every run's input (`x`: one run's, `[B, ·]`). `A` = mean of `a aᵀ`
+  over all runs' positions (`a` with the bias's 1), `G = n Σ_r g_rᵀ g_r` (n =
+  B, the loss's examples)."""
   eps = jnp.zeros((runs,) + x.shape[:-1] + (D,), F64)
   g = jax.grad(lambda e: run(e)[0])(eps)
   a = jnp.concatenate([jnp.concatenate([h, jnp.ones((h.shape[0], 1), F64)], 1)
-                       for h in run(eps)[1]])
+                       if bias else h for h in run(eps)[1]])
   return a.T @ a / a.shape[0], x.shape[0] * sum(g[r].T @ g[r] for r in range(runs))
 
 
@@ -608,6 +609,60 @@ def test_shared_kernel_gets_expand_statistics(loop):
   want_a, want_g = _expand_oracle(unrolled, x, runs)
   np.testing.assert_allclose(stats["w"]["A"], want_a, rtol=1e-12)
   np.testing.assert_allclose(stats["w"]["G"], want_g, rtol=1e-12)
+
+
+@pytest.mark.parametrize("cell", [nn.LSTMCell, nn.OptimizedLSTMCell])
+def test_flax_lstm_gates_get_expand_statistics(cell):
+  """An LSTM (Flax's `nn.RNN` over `nn.LSTMCell`, captured by interception):
+  each gate's input and hidden Dense is one layer shared by the T time
+  steps, with K-FAC-expand's statistics over them (every step's positions
+  are examples; kfac-jax#188 asks for recurrent layers). The cell written
+  out in float64 is the brute force. `OptimizedLSTMCell` (the gates'
+  kernels joined into one product) is captured as `LSTMCell`, its loss
+  Flax's own."""
+  steps = 3
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.RNN(cell(D, param_dtype=F64, name="cell"))(x)
+      return nn.Dense(C, param_dtype=F64)(h[:, -1])
+
+  x = jax.random.normal(jax.random.PRNGKey(3), (B, steps, D), F64)
+  y = jax.random.randint(jax.random.PRNGKey(4), (B,), 0, C)
+  params = helpers.randomized(Net().init(jax.random.PRNGKey(5), x))["params"]
+
+  def loss_fn(p, x, y):
+    return kd.losses.softmax_cross_entropy(Net().apply({"params": p}, x), y)
+  grad_fn = kd.value_and_grad(loss_fn, capture="flax")
+  layers = grad_fn.discover(params, x, y)
+  assert not layers.uncaptured and len(layers) == 9          # 8 gates, the head
+  loss, _, stats = jax.jit(grad_fn)(params, x, y)
+  np.testing.assert_allclose(loss, loss_fn(params, x, y), rtol=1e-12)
+  weights = params["cell"]
+
+  def unrolled(gate: str, eps):
+    """The LSTM with `eps[t]` added to `gate`'s Dense output at step t."""
+    h, c, inputs = jnp.zeros((B, D), F64), jnp.zeros((B, D), F64), []
+
+    def dense(name, v, t):
+      out = v @ weights[name]["kernel"] + weights[name].get("bias", 0.0)
+      if name == gate:
+        inputs.append(v)
+        out = out + eps[t]
+      return out
+    for t in range(steps):
+      pre = {k: dense("i" + k, x[:, t], t) + dense("h" + k, h, t) for k in "ifgo"}
+      c = jax.nn.sigmoid(pre["f"]) * c + jax.nn.sigmoid(pre["i"]) * jnp.tanh(pre["g"])
+      h = jax.nn.sigmoid(pre["o"]) * jnp.tanh(c)
+    out = h @ params["Dense_0"]["kernel"] + params["Dense_0"]["bias"]
+    return kd.losses.softmax_cross_entropy(out, y), inputs
+  for gate in ("ii", "hi", "if", "hf", "ig", "hg", "io", "ho"):
+    name = next(layer.name for layer in layers if layer.name.endswith("/" + gate))
+    want_a, want_g = _expand_oracle(functools.partial(unrolled, gate), x[:, 0], steps,
+                                    bias=gate[0] == "h")
+    np.testing.assert_allclose(stats[name]["A"], want_a, rtol=1e-10, err_msg=gate)
+    np.testing.assert_allclose(stats[name]["G"], want_g, rtol=1e-10, err_msg=gate)
 
 
 def test_stack_applied_twice_gets_expand_statistics():

@@ -9,6 +9,8 @@ or `BatchNorm` (or of a subclass that does not replace it), the interceptor
 runs the same module through the tagged computation of `kd.linen` instead
 (`kfac_jax_dist.flax.linen`): the same parameters, names, statistics and
 conventions as the `kd.linen` layer, `kfac_example_dims` at its class default.
+Flax's `OptimizedLSTMCell` (its gates' kernels joined into one product) runs
+as `LSTMCell`, whose parameters it keeps: its gates are Dense layers.
 Interception is Flax's public, stable hook, so nothing depends on the
 jaxpr's shape (kfac-jax's pattern matching does, and breaks across JAX
 releases).
@@ -67,7 +69,17 @@ def _handlers() -> dict[Callable, Handler]:
   def batch_norm(module: nn.BatchNorm, fallback: Callable[[], Any], x: Any,
                  use_running_average: bool | None = None, *, mask: Any = None) -> Any:
     return linen.batch_norm(module, x, use_running_average, mask, fallback)
+
+  def optimized_lstm(module: nn.OptimizedLSTMCell, fallback: Callable[[], Any],
+                     carry: Any, inputs: Any) -> Any:
+    """`OptimizedLSTMCell` keeps `LSTMCell`'s parameters (names, shapes and
+    fields, for compatibility, says Flax) and multiplies each input by its
+    gates' kernels joined: it runs as `LSTMCell`, whose gates' Dense layers
+    are captured (the same products, one per gate)."""
+    del fallback
+    return _raw(nn.LSTMCell)(module, carry, inputs)
   return {_raw(nn.Dense): plain(linen.dense), _raw(nn.Conv): plain(linen.conv),
+          _raw(nn.OptimizedLSTMCell): optimized_lstm,
           _raw(nn.ConvTranspose): plain(linen.conv_transpose),
           _raw(nn.DenseGeneral): plain(linen.dense_general),
           _raw(nn.Embed): plain(linen.embed), _raw(nn.LayerNorm): norm(linen.layer_norm),
