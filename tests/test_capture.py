@@ -1377,20 +1377,32 @@ def test_grouped_conv_bad_group_count_raises():
     kd.tags.conv2d(x, jnp.ones((3, 3, 4, 3)), transpose_kernel=True)   # (out 4, in 3)
 
 
-def test_grouped_conv_in_a_stack_raises():
-  """A grouped convolution's groups are its blocks; inside a scan over
-  stacked layers it is refused by name, not mis-captured."""
-  kernel = jnp.ones((2, 3, 3, 2, 4))
+def test_grouped_conv_in_a_stack_has_each_blocks_groups():
+  """A grouped convolution in stacked layers (`stack_index=`, a scan's
+  blocks): its statistics are `[L, groups, ...]`, block `l`'s groups those
+  of the same convolution applied as a layer of its own (whose groups'
+  factors test_grouped_conv_statistics checks against brute force)."""
+  kernel = randn(jax.random.PRNGKey(3), (2, 3, 3, 2, 4), 0.4)
+  bias = randn(jax.random.PRNGKey(4), (2, 4), 0.1)
+  x, y = randn(jax.random.PRNGKey(5), (3, 4, 4, 4)), jnp.array([0, 1, 3])
 
-  def loss_fn(p, x, y):
+  def loss_fn(p, x, y, stacked=True):
     h = x
     for i in range(2):
-      h = kd.tags.conv2d(h, p["k"], stack_index=i, feature_group_count=2)
+      h = jnp.tanh(kd.tags.conv2d(h, p["k"], p["b"], stack_index=i, feature_group_count=2)
+                   if stacked else kd.tags.conv2d(h, p[f"k{i}"], p[f"b{i}"], name=f"k{i}",
+                                                  feature_group_count=2))
     return kd.losses.softmax_cross_entropy(h.mean((1, 2)), y)
-
-  with pytest.raises(ValueError, match="'k'.*grouped convolution.*inside stacked"):
-    kd.value_and_grad(loss_fn).discover({"k": kernel}, jnp.ones((1, 4, 4, 4)),
-                                        jnp.zeros((1,), jnp.int32))
+  layer, = kd.value_and_grad(loss_fn).discover({"k": kernel, "b": bias}, x, y)
+  assert layer.stack == (2, 2) and layer.kernel_shape == (3, 3, 2, 2)
+  assert layer.leaf_shape(layer.kernel_shape) == kernel.shape
+  _, _, stats = kd.value_and_grad(loss_fn)({"k": kernel, "b": bias}, x, y)
+  split = {f"{w}{i}": p[i] for w, p in (("k", kernel), ("b", bias)) for i in range(2)}
+  _, _, want = kd.value_and_grad(functools.partial(loss_fn, stacked=False))(split, x, y)
+  for i in range(2):
+    for factor in ("A", "G"):
+      np.testing.assert_allclose(stats["k"][factor][i], want[f"k{i}"][factor], rtol=1e-12,
+                                 err_msg=f"{factor} of block {i}")
 
 
 @pytest.mark.parametrize("capture_mode", ["linen", "intercept", "nnx"])

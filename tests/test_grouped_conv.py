@@ -100,6 +100,70 @@ def test_grouped_updates_equal_split_convolutions(config):
     helpers.assert_trees_equal(got, want, rtol=1e-10)
 
 
+STACKED = 2                # blocks of the stacked depthwise convolution
+CHANNELS = 4
+
+
+def _stacked_params() -> dict:
+  rng = np.random.default_rng(1)
+  params = {"dw": {"kernel": rng.normal(size=(STACKED, 3, 3, 1, CHANNELS)) * 0.5,
+                   "bias": rng.normal(size=(STACKED, CHANNELS)) * 0.1},
+            "head": {"kernel": rng.normal(size=(CHANNELS, 5)) * 0.4}}
+  return jax.tree.map(lambda x: jnp.asarray(x, F64), params)
+
+
+def _stacked_network(p: dict, x: jax.Array, split: bool) -> jax.Array:
+  """Two blocks of a depthwise convolution stacked in one leaf (`stack_index`)
+  → mean → dense; `split`: each block's each channel a plain convolution of
+  its own ("dw_<block>_<channel>")."""
+  h = x
+  for i in range(STACKED):
+    if not split:
+      h = kd.tags.conv2d(h, p["dw"]["kernel"], p["dw"]["bias"], stack_index=i,
+                         feature_group_count=CHANNELS, name="dw")
+    else:
+      h = jnp.concatenate([kd.tags.conv2d(
+          h[..., c:c + 1], p[f"dw_{i}_{c}"]["kernel"], p[f"dw_{i}_{c}"]["bias"],
+          name=f"dw_{i}_{c}") for c in range(CHANNELS)], axis=-1)
+    h = jnp.tanh(h)
+  return kd.tags.dense(h.mean((1, 2)), p["head"]["kernel"], name="head")
+
+
+def _stacked_split(params: dict) -> dict:
+  out = {"head": params["head"]}
+  for i in range(STACKED):
+    for c in range(CHANNELS):
+      out[f"dw_{i}_{c}"] = jax.tree.map(lambda x: x[i, ..., c:c + 1], params["dw"])
+  return out
+
+
+def _stacked_joined(split: dict) -> dict:
+  dw = {w: jnp.stack([jnp.concatenate([split[f"dw_{i}_{c}"][w] for c in range(CHANNELS)],
+                                      axis=-1) for i in range(STACKED)])
+        for w in ("kernel", "bias")}
+  return {"dw": dw, "head": split["head"]}
+
+
+@pytest.mark.parametrize("config", [
+    c if c in ("eigen", "ekfac", "stale") else pytest.param(c, marks=pytest.mark.slow)
+    for c in helpers.METHOD_CONFIGS])
+def test_stacked_grouped_updates_equal_split_convolutions(config):
+  """A depthwise convolution stacked over blocks (`stack` `(blocks, groups)`):
+  each block's each group is preconditioned as a convolution of its own."""
+  with jax.enable_x64(True):
+    batch = helpers.image_batch((16, 5, 5, CHANNELS))
+    loss = lambda split: (lambda p, x, y: kd.losses.softmax_cross_entropy(
+        _stacked_network(p, x, split), y))
+    got = helpers.method_trajectory(loss(False), _stacked_params(), batch,
+                                    helpers.METHOD_CONFIGS[config])
+    want = _stacked_joined(helpers.method_trajectory(
+        loss(True), _stacked_split(_stacked_params()), batch,
+        helpers.METHOD_CONFIGS[config]))
+    assert float(jnp.max(jnp.abs(got["dw"]["kernel"] - _stacked_params()["dw"]["kernel"]))
+                 ) > 1e-3
+    helpers.assert_trees_equal(got, want, rtol=1e-10)
+
+
 def test_grouped_update_equals_kronecker_solve():
   """One step: group `g`'s kernel and bias update is NumPy's solve of `(A_g ⊗
   G_g + γI) vec(V) = vec(∇_g)` with the group's own factors, ∇_g its slice of

@@ -169,6 +169,49 @@ def test_linen_scan_matches_unrolled():
   assert running["blocks/Dense_0/1"]["A"].shape == (D + 1, D + 1)
 
 
+class GroupedBlock(nn.Module):
+  """A grouped convolution (2 groups of 2 channels) as a scanned block."""
+
+  @nn.compact
+  def __call__(self, x, _=None):
+    return jnp.tanh(kd.linen.Conv(4, (3, 3), feature_group_count=2, param_dtype=F64)(x)), None
+
+
+class GroupedNet(nn.Module):
+  scanned: bool
+
+  @nn.compact
+  def __call__(self, x):
+    if self.scanned:
+      x, _ = nn.scan(GroupedBlock, variable_axes={"params": 0},
+                     split_rngs={"params": True}, length=L)(name="blocks")(x, None)
+    else:
+      for i in range(L):
+        x, _ = GroupedBlock(name=f"block_{i}")(x)
+    return kd.linen.Dense(C, param_dtype=F64)(x.mean((1, 2)))
+
+
+def test_linen_scan_of_a_grouped_conv_matches_unrolled():
+  """`nn.scan` over blocks with a grouped convolution: its stack is `(L,
+  groups)`, every block's every group a block of its own, and the K-FAC
+  trajectory is the unrolled model's."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (B, 5, 5, 4), F64)
+  y = jax.random.randint(jax.random.PRNGKey(1), (B,), 0, C)
+  stacked = _perturbed(GroupedNet(True).init(jax.random.PRNGKey(2), x)["params"])
+  unrolled = {f"block_{i}": jax.tree.map(lambda a, i=i: a[i], stacked["blocks"])
+              for i in range(L)} | {"Dense_0": stacked["Dense_0"]}
+  loss = lambda scanned: (lambda p, x, y: kd.losses.softmax_cross_entropy(
+      GroupedNet(scanned).apply({"params": p}, x), y))
+  conv = kd.value_and_grad(loss(True)).discover(stacked, x, y).layers[0]
+  assert conv.stack == (L, 2) and conv.kernel_shape == (3, 3, 2, 2)
+  assert conv.blocks()[3].name == "blocks/Conv_0/1/1"
+  got, _ = _train(loss(True), stacked, (x, y))
+  want, _ = _train(loss(False), unrolled, (x, y))
+  for i in range(L):
+    jax.tree.map(lambda a, b, i=i: _assert_close(a[i], b, 1e-10), got["blocks"],
+                 want[f"block_{i}"])
+
+
 def _train_stale(loss_fn, params, batch, dist=None, steps=8, method="eigen"):
   """kd.kfac with stale statistics (SP-NGD §4.3), float64: the parameters and
   each factor's refreshes by (layer, factor), an unrolled block's layer named

@@ -28,11 +28,12 @@ A *grouped* convolution (`feature_group_count = n > 1`, depthwise when every
 group has one input channel) is `n` independent convolutions, group `i`
 mapping input channels `[i·c_in, (i+1)·c_in)` to output channels `[i·c_out,
 (i+1)·c_out)`. It is recorded as a stacked layer of `n` blocks (`groups = n`,
-`stack = (n,)`; `kernel_shape` `(*window, c_in, c_out)` and `a_dim`, `g_dim`
-one group's), so that each group gets its own Kronecker factors (block-
-diagonal over the groups: exact K-FAC for the groups, which share no
-weight); only the way its blocks lie in the leaves differs, inside the
-kernel's last axis (`leaf_blocks`, `blocks_leaf`).
+`stack = (*outer, n)`, `outer` the stack axes of scanned blocks, if any;
+`kernel_shape` `(*window, c_in, c_out)` and `a_dim`, `g_dim` one group's), so
+that each group gets its own Kronecker factors (block-diagonal over the
+groups: exact K-FAC for the groups, which share no weight); only the way its
+blocks lie in the leaves differs, inside the kernel's last axis
+(`leaf_blocks`, `blocks_leaf`).
 
 A *transposed kernel* (`transposed_kernel=True`: Flax's `ConvTranspose` with
 `transpose_kernel=True`, PyTorch's convention) is stored `(*window, out, in)`
@@ -86,7 +87,7 @@ class TaggedLayer:
   are then one block's. `stack_index` and `stack_name` are set on the per-block
   records of `blocks()` only: which block, and the stacked layer (the key of
   the statistics) it belongs to. `groups`: a grouped convolution's
-  `feature_group_count` (its blocks are the groups, `stack == (groups,)`).
+  `feature_group_count` (its blocks are the groups, the last stack axis).
   `transposed_kernel`: the kernel leaf is the applied kernel flipped over
   its window, channel axes swapped (see the module docstring).
   """
@@ -149,10 +150,11 @@ class TaggedLayer:
   def leaf_shape(self, block_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape of a parameter leaf whose blocks are `block_shape` (the
     kernel's `kernel_shape` or the bias's): `[*stack, *block_shape]`; a
-    grouped convolution's groups side by side in the last axis; a
-    transposed kernel's channel axes swapped."""
+    grouped convolution's groups (the last stack axis) side by side in the
+    last axis; a transposed kernel's channel axes swapped."""
     if self.groups > 1:
-      return tuple(block_shape[:-1]) + (self.groups * block_shape[-1],)
+      return (tuple(self.stack[:-1]) + tuple(block_shape[:-1])
+              + (self.groups * block_shape[-1],))
     if self._transposes(block_shape):
       block_shape = tuple(block_shape[:-2]) + (block_shape[-1], block_shape[-2])
     return tuple(self.stack) + tuple(block_shape)
@@ -168,9 +170,10 @@ class TaggedLayer:
     """`[blocks, *block_shape]`: every block of a parameter leaf (the
     stacked layer's blocks, a grouped convolution's groups; a single layer's
     leaf with a leading axis of one; a transposed kernel as applied)."""
-    if self.groups > 1:
+    if self.groups > 1:            # [*outer, ..., n, c] → [*outer, n, ..., c]
       grouped = leaf.reshape(leaf.shape[:-1] + (self.groups, block_shape[-1]))
-      return jnp.moveaxis(grouped, -2, 0)
+      grouped = jnp.moveaxis(grouped, -2, len(self.stack) - 1)
+      return grouped.reshape((-1,) + tuple(block_shape))
     if self._transposes(block_shape):
       leaf = self._flip_swap(leaf)
     return leaf.reshape((-1,) + tuple(block_shape))
@@ -179,8 +182,9 @@ class TaggedLayer:
     """The parameter leaf of `blocks` (`[blocks, *block_shape]`, or its
     numbers in that order): the inverse of `leaf_blocks`."""
     if self.groups > 1:
-      grouped = blocks.reshape((self.groups,) + tuple(block_shape))
-      return jnp.moveaxis(grouped, 0, -2).reshape(self.leaf_shape(block_shape))
+      grouped = blocks.reshape(tuple(self.stack) + tuple(block_shape))
+      grouped = jnp.moveaxis(grouped, len(self.stack) - 1, -2)
+      return grouped.reshape(self.leaf_shape(block_shape))
     if self._transposes(block_shape):
       return self._flip_swap(blocks.reshape(tuple(self.stack) + tuple(block_shape)))
     return blocks.reshape(self.leaf_shape(block_shape))

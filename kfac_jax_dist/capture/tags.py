@@ -99,12 +99,7 @@ def _discover(trace, kind, name, kernel, bias, site, **record) -> None:
     kernel_shape = kernel_shape[:-2] + (kernel_shape[-1], kernel_shape[-2])
   groups = record.get("groups", 1)
   if groups > 1:              # one group's blocks (see `registry`)
-    if stack:
-      raise ValueError(
-          f"Tagged layer '{name}': a grouped convolution (feature_group_count="
-          f"{groups}) inside stacked layers (a scan over layers, stack_index=) is not "
-          "supported; unroll the stack or leave the layer untagged.")
-    stack = (groups,)
+    stack = tuple(stack) + (groups,)
     kernel_shape = kernel_shape[:-1] + (kernel_shape[-1] // groups,)
     bias_shape = None if bias is None else (bias_shape[-1] // groups,)
   layer = registry.TaggedLayer(
