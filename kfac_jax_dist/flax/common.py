@@ -90,8 +90,8 @@ def conv_transpose_config(module, default_promote):
   """A linen or NNX `ConvTranspose` (`lax.conv_transpose`) as the convolution
   it computes: a `ConvConfig` with unit strides, the input dilated by the
   strides and lax's padding (with `transpose_kernel=True`, the kernel flipped
-  and swapped: `kd.tags.conv2d`'s `transpose_kernel`); or a reason string (`default_promote`: the
-  API's own `promote_dtype`)."""
+  and swapped: `kd.tags.conv2d`'s `transpose_kernel`); or a reason string
+  (`default_promote`: the API's own `promote_dtype`)."""
   kernel_size = _pair(module.kernel_size, 1)
   spatial = len(kernel_size)
   if spatial not in (1, 2, 3):
