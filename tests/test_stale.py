@@ -1,6 +1,7 @@
 """Stale statistics (SP-NGD §4.3, Algorithms 1-2): interval decisions on a
 hand-made sequence, unchanged state for stale factors, and every strategy."""
 
+import dataclasses
 import functools
 import os
 import sys
@@ -15,6 +16,7 @@ import pytest
 import kfac_jax_dist as kd
 
 import helpers
+from kfac_jax_dist.kfac import correction as correction_lib
 from kfac_jax_dist.kfac import stale
 from kfac_jax_dist.kfac.state import find_states
 
@@ -134,6 +136,34 @@ def _eigen_update(grad, qa, qg, scaling, gamma):
   return qa @ ((qa.T @ grad @ qg) / (scaling + gamma)) @ qg.T
 
 
+def _fresh_by_layer(state) -> dict:
+  """EK-FAC's freshness flag of each corrected layer, by name."""
+  names = [plan.layer.name for plan, _ in correction_lib.corrected_plans(state.layout)]
+  return dict(zip(names, np.asarray(state.correction.fresh).tolist()))
+
+
+def _check_converted_correction(state, template) -> None:
+  """`kd.convert_state` keeps each layer's EK-FAC scaling and freshness, the
+  eigenbases the capture projects in (gathered from every owner when the
+  template has several owner groups) and the refresh schedule."""
+  moved = kd.convert_state(state, template)
+  assert _fresh_by_layer(moved) == _fresh_by_layer(state)
+  got = correction_lib.layer_scaling(moved.layout, moved.correction)
+  for name, want in correction_lib.layer_scaling(state.layout, state.correction).items():
+    np.testing.assert_array_equal(got[name], want)
+    for q_moved, q in zip(moved.correction_bases(name), state.correction_bases(name)):
+      np.testing.assert_array_equal(q_moved, q)
+  schedule = lambda s: {(plan.layer.name, which): (int(s.refresh.next_step[k]),
+                                                   int(s.refresh.interval[k]))
+                        for k, (plan, which, _) in enumerate(stale.factor_order(s.layout))}
+  assert schedule(moved) == schedule(state)
+  for key in ("factors", "refresh.last", "refresh.before_last"):
+    read = lambda s: kd.running_factors(dataclasses.replace(
+        s, factors=s.refresh.last if key == "refresh.last" else
+        s.refresh.before_last if key == "refresh.before_last" else s.factors))
+    jax.tree.map(np.testing.assert_array_equal, read(moved), read(state))
+
+
 @pytest.mark.parametrize("decay", [0.0, 0.5])
 def test_stale_ekfac_equals_float64_brute_force(x64, decay):
   """EK-FAC with stale statistics against NumPy in float64, two layers whose
@@ -143,7 +173,9 @@ def test_stale_ekfac_equals_float64_brute_force(x64, decay):
   of it refreshed since its last measurement (its eigenbases are new), else
   `β s + (1 − β) S`; a step without uses what the step before left: a layer
   with a factor refreshed then restarts from `v_A v_Gᵀ` of its new
-  eigenbases, the other keeps what it last measured."""
+  eigenbases, the other keeps what it last measured. The state's freshness
+  flags are the oracle's, and `convert_state` (to MEM-OPT on 8 devices) keeps
+  them by layer while one layer is fresh and the other measured."""
   rng = np.random.default_rng(1)
   dims = {"l": (3, 2), "m": (2, 3)}
   layers = kd.LayerRegistry(tuple(
@@ -162,16 +194,16 @@ def test_stale_ekfac_equals_float64_brute_force(x64, decay):
   s_seq = {n: rng.uniform(0.5, 2.0, size=(steps,) + d) for n, d in dims.items()}
   grads = {n: rng.normal(size=(steps,) + d) for n, d in dims.items()}
   running = {k: helpers.stale_refreshes([seq], ALPHA, decay) for k, seq in seqs.items()}
-  tx = kd.scale_by_kfac(layers=layers, damping=gamma, factor_decay=decay,
-                        stale_threshold=ALPHA, eigenvalue_correction="ekfac",
-                        factor_dtype=jnp.float64)
-  state = tx.init({n: {"kernel": jnp.ones(d, jnp.float64)} for n, d in dims.items()})
-  update = jax.jit(tx.update)
+  options = dict(damping=gamma, factor_decay=decay, stale_threshold=ALPHA,
+                 eigenvalue_correction="ekfac", factor_dtype=jnp.float64)
+  params = {n: {"kernel": jnp.ones(d, jnp.float64)} for n, d in dims.items()}
+  state = kd.scale_by_kfac(layers=layers, **options).init(params)
+  update = jax.jit(kd.scale_by_kfac(layers=layers, **options).update)
   eig = lambda x: np.linalg.eigh(x)
   bases = {n: (np.eye(a), np.eye(g)) for n, (a, g) in dims.items()}
   scaling = {n: np.ones(d) for n, d in dims.items()}   # v_A v_Gᵀ of the identities
   fresh = dict.fromkeys(dims, True)
-  kinds = set()
+  kinds, converted = set(), False
   for t in range(steps):
     stats = {n: {"A": jnp.asarray(seqs[n, "A"][t]), "G": jnp.asarray(seqs[n, "G"][t]),
                  "S": jnp.asarray(s_seq[n][t])} for n in dims}
@@ -193,8 +225,16 @@ def test_stale_ekfac_equals_float64_brute_force(x64, decay):
         factors = [running[n, w][max(r for r in running[n, w] if r <= t)][0] for w in "AG"]
         (va, qa), (vg, qg) = eig(factors[0]), eig(factors[1])
         bases[n], scaling[n], fresh[n] = (qa, qg), np.outer(va, vg), True
+    assert _fresh_by_layer(state) == fresh, t
+    if len(set(fresh.values())) == 2 and not converted:    # one fresh layer, one measured
+      converted = True
+      _check_converted_correction(state, kd.scale_by_kfac(
+          layers=layers,
+          distribution=kd.Distribution(helpers.data_mesh(8), grad_worker_fraction=1 / 8),
+          **options).init(params))
   # steps that refreshed l alone, m alone, both, and steps with no factor step
   assert {(True, True, False), (True, False, True), (False, False, False)} <= kinds, kinds
+  assert converted
 
 
 @pytest.mark.parametrize("method", ["eigen", "inverse"])
@@ -289,6 +329,41 @@ def test_stale_statistics_under_every_strategy(fraction, factor_reduction, metho
   refreshes = np.asarray(find_states(state)[0].refresh.refreshes)
   np.testing.assert_array_equal(refreshes, ref_refreshes)
   assert refreshes.min() < 6                 # something was actually skipped
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5), p, ref)
+
+
+def test_convert_state_moves_the_refresh_schedule():
+  """Three steps on 8 devices under MEM-OPT, `kd.convert_state` to one
+  device, three more: the uninterrupted single-device run's parameters and
+  refresh counts (the schedule, `X₋₁` and `X₋₂` moved factor by factor)."""
+  loss_fn, params, x, y = helpers.conv_dense_problem()
+  mesh = helpers.data_mesh(8)
+  grad_fn = kd.value_and_grad(loss_fn)
+  layers = grad_fn.discover(params, x, y)
+  make = lambda dist=None: kd.kfac(0.1, layers=layers, damping=1e-2, kl_clip=1e-2,
+                                   stale_threshold=0.3, distribution=dist)
+  tx8, tx1 = make(kd.Distribution(mesh, grad_worker_fraction=1 / 8)), make()
+
+  def step(tx, p, state, x, y, axis=None):
+    _, grads, stats = grad_fn(p, x, y, opt_state=state)
+    grads = grads if axis is None else jax.lax.pmean(grads, axis)
+    updates, state = tx.update(grads, state, p, kfac_stats=stats)
+    return optax.apply_updates(p, updates), state
+  state = kd.shard_state(tx8.init(params), mesh)
+  specs = kd.partition_specs(state)
+  step8 = jax.jit(jax.shard_map(functools.partial(step, tx8, axis="data"), mesh=mesh,
+                                in_specs=(P(), specs, P("data"), P("data")),
+                                out_specs=(P(), specs)))
+  step1 = jax.jit(functools.partial(step, tx1))
+  p = params
+  for _ in range(3):
+    p, state = step8(p, state, x, y)
+  p, state = jax.device_get(p), kd.convert_state(state, tx1.init(params))
+  for _ in range(3):
+    p, state = step1(p, state, x, y)
+  ref, ref_refreshes = _stale_single_device("eigen")
+  np.testing.assert_array_equal(find_states(state)[0].refresh.refreshes, ref_refreshes)
+  assert ref_refreshes.min() < 6
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5), p, ref)
 
 

@@ -44,6 +44,7 @@ from kfac_jax_dist.kfac import correction as correction_lib
 from kfac_jax_dist.kfac import state as kfac_lib
 from kfac_jax_dist.kfac import layout as layout_lib
 from kfac_jax_dist.kfac import packing
+from kfac_jax_dist.kfac import stale as stale_lib
 from kfac_jax_dist.shampoo import soap as soap_lib
 from kfac_jax_dist.shampoo import state as shampoo_state
 
@@ -274,10 +275,7 @@ def _convert_kfac(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfacState
   lay = new.layout
   _check_convertible(old.layout, lay)
   old = jax.tree_util.tree_map(np.asarray, old)      # global arrays, on the host
-  running = kfac_lib.running_factors(old)
-  factors = packing.all_segments(
-      lay, lambda plan, which: running[plan.layer.name][which.upper()],
-      new.factors.dtype, np)
+  factors = _running_like(old, old.factors, lay, new.factors.dtype)
   parts = kfac_lib.second_order_parts(old)
   dtype = new.second_order.dtype
   segments = []
@@ -301,12 +299,49 @@ def _convert_kfac(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfacState
       factors=jnp.asarray(factors),
       second_order=jnp.asarray(kfac_lib.global_second_order(lay, segments, np)),
       skipped=jnp.asarray(old.skipped, new.skipped.dtype), layout=lay,
-      correction=_convert_correction(old, new))
+      refresh=_convert_refresh(old, new), correction=_convert_correction(old, new, segments))
 
 
-def _convert_correction(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfacState
-                        ) -> correction_lib.CorrectionState | None:
-  """EK-FAC's scaling, layer by layer (None without the correction)."""
+def _running_like(old: kfac_lib.ScaleByKfacState, flat: np.ndarray,
+                  lay: layout_lib.Layout, dtype: Any) -> np.ndarray:
+  """`flat` (numbers laid out as `old`'s running factors: the factors, or
+  stale statistics' `X₋₁`, `X₋₂`) laid out as `lay`'s, factor by factor."""
+  running = kfac_lib.running_factors(dataclasses.replace(old, factors=flat))
+  return packing.all_segments(
+      lay, lambda plan, which: running[plan.layer.name][which.upper()], dtype, np)
+
+
+def _convert_refresh(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfacState
+                     ) -> stale_lib.RefreshState | None:
+  """Stale statistics' schedule, factor by factor (None without them): the
+  per-factor vectors by `(layer, factor)`, `X₋₁` and `X₋₂` as the running
+  factors. A factor split into column pieces takes its first piece's."""
+  if (old.refresh is None) != (new.refresh is None):
+    raise ValueError("convert_state: only one of the two K-FAC states has "
+                     "stale_threshold; build the template with the same stale_threshold.")
+  if new.refresh is None:
+    return None
+  r = old.refresh
+  index = {}
+  for k, (plan, which, _) in enumerate(stale_lib.factor_order(old.layout)):
+    index.setdefault((plan.layer.name, which), k)
+  picks = np.asarray([index[(plan.layer.name, which)]
+                      for plan, which, _ in stale_lib.factor_order(new.layout)], np.int32)
+  vectors = {name: jnp.asarray(np.asarray(getattr(r, name))[picks],
+                               getattr(new.refresh, name).dtype)
+             for name in ("next_step", "interval", "previous_interval", "refreshes",
+                          "weight")}
+  dtype = new.refresh.last.dtype
+  return stale_lib.RefreshState(
+      **vectors, last=jnp.asarray(_running_like(old, r.last, new.layout, dtype)),
+      before_last=jnp.asarray(_running_like(old, r.before_last, new.layout, dtype)))
+
+
+def _convert_correction(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfacState,
+                        segments: list[np.ndarray]) -> correction_lib.CorrectionState | None:
+  """EK-FAC's scaling and freshness, layer by layer (None without the
+  correction); with several owner groups in `new`, the gathered eigenbases:
+  every device's own second-order segment (`segments`), in device order."""
   if (old.correction is None) != (new.correction is None):
     raise ValueError("convert_state: only one of the two K-FAC states has "
                      'eigenvalue_correction="ekfac"; build the template with the same '
@@ -322,7 +357,9 @@ def _convert_correction(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfa
   return correction_lib.CorrectionState(
       jnp.asarray(np.concatenate(flat) if flat else np.zeros(0),
                   new.correction.scaling.dtype),
-      jnp.asarray([fresh[name] for name in names], bool).reshape(len(names)))
+      jnp.asarray([fresh[name] for name in names], bool).reshape(len(names)),
+      None if new.correction.bases is None else jnp.asarray(
+          np.concatenate(segments), new.correction.bases.dtype))
 
 
 def _check_same_blocks(old_layout, lay) -> None:
@@ -382,7 +419,9 @@ def convert_state(state: Any, template: Any) -> Any:
   sides). Every K-FAC state's running factors (read with `running_factors`,
   written with the template's layout) *and* second-order information (each
   factor's eigenbasis and eigenvalues, or damped inverse) move over exactly,
-  as do its counters; every other leaf (momentum, ...) is copied. The result
+  as do its counters, stale statistics' schedules (`_convert_refresh`) and
+  EK-FAC's scaling (`_convert_correction`); every other leaf (momentum, ...)
+  is copied. The result
   continues the trajectory: the next update is the one the old configuration
   would have made (up to the float32 differences between strategies), and
   the cadence is unchanged. Moving the decompositions rather than recomputing
