@@ -4,6 +4,7 @@ hand-made sequence, unchanged state for stale factors, and every strategy."""
 import dataclasses
 import functools
 import os
+import re
 import sys
 
 import jax
@@ -365,6 +366,27 @@ def test_convert_state_moves_the_refresh_schedule():
   np.testing.assert_array_equal(find_states(state)[0].refresh.refreshes, ref_refreshes)
   assert ref_refreshes.min() < 6
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5), p, ref)
+
+
+def test_describe_counts_the_stale_state():
+  """`kd.describe` names stale statistics' `X₋₁`, `X₋₂` and counts their
+  bytes (sharded as the running factors) and the schedule's in the state's."""
+  loss_fn, params, x, y = helpers.conv_dense_problem()
+  layers = kd.value_and_grad(loss_fn).discover(params, x, y)
+  dist = kd.Distribution(helpers.data_mesh(8), grad_worker_fraction=1 / 8)
+  plain, stale_state = (kd.scale_by_kfac(layers, distribution=dist, **options).init(params)
+                        for options in ({}, {"stale_threshold": 0.1}))
+  per_device = lambda s: int(re.search(r"K-FAC state: ([\d,]+) bytes per device",
+                                       kd.describe(s, print_table=False)
+                                       ).group(1).replace(",", ""))
+  shard, factors = stale_state.layout.factor_shard, len(stale.factor_order(stale_state.layout))
+  text = kd.describe(stale_state, print_table=False)
+  assert f"(X₋₁, X₋₂), {2 * shard:,} numbers per device" in text
+  assert f"refresh schedule ({factors} factors, replicated)" in text
+  # the stale layout stores each owner's factors padded (not tight chunks)
+  assert per_device(stale_state) - (per_device(plain) + 4 * (
+      stale_state.layout.factor_shard - plain.layout.factor_shard)) == 4 * (
+          2 * shard + 5 * factors)
 
 
 def test_due_factors_are_all_reduced_inside_their_loops():

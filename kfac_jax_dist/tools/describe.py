@@ -104,6 +104,10 @@ def _summary(state: ScaleByKfacState) -> list[str]:
                f"device{segments}.")
   per_device = cost.state_bytes(lay, state.factors.dtype.itemsize,
                                 state.second_order.dtype.itemsize)
+  if state.refresh is not None:
+    line, stale_bytes = _stale_line(state)
+    lines.append(line)
+    per_device += stale_bytes
   if state.correction is not None:
     lines.append(_correction_line(state))
     per_device += sum(x.size * x.dtype.itemsize
@@ -118,6 +122,19 @@ def _summary(state: ScaleByKfacState) -> list[str]:
                  f"of {uneven.LATENCY_NUMBERS:,} numbers per collective: "
                  "kfac_jax_dist.core.uneven.set_latency)")
   return lines
+
+
+def _stale_line(state: ScaleByKfacState) -> tuple[str, int]:
+  """Stale statistics' part of the state, in words, and its bytes per device:
+  `X₋₁` and `X₋₂` sharded as the running factors, the schedule replicated."""
+  r, lay = state.refresh, state.layout
+  shard = lay.factor_shard
+  schedule = [r.next_step, r.interval, r.previous_interval, r.refreshes, r.weight]
+  size = sum(x.size * x.dtype.itemsize for x in schedule)
+  size += shard * (r.last.dtype.itemsize + r.before_last.dtype.itemsize)
+  return (f"Stale statistics: every factor's last two refreshed values (X₋₁, X₋₂), "
+          f"{2 * shard:,} numbers per device, and its refresh schedule "
+          f"({r.next_step.size} factors, replicated)."), size
 
 
 def _correction_line(state: ScaleByKfacState) -> str:
