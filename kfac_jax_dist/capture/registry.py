@@ -156,15 +156,8 @@ class TaggedLayer:
       return (tuple(self.stack[:-1]) + tuple(block_shape[:-1])
               + (self.groups * block_shape[-1],))
     if self._transposes(block_shape):
-      block_shape = tuple(block_shape[:-2]) + (block_shape[-1], block_shape[-2])
+      block_shape = channels_swapped(block_shape)
     return tuple(self.stack) + tuple(block_shape)
-
-  def _flip_swap(self, kernels: jax.Array) -> jax.Array:
-    """`[..., *window, c, c']` flipped over the window, `c` and `c'` swapped:
-    its own inverse (the applied kernel ↔ a transposed kernel's leaf)."""
-    window = len(self.kernel_shape) - 2
-    flipped = jnp.flip(kernels, tuple(range(kernels.ndim - 2 - window, kernels.ndim - 2)))
-    return jnp.swapaxes(flipped, -1, -2)
 
   def leaf_blocks(self, leaf: jax.Array, block_shape: tuple[int, ...]) -> jax.Array:
     """`[blocks, *block_shape]`: every block of a parameter leaf (the
@@ -175,7 +168,7 @@ class TaggedLayer:
       grouped = jnp.moveaxis(grouped, -2, len(self.stack) - 1)
       return grouped.reshape((-1,) + tuple(block_shape))
     if self._transposes(block_shape):
-      leaf = self._flip_swap(leaf)
+      leaf = flip_swap(leaf, len(self.kernel_shape) - 2)
     return leaf.reshape((-1,) + tuple(block_shape))
 
   def blocks_leaf(self, blocks: jax.Array, block_shape: tuple[int, ...]) -> jax.Array:
@@ -186,13 +179,28 @@ class TaggedLayer:
       grouped = jnp.moveaxis(grouped, len(self.stack) - 1, -2)
       return grouped.reshape(self.leaf_shape(block_shape))
     if self._transposes(block_shape):
-      return self._flip_swap(blocks.reshape(tuple(self.stack) + tuple(block_shape)))
+      return flip_swap(blocks.reshape(tuple(self.stack) + tuple(block_shape)),
+                       len(self.kernel_shape) - 2)
     return blocks.reshape(self.leaf_shape(block_shape))
 
   @property
   def unitwise(self) -> bool:
     """Preconditioned with a 2×2 block per channel (`"F"`), not `A ⊗ G`."""
     return self.kind in UNITWISE_KINDS
+
+
+def channels_swapped(shape: tuple[int, ...]) -> tuple[int, ...]:
+  """A kernel shape `(..., c, c')` as `(..., c', c)`: a transposed kernel's
+  leaf ↔ the kernel it applies."""
+  return tuple(shape[:-2]) + (shape[-1], shape[-2])
+
+
+def flip_swap(kernels: jax.Array, window: int) -> jax.Array:
+  """`[..., *window, c, c']` flipped over its `window` spatial axes, `c` and
+  `c'` swapped: its own inverse (a transposed kernel's leaf ↔ the kernel it
+  applies, as `lax.conv_transpose(transpose_kernel=True)`)."""
+  axes = tuple(range(kernels.ndim - 2 - window, kernels.ndim - 2))
+  return jnp.swapaxes(jnp.flip(kernels, axes), -1, -2)
 
 
 UNITWISE_KINDS = ("scale_and_shift",)

@@ -96,7 +96,7 @@ def _discover(trace, kind, name, kernel, bias, site, **record) -> None:
         "kd.value_and_grad.")
   kernel_shape, bias_shape = tuple(kernel.shape), None if bias is None else tuple(bias.shape)
   if record.get("transposed_kernel"):       # the applied kernel's (see `registry`)
-    kernel_shape = kernel_shape[:-2] + (kernel_shape[-1], kernel_shape[-2])
+    kernel_shape = registry.channels_swapped(kernel_shape)
   groups = record.get("groups", 1)
   if groups > 1:              # one group's blocks (see `registry`)
     stack = tuple(stack) + (groups,)
@@ -455,16 +455,6 @@ def _spatial(value, spatial: int) -> tuple[int, ...]:
   return (int(value),) * spatial if isinstance(value, int) else tuple(value)
 
 
-def _applied_kernel(kernel: jax.Array, transpose_kernel: bool) -> jax.Array:
-  """The kernel a convolution applies: a transposed one (`(*window, out,
-  in)`, `lax.conv_transpose(transpose_kernel=True)`) flipped over its window,
-  channel axes swapped."""
-  if not transpose_kernel:
-    return kernel
-  flipped = jnp.flip(kernel, tuple(range(kernel.ndim - 2)))
-  return jnp.swapaxes(flipped, -1, -2)
-
-
 _CONV_LAYOUTS = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC"),
                  3: ("NDHWC", "DHWIO", "NDHWC")}
 
@@ -480,8 +470,7 @@ def _applied_shape(tag: str, spatial: int, x: jax.Array, kernel: jax.Array, grou
   if transpose_kernel and groups != 1:
     raise ValueError(f"kd.tags.{tag}: transpose_kernel=True with feature_group_count="
                      f"{groups}; a transposed kernel has one group.")
-  shape = (kernel.shape[:-2] + (kernel.shape[-1], kernel.shape[-2]) if transpose_kernel
-           else kernel.shape)
+  shape = registry.channels_swapped(kernel.shape) if transpose_kernel else kernel.shape
   if groups < 1 or shape[-1] % groups:
     raise ValueError(f"kd.tags.{tag}: feature_group_count={groups} must be "
                      f"a positive divisor of the kernel's output channels {shape[-1]}")
@@ -503,7 +492,7 @@ def _convolution(tag: str, spatial: int, x: jax.Array, kernel: jax.Array,
   output cotangents. A grouped convolution (`feature_group_count = n`: kernel
   `(*window, in / n, out)`) is `n` blocks, each group's channels a
   convolution of its own (see `registry`). `transpose_kernel`: the kernel is
-  stored `(*window, out, in)` and applied flipped (`_applied_kernel`)."""
+  stored `(*window, out, in)` and applied flipped (`registry.flip_swap`)."""
   groups = int(feature_group_count)
   layout = _CONV_LAYOUTS[spatial]
   shape = _applied_shape(tag, spatial, x, kernel, groups, transpose_kernel)
@@ -516,8 +505,8 @@ def _convolution(tag: str, spatial: int, x: jax.Array, kernel: jax.Array,
             ) -> jax.Array:
     x, kernel, bias = _promote(dtype, x, kernel, bias)
     y = lax.conv_general_dilated(
-        x, _applied_kernel(kernel, transpose_kernel), window_strides=strides,
-        padding=padding, lhs_dilation=input_dilation,
+        x, registry.flip_swap(kernel, spatial) if transpose_kernel else kernel,
+        window_strides=strides, padding=padding, lhs_dilation=input_dilation,
         rhs_dilation=dilation, dimension_numbers=layout, feature_group_count=groups,
         precision=precision)
     return y if bias is None else y + bias

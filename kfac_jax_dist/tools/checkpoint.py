@@ -350,8 +350,7 @@ def _convert_correction(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfa
     return None
   scaling = correction_lib.layer_scaling(old.layout, old.correction)
   old_names = [plan.layer.name for plan, _ in correction_lib.corrected_plans(old.layout)]
-  fresh = dict(zip(old_names, np.broadcast_to(np.asarray(old.correction.fresh),
-                                              (len(old_names),))))
+  fresh = dict(zip(old_names, np.asarray(old.correction.fresh)))
   names = [plan.layer.name for plan, _ in correction_lib.corrected_plans(new.layout)]
   flat = [np.asarray(scaling[name]).reshape(-1) for name in names]
   return correction_lib.CorrectionState(
