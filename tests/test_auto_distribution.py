@@ -10,14 +10,17 @@ read from its HLO (benchmarks/_common's collective parser), against the model.
 """
 
 import os
+import re
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import kfac_jax_dist as kd
+from kfac_jax_dist.kfac import config as kfac_config
 from kfac_jax_dist.kfac import cost
 
 import helpers
@@ -26,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
                                 "benchmarks"))
 import _common as C  # noqa: E402  pylint: disable=wrong-import-position
 import layout_balance  # noqa: E402  pylint: disable=wrong-import-position
+import stale_statistics  # noqa: E402  pylint: disable=wrong-import-position
 
 
 FE, IE = 10, 100
@@ -44,44 +48,81 @@ def strategies(p: int):
 
 
 def state_bytes_per_device(state, p: int) -> int:
-  """Running factors and second-order state per device, from the abstract
-  state's shapes and its partition specs."""
+  """The K-FAC state per device (all but its four scalar counters: running
+  factors, second-order state, stale statistics' and EK-FAC's arrays), from
+  the abstract state's shapes and its partition specs."""
   specs = state.partition_specs()
+  is_spec = lambda s: isinstance(s, P)
   total = 0
-  for leaf, spec in ((state.factors, specs.factors),
-                     (state.second_order, specs.second_order)):
-    n = int(np.prod(leaf.shape)) * leaf.dtype.itemsize
-    total += n // p if spec != P() else n
+  for field in ("factors", "second_order", "refresh", "correction"):
+    leaves = jax.tree_util.tree_leaves(getattr(state, field))
+    for leaf, spec in zip(leaves, jax.tree_util.tree_leaves(getattr(specs, field),
+                                                            is_leaf=is_spec)):
+      n = int(np.prod(leaf.shape)) * leaf.dtype.itemsize
+      total += n // p if spec != P() else n
   return total
 
 
-def exhaustive(layers, params, mesh, budget=None):
-  """(bytes, state, -m, m, fr, gr) of every strategy, from the transform."""
+# Options whose state and traffic differ from plain K-FAC's; with stale
+# statistics the cadence the choice amortises over is the mean refresh
+# interval of a factor (20 steps) and of any factor (2 steps).
+OPTIONS = {"plain": {}, "ekfac": {"eigenvalue_correction": "ekfac"},
+           "stale": {"stale_threshold": 0.1},
+           "stale_ekfac": {"stale_threshold": 0.1, "eigenvalue_correction": "ekfac"},
+           "bf16_factors": {"factor_dtype": jnp.bfloat16}}
+
+
+def cadence(options):
+  return (20, 2) if "stale_threshold" in options else (FE, IE)
+
+
+def strategy_config(mesh, m, fr, gr, options):
+  dist = kd.Distribution(mesh, "data", grad_worker_fraction=m / mesh.shape["data"],
+                         factor_reduction=fr, gradient_reduction=gr)
+  every = (1, 1) if "stale_threshold" in options else (FE, IE)
+  return kfac_config.KfacConfig(distribution=dist, factor_update_every=every[0],
+                                inverse_update_every=every[1], **options)
+
+
+def exhaustive(layers, params, mesh, budget=None, options=None):
+  """(bytes, state, -m, m, fr, gr) of every strategy, from the transform: its
+  layout and state from `init` with that `Distribution` (the abstract state's
+  bytes per device), its bytes from the cost model. With stale statistics the
+  two factor reductions run the same program (each refreshed factor
+  all-reduced): one of them, as auto."""
+  options = options or {}
   rows = []
   for m, fr, gr in strategies(mesh.shape["data"]):
-    dist = kd.Distribution(mesh, "data", grad_worker_fraction=m / 8, factor_reduction=fr,
-                           gradient_reduction=gr)
-    tx = kd.scale_by_kfac(layers=layers, distribution=dist, factor_update_every=FE,
-                          inverse_update_every=IE)
+    if "stale_threshold" in options and fr == "all_reduce":
+      continue
+    config = strategy_config(mesh, m, fr, gr, options)
+    tx = kd.scale_by_kfac(layers=layers, distribution=config.distribution,
+                          factor_update_every=config.factor_update_every,
+                          inverse_update_every=config.inverse_update_every, **options)
     state = jax.eval_shape(tx.init, params)
-    amortised = cost.step_bytes(state.layout, fr, gr).amortised(FE, IE)
+    amortised = cost.kfac_step_bytes(config, state.layout).amortised(*cadence(options))
     memory = state_bytes_per_device(state, 8)
     if budget is None or memory <= budget:
       rows.append((round(amortised, 3), memory, -m, m, fr, gr))
   return sorted(rows)
 
 
-@pytest.mark.parametrize("model", ["resnet50", pytest.param("bert_large", marks=pytest.mark.slow),
-                                   pytest.param("gpt2_xl", marks=pytest.mark.slow)])
-def test_auto_is_the_exhaustive_minimum_on_large_model_shapes(model):
+@pytest.mark.parametrize("model, option", [
+    ("resnet50", "plain"), ("resnet50", "ekfac"), ("resnet50", "stale"),
+    *[pytest.param(m, o, marks=pytest.mark.slow) for m, o in (
+        ("resnet50", "stale_ekfac"), ("bert_large", "plain"), ("gpt2_xl", "plain"),
+        ("bert_large", "ekfac"), ("gpt2_xl", "stale"))]])
+def test_auto_is_the_exhaustive_minimum_on_large_model_shapes(model, option):
   layers, _, params = layout_balance.discover(model)
   mesh = mesh8()
-  rows = exhaustive(layers, params, mesh)
-  assert len(rows) == 16
+  options = OPTIONS[option]
+  rows = exhaustive(layers, params, mesh, options=options)
+  assert len(rows) == (8 if "stale_threshold" in options else 16)
   for budget in (None, sorted(r[1] for r in rows)[3]):   # then: only 4 or so fit
     want = [r for r in rows if budget is None or r[1] <= budget]   # exhaustive's filter
+    fe, ie = cadence(options)
     dist = kd.Distribution.auto(mesh, "data", layers, memory_budget=budget,
-                                factor_update_every=FE, inverse_update_every=IE)
+                                factor_update_every=fe, inverse_update_every=ie, **options)
     got = (dist.group_size, dist.factor_reduction, dist.gradient_reduction)
     assert got == want[0][3:], (model, budget, got, want[:3])
     if budget is not None:
@@ -89,6 +130,32 @@ def test_auto_is_the_exhaustive_minimum_on_large_model_shapes(model):
     # the explanation names the choice and the runner-up with their numbers
     text = "\n".join(dist.explanation)
     assert "runner-up" in text and cost._mb(want[0][1]) in text
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_state_bytes_of_every_option_equal_the_state_init_builds(option):
+  """`cost.kfac_state_bytes` equals the abstract state's bytes per device for
+  every strategy (`init`'s own arrays and partition specs), and `kd.describe`
+  reports the same number; EK-FAC under MEM-OPT holds every owner's
+  eigenbases on every device, more than COMM-OPT's state."""
+  loss_fn, params, x, y = helpers.conv_dense_problem()
+  layers = kd.value_and_grad(loss_fn).discover(params, x, y)
+  mesh = mesh8()
+  options = OPTIONS[option]
+  found = {}
+  for m, fr, gr in strategies(8):
+    config = strategy_config(mesh, m, fr, gr, options)
+    state = kd.scale_by_kfac(layers, distribution=config.distribution,
+                             factor_update_every=config.factor_update_every,
+                             inverse_update_every=config.inverse_update_every,
+                             **options).init(params)
+    found[m, fr, gr] = state_bytes_per_device(state, 8)
+    assert cost.kfac_state_bytes(config, state.layout) == found[m, fr, gr], (m, fr, gr)
+    described = re.search(r"K-FAC state: ([\d,]+) bytes per device",
+                          kd.describe(state, print_table=False)).group(1)
+    assert int(described.replace(",", "")) == found[m, fr, gr]
+  mem, comm = found[1, "reduce_scatter", "none"], found[8, "reduce_scatter", "none"]
+  assert (mem > comm) == ("eigenvalue_correction" in options)
 
 
 def test_auto_state_bytes_and_errors():
@@ -103,8 +170,16 @@ def test_auto_state_bytes_and_errors():
     kd.Distribution.auto(mesh, "data", layers, inverse_update_every=0)
   with pytest.raises(TypeError, match="layers must be grad_fn.discover"):
     kd.Distribution.auto(mesh, "data", params)
-  with pytest.raises(TypeError, match="unknown argument"):
+  with pytest.raises(TypeError, match="unknown argument.*storage.*stale_threshold"):
     kd.Distribution.auto(mesh, "data", layers, storage="owner")
+  with pytest.raises(ValueError, match="with stale_threshold.*inverse_update_every <= "):
+    kd.Distribution.auto(mesh, "data", layers, stale_threshold=0.1)   # 100 > 10
+  with pytest.raises(ValueError, match="needs method=.eigen"):
+    kd.Distribution.auto(mesh, "data", layers, method="inverse",
+                         eigenvalue_correction="ekfac")
+  kept = kd.Distribution.auto(mesh, "data", layers, symmetric_comm=False,
+                              comm_dtype=jnp.float32)
+  assert not kept.symmetric_comm and kept.comm_dtype == jnp.float32
   dist = kd.Distribution.auto(mesh, "data", layers, memory_budget=smallest)
   assert dist.group_size == 1                    # only MEM-OPT's state is that small
   # the state of the chosen strategy is what the model said, and describe says why
@@ -153,15 +228,19 @@ def test_state_past_int32_offsets_is_refused_and_auto_leaves_it_out(monkeypatch)
     kd.Distribution.auto(mesh, "data", layers)
 
 
-def hlo_bytes(loss_fn, params, x, y, layers, mesh, m, fr, gr) -> dict:
-  dist = kd.Distribution(mesh, "data", grad_worker_fraction=m / 8, factor_reduction=fr,
-                         gradient_reduction=gr)
+def hlo_bytes(loss_fn, params, x, y, layers, mesh, m, fr, gr, options=None) -> dict:
+  options = options or {}
+  config = strategy_config(mesh, m, fr, gr, options)
   grad_fn = kd.value_and_grad(loss_fn)
-  tx = C.kfac_tx(grad_fn, layers, dist)          # cadence 10/100, as FE/IE
+  tx = C.kfac_tx(grad_fn, layers, config.distribution, **options) if not (
+      "stale_threshold" in options) else kd.kfac(
+          0.1, layers=layers, distribution=config.distribution, damping=1e-2, **options)
   fn, state = C.sharded_step(loss_fn, params, x, y, tx, grad_fn, mesh, gr)
-  found, _ = C.collectives(fn.lower(params, state, x, y).compile().as_text(), 8)
+  text = fn.lower(params, state, x, y).compile().as_text()
+  found, _ = C.collectives(text, 8)
   tot = C.totals(found)
-  return {k: C.step_bytes(tot, k) for k in ("plain", "factor", "inverse")}, state
+  return ({k: C.step_bytes(tot, k) for k in ("plain", "factor", "inverse")}, state, config,
+          text)
 
 
 CANDIDATES = list(strategies(8))
@@ -170,16 +249,52 @@ QUICK = [(1, "reduce_scatter", "reduce_scatter"), (4, "all_reduce", "none"),
          (4, "reduce_scatter", "reduce_scatter"), (8, "reduce_scatter", "none")]
 
 
+def untagged_bytes(params, layers) -> float:
+  """The untagged parameters' all-reduce (left out of the cost model)."""
+  n_all = sum(v.size for v in jax.tree_util.tree_leaves(params))
+  return 2 * 7 / 8 * (n_all - sum(l.a_dim * l.g_dim for l in layers)) * F32
+
+
 @pytest.mark.parametrize("m, fr, gr", [
     c if c in QUICK else pytest.param(*c, marks=pytest.mark.slow) for c in CANDIDATES])
 def test_cost_model_equals_the_compiled_hlo(m, fr, gr):
   loss_fn, params, x, y = C.problem()
   layers = kd.value_and_grad(loss_fn).discover(params, x, y)
   mesh = mesh8()
-  measured, state = hlo_bytes(loss_fn, params, x, y, layers, mesh, m, fr, gr)
+  measured, state, _, _ = hlo_bytes(loss_fn, params, x, y, layers, mesh, m, fr, gr)
   model = cost.step_bytes(C.kfac_state(state).layout, fr, gr)
-  n_all = sum(v.size for v in jax.tree_util.tree_leaves(params))
-  untagged = 2 * 7 / 8 * (n_all - sum(l.a_dim * l.g_dim for l in layers)) * F32
+  untagged = untagged_bytes(params, layers)
   for kind in ("plain", "factor", "inverse"):
     assert abs(measured[kind] - (model.total(kind) + untagged)) < 64, (
         kind, measured, model)
+
+
+@pytest.mark.parametrize("option", ["ekfac", "stale", "stale_ekfac"])
+@pytest.mark.parametrize("m, fr, gr", [
+    (1, "reduce_scatter", "reduce_scatter"), (4, "all_reduce", "none"),
+    pytest.param(8, "reduce_scatter", "none", marks=pytest.mark.slow)])
+def test_cost_model_of_options_equals_the_compiled_hlo(m, fr, gr, option):
+  """EK-FAC's `S` all-reduce and eigenbases gather, stale statistics' refresh
+  decisions and per-factor all-reduces: `cost.kfac_step_bytes` against the
+  compiled 8-device step. The parser counts a loop's body once; with stale
+  statistics each refreshed factor's all-reduce sits in its layer's loop
+  over due blocks (one block each here), so the whole program (the parser's
+  "inverse" total, a step where every factor is due) is every term of the
+  model; its "plain" total is what runs on a step with nothing due, and the
+  loop bodies' all-reduces are the model's per-factor term."""
+  loss_fn, params, x, y = C.problem()
+  layers = kd.value_and_grad(loss_fn).discover(params, x, y)
+  options = OPTIONS[option]
+  measured, state, config, text = hlo_bytes(loss_fn, params, x, y, layers, mesh8(), m, fr,
+                                            gr, options)
+  model = cost.kfac_step_bytes(config, C.kfac_state(state).layout)
+  untagged = untagged_bytes(params, layers)
+  for kind in ("plain", "inverse") if "stale_threshold" in options else (
+      "plain", "factor", "inverse"):
+    assert abs(measured[kind] - (model.total(kind) + untagged)) < 64, (
+        kind, measured, model)
+  if "stale_threshold" in options:
+    loops = stale_statistics.factor_collectives(text)["factor_scope_loops"]
+    assert all(len(loop["body"]) == 1 for loop in loops)
+    refreshed = 2 * 7 / 8 * sum(b for loop in loops for b in loop["body"])
+    assert dict(model.factor)["refreshed factors' all-reduces 2(P-1)/P·T"] == refreshed

@@ -124,18 +124,23 @@ class Distribution:
   @classmethod
   def auto(cls, mesh: jax.sharding.Mesh, axis: str, layers: Any, *,
            memory_budget: float | None = None, factor_update_every: int = 10,
-           inverse_update_every: int = 100, **layout_options: Any) -> Distribution:
+           inverse_update_every: int = 100, **options: Any) -> Distribution:
     """The strategy (grad_worker_fraction, factor_reduction, gradient_reduction;
     the transform then picks the factor storage) with the fewest bytes per
     step at this cadence among those whose K-FAC state fits `memory_budget`
     bytes per device, by the library's cost model (`kfac.cost`). The choice
     and the runner-up are in `explanation`, and `kd.describe` prints them.
-    `layers`: `grad_fn.discover(...)`; `layout_options`: kd.kfac's `method`,
-    `max_factor_dim`, `skip`. With `gradient_reduction="reduce_scatter"` the
-    step passes its local gradients to `update` (no `pmean`)."""
+    `layers`: `grad_fn.discover(...)`; `options`: the ones you will pass
+    kd.kfac that change its state or traffic (`method`, `max_factor_dim`,
+    `skip`, `factor_dtype`, `stale_threshold`, `eigenvalue_correction`) and
+    this class's `symmetric_comm`, `comm_dtype` (kept in the result). With
+    `stale_threshold`, `factor_update_every` is the mean number of steps
+    between a factor's refreshes and `inverse_update_every` between steps that
+    refresh any factor. With `gradient_reduction="reduce_scatter"` the step
+    passes its local gradients to `update` (no `pmean`)."""
     return _AUTO[0](mesh, axis, layers, memory_budget=memory_budget,
                     factor_update_every=factor_update_every,
-                    inverse_update_every=inverse_update_every, **layout_options)
+                    inverse_update_every=inverse_update_every, **options)
 
   def __post_init__(self):
     if not isinstance(self.mesh, jax.sharding.Mesh):

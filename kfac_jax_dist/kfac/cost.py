@@ -26,6 +26,12 @@ the model `benchmarks/comm_volume.py` checks against the compiled HLO.
 
 State per device: the running factors (`C` or `L` numbers) and the
 second-order state (`m·L₂`: a group's devices each hold the whole group's).
+
+`kfac_step_bytes` and `kfac_state_bytes` price a whole `KfacConfig`: its
+dtypes, and stale statistics' and EK-FAC's own state and collectives (see
+there). They count the bytes the program asks for: XLA:CPU promotes 16-bit
+collectives to float32 (its compiled HLO shows f32 reduce-scatters for a
+bfloat16 `comm_dtype`), so there the saving shows only on accelerators.
 """
 
 from __future__ import annotations
@@ -34,13 +40,16 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from kfac_jax_dist.capture import registry
 from kfac_jax_dist.core import collectives as collectives_lib
 from kfac_jax_dist.core import distribution as distribution_lib
 from kfac_jax_dist.core import uneven
 from kfac_jax_dist.kfac import config as config_lib
+from kfac_jax_dist.kfac import correction as correction_lib
 from kfac_jax_dist.kfac import layout as layout_lib
+from kfac_jax_dist.kfac import stale as stale_lib
 from kfac_jax_dist.kfac import transform
 
 Terms = tuple[tuple[str, float], ...]
@@ -123,31 +132,57 @@ def _gradient_terms(lay: layout_lib.Layout, gradient_reduction: str,
   return terms
 
 
+def _stored_numbers(lay: layout_lib.Layout) -> int:
+  """`T`: the numbers of every running factor as stored (packed or not)."""
+  return sum(place.size for plan in lay.plans for _, place in plan.places)
+
+
+def _fault_check(p: int) -> tuple[str, float]:
+  """The psum of the devices' int32 verdicts on the statistics."""
+  return ("fault-check psum (statistics)", 2 * (p - 1) / p * 4)
+
+
 def step_bytes(lay: layout_lib.Layout, factor_reduction: str, gradient_reduction: str,
-               bytes_per_number: int = 4) -> StepBytes:
+               bytes_per_number: int = 4, *, factor_traffic_bytes: int | None = None,
+               factor_bytes: int | None = None, second_bytes: int | None = None
+               ) -> StepBytes:
   """The collectives of the K-FAC step with layout `lay` (see the module
-  docstring), per device; one device: none."""
+  docstring), per device; one device: none. Numbers are `bytes_per_number`
+  bytes, except the statistics on their way to the owners
+  (`factor_traffic_bytes`: `comm_dtype`'s), the running factors' chunks
+  (`factor_bytes`) and the second-order state (`second_bytes`)."""
   p, m, g = lay.num_devices, lay.group_size, lay.num_groups
   if p == 1:
     return StepBytes((), (), ())
-  r, n = (p - 1) / p, bytes_per_number
-  stored = sum(place.size for plan in lay.plans for _, place in plan.places)
-  factor = [("fault-check psum (statistics)", 2 * r * 4)]
-  inverse = []
+  n = bytes_per_number
+  traffic, stored, second = (n if b is None else b
+                             for b in (factor_traffic_bytes, factor_bytes, second_bytes))
+  r = (p - 1) / p
+  total = _stored_numbers(lay)
+  factor, inverse = [_fault_check(p)], []
   chunked = lay.factor_storage == layout_lib.CHUNKED
   if factor_reduction == "reduce_scatter":
     factor.append((f"factor RS (P-1)·{'C' if chunked else 'L'}",
-                   (p - 1) * lay.factor_shard * n))
+                   (p - 1) * lay.factor_shard * traffic))
     if chunked:
-      inverse.append(("chunk AG (P-1)·C", (p - 1) * lay.factor_shard * n))
+      inverse.append(("chunk AG (P-1)·C", (p - 1) * lay.factor_shard * stored))
   elif factor_reduction == "all_reduce":
-    factor.append(("factor all-reduce 2(P-1)/P·T", 2 * r * stored * n))
-  if g == 1:
-    inverse += uneven_terms(lay.second_sizes, "second-order AG", True, n)
-  elif m > 1:
-    inverse.append(("second-order AG in group (m-1)·L₂", (m - 1) * lay.second_segment * n))
+    factor.append(("factor all-reduce 2(P-1)/P·T", 2 * r * total * traffic))
+  inverse += second_order_terms(lay, second)
   return StepBytes(tuple(_gradient_terms(lay, gradient_reduction, n)), tuple(factor),
                    tuple(inverse))
+
+
+def second_order_terms(lay: layout_lib.Layout, second_bytes: int
+                       ) -> list[tuple[str, float]]:
+  """Decomposition steps: COMM-OPT's uneven all-gather of every owner's
+  second-order segment, HYBRID's within each group, (m−1)·L₂."""
+  if lay.num_groups == 1:
+    return uneven_terms(lay.second_sizes, "second-order AG", True, second_bytes)
+  if lay.group_size > 1:
+    return [("second-order AG in group (m-1)·L₂",
+             (lay.group_size - 1) * lay.second_segment * second_bytes)]
+  return []
 
 
 def state_bytes(lay: layout_lib.Layout, factor_bytes: int = 4, second_bytes: int = 4
@@ -156,6 +191,94 @@ def state_bytes(lay: layout_lib.Layout, factor_bytes: int = 4, second_bytes: int
   `factor_bytes`) and second-order state (`m·L₂` of `second_bytes`)."""
   return (lay.factor_shard * factor_bytes
           + lay.group_size * lay.second_segment * second_bytes)
+
+
+def _itemsize(dtype: Any) -> int:
+  return int(jnp.dtype(dtype).itemsize)
+
+
+def _corrected_numbers(lay: layout_lib.Layout) -> int:
+  """EK-FAC's scaling: `d_A·d_G` numbers per corrected layer."""
+  return sum(plan.layer.a_dim * plan.layer.g_dim
+             for plan, _ in correction_lib.corrected_plans(lay))
+
+
+def _correction_terms(config: config_lib.KfacConfig, lay: layout_lib.Layout
+                      ) -> tuple[list, list]:
+  """EK-FAC's collectives: (on factor steps, on decomposition steps)."""
+  if config.eigenvalue_correction is None:
+    return [], []
+  p, second = lay.num_devices, _itemsize(config.compute_dtype)
+  scaling = [("EK-FAC S all-reduce 2(P-1)/P·Σ d_A·d_G",
+              2 * (p - 1) / p * _corrected_numbers(lay) * second)]
+  if lay.num_groups == 1:
+    return scaling, []
+  gathered = (p - 1) * lay.second_segment * second
+  return scaling, [("EK-FAC eigenbases AG (P-1)·L₂", gathered)]
+
+
+def _stale_step_bytes(config: config_lib.KfacConfig, lay: layout_lib.Layout,
+                      plain: Terms, traffic: int) -> StepBytes:
+  """Stale statistics' steps (see `kfac_step_bytes`)."""
+  p, r = lay.num_devices, (lay.num_devices - 1) / lay.num_devices
+  decisions = ("refresh decisions psum 2(P-1)/P·8F",
+               2 * r * 8 * len(stale_lib.factor_order(lay)))
+  total = _stored_numbers(lay)
+  refreshed = ([] if config.factor_reduction == "local" else
+               [("refreshed factors' all-reduces 2(P-1)/P·T", 2 * r * total * traffic)])
+  scaling, bases = _correction_terms(config, lay)
+  any_refresh = ([_fault_check(p)] + scaling
+                 + second_order_terms(lay, _itemsize(config.compute_dtype)) + bases)
+  return StepBytes(plain + (decisions,), tuple(refreshed), tuple(any_refresh))
+
+
+def kfac_step_bytes(config: config_lib.KfacConfig, lay: layout_lib.Layout) -> StepBytes:
+  """`step_bytes` of the step `config` describes: the statistics travel in
+  `comm_dtype` (else `factor_dtype`), the second-order state in the compute
+  dtype, and the options add their own collectives:
+
+  * EK-FAC: the batch's `S` averaged over the devices, 2(P−1)/P·Σ d_A·d_G, on
+    factor steps; with several owner groups, every device's second-order
+    segment all-gathered on decomposition steps, (P−1)·L₂
+    (`correction.gather_owners`).
+  * stale statistics (SP-NGD §4.3): every step, the refresh decisions' psum
+    (an int32 pair per factor); a refreshed factor is all-reduced on its own,
+    2(P−1)/P·its size (the "factor" terms: every factor once, amortised over
+    the mean steps between a factor's refreshes); a step that refreshes any
+    factor (the "inverse" terms) runs the fault check's psum, EK-FAC's, and
+    sends the second-order state as a decomposition step does.
+  """
+  dist = config.distribution
+  if dist is None or lay.num_devices == 1:
+    return StepBytes((), (), ())
+  stored = _itemsize(config.factor_dtype)
+  traffic = stored if dist.comm_dtype is None else _itemsize(dist.comm_dtype)
+  base = step_bytes(lay, dist.factor_reduction, dist.gradient_reduction,
+                    factor_traffic_bytes=traffic, factor_bytes=stored,
+                    second_bytes=_itemsize(config.compute_dtype))
+  if config.stale_threshold is not None:
+    return _stale_step_bytes(config, lay, base.plain, traffic)
+  scaling, bases = _correction_terms(config, lay)
+  return StepBytes(base.plain, base.factor + tuple(scaling), base.inverse + tuple(bases))
+
+
+def kfac_state_bytes(config: config_lib.KfacConfig, lay: layout_lib.Layout) -> int:
+  """The K-FAC state per device of the step `config` describes: `state_bytes`
+  in its dtypes; with stale statistics `X₋₁`, `X₋₂` laid out as the running
+  factors and the refresh schedule (4 int32 and one compute-dtype number per
+  factor, replicated); with EK-FAC the scaling (`Σ d_A·d_G`, replicated), one
+  flag per corrected layer and, with several owner groups, every owner's
+  second-order segment (`P·L₂`)."""
+  stored, second = _itemsize(config.factor_dtype), _itemsize(config.compute_dtype)
+  total = state_bytes(lay, stored, second)
+  if config.stale_threshold is not None:
+    total += (2 * lay.factor_shard * stored
+              + len(stale_lib.factor_order(lay)) * (4 * 4 + second))
+  if config.eigenvalue_correction is not None:
+    total += (_corrected_numbers(lay) * second + len(correction_lib.corrected_plans(lay))
+              + (lay.num_devices * lay.second_segment * second if lay.num_groups > 1
+                 else 0))
+  return total
 
 
 def layer_paths(layers: registry.LayerRegistry) -> tuple[str, ...]:
@@ -195,32 +318,38 @@ class Candidate:
 
 
 def _mb(n: float) -> str:
-  """Bytes in words: "9.43 MB", "11.2 GB"."""
-  return f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"
+  """Bytes in words: "9.43 MB", "11.2 GB", "7 bytes"."""
+  for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    if n >= size:
+      return f"{n / size:.3g} {unit}"
+  return f"{n:.3g} bytes"
 
 
-def candidates(layout_of: Callable[[int, str, str], layout_lib.Layout], num_devices: int,
-               factor_every: int, inverse_every: int) -> list[Candidate]:
+def candidates(setup_of: Callable[[int, str, str], tuple[config_lib.KfacConfig,
+                                                         layout_lib.Layout]],
+               num_devices: int, factor_every: int, inverse_every: int,
+               factor_reductions: Sequence[str] = ("reduce_scatter", "all_reduce")
+               ) -> list[Candidate]:
   """Every strategy `Distribution.auto` considers, cheapest first (ties: less
-  state): each group size `m` dividing P, factors reduce-scattered or
-  all-reduced, gradients averaged by the caller or reduce-scattered to their
-  owners (SP-NGD). DP-KFAC's local factors are left out: they change the
-  factors, not only their cost; so are layouts whose per-device state passes
-  int32 offsets (`layout.addressable`). `layout_of(m, factor_reduction,
-  gradient_reduction)` is the layout the transform would build."""
+  state): each group size `m` dividing P, each of `factor_reductions`,
+  gradients averaged by the caller or reduce-scattered to their owners
+  (SP-NGD). DP-KFAC's local factors are left out: they change the factors,
+  not only their cost; so are layouts whose per-device state passes int32
+  offsets (`layout.addressable`). `setup_of(m, factor_reduction,
+  gradient_reduction)` is the config and layout the transform would build."""
   found = []
   for m in (d for d in range(1, num_devices + 1) if num_devices % d == 0):
-    for factor_reduction in ("reduce_scatter", "all_reduce"):
+    for factor_reduction in factor_reductions:
       for gradient_reduction in (("none", "reduce_scatter") if num_devices > 1
                                  else ("none",)):
-        lay = layout_of(m, factor_reduction, gradient_reduction)
+        config, lay = setup_of(m, factor_reduction, gradient_reduction)
         if not layout_lib.addressable(lay):
           continue
-        b = step_bytes(lay, factor_reduction, gradient_reduction)
+        b = kfac_step_bytes(config, lay)
         found.append(Candidate(m, factor_reduction, gradient_reduction,
                                lay.factor_storage, b, b.amortised(factor_every,
                                                                   inverse_every),
-                               state_bytes(lay)))
+                               kfac_state_bytes(config, lay)))
   return sorted(found, key=lambda c: (round(c.amortised, 3), c.state, -c.group_size))
 
 
@@ -247,12 +376,13 @@ def choose(found: list[Candidate], num_devices: int, memory_budget: float | None
   return best, runner, tuple(lines)
 
 
-def auto_distribution(mesh: jax.sharding.Mesh, axis: str,
-                      layers: registry.LayerRegistry, *, memory_budget: float | None,
-                      factor_update_every: int, inverse_update_every: int,
-                      **layout_options: Any) -> distribution_lib.Distribution:
-  """`kd.Distribution.auto` (see there): each candidate's layout is the one
-  `scale_by_kfac` builds for it at init."""
+KFAC_OPTIONS = ("method", "max_factor_dim", "skip", "factor_dtype", "stale_threshold",
+                "eigenvalue_correction")
+DISTRIBUTION_OPTIONS = ("symmetric_comm", "comm_dtype")
+
+
+def _check_auto_arguments(layers: Any, factor_update_every: Any,
+                          inverse_update_every: Any, options: dict) -> None:
   if not isinstance(layers, registry.LayerRegistry):
     raise TypeError("Distribution.auto: layers must be grad_fn.discover(params, ...)'s "
                     f"LayerRegistry, got {type(layers).__name__}")
@@ -261,28 +391,58 @@ def auto_distribution(mesh: jax.sharding.Mesh, axis: str,
     if not isinstance(every, int) or every < 1:
       raise ValueError(f"Distribution.auto: {name} must be a positive int (the "
                        f"cadence the choice amortises over), got {every!r}")
-  unknown = set(layout_options) - {"method", "max_factor_dim", "skip"}
+  unknown = set(options) - set(KFAC_OPTIONS) - set(DISTRIBUTION_OPTIONS)
   if unknown:
     raise TypeError(f"Distribution.auto: unknown argument(s) {sorted(unknown)}; the "
-                    "layout options are method, max_factor_dim and skip.")
-  base = distribution_lib.Distribution(mesh, axis)
+                    f"options are kd.kfac's {', '.join(KFAC_OPTIONS)} and "
+                    f"kd.Distribution's {', '.join(DISTRIBUTION_OPTIONS)}.")
+  if (options.get("stale_threshold") is not None
+      and inverse_update_every > factor_update_every):
+    raise ValueError(
+        "Distribution.auto: with stale_threshold, factor_update_every is the mean number "
+        "of steps between a factor's refreshes and inverse_update_every the mean number "
+        "between steps that refresh any factor, so inverse_update_every <= "
+        f"factor_update_every; got {inverse_update_every} > {factor_update_every}.")
+
+
+def auto_distribution(mesh: jax.sharding.Mesh, axis: str,
+                      layers: registry.LayerRegistry, *, memory_budget: float | None,
+                      factor_update_every: int, inverse_update_every: int,
+                      **options: Any) -> distribution_lib.Distribution:
+  """`kd.Distribution.auto` (see there): each candidate's config and layout
+  are the ones `scale_by_kfac` builds for it at init."""
+  _check_auto_arguments(layers, factor_update_every, inverse_update_every, options)
+  base = distribution_lib.Distribution(
+      mesh, axis, **{k: v for k, v in options.items() if k in DISTRIBUTION_OPTIONS})
+  kfac_options = {k: v for k, v in options.items() if k in KFAC_OPTIONS}
+  stale = kfac_options.get("stale_threshold") is not None
+  # stale statistics refresh every factor on its own schedule (the config's
+  # cadence is 1/1); the choice amortises over the given intervals
+  cadence = ((1, 1) if stale else (factor_update_every, inverse_update_every))
   p = base.num_devices
 
-  def layout_of(m: int, factor_reduction: str, gradient_reduction: str
-                ) -> layout_lib.Layout:
+  def setup_of(m: int, factor_reduction: str, gradient_reduction: str
+               ) -> tuple[config_lib.KfacConfig, layout_lib.Layout]:
     dist = dataclasses.replace(base, grad_worker_fraction=m / p,
                                factor_reduction=factor_reduction,
                                gradient_reduction=gradient_reduction)
     config = config_lib.KfacConfig(
-        distribution=dist, factor_update_every=factor_update_every,
-        inverse_update_every=inverse_update_every, **layout_options)
-    return transform.build_layout(config, collectives_lib.Collectives(dist), layers,
-                                  layer_paths(layers))
+        distribution=dist, factor_update_every=cadence[0],
+        inverse_update_every=cadence[1], **kfac_options)
+    return config, transform.build_layout(config, collectives_lib.Collectives(dist),
+                                          layers, layer_paths(layers))
 
-  found = candidates(layout_of, p, factor_update_every, inverse_update_every)
+  # with stale statistics both reductions all-reduce each refreshed factor
+  found = candidates(setup_of, p, factor_update_every, inverse_update_every,
+                     ("reduce_scatter",) if stale else ("reduce_scatter", "all_reduce"))
   if not found:       # MEM-OPT holds the least per device: its error says why
-    layout_lib.check_addressable(layout_of(1, "reduce_scatter", "none"))
+    layout_lib.check_addressable(setup_of(1, "reduce_scatter", "none")[1])
   best, _, lines = choose(found, p, memory_budget)
+  if stale:
+    lines += ("  With stale statistics, a factor step is every factor refreshed once "
+              f"(amortised over factor_update_every={factor_update_every} steps, the mean "
+              "interval between a factor's refreshes) and an inverse step any step that "
+              f"refreshes a factor (over inverse_update_every={inverse_update_every}).",)
   return dataclasses.replace(base, grad_worker_fraction=best.group_size / p,
                              factor_reduction=best.factor_reduction,
                              gradient_reduction=best.gradient_reduction,

@@ -392,7 +392,8 @@ def corrected_states(config: KfacConfig, comm: collectives_lib.Collectives,
     return correction_lib.reset(
         lay, new_state.second_order,
         correction_lib.gather_owners(comm, lay, new_state.second_order), measured, changed)
-  after = lax.cond(decomposed, reset, lambda: measured)
+  with jax.named_scope("kfac_decomposition"):
+    after = lax.cond(decomposed, reset, lambda: measured)
   return (dataclasses.replace(new_state, second_order=state.second_order,
                               correction=measured),
           dataclasses.replace(new_state, correction=after))
