@@ -158,10 +158,9 @@ def _check_converted_correction(state, template) -> None:
                                                    int(s.refresh.interval[k]))
                         for k, (plan, which, _) in enumerate(stale.factor_order(s.layout))}
   assert schedule(moved) == schedule(state)
-  for key in ("factors", "refresh.last", "refresh.before_last"):
+  for key in ("factors", "refresh.before_last"):
     read = lambda s: kd.running_factors(dataclasses.replace(
-        s, factors=s.refresh.last if key == "refresh.last" else
-        s.refresh.before_last if key == "refresh.before_last" else s.factors))
+        s, factors=s.refresh.before_last if key == "refresh.before_last" else s.factors))
     jax.tree.map(np.testing.assert_array_equal, read(moved), read(state))
 
 
@@ -336,7 +335,7 @@ def test_stale_statistics_under_every_strategy(fraction, factor_reduction, metho
 def test_convert_state_moves_the_refresh_schedule():
   """Three steps on 8 devices under MEM-OPT, `kd.convert_state` to one
   device, three more: the uninterrupted single-device run's parameters and
-  refresh counts (the schedule, `X₋₁` and `X₋₂` moved factor by factor)."""
+  refresh counts (the schedule and `X₋₂` moved factor by factor)."""
   loss_fn, params, x, y = helpers.conv_dense_problem()
   mesh = helpers.data_mesh(8)
   grad_fn = kd.value_and_grad(loss_fn)
@@ -369,7 +368,7 @@ def test_convert_state_moves_the_refresh_schedule():
 
 
 def test_describe_counts_the_stale_state():
-  """`kd.describe` names stale statistics' `X₋₁`, `X₋₂` and counts their
+  """`kd.describe` names stale statistics' `X₋₂` and counts its
   bytes (sharded as the running factors) and the schedule's in the state's."""
   loss_fn, params, x, y = helpers.conv_dense_problem()
   layers = kd.value_and_grad(loss_fn).discover(params, x, y)
@@ -381,12 +380,12 @@ def test_describe_counts_the_stale_state():
                                        ).group(1).replace(",", ""))
   shard, factors = stale_state.layout.factor_shard, len(stale.factor_order(stale_state.layout))
   text = kd.describe(stale_state, print_table=False)
-  assert f"(X₋₁, X₋₂), {2 * shard:,} numbers per device" in text
+  assert f"(X₋₂; X₋₁ is the running factor), {shard:,} numbers per device" in text
   assert f"refresh schedule ({factors} factors, replicated)" in text
   # the stale layout stores each owner's factors padded (not tight chunks)
   assert per_device(stale_state) - (per_device(plain) + 4 * (
       stale_state.layout.factor_shard - plain.layout.factor_shard)) == 4 * (
-          2 * shard + 5 * factors)
+          shard + 5 * factors)
 
 
 def test_due_factors_are_all_reduced_inside_their_loops():

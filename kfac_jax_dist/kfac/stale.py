@@ -11,7 +11,8 @@ much X moved (Algorithm 2), X being similar to Y when `‖X − Y‖_F / ‖Y‖
     similar to both:             Δ = Δ₋₁ + Δ₋₂
 
 with X₋₁, X₋₂ the factor at its last two refreshes and Δ₋₁, Δ₋₂ the last two
-intervals. The paper leaves the start open: here both intervals start at 1,
+intervals. X₋₁ is the running factor itself (it changes only when refreshed), so
+only X₋₂ is stored beside it. The paper leaves the start open: here both intervals start at 1,
 and a missing X₋₁ or X₋₂ (fewer than two refreshes so far) counts as not
 similar. X is the running factor after the refresh (with `factor_decay = 0`,
 the refresh's statistic itself, as in the paper).
@@ -32,7 +33,7 @@ from kfac_jax_dist.kfac import layout as layout_lib
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["next_step", "interval", "previous_interval", "refreshes", "weight",
-                 "last", "before_last"],
+                 "before_last"],
     meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class RefreshState:
@@ -44,8 +45,8 @@ class RefreshState:
     previous_interval: `Δ₋₂`, the one before.
     refreshes: refreshes so far (what was saved is `count − refreshes`).
     weight: total weight of each factor's running average.
-    last: `X₋₁` of every factor, laid out as the running factors.
-    before_last: `X₋₂`, likewise.
+    before_last: `X₋₂` of every factor, laid out as the running factors
+      (`X₋₁` is the running factor itself).
   """
 
   next_step: jax.Array
@@ -53,7 +54,6 @@ class RefreshState:
   previous_interval: jax.Array
   refreshes: jax.Array
   weight: jax.Array
-  last: jax.Array
   before_last: jax.Array
 
 
@@ -70,7 +70,7 @@ def init(lay: layout_lib.Layout, running: jax.Array, weight_dtype, xp=jnp
   return RefreshState(
       next_step=xp.zeros([num], jnp.int32), interval=ones, previous_interval=ones,
       refreshes=xp.zeros([num], jnp.int32), weight=xp.zeros([num], weight_dtype),
-      last=running, before_last=running)
+      before_last=running)
 
 
 def next_interval(similar_last: jax.Array, similar_before_last: jax.Array,

@@ -86,34 +86,36 @@ def _rows(x: jax.Array, batch: layout_lib.Batch, size: int) -> jax.Array:
 def _owner_update(config: KfacConfig, comm: collectives_lib.Collectives,
                   state: ScaleByKfacState, batch: jax.Array, due: jax.Array,
                   weight: jax.Array) -> tuple[jax.Array, ...]:
-  """Each owner's new running factors, `X₋₁`, `X₋₂` and similarity bits
-  `[F, 2]` (to `X₋₁`, to `X₋₂`; Algorithm 2), batch by batch: a due factor
-  becomes `(decay·w·X + (1 − decay)·S) / w'`, the others are unchanged."""
+  """Each owner's new running factors, `X₋₂` and similarity bits `[F, 2]`
+  (to `X₋₁`, to `X₋₂`; Algorithm 2), batch by batch: a due factor becomes
+  `(decay·w·X + (1 − decay)·S) / w'`, the others are unchanged. `X₋₁` is the
+  running factor before the refresh (it changes only at refreshes); a
+  refresh makes it `X₋₂`."""
   layout, r, dtype = state.layout, state.refresh, config.compute_dtype
   decay = jnp.asarray(config.factor_decay, r.weight.dtype)   # an injected array may be wider
 
   def owner(device: int) -> tuple[jax.Array, ...]:
-    pieces, lasts, befores = [], [], []
+    pieces, befores = [], []
     bits = jnp.zeros([len(due), 2], jnp.int32)
     for b in layout.batches[device]:
       size = layout_lib.storage_size(b.dim, b.form, layout.packed)
       numbers = decompositions.batch_factor_numbers(comm, layout, device, b)
       now = due[numbers][:, None]
-      old = _rows(state.factors, b, size).astype(dtype)
+      last = _rows(state.factors, b, size)
+      old = last.astype(dtype)
       mixed = (decay * r.weight[numbers][:, None] * old
                + (1.0 - decay) * _rows(batch, b, size)) / weight[numbers][:, None]
       new = jnp.where(now, mixed, old).astype(config.factor_dtype)
-      last, before = _rows(r.last, b, size), _rows(r.before_last, b, size)
+      before = _rows(r.before_last, b, size)
       similar = [(r.refreshes[numbers] >= k) & (stale.relative_changes(
           new.astype(dtype), y.astype(dtype), b.form, b.dim, layout.packed)
           < config.stale_threshold) for k, y in ((1, last), (2, before))]
       bits = bits.at[numbers].max(jnp.stack(similar, axis=1).astype(jnp.int32))
       pieces.append(new)
-      lasts.append(jnp.where(now, new, last))
       befores.append(jnp.where(now, last, before))
     pad = functools.partial(collectives_lib.pad_to, length=layout.segment,
                             dtype=config.factor_dtype)
-    return pad(pieces), pad(lasts), pad(befores), bits
+    return pad(pieces), pad(befores), bits
   return comm.per_device(owner, layout.decomposition_branches)
 
 
@@ -126,7 +128,7 @@ def refresh_due_factors(config: KfacConfig, comm: collectives_lib.Collectives,
   due = r.next_step <= count                  # the same on every device
   weight = jnp.where(due, decay * r.weight + (1.0 - decay), r.weight)
   batch = _due_statistics(config, comm, layout, stats, due)
-  running, last, before, bits = _owner_update(config, comm, state, batch, due, weight)
+  running, before, bits = _owner_update(config, comm, state, batch, due, weight)
   if comm.active:                            # owners tell everyone
     bits = lax.psum(bits, layout.axis)
   if config.model_axes:     # one schedule on every model shard: similar where all are
@@ -134,7 +136,7 @@ def refresh_due_factors(config: KfacConfig, comm: collectives_lib.Collectives,
   interval = stale.next_interval(bits[:, 0] > 0, bits[:, 1] > 0, r.interval,
                                  r.previous_interval)
   refresh = dataclasses.replace(
-      r, weight=weight, last=last, before_last=before,
+      r, weight=weight, before_last=before,
       next_step=jnp.where(due, count + interval, r.next_step),
       interval=jnp.where(due, interval, r.interval),
       previous_interval=jnp.where(due, r.interval, r.previous_interval),

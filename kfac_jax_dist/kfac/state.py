@@ -71,9 +71,9 @@ class ScaleByKfacState(states.PreconditionerState):
     axis = self.layout.axis
     sharded = replicated if axis is None else PartitionSpec(axis)
     refresh = self.refresh
-    if refresh is not None:      # per-factor schedule replicated, X₋₁, X₋₂ as factors
+    if refresh is not None:      # per-factor schedule replicated, X₋₂ as factors
       refresh = jax.tree_util.tree_map(lambda _: replicated, refresh)
-      refresh = dataclasses.replace(refresh, last=sharded, before_last=sharded)
+      refresh = dataclasses.replace(refresh, before_last=sharded)
     return dataclasses.replace(
         self, count=replicated, factor_weight=replicated, update_factors=replicated,
         skipped=replicated, factors=sharded,

@@ -305,7 +305,7 @@ def _convert_kfac(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfacState
 def _running_like(old: kfac_lib.ScaleByKfacState, flat: np.ndarray,
                   lay: layout_lib.Layout, dtype: Any) -> np.ndarray:
   """`flat` (numbers laid out as `old`'s running factors: the factors, or
-  stale statistics' `X₋₁`, `X₋₂`) laid out as `lay`'s, factor by factor."""
+  stale statistics' `X₋₂`) laid out as `lay`'s, factor by factor."""
   running = kfac_lib.running_factors(dataclasses.replace(old, factors=flat))
   return packing.all_segments(
       lay, lambda plan, which: running[plan.layer.name][which.upper()], dtype, np)
@@ -314,8 +314,8 @@ def _running_like(old: kfac_lib.ScaleByKfacState, flat: np.ndarray,
 def _convert_refresh(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfacState
                      ) -> stale_lib.RefreshState | None:
   """Stale statistics' schedule, factor by factor (None without them): the
-  per-factor vectors by `(layer, factor)`, `X₋₁` and `X₋₂` as the running
-  factors. A factor split into column pieces takes its first piece's."""
+  per-factor vectors by `(layer, factor)`, `X₋₂` as the running factors. A
+  factor split into column pieces takes its first piece's."""
   if (old.refresh is None) != (new.refresh is None):
     raise ValueError("convert_state: only one of the two K-FAC states has "
                      "stale_threshold; build the template with the same stale_threshold.")
@@ -331,9 +331,9 @@ def _convert_refresh(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfacSt
                                getattr(new.refresh, name).dtype)
              for name in ("next_step", "interval", "previous_interval", "refreshes",
                           "weight")}
-  dtype = new.refresh.last.dtype
+  dtype = new.refresh.before_last.dtype
   return stale_lib.RefreshState(
-      **vectors, last=jnp.asarray(_running_like(old, r.last, new.layout, dtype)),
+      **vectors,
       before_last=jnp.asarray(_running_like(old, r.before_last, new.layout, dtype)))
 
 

@@ -126,15 +126,16 @@ def _summary(state: ScaleByKfacState) -> list[str]:
 
 def _stale_line(state: ScaleByKfacState) -> tuple[str, int]:
   """Stale statistics' part of the state, in words, and its bytes per device:
-  `X₋₁` and `X₋₂` sharded as the running factors, the schedule replicated."""
+  `X₋₂` sharded as the running factors (`X₋₁` is the running factor), the
+  schedule replicated."""
   r, lay = state.refresh, state.layout
   shard = lay.factor_shard
   schedule = [r.next_step, r.interval, r.previous_interval, r.refreshes, r.weight]
   size = sum(x.size * x.dtype.itemsize for x in schedule)
-  size += shard * (r.last.dtype.itemsize + r.before_last.dtype.itemsize)
-  return (f"Stale statistics: every factor's last two refreshed values (X₋₁, X₋₂), "
-          f"{2 * shard:,} numbers per device, and its refresh schedule "
-          f"({r.next_step.size} factors, replicated)."), size
+  size += shard * r.before_last.dtype.itemsize
+  return (f"Stale statistics: every factor's value at the refresh before last (X₋₂; "
+          f"X₋₁ is the running factor), {shard:,} numbers per device, and its refresh "
+          f"schedule ({r.next_step.size} factors, replicated)."), size
 
 
 def _correction_line(state: ScaleByKfacState) -> str:
