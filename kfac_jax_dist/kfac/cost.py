@@ -265,10 +265,10 @@ def kfac_step_bytes(config: config_lib.KfacConfig, lay: layout_lib.Layout) -> St
 def kfac_state_bytes(config: config_lib.KfacConfig, lay: layout_lib.Layout) -> int:
   """The K-FAC state per device of the step `config` describes: `state_bytes`
   in its dtypes; with stale statistics `X₋₂` laid out as the running factors
-  (`X₋₁` is the running factor) and the refresh schedule (4 int32 and one compute-dtype number per
-  factor, replicated); with EK-FAC the scaling (`Σ d_A·d_G`, replicated), one
-  flag per corrected layer and, with several owner groups, every owner's
-  second-order segment (`P·L₂`)."""
+  (`X₋₁` is the running factor) and the refresh schedule (4 int32 and one
+  compute-dtype number per factor, replicated); with EK-FAC the scaling
+  (`Σ d_A·d_G`, replicated), one flag per corrected layer and, with several
+  owner groups, every owner's second-order segment (`P·L₂`)."""
   stored, second = _itemsize(config.factor_dtype), _itemsize(config.compute_dtype)
   total = state_bytes(lay, stored, second)
   if config.stale_threshold is not None:
