@@ -13,6 +13,9 @@ process feeds only its own rows of the global batch
     --strategy mem-opt    fraction 1/P  second-order state sharded over all P devices
     --strategy hybrid     fraction 1/2  sharded over P/m groups of m = P/2 devices
     --grad-worker-fraction F            any m = F·P that divides P
+    --strategy auto       chosen by `kd.Distribution.auto`: the fewest bytes per
+                          step whose K-FAC state fits `--memory-budget` bytes per
+                          device (the choice and the runner-up are printed)
 
 A strategy name with the suffix `+adaptive` (e.g. `--strategy hybrid+adaptive`)
 trains adaptive K-FAC instead (learning rate, momentum and damping from the
@@ -62,7 +65,7 @@ from typing import Sequence
 
 import numpy as np
 
-STRATEGIES = ("comm-opt", "mem-opt", "hybrid")
+STRATEGIES = ("comm-opt", "mem-opt", "hybrid", "auto")
 IMAGE_SHAPE = (8, 8, 2)
 NUM_CLASSES = 10
 
@@ -118,9 +121,12 @@ def is_adaptive(strategy: str) -> bool:
   return strategy.endswith(ADAPTIVE)
 
 
-def fraction_of(strategy: str, num_devices: int) -> float:
-  """`grad_worker_fraction` of a KAISA strategy name on `num_devices` devices."""
+def fraction_of(strategy: str, num_devices: int) -> float | None:
+  """`grad_worker_fraction` of a KAISA strategy name on `num_devices` devices;
+  None for "auto" (`kd.Distribution.auto` chooses the whole strategy)."""
   strategy = strategy.removesuffix(ADAPTIVE)
+  if strategy == "auto":
+    return None
   if strategy == "comm-opt":
     return 1.0
   if strategy == "mem-opt":
@@ -132,11 +138,12 @@ def fraction_of(strategy: str, num_devices: int) -> float:
   raise ValueError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
 
 
-def train(mesh, grad_worker_fraction: float, *, steps: int = 4, batch_size: int = 32,
-          factor_update_every: int = 2, inverse_update_every: int = 3,
+def train(mesh, grad_worker_fraction: float | None, *, steps: int = 4,
+          batch_size: int = 32, factor_update_every: int = 2, inverse_update_every: int = 3,
           learning_rate: float = 0.1, damping: float = 1e-2, seed: int = 0,
           log=None, nan_step: int | None = None, checkpoint: str | None = None,
-          resume: tuple[str, int] | None = None, adaptive: bool = False):
+          resume: tuple[str, int] | None = None, adaptive: bool = False,
+          memory_budget: float | None = None):
   """Trains the model with K-FAC over `mesh`'s axis "data" for `steps` steps.
 
   Works the same on one process and on many: the batch of every step is made
@@ -146,6 +153,9 @@ def train(mesh, grad_worker_fraction: float, *, steps: int = 4, batch_size: int 
   final `{"params", "opt_state"}` there (`kd.save_checkpoint`, every process
   writing its pieces). `resume=(directory, first_step)`: start from such a
   checkpoint (saved by any number of processes) at step `first_step`.
+  `grad_worker_fraction=None`: the strategy `kd.Distribution.auto` picks for
+  this model, mesh and cadence under `memory_budget` (bytes per device; None:
+  any), the same on every process.
 
   Returns:
     (params, losses, skipped): the final parameters (a pytree of global,
@@ -168,10 +178,19 @@ def train(mesh, grad_worker_fraction: float, *, steps: int = 4, batch_size: int 
 
   grad_fn = kd.value_and_grad(loss_fn)
   host_params = initial_params(seed)
-  dist = kd.Distribution(mesh, axis="data", grad_worker_fraction=grad_worker_fraction)
+  layers = grad_fn.discover(host_params, x0, y0)
+  if grad_worker_fraction is None:
+    dist = kd.Distribution.auto(mesh, "data", layers, memory_budget=memory_budget,
+                                factor_update_every=factor_update_every,
+                                inverse_update_every=inverse_update_every)
+    if log is not None:
+      for line in dist.explanation:
+        log(line)
+  else:
+    dist = kd.Distribution(mesh, axis="data", grad_worker_fraction=grad_worker_fraction)
   common = dict(damping=damping, factor_update_every=factor_update_every,
-                inverse_update_every=inverse_update_every,
-                layers=grad_fn.discover(host_params, x0, y0), distribution=dist)
+                inverse_update_every=inverse_update_every, layers=layers,
+                distribution=dist)
   if adaptive:
     tx = kd.kfac(None, None, grad_fn=grad_fn, adapt_damping=True,
                  damping_adaptation_interval=1, **common)
@@ -189,7 +208,8 @@ def train(mesh, grad_worker_fraction: float, *, steps: int = 4, batch_size: int 
 
   def step(params, state, x, y):
     loss, grads, stats = grad_fn(params, x, y, opt_state=state)   # this device's batch
-    grads = jax.lax.pmean(grads, "data")                         # (gradient_reduction="none")
+    if dist.gradient_reduction == "none":     # else update reduces the local gradients
+      grads = jax.lax.pmean(grads, "data")
     batch = {"kfac_batch": (x, y)} if adaptive else {}       # the model's curvature
     updates, state = tx.update(grads, state, params, kfac_stats=stats, **batch)
     return optax.apply_updates(params, updates), state, jax.lax.pmean(loss, "data")
@@ -295,7 +315,9 @@ def run_worker(args) -> None:
   else:
     runs = [(s, fraction_of(s, len(devices))) for s in args.strategy.split(",")]
   for strategy, fraction in runs:
-    if say:
+    if say and fraction is None:
+      say(f"K-FAC {strategy}: the strategy kd.Distribution.auto chooses")
+    elif say:
       say(f"K-FAC {strategy}: grad_worker_fraction {fraction:g} "
           f"({round(fraction * len(devices))} gradient workers per layer)")
     t0 = time.perf_counter()
@@ -306,7 +328,8 @@ def run_worker(args) -> None:
         factor_update_every=args.factor_update_every,
         inverse_update_every=args.inverse_update_every, learning_rate=args.learning_rate,
         damping=args.damping, seed=args.seed, log=say, nan_step=args.nan_step,
-        checkpoint=checkpoint, adaptive=is_adaptive(strategy))
+        checkpoint=checkpoint, adaptive=is_adaptive(strategy),
+        memory_budget=args.memory_budget)
     if say:
       say(f"{strategy}: {args.steps} steps in {time.perf_counter() - t0:.1f}s "
           "(compilation included)")
@@ -465,7 +488,7 @@ def launch_local(worker_args: Sequence[str], num_processes: int, cpu_devices: in
 
 WORKER_OPTIONS = ("strategy", "grad_worker_fraction", "steps", "batch_size", "learning_rate",
                   "damping", "factor_update_every", "inverse_update_every", "seed", "out",
-                  "nan_step", "checkpoint_dir")
+                  "nan_step", "checkpoint_dir", "memory_budget")
 
 
 def parse_args(argv=None):
@@ -500,6 +523,8 @@ def parse_args(argv=None):
   opt.add_argument("--grad-worker-fraction", type=float, default=None,
                    help="instead of --strategy: gradient workers per layer / devices "
                         "(results are labelled fraction-F)")
+  opt.add_argument("--memory-budget", type=float, default=None,
+                   help="with --strategy auto: the K-FAC state's bytes per device at most")
   opt.add_argument("--steps", type=int, default=30, help="training steps")
   opt.add_argument("--batch-size", type=int, default=64, help="global batch size")
   opt.add_argument("--learning-rate", type=float, default=0.1,

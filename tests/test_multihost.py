@@ -35,7 +35,7 @@ _spec.loader.exec_module(multihost)
 
 NUM_PROCESSES, DEVICES_PER_PROCESS = 2, 2
 NUM_DEVICES = NUM_PROCESSES * DEVICES_PER_PROCESS
-STRATEGIES = ("mem-opt", "comm-opt", "hybrid", "hybrid+adaptive")
+STRATEGIES = ("mem-opt", "comm-opt", "hybrid", "hybrid+adaptive", "auto")
 CONFIG = dict(steps=4, batch_size=32, factor_update_every=2, inverse_update_every=3,
               learning_rate=0.1, damping=1e-2, seed=0, nan_step=1)
 TIMEOUT_S = 100          # the workers, from launch to exit (killed after that)
