@@ -388,6 +388,35 @@ def test_describe_counts_the_stale_state():
           shard + 5 * factors)
 
 
+def test_describe_reports_the_mean_refresh_interval():
+  """After some stale steps `kd.describe` gives each factor's mean interval
+  between refreshes, count · F / Σ refreshes (what `Distribution.auto` takes
+  as factor_update_every with stale statistics); an abstract state (no
+  values) and a fresh one (no refresh yet) leave it out."""
+  loss_fn, params, x, y = helpers.conv_dense_problem()
+  grad_fn = kd.value_and_grad(loss_fn)
+  tx = kd.kfac(0.1, layers=grad_fn.discover(params, x, y), damping=1e-2,
+               stale_threshold=0.3)
+  state, p = tx.init(params), params
+  line = lambda s: kd.describe(s, print_table=False)
+  assert "refreshes: a factor every" not in line(state)
+  assert "refreshes: a factor every" not in line(jax.eval_shape(tx.init, params))
+  step = jax.jit(lambda p, s: _one_step(grad_fn, tx, p, s, x, y))
+  for _ in range(5):
+    p, state = step(p, state)
+  refreshes = np.asarray(find_states(state)[0].refresh.refreshes)
+  assert 0 < refreshes.sum() < 5 * refreshes.size        # some factors went stale
+  want = 5 * refreshes.size / refreshes.sum()
+  assert (f"After 5 steps, {refreshes.sum():,} refreshes: a factor every {want:.3g} steps"
+          in line(state))
+
+
+def _one_step(grad_fn, tx, p, state, x, y):
+  _, grads, stats = grad_fn(p, x, y, opt_state=state)
+  updates, state = tx.update(grads, state, p, kfac_stats=stats)
+  return optax.apply_updates(p, updates), state
+
+
 def test_due_factors_are_all_reduced_inside_their_loops():
   """In the compiled 8-device program each factor's all-reduce stays in the
   body of its layer's loop over due blocks, so a stale factor sends nothing:

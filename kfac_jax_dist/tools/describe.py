@@ -7,7 +7,9 @@ import math
 from typing import Any
 
 import jax
+import numpy as np
 
+from kfac_jax_dist import _compat
 from kfac_jax_dist.capture import stacking
 from kfac_jax_dist.capture import statistics as factors
 from kfac_jax_dist.core import states as states_lib
@@ -133,9 +135,23 @@ def _stale_line(state: ScaleByKfacState) -> tuple[str, int]:
   schedule = [r.next_step, r.interval, r.previous_interval, r.refreshes, r.weight]
   size = sum(x.size * x.dtype.itemsize for x in schedule)
   size += shard * r.before_last.dtype.itemsize
-  return (f"Stale statistics: every factor's value at the refresh before last (X₋₂; "
+  line = (f"Stale statistics: every factor's value at the refresh before last (X₋₂; "
           f"X₋₁ is the running factor), {shard:,} numbers per device, and its refresh "
-          f"schedule ({r.next_step.size} factors, replicated)."), size
+          f"schedule ({r.next_step.size} factors, replicated).")
+  count, refreshes = _host_value(state.count), _host_value(r.refreshes)
+  if count is not None and refreshes is not None and refreshes.sum() > 0:
+    line += (f" After {int(count)} steps, {int(refreshes.sum()):,} refreshes: a factor "
+             f"every {count * refreshes.size / refreshes.sum():.3g} steps on average "
+             "(Distribution.auto's factor_update_every with stale_threshold).")
+  return line, size
+
+
+def _host_value(x: Any) -> np.ndarray | None:
+  """A replicated array's value on this host (its first local copy: no
+  communication); None for an abstract or traced one."""
+  if not isinstance(x, jax.Array) or _compat.traced(x):
+    return None
+  return np.asarray(x.addressable_data(0))
 
 
 def _correction_line(state: ScaleByKfacState) -> str:
