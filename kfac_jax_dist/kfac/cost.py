@@ -266,14 +266,14 @@ def kfac_state_bytes(config: config_lib.KfacConfig, lay: layout_lib.Layout) -> i
   """The K-FAC state per device of the step `config` describes: `state_bytes`
   in its dtypes; with stale statistics `X₋₂` laid out as the running factors
   (`X₋₁` is the running factor) and the refresh schedule (4 int32 and one
-  compute-dtype number per factor, replicated); with EK-FAC the scaling
+  compute-dtype number per factor and an int32 count, replicated); with EK-FAC the scaling
   (`Σ d_A·d_G`, replicated), one flag per corrected layer and, with several
   owner groups, every owner's second-order segment (`P·L₂`)."""
   stored, second = _itemsize(config.factor_dtype), _itemsize(config.compute_dtype)
   total = state_bytes(lay, stored, second)
   if config.stale_threshold is not None:
     total += (lay.factor_shard * stored
-              + len(stale_lib.factor_order(lay)) * (4 * 4 + second))
+              + len(stale_lib.factor_order(lay)) * (4 * 4 + second) + 4)
   if config.eigenvalue_correction is not None:
     total += (_corrected_numbers(lay) * second + len(correction_lib.corrected_plans(lay))
               + (lay.num_devices * lay.second_segment * second if lay.num_groups > 1

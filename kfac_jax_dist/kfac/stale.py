@@ -33,7 +33,7 @@ from kfac_jax_dist.kfac import layout as layout_lib
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["next_step", "interval", "previous_interval", "refreshes", "weight",
-                 "before_last"],
+                 "before_last", "refresh_steps"],
     meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class RefreshState:
@@ -47,6 +47,7 @@ class RefreshState:
     weight: total weight of each factor's running average.
     before_last: `X₋₂` of every factor, laid out as the running factors
       (`X₋₁` is the running factor itself).
+    refresh_steps: the updates that refreshed any factor so far (a scalar).
   """
 
   next_step: jax.Array
@@ -55,6 +56,7 @@ class RefreshState:
   refreshes: jax.Array
   weight: jax.Array
   before_last: jax.Array
+  refresh_steps: jax.Array
 
 
 def factor_order(lay: layout_lib.Layout):
@@ -70,7 +72,7 @@ def init(lay: layout_lib.Layout, running: jax.Array, weight_dtype, xp=jnp
   return RefreshState(
       next_step=xp.zeros([num], jnp.int32), interval=ones, previous_interval=ones,
       refreshes=xp.zeros([num], jnp.int32), weight=xp.zeros([num], weight_dtype),
-      before_last=running)
+      before_last=running, refresh_steps=xp.zeros([], jnp.int32))
 
 
 def next_interval(similar_last: jax.Array, similar_before_last: jax.Array,

@@ -135,12 +135,16 @@ def refresh_due_factors(config: KfacConfig, comm: collectives_lib.Collectives,
     bits = lax.pmin(bits, config.model_axes)
   interval = stale.next_interval(bits[:, 0] > 0, bits[:, 1] > 0, r.interval,
                                  r.previous_interval)
+  refreshed_any = jnp.any(due).astype(jnp.int32)
+  if config.model_axes:     # the same on every model shard, so typed alike (a scalar)
+    refreshed_any = lax.pmax(refreshed_any, config.model_axes)
   refresh = dataclasses.replace(
       r, weight=weight, before_last=before,
       next_step=jnp.where(due, count + interval, r.next_step),
       interval=jnp.where(due, interval, r.interval),
       previous_interval=jnp.where(due, r.interval, r.previous_interval),
-      refreshes=r.refreshes + due.astype(jnp.int32))
+      refreshes=r.refreshes + due.astype(jnp.int32),
+      refresh_steps=r.refresh_steps + refreshed_any)
   return running, refresh, due
 
 

@@ -334,7 +334,8 @@ def _convert_refresh(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfacSt
   dtype = new.refresh.before_last.dtype
   return stale_lib.RefreshState(
       **vectors,
-      before_last=jnp.asarray(_running_like(old, r.before_last, new.layout, dtype)))
+      before_last=jnp.asarray(_running_like(old, r.before_last, new.layout, dtype)),
+      refresh_steps=jnp.asarray(r.refresh_steps, new.refresh.refresh_steps.dtype))
 
 
 def _convert_correction(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfacState,

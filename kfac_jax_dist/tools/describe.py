@@ -132,17 +132,21 @@ def _stale_line(state: ScaleByKfacState) -> tuple[str, int]:
   schedule replicated."""
   r, lay = state.refresh, state.layout
   shard = lay.factor_shard
-  schedule = [r.next_step, r.interval, r.previous_interval, r.refreshes, r.weight]
+  schedule = [r.next_step, r.interval, r.previous_interval, r.refreshes, r.weight,
+              r.refresh_steps]
   size = sum(x.size * x.dtype.itemsize for x in schedule)
   size += shard * r.before_last.dtype.itemsize
   line = (f"Stale statistics: every factor's value at the refresh before last (X₋₂; "
           f"X₋₁ is the running factor), {shard:,} numbers per device, and its refresh "
           f"schedule ({r.next_step.size} factors, replicated).")
-  count, refreshes = _host_value(state.count), _host_value(r.refreshes)
-  if count is not None and refreshes is not None and refreshes.sum() > 0:
+  count, refreshes, steps = (_host_value(x) for x in (state.count, r.refreshes,
+                                                       r.refresh_steps))
+  if all(v is not None for v in (count, refreshes, steps)) and refreshes.sum() > 0:
     line += (f" After {int(count)} steps, {int(refreshes.sum()):,} refreshes: a factor "
-             f"every {count * refreshes.size / refreshes.sum():.3g} steps on average "
-             "(Distribution.auto's factor_update_every with stale_threshold).")
+             f"every {count * refreshes.size / refreshes.sum():.3g} steps on average, "
+             f"some factor on {int(steps)} steps (every {count / steps:.3g}): "
+             "Distribution.auto's factor_update_every and inverse_update_every with "
+             "stale_threshold.")
   return line, size
 
 
