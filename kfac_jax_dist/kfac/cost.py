@@ -262,22 +262,34 @@ def kfac_step_bytes(config: config_lib.KfacConfig, lay: layout_lib.Layout) -> St
   return StepBytes(base.plain, base.factor + tuple(scaling), base.inverse + tuple(bases))
 
 
+def stale_state_bytes(lay: layout_lib.Layout, factor_bytes: int, second_bytes: int
+                      ) -> int:
+  """Stale statistics' state per device: `X₋₂` laid out as the running
+  factors (`X₋₁` is the running factor) and the refresh schedule (4 int32 and
+  one compute-dtype number per factor and an int32 count, replicated)."""
+  return (lay.factor_shard * factor_bytes
+          + len(stale_lib.factor_order(lay)) * (4 * 4 + second_bytes) + 4)
+
+
+def correction_state_bytes(lay: layout_lib.Layout, second_bytes: int) -> int:
+  """EK-FAC's state per device: the scaling (`Σ d_A·d_G`, replicated), one
+  flag per corrected layer and, with several owner groups, every owner's
+  second-order segment (`P·L₂`)."""
+  gathered = lay.num_devices * lay.second_segment if lay.num_groups > 1 else 0
+  return ((_corrected_numbers(lay) + gathered) * second_bytes
+          + len(correction_lib.corrected_plans(lay)))
+
+
 def kfac_state_bytes(config: config_lib.KfacConfig, lay: layout_lib.Layout) -> int:
   """The K-FAC state per device of the step `config` describes: `state_bytes`
-  in its dtypes; with stale statistics `X₋₂` laid out as the running factors
-  (`X₋₁` is the running factor) and the refresh schedule (4 int32 and one
-  compute-dtype number per factor and an int32 count, replicated); with EK-FAC the scaling
-  (`Σ d_A·d_G`, replicated), one flag per corrected layer and, with several
-  owner groups, every owner's second-order segment (`P·L₂`)."""
+  in its dtypes, with `stale_state_bytes` and `correction_state_bytes` where
+  those options are on."""
   stored, second = _itemsize(config.factor_dtype), _itemsize(config.compute_dtype)
   total = state_bytes(lay, stored, second)
   if config.stale_threshold is not None:
-    total += (lay.factor_shard * stored
-              + len(stale_lib.factor_order(lay)) * (4 * 4 + second) + 4)
+    total += stale_state_bytes(lay, stored, second)
   if config.eigenvalue_correction is not None:
-    total += (_corrected_numbers(lay) * second + len(correction_lib.corrected_plans(lay))
-              + (lay.num_devices * lay.second_segment * second if lay.num_groups > 1
-                 else 0))
+    total += correction_state_bytes(lay, second)
   return total
 
 

@@ -14,8 +14,8 @@ with X₋₁, X₋₂ the factor at its last two refreshes and Δ₋₁, Δ₋�
 intervals. X₋₁ is the running factor itself (it changes only when refreshed),
 so only X₋₂ is stored beside it. The paper leaves the start open: here both
 intervals start at 1, and a missing X₋₁ or X₋₂ (fewer than two refreshes so
-far) counts as not similar. X is the running factor after the refresh (with `factor_decay = 0`,
-the refresh's statistic itself, as in the paper).
+far) counts as not similar. X is the running factor after the refresh (with
+`factor_decay = 0`, the refresh's statistic itself, as in the paper).
 """
 
 from __future__ import annotations

@@ -104,16 +104,14 @@ def _summary(state: ScaleByKfacState) -> list[str]:
   segments = f" (the segments of its group's {m} owners)" if m > 1 else ""
   lines.append(f"Second-order state ({what}): {m * lay.second_segment:,} numbers per "
                f"device{segments}.")
-  per_device = cost.state_bytes(lay, state.factors.dtype.itemsize,
-                                state.second_order.dtype.itemsize)
+  stored, second = state.factors.dtype.itemsize, state.second_order.dtype.itemsize
+  per_device = cost.state_bytes(lay, stored, second)
   if state.refresh is not None:
-    line, stale_bytes = _stale_line(state)
-    lines.append(line)
-    per_device += stale_bytes
+    lines.append(_stale_line(state))
+    per_device += cost.stale_state_bytes(lay, stored, second)
   if state.correction is not None:
     lines.append(_correction_line(state))
-    per_device += sum(x.size * x.dtype.itemsize
-                      for x in jax.tree_util.tree_leaves(state.correction))
+    per_device += cost.correction_state_bytes(lay, second)
   on_all = f" ({p * per_device:,} on all {p} devices)" if p > 1 else ""
   lines.append(f"K-FAC state: {per_device:,} bytes per device{on_all}.")
   lines += list(lay.strategy_choice)
@@ -126,16 +124,11 @@ def _summary(state: ScaleByKfacState) -> list[str]:
   return lines
 
 
-def _stale_line(state: ScaleByKfacState) -> tuple[str, int]:
-  """Stale statistics' part of the state, in words, and its bytes per device:
-  `X₋₂` sharded as the running factors (`X₋₁` is the running factor), the
-  schedule replicated."""
-  r, lay = state.refresh, state.layout
-  shard = lay.factor_shard
-  schedule = [r.next_step, r.interval, r.previous_interval, r.refreshes, r.weight,
-              r.refresh_steps]
-  size = sum(x.size * x.dtype.itemsize for x in schedule)
-  size += shard * r.before_last.dtype.itemsize
+def _stale_line(state: ScaleByKfacState) -> str:
+  """Stale statistics' part of the state, in words: `X₋₂` sharded as the
+  running factors (`X₋₁` is the running factor), the schedule replicated, and
+  the refresh intervals so far."""
+  r, shard = state.refresh, state.layout.factor_shard
   line = (f"Stale statistics: every factor's value at the refresh before last (X₋₂; "
           f"X₋₁ is the running factor), {shard:,} numbers per device, and its refresh "
           f"schedule ({r.next_step.size} factors, replicated).")
@@ -147,7 +140,7 @@ def _stale_line(state: ScaleByKfacState) -> tuple[str, int]:
              f"some factor on {int(steps)} steps (every {count / steps:.3g}): "
              "Distribution.auto's factor_update_every and inverse_update_every with "
              "stale_threshold.")
-  return line, size
+  return line
 
 
 def _host_value(x: Any) -> np.ndarray | None:
