@@ -104,8 +104,9 @@ def environment() -> dict[str, Any]:
 
 def header_md(h: dict[str, Any]) -> str:
   """The one-line environment header of a results file."""
+  machine = f"{h['cpu']}, {h['machine']}" if h.get("cpu") else h["machine"]
   return (f"- date {h['date']}; jax {h['jax']} ({h['backend']}); kfac_jax_dist at git "
-          f"{h['git']}; {h['machine']}; XLA_FLAGS=`{h['xla_flags']}`")
+          f"{h['git']}; {machine}; XLA_FLAGS=`{h['xla_flags']}`")
 
 
 # ---------------------------------------------------------------------- tables

@@ -115,6 +115,11 @@ EOF
 BACKEND=$("$PY" -c "import jax; print(jax.default_backend())" 2>> "$LOG")
 DEVICE=$("$PY" -c "import jax; print(jax.devices()[0].device_kind)" 2>> "$LOG")
 tail -n 2 "$LOG" | sed 's/^/- /' >> "$SUMMARY"
+if [ -z "$BACKEND" ]; then
+  log "$PY cannot import jax (set PYTHON to the interpreter that has it)"
+  echo "- FAILED: no jax in $PY" >> "$SUMMARY"
+  exit 1
+fi
 if [ "$MODE" = gpu ] && [ "$BACKEND" != gpu ]; then
   log "jax's default backend is '$BACKEND', not gpu: is a CUDA jax installed? (--cpu rehearses on CPU)"
   echo "- FAILED: no GPU backend ('$BACKEND')" >> "$SUMMARY"

@@ -39,7 +39,9 @@ every method once) and each ratio is the median over rounds of the per-round
 ratio to SGD (and to Adam). Each block is timed in wall-clock and in process
 CPU time (all threads): on a machine shared with other jobs the CPU-time ratios
 are the steadier ones. Compile time is `jit(step).lower(...).compile()` after
-`jax.clear_caches()`, so that every repetition traces and compiles anew. Under
+`jax.clear_caches()`, so that every repetition traces and compiles anew, the
+methods alternating; the compile ratio to SGD is the median of the
+per-repetition ratios (issue 16's check on the CNN: ≤ 2). Under
 each table, an analytic FLOP count (see `flop_model`) gives the floor that
 K-FAC's extra arithmetic puts under each kind of step. A watchdog exits with
 status 3 (and every thread's Python stack) when no step finishes for
@@ -619,8 +621,9 @@ def _compile_line(res: dict) -> str:
   if res["model"] == "cnn":
     holds = "holds" if k["vs_sgd"] <= COMPILE_TARGET else "**does not hold**"
     target = f" (issue 16's target on the CNN ≤ {COMPILE_TARGET:g}: {holds})"
-  return (f"Compile (trace + XLA compile of a fresh `jax.jit`, {k['reps']} repetition{'s' * (k['reps'] != 1)} "
-          "alternating the methods; ratio = median of the per-repetition ratios): the "
+  reps = f"{k['reps']} repetition" + "s" * (k["reps"] != 1)
+  return (f"Compile (trace + XLA compile of a fresh `jax.jit`, {reps} alternating the "
+          "methods; ratio = median of the per-repetition ratios): the "
           f"amortised K-FAC step {k['total_s']:.2f} s, {k['vs_sgd']:.2f}× SGD's{target}.")
 
 
