@@ -325,12 +325,11 @@ def build(model_name: str, args):
   for _ in range(args.compile_reps):
     for k, step in steps.items():
       compile_times.setdefault(k, []).append(compile_time(step, params, states[k], x, y))
-  compile_med = {k: {f: statistics.median(r[f] for r in v) for f in v[0]}
+  compile_med = {k: dict({f: statistics.median(r[f] for r in v) for f in v[0]},
+                         vs_sgd=statistics.median(r["total_s"] / s["total_s"] for r, s
+                                                  in zip(v, compile_times["sgd"])),
+                         reps=len(v))
                  for k, v in compile_times.items()}
-  for k, v in compile_times.items():
-    compile_med[k]["vs_sgd"] = statistics.median(
-        r["total_s"] / s["total_s"] for r, s in zip(v, compile_times["sgd"]))
-    compile_med[k]["reps"] = len(v)
 
   # Every step donates params and state, as a training loop runs it; the
   # rows from one fixed state give it fresh copies (`fixed_runner`).
@@ -613,8 +612,8 @@ COMPILE_TARGET = 2.0     # issue 16: the amortised K-FAC step's compile ≤ 2× 
 def _compile_line(res: dict) -> str:
   """The amortised K-FAC step's compile against SGD's: the median of the
   per-repetition ratios (absent from results measured before they were kept)."""
-  c = {row["name"]: row["compile"] for row in res["rows"] if row["compile"]}
-  k = c.get("kfac_amortised") or {}
+  k = next((row["compile"] or {} for row in res["rows"] if row["name"] == "kfac_amortised"),
+           {})
   if "vs_sgd" not in k:
     return ""
   target = ""

@@ -248,12 +248,7 @@ def test_threshold_zero_is_plain_kfac(method):
     tx = kd.kfac(0.1, layers=layers, damping=1e-2, kl_clip=1e-2, method=method,
                  **options)
     state, p = tx.init(params), params
-
-    @jax.jit
-    def step(p, state):
-      _, grads, stats = grad_fn(p, x, y, opt_state=state)
-      updates, state = tx.update(grads, state, p, kfac_stats=stats)
-      return optax.apply_updates(p, updates), state
+    step = jax.jit(lambda p, s: _one_step(grad_fn, tx, p, s, x, y))
     for _ in range(4):
       p, state = step(p, state)
     return p, state
@@ -271,12 +266,7 @@ def _stale_single_device(method, steps=6):
   tx = kd.kfac(0.1, layers=grad_fn.discover(params, x, y), damping=1e-2, kl_clip=1e-2,
                stale_threshold=0.3, method=method)
   state, p = tx.init(params), params
-
-  @jax.jit
-  def step(p, state):
-    _, grads, stats = grad_fn(p, x, y, opt_state=state)
-    updates, state = tx.update(grads, state, p, kfac_stats=stats)
-    return optax.apply_updates(p, updates), state
+  step = jax.jit(lambda p, s: _one_step(grad_fn, tx, p, s, x, y))
   for _ in range(steps):
     p, state = step(p, state)
   return p, np.asarray(find_states(state)[0].refresh.refreshes)
@@ -418,6 +408,7 @@ def test_describe_reports_the_mean_refresh_interval():
 
 
 def _one_step(grad_fn, tx, p, state, x, y):
+  """One K-FAC step on one device: capture, update, apply."""
   _, grads, stats = grad_fn(p, x, y, opt_state=state)
   updates, state = tx.update(grads, state, p, kfac_stats=stats)
   return optax.apply_updates(p, updates), state
