@@ -113,6 +113,24 @@ def residual_stack_problem():
   return classifier_problem(ResidualStack(), (32, 12))
 
 
+class Funnel(nn.Module):
+  """Dense 16 → 16 → 3 → 10 on flattened 4x4 images: on 8 devices COMM-OPT's
+  owners hold uneven second-order segments, two of them none, and several
+  share a row of the replicated array (`Layout.second_slots`)."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = x.reshape(x.shape[0], -1)
+    x = nn.relu(kd.linen.Dense(16)(x))
+    x = nn.relu(kd.linen.Dense(3)(x))
+    return kd.linen.Dense(10)(x)
+
+
+def funnel_problem():
+  """`Funnel` on a random batch of 32 4x4x1 images (`classifier_problem`)."""
+  return classifier_problem(Funnel(), (32, 4, 4, 1))
+
+
 def conv_dense_problem():
   """`ConvDenseNet` on a random batch of 32 8x8x2 images (`classifier_problem`)."""
   return classifier_problem(ConvDenseNet(), (32, 8, 8, 2))

@@ -155,6 +155,22 @@ def test_sharded_mem_opt_save_restore_and_resume(tmp_path):
   assert _specs_of(again) == _specs_of(state)
 
 
+def test_comm_opt_rows_save_restore_and_resume(tmp_path):
+  """8-device COMM-OPT, whose replicated array holds several owners' segments
+  per row: their slots are in the checkpoint's metadata, and the restored
+  state resumes on the uninterrupted trajectory."""
+  config = (8,)
+  params, state = _run(config, _params(), _init(*config), 0, 3)
+  lay = find_states(state)[0].layout
+  meta = kd.checkpoint_metadata(state)["kfac_states"][0]
+  assert lay.rows_shared and meta["second_slots"] == [list(s) for s in lay.second_slots]
+  kd.save_checkpoint(tmp_path / "ckpt", state)
+  restored = kd.restore_checkpoint(tmp_path / "ckpt", _init(*config))
+  assert_bitwise(restored, state, "restored")
+  resumed = _run(config, params, restored, 3, 5)
+  assert_bitwise(resumed, _run(config, _params(), _init(*config), 0, 5), "resumed")
+
+
 def test_restore_refuses_another_layout(tmp_path):
   kd.save_checkpoint(tmp_path / "ckpt", _init(8, 1 / 8))
   other = jax.eval_shape(_config(4)[0].init, _params())
@@ -215,6 +231,12 @@ def test_convert_round_trip_is_exact():
   assert find_states(s_h)[0].layout.factor_storage == "owner"
   assert_bitwise(_factors_and_second(s_h), _factors_and_second(s8))
   assert_bitwise(kd.convert_state(s_h, _init(8, 1 / 8)), s8, "round trip via HYBRID")
+  # COMM-OPT on 8 devices: the owners' segments share four rows of the
+  # replicated array (`Layout.second_slots`).
+  s_c = kd.convert_state(s8, _init(8))
+  assert find_states(s_c)[0].layout.rows_shared
+  assert_bitwise(_factors_and_second(s_c), _factors_and_second(s8))
+  assert_bitwise(kd.convert_state(s_c, _init(8, 1 / 8)), s8, "round trip via COMM-OPT")
   # Another method or other layers cannot be converted.
   layers = GRAD_FN.discover(_params(), *_batch(0))
   with pytest.raises(ValueError, match="distributions, not methods"):

@@ -1,6 +1,7 @@
 """Every distribution strategy equals the single-device transform (8 CPU devices)."""
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ import kfac_jax_dist as kd
 
 import helpers
 from kfac_jax_dist.core import uneven
+from kfac_jax_dist.kfac import layout as layout_lib
 from kfac_jax_dist.kfac.state import find_states
 
 STEPS = 7            # counts 0..6: inverse at 0, 3, 6; factor-only at 2, 4; plain 1, 5
@@ -119,6 +121,74 @@ def test_whole_pass_statistics_skip_equals_single_device(fraction):
   trajectory, _, _ = _distributed(8, fraction, "reduce_scatter", "reduce_scatter",
                                   skip_statistics="pass")
   _assert_same(trajectory, reference)
+
+
+@pytest.mark.parametrize("num_devices,problem,method", [
+    (4, helpers.conv_dense_problem, "eigen"),       # three owners share a row
+    (8, helpers.funnel_problem, "eigen"),           # shared rows and two idle devices
+    pytest.param(8, helpers.funnel_problem, "inverse", marks=pytest.mark.slow)])
+def test_comm_opt_rows_shared_by_owners_equal_single_device(num_devices, problem, method):
+  """COMM-OPT's replicated second-order array keeps several owners' segments
+  in one row of `L₂` where they fit (`Layout.second_slots`): the gather
+  writes them there, the preconditioning reads them there, each owner takes
+  its previous segment back from its slot (kept on a failed decomposition),
+  and the steps equal one device's. The array is smaller than `P·L₂`."""
+  reference, _ = _single_device(method, problem=problem)
+  trajectory, state, _ = _distributed(num_devices, 1.0, "reduce_scatter", "reduce_scatter",
+                                      method=method, problem=problem)
+  _assert_same(trajectory, reference)
+  kfac = find_states(state)[0]
+  lay = kfac.layout
+  assert lay.rows_shared and any(column for _, column in lay.second_slots)
+  assert kfac.second_order.shape == (lay.second_array,)
+  assert lay.second_array < num_devices * lay.second_segment
+  # each factor's eigenvalues (or damped inverse: both unique) where the
+  # layout says, as `kd.second_order_parts` reads a global state
+  want = kd.second_order_parts(find_states(_single_device(method, problem=problem)[1])[0])
+  got = kd.second_order_parts(kfac)
+  for name, factors in want.items():
+    for which, (matrix, vector) in factors.items():
+      unique = vector if method == "eigen" else matrix
+      np.testing.assert_allclose(got[name][which][0 if method != "eigen" else 1], unique,
+                                 rtol=2e-3, atol=2e-4, err_msg=f"{name} {which}")
+
+
+def _fewest_rows(sizes, row):
+  """The fewest rows of `row` numbers that hold every segment (brute force)."""
+  best = len(sizes)
+  for assignment in itertools.product(range(len(sizes)), repeat=len(sizes)):
+    loads = np.bincount(assignment, weights=sizes, minlength=len(sizes))
+    if loads.max() <= row:
+      best = min(best, len(set(assignment)))
+  return best
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_pack_rows_places_every_segment_in_a_row(seed):
+  """`layout.pack_rows`: each segment lies inside its row, the segments of a
+  row one after the other from column 0 (what `Gathered.in_rows` writes),
+  empty ones at their row's end; first fit by decreasing size is within its
+  guarantee, 11/9 of the fewest rows (brute force) + 6/9; and where it saves
+  no row, one segment per row in device order (the layout before packing)."""
+  rng = np.random.default_rng(seed)
+  n = int(rng.integers(1, 6))
+  sizes = [int(s) for s in rng.integers(0, 40, n) * (rng.random(n) < 0.8)]
+  row = max(max(sizes), 1)
+  slots = layout_lib.pack_rows(sizes, row)
+  rows = 1 + max(r for r, _ in slots)
+  by_row = {}
+  for d in sorted(range(n), key=lambda d: slots[d][1]):
+    by_row.setdefault(slots[d][0], []).append(d)
+  for r, devices in by_row.items():
+    at = 0
+    for d in devices:
+      assert slots[d][1] == at and at + sizes[d] <= row, (sizes, slots)
+      at += sizes[d]
+  assert sorted(by_row) == list(range(rows))
+  if rows == n:
+    assert slots == tuple((d, 0) for d in range(n))
+  else:
+    assert rows <= 11 / 9 * _fewest_rows(sizes, row) + 6 / 9, (sizes, slots)
 
 
 def _longer_chunks(sizes):

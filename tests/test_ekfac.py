@@ -370,25 +370,29 @@ def test_dp_kfac_local_eigenbases_and_the_global_scaling():
 STALE_THRESHOLD = 0.5     # the random batches' factors differ by ~0.2-0.6
 
 
-@pytest.mark.parametrize("fraction,reduction,stale", [
-    pytest.param(1, "all_reduce", False, marks=pytest.mark.slow),
-    (1 / 8, "all_reduce", False),
-    pytest.param(1 / 4, "all_reduce", False, marks=pytest.mark.slow),
-    pytest.param(1 / 8, "reduce_scatter", False, marks=pytest.mark.slow),
-    pytest.param(1, "all_reduce", True, marks=pytest.mark.slow),
-    (1 / 4, "all_reduce", True)],
-    ids=["comm_opt", "mem_opt", "hybrid", "sp_ngd", "comm_opt-stale", "hybrid-stale"])
-def test_eight_devices_equal_one_device(fraction, reduction, stale):
+@pytest.mark.parametrize("fraction,reduction,stale,devices", [
+    pytest.param(1, "all_reduce", False, 8, marks=pytest.mark.slow),
+    (1 / 8, "all_reduce", False, 8),
+    pytest.param(1 / 4, "all_reduce", False, 8, marks=pytest.mark.slow),
+    pytest.param(1 / 8, "reduce_scatter", False, 8, marks=pytest.mark.slow),
+    pytest.param(1, "all_reduce", True, 8, marks=pytest.mark.slow),
+    (1 / 4, "all_reduce", True, 8),
+    (1, "all_reduce", True, 4)],
+    ids=["comm_opt", "mem_opt", "hybrid", "sp_ngd", "comm_opt-stale", "hybrid-stale",
+         "comm_opt-stale-4-devices"])
+def test_eight_devices_equal_one_device(fraction, reduction, stale, devices):
   """On 8 CPU devices (per-device statistics, `S` averaged over the axis; the
   eigenbases gathered with several owner groups) K-FAC with EK-FAC equals the
   single-device run under COMM-OPT, MEM-OPT, HYBRID-OPT and SP-NGD's fused
   gradient reduce-scatter, and with stale statistics (each layer's scaling
-  reset when one of its factors refreshes)."""
+  reset when one of its factors refreshes). On 4 devices COMM-OPT's owners
+  share rows of the replicated array (`Layout.second_slots`), where the
+  scaling reads its eigenbases."""
   loss_fn, params, x, y = _problem("conv")
   x, y = jnp.concatenate([x] * 4), jnp.concatenate([y] * 4)   # 24: 3 per device
   grad_fn = kd.value_and_grad(loss_fn)
   layers = grad_fn.discover(params, x, y)
-  dist = kd.Distribution(helpers.data_mesh(8), grad_worker_fraction=fraction,
+  dist = kd.Distribution(helpers.data_mesh(devices), grad_worker_fraction=fraction,
                          gradient_reduction=reduction)
   options = dict(layers=layers, damping=LAMBDA, factor_dtype=jnp.float64,
                  eigenvalue_correction="ekfac")
@@ -412,6 +416,7 @@ def test_eight_devices_equal_one_device(fraction, reduction, stale):
     updates, one_state = single.update(grads, one_state, one_params, kfac_stats=stats)
     one_params = optax.apply_updates(one_params, updates)
     helpers.assert_trees_equal(params, one_params, rtol=1e-9)
+  assert find_states(state)[0].layout.rows_shared == (devices == 4)
   if stale:                                  # some factors were left stale
     refreshes = np.asarray(find_states(state)[0].refresh.refreshes)
     np.testing.assert_array_equal(refreshes, find_states(one_state)[0].refresh.refreshes)

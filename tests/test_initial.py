@@ -111,6 +111,7 @@ CASES = {
     "one device, stale": {"stale_threshold": 0.1},
     "one device, EK-FAC": {"eigenvalue_correction": "ekfac"},
     "COMM-OPT": {"fraction": 1.0},
+    "COMM-OPT, rows shared": {"fraction": 1.0, "max_factor_dim": None},
     "COMM-OPT, unpacked, all-reduce": {"fraction": 1.0, "symmetric_comm": False,
                                        "factor_reduction": "all_reduce"},
     "MEM-OPT": {"fraction": 1 / 8},
@@ -135,13 +136,16 @@ def test_traced_kfac_init_equals_the_host_init(monkeypatch, case):
   if dist_options:
     dist = kd.Distribution(mesh, grad_worker_fraction=dist_options.pop("fraction"),
                            **dist_options)
-  tx = kd.scale_by_kfac(layers=_layers(), max_factor_dim=70, distribution=dist, **options)
+  tx = kd.scale_by_kfac(layers=_layers(), distribution=dist,
+                        max_factor_dim=options.pop("max_factor_dim", 70), **options)
   params = _params()
   host = tx.init(params)
   forms = {place.form for plan in host.layout.plans for _, place in plan.places}
   assert forms == {"full", "diag", "unit"}
   if case == "COMM-OPT":
     assert any(place.copies for plan in host.layout.plans for _, place in plan.places)
+  if case == "COMM-OPT, rows shared":       # several segments in a row, at columns
+    assert host.layout.rows_shared
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), kd.partition_specs(host))
   for traced in (jax.jit(tx.init)(params),
                  jax.jit(tx.init, out_shardings=shardings)(params)):

@@ -435,12 +435,18 @@ class Gathered:
     return out
 
   def padded(self, length: int) -> jax.Array:
-    """`[P·length]`: each device's numbers, zeros past them to `length`: one
-    concatenation of the runs' slices and the zeros."""
+    """`[P·length]`: each device's numbers, zeros past them to `length`."""
+    return self.in_rows([[device] for device in range(len(self))], length)
+
+  def in_rows(self, rows: Sequence[Sequence[int]], length: int) -> jax.Array:
+    """`[len(rows)·length]`: row after row, the numbers of its devices one
+    after the other, zeros past them to `length`: one concatenation of the
+    runs' slices and the zeros."""
     pieces, zeros = [], {}        # one array of zeros per length
-    for device, parts in enumerate(self.parts):
-      pieces += [self.arrays[a][at:at + n] for a, at, n in parts]
-      n = length - self.size(device)
+    for devices in rows:
+      for device in devices:
+        pieces += [self.arrays[a][at:at + n] for a, at, n in self.parts[device]]
+      n = length - sum(self.size(device) for device in devices)
       if n > 0:
         if n not in zeros:
           zeros[n] = jnp.zeros(n, self.arrays[0].dtype)

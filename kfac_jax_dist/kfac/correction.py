@@ -97,8 +97,8 @@ def corrected_plans(lay: layout_lib.Layout) -> list[tuple[layout_lib.LayerPlan, 
 
 
 def owners_second(second: jax.Array, state: CorrectionState) -> jax.Array:
-  """Every owner's second-order segment, `[P·L₂]`, on this device: the state's
-  own array with one owner group, else the gathered copy."""
+  """Every owner's second-order segment on this device: the state's own
+  array with one owner group (in its rows), else the gathered `[P·L₂]`."""
   return second if state.bases is None else state.bases
 
 
@@ -128,9 +128,11 @@ def _run_parts(lay: layout_lib.Layout, second: jax.Array,
                run: list[layout_lib.LayerPlan], which: str, part: str) -> jax.Array:
   """`[k, d, d]` eigenbases (`part` "matrix_offset") or `[k, d]` eigenvalues
   ("vector_offset") of factor `which` of a run's layers, column slices put
-  together, from every owner's segment, `[P·L₂]`."""
-  parts = packing.run_parts(lambda q: q.owner * lay.second_segment,
-                            tuple(getattr(plan, which) for plan in run))
+  together, from every owner's segment (`owners_second`: the state's own
+  array with one group, in its rows; else the gathered `[P·L₂]`)."""
+  base = ((lambda q: lay.second_base(q, 0)) if lay.num_groups == 1
+          else (lambda q: q.owner * lay.second_segment))
+  parts = packing.run_parts(base, tuple(getattr(plan, which) for plan in run))
   matrices, vectors = packing.read_run(second, [p for p in parts if p.offset == part],
                                        lay.second_segment)
   return vectors if matrices is None else matrices

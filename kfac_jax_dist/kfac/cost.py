@@ -25,7 +25,8 @@ parameters' all-reduce (the same under every strategy) is left out. This is
 the model `benchmarks/comm_volume.py` checks against the compiled HLO.
 
 State per device: the running factors (`C` or `L` numbers) and the
-second-order state (`m·L₂`: a group's devices each hold the whole group's).
+second-order state (`m·L₂`: a group's devices each hold the whole group's;
+with one group, every owner's segment packed in rows of `L₂`).
 
 `kfac_step_bytes` and `kfac_state_bytes` price a whole `KfacConfig`: its
 dtypes, and stale statistics' and EK-FAC's own state and collectives (see
@@ -188,9 +189,9 @@ def second_order_terms(lay: layout_lib.Layout, second_bytes: int
 def state_bytes(lay: layout_lib.Layout, factor_bytes: int = 4, second_bytes: int = 4
                 ) -> int:
   """K-FAC's state per device: running factors (`C` or `L` numbers of
-  `factor_bytes`) and second-order state (`m·L₂` of `second_bytes`)."""
-  return (lay.factor_shard * factor_bytes
-          + lay.group_size * lay.second_segment * second_bytes)
+  `factor_bytes`) and second-order state (`Layout.second_array`: `m·L₂`, or
+  with one group every owner's segment in rows of `L₂`, of `second_bytes`)."""
+  return lay.factor_shard * factor_bytes + lay.second_array * second_bytes
 
 
 def _itemsize(dtype: Any) -> int:

@@ -399,9 +399,11 @@ def shares_branch(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
 
 def distribute_second(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
                       local: jax.Array) -> jax.Array:
-  """Each device's new `[L₂]` → the second-order array of its spec."""
+  """Each device's new `[L₂]` → the second-order array of its spec (one
+  group: every owner's segment, in the rows of `Layout.second_slots`)."""
   if layout.num_groups == 1 and comm.active:    # every device gets every segment
-    return comm.gather_uneven(local, layout.second_sizes).padded(layout.second_segment)
+    return comm.gather_uneven(local, layout.second_sizes).in_rows(
+        layout.second_row_members(), layout.second_segment)
   return comm.gather_group(local)
 
 
@@ -444,13 +446,17 @@ def _owned_sizes(layout: layout_lib.Layout, running: jax.Array) -> list[int]:
 
 def _previous_segment(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
                       second: jax.Array) -> jax.Array:
-  """The device's own `[L₂]` segment within its local `m·L₂` (`P·L₂` with
-  one group)."""
-  m, size = layout.group_size, layout.second_segment
+  """The device's own `[L₂]` segment within its local array (its slot's row,
+  `Layout.second_slots`, from its column on; past its own numbers, which are
+  all that is read, whatever follows)."""
+  size = layout.second_segment
   if comm.num_devices == 1:
     return second[:size]
-  row = comm.device_table(tuple(d % m for d in range(layout.num_devices)))
-  return offsets.segment_at(second, size, row)
+  rows, columns = zip(*layout.second_slots)
+  row = offsets.segment_at(second, size, comm.device_table(rows))
+  if not any(columns):
+    return row
+  return lax.dynamic_slice_in_dim(jnp.pad(row, (0, size)), comm.device_table(columns), size)
 
 
 def _slot_tables(comm: collectives_lib.Collectives, layout: layout_lib.Layout,

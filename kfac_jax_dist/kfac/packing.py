@@ -376,17 +376,21 @@ def _second_order_pieces(lay: layout_lib.Layout, owner: int) -> list[tuple]:
   return pieces
 
 
-def initial_second_order(lay: layout_lib.Layout, owners: list[int], dtype,
+def initial_second_order(lay: layout_lib.Layout, rows: list[list[tuple[int, int]]], dtype,
                          per_device: int | None) -> jax.Array:
-  """Traced: the `second_order_segment`s of `owners`, one after the other,
-  `[len(owners) · L₂]`, built elementwise (`core.initial`; `per_device`:
-  segments per device once sharded, None when replicated)."""
+  """Traced: rows of `L₂` numbers, each holding the `second_order_segment`s
+  of its (owner, column)s (`state.second_order_rows`), `[len(rows) · L₂]`,
+  built elementwise (`core.initial`; `per_device`: rows per device once
+  sharded, None when replicated)."""
   length, mine = lay.second_segment, {}
-  for owner in set(owners):
-    mine[owner] = initial.lay_out(_second_order_pieces(lay, owner), 0, length)
-  runs = [dataclasses.replace(run, row=row) for row, owner in enumerate(owners)
-          for run in mine[owner]]
-  return initial.build(runs, len(owners), length, dtype, per_device).reshape(-1)
+  for row in rows:
+    for owner, column in row:
+      if (owner, column) not in mine:
+        mine[owner, column] = initial.lay_out(_second_order_pieces(lay, owner), column,
+                                              length)
+  runs = [dataclasses.replace(run, row=r) for r, row in enumerate(rows)
+          for slot in row for run in mine[slot]]
+  return initial.build(runs, len(rows), length, dtype, per_device).reshape(-1)
 
 
 def width(place) -> int:

@@ -44,7 +44,9 @@ class ScaleByKfacState(states.PreconditionerState):
     factors: running factors, `[P·C]` (tight chunks) or `[P·L]` (owner
       segments), see `layout`; device i holds the i-th part.
     second_order: eigenbases and eigenvalues ("eigen") or damped inverses
-      ("inverse"), `[P·L₂]` per owner group member (see `layout`).
+      ("inverse"): per device its group's `m` segments `[m·L₂]`, sharded;
+      with one group every owner's, `[second_rows·L₂]`, replicated (see
+      `layout`).
     skipped: number of updates skipped for a non-finite gradient, statistic
       or produced update (not counted in `count`).
     layout: static placement of every layer's factors.
@@ -120,27 +122,36 @@ def find_states(tree: Any, kind: type[states.S] = ScaleByKfacState) -> list[stat
   return states.find_states(tree, kind)
 
 
-def second_order_owners(lay: layout_lib.Layout) -> list[int]:
-  """The owner of each `[L₂]` segment of the global second-order array, in
-  order: every owner once (one owner group: `[P·L₂]`, replicated), or device
-  after device its group's `m` owners (`[P·m·L₂]`, sharded)."""
+def second_order_rows(lay: layout_lib.Layout) -> list[list[tuple[int, int]]]:
+  """The global second-order array as rows of `L₂` numbers: per row, the
+  (owner, column) of each segment it holds. One owner group: the replicated
+  array's rows (`Layout.second_slots`); several: device after device, its
+  group's `m` owners, one per row (`[P·m·L₂]`, sharded)."""
   if lay.num_groups == 1:
-    return list(range(lay.num_devices))
+    return [[(d, lay.second_slots[d][1]) for d in members]
+            for members in lay.second_row_members()]
   m = lay.group_size
-  return [j for i in range(lay.num_devices) for j in range(i // m * m, i // m * m + m)]
+  return [[(j, 0)] for i in range(lay.num_devices) for j in range(i // m * m, i // m * m + m)]
 
 
-def global_second_order(lay: layout_lib.Layout, segments: Sequence[jax.Array],
-                        xp=jnp) -> jax.Array:
+def global_second_order(lay: layout_lib.Layout, segments: Sequence[Any], xp=jnp) -> Any:
   """The global second-order array from each owner's `[L₂]` segment
-  (`second_order_owners`)."""
-  return xp.concatenate([segments[j] for j in second_order_owners(lay)])
+  (`second_order_rows`: each row its owners' used numbers, zeros after)."""
+  pieces = []
+  for row in second_order_rows(lay):
+    used = [segments[owner][:lay.second_sizes[owner]] for owner, _ in row]
+    pieces += used + [xp.zeros(lay.second_segment - sum(u.shape[0] for u in used),
+                               segments[0].dtype)]
+  return xp.concatenate(pieces)
 
 
 def second_order_base(lay: layout_lib.Layout, owner: int) -> int:
-  """Start of `owner`'s `[L₂]` segment in the global second-order array (its
-  first copy, in its group's first device's part)."""
+  """Start of `owner`'s segment in the global second-order array (its first
+  copy, in its group's first device's part)."""
   m = lay.group_size
+  if lay.num_groups == 1:
+    row, column = lay.second_slots[owner]
+    return row * lay.second_segment + column
   return ((owner // m) * m * m + owner % m) * lay.second_segment
 
 

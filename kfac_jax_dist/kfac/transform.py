@@ -58,7 +58,7 @@ from kfac_jax_dist.kfac import correction as correction_lib
 from kfac_jax_dist.kfac import layout as layout_lib
 from kfac_jax_dist.kfac.config import Correction, KfacConfig, Method
 from kfac_jax_dist.kfac.state import ScaleByKfacState, global_second_order
-from kfac_jax_dist.kfac.state import second_order_owners
+from kfac_jax_dist.kfac.state import second_order_rows
 
 # ------------------------------------------------------------------------ init
 
@@ -144,7 +144,7 @@ def initial_arrays(config: KfacConfig, lay: layout_lib.Layout, xp: Any
   dtype, compute = config.factor_dtype, config.compute_dtype
   if xp is jnp:
     return (packing.initial_factors(lay, dtype),
-            packing.initial_second_order(lay, second_order_owners(lay), compute, None
+            packing.initial_second_order(lay, second_order_rows(lay), compute, None
                                          if lay.num_groups == 1 else lay.group_size))
   running = packing.all_segments(
       lay, lambda plan, which: packing.stored_identity(getattr(plan, which), dtype,
@@ -164,8 +164,8 @@ def initial_correction(lay: layout_lib.Layout, second: Any, xp: Any
   if lay.num_groups == 1:
     owners = second
   elif xp is jnp:
-    owners = packing.initial_second_order(lay, list(range(lay.num_devices)), second.dtype,
-                                          None)
+    owners = packing.initial_second_order(lay, [[(d, 0)] for d in range(lay.num_devices)],
+                                          second.dtype, None)
   else:
     owners = np.concatenate([packing.second_order_segment(lay, d, second.dtype, np)
                              for d in range(lay.num_devices)])
@@ -216,8 +216,7 @@ def check_placement(config: KfacConfig, state: ScaleByKfacState) -> None:
   if dist is None:
     return
   placement.check_axis("K-FAC", dist)
-  second = lay.second_segment * (lay.num_devices if lay.num_groups == 1
-                                 else lay.group_size)
+  second = lay.second_array
   got = (state.factors.shape, state.second_order.shape)
   if got != ((lay.factor_shard,), (second,)):
     raise ValueError(

@@ -90,7 +90,11 @@ def layout_metadata(lay: layout_lib.Layout) -> dict[str, Any]:
   return {"num_devices": lay.num_devices, "group_size": lay.group_size,
           "axis": lay.axis, "factor_storage": lay.factor_storage, "packed": lay.packed,
           "method": lay.method, "segment": lay.segment,
-          "second_segment": lay.second_segment, "factors": factors}
+          "second_segment": lay.second_segment, "factors": factors,
+          # one group with several segments to a row (a layout without these
+          # is one segment per row, as every checkpoint before them)
+          **({"second_slots": [list(s) for s in lay.second_slots]}
+             if lay.rows_shared else {})}
 
 
 def checkpoint_metadata(tree: Any) -> dict[str, Any]:

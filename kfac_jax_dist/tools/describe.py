@@ -101,9 +101,8 @@ def _summary(state: ScaleByKfacState) -> list[str]:
     storage = " (each device's own factors, padded to the longest owner's)"
   lines.append(f"Running factors: {lay.factor_shard:,} numbers per device{storage}.")
   what = "eigenbases and eigenvalues" if lay.method == "eigen" else "damped inverses"
-  segments = f" (the segments of its group's {m} owners)" if m > 1 else ""
-  lines.append(f"Second-order state ({what}): {m * lay.second_segment:,} numbers per "
-               f"device{segments}.")
+  lines.append(f"Second-order state ({what}): {lay.second_array:,} numbers per "
+               f"device{_segments(lay)}.")
   stored, second = state.factors.dtype.itemsize, state.second_order.dtype.itemsize
   per_device = cost.state_bytes(lay, stored, second)
   if state.refresh is not None:
@@ -122,6 +121,22 @@ def _summary(state: ScaleByKfacState) -> list[str]:
                  f"of {uneven.LATENCY_NUMBERS:,} numbers per collective: "
                  "kfac_jax_dist.core.uneven.set_latency)")
   return lines
+
+
+def _segments(lay: layout_lib.Layout) -> str:
+  """What a device's second-order array holds when its group has several
+  owners: their segments, each up to the longest (`L₂`), in rows of `L₂`
+  (with one group packed, several to a row where they fit); and how much
+  more than the owners use that is (the largest group's)."""
+  m = lay.group_size
+  if m == 1:
+    return ""
+  used = max(sum(lay.second_sizes[g * m:(g + 1) * m]) for g in range(lay.num_groups))
+  rows = (f"packed into {lay.second_rows} rows of the longest, {lay.second_segment:,}"
+          if lay.num_groups == 1 else
+          f"each padded to the longest, {lay.second_segment:,}")
+  return (f" (the segments of its group's {m} owners, {rows}: "
+          f"{lay.second_array / max(used, 1):.2f}x the {used:,} they use)")
 
 
 def _stale_line(state: ScaleByKfacState) -> str:
