@@ -41,7 +41,9 @@ its placement measured:
   with, beside them, the floor of either scheme over any assignment of whole
   factors / layers (`uneven_floor`), the padded collectives of the library
   before f563242 and KAISA's all-reduce of full factors;
-* second-order memory padding: P·L₂ / Σ second-order numbers (d² + d per factor).
+* second-order memory padding: the second-order array (counted once where it
+  is replicated: COMM-OPT's rows of `L₂`, `Layout.second_array`; else P·L₂)
+  / Σ second-order numbers (d² + d per factor).
 
 With `--alt-layout FILE` the balance is also given for the `build` of
 another layout module with the library's signature (e.g. a prototype
@@ -213,6 +215,13 @@ def prefix_floor(items, p: int) -> float:
   return min(bound(c) for c in cands) * F32
 
 
+def second_array(lay) -> int:
+  """Second-order numbers of the array, counted once where it is replicated:
+  with one owner group every device holds every owner's segment in
+  `Layout.second_rows` rows of `L₂`; else the devices hold `P·L₂` between them."""
+  return lay.second_array if lay.num_groups == 1 else lay.num_devices * lay.second_segment
+
+
 def metrics(lay: layout_lib.Layout, layers, spngd_lay=None) -> dict:
   """`spngd_lay`: the MEM-OPT layout SP-NGD's gradient reduce-scatter uses
   (layers not replicated); default `lay`."""
@@ -303,7 +312,7 @@ def metrics(lay: layout_lib.Layout, layers, spngd_lay=None) -> dict:
       "idle_devices": sum(1 for v in load if v == 0), "replicas": copies,
       "T": stored, "C": chunk, "L": lay.segment, "L2": lay.second_segment,
       "storage": lay.factor_storage, "L_over_C": lay.segment / chunk,
-      "sum_second": second, "second_padding": p * lay.second_segment / second,
+      "sum_second": second, "second_padding": second_array(lay) / second,
       "sum_grad": grads, "group_sizes": list(group_sizes),
       "second_sizes": list(lay.second_sizes), "collectives": coll,
       "amortised_ratio": amort("library") / amort("ideal"),
@@ -766,7 +775,8 @@ def main(argv=None):
         f"{r['second_padding']:.3f}", r["replicas"]] for r in rows],
       ["model", "P", "layout", "m", "groups", "idle devices", "balance (d³)", "bound",
        "factors per device (C or L) / T/P", "before: longest owner L",
-       "second-order memory P·L₂/Σ(d²+d)", "extra copies (split items)"]))
+       "second-order memory (COMM-OPT: rows·L₂; else P·L₂) / Σ(d²+d)",
+       "extra copies (split items)"]))
   out.append("")
   out.append("## Communication per collective (bytes per device, ring model, f32)")
   out.append("")
