@@ -146,11 +146,11 @@ def test_comm_opt_rows_shared_by_owners_equal_single_device(num_devices, problem
   # layout says, as `kd.second_order_parts` reads a global state
   want = kd.second_order_parts(find_states(_single_device(method, problem=problem)[1])[0])
   got = kd.second_order_parts(kfac)
+  part = 1 if method == "eigen" else 0          # (matrix, vector)
   for name, factors in want.items():
-    for which, (matrix, vector) in factors.items():
-      unique = vector if method == "eigen" else matrix
-      np.testing.assert_allclose(got[name][which][0 if method != "eigen" else 1], unique,
-                                 rtol=2e-3, atol=2e-4, err_msg=f"{name} {which}")
+    for which, parts in factors.items():
+      np.testing.assert_allclose(got[name][which][part], parts[part], rtol=2e-3,
+                                 atol=2e-4, err_msg=f"{name} {which}")
 
 
 def _fewest_rows(sizes, row):

@@ -1034,13 +1034,13 @@ def test_two_stack_axes_train_as_unrolled():
 
 def _strided(lay, run) -> bool:
   """Whether a precondition run's A eigenbases lie a constant stride apart."""
-  starts = [lay.second_base(p.a, p.group) + p.a.matrix_offset for p in run]
+  starts = [lay.second_base(p.a.owner) + p.a.matrix_offset for p in run]
   return len({b - a for a, b in zip(starts, starts[1:])}) == 1
 
 
 def _apart(lay, run) -> bool:
   """Whether a precondition run's A eigenbases do not follow one another."""
-  starts = [lay.second_base(p.a, p.group) + p.a.matrix_offset for p in run]
+  starts = [lay.second_base(p.a.owner) + p.a.matrix_offset for p in run]
   return any(b - a != run[0].a.dim ** 2 for a, b in zip(starts, starts[1:]))
 
 

@@ -130,7 +130,7 @@ def _run_parts(lay: layout_lib.Layout, second: jax.Array,
   ("vector_offset") of factor `which` of a run's layers, column slices put
   together, from every owner's segment (`owners_second`: the state's own
   array with one group, in its rows; else the gathered `[P·L₂]`)."""
-  base = ((lambda q: lay.second_base(q, 0)) if lay.num_groups == 1
+  base = ((lambda q: lay.second_base(q.owner)) if lay.num_groups == 1
           else (lambda q: q.owner * lay.second_segment))
   parts = packing.run_parts(base, tuple(getattr(plan, which) for plan in run))
   matrices, vectors = packing.read_run(second, [p for p in parts if p.offset == part],

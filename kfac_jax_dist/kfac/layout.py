@@ -219,10 +219,9 @@ class Layout:
         found.setdefault(piece.group, []).append(piece)
     return {g: tuple(plans) for g, plans in found.items()}
 
-  def second_base(self, place: FactorPlace, group: int) -> int:
-    """Start of `place`'s owner segment in its group's second-order array."""
-    del group                         # the slots are within the owner's group
-    row, column = self.second_slots[place.owner]
+  def second_base(self, owner: int) -> int:
+    """Start of `owner`'s segment in its group's second-order array (its slot)."""
+    row, column = self.second_slots[owner]
     return row * self.second_segment + column
 
   @functools.cached_property

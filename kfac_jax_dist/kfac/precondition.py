@@ -167,15 +167,14 @@ def precondition_group(config: KfacConfig, layout: layout_lib.Layout,
   scaled = None if scaling is None else lambda plans: scaling(plans, shift or {})
   for run in batches:
     apply = _precondition_run if len(run) > 1 else _precondition_one
-    found, run_vg = apply(config, layout, second, gamma, group, run, read, kl_weight,
-                          scaled)
+    found, run_vg = apply(config, layout, second, gamma, run, read, kl_weight, scaled)
     out.update(found)
     vg = vg + run_vg
   return out, vg
 
 
 def _precondition_one(config: KfacConfig, layout: layout_lib.Layout, second: jax.Array,
-                      gamma: jax.Array, group: int, run: tuple[layout_lib.LayerPlan],
+                      gamma: jax.Array, run: tuple[layout_lib.LayerPlan],
                       grad_of: ReadGrad,
                       kl_weight: Callable[[layout_lib.LayerPlan], float],
                       scaling: ReadScaling | None
@@ -187,7 +186,7 @@ def _precondition_one(config: KfacConfig, layout: layout_lib.Layout, second: jax
 
   def parts(place: layout_lib.FactorPlace) -> tuple[jax.Array | None, jax.Array]:
     """(matrix or None, vector), column slices put together."""
-    return packing.read_parts(second, lambda q: layout.second_base(q, group), place)
+    return packing.read_parts(second, lambda q: layout.second_base(q.owner), place)
 
   def either(place: layout_lib.FactorPlace) -> jax.Array:
     matrix, vector = parts(place)
@@ -220,7 +219,7 @@ def _scaled(scaling: ReadScaling | None, run: Sequence[layout_lib.LayerPlan]
 
 
 def _precondition_run(config: KfacConfig, layout: layout_lib.Layout, second: jax.Array,
-                      gamma: jax.Array, group: int, run: tuple[layout_lib.LayerPlan, ...],
+                      gamma: jax.Array, run: tuple[layout_lib.LayerPlan, ...],
                       grad_of: ReadGrad,
                       kl_weight: Callable[[layout_lib.LayerPlan], float],
                       scaling: ReadScaling | None
@@ -234,7 +233,7 @@ def _precondition_run(config: KfacConfig, layout: layout_lib.Layout, second: jax
   GPT-2-XL's 6400-wide eigenbases at once (COMM-OPT at P = 1024, one per
   owner) would be 7.9 GB; a slice feeds the products without one."""
   grads = grad_of(run)
-  parts = {w: packing.run_parts(lambda q: layout.second_base(q, group),
+  parts = {w: packing.run_parts(lambda q: layout.second_base(q.owner),
                                 tuple(getattr(plan, w) for plan in run))
            for w, _ in run[0].places}
   stacked = _scaled(scaling, run)

@@ -150,8 +150,7 @@ def second_order_base(lay: layout_lib.Layout, owner: int) -> int:
   copy, in its group's first device's part)."""
   m = lay.group_size
   if lay.num_groups == 1:
-    row, column = lay.second_slots[owner]
-    return row * lay.second_segment + column
+    return lay.second_base(owner)
   return ((owner // m) * m * m + owner % m) * lay.second_segment
 
 
