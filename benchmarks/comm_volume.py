@@ -73,7 +73,10 @@ the HLO numbers must match:
   Σmax(0, u_i - S₂), 2(P-1)/P of it; or (for large uneven owners) an
   all_gather of tight chunks, (P-1)·⌈Σu/P⌉, plus ppermutes of the owners'
   overflow. HYBRID
-  (1 < m < P): all_gather within groups of m of [L₂], (m-1)·L₂.
+  (1 < m < P): the same within each group of m, of each rank's slot (the
+  longest of the groups' segments of that rank, `Layout.second_capacity`),
+  without the psum (shard_map has none within groups: a prefix is then the
+  largest slot).
 * every step, MEM-OPT (m = 1, G = P): the uneven all-gather of the
   preconditioned gradients, sizes = each group's used buffer (slot 0 the KL
   sum, then its layers' gradients; `kfac.layout.gradient_offsets`), same formula;
@@ -154,19 +157,20 @@ def formulas(s: dict, strat: C.Strategy | None, p: int) -> dict:
   return {"plain": plain, "factor": factor, "inverse": inverse}
 
 
-def uneven(sizes, p: int, what: str, gather: bool) -> dict:
+def uneven(sizes, p: int, what: str, gather: bool, psum: bool = True) -> dict:
   """The library's uneven all_gather / reduce-scatter (`uneven.gather`,
-  `uneven.reduce_scatter`) of per-device sizes, in the scheme `uneven.plan`
-  picks; "terms": the library's cost model (`kfac.cost.uneven_terms`), one
-  (name, bytes sent per device) per collective."""
-  scheme = C.uneven_lib.plan(tuple(int(u) for u in sizes))
+  `uneven.reduce_scatter`) of per-device sizes (`psum`: over the axis; else
+  within groups of `p`, by rank), in the scheme `uneven.plan` picks;
+  "terms": the library's cost model (`kfac.cost.uneven_terms`), one (name,
+  bytes sent per device) per collective."""
+  scheme = C.uneven_lib.plan(tuple(int(u) for u in sizes), psum)
   if isinstance(scheme, C.uneven_lib.Prefix):
     over = sum(scheme.overflow)
     text = (f"prefix S = {scheme.length}, overflow {over}"
             + ("" if over else " (no overflow: S is the largest size)"))
   else:
     text = f"rechunk C = {scheme.chunk}, {len(scheme.sends)} ppermutes"
-  return {"terms": cost.uneven_terms(sizes, what, gather, F32), "text": text,
+  return {"terms": cost.uneven_terms(sizes, what, gather, F32, psum), "text": text,
           "bytes": max(scheme.device_bytes()) * F32,
           "ideal": (p - 1) / p * sum(sizes) * F32}
 
@@ -186,8 +190,8 @@ def layout_info(opt_state, p: int) -> dict:
           "group_sizes": list(group_sizes),
           "grad_buffer": lay.num_groups * size,
           "grad_useful": sum(pl.layer.a_dim * pl.layer.g_dim for pl in lay.plans),
-          "second_buffer_group": lay.group_size * lay.second_segment,
-          "second_useful": second}
+          "second_capacity": list(lay.second_capacity),
+          "second_array": lay.second_array, "second_useful": second}
 
 
 def library_model(opt_state, strat: C.Strategy | None, p: int, s: dict) -> dict:
@@ -510,8 +514,10 @@ def sections(rows, title: str = "") -> list[str]:
         u = uneven(lay["second_sizes"], p, "eigen", gather=True)
         second = f"uneven: {u['text']}; {u['bytes'] / u['ideal']:.3f}x (P-1)/P·Σ"
       elif lay["m"] > 1:
-        second = (f"m·L₂ = {lay['second_buffer_group']} / {lay['second_useful'] / lay['G']:.0f}"
-                  f" = {lay['second_buffer_group'] / (lay['second_useful'] / lay['G']):.3f}")
+        u = uneven(lay["second_capacity"], lay["m"], "eigen", gather=True, psum=False)
+        second = (f"in groups, uneven: {u['text']}; {u['bytes'] / u['ideal']:.3f}x "
+                  f"(m-1)/m·Σ slots; held in rows: {lay['second_array']} / "
+                  f"{lay['second_useful'] / lay['G']:.0f}")
       else:
         second = "— (no gather)"
       terms = "; ".join(f"{k}: " + ", ".join(f"{n} {C.fmt_bytes(b)}" for n, b in r["model"][k])

@@ -222,6 +222,24 @@ def second_array(lay) -> int:
   return lay.second_array if lay.num_groups == 1 else lay.num_devices * lay.second_segment
 
 
+def hybrid_layouts(model: str, ps: list[int]):
+  """HYBRID layouts of `model` at each P: groups of 8, P/8 and P/2 (1 < m < P)."""
+  layers, paths, _ = discover(model)
+  for p in ps:
+    for m in sorted({8, p // 8, p // 2}):
+      if 1 < m < p:
+        yield layout_lib.build(layers, paths, num_devices=p, group_size=m)
+
+
+def hybrid_memory(model: str, lay: layout_lib.Layout) -> dict:
+  """A HYBRID layout's second-order array per device, in rows and before."""
+  m = lay.group_size
+  busiest = max(sum(lay.second_sizes[g * m:(g + 1) * m]) for g in range(lay.num_groups))
+  return {"model": model, "P": lay.num_devices, "m": m, "rows": lay.second_rows,
+          "array": lay.second_array, "before": m * lay.second_segment,
+          "busiest": max(busiest, 1)}
+
+
 def metrics(lay: layout_lib.Layout, layers, spngd_lay=None) -> dict:
   """`spngd_lay`: the MEM-OPT layout SP-NGD's gradient reduce-scatter uses
   (layers not replicated); default `lay`."""
@@ -612,6 +630,7 @@ def main(argv=None):
               + (f"; alternative balance {r['balance']:.3f}" if alt_build is not None else ""),
               flush=True)
 
+  hybrid = [hybrid_memory(model, lay) for model in MODELS for lay in hybrid_layouts(model, ps)]
   compiles = []
   cps = [int(v) for v in (args.compile if args.compile is not None
                           else ("8" if args.quick else "8,64,256")).split(",") if v]
@@ -778,6 +797,23 @@ def main(argv=None):
        "second-order memory (COMM-OPT: rows·L₂; else P·L₂) / Σ(d²+d)",
        "extra copies (split items)"]))
   out.append("")
+  out.append("## HYBRID's second-order memory per device")
+  out.append("")
+  out.append("Each device holds its group's `m` segments in rows of `L₂` "
+             "(`Layout.second_slots`: one table of slots by rank for every group, rank "
+             "`r`'s as long as the longest of the groups' rank-`r` segments), against "
+             "`m·L₂` with one segment per row (before); busiest group = the most "
+             "second-order numbers one group's owners compute. From the layouts alone "
+             "(nothing compiled).")
+  out.append("")
+  out.append(C.md_table(
+      [[h["model"], h["P"], h["m"], h["P"] // h["m"], f"{h['rows']} / {h['m']}",
+        f"{h['array'] * F32 / 1e9:.2f}", f"{h['before'] * F32 / 1e9:.2f}",
+        f"{h['busiest'] * F32 / 1e9:.2f}", f"{h['array'] / h['busiest']:.3f}",
+        f"{h['before'] / h['busiest']:.3f}"] for h in hybrid],
+      ["model", "P", "m", "groups", "rows / m", "GB per device", "before: m·L₂ GB",
+       "busiest group GB", "array / busiest group", "before / busiest group"]))
+  out.append("")
   out.append("## Communication per collective (bytes per device, ring model, f32)")
   out.append("")
   ctab = []
@@ -887,7 +923,7 @@ def main(argv=None):
   C.write_results(args.out, C.stem("layout_balance", args.quick)
                   + ("_alt" if args.alt_layout else ""), text,
                   {"header": head, "models": models, "rows": rows, "compiles": compiles,
-                   "program_sizes": sizes})
+                   "program_sizes": sizes, "hybrid_memory": hybrid})
 
 
 if __name__ == "__main__":

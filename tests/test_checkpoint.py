@@ -231,6 +231,11 @@ def test_convert_round_trip_is_exact():
   assert find_states(s_h)[0].layout.factor_storage == "owner"
   assert_bitwise(_factors_and_second(s_h), _factors_and_second(s8))
   assert_bitwise(kd.convert_state(s_h, _init(8, 1 / 8)), s8, "round trip via HYBRID")
+  # HYBRID groups of 4: each group's segments share three rows, a slot per rank.
+  s_r = kd.convert_state(s8, _init(8, 1 / 2))
+  assert find_states(s_r)[0].layout.rows_shared
+  assert_bitwise(_factors_and_second(s_r), _factors_and_second(s8))
+  assert_bitwise(kd.convert_state(s_r, _init(8, 1 / 8)), s8, "round trip via HYBRID rows")
   # COMM-OPT on 8 devices: the owners' segments share four rows of the
   # replicated array (`Layout.second_slots`).
   s_c = kd.convert_state(s8, _init(8))

@@ -123,25 +123,31 @@ def test_whole_pass_statistics_skip_equals_single_device(fraction):
   _assert_same(trajectory, reference)
 
 
-@pytest.mark.parametrize("num_devices,problem,method", [
-    (4, helpers.conv_dense_problem, "eigen"),       # three owners share a row
-    (8, helpers.funnel_problem, "eigen"),           # shared rows and two idle devices
-    pytest.param(8, helpers.funnel_problem, "inverse", marks=pytest.mark.slow)])
-def test_comm_opt_rows_shared_by_owners_equal_single_device(num_devices, problem, method):
-  """COMM-OPT's replicated second-order array keeps several owners' segments
-  in one row of `L₂` where they fit (`Layout.second_slots`): the gather
-  writes them there, the preconditioning reads them there, each owner takes
-  its previous segment back from its slot (kept on a failed decomposition),
-  and the steps equal one device's. The array is smaller than `P·L₂`."""
+@pytest.mark.parametrize("num_devices,problem,method,fraction", [
+    (4, helpers.conv_dense_problem, "eigen", 1.0),       # three owners share a row
+    (8, helpers.funnel_problem, "eigen", 1.0),           # shared rows and two idle devices
+    pytest.param(8, helpers.funnel_problem, "inverse", 1.0, marks=pytest.mark.slow),
+    (8, helpers.funnel_problem, "eigen", 1 / 2)],        # HYBRID, two groups of four
+    ids=["comm_opt-4", "comm_opt-8", "comm_opt-8-inverse", "hybrid-8"])
+def test_rows_shared_by_owners_equal_single_device(num_devices, problem, method, fraction):
+  """Each device's second-order array keeps several owners' segments in one
+  row of `L₂` where they fit (`Layout.second_slots`): COMM-OPT's replicated
+  array, and in HYBRID each group's, one slot per rank for every group (the
+  longest of the groups' segments of that rank, `Layout.second_capacity`).
+  The gather writes them there, the preconditioning reads them there, each
+  owner takes its previous segment back from its slot (kept on a failed
+  decomposition), and the steps equal one device's. The array is smaller
+  than `m·L₂`."""
   reference, _ = _single_device(method, problem=problem)
-  trajectory, state, _ = _distributed(num_devices, 1.0, "reduce_scatter", "reduce_scatter",
-                                      method=method, problem=problem)
+  trajectory, state, _ = _distributed(num_devices, fraction, "reduce_scatter",
+                                      "reduce_scatter", method=method, problem=problem)
   _assert_same(trajectory, reference)
   kfac = find_states(state)[0]
   lay = kfac.layout
   assert lay.rows_shared and any(column for _, column in lay.second_slots)
-  assert kfac.second_order.shape == (lay.second_array,)
-  assert lay.second_array < num_devices * lay.second_segment
+  copies = 1 if lay.num_groups == 1 else num_devices
+  assert kfac.second_order.shape == (copies * lay.second_array,)
+  assert lay.second_array < lay.group_size * lay.second_segment
   # each factor's eigenvalues (or damped inverse: both unique) where the
   # layout says, as `kd.second_order_parts` reads a global state
   want = kd.second_order_parts(find_states(_single_device(method, problem=problem)[1])[0])
@@ -198,15 +204,18 @@ def _longer_chunks(sizes):
 
 
 @pytest.mark.parametrize("fraction,scheme", [
-    (1.0, "rechunk"), (1 / 8, "rechunk"),
-    pytest.param(1 / 8, "longer chunks", marks=pytest.mark.slow)])
+    (1.0, "rechunk"), (1 / 8, "rechunk"), (1 / 2, "rechunk"),
+    pytest.param(1 / 8, "longer chunks", marks=pytest.mark.slow),
+    pytest.param(1 / 2, "longer chunks", marks=pytest.mark.slow)])
 def test_rechunked_uneven_collectives_equal_single_device(fraction, scheme, monkeypatch):
   """The rechunk scheme of `uneven` (tight chunks + ppermute forwarding), which
   the cost model picks for large uneven owners only, in every uneven collective:
   COMM-OPT's eigenbasis gather, MEM-OPT's gradient gather and SP-NGD's
-  reduce-scatter; and its chunks longer than ⌈Σu/P⌉ (`uneven.matched`)."""
-  monkeypatch.setattr(uneven, "plan", {"rechunk": uneven.rechunk,
-                                       "longer chunks": _longer_chunks}[scheme])
+  reduce-scatter, HYBRID's eigenbasis gather within each group (the same
+  ranks' pieces forwarded in every group); and its chunks longer than
+  ⌈Σu/P⌉ (`uneven.matched`)."""
+  make = {"rechunk": uneven.rechunk, "longer chunks": _longer_chunks}[scheme]
+  monkeypatch.setattr(uneven, "plan", lambda sizes, psum=True: make(sizes))
   reference, _ = _single_device("eigen")
   trajectory, _, _ = _distributed(8, fraction, "reduce_scatter", "reduce_scatter")
   _assert_same(trajectory, reference)

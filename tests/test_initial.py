@@ -117,6 +117,7 @@ CASES = {
     "MEM-OPT": {"fraction": 1 / 8},
     "MEM-OPT, EK-FAC": {"fraction": 1 / 8, "eigenvalue_correction": "ekfac"},
     "HYBRID, inverse": {"fraction": 1 / 4, "method": "inverse"},
+    "HYBRID, rows shared": {"fraction": 1 / 2},
     "DP-KFAC": {"fraction": 1 / 8, "factor_reduction": "local"},
 }
 
@@ -144,7 +145,7 @@ def test_traced_kfac_init_equals_the_host_init(monkeypatch, case):
   assert forms == {"full", "diag", "unit"}
   if case == "COMM-OPT":
     assert any(place.copies for plan in host.layout.plans for _, place in plan.places)
-  if case == "COMM-OPT, rows shared":       # several segments in a row, at columns
+  if case.endswith("rows shared"):          # several segments in a row, at columns
     assert host.layout.rows_shared
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), kd.partition_specs(host))
   for traced in (jax.jit(tx.init)(params),

@@ -75,6 +75,45 @@ def test_uneven_collectives(sizes, name):
   np.testing.assert_allclose(np.asarray(reduced), local.sum(0), rtol=1e-5, atol=1e-6)
 
 
+GROUP_SIZES = [((5, 0, 17, 3), (1, 12, 0, 3)),    # rank 2 overflows in one group only
+               ((20, 0, 0, 0), (20, 0, 0, 0)),    # one owner per group, every chunk
+               ((1, 9, 2, 8), (0, 0, 0, 0))]      # a group with nothing
+
+
+@pytest.mark.parametrize("sizes", GROUP_SIZES)
+@pytest.mark.parametrize("name", ["prefix", "rechunk", "matched"])
+def test_gather_within_groups(sizes, name):
+  """Two groups of four (HYBRID's second-order gather): each group's
+  segments reach its own devices only, each rank's numbers up to the
+  longest of the groups' (`capacity`), the same scheme in every group."""
+  capacity = tuple(max(g[r] for g in sizes) for r in range(4))
+  scheme = {"prefix": uneven.plan(capacity, psum=False),
+            **{k: v for k, v in _schemes(capacity).items() if k != "prefix"}}[name]
+  assert name != "prefix" or not sum(scheme.overflow)
+  mesh, length = helpers.data_mesh(8), max(capacity) + 2
+  rng = np.random.default_rng(1)
+  segments = np.zeros((8, length), np.float32)
+  for d in range(8):
+    segments[d, :sizes[d // 4][d % 4]] = rng.normal(size=sizes[d // 4][d % 4])
+  groups = [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+  def run(seg):
+    me = jax.lax.axis_index("data") % 4
+    rows = uneven.gather(seg[0], capacity, "data", me, scheme, groups=groups)
+    return rows.padded(length)[None]
+
+  got = np.asarray(jax.jit(run)(segments)).reshape(8, 4, length)
+  for d in range(8):
+    want = segments[d // 4 * 4:d // 4 * 4 + 4].copy()
+    for r in range(4):
+      want[r, capacity[r]:] = 0
+    np.testing.assert_array_equal(got[d], want, err_msg=f"device {d}")
+  with pytest.raises(ValueError, match="psum"):   # no grouped psum for an overflow
+    uneven.gather(jnp.zeros(length), capacity, "data", 0, uneven.Prefix(capacity, 0),
+                  groups=groups)
+
+
 def test_collectives_average_with_the_planned_scheme():
   """`Collectives.reduce_uneven` averages; `gather_uneven` is exact."""
   sizes = (1, 40, 2, 33, 0, 0, 3, 1)

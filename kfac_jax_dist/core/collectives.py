@@ -226,6 +226,13 @@ class Collectives:
       return uneven.Gathered((segment,), ((0, 0, sizes[0]),))
     return uneven.gather(segment, sizes, self.dist.axis, self.device_index())
 
+  def gather_group_uneven(self, segment: jax.Array, sizes: Sequence[int]
+                          ) -> uneven.Gathered:
+    """`gather_uneven` within each owner group (several groups of `m > 1`):
+    `sizes[r]` the numbers the device of rank `r` uses, in every group."""
+    return uneven.gather(segment, sizes, self.dist.axis, self.device_index() % self.group_size,
+                         groups=self._within_groups())
+
   def reduce_uneven(self, segments: Sequence[jax.Array], length: int) -> jax.Array:
     """This device's contribution to every device's segment (`segments[i]`,
     unpadded) → this device's `[length]` (zeros past its own size), averaged

@@ -60,6 +60,8 @@ from kfac_jax_dist.core import offsets
 LATENCY_NUMBERS = 2 ** 15
 PACK_TOLERANCE = 0.05
 
+Groups = Sequence[Sequence[int]] | None    # axis_index_groups of equal size
+
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
@@ -260,19 +262,20 @@ def cost(scheme: Prefix | Rechunk, latency: int | None = None) -> float:
   return max(scheme.device_bytes()) + latency * scheme.num_collectives
 
 
-def plan(sizes: tuple[int, ...]) -> Prefix | Rechunk:
+def plan(sizes: tuple[int, ...], psum: bool = True) -> Prefix | Rechunk:
   """The cheapest scheme by `cost` (the prefix scheme on a tie) under the
-  module's `LATENCY_NUMBERS` and `PACK_TOLERANCE`."""
-  return _plan(tuple(int(u) for u in sizes), LATENCY_NUMBERS, PACK_TOLERANCE)
+  module's `LATENCY_NUMBERS` and `PACK_TOLERANCE`; without `psum` (within
+  owner groups: `shard_map` has no grouped psum) a prefix has no overflow."""
+  return _plan(tuple(int(u) for u in sizes), LATENCY_NUMBERS, PACK_TOLERANCE, psum)
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(sizes, latency, tolerance) -> Prefix | Rechunk:
+def _plan(sizes, latency, tolerance, psum) -> Prefix | Rechunk:
   """Among the prefix scheme, `rechunk` and `matched` at each of
   `chunk_candidates` (ascending, stopping where the all_gather alone costs
   more than the best so far)."""
   del tolerance                 # a cache key: the module setting `_pack` reads
-  best = Prefix(sizes, prefix_length(sizes))
+  best = Prefix(sizes, prefix_length(sizes) if psum else max(sizes))
   if len(sizes) == 1:
     return best
   p = len(sizes)
@@ -362,10 +365,11 @@ def _take(x: jax.Array, start, size: int) -> jax.Array:
 
 
 def _forward(send: Send, x: jax.Array, num_devices: int, me, axis: str,
-             to_owner: bool):
+             to_owner: bool, groups: Groups = None):
   """One ppermute of `send`: hosts' chunk numbers to owners (`to_owner`) or
-  owners' segment numbers to hosts. Returns what this device receives, and
-  where it goes and how much of it is used there (traced)."""
+  owners' segment numbers to hosts (the same ranks in each of `groups`).
+  Returns what this device receives, and where it goes and how much of it
+  is used there (traced)."""
   read, write, used = ([0] * num_devices for _ in range(3))
   pairs = []
   for q in send.pieces:
@@ -373,8 +377,17 @@ def _forward(send: Send, x: jax.Array, num_devices: int, me, axis: str,
     read[src] = q.chunk_start if to_owner else q.segment_start
     write[dst], used[dst] = (q.segment_start if to_owner else q.chunk_start), q.size
     pairs.append((src, dst))
+  if groups is not None:
+    pairs = [(group[src], group[dst]) for group in groups for src, dst in pairs]
   received = jax.lax.ppermute(_take(x, _table(read, me), send.size), axis, pairs)
   return received, _table(write, me), _table(used, me)
+
+
+def _all_gather(x: jax.Array, axis: str, groups: Groups) -> jax.Array:
+  """Tiled all_gather over the axis (typed invariant) or within each group."""
+  if groups is None:
+    return _compat.all_gather_invariant(x, axis, tiled=True)
+  return jax.lax.all_gather(x, axis, axis_index_groups=groups, tiled=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -455,21 +468,23 @@ class Gathered:
 
 
 def gather(segment: jax.Array, sizes: Sequence[int], axis: str, me,
-           scheme: Prefix | Rechunk | None = None) -> Gathered:
+           scheme: Prefix | Rechunk | None = None, groups: Groups = None) -> Gathered:
   """Every device's `[L]` segment, of which device `i` uses the first
   `sizes[i]` numbers (the rest are zeros), → every device's used numbers,
   `[sizes[i]]`, on every device (typed invariant over `axis`), as they
   arrived (`Gathered`); `me` is the device index, `scheme` by default
-  `plan(sizes)`."""
+  `plan(sizes)`. With `groups` (lists of the axis's devices, `sizes` and
+  `me` by rank in a group), within each group alike."""
   p = len(sizes)
-  scheme = scheme or plan(tuple(int(u) for u in sizes))
+  sizes = tuple(int(u) for u in sizes)
+  scheme = scheme or (plan(sizes) if groups is None else plan(sizes, psum=False))
   if isinstance(scheme, Prefix):
-    return _gather_prefix(segment, scheme, axis, me)
+    return _gather_prefix(segment, scheme, axis, me, groups)
   c, keep, pad = scheme.chunk, scheme.keep, scheme.largest_send
   mine = jnp.where(jnp.arange(c + pad) < _table(keep, me), _take(segment, 0, c + pad), 0)
   for send in scheme.sends:
-    mine = _add_at(mine, *_forward(send, segment, p, me, axis, to_owner=False))
-  flat = _compat.all_gather_invariant(mine[:c], axis, tiled=True)
+    mine = _add_at(mine, *_forward(send, segment, p, me, axis, False, groups))
+  flat = _all_gather(mine[:c], axis, groups)
   parts = [[(0, 0, i * c, keep[i])] for i in range(p)]
   for q in scheme.pieces():
     parts[q.owner].append((q.segment_start, 0, q.host * c + q.chunk_start, q.size))
@@ -507,15 +522,18 @@ def reduce_scatter(segments: Sequence[jax.Array], length: int, axis: str, me,
   return out[:length]
 
 
-def _gather_prefix(segment, scheme: Prefix, axis, me) -> Gathered:
+def _gather_prefix(segment, scheme: Prefix, axis, me, groups: Groups = None) -> Gathered:
   p, prefix, sizes = len(scheme.sizes), scheme.length, scheme.sizes
-  head = (_compat.all_gather_invariant(segment[:prefix], axis, tiled=True)
-          if prefix else jnp.zeros(0, segment.dtype))
+  head = _all_gather(segment[:prefix], axis, groups) if prefix else jnp.zeros(
+      0, segment.dtype)
   parts = [[(0, i * prefix, min(u, prefix))] if min(u, prefix) else []
            for i, u in enumerate(sizes)]
   over = list(scheme.overflow)
   if not sum(over):
     return Gathered((head,), tuple(map(tuple, parts)))
+  if groups is not None:
+    raise ValueError("a prefix with overflow needs a psum, which shard_map has not "
+                     "within groups: plan(sizes, psum=False)")
   # The tight overflow buffer holds device i's overflow at bases[i]; each
   # device writes its own there (zeros elsewhere) and the psum adds them up.
   bases, most = np.cumsum([0] + over[:-1]), max(over)

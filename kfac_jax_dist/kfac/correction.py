@@ -51,7 +51,6 @@ from jax import lax
 from kfac_jax_dist import _compat
 from kfac_jax_dist.capture import statistics
 from kfac_jax_dist.core import collectives as collectives_lib
-from kfac_jax_dist.core import offsets
 from kfac_jax_dist.kfac import layout as layout_lib
 from kfac_jax_dist.kfac import packing
 from kfac_jax_dist.kfac.config import KfacConfig
@@ -105,13 +104,11 @@ def owners_second(second: jax.Array, state: CorrectionState) -> jax.Array:
 def gather_owners(comm: collectives_lib.Collectives, lay: layout_lib.Layout,
                   second: jax.Array) -> jax.Array | None:
   """Several owner groups: each device's own `[L₂]` segment (of its group's
-  `m·L₂` array) all-gathered, `[P·L₂]` (the second-order bytes COMM-OPT
+  array, in rows) all-gathered, `[P·L₂]` (the second-order bytes COMM-OPT
   broadcasts); None with one group."""
   if lay.num_groups == 1:
     return None
-  own = offsets.segment_at(second, lay.second_segment,    # m·L₂ may pass int32
-                           comm.device_index() % lay.group_size)
-  return comm.all_gather_owned(own)
+  return comm.all_gather_owned(packing.own_second_segment(comm, lay, second))
 
 
 def _runs(plans: list[layout_lib.LayerPlan]) -> list[list[layout_lib.LayerPlan]]:

@@ -17,16 +17,16 @@ in and an all-gather of N out (P−1)/P·N, a ppermute N), in `bytes_per_number`
   every factor 2(P−1)/P·T (DP-KFAC: nothing); the fault check's int32;
 * inverse (decomposition) steps: chunked storage gathers the chunks, (P−1)·C;
   COMM-OPT sends every owner's second-order segment to every device (the
-  uneven all-gather of `Layout.second_sizes`), HYBRID within each group,
-  (m−1)·L₂.
+  uneven all-gather of `Layout.second_sizes`), HYBRID's within each group
+  (of `Layout.second_capacity`, the same ranks' slots in every group).
 
 The uneven collectives cost what `uneven.plan` picks. The untagged
 parameters' all-reduce (the same under every strategy) is left out. This is
 the model `benchmarks/comm_volume.py` checks against the compiled HLO.
 
 State per device: the running factors (`C` or `L` numbers) and the
-second-order state (`m·L₂`: a group's devices each hold the whole group's;
-with one group, every owner's segment packed in rows of `L₂`).
+second-order state (`Layout.second_array`: a group's devices each hold the
+whole group's segments, packed in rows of `L₂`; with one group, every owner's).
 
 `kfac_step_bytes` and `kfac_state_bytes` price a whole `KfacConfig`: its
 dtypes, and stale statistics' and EK-FAC's own state and collectives (see
@@ -78,12 +78,13 @@ class StepBytes:
 
 
 def uneven_terms(sizes: Sequence[int], what: str, gather: bool,
-                 bytes_per_number: int = 4) -> list[tuple[str, float]]:
+                 bytes_per_number: int = 4, psum: bool = True) -> list[tuple[str, float]]:
   """The uneven all-gather (`gather`) or reduce-scatter of per-device `sizes`
-  in the scheme `uneven.plan` picks: one term per collective (ppermutes: the
-  busiest device's sends or receives)."""
+  (`psum`: over the whole axis; else within groups, by rank) in the scheme
+  `uneven.plan` picks: one term per collective (ppermutes: the busiest
+  device's sends or receives)."""
   p = len(sizes)
-  scheme = uneven.plan(tuple(int(u) for u in sizes))
+  scheme = uneven.plan(tuple(int(u) for u in sizes), psum)
   if isinstance(scheme, uneven.Prefix):
     over = sum(scheme.overflow)
     terms = [(f"{what} prefix (P-1)·S, S={scheme.length}", (p - 1) * scheme.length)]
@@ -177,20 +178,20 @@ def step_bytes(lay: layout_lib.Layout, factor_reduction: str, gradient_reduction
 def second_order_terms(lay: layout_lib.Layout, second_bytes: int
                        ) -> list[tuple[str, float]]:
   """Decomposition steps: COMM-OPT's uneven all-gather of every owner's
-  second-order segment, HYBRID's within each group, (m−1)·L₂."""
+  second-order segment, HYBRID's within each group (each rank's slot)."""
   if lay.num_groups == 1:
     return uneven_terms(lay.second_sizes, "second-order AG", True, second_bytes)
   if lay.group_size > 1:
-    return [("second-order AG in group (m-1)·L₂",
-             (lay.group_size - 1) * lay.second_segment * second_bytes)]
+    return uneven_terms(lay.second_capacity, "second-order AG in group", True,
+                        second_bytes, psum=False)
   return []
 
 
 def state_bytes(lay: layout_lib.Layout, factor_bytes: int = 4, second_bytes: int = 4
                 ) -> int:
   """K-FAC's state per device: running factors (`C` or `L` numbers of
-  `factor_bytes`) and second-order state (`Layout.second_array`: `m·L₂`, or
-  with one group every owner's segment in rows of `L₂`, of `second_bytes`)."""
+  `factor_bytes`) and second-order state (`Layout.second_array`: the group's
+  segments, with one group every owner's, in rows of `L₂`, of `second_bytes`)."""
   return lay.factor_shard * factor_bytes + lay.second_array * second_bytes
 
 

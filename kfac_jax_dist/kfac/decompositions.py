@@ -399,12 +399,19 @@ def shares_branch(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
 
 def distribute_second(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
                       local: jax.Array) -> jax.Array:
-  """Each device's new `[L₂]` → the second-order array of its spec (one
-  group: every owner's segment, in the rows of `Layout.second_slots`)."""
-  if layout.num_groups == 1 and comm.active:    # every device gets every segment
+  """Each device's new `[L₂]` → the second-order array of its spec: its
+  group's segments (one group: every owner's) in the rows of
+  `Layout.second_slots`, gathered without padded traffic (several groups:
+  each rank's slot, `Layout.second_capacity`, the same in every group)."""
+  if not comm.active:
+    return local
+  if layout.num_groups == 1:    # every device gets every segment
     return comm.gather_uneven(local, layout.second_sizes).in_rows(
         layout.second_row_members(), layout.second_segment)
-  return comm.gather_group(local)
+  if layout.group_size == 1:
+    return local
+  return comm.gather_group_uneven(local, layout.second_capacity).in_rows(
+      layout.second_row_members(), layout.second_segment)
 
 
 def decompose(config: KfacConfig, comm: collectives_lib.Collectives,
@@ -415,7 +422,7 @@ def decompose(config: KfacConfig, comm: collectives_lib.Collectives,
   statistics for every factor not `due` (`[F]`, plan order).
   The per-device switch decomposes; `keep_failed` runs once after it, on
   tables of where each device's factors lie, not once in every branch."""
-  previous = _previous_segment(comm, layout, second)
+  previous = packing.own_second_segment(comm, layout, second)
   stale = None if due is None else DueFactors(due, previous)
   owned_of = owned_factors(comm, layout, running)
   width = max(_owned_sizes(layout, running))
@@ -442,21 +449,6 @@ def _owned_sizes(layout: layout_lib.Layout, running: jax.Array) -> list[int]:
   if layout.factor_storage != layout_lib.CHUNKED:
     return [running.shape[0]]
   return [sum(n for _, n in layout.input_ranges(d)) for d in range(layout.num_devices)]
-
-
-def _previous_segment(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
-                      second: jax.Array) -> jax.Array:
-  """The device's own `[L₂]` segment within its local array (its slot's row,
-  `Layout.second_slots`, from its column on; past its own numbers, which are
-  all that is read, whatever follows)."""
-  size = layout.second_segment
-  if comm.num_devices == 1:
-    return second[:size]
-  rows, columns = zip(*layout.second_slots)
-  row = offsets.segment_at(second, size, comm.device_table(rows))
-  if not any(columns):
-    return row
-  return lax.dynamic_slice_in_dim(jnp.pad(row, (0, size)), comm.device_table(columns), size)
 
 
 def _slot_tables(comm: collectives_lib.Collectives, layout: layout_lib.Layout,

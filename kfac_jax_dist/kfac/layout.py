@@ -27,9 +27,9 @@ memory nor communication pays for padding matrices:
 * second-order state: segment `[L₂]` per owner with, per factor, a matrix part
   (eigenbasis or inverse, `d²`) and a vector part (eigenvalues, or a diagonal
   inverse, `d`). After a decomposition the owner group all-gathers its
-  segments, so each device holds `m·L₂`; with one group, every owner's
-  segment packed into rows of `L₂` where several fit (`Layout.second_slots`),
-  not `P·L₂` (at pod scale most owners hold far less than the longest).
+  segments, and each device holds its group's segments packed into rows of
+  `L₂` where several fit (`Layout.second_slots`), not `m·L₂` (at pod scale
+  most owners hold far less than the longest); with one group, every owner's.
 
 Within a segment, factors of the same form and dimension are contiguous: each
 such run is one batched `eigh`/`cholesky` ("bucket"). The only padding is at
@@ -225,16 +225,25 @@ class Layout:
     return row * self.second_segment + column
 
   @functools.cached_property
+  def second_capacity(self) -> tuple[int, ...]:
+    """Numbers each rank's slot of the second-order array holds: the longest
+    of the groups' segments of that rank (the program, and so the array's
+    shape and slots, is the same on every device); with one group, each
+    device's own (`second_sizes`)."""
+    m, sizes = self.group_size, self.second_sizes
+    return tuple(max(sizes[g * m + r] for g in range(self.num_groups)) for r in range(m))
+
+  @functools.cached_property
   def second_slots(self) -> tuple[tuple[int, int], ...]:
     """Each device's (row, column) in its group's second-order array, a
-    `[second_rows, L₂]` view. Several groups: row = its rank in the group.
-    One group (every device holds every owner's segment): the segments
-    packed into rows (`pack_rows`), so that the replicated array is not
-    `P·L₂` where owners hold little or nothing (ResNet-50 at P = 1024:
-    786 idle devices, `L₂` 35× the mean)."""
-    if self.num_groups > 1 or self.num_devices == 1:
-      return tuple((d % self.group_size, 0) for d in range(self.num_devices))
-    return pack_rows(self.second_sizes, self.second_segment)
+    `[second_rows, L₂]` view: the slots of its rank (`second_capacity`)
+    packed into rows (`pack_rows`), so that the array is not `m·L₂` where
+    owners hold little or nothing (ResNet-50 COMM-OPT at P = 1024: 786 idle
+    devices, `L₂` 35× the mean; HYBRID at P = 256, 128 per group: the same)."""
+    if self.num_devices == 1:
+      return ((0, 0),)
+    by_rank = pack_rows(self.second_capacity, self.second_segment)
+    return tuple(by_rank[d % self.group_size] for d in range(self.num_devices))
 
   @property
   def second_rows(self) -> int:
@@ -252,10 +261,11 @@ class Layout:
     return self.second_rows * self.second_segment
 
   def second_row_members(self) -> list[list[int]]:
-    """One group: the devices whose segments each row holds, in column order."""
+    """The ranks in the group (with one group, the devices) whose segments
+    each row holds, in column order."""
     rows: list[list[int]] = [[] for _ in range(self.second_rows)]
-    for device in sorted(range(self.num_devices), key=lambda d: self.second_slots[d][::-1]):
-      rows[self.second_slots[device][0]].append(device)
+    for rank in sorted(range(self.group_size), key=lambda r: self.second_slots[r][::-1]):
+      rows[self.second_slots[rank][0]].append(rank)
     return rows
 
   @functools.cached_property

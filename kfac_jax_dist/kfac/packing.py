@@ -393,6 +393,21 @@ def initial_second_order(lay: layout_lib.Layout, rows: list[list[tuple[int, int]
   return initial.build(runs, len(rows), length, dtype, per_device).reshape(-1)
 
 
+def own_second_segment(comm: collectives.Collectives, lay: layout_lib.Layout,
+                       second: jax.Array) -> jax.Array:
+  """The running device's own `[L₂]` segment within its second-order array
+  (its slot's row, `Layout.second_slots`, from its column on; past its own
+  numbers, which are all any reader uses, whatever follows)."""
+  size = lay.second_segment
+  if comm.num_devices == 1:
+    return second[:size]
+  rows, columns = zip(*lay.second_slots)
+  row = offsets.segment_at(second, size, comm.device_table(rows))
+  if not any(columns):
+    return row
+  return lax.dynamic_slice_in_dim(jnp.pad(row, (0, size)), comm.device_table(columns), size)
+
+
 def width(place) -> int:
   """Columns of the factor's second-order state `place` holds (all, or its slice)."""
   return place.dim if place.columns is None else place.columns[1] - place.columns[0]

@@ -44,9 +44,9 @@ class ScaleByKfacState(states.PreconditionerState):
     factors: running factors, `[P·C]` (tight chunks) or `[P·L]` (owner
       segments), see `layout`; device i holds the i-th part.
     second_order: eigenbases and eigenvalues ("eigen") or damped inverses
-      ("inverse"): per device its group's `m` segments `[m·L₂]`, sharded;
-      with one group every owner's, `[second_rows·L₂]`, replicated (see
-      `layout`).
+      ("inverse"): per device its group's `m` segments in rows,
+      `[second_rows·L₂]`, sharded; with one group every owner's, replicated
+      (see `layout`).
     skipped: number of updates skipped for a non-finite gradient, statistic
       or produced update (not counted in `count`).
     layout: static placement of every layer's factors.
@@ -124,34 +124,34 @@ def find_states(tree: Any, kind: type[states.S] = ScaleByKfacState) -> list[stat
 
 def second_order_rows(lay: layout_lib.Layout) -> list[list[tuple[int, int]]]:
   """The global second-order array as rows of `L₂` numbers: per row, the
-  (owner, column) of each segment it holds. One owner group: the replicated
-  array's rows (`Layout.second_slots`); several: device after device, its
-  group's `m` owners, one per row (`[P·m·L₂]`, sharded)."""
-  if lay.num_groups == 1:
-    return [[(d, lay.second_slots[d][1]) for d in members]
-            for members in lay.second_row_members()]
-  m = lay.group_size
-  return [[(j, 0)] for i in range(lay.num_devices) for j in range(i // m * m, i // m * m + m)]
+  (owner, column) of each segment it holds (`Layout.second_slots`). One
+  owner group: the replicated array's rows; several: device after device,
+  its group's rows (`[P·rows·L₂]`, sharded)."""
+  m, members = lay.group_size, lay.second_row_members()
+  firsts = [0] if lay.num_groups == 1 else [d // m * m for d in range(lay.num_devices)]
+  return [[(first + rank, lay.second_slots[rank][1]) for rank in row]
+          for first in firsts for row in members]
 
 
 def global_second_order(lay: layout_lib.Layout, segments: Sequence[Any], xp=jnp) -> Any:
   """The global second-order array from each owner's `[L₂]` segment
-  (`second_order_rows`: each row its owners' used numbers, zeros after)."""
-  pieces = []
+  (`second_order_rows`: each row its owners' used numbers at their columns,
+  zeros elsewhere)."""
+  pieces, dtype = [], segments[0].dtype
   for row in second_order_rows(lay):
-    used = [segments[owner][:lay.second_sizes[owner]] for owner, _ in row]
-    pieces += used + [xp.zeros(lay.second_segment - sum(u.shape[0] for u in used),
-                               segments[0].dtype)]
+    at = 0
+    for owner, column in row:
+      used = segments[owner][:lay.second_sizes[owner]]
+      pieces += [xp.zeros(column - at, dtype), used]
+      at = column + used.shape[0]
+    pieces.append(xp.zeros(lay.second_segment - at, dtype))
   return xp.concatenate(pieces)
 
 
 def second_order_base(lay: layout_lib.Layout, owner: int) -> int:
   """Start of `owner`'s segment in the global second-order array (its first
   copy, in its group's first device's part)."""
-  m = lay.group_size
-  if lay.num_groups == 1:
-    return lay.second_base(owner)
-  return ((owner // m) * m * m + owner % m) * lay.second_segment
+  return owner // lay.group_size * lay.group_size * lay.second_array + lay.second_base(owner)
 
 
 def _on_host(x: Any) -> tuple[Any, Any]:

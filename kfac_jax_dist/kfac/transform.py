@@ -145,7 +145,7 @@ def initial_arrays(config: KfacConfig, lay: layout_lib.Layout, xp: Any
   if xp is jnp:
     return (packing.initial_factors(lay, dtype),
             packing.initial_second_order(lay, second_order_rows(lay), compute, None
-                                         if lay.num_groups == 1 else lay.group_size))
+                                         if lay.num_groups == 1 else lay.second_rows))
   running = packing.all_segments(
       lay, lambda plan, which: packing.stored_identity(getattr(plan, which), dtype,
                                                        lay.packed, np),

@@ -91,8 +91,8 @@ def layout_metadata(lay: layout_lib.Layout) -> dict[str, Any]:
           "axis": lay.axis, "factor_storage": lay.factor_storage, "packed": lay.packed,
           "method": lay.method, "segment": lay.segment,
           "second_segment": lay.second_segment, "factors": factors,
-          # one group with several segments to a row (a layout without these
-          # is one segment per row, as every checkpoint before them)
+          # several segments to a row (a layout without these is one
+          # segment per row, as every checkpoint before them)
           **({"second_slots": [list(s) for s in lay.second_slots]}
              if lay.rows_shared else {})}
 

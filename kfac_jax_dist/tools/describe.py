@@ -125,17 +125,16 @@ def _summary(state: ScaleByKfacState) -> list[str]:
 
 def _segments(lay: layout_lib.Layout) -> str:
   """What a device's second-order array holds when its group has several
-  owners: their segments, each up to the longest (`L₂`), in rows of `L₂`
-  (with one group packed, several to a row where they fit); and how much
-  more than the owners use that is (the largest group's)."""
+  owners: their segments packed into rows of the longest (`L₂`), several to
+  a row where they fit (with several groups, one slot per rank, the longest
+  of the groups' segments of that rank); and how much more than the owners
+  use that is (the largest group's)."""
   m = lay.group_size
   if m == 1:
     return ""
   used = max(sum(lay.second_sizes[g * m:(g + 1) * m]) for g in range(lay.num_groups))
-  rows = (f"packed into {lay.second_rows} rows of the longest, {lay.second_segment:,}"
-          if lay.num_groups == 1 else
-          f"each padded to the longest, {lay.second_segment:,}")
-  return (f" (the segments of its group's {m} owners, {rows}: "
+  return (f" (the segments of its group's {m} owners, packed into {lay.second_rows} rows "
+          f"of the longest, {lay.second_segment:,}: "
           f"{lay.second_array / max(used, 1):.2f}x the {used:,} they use)")
 
 
