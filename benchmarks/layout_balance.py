@@ -235,9 +235,12 @@ def hybrid_memory(model: str, lay: layout_lib.Layout) -> dict:
   """A HYBRID layout's second-order array per device, in rows and before."""
   m = lay.group_size
   busiest = max(sum(lay.second_sizes[g * m:(g + 1) * m]) for g in range(lay.num_groups))
+  gather = uneven_lib.plan(lay.second_capacity, psum=False)
   return {"model": model, "P": lay.num_devices, "m": m, "rows": lay.second_rows,
           "array": lay.second_array, "before": m * lay.second_segment,
-          "busiest": max(busiest, 1)}
+          "busiest": max(busiest, 1), "gather": max(gather.device_bytes()),
+          "gather_before": (m - 1) * lay.second_segment,
+          "gather_ideal": (m - 1) / m * busiest}
 
 
 def metrics(lay: layout_lib.Layout, layers, spngd_lay=None) -> dict:
@@ -803,16 +806,23 @@ def main(argv=None):
              "(`Layout.second_slots`: one table of slots by rank for every group, rank "
              "`r`'s as long as the longest of the groups' rank-`r` segments), against "
              "`m·L₂` with one segment per row (before); busiest group = the most "
-             "second-order numbers one group's owners compute. From the layouts alone "
-             "(nothing compiled).")
+             "second-order numbers one group's owners compute. The in-group gather on "
+             "decomposition steps: the busiest device's bytes in the scheme "
+             "`uneven.plan(capacities, psum=False)` picks (ring model, f32), against the "
+             "padded all_gather before and the ideal (m-1)/m·(busiest group's numbers). "
+             "From the layouts alone (nothing compiled).")
   out.append("")
   out.append(C.md_table(
       [[h["model"], h["P"], h["m"], h["P"] // h["m"], f"{h['rows']} / {h['m']}",
         f"{h['array'] * F32 / 1e9:.2f}", f"{h['before'] * F32 / 1e9:.2f}",
         f"{h['busiest'] * F32 / 1e9:.2f}", f"{h['array'] / h['busiest']:.3f}",
-        f"{h['before'] / h['busiest']:.3f}"] for h in hybrid],
+        f"{h['before'] / h['busiest']:.3f}",
+        f"{C.fmt_bytes(h['gather'] * F32)} ({h['gather'] / max(h['gather_ideal'], 1):.2f})",
+        f"{C.fmt_bytes(h['gather_before'] * F32)} "
+        f"({h['gather_before'] / max(h['gather_ideal'], 1):.2f})"] for h in hybrid],
       ["model", "P", "m", "groups", "rows / m", "GB per device", "before: m·L₂ GB",
-       "busiest group GB", "array / busiest group", "before / busiest group"]))
+       "busiest group GB", "array / busiest group", "before / busiest group",
+       "in-group gather per device (/ ideal)", "before: (m-1)·L₂ (/ ideal)"]))
   out.append("")
   out.append("## Communication per collective (bytes per device, ring model, f32)")
   out.append("")

@@ -388,7 +388,9 @@ def test_eight_devices_equal_one_device(fraction, reduction, stale, devices):
   reset when one of its factors refreshes). On 4 devices COMM-OPT's owners
   share rows of the replicated array (`Layout.second_slots`), where the
   scaling reads its eigenbases; in HYBRID's groups of four (`hybrid-stale`)
-  each owner's segment, gathered for the scaling, comes from its row."""
+  each owner's segment, gathered for the scaling, comes from its row. With
+  several groups the gathered eigenbases share rows of `L₂` too
+  (`Layout.owner_slots`)."""
   loss_fn, params, x, y = _problem("conv")
   x, y = jnp.concatenate([x] * 4), jnp.concatenate([y] * 4)   # 24: 3 per device
   grad_fn = kd.value_and_grad(loss_fn)
@@ -417,7 +419,12 @@ def test_eight_devices_equal_one_device(fraction, reduction, stale, devices):
     updates, one_state = single.update(grads, one_state, one_params, kfac_stats=stats)
     one_params = optax.apply_updates(one_params, updates)
     helpers.assert_trees_equal(params, one_params, rtol=1e-9)
-  assert find_states(state)[0].layout.rows_shared == (devices == 4 or fraction == 1 / 2)
+  kfac = find_states(state)[0]
+  lay = kfac.layout
+  assert lay.rows_shared == (devices == 4 or fraction == 1 / 2)
+  if lay.num_groups > 1:     # every owner's eigenbases, several to a row of L₂
+    assert kfac.correction.bases.shape == (lay.owner_array,)
+    assert lay.owner_array < devices * lay.second_segment
   if stale:                                  # some factors were left stale
     refreshes = np.asarray(find_states(state)[0].refresh.refreshes)
     np.testing.assert_array_equal(refreshes, find_states(one_state)[0].refresh.refreshes)

@@ -69,9 +69,9 @@ class CorrectionState:
       `v_A v_Gᵀ` of eigenbases that no factor step has measured yet (the next
       `S` replaces it).
     bases: with several owner groups (MEM-OPT, HYBRID-OPT), every owner's
-      second-order segment, `[P·L₂]`, gathered on decomposition steps so that
-      every device can project its examples; None with one group, whose
-      second-order array is already that.
+      second-order segment in rows of `L₂` (`Layout.owner_slots`), gathered on
+      decomposition steps so that every device can project its examples;
+      None with one group, whose second-order array is already that.
   """
 
   scaling: jax.Array
@@ -96,19 +96,23 @@ def corrected_plans(lay: layout_lib.Layout) -> list[tuple[layout_lib.LayerPlan, 
 
 
 def owners_second(second: jax.Array, state: CorrectionState) -> jax.Array:
-  """Every owner's second-order segment on this device: the state's own
-  array with one owner group (in its rows), else the gathered `[P·L₂]`."""
+  """Every owner's second-order segment on this device, in the rows of
+  `Layout.owner_slots`: the state's own array with one owner group, else the
+  gathered one."""
   return second if state.bases is None else state.bases
 
 
 def gather_owners(comm: collectives_lib.Collectives, lay: layout_lib.Layout,
                   second: jax.Array) -> jax.Array | None:
   """Several owner groups: each device's own `[L₂]` segment (of its group's
-  array, in rows) all-gathered, `[P·L₂]` (the second-order bytes COMM-OPT
-  broadcasts); None with one group."""
+  array, in rows) gathered without padded traffic into every owner's
+  segment in rows (`Layout.owner_slots`: the second-order bytes and array
+  of COMM-OPT); None with one group."""
   if lay.num_groups == 1:
     return None
-  return comm.all_gather_owned(packing.own_second_segment(comm, lay, second))
+  return comm.gather_uneven(packing.own_second_segment(comm, lay, second),
+                            lay.second_sizes).in_rows(layout_lib.slot_rows(lay.owner_slots),
+                                                      lay.second_segment)
 
 
 def _runs(plans: list[layout_lib.LayerPlan]) -> list[list[layout_lib.LayerPlan]]:
@@ -126,10 +130,10 @@ def _run_parts(lay: layout_lib.Layout, second: jax.Array,
   """`[k, d, d]` eigenbases (`part` "matrix_offset") or `[k, d]` eigenvalues
   ("vector_offset") of factor `which` of a run's layers, column slices put
   together, from every owner's segment (`owners_second`: the state's own
-  array with one group, in its rows; else the gathered `[P·L₂]`)."""
-  base = ((lambda q: lay.second_base(q.owner)) if lay.num_groups == 1
-          else (lambda q: q.owner * lay.second_segment))
-  parts = packing.run_parts(base, tuple(getattr(plan, which) for plan in run))
+  array with one group, else the gathered one, in the rows of
+  `Layout.owner_slots` either way)."""
+  parts = packing.run_parts(lambda q: lay.owner_base(q.owner),
+                            tuple(getattr(plan, which) for plan in run))
   matrices, vectors = packing.read_run(second, [p for p in parts if p.offset == part],
                                        lay.second_segment)
   return vectors if matrices is None else matrices

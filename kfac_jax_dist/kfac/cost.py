@@ -215,8 +215,7 @@ def _correction_terms(config: config_lib.KfacConfig, lay: layout_lib.Layout
               2 * (p - 1) / p * _corrected_numbers(lay) * second)]
   if lay.num_groups == 1:
     return scaling, []
-  gathered = (p - 1) * lay.second_segment * second
-  return scaling, [("EK-FAC eigenbases AG (P-1)·L₂", gathered)]
+  return scaling, uneven_terms(lay.second_sizes, "EK-FAC eigenbases AG", True, second)
 
 
 def _stale_step_bytes(config: config_lib.KfacConfig, lay: layout_lib.Layout,
@@ -276,8 +275,8 @@ def stale_state_bytes(lay: layout_lib.Layout, factor_bytes: int, second_bytes: i
 def correction_state_bytes(lay: layout_lib.Layout, second_bytes: int) -> int:
   """EK-FAC's state per device: the scaling (`Σ d_A·d_G`, replicated), one
   flag per corrected layer and, with several owner groups, every owner's
-  second-order segment (`P·L₂`)."""
-  gathered = lay.num_devices * lay.second_segment if lay.num_groups > 1 else 0
+  second-order segment in rows (`Layout.owner_array`)."""
+  gathered = lay.owner_array if lay.num_groups > 1 else 0
   return ((_corrected_numbers(lay) + gathered) * second_bytes
           + len(correction_lib.corrected_plans(lay)))
 

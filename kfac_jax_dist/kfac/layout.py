@@ -263,10 +263,26 @@ class Layout:
   def second_row_members(self) -> list[list[int]]:
     """The ranks in the group (with one group, the devices) whose segments
     each row holds, in column order."""
-    rows: list[list[int]] = [[] for _ in range(self.second_rows)]
-    for rank in sorted(range(self.group_size), key=lambda r: self.second_slots[r][::-1]):
-      rows[self.second_slots[rank][0]].append(rank)
-    return rows
+    return slot_rows(self.second_slots[:self.group_size])
+
+  @functools.cached_property
+  def owner_slots(self) -> tuple[tuple[int, int], ...]:
+    """Each owner's (row, column) in an array of every owner's segment in
+    rows of `L₂` (`pack_rows`): COMM-OPT's second-order state (there
+    `second_slots`) and, with several groups, EK-FAC's gathered eigenbases."""
+    if self.num_devices == 1:
+      return ((0, 0),)
+    return pack_rows(self.second_sizes, self.second_segment)
+
+  def owner_base(self, owner: int) -> int:
+    """Start of `owner`'s segment in the array of every owner's (`owner_slots`)."""
+    row, column = self.owner_slots[owner]
+    return row * self.second_segment + column
+
+  @property
+  def owner_array(self) -> int:
+    """Numbers of the array of every owner's segment, in rows of `L₂`."""
+    return (1 + max(row for row, _ in self.owner_slots)) * self.second_segment
 
   @functools.cached_property
   def decomposition_branches(self) -> tuple[int, ...]:
@@ -400,6 +416,15 @@ class Layout:
     """Whether any factor or layer has several owners."""
     return any(plan.copies or any(place.copies for _, place in plan.places)
                for plan in self.plans)
+
+
+def slot_rows(slots: Sequence[tuple[int, int]]) -> list[list[int]]:
+  """The indices of `slots` ((row, column) each) that each row holds, in
+  column order."""
+  rows: list[list[int]] = [[] for _ in range(1 + max(row for row, _ in slots))]
+  for i in sorted(range(len(slots)), key=lambda i: slots[i][::-1]):
+    rows[slots[i][0]].append(i)
+  return rows
 
 
 def pack_rows(sizes: Sequence[int], row: int) -> tuple[tuple[int, int], ...]:

@@ -133,12 +133,20 @@ def second_order_rows(lay: layout_lib.Layout) -> list[list[tuple[int, int]]]:
           for first in firsts for row in members]
 
 
-def global_second_order(lay: layout_lib.Layout, segments: Sequence[Any], xp=jnp) -> Any:
-  """The global second-order array from each owner's `[L₂]` segment
-  (`second_order_rows`: each row its owners' used numbers at their columns,
-  zeros elsewhere)."""
+def owner_rows(lay: layout_lib.Layout) -> list[list[tuple[int, int]]]:
+  """`second_order_rows` of the array of every owner's segment
+  (`Layout.owner_slots`: EK-FAC's gathered eigenbases)."""
+  return [[(d, lay.owner_slots[d][1]) for d in row]
+          for row in layout_lib.slot_rows(lay.owner_slots)]
+
+
+def global_second_order(lay: layout_lib.Layout, segments: Sequence[Any], xp=jnp,
+                        rows: list[list[tuple[int, int]]] | None = None) -> Any:
+  """The global second-order array from each owner's `[L₂]` segment, in
+  `rows` (default `second_order_rows`: each row its owners' used numbers at
+  their columns, zeros elsewhere)."""
   pieces, dtype = [], segments[0].dtype
-  for row in second_order_rows(lay):
+  for row in second_order_rows(lay) if rows is None else rows:
     at = 0
     for owner, column in row:
       used = segments[owner][:lay.second_sizes[owner]]

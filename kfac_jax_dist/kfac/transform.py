@@ -58,7 +58,7 @@ from kfac_jax_dist.kfac import correction as correction_lib
 from kfac_jax_dist.kfac import layout as layout_lib
 from kfac_jax_dist.kfac.config import Correction, KfacConfig, Method
 from kfac_jax_dist.kfac.state import ScaleByKfacState, global_second_order
-from kfac_jax_dist.kfac.state import second_order_rows
+from kfac_jax_dist.kfac.state import owner_rows, second_order_rows
 
 # ------------------------------------------------------------------------ init
 
@@ -159,16 +159,15 @@ def initial_arrays(config: KfacConfig, lay: layout_lib.Layout, xp: Any
 def initial_correction(lay: layout_lib.Layout, second: Any, xp: Any
                        ) -> correction_lib.CorrectionState:
   """EK-FAC's scaling at count 0 (`v_A v_Gᵀ` of the identity eigenbases), with
-  the owners' segments `[P·L₂]` kept when there are several owner groups
-  (with one, `second` is those segments already)."""
+  every owner's segment in rows (`Layout.owner_slots`) kept when there are
+  several owner groups (with one, `second` is that array already)."""
   if lay.num_groups == 1:
     owners = second
   elif xp is jnp:
-    owners = packing.initial_second_order(lay, [[(d, 0)] for d in range(lay.num_devices)],
-                                          second.dtype, None)
+    owners = packing.initial_second_order(lay, owner_rows(lay), second.dtype, None)
   else:
-    owners = np.concatenate([packing.second_order_segment(lay, d, second.dtype, np)
-                             for d in range(lay.num_devices)])
+    owners = global_second_order(lay, [packing.second_order_segment(lay, d, second.dtype, np)
+                                       for d in range(lay.num_devices)], np, owner_rows(lay))
   return correction_lib.reset(lay, jnp.asarray(owners),
                               None if lay.num_groups == 1 else jnp.asarray(owners))
 

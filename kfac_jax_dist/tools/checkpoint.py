@@ -346,7 +346,8 @@ def _convert_correction(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfa
                         segments: list[np.ndarray]) -> correction_lib.CorrectionState | None:
   """EK-FAC's scaling and freshness, layer by layer (None without the
   correction); with several owner groups in `new`, the gathered eigenbases:
-  every device's own second-order segment (`segments`), in device order."""
+  every device's own second-order segment (`segments`), in the rows of
+  `Layout.owner_slots`."""
   if (old.correction is None) != (new.correction is None):
     raise ValueError("convert_state: only one of the two K-FAC states has "
                      'eigenvalue_correction="ekfac"; build the template with the same '
@@ -363,7 +364,9 @@ def _convert_correction(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfa
                   new.correction.scaling.dtype),
       jnp.asarray([fresh[name] for name in names], bool).reshape(len(names)),
       None if new.correction.bases is None else jnp.asarray(
-          np.concatenate(segments), new.correction.bases.dtype))
+          kfac_lib.global_second_order(new.layout, segments, np,
+                                       kfac_lib.owner_rows(new.layout)),
+          new.correction.bases.dtype))
 
 
 def _check_same_blocks(old_layout, lay) -> None:
