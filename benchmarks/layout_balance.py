@@ -484,11 +484,12 @@ SIZE_STRATEGIES = {"resnet50": ("MEM-OPT", "COMM-OPT"),
 TARGET_SIZE = 2.0        # ops at P = 1024 over ops at P = 64
 
 
-def program_sizes(args, compiles: list[dict], reused: list[dict]) -> list[dict]:
+def program_sizes(args, compiles: list[dict], reused: list[dict], git: str) -> list[dict]:
   """The update program lowered at each P of --program-size in a subprocess
   with that many host devices (StableHLO operations; compiling 1024-device
   programs is beyond this machine); a compile row's lowering, or a `reused`
-  row (--reuse-compiles), serves where there is one."""
+  row (--reuse-compiles), serves where there is one. New rows are labelled
+  with `git`, the commit they are measured at."""
   ps = [int(v) for v in (args.program_size if args.program_size is not None
                          else ("" if args.quick else "64,256,1024")).split(",") if v]
   out = []
@@ -497,9 +498,12 @@ def program_sizes(args, compiles: list[dict], reused: list[dict]) -> list[dict]:
       for strategy in SIZE_STRATEGIES[model]:
         done = [c for c in compiles + reused if (c["model"], c["P"], c["strategy"]) ==
                 (model, p, strategy) and "stablehlo_ops" in c]
-        res = (done[0] if done else
-               compile_in_subprocess(model, p, strategy, args.compile_timeout,
-                                     compile_program=False))
+        if done:
+          res = done[0]
+        else:
+          res = compile_in_subprocess(model, p, strategy, args.compile_timeout,
+                                      compile_program=False)
+          res["measured_at"] = git
         out.append(res)
         print("  program size", {k: v for k, v in res.items() if k != "model_bytes"},
               flush=True)
@@ -517,7 +521,8 @@ def size_rows(sizes: list[dict], layouts: dict) -> tuple[list[list], list[str]]:
     base = [b for b in sizes if (b["model"], b["strategy"], b["P"]) ==
             (r["model"], r["strategy"], 64) and "stablehlo_ops" in b]
     if "error" in r:
-      table.append([r["model"], r["P"], r["strategy"], r["error"], "", "", "", "", "", ""])
+      table.append([r["model"], r["P"], r["strategy"], r["error"], "", "", "", "", "", "",
+                    r.get("measured_at", "")])
       continue
     growth = r["stablehlo_ops"] / base[0]["stablehlo_ops"] if base else float("nan")
     hlo = r.get("hlo_instructions")
@@ -529,7 +534,8 @@ def size_rows(sizes: list[dict], layouts: dict) -> tuple[list[list], list[str]]:
     table.append([r["model"], r["P"], r["strategy"], batches, f"{r['stablehlo_ops']:,}",
                   f"{r['stablehlo_chars'] / 1e6:.1f} M", f"{growth:.2f}",
                   f"{hlo:,}" if hlo else "not compiled",
-                  f"{hlo_growth:.2f}" if hlo_growth else "", f"{r['lower_s']:.1f}"])
+                  f"{hlo_growth:.2f}" if hlo_growth else "", f"{r['lower_s']:.1f}",
+                  r.get("measured_at", "")])
     if r["P"] == 1024 and base:
       verdicts.append(f"{r['model']} {r['strategy']}: {growth:.2f}× the operations of "
                       f"P = 64 (target <= {TARGET_SIZE}: "
@@ -663,7 +669,7 @@ def main(argv=None):
         print("  compile", {k: v for k, v in res.items() if "bytes" not in k}, flush=True)
   compiles.sort(key=lambda c: (c["model"], c["P"], c["strategy"] != "MEM-OPT"))
   sizes = program_sizes(args, compiles, old.get("program_sizes", []) if args.reuse_compiles
-                        else [])
+                        else [], head["git"])
 
   for c in compiles:
     key = (c["model"], c["P"], c["strategy"])
@@ -899,7 +905,7 @@ def main(argv=None):
   out.append(C.md_table(table, ["model", "P", "strategy", "decomposition batches (all "
                                 "devices) / branches", "StableHLO ops", "text",
                                 "× P = 64", "compiled HLO instructions", "× P = 64",
-                                "trace+lower s"]))
+                                "trace+lower s", "measured at"]))
   out.append("")
   out.extend(f"- {v}" for v in verdicts)
   out += ["", "Each device's decompositions are a branch of the per-device switch "
