@@ -187,6 +187,37 @@ def test_matched_plans_place_every_number_once(sizes):
     uneven.matched((10, 0), 4)
 
 
+def _large_owners(seed: int) -> tuple[int, ...]:
+  """24 owners of 5-45 M numbers and 40 of under 2 M (as GPT-2-XL's MEM-OPT
+  segments at pod scale): the cheapest plan is 29 collectives (seed 6; tight
+  chunks and their ppermutes), one within 0.1% of its bytes 12."""
+  rng = np.random.default_rng(seed)
+  return tuple(int(x) for x in np.concatenate([rng.integers(5_000_000, 45_000_000, 24),
+                                               rng.integers(0, 2_000_000, 40)]))
+
+
+@pytest.mark.parametrize("sizes", RANDOM_SIZES + [_large_owners(6), _large_owners(9)])
+@pytest.mark.parametrize("psum", [True, False])
+def test_plan_is_cheapest_or_fewer_collectives_within_tolerance(sizes, psum):
+  """Against every candidate scheme: the plan costs at most FEWER_COLLECTIVES
+  more than the cheapest, and no candidate within that has fewer
+  collectives (each is an operation in every device's program); without a
+  psum (within groups) no prefix overflows."""
+  prefix = uneven.Prefix(sizes, uneven.prefix_length(sizes) if psum else max(sizes))
+  candidates = [prefix] + ([uneven.rechunk(sizes)] + [
+      uneven.matched(sizes, c) for c in uneven.chunk_candidates(sizes)]
+                           if len(sizes) > 1 else [])
+  cheapest = min(uneven.cost(c) for c in candidates)
+  near = [c for c in candidates if uneven.cost(c) <= cheapest * (1 + uneven.FEWER_COLLECTIVES)]
+  chosen = uneven.plan(sizes, psum)
+  assert uneven.cost(chosen) <= cheapest * (1 + uneven.FEWER_COLLECTIVES)
+  assert chosen.num_collectives == min(c.num_collectives for c in near)
+  assert psum or not isinstance(chosen, uneven.Prefix) or not sum(chosen.overflow)
+  if sizes == _large_owners(6):       # the cheapest has more collectives
+    fewest_bytes = min(candidates, key=uneven.cost)
+    assert chosen.num_collectives < fewest_bytes.num_collectives
+
+
 def test_one_ppermute_for_a_dozen_comparable_layers():
   """SP-NGD's gradient sizes of `benchmarks/_models.CnnMlp12` (12 layers of
   0.5M parameters, none over 1/8 of them) at P = 8: the prefix scheme sends
