@@ -171,6 +171,34 @@ def test_comm_opt_rows_save_restore_and_resume(tmp_path):
   assert_bitwise(resumed, _run(config, _params(), _init(*config), 0, 5), "resumed")
 
 
+@pytest.mark.parametrize("fraction", [1.0, 1 / 2], ids=["comm_opt", "hybrid"])
+def test_checkpoint_saved_before_rows_were_shared_restores(tmp_path, monkeypatch, fraction):
+  """A checkpoint of the layout before second-order segments shared rows (one
+  per row, `[m·L₂]`; its metadata without `SHARED_ROWS`) restores into
+  today's template, where they share rows: restored in the old layout, moved
+  by `convert_state`, bit for bit the state it was saved from, and the run
+  resumes on the uninterrupted trajectory."""
+  from kfac_jax_dist.tools import checkpoint  # pylint: disable=import-outside-toplevel
+  config = (8, fraction)
+  params, state = _run(config, _params(), _init(*config), 0, 3)
+  assert find_states(state)[0].layout.rows_shared
+  old = kd.convert_state(state, checkpoint._one_segment_per_row(state))
+  old_layout = find_states(old)[0].layout
+  assert not old_layout.shared_rows and old_layout.second_rows == old_layout.group_size
+  metadata = checkpoint.checkpoint_metadata
+  monkeypatch.setattr(checkpoint, "checkpoint_metadata", lambda tree: {
+      k: v for k, v in metadata(tree).items() if k != checkpoint.SHARED_ROWS})
+  kd.save_checkpoint(tmp_path / "ckpt", old)
+  monkeypatch.undo()
+  tx, mesh, _ = _config(*config)
+  restored = kd.restore_checkpoint(tmp_path / "ckpt", jax.eval_shape(tx.init, _params()),
+                                   mesh=mesh)
+  assert_bitwise(restored, state, "restored")
+  assert _specs_of(restored) == _specs_of(state)
+  resumed = _run(config, params, restored, 3, 5)
+  assert_bitwise(resumed, _run(config, _params(), _init(*config), 0, 5), "resumed")
+
+
 def test_restore_refuses_another_layout(tmp_path):
   kd.save_checkpoint(tmp_path / "ckpt", _init(8, 1 / 8))
   other = jax.eval_shape(_config(4)[0].init, _params())

@@ -615,6 +615,26 @@ def test_checkpoint_round_trip(tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_checkpoint_layout_before_shared_rows_converts():
+  """MEM-OPT: the gathered eigenbases of a checkpoint saved before they
+  shared rows are `[P·L₂]` (`checkpoint._one_segment_per_row`, the layout
+  `restore_checkpoint` restores such a checkpoint in); `convert_state` moves
+  them into today's rows and back bit for bit."""
+  from kfac_jax_dist.tools import checkpoint  # pylint: disable=import-outside-toplevel
+  loss_fn, params, x, y = _problem("conv")
+  layers = kd.value_and_grad(loss_fn).discover(params, x, y)
+  dist = kd.Distribution(helpers.data_mesh(8), grad_worker_fraction=1 / 8)
+  state = kd.kfac(0.1, layers=layers, distribution=dist, eigenvalue_correction="ekfac",
+                  factor_dtype=jnp.float64).init(params)
+  lay = find_states(state)[0].layout
+  assert lay.owner_array < 8 * lay.second_segment
+  old = kd.convert_state(state, checkpoint._one_segment_per_row(state))
+  assert find_states(old)[0].correction.bases.shape == (8 * lay.second_segment,)
+  back = kd.convert_state(old, state)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 class _SequenceConv(nn.Module):
   """A strided 1-D convolution over sequences, or the same one written as a
   2-D convolution over images of height 1 (`as_image`)."""

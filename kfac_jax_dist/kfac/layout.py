@@ -167,6 +167,9 @@ class Layout:
   uncaptured: tuple[tuple[str, str, str], ...] = ()
   # why `Distribution.auto` chose this strategy (its `explanation`), in words
   strategy_choice: tuple[str, ...] = dataclasses.field(default=(), compare=False)
+  # second-order segments packed several to a row where they fit; False: one
+  # per row, as checkpoints saved before the rows were shared hold them
+  shared_rows: bool = True
 
   @property
   def owner_bases(self) -> tuple[int, ...]:
@@ -240,8 +243,8 @@ class Layout:
     packed into rows (`pack_rows`), so that the array is not `m·L₂` where
     owners hold little or nothing (ResNet-50 COMM-OPT at P = 1024: 786 idle
     devices, `L₂` 35× the mean; HYBRID at P = 256, 128 per group: the same)."""
-    if self.num_devices == 1:
-      return ((0, 0),)
+    if self.num_devices == 1 or not self.shared_rows:
+      return tuple((d % self.group_size, 0) for d in range(self.num_devices))
     by_rank = pack_rows(self.second_capacity, self.second_segment)
     return tuple(by_rank[d % self.group_size] for d in range(self.num_devices))
 
@@ -270,8 +273,8 @@ class Layout:
     """Each owner's (row, column) in an array of every owner's segment in
     rows of `L₂` (`pack_rows`): COMM-OPT's second-order state (there
     `second_slots`) and, with several groups, EK-FAC's gathered eigenbases."""
-    if self.num_devices == 1:
-      return ((0, 0),)
+    if self.num_devices == 1 or not self.shared_rows:
+      return tuple((d, 0) for d in range(self.num_devices))
     return pack_rows(self.second_sizes, self.second_segment)
 
   def owner_base(self, owner: int) -> int:

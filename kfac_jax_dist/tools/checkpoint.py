@@ -49,6 +49,8 @@ from kfac_jax_dist.shampoo import soap as soap_lib
 from kfac_jax_dist.shampoo import state as shampoo_state
 
 _STATE, _META = "state", "kfac_layout"
+# in the metadata of checkpoints whose second-order segments may share rows
+SHARED_ROWS = "second_order_rows_shared"
 # the module (`kfac_jax_dist.shampoo.transform` is the `kd.shampoo` function as an attribute)
 def _is_kfac(x) -> bool:
   return isinstance(x, kfac_lib.ScaleByKfacState)
@@ -99,11 +101,14 @@ def layout_metadata(lay: layout_lib.Layout) -> dict[str, Any]:
 
 def checkpoint_metadata(tree: Any) -> dict[str, Any]:
   """`layout_metadata` of every K-FAC state in `tree`, and
-  `shampoo_layout_metadata` of every Shampoo state, in tree order."""
+  `shampoo_layout_metadata` of every Shampoo state, in tree order; and
+  `SHARED_ROWS`, which tells `restore_checkpoint` that K-FAC layouts may
+  pack second-order segments several to a row (`Layout.shared_rows`)."""
   shampoo_states = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_shampoo)
                     if _is_shampoo(x)]
   return {"kfac_states": [layout_metadata(s.layout) for s in kfac_lib.find_states(tree)],
-          "shampoo_states": [shampoo_layout_metadata(s.layout) for s in shampoo_states]}
+          "shampoo_states": [shampoo_layout_metadata(s.layout) for s in shampoo_states],
+          SHARED_ROWS: True}
 
 
 def _checkpointer():
@@ -164,12 +169,46 @@ def restore_checkpoint(directory: str | os.PathLike, template: Any, *,
   path = os.path.abspath(directory)
   _check_readable(path)
   saved = checkpointer.restore(path, ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))
-  _check_compatible(saved[_META], checkpoint_metadata(template))
-  _check_dtypes(saved[_META], template)
+  # saved before segments shared rows: restored in that layout, then moved
+  target = template if saved[_META].get(SHARED_ROWS) else _one_segment_per_row(template)
+  _check_compatible(saved[_META], checkpoint_metadata(target))
+  _check_dtypes(saved[_META], target)
   _check_mesh(template, mesh)
   restored = checkpointer.restore(path, ocp.args.Composite(
-      **{_STATE: ocp.args.StandardRestore(_abstract(template, mesh))}))
-  return restored[_STATE]
+      **{_STATE: ocp.args.StandardRestore(_abstract(target, mesh))}))[_STATE]
+  if target is template:
+    return restored
+  return jax.tree_util.tree_map(lambda x, want: jax.device_put(x, want.sharding),
+                                convert_state(restored, template), _abstract(template, mesh))
+
+
+def _one_segment_per_row(template: Any) -> Any:
+  """`template` with every K-FAC state in the layout of checkpoints saved
+  before second-order segments shared rows (`Layout.shared_rows` False: one
+  per row of `L₂`, `[m·L₂]` per device, EK-FAC's gathered eigenbases
+  `[P·L₂]`), its arrays abstract; `template` itself where no layout differs."""
+  def legacy(state: kfac_lib.ScaleByKfacState) -> kfac_lib.ScaleByKfacState:
+    lay = dataclasses.replace(state.layout, shared_rows=False)
+    if (lay.second_slots, lay.owner_slots) == (state.layout.second_slots,
+                                               state.layout.owner_slots):
+      return state
+
+    def resized(x: Any, now: int, then: int) -> jax.ShapeDtypeStruct:
+      shape = jnp.shape(x)
+      return jax.ShapeDtypeStruct(shape[:-1] + (shape[-1] // now * then,),
+                                  jnp.result_type(x))
+    correction = state.correction
+    if correction is not None and correction.bases is not None:
+      correction = dataclasses.replace(correction, bases=resized(
+          correction.bases, state.layout.owner_array, lay.owner_array))
+    return dataclasses.replace(
+        state, layout=lay, correction=correction, second_order=resized(
+            state.second_order, state.layout.second_array, lay.second_array))
+  out = jax.tree_util.tree_map(lambda x: legacy(x) if _is_kfac(x) else x, template,
+                               is_leaf=_is_kfac)
+  same = all(a is b for a, b in zip(*(jax.tree_util.tree_leaves(t, is_leaf=_is_kfac)
+                                      for t in (out, template))))
+  return template if same else out
 
 
 # The checkpoint's JSON files (orbax's and the layouts'): a damaged one is
