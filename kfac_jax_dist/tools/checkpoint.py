@@ -51,7 +51,8 @@ from kfac_jax_dist.shampoo import state as shampoo_state
 _STATE, _META = "state", "kfac_layout"
 # in the metadata of checkpoints whose second-order segments may share rows
 SHARED_ROWS = "second_order_rows_shared"
-# the module (`kfac_jax_dist.shampoo.transform` is the `kd.shampoo` function as an attribute)
+
+
 def _is_kfac(x) -> bool:
   return isinstance(x, kfac_lib.ScaleByKfacState)
 
