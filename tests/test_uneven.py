@@ -314,6 +314,11 @@ def test_describe_names_the_schemes():
       {k: v for k, v in params.items() if k in {f"l{i}" for i in range(3, 11)}}),
       print_table=False)
   assert "uneven collectives: eigenbasis broadcast prefix" in text, text
+  # HYBRID, two groups of four: each group's slots by an uneven gather within it
+  hybrid = kd.Distribution(mesh, grad_worker_fraction=1 / 2)
+  text = kd.describe(kd.scale_by_kfac(layers=layers, distribution=hybrid).init(params),
+                     print_table=False)
+  assert "uneven collectives: eigenbasis gather within each group " in text, text
 
 
 def test_index_tables_past_int32_raise_instead_of_wrapping():

@@ -178,28 +178,31 @@ def _correction_line(state: ScaleByKfacState) -> str:
   return line + "."
 
 
-def _scheme(sizes) -> str:
-  scheme = uneven.plan(tuple(int(u) for u in sizes))
+def _scheme(sizes, psum: bool = True) -> str:
+  scheme = uneven.plan(tuple(int(u) for u in sizes), psum)
   if isinstance(scheme, uneven.Rechunk):
     return (f"rechunk ({len(scheme.sends)} ppermutes: owners hold unequal amounts, so "
             "one all_gather moves equal chunks and the ppermutes forward what the "
             "largest owners hold beyond theirs)")
+  if not sum(scheme.overflow):
+    return "prefix (one all_gather of every owner's numbers, up to the longest's)"
   return ("prefix (owners hold unequal amounts: one all_gather of a prefix common to "
           "every owner, one psum of the rest)")
 
 
 def _uneven_schemes(lay: layout_lib.Layout) -> list[str]:
   """How the uneven collectives travel (`uneven.plan`): COMM-OPT's eigenbasis
-  broadcast and MEM-OPT's gradient gather (and its mirror, SP-NGD's
-  reduce-scatter, when the layout keeps layers whole)."""
+  broadcast, HYBRID's within each group (of each rank's slot) and MEM-OPT's
+  gradient gather (and its mirror, SP-NGD's reduce-scatter, when the layout
+  keeps layers whole)."""
   if lay.num_devices == 1 or not lay.plans:
     return []
+  what = "eigenbasis" if lay.method == "eigen" else "inverse"
   if lay.num_groups == 1:
-    what = "eigenbasis" if lay.method == "eigen" else "inverse"
     return [f"{what} broadcast " + _scheme(lay.second_sizes)]
   if lay.group_size == 1:
     return ["gradient gather " + _scheme(layout_lib.gradient_offsets(lay)[1])]
-  return []
+  return [f"{what} gather within each group " + _scheme(lay.second_capacity, psum=False)]
 
 
 def _columns(rows: list[tuple[str, ...]]) -> list[str]:
