@@ -431,6 +431,44 @@ def test_eight_devices_equal_one_device(fraction, reduction, stale, devices):
     assert 1 <= refreshes.min() < 4, refreshes
 
 
+def test_gathered_eigenbases_skip_devices_holding_only_copies():
+  """MEM-OPT with a layer split over devices (conv_dense's dense layer on 8:
+  five devices hold only copies of it): the capture reads each layer's home
+  copy, so devices holding only copies send nothing to the gathered
+  eigenbases (`Layout.read_sizes`), and the EK-FAC steps equal one device's
+  (float64; 256 examples, so that every factor has full rank: in a repeated
+  eigenvalue's eigenspace `s` depends on the basis eigh happens to return)."""
+  loss_fn, params, x, y = helpers.classifier_problem(helpers.ConvDenseNet(), (256, 8, 8, 2))
+  params, x = jax.tree.map(lambda a: a.astype(jnp.float64), (params, x))
+  grad_fn = kd.value_and_grad(loss_fn)
+  layers = grad_fn.discover(params, x, y)
+  dist = kd.Distribution(helpers.data_mesh(8), grad_worker_fraction=1 / 8,
+                         gradient_reduction="all_reduce")
+  options = dict(layers=layers, damping=LAMBDA, eigenvalue_correction="ekfac",
+                 factor_dtype=jnp.float64, inverse_update_every=2)
+  single, tx = kd.kfac(0.1, 0.9, **options), kd.kfac(0.1, 0.9, distribution=dist, **options)
+
+  def step(params, state, x, y):
+    _, grads, stats = grad_fn(params, x, y, opt_state=state)
+    updates, state = tx.update(jax.lax.pmean(grads, "data"), state, params,
+                               kfac_stats=stats)
+    return optax.apply_updates(params, updates), state
+  run, state = helpers.compile_step(step, tx.init(params), dist, 2)
+  one_params, one_state = params, single.init(params)
+  for i in range(4):
+    xb, yb = _batch(x, y, i)
+    params, state = run(params, state, xb, yb)
+    _, grads, stats = grad_fn(one_params, xb, yb, opt_state=one_state)
+    updates, one_state = single.update(grads, one_state, one_params, kfac_stats=stats)
+    one_params = optax.apply_updates(one_params, updates)
+    helpers.assert_trees_equal(params, one_params, rtol=1e-9)
+  kfac = find_states(state)[0]
+  lay = kfac.layout
+  assert sum(r == 0 < n for r, n in zip(lay.read_sizes, lay.second_sizes)) == 5
+  assert kfac.correction.bases.shape == (lay.owner_array,)
+  assert lay.owner_array < sum(lay.second_sizes)
+
+
 def test_stale_threshold_zero_is_ekfac():
   """α = 0: every factor refreshes at every step, so every layer's scaling is
   reset at every step, as EK-FAC's with both intervals 1."""

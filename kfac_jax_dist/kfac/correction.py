@@ -107,12 +107,13 @@ def gather_owners(comm: collectives_lib.Collectives, lay: layout_lib.Layout,
   """Several owner groups: each device's own `[L₂]` segment (of its group's
   array, in rows) gathered without padded traffic into every owner's
   segment in rows (`Layout.owner_slots`: the second-order bytes and array
-  of COMM-OPT); None with one group."""
+  of COMM-OPT), but for devices that hold only copies of split layers
+  (`Layout.read_sizes`); None with one group."""
   if lay.num_groups == 1:
     return None
   return comm.gather_uneven(packing.own_second_segment(comm, lay, second),
-                            lay.second_sizes).in_rows(layout_lib.slot_rows(lay.owner_slots),
-                                                      lay.second_segment)
+                            lay.read_sizes).in_rows(layout_lib.slot_rows(lay.owner_slots),
+                                                    lay.second_segment)
 
 
 def _runs(plans: list[layout_lib.LayerPlan]) -> list[list[layout_lib.LayerPlan]]:

@@ -215,7 +215,7 @@ def _correction_terms(config: config_lib.KfacConfig, lay: layout_lib.Layout
               2 * (p - 1) / p * _corrected_numbers(lay) * second)]
   if lay.num_groups == 1:
     return scaling, []
-  return scaling, uneven_terms(lay.second_sizes, "EK-FAC eigenbases AG", True, second)
+  return scaling, uneven_terms(lay.read_sizes, "EK-FAC eigenbases AG", True, second)
 
 
 def _stale_step_bytes(config: config_lib.KfacConfig, lay: layout_lib.Layout,

@@ -269,13 +269,27 @@ class Layout:
     return slot_rows(self.second_slots[:self.group_size])
 
   @functools.cached_property
+  def read_sizes(self) -> tuple[int, ...]:
+    """Second-order numbers of each device that are read outside its owner
+    group: with one group, all; with several (EK-FAC's gathered eigenbases),
+    the segment of a device that owns some factor's home copy
+    (`LayerPlan.places`), none of one that holds only copies of layers split
+    over groups, which their own groups read (GPT-2-XL MEM-OPT at P = 1024:
+    20.7 of 74.8 GB)."""
+    if self.num_groups == 1:
+      return self.second_sizes
+    homes = {place.owner for plan in self.plans for _, place in plan.places}
+    return tuple(n if d in homes else 0 for d, n in enumerate(self.second_sizes))
+
+  @functools.cached_property
   def owner_slots(self) -> tuple[tuple[int, int], ...]:
-    """Each owner's (row, column) in an array of every owner's segment in
-    rows of `L₂` (`pack_rows`): COMM-OPT's second-order state (there
-    `second_slots`) and, with several groups, EK-FAC's gathered eigenbases."""
+    """Each owner's (row, column) in an array of every owner's segment read
+    (`read_sizes`) in rows of `L₂` (`pack_rows`): COMM-OPT's second-order
+    state (there `second_slots`) and, with several groups, EK-FAC's gathered
+    eigenbases."""
     if self.num_devices == 1 or not self.shared_rows:
       return tuple((d, 0) for d in range(self.num_devices))
-    return pack_rows(self.second_sizes, self.second_segment)
+    return pack_rows(self.read_sizes, self.second_segment)
 
   def owner_base(self, owner: int) -> int:
     """Start of `owner`'s segment in the array of every owner's (`owner_slots`)."""

@@ -134,9 +134,9 @@ def second_order_rows(lay: layout_lib.Layout) -> list[list[tuple[int, int]]]:
 
 
 def owner_rows(lay: layout_lib.Layout) -> list[list[tuple[int, int]]]:
-  """`second_order_rows` of the array of every owner's segment
-  (`Layout.owner_slots`: EK-FAC's gathered eigenbases)."""
-  return [[(d, lay.owner_slots[d][1]) for d in row]
+  """`second_order_rows` of the array of every owner's segment that is read
+  (`Layout.owner_slots`, `Layout.read_sizes`: EK-FAC's gathered eigenbases)."""
+  return [[(d, lay.owner_slots[d][1]) for d in row if lay.read_sizes[d]]
           for row in layout_lib.slot_rows(lay.owner_slots)]
 
 
