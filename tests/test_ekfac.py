@@ -370,6 +370,31 @@ def test_dp_kfac_local_eigenbases_and_the_global_scaling():
 STALE_THRESHOLD = 0.5     # the random batches' factors differ by ~0.2-0.6
 
 
+def _steps_equal_one_device(grad_fn, params, x, y, dist, options: dict, average: bool):
+  """Four steps of `kd.kfac(0.1, 0.9, **options)` on `dist` (jit +
+  shard_map; `average`: the step pmeans the gradients) and on one device,
+  on the same batches: the parameters agree to 1e-9 after each. Returns the
+  two final states."""
+  single, tx = kd.kfac(0.1, 0.9, **options), kd.kfac(0.1, 0.9, distribution=dist, **options)
+
+  def step(params, state, x, y):
+    _, grads, stats = grad_fn(params, x, y, opt_state=state)
+    if average:
+      grads = jax.lax.pmean(grads, "data")
+    updates, state = tx.update(grads, state, params, kfac_stats=stats)
+    return optax.apply_updates(params, updates), state
+  run, state = helpers.compile_step(step, tx.init(params), dist, 2)
+  one_params, one_state = params, single.init(params)
+  for i in range(4):
+    xb, yb = _batch(x, y, i)
+    params, state = run(params, state, xb, yb)
+    _, grads, stats = grad_fn(one_params, xb, yb, opt_state=one_state)
+    updates, one_state = single.update(grads, one_state, one_params, kfac_stats=stats)
+    one_params = optax.apply_updates(one_params, updates)
+    helpers.assert_trees_equal(params, one_params, rtol=1e-9)
+  return state, one_state
+
+
 @pytest.mark.parametrize("fraction,reduction,stale,devices", [
     pytest.param(1, "all_reduce", False, 8, marks=pytest.mark.slow),
     (1 / 8, "all_reduce", False, 8),
@@ -401,24 +426,8 @@ def test_eight_devices_equal_one_device(fraction, reduction, stale, devices):
                  eigenvalue_correction="ekfac")
   options |= (dict(stale_threshold=STALE_THRESHOLD) if stale
               else dict(inverse_update_every=2))
-  single, tx = kd.kfac(0.1, 0.9, **options), kd.kfac(0.1, 0.9, distribution=dist,
-                                                     **options)
-
-  def step(params, state, x, y):
-    _, grads, stats = grad_fn(params, x, y, opt_state=state)
-    if reduction == "all_reduce":
-      grads = jax.lax.pmean(grads, "data")
-    updates, state = tx.update(grads, state, params, kfac_stats=stats)
-    return optax.apply_updates(params, updates), state
-  run, state = helpers.compile_step(step, tx.init(params), dist, 2)
-  one_params, one_state = params, single.init(params)
-  for i in range(4):
-    xb, yb = _batch(x, y, i)
-    params, state = run(params, state, xb, yb)
-    _, grads, stats = grad_fn(one_params, xb, yb, opt_state=one_state)
-    updates, one_state = single.update(grads, one_state, one_params, kfac_stats=stats)
-    one_params = optax.apply_updates(one_params, updates)
-    helpers.assert_trees_equal(params, one_params, rtol=1e-9)
+  state, one_state = _steps_equal_one_device(grad_fn, params, x, y, dist, options,
+                                              reduction == "all_reduce")
   kfac = find_states(state)[0]
   lay = kfac.layout
   assert lay.rows_shared == (devices == 4 or fraction == 1 / 2)
@@ -446,22 +455,7 @@ def test_gathered_eigenbases_skip_devices_holding_only_copies():
                          gradient_reduction="all_reduce")
   options = dict(layers=layers, damping=LAMBDA, eigenvalue_correction="ekfac",
                  factor_dtype=jnp.float64, inverse_update_every=2)
-  single, tx = kd.kfac(0.1, 0.9, **options), kd.kfac(0.1, 0.9, distribution=dist, **options)
-
-  def step(params, state, x, y):
-    _, grads, stats = grad_fn(params, x, y, opt_state=state)
-    updates, state = tx.update(jax.lax.pmean(grads, "data"), state, params,
-                               kfac_stats=stats)
-    return optax.apply_updates(params, updates), state
-  run, state = helpers.compile_step(step, tx.init(params), dist, 2)
-  one_params, one_state = params, single.init(params)
-  for i in range(4):
-    xb, yb = _batch(x, y, i)
-    params, state = run(params, state, xb, yb)
-    _, grads, stats = grad_fn(one_params, xb, yb, opt_state=one_state)
-    updates, one_state = single.update(grads, one_state, one_params, kfac_stats=stats)
-    one_params = optax.apply_updates(one_params, updates)
-    helpers.assert_trees_equal(params, one_params, rtol=1e-9)
+  state, _ = _steps_equal_one_device(grad_fn, params, x, y, dist, options, True)
   kfac = find_states(state)[0]
   lay = kfac.layout
   assert sum(r == 0 < n for r, n in zip(lay.read_sizes, lay.second_sizes)) == 5
