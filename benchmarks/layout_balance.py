@@ -478,7 +478,7 @@ def compile_in_subprocess(model, p, strategy, timeout, compile_program=True) -> 
 # ------------------------------------------------------------- program size
 
 SIZE_MODELS = ("resnet50", "gpt2_xl")
-SIZE_STRATEGIES = {"resnet50": ("MEM-OPT", "COMM-OPT"),
+SIZE_STRATEGIES = {"resnet50": ("MEM-OPT", "COMM-OPT", "MEM-OPT" + EKFAC, "COMM-OPT" + EKFAC),
                    "gpt2_xl": ("MEM-OPT", "COMM-OPT", "MEM-OPT" + STALE, "COMM-OPT" + STALE,
                                "MEM-OPT" + EKFAC, "COMM-OPT" + EKFAC)}
 TARGET_SIZE = 2.0        # ops at P = 1024 over ops at P = 64

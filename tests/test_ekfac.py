@@ -15,6 +15,7 @@ import pytest
 import helpers
 import kfac_jax_dist as kd
 from kfac_jax_dist.capture import registry
+from kfac_jax_dist.capture import statistics as statistics_lib
 from kfac_jax_dist.kfac import correction as correction_lib
 from kfac_jax_dist.kfac.state import find_states
 
@@ -112,10 +113,15 @@ def _dense_solve(grad: np.ndarray, qa, qg, scaling: np.ndarray) -> np.ndarray:
   return np.linalg.solve(f, grad.reshape(-1)).reshape(grad.shape)
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
 @pytest.mark.parametrize("name", sorted(PROBLEMS))
-def test_corrected_scaling_equals_per_example_brute_force(name):
+def test_corrected_scaling_equals_per_example_brute_force(name, chunked, monkeypatch):
   """The captured `S` of every Dense/Conv layer equals the per-example second
-  moment in the state's eigenbases (taken after two steps: not the identity)."""
+  moment in the state's eigenbases (taken after two steps: not the identity);
+  `chunked`: the per-example matrices summed one example at a time (the scan
+  of `statistics.corrected_scaling` for large layers)."""
+  if chunked:
+    monkeypatch.setattr(statistics_lib, "CHUNK_NUMBERS", 1)
   loss_fn, params, x, y = _problem(name)
   grad_fn = kd.value_and_grad(loss_fn)
   layers = grad_fn.discover(params, x, y)
@@ -438,6 +444,23 @@ def test_eight_devices_equal_one_device(fraction, reduction, stale, devices):
     refreshes = np.asarray(find_states(state)[0].refresh.refreshes)
     np.testing.assert_array_equal(refreshes, find_states(one_state)[0].refresh.refreshes)
     assert 1 <= refreshes.min() < 4, refreshes
+
+
+def test_chunked_scaling_inside_shard_map(monkeypatch):
+  """A layer whose per-example matrices are summed in chunks (ResNet-50's
+  4608 x 512 convolutions: `statistics.CHUNK_NUMBERS`, here one example per
+  chunk) traces inside shard_map, where the chunks' sums vary over the data
+  axis, and the EK-FAC steps equal one device's."""
+  monkeypatch.setattr(statistics_lib, "CHUNK_NUMBERS", 1)
+  loss_fn, params, x, y = _problem("conv")
+  x, y = jnp.concatenate([x] * 4), jnp.concatenate([y] * 4)   # 24: 3 per device
+  grad_fn = kd.value_and_grad(loss_fn)
+  dist = kd.Distribution(helpers.data_mesh(8), grad_worker_fraction=1 / 8,
+                         gradient_reduction="all_reduce")
+  options = dict(layers=grad_fn.discover(params, x, y), damping=LAMBDA,
+                 factor_dtype=jnp.float64, eigenvalue_correction="ekfac",
+                 inverse_update_every=2)
+  _steps_equal_one_device(grad_fn, params, x, y, dist, options, True)
 
 
 def test_gathered_eigenbases_skip_devices_holding_only_copies():

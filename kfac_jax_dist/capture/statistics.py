@@ -331,5 +331,7 @@ def corrected_scaling(x: jax.Array, g: jax.Array, has_bias: bool, basis_a: jax.A
 
   def body(total: jax.Array, pair: tuple) -> tuple:
     return total + squares(*pair), None
-  total, _ = lax.scan(body, jnp.zeros((da, dg), dtype), (xq, gq))
+  # carried from the first chunk: inside shard_map a zero start would be typed
+  # invariant over the data axis where the chunks' sums vary (a scan error)
+  total, _ = lax.scan(body, squares(xq[0], gq[0]), (xq[1:], gq[1:]))
   return total
