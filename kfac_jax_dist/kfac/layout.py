@@ -243,7 +243,9 @@ class Layout:
     packed into rows (`pack_rows`), so that the array is not `m·L₂` where
     owners hold little or nothing (ResNet-50 COMM-OPT at P = 1024: 786 idle
     devices, `L₂` 35× the mean; HYBRID at P = 256, 128 per group: the same)."""
-    if self.num_devices == 1 or not self.shared_rows:
+    if self.num_groups == 1:          # every owner's segment: the same packing
+      return self.owner_slots
+    if not self.shared_rows:
       return tuple((d % self.group_size, 0) for d in range(self.num_devices))
     by_rank = pack_rows(self.second_capacity, self.second_segment)
     return tuple(by_rank[d % self.group_size] for d in range(self.num_devices))
