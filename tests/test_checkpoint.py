@@ -171,23 +171,31 @@ def test_comm_opt_rows_save_restore_and_resume(tmp_path):
   assert_bitwise(resumed, _run(config, _params(), _init(*config), 0, 5), "resumed")
 
 
-@pytest.mark.parametrize("fraction", [1.0, 1 / 2], ids=["comm_opt", "hybrid"])
-def test_checkpoint_saved_before_rows_were_shared_restores(tmp_path, monkeypatch, fraction):
-  """A checkpoint of the layout before second-order segments shared rows (one
-  per row, `[m·L₂]`; its metadata without `SHARED_ROWS`) restores into
-  today's template, where they share rows: restored in the old layout, moved
-  by `convert_state`, bit for bit the state it was saved from, and the run
-  resumes on the uninterrupted trajectory."""
+@pytest.mark.parametrize("fraction,saved", [
+    (1.0, "padded"), (1 / 2, "padded"), (1.0, "segment"), (1 / 2, "segment")],
+    ids=["comm_opt_padded", "hybrid_padded", "comm_opt_segment_rows", "hybrid_segment_rows"])
+def test_checkpoint_of_an_older_packing_restores(tmp_path, monkeypatch, fraction, saved):
+  """A checkpoint of an older packing of the second-order segments restores
+  into today's template (wide rows): before segments shared rows (one per
+  row, `[m·L₂]`; metadata without `SHARED_ROWS`) and before rows were wide
+  (rows of `L₂`; metadata without `WIDE_ROWS`). Restored in the old layout,
+  moved by `convert_state`: bit for bit the state it was saved from, and the
+  run resumes on the uninterrupted trajectory."""
   from kfac_jax_dist.tools import checkpoint  # pylint: disable=import-outside-toplevel
   config = (8, fraction)
   params, state = _run(config, _params(), _init(*config), 0, 3)
-  assert find_states(state)[0].layout.rows_shared
-  old = kd.convert_state(state, checkpoint._one_segment_per_row(state))
+  lay = find_states(state)[0].layout
+  assert lay.second_rows == 1 and lay.second_array < lay.group_size * lay.second_segment
+  dropped = {checkpoint.WIDE_ROWS} | ({checkpoint.SHARED_ROWS} if saved == "padded" else set())
+  old = kd.convert_state(state, checkpoint._saved_packing(
+      state, {k: True for k in {checkpoint.WIDE_ROWS, checkpoint.SHARED_ROWS} - dropped}))
   old_layout = find_states(old)[0].layout
-  assert not old_layout.shared_rows and old_layout.second_rows == old_layout.group_size
+  assert old_layout.second_packing == saved
+  assert old_layout.second_row == old_layout.second_segment
+  assert (old_layout.second_rows == old_layout.group_size) == (saved == "padded")
   metadata = checkpoint.checkpoint_metadata
   monkeypatch.setattr(checkpoint, "checkpoint_metadata", lambda tree: {
-      k: v for k, v in metadata(tree).items() if k != checkpoint.SHARED_ROWS})
+      k: v for k, v in metadata(tree).items() if k not in dropped})
   kd.save_checkpoint(tmp_path / "ckpt", old)
   monkeypatch.undo()
   tx, mesh, _ = _config(*config)

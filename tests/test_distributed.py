@@ -13,6 +13,7 @@ import pytest
 import kfac_jax_dist as kd
 
 import helpers
+from kfac_jax_dist.core import offsets
 from kfac_jax_dist.core import uneven
 from kfac_jax_dist.kfac import layout as layout_lib
 from kfac_jax_dist.kfac.state import find_states
@@ -123,21 +124,29 @@ def test_whole_pass_statistics_skip_equals_single_device(fraction):
   _assert_same(trajectory, reference)
 
 
-@pytest.mark.parametrize("num_devices,problem,method,fraction", [
-    (4, helpers.conv_dense_problem, "eigen", 1.0),       # three owners share a row
-    (8, helpers.funnel_problem, "eigen", 1.0),           # shared rows and two idle devices
-    pytest.param(8, helpers.funnel_problem, "inverse", 1.0, marks=pytest.mark.slow),
-    (8, helpers.funnel_problem, "eigen", 1 / 2)],        # HYBRID, two groups of four
-    ids=["comm_opt-4", "comm_opt-8", "comm_opt-8-inverse", "hybrid-8"])
-def test_rows_shared_by_owners_equal_single_device(num_devices, problem, method, fraction):
-  """Each device's second-order array keeps several owners' segments in one
-  row of `L₂` where they fit (`Layout.second_slots`): COMM-OPT's replicated
-  array, and in HYBRID each group's, one slot per rank for every group (the
-  longest of the groups' segments of that rank, `Layout.second_capacity`).
-  The gather writes them there, the preconditioning reads them there, each
-  owner takes its previous segment back from its slot (kept on a failed
+@pytest.mark.parametrize("num_devices,problem,method,fraction,narrow", [
+    (4, helpers.conv_dense_problem, "eigen", 1.0, False),   # three owners
+    (8, helpers.funnel_problem, "eigen", 1.0, False),       # and two idle devices
+    (8, helpers.funnel_problem, "eigen", 1.0, True),
+    pytest.param(8, helpers.funnel_problem, "inverse", 1.0, False, marks=pytest.mark.slow),
+    (8, helpers.funnel_problem, "eigen", 1 / 2, False),     # HYBRID, two groups of four
+    (8, helpers.funnel_problem, "eigen", 1 / 2, True)],
+    ids=["comm_opt-4", "comm_opt-8", "comm_opt-8-narrow", "comm_opt-8-inverse", "hybrid-8",
+         "hybrid-8-narrow"])
+def test_rows_shared_by_owners_equal_single_device(monkeypatch, num_devices, problem,
+                                                   method, fraction, narrow):
+  """Each device's second-order array keeps its owners' segments one after
+  another in one row (`Layout.second_slots`): COMM-OPT's replicated array,
+  and in HYBRID each group's, one slot per rank for every group (the longest
+  of the groups' segments of that rank, `Layout.second_capacity`). `narrow`:
+  rows of `1.5·L₂`, as an array past int32 numbers is cut (`layout.row_width`),
+  so that segments lie in several rows, first fit by decreasing size. The
+  gather writes them there, the preconditioning reads them there, each owner
+  takes its previous segment back from its slot (kept on a failed
   decomposition), and the steps equal one device's. The array is smaller
   than `m·L₂`."""
+  if narrow:
+    monkeypatch.setattr(layout_lib, "row_width", lambda sizes, longest: longest * 3 // 2)
   reference, _ = _single_device(method, problem=problem)
   trajectory, state, _ = _distributed(num_devices, fraction, "reduce_scatter",
                                       "reduce_scatter", method=method, problem=problem)
@@ -145,6 +154,7 @@ def test_rows_shared_by_owners_equal_single_device(num_devices, problem, method,
   kfac = find_states(state)[0]
   lay = kfac.layout
   assert lay.rows_shared and any(column for _, column in lay.second_slots)
+  assert (lay.second_rows > 1) == narrow
   copies = 1 if lay.num_groups == 1 else num_devices
   assert kfac.second_order.shape == (copies * lay.second_array,)
   assert lay.second_array < lay.group_size * lay.second_segment
@@ -196,6 +206,20 @@ def test_pack_rows_places_every_segment_in_a_row(seed):
   else:
     assert rows <= 11 / 9 * _fewest_rows(sizes, row) + 6 / 9, (sizes, slots)
 
+
+
+def test_row_width_is_one_row_within_int32():
+  """`layout.row_width`: every segment in one row while their numbers fit
+  int32 indices; past that, rows of as many whole longest segments as do
+  (GPT-2-XL's replicated COMM-OPT array at P = 1024: 5·10⁹ numbers)."""
+  assert layout_lib.row_width([3, 5, 0], 5) == 8
+  assert layout_lib.row_width([0, 0], 0) == 1
+  big = 2 ** 30
+  assert layout_lib.row_width([big - 1, big - 1], big - 1) == 2 * big - 2   # fits int32
+  assert layout_lib.row_width([big, big], big) == big                       # 2³¹ does not
+  longest = 6_553_600
+  width = layout_lib.row_width([longest] * 1024, longest)
+  assert width % longest == 0 and width <= offsets.INT32_MAX < width + longest
 
 def _longer_chunks(sizes):
   """`uneven.matched` at the second chunk candidate (longer than ⌈Σu/P⌉)."""

@@ -280,28 +280,31 @@ def test_describe_prints_words_not_abbreviations(fraction):
 
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
 def test_describe_gives_the_second_order_padding(fraction):
-  """COMM-OPT: the replicated array holds every owner's segment in rows of
-  the longest; describe gives the rows, that length and the numbers the
-  owners use, which for eigendecompositions of full factors are Σ d² + d
-  over the factors (a split factor's column pieces hold its d columns once).
-  HYBRID (two groups of four): each device's array holds its group's
-  segments, three rows for four owners here; the numbers used are the
-  busiest group's."""
+  """COMM-OPT: the replicated array holds every owner's segment one after
+  another in one row; describe gives the numbers the owners use, which for
+  eigendecompositions of full factors are Σ d² + d over the factors (a split
+  factor's column pieces hold its d columns once), and the array is exactly
+  those. HYBRID (two groups of four): each device's array holds one slot per
+  rank, each as long as the groups' longest segment of that rank; the
+  numbers used are the busiest group's."""
   loss_fn, params, x, y = helpers.conv_dense_problem()
   layers = kd.value_and_grad(loss_fn).discover(params, x, y)
   dist = kd.Distribution(helpers.data_mesh(8), grad_worker_fraction=fraction)
   state = kd.kfac(0.1, layers=layers, distribution=dist).init(params)
   text = kd.describe(state, print_table=False)
-  found = re.search(r"packed into (\d+) rows of the longest, ([\d,]+): ([\d.]+)x the "
-                    r"([\d,]+) they use", text)
+  m = round(8 * fraction)
+  found = re.search(rf"Second-order state \(eigenbases and eigenvalues\): ([\d,]+) numbers "
+                    rf"per device \(the segments of its group's {m} owners: ([\d.]+)x the "
+                    r"([\d,]+) they use\)", text)
   assert found, text
-  rows, longest, ratio, used = (float(g.replace(",", "")) for g in found.groups())
-  lay, m = kd.find_states(state)[0].layout, round(8 * fraction)
+  array, ratio, used = (float(g.replace(",", "")) for g in found.groups())
+  lay = kd.find_states(state)[0].layout
   # the global array: one copy (COMM-OPT) or each device's part (sharded)
-  array = kd.find_states(state)[0].second_order.shape[0] // (1 if m == 8 else 8)
-  assert array == rows * longest and ratio == pytest.approx(array / used, abs=0.005)
+  assert kd.find_states(state)[0].second_order.shape[0] // (1 if m == 8 else 8) == array
+  assert array == lay.second_array and ratio == pytest.approx(array / used, abs=0.005)
   if m < 8:
-    assert rows < m and used == max(sum(lay.second_sizes[g * m:(g + 1) * m]) for g in (0, 1))
+    assert used == max(sum(lay.second_sizes[g * m:(g + 1) * m]) for g in (0, 1))
+    assert array == sum(lay.second_capacity) < m * lay.second_segment
     return
   assert used == sum(d * d + d for layer in layers for d in (layer.a_dim, layer.g_dim))
-  assert used <= array < used + longest       # at most a row's worth of padding here
+  assert array == used

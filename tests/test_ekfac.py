@@ -672,9 +672,10 @@ def test_checkpoint_round_trip(tmp_path):
 
 def test_checkpoint_layout_before_shared_rows_converts():
   """MEM-OPT: the gathered eigenbases of a checkpoint saved before they
-  shared rows are `[P·L₂]` (`checkpoint._one_segment_per_row`, the layout
-  `restore_checkpoint` restores such a checkpoint in); `convert_state` moves
-  them into today's rows and back bit for bit."""
+  shared rows are `[P·L₂]`, and before rows were wide, rows of `L₂`
+  (`checkpoint._saved_packing`, the layouts `restore_checkpoint` restores
+  such checkpoints in); `convert_state` moves them into today's wide rows and
+  back bit for bit."""
   from kfac_jax_dist.tools import checkpoint  # pylint: disable=import-outside-toplevel
   loss_fn, params, x, y = _problem("conv")
   layers = kd.value_and_grad(loss_fn).discover(params, x, y)
@@ -682,12 +683,15 @@ def test_checkpoint_layout_before_shared_rows_converts():
   state = kd.kfac(0.1, layers=layers, distribution=dist, eigenvalue_correction="ekfac",
                   factor_dtype=jnp.float64).init(params)
   lay = find_states(state)[0].layout
-  assert lay.owner_array < 8 * lay.second_segment
-  old = kd.convert_state(state, checkpoint._one_segment_per_row(state))
-  assert find_states(old)[0].correction.bases.shape == (8 * lay.second_segment,)
-  back = kd.convert_state(old, state)
-  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(state)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert lay.owner_array == sum(lay.read_sizes)
+  padded = checkpoint._saved_packing(state, {})
+  rows = checkpoint._saved_packing(state, {checkpoint.SHARED_ROWS: True})
+  assert find_states(padded)[0].correction.bases.shape == (8 * lay.second_segment,)
+  assert lay.owner_array < find_states(rows)[0].layout.owner_array < 8 * lay.second_segment
+  for template in (padded, rows):
+    back = kd.convert_state(kd.convert_state(state, template), state)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(state)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 class _SequenceConv(nn.Module):

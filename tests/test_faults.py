@@ -16,6 +16,7 @@ import pytest
 import kfac_jax_dist as kd
 
 import helpers
+from kfac_jax_dist.kfac import layout as layout_lib
 from kfac_jax_dist.kfac.state import find_states
 from kfac_jax_dist.kfac.state import second_order_parts
 
@@ -393,18 +394,26 @@ def test_one_device_fault_skips_on_all_devices(fraction, gradient_reduction):
   assert_bitwise(_without_skipped(s), clean_s, "state")
 
 
-@pytest.mark.parametrize("fraction,gradient_reduction", [
-    FRACTIONS[0], pytest.param(1 / 8, "none", id="MEM-OPT-none"),
-    pytest.param(1.0, "all_reduce", id="COMM-OPT-all_reduce"),
-    pytest.param(1 / 2, "reduce_scatter", id="HYBRID-rows-shared")])
-def test_failed_decomposition_on_its_owner_keeps_previous(fraction, gradient_reduction):
+@pytest.mark.parametrize("fraction,gradient_reduction,narrow", [
+    pytest.param(1 / 4, "reduce_scatter", False, id="HYBRID-reduce_scatter"),
+    pytest.param(1 / 8, "none", False, id="MEM-OPT-none"),
+    pytest.param(1.0, "all_reduce", False, id="COMM-OPT-all_reduce"),
+    pytest.param(1 / 2, "reduce_scatter", False, id="HYBRID-rows-shared"),
+    pytest.param(1 / 2, "reduce_scatter", True, id="HYBRID-narrow-rows")])
+def test_failed_decomposition_on_its_owner_keeps_previous(monkeypatch, fraction,
+                                                          gradient_reduction, narrow):
   """A non-finite running factor keeps its previous second-order state on
   its owner, every other factor updates. MEM-OPT's devices own two factors
   each, in branches of different layouts: reading another branch's slot
-  table fails it. COMM-OPT's owners share rows of the replicated array
-  (four rows for eight owners), and HYBRID's groups of four theirs (three
-  rows): an owner reads its previous segment back from its slot's column."""
-  _, mesh, state0, step = _distributed_step(fraction, gradient_reduction)
+  table fails it. COMM-OPT's owners share the replicated array's row, and
+  HYBRID's groups of four theirs: an owner reads its previous segment back
+  from its slot's column; `narrow`: and from its row, in rows of `1.5·L₂`
+  (`layout.row_width` past int32)."""
+  build = _distributed_step
+  if narrow:                                   # a layout of its own, not the cached one
+    monkeypatch.setattr(layout_lib, "row_width", lambda sizes, longest: longest * 3 // 2)
+    build = _distributed_step.__wrapped__
+  _, mesh, state0, step = build(fraction, gradient_reduction)
   params = _params()
   p, s, _ = step(params, state0, *_batch(0), -1, -1)
   p, s, _ = step(p, s, *_batch(1), -1, -1)           # count 2 is an inverse step
@@ -412,6 +421,7 @@ def test_failed_decomposition_on_its_owner_keeps_previous(fraction, gradient_red
   lay = find_states(s)[0].layout
   assert len({pl.owner for plan in lay.plans for _, pl in plan.places}) > 1
   assert fraction not in (1.0, 1 / 2) or any(column for _, column in lay.second_slots)
+  assert (lay.second_rows > 1) == narrow
   # Every factor in turn, so every decomposition branch's slot tables are read
   # (`decompositions._slot_tables`: `keep_failed` runs after the switch).
   assert len(set(lay.decomposition_branches)) > 1

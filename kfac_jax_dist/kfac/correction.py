@@ -69,7 +69,7 @@ class CorrectionState:
       `v_A v_Gᵀ` of eigenbases that no factor step has measured yet (the next
       `S` replaces it).
     bases: with several owner groups (MEM-OPT, HYBRID-OPT), every owner's
-      second-order segment in rows of `L₂` (`Layout.owner_slots`), gathered on
+      second-order segment in rows (`Layout.owner_slots`), gathered on
       decomposition steps so that every device can project its examples;
       None with one group, whose second-order array is already that.
   """
@@ -113,7 +113,7 @@ def gather_owners(comm: collectives_lib.Collectives, lay: layout_lib.Layout,
     return None
   return comm.gather_uneven(packing.own_second_segment(comm, lay, second),
                             lay.read_sizes).in_rows(layout_lib.slot_rows(lay.owner_slots),
-                                                    lay.second_segment)
+                                                    lay.owner_row)
 
 
 def _runs(plans: list[layout_lib.LayerPlan]) -> list[list[layout_lib.LayerPlan]]:
@@ -136,7 +136,7 @@ def _run_parts(lay: layout_lib.Layout, second: jax.Array,
   parts = packing.run_parts(lambda q: lay.owner_base(q.owner),
                             tuple(getattr(plan, which) for plan in run))
   matrices, vectors = packing.read_run(second, [p for p in parts if p.offset == part],
-                                       lay.second_segment)
+                                       lay.owner_row)
   return vectors if matrices is None else matrices
 
 

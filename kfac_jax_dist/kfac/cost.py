@@ -26,7 +26,7 @@ the model `benchmarks/comm_volume.py` checks against the compiled HLO.
 
 State per device: the running factors (`C` or `L` numbers) and the
 second-order state (`Layout.second_array`: a group's devices each hold the
-whole group's segments, packed in rows of `L₂`; with one group, every owner's).
+whole group's segments one after another; with one group, every owner's).
 
 `kfac_step_bytes` and `kfac_state_bytes` price a whole `KfacConfig`: its
 dtypes, and stale statistics' and EK-FAC's own state and collectives (see
@@ -191,7 +191,7 @@ def state_bytes(lay: layout_lib.Layout, factor_bytes: int = 4, second_bytes: int
                 ) -> int:
   """K-FAC's state per device: running factors (`C` or `L` numbers of
   `factor_bytes`) and second-order state (`Layout.second_array`: the group's
-  segments, with one group every owner's, in rows of `L₂`, of `second_bytes`)."""
+  segments, with one group every owner's, one after another, of `second_bytes`)."""
   return lay.factor_shard * factor_bytes + lay.second_array * second_bytes
 
 

@@ -407,11 +407,11 @@ def distribute_second(comm: collectives_lib.Collectives, layout: layout_lib.Layo
     return local
   if layout.num_groups == 1:    # every device gets every segment
     return comm.gather_uneven(local, layout.second_sizes).in_rows(
-        layout.second_row_members(), layout.second_segment)
+        layout.second_row_members(), layout.second_row)
   if layout.group_size == 1:
     return local
   return comm.gather_group_uneven(local, layout.second_capacity).in_rows(
-      layout.second_row_members(), layout.second_segment)
+      layout.second_row_members(), layout.second_row)
 
 
 def decompose(config: KfacConfig, comm: collectives_lib.Collectives,

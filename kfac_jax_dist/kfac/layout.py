@@ -27,9 +27,10 @@ memory nor communication pays for padding matrices:
 * second-order state: segment `[L₂]` per owner with, per factor, a matrix part
   (eigenbasis or inverse, `d²`) and a vector part (eigenvalues, or a diagonal
   inverse, `d`). After a decomposition the owner group all-gathers its
-  segments, and each device holds its group's segments packed into rows of
-  `L₂` where several fit (`Layout.second_slots`), not `m·L₂` (at pod scale
-  most owners hold far less than the longest); with one group, every owner's.
+  segments, and each device holds its group's segments one after another
+  (`Layout.second_slots`: one row, or rows as wide as int32 indices allow),
+  not `m·L₂` (at pod scale most owners hold far less than the longest); with
+  one group, every owner's.
 
 Within a segment, factors of the same form and dimension are contiguous: each
 such run is one batched `eigh`/`cholesky` ("bucket"). The only padding is at
@@ -76,6 +77,11 @@ from kfac_jax_dist.core import owners
 
 CHUNKED = "chunked"
 OWNER = "owner"
+# How second-order segments are packed into rows (`Layout.second_packing`):
+# rows as wide as int32 indices allow (one row unless the array passes int32
+# numbers); rows of `L₂` (checkpoints saved before rows were wide); one
+# segment per row of `L₂` (checkpoints saved before rows were shared).
+WIDE_ROWS, SEGMENT_ROWS, PADDED_ROWS = "wide", "segment", "padded"
 # Fewest devices that share a branch of the all-reduce's copy (`copy_branches`).
 SHARED_COPY_MIN = 8
 
@@ -167,9 +173,9 @@ class Layout:
   uncaptured: tuple[tuple[str, str, str], ...] = ()
   # why `Distribution.auto` chose this strategy (its `explanation`), in words
   strategy_choice: tuple[str, ...] = dataclasses.field(default=(), compare=False)
-  # second-order segments packed several to a row where they fit; False: one
-  # per row, as checkpoints saved before the rows were shared hold them
-  shared_rows: bool = True
+  # the rows second-order segments are packed into (WIDE_ROWS; the others
+  # are the layouts of older checkpoints, restored and then converted)
+  second_packing: str = WIDE_ROWS
 
   @property
   def owner_bases(self) -> tuple[int, ...]:
@@ -225,7 +231,7 @@ class Layout:
   def second_base(self, owner: int) -> int:
     """Start of `owner`'s segment in its group's second-order array (its slot)."""
     row, column = self.second_slots[owner]
-    return row * self.second_segment + column
+    return row * self.second_row + column
 
   @functools.cached_property
   def second_capacity(self) -> tuple[int, ...]:
@@ -237,22 +243,35 @@ class Layout:
     return tuple(max(sizes[g * m + r] for g in range(self.num_groups)) for r in range(m))
 
   @functools.cached_property
+  def second_row(self) -> int:
+    """Numbers in a row of the second-order array (`row_width` of the slots)."""
+    return self._row_width(self.second_capacity)
+
+  def _row_width(self, sizes: Sequence[int]) -> int:
+    """`row_width` of `sizes`; `L₂` for one segment (one device's own, as
+    its decompositions write it) and in the older packings."""
+    if self.second_packing == WIDE_ROWS and len(sizes) > 1:
+      return row_width(sizes, self.second_segment)
+    return self.second_segment
+
+  @functools.cached_property
   def second_slots(self) -> tuple[tuple[int, int], ...]:
     """Each device's (row, column) in its group's second-order array, a
-    `[second_rows, L₂]` view: the slots of its rank (`second_capacity`)
-    packed into rows (`pack_rows`), so that the array is not `m·L₂` where
-    owners hold little or nothing (ResNet-50 COMM-OPT at P = 1024: 786 idle
-    devices, `L₂` 35× the mean; HYBRID at P = 256, 128 per group: the same)."""
+    `[second_rows, second_row]` view: the slots of its rank
+    (`second_capacity`) packed into rows (`pack_rows`), so that the array
+    holds the segments' numbers, not `m·L₂` where owners hold little or
+    nothing (ResNet-50 COMM-OPT at P = 1024: 786 idle devices, `L₂` 35× the
+    mean; GPT-2-XL's there: 1.31× its numbers in rows of `L₂`)."""
     if self.num_groups == 1:          # every owner's segment: the same packing
       return self.owner_slots
-    if not self.shared_rows:
+    if self.second_packing == PADDED_ROWS:
       return tuple((d % self.group_size, 0) for d in range(self.num_devices))
-    by_rank = pack_rows(self.second_capacity, self.second_segment)
+    by_rank = pack_rows(self.second_capacity, self.second_row)
     return tuple(by_rank[d % self.group_size] for d in range(self.num_devices))
 
   @property
   def second_rows(self) -> int:
-    """Rows of `L₂` numbers in a device's second-order array."""
+    """Rows of `second_row` numbers in a device's second-order array."""
     return 1 + max(row for row, _ in self.second_slots)
 
   @property
@@ -262,8 +281,8 @@ class Layout:
 
   @property
   def second_array(self) -> int:
-    """Second-order numbers per device: `second_rows · L₂`."""
-    return self.second_rows * self.second_segment
+    """Second-order numbers per device: `second_rows · second_row`."""
+    return self.second_rows * self.second_row
 
   def second_row_members(self) -> list[list[int]]:
     """The ranks in the group (with one group, the devices) whose segments
@@ -286,22 +305,27 @@ class Layout:
   @functools.cached_property
   def owner_slots(self) -> tuple[tuple[int, int], ...]:
     """Each owner's (row, column) in an array of every owner's segment read
-    (`read_sizes`) in rows of `L₂` (`pack_rows`): COMM-OPT's second-order
-    state (there `second_slots`) and, with several groups, EK-FAC's gathered
-    eigenbases."""
-    if self.num_devices == 1 or not self.shared_rows:
+    (`read_sizes`) in rows of `owner_row` (`pack_rows`): COMM-OPT's
+    second-order state (there `second_slots`) and, with several groups,
+    EK-FAC's gathered eigenbases."""
+    if self.num_devices == 1 or self.second_packing == PADDED_ROWS:
       return tuple((d, 0) for d in range(self.num_devices))
-    return pack_rows(self.read_sizes, self.second_segment)
+    return pack_rows(self.read_sizes, self.owner_row)
+
+  @functools.cached_property
+  def owner_row(self) -> int:
+    """Numbers in a row of the array of every owner's segment."""
+    return self._row_width(self.read_sizes)
 
   def owner_base(self, owner: int) -> int:
     """Start of `owner`'s segment in the array of every owner's (`owner_slots`)."""
     row, column = self.owner_slots[owner]
-    return row * self.second_segment + column
+    return row * self.owner_row + column
 
   @property
   def owner_array(self) -> int:
-    """Numbers of the array of every owner's segment, in rows of `L₂`."""
-    return (1 + max(row for row, _ in self.owner_slots)) * self.second_segment
+    """Numbers of the array of every owner's segment, in rows of `owner_row`."""
+    return (1 + max(row for row, _ in self.owner_slots)) * self.owner_row
 
   @functools.cached_property
   def decomposition_branches(self) -> tuple[int, ...]:
@@ -444,6 +468,28 @@ def slot_rows(slots: Sequence[tuple[int, int]]) -> list[list[int]]:
   for i in sorted(range(len(slots)), key=lambda i: slots[i][::-1]):
     rows[slots[i][0]].append(i)
   return rows
+
+
+def row_width(sizes: Sequence[int], longest: int) -> int:
+  """Width of the rows the segments of `sizes` (each at most `longest`) are
+  packed into (`pack_rows`): one row of all of them where their numbers fit
+  int32 indices; past that, the width within int32 whose packing holds the
+  fewest numbers, of a few multiples of `longest` and even shares of the
+  total (a row's index and a column in it then stay within int32:
+  `offsets.segment_at`, `packing.read_at`). GPT-2-XL's replicated COMM-OPT
+  array at P = 1024, 5.2·10⁹ numbers: 3 rows, 1.004× its numbers."""
+  total = max(sum(sizes), longest, 1)
+  if total <= offsets.INT32_MAX:
+    return total
+  fewest = -(-total // offsets.INT32_MAX)
+  widths = {k * longest for k in range(1, 9)} | {
+      -(-total * (256 + j) // (256 * n)) for n in range(fewest, fewest + 4) for j in range(33)}
+
+  def held(width: int) -> tuple[int, int]:
+    rows = 1 + max(row for row, _ in pack_rows(sizes, width))
+    return rows * width, rows
+  return min(sorted(w for w in widths if longest <= w <= offsets.INT32_MAX), key=held,
+             default=longest)
 
 
 def pack_rows(sizes: Sequence[int], row: int) -> tuple[tuple[int, int], ...]:

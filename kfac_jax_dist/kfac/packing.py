@@ -376,13 +376,13 @@ def _second_order_pieces(lay: layout_lib.Layout, owner: int) -> list[tuple]:
   return pieces
 
 
-def initial_second_order(lay: layout_lib.Layout, rows: list[list[tuple[int, int]]], dtype,
-                         per_device: int | None) -> jax.Array:
-  """Traced: rows of `L₂` numbers, each holding the `second_order_segment`s
-  of its (owner, column)s (`state.second_order_rows`), `[len(rows) · L₂]`,
-  built elementwise (`core.initial`; `per_device`: rows per device once
-  sharded, None when replicated)."""
-  length, mine = lay.second_segment, {}
+def initial_second_order(lay: layout_lib.Layout, rows: list[list[tuple[int, int]]],
+                         length: int, dtype, per_device: int | None) -> jax.Array:
+  """Traced: rows of `length` numbers, each holding the
+  `second_order_segment`s of its (owner, column)s (`state.second_order_rows`),
+  `[len(rows) · length]`, built elementwise (`core.initial`; `per_device`:
+  rows per device once sharded, None when replicated)."""
+  mine = {}
   for row in rows:
     for owner, column in row:
       if (owner, column) not in mine:
@@ -402,9 +402,10 @@ def own_second_segment(comm: collectives.Collectives, lay: layout_lib.Layout,
   if comm.num_devices == 1:
     return second[:size]
   rows, columns = zip(*lay.second_slots)
-  row = offsets.segment_at(second, size, comm.device_table(rows))
+  row = (second if lay.second_rows == 1 else
+         offsets.segment_at(second, lay.second_row, comm.device_table(rows)))
   if not any(columns):
-    return row
+    return row[:size]
   return lax.dynamic_slice_in_dim(jnp.pad(row, (0, size)), comm.device_table(columns), size)
 
 

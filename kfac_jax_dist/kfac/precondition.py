@@ -241,12 +241,12 @@ def _precondition_run(config: KfacConfig, layout: layout_lib.Layout, second: jax
   sliced = all(packing.stride_of(p.starts, math.prod(p.shape)) is not None
                for ps in parts.values() for p in ps)
   if k <= c or sliced:
-    read = lambda w: packing.read_run(second, parts[w], layout.second_segment)
+    read = lambda w: packing.read_run(second, parts[w], layout.second_row)
     v = _solved(config, run[0], grads, read, gamma, stacked)
     return _run_results(config, run, v, grads, kl_weight)
   # Chunks of c layers, the last one padded with the run's last layer.
   order = np.minimum(np.arange(-(-k // c) * c), k - 1).reshape(-1, c)
-  row = layout.second_segment
+  row = layout.second_row
   tables = {w: [jnp.asarray(packing.start_table(p.starts, row)[order]) for p in ps]
             for w, ps in parts.items()}
 

@@ -44,9 +44,9 @@ class ScaleByKfacState(states.PreconditionerState):
     factors: running factors, `[P·C]` (tight chunks) or `[P·L]` (owner
       segments), see `layout`; device i holds the i-th part.
     second_order: eigenbases and eigenvalues ("eigen") or damped inverses
-      ("inverse"): per device its group's `m` segments in rows,
-      `[second_rows·L₂]`, sharded; with one group every owner's, replicated
-      (see `layout`).
+      ("inverse"): per device its group's `m` segments one after another
+      (`[second_rows·second_row]`), sharded; with one group every owner's,
+      replicated (see `layout`).
     skipped: number of updates skipped for a non-finite gradient, statistic
       or produced update (not counted in `count`).
     layout: static placement of every layer's factors.
@@ -123,10 +123,11 @@ def find_states(tree: Any, kind: type[states.S] = ScaleByKfacState) -> list[stat
 
 
 def second_order_rows(lay: layout_lib.Layout) -> list[list[tuple[int, int]]]:
-  """The global second-order array as rows of `L₂` numbers: per row, the
-  (owner, column) of each segment it holds (`Layout.second_slots`). One
-  owner group: the replicated array's rows; several: device after device,
-  its group's rows (`[P·rows·L₂]`, sharded)."""
+  """The global second-order array as rows of `Layout.second_row` numbers:
+  per row, the (owner, column) of each segment it holds
+  (`Layout.second_slots`). One owner group: the replicated array's rows;
+  several: device after device, its group's rows (`[P·second_array]`,
+  sharded)."""
   m, members = lay.group_size, lay.second_row_members()
   firsts = [0] if lay.num_groups == 1 else [d // m * m for d in range(lay.num_devices)]
   return [[(first + rank, lay.second_slots[rank][1]) for rank in row]
@@ -141,18 +142,21 @@ def owner_rows(lay: layout_lib.Layout) -> list[list[tuple[int, int]]]:
 
 
 def global_second_order(lay: layout_lib.Layout, segments: Sequence[Any], xp=jnp,
-                        rows: list[list[tuple[int, int]]] | None = None) -> Any:
-  """The global second-order array from each owner's `[L₂]` segment, in
-  `rows` (default `second_order_rows`: each row its owners' used numbers at
-  their columns, zeros elsewhere)."""
+                        owners: bool = False) -> Any:
+  """The global second-order array from each owner's `[L₂]` segment, in the
+  rows of `second_order_rows` (`owners`: of `owner_rows`, EK-FAC's gathered
+  eigenbases): each row its owners' used numbers at their columns, zeros
+  elsewhere."""
   pieces, dtype = [], segments[0].dtype
-  for row in second_order_rows(lay) if rows is None else rows:
+  rows, width = ((owner_rows(lay), lay.owner_row) if owners else
+                 (second_order_rows(lay), lay.second_row))
+  for row in rows:
     at = 0
     for owner, column in row:
       used = segments[owner][:lay.second_sizes[owner]]
       pieces += [xp.zeros(column - at, dtype), used]
       at = column + used.shape[0]
-    pieces.append(xp.zeros(lay.second_segment - at, dtype))
+    pieces.append(xp.zeros(width - at, dtype))
   return xp.concatenate(pieces)
 
 

@@ -144,8 +144,8 @@ def initial_arrays(config: KfacConfig, lay: layout_lib.Layout, xp: Any
   dtype, compute = config.factor_dtype, config.compute_dtype
   if xp is jnp:
     return (packing.initial_factors(lay, dtype),
-            packing.initial_second_order(lay, second_order_rows(lay), compute, None
-                                         if lay.num_groups == 1 else lay.second_rows))
+            packing.initial_second_order(lay, second_order_rows(lay), lay.second_row, compute,
+                                         None if lay.num_groups == 1 else lay.second_rows))
   running = packing.all_segments(
       lay, lambda plan, which: packing.stored_identity(getattr(plan, which), dtype,
                                                        lay.packed, np),
@@ -164,10 +164,11 @@ def initial_correction(lay: layout_lib.Layout, second: Any, xp: Any
   if lay.num_groups == 1:
     owners = second
   elif xp is jnp:
-    owners = packing.initial_second_order(lay, owner_rows(lay), second.dtype, None)
+    owners = packing.initial_second_order(lay, owner_rows(lay), lay.owner_row, second.dtype,
+                                          None)
   else:
     owners = global_second_order(lay, [packing.second_order_segment(lay, d, second.dtype, np)
-                                       for d in range(lay.num_devices)], np, owner_rows(lay))
+                                       for d in range(lay.num_devices)], np, owners=True)
   return correction_lib.reset(lay, jnp.asarray(owners),
                               None if lay.num_groups == 1 else jnp.asarray(owners))
 

@@ -50,7 +50,9 @@ from kfac_jax_dist.shampoo import state as shampoo_state
 
 _STATE, _META = "state", "kfac_layout"
 # in the metadata of checkpoints whose second-order segments may share rows
+# (of `L₂`), and of those whose rows are wide (`layout.WIDE_ROWS`)
 SHARED_ROWS = "second_order_rows_shared"
+WIDE_ROWS = "second_order_rows_wide"
 
 
 def _is_kfac(x) -> bool:
@@ -95,21 +97,23 @@ def layout_metadata(lay: layout_lib.Layout) -> dict[str, Any]:
           "method": lay.method, "segment": lay.segment,
           "second_segment": lay.second_segment, "factors": factors,
           # several segments to a row (a layout without these is one
-          # segment per row, as every checkpoint before them)
+          # segment per row, as every checkpoint before them), and how wide
           **({"second_slots": [list(s) for s in lay.second_slots]}
-             if lay.rows_shared else {})}
+             if lay.rows_shared else {}),
+          **({"second_row": lay.second_row}
+             if lay.rows_shared and lay.second_packing == layout_lib.WIDE_ROWS else {})}
 
 
 def checkpoint_metadata(tree: Any) -> dict[str, Any]:
   """`layout_metadata` of every K-FAC state in `tree`, and
   `shampoo_layout_metadata` of every Shampoo state, in tree order; and
-  `SHARED_ROWS`, which tells `restore_checkpoint` that K-FAC layouts may
-  pack second-order segments several to a row (`Layout.shared_rows`)."""
+  `SHARED_ROWS` and `WIDE_ROWS`, which tell `restore_checkpoint` how K-FAC
+  layouts pack second-order segments (`Layout.second_packing`)."""
   shampoo_states = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_shampoo)
                     if _is_shampoo(x)]
   return {"kfac_states": [layout_metadata(s.layout) for s in kfac_lib.find_states(tree)],
           "shampoo_states": [shampoo_layout_metadata(s.layout) for s in shampoo_states],
-          SHARED_ROWS: True}
+          SHARED_ROWS: True, WIDE_ROWS: True}
 
 
 def _checkpointer():
@@ -170,8 +174,8 @@ def restore_checkpoint(directory: str | os.PathLike, template: Any, *,
   path = os.path.abspath(directory)
   _check_readable(path)
   saved = checkpointer.restore(path, ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))
-  # saved before segments shared rows: restored in that layout, then moved
-  target = template if saved[_META].get(SHARED_ROWS) else _one_segment_per_row(template)
+  # saved before rows were wide or shared: restored in that layout, then moved
+  target = _saved_packing(template, saved[_META])
   _check_compatible(saved[_META], checkpoint_metadata(target))
   _check_dtypes(saved[_META], target)
   _check_mesh(template, mesh)
@@ -183,15 +187,21 @@ def restore_checkpoint(directory: str | os.PathLike, template: Any, *,
                                 convert_state(restored, template), _abstract(template, mesh))
 
 
-def _one_segment_per_row(template: Any) -> Any:
-  """`template` with every K-FAC state in the layout of checkpoints saved
-  before second-order segments shared rows (`Layout.shared_rows` False: one
-  per row of `L₂`, `[m·L₂]` per device, EK-FAC's gathered eigenbases
+def _saved_packing(template: Any, meta: dict) -> Any:
+  """`template` with every K-FAC state in the packing of second-order
+  segments of the checkpoint whose metadata is `meta`: before rows were wide
+  (`layout.SEGMENT_ROWS`: rows of `L₂`) or before segments shared rows
+  (`layout.PADDED_ROWS`: `[m·L₂]` per device, EK-FAC's gathered eigenbases
   `[P·L₂]`), its arrays abstract; `template` itself where no layout differs."""
+  if meta.get(WIDE_ROWS):
+    return template
+  packing_then = layout_lib.SEGMENT_ROWS if meta.get(SHARED_ROWS) else layout_lib.PADDED_ROWS
+
   def legacy(state: kfac_lib.ScaleByKfacState) -> kfac_lib.ScaleByKfacState:
-    lay = dataclasses.replace(state.layout, shared_rows=False)
-    if (lay.second_slots, lay.owner_slots) == (state.layout.second_slots,
-                                               state.layout.owner_slots):
+    lay, current = dataclasses.replace(state.layout, second_packing=packing_then), state.layout
+    if (lay.second_slots, lay.owner_slots, lay.second_array, lay.owner_array) == (
+        current.second_slots, current.owner_slots, current.second_array,
+        current.owner_array):
       return state
 
     def resized(x: Any, now: int, then: int) -> jax.ShapeDtypeStruct:
@@ -404,8 +414,7 @@ def _convert_correction(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfa
                   new.correction.scaling.dtype),
       jnp.asarray([fresh[name] for name in names], bool).reshape(len(names)),
       None if new.correction.bases is None else jnp.asarray(
-          kfac_lib.global_second_order(new.layout, segments, np,
-                                       kfac_lib.owner_rows(new.layout)),
+          kfac_lib.global_second_order(new.layout, segments, np, owners=True),
           new.correction.bases.dtype))
 
 

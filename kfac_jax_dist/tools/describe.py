@@ -125,16 +125,16 @@ def _summary(state: ScaleByKfacState) -> list[str]:
 
 def _segments(lay: layout_lib.Layout) -> str:
   """What a device's second-order array holds when its group has several
-  owners: their segments packed into rows of the longest (`L₂`), several to
-  a row where they fit (with several groups, one slot per rank, the longest
-  of the groups' segments of that rank); and how much more than the owners
+  owners: their segments one after another (with several groups, one slot
+  per rank, the longest of the groups' segments of that rank), in one row
+  or rows as wide as int32 indices allow; and how much more than the owners
   use that is (the largest group's)."""
   m = lay.group_size
   if m == 1:
     return ""
   used = max(sum(lay.second_sizes[g * m:(g + 1) * m]) for g in range(lay.num_groups))
-  return (f" (the segments of its group's {m} owners, packed into {lay.second_rows} rows "
-          f"of the longest, {lay.second_segment:,}: "
+  rows = "" if lay.second_rows == 1 else f" in {lay.second_rows} rows of {lay.second_row:,}"
+  return (f" (the segments of its group's {m} owners{rows}: "
           f"{lay.second_array / max(used, 1):.2f}x the {used:,} they use)")
 
 
