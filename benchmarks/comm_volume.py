@@ -516,7 +516,7 @@ def sections(rows, title: str = "") -> list[str]:
       elif lay["m"] > 1:
         u = uneven(lay["second_capacity"], lay["m"], "eigen", gather=True, psum=False)
         second = (f"in groups, uneven: {u['text']}; {u['bytes'] / u['ideal']:.3f}x "
-                  f"(m-1)/m·Σ slots; held in rows: {lay['second_array']} / "
+                  f"(m-1)/m·Σ slots; held: {lay['second_array']} / "
                   f"{lay['second_useful'] / lay['G']:.0f}")
       else:
         second = "— (no gather)"

@@ -42,8 +42,9 @@ its placement measured:
   factors / layers (`uneven_floor`), the padded collectives of the library
   before f563242 and KAISA's all-reduce of full factors;
 * second-order memory padding: the second-order array (counted once where it
-  is replicated: COMM-OPT's rows of `L₂`, `Layout.second_array`; else P·L₂)
-  / Σ second-order numbers (d² + d per factor).
+  is replicated: COMM-OPT's segments one after another, `Layout.second_array`;
+  else P·L₂) / Σ second-order numbers (d² + d per factor); beside it, the
+  same in rows of `L₂` (the packing before 44d087a).
 
 With `--alt-layout FILE` the balance is also given for the `build` of
 another layout module with the library's signature (e.g. a prototype
@@ -217,9 +218,14 @@ def prefix_floor(items, p: int) -> float:
 
 def second_array(lay) -> int:
   """Second-order numbers of the array, counted once where it is replicated:
-  with one owner group every device holds every owner's segment in
-  `Layout.second_rows` rows of `L₂`; else the devices hold `P·L₂` between them."""
+  with one owner group every device holds every owner's segment
+  (`Layout.second_array`); else the devices hold `P·L₂` between them."""
   return lay.second_array if lay.num_groups == 1 else lay.num_devices * lay.second_segment
+
+
+def in_segment_rows(lay):
+  """`lay` with its second-order segments in rows of `L₂` (before 44d087a)."""
+  return dataclasses.replace(lay, second_packing=layout_lib.SEGMENT_ROWS)
 
 
 def hybrid_layouts(model: str, ps: list[int]):
@@ -232,12 +238,14 @@ def hybrid_layouts(model: str, ps: list[int]):
 
 
 def hybrid_memory(model: str, lay: layout_lib.Layout) -> dict:
-  """A HYBRID layout's second-order array per device, in rows and before."""
+  """A HYBRID layout's second-order array per device, now, in rows of `L₂`
+  (before 44d087a) and one segment per row (before 2c7b01d)."""
   m = lay.group_size
   busiest = max(sum(lay.second_sizes[g * m:(g + 1) * m]) for g in range(lay.num_groups))
   gather = uneven_lib.plan(lay.second_capacity, psum=False)
   return {"model": model, "P": lay.num_devices, "m": m, "rows": lay.second_rows,
-          "array": lay.second_array, "before": m * lay.second_segment,
+          "array": lay.second_array, "segment_rows": in_segment_rows(lay).second_array,
+          "before": m * lay.second_segment,
           "busiest": max(busiest, 1), "gather": max(gather.device_bytes()),
           "gather_before": (m - 1) * lay.second_segment,
           "gather_ideal": (m - 1) / m * busiest}
@@ -334,6 +342,7 @@ def metrics(lay: layout_lib.Layout, layers, spngd_lay=None) -> dict:
       "T": stored, "C": chunk, "L": lay.segment, "L2": lay.second_segment,
       "storage": lay.factor_storage, "L_over_C": lay.segment / chunk,
       "sum_second": second, "second_padding": second_array(lay) / second,
+      "second_padding_segment_rows": second_array(in_segment_rows(lay)) / second,
       "sum_grad": grads, "group_sizes": list(group_sizes),
       "second_sizes": list(lay.second_sizes), "collectives": coll,
       "amortised_ratio": amort("library") / amort("ideal"),
@@ -800,18 +809,21 @@ def main(argv=None):
         r["idle_devices"], f"{r['balance']:.3f}", f"{r['bound']:.3f}",
         f"{r['storage']}: " + (f"C {r['C']}" if r["storage"] == "chunked" else f"L {r['L']}")
         + f" / {r['T'] / r['P']:.0f}", f"{r['L']}",
-        f"{r['second_padding']:.3f}", r["replicas"]] for r in rows],
+        f"{r['second_padding']:.3f} ({r['second_padding_segment_rows']:.3f})",
+        r["replicas"]] for r in rows],
       ["model", "P", "layout", "m", "groups", "idle devices", "balance (d³)", "bound",
        "factors per device (C or L) / T/P", "before: longest owner L",
-       "second-order memory (COMM-OPT: rows·L₂; else P·L₂) / Σ(d²+d)",
+       "second-order memory (COMM-OPT: the array; else P·L₂) / Σ(d²+d) (in rows of L₂, "
+       "before 44d087a)",
        "extra copies (split items)"]))
   out.append("")
   out.append("## HYBRID's second-order memory per device")
   out.append("")
-  out.append("Each device holds its group's `m` segments in rows of `L₂` "
+  out.append("Each device holds its group's `m` segments one after another "
              "(`Layout.second_slots`: one table of slots by rank for every group, rank "
              "`r`'s as long as the longest of the groups' rank-`r` segments), against "
-             "`m·L₂` with one segment per row (before); busiest group = the most "
+             "rows of `L₂` (before 44d087a) and `m·L₂` with one segment per row (before "
+             "2c7b01d); busiest group = the most "
              "second-order numbers one group's owners compute. The in-group gather on "
              "decomposition steps: the busiest device's bytes in the scheme "
              "`uneven.plan(capacities, psum=False)` picks (ring model, f32), against the "
@@ -820,13 +832,15 @@ def main(argv=None):
   out.append("")
   out.append(C.md_table(
       [[h["model"], h["P"], h["m"], h["P"] // h["m"], f"{h['rows']} / {h['m']}",
-        f"{h['array'] * F32 / 1e9:.2f}", f"{h['before'] * F32 / 1e9:.2f}",
+        f"{h['array'] * F32 / 1e9:.2f}", f"{h['segment_rows'] * F32 / 1e9:.2f}",
+        f"{h['before'] * F32 / 1e9:.2f}",
         f"{h['busiest'] * F32 / 1e9:.2f}", f"{h['array'] / h['busiest']:.3f}",
         f"{h['before'] / h['busiest']:.3f}",
         f"{C.fmt_bytes(h['gather'] * F32)} ({h['gather'] / max(h['gather_ideal'], 1):.2f})",
         f"{C.fmt_bytes(h['gather_before'] * F32)} "
         f"({h['gather_before'] / max(h['gather_ideal'], 1):.2f})"] for h in hybrid],
-      ["model", "P", "m", "groups", "rows / m", "GB per device", "before: m·L₂ GB",
+      ["model", "P", "m", "groups", "rows / m", "GB per device", "rows of L₂: GB",
+       "before: m·L₂ GB",
        "busiest group GB", "array / busiest group", "before / busiest group",
        "in-group gather per device (/ ideal)", "before: (m-1)·L₂ (/ ideal)"]))
   out.append("")
