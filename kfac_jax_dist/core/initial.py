@@ -21,7 +21,7 @@ temporaries; GPT-2-XL's at P = 64: 55.6 GB).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -143,21 +143,6 @@ def _marks(runs: Sequence[Run], rows: int, width: int) -> jax.Array:
   return jnp.zeros((rows, width), dtype).at[where].set(numbers, unique_indices=True)
 
 
-def _row_marks(runs: Sequence[Run], rows: int, width: int) -> Callable[[jax.Array], jax.Array]:
-  """`row ↦ [1, width]`: `_marks` of one (traced) row."""
-  first, count, dtype = _numbering(runs, rows)
-  k = jnp.arange(int(count.max()), dtype=jnp.int32)
-  first, count, starts = (jnp.asarray(offsets.int32_table(x)) for x in (
-      first, count, [r.start for r in runs]))
-
-  def marks(row: jax.Array) -> jax.Array:
-    columns, numbers = _opaque((
-        jnp.where(k < count[row], starts[jnp.minimum(first[row] + k, len(runs) - 1)], width),
-        (k + 1).astype(dtype)))
-    return jnp.zeros((1, width), dtype).at[0, columns].set(numbers, mode="drop")
-  return marks
-
-
 def _values(found: jax.Array, first: jax.Array, t: dict[str, jax.Array], start: Any, dtype
             ) -> jax.Array:
   """The numbers at columns `start + [0, n)` whose runs are `found` (`[rows, n]`,
@@ -170,6 +155,34 @@ def _values(found: jax.Array, first: jax.Array, t: dict[str, jax.Array], start: 
   diagonal = triangles.packed_rows(q, t["dim"])
   on_triangle = triangles.row_starts(diagonal, t["dim"]) == q
   return (inside & jnp.where(t["kind"] == PACKED, on_triangle, in_block)).astype(dtype)
+
+
+def _fill_by_chunks(out: jax.Array, runs: Sequence[Run], t: dict[str, jax.Array],
+                    chunk: int) -> jax.Array:
+  """`out` (`[rows, width]`, replicated) written `chunk` columns of a row at
+  a time, each chunk's runs found from its row's run starts alone: a scatter
+  of those that start inside it and a count of those before it. Nothing the
+  size of a row lives beside `out` (COMM-OPT's one row of every owner's
+  eigenbases: ResNet-50's at P = 8 is 154 M numbers, whose marks would be
+  int16)."""
+  rows, width = out.shape
+  first, count, _ = _numbering(runs, rows)
+  k = jnp.arange(int(count.max()), dtype=jnp.int32)
+  first, count, starts = (jnp.asarray(offsets.int32_table(x)) for x in (
+      first, count, [r.start for r in runs]))
+  per_row = -(-width // chunk)
+
+  def write(i: jax.Array, out: jax.Array) -> jax.Array:
+    row, start = i // per_row, jnp.minimum(i % per_row * chunk, width - chunk)
+    mine = starts[jnp.minimum(first[row] + k, len(runs) - 1)]
+    real = k < count[row]
+    before = jnp.sum(real & (mine < start)).astype(jnp.int32)
+    inside = jnp.where(real & (mine >= start), mine - start, chunk)     # past: dropped
+    marks = jnp.zeros((1, chunk), jnp.int32).at[0, inside].set(k + 1, mode="drop")
+    found = jnp.maximum(lax.cummax(marks, axis=1), before)
+    values = _values(found, lax.dynamic_slice(first, (row,), (1,)), t, start, out.dtype)
+    return lax.dynamic_update_slice(out, values, (row, start))
+  return lax.fori_loop(0, rows * per_row, write, out)
 
 
 def _fill(out: jax.Array, row: Any, marks: jax.Array, first: jax.Array,
@@ -205,7 +218,7 @@ def build(runs: Sequence[Run], rows: int, width: int, dtype,
   """The `[rows, width]` array of `runs` (zeros outside them), traced, in
   chunks of `CHUNK` numbers per device. `rows_per_device`: the rows one
   device holds once the array is sharded, built side by side; None: a
-  replicated array, built a row at a time (its marks one row's)."""
+  replicated array, built a chunk of a row at a time (`_fill_by_chunks`)."""
   runs = sorted(runs, key=lambda r: (r.row, r.start))
   out = jnp.zeros((rows, width), dtype)
   if not runs:
@@ -213,9 +226,7 @@ def build(runs: Sequence[Run], rows: int, width: int, dtype,
   if max(r.start + r.length for r in runs) > width or runs[-1].row >= rows:
     raise ValueError(f"a run ends past the [{rows}, {width}] array")
   t, first = _tables(runs), jnp.asarray(offsets.int32_table(_numbering(runs, rows)[0]))
-  if rows_per_device is not None or rows == 1:
-    chunk = min(width, max(1, CHUNK // (rows_per_device or 1)))
+  if rows_per_device is not None:
+    chunk = min(width, max(1, CHUNK // rows_per_device))
     return _fill(out, 0, _marks(runs, rows, width), first, t, chunk)
-  marks = _row_marks(runs, rows, width)
-  return lax.fori_loop(0, rows, lambda r, out: _fill(
-      out, r, marks(r), lax.dynamic_slice(first, (r,), (1,)), t, min(width, CHUNK)), out)
+  return _fill_by_chunks(out, runs, t, min(width, CHUNK))
