@@ -514,9 +514,9 @@ def checks(rows, p=8):
          f"COMM-OPT total/{p} = {comm['kfac_global'] / p:.0f} B ({comm['layout']['storage']}: "
          f"P·{'C' if comm['layout']['storage'] == 'chunked' else 'L'} = "
          f"{p * comm['layout']['C']} factor numbers for {comm['layout']['stored']} stored, "
-         f"P·L₂ = {p * comm['layout']['L2']} second-order numbers for "
-         f"{comm['layout']['second']} useful: the owner segments of the second-order state "
-         f"are padded to the longest); the padding-free share is "
+         f"{comm['layout']['second_dev'] // 4} second-order numbers for "
+         f"{comm['layout']['second']} useful: every owner's segment, one after another); "
+         f"the padding-free share is "
          f"{mem['share']:.0f} B, so MEM-OPT is {mem['kfac_max'] / mem['share']:.3f}x of it")
   return [{"check": f"MEM-OPT K-FAC state per device <= 1.15 × COMM-OPT total / {p} (P={p})",
            "value": f"{mem['kfac_max']} B = {mem['kfac_max'] / (comm['kfac_global'] / p):.3f}x",
