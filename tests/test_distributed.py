@@ -210,16 +210,26 @@ def test_pack_rows_places_every_segment_in_a_row(seed):
 
 def test_row_width_is_one_row_within_int32():
   """`layout.row_width`: every segment in one row while their numbers fit
-  int32 indices; past that, rows of as many whole longest segments as do
-  (GPT-2-XL's replicated COMM-OPT array at P = 1024: 5·10⁹ numbers)."""
+  int32 indices; past that, rows within int32 that hold the segments with
+  little room left over (GPT-2-XL's replicated COMM-OPT array at P = 1024:
+  5·10⁹ numbers)."""
   assert layout_lib.row_width([3, 5, 0], 5) == 8
   assert layout_lib.row_width([0, 0], 0) == 1
   big = 2 ** 30
   assert layout_lib.row_width([big - 1, big - 1], big - 1) == 2 * big - 2   # fits int32
   assert layout_lib.row_width([big, big], big) == big                       # 2³¹ does not
+  # past int32: the width within it that packs with the least room left over,
+  # where rows of the longest segment would leave nearly half of each row empty
+  # (segments of 0.5-1 of the longest, as GPT-2-XL's COMM-OPT segments at P = 1024)
   longest = 6_553_600
-  width = layout_lib.row_width([longest] * 1024, longest)
-  assert width % longest == 0 and width <= offsets.INT32_MAX < width + longest
+  sizes = [int(longest * f) for f in np.random.default_rng(0).uniform(0.5, 1.0, 1024)]
+  sizes[0] = longest
+  for case in ([longest] * 1024, sizes):
+    width = layout_lib.row_width(case, longest)
+    rows = 1 + max(r for r, _ in layout_lib.pack_rows(case, width))
+    assert longest <= width <= offsets.INT32_MAX and rows * width <= 1.01 * sum(case)
+  in_segment_rows = 1 + max(r for r, _ in layout_lib.pack_rows(sizes, longest))
+  assert in_segment_rows * longest > 1.25 * sum(sizes)
 
 def _longer_chunks(sizes):
   """`uneven.matched` at the second chunk candidate (longer than ⌈Σu/P⌉)."""
