@@ -416,12 +416,12 @@ def test_eight_devices_equal_one_device(fraction, reduction, stale, devices):
   eigenbases gathered with several owner groups) K-FAC with EK-FAC equals the
   single-device run under COMM-OPT, MEM-OPT, HYBRID-OPT and SP-NGD's fused
   gradient reduce-scatter, and with stale statistics (each layer's scaling
-  reset when one of its factors refreshes). On 4 devices COMM-OPT's owners
-  share rows of the replicated array (`Layout.second_slots`), where the
-  scaling reads its eigenbases; in HYBRID's groups of four (`hybrid-stale`)
-  each owner's segment, gathered for the scaling, comes from its row. With
-  several groups the gathered eigenbases share rows of `L₂` too
-  (`Layout.owner_slots`)."""
+  reset when one of its factors refreshes). COMM-OPT's owners share the
+  replicated array's row (`Layout.second_slots`), where the scaling reads
+  its eigenbases; in HYBRID's groups (`hybrid-stale`) each owner's segment,
+  gathered for the scaling, comes from its column of its group's row. With
+  several groups the gathered eigenbases lie one after another too
+  (`Layout.owner_slots`), exactly the numbers read."""
   loss_fn, params, x, y = _problem("conv")
   x, y = jnp.concatenate([x] * 4), jnp.concatenate([y] * 4)   # 24: 3 per device
   grad_fn = kd.value_and_grad(loss_fn)
@@ -436,10 +436,10 @@ def test_eight_devices_equal_one_device(fraction, reduction, stale, devices):
                                               reduction == "all_reduce")
   kfac = find_states(state)[0]
   lay = kfac.layout
-  assert lay.rows_shared == (devices == 4 or fraction == 1 / 2)
-  if lay.num_groups > 1:     # every owner's eigenbases, several to a row of L₂
+  assert lay.rows_shared == (lay.group_size > 1)
+  if lay.num_groups > 1:     # every owner's eigenbases, one after another
     assert kfac.correction.bases.shape == (lay.owner_array,)
-    assert lay.owner_array < devices * lay.second_segment
+    assert lay.owner_array == sum(lay.read_sizes) < devices * lay.second_segment
   if stale:                                  # some factors were left stale
     refreshes = np.asarray(find_states(state)[0].refresh.refreshes)
     np.testing.assert_array_equal(refreshes, find_states(one_state)[0].refresh.refreshes)
