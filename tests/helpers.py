@@ -36,6 +36,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import kfac_jax_dist as kd
 from kfac_jax_dist.capture import triangles
+from kfac_jax_dist.kfac import layout as layout_lib
 
 
 def mesh(shape: tuple[int, ...], axes: tuple[str, ...]) -> Mesh:
@@ -376,3 +377,9 @@ def train_classifier(model: nn.Module, x, y, dist=None, steps: int = 4,
     params, state, loss = step(params, state, x, y)
     losses.append(float(loss))
   return params, losses
+
+
+def narrow_second_rows(monkeypatch) -> None:
+  """Second-order arrays in rows of `1.5·L₂`, as `layout.row_width` cuts an
+  array past int32 numbers, so that segments lie in several rows."""
+  monkeypatch.setattr(layout_lib, "row_width", lambda sizes, longest: longest * 3 // 2)

@@ -146,7 +146,7 @@ def test_rows_shared_by_owners_equal_single_device(monkeypatch, num_devices, pro
   decomposition), and the steps equal one device's. The array is smaller
   than `m·L₂`."""
   if narrow:
-    monkeypatch.setattr(layout_lib, "row_width", lambda sizes, longest: longest * 3 // 2)
+    helpers.narrow_second_rows(monkeypatch)
   reference, _ = _single_device(method, problem=problem)
   trajectory, state, _ = _distributed(num_devices, fraction, "reduce_scatter",
                                       "reduce_scatter", method=method, problem=problem)

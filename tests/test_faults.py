@@ -16,7 +16,6 @@ import pytest
 import kfac_jax_dist as kd
 
 import helpers
-from kfac_jax_dist.kfac import layout as layout_lib
 from kfac_jax_dist.kfac.state import find_states
 from kfac_jax_dist.kfac.state import second_order_parts
 
@@ -411,7 +410,7 @@ def test_failed_decomposition_on_its_owner_keeps_previous(monkeypatch, fraction,
   (`layout.row_width` past int32)."""
   build = _distributed_step
   if narrow:                                   # a layout of its own, not the cached one
-    monkeypatch.setattr(layout_lib, "row_width", lambda sizes, longest: longest * 3 // 2)
+    helpers.narrow_second_rows(monkeypatch)
     build = _distributed_step.__wrapped__
   _, mesh, state0, step = build(fraction, gradient_reduction)
   params = _params()
