@@ -186,9 +186,11 @@ def test_checkpoint_of_an_older_packing_restores(tmp_path, monkeypatch, fraction
   params, state = _run(config, _params(), _init(*config), 0, 3)
   lay = find_states(state)[0].layout
   assert lay.second_rows == 1 and lay.second_array < lay.group_size * lay.second_segment
-  dropped = {checkpoint.WIDE_ROWS} | ({checkpoint.SHARED_ROWS} if saved == "padded" else set())
-  old = kd.convert_state(state, checkpoint._saved_packing(
-      state, {k: True for k in {checkpoint.WIDE_ROWS, checkpoint.SHARED_ROWS} - dropped}))
+  keys = {checkpoint.WIDE_ROWS, checkpoint.SHARED_ROWS, checkpoint.ALIGNED_GROUPS}
+  dropped = {checkpoint.WIDE_ROWS, checkpoint.ALIGNED_GROUPS} | (
+      {checkpoint.SHARED_ROWS} if saved == "padded" else set())
+  old = kd.convert_state(state, checkpoint._saved_layouts(
+      state, {k: True for k in keys - dropped}))
   old_layout = find_states(old)[0].layout
   assert old_layout.second_packing == saved
   assert old_layout.second_row == old_layout.second_segment
@@ -205,6 +207,45 @@ def test_checkpoint_of_an_older_packing_restores(tmp_path, monkeypatch, fraction
   assert _specs_of(restored) == _specs_of(state)
   resumed = _run(config, params, restored, 3, 5)
   assert_bitwise(resumed, _run(config, _params(), _init(*config), 0, 5), "resumed")
+
+
+def _split_in_a_group(lay) -> bool:
+  """Whether some factor's eigenvector columns are split over several owners."""
+  return any(place.copies for plan in lay.plans for _, place in plan.places)
+
+
+def test_hybrid_checkpoint_before_groups_split_factors_restores(tmp_path, monkeypatch):
+  """A HYBRID checkpoint saved before its groups split oversized factors over
+  several of their devices (metadata without `ALIGNED_GROUPS`: each factor
+  whole on one device of its group) restores into today's template, which
+  splits them: restored in the saved assignment
+  (`layout.rebuild(align_groups=False)`), moved by `convert_state`, bit
+  for bit the state it was saved from, and the run resumes on the
+  uninterrupted trajectory."""
+  from kfac_jax_dist.tools import checkpoint  # pylint: disable=import-outside-toplevel
+  config = (8, 1 / 2)
+  params, state = _run(config, _params(), _init(*config), 0, 3)
+  assert _split_in_a_group(find_states(state)[0].layout)
+  before = {checkpoint.SHARED_ROWS: True, checkpoint.WIDE_ROWS: True}
+  old = kd.convert_state(state, checkpoint._saved_layouts(state, before))
+  assert not _split_in_a_group(find_states(old)[0].layout)
+  metadata = checkpoint.checkpoint_metadata
+  monkeypatch.setattr(checkpoint, "checkpoint_metadata", lambda tree: {
+      k: v for k, v in metadata(tree).items() if k != checkpoint.ALIGNED_GROUPS})
+  kd.save_checkpoint(tmp_path / "ckpt", old)
+  monkeypatch.undo()
+  tx, mesh, _ = _config(*config)
+  template = jax.eval_shape(tx.init, _params())
+  restored = kd.restore_checkpoint(tmp_path / "ckpt", template, mesh=mesh)
+  assert_bitwise(restored, state, "restored")
+  assert _specs_of(restored) == _specs_of(state)
+  resumed = _run(config, params, restored, 3, 5)
+  assert_bitwise(resumed, _run(config, _params(), _init(*config), 0, 5), "resumed")
+  # Today's checkpoints say that groups split factors: the same old state
+  # saved with today's metadata is refused, naming the placement.
+  kd.save_checkpoint(tmp_path / "today", old)
+  with pytest.raises(ValueError, match="factor placement differs"):
+    kd.restore_checkpoint(tmp_path / "today", template)
 
 
 def test_restore_refuses_another_layout(tmp_path):

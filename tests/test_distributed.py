@@ -138,7 +138,9 @@ def test_rows_shared_by_owners_equal_single_device(monkeypatch, num_devices, pro
   """Each device's second-order array keeps its owners' segments one after
   another in one row (`Layout.second_slots`): COMM-OPT's replicated array,
   and in HYBRID each group's, one slot per rank for every group (the longest
-  of the groups' segments of that rank, `Layout.second_capacity`). `narrow`:
+  of the groups' segments of that rank, `Layout.second_capacity`; there the
+  funnel's oversized factors are split, their eigenvector columns over
+  several devices of their group). `narrow`:
   rows of `1.5·L₂`, as an array past int32 numbers is cut (`layout.row_width`),
   so that segments lie in several rows, first fit by decreasing size. The
   gather writes them there, the preconditioning reads them there, each owner
@@ -158,6 +160,10 @@ def test_rows_shared_by_owners_equal_single_device(monkeypatch, num_devices, pro
   copies = 1 if lay.num_groups == 1 else num_devices
   assert kfac.second_order.shape == (copies * lay.second_array,)
   assert lay.second_array < lay.group_size * lay.second_segment
+  if lay.num_groups > 1:      # HYBRID: an oversized factor's columns split in its group
+    split = [place for plan in lay.plans for _, place in plan.places if place.copies]
+    assert split and all(len({q.owner // lay.group_size for q in (place,) + place.copies})
+                         == 1 for place in split)
   # each factor's eigenvalues (or damped inverse: both unique) where the
   # layout says, as `kd.second_order_parts` reads a global state
   want = kd.second_order_parts(find_states(_single_device(method, problem=problem)[1])[0])

@@ -673,7 +673,7 @@ def test_checkpoint_round_trip(tmp_path):
 def test_checkpoint_layout_before_shared_rows_converts():
   """MEM-OPT: the gathered eigenbases of a checkpoint saved before they
   shared rows are `[P·L₂]`, and before rows were wide, rows of `L₂`
-  (`checkpoint._saved_packing`, the layouts `restore_checkpoint` restores
+  (`checkpoint._saved_layouts`, the layouts `restore_checkpoint` restores
   such checkpoints in); `convert_state` moves them into today's wide rows and
   back bit for bit."""
   from kfac_jax_dist.tools import checkpoint  # pylint: disable=import-outside-toplevel
@@ -684,8 +684,8 @@ def test_checkpoint_layout_before_shared_rows_converts():
                   factor_dtype=jnp.float64).init(params)
   lay = find_states(state)[0].layout
   assert lay.owner_array == sum(lay.read_sizes)
-  padded = checkpoint._saved_packing(state, {})
-  rows = checkpoint._saved_packing(state, {checkpoint.SHARED_ROWS: True})
+  padded = checkpoint._saved_layouts(state, {})
+  rows = checkpoint._saved_layouts(state, {checkpoint.SHARED_ROWS: True})
   assert find_states(padded)[0].correction.bases.shape == (8 * lay.second_segment,)
   assert lay.owner_array < find_states(rows)[0].layout.owner_array < 8 * lay.second_segment
   for template in (padded, rows):

@@ -287,3 +287,90 @@ def test_owner_assignment_of_many_equal_items_is_the_brute_force_rule(seed):
   got = owners.assign(items, bins, cost, size)
   assert [sorted(b) for b in got] == [sorted(b) for b in _brute_force_lpt(items, bins,
                                                                         cost, size)]
+
+
+def test_group_ranks_fill_one_slot_table():
+  """`owners.align_ranks` on constructed groups of four ranks (bins of
+  `(item, units)` pieces; size = item[1], cost = item[2]): group A's one
+  large bin sets slot 0, group B's four small bins move into it, so the table
+  is A's numbers alone; with a cost limit of two bins per rank B keeps two
+  other ranks; pieces of one item never share a rank; a group that cannot fit
+  keeps its bins; every piece stays in its group."""
+  from kfac_jax_dist.core import owners  # pylint: disable=import-outside-toplevel
+  size, cost, key = (lambda p: p[0][1]), (lambda p: p[0][2]), (lambda p: p[0][0])
+  a = [[(("a", 4, 1), None)], [], [], []]
+  b = [[((f"b{i}", 1, 1), None)] for i in range(4)]
+  table = lambda groups: sum(max(sum(map(size, g[r])) for g in groups) for r in range(4))
+  assert table([sorted(a, key=len, reverse=True), b]) == 7
+  for limit, want in ((10, 4), (2, 6)):
+    got = owners.align_ranks([a, b], size, cost, key, limit)
+    assert table(got) == want
+    assert sorted(p for bins in got[1] for p in bins) == sorted(p for bins in b for p in bins)
+    assert all(sum(map(cost, pieces)) <= limit for g in got for pieces in g)
+  # four column pieces of one factor: no two on a rank, so B keeps four ranks
+  split = [[(("f", 1, 1), (i, i + 1))] for i in range(4)]
+  got = owners.align_ranks([a, split], size, cost, key, 10)
+  assert table(got) == 7 and all(len(pieces) == 1 for pieces in got[1])
+
+
+def test_hybrid_groups_are_assigned_together():
+  """HYBRID (P = 8, two groups of four), against the groups assigned one by
+  one (`align_groups=False`, the assignment of older checkpoints), from the
+  layouts alone: (1) one group holds one large layer (kept whole,
+  `replicate_layers=False`), the other sixteen small ones: the large layer's
+  factors are split over devices of their group (eigenvector columns), so
+  that the array (the slot table) holds within 5% of the busiest group's
+  numbers; (2) the groups differ in shape: the other group's work moves into
+  the slots the first fills; (3) two equal groups, each a factor 160 wide far
+  over its share: split over three devices only because each group is
+  balanced against the whole layout's pace (its own mean d³ would refuse the
+  copies), the in-group gather within 1.10× the padding-free bytes (3× with
+  the factor whole). The most d³ a device decomposes stays within 0.1% of
+  the unaligned layout's balance (or of the ideal, `max(Σ d³ / P, largest)`)."""
+  from kfac_jax_dist.core import uneven  # pylint: disable=import-outside-toplevel
+  from kfac_jax_dist.kfac import layout  # pylint: disable=import-outside-toplevel
+
+  def layouts(dims, **options):
+    layers = kd.LayerRegistry(tuple(
+        kd.TaggedLayer(name=f"l{i}", kind="dense", kernel_path=f"l{i}/kernel",
+                       bias_path=None, kernel_shape=(a, g), a_dim=a, g_dim=g)
+        for i, (a, g) in enumerate(dims)))
+    lay = layout.build(layers, [f"l{i}/kernel" for i in range(len(dims))],
+                       num_devices=8, group_size=4, **options)
+    old = layout.rebuild(lay, align_groups=False)
+    assert balance(lay) <= max(balance(old), 1.0) * 1.001
+    return lay, old
+
+  def balance(lay):     # the most d³ a device decomposes / max(Σ d³ / P, largest)
+    load = [0.0] * 8
+    for d in range(8):
+      for place, _, _ in lay.owned(d):
+        load[d] += layout.eigh_cost(place.dim, place.form)
+    each = [layout.eigh_cost(q.dim, q.form) for plan in lay.plans for _, q in plan.places]
+    return max(load) / max(sum(each) / 8, max(each))
+
+  def busiest(lay):
+    return max(sum(lay.second_sizes[g * 4:(g + 1) * 4]) for g in range(2))
+
+  def gather(lay):      # the in-group gather's busiest device / the ideal
+    sent = max(uneven.plan(lay.second_capacity, psum=False).device_bytes())
+    return sent / (3 / 4 * busiest(lay))
+
+  def split_in_group(lay, name):
+    for _, place in lay.plan(name).places:
+      owners_ = [q.owner for q in (place,) + place.copies]
+      if len(owners_) > 1:
+        assert len({o // 4 for o in owners_}) == 1
+        return True
+    return False
+
+  lay, old = layouts([(96, 96)] + [(24, 24)] * 16, replicate_layers=False)
+  assert busiest(lay) == busiest(old)
+  assert sum(lay.second_capacity) <= 1.05 * busiest(lay) < sum(old.second_capacity)
+  assert split_in_group(lay, "l0") and not split_in_group(old, "l0")
+  lay, old = layouts([(96, 8)] + [(24, 24)] * 16)
+  assert sum(lay.second_capacity) <= 1.05 * busiest(lay) < sum(old.second_capacity)
+  assert lay.second_sizes[4:] == (9000, 3000, 0, 0) != old.second_sizes[4:]
+  lay, old = layouts([(160, 8)] * 2 + [(80, 8)] * 2 + [(16, 16)] * 7)
+  assert split_in_group(lay, "l0") and split_in_group(lay, "l1")
+  assert gather(lay) <= 1.10 < 2.9 < gather(old)

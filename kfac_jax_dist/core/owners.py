@@ -27,12 +27,16 @@ LEVEL = 1.05   # a bin this far over its share hands units of split items over
 
 def assign(items: Sequence, bins: int, cost: Callable[[Any], float],
            size: Callable[[Any], float], units: Callable[[Any], int] | None = None,
-           level: float = LEVEL, max_parts: int | None = None) -> list[list]:
+           level: float = LEVEL, max_parts: int | None = None, min_ideal: float = 0.0,
+           min_share: float = 0.0) -> list[list]:
   """Greedy two-criteria LPT with replication of oversized items.
 
   Items (largest relative cost or size first) go to the bin whose larger
-  relative load — cost over its ideal `max(Σ cost / bins, largest cost)`,
-  size over the share `Σ size / bins` — grows least. An item that splits into
+  relative load — cost over its ideal `max(Σ cost / bins, largest cost,
+  min_ideal)`, size over the share `max(Σ size / bins, min_share)` — grows
+  least. (The floors are for bins that are part of a larger machine: one
+  owner group among several, whose slowest device and largest group set the
+  pace, not this group's own mean.) An item that splits into
   `units(x)` rows or columns (0: it does not) and is larger than the share
   goes as `r = ⌈size/share⌉` pieces of near-equal units to `r` distinct bins,
   each charged the item's whole cost and its piece's size. Then, while the
@@ -48,12 +52,13 @@ def assign(items: Sequence, bins: int, cost: Callable[[Any], float],
   Returns, per bin, `(item, units)`: a `(lo, hi)` range of the item's units,
   or None for the whole item; without `units`, per bin its items.
   """
-  whole, loads = _assign(items, bins, cost, size, lambda x: 0, level)
+  floors = min_ideal, min_share
+  whole, loads = _assign(items, bins, cost, size, lambda x: 0, level, floors=floors)
   if units is None:
     return [[x for x, _ in mine] for mine in whole]
   if max(load[1] for load in loads) <= level:
     return whole
-  split, split_loads = _assign(items, bins, cost, size, units, level, max_parts)
+  split, split_loads = _assign(items, bins, cost, size, units, level, max_parts, floors)
   if (max(load[1] for load in split_loads) < max(load[1] for load in loads)
       and max(load[0] for load in split_loads) <= max(load[0] for load in loads) + 0.02):
     return split
@@ -66,10 +71,10 @@ class _Bins:
   `(lo, hi)` units, or None for the whole item)."""
 
   def __init__(self, costs: list[float], sizes: list[float], counts: list[int],
-               bins: int):
+               bins: int, floors: tuple[float, float] = (0.0, 0.0)):
     self.costs, self.sizes, self.counts, self.bins = costs, sizes, counts, bins
-    self.ideal_cost = max([sum(costs) / bins] + costs) or 1.0
-    self.ideal_size = sum(sizes) / bins or 1.0
+    self.ideal_cost = max([sum(costs) / bins, floors[0]] + costs) or 1.0
+    self.ideal_size = max(sum(sizes) / bins, floors[1]) or 1.0
     self.loads = [[0.0, 0.0] for _ in range(bins)]
     self.held: list[dict] = [{} for _ in range(bins)]
 
@@ -171,12 +176,13 @@ def _hand_over(bins: _Bins, b: int, worst: float, max_parts: int) -> bool:
   return False
 
 
-def _assign(items, bins: int, cost, size, units, level: float, max_parts=None):
+def _assign(items, bins: int, cost, size, units, level: float, max_parts=None,
+            floors: tuple[float, float] = (0.0, 0.0)):
   """`assign`'s one pass at a given `units` (`lambda x: 0`: items whole):
   the greedy placement, then, while the fullest bin is over `level`, units
   handed over (`_hand_over`). Returns per bin `[(item, range)]` and the loads."""
   state = _Bins([cost(x) for x in items], [size(x) for x in items],
-                [units(x) for x in items], bins)
+                [units(x) for x in items], bins, floors)
   max_parts = max_parts or bins
   _place(state, max_parts)
   worst = max(load[0] for load in state.loads)
@@ -187,3 +193,52 @@ def _assign(items, bins: int, cost, size, units, level: float, max_parts=None):
   return [[(items[i], rng) for i, rng in mine.items()] for mine in state.held], state.loads
 
 
+
+
+def align_ranks(groups: Sequence[Sequence[list]], size: Callable[[Any], float],
+                cost: Callable[[Any], float], key: Callable[[Any], Any], limit: float
+                ) -> list[list[list]]:
+  """Each group's bins (`assign`'s pieces per device) moved to ranks so that
+  the groups fill one table of slots: rank `r`'s slot is the largest of the
+  groups' rank-`r` bins, so a group spread thin over many ranks widens slots
+  that another group leaves nearly empty (one program runs in every group, so
+  every group's array and gather use the table). Bins are sorted by size,
+  then each group's bins are packed whole, by decreasing size, into the
+  first slot (the largest first) whose room holds them, several to a slot,
+  while the rank's cost stays within `limit` and no two pieces of one item
+  (`key`) meet: the large slots fill and the small ones empty. A group that
+  does not fit keeps its bins. Twice, the table recomputed between: Σ slots
+  never grows.
+
+  `size` and `cost` are a piece's, `(item, units)`; returns per group its
+  bins by rank."""
+  load = lambda pieces: sum(map(size, pieces))
+  groups = [sorted(bins, key=load, reverse=True) for bins in groups]
+  ranks = len(groups[0]) if groups else 0
+  for _ in range(2):
+    slots = [max(load(bins[r]) for bins in groups) for r in range(ranks)]
+    groups = [_pack_into(bins, slots, size, cost, key, limit) or bins for bins in groups]
+  return [sorted(bins, key=load, reverse=True) for bins in groups]
+
+
+def _pack_into(bins: Sequence[list], slots: Sequence[float], size, cost, key,
+               limit: float) -> list[list] | None:
+  """`bins` packed whole into `slots` (first fit by decreasing size, costs
+  within `limit`, no item twice on a rank); None if some bin does not fit."""
+  out: list[list] = [[] for _ in slots]
+  room, spent = list(slots), [0.0] * len(slots)
+  held: list[set] = [set() for _ in slots]
+  for pieces in sorted(bins, key=lambda b: sum(map(size, b)), reverse=True):
+    if not pieces:
+      continue
+    z, c, keys = sum(map(size, pieces)), sum(map(cost, pieces)), {key(p) for p in pieces}
+    fits = [r for r in range(len(slots)) if z <= room[r] * (1 + 1e-9) and
+            spent[r] + c <= limit * (1 + 1e-9) and not keys & held[r]]
+    if not fits:
+      return None
+    r = fits[0]
+    out[r] += pieces
+    room[r] -= z
+    spent[r] += c
+    held[r] |= keys
+  return out

@@ -38,19 +38,19 @@ the end of a segment, up to the longest device's (and, for chunked factors,
 fewer than `P` numbers at the end of the tight buffer).
 
 Oversized items are replicated. An item that travels whole from its owner —
-a factor's eigenbasis and eigenvalues broadcast by COMM-OPT (one owner
-group), a layer's preconditioned gradient gathered from its owner group
-(MEM-OPT, HYBRID) — larger than a device's (group's) share `Σ/P` makes its
-owner send more than the ring's `(P−1)/P·Σ/P`. Such an item gets `r =
-⌈size/share⌉` owners (capped so that the copies stay within a compile
-budget, see `build`), each paying the whole `d³` of the decomposition but
-sending `1/r` of the item: COMM-OPT owner `k` keeps eigenvector columns
-`[c_k, c_{k+1})` (and their eigenvalues, or those columns of a damped
-inverse), a replicated layer's group `k` preconditions and sends output rows
-`[r_k, r_{k+1})` of `(d_A, d_G)`. After the first assignment, devices still
-over their share by more than 5% hand rows/columns of their cheapest
-splittable item to the emptiest devices whose decomposition cost stays within
-the worst device's. Replicas are deterministic copies of one decomposition
+a factor's eigenbasis and eigenvalues gathered within its owner group (all
+devices under COMM-OPT, the `m` of a group under HYBRID), a layer's
+preconditioned gradient gathered from its owner group (MEM-OPT, HYBRID) —
+larger than a device's (group's) share `Σ/P` makes its owner send more than
+the ring's `(P−1)/P·Σ/P`. Such an item gets `r = ⌈size/share⌉` owners (capped
+so that the copies stay within a compile budget, see `build`), each paying
+the whole `d³` of the decomposition but sending `1/r` of the item: factor
+owner `k` keeps eigenvector columns `[c_k, c_{k+1})` (and their eigenvalues,
+or those columns of a damped inverse), a replicated layer's group `k`
+preconditions and sends output rows `[r_k, r_{k+1})` of `(d_A, d_G)`. After
+the first assignment, devices still over their share by more than 5% hand
+rows/columns of their cheapest splittable item to the emptiest devices whose
+decomposition cost stays within the worst device's. Replicas are deterministic copies of one decomposition
 (the same call on the same input). The home copy (columns or rows from 0) is
 the one stored in tight chunks; a replica decomposes the running factor
 read from the gathered chunks (decomposition steps gather them anyway), or,
@@ -176,6 +176,8 @@ class Layout:
   # the rows second-order segments are packed into (WIDE_ROWS; the others
   # are the layouts of older checkpoints, restored and then converted)
   second_packing: str = WIDE_ROWS
+  # `build`'s arguments (layers, parameter paths, options), for `rebuild`
+  built_with: tuple = dataclasses.field(default=(), compare=False, repr=False)
 
   @property
   def owner_bases(self) -> tuple[int, ...]:
@@ -293,13 +295,14 @@ class Layout:
   def read_sizes(self) -> tuple[int, ...]:
     """Second-order numbers of each device that are read outside its owner
     group: with one group, all; with several (EK-FAC's gathered eigenbases),
-    the segment of a device that owns some factor's home copy
-    (`LayerPlan.places`), none of one that holds only copies of layers split
-    over groups, which their own groups read (GPT-2-XL MEM-OPT at P = 1024:
-    20.7 of 74.8 GB)."""
+    the segment of a device that owns some factor of a layer's home plan
+    (`LayerPlan.places`) or a column slice of one split in its group, none of
+    one that holds only copies of layers split over groups, which their own
+    groups read (GPT-2-XL MEM-OPT at P = 1024: 20.7 of 74.8 GB)."""
     if self.num_groups == 1:
       return self.second_sizes
-    homes = {place.owner for plan in self.plans for _, place in plan.places}
+    homes = {q.owner for plan in self.plans for _, place in plan.places
+             for q in (place,) + place.copies}
     return tuple(n if d in homes else 0 for d, n in enumerate(self.second_sizes))
 
   @functools.cached_property
@@ -557,9 +560,15 @@ def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
   (see `_build`). Replicated items get at most as many owners as keeps the
   decompositions within `REPLICA_BUDGET` times the unreplicated layout's (or
   `MIN_EXTRA_COPIES` more): the largest such cap (binary search), else none."""
+  built_with = (layers, tuple(param_paths), tuple(sorted(dict(
+      options, replicate_factors=replicate_factors,
+      replicate_layers=replicate_layers).items())))
+
   def build_with(max_parts: int | None) -> Layout:
-    return _build(layers, param_paths, replicate_factors=replicate_factors,
-                  replicate_layers=replicate_layers, max_parts=max_parts, **options)
+    return dataclasses.replace(_build(
+        layers, param_paths, replicate_factors=replicate_factors,
+        replicate_layers=replicate_layers, max_parts=max_parts, **options),
+        built_with=built_with)
 
   def within_budget(lay: Layout) -> bool:
     copies = sum(len(lay.owned(d)) for d in range(lay.num_devices))
@@ -577,8 +586,23 @@ def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
       best, lo = candidate, mid + 1
     else:
       hi = mid - 1
-  return best or _build(layers, param_paths, replicate_factors=False,
-                        replicate_layers=False, **options)
+  return best or dataclasses.replace(_build(
+      layers, param_paths, replicate_factors=False, replicate_layers=False, **options),
+      built_with=built_with)
+
+
+def rebuild(lay: Layout, **changes) -> Layout:
+  """`lay` as `build` makes it with some of its options changed (an older
+  checkpoint's assignment, e.g. `align_groups=False`); the fields the
+  transform sets after `build` (storage, what the capture left out, the
+  strategy's explanation, the packing) are `lay`'s."""
+  if not lay.built_with:
+    raise ValueError("rebuild needs a layout made by layout.build")
+  layers, paths, options = lay.built_with
+  new = build(layers, paths, **dict(options, **changes))
+  return dataclasses.replace(
+      new, factor_storage=lay.factor_storage, uncaptured=lay.uncaptured,
+      strategy_choice=lay.strategy_choice, second_packing=lay.second_packing)
 
 
 # (factor name, copy, which, dim, form, columns): one factor slice a device owns
@@ -596,12 +620,14 @@ def _factors_of(layer: registry.TaggedLayer, max_factor_dim: int | None) -> tupl
 
 def _assign_owners(kept: list, max_factor_dim: int | None, num_devices: int,
                    group_size: int, method: str, replicate_factors: bool,
-                   replicate_layers: bool, max_parts: int | None
+                   replicate_layers: bool, max_parts: int | None,
+                   align_groups: bool = True
                    ) -> tuple[dict[str, list], list[list[Owned]]]:
-  """Layers to owner groups, then each group's factors to its devices. Both
-  balance the decomposition cost d³ and the numbers each owner sends: a
-  group's preconditioned gradients (gathered every step when there are
-  several groups), a device's eigenbases (gathered on decomposition steps).
+  """Layers to owner groups, then each group's factors to its devices
+  (`_assign_in_groups`). Both balance the decomposition cost d³ and the
+  numbers each owner sends: a group's preconditioned gradients (gathered
+  every step when there are several groups), a device's eigenbases (gathered
+  within its group on decomposition steps).
 
   Returns each layer's pieces `[(rows, group)]` (rows in order) and each
   device's owned factor slices."""
@@ -621,19 +647,52 @@ def _assign_owners(kept: list, max_factor_dim: int | None, num_devices: int,
       pieces.setdefault(layer.name, []).append((rows, g))
   for found in pieces.values():
     found.sort(key=lambda t: t[0] or (0, 0))
-  split_factors = replicate_factors and num_groups == 1 and num_devices > 1
-  owned: list[list[Owned]] = [[] for _ in range(num_devices)]
-  for g, members in enumerate(group_bins):
-    items = [(layer.name, [t[1] for t in pieces[layer.name]].index(g), which, dim, form)
-             for layer, _ in members
-             for which, dim, form in _factors_of(layer, max_factor_dim)]
-    bins = owners.assign(items, group_size, lambda t: eigh_cost(t[3], t[4]),
-                         lambda t: sum(_second_parts(t[3], t[4], method)),
-                         lambda t: t[3] if split_factors and t[4] == factors.FULL else 0,
-                         max_parts=max_parts)
-    for r, mine in enumerate(bins):
-      owned[g * group_size + r] = [item + (columns,) for item, columns in mine]
+  group_items = [[(layer.name, [t[1] for t in pieces[layer.name]].index(g), which, dim, form)
+                  for layer, _ in members
+                  for which, dim, form in _factors_of(layer, max_factor_dim)]
+                 for g, members in enumerate(group_bins)]
+  split_factors = (replicate_factors and group_size > 1
+                   and (num_groups == 1 or align_groups))
+  bins = _assign_in_groups(group_items, group_size, method, split_factors, max_parts,
+                           aligned=num_groups > 1 and group_size > 1 and align_groups)
+  owned = [[item + (columns,) for item, columns in mine] for group in bins for mine in group]
   return pieces, owned
+
+
+def _assign_in_groups(group_items: list[list], group_size: int, method: str,
+                      split_factors: bool, max_parts: int | None, aligned: bool
+                      ) -> list[list[list]]:
+  """Each group's factors `(name, copy, which, dim, form)` to its devices
+  (`owners.assign`: d³ and second-order numbers; a full factor larger than
+  the share split into eigenvector columns when `split_factors`). `aligned`
+  (HYBRID; False: the assignment of checkpoints saved before it): each group
+  balanced against the whole layout's pace (`_group_floors`), then its
+  devices' work moved into the groups' common slot table
+  (`owners.align_ranks`). Returns per group, per rank `[(factor, columns)]`."""
+  cost = lambda t: eigh_cost(t[3], t[4])
+  size = lambda t: sum(_second_parts(t[3], t[4], method))
+  columns = lambda t: t[3] if split_factors and t[4] == factors.FULL else 0
+  floors = _group_floors(group_items, cost, size, group_size) if aligned else {}
+  bins = [owners.assign(items, group_size, cost, size, columns, max_parts=max_parts,
+                        **floors) for items in group_items]
+  if not aligned:
+    return bins
+  piece_size = lambda p: size(p[0]) * (1 if p[1] is None else (p[1][1] - p[1][0]) / p[0][3])
+  piece_cost = lambda p: cost(p[0])
+  limit = max(floors["min_ideal"], max(sum(map(piece_cost, b)) for g in bins for b in g))
+  return owners.align_ranks(bins, piece_size, piece_cost, lambda p: p[0][:3], limit)
+
+
+def _group_floors(group_items: list[list], cost: Callable, size: Callable,
+                  group_size: int) -> dict[str, float]:
+  """`owners.assign`'s floors for one owner group among several: the whole
+  layout's ideal decomposition cost `max(Σ d³ / P, largest d³)` (the slowest
+  device sets every group's pace) and the largest group's share of numbers
+  (its segments set the slot table's size)."""
+  every = [t for items in group_items for t in items]
+  num_devices = group_size * len(group_items)
+  return dict(min_ideal=max([sum(map(cost, every)) / num_devices] + list(map(cost, every))),
+              min_share=max(sum(map(size, items)) for items in group_items) / group_size)
 
 
 def _is_replica(item: Owned) -> bool:
@@ -743,16 +802,18 @@ def _build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
            num_devices: int = 1, group_size: int = 1, axis: str | None = None,
            method: str = "eigen", packed: bool = True,
            factor_storage: str = CHUNKED, replicate_factors: bool = True,
-           replicate_layers: bool = True, max_parts: int | None = None) -> Layout:
+           replicate_layers: bool = True, max_parts: int | None = None,
+           align_groups: bool = True) -> Layout:
   """Assigns layers to owner groups, factors to devices, and packs segments.
 
   A stacked layer becomes one plan per block (`TaggedLayer.blocks`), each with
   its own factors; `skip` patterns match the stacked layer's name, so its
   blocks are kept or skipped together. `plans` keep the blocks consecutive,
   block 0 first (`precondition.write_back` relies on it). Oversized full factors
-  (one owner group: COMM-OPT) and layers (several groups) are split over
-  several owners (at most `max_parts`) unless `replicate_factors` /
-  `replicate_layers` is False (see the module docstring).
+  (within an owner group; with several groups unless `align_groups` is
+  False) and layers (several groups) are split over several owners (at most
+  `max_parts`) unless `replicate_factors` / `replicate_layers` is False (see
+  the module docstring).
   """
   patterns = [re.compile(p) for p in skip]
   kept, skipped = [], []
@@ -762,7 +823,8 @@ def _build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
     else:
       kept.extend(layer.blocks())
   pieces, owned = _assign_owners(kept, max_factor_dim, num_devices, group_size, method,
-                                 replicate_factors, replicate_layers, max_parts)
+                                 replicate_factors, replicate_layers, max_parts,
+                                 align_groups)
   pack = _pack(owned, packed, method, {layer.name: layer for layer in kept})
   plans = _layer_plans(kept, pieces, pack.places)
   covered = {p for plan in plans for p in (plan.layer.kernel_path, plan.layer.bias_path)}

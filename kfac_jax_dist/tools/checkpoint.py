@@ -50,9 +50,12 @@ from kfac_jax_dist.shampoo import state as shampoo_state
 
 _STATE, _META = "state", "kfac_layout"
 # in the metadata of checkpoints whose second-order segments may share rows
-# (of `L₂`), and of those whose rows are wide (`layout.WIDE_ROWS`)
+# (of `L₂`), of those whose rows are wide (`layout.WIDE_ROWS`), and of those
+# whose HYBRID groups are assigned together (oversized factors split within a
+# group, every group's devices in one slot table: `layout._assign_in_groups`)
 SHARED_ROWS = "second_order_rows_shared"
 WIDE_ROWS = "second_order_rows_wide"
+ALIGNED_GROUPS = "owner_groups_aligned"
 
 
 def _is_kfac(x) -> bool:
@@ -107,13 +110,15 @@ def layout_metadata(lay: layout_lib.Layout) -> dict[str, Any]:
 def checkpoint_metadata(tree: Any) -> dict[str, Any]:
   """`layout_metadata` of every K-FAC state in `tree`, and
   `shampoo_layout_metadata` of every Shampoo state, in tree order; and
-  `SHARED_ROWS` and `WIDE_ROWS`, which tell `restore_checkpoint` how K-FAC
-  layouts pack second-order segments (`Layout.second_packing`)."""
+  `SHARED_ROWS`, `WIDE_ROWS` and `ALIGNED_GROUPS`, which tell
+  `restore_checkpoint` how K-FAC layouts pack second-order segments
+  (`Layout.second_packing`) and whether HYBRID's groups were assigned
+  together."""
   shampoo_states = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_shampoo)
                     if _is_shampoo(x)]
   return {"kfac_states": [layout_metadata(s.layout) for s in kfac_lib.find_states(tree)],
           "shampoo_states": [shampoo_layout_metadata(s.layout) for s in shampoo_states],
-          SHARED_ROWS: True, WIDE_ROWS: True}
+          SHARED_ROWS: True, WIDE_ROWS: True, ALIGNED_GROUPS: True}
 
 
 def _checkpointer():
@@ -174,8 +179,9 @@ def restore_checkpoint(directory: str | os.PathLike, template: Any, *,
   path = os.path.abspath(directory)
   _check_readable(path)
   saved = checkpointer.restore(path, ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))
-  # saved before rows were wide or shared: restored in that layout, then moved
-  target = _saved_packing(template, saved[_META])
+  # saved before rows were wide or shared, or before HYBRID's groups were
+  # assigned together: restored in that layout, then moved
+  target = _saved_layouts(template, saved[_META])
   _check_compatible(saved[_META], checkpoint_metadata(target))
   _check_dtypes(saved[_META], target)
   _check_mesh(template, mesh)
@@ -187,34 +193,51 @@ def restore_checkpoint(directory: str | os.PathLike, template: Any, *,
                                 convert_state(restored, template), _abstract(template, mesh))
 
 
-def _saved_packing(template: Any, meta: dict) -> Any:
-  """`template` with every K-FAC state in the packing of second-order
-  segments of the checkpoint whose metadata is `meta`: before rows were wide
-  (`layout.SEGMENT_ROWS`: rows of `L₂`) or before segments shared rows
-  (`layout.PADDED_ROWS`: `[m·L₂]` per device, EK-FAC's gathered eigenbases
-  `[P·L₂]`), its arrays abstract; `template` itself where no layout differs."""
-  if meta.get(WIDE_ROWS):
+def _saved_layouts(template: Any, meta: dict) -> Any:
+  """`template` with every K-FAC state in the layout of the checkpoint whose
+  metadata is `meta`, its arrays abstract: the packing of second-order
+  segments before rows were wide (`layout.SEGMENT_ROWS`: rows of `L₂`) or
+  before segments shared rows (`layout.PADDED_ROWS`: `[m·L₂]` per device,
+  EK-FAC's gathered eigenbases `[P·L₂]`), and HYBRID's assignment before its
+  groups were assigned together (`layout.rebuild(align_groups=False)`, in
+  the saved factor storage); `template` itself where no layout differs."""
+  if meta.get(ALIGNED_GROUPS):
     return template
-  packing_then = layout_lib.SEGMENT_ROWS if meta.get(SHARED_ROWS) else layout_lib.PADDED_ROWS
+  packing_then = (layout_lib.WIDE_ROWS if meta.get(WIDE_ROWS) else
+                  layout_lib.SEGMENT_ROWS if meta.get(SHARED_ROWS) else layout_lib.PADDED_ROWS)
+  saved_layouts = iter(meta.get("kfac_states", []))
+
+  def layout_then(lay: layout_lib.Layout, saved: dict) -> layout_lib.Layout:
+    if lay.num_groups > 1 and lay.group_size > 1 and lay.built_with:
+      lay = layout_lib.rebuild(lay, align_groups=False)
+      lay = dataclasses.replace(lay, factor_storage=saved.get("factor_storage",
+                                                              lay.factor_storage))
+    return dataclasses.replace(lay, second_packing=packing_then)
 
   def legacy(state: kfac_lib.ScaleByKfacState) -> kfac_lib.ScaleByKfacState:
-    lay, current = dataclasses.replace(state.layout, second_packing=packing_then), state.layout
-    if (lay.second_slots, lay.owner_slots, lay.second_array, lay.owner_array) == (
-        current.second_slots, current.owner_slots, current.second_array,
-        current.owner_array):
+    current = state.layout
+    lay = layout_then(current, next(saved_layouts, {}))
+    geometry = lambda l: (l.plans, l.factor_storage, l.second_slots, l.owner_slots,
+                          l.second_array, l.owner_array)
+    if geometry(lay) == geometry(current):
       return state
 
     def resized(x: Any, now: int, then: int) -> jax.ShapeDtypeStruct:
       shape = jnp.shape(x)
       return jax.ShapeDtypeStruct(shape[:-1] + (shape[-1] // now * then,),
                                   jnp.result_type(x))
-    correction = state.correction
+    shards = current.factor_shard, lay.factor_shard
+    correction, refresh = state.correction, state.refresh
     if correction is not None and correction.bases is not None:
       correction = dataclasses.replace(correction, bases=resized(
-          correction.bases, state.layout.owner_array, lay.owner_array))
+          correction.bases, current.owner_array, lay.owner_array))
+    if refresh is not None:
+      refresh = dataclasses.replace(refresh, before_last=resized(refresh.before_last,
+                                                                 *shards))
     return dataclasses.replace(
-        state, layout=lay, correction=correction, second_order=resized(
-            state.second_order, state.layout.second_array, lay.second_array))
+        state, layout=lay, correction=correction, refresh=refresh,
+        factors=resized(state.factors, *shards), second_order=resized(
+            state.second_order, current.second_array, lay.second_array))
   out = jax.tree_util.tree_map(lambda x: legacy(x) if _is_kfac(x) else x, template,
                                is_leaf=_is_kfac)
   same = all(a is b for a, b in zip(*(jax.tree_util.tree_leaves(t, is_leaf=_is_kfac)
