@@ -247,19 +247,20 @@ def hybrid_verdict(hybrid: list[dict]) -> list[str]:
            f"layouts ({sum(near(h, 'gather_unaligned') for h in hybrid)} with the groups "
            "unaligned), and every array within "
            f"{max(h['array'] / h['busiest'] for h in hybrid):.3f}× the busiest group's "
-           "numbers. Where the gather is not, one segment is several times a device's "
-           "share of its group (the uneven scheme's tight chunks leave its owner the "
-           "overflow to send, `uneven`): its factor is in fewer pieces than the "
-           "group has devices, because more would pass the copies' cap "
-           "(`layout.REPLICA_BUDGET`) or slow the slowest device (each piece's owner "
-           "decomposes the whole factor):", ""]
+           "numbers. Where the gather is not, the group's largest factor is in fewer "
+           "pieces than the group has devices (more would pass the copies' cap, "
+           "`layout.REPLICA_BUDGET`, or slow the slowest device: each piece's owner "
+           "decomposes the whole factor), so some devices hold more than the mean "
+           "segment, and the uneven scheme sends a prefix as long as the longest or "
+           "forwards the overflow by `ppermute`s (`uneven.plan`, whichever costs less):",
+           ""]
   for h in misses:
-    share = h["busiest"] / h["m"]
+    mean = h["busiest"] / h["m"]
     lines.append(f"- {h['model']} P = {h['P']} in groups of {h['m']}: "
                  f"{h['gather'] / max(h['gather_ideal'], 1):.2f}×; the largest segment "
                  f"{h['largest_segment'] / 1e6:.1f} M numbers, "
-                 f"{h['largest_segment'] / share:.1f}× the share, a factor in at most "
-                 f"{h['most_owners']} pieces.")
+                 f"{h['largest_segment'] / mean:.1f}× the busiest group's mean, a factor "
+                 f"in at most {h['most_owners']} piece{'s' * (h['most_owners'] > 1)}.")
   return lines
 
 
