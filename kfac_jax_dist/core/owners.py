@@ -5,7 +5,9 @@ way: KAISA's owner groups (§4.3; `m = grad_worker_fraction · P` devices per
 group), and within them a greedy longest-processing-time assignment on two
 criteria, the decomposition cost (`d³`) and the numbers each owner sends or
 stores (`d²`). `assign` is that assignment; K-FAC's `layout` and Shampoo's
-`blocks` call it for layers, factors, blocks and statistics.
+`blocks` call it for layers, factors, blocks and statistics. `align_ranks`
+moves several groups' assignments into one table of slots by rank (K-FAC's
+HYBRID: one program runs in every group).
 """
 
 from __future__ import annotations
