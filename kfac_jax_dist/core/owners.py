@@ -30,7 +30,7 @@ LEVEL = 1.05   # a bin this far over its share hands units of split items over
 def assign(items: Sequence, bins: int, cost: Callable[[Any], float],
            size: Callable[[Any], float], units: Callable[[Any], int] | None = None,
            level: float = LEVEL, max_parts: int | None = None, min_ideal: float = 0.0,
-           min_share: float = 0.0) -> list[list]:
+           min_share: float = 0.0, slack: float = 1.0) -> list[list]:
   """Greedy two-criteria LPT with replication of oversized items.
 
   Items (largest relative cost or size first) go to the bin whose larger
@@ -39,8 +39,9 @@ def assign(items: Sequence, bins: int, cost: Callable[[Any], float],
   least. (The floors are for bins that are part of a larger machine: one
   owner group among several, whose slowest device and largest group set the
   pace, not this group's own mean.) An item that splits into
-  `units(x)` rows or columns (0: it does not) and is larger than the share
-  goes as `r = ⌈size/share⌉` pieces of near-equal units to `r` distinct bins,
+  `units(x)` rows or columns (0: it does not) and is larger than `slack`
+  times the share goes as `r = ⌈size/(slack·share)⌉` pieces of near-equal
+  units to `r` distinct bins,
   each charged the item's whole cost and its piece's size. Then, while the
   fullest bin is over `level` times the share, it hands the last units of its
   cheapest splittable piece to the emptiest bin that holds no piece of that
@@ -54,13 +55,13 @@ def assign(items: Sequence, bins: int, cost: Callable[[Any], float],
   Returns, per bin, `(item, units)`: a `(lo, hi)` range of the item's units,
   or None for the whole item; without `units`, per bin its items.
   """
-  floors = min_ideal, min_share
-  whole, loads = _assign(items, bins, cost, size, lambda x: 0, level, floors=floors)
+  targets = min_ideal, min_share, slack
+  whole, loads = _assign(items, bins, cost, size, lambda x: 0, level, targets=targets)
   if units is None:
     return [[x for x, _ in mine] for mine in whole]
   if max(load[1] for load in loads) <= level:
     return whole
-  split, split_loads = _assign(items, bins, cost, size, units, level, max_parts, floors)
+  split, split_loads = _assign(items, bins, cost, size, units, level, max_parts, targets)
   if (max(load[1] for load in split_loads) < max(load[1] for load in loads)
       and max(load[0] for load in split_loads) <= max(load[0] for load in loads) + 0.02):
     return split
@@ -73,10 +74,12 @@ class _Bins:
   `(lo, hi)` units, or None for the whole item)."""
 
   def __init__(self, costs: list[float], sizes: list[float], counts: list[int],
-               bins: int, floors: tuple[float, float] = (0.0, 0.0)):
+               bins: int, targets: tuple[float, float, float] = (0.0, 0.0, 1.0)):
+    # targets: `assign`'s (min_ideal, min_share, slack)
     self.costs, self.sizes, self.counts, self.bins = costs, sizes, counts, bins
-    self.ideal_cost = max([sum(costs) / bins, floors[0]] + costs) or 1.0
-    self.ideal_size = max(sum(sizes) / bins, floors[1]) or 1.0
+    self.ideal_cost = max([sum(costs) / bins, targets[0]] + costs) or 1.0
+    self.ideal_size = max(sum(sizes) / bins, targets[1]) or 1.0
+    self.slack = targets[2]
     self.loads = [[0.0, 0.0] for _ in range(bins)]
     self.held: list[dict] = [{} for _ in range(bins)]
 
@@ -99,9 +102,9 @@ class _Bins:
       del self.held[b][i]
 
   def parts_of(self, i: int, max_parts: int) -> int:
-    """Pieces of item `i`: `⌈size / share⌉` when it splits and is larger than
-    the share, else 1."""
-    z, n = self.size(i), self.counts[i]
+    """Pieces of item `i`: `⌈size / (slack · share)⌉` when it splits and is
+    larger than that, else 1."""
+    z, n = self.size(i) / self.slack, self.counts[i]
     return min(self.bins, max_parts, n, math.ceil(z - 1e-9)) if n and z > 1 else 1
 
 
@@ -179,12 +182,12 @@ def _hand_over(bins: _Bins, b: int, worst: float, max_parts: int) -> bool:
 
 
 def _assign(items, bins: int, cost, size, units, level: float, max_parts=None,
-            floors: tuple[float, float] = (0.0, 0.0)):
+            targets: tuple[float, float, float] = (0.0, 0.0, 1.0)):
   """`assign`'s one pass at a given `units` (`lambda x: 0`: items whole):
   the greedy placement, then, while the fullest bin is over `level`, units
   handed over (`_hand_over`). Returns per bin `[(item, range)]` and the loads."""
   state = _Bins([cost(x) for x in items], [size(x) for x in items],
-                [units(x) for x in items], bins, floors)
+                [units(x) for x in items], bins, targets)
   max_parts = max_parts or bins
   _place(state, max_parts)
   worst = max(load[0] for load in state.loads)

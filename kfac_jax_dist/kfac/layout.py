@@ -666,33 +666,38 @@ def _assign_in_groups(group_items: list[list], group_size: int, method: str,
   (`owners.assign`: d³ and second-order numbers; a full factor larger than
   the share split into eigenvector columns when `split_factors`). `aligned`
   (HYBRID; False: the assignment of checkpoints saved before it): each group
-  balanced against the whole layout's pace (`_group_floors`), then its
-  devices' work moved into the groups' common slot table
-  (`owners.align_ranks`). Returns per group, per rank `[(factor, columns)]`."""
+  balanced against the whole layout's pace, pieces up to 5% over the share
+  (`_group_targets`), then its devices' work moved into the groups' common
+  slot table (`owners.align_ranks`). Returns per group, per rank
+  `[(factor, columns)]`."""
   cost = lambda t: eigh_cost(t[3], t[4])
   size = lambda t: sum(_second_parts(t[3], t[4], method))
   columns = lambda t: t[3] if split_factors and t[4] == factors.FULL else 0
-  floors = _group_floors(group_items, cost, size, group_size) if aligned else {}
+  targets = _group_targets(group_items, cost, size, group_size) if aligned else {}
   bins = [owners.assign(items, group_size, cost, size, columns, max_parts=max_parts,
-                        **floors) for items in group_items]
+                        **targets) for items in group_items]
   if not aligned:
     return bins
   piece_size = lambda p: size(p[0]) * (1 if p[1] is None else (p[1][1] - p[1][0]) / p[0][3])
   piece_cost = lambda p: cost(p[0])
-  limit = max(floors["min_ideal"], max(sum(map(piece_cost, b)) for g in bins for b in g))
+  limit = max(targets["min_ideal"], max(sum(map(piece_cost, b)) for g in bins for b in g))
   return owners.align_ranks(bins, piece_size, piece_cost, lambda p: p[0][:3], limit)
 
 
-def _group_floors(group_items: list[list], cost: Callable, size: Callable,
-                  group_size: int) -> dict[str, float]:
-  """`owners.assign`'s floors for one owner group among several: the whole
+def _group_targets(group_items: list[list], cost: Callable, size: Callable,
+                   group_size: int) -> dict[str, float]:
+  """`owners.assign`'s targets for one owner group among several: the whole
   layout's ideal decomposition cost `max(Σ d³ / P, largest d³)` (the slowest
   device sets every group's pace) and the largest group's share of numbers
-  (its segments set the slot table's size)."""
+  (its segments set the slot table's size); and pieces up to `owners.LEVEL`
+  times that share (GPT-2-XL at P = 256 in groups of 8: three 41 M-number
+  factors in two pieces each, not three, which would put two whole
+  decompositions on one of the eight devices)."""
   every = [t for items in group_items for t in items]
   num_devices = group_size * len(group_items)
   return dict(min_ideal=max([sum(map(cost, every)) / num_devices] + list(map(cost, every))),
-              min_share=max(sum(map(size, items)) for items in group_items) / group_size)
+              min_share=max(sum(map(size, items)) for items in group_items) / group_size,
+              slack=owners.LEVEL)
 
 
 def _is_replica(item: Owned) -> bool:
