@@ -36,17 +36,16 @@ def assign(items: Sequence, bins: int, cost: Callable[[Any], float],
   Items (largest relative cost or size first) go to the bin whose larger
   relative load — cost over its ideal `max(Σ cost / bins, largest cost,
   min_ideal)`, size over the share `max(Σ size / bins, min_share)` — grows
-  least. (The floors are for bins that are part of a larger machine: one
-  owner group among several, whose slowest device and largest group set the
-  pace, not this group's own mean.) An item that splits into
-  `units(x)` rows or columns (0: it does not) and is larger than `slack`
-  times the share goes as `r = ⌈size/(slack·share)⌉` pieces of near-equal
-  units to `r` distinct bins,
-  each charged the item's whole cost and its piece's size. Then, while the
-  fullest bin is over `level` times the share, it hands the last units of its
-  cheapest splittable piece to the emptiest bin that holds no piece of that
-  item and whose cost stays within the worst bin's. An item never has more
-  than `max_parts` pieces (default: no limit).
+  least. (The floors are for bins that are part of a larger machine: one owner
+  group among several, whose slowest device and largest group set the pace, not
+  this group's own mean.) An item that splits into `units(x)` rows or columns
+  (0: it does not) and is larger than `slack` times the share goes as `r =
+  ⌈size/(slack·share)⌉` pieces of near-equal units to `r` distinct bins, each
+  charged the item's whole cost and its piece's size. Then, while the fullest
+  bin is over `level` times the share, it hands the last units of its cheapest
+  splittable piece to the emptiest bin that holds no piece of that item and
+  whose cost stays within the worst bin's. An item never has more than
+  `max_parts` pieces (default: no limit).
 
   Splitting is tried only when the whole-item assignment leaves a bin over
   `level`, and kept only if it lowers the fullest bin's size without raising
@@ -233,10 +232,9 @@ def _pack_into(bins: Sequence[list], slots: Sequence[float], size, cost, key,
   out: list[list] = [[] for _ in slots]
   room, spent = list(slots), [0.0] * len(slots)
   held: list[set] = [set() for _ in slots]
-  for pieces in sorted(bins, key=lambda b: sum(map(size, b)), reverse=True):
-    if not pieces:
-      continue
-    z, c, keys = sum(map(size, pieces)), sum(map(cost, pieces)), {key(p) for p in pieces}
+  for z, pieces in sorted(((sum(map(size, b)), b) for b in bins if b),
+                          key=lambda t: t[0], reverse=True):
+    c, keys = sum(map(cost, pieces)), {key(p) for p in pieces}
     fits = [r for r in range(len(slots)) if z <= room[r] * (1 + 1e-9) and
             spent[r] + c <= limit * (1 + 1e-9) and not keys & held[r]]
     if not fits:

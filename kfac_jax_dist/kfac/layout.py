@@ -37,29 +37,28 @@ such run is one batched `eigh`/`cholesky` ("bucket"). The only padding is at
 the end of a segment, up to the longest device's (and, for chunked factors,
 fewer than `P` numbers at the end of the tight buffer).
 
-Oversized items are replicated. An item that travels whole from its owner —
-a factor's eigenbasis and eigenvalues gathered within its owner group (all
+Oversized items are replicated. An item that travels whole from its owner — a
+factor's eigenbasis and eigenvalues gathered within its owner group (all
 devices under COMM-OPT, the `m` of a group under HYBRID), a layer's
 preconditioned gradient gathered from its owner group (MEM-OPT, HYBRID) —
-larger than a device's (group's) share `Σ/P` makes its owner send more than
-the ring's `(P−1)/P·Σ/P`. Such an item gets `r = ⌈size/share⌉` owners (capped
-so that the copies stay within a compile budget, see `build`), each paying
-the whole `d³` of the decomposition but sending `1/r` of the item: factor
-owner `k` keeps eigenvector columns `[c_k, c_{k+1})` (and their eigenvalues,
-or those columns of a damped inverse), a replicated layer's group `k`
-preconditions and sends output rows `[r_k, r_{k+1})` of `(d_A, d_G)`. After
-the first assignment, devices still over their share by more than 5% hand
-rows/columns of their cheapest splittable item to the emptiest devices whose
-decomposition cost stays within the worst device's. Replicas are deterministic copies of one decomposition
-(the same call on the same input). The home copy (columns or rows from 0) is
-the one stored in tight chunks; a replica decomposes the running factor
-read from the gathered chunks (decomposition steps gather them anyway), or,
-with owner segments, stores its own copy (the statistics reach it with the
-reduce: a reduce-scatter sends them once per copy, an all-reduce to
-everybody anyway). Not with local factors (DP-KFAC: owners' factors differ)
-nor, for layers, with reduce-scattered gradients (SP-NGD: each copy would
-need the whole reduced gradient).
-"""
+larger than a device's (group's) share `Σ/P` makes its owner send more than the
+ring's `(P−1)/P·Σ/P`. Such an item gets `r = ⌈size/share⌉` owners (capped so
+that the copies stay within a compile budget, see `build`), each paying the
+whole `d³` of the decomposition but sending `1/r` of the item: factor owner `k`
+keeps eigenvector columns `[c_k, c_{k+1})` (and their eigenvalues, or those
+columns of a damped inverse), a replicated layer's group `k` preconditions and
+sends output rows `[r_k, r_{k+1})` of `(d_A, d_G)`. After the first assignment,
+devices still over their share by more than 5% hand rows/columns of their
+cheapest splittable item to the emptiest devices whose decomposition cost stays
+within the worst device's. Replicas are deterministic copies of one
+decomposition (the same call on the same input). The home copy (columns or rows
+from 0) is the one stored in tight chunks; a replica decomposes the running
+factor read from the gathered chunks (decomposition steps gather them anyway),
+or, with owner segments, stores its own copy (the statistics reach it with the
+reduce: a reduce-scatter sends them once per copy, an all-reduce to everybody
+anyway). Not with local factors (DP-KFAC: owners' factors differ) nor, for
+layers, with reduce-scattered gradients (SP-NGD: each copy would need the whole
+reduced gradient)."""
 
 from __future__ import annotations
 
