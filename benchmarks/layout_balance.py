@@ -59,7 +59,8 @@ HLO bytes are checked against the layout model. The program's size: the
 update of ResNet-50 and GPT-2-XL lowered (not compiled: 1024-device programs
 are beyond this machine's compile budget) at P = 64, 256 and 1024 in
 subprocesses, its StableHLO operations counted; the per-device code must not
-grow with P (P = 1024 at most 2× P = 64). GPT-2-XL's update is also lowered with
+grow with P (P = 1024 at most 2× P = 64). Both are also lowered under HYBRID
+(owner groups of 8, a node's devices: P/8 groups). GPT-2-XL's update is also lowered with
 SP-NGD's stale statistics (`stale_threshold=0.1`, "stale" rows) and, as a whole
 step with its capture, with EK-FAC ("ekfac" rows).
 
@@ -431,6 +432,7 @@ HLO_OP = re.compile(r"^\s*(ROOT\s+)?%?[\w.\-]+\s*=\s*\S")
 STABLEHLO_OP = re.compile(r"^\s*(%[\w#:]+(, %[\w#:]+)*\s*=\s*)?\"?(stablehlo|sdy|mhlo|func)\.")
 
 
+HYBRID_GROUP = 8        # the "HYBRID" program's owner groups: one node's 8 devices
 STALE = " stale"       # a strategy with SP-NGD's stale statistics (α = 0.1)
 EKFAC = " ekfac"       # a strategy with EK-FAC's correction: the whole step, capture included
 
@@ -443,7 +445,7 @@ def _update_program(model: str, p: int, strategy: str):
   eigenbases, so the capture needs the state)."""
   layers, _, params = discover(model)
   mesh = Mesh(np.array(jax.devices()[:p]), ("data",))
-  m = p if strategy.startswith("COMM-OPT") else 1
+  m = {"COMM-OPT": p, "HYBRID": HYBRID_GROUP}.get(strategy.split()[0], 1)
   dist = kd.Distribution(mesh, grad_worker_fraction=m / p)
   cadence = (dict(stale_threshold=0.1) if strategy.endswith(STALE) else
              dict(factor_update_every=10, inverse_update_every=100))
@@ -519,8 +521,10 @@ def compile_in_subprocess(model, p, strategy, timeout, compile_program=True) -> 
 # ------------------------------------------------------------- program size
 
 SIZE_MODELS = ("resnet50", "gpt2_xl")
-SIZE_STRATEGIES = {"resnet50": ("MEM-OPT", "COMM-OPT", "MEM-OPT" + EKFAC, "COMM-OPT" + EKFAC),
-                   "gpt2_xl": ("MEM-OPT", "COMM-OPT", "MEM-OPT" + STALE, "COMM-OPT" + STALE,
+SIZE_STRATEGIES = {"resnet50": ("MEM-OPT", "COMM-OPT", "HYBRID", "MEM-OPT" + EKFAC,
+                                "COMM-OPT" + EKFAC),
+                   "gpt2_xl": ("MEM-OPT", "COMM-OPT", "HYBRID", "MEM-OPT" + STALE,
+                               "COMM-OPT" + STALE,
                                "MEM-OPT" + EKFAC, "COMM-OPT" + EKFAC)}
 TARGET_SIZE = 2.0        # ops at P = 1024 over ops at P = 64
 
@@ -680,7 +684,12 @@ def main(argv=None):
               + (f"; alternative balance {r['balance']:.3f}" if alt_build is not None else ""),
               flush=True)
 
-  hybrid = [hybrid_memory(model, lay) for model in MODELS for lay in hybrid_layouts(model, ps)]
+  hybrid = []
+  for model in MODELS:
+    for lay in hybrid_layouts(model, ps):
+      hybrid.append(hybrid_memory(model, lay))
+      if lay.group_size == HYBRID_GROUP:
+        layouts[(model, lay.num_devices, "HYBRID")] = with_storage(lay)
   compiles = []
   cps = [int(v) for v in (args.compile if args.compile is not None
                           else ("8" if args.quick else "8,64,256")).split(",") if v]
@@ -945,7 +954,8 @@ def main(argv=None):
   out.append("")
   out.append("## Program size of the update (does the per-device code grow with P?)")
   out.append("")
-  out.append("The shard_map'd `tx.update` (eigen, cadence 10/100; \"stale\" rows: "
+  out.append("The shard_map'd `tx.update` (eigen, cadence 10/100; \"HYBRID\" rows: "
+             f"owner groups of {HYBRID_GROUP}, P/{HYBRID_GROUP} groups; \"stale\" rows: "
              "stale statistics, `stale_threshold=0.1`; \"ekfac\" rows: EK-FAC, the whole "
              "step with the capture that measures its statistic) lowered at each P in a "
              "subprocess with P host devices: its StableHLO operations (the program XLA "
