@@ -186,8 +186,9 @@ def test_checkpoint_of_an_older_packing_restores(tmp_path, monkeypatch, fraction
   params, state = _run(config, _params(), _init(*config), 0, 3)
   lay = find_states(state)[0].layout
   assert lay.second_rows == 1 and lay.second_array < lay.group_size * lay.second_segment
-  keys = {checkpoint.WIDE_ROWS, checkpoint.SHARED_ROWS, checkpoint.ALIGNED_GROUPS}
-  dropped = {checkpoint.WIDE_ROWS, checkpoint.ALIGNED_GROUPS} | (
+  keys = {checkpoint.WIDE_ROWS, checkpoint.SHARED_ROWS, checkpoint.ALIGNED_GROUPS,
+          checkpoint.FREE_GROUP_PIECES}
+  dropped = {checkpoint.WIDE_ROWS, checkpoint.ALIGNED_GROUPS, checkpoint.FREE_GROUP_PIECES} | (
       {checkpoint.SHARED_ROWS} if saved == "padded" else set())
   old = kd.convert_state(state, checkpoint._saved_layouts(
       state, {k: True for k in keys - dropped}))
@@ -214,26 +215,47 @@ def _split_in_a_group(lay) -> bool:
   return any(place.copies for plan in lay.plans for _, place in plan.places)
 
 
-def test_hybrid_checkpoint_before_groups_split_factors_restores(tmp_path, monkeypatch):
+@pytest.mark.parametrize("before", ["groups_aligned", "group_pieces_uncapped"])
+def test_hybrid_checkpoint_before_groups_split_factors_restores(tmp_path, monkeypatch,
+                                                                 before):
   """A HYBRID checkpoint saved before its groups split oversized factors over
-  several of their devices (metadata without `ALIGNED_GROUPS`: each factor
-  whole on one device of its group) restores into today's template, which
-  splits them: restored in the saved assignment
-  (`layout.rebuild(align_groups=False)`), moved by `convert_state`, bit
-  for bit the state it was saved from, and the run resumes on the
-  uninterrupted trajectory."""
+  several of their devices restores into today's template, which splits
+  them: saved before the groups were assigned together (metadata without
+  `ALIGNED_GROUPS`: each factor whole on one device of its group), or before
+  a factor's pieces within a group escaped the copies' cap (without
+  `FREE_GROUP_PIECES`; here with a budget of no copies, so the cap leaves
+  every factor whole). Restored in the saved assignment
+  (`layout.rebuild(align_groups=False)`, `cap_group_pieces=True`), moved by
+  `convert_state`, bit for bit the state it was saved from, and the run
+  resumes on the uninterrupted trajectory."""
+  from kfac_jax_dist.kfac import layout  # pylint: disable=import-outside-toplevel
   from kfac_jax_dist.tools import checkpoint  # pylint: disable=import-outside-toplevel
+  if before == "group_pieces_uncapped":
+    monkeypatch.setattr(layout, "REPLICA_BUDGET", 1.0)
+    monkeypatch.setattr(layout, "MIN_EXTRA_COPIES", 0)
+  _config.cache_clear()          # the transforms are built under this budget
+  try:
+    _restore_older_hybrid_checkpoint(tmp_path, monkeypatch, checkpoint, before)
+  finally:
+    monkeypatch.undo()
+    _config.cache_clear()
+
+
+def _restore_older_hybrid_checkpoint(tmp_path, monkeypatch, checkpoint, before):
   config = (8, 1 / 2)
   params, state = _run(config, _params(), _init(*config), 0, 3)
   assert _split_in_a_group(find_states(state)[0].layout)
-  before = {checkpoint.SHARED_ROWS: True, checkpoint.WIDE_ROWS: True}
-  old = kd.convert_state(state, checkpoint._saved_layouts(state, before))
+  kept = {checkpoint.SHARED_ROWS: True, checkpoint.WIDE_ROWS: True}
+  if before == "group_pieces_uncapped":
+    kept[checkpoint.ALIGNED_GROUPS] = True
+  old = kd.convert_state(state, checkpoint._saved_layouts(state, kept))
   assert not _split_in_a_group(find_states(old)[0].layout)
   metadata = checkpoint.checkpoint_metadata
-  monkeypatch.setattr(checkpoint, "checkpoint_metadata", lambda tree: {
-      k: v for k, v in metadata(tree).items() if k != checkpoint.ALIGNED_GROUPS})
-  kd.save_checkpoint(tmp_path / "ckpt", old)
-  monkeypatch.undo()
+  with monkeypatch.context() as m:
+    m.setattr(checkpoint, "checkpoint_metadata", lambda tree: {
+        k: v for k, v in metadata(tree).items()
+        if k in kept or k in ("kfac_states", "shampoo_states")})
+    kd.save_checkpoint(tmp_path / "ckpt", old)
   tx, mesh, _ = _config(*config)
   template = jax.eval_shape(tx.init, _params())
   restored = kd.restore_checkpoint(tmp_path / "ckpt", template, mesh=mesh)

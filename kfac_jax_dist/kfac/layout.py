@@ -547,7 +547,12 @@ def _second_parts(dim: int, form: str, method: str,
 # memory grow with them: at most REPLICA_BUDGET times the unreplicated count
 # (or MIN_EXTRA_COPIES more, for small models). ResNet-50: 2.4x at P = 64
 # (MEM-OPT); unlimited, 8.3x at P = 256, whose compile then needed more than
-# 19 GB.
+# 19 GB. HYBRID's pieces of a factor within its group (at most the group's
+# devices, column pieces that share branches by width) are not counted nor
+# capped: ResNet-50's HYBRID updates lower to at most 1.18x P = 64's operations
+# at P = 256 and 1024 (groups of 8 to 512) with them, and counted, its
+# 4608-wide factor stayed in fewer pieces than its group has devices
+# (benchmarks/results/PERF_NOTES.md §35).
 REPLICA_BUDGET = 2.5
 MIN_EXTRA_COPIES = 32
 
@@ -558,7 +563,9 @@ def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
   """Assigns layers to owner groups, factors to devices, and packs segments
   (see `_build`). Replicated items get at most as many owners as keeps the
   decompositions within `REPLICA_BUDGET` times the unreplicated layout's (or
-  `MIN_EXTRA_COPIES` more): the largest such cap (binary search), else none."""
+  `MIN_EXTRA_COPIES` more): the largest such cap (binary search), else none;
+  HYBRID's pieces of a factor within a group are neither counted nor capped
+  (unless `cap_group_pieces`, the assignment before they were free)."""
   built_with = (layers, tuple(param_paths), tuple(sorted(dict(
       options, replicate_factors=replicate_factors,
       replicate_layers=replicate_layers).items())))
@@ -570,7 +577,11 @@ def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
         built_with=built_with)
 
   def within_budget(lay: Layout) -> bool:
-    copies = sum(len(lay.owned(d)) for d in range(lay.num_devices))
+    copies = (sum(len(piece.places) for plan in lay.plans for piece in plan.pieces)
+              if _group_pieces_free(lay.num_groups, lay.group_size,
+                                    options.get("align_groups", True),
+                                    options.get("cap_group_pieces", False)) else
+              sum(len(lay.owned(d)) for d in range(lay.num_devices)))
     single = sum(len(plan.places) for plan in lay.plans)
     return copies <= max(REPLICA_BUDGET * single, single + MIN_EXTRA_COPIES)
 
@@ -617,10 +628,18 @@ def _factors_of(layer: registry.TaggedLayer, max_factor_dim: int | None) -> tupl
           ("g", layer.g_dim, factor_form(layer.g_dim, max_factor_dim)))
 
 
+def _group_pieces_free(num_groups: int, group_size: int, align_groups: bool,
+                       cap_group_pieces: bool) -> bool:
+  """Whether a factor's pieces within an owner group escape the copies' cap:
+  under HYBRID (several groups of several devices, assigned together) unless
+  `cap_group_pieces` (checkpoints saved before, `tools.checkpoint`)."""
+  return num_groups > 1 and group_size > 1 and align_groups and not cap_group_pieces
+
+
 def _assign_owners(kept: list, max_factor_dim: int | None, num_devices: int,
                    group_size: int, method: str, replicate_factors: bool,
                    replicate_layers: bool, max_parts: int | None,
-                   align_groups: bool = True
+                   align_groups: bool = True, cap_group_pieces: bool = False
                    ) -> tuple[dict[str, list], list[list[Owned]]]:
   """Layers to owner groups, then each group's factors to its devices
   (`_assign_in_groups`). Both balance the decomposition cost d³ and the
@@ -652,7 +671,9 @@ def _assign_owners(kept: list, max_factor_dim: int | None, num_devices: int,
                  for g, members in enumerate(group_bins)]
   split_factors = (replicate_factors and group_size > 1
                    and (num_groups == 1 or align_groups))
-  bins = _assign_in_groups(group_items, group_size, method, split_factors, max_parts,
+  free = _group_pieces_free(num_groups, group_size, align_groups, cap_group_pieces)
+  bins = _assign_in_groups(group_items, group_size, method, split_factors,
+                           None if free else max_parts,
                            aligned=num_groups > 1 and group_size > 1 and align_groups)
   owned = [[item + (columns,) for item, columns in mine] for group in bins for mine in group]
   return pieces, owned
@@ -807,7 +828,7 @@ def _build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
            method: str = "eigen", packed: bool = True,
            factor_storage: str = CHUNKED, replicate_factors: bool = True,
            replicate_layers: bool = True, max_parts: int | None = None,
-           align_groups: bool = True) -> Layout:
+           align_groups: bool = True, cap_group_pieces: bool = False) -> Layout:
   """Assigns layers to owner groups, factors to devices, and packs segments.
 
   A stacked layer becomes one plan per block (`TaggedLayer.blocks`), each with
@@ -816,8 +837,9 @@ def _build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
   block 0 first (`precondition.write_back` relies on it). Oversized full factors
   (within an owner group; with several groups unless `align_groups` is
   False) and layers (several groups) are split over several owners (at most
-  `max_parts`) unless `replicate_factors` / `replicate_layers` is False (see
-  the module docstring).
+  `max_parts`; HYBRID's factors within a group up to its size, unless
+  `cap_group_pieces`) unless `replicate_factors` / `replicate_layers` is
+  False (see the module docstring).
   """
   patterns = [re.compile(p) for p in skip]
   kept, skipped = [], []
@@ -828,7 +850,7 @@ def _build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
       kept.extend(layer.blocks())
   pieces, owned = _assign_owners(kept, max_factor_dim, num_devices, group_size, method,
                                  replicate_factors, replicate_layers, max_parts,
-                                 align_groups)
+                                 align_groups, cap_group_pieces)
   pack = _pack(owned, packed, method, {layer.name: layer for layer in kept})
   plans = _layer_plans(kept, pieces, pack.places)
   covered = {p for plan in plans for p in (plan.layer.kernel_path, plan.layer.bias_path)}

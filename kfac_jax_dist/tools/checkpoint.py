@@ -52,10 +52,13 @@ _STATE, _META = "state", "kfac_layout"
 # in the metadata of checkpoints whose second-order segments may share rows
 # (of `L₂`), of those whose rows are wide (`layout.WIDE_ROWS`), and of those
 # whose HYBRID groups are assigned together (oversized factors split within a
-# group, every group's devices in one slot table: `layout._assign_in_groups`)
+# group, every group's devices in one slot table: `layout._assign_in_groups`),
+# and of those whose HYBRID pieces within a group escape the copies' cap
+# (`layout._group_pieces_free`)
 SHARED_ROWS = "second_order_rows_shared"
 WIDE_ROWS = "second_order_rows_wide"
 ALIGNED_GROUPS = "owner_groups_aligned"
+FREE_GROUP_PIECES = "group_pieces_uncapped"
 
 
 def _is_kfac(x) -> bool:
@@ -110,15 +113,16 @@ def layout_metadata(lay: layout_lib.Layout) -> dict[str, Any]:
 def checkpoint_metadata(tree: Any) -> dict[str, Any]:
   """`layout_metadata` of every K-FAC state in `tree`, and
   `shampoo_layout_metadata` of every Shampoo state, in tree order; and
-  `SHARED_ROWS`, `WIDE_ROWS` and `ALIGNED_GROUPS`, which tell
-  `restore_checkpoint` how K-FAC layouts pack second-order segments
-  (`Layout.second_packing`) and whether HYBRID's groups were assigned
-  together."""
+  `SHARED_ROWS`, `WIDE_ROWS`, `ALIGNED_GROUPS` and `FREE_GROUP_PIECES`, which
+  tell `restore_checkpoint` how K-FAC layouts pack second-order segments
+  (`Layout.second_packing`), whether HYBRID's groups were assigned together
+  and whether their factors' pieces were capped."""
   shampoo_states = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_shampoo)
                     if _is_shampoo(x)]
   return {"kfac_states": [layout_metadata(s.layout) for s in kfac_lib.find_states(tree)],
           "shampoo_states": [shampoo_layout_metadata(s.layout) for s in shampoo_states],
-          SHARED_ROWS: True, WIDE_ROWS: True, ALIGNED_GROUPS: True}
+          SHARED_ROWS: True, WIDE_ROWS: True, ALIGNED_GROUPS: True,
+          FREE_GROUP_PIECES: True}
 
 
 def _checkpointer():
@@ -200,16 +204,20 @@ def _saved_layouts(template: Any, meta: dict) -> Any:
   before segments shared rows (`layout.PADDED_ROWS`: `[m·L₂]` per device,
   EK-FAC's gathered eigenbases `[P·L₂]`), and HYBRID's assignment before its
   groups were assigned together (`layout.rebuild(align_groups=False)`, in
-  the saved factor storage); `template` itself where no layout differs."""
-  if meta.get(ALIGNED_GROUPS):
+  the saved factor storage) or before a factor's pieces within a group were
+  uncapped (`cap_group_pieces=True`); `template` itself where no layout
+  differs."""
+  if meta.get(FREE_GROUP_PIECES):
     return template
+  assignment_then = (dict(cap_group_pieces=True) if meta.get(ALIGNED_GROUPS) else
+                     dict(align_groups=False))
   packing_then = (layout_lib.WIDE_ROWS if meta.get(WIDE_ROWS) else
                   layout_lib.SEGMENT_ROWS if meta.get(SHARED_ROWS) else layout_lib.PADDED_ROWS)
   saved_layouts = iter(meta.get("kfac_states", []))
 
   def layout_then(lay: layout_lib.Layout, saved: dict) -> layout_lib.Layout:
     if lay.num_groups > 1 and lay.group_size > 1 and lay.built_with:
-      lay = layout_lib.rebuild(lay, align_groups=False)
+      lay = layout_lib.rebuild(lay, **assignment_then)
       lay = dataclasses.replace(lay, factor_storage=saved.get("factor_storage",
                                                               lay.factor_storage))
     return dataclasses.replace(lay, second_packing=packing_then)
