@@ -7,9 +7,9 @@ groups) exceeds a device's share and gets several owners (`layout`).
 """
 
 import functools
+import itertools
 import os
 import sys
-import itertools
 
 import flax.linen as nn
 import jax
@@ -21,11 +21,12 @@ import pytest
 import kfac_jax_dist as kd
 
 import helpers
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
-                                "benchmarks"))
 from kfac_jax_dist.tools import checkpoint
 from kfac_jax_dist.kfac.state import find_states, running_factors, second_order_parts
+
+# benchmarks/layout_balance: the pod-scale models' layer shapes
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                "benchmarks"))
 
 STEPS = 6            # counts 0..5: inverse at 0, 3; factor-only at 2, 4; plain at 1, 5
 CADENCE = {"factor_update_every": 2, "inverse_update_every": 3}

@@ -548,8 +548,8 @@ def _second_parts(dim: int, form: str, method: str,
 # (or MIN_EXTRA_COPIES more, for small models). ResNet-50: 2.4x at P = 64
 # (MEM-OPT); unlimited, 8.3x at P = 256, whose compile then needed more than
 # 19 GB. HYBRID's pieces of a factor within its group (at most the group's
-# devices, column pieces that share branches by width) are not counted nor
-# capped: ResNet-50's HYBRID updates lower to at most 1.18x P = 64's operations
+# devices, column pieces that share branches by width) are neither counted
+# nor capped: ResNet-50's HYBRID updates lower to at most 1.18x P = 64's operations
 # at P = 256 and 1024 (groups of 8 to 512) with them, and counted, its
 # 4608-wide factor stayed in fewer pieces than its group has devices
 # (benchmarks/results/PERF_NOTES.md §35).
