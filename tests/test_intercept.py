@@ -262,6 +262,7 @@ class _Unsupported(nn.Module):
     x = nn.ConvTranspose(4, (3, 3), padding="CIRCULAR", param_dtype=F64, name="up")(x)
     x = nn.Conv(4, (3, 3), mask=_MASK, param_dtype=F64, name="masked")(x)
     x = nn.Conv(4, (3, 3), param_dtype=F64, name="plain")(x)
+    x = nn.Einsum((4, 4), "...c,cd->...d", param_dtype=F64, name="mix")(x)
     return nn.Dense(10, param_dtype=F64)(x.reshape(x.shape[0], -1))
 
 
@@ -280,6 +281,7 @@ def test_uncaptured_layers_are_reported_and_pass_through():
   reported = {u.where: (u.kind, u.reason) for u in layers.uncaptured}
   assert reported["up"][0] == "ConvTranspose"
   assert reported["masked"] == ("Conv", "masked kernel")
+  assert reported["mix"] == ("Einsum", "a general einsum contraction")
   # their gradients are jax's; the K-FAC state passes them through and says so
   _, grads, _ = grad_fn(params, x, y)
   want = jax.grad(lambda p: kd.losses.softmax_cross_entropy(model.apply({"params": p}, x),
@@ -424,10 +426,11 @@ class _NnxUnsupported(nnx.Module):
     self.custom = nnx.Conv(4, 4, (3, 3), param_dtype=F64, rngs=rngs,
                            conv_general_dilated=lambda *a, **k: lax.conv_general_dilated(*a, **k))
     self.plain = nnx.Conv(4, 4, (3, 3), param_dtype=F64, rngs=rngs)
+    self.mix = nnx.Einsum("...c,cd->...d", (4, 4), param_dtype=F64, rngs=rngs)
     self.head = nnx.Linear(100, 10, param_dtype=F64, rngs=rngs)
 
   def __call__(self, x):
-    x = self.plain(self.custom(self.up(x)))
+    x = self.mix(self.plain(self.custom(self.up(x))))
     return self.head(x.reshape(x.shape[0], -1))
 
 
@@ -444,7 +447,7 @@ def test_nnx_uncaptured_layers_are_reported():
     layers = grad_fn.discover(params, x, y)
   assert layers.names() == ("plain", "head")
   reported = {u.where: u.kind for u in layers.uncaptured}
-  assert reported == {"up": "ConvTranspose", "custom": "Conv"}
+  assert reported == {"up": "ConvTranspose", "custom": "Conv", "mix": "Einsum"}
   _, grads, _ = grad_fn(params, x, y)
   want = jax.grad(lambda p: kd.losses.softmax_cross_entropy(nnx.merge(graphdef, p)(x),
                                                             y))(params)
@@ -453,7 +456,8 @@ def test_nnx_uncaptured_layers_are_reported():
   uncaptured = {r[2] for r in (line.split() for line in table.splitlines())
                 if r[:2] == ["-", "uncaptured"]}
   assert {p.split("/value")[0] for p in uncaptured} == {"up/kernel", "up/bias",
-                                                        "custom/kernel", "custom/bias"}
+                                                        "custom/kernel", "custom/bias",
+                                                        "mix/kernel"}
   assert "Uncaptured layer up (ConvTranspose" in table
 
 

@@ -573,14 +573,43 @@ def test_linen_batch_norm_drop_in(kwargs, call):
   _linen_pair(kd.linen.BatchNorm, nn.BatchNorm, kwargs, x, call, mutable=True)
 
 
+@pytest.mark.parametrize("name,kwargs,shape", [
+    ("GroupNorm", dict(num_groups=2), (2, 3, 3, 4)),
+    ("GroupNorm", dict(num_groups=None, group_size=1, use_bias=False), (2, 3, 3, 4)),
+    ("GroupNorm", dict(num_groups=2, reduction_axes=(-1,)), (2, 5, 4)),
+    ("GroupNorm", dict(num_groups=1, use_fast_variance=False, epsilon=1e-3), (3, 4)),
+    ("InstanceNorm", dict(), (2, 3, 3, 4)),
+    ("InstanceNorm", dict(use_bias=False, use_fast_variance=False), (2, 5, 4)),
+])
+def test_linen_group_and_instance_norm_drop_in(name, kwargs, shape):
+  x = 2.0 + jax.random.normal(jax.random.PRNGKey(0), shape)
+  ours, theirs = getattr(kd.linen, name), getattr(nn, name)
+  _linen_pair(ours, theirs, kwargs, x)
+  mask = jnp.arange(x.size).reshape(x.shape) % 5 != 1
+  _linen_pair(ours, theirs, kwargs, x, dict(mask=mask))
+
+
+def test_linen_group_norm_refuses_what_flax_refuses():
+  x = jnp.ones((2, 3, 4))
+  for kwargs in (dict(num_groups=3), dict(num_groups=2, group_size=2),
+                 dict(num_groups=2, reduction_axes=(1,))):
+    with pytest.raises(ValueError) as theirs:
+      nn.GroupNorm(**kwargs).init(jax.random.PRNGKey(0), x)
+    with pytest.raises(ValueError) as ours:
+      kd.linen.GroupNorm(**kwargs).init(jax.random.PRNGKey(0), x)
+    assert str(ours.value) == str(theirs.value)
+
+
 @pytest.mark.parametrize("cls,kwargs", [
     (nn.LayerNorm, dict(use_scale=False)),
     (nn.LayerNorm, dict(feature_axes=-2, reduction_axes=-2)),
     (nn.BatchNorm, dict(use_running_average=False, axis=1)),
     (nn.BatchNorm, dict(use_running_average=False, force_float32_reductions=False)),
+    (nn.GroupNorm, dict(num_groups=2, use_scale=False)),
+    (nn.InstanceNorm, dict(feature_axes=1)),
 ])
 def test_linen_norm_unusual_passes_through(cls, kwargs):
-  ours_cls = {nn.LayerNorm: kd.linen.LayerNorm, nn.BatchNorm: kd.linen.BatchNorm}[cls]
+  ours_cls = getattr(kd.linen, cls.__name__)
   x = jax.random.normal(jax.random.PRNGKey(0), (4, 3, 2))
   ref = cls(**kwargs).init(jax.random.PRNGKey(1), x)
   with pytest.warns(UserWarning, match="not tagged"):
@@ -632,6 +661,22 @@ def test_nnx_embed_layer_norm_batch_norm_drop_in():
   with pytest.warns(UserWarning, match="not tagged"):
     _nnx_check(kd.nnx.BatchNorm, nnx.BatchNorm, (2,), dict(use_scale=False), x,
                dict(use_running_average=False))
+
+
+def test_nnx_group_and_instance_norm_drop_in():
+  x = 1.0 + jax.random.normal(jax.random.PRNGKey(0), (4, 3, 2, 4))
+  _nnx_check(kd.nnx.GroupNorm, nnx.GroupNorm, (4,), dict(num_groups=2), x)
+  _nnx_check(kd.nnx.GroupNorm, nnx.GroupNorm, (4,),
+             dict(num_groups=None, group_size=1, use_bias=False), x,
+             dict(mask=jnp.arange(x.size).reshape(x.shape) % 5 != 1))
+  _nnx_check(kd.nnx.InstanceNorm, nnx.InstanceNorm, (4,), dict(epsilon=1e-3), x)
+  # NNX repeats the groups' statistics along axis 1: where that is not the
+  # channels' last axis left, its own code runs, untagged.
+  with pytest.warns(UserWarning, match="GroupNorm with reduction axes.*not tagged"):
+    _nnx_check(kd.nnx.GroupNorm, nnx.GroupNorm, (4,),
+               dict(num_groups=2, reduction_axes=(-1,)), x[:, 0])
+  with pytest.warns(UserWarning, match="InstanceNorm with feature axes.*not tagged"):
+    _nnx_check(kd.nnx.InstanceNorm, nnx.InstanceNorm, (2,), dict(feature_axes=2), x)
 
 
 # ---------------------------------------------------------------------------
@@ -851,6 +896,103 @@ def test_batch_norm_linen_nnx_plain_agree():
       assert_trees_equal(aux["batch_stats"]["BatchNorm_0"], ref["batch_stats"], rtol=1e-6)
     elif key == "nnx":
       assert_trees_equal(nnx.to_pure_dict(aux)["bn"], ref["batch_stats"], rtol=1e-6)
+
+
+def _group_norm_hat(x, groups, eps=1e-6):
+  """GroupNorm's `x̂` over an image's positions and each group's channels."""
+  grouped = x.reshape(x.shape[:-1] + (groups, -1))
+  mean = grouped.mean((1, 2, 4), keepdims=True)
+  var = jnp.maximum((grouped * grouped).mean((1, 2, 4), keepdims=True) - mean * mean, 0.0)
+  return ((grouped - mean) * lax.rsqrt(var + eps)).reshape(x.shape)
+
+
+def _linen_group_model(lib):
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = jnp.tanh(lib.GroupNorm(num_groups=2, param_dtype=jnp.float64)(x))
+      h = jnp.tanh(lib.InstanceNorm(param_dtype=jnp.float64)(h))
+      return kd.linen.Dense(3, param_dtype=jnp.float64, precision=HIGHEST)(h.mean((1, 2)))
+  return Model()
+
+
+class NnxGroupModel(nnx.Module):
+  def __init__(self, lib, rngs):
+    self.gn = lib.GroupNorm(4, num_groups=2, param_dtype=jnp.float64, rngs=rngs)
+    self.inorm = lib.InstanceNorm(4, param_dtype=jnp.float64, rngs=rngs)
+    self.out = kd.nnx.Linear(4, 3, param_dtype=jnp.float64, precision=HIGHEST, rngs=rngs)
+
+  def __call__(self, x):
+    h = jnp.tanh(self.inorm(jnp.tanh(self.gn(x))))
+    return self.out(h.mean((1, 2)))
+
+
+def test_group_and_instance_norm_linen_nnx_plain_intercepted_agree():
+  """GroupNorm (Wu & He 2018) and InstanceNorm normalise each image on its own;
+  their scale and bias get SP-NGD's unit-wise Fisher with an image as the
+  example (`example_dims=1`), from `x̂` and the output gradients, as
+  BatchNorm's do; the tagged layers and the intercepted Flax ones agree."""
+  kx, ky = jax.random.split(jax.random.PRNGKey(9))
+  x = 0.5 + randn(kx, (4, 3, 2, 4))
+  y = jax.random.randint(ky, (4,), 0, 3)
+  params = _randomized(_linen_group_model(kd.linen).init(jax.random.PRNGKey(8), x)["params"])
+  plain = {"gn": params["GroupNorm_0"], "in": params["InstanceNorm_0"],
+           "out": params["Dense_0"]}
+  in_hat = lambda h: _group_norm_hat(h, 4)             # a group per channel
+
+  def plain_loss(p, x, y):
+    h = jnp.tanh(kd.tags.scale_and_shift(_group_norm_hat(x, 2), p["gn"]["scale"],
+                                         p["gn"]["bias"], example_dims=1))
+    h = jnp.tanh(kd.tags.scale_and_shift(in_hat(h), p["in"]["scale"], p["in"]["bias"],
+                                         example_dims=1))
+    logits = kd.tags.dense(h.mean((1, 2)), p["out"]["kernel"], p["out"]["bias"],
+                           precision=HIGHEST)
+    return kd.losses.softmax_cross_entropy(logits, y)
+
+  def hidden(e):
+    h = jnp.tanh(_group_norm_hat(x, 2) * plain["gn"]["scale"] + plain["gn"]["bias"]
+                 + e["gn"])
+    return h, jnp.tanh(in_hat(h) * plain["in"]["scale"] + plain["in"]["bias"] + e["in"])
+
+  def forward(e):
+    return (hidden(e)[1].mean((1, 2)) @ plain["out"]["kernel"] + plain["out"]["bias"]
+            + e["out"])
+
+  eps0 = {"gn": jnp.zeros(x.shape), "in": jnp.zeros(x.shape), "out": jnp.zeros((4, 3))}
+  g = output_gradients(forward, eps0, lambda out: ce_per_example(out, y))
+  h1, h2 = hidden(jax.tree.map(jnp.zeros_like, eps0))
+  expected = {"gn": unitwise_stats(_group_norm_hat(x, 2), g["gn"], 4, example_dims=1),
+              "in": unitwise_stats(in_hat(h1), g["in"], 4, example_dims=1),
+              "out": dense_stats(h2.mean((1, 2)), g["out"], 4, True)}
+
+  def linen_loss(lib):
+    model = _linen_group_model(lib)
+    return lambda p, x, y: kd.losses.softmax_cross_entropy(model.apply({"params": p}, x), y)
+
+  def nnx_case(lib):
+    model = NnxGroupModel(lib, nnx.Rngs(0))
+    nnx.update(model, {"gn": plain["gn"], "inorm": plain["in"], "out": plain["out"]})
+    graphdef, state = nnx.split(model, nnx.Param)
+    return state, lambda p, x, y: kd.losses.softmax_cross_entropy(
+        nnx.merge(graphdef, p)(x), y)
+
+  linen_names = {"gn": "GroupNorm_0", "in": "InstanceNorm_0", "out": "Dense_0"}
+  nnx_names = {"gn": "gn", "in": "inorm", "out": "out"}
+  cases = [("plain", plain, plain_loss, "tags", {k: k for k in expected}),
+           ("linen", params, linen_loss(kd.linen), "tags", linen_names),
+           ("linen intercepted", params, linen_loss(nn), "flax", linen_names),
+           ("nnx", *nnx_case(kd.nnx), "tags", nnx_names),
+           ("nnx intercepted", *nnx_case(nnx), "flax", nnx_names)]
+  for case, p, fn, how, names in cases:
+    grad_fn = kd.value_and_grad(fn, capture=how)
+    layers = grad_fn.discover(p, x, y)
+    assert [(l.name, l.kind) for l in layers.layers] == [
+        (names["gn"], "scale_and_shift"), (names["in"], "scale_and_shift"),
+        (names["out"], "dense")], case
+    assert not layers.uncaptured, case
+    _, grads, stats = jax.jit(grad_fn)(p, x, y)
+    assert_trees_equal(grads, jax.jit(jax.grad(fn))(p, x, y))
+    check_stats(stats, expected, names)
 
 
 # ---------------------------------------------------------------------------

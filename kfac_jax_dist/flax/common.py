@@ -1,6 +1,7 @@
 """What the linen and NNX wrappers share: which Flax configurations K-FAC
 supports, the warning for those it passes through, and the normalisation
-arithmetic of LayerNorm / BatchNorm up to their scale and shift."""
+arithmetic of LayerNorm / RMSNorm / BatchNorm / GroupNorm / InstanceNorm up to
+their scale and shift."""
 
 from __future__ import annotations
 
@@ -208,6 +209,62 @@ def moments(x, axes, dtype=None, axis_name=None, axis_index_groups=None,
   (mu,) = mean(x)
   (var,) = mean(jnp.square(x - jnp.expand_dims(mu, axes)))
   return mu, var
+
+
+def group_count(channels: int, num_groups, group_size) -> int | None:
+  """GroupNorm's number of channel groups from Flax's `num_groups` xor
+  `group_size`, or None where Flax refuses the configuration (its own code
+  then raises its error)."""
+  if (num_groups is None) == (group_size is None):
+    return None
+  if group_size is not None:
+    ok = isinstance(group_size, int) and group_size > 0 and channels % group_size == 0
+    return channels // group_size if ok else None
+  ok = isinstance(num_groups, int) and num_groups > 0 and channels % num_groups == 0
+  return num_groups if ok else None
+
+
+def group_reduction_axes(ndim: int, reduction_axes) -> tuple[int, ...] | None:
+  """GroupNorm's reduction axes, sorted and non-negative (Flax's default: every
+  axis but the leading batch one), or None where they leave out the last,
+  channel, axis (Flax raises)."""
+  axes = (tuple(range(1, ndim)) if reduction_axes is None
+          else _canonical_axes(ndim, reduction_axes))
+  return axes if ndim - 1 in axes else None
+
+
+def group_moments(x, num_groups: int, axes: tuple[int, ...], dtype=None, axis_name=None,
+                  axis_index_groups=None, fast_variance: bool = True, mask=None):
+  """GroupNorm's mean and variance (Wu & He 2018): `moments` of each group of
+  `C / num_groups` consecutive channels over `axes` (`group_reduction_axes`),
+  repeated over the group's channels: shaped like `x` without the reduced
+  axes but the last."""
+  size = x.shape[-1] // num_groups
+  grouped = jnp.reshape(x, x.shape[:-1] + (num_groups, size))
+  if mask is not None:
+    mask = jnp.reshape(mask, jnp.shape(mask)[:-1] + (num_groups, size))
+  mean, var = moments(grouped, axes[:-1] + (grouped.ndim - 1,), dtype, axis_name,
+                      axis_index_groups, fast_variance, mask)
+  return jnp.repeat(mean, size, axis=-1), jnp.repeat(var, size, axis=-1)
+
+
+def group_normalized(module, x, num_groups: int, axes: tuple[int, ...], mask):
+  """A linen or NNX GroupNorm's `x̂` (`group_moments` over `axes`)."""
+  mean, var = group_moments(x, num_groups, axes, module.dtype, module.axis_name,
+                            module.axis_index_groups, module.use_fast_variance, mask)
+  return normalized(x, mean, var, axes[:-1], module.epsilon)
+
+
+def instance_normalized(module, x, mask):
+  """A linen or NNX InstanceNorm's `x̂` (channels last): normalised per example
+  and channel over the axes between; None for a 1-D input (Flax's code raises
+  its error)."""
+  if jnp.ndim(x) < 2:
+    return None
+  axes = tuple(range(1, jnp.ndim(x) - 1))
+  mean, var = moments(x, axes, module.dtype, module.axis_name, module.axis_index_groups,
+                      module.use_fast_variance, mask)
+  return normalized(x, mean, var, axes, module.epsilon)
 
 
 def normalized(x, mean, var, reduction_axes, epsilon: float):

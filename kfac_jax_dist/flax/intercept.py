@@ -4,9 +4,10 @@ Linen:
 The loss function runs under `flax.linen.intercept_methods`: when Flax is
 about to run the `__call__` of one of its own `Dense`, `DenseGeneral`
 (including the projections inside `MultiHeadDotProductAttention` /
-`SelfAttention`), `Conv`, `ConvTranspose`, `Embed`, `LayerNorm`, `RMSNorm`
-or `BatchNorm` (or of a subclass that does not replace it), the interceptor
-runs the same module through the tagged computation of `kd.linen` instead
+`SelfAttention`), `Conv`, `ConvTranspose`, `Embed`, `LayerNorm`, `RMSNorm`,
+`BatchNorm`, `GroupNorm` or `InstanceNorm` (or of a subclass that does not
+replace it), the interceptor runs the same module through the tagged
+computation of `kd.linen` instead
 (`kfac_jax_dist.flax.linen`): the same parameters, names, statistics and
 conventions as the `kd.linen` layer, `kfac_example_dims` at its class default.
 Flax's `OptimizedLSTMCell` (its gates' kernels joined into one product) runs
@@ -17,18 +18,17 @@ releases).
 
 A configuration the tagged computation does not support (a masked
 kernel, a custom `dot_general`, ...) and the layers with no tagged form
-(`ConvLocal`, `Einsum`, `GroupNorm`, `InstanceNorm`) run
-Flax's own code and are reported as uncaptured (`discover`'s
-`LayerRegistry.uncaptured`, `kd.describe`): their parameters pass through
-K-FAC unpreconditioned, never silently mis-captured. `kd.linen` layers
-inside an intercepted model tag themselves as before.
+(`ConvLocal`, `Einsum`) run Flax's own code and are reported as uncaptured
+(`discover`'s `LayerRegistry.uncaptured`, `kd.describe`): their parameters
+pass through K-FAC unpreconditioned, never silently mis-captured. `kd.linen`
+layers inside an intercepted model tag themselves as before.
 
 NNX has no method interception: while the loss runs, the `__call__` of
 `nnx.Linear`, `LinearGeneral` (with `MultiHeadAttention`'s projections),
-`Conv`, `ConvTranspose`, `Embed`, `LayerNorm`, `RMSNorm` and `BatchNorm` is
-replaced on those classes by the tagged computation of `kd.nnx`
-(`kfac_jax_dist.flax.nnx`), and `Einsum`, `GroupNorm`, `InstanceNorm` report
-themselves as uncaptured; the classes are restored when the loss returns. The
+`Conv`, `ConvTranspose`, `Embed`, `LayerNorm`, `RMSNorm`, `BatchNorm`,
+`GroupNorm` and `InstanceNorm` is replaced on those classes by the tagged
+computation of `kd.nnx` (`kfac_jax_dist.flax.nnx`), and `Einsum` reports
+itself as uncaptured; the classes are restored when the loss returns. The
 user's classes are untouched (a subclass that does not replace `__call__` is
 captured through its base). While a capture runs in one thread, another
 thread tracing NNX layers would run the tagged computations too (outside a
@@ -83,15 +83,15 @@ def _handlers() -> dict[Callable, Handler]:
           _raw(nn.ConvTranspose): plain(linen.conv_transpose),
           _raw(nn.DenseGeneral): plain(linen.dense_general),
           _raw(nn.Embed): plain(linen.embed), _raw(nn.LayerNorm): norm(linen.layer_norm),
-          _raw(nn.RMSNorm): norm(linen.rms_norm), _raw(nn.BatchNorm): batch_norm}
+          _raw(nn.RMSNorm): norm(linen.rms_norm), _raw(nn.BatchNorm): batch_norm,
+          _raw(nn.GroupNorm): norm(linen.group_norm),
+          _raw(nn.InstanceNorm): norm(linen.instance_norm)}
 
 
 # Flax layers with parameters and no tagged form: reported, run as they are.
 UNSUPPORTED = {
     "ConvLocal": "an unshared (locally connected) convolution",
     "Einsum": "a general einsum contraction",
-    "GroupNorm": "group normalisation (statistics over channel groups)",
-    "InstanceNorm": "instance normalisation",
 }
 
 
@@ -136,7 +136,8 @@ def _nnx_handlers() -> dict[type, Handler]:
           nnx.LinearGeneral: projection(nnx_layers.linear_general),
           nnx.Embed: projection(nnx_layers.embed),
           nnx.LayerNorm: norm(nnx_layers.layer_norm), nnx.RMSNorm: norm(nnx_layers.rms_norm),
-          nnx.BatchNorm: batch_norm}
+          nnx.BatchNorm: batch_norm, nnx.GroupNorm: norm(nnx_layers.group_norm),
+          nnx.InstanceNorm: norm(nnx_layers.instance_norm)}
 
 
 @functools.lru_cache(maxsize=None)

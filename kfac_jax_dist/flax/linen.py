@@ -2,18 +2,19 @@
 
 Same constructor arguments, parameter names and shapes (and, for BatchNorm,
 `batch_stats` collection) as `flax.linen.Dense`, `DenseGeneral`, `Conv`,
-`ConvTranspose`, `Embed`, `LayerNorm` and `BatchNorm`, so a plain Flax
-checkpoint loads into the tagged model. Configurations with no supported form
-here (masks, custom dot/conv functions, DenseGeneral
-batch axes or contractions over other than the last axes, normalisation over
-other than the last feature axis, an offset without a scale, ...) run Flax's
-own code, untagged, with a warning (and `discover` lists them as uncaptured).
+`ConvTranspose`, `Embed`, `LayerNorm`, `RMSNorm`, `BatchNorm`, `GroupNorm` and
+`InstanceNorm`, so a plain Flax checkpoint loads into the tagged model.
+Configurations with no supported form here (masks, custom dot/conv functions,
+DenseGeneral batch axes or contractions over other than the last axes,
+normalisation over other than the last feature axis, an offset without a
+scale, ...) run Flax's own code, untagged, with a warning (and `discover`
+lists them as uncaptured).
 
 Each layer's computation is a function of the module (`dense`, `conv`,
-`dense_general`, `embed`, `layer_norm`, `batch_norm`, `rms_norm`), shared by
-the classes below and by the interception of unmodified `flax.linen` layers
-(`kfac_jax_dist.flax.intercept`); on a plain Flax module they read
-`kfac_example_dims` as the class's default.
+`dense_general`, `embed`, `layer_norm`, `batch_norm`, `rms_norm`,
+`group_norm`, `instance_norm`), shared by the classes below and by the
+interception of unmodified `flax.linen` layers (`kfac_jax_dist.flax.intercept`);
+on a plain Flax module they read `kfac_example_dims` as the class's default.
 
 Every tagged layer takes one extra, optional field, `kfac_example_dims`
 (see `kd.tags.dense` and `kd.tags.scale_and_shift`): how many leading axes of
@@ -21,8 +22,9 @@ the input index examples, the positions inside an example being reduced
 before the statistics' outer products. The default `None` treats every
 position (token, output pixel) as an example ("K-FAC-expand"); e.g. 1 on
 `[B, T, d]` reduces over the sequence ("K-FAC-reduce", Eschenhagen et al.
-2023). BatchNorm's default is 1 (each image one example, as SP-NGD does).
-Embed has no such field (its A counts tokens).
+2023). BatchNorm's, GroupNorm's and InstanceNorm's default is 1 (each image
+one example, as SP-NGD does for BatchNorm). Embed has no such field (its A
+counts tokens).
 
 Scanned layers: inside `nn.scan` / `nn.vmap` with `variable_axes={"params":
 0}` each block gets its own factors (see `kfac_jax_dist.capture.stacking`); the layer
@@ -239,6 +241,35 @@ def batch_norm(module: nn.BatchNorm, x, use_running_average, mask, fallback: Fal
   return _scale_and_shift(module, x, x_hat, _example_dims(module, 1))
 
 
+def group_norm(module: nn.GroupNorm, x, mask, fallback: Fallback):
+  """`nn.GroupNorm.__call__`, its scale and bias tagged with
+  `kd.tags.scale_and_shift`: `x̂` normalised over each group of channels and
+  the other reduction axes, one example per entry of the leading batch axis
+  by default."""
+  out = _normalisation("GroupNorm", module, x, -1, fallback)
+  if out is not None:
+    return out
+  groups = _flax_common.group_count(x.shape[-1], module.num_groups, module.group_size)
+  axes = _flax_common.group_reduction_axes(jnp.ndim(x), module.reduction_axes)
+  if groups is None or axes is None:
+    return fallback()                          # Flax's own error
+  x_hat = _flax_common.group_normalized(module, x, groups, axes, mask)
+  return _scale_and_shift(module, x, x_hat, _example_dims(module, 1))
+
+
+def instance_norm(module: nn.InstanceNorm, x, mask, fallback: Fallback):
+  """`nn.InstanceNorm.__call__`, its scale and bias tagged with
+  `kd.tags.scale_and_shift`: `x̂` normalised per example and channel over the
+  axes between, one example per entry of the leading batch axis by default."""
+  out = _normalisation("InstanceNorm", module, x, module.feature_axes, fallback)
+  if out is not None:
+    return out
+  x_hat = _flax_common.instance_normalized(module, x, mask)
+  if x_hat is None:
+    return fallback()                          # Flax's own error
+  return _scale_and_shift(module, x, x_hat, _example_dims(module, 1))
+
+
 # ------------------------------------------------------------ the drop-in classes
 
 class Dense(nn.Dense):
@@ -329,4 +360,29 @@ class BatchNorm(nn.BatchNorm):
         super().__call__, x, use_running_average, mask=mask))
 
 
-TAGGED = (Dense, Conv, ConvTranspose, DenseGeneral, Embed, LayerNorm, RMSNorm, BatchNorm)
+class GroupNorm(nn.GroupNorm):
+  """`flax.linen.GroupNorm` whose scale and bias are tagged with
+  `kd.tags.scale_and_shift`: SP-NGD's unit-wise Fisher, one example per entry
+  of the leading batch axis (`kfac_example_dims=1`)."""
+
+  kfac_example_dims: int | None = 1
+
+  @nn.compact
+  def __call__(self, x, *, mask=None):
+    return group_norm(self, x, mask, functools.partial(super().__call__, x, mask=mask))
+
+
+class InstanceNorm(nn.InstanceNorm):
+  """`flax.linen.InstanceNorm` whose scale and bias are tagged with
+  `kd.tags.scale_and_shift`: SP-NGD's unit-wise Fisher, one example per entry
+  of the leading batch axis (`kfac_example_dims=1`)."""
+
+  kfac_example_dims: int | None = 1
+
+  @nn.compact
+  def __call__(self, x, *, mask=None):
+    return instance_norm(self, x, mask, functools.partial(super().__call__, x, mask=mask))
+
+
+TAGGED = (Dense, Conv, ConvTranspose, DenseGeneral, Embed, LayerNorm, RMSNorm, BatchNorm,
+          GroupNorm, InstanceNorm)

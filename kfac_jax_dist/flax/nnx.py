@@ -2,17 +2,17 @@
 
 Same constructor arguments, attribute names and shapes (BatchNorm's `mean` and
 `var` BatchStats included) as `flax.nnx.Linear`, `LinearGeneral`, `Conv`,
-`ConvTranspose`, `Embed`, `LayerNorm` and `BatchNorm`. Unsupported
-configurations (masks, LinearGeneral batch axes,
+`ConvTranspose`, `Embed`, `LayerNorm`, `RMSNorm`, `BatchNorm`, `GroupNorm` and
+`InstanceNorm`. Unsupported configurations (masks, LinearGeneral batch axes,
 normalisation over other than the last feature axis, an offset without a
 scale, ...) run NNX's own code, untagged, with a warning (and `discover`
 lists them as uncaptured).
 
 Each layer's computation is a function of the module (`linear`, `conv`,
-`linear_general`, `embed`, `layer_norm`, `rms_norm`, `batch_norm`), shared by
-the classes below and by the interception of unmodified `flax.nnx` layers
-(`kfac_jax_dist.flax.intercept`); on a plain NNX module they read
-`kfac_example_dims` as the class's default.
+`linear_general`, `embed`, `layer_norm`, `rms_norm`, `batch_norm`,
+`group_norm`, `instance_norm`), shared by the classes below and by the
+interception of unmodified `flax.nnx` layers (`kfac_jax_dist.flax.intercept`);
+on a plain NNX module they read `kfac_example_dims` as the class's default.
 
 Every tagged layer takes one extra, optional keyword, `kfac_example_dims`
 (see `kd.tags.dense` and `kd.tags.scale_and_shift`): how many leading axes of
@@ -20,8 +20,9 @@ the input index examples, the positions inside an example being reduced
 before the statistics' outer products. The default `None` treats every
 position (token, output pixel) as an example ("K-FAC-expand"); e.g. 1 on
 `[B, T, d]` reduces over the sequence ("K-FAC-reduce", Eschenhagen et al.
-2023). BatchNorm's default is 1 (each image one example, as SP-NGD does).
-Embed has no such keyword (its A counts tokens).
+2023). BatchNorm's, GroupNorm's and InstanceNorm's default is 1 (each image
+one example, as SP-NGD does for BatchNorm). Embed has no such keyword (its A
+counts tokens).
 
 Stacked layers: a module created with `nnx.vmap` (e.g. under
 `nnx.split_rngs(splits=L)`) and applied with `nnx.scan` / `nnx.vmap` over axis
@@ -203,12 +204,18 @@ def _normalisation(kind: str, module: nnx.Module, x, feature_axes, fallback: Fal
   return None if reason is None else _untagged(kind, reason, module, "scale", fallback)
 
 
+def _promoted(module: nnx.Module, x) -> tuple[jax.Array, Any]:
+  """`(x, dtype)`: `x` in the dtype of the normalisation's result (NNX's
+  promotion of the input, scale and bias)."""
+  scale, bias, _ = stacking.nnx_site(module.scale, getattr(module, "bias", None))
+  dtype = nnx_dtypes.canonicalize_dtype(x, scale, bias, dtype=module.dtype)
+  return jnp.asarray(x, dtype), dtype
+
+
 def _normalised(module: nnx.Module, x, mask, use_mean: bool):
   """`(x̂, dtype)`: `x` normalised over the module's reduction axes (LayerNorm:
   centred; RMSNorm: not), in NNX's dtype."""
-  scale, bias, _ = stacking.nnx_site(module.scale, getattr(module, "bias", None))
-  dtype = nnx_dtypes.canonicalize_dtype(x, scale, bias, dtype=module.dtype)
-  x = jnp.asarray(x, dtype)
+  x, dtype = _promoted(module, x)
   mean, var = _flax_common.moments(x, module.reduction_axes, module.dtype, module.axis_name,
                                    module.axis_index_groups, module.use_fast_variance, mask,
                                    use_mean=use_mean)
@@ -271,6 +278,41 @@ def batch_norm(module: nnx.BatchNorm, x, use_running_average, mask, fallback: Fa
         module.momentum * running_var + (1 - module.momentum) * var
     ).astype(running_var.dtype))
   x_hat = _flax_common.normalized(x, mean, var, reduction_axes, module.epsilon)
+  return _scale_and_shift(module, x_hat, dtype, default_dims=1)
+
+
+def group_norm(module: nnx.GroupNorm, x, mask, fallback: Fallback):
+  """`nnx.GroupNorm.__call__`, its scale and bias tagged with
+  `kd.tags.scale_and_shift`: `x̂` normalised over each group of channels and
+  every axis of an example, one example per entry of the leading batch axis by
+  default. Other reduction axes run NNX's own code (it repeats the groups'
+  statistics along axis 1, the channels only where that is the last one
+  left)."""
+  out = _normalisation("GroupNorm", module, x, module.feature_axis, fallback)
+  if out is not None:
+    return out
+  axes = _flax_common.group_reduction_axes(jnp.ndim(x), module.reduction_axes)
+  if axes is None:
+    return fallback()                          # NNX's own error
+  if axes[:-1] != tuple(range(1, jnp.ndim(x) - 1)):
+    return _untagged("GroupNorm", "reduction axes other than all of an example's",
+                     module, "scale", fallback)
+  x, dtype = _promoted(module, x)
+  x_hat = _flax_common.group_normalized(module, x, module.num_groups, axes, mask)
+  return _scale_and_shift(module, x_hat, dtype, default_dims=1)
+
+
+def instance_norm(module: nnx.InstanceNorm, x, mask, fallback: Fallback):
+  """`nnx.InstanceNorm.__call__`, its scale and bias tagged with
+  `kd.tags.scale_and_shift`: `x̂` normalised per example and channel over the
+  axes between, one example per entry of the leading batch axis by default."""
+  out = _normalisation("InstanceNorm", module, x, module.feature_axes, fallback)
+  if out is not None:
+    return out
+  x, dtype = _promoted(module, x)
+  x_hat = _flax_common.instance_normalized(module, x, mask)
+  if x_hat is None:
+    return fallback()                          # NNX's own error
   return _scale_and_shift(module, x_hat, dtype, default_dims=1)
 
 
@@ -349,4 +391,27 @@ class BatchNorm(_ExampleDims, nnx.BatchNorm):
         super().__call__, x, use_running_average, mask=mask))
 
 
-TAGGED = (Linear, Conv, ConvTranspose, LinearGeneral, Embed, LayerNorm, RMSNorm, BatchNorm)
+class GroupNorm(_ExampleDims, nnx.GroupNorm):
+  """`flax.nnx.GroupNorm` whose scale and bias are tagged with
+  `kd.tags.scale_and_shift`: SP-NGD's unit-wise Fisher, one example per entry
+  of the leading batch axis (`kfac_example_dims=1`)."""
+
+  DEFAULT_EXAMPLE_DIMS = 1
+
+  def __call__(self, x, *, mask=None):
+    return group_norm(self, x, mask, functools.partial(super().__call__, x, mask=mask))
+
+
+class InstanceNorm(_ExampleDims, nnx.InstanceNorm):
+  """`flax.nnx.InstanceNorm` whose scale and bias are tagged with
+  `kd.tags.scale_and_shift`: SP-NGD's unit-wise Fisher, one example per entry
+  of the leading batch axis (`kfac_example_dims=1`)."""
+
+  DEFAULT_EXAMPLE_DIMS = 1
+
+  def __call__(self, x, *, mask=None):
+    return instance_norm(self, x, mask, functools.partial(super().__call__, x, mask=mask))
+
+
+TAGGED = (Linear, Conv, ConvTranspose, LinearGeneral, Embed, LayerNorm, RMSNorm, BatchNorm,
+          GroupNorm, InstanceNorm)
