@@ -125,17 +125,26 @@ class TinyLM(nn.Module):
     return kd.linen.Dense(11)(x)
 
 
+def _norm(axis_name: str | None, group_norm: bool):
+  """The ResNet's normalisation: BatchNorm in training mode, or GroupNorm."""
+  if group_norm:
+    return functools.partial(kd.linen.GroupNorm, num_groups=2)
+  return functools.partial(kd.linen.BatchNorm, use_running_average=False,
+                           axis_name=axis_name)
+
+
 class ResBlock(nn.Module):
   """ResNet basic block: conv-BN-relu-conv-BN plus the shortcut (a strided 1×1
-  conv + BN where the shape changes), then relu."""
+  conv + BN where the shape changes), then relu (GroupNorm for BN with
+  `group_norm`)."""
   features: int
   strides: int = 1
   axis_name: str | None = None
+  group_norm: bool = False
 
   @nn.compact
   def __call__(self, x):
-    bn = functools.partial(kd.linen.BatchNorm, use_running_average=False,
-                           axis_name=self.axis_name)
+    bn = _norm(self.axis_name, self.group_norm)
     conv = functools.partial(kd.linen.Conv, self.features, use_bias=False)
     h = nn.relu(bn()(conv((3, 3), strides=self.strides)(x)))
     h = bn()(conv((3, 3))(h))
@@ -147,15 +156,19 @@ class ResBlock(nn.Module):
 class ResNet(nn.Module):
   """A ResNet-style CNN with BatchNorm in training mode (batch statistics);
   `axis_name`: synchronised BatchNorm over that mesh axis (inside shard_map the
-  statistics are the global batch's, as on one device)."""
+  statistics are the global batch's, as on one device). `group_norm`:
+  GroupNorm instead (each image normalised on its own), an InstanceNorm
+  after the stem."""
   axis_name: str | None = None
+  group_norm: bool = False
 
   @nn.compact
   def __call__(self, x):
     x = kd.linen.Conv(4, (3, 3), use_bias=False)(x)
-    x = nn.relu(kd.linen.BatchNorm(use_running_average=False, axis_name=self.axis_name)(x))
-    x = ResBlock(4, axis_name=self.axis_name)(x)
-    x = ResBlock(6, strides=2, axis_name=self.axis_name)(x)
+    stem = kd.linen.InstanceNorm() if self.group_norm else _norm(self.axis_name, False)()
+    x = nn.relu(stem(x))
+    x = ResBlock(4, axis_name=self.axis_name, group_norm=self.group_norm)(x)
+    x = ResBlock(6, strides=2, axis_name=self.axis_name, group_norm=self.group_norm)(x)
     return kd.linen.Dense(5)(x.mean((1, 2)))
 
 
@@ -184,6 +197,18 @@ def _bn_problem(axis_name=None):
   return loss_fn, variables["params"], (x, y)
 
 
+def _gn_problem(axis_name=None):
+  del axis_name
+  x = jax.random.normal(jax.random.PRNGKey(1), (16, 6, 6, 2))
+  y = jax.random.randint(jax.random.PRNGKey(2), (16,), 0, 5)
+  model = ResNet(group_norm=True)
+  params = model.init(jax.random.PRNGKey(0), x)["params"]
+
+  def loss_fn(p, x, y):
+    return kd.losses.softmax_cross_entropy(model.apply({"params": p}, x), y)
+  return loss_fn, params, (x, y)
+
+
 def _train(problem, dist=None, steps=4):
   loss_fn, params, batch = problem(None if dist is None else dist.axis)
   grad_fn = kd.value_and_grad(loss_fn)
@@ -206,8 +231,8 @@ def _train(problem, dist=None, steps=4):
   return params, state, losses
 
 
-@pytest.mark.parametrize("problem", [_lm_problem, _bn_problem],
-                         ids=["transformer", "bn_resnet"])
+@pytest.mark.parametrize("problem", [_lm_problem, _bn_problem, _gn_problem],
+                         ids=["transformer", "bn_resnet", "gn_resnet"])
 def test_models_train_and_every_parameter_is_covered(problem):
   _, state, losses = _train(problem, steps=6)
   assert losses[-1] < losses[0]
@@ -233,10 +258,12 @@ def _strategies():
 # devices in test_dp_kfac_trains)
 @pytest.mark.slow
 @pytest.mark.parametrize("fraction,factor_reduction", list(_strategies()))
-@pytest.mark.parametrize("problem", [_lm_problem, _bn_problem], ids=["transformer", "bn_resnet"])
+@pytest.mark.parametrize("problem", [_lm_problem, _bn_problem, _gn_problem],
+                         ids=["transformer", "bn_resnet", "gn_resnet"])
 def test_distributed_equals_single_device(problem, factor_reduction, fraction):
   """Every strategy on 8 devices equals one device on the global batch; the
-  ResNet's BatchNorm is synchronised over the data axis (training mode)."""
+  ResNet's BatchNorm is synchronised over the data axis (training mode), its
+  GroupNorm needs nothing (each image normalised on its own)."""
   mesh = helpers.data_mesh(8)
   dist = kd.Distribution(mesh, grad_worker_fraction=fraction,
                          factor_reduction=factor_reduction)
