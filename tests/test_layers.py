@@ -303,6 +303,77 @@ def test_dense_general_statistics(use_bias, example_dims):
   check_stats(stats, expected)
 
 
+class _LinenEinsums(nn.Module):
+  lib: str = "kd"
+
+  @nn.compact
+  def __call__(self, x):
+    einsum = kd.linen.Einsum if self.lib == "kd" else nn.Einsum
+    kw = dict(param_dtype=jnp.float64, precision=HIGHEST)
+    q = einsum((4, 2, 3), "btd,dhk->bthk", name="q", **kw)(x)
+    return einsum((2, 3, 5), name="o", **kw)(jnp.tanh(q), "...hk,hkc->...c")
+
+
+class _NnxEinsums(nnx.Module):
+  def __init__(self, lib, rngs):
+    kw = dict(param_dtype=jnp.float64, precision=HIGHEST, rngs=rngs)
+    self.q = lib.Einsum("btd,dhk->bthk", (4, 2, 3), (2, 3), **kw)
+    self.o = lib.Einsum("...hk,hkc->...c", (2, 3, 5), (5,), **kw)
+
+  def __call__(self, x):
+    return self.o(jnp.tanh(self.q(x)))
+
+
+def test_einsum_statistics_linen_nnx_intercepted():
+  """A Flax `Einsum` whose equation is a Dense layer's is `dense_general`'s
+  layer: the brute-force statistics of the test above, for `kd.linen.Einsum`,
+  `kd.nnx.Einsum` and Flax's own under `capture="flax"` (an equation given at
+  the call too)."""
+  ks = jax.random.split(jax.random.PRNGKey(1), 6)
+  b, t, d, h, k, classes = 2, 3, 4, 2, 3, 5
+  p = {"q": {"kernel": randn(ks[0], (d, h, k), 0.5), "bias": randn(ks[2], (h, k), 0.5)},
+       "o": {"kernel": randn(ks[1], (h, k, classes), 0.5),
+             "bias": randn(ks[3], (classes,), 0.5)}}
+  x = randn(ks[4], (b, t, d))
+  y = jax.random.randint(ks[5], (b, t), 0, classes)
+
+  def forward(e):
+    q = jnp.einsum("btd,dhk->bthk", x, p["q"]["kernel"], precision=HIGHEST)
+    q = q + p["q"]["bias"] + e["q"]
+    o = jnp.einsum("bthk,hkc->btc", jnp.tanh(q), p["o"]["kernel"], precision=HIGHEST)
+    return o + p["o"]["bias"] + e["o"], jnp.tanh(q)
+
+  eps0 = {"q": jnp.zeros((b, t, h, k)), "o": jnp.zeros((b, t, classes))}
+  g = output_gradients(lambda e: forward(e)[0], eps0, lambda out: ce_per_example(out, y))
+  expected = {"q": dense_stats(x, g["q"].reshape(b, t, h * k), b * t, True),
+              "o": dense_stats(forward(eps0)[1].reshape(b, t, h * k), g["o"], b * t, True)}
+
+  def linen_case(lib):
+    model = _LinenEinsums(lib)
+    return p, lambda p, x, y: kd.losses.softmax_cross_entropy(
+        model.apply({"params": p}, x), y)
+
+  def nnx_case(lib):
+    model = _NnxEinsums(lib, nnx.Rngs(0))
+    nnx.update(model, p)
+    graphdef, state = nnx.split(model, nnx.Param)
+    return state, lambda p, x, y: kd.losses.softmax_cross_entropy(
+        nnx.merge(graphdef, p)(x), y)
+
+  for case, (params, fn), how in (("linen", linen_case("kd"), "tags"),
+                                  ("linen intercepted", linen_case("flax"), "flax"),
+                                  ("nnx", nnx_case(kd.nnx), "tags"),
+                                  ("nnx intercepted", nnx_case(nnx), "flax")):
+    grad_fn = kd.value_and_grad(fn, capture=how)
+    layers = grad_fn.discover(params, x, y)
+    assert [(l.name, l.kind, l.a_dim, l.g_dim) for l in layers.layers] == [
+        ("q", "dense", d + 1, h * k), ("o", "dense", h * k + 1, classes)], case
+    assert not layers.uncaptured, case
+    _, grads, stats = jax.jit(grad_fn)(params, x, y)
+    assert_trees_equal(grads, jax.jit(jax.grad(fn))(params, x, y))
+    check_stats(stats, expected)
+
+
 def test_dense_general_errors():
   with pytest.raises(ValueError, match="in_dims"):
     kd.tags.dense_general(jnp.ones((2, 3)), jnp.ones((3, 4)), in_dims=2)
@@ -546,6 +617,32 @@ def test_linen_embed_drop_in():
     kd.linen.Embed(5, 3).init(jax.random.PRNGKey(0), jnp.ones((2,)))
 
 
+@pytest.mark.parametrize("kernel,equation,call,shape", [
+    ((4, 5), "...d,df->...f", {}, (2, 3, 4)),
+    ((2, 4, 5), "btnh,nhd->btd", {}, (2, 3, 2, 4)),
+    ((4, 2, 3), None, dict(einsum_str="btd,dnh->btnh"), (2, 3, 4)),
+])
+def test_linen_einsum_drop_in(kernel, equation, call, shape):
+  x = jax.random.normal(jax.random.PRNGKey(0), shape)
+  for use_bias in (True, False):
+    _linen_pair(kd.linen.Einsum, nn.Einsum,
+                dict(shape=kernel, einsum_str=equation, use_bias=use_bias), x, call)
+
+
+@pytest.mark.parametrize("equation,kernel", [("btd,ndh->btnh", (2, 4, 3)),
+                                             ("bd,bdf->bf", (2, 3, 5)),
+                                             ("btd,df->bf", (4, 3))])
+def test_linen_einsum_other_equations_pass_through(equation, kernel):
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 4)[:len(equation.split(",")[0])])
+  ref = nn.Einsum(kernel, equation).init(jax.random.PRNGKey(1), x)
+  with pytest.warns(UserWarning, match="Einsum with the equation.*not tagged"):
+    variables = kd.linen.Einsum(kernel, equation).init(jax.random.PRNGKey(1), x)
+  assert_trees_equal(variables, ref)
+  with pytest.warns(UserWarning, match="not tagged"):
+    out = kd.linen.Einsum(kernel, equation).apply(ref, x)
+  np.testing.assert_allclose(out, nn.Einsum(kernel, equation).apply(ref, x), rtol=1e-6)
+
+
 @pytest.mark.parametrize("kwargs,shape", [
     (dict(), (2, 5, 4)),
     (dict(use_bias=False, epsilon=1e-3), (3, 4)),
@@ -661,6 +758,18 @@ def test_nnx_embed_layer_norm_batch_norm_drop_in():
   with pytest.warns(UserWarning, match="not tagged"):
     _nnx_check(kd.nnx.BatchNorm, nnx.BatchNorm, (2,), dict(use_scale=False), x,
                dict(use_running_average=False))
+
+
+def test_nnx_einsum_drop_in():
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 4))
+  _nnx_check(kd.nnx.Einsum, nnx.Einsum, ("btd,dnh->btnh", (4, 2, 3), (2, 3)), {}, x)
+  _nnx_check(kd.nnx.Einsum, nnx.Einsum, ("...d,df->...f", (4, 5)), {}, x)
+  # NNX takes any bias shape that broadcasts; only the kernel's output axes are a
+  # Dense layer's bias.
+  with pytest.warns(UserWarning, match="Einsum with a bias of shape.*not tagged"):
+    _nnx_check(kd.nnx.Einsum, nnx.Einsum, ("...d,df->...f", (4, 5), (1, 5)), {}, x)
+  with pytest.warns(UserWarning, match="Einsum with the equation.*not tagged"):
+    _nnx_check(kd.nnx.Einsum, nnx.Einsum, ("btd,ndh->btnh", (2, 4, 3)), {}, x)
 
 
 def test_nnx_group_and_instance_norm_drop_in():

@@ -172,6 +172,48 @@ def dense_general_config(axis, ndim: int, batch_dims, custom: bool) -> int | str
   return len(axes)
 
 
+def _expand_ellipsis(term: str, ndim: int, fill: str) -> str | None:
+  """`term` with its `...` replaced by the first `ndim − (its letters)` letters
+  of `fill`; None where it cannot index `ndim` axes."""
+  letters = term.replace("...", "")
+  extra = ndim - len(letters)
+  if "." in letters or extra < 0 or (extra and "..." not in term):
+    return None
+  return term.replace("...", fill[:extra])
+
+
+def einsum_dense_config(equation, x_ndim: int, kernel_ndim: int, custom: bool
+                        ) -> int | str:
+  """`in_dims` for `kd.tags.dense_general` where a Flax `Einsum`'s equation is
+  a Dense layer's, `BC,CF->BF` up to the letters (`B` the input's other axes,
+  `C` the contracted ones, last in the input and first in the kernel, in the
+  same order, `F` the kernel's output axes); else the reason to leave it to
+  Flax, or "" for an equation that jnp.einsum refuses (Flax's code raises)."""
+  if custom:
+    return "a custom einsum, promote_dtype or preferred_element_type"
+  if not isinstance(equation, str) or equation.count(",") != 1 or "->" not in equation:
+    return ""
+  lhs, out = equation.replace(" ", "").split("->", 1)
+  xs, ks = lhs.split(",")
+  fill = "".join(chr(0x3b1 + i) for i in range(x_ndim))   # letters no equation uses
+  xs, ks = _expand_ellipsis(xs, x_ndim, fill), _expand_ellipsis(ks, kernel_ndim, "")
+  if xs is None or ks is None:
+    return ""
+  out = out.replace("...", "".join(c for c in xs if c in fill))
+  if any(len(set(term)) != len(term) for term in (xs, ks, out)):
+    return "an index repeated within an operand"
+  contracted = "".join(c for c in xs if c in ks)
+  batch = "".join(c for c in xs if c not in ks)
+  features = "".join(c for c in ks if c not in xs)
+  if not contracted or not features or set(out) != set(batch + features):
+    return f"the equation {equation!r}, not a Dense layer's"
+  if (xs, ks, out) != (batch + contracted, contracted + features, batch + features):
+    return (f"the equation {equation!r}: the input's contracted axes are not its last "
+            "ones, the kernel's not its first, or the output not its other axes then "
+            "the kernel's")
+  return len(contracted)
+
+
 def norm_config(ndim: int, feature_axes, custom: bool) -> str | None:
   """The reason a LayerNorm / BatchNorm is left to Flax, or `None`."""
   if custom:

@@ -4,12 +4,12 @@ Linen:
 The loss function runs under `flax.linen.intercept_methods`: when Flax is
 about to run the `__call__` of one of its own `Dense`, `DenseGeneral`
 (including the projections inside `MultiHeadDotProductAttention` /
-`SelfAttention`), `Conv`, `ConvTranspose`, `Embed`, `LayerNorm`, `RMSNorm`,
-`BatchNorm`, `GroupNorm` or `InstanceNorm` (or of a subclass that does not
-replace it), the interceptor runs the same module through the tagged
-computation of `kd.linen` instead
-(`kfac_jax_dist.flax.linen`): the same parameters, names, statistics and
-conventions as the `kd.linen` layer, `kfac_example_dims` at its class default.
+`SelfAttention`), `Einsum`, `Conv`, `ConvTranspose`, `Embed`, `LayerNorm`,
+`RMSNorm`, `BatchNorm`, `GroupNorm` or `InstanceNorm` (or of a subclass that
+does not replace it), the interceptor runs the same module through the tagged
+computation of `kd.linen` instead (`kfac_jax_dist.flax.linen`): the same
+parameters, names, statistics and conventions as the `kd.linen` layer,
+`kfac_example_dims` at its class default.
 Flax's `OptimizedLSTMCell` (its gates' kernels joined into one product) runs
 as `LSTMCell`, whose parameters it keeps: its gates are Dense layers.
 Interception is Flax's public, stable hook, so nothing depends on the
@@ -17,18 +17,19 @@ jaxpr's shape (kfac-jax's pattern matching does, and breaks across JAX
 releases).
 
 A configuration the tagged computation does not support (a masked
-kernel, a custom `dot_general`, ...) and the layers with no tagged form
-(`ConvLocal`, `Einsum`) run Flax's own code and are reported as uncaptured
-(`discover`'s `LayerRegistry.uncaptured`, `kd.describe`): their parameters
-pass through K-FAC unpreconditioned, never silently mis-captured. `kd.linen`
-layers inside an intercepted model tag themselves as before.
+kernel, a custom `dot_general`, an unshared convolution (`ConvLocal`, which
+runs `Conv`'s `__call__`), an `Einsum` equation that is not a Dense layer's,
+...) runs Flax's own code and is reported as uncaptured
+(`discover`'s `LayerRegistry.uncaptured`, `kd.describe`): its parameters pass
+through K-FAC unpreconditioned, never silently mis-captured. `kd.linen` layers
+inside an intercepted model tag themselves as before.
 
 NNX has no method interception: while the loss runs, the `__call__` of
 `nnx.Linear`, `LinearGeneral` (with `MultiHeadAttention`'s projections),
-`Conv`, `ConvTranspose`, `Embed`, `LayerNorm`, `RMSNorm`, `BatchNorm`,
-`GroupNorm` and `InstanceNorm` is replaced on those classes by the tagged
-computation of `kd.nnx` (`kfac_jax_dist.flax.nnx`), and `Einsum` reports
-itself as uncaptured; the classes are restored when the loss returns. The
+`Einsum`, `Conv`, `ConvTranspose`, `Embed`, `LayerNorm`, `RMSNorm`,
+`BatchNorm`, `GroupNorm` and `InstanceNorm` is replaced on those classes by
+the tagged computation of `kd.nnx` (`kfac_jax_dist.flax.nnx`); the classes are
+restored when the loss returns. The
 user's classes are untouched (a subclass that does not replace `__call__` is
 captured through its base). While a capture runs in one thread, another
 thread tracing NNX layers would run the tagged computations too (outside a
@@ -45,7 +46,6 @@ from typing import Any, Callable, Iterator
 import flax.linen as nn
 from flax import nnx
 
-from kfac_jax_dist.capture import context as _context
 from kfac_jax_dist.capture import value_and_grad as value_and_grad_lib
 from kfac_jax_dist.flax import linen
 from kfac_jax_dist.flax import nnx as nnx_layers
@@ -82,22 +82,12 @@ def _handlers() -> dict[Callable, Handler]:
           _raw(nn.OptimizedLSTMCell): optimized_lstm,
           _raw(nn.ConvTranspose): plain(linen.conv_transpose),
           _raw(nn.DenseGeneral): plain(linen.dense_general),
+          _raw(nn.Einsum): lambda module, fallback, inputs, einsum_str=None: (
+              linen.einsum(module, inputs, einsum_str, fallback)),
           _raw(nn.Embed): plain(linen.embed), _raw(nn.LayerNorm): norm(linen.layer_norm),
           _raw(nn.RMSNorm): norm(linen.rms_norm), _raw(nn.BatchNorm): batch_norm,
           _raw(nn.GroupNorm): norm(linen.group_norm),
           _raw(nn.InstanceNorm): norm(linen.instance_norm)}
-
-
-# Flax layers with parameters and no tagged form: reported, run as they are.
-UNSUPPORTED = {
-    "ConvLocal": "an unshared (locally connected) convolution",
-    "Einsum": "a general einsum contraction",
-}
-
-
-@functools.lru_cache(maxsize=None)
-def _unsupported() -> dict[Callable, str]:
-  return {_raw(getattr(nn, name)): name for name in UNSUPPORTED if hasattr(nn, name)}
 
 
 def interceptor(next_fun: Callable, args: tuple, kwargs: dict,
@@ -111,9 +101,6 @@ def interceptor(next_fun: Callable, args: tuple, kwargs: dict,
   handler = _handlers().get(raw)
   if handler is not None:
     return handler(module, functools.partial(next_fun, *args, **kwargs), *args, **kwargs)
-  kind = _unsupported().get(raw)
-  if kind is not None:
-    _context.record_uncaptured(linen.where(module), kind, UNSUPPORTED[kind])
   return next_fun(*args, **kwargs)
 
 
@@ -134,28 +121,20 @@ def _nnx_handlers() -> dict[type, Handler]:
           nnx.ConvTranspose: lambda module, fallback, inputs: nnx_layers.conv_transpose(
               module, inputs, fallback),
           nnx.LinearGeneral: projection(nnx_layers.linear_general),
+          nnx.Einsum: lambda module, fallback, inputs, einsum_str=None, out_sharding=None: (
+              nnx_layers.einsum(module, inputs, einsum_str, out_sharding, fallback)),
           nnx.Embed: projection(nnx_layers.embed),
           nnx.LayerNorm: norm(nnx_layers.layer_norm), nnx.RMSNorm: norm(nnx_layers.rms_norm),
           nnx.BatchNorm: batch_norm, nnx.GroupNorm: norm(nnx_layers.group_norm),
           nnx.InstanceNorm: norm(nnx_layers.instance_norm)}
 
 
-@functools.lru_cache(maxsize=None)
-def _nnx_unsupported() -> dict[type, str]:
-  return {getattr(nnx, name): name for name in UNSUPPORTED if hasattr(nnx, name)}
-
-
-def _nnx_replacement(cls: type, original: Callable, handler: Handler | None,
-                     kind: str | None) -> Callable:
-  """What `cls.__call__` runs during a capture."""
+def _nnx_replacement(original: Callable, handler: Handler) -> Callable:
+  """What an NNX class's `__call__` runs during a capture."""
 
   def call(module: Any, *args: Any, **kwargs: Any) -> Any:
     fallback = functools.partial(original, module, *args, **kwargs)
     if isinstance(module, nnx_layers.TAGGED):     # kd.nnx's own fallback
-      return fallback()
-    if handler is None:
-      weight = "kernel" if hasattr(module, "kernel") else "scale"
-      _context.record_uncaptured(nnx_layers.where(module, weight), kind, UNSUPPORTED[kind])
       return fallback()
     return handler(module, fallback, *args, **kwargs)
   return call
@@ -166,12 +145,11 @@ _nnx_depth = [0]
 
 
 @functools.lru_cache(maxsize=None)
-def _nnx_targets() -> tuple[tuple[type, Handler | None, str | None], ...]:
-  """(class, handler, unsupported kind) of every NNX class to patch; a class
-  that inherits its `__call__` is covered by the class that defines it."""
-  targets = [(cls, handler, None) for cls, handler in _nnx_handlers().items()] + [
-      (cls, None, kind) for cls, kind in _nnx_unsupported().items()]
-  return tuple(t for t in targets if "__call__" in vars(t[0]))
+def _nnx_targets() -> tuple[tuple[type, Handler], ...]:
+  """(class, handler) of every NNX class to patch; a class that inherits its
+  `__call__` is covered by the class that defines it."""
+  return tuple((cls, handler) for cls, handler in _nnx_handlers().items()
+               if "__call__" in vars(cls))
 
 
 @contextlib.contextmanager
@@ -181,9 +159,9 @@ def _nnx_patched() -> Iterator[None]:
   with _NNX_LOCK:
     _nnx_depth[0] += 1
     if _nnx_depth[0] == 1:
-      for cls, handler, kind in targets:
+      for cls, handler in targets:
         original = cls.__dict__["__call__"]
-        replacement = _nnx_replacement(cls, original, handler, kind)
+        replacement = _nnx_replacement(original, handler)
         replacement.kfac_original = original
         cls.__call__ = replacement
   try:
@@ -192,7 +170,7 @@ def _nnx_patched() -> Iterator[None]:
     with _NNX_LOCK:
       _nnx_depth[0] -= 1
       if _nnx_depth[0] == 0:
-        for cls, _, _ in targets:
+        for cls, _ in targets:
           cls.__call__ = cls.__dict__["__call__"].kfac_original
 
 

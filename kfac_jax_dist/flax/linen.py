@@ -1,17 +1,18 @@
 """Drop-in Flax linen layers whose curvature K-FAC captures.
 
 Same constructor arguments, parameter names and shapes (and, for BatchNorm,
-`batch_stats` collection) as `flax.linen.Dense`, `DenseGeneral`, `Conv`,
-`ConvTranspose`, `Embed`, `LayerNorm`, `RMSNorm`, `BatchNorm`, `GroupNorm` and
-`InstanceNorm`, so a plain Flax checkpoint loads into the tagged model.
-Configurations with no supported form here (masks, custom dot/conv functions,
-DenseGeneral batch axes or contractions over other than the last axes,
+`batch_stats` collection) as `flax.linen.Dense`, `DenseGeneral`, `Einsum`,
+`Conv`, `ConvTranspose`, `Embed`, `LayerNorm`, `RMSNorm`, `BatchNorm`,
+`GroupNorm` and `InstanceNorm`, so a plain Flax checkpoint loads into the
+tagged model. Configurations with no supported form here (masks, custom
+dot/conv functions, DenseGeneral batch axes or contractions over other than
+the last axes, Einsum equations that are not a Dense layer's,
 normalisation over other than the last feature axis, an offset without a
 scale, ...) run Flax's own code, untagged, with a warning (and `discover`
 lists them as uncaptured).
 
 Each layer's computation is a function of the module (`dense`, `conv`,
-`dense_general`, `embed`, `layer_norm`, `batch_norm`, `rms_norm`,
+`dense_general`, `einsum`, `embed`, `layer_norm`, `batch_norm`, `rms_norm`,
 `group_norm`, `instance_norm`), shared by the classes below and by the
 interception of unmodified `flax.linen` layers (`kfac_jax_dist.flax.intercept`);
 on a plain Flax module they read `kfac_example_dims` as the class's default.
@@ -133,6 +134,33 @@ def dense_general(module: nn.DenseGeneral, inputs, fallback: Fallback):
                         module.param_dtype)
   bias = (module.param("bias", _flax_common.flat_init(module.bias_init, 0), features,
                        module.param_dtype) if module.use_bias else None)
+  return tags.dense_general(inputs, kernel, bias, in_dims=in_dims, dtype=module.dtype,
+                            precision=module.precision,
+                            example_dims=_example_dims(module),
+                            _site=stacking.linen_site(module, kernel, bias, "kernel",
+                                                      "bias"))
+
+
+def einsum(module: nn.Einsum, inputs, einsum_str, fallback: Fallback):
+  """`nn.Einsum.__call__`, tagged with `kd.tags.dense_general` where its
+  equation is a Dense layer's (`BC,CF->BF` up to the letters: the input's
+  contracted axes last, the kernel's first, the output the input's other
+  axes then the kernel's; `_flax_common.einsum_dense_config`)."""
+  if einsum_str is not None and module.einsum_str is not None:
+    return fallback()                          # Flax's own error
+  custom = (getattr(module, "preferred_element_type", None) is not None
+            or _flax_common.custom_promote(module, linen_dtypes.promote_dtype))
+  in_dims = _flax_common.einsum_dense_config(
+      module.einsum_str if einsum_str is None else einsum_str, jnp.ndim(inputs),
+      len(module.shape), custom)
+  if in_dims == "":
+    return fallback()                          # Flax's own error
+  if isinstance(in_dims, str):
+    return _flax_common.untagged("Einsum", in_dims, where(module), fallback)
+  shape = tuple(module.shape)
+  kernel = module.param("kernel", module.kernel_init, shape, module.param_dtype)
+  bias = (module.param("bias", module.bias_init, shape[in_dims:], module.param_dtype)
+          if module.use_bias else None)
   return tags.dense_general(inputs, kernel, bias, in_dims=in_dims, dtype=module.dtype,
                             precision=module.precision,
                             example_dims=_example_dims(module),
@@ -316,6 +344,19 @@ class DenseGeneral(nn.DenseGeneral):
     return dense_general(self, inputs, functools.partial(super().__call__, inputs))
 
 
+class Einsum(nn.Einsum):
+  """`flax.linen.Einsum`, tagged with `kd.tags.dense_general` where its
+  equation is a Dense layer's (`BC,CF->BF` up to the letters; other
+  equations run Flax's code, untagged, with a warning)."""
+
+  kfac_example_dims: int | None = None
+
+  @nn.compact
+  def __call__(self, inputs, einsum_str=None):
+    return einsum(self, inputs, einsum_str,
+                  functools.partial(super().__call__, inputs, einsum_str))
+
+
 class Embed(nn.Embed):
   """`flax.linen.Embed`, tagged with `kd.tags.embed` (`attend`, which reuses
   the table as an output projection, is Flax's own and untagged)."""
@@ -384,5 +425,5 @@ class InstanceNorm(nn.InstanceNorm):
     return instance_norm(self, x, mask, functools.partial(super().__call__, x, mask=mask))
 
 
-TAGGED = (Dense, Conv, ConvTranspose, DenseGeneral, Embed, LayerNorm, RMSNorm, BatchNorm,
-          GroupNorm, InstanceNorm)
+TAGGED = (Dense, Conv, ConvTranspose, DenseGeneral, Einsum, Embed, LayerNorm, RMSNorm,
+          BatchNorm, GroupNorm, InstanceNorm)

@@ -1,15 +1,16 @@
 """Drop-in Flax NNX layers whose curvature K-FAC captures.
 
 Same constructor arguments, attribute names and shapes (BatchNorm's `mean` and
-`var` BatchStats included) as `flax.nnx.Linear`, `LinearGeneral`, `Conv`,
-`ConvTranspose`, `Embed`, `LayerNorm`, `RMSNorm`, `BatchNorm`, `GroupNorm` and
-`InstanceNorm`. Unsupported configurations (masks, LinearGeneral batch axes,
+`var` BatchStats included) as `flax.nnx.Linear`, `LinearGeneral`, `Einsum`,
+`Conv`, `ConvTranspose`, `Embed`, `LayerNorm`, `RMSNorm`, `BatchNorm`,
+`GroupNorm` and `InstanceNorm`. Unsupported configurations (masks,
+LinearGeneral batch axes, Einsum equations that are not a Dense layer's,
 normalisation over other than the last feature axis, an offset without a
 scale, ...) run NNX's own code, untagged, with a warning (and `discover`
 lists them as uncaptured).
 
 Each layer's computation is a function of the module (`linear`, `conv`,
-`linear_general`, `embed`, `layer_norm`, `rms_norm`, `batch_norm`,
+`linear_general`, `einsum`, `embed`, `layer_norm`, `rms_norm`, `batch_norm`,
 `group_norm`, `instance_norm`), shared by the classes below and by the
 interception of unmodified `flax.nnx` layers (`kfac_jax_dist.flax.intercept`);
 on a plain NNX module they read `kfac_example_dims` as the class's default.
@@ -171,6 +172,29 @@ def linear_general(module: nnx.LinearGeneral, inputs, out_sharding, fallback: Fa
   if isinstance(in_dims, str):
     return _untagged("LinearGeneral", in_dims, module, "kernel", fallback)
   kernel, bias, site = stacking.nnx_site(module.kernel, module.bias)
+  return tags.dense_general(inputs, kernel, bias, in_dims=in_dims, dtype=module.dtype,
+                            precision=module.precision,
+                            example_dims=_example_dims(module), _site=site)
+
+
+def einsum(module: nnx.Einsum, inputs, einsum_str, out_sharding, fallback: Fallback):
+  """`nnx.Einsum.__call__`, tagged with `kd.tags.dense_general` where its
+  equation is a Dense layer's (as `kd.linen.Einsum`) and its bias, if any,
+  has the kernel's output shape."""
+  custom = (module.einsum_op is not jnp.einsum or out_sharding is not None
+            or getattr(module, "preferred_element_type", None) is not None
+            or _flax_common.custom_promote(module, nnx_dtypes.promote_dtype))
+  kernel, bias, site = stacking.nnx_site(module.kernel, module.bias)
+  in_dims = _flax_common.einsum_dense_config(
+      module.einsum_str if einsum_str is None else einsum_str, jnp.ndim(inputs),
+      kernel.ndim, custom)
+  if in_dims == "":
+    return fallback()                          # NNX's own error
+  if not isinstance(in_dims, str) and bias is not None and (
+      bias.shape != kernel.shape[in_dims:]):
+    in_dims = f"a bias of shape {bias.shape}, not the kernel's output axes"
+  if isinstance(in_dims, str):
+    return _untagged("Einsum", in_dims, module, "kernel", fallback)
   return tags.dense_general(inputs, kernel, bias, in_dims=in_dims, dtype=module.dtype,
                             precision=module.precision,
                             example_dims=_example_dims(module), _site=site)
@@ -353,6 +377,15 @@ class LinearGeneral(_ExampleDims, nnx.LinearGeneral):
                           functools.partial(super().__call__, inputs, *_given(out_sharding)))
 
 
+class Einsum(_ExampleDims, nnx.Einsum):
+  """`flax.nnx.Einsum`, tagged with `kd.tags.dense_general` where its equation
+  is a Dense layer's (as `kd.linen.Einsum`)."""
+
+  def __call__(self, inputs, einsum_str=None, out_sharding=None):
+    return einsum(self, inputs, einsum_str, out_sharding, functools.partial(
+        super().__call__, inputs, einsum_str, *_given(out_sharding)))
+
+
 class Embed(nnx.Embed):
   """`flax.nnx.Embed`, tagged with `kd.tags.embed` (`attend`, which reuses the
   table as an output projection, is NNX's own and untagged)."""
@@ -413,5 +446,5 @@ class InstanceNorm(_ExampleDims, nnx.InstanceNorm):
     return instance_norm(self, x, mask, functools.partial(super().__call__, x, mask=mask))
 
 
-TAGGED = (Linear, Conv, ConvTranspose, LinearGeneral, Embed, LayerNorm, RMSNorm, BatchNorm,
-          GroupNorm, InstanceNorm)
+TAGGED = (Linear, Conv, ConvTranspose, LinearGeneral, Einsum, Embed, LayerNorm, RMSNorm,
+          BatchNorm, GroupNorm, InstanceNorm)
