@@ -29,6 +29,7 @@ from flax import nnx
 from jax import lax
 
 import kfac_jax_dist as kd
+from kfac_jax_dist.flax import common as flax_common
 from kfac_jax_dist.kfac import linalg
 from helpers import (assert_factor_close, assert_trees_equal, capture, ce_per_example,
                      check_mc_estimate, f64, mc_draws, randn)
@@ -627,6 +628,21 @@ def test_linen_einsum_drop_in(kernel, equation, call, shape):
   for use_bias in (True, False):
     _linen_pair(kd.linen.Einsum, nn.Einsum,
                 dict(shape=kernel, einsum_str=equation, use_bias=use_bias), x, call)
+
+
+@pytest.mark.parametrize("equation,x_ndim,kernel_ndim,want", [
+    ("...d,df->...f", 3, 2, 1), ("btnh,nhd->btd", 4, 3, 2), ("x...d,df->x...f", 4, 2, 1),
+    ("btd,ndh->btnh", 3, 3, "not its first"), ("bd,df->fb", 2, 2, "not its first"),
+    ("bd,bdf->bf", 2, 3, "not a Dense"), ("...d,df->f", 3, 2, "not a Dense"),
+    ("bdd,df->bf", 3, 2, "repeated"), ("...d,...df->...f", 3, 3, "ellipsis"),
+    ("ab,bc", 2, 2, ""), ("bd,df->bf", 2, 3, ""),
+])
+def test_einsum_equations_read_as_dense_layers(equation, x_ndim, kernel_ndim, want):
+  """A Dense layer's equation gives `in_dims`; another a reason; one that
+  jnp.einsum refuses "" (Flax's code raises)."""
+  got = flax_common.einsum_dense_config(equation, x_ndim, kernel_ndim, custom=False)
+  assert got == want if isinstance(want, int) or not want else want in got
+  assert "custom" in flax_common.einsum_dense_config(equation, x_ndim, kernel_ndim, True)
 
 
 @pytest.mark.parametrize("equation,kernel", [("btd,ndh->btnh", (2, 4, 3)),

@@ -195,9 +195,11 @@ def einsum_dense_config(equation, x_ndim: int, kernel_ndim: int, custom: bool
     return ""
   lhs, out = equation.replace(" ", "").split("->", 1)
   xs, ks = lhs.split(",")
+  if "..." in ks:
+    return "an ellipsis in the kernel's indices"
   fill = "".join(chr(0x3b1 + i) for i in range(x_ndim))   # letters no equation uses
-  xs, ks = _expand_ellipsis(xs, x_ndim, fill), _expand_ellipsis(ks, kernel_ndim, "")
-  if xs is None or ks is None:
+  xs = _expand_ellipsis(xs, x_ndim, fill)
+  if xs is None or len(ks) != kernel_ndim:
     return ""
   out = out.replace("...", "".join(c for c in xs if c in fill))
   if any(len(set(term)) != len(term) for term in (xs, ks, out)):
