@@ -5,6 +5,7 @@ strategies (8-device MEM-OPT → 4-device COMM-OPT → one device → back)."""
 import dataclasses
 import functools
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -17,6 +18,7 @@ import kfac_jax_dist as kd
 import helpers
 from kfac_jax_dist.kfac import packing
 from kfac_jax_dist.kfac.state import find_states
+from kfac_jax_dist.tools import checkpoint as checkpoint_lib
 
 BATCH = 16
 FACTOR_EVERY, INVERSE_EVERY = 1, 2
@@ -278,6 +280,31 @@ def test_restore_refuses_another_layout(tmp_path):
   meta = kd.checkpoint_metadata(_init(8, 1 / 8))["kfac_states"][0]
   assert meta["num_devices"] == 8 and meta["group_size"] == 1
   assert {tuple(f[:2]) for f in meta["factors"]} >= {("l0", "a"), ("ln", "f"), ("out", "g")}
+
+
+def test_shampoo_checkpoint_of_boxed_parameter_paths_restores(tmp_path, monkeypatch):
+  """A Shampoo state of NNX parameters, saved before parameter paths dropped
+  their Variable's `value` key (its metadata naming `kernel/value`), restores
+  into today's template; another parameter is still refused."""
+  graphdef, params = nnx.split(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.Param)
+  tx = kd.shampoo(0.1)
+  state = tx.init(params)
+  metadata = checkpoint_lib.checkpoint_metadata
+
+  def boxed(tree):
+    meta = metadata(tree)
+    meta["shampoo_states"] = [{**s, "params": [[path + "/value", *rest]
+                                               for path, *rest in s["params"]]}
+                              for s in meta["shampoo_states"]]
+    return meta
+  monkeypatch.setattr(checkpoint_lib, "checkpoint_metadata", boxed)
+  kd.save_checkpoint(tmp_path / "ckpt", state)
+  monkeypatch.undo()
+  assert_bitwise(kd.restore_checkpoint(tmp_path / "ckpt", jax.eval_shape(tx.init, params)),
+                 state, "restored")
+  _, other = nnx.split(nnx.Linear(3, 5, rngs=nnx.Rngs(0)), nnx.Param)
+  with pytest.raises(ValueError, match="Shampoo states were saved with another layout"):
+    kd.restore_checkpoint(tmp_path / "ckpt", jax.eval_shape(tx.init, other))
 
 
 # ----------------------------------------------------------------- conversion

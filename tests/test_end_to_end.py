@@ -140,3 +140,55 @@ def test_discover_from_shapes_only():
   params = linen.init(jax.random.PRNGKey(1), x)
   loss, grads, stats = jax.jit(lambda p: grad_fn(p, x, y, train=True))(params)
   assert set(stats) == {l.name for l in layers} and bool(jnp.isfinite(loss))
+
+
+def test_nnx_optimizer_runs_kfac_and_shampoo_as_a_hand_written_loop():
+  """`nnx.Optimizer(model, tx, wrt=nnx.Param)` inits the transform on the
+  Variables' State and updates it with pure arrays (`nnx.Optimizer.update`
+  passes `kfac_stats=` on): both name the same leaves, and the steps equal
+  the hand-written loop's."""
+  x, y = _data()
+  graphdef, state = nnx.split(NnxNet(nnx.Rngs(0)), nnx.Param)
+
+  def nnx_loss(s, x, y):
+    return kd.losses.softmax_cross_entropy(nnx.merge(graphdef, s)(x), y)
+
+  want_kfac, _, kfac_losses = _train(nnx_loss, state, x, y)
+  grad_fn = kd.value_and_grad(nnx_loss)
+  model = nnx.merge(graphdef, state)
+  optimizer = nnx.Optimizer(model, kd.kfac(0.2, layers=grad_fn.discover(state, x, y),
+                                           damping=1e-2, factor_update_every=2,
+                                           inverse_update_every=3), wrt=nnx.Param)
+
+  @nnx.jit
+  def kfac_step(model, optimizer):
+    loss, grads, stats = grad_fn(nnx.state(model, nnx.Param), x, y,
+                                 opt_state=optimizer.opt_state)
+    optimizer.update(model, grads, kfac_stats=stats)
+    return loss
+
+  losses = [float(kfac_step(model, optimizer)) for _ in range(5)]
+  np.testing.assert_allclose(losses, kfac_losses, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               nnx.to_pure_dict(nnx.state(model, nnx.Param)), nnx.to_pure_dict(want_kfac))
+
+  tx = kd.shampoo(0.05, preconditioning_compute_steps=2)
+
+  @jax.jit
+  def hand_written(params, opt_state):
+    updates, opt_state = tx.update(jax.grad(nnx_loss)(params, x, y), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+  want, opt_state = state, tx.init(state)
+  for _ in range(3):
+    want, opt_state = hand_written(want, opt_state)
+  model = nnx.merge(graphdef, state)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def shampoo_step(model, optimizer):
+    optimizer.update(model, nnx.grad(lambda m: kd.losses.softmax_cross_entropy(
+        m(x), y))(model))
+  for _ in range(3):
+    shampoo_step(model, optimizer)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               nnx.to_pure_dict(nnx.state(model, nnx.Param)), nnx.to_pure_dict(want))

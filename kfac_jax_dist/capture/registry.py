@@ -62,8 +62,20 @@ def _key_name(key) -> str:
   return str(key)
 
 
+# The attribute that holds a boxed parameter's array: an NNX Variable's, a
+# linen `Partitioned`'s (flax.core.meta).
+_BOX_ATTRIBUTES = ("value", "raw_value")
+
+
 def path_str(path: Path) -> str:
-  """`('Dense_0', 'kernel')`-style key path as `"Dense_0/kernel"`."""
+  """`('Dense_0', 'kernel')`-style key path as `"Dense_0/kernel"`; a boxed
+  parameter's (an NNX Variable's array, a linen `Partitioned`'s) without its
+  box's attribute key, as the bare array's: the Variables' `nnx.State` that
+  `tx.init` sees and the pure arrays that `nnx.Optimizer.update` hands
+  `tx.update` name the same leaves."""
+  if (len(path) > 1 and isinstance(path[-1], jax.tree_util.GetAttrKey)
+      and path[-1].name in _BOX_ATTRIBUTES):
+    path = path[:-1]
   return "/".join(_key_name(k) for k in path)
 
 

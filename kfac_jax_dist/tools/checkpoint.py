@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from typing import Any
 
 import jax
@@ -312,10 +313,19 @@ def _check_mesh(template: Any, mesh: jax.sharding.Mesh | None) -> None:
           "mesh: pass mesh= (the mesh of its Distribution).")
 
 
+def _unboxed(shampoo_states: list[dict]) -> list[dict]:
+  """Shampoo metadata with a boxed parameter's path as the bare array's: those
+  of checkpoints written before `registry.path_str` dropped an NNX Variable's
+  (or linen `Partitioned`'s) `value` key end in `/value` (or `/raw_value`)."""
+  strip = lambda path: re.sub(r"/(raw_)?value$", "", path)
+  return [{**state, "params": [[strip(path), *rest] for path, *rest in state["params"]]}
+          for state in shampoo_states]
+
+
 def _check_compatible(saved: dict, wanted: dict) -> None:
   # checkpoints from before Shampoo states were described hold none
   have, want = saved.get("shampoo_states", []), wanted["shampoo_states"]
-  if have != want:
+  if _unboxed(have) != _unboxed(want):
     raise ValueError(
         "The checkpoint's Shampoo states were saved with another layout (device count, "
         "grad_worker_fraction, parameters or block options). Restore into a template of "
