@@ -62,7 +62,6 @@ from kfac_jax_dist.capture import registry
 
 PROBE_KEY = "__kfac_probes__"     # linen: the injected parameter entry
 PATH_METADATA = "kfac_path"       # NNX: Variable metadata naming its leaf
-_BOX_KEYS = ("value", "raw_value")  # NNX Variables, flax boxed (Partitioned) params
 LINEN, NNX = "linen", "nnx"
 
 
@@ -104,15 +103,14 @@ class Probed:
 
 
 def _parts(path: str) -> list[str]:
-  parts = path.split("/")
-  while len(parts) > 1 and parts[-1] in _BOX_KEYS:
-    parts.pop()
-  return parts
+  """A leaf path's keys (`registry.path_str`'s: a boxed parameter's without its
+  box's attribute)."""
+  return path.split("/")
 
 
 def owner_path(leaf_path: str) -> str:
-  """The path of the module that holds a parameter leaf (`"fc1/kernel/value"` →
-  `"fc1"`): the leaf path without its box keys and its own name."""
+  """The path of the module that holds a parameter leaf (`"fc1/kernel"` →
+  `"fc1"`): the leaf path without its own name."""
   return "/".join(_parts(leaf_path)[:-1])
 
 
