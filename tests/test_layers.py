@@ -252,10 +252,11 @@ def test_embed_errors_and_broadcast():
 # 2. DenseGeneral.
 # ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("use_bias,example_dims", [(True, None), (False, None), (True, 1)])
-def test_dense_general_statistics(use_bias, example_dims):
-  """x [B, T, d] → [d, h, k] kernel → tanh → [h, k, d] kernel (in_dims=2);
-  `example_dims=1`: both reduced over the sequence (K-FAC-reduce)."""
+def _projections_problem(use_bias: bool, example_dims: int | None = None):
+  """`(p, x, y, forward, eps0, expected)` of x [B, T, d] → [d, h, k] kernel →
+  tanh → [h, k, classes] kernel: parameters, batch, the brute-force forward
+  with zero output perturbations `eps0`, and its statistics
+  (`example_dims=1`: both layers reduced over the sequence)."""
   ks = jax.random.split(jax.random.PRNGKey(1), 7)
   b, t, d, h, k, classes = 2, 3, 4, 2, 3, 5
   p = {"q": {"kernel": randn(ks[0], (d, h, k), 0.5)},
@@ -266,6 +267,29 @@ def test_dense_general_statistics(use_bias, example_dims):
   x = randn(ks[4], (b, t, d))
   y = jax.random.randint(ks[5], (b, t), 0, classes)
 
+  def forward(e):
+    q = jnp.einsum("btd,dhk->bthk", x, p["q"]["kernel"], precision=HIGHEST)
+    q = q + p["q"].get("bias", 0.0) + e["q"]
+    o = jnp.einsum("bthk,hkc->btc", jnp.tanh(q), p["o"]["kernel"], precision=HIGHEST)
+    return o + p["o"].get("bias", 0.0) + e["o"], jnp.tanh(q)
+
+  eps0 = {"q": jnp.zeros((b, t, h, k)), "o": jnp.zeros((b, t, classes))}
+  g = output_gradients(lambda e: forward(e)[0], eps0, lambda out: ce_per_example(out, y))
+  n = b * t
+  units = b if example_dims else None
+  expected = {"q": dense_stats(x, g["q"].reshape(b, t, h * k), n, use_bias, units),
+              "o": dense_stats(forward(eps0)[1].reshape(b, t, h * k), g["o"], n, use_bias,
+                               units)}
+  return p, x, y, forward, eps0, expected
+
+
+@pytest.mark.parametrize("use_bias,example_dims", [(True, None), (False, None), (True, 1)])
+def test_dense_general_statistics(use_bias, example_dims):
+  """x [B, T, d] → [d, h, k] kernel → tanh → [h, k, d] kernel (in_dims=2);
+  `example_dims=1`: both reduced over the sequence (K-FAC-reduce)."""
+  p, x, y, forward, eps0, expected = _projections_problem(use_bias, example_dims)
+  d, h, k, classes = 4, 2, 3, 5
+
   def model(p, x):
     q = kd.tags.dense_general(x, p["q"]["kernel"], p["q"].get("bias"), precision=HIGHEST,
                               example_dims=example_dims)
@@ -275,13 +299,6 @@ def test_dense_general_statistics(use_bias, example_dims):
   def loss_fn(p, x, y):
     return kd.losses.softmax_cross_entropy(model(p, x), y)
 
-  def forward(e):
-    q = jnp.einsum("btd,dhk->bthk", x, p["q"]["kernel"], precision=HIGHEST)
-    q = q + p["q"].get("bias", 0.0) + e["q"]
-    o = jnp.einsum("bthk,hkc->btc", jnp.tanh(q), p["o"]["kernel"], precision=HIGHEST)
-    return o + p["o"].get("bias", 0.0) + e["o"], jnp.tanh(q)
-
-  eps0 = {"q": jnp.zeros((b, t, h, k)), "o": jnp.zeros((b, t, classes))}
   np.testing.assert_allclose(f64(model(p, x)), f64(forward(eps0)[0]), rtol=1e-12)
 
   layers = kd.value_and_grad(loss_fn).discover(p, x, y)
@@ -295,12 +312,6 @@ def test_dense_general_statistics(use_bias, example_dims):
 
   _, grads, stats = capture(loss_fn)(p, x, y)
   assert_trees_equal(grads, jax.grad(loss_fn)(p, x, y))
-  g = output_gradients(lambda e: forward(e)[0], eps0, lambda out: ce_per_example(out, y))
-  n = b * t
-  units = b if example_dims else None
-  expected = {"q": dense_stats(x, g["q"].reshape(b, t, h * k), n, use_bias, units),
-              "o": dense_stats(forward(eps0)[1].reshape(b, t, h * k), g["o"], n, use_bias,
-                               units)}
   check_stats(stats, expected)
 
 
@@ -330,24 +341,8 @@ def test_einsum_statistics_linen_nnx_intercepted():
   layer: the brute-force statistics of the test above, for `kd.linen.Einsum`,
   `kd.nnx.Einsum` and Flax's own under `capture="flax"` (an equation given at
   the call too)."""
-  ks = jax.random.split(jax.random.PRNGKey(1), 6)
-  b, t, d, h, k, classes = 2, 3, 4, 2, 3, 5
-  p = {"q": {"kernel": randn(ks[0], (d, h, k), 0.5), "bias": randn(ks[2], (h, k), 0.5)},
-       "o": {"kernel": randn(ks[1], (h, k, classes), 0.5),
-             "bias": randn(ks[3], (classes,), 0.5)}}
-  x = randn(ks[4], (b, t, d))
-  y = jax.random.randint(ks[5], (b, t), 0, classes)
-
-  def forward(e):
-    q = jnp.einsum("btd,dhk->bthk", x, p["q"]["kernel"], precision=HIGHEST)
-    q = q + p["q"]["bias"] + e["q"]
-    o = jnp.einsum("bthk,hkc->btc", jnp.tanh(q), p["o"]["kernel"], precision=HIGHEST)
-    return o + p["o"]["bias"] + e["o"], jnp.tanh(q)
-
-  eps0 = {"q": jnp.zeros((b, t, h, k)), "o": jnp.zeros((b, t, classes))}
-  g = output_gradients(lambda e: forward(e)[0], eps0, lambda out: ce_per_example(out, y))
-  expected = {"q": dense_stats(x, g["q"].reshape(b, t, h * k), b * t, True),
-              "o": dense_stats(forward(eps0)[1].reshape(b, t, h * k), g["o"], b * t, True)}
+  p, x, y, _, _, expected = _projections_problem(use_bias=True)
+  d, h, k, classes = 4, 2, 3, 5
 
   def linen_case(lib):
     model = _LinenEinsums(lib)
