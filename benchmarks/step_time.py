@@ -57,11 +57,11 @@ ms against Adam's 6.4 (2026-11-29, 2149aaa); alone, 5.3-6.3 ms against 6.6-7.0,
 and 8.7-14.0 ms right after one 512 x 512 eigh. The header records the setting.
 
 Usage: [OPENBLAS_NUM_THREADS=n] python benchmarks/step_time.py [--quick]
-       [--models mlp,cnn,lm] [--rounds R] [--reps N] [--cycles C]
+       [--models mlp,cnn,lm] [--rounds R] [--reps N] [--cycles C] [--chain-steps S]
        [--compile-reps K] [--hang-timeout S] [--core] [--merge]
        [--out benchmarks/results]
 Writes step_time.md and step_time.json (step_time_quick.* with --quick: the
-MLP unless --models, 2 rounds of 3 steps).
+MLP unless --models, 2 rounds of 3 steps, chained blocks of 11).
 """
 
 from __future__ import annotations
@@ -361,7 +361,7 @@ def build(model_name: str, args):
   kfac_update = jax.jit(lambda g, s, p, st: tx_a.update(g, s, p, kfac_stats=st))
   sgd_update = jax.jit(lambda g, s, p: txs["sgd"].update(g, s, p))
 
-  reps, cycle = args.reps, args.cycles * INVERSE_EVERY
+  reps, cycle = args.reps, args.chain_steps or args.cycles * INVERSE_EVERY
   runners = [
       Runner("sgd", chained_runner(donating["sgd"], (params, states["sgd"], x, y), reps),
              "main", "optax.sgd(momentum=0.9)"),
@@ -641,7 +641,10 @@ def _tangent_floor(flops: dict) -> str:
 
 CORE = ("sgd", "adam", "kfac_amortised")
 FULL = dict(rounds=5, reps=10, cycles=1, compile_reps=5, models="mlp,cnn,lm")
-QUICK = dict(rounds=2, reps=3, cycles=1, compile_reps=1, models="mlp")
+# --quick's chained blocks: 11 steps from count 0 take the count-0 decomposition,
+# nine plain steps and a factor step (every kind; a whole cycle is 100 steps).
+QUICK = dict(rounds=2, reps=3, cycles=1, chain_steps=FACTOR_EVERY + 1, compile_reps=1,
+             models="mlp")
 
 
 def merged(results: list[dict], path: str) -> list[dict]:
@@ -668,6 +671,9 @@ def main():
                       help="steps per timed block (fixed-state and short runs)")
   parser.add_argument("--cycles", type=int, default=None,
                       help=f"inverse periods ({INVERSE_EVERY} steps) per amortised block")
+  parser.add_argument("--chain-steps", type=int, default=None,
+                      help="consecutive steps per chained block instead of --cycles "
+                      f"periods (quick: {FACTOR_EVERY + 1})")
   parser.add_argument("--compile-reps", type=int, default=None)
   parser.add_argument("--hang-timeout", type=float, default=600,
                       help="abort (exit 3) when no step finishes for this many seconds")
