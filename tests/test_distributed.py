@@ -333,20 +333,41 @@ def test_one_device_distribution_equals_single_device(fraction):
   _assert_same(trajectory, reference)
 
 
-def test_jit_on_a_sharded_batch_equals_single_device():
+def _fsdp_sharding(mesh, leaf):
+  """ZeRO-3 / FSDP's layout of one parameter: its longest axis divisible by
+  the device count split over "data" (replicated if none is)."""
+  n = mesh.shape["data"]
+  for axis in sorted(range(leaf.ndim), key=lambda i: -leaf.shape[i]):
+    if leaf.shape[axis] % n == 0:
+      return jax.sharding.NamedSharding(
+          mesh, P(*(["data" if i == axis else None for i in range(leaf.ndim)])))
+  return jax.sharding.NamedSharding(mesh, P())
+
+
+@pytest.mark.parametrize("params_layout", ["replicated", "fsdp"])
+def test_jit_on_a_sharded_batch_equals_single_device(params_layout):
   """No `shard_map` and no `Distribution`: the same jitted step given a batch
-  sharded over 8 devices and replicated parameters and state (XLA's SPMD
-  partitioner splits the batch's work) takes the single-device steps."""
+  sharded over 8 devices (XLA's SPMD partitioner splits the batch's work) takes
+  the single-device steps, with the parameters and state replicated, or the
+  parameters sharded over the same axis as FSDP / ZeRO-3 lays them out (the
+  state as `jax.jit(tx.init)` makes it; the step keeps the layout)."""
   reference, _ = _single_device("eigen")
   loss_fn, params, x, y = helpers.conv_dense_problem()
   grad_fn = kd.value_and_grad(loss_fn)
   tx = kd.kfac(0.1, layers=grad_fn.discover(params, x, y), **_options(method="eigen"))
   mesh = helpers.data_mesh()
   replicated, rows = (jax.sharding.NamedSharding(mesh, spec) for spec in (P(), P("data")))
-  params, state = jax.device_put((params, tx.init(params)), replicated)
+  if params_layout == "fsdp":
+    layout = jax.tree.map(functools.partial(_fsdp_sharding, mesh), params)
+    params = jax.device_put(params, layout)
+    state = jax.jit(tx.init)(params)
+    assert any(s.spec != P() for s in jax.tree.leaves(layout))
+  else:
+    layout = replicated
+    params, state = jax.device_put((params, tx.init(params)), replicated)
   x, y = jax.device_put((x, y), rows)
 
-  @jax.jit
+  @functools.partial(jax.jit, out_shardings=(layout, None))
   def step(params, state, x, y):
     _, grads, stats = grad_fn(params, x, y, opt_state=state)
     updates, state = tx.update(grads, state, params, kfac_stats=stats)
@@ -357,6 +378,9 @@ def test_jit_on_a_sharded_batch_equals_single_device():
     params, state = step(params, state, x, y)
     trajectory.append(params)
   assert len(x.sharding.device_set) == 8
+  if params_layout == "fsdp":
+    assert jax.tree.map(lambda p: p.sharding.spec, params) == jax.tree.map(
+        lambda s: s.spec, layout)
   _assert_same(trajectory, reference)
 
 
