@@ -215,6 +215,23 @@ def _forms(probes: dict, record: dict) -> dict[str, str]:
   return {key: form(key, probe) for key, probe in probes.items()}
 
 
+def _layer_probes(trace, name: str, site) -> dict | None:
+  """The capture's probes of layer `name` (one block's where `site` says so);
+  None: the optimizer skips it."""
+  if site is not None and site.probes is not None:
+    return site.probes            # this block's, sliced by flax / NNX
+  if name in trace.carriers:
+    raise ValueError(
+        f"Stacked layer '{name}' ran without its probes: the loss function must "
+        "pass the parameter tree it receives to the model unchanged (the capture "
+        f"adds '{stacking.PROBE_KEY}' entries to linen parameter dicts and wraps "
+        "NNX kernels).")
+  probes = trace.probes.get(name)
+  if probes is not None and site is not None and site.index is not None:
+    probes = jax.tree_util.tree_map(lambda p: p[site.index], probes)
+  return probes
+
+
 def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=None,
             stats_input=None, **record):
   """Runs `apply(x, kernel[, bias])`, recording or capturing the layer.
@@ -242,18 +259,7 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=
     y = apply(x, *params)
     trace.stats_dtypes[name] = factors.statistics_dtype(x, y)
     return y
-  if site is not None and site.probes is not None:
-    probes = site.probes            # this block's, sliced by flax / NNX
-  else:
-    if name in trace.carriers:
-      raise ValueError(
-          f"Stacked layer '{name}' ran without its probes: the loss function must "
-          "pass the parameter tree it receives to the model unchanged (the capture "
-          f"adds '{stacking.PROBE_KEY}' entries to linen parameter dicts and wraps "
-          "NNX kernels).")
-    probes = trace.probes.get(name)
-    if probes is not None and site is not None and site.index is not None:
-      probes = jax.tree_util.tree_map(lambda p: p[site.index], probes)
+  probes = _layer_probes(trace, name, site)
   if probes is None:        # not preconditioned (skipped by the optimizer)
     return apply(x, *params)
   groups = record.get("groups", 1)
