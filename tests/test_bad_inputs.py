@@ -4,6 +4,7 @@ device, the state unchanged but `skipped` (issue 13's cases, and more)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -15,6 +16,7 @@ import optax
 import pytest
 
 import kfac_jax_dist as kd
+from kfac_jax_dist.core import settings
 from kfac_jax_dist.core import states as states_lib
 
 import helpers
@@ -608,6 +610,37 @@ def test_schedule_values_are_checked_at_run_time():
   assert _skipped(state) == [1]
   tx = _kfac(damping=lambda count: jnp.where(count >= 1, -1.0, 1e-3))
   _assert_skipped_unchanged(tx, _batch(2))
+
+
+@pytest.mark.parametrize("check", [
+    lambda v, c: settings.positive_ok(v, c),
+    lambda v, c: settings.positive_ok(v, c, allow_zero=True),
+    lambda v, c: settings.range_ok(v, c, 0.0, 1.0),
+    lambda v, c: settings.range_ok(v, c, 0.0, 1.0, closed_low=False, closed_high=True),
+    lambda v, c: settings.interval_ok(v, c)])
+def test_python_numbers_verdicts_are_the_traced_ones(check):
+  """A Python number's run-time verdict is folded while tracing (no
+  equations) and equals the verdict of the same value as a traced float32
+  array, rounding included: 1e-50 is 0 and 1e39 is inf in float32, and
+  0.99999999 is 1."""
+  values = [1e-3, 0.5, 1.0, 0.0, -1.0, 1e-50, 1e39, 0.99999999, float("nan"),
+            float("inf"), 1, 0, 2, -3]
+  count = jnp.asarray(3, jnp.int32)
+  for value in values:
+    folded = check(value, count)
+    assert isinstance(folded, np.bool_), value
+    traced = jax.jit(lambda v: check(v, count))(jnp.asarray(value))
+    assert bool(folded) == bool(traced), value
+  numbers = jax.make_jaxpr(lambda c: settings.all_ok(
+      [functools.partial(check, v, c) for v in values]))(count)
+  assert not numbers.jaxpr.eqns
+  good = next(v for v in values if check(v, count))
+  bad = next(v for v in values if not check(v, count))
+  mixed = jax.jit(lambda v: settings.all_ok([lambda: check(good, count),
+                                             lambda: check(v, count)]))
+  assert bool(mixed(jnp.asarray(good, jnp.float32)))
+  assert not bool(mixed(jnp.asarray(bad, jnp.float32)))
+  assert not bool(settings.all_ok([lambda: check(bad, count), lambda: check(good, count)]))
 
 
 def test_one_process_nan_skips_on_every_device_shampoo():

@@ -6,7 +6,8 @@ names the argument and says what is allowed; an array (under
 `optax.inject_hyperparams`) or a schedule's value only at run time, where a
 bad value makes the step faulty (`core.faults`: skipped on every device,
 state unchanged but `skipped`). `*_ok` return that run-time verdict (a scalar
-bool; for Python numbers a constant that XLA folds away).
+bool; for Python numbers a NumPy bool computed while tracing in the dtype a
+traced value would have, so the step's program holds no equation for them).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kfac_jax_dist.core import cadence
 
@@ -116,26 +118,40 @@ def check_optional_positive_int(name: str, value: Any) -> None:
 
 # ------------------------------------------------------------------ run time
 
-def _value(value: Any, count: jax.Array) -> jax.Array:
+Verdict = jax.Array | np.bool_     # a Python number's verdict is known when tracing
+
+
+def _value(value: Any, count: jax.Array) -> jax.Array | np.ndarray:
+  """The value at `count`; a Python number as the NumPy array of the dtype
+  `jnp.asarray` would give it (float32 unless x64), so that its verdict is
+  computed exactly as a traced one would be, but while tracing (no equations)."""
+  if cadence.is_number(value):
+    return np.asarray(value, jax.dtypes.canonicalize_dtype(np.asarray(value).dtype))
   return jnp.asarray(cadence.value_at(value, count))
 
 
-def positive_ok(value: Any, count: jax.Array, allow_zero: bool = False) -> jax.Array:
+def _xnp(x: Any) -> Any:
+  return np if isinstance(x, np.ndarray) else jnp
+
+
+def positive_ok(value: Any, count: jax.Array, allow_zero: bool = False) -> Verdict:
   x = _value(value, count)
-  return jnp.all(jnp.isfinite(x) & ((x >= 0) if allow_zero else (x > 0)))
+  xnp = _xnp(x)
+  return xnp.all(xnp.isfinite(x) & ((x >= 0) if allow_zero else (x > 0)))
 
 
 def range_ok(value: Any, count: jax.Array, low: float, high: float,
-             closed_low: bool = True, closed_high: bool = False) -> jax.Array:
+             closed_low: bool = True, closed_high: bool = False) -> Verdict:
   x = _value(value, count)
   above = (x >= low) if closed_low else (x > low)
   below = (x <= high) if closed_high else (x < high)
-  return jnp.all(jnp.isfinite(x) & above & below)
+  xnp = _xnp(x)
+  return xnp.all(xnp.isfinite(x) & above & below)
 
 
-def interval_ok(value: Any, count: jax.Array) -> jax.Array:
+def interval_ok(value: Any, count: jax.Array) -> Verdict:
   x = _value(value, count)
-  return jnp.all(x >= 1)
+  return _xnp(x).all(x >= 1)
 
 
 class RunTimeChecks(NamedTuple):
@@ -163,9 +179,17 @@ def first_order_tail_checks(learning_rate: Any, momentum: Any = None,
       any(not hasattr(value, "dtype") for value, _ in run_time))
 
 
-def all_ok(checks: Sequence[Callable[[], jax.Array]]) -> jax.Array:
-  """The `and` of the run-time checks."""
-  ok = jnp.asarray(True)
+def all_ok(checks: Sequence[Callable[[], Verdict]]) -> jax.Array:
+  """The `and` of the run-time checks (those of Python numbers folded while
+  tracing)."""
+  known, traced = True, []
   for check in checks:
-    ok = ok & check()
+    verdict = check()
+    if isinstance(verdict, (bool, np.bool_)):
+      known = known and bool(verdict)
+    else:
+      traced.append(verdict)
+  ok = jnp.asarray(known)
+  for verdict in traced:
+    ok = ok & verdict
   return ok
