@@ -161,8 +161,9 @@ def test_bfloat16_params_and_activations_keep_float32_factors():
 
 def _training_step(kind, loss_fn, params, tokens, mask, state_dtype=None):
   """`(tx, step(params, state, tokens, mask) -> (params, state))` of `kind`:
-  K-FAC (amortised cadence), adaptive K-FAC, Shampoo, or K-FAC under MEM-OPT
-  on 8 devices (the step's `Distribution`, else None, third); `state_dtype`:
+  K-FAC (amortised cadence; "kfac inverse": damped inverses by Cholesky),
+  adaptive K-FAC, Shampoo, or K-FAC under MEM-OPT on 8 devices (the step's
+  `Distribution`, else None, third); `state_dtype`:
   the factors' (statistics') dtype, None for the default."""
   grad_fn = kd.value_and_grad(loss_fn)
   layers = grad_fn.discover(params, tokens, mask)
@@ -177,7 +178,8 @@ def _training_step(kind, loss_fn, params, tokens, mask, state_dtype=None):
       dist = kd.Distribution(helpers.data_mesh(8), grad_worker_fraction=1 / 8,
                              gradient_reduction="all_reduce")
     tx = kd.kfac(0.1, layers=layers, factor_update_every=10, inverse_update_every=100,
-                 distribution=dist, factor_dtype=state_dtype)
+                 distribution=dist, factor_dtype=state_dtype,
+                 method="inverse" if kind == "kfac inverse" else "eigen")
 
   def step(params, state, tokens, mask):
     if kind == "shampoo":
@@ -248,6 +250,44 @@ def test_steps_in_a_scan_equal_the_jitted_loop(kind, x64):
   # the roots' scale, which an element-wise tolerance sees on their small entries.
   helpers.assert_trees_equal(p_scan, p, rtol=1e-10)
   helpers.assert_trees_equal(s_scan, s, rtol=1e-6 if kind == "shampoo" else 1e-10)
+
+
+@pytest.mark.parametrize("kind", ["kfac", "kfac inverse", "adaptive", "shampoo"])
+def test_a_step_vmapped_over_seeds_equals_each_seed(kind, x64):
+  """`jax.vmap` of the whole step over three seeds' parameters and states (an
+  ensemble or a sweep in one program) takes each seed's steps, in float64.
+  jaxlib's batched CPU LAPACK calls deadlock XLA's intra-op pool (this 2-core
+  machine hung), so every eigh, Cholesky and LU call of the vmapped program
+  must still take one matrix (`core.linalg.one_matrix_per_call`): checked on
+  the lowered program first, so that a regression fails instead of hanging."""
+  del x64
+  loss_fn, params, tokens, mask = _problem(jnp.float64, jnp.float64)
+  tx, step, _ = _training_step(kind, loss_fn, params, tokens, mask, jnp.float64)
+  seeds = [jax.tree.map(lambda a, i=i: a * (1 + 0.25 * i), params) for i in range(3)]
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *seeds)
+  vmapped = jax.jit(jax.vmap(step, in_axes=(0, 0, None, None)))
+  states = jax.vmap(tx.init)(stacked)
+  text = vmapped.lower(stacked, states, tokens, mask).as_text()
+  calls = re.findall(r'custom_call @(lapack_\w+)\(.*?num_batch_dims = "(\d+)"', text)
+  assert calls and all(batch_dims == "0" for _, batch_dims in calls), sorted(set(calls))
+  p, s = stacked, states
+  for _ in range(3):
+    p, s = vmapped(p, s, tokens, mask)
+  jitted = jax.jit(step)
+  for i, seed in enumerate(seeds):
+    q, t = seed, tx.init(seed)
+    for _ in range(3):
+      q, t = jitted(q, t, tokens, mask)
+    # The parameters; the statistics (K-FAC's running factors, Shampoo's),
+    # not the eigenbases, which are any basis of a repeated eigenvalue's
+    # eigenspace (the rank-deficient factors' zero one) in either program.
+    helpers.assert_trees_equal(jax.tree.map(lambda a, i=i: a[i], p), q, rtol=1e-8)
+    if kind == "shampoo":
+      statistics = lambda state: states_lib.find_states(state)[0].statistics
+    else:
+      statistics = lambda state: find_states(state)[0].factors
+    helpers.assert_trees_equal(jax.tree.map(lambda a, i=i: a[i], statistics(s)),
+                               statistics(t), rtol=1e-10)
 
 
 @pytest.mark.parametrize("kind", ["kfac", "adaptive", "shampoo", "kfac MEM-OPT"])

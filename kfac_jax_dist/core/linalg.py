@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax import custom_batching
 from jax import lax
 
 
@@ -35,23 +36,42 @@ GPU_BATCHED_EIGH_MAX_DIM = 192
 UNROLLED_MAX_SLOTS = 4
 
 
-def batched(fn: Callable, stacked: jax.Array, *, one_at_a_time_on_cuda: bool = False):
-  """`fn` on every `[d, d]` slot of `stacked`: one batched call on accelerators,
-  one call per slot on CPU (written out up to `UNROLLED_MAX_SLOTS`, else
-  `lax.map`), and on CUDA too if `one_at_a_time_on_cuda` (`lax.map`).
-  jaxlib's batched CPU eigh/cholesky fans the batch out over XLA's intra-op
-  thread pool from inside that pool, and deadlocks when every pool thread
-  waits (seen on 2-core machines)."""
-  def written_out(s: jax.Array) -> Any:
+def one_matrix_per_call(fn: Callable) -> Callable:
+  """`fn`, which decomposes or solves one matrix, run one matrix per call
+  under any outer `jax.vmap` too (a user's vmap of the training step over
+  seeds or settings), as a loop. jaxlib's batched CPU eigh / cholesky / LU
+  fan the batch out over XLA's intra-op thread pool from inside that pool,
+  and deadlock when every pool thread waits: a K-FAC step vmapped over 3
+  seeds hung on this 2-core machine, every pool thread in `ParallelBatchMap`.
+  `fn` must take every traced value it reads as an argument (it is traced on
+  its own: a closed-over tracer would escape). Not reverse-differentiable:
+  nothing differentiates the preconditioner."""
+  return custom_batching.sequential_vmap(fn)
+
+
+def batched(fn: Callable, stacked: jax.Array, *shared: Any,
+            one_at_a_time_on_cuda: bool = False):
+  """`fn(slot, *shared)` on every `[d, d]` slot of `stacked`: one batched call
+  on accelerators, one call per slot on CPU (written out up to
+  `UNROLLED_MAX_SLOTS`, else `lax.map`), and on CUDA too if
+  `one_at_a_time_on_cuda` (`lax.map`); one call per matrix under an outer
+  `jax.vmap` too (`one_matrix_per_call`: `fn` closes over no traced value,
+  `shared` passes them). jaxlib's batched CPU eigh/cholesky fans the batch
+  out over XLA's intra-op thread pool from inside that pool, and deadlocks
+  when every pool thread waits (seen on 2-core machines)."""
+  one = one_matrix_per_call(fn)
+
+  def written_out(s: jax.Array, *shared: Any) -> Any:
     return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs),
-                                  *[fn(s[i]) for i in range(s.shape[0])])
+                                  *[one(s[i], *shared) for i in range(s.shape[0])])
 
   if stacked.shape[0] == 1:
-    return written_out(stacked)
-  one_at_a_time = lambda s: lax.map(fn, s)
+    return written_out(stacked, *shared)
+  one_at_a_time = lambda s, *shared: lax.map(lambda x: one(x, *shared), s)
   on_cpu = written_out if stacked.shape[0] <= UNROLLED_MAX_SLOTS else one_at_a_time
   cuda = {"cuda": one_at_a_time} if one_at_a_time_on_cuda else {}
-  return lax.platform_dependent(stacked, cpu=on_cpu, **cuda, default=jax.vmap(fn))
+  return lax.platform_dependent(stacked, *shared, cpu=on_cpu, **cuda,
+                                default=jax.vmap(fn, (0,) + (None,) * len(shared)))
 
 
 def eigh(factors: jax.Array, symmetric: bool = False

@@ -51,6 +51,7 @@ from kfac_jax_dist import _compat
 from kfac_jax_dist.capture import batches, registry
 from kfac_jax_dist.core import cadence, faults, settings, states, tensor_parallel
 from kfac_jax_dist.core import collectives as collectives_lib
+from kfac_jax_dist.core import linalg
 from kfac_jax_dist.kfac import transform
 from kfac_jax_dist.kfac.config import KfacConfig
 from kfac_jax_dist.kfac.state import ScaleByKfacState
@@ -223,7 +224,7 @@ def solve_coefficients(a_damped: jax.Array, b: jax.Array, learning_rate: Any,
   alone = first | (a_damped[1, 1] == 0)
   if learning_rate is None and momentum is None:
     alpha_only = -b[0] / a_damped[0, 0]
-    both = -jnp.linalg.solve(a_damped, b)
+    both = -linalg.one_matrix_per_call(jnp.linalg.solve)(a_damped, b)
     return jnp.where(alone, jnp.stack([alpha_only, 0.0]), both)
   if learning_rate is not None:              # μ alone
     alpha = -jnp.asarray(learning_rate, b.dtype)

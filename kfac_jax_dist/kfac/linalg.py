@@ -39,8 +39,8 @@ def damped_inverse(factors: jax.Array, damping: jax.Array) -> jax.Array:
     return 1.0 / (factors + damping[:, None])
   eye = jnp.eye(factors.shape[-1], dtype=factors.dtype)
   damped = 0.5 * (factors + jnp.swapaxes(factors, -1, -2)) + damping[:, None, None] * eye
-  return batched(
-      lambda f: jax.scipy.linalg.cho_solve((jnp.linalg.cholesky(f), True), eye), damped)
+  return batched(lambda f, eye: jax.scipy.linalg.cho_solve((jnp.linalg.cholesky(f), True),
+                                                          eye), damped, eye)
 
 
 def mean_traces(factors: jax.Array) -> jax.Array:

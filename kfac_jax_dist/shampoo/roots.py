@@ -193,7 +193,8 @@ def inverse_pth_root(matrices: jax.Array, p: float, *, method: str = "eigh",
     # stack of the eigenvectors themselves fused jax's per-slot `info == 0`
     # selects into one loop, which LLVM unswitched once per slot (PERF_NOTES §17).
     roots = linalg.batched(
-        lambda h: eigh_inverse_pth_root(h, p, ridge_epsilon=ridge_epsilon)[0], matrices,
+        lambda h, eps: eigh_inverse_pth_root(h, p, ridge_epsilon=eps)[0], matrices,
+        jnp.asarray(ridge_epsilon, matrices.dtype),
         one_at_a_time_on_cuda=matrices.shape[-1] > linalg.GPU_BATCHED_EIGH_MAX_DIM)
     return roots, jnp.zeros(matrices.shape[:1], matrices.dtype)
   fn = lambda h: newton_inverse_pth_root(
