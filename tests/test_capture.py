@@ -1457,3 +1457,16 @@ def test_grouped_flax_conv_is_tagged(capture_mode):
   _, _, want = kd.value_and_grad(tagged_loss)(params, x, y)
   (got,) = stats.values()
   assert_trees_equal(got, want["conv"])
+
+
+def test_a_plain_tag_is_named_by_its_kernels_parent_path():
+  """A plain-JAX tag without `name=` is named by its kernel's path less the
+  leaf's own key, whatever that key is called (a dict key `value` is a key like
+  any other: only boxes' attributes are dropped, by `registry.path_str`)."""
+  params = {"a": {"b": {"value": jnp.ones((3, 4))}}, "c": {"kernel": jnp.ones((4, 2))}}
+
+  def loss(p, x, y):
+    h = kd.tags.dense(x, p["a"]["b"]["value"])
+    return kd.losses.softmax_cross_entropy(kd.tags.dense(h, p["c"]["kernel"]), y)
+  layers = kd.value_and_grad(loss).discover(params, jnp.ones((5, 3)), jnp.zeros(5, int))
+  assert [layer.name for layer in layers.layers] == ["a/b", "c"]

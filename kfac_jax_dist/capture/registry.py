@@ -64,7 +64,7 @@ def _key_name(key) -> str:
 
 # The attribute that holds a boxed parameter's array: an NNX Variable's, a
 # linen `Partitioned`'s (flax.core.meta).
-_BOX_ATTRIBUTES = ("value", "raw_value")
+BOX_ATTRIBUTES = ("value", "raw_value")
 
 
 def path_str(path: Path) -> str:
@@ -74,7 +74,7 @@ def path_str(path: Path) -> str:
   `tx.init` sees and the pure arrays that `nnx.Optimizer.update` hands
   `tx.update` name the same leaves."""
   if (len(path) > 1 and isinstance(path[-1], jax.tree_util.GetAttrKey)
-      and path[-1].name in _BOX_ATTRIBUTES):
+      and path[-1].name in BOX_ATTRIBUTES):
     path = path[:-1]
   return "/".join(_key_name(k) for k in path)
 

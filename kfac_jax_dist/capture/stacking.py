@@ -102,16 +102,11 @@ class Probed:
     return cls(*children)
 
 
-def _parts(path: str) -> list[str]:
-  """A leaf path's keys (`registry.path_str`'s: a boxed parameter's without its
-  box's attribute)."""
-  return path.split("/")
-
-
 def owner_path(leaf_path: str) -> str:
   """The path of the module that holds a parameter leaf (`"fc1/kernel"` →
-  `"fc1"`): the leaf path without its own name."""
-  return "/".join(_parts(leaf_path)[:-1])
+  `"fc1"`; a boxed leaf's path has no box key, `registry.path_str`): the
+  leaf path without its own name."""
+  return "/".join(leaf_path.split("/")[:-1])
 
 
 def stack_of(name: str, path: str, leaf_shape, block_shape) -> tuple[int, ...]:
@@ -161,7 +156,7 @@ def index_site(kernel, bias, stack_index):
 
 def _by_suffix(trace, suffix: tuple[str, ...], block_shape, what: str) -> str | None:
   matches = [path for path in trace.leaf_shapes
-             if tuple(_parts(path)[-len(suffix):]) == suffix]
+             if tuple(path.split("/")[-len(suffix):]) == suffix]
   if len(matches) > 1:              # e.g. two models with the same module names
     k = len(block_shape)
     matches = [path for path in matches
@@ -190,7 +185,7 @@ def linen_site(module, kernel, bias, kernel_name: str, bias_name: str | None):
     bias_path = _by_suffix(trace, scope + (bias_name,), bias.shape, what)
     if bias_path is None:
       return None
-  parts = _parts(kernel_path)
+  parts = kernel_path.split("/")
   probes = (module.get_variable("params", PROBE_KEY)
             if module.has_variable("params", PROBE_KEY) else None)
   return _site(trace, what, kernel_path, bias_path, kernel, bias, probes=probes,
@@ -233,7 +228,7 @@ def nnx_site(kernel_var, bias_var):
   if kernel_path not in trace.leaf_shapes or (
       bias is not None and bias_path not in trace.leaf_shapes):
     return kernel, bias, None
-  what = "/".join(_parts(kernel_path)[:-1]) or kernel_path
+  what = "/".join(kernel_path.split("/")[:-1]) or kernel_path
   return kernel, bias, _site(trace, what, kernel_path, bias_path, kernel, bias,
                              probes=probes, carrier=(NNX, kernel_path))
 

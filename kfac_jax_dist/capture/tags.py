@@ -74,10 +74,7 @@ def _layer_name(trace: _context.Trace, name: str | None, kernel,
     raise ValueError(
         "A tagged layer without a name uses a kernel that is not a leaf of the "
         "parameters given to kd.value_and_grad. " + _NOT_A_LEAF)
-  parts = path.split("/")
-  while len(parts) > 1 and parts[-1] in ("value", "raw_value"):   # NNX Variables
-    parts.pop()
-  return "/".join(parts[:-1]) if len(parts) > 1 else parts[0]
+  return stacking.owner_path(path) or path     # (box keys: not in paths)
 
 
 def _discover(trace, kind, name, kernel, bias, site, **record) -> None:

@@ -40,6 +40,7 @@ import numpy as np
 
 from kfac_jax_dist.core import specs
 from kfac_jax_dist.core import tensor_parallel
+from kfac_jax_dist.capture import registry
 from kfac_jax_dist.capture import statistics as factors_lib
 from kfac_jax_dist.kfac import correction as correction_lib
 from kfac_jax_dist.kfac import state as kfac_lib
@@ -317,7 +318,8 @@ def _unboxed(shampoo_states: list[dict]) -> list[dict]:
   """Shampoo metadata with a boxed parameter's path as the bare array's: those
   of checkpoints written before `registry.path_str` dropped an NNX Variable's
   (or linen `Partitioned`'s) `value` key end in `/value` (or `/raw_value`)."""
-  strip = lambda path: re.sub(r"/(raw_)?value$", "", path)
+  box = re.compile("/(" + "|".join(registry.BOX_ATTRIBUTES) + ")$")
+  strip = lambda path: box.sub("", path)
   return [{**state, "params": [[strip(path), *rest] for path, *rest in state["params"]]}
           for state in shampoo_states]
 
