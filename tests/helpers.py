@@ -306,6 +306,13 @@ METHOD_CONFIGS = {
 }
 
 
+def method_params(by_default: tuple[str, ...]) -> list:
+  """`METHOD_CONFIGS`' names for `pytest.mark.parametrize`, those outside
+  `by_default` marked slow (CI time: each case runs two trajectories)."""
+  return [name if name in by_default else pytest.param(name, marks=pytest.mark.slow)
+          for name in METHOD_CONFIGS]
+
+
 def image_batch(shape: tuple[int, ...], classes: int = 5, seed: int = 3) -> tuple:
   """Random float64 images `shape` (`[n, *spatial, c]`) and integer labels
   (needs `jax_enable_x64`)."""
@@ -316,13 +323,14 @@ def image_batch(shape: tuple[int, ...], classes: int = 5, seed: int = 3) -> tupl
 
 def first_kfac_step(loss_fn, params, batch: tuple, damping: float):
   """`kd.scale_by_kfac`'s first update (float64 factors, every refresh due):
-  (gradients, updates, running factors by layer name, state)."""
+  (gradients, updates, running factors by layer name, state). Jitted: one
+  program each instead of every op compiled alone."""
   grad_fn = kd.value_and_grad(loss_fn)
   tx = kd.scale_by_kfac(layers=grad_fn.discover(params, *batch), damping=damping,
                         factor_dtype=jnp.float64)
   state = tx.init(params)
-  _, grads, stats = grad_fn(params, *batch, opt_state=state)
-  updates, state = tx.update(grads, state, kfac_stats=stats)
+  _, grads, stats = jax.jit(grad_fn)(params, *batch, opt_state=state)
+  updates, state = jax.jit(tx.update)(grads, state, kfac_stats=stats)
   return grads, updates, kd.running_factors(state), state
 
 

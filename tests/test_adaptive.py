@@ -153,13 +153,14 @@ def test_damping_adapts_from_the_reduction_ratio():
   tx, params = _tx(adapt_damping=True, damping_adaptation_interval=1), _params()
   state = tx.init(params)
   x, y = _batch(0)
-  _, grads, stats = GRAD_FN(params, x, y, opt_state=state)
+  _, grads, stats = jax.jit(GRAD_FN)(params, x, y, opt_state=state)
   inner = _adaptive_state(state)
   g, delta = _kfac_direction(params, inner, grads, stats)
   c = _dense_ggn(params, x, y) + WD * np.eye(g.size)
   alpha = -(g @ delta) / (delta @ (c + LAMBDA * np.eye(g.size)) @ delta)
   d = alpha * delta
-  updates, state = tx.update(grads, state, params, kfac_stats=stats, kfac_batch=(x, y))
+  updates, state = jax.jit(tx.update)(grads, state, params, kfac_stats=stats,
+                                      kfac_batch=(x, y))
   objective = lambda p: float(loss_fn(p, x, y)) + 0.5 * WD * float(_flat(p) @ _flat(p))
   rho = (objective(optax.apply_updates(params, updates)) - objective(params)) / (
       0.5 * d @ c @ d + g @ d)
@@ -171,11 +172,11 @@ def test_damping_adapts_from_the_reduction_ratio():
 
 def test_fixed_learning_rate_adapts_momentum_only():
   tx, params = _tx(learning_rate=0.05), _params()
-  state = tx.init(params)
+  state, statistics, update = tx.init(params), jax.jit(GRAD_FN), jax.jit(tx.update)
   for step in range(2):
     x, y = _batch(step)
-    _, grads, stats = GRAD_FN(params, x, y, opt_state=state)
-    updates, state = tx.update(grads, state, params, kfac_stats=stats, kfac_batch=(x, y))
+    _, grads, stats = statistics(params, x, y, opt_state=state)
+    updates, state = update(grads, state, params, kfac_stats=stats, kfac_batch=(x, y))
     params = optax.apply_updates(params, updates)
     new = _adaptive_state(state)
     np.testing.assert_allclose(float(new.learning_rate), 0.05, rtol=1e-12)

@@ -126,11 +126,12 @@ def test_whole_pass_statistics_skip_equals_single_device(fraction):
 
 @pytest.mark.parametrize("num_devices,problem,method,fraction,narrow", [
     (4, helpers.conv_dense_problem, "eigen", 1.0, False),   # three owners
-    (8, helpers.funnel_problem, "eigen", 1.0, False),       # and two idle devices
+    pytest.param(8, helpers.funnel_problem, "eigen", 1.0, False,   # and two idle devices
+                 marks=pytest.mark.slow),
     (8, helpers.funnel_problem, "eigen", 1.0, True),
     pytest.param(8, helpers.funnel_problem, "inverse", 1.0, False, marks=pytest.mark.slow),
     (8, helpers.funnel_problem, "eigen", 1 / 2, False),     # HYBRID, two groups of four
-    (8, helpers.funnel_problem, "eigen", 1 / 2, True)],
+    pytest.param(8, helpers.funnel_problem, "eigen", 1 / 2, True, marks=pytest.mark.slow)],
     ids=["comm_opt-4", "comm_opt-8", "comm_opt-8-narrow", "comm_opt-8-inverse", "hybrid-8",
          "hybrid-8-narrow"])
 def test_rows_shared_by_owners_equal_single_device(monkeypatch, num_devices, problem,
@@ -244,7 +245,7 @@ def _longer_chunks(sizes):
 
 
 @pytest.mark.parametrize("fraction,scheme", [
-    (1.0, "rechunk"), (1 / 8, "rechunk"), (1 / 2, "rechunk"),
+    pytest.param(1.0, "rechunk", marks=pytest.mark.slow), (1 / 8, "rechunk"), (1 / 2, "rechunk"),
     pytest.param(1 / 8, "longer chunks", marks=pytest.mark.slow),
     pytest.param(1 / 2, "longer chunks", marks=pytest.mark.slow)])
 def test_rechunked_uneven_collectives_equal_single_device(fraction, scheme, monkeypatch):
@@ -297,7 +298,8 @@ def test_statistics_buffer_past_int32_is_written_by_rows(num_devices, fraction, 
 
 
 @pytest.mark.parametrize("fraction,factor_reduction,gradient_reduction", [
-    (1 / 2, "reduce_scatter", "reduce_scatter"), (1 / 8, "all_reduce", "all_reduce"),
+    (1 / 2, "reduce_scatter", "reduce_scatter"),
+    pytest.param(1 / 8, "all_reduce", "all_reduce", marks=pytest.mark.slow),
     pytest.param(1.0, "reduce_scatter", "all_reduce", marks=pytest.mark.slow)])
 def test_batched_preconditioning_equals_single_device(monkeypatch, fraction,
                                                       factor_reduction,
@@ -318,7 +320,7 @@ def test_batched_preconditioning_equals_single_device(monkeypatch, fraction,
   _assert_same(trajectory, reference)
 
 
-@pytest.mark.parametrize("fraction", [1.0, 1 / 8])
+@pytest.mark.parametrize("fraction", [pytest.param(1.0, marks=pytest.mark.slow), 1 / 8])
 def test_inverse_method_and_full_factor_traffic(fraction):
   reference, _ = _single_device("inverse")
   trajectory, _, _ = _distributed(8, fraction, "reduce_scatter", "none", method="inverse",
@@ -389,7 +391,7 @@ def test_dp_kfac_factors_are_the_owners_local_factors():
   _, opt_state, _ = _distributed(8, 1 / 8, "local", "none", steps=1)
   state, = find_states(opt_state)
   stored = kd.running_factors(state)
-  grad_fn = kd.value_and_grad(loss_fn)
+  grad_fn = jax.jit(kd.value_and_grad(loss_fn))
   lay = state.layout
   for device in range(8):
     xs, ys = x[device * 4:(device + 1) * 4], y[device * 4:(device + 1) * 4]

@@ -395,9 +395,10 @@ def test_one_device_fault_skips_on_all_devices(fraction, gradient_reduction):
 
 @pytest.mark.parametrize("fraction,gradient_reduction,narrow", [
     pytest.param(1 / 4, "reduce_scatter", False, id="HYBRID-reduce_scatter"),
-    pytest.param(1 / 8, "none", False, id="MEM-OPT-none"),
+    pytest.param(1 / 8, "none", False, id="MEM-OPT-none", marks=pytest.mark.slow),
     pytest.param(1.0, "all_reduce", False, id="COMM-OPT-all_reduce"),
-    pytest.param(1 / 2, "reduce_scatter", False, id="HYBRID-rows-shared"),
+    pytest.param(1 / 2, "reduce_scatter", False, id="HYBRID-rows-shared",
+                 marks=pytest.mark.slow),
     pytest.param(1 / 2, "reduce_scatter", True, id="HYBRID-narrow-rows")])
 def test_failed_decomposition_on_its_owner_keeps_previous(monkeypatch, fraction,
                                                           gradient_reduction, narrow):

@@ -85,7 +85,7 @@ def _trajectory(split: bool, config: dict) -> dict:
   return _joined(params) if split else params
 
 
-@pytest.mark.parametrize("config", list(helpers.METHOD_CONFIGS))
+@pytest.mark.parametrize("config", helpers.method_params(("eigen", "inverse", "adaptive")))
 def test_grouped_updates_equal_split_convolutions(config):
   """Each group is preconditioned exactly as a convolution of its own: four
   steps of every method (eigen, inverses, EK-FAC, a diagonal `A`, stale
@@ -144,9 +144,7 @@ def _stacked_joined(split: dict) -> dict:
   return {"dw": dw, "head": split["head"]}
 
 
-@pytest.mark.parametrize("config", [
-    c if c in ("eigen", "ekfac", "stale") else pytest.param(c, marks=pytest.mark.slow)
-    for c in helpers.METHOD_CONFIGS])
+@pytest.mark.parametrize("config", helpers.method_params(("eigen", "ekfac", "stale")))
 def test_stacked_grouped_updates_equal_split_convolutions(config):
   """A depthwise convolution stacked over blocks (`stack` `(blocks, groups)`):
   each block's each group is preconditioned as a convolution of its own."""
@@ -223,7 +221,9 @@ STRATEGIES = {
 }
 
 
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("strategy", [
+    s if s in ("HYBRID", "SP-NGD") else pytest.param(s, marks=pytest.mark.slow)
+    for s in STRATEGIES])
 def test_grouped_distributed_equals_single_device(strategy):
   """A depthwise and a grouped `kd.linen.Conv` on 8 devices (their groups'
   blocks spread over the owners) equal the single-device run; SP-NGD's

@@ -85,7 +85,7 @@ def test_conv_kernels_step_matches_dense_oracle():
   gamma = 0.05
   tx = kd.scale_by_kfac(layers=layers, damping=gamma, factor_dtype=F64)
   stats = _stats(rng, layers)
-  updates, _ = tx.update(grads, tx.init(grads), kfac_stats=stats)
+  updates, _ = jax.jit(tx.update)(grads, tx.init(grads), kfac_stats=stats)
   for layer in layers:
     a, g = (np.asarray(stats[layer.name][k]) for k in ("A", "G"))
     kernel = np.asarray(grads[layer.name]["kernel"])
@@ -122,7 +122,7 @@ def test_single_step_matches_dense_oracle(monkeypatch, method, arrangement):
   assert len(layout_lib.precondition_runs(state.layout, 0, False)) == len(layers)
   stats = _stats(rng, layers)
   grads = _random_grads(rng, params)
-  updates, _ = tx.update(grads, state, kfac_stats=stats)
+  updates, _ = jax.jit(tx.update)(grads, state, kfac_stats=stats)
   for layer in layers:
     a = np.asarray(stats[layer.name]["A"])
     g = np.asarray(stats[layer.name]["G"])
@@ -165,7 +165,7 @@ def test_running_average_and_cadence_step_by_step():
   tx = kd.scale_by_kfac(layers=layers, damping=gamma, factor_decay=decay,
                         factor_update_every=f_every, inverse_update_every=i_every,
                         factor_dtype=F64)
-  state = tx.init(params)
+  state, update = tx.init(params), jax.jit(tx.update)
   running = {l.name: None for l in layers}
   weight = 0.0
   decomposed = {}
@@ -173,7 +173,7 @@ def test_running_average_and_cadence_step_by_step():
     assert bool(state.update_factors) == (count % f_every == 0)
     stats = _stats(rng, layers, scale=1.0 + count)
     grads = _random_grads(rng, params)
-    updates, state = tx.update(grads, state, kfac_stats=stats)
+    updates, state = update(grads, state, kfac_stats=stats)
     if count % f_every == 0:
       new_weight = decay * weight + (1 - decay)
       for l in layers:
@@ -260,13 +260,13 @@ def test_schedules_for_damping_and_intervals():
                         factor_update_every=lambda c: jnp.where(c < 2, 1, 4),
                         inverse_update_every=lambda c: jnp.where(c < 2, 1, 4),
                         factor_dtype=F64)
-  state = tx.init(params)
+  state, update = tx.init(params), jax.jit(tx.update)
   flags = []
   for count in range(9):
     flags.append(bool(state.update_factors))
     stats = _stats(rng, layers)
     grads = _random_grads(rng, params)
-    updates, state = tx.update(grads, state, kfac_stats=stats)
+    updates, state = update(grads, state, kfac_stats=stats)
     if count == 1:   # factors and inverses from this batch only after step 0's
       pass
   assert flags == [True, True, False, False, True, False, False, False, True]
@@ -274,9 +274,9 @@ def test_schedules_for_damping_and_intervals():
   stats = _stats(rng, layers)
   grads = _random_grads(rng, params)
   tx1 = kd.scale_by_kfac(layers=layers, damping=damping, factor_dtype=F64)
-  s = tx1.init(params)
-  _, s = tx1.update(grads, s, kfac_stats=stats)
-  updates, _ = tx1.update(grads, s, kfac_stats=stats)   # count 1: γ = 0.05
+  s, update = tx1.init(params), jax.jit(tx1.update)
+  _, s = update(grads, s, kfac_stats=stats)
+  updates, _ = update(grads, s, kfac_stats=stats)   # count 1: γ = 0.05
   a, g = np.asarray(stats["l0"]["A"]), np.asarray(stats["l0"]["G"])
   grad = _grad_matrix(layers.layers[0], grads)
   big = np.kron(a, g) + 0.05 * np.eye(a.shape[0] * g.shape[0])

@@ -294,7 +294,7 @@ def test_dp_kfac_3d_factors_are_the_owners_local_factors():
     params, x, y = _problem()
     _, state = _train(_kfac, pipeline_loss, params, x, y,
                       _dist(1 / 2, factor_reduction="local"), steps=1)
-    grad_fn = kd.value_and_grad(split_loss)
+    grad_fn = jax.jit(kd.value_and_grad(split_loss))
     half = x.shape[0] // DATA
     local = [grad_fn(to_split(params), x[d * half:(d + 1) * half],
                      y[d * half:(d + 1) * half])[2] for d in range(DATA)]

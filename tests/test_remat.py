@@ -176,7 +176,9 @@ def _kfac_run(loss_fn, params, capture, steps=2, adaptive=False):
   return layers, out, params, _lowered_tanh_count(step, params, state)
 
 
-@pytest.mark.parametrize("name", list(PROBLEMS))
+@pytest.mark.parametrize("name", [   # one of each kind of model by default (CI time)
+    n if n in ("plain-policy", "linen-flax", "nnx-tags") else pytest.param(n, marks=pytest.mark.slow)
+    for n in PROBLEMS])
 def test_remat_equals_the_model_without_it(name):
   plain_layers, plain_out, plain_params, plain_tanh = _kfac_run(*PROBLEMS[name](False))
   layers, out, params, tanh = _kfac_run(*PROBLEMS[name](True))
@@ -250,7 +252,8 @@ def test_jax_checkpoint_over_the_parameters_points_to_kd_remat():
     kd.value_and_grad(loss_fn).discover(params, *_batch())
 
 
-@pytest.mark.parametrize("fraction", [1 / 8, 1.0], ids=["MEM-OPT", "COMM-OPT"])
+@pytest.mark.parametrize("fraction", [1 / 8, pytest.param(1.0, marks=pytest.mark.slow)],
+                         ids=["MEM-OPT", "COMM-OPT"])
 def test_kd_remat_on_eight_devices_equals_one_device_without_it(fraction):
   """Inside `shard_map` the remat body closes over the capture's probes and
   statistics flag, which vary over the data axis."""

@@ -238,7 +238,8 @@ def _train_stale(loss_fn, params, batch, dist=None, steps=8, method="eigen"):
 
 @pytest.mark.parametrize("strategy,method", [
     (None, "eigen"), ("MEM-OPT", "eigen"),
-    pytest.param("COMM-OPT", "eigen", marks=pytest.mark.slow), (None, "inverse"),
+    pytest.param("COMM-OPT", "eigen", marks=pytest.mark.slow),
+    pytest.param(None, "inverse", marks=pytest.mark.slow),
     pytest.param("MEM-OPT", "inverse", marks=pytest.mark.slow)])
 def test_stale_statistics_scanned_equal_unrolled(strategy, method):
   """Stale statistics on a scan: each block's factors keep their own schedule
@@ -976,7 +977,7 @@ def _deep_stack_problem(blocks: int = 16):
   return loss_fn, params, (x, jax.random.randint(keys[4], (16,), 0, C))
 
 
-@pytest.mark.parametrize("fraction", [1.0, 1 / 8])
+@pytest.mark.parametrize("fraction", [pytest.param(1.0, marks=pytest.mark.slow), 1 / 8])
 def test_all_reduced_factors_of_consecutive_blocks_equal_single_device(fraction):
   """KAISA's factor all-reduce: each device copies its factors of consecutive
   blocks out of the summed buffer as one strided slice (`factors._copied`),
@@ -1045,8 +1046,9 @@ def _apart(lay, run) -> bool:
 
 
 @pytest.mark.parametrize("fraction,gradient_reduction,run_numbers", [
-    (1 / 8, "all_reduce", None), (1 / 8, "reduce_scatter", None),
-    (1.0, "all_reduce", None), (1.0, "all_reduce", 120)])
+    pytest.param(1 / 8, "all_reduce", None, marks=pytest.mark.slow),
+    (1 / 8, "reduce_scatter", None),
+    pytest.param(1.0, "all_reduce", None, marks=pytest.mark.slow), (1.0, "all_reduce", 120)])
 def test_one_block_per_owner_equals_single_device(monkeypatch, fraction,
                                                   gradient_reduction, run_numbers):
   """Eight blocks on eight devices, as at pod scale, where each device owns

@@ -478,7 +478,7 @@ def test_shampoo_alias_is_the_chain_and_trains():
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("root_method", ["eigh", "newton"])
+@pytest.mark.parametrize("root_method", ["eigh", pytest.param("newton", marks=pytest.mark.slow)])
 def test_distributed_shampoo_equals_single_device(root_method):
   """Roots computed by their owners on 8 devices and all-gathered: the same
   steps as on one device. (Every device gets the whole batch: averaging local
@@ -567,14 +567,19 @@ MANY_BLOCKS = dict(SHARDED_SHAPES, m=(40, 24))
 
 
 @pytest.mark.parametrize("fraction,reduction,graft_type,grafting,rechunk,shapes", [
-    (1 / 8, "none", "adagrad", "block", False, SHARDED_SHAPES),         # MEM-OPT
+    # (four of the eight by default, CI time: every strategy kind among them)
+    pytest.param(1 / 8, "none", "adagrad", "block", False, SHARDED_SHAPES,   # MEM-OPT
+                 marks=pytest.mark.slow),
     (1 / 4, "all_reduce", "adagrad", "layer", False, SHARDED_SHAPES),   # HYBRID, m = 2
-    (1 / 2, "none", "adam", "block", False, SHARDED_SHAPES),            # HYBRID, m = 4
+    pytest.param(1 / 2, "none", "adam", "block", False, SHARDED_SHAPES,      # HYBRID, m = 4
+                 marks=pytest.mark.slow),
     (1 / 8, "reduce_scatter", "sgd", "layer", False, SHARDED_SHAPES),   # SP-NGD, MEM-OPT
-    (1 / 4, "reduce_scatter", "sgd", "block", False, SHARDED_SHAPES),
+    pytest.param(1 / 4, "reduce_scatter", "sgd", "block", False, SHARDED_SHAPES,
+                 marks=pytest.mark.slow),
     (1 / 8, "reduce_scatter", "sgd", "block", True, SHARDED_SHAPES),    # rechunked
     (1 / 8, "none", "adagrad", "layer", False, MANY_BLOCKS),
-    (1 / 4, "reduce_scatter", "sgd", "block", False, MANY_BLOCKS),
+    pytest.param(1 / 4, "reduce_scatter", "sgd", "block", False, MANY_BLOCKS,
+                 marks=pytest.mark.slow),
 ], ids=["mem", "hybrid2", "hybrid4", "spngd-mem", "spngd-hybrid", "rechunk",
         "mem-many-blocks", "spngd-many-blocks"])
 def test_sharded_shampoo_equals_single_device(fraction, reduction, graft_type, grafting,
@@ -627,9 +632,9 @@ def test_sharded_shampoo_equals_single_device(fraction, reduction, graft_type, g
 
 
 @pytest.mark.parametrize("fraction,reduction", [
-    (1, "none"),                      # COMM-OPT
-    (1 / 8, "none"),                  # MEM-OPT
-    (1 / 4, "all_reduce"),            # HYBRID
+    pytest.param(1, "none", marks=pytest.mark.slow),             # COMM-OPT
+    (1 / 8, "none"),                                             # MEM-OPT
+    pytest.param(1 / 4, "all_reduce", marks=pytest.mark.slow),   # HYBRID
     (1 / 8, "reduce_scatter"),        # SP-NGD routing: the NaN stays on one device
 ])
 def test_sharded_faulty_step_is_skipped_bit_for_bit(fraction, reduction):

@@ -143,7 +143,8 @@ def _kfac_reference(method="eigen"):
 
 
 @pytest.mark.parametrize("fraction,factor_reduction,gradient_reduction", [
-    (1.0, "reduce_scatter", "none"), (1 / 2, "all_reduce", "none"),
+    pytest.param(1.0, "reduce_scatter", "none", marks=pytest.mark.slow),
+    (1 / 2, "all_reduce", "none"),
     pytest.param(1 / 2, "reduce_scatter", "reduce_scatter", marks=pytest.mark.slow)],
     ids=["COMM-OPT", "MEM-OPT", "MEM-OPT-SP-NGD"])
 def test_kfac_tensor_parallel_equals_block_model(fraction, factor_reduction,
@@ -377,7 +378,7 @@ def _shampoo(dist=None, **options):
 
 
 @pytest.mark.parametrize("grafting,fraction", [
-    ("layer", 1.0), ("layer", 1 / 2),
+    pytest.param("layer", 1.0, marks=pytest.mark.slow), ("layer", 1 / 2),
     pytest.param("block", 1.0, marks=pytest.mark.slow)],
     ids=["layer-COMM", "layer-MEM", "block-COMM"])
 def test_shampoo_tensor_parallel_equals_split_params(grafting, fraction):
@@ -417,7 +418,8 @@ def _soap_problem():
   return params, batches
 
 
-@pytest.mark.parametrize("fraction", [1.0, 1 / 2], ids=["COMM", "MEM"])
+@pytest.mark.parametrize("fraction", [1.0, pytest.param(1 / 2, marks=pytest.mark.slow)],
+                         ids=["COMM", "MEM"])
 def test_soap_tensor_parallel_equals_split_params(fraction):
   """SOAP likewise: each model shard runs SOAP on its local shards, as one
   device does on the parameters split into M leaves (a new batch each step).

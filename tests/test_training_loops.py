@@ -252,7 +252,9 @@ def test_steps_in_a_scan_equal_the_jitted_loop(kind, x64):
   helpers.assert_trees_equal(s_scan, s, rtol=1e-6 if kind == "shampoo" else 1e-10)
 
 
-@pytest.mark.parametrize("kind", ["kfac", "kfac inverse", "adaptive", "shampoo"])
+@pytest.mark.parametrize("kind", [
+    "kfac", pytest.param("kfac inverse", marks=pytest.mark.slow),
+    pytest.param("adaptive", marks=pytest.mark.slow), "shampoo"])
 def test_a_step_vmapped_over_seeds_equals_each_seed(kind, x64):
   """`jax.vmap` of the whole step over three seeds' parameters and states (an
   ensemble or a sweep in one program) takes each seed's steps, in float64.
