@@ -287,9 +287,9 @@ def test_uncaptured_layers_are_reported_and_pass_through():
   assert reported["mix"][0] == "Einsum" and "not its first" in reported["mix"][1]
   assert reported["local"] == ("Conv", "a custom or unshared convolution")
   # their gradients are jax's; the K-FAC state passes them through and says so
-  _, grads, _ = grad_fn(params, x, y)
-  want = jax.grad(lambda p: kd.losses.softmax_cross_entropy(model.apply({"params": p}, x),
-                                                            y))(params)
+  _, grads, _ = jax.jit(grad_fn)(params, x, y)
+  want = jax.jit(jax.grad(lambda p: kd.losses.softmax_cross_entropy(
+      model.apply({"params": p}, x), y)))(params)
   helpers.assert_trees_equal(grads, want)
   state = kd.kfac(0.1, layers=layers).init(params)
   table = kd.describe(state, print_table=False)

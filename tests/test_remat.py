@@ -177,8 +177,8 @@ def _kfac_run(loss_fn, params, capture, steps=2, adaptive=False):
 
 
 @pytest.mark.parametrize("name", [   # one of each kind of model by default (CI time)
-    n if n in ("plain-policy", "linen-flax", "nnx-tags") else pytest.param(n, marks=pytest.mark.slow)
-    for n in PROBLEMS])
+    n if n in ("plain-policy", "linen-flax", "nnx-tags")
+    else pytest.param(n, marks=pytest.mark.slow) for n in PROBLEMS])
 def test_remat_equals_the_model_without_it(name):
   plain_layers, plain_out, plain_params, plain_tanh = _kfac_run(*PROBLEMS[name](False))
   layers, out, params, tanh = _kfac_run(*PROBLEMS[name](True))
