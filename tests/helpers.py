@@ -17,9 +17,11 @@ imports another).
   (test_float64, test_stale);
 * `stale_refreshes` / `stale_schedule`: SP-NGD's refresh steps of a factor
   and its refreshed values, written out (test_stale, test_tensor_parallel);
-* `METHOD_CONFIGS`, `method_trajectory`, `train_classifier`, `image_batch`,
-  `first_kfac_step`: K-FAC's methods run on a network and on its rewritten
-  twin (test_grouped_conv, test_transposed_kernel).
+* `METHOD_CONFIGS` / `method_params`, `method_trajectory`, `train_classifier`,
+  `image_batch`, `first_kfac_step`: K-FAC's methods run on a network and on
+  its rewritten twin (test_grouped_conv, test_transposed_kernel);
+* `jitted_start`: a transformation's state and its jitted statistics and
+  update, for tests that step outside a training-step function.
 """
 
 from __future__ import annotations
@@ -321,16 +323,21 @@ def image_batch(shape: tuple[int, ...], classes: int = 5, seed: int = 3) -> tupl
           jax.random.randint(ky, shape[:1], 0, classes))
 
 
+def jitted_start(tx, grad_fn, params) -> tuple:
+  """`tx`'s initial state and jitted `grad_fn` and `tx.update`: one program
+  each instead of every op compiled alone (tests/conftest.py)."""
+  return tx.init(params), jax.jit(grad_fn), jax.jit(tx.update)
+
+
 def first_kfac_step(loss_fn, params, batch: tuple, damping: float):
   """`kd.scale_by_kfac`'s first update (float64 factors, every refresh due):
-  (gradients, updates, running factors by layer name, state). Jitted: one
-  program each instead of every op compiled alone."""
+  (gradients, updates, running factors by layer name, state), jitted."""
   grad_fn = kd.value_and_grad(loss_fn)
   tx = kd.scale_by_kfac(layers=grad_fn.discover(params, *batch), damping=damping,
                         factor_dtype=jnp.float64)
-  state = tx.init(params)
-  _, grads, stats = jax.jit(grad_fn)(params, *batch, opt_state=state)
-  updates, state = jax.jit(tx.update)(grads, state, kfac_stats=stats)
+  state, statistics, update = jitted_start(tx, grad_fn, params)
+  _, grads, stats = statistics(params, *batch, opt_state=state)
+  updates, state = update(grads, state, kfac_stats=stats)
   return grads, updates, kd.running_factors(state), state
 
 

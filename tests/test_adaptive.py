@@ -110,7 +110,7 @@ def test_first_two_updates_solve_the_quadratic_model(momentum, options):
   0 (one tangent pass), α alone on every step. The model takes any K-FAC
   direction Δ: π-damped inverses and EK-FAC's as well."""
   tx, params = _tx(momentum=momentum, **options), _params()
-  state, statistics, update = tx.init(params), jax.jit(GRAD_FN), jax.jit(tx.update)
+  state, statistics, update = helpers.jitted_start(tx, GRAD_FN, params)
   velocity = None
   for step in range(2):
     x, y = _batch(step)
@@ -172,7 +172,7 @@ def test_damping_adapts_from_the_reduction_ratio():
 
 def test_fixed_learning_rate_adapts_momentum_only():
   tx, params = _tx(learning_rate=0.05), _params()
-  state, statistics, update = tx.init(params), jax.jit(GRAD_FN), jax.jit(tx.update)
+  state, statistics, update = helpers.jitted_start(tx, GRAD_FN, params)
   for step in range(2):
     x, y = _batch(step)
     _, grads, stats = statistics(params, x, y, opt_state=state)

@@ -88,12 +88,6 @@ def _per_example_gradients(loss_fn, params, x, y) -> dict:
   return _by_path(grads)
 
 
-def _jitted_start(tx, grad_fn, params):
-  """`tx`'s initial state and jitted `grad_fn` and `tx.update` (one program
-  each instead of every op compiled alone)."""
-  return tx.init(params), jax.jit(grad_fn), jax.jit(tx.update)
-
-
 def _by_path(tree) -> dict:
   return {registry.path_str(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
@@ -127,7 +121,7 @@ def test_corrected_scaling_equals_per_example_brute_force(name, chunked, monkeyp
   layers = grad_fn.discover(params, x, y)
   tx = kd.scale_by_kfac(layers, damping=LAMBDA, factor_dtype=jnp.float64,
                         eigenvalue_correction="ekfac")
-  state, statistics, update = _jitted_start(tx, grad_fn, params)
+  state, statistics, update = helpers.jitted_start(tx, grad_fn, params)
   for step in range(2):
     _, grads, stats = statistics(params, *_batch(x, y, step), opt_state=state)
     _, state = update(grads, state, kfac_stats=stats)
@@ -390,7 +384,7 @@ def _steps_equal_one_device(grad_fn, params, x, y, dist, options: dict, average:
     updates, state = tx.update(grads, state, params, kfac_stats=stats)
     return optax.apply_updates(params, updates), state
   run, state = helpers.compile_step(step, tx.init(params), dist, 2)
-  one_state, one_grad_fn, one_update = _jitted_start(single, grad_fn, params)
+  one_state, one_grad_fn, one_update = helpers.jitted_start(single, grad_fn, params)
   one_params = params
   for i in range(4):
     xb, yb = _batch(x, y, i)
@@ -498,7 +492,7 @@ def test_stale_threshold_zero_is_ekfac():
   def run(**options):
     tx = kd.kfac(0.1, 0.9, layers=layers, damping=LAMBDA, factor_dtype=jnp.float64,
                  eigenvalue_correction="ekfac", **options)
-    (state, statistics, update), p = _jitted_start(tx, grad_fn, params), params
+    (state, statistics, update), p = helpers.jitted_start(tx, grad_fn, params), params
     for i in range(4):
       _, grads, stats = statistics(p, *_batch(x, y, i), opt_state=state)
       updates, state = update(grads, state, p, kfac_stats=stats)
@@ -526,7 +520,7 @@ def test_non_finite_statistic_skips_and_convert_state_keeps_the_scaling():
   layers = grad_fn.discover(params, x, y)
   tx = kd.scale_by_kfac(layers, damping=LAMBDA, factor_dtype=jnp.float64,
                         inverse_update_every=3, eigenvalue_correction="ekfac")
-  state, statistics, update = _jitted_start(tx, grad_fn, params)
+  state, statistics, update = helpers.jitted_start(tx, grad_fn, params)
   for i in range(2):
     _, grads, stats = statistics(params, *_batch(x, y, i), opt_state=state)
     _, state = update(grads, state, kfac_stats=stats)
@@ -612,7 +606,7 @@ def test_reset_scaling_of_scanned_blocks_is_each_blocks_own():
   each block is its own slice of the stacked statistic."""
   grad_fn, params, x, y = _scanned_problem(_Scanned(), 8)
   tx = _ekfac(grad_fn.discover(params, x, y))
-  state, statistics, update = _jitted_start(tx, grad_fn, params)
+  state, statistics, update = helpers.jitted_start(tx, grad_fn, params)
   _, _, stats = statistics(params, x, y, opt_state=state)
   _, state = update(params, state, kfac_stats=stats)       # count 0: decomposition
   kept = correction_lib.layer_scaling(state.layout, state.correction)
@@ -662,7 +656,7 @@ def test_checkpoint_round_trip(tmp_path):
   grad_fn = kd.value_and_grad(loss_fn)
   tx = kd.kfac(0.1, layers=grad_fn.discover(params, x, y), factor_dtype=jnp.float64,
                eigenvalue_correction="ekfac")
-  state, statistics, update = _jitted_start(tx, grad_fn, params)
+  state, statistics, update = helpers.jitted_start(tx, grad_fn, params)
   for i in range(2):
     _, grads, stats = statistics(params, *_batch(x, y, i), opt_state=state)
     _, state = update(grads, state, params, kfac_stats=stats)
