@@ -130,6 +130,14 @@ def copies(params, opt_state):
   return jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, (params, opt_state)))
 
 
+def random_like(tree, seed: int):
+  """A tree of standard normals shaped and typed as `tree`."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return jax.tree_util.tree_unflatten(
+      treedef, [jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
+
+
 def advance(step, params, opt_state, x, y, n):
   """(params, opt_state) after `n` steps from copies of the given ones (which
   stay valid: `step` may donate its inputs)."""
@@ -429,9 +437,11 @@ def adaptive_runners(grad_fn, layers, step, params, state, x, y, grads, reps: in
   alpha_step = jax.jit(_common.kfac_step(grad_fn, alpha_tx, adaptive=True),
                        donate_argnums=(0, 1))
   pa, sa = advance(alpha_step, params, alpha_tx.init(params), x, y, 1)
-  # Two different vectors (XLA would share the tangent passes of equal ones).
-  gram = jax.jit(lambda p, v, x, y: grad_fn.gauss_newton_gram(p, (v, p), x, y,
-                                                              with_loss=True))
+  # Two vectors as unlike as the step's Δ and v: XLA would share the tangent
+  # passes of equal ones, and the parameters' own (`dW x` = the forward's `W x`).
+  gram = jax.jit(lambda p, v, w, x, y: grad_fn.gauss_newton_gram(p, (v, w), x, y,
+                                                                 with_loss=True))
+  other = random_like(params, 1)
   loss = jax.jit(grad_fn.loss)
   return [
       Runner("kfac_adaptive", chained_runner(step, (params, state, x, y), cycle),
@@ -443,8 +453,9 @@ def adaptive_runners(grad_fn, layers, step, params, state, x, y, grads, reps: in
       Runner("adaptive_alpha_plain", fixed_runner(alpha_step, (pa, sa, x, y), reps,
                                                   donated=True),
              "adaptive", "momentum fixed at 0 (α alone), no factor, no eigh"),
-      Runner("gauss_newton_gram k=2", fixed_runner(gram, (p1, grads, x, y), reps),
-             "adaptive", "the model's Gram matrix and L(θ): one linearisation"),
+      Runner("gauss_newton_gram k=2", fixed_runner(gram, (p1, grads, other, x, y), reps),
+             "adaptive", "the model's Gram matrix and L(θ): one linearisation, two "
+             "tangent passes"),
       Runner("grad_fn.loss", fixed_runner(loss, (p1, x, y), reps), "adaptive",
              "one forward pass (the damping step's L(θ+d))"),
   ]
@@ -454,12 +465,19 @@ def adaptive_cost(wall: dict, cpu: dict) -> dict:
   """The issue-14 cost check, medians over rounds of per-round ratios: the
   extra time of an adaptive plain step over K-FAC's plain step in units of a
   forward+backward (`jax.value_and_grad`; target ≤ 1), and the extra time of a
-  damping step in units of a forward (`grad_fn.loss`; target ≈ 1)."""
+  damping step in units of a forward (`grad_fn.loss`; target ≈ 1). The plain
+  step's extra is split into the two tangent passes measured alone (the Gram
+  matrix less its forward) and the rest (the parameter-sized work of the
+  quadratic model)."""
   out = {}
   for clock, times in (("wall", wall), ("cpu", cpu)):
-    out[f"jvp_{clock}"] = statistics.median(
-        (a - k) / f for a, k, f in zip(times["adaptive_plain"], times["kfac_plain"],
-                                       times["jax.value_and_grad"]))
+    fb = times["jax.value_and_grad"]
+    extra = [a - k for a, k in zip(times["adaptive_plain"], times["kfac_plain"])]
+    tangent = [g - f for g, f in zip(times["gauss_newton_gram k=2"], times["grad_fn.loss"])]
+    out[f"jvp_{clock}"] = statistics.median(e / f for e, f in zip(extra, fb))
+    out[f"tangent_{clock}"] = statistics.median(t / f for t, f in zip(tangent, fb))
+    out[f"rest_{clock}"] = statistics.median((e - t) / f
+                                            for e, t, f in zip(extra, tangent, fb))
     out[f"alpha_jvp_{clock}"] = statistics.median(
         (a - k) / f for a, k, f in zip(times["adaptive_alpha_plain"], times["kfac_plain"],
                                        times["jax.value_and_grad"]))
@@ -587,7 +605,7 @@ def markdown(results: list[dict], env: dict, args) -> str:
                 "forward+backward (`jax.value_and_grad`) more than K-FAC's plain step "
                 f"(target ≤ 1: {holds}; two tangent passes, for Δ and the previous "
                 f"update; with the momentum fixed at 0, one: {a['alpha_jvp_cpu']:.2f}× "
-                f"({a['alpha_jvp_wall']:.2f}×){_tangent_floor(f)}), "
+                f"({a['alpha_jvp_wall']:.2f}×){_tangent_floor(f)}){_split(a)}, "
                 f"and a damping step {a['damping_cpu']:.2f}× "
                 f"({a['damping_wall']:.2f}×) of a forward (`grad_fn.loss`) more than a "
                 "plain adaptive step (one forward expected, every T = 5 steps); the "
@@ -624,6 +642,19 @@ def _compile_line(res: dict) -> str:
   return (f"Compile (trace + XLA compile of a fresh `jax.jit`, {reps} alternating the "
           "methods; ratio = median of the per-repetition ratios): the "
           f"amortised K-FAC step {k['total_s']:.2f} s, {k['vs_sgd']:.2f}× SGD's{target}.")
+
+
+def _split(cost: dict) -> str:
+  """The plain step's extra as the two tangent passes measured alone and the
+  rest (absent from results measured before the split was kept)."""
+  if "tangent_cpu" not in cost:
+    return ""
+  return (f"; of it, the two tangent passes measured alone (`gauss_newton_gram` of two "
+          f"vectors less a forward) {cost['tangent_cpu']:.2f}× "
+          f"({cost['tangent_wall']:.2f}×) and the rest {cost['rest_cpu']:.2f}× "
+          f"({cost['rest_wall']:.2f}×): the model's parameter-sized work (five inner "
+          "products, the update, its finite check, the velocity's write), a fixed time "
+          "per step that the batch does not scale (PERF_NOTES §38)")
 
 
 def _tangent_floor(flops: dict) -> str:
