@@ -106,9 +106,9 @@ def step_time(d: Json) -> list[str]:
     if cost:
       lines += ["", f"Adaptive K-FAC (α, μ, λ adapted, T = 5): a plain step costs "
                 f"{cost['jvp_cpu']:.2f}× a forward+backward more than K-FAC's (target "
-                f"≤ 1{_adaptive_split(cost)}; "
+                f"≤ 1){_adaptive_split(cost)}; "
                 f"{cost.get('alpha_jvp_cpu', float('nan')):.2f}× with the momentum "
-                f"fixed at 0), a damping step {cost['damping_cpu']:.2f}× a forward more (CPU "
+                f"fixed at 0; a damping step {cost['damping_cpu']:.2f}× a forward more (CPU "
                 "time)."]
     for key, what, base in (("ekfac_cost", "EK-FAC", "K-FAC's amortised step"),
                             ("soap_cost", "SOAP", "Shampoo's step")):
@@ -118,11 +118,11 @@ def step_time(d: Json) -> list[str]:
 
 
 def _adaptive_split(cost: dict) -> str:
-  """`: the two tangent passes a×, the rest b×` where step_time measured them."""
+  """`, of which ... a× and the rest b×` where step_time measured the split."""
   if "tangent_cpu" not in cost:
     return ""
-  return (f": the two tangent passes {cost['tangent_cpu']:.2f}×, the rest "
-          f"{cost['rest_cpu']:.2f}×")
+  return (f", of which its two tangent passes measured alone {cost['tangent_cpu']:.2f}× "
+          f"and the rest {cost['rest_cpu']:.2f}×")
 
 
 def convergence(d: Json) -> list[str]:
