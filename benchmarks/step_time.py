@@ -652,9 +652,11 @@ def _split(cost: dict) -> str:
   return (f"; of it, the two tangent passes measured alone (`gauss_newton_gram` of two "
           f"vectors less a forward) {cost['tangent_cpu']:.2f}× "
           f"({cost['tangent_wall']:.2f}×) and the rest {cost['rest_cpu']:.2f}× "
-          f"({cost['rest_wall']:.2f}×): the model's parameter-sized work (five inner "
-          "products, the update, its finite check, the velocity's write), a fixed time "
-          "per step that the batch does not scale (PERF_NOTES §38)")
+          f"({cost['rest_wall']:.2f}×), the extra less the passes alone: the model's "
+          "parameter-sized work (five inner products, the update, its finite check, the "
+          "velocity's write; on the MLP a fixed time per step that the batch does not "
+          "scale, PERF_NOTES §38) less whatever the passes share with the step's own "
+          "gradient")
 
 
 def _tangent_floor(flops: dict) -> str:
