@@ -468,7 +468,7 @@ def adaptive_cost(wall: dict, cpu: dict) -> dict:
   damping step in units of a forward (`grad_fn.loss`; target ≈ 1). The plain
   step's extra is split into the two tangent passes measured alone (the Gram
   matrix less its forward) and the rest (the parameter-sized work of the
-  quadratic model)."""
+  quadratic model, less what the passes share with the step's gradient)."""
   out = {}
   for clock, times in (("wall", wall), ("cpu", cpu)):
     fb = times["jax.value_and_grad"]
