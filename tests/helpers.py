@@ -22,6 +22,8 @@ imports another).
   its rewritten twin (test_grouped_conv, test_transposed_kernel);
 * `jitted_start`: a transformation's state and its jitted statistics and
   update, for tests that step outside a training-step function.
+* `slow_unless`: parametrize cases, those outside the default selection
+  marked slow.
 """
 
 from __future__ import annotations
@@ -308,11 +310,19 @@ METHOD_CONFIGS = {
 }
 
 
+def slow_unless(cases, by_default) -> list:
+  """`cases` for `pytest.mark.parametrize`, those not in `by_default` marked
+  slow (CI time); a tuple case is one value per argument name."""
+  return [case if case in by_default else
+          pytest.param(*(case if isinstance(case, tuple) else (case,)),
+                       marks=pytest.mark.slow)
+          for case in cases]
+
+
 def method_params(by_default: tuple[str, ...]) -> list:
   """`METHOD_CONFIGS`' names for `pytest.mark.parametrize`, those outside
-  `by_default` marked slow (CI time: each case runs two trajectories)."""
-  return [name if name in by_default else pytest.param(name, marks=pytest.mark.slow)
-          for name in METHOD_CONFIGS]
+  `by_default` marked slow (each case runs two trajectories)."""
+  return slow_unless(METHOD_CONFIGS, by_default)
 
 
 def image_batch(shape: tuple[int, ...], classes: int = 5, seed: int = 3) -> tuple:

@@ -255,8 +255,7 @@ def untagged_bytes(params, layers) -> float:
   return 2 * 7 / 8 * (n_all - sum(l.a_dim * l.g_dim for l in layers)) * F32
 
 
-@pytest.mark.parametrize("m, fr, gr", [
-    c if c in QUICK else pytest.param(*c, marks=pytest.mark.slow) for c in CANDIDATES])
+@pytest.mark.parametrize("m, fr, gr", helpers.slow_unless(CANDIDATES, QUICK))
 def test_cost_model_equals_the_compiled_hlo(m, fr, gr):
   loss_fn, params, x, y = C.problem()
   layers = kd.value_and_grad(loss_fn).discover(params, x, y)
@@ -275,11 +274,11 @@ OPTION_CASES_BY_DEFAULT = [(1, "reduce_scatter", "reduce_scatter", "stale_ekfac"
                            (4, "all_reduce", "none", "ekfac")]
 
 
-@pytest.mark.parametrize("m, fr, gr, option", [
-    case if case in OPTION_CASES_BY_DEFAULT else pytest.param(*case, marks=pytest.mark.slow)
-    for case in [(*strategy, option) for strategy in (
+@pytest.mark.parametrize("m, fr, gr, option", helpers.slow_unless(
+    [(*strategy, option) for strategy in (
         (1, "reduce_scatter", "reduce_scatter"), (4, "all_reduce", "none"),
-        (8, "reduce_scatter", "none")) for option in ("ekfac", "stale", "stale_ekfac")]])
+        (8, "reduce_scatter", "none")) for option in ("ekfac", "stale", "stale_ekfac")],
+    OPTION_CASES_BY_DEFAULT))
 def test_cost_model_of_options_equals_the_compiled_hlo(m, fr, gr, option):
   """EK-FAC's `S` all-reduce and eigenbases gather, stale statistics' refresh
   decisions and per-factor all-reduces: `cost.kfac_step_bytes` against the

@@ -221,9 +221,8 @@ STRATEGIES = {
 }
 
 
-@pytest.mark.parametrize("strategy", [
-    s if s in ("HYBRID", "SP-NGD") else pytest.param(s, marks=pytest.mark.slow)
-    for s in STRATEGIES])
+@pytest.mark.parametrize("strategy", helpers.slow_unless(STRATEGIES,
+                                                       ("HYBRID", "SP-NGD")))
 def test_grouped_distributed_equals_single_device(strategy):
   """A depthwise and a grouped `kd.linen.Conv` on 8 devices (their groups'
   blocks spread over the owners) equal the single-device run; SP-NGD's

@@ -176,9 +176,8 @@ def _kfac_run(loss_fn, params, capture, steps=2, adaptive=False):
   return layers, out, params, _lowered_tanh_count(step, params, state)
 
 
-@pytest.mark.parametrize("name", [   # one of each kind of model by default (CI time)
-    n if n in ("plain-policy", "linen-flax", "nnx-tags")
-    else pytest.param(n, marks=pytest.mark.slow) for n in PROBLEMS])
+@pytest.mark.parametrize("name", helpers.slow_unless(   # one of each kind by default
+    PROBLEMS, ("plain-policy", "linen-flax", "nnx-tags")))
 def test_remat_equals_the_model_without_it(name):
   plain_layers, plain_out, plain_params, plain_tanh = _kfac_run(*PROBLEMS[name](False))
   layers, out, params, tanh = _kfac_run(*PROBLEMS[name](True))
