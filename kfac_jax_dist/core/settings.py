@@ -124,9 +124,12 @@ Verdict = jax.Array | np.bool_     # a Python number's verdict is known when tra
 def _value(value: Any, count: jax.Array) -> jax.Array | np.ndarray:
   """The value at `count`; a Python number as the NumPy array of the dtype
   `jnp.asarray` would give it (float32 unless x64), so that its verdict is
-  computed exactly as a traced one would be, but while tracing (no equations)."""
+  computed exactly as a traced one would be, but while tracing (no equations).
+  A number beyond that dtype's range is its infinity, as `jnp.asarray` gives
+  it (NumPy's overflow warning silenced)."""
   if cadence.is_number(value):
-    return np.asarray(value, jax.dtypes.canonicalize_dtype(np.asarray(value).dtype))
+    with np.errstate(over="ignore"):
+      return np.asarray(value, jax.dtypes.canonicalize_dtype(np.asarray(value).dtype))
   return jnp.asarray(cadence.value_at(value, count))
 
 
