@@ -13,6 +13,10 @@ processes must skip it. Each strategy's final state is checkpointed by both
 processes. Meanwhile this process computes the same `train` on 4 of its own 8
 devices (tests/conftest.py), and the results must agree to float32 tolerance;
 then it restores the two-process MEM-OPT checkpoint and continues one step.
+
+Marked slow (outside the README's selection: three processes of compiles, a
+fifth of a minute or more): .ci/run runs this file with `--slow` on the newest
+and the oldest jax.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ STRATEGIES = ("mem-opt", "comm-opt", "hybrid", "hybrid+adaptive", "auto")
 CONFIG = dict(steps=4, batch_size=32, factor_update_every=2, inverse_update_every=3,
               learning_rate=0.1, damping=1e-2, seed=0, nan_step=1)
 TIMEOUT_S = 100          # the workers, from launch to exit (killed after that)
+
+pytestmark = pytest.mark.slow
 
 
 def _gloo_missing() -> str | None:
