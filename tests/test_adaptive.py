@@ -101,7 +101,8 @@ def _adaptive_state(state):
 
 
 @pytest.mark.parametrize("momentum,options", [
-    (None, {}), (0.0, {}), (None, {"method": "inverse"}),
+    (None, {}), (0.0, {}),
+    pytest.param(None, {"method": "inverse"}, marks=pytest.mark.slow),   # (CI time)
     (None, {"eigenvalue_correction": "ekfac"})],
     ids=["adapted", "zero", "inverse", "ekfac"])
 def test_first_two_updates_solve_the_quadratic_model(momentum, options):

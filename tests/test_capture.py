@@ -1039,7 +1039,11 @@ CONV_ND_KWARGS = [
 ]
 
 
-@pytest.mark.parametrize("kwargs", CONV_ND_KWARGS)
+# Seven of the nine by default (CI time): the first 1-D and the first 3-D case
+# only with --slow (the next of each has their geometry and more).
+@pytest.mark.parametrize("kwargs", [
+    kwargs if i not in (0, 4) else pytest.param(kwargs, marks=pytest.mark.slow)
+    for i, kwargs in enumerate(CONV_ND_KWARGS)])
 def test_conv1d_conv3d_drop_in_and_interception(kwargs):
   """`kd.linen.Conv` / `kd.nnx.Conv` with one or three spatial axes (or an
   input dilation) run Flax's convolution (1-D CAUSAL padding included) and
@@ -1072,15 +1076,17 @@ def test_conv1d_conv3d_drop_in_and_interception(kwargs):
     assert_trees_equal(got, want)
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(kernel_size=(3, 3), strides=(2, 2)),
+@pytest.mark.parametrize("kwargs", [   # five of the nine by default (CI time)
+    pytest.param(dict(kernel_size=(3, 3), strides=(2, 2)), marks=pytest.mark.slow),
     dict(kernel_size=(2, 3), strides=(1, 3), padding="VALID", kernel_dilation=(2, 1)),
-    dict(kernel_size=(3,), strides=(2,)),
-    dict(kernel_size=(2, 2, 3), strides=(2, 1, 2), use_bias=False),
+    pytest.param(dict(kernel_size=(3,), strides=(2,)), marks=pytest.mark.slow),
+    pytest.param(dict(kernel_size=(2, 2, 3), strides=(2, 1, 2), use_bias=False),
+                 marks=pytest.mark.slow),
     dict(kernel_size=(3, 3), strides=(2, 2), padding=((2, 0), (1, 3))),
     dict(kernel_size=(4,), strides=(3,), padding=1),
     dict(kernel_size=(3, 2), strides=(2, 1), transpose_kernel=True),
-    dict(kernel_size=(3,), strides=(2,), padding="VALID", transpose_kernel=True),
+    pytest.param(dict(kernel_size=(3,), strides=(2,), padding="VALID", transpose_kernel=True),
+                 marks=pytest.mark.slow),
     dict(kernel_size=(2, 2, 3), strides=(2, 1, 2), transpose_kernel=True, use_bias=False),
 ])
 def test_conv_transpose_drop_in_and_interception(kwargs):

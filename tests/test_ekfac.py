@@ -404,7 +404,7 @@ def _steps_equal_one_device(grad_fn, params, x, y, dist, options: dict, average:
     pytest.param(1 / 8, "reduce_scatter", False, 8, marks=pytest.mark.slow),
     pytest.param(1, "all_reduce", True, 8, marks=pytest.mark.slow),
     (1 / 2, "all_reduce", True, 8),
-    (1, "all_reduce", True, 4)],
+    pytest.param(1, "all_reduce", True, 4, marks=pytest.mark.slow)],
     ids=["comm_opt", "mem_opt", "hybrid", "sp_ngd", "comm_opt-stale", "hybrid-stale",
          "comm_opt-stale-4-devices"])
 def test_eight_devices_equal_one_device(fraction, reduction, stale, devices):

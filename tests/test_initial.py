@@ -122,7 +122,13 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# Seven of the twelve by default (CI time): every storage, form and group kind.
+CASES_BY_DEFAULT = ("one device", "one device, EK-FAC", "COMM-OPT, rows shared",
+                    "COMM-OPT, unpacked, all-reduce", "MEM-OPT, EK-FAC", "HYBRID, inverse",
+                    "DP-KFAC")
+
+
+@pytest.mark.parametrize("case", helpers.slow_unless(list(CASES), CASES_BY_DEFAULT))
 def test_traced_kfac_init_equals_the_host_init(monkeypatch, case):
   """`jax.jit(tx.init)`, with and without the state's shardings, builds
   bit for bit the state `tx.init` builds on the host, whatever the storage

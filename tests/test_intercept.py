@@ -168,7 +168,8 @@ def _check_capture_equal(name, plain, tagged, params, batch):
   helpers.assert_trees_equal(_train(got_fn, params, batch), _train(want_fn, params, batch))
 
 
-@pytest.mark.parametrize("name", ["cnn", pytest.param("transformer", marks=SLOW), "resnet_train",
+@pytest.mark.parametrize("name", [pytest.param("cnn", marks=SLOW),
+                                  pytest.param("transformer", marks=SLOW), "resnet_train",
                                   pytest.param("resnet_eval", marks=SLOW)])
 def test_intercepted_equals_tagged_model(name):
   _check_capture_equal(name, *_problem(name))

@@ -237,7 +237,7 @@ def _train_stale(loss_fn, params, batch, dist=None, steps=8, method="eigen"):
 
 
 @pytest.mark.parametrize("strategy,method", [
-    (None, "eigen"), ("MEM-OPT", "eigen"),
+    pytest.param(None, "eigen", marks=pytest.mark.slow), ("MEM-OPT", "eigen"),
     pytest.param("COMM-OPT", "eigen", marks=pytest.mark.slow),
     pytest.param(None, "inverse", marks=pytest.mark.slow),
     pytest.param("MEM-OPT", "inverse", marks=pytest.mark.slow)])

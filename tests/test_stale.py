@@ -238,7 +238,7 @@ def test_stale_ekfac_equals_float64_brute_force(x64, decay):
   assert converted
 
 
-@pytest.mark.parametrize("method", ["eigen", "inverse"])
+@pytest.mark.parametrize("method", ["eigen", pytest.param("inverse", marks=pytest.mark.slow)])
 def test_threshold_zero_is_plain_kfac(method):
   """α = 0: nothing is ever similar, every factor refreshes every step."""
   loss_fn, params, x, y = helpers.conv_dense_problem()
