@@ -15,10 +15,12 @@ concurrency-optimised scheduler is off too (a collective's rendezvous
 aborted, below).
 
 Tests marked `slow` run only with `--slow`: more strategies, layer kinds and
-meshes of cases that the default selection has, and the longer end-to-end
-checks (examples, notebooks, docs/api.md's code). `pytest -q` is the README's
-and CI's command, `pytest -q --slow` the whole suite (over twice as long);
-.ci/run also runs one slow case of each kind on the oldest jax.
+meshes of cases that the default selection has, the longer end-to-end checks
+(examples, notebooks, docs/api.md's code) and the two-process tests
+(test_multihost.py, which .ci/run runs on the newest and the oldest jax).
+`pytest -q` is the README's and CI's command, `pytest -q --slow` the whole
+suite (over twice as long); .ci/run also runs one slow case of each kind on
+the oldest jax.
 
 Tests jit the steps they check (single-device references and oracle steps
 too): run eagerly, every operation of a K-FAC step is compiled on its own, and
