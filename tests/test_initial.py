@@ -122,10 +122,11 @@ CASES = {
 }
 
 
-# Seven of the twelve by default (CI time): every storage, form and group kind.
-CASES_BY_DEFAULT = ("one device", "one device, EK-FAC", "COMM-OPT, rows shared",
-                    "COMM-OPT, unpacked, all-reduce", "MEM-OPT, EK-FAC", "HYBRID, inverse",
-                    "DP-KFAC")
+# Eight of the twelve by default (CI time): every storage, form, group kind and
+# optional part of the state (stale statistics', EK-FAC's).
+CASES_BY_DEFAULT = ("one device", "one device, stale", "one device, EK-FAC",
+                    "COMM-OPT, rows shared", "COMM-OPT, unpacked, all-reduce",
+                    "MEM-OPT, EK-FAC", "HYBRID, inverse", "DP-KFAC")
 
 
 @pytest.mark.parametrize("case", helpers.slow_unless(list(CASES), CASES_BY_DEFAULT))
