@@ -1025,12 +1025,15 @@ def test_linen_conv_drop_in(kwargs):
                              nn.Conv(**kwargs).apply(flax_vars, x5), rtol=1e-5, atol=1e-5)
 
 
+# Seven of the nine by default (CI time): the first 1-D and the first 3-D case
+# only with --slow (the next of each has their geometry and more).
 CONV_ND_KWARGS = [
-    dict(features=3, kernel_size=(3,)),
+    pytest.param(dict(features=3, kernel_size=(3,)), marks=pytest.mark.slow),
     dict(features=3, kernel_size=3, strides=2, padding="VALID"),       # an int: 1-D
     dict(features=2, kernel_size=(4,), padding="CAUSAL", kernel_dilation=2),
     dict(features=2, kernel_size=(2,), padding=((2, 1),), use_bias=False),
-    dict(features=2, kernel_size=(2, 3, 2), strides=(1, 2, 1)),
+    pytest.param(dict(features=2, kernel_size=(2, 3, 2), strides=(1, 2, 1)),
+                 marks=pytest.mark.slow),
     dict(features=3, kernel_size=(3, 1, 2), padding="VALID", kernel_dilation=(1, 1, 2)),
     dict(features=2, kernel_size=(3, 2), input_dilation=(2, 1), strides=(1, 2),
          padding=((1, 1), (0, 1))),
@@ -1039,11 +1042,7 @@ CONV_ND_KWARGS = [
 ]
 
 
-# Seven of the nine by default (CI time): the first 1-D and the first 3-D case
-# only with --slow (the next of each has their geometry and more).
-@pytest.mark.parametrize("kwargs", [
-    kwargs if i not in (0, 4) else pytest.param(kwargs, marks=pytest.mark.slow)
-    for i, kwargs in enumerate(CONV_ND_KWARGS)])
+@pytest.mark.parametrize("kwargs", CONV_ND_KWARGS)
 def test_conv1d_conv3d_drop_in_and_interception(kwargs):
   """`kd.linen.Conv` / `kd.nnx.Conv` with one or three spatial axes (or an
   input dilation) run Flax's convolution (1-D CAUSAL padding included) and

@@ -14,8 +14,8 @@ processes. Meanwhile this process computes the same `train` on 4 of its own 8
 devices (tests/conftest.py), and the results must agree to float32 tolerance;
 then it restores the two-process MEM-OPT checkpoint and continues one step.
 
-Marked slow (outside the README's selection: three processes of compiles, a
-fifth of a minute or more): .ci/run runs this file with `--slow` on the newest
+Marked slow (outside the README's selection: three processes of compiles,
+about 20 s on a fast day): .ci/run runs this file with `--slow` on the newest
 and the oldest jax.
 """
 
