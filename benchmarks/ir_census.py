@@ -21,9 +21,12 @@ lines against SGD's, and the library's source lines that generate the most
 IR per method. The child's trace + compile seconds are printed beside them as
 a sanity check, not a measurement (one compile, a loaded machine).
 
-XLA:CPU of jaxlib 0.11 and later dumps each kernel as an object file, no
-LLVM IR: there the script says so and writes nothing (.ci/run runs its
---quick on jaxlib 0.10).
+XLA:CPU of jaxlib 0.11 and later dumps a kernel's LLVM IR only where its
+emitters' dump is asked for too (`--xla_dump_emitter_re`), and that dump
+aborts the process when XLA emits kernels on several threads (a race seen
+on jaxlib 0.10.2 and 0.12.0.1: "pure virtual method called"), so there the
+child compiles on one CPU (`sched_setaffinity`; same kernels, same IR, its
+seconds single-threaded).
 
 Usage: python benchmarks/ir_census.py [--quick] [--models cnn] [--methods
        sgd,kfac_amortised,shampoo] [--top 12] [--out benchmarks/results]
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import glob
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -65,11 +69,21 @@ class Kernel(NamedTuple):
 def compile_dumped(model: str, method: str, dump: str) -> float:
   """Compile `method`'s step on `model` in a child process that dumps its
   HLO and LLVM IR to `dump`; the child's trace + compile seconds."""
-  env = _report.env_with_xla_flags(f"--xla_dump_to={dump}",
-                                   f"--xla_dump_hlo_module_re={MODULE}")
-  out = subprocess.run([sys.executable, __file__, "--child", model, method], env=env,
+  flags = [f"--xla_dump_to={dump}", f"--xla_dump_hlo_module_re={MODULE}"]
+  one_cpu = None
+  if _jaxlib_version() >= (0, 11):
+    flags.append("--xla_dump_emitter_re=.*")
+    cpu = min(os.sched_getaffinity(0))
+    one_cpu = lambda: os.sched_setaffinity(0, {cpu})  # noqa: E731
+  out = subprocess.run([sys.executable, __file__, "--child", model, method],
+                       env=_report.env_with_xla_flags(*flags), preexec_fn=one_cpu,
                        capture_output=True, text=True, check=True)
   return float(out.stdout.split()[-1])
+
+
+def _jaxlib_version() -> tuple[int, ...]:
+  release = importlib.metadata.version("jaxlib").split(".")[:2]
+  return tuple(int(part) for part in release if part.isdigit())
 
 
 def child(model: str, method: str) -> None:
@@ -116,15 +130,11 @@ def stack_frames(hlo_text: str) -> dict[int, str]:
   return {frame: innermost(frame) for frame in parents}
 
 
-class NoIrDumped(RuntimeError):
-  """XLA dumped the step's kernels without their LLVM IR (jaxlib >= 0.11)."""
-
-
 def kernels(dump: str) -> list[Kernel]:
   """Every kernel of the dumped step: IR lines, unswitched, source line."""
   if not glob.glob(f"{dump}/*{MODULE}.*.ir-with-opt.ll"):
-    raise NoIrDumped(f"XLA dumped no LLVM IR for {MODULE} (files: "
-                     f"{sorted({os.path.splitext(f)[1] for f in os.listdir(dump)})})")
+    raise RuntimeError(f"XLA dumped no LLVM IR for {MODULE} (files: "
+                       f"{sorted({os.path.splitext(f)[1] for f in os.listdir(dump)})})")
   hlo = open(glob.glob(f"{dump}/*{MODULE}.cpu_after_optimizations.txt")[0]).read()
   frames = stack_frames(hlo)
   frame_of = {m.group(1): int(m.group(2)) for m in re.finditer(
@@ -194,12 +204,7 @@ def main(argv=None):
   rows = []
   for model in args.models.split(","):
     for method in args.methods.split(","):
-      try:
-        rows.append(census(model, method, args.top))
-      except NoIrDumped as e:
-        print(f"skipped: {e}; this jaxlib's XLA:CPU dumps object files only "
-              "(the census needs jaxlib <= 0.10)")
-        return
+      rows.append(census(model, method, args.top))
       r = rows[-1]
       print(f"{model} {method}: {r['kernels']} kernels, {r['lines']} lines, "
             f"{r['unswitched_kernels']} unswitched, {r['compile_s']:.2f} s", flush=True)
