@@ -29,7 +29,11 @@
 #      buffers, into the log (its eigh table: `gpu_probe.py --eigh`);
 #   6. only when GPU_CHECK_PARTS names `compile`: `gpu_probe.py --compile-ab
 #      --models mlp,cnn,lm`, SGD's and amortised K-FAC's compile times at
-#      XLA's defaults and with GPU autotuning off.
+#      XLA's defaults and with GPU autotuning off;
+#   7. only when GPU_CHECK_PARTS names `trace`: `gpu_probe.py --trace`, the
+#      CNN's and the LM's donated plain steps under jax.profiler, K-FAC's
+#      against SGD's: wall, kernels, the GPU's busy and idle time and the
+#      kernel time by library file (is the gap launches or work?).
 # The tests compile with XLA's GPU autotuning off (--xla_gpu_autotune_level=0:
 # they check values, not speed; compiles are most of their time there).
 # OUT_DIR receives at most 8 files (what the lent device machines return):
@@ -68,7 +72,7 @@ if [ "$MODE" = cpu ]; then
   STEP_ARGS=(--quick)
   SHAMPOO_ARGS=(--steps 60 --rounds 2 --round-steps 20 --agree-steps 20)
   DIGITS_ARGS=(--steps 100 --adam-lrs 3e-3 --sgd-lrs 0.1)
-  LIMITS=(900 900 300 300 300 300)
+  LIMITS=(900 900 300 300 300 300 300)
   WORKERS=2
 else
   STEP_ARGS=(--core --rounds 3 --reps 20 --cycles 1 --compile-reps 1)
@@ -87,7 +91,7 @@ else
   # default parts fit 8 minutes there.
   # The probe took 143 s at fdb28b5 (H200); its donating loop adds a compile of
   # each model's step, in both of its processes.
-  LIMITS=(185 175 70 50 220 150)
+  LIMITS=(185 175 70 50 220 150 150)
   WORKERS=14
 fi
 
@@ -186,6 +190,10 @@ part probe "gpu_probe (plain-step pieces, consecutive steps, command buffers)" "
 # --- 6. (on request) where the compile goes ------------------------------------
 part compile "gpu_probe (compile times, autotuning on and off)" "${LIMITS[5]}" \
   "$PY" benchmarks/gpu_probe.py --compile-ab --models mlp,cnn,lm
+
+# --- 7. (on request) the plain step's gap to SGD's in the profiler -----------
+part trace "gpu_probe (profiler trace of the plain steps, K-FAC against SGD)" "${LIMITS[6]}" \
+  "$PY" benchmarks/gpu_probe.py --trace --models cnn,lm
 
 echo >> "$SUMMARY"
 for f in "$OUT"/step_time*.md; do

@@ -30,6 +30,17 @@ Measurements, printed as text (benchmarks/gpu_check.sh appends them to its log):
   amortised K-FAC's steps, at XLA's defaults and in a child process with
   GPU autotuning off (run 5, H200: K-FAC's step compiled in 13.6 s on the
   CNN against SGD's 1.3 s, 17.8 against 6.3 on the LM);
+* `--trace` (alone): where the plain step's gap to SGD's goes on the device.
+  Consecutive donated steps of SGD and of the amortised K-FAC (from count
+  101: plain and factor steps, no eigh), each blocked, under `jax.profiler`;
+  per plain step, from the trace's kernel events of the step's program: the
+  wall ms, the kernels run, the device's busy ms (the union of their
+  intervals), its idle ms (wall − busy: launches, host work, waits) and the
+  kernels' summed ms by the library file of each one's innermost
+  `kfac_jax_dist` frame ("outside": the loss, optax, XLA's copies; the
+  model's tagged layers are `capture/tags.py`'s in both steps; kernels that
+  overlap count in full). A gap that is mostly idle time is launch- or
+  host-bound, one that is busy time is the kernels' own work;
 * `--eigh`: ms per call of `lax.linalg.eigh` for each implementation the
   backend offers (QR = cuSOLVER syevd, JACOBI = syevj, QDWH = jax's
   polar-based one) on batches of random PSD matrices of the step_time
@@ -37,17 +48,22 @@ Measurements, printed as text (benchmarks/gpu_check.sh appends them to its log):
   matrix at a time.
 
 Usage: python benchmarks/gpu_probe.py [--models cnn,lm] [--reps 50]
-       [--command-buffer-ab] [--compile-ab] [--eigh] [--quick]
+       [--command-buffer-ab] [--compile-ab] [--trace] [--eigh] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import glob
+import gzip
+import json
 import re
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -61,6 +77,7 @@ from kfac_jax_dist.kfac import precondition
 from kfac_jax_dist.kfac.state import find_states
 
 import _common
+import ir_census
 import step_time
 
 EIGH_SIZES = ((1, 785), (2, 513), (4, 257), (8, 129), (16, 65), (24, 35))
@@ -267,6 +284,139 @@ def consecutive_profile(pb: Problem, reps: int) -> list[str]:
   return lines
 
 
+# ------------------------------------------------------------------- trace
+
+TRACED_STEPS = 40       # per method: K-FAC's counts 101..140 hold 4 factor steps
+QUICK_TRACED_STEPS = 12  # --quick: counts 1..12 (after count 0's eigh), 1 factor step
+# Idle seconds between traced steps (outside their timing): far wider than any
+# wait inside a step (a GPU conditional's is about 70 us), so that `_runs` can
+# split the trace at them where the kernels carry no run id.
+STEP_GAP_S = 0.002
+
+
+def op_sources(hlo_text: str) -> dict[str, str]:
+  """Instruction name → the library file of its innermost `kfac_jax_dist`
+  frame (`ir_census.stack_frames`), "outside" for the model, loss, optax."""
+  frames = ir_census.stack_frames(hlo_text)
+  sources = {}
+  for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?stack_frame_id=(\d+)", hlo_text,
+                       re.MULTILINE):
+    sources[m.group(1)] = frames.get(int(m.group(2)), "outside").split(":")[0]
+  return sources
+
+
+def _kernel_events(trace_dir: str) -> list[dict]:
+  """The trace's kernel events of the step's program (`ir_census.MODULE`):
+  the device's where the trace has a device process (a GPU), else the host
+  threads' that ran the thunks (the CPU)."""
+  path = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)[0]
+  events = json.load(gzip.open(path))["traceEvents"]
+  names = {e["pid"]: e["args"]["name"] for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  ours = [e for e in events if e.get("ph") == "X" and
+          e.get("args", {}).get("hlo_module") == ir_census.MODULE and "hlo_op" in e["args"]]
+  on_device = [e for e in ours if names.get(e["pid"], "").startswith("/device:")]
+  return on_device or ours
+
+
+def _busy_ms(events: list[dict]) -> float:
+  """Milliseconds covered by the union of the events' intervals."""
+  total, end = 0.0, float("-inf")
+  for start, stop in sorted((e["ts"], e["ts"] + e["dur"]) for e in events):
+    total += max(0.0, stop - max(start, end))
+    end = max(end, stop)
+  return total / 1e3
+
+
+def _runs(events: list[dict], steps: int) -> list[list[dict]]:
+  """The events of each run of the program, in order: by their `run_id` (the
+  CPU's thunks carry it) or, where that does not give `steps` runs, split at
+  the `steps - 1` widest gaps between consecutive kernels (each step is
+  blocked, so its kernels end before the next step is dispatched)."""
+  by_id: dict[str, list[dict]] = collections.defaultdict(list)
+  for e in events:
+    by_id[e["args"].get("run_id", "")].append(e)
+  if len(by_id) == steps:
+    return sorted(by_id.values(), key=lambda run: min(e["ts"] for e in run))
+  ordered = sorted(events, key=lambda e: e["ts"])
+  if len(ordered) < steps:
+    raise RuntimeError(f"the trace holds {len(ordered)} kernels of {ir_census.MODULE} "
+                       f"for {steps} steps")
+  ends = [ordered[0]["ts"] + ordered[0]["dur"]]
+  for e in ordered[1:]:
+    ends.append(max(ends[-1], e["ts"] + e["dur"]))
+  gaps = sorted(range(1, len(ordered)), key=lambda i: ordered[i]["ts"] - ends[i - 1])
+  cuts = [0] + sorted(gaps[len(gaps) - (steps - 1):] if steps > 1 else []) + [len(ordered)]
+  return [ordered[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+def traced_steps(step: Callable, params, state, pb: Problem, counts: range,
+                 sources: dict[str, str]) -> list[dict]:
+  """`step` (donating) chained over `counts`, each step blocked, under
+  `jax.profiler`: per step its kind, wall ms, kernels, busy ms and kernel ms
+  by source (`_runs`: the trace's runs of the program in order)."""
+  walls = []
+  trace_dir = tempfile.mkdtemp()
+  try:
+    with jax.profiler.trace(trace_dir):
+      for _ in counts:
+        start = time.perf_counter()
+        params, state, _ = jax.block_until_ready(step(params, state, pb.x, pb.y))
+        walls.append(1e3 * (time.perf_counter() - start))
+        time.sleep(STEP_GAP_S)             # the steps' kernels apart in the trace
+    events = _kernel_events(trace_dir)
+  finally:
+    shutil.rmtree(trace_dir, ignore_errors=True)
+  steps = []
+  for count, wall, run in zip(counts, walls, _runs(events, len(counts))):
+    by_source: collections.Counter = collections.Counter()
+    for e in run:
+      by_source[sources.get(e["args"]["hlo_op"], "outside")] += e["dur"] / 1e3
+    steps.append(dict(kind=step_kind(count), wall=wall, kernels=len(run),
+                      busy=_busy_ms(run), by_source=by_source))
+  return steps
+
+
+def trace_table(pb: Problem, quick: bool = False) -> list[str]:
+  """SGD's and K-FAC's plain steps from the trace (`traced_steps`), medians
+  per step, side by side, and their difference (`quick`: fewer steps, and
+  K-FAC's from count 1, its first cycle not run)."""
+  n = QUICK_TRACED_STEPS if quick else TRACED_STEPS
+  first = 1 if quick else INVERSE_EVERY + 1
+  sgd = optax.sgd(1e-2, momentum=0.9)
+  p, s = step_time.copies(pb.params, sgd.init(pb.params))
+  plain = jax.jit(_common.optax_step(pb.loss_fn, sgd), donate_argnums=(0, 1)).lower(
+      p, s, pb.x, pb.y).compile()
+  for _ in range(3):
+    p, s, _ = plain(p, s, pb.x, pb.y)
+  jax.block_until_ready((p, s))          # no warm-up step runs into the trace
+  sgd_steps = traced_steps(plain, p, s, pb, range(n), op_sources(plain.as_text()))
+  p, s = step_time.copies(pb.params, pb.tx.init(pb.params))
+  kfac = pb.kstep_donated.lower(p, s, pb.x, pb.y).compile()
+  for _ in range(first):             # a whole cycle (or count 0's eigh), then plain steps
+    p, s, _ = kfac(p, s, pb.x, pb.y)
+  jax.block_until_ready((p, s))
+  kfac_steps = [t for t in traced_steps(kfac, p, s, pb, range(first, first + n),
+                                        op_sources(kfac.as_text()))
+                if t["kind"].startswith("plain")]
+  median = lambda steps, f: statistics.median(f(t) for t in steps)
+  rows = [("wall ms", lambda t: t["wall"]), ("kernels", lambda t: t["kernels"]),
+          ("device busy ms", lambda t: t["busy"]),
+          ("device idle ms (wall - busy)", lambda t: t["wall"] - t["busy"])]
+  totals: collections.Counter = collections.Counter()
+  for t in kfac_steps:
+    totals.update(t["by_source"])
+  rows += [(f"kernel ms, {source}", lambda t, source=source: t["by_source"][source])
+           for source, _ in totals.most_common(8)]
+  lines = [f"{pb.name}: traced plain steps (jax.profiler; donated, consecutive, each "
+           f"blocked; medians of {len(sgd_steps)} SGD and {len(kfac_steps)} K-FAC steps) "
+           f"| SGD | K-FAC | K-FAC - SGD"]
+  for label, f in rows:
+    a, b = median(sgd_steps, f), median(kfac_steps, f)
+    lines.append(f"  {label} | {a:.3f} | {b:.3f} | {b - a:+.3f}")
+  return lines
+
+
 def in_child(flag: str, *args: str) -> list[str]:
   """This script's output with `args`, run in a child process whose XLA_FLAGS
   add `flag` (XLA reads its flags once per process), less its first line."""
@@ -315,6 +465,8 @@ def main():
   parser.add_argument("--compile-ab", action="store_true",
                       help=f"only compile times: XLA's defaults, then {AUTOTUNE_OFF_FLAG}")
   parser.add_argument("--compile-only", action="store_true", help="only the compile times")
+  parser.add_argument("--trace", action="store_true",
+                      help="only the profiler's view of the plain steps, K-FAC against SGD")
   parser.add_argument("--quick", action="store_true", help="3 reps")
   args = parser.parse_args()
   reps = 3 if args.quick else args.reps
@@ -326,6 +478,10 @@ def main():
     if args.compile_ab:
       print("\n".join(in_child(AUTOTUNE_OFF_FLAG, "--models", args.models,
                                  "--compile-only")), flush=True)
+    return
+  if args.trace:
+    for name in models:
+      print("\n".join(trace_table(amortised_problem(name), args.quick)), flush=True)
     return
   for name in models:
     pb = amortised_problem(name)
