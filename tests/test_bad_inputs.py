@@ -351,6 +351,32 @@ def test_local_gradients_with_reduction_none_are_refused():
       jax.jit(run)(_params(), kd.shard_state(state, mesh), *_batch())
 
 
+def test_parameters_gathered_inside_shard_map_are_refused_by_name():
+  """FSDP inside shard_map (each device holds a shard of a kernel over the data
+  axis and the loss gathers it) is not supported: the error says so and where
+  to turn, at the first trace, instead of preconditioning a gathered copy."""
+  mesh = helpers.data_mesh(8)
+  k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+  params = {"w": jax.random.normal(k1, (16, 10)) / 4}
+  x, y = jax.random.normal(k1, (32, 16)), jax.random.randint(k2, (32,), 0, 10)
+  full = kd.value_and_grad(lambda p, x, y: kd.losses.softmax_cross_entropy(
+      kd.tags.dense(x, p["w"]), y))
+  gathered = kd.value_and_grad(lambda p, x, y: kd.losses.softmax_cross_entropy(
+      kd.tags.dense(x, jax.lax.all_gather(p["w"], "data", tiled=True)), y))
+  tx = kd.kfac(0.1, layers=full.discover(params, x, y),
+               distribution=kd.Distribution(mesh, grad_worker_fraction=1 / 8))
+  state = kd.init_sharded(tx.init, params, mesh)
+  specs = kd.partition_specs(state)
+
+  def step(p, state, x, y):
+    _, grads, stats = gathered(p, x, y, opt_state=state)
+    return tx.update(grads, state, p, kfac_stats=stats)[1]
+  run = jax.shard_map(step, mesh=mesh, in_specs=({"w": P("data")}, specs, P("data"),
+                                                 P("data")), out_specs=specs)
+  with pytest.raises(ValueError, match=r"not a leaf.*FSDP.*jax.jit without shard_map"):
+    jax.jit(run)(params, state, x, y)
+
+
 # ------------------------------------------------------------ skipped at run time
 
 def test_out_of_range_labels_skip_the_step():
