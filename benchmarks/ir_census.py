@@ -73,8 +73,9 @@ def compile_dumped(model: str, method: str, dump: str) -> float:
   one_cpu = None
   if _jaxlib_version() >= (0, 11):
     flags.append("--xla_dump_emitter_re=.*")
-    cpu = min(os.sched_getaffinity(0))
-    one_cpu = lambda: os.sched_setaffinity(0, {cpu})  # noqa: E731
+    if hasattr(os, "sched_setaffinity"):    # Linux (elsewhere: hope for no race)
+      cpu = min(os.sched_getaffinity(0))
+      one_cpu = lambda: os.sched_setaffinity(0, {cpu})  # noqa: E731
   out = subprocess.run([sys.executable, __file__, "--child", model, method],
                        env=_report.env_with_xla_flags(*flags), preexec_fn=one_cpu,
                        capture_output=True, text=True, check=True)
