@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
+import gzip
 import importlib
 import inspect
+import json
 import re
 from typing import Any, Callable, Iterable, Sequence
 
@@ -79,6 +82,14 @@ MODEL12_DESCRIPTION = (
     "CnnMlp12: conv3x3 3→48, 48→64, 64→80 (stride 2), 3× conv3x3 80→80 (strides "
     "1,2,1), global mean, dense 80→256, 4× dense 256→256, dense 256→10 (all with "
     "bias); 16x16x3 inputs, global batch 32")
+
+
+def trace_events(trace_dir: str) -> list[dict]:
+  """The events of the `jax.profiler.trace` written under `trace_dir` (its
+  Chrome trace: `ph` "X" events with `ts`, `dur` in µs and XLA's `args`)."""
+  path = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)[0]
+  with gzip.open(path) as f:
+    return json.load(f)["traceEvents"]
 
 
 def problem(batch: int = 32, model: Any = None) -> tuple[Callable, Any, jax.Array, jax.Array]:

@@ -55,9 +55,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
-import json
 import re
 import shutil
 import statistics
@@ -296,21 +293,16 @@ STEP_GAP_S = 0.002
 
 def op_sources(hlo_text: str) -> dict[str, str]:
   """Instruction name → the library file of its innermost `kfac_jax_dist`
-  frame (`ir_census.stack_frames`), "outside" for the model, loss, optax."""
-  frames = ir_census.stack_frames(hlo_text)
-  sources = {}
-  for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?stack_frame_id=(\d+)", hlo_text,
-                       re.MULTILINE):
-    sources[m.group(1)] = frames.get(int(m.group(2)), "outside").split(":")[0]
-  return sources
+  frame (`ir_census.instruction_sources`), "outside" for the loss, optax."""
+  return {name: source.split(":")[0]
+          for name, source in ir_census.instruction_sources(hlo_text).items()}
 
 
 def _kernel_events(trace_dir: str) -> list[dict]:
   """The trace's kernel events of the step's program (`ir_census.MODULE`):
   the device's where the trace has a device process (a GPU), else the host
   threads' that ran the thunks (the CPU)."""
-  path = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)[0]
-  events = json.load(gzip.open(path))["traceEvents"]
+  events = _common.trace_events(trace_dir)
   names = {e["pid"]: e["args"]["name"] for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   ours = [e for e in events if e.get("ph") == "X" and

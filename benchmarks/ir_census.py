@@ -26,7 +26,8 @@ emitters' dump is asked for too (`--xla_dump_emitter_re`), and that dump
 aborts the process when XLA emits kernels on several threads (a race seen
 on jaxlib 0.10.2 and 0.12.0.1: "pure virtual method called"), so there the
 child compiles on one CPU (`sched_setaffinity`; same kernels, same IR, its
-seconds single-threaded).
+seconds single-threaded). jaxlib 0.10 dumps the IR without it (and with it,
+even on one CPU, its CNN step's compile crashed).
 
 Usage: python benchmarks/ir_census.py [--quick] [--models cnn] [--methods
        sgd,kfac_amortised,shampoo] [--top 12] [--out benchmarks/results]
@@ -71,7 +72,7 @@ def compile_dumped(model: str, method: str, dump: str) -> float:
   HLO and LLVM IR to `dump`; the child's trace + compile seconds."""
   flags = [f"--xla_dump_to={dump}", f"--xla_dump_hlo_module_re={MODULE}"]
   one_cpu = None
-  if _jaxlib_version() >= (0, 11):
+  if _jaxlib_version() >= (0, 11):    # (older ones dump the IR without it)
     flags.append("--xla_dump_emitter_re=.*")
     if hasattr(os, "sched_setaffinity"):    # Linux (elsewhere: hope for no race)
       cpu = min(os.sched_getaffinity(0))
@@ -131,21 +132,27 @@ def stack_frames(hlo_text: str) -> dict[int, str]:
   return {frame: innermost(frame) for frame in parents}
 
 
+def instruction_sources(hlo_text: str) -> dict[str, str]:
+  """Instruction name → its innermost `kfac_jax_dist` frame (`stack_frames`),
+  for the instructions of the HLO text that carry a stack frame."""
+  frames = stack_frames(hlo_text)
+  return {m.group(1): frames.get(int(m.group(2)), "outside") for m in re.finditer(
+      r"^\s*(?:ROOT )?%?([\w.-]+) = .*?stack_frame_id=(\d+)", hlo_text, re.MULTILINE)}
+
+
 def kernels(dump: str) -> list[Kernel]:
   """Every kernel of the dumped step: IR lines, unswitched, source line."""
   if not glob.glob(f"{dump}/*{MODULE}.*.ir-with-opt.ll"):
     raise RuntimeError(f"XLA dumped no LLVM IR for {MODULE} (files: "
                        f"{sorted({os.path.splitext(f)[1] for f in os.listdir(dump)})})")
   hlo = open(glob.glob(f"{dump}/*{MODULE}.cpu_after_optimizations.txt")[0]).read()
-  frames = stack_frames(hlo)
-  frame_of = {m.group(1): int(m.group(2)) for m in re.finditer(
-      r"^\s*(?:ROOT )?%([\w.-]+) = .*?stack_frame_id=(\d+)", hlo, re.MULTILINE)}
+  sources = instruction_sources(hlo)
   found = []
   for path in glob.glob(f"{dump}/*{MODULE}.*.ir-with-opt.ll"):
     name = os.path.basename(path).split(f"{MODULE}.", 1)[1].removesuffix(".ir-with-opt.ll")
     name = name.replace("__compute_module_", "").replace("_kernel_module", "")
     body = open(path).read()
-    source = frames.get(frame_of.get(name, -1), "outside")
+    source = sources.get(name, "outside")
     found.append(Kernel(name, body.count("\n"), bool(UNSWITCHED.search(body)), source))
   return found
 

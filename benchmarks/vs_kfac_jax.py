@@ -130,7 +130,6 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
-import gzip
 import json
 import os
 import re
@@ -596,8 +595,7 @@ def profile_child(model: str, cadence: str, out_json: str, steps: int) -> None:
     with jax.profiler.trace(trace_dir):
       for _ in range(n):
         p = jax.block_until_ready(r.step(p, x, y))
-    files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
-    events = json.load(gzip.open(files[0]))["traceEvents"]
+    events = _common.trace_events(trace_dir)
     dur = collections.Counter()
     modules = collections.Counter()
     for e in events:
