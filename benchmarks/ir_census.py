@@ -134,10 +134,18 @@ def stack_frames(hlo_text: str) -> dict[int, str]:
 
 def instruction_sources(hlo_text: str) -> dict[str, str]:
   """Instruction name → its innermost `kfac_jax_dist` frame (`stack_frames`),
-  for the instructions of the HLO text that carry a stack frame."""
+  for the instructions of the HLO text that carry a stack frame. Older jaxlibs
+  (0.8) write no frame tables, only each instruction's innermost frame outside
+  jax as `source_file`/`source_line`: then "path:line" where that frame is the
+  package's, else "outside"."""
   frames = stack_frames(hlo_text)
-  return {m.group(1): frames.get(int(m.group(2)), "outside") for m in re.finditer(
-      r"^\s*(?:ROOT )?%?([\w.-]+) = .*?stack_frame_id=(\d+)", hlo_text, re.MULTILINE)}
+  if frames:
+    return {m.group(1): frames.get(int(m.group(2)), "outside") for m in re.finditer(
+        r"^\s*(?:ROOT )?%?([\w.-]+) = .*?stack_frame_id=(\d+)", hlo_text, re.MULTILINE)}
+  return {m.group(1): (f"{m.group(2)[len(PACKAGE):]}:{m.group(3)}"
+                       if m.group(2).startswith(PACKAGE) else "outside")
+          for m in re.finditer(r'^\s*(?:ROOT )?%?([\w.-]+) = .*?source_file="([^"]*)" '
+                               r"source_line=(\d+)", hlo_text, re.MULTILINE)}
 
 
 def kernels(dump: str) -> list[Kernel]:
