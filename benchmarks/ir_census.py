@@ -125,11 +125,21 @@ def stack_frames(hlo_text: str) -> dict[int, str]:
     while frame in parents and frame not in seen:
       seen.add(frame)
       location, frame = parents[frame]
-      path, function, line = locations[location]
-      if path.startswith(PACKAGE):
-        return f"{path[len(PACKAGE):]}:{function}:{line}"
+      named = _in_package(*locations[location])
+      if named != "outside":
+        return named
     return "outside"
   return {frame: innermost(frame) for frame in parents}
+
+
+def _in_package(path: str, *where: str) -> str:
+  """`path`'s frame as the census names it: its path inside the package and
+  `where` (function, line), joined by ":"; "outside" for a path elsewhere."""
+  return ":".join((path[len(PACKAGE):],) + where) if path.startswith(PACKAGE) else "outside"
+
+
+# An HLO instruction's name, then (lazily) the rest of its line up to a metadata field.
+_INSTRUCTION = r"^\s*(?:ROOT )?%?([\w.-]+) = .*?"
 
 
 def instruction_sources(hlo_text: str) -> dict[str, str]:
@@ -140,12 +150,10 @@ def instruction_sources(hlo_text: str) -> dict[str, str]:
   package's, else "outside"."""
   frames = stack_frames(hlo_text)
   if frames:
-    return {m.group(1): frames.get(int(m.group(2)), "outside") for m in re.finditer(
-        r"^\s*(?:ROOT )?%?([\w.-]+) = .*?stack_frame_id=(\d+)", hlo_text, re.MULTILINE)}
-  return {m.group(1): (f"{m.group(2)[len(PACKAGE):]}:{m.group(3)}"
-                       if m.group(2).startswith(PACKAGE) else "outside")
-          for m in re.finditer(r'^\s*(?:ROOT )?%?([\w.-]+) = .*?source_file="([^"]*)" '
-                               r"source_line=(\d+)", hlo_text, re.MULTILINE)}
+    return {name: frames.get(int(frame), "outside") for name, frame in re.findall(
+        _INSTRUCTION + r"stack_frame_id=(\d+)", hlo_text, re.MULTILINE)}
+  return {name: _in_package(path, line) for name, path, line in re.findall(
+      _INSTRUCTION + r'source_file="([^"]*)" source_line=(\d+)', hlo_text, re.MULTILINE)}
 
 
 def kernels(dump: str) -> list[Kernel]:
