@@ -660,18 +660,24 @@ EQ_STEPS = (1, 10)
 ADAPTIVE_STEPS = 5
 EQ_TARGET, ADAPTIVE_TARGET = 1e-10, 1e-8
 # Adaptive runs: (model, initial λ in kd's units, decompositions every k steps,
-# steps). The MLP from λ₀ = 3e-4 takes every branch of the Levenberg-Marquardt
-# rule within 5 steps (ρ < ¼, ¼ ≤ ρ ≤ ¾, ρ > ¾); from the timing runs' λ the
-# models only see ρ in or above the band. The last two run at kd's adaptive
-# default cadence (eigenbases every 10 steps, the current λ applied to them;
-# kfac-jax's `use_exact_inverses` caches eigenbases likewise) across a refresh.
+# steps, fixed (η, μ) or None). The MLP from λ₀ = 3e-4 takes every branch of
+# the Levenberg-Marquardt rule within 5 steps (ρ < ¼, ¼ ≤ ρ ≤ ¾, ρ > ¾); from
+# the timing runs' λ the models only see ρ in or above the band. The runs at
+# kd's adaptive default cadence (eigenbases every 10 steps, the current λ
+# applied to them; kfac-jax's `use_exact_inverses` caches eigenbases likewise)
+# cross a refresh. The last three adapt the damping alone (η and μ fixed:
+# kfac-jax's `use_adaptive_damping` by itself).
 ADAPTIVE_CADENCE = 10
-ADAPTIVE_RUNS = (("mlp", DAMPING["mlp"], 1, ADAPTIVE_STEPS),
-                 ("cnn", DAMPING["cnn"], 1, ADAPTIVE_STEPS),
-                 ("autoencoder", DAMPING["autoencoder"], 1, ADAPTIVE_STEPS),
-                 ("mlp", 3e-4, 1, ADAPTIVE_STEPS),
-                 ("mlp", DAMPING["mlp"], ADAPTIVE_CADENCE, 12),
-                 ("cnn", DAMPING["cnn"], ADAPTIVE_CADENCE, 12))
+FIXED = {"mlp": (LR["mlp"], MOMENTUM), "cnn": (LR["cnn"], MOMENTUM)}
+ADAPTIVE_RUNS = (("mlp", DAMPING["mlp"], 1, ADAPTIVE_STEPS, None),
+                 ("cnn", DAMPING["cnn"], 1, ADAPTIVE_STEPS, None),
+                 ("autoencoder", DAMPING["autoencoder"], 1, ADAPTIVE_STEPS, None),
+                 ("mlp", 3e-4, 1, ADAPTIVE_STEPS, None),
+                 ("mlp", DAMPING["mlp"], ADAPTIVE_CADENCE, 12, None),
+                 ("cnn", DAMPING["cnn"], ADAPTIVE_CADENCE, 12, None),
+                 ("mlp", 3e-4, 1, ADAPTIVE_STEPS, FIXED["mlp"]),
+                 ("cnn", DAMPING["cnn"], 1, ADAPTIVE_STEPS, FIXED["cnn"]),
+                 ("mlp", DAMPING["mlp"], ADAPTIVE_CADENCE, 12, FIXED["mlp"]))
 # kfac-jax settings tried against the mapping (the MLP, its timing λ):
 # (name, kfac-jax initial_damping / kd's λ, precon_damping_mult, weight decay:
 # kd's weight_decay = kfac-jax's l2_reg, its loss + (w/2)|θ|²).
@@ -699,11 +705,15 @@ def _batches64(n):
 
 class KdAdaptive:
   """kd's adaptive mode: `kd.kfac(None, None, adapt_damping=True)`, λ moved
-  every step, eigendecompositions every `inverse_every`; float64 factors."""
+  every step, eigendecompositions every `inverse_every`; float64 factors.
+  `fixed = (η, μ)`: `kd.kfac(η, μ, adapt_damping=True)`, the damping alone
+  adapted."""
 
-  def __init__(self, model, params, batch0, damping, weight_decay=0.0, inverse_every=1):
+  def __init__(self, model, params, batch0, damping, weight_decay=0.0, inverse_every=1,
+               fixed=None):
     grad_fn = kd.value_and_grad(kd_loss_fn(model))
-    tx = kd.kfac(None, None, weight_decay, layers=grad_fn.discover(params, *batch0),
+    lr, momentum = fixed or (None, None)
+    tx = kd.kfac(lr, momentum, weight_decay, layers=grad_fn.discover(params, *batch0),
                  grad_fn=grad_fn,
                  damping=damping, adapt_damping=True, damping_adaptation_interval=1,
                  damping_adaptation_decay=0.9, min_damping=1e-8,
@@ -728,19 +738,27 @@ class KdAdaptive:
 class KjAdaptive:
   """kfac-jax with `use_adaptive_learning_rate/momentum/damping=True`, λ
   moved every step (`damping_adaptation_interval=1`), inverses every
-  `inverse_every`."""
+  `inverse_every`. `fixed = (η, μ)` in kd's units: `use_adaptive_damping`
+  alone, learning rate η/B and momentum μ, the damping's model exact
+  (`always_use_exact_qmodel_for_damping_adjustment`, as kd's)."""
 
   def __init__(self, model, params, batch0, damping, precon_damping_mult,
-               l2_reg=0.0, inverse_every=1):
+               l2_reg=0.0, inverse_every=1, fixed=None):
     loss_fn = kj_loss_fn(model)
+    coefficients = dict(use_adaptive_learning_rate=True, use_adaptive_momentum=True)
+    if fixed:
+      coefficients = dict(
+          use_adaptive_learning_rate=False, use_adaptive_momentum=False,
+          learning_rate_schedule=lambda _: fixed[0] / BATCH,
+          momentum_schedule=lambda _: fixed[1],
+          always_use_exact_qmodel_for_damping_adjustment=True)
 
     def regularised(p, batch):   # kfac-jax expects the regulariser in the loss
       return loss_fn(p, batch) + 0.5 * l2_reg * sum(
           jnp.sum(a * a) for a in jax.tree.leaves(p))
     self.opt = kfac_jax.Optimizer(
         value_and_grad_func=jax.value_and_grad(regularised if l2_reg else loss_fn),
-        l2_reg=l2_reg,
-        use_adaptive_learning_rate=True, use_adaptive_momentum=True,
+        l2_reg=l2_reg, **coefficients,
         use_adaptive_damping=True, initial_damping=damping,
         damping_adaptation_interval=1, damping_adaptation_decay=0.9, min_damping=1e-8,
         include_damping_in_quad_change=False, precon_damping_mult=precon_damping_mult,
@@ -766,13 +784,15 @@ def _rel(a, b):
 
 def adaptive_run(model, damping, batches, kj_damping_scale=1.0,
                  precon_damping_mult=1.0 / BATCH, weight_decay=0.0, log=True,
-                 inverse_every=1):
+                 inverse_every=1, fixed=None):
   """Both adaptive optimizers from the same float64 init over `batches`: Δθ
-  and both sides' (η, μ, λ, ρ) after every step."""
+  and both sides' (η, μ, λ, ρ) after every step (`fixed = (η, μ)`: the
+  damping alone adapted)."""
   params0 = _f64(init_params(model, jax.random.PRNGKey(0)))
-  kd_opt = KdAdaptive(model, params0, batches[0], damping, weight_decay, inverse_every)
+  kd_opt = KdAdaptive(model, params0, batches[0], damping, weight_decay, inverse_every,
+                      fixed)
   kj_opt = KjAdaptive(model, params0, batches[0], damping * kj_damping_scale,
-                      precon_damping_mult, weight_decay, inverse_every)
+                      precon_damping_mult, weight_decay, inverse_every, fixed)
   p_kd, p_kj = _copy(params0), _copy(params0)
   steps = []
   for i, (x, y) in enumerate(batches):
@@ -789,7 +809,7 @@ def adaptive_run(model, damping, batches, kj_damping_scale=1.0,
       momentum=max(abs(s["kd"]["momentum"] - s["kj"]["momentum"]) for s in steps),
       damping=max(_rel(s["kd"]["damping"], s["kj"]["damping"]) for s in steps),
       rho=max(_rel(s["kd"]["rho"], s["kj"]["rho"]) for s in steps))
-  return dict(model=model, damping=damping, inverse_every=inverse_every, steps=steps,
+  return dict(model=model, damping=damping, inverse_every=inverse_every, fixed=fixed, steps=steps,
               scalars_max_diff=worst)
 
 
@@ -816,11 +836,11 @@ def equality_child(out_json: str, models: str, cadences: str) -> None:
   """In a fresh process with `jax_enable_x64`: the float64 comparisons."""
   jax.config.update("jax_enable_x64", True)
   models = [m for m in models.split(",") if m]
-  batches = _batches64(max(max(EQ_STEPS), *(n for *_, n in ADAPTIVE_RUNS)))
+  batches = _batches64(max(max(EQ_STEPS), *(n for _, _, _, n, _ in ADAPTIVE_RUNS)))
   nonadaptive = {m: [nonadaptive_run(m, c, batches[:max(EQ_STEPS)])
                      for c in cadences.split(",") if c] for m in models}
-  adaptive = [adaptive_run(m, lam, batches[:n], inverse_every=k)
-              for m, lam, k, n in ADAPTIVE_RUNS if m in models]
+  adaptive = [adaptive_run(m, lam, batches[:n], inverse_every=k, fixed=fixed)
+              for m, lam, k, n, fixed in ADAPTIVE_RUNS if m in models]
   mappings = []
   if "mlp" in models:
     for name, scale, mult, wd in MAPPINGS:
@@ -871,7 +891,7 @@ def equality_checks(eq) -> list[dict]:
     worst = max(s["dtheta"] for s in r["steps"])
     checks.append(dict(
         check=f"float64 adaptive {r['model']} (λ₀ {r['damping']:g}, eigenbases every "
-              f"{r.get('inverse_every', 1)}): Δθ after each of "
+              f"{r.get('inverse_every', 1)}{_fixed_note(r)}): Δθ after each of "
               f"{len(r['steps'])} steps",
         value=f"max {worst:.1e}", target=f"≤ {_sci(ADAPTIVE_TARGET)}",
         holds=worst <= ADAPTIVE_TARGET,
@@ -879,6 +899,13 @@ def equality_checks(eq) -> list[dict]:
             "precon_damping_mult = 1/B" if worst <= ADAPTIVE_TARGET else
             "see 'Equality in float64'"))
   return checks
+
+
+def _fixed_note(run) -> str:
+  """', damping alone: η 0.05, μ 0.9 fixed' for a run with fixed coefficients."""
+  if not run.get("fixed"):
+    return ""
+  return f", damping alone: η {run['fixed'][0]:g}, μ {run['fixed'][1]:g} fixed"
 
 
 def _eq_measured(eq) -> str:
@@ -916,13 +943,21 @@ def equality_markdown(eq) -> list[str]:
       "sides, each applying the current λ to its cached eigenbases); both with ω = 0.9, λ ≥ 1e-8, the model change M₀ "
       "without the damping term. Per step: η = −α, the coefficient of the "
       "preconditioned gradient as both libraries log it (`learning_rate`), kfac-jax's "
-      f"times B = {BATCH}; μ; the λ the step used; ρ (which sets the next λ).", ""]
+      f"times B = {BATCH}; μ; the λ the step used; ρ (which sets the next λ).", "",
+      "**The damping alone adapted** (the runs marked so): kd: `kd.kfac(η, μ, "
+      "adapt_damping=True, …)` with the settings above; kfac-jax: "
+      "`use_adaptive_learning_rate=False, use_adaptive_momentum=False, "
+      f"learning_rate_schedule=η/{BATCH}, momentum_schedule=μ, "
+      "use_adaptive_damping=True, always_use_exact_qmodel_for_damping_adjustment=True` "
+      "(its default for this case is the model of its own approximate curvature; kd "
+      "has only the exact one) and the rest as above. The update is −ηΔ + μv on both "
+      "sides; ρ measures it.", ""]
   for r in eq["adaptive"]:
     every = r.get("inverse_every", 1)
     lines += [f"*{r['model']}, λ₀ = {r['damping']:g}"
               + (f", eigenbases every {every} steps (`inverse_update_every={every}`, "
                  f"kfac-jax's `inverse_update_period={every}`)" if every != 1 else "")
-              + "*", ""]
+              + _fixed_note(r) + "*", ""]
     rows = [[s["step"], f"{s['dtheta']:.1e}",
              f"{s['kd']['learning_rate']:.9g}", f"{BATCH * s['kj']['learning_rate']:.9g}",
              f"{s['kd']['momentum'] + 0.0:.9g}", f"{s['kj']['momentum'] + 0.0:.9g}",

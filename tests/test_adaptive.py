@@ -162,9 +162,8 @@ def test_damping_adapts_from_the_reduction_ratio():
   d = alpha * delta
   updates, state = jax.jit(tx.update)(grads, state, params, kfac_stats=stats,
                                       kfac_batch=(x, y))
-  objective = lambda p: float(loss_fn(p, x, y)) + 0.5 * WD * float(_flat(p) @ _flat(p))
-  rho = (objective(optax.apply_updates(params, updates)) - objective(params)) / (
-      0.5 * d @ c @ d + g @ d)
+  rho = (_objective(optax.apply_updates(params, updates), x, y)
+         - _objective(params, x, y)) / (0.5 * d @ c @ d + g @ d)
   new = _adaptive_state(state)
   np.testing.assert_allclose(float(new.rho), rho, rtol=1e-9)
   factor = 0.9 if rho > 0.75 else (1 / 0.9 if rho < 0.25 else 1.0)
@@ -223,8 +222,97 @@ def test_adaptive_mode_needs_the_batch_and_grad_fn():
   _, grads, stats = GRAD_FN(params, *_batch(0), opt_state=state)
   with pytest.raises(ValueError, match="kfac_batch="):
     tx.update(grads, state, params, kfac_stats=stats)
-  with pytest.raises(ValueError, match="adapt_damping needs adaptive mode"):
+  with pytest.raises(TypeError, match="grad_fn=kd.value_and_grad"):
     kd.kfac(0.1, 0.9, layers=GRAD_FN.discover(_params(), *_batch(0)), adapt_damping=True)
+  with pytest.raises(ValueError, match="kl_clip is defined through a fixed learning"):
+    _tx(momentum=0.9, kl_clip=1e-3)
+
+
+def _objective(params, x, y):
+  """`L(θ) + (w/2)|θ|²` on the batch, in float64."""
+  return float(loss_fn(params, x, y)) + 0.5 * WD * float(_flat(params) @ _flat(params))
+
+
+def test_damping_alone_adapts_with_fixed_coefficients():
+  """`kd.kfac(η, μ, adapt_damping=True)` (kfac-jax's adaptive damping alone):
+  d = −ηΔ + μv with K-FAC's Δ at the adapted λ, and λ moved by the reduction
+  ratio of that d, computed here from the dense model, over 3 steps with
+  adaptation every step (≤ 1e-10)."""
+  eta, mu = 0.05, 0.5
+  tx = _tx(learning_rate=eta, momentum=mu, adapt_damping=True,
+           damping_adaptation_interval=1)
+  params, velocity, lam = _params(), 0.0, LAMBDA
+  state, statistics, update = helpers.jitted_start(tx, GRAD_FN, params)
+  for step in range(3):
+    x, y = _batch(step)
+    _, grads, stats = statistics(params, x, y, opt_state=state)
+    g, delta = _kfac_direction(params, _adaptive_state(state), grads, stats)
+    d = -eta * delta + mu * velocity
+    updates, state = update(grads, state, params, kfac_stats=stats, kfac_batch=(x, y))
+    np.testing.assert_allclose(_flat(updates), d, rtol=1e-10,
+                               atol=1e-12 * np.abs(d).max(), err_msg=f"step {step}")
+    c = _dense_ggn(params, x, y) + WD * np.eye(g.size)
+    new_params = optax.apply_updates(params, updates)
+    rho = (_objective(new_params, x, y) - _objective(params, x, y)) / (
+        0.5 * d @ c @ d + g @ d)
+    lam *= 0.9 if rho > 0.75 else (1 / 0.9 if rho < 0.25 else 1.0)
+    new = _adaptive_state(state)
+    np.testing.assert_allclose(float(new.rho), rho, rtol=1e-9, err_msg=f"step {step}")
+    np.testing.assert_allclose(float(new.damping), lam, rtol=1e-12)
+    assert float(new.learning_rate) == eta and float(new.momentum) == mu
+    params, velocity = new_params, d
+
+
+def test_damping_alone_takes_the_fixed_steps_until_lambda_moves():
+  """Before its first adaptation (T = 5) the damping-only mode takes the
+  non-adaptive mode's steps, momentum and a binding KL clip included (no
+  weight decay, whose two modes differ): `d = −ηΔ + μv` is SGD's heavy ball."""
+  options = dict(learning_rate=0.05, momentum=0.5, weight_decay=0.0, kl_clip=1e-6)
+  got = _run_steps(_tx(adapt_damping=True, **options), _params(), 4)
+  want = _run_steps(_tx(**options), _params(), 4)
+  np.testing.assert_allclose(_flat(got[0]), _flat(want[0]), rtol=1e-12, atol=1e-14)
+  unclipped = _run_steps(_tx(**dict(options, kl_clip=None)), _params(), 4)
+  assert np.abs(_flat(unclipped[0]) - _flat(want[0])).max() > 1e-3   # the clip binds
+  assert float(_adaptive_state(got[1]).damping) == LAMBDA
+
+
+def _products_outside_conditionals(tx) -> int:
+  """The `dot_general`s of one traced `update`, not counting those inside a
+  `cond`'s branches (the adaptation step's)."""
+  params = _params()
+  state, (x, y) = tx.init(params), _batch(0)
+  _, grads, stats = GRAD_FN(params, x, y, opt_state=state)
+  jaxpr = jax.make_jaxpr(lambda g, s, p, t: tx.update(
+      g, s, p, kfac_stats=t, kfac_batch=(x, y)))(grads, state, params, stats).jaxpr
+
+  def inner_jaxprs(params: dict) -> list:
+    found = []
+    for value in params.values():
+      for v in value if isinstance(value, (tuple, list)) else (value,):
+        if hasattr(v, "eqns") or hasattr(getattr(v, "jaxpr", None), "eqns"):
+          found.append(v.jaxpr if hasattr(v, "jaxpr") else v)
+    return found
+
+  def count(jaxpr) -> int:
+    total = 0
+    for eqn in jaxpr.eqns:
+      total += eqn.primitive.name == "dot_general"
+      if eqn.primitive.name != "cond":
+        total += sum(count(sub) for sub in inner_jaxprs(eqn.params))
+    return total
+  return count(jaxpr)
+
+
+def test_damping_alone_needs_no_tangent_pass_between_adaptations():
+  """With both coefficients fixed the model of `d` is computed in the
+  adaptation step's branch only: outside it the update does exactly the
+  non-adaptive K-FAC step's products; an adapted α adds a tangent pass there."""
+  fixed = _products_outside_conditionals(_tx(learning_rate=0.05, momentum=0.5,
+                                             adapt_damping=True))
+  plain = _products_outside_conditionals(_tx(learning_rate=0.05, momentum=0.5,
+                                             weight_decay=0.0, kl_clip=None))
+  adapted = _products_outside_conditionals(_tx(momentum=0.0, adapt_damping=True))
+  assert fixed == plain < adapted, (fixed, plain, adapted)
 
 
 def test_faulty_batch_is_skipped():
@@ -238,17 +326,21 @@ def test_faulty_batch_is_skipped():
   assert int(_adaptive_state(new).skipped) == 1 and int(_adaptive_state(new).count) == 0
 
 
-@pytest.mark.parametrize("fraction,reduction", [
-    (1, "none"),
-    pytest.param(1 / 8, "none", marks=pytest.mark.slow),
-    pytest.param(1 / 2, "all_reduce", marks=pytest.mark.slow),
-    pytest.param(1 / 8, "reduce_scatter", marks=pytest.mark.slow)])
-def test_distributed_equals_one_device(fraction, reduction):
+@pytest.mark.parametrize("fraction,reduction,fixed", [
+    (1, "none", False),
+    pytest.param(1 / 8, "none", False, marks=pytest.mark.slow),
+    pytest.param(1 / 2, "all_reduce", False, marks=pytest.mark.slow),
+    pytest.param(1 / 8, "reduce_scatter", False, marks=pytest.mark.slow),
+    (1 / 2, "all_reduce", True)])
+def test_distributed_equals_one_device(fraction, reduction, fixed):
   """COMM-OPT, MEM-OPT, HYBRID and SP-NGD fused on 8 devices equal one device
-  on the global batch, over 3 steps with damping adaptation every step."""
+  on the global batch, over 3 steps with damping adaptation every step (and
+  HYBRID with the damping alone adapted: `fixed`)."""
   mesh = helpers.data_mesh(8)
   dist = kd.Distribution(mesh, grad_worker_fraction=fraction, gradient_reduction=reduction)
   options = dict(adapt_damping=True, damping_adaptation_interval=1)
+  if fixed:
+    options.update(learning_rate=0.05, momentum=0.5)
   single, tx = _tx(**options), _tx(distribution=dist, **options)
   params = _params()
 

@@ -169,7 +169,7 @@ def test_adaptive_settings_that_do_not_do_what_they_say_are_refused():
   as such, and with adapt_damping an initial λ outside [min_damping,
   max_damping] (the rule would move it there at once) is refused; without
   adapt_damping the bounds do not apply. Nesterov (the fixed mode's SGD) and
-  the adaptive-only settings outside adaptive mode are refused by name."""
+  micro-batches outside adaptive mode are refused by name."""
   adaptive = lambda **kw: kd.kfac(None, None, layers=LAYERS, grad_fn=GRAD_FN, **kw)
   with pytest.raises(ValueError, match="kl_clip is defined through a fixed learning rate"):
     adaptive(kl_clip=1e-3)
@@ -182,9 +182,11 @@ def test_adaptive_settings_that_do_not_do_what_they_say_are_refused():
   adaptive(damping=1e-3, adapt_damping=True)
   with pytest.raises(ValueError, match="nesterov applies to the SGD of the non-adaptive"):
     adaptive(nesterov=True)
-  for option in (dict(adapt_damping=True), dict(micro_batches=2)):
-    with pytest.raises(ValueError, match=f"{next(iter(option))} needs adaptive mode"):
-      kd.kfac(0.1, layers=LAYERS, **option)
+  with pytest.raises(ValueError, match="micro_batches needs adaptive mode"):
+    kd.kfac(0.1, layers=LAYERS, micro_batches=2)
+  # adapt_damping selects adaptive mode (the damping alone adapted), which needs grad_fn.
+  with pytest.raises(TypeError, match="needs grad_fn=kd.value_and_grad"):
+    kd.kfac(0.1, layers=LAYERS, adapt_damping=True)
 
 
 def test_another_optimizers_state_is_named():

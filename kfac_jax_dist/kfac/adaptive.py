@@ -13,7 +13,11 @@ current batch (`kd.value_and_grad(...).gauss_newton_gram`), the update is
 
 a 2×2 linear system in the Gram matrix of `(Δ, v)` (α alone while `v = 0`, on
 the first step). A fixed `learning_rate` fixes `α = −learning_rate` and a
-fixed `momentum` fixes `μ`; the other is solved for.
+fixed `momentum` fixes `μ`; the other is solved for. With both fixed (the
+damping alone adapted: kfac-jax's `use_adaptive_damping` without the other
+two) the model is needed only for the reduction ratio below: it is then
+computed on the adaptation steps alone, for `d` itself (one tangent pass
+every T steps instead of two every step).
 
 Levenberg-Marquardt damping (`adapt_damping=True`): every
 `damping_adaptation_interval` (T) updates the reduction ratio
@@ -31,6 +35,9 @@ shards (replicated parameters once), so α, μ and λ are the whole model's.
 KL clipping is off in adaptive mode: the quadratic model already sets the
 step's length (kfac-jax turns its norm constraint off by default there for
 the same reason), and KAISA's clip is defined through a fixed learning rate.
+With the damping alone adapted a `kl_clip` given applies to `Δ` (KAISA's
+clip with the fixed learning rate); the reduction ratio measures the clipped
+update.
 The fault policy is K-FAC's: a faulty step (or a degenerate model: a
 non-finite α, μ or λ) is skipped, the state unchanged but `skipped`.
 """
@@ -104,6 +111,16 @@ class AdaptiveConfig:
       checks.append(lambda: settings.range_ok(self.momentum, count, 0.0, 1.0))
     checks.append(lambda: settings.positive_ok(self.weight_decay, count, allow_zero=True))
     return settings.all_ok(checks)
+
+  @property
+  def coefficients_fixed(self) -> bool:
+    """Both α and μ given: only the damping is adapted."""
+    return self.learning_rate is not None and self.momentum is not None
+
+  @property
+  def momentum_zero(self) -> bool:
+    """The momentum fixed at the number 0: `v`'s tangent pass is skipped."""
+    return isinstance(self.momentum, (int, float)) and self.momentum == 0
 
   @property
   def damping_factor(self) -> float:
@@ -216,11 +233,9 @@ def quadratic_model(gram: jax.Array, vectors: tuple[Any, Any], grads: Any,
 
 def solve_coefficients(a_damped: jax.Array, b: jax.Array, learning_rate: Any,
                        momentum: Any, first: jax.Array) -> jax.Array:
-  """`(α, μ)` minimising `½ wᵀ A_damped w + bᵀw` with the fixed ones fixed
-  (`α = −learning_rate`; on the first step, or with `v = 0`, `μ = 0`)."""
-  if learning_rate is not None and momentum is not None:
-    return jnp.stack([-jnp.asarray(learning_rate, b.dtype),
-                      jnp.asarray(momentum, b.dtype)])
+  """`(α, μ)` minimising `½ wᵀ A_damped w + bᵀw` with the fixed one fixed
+  (`α = −learning_rate`; on the first step, or with `v = 0`, `μ = 0`); at
+  least one of them adapted (`_fixed_coefficients` else)."""
   alone = first | (a_damped[1, 1] == 0)
   if learning_rate is None and momentum is None:
     alpha_only = -b[0] / a_damped[0, 0]
@@ -299,22 +314,37 @@ def _damping_step(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
 
 
 def _model_in_span(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
-                   params: Any, batch: tuple, vectors: tuple[Any, Any], grads: Any
+                   params: Any, batch: tuple, vectors: tuple[Any, ...], grads: Any
                    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """`(A, D, b)` of `quadratic_model` in the span of `vectors = (Δ, v)` and
-  `L(θ)`, from one linearisation. With the momentum fixed at 0, `v`'s tangent
-  pass is skipped: its row and column of `A` and `D` and its `b` are zeros."""
-  no_momentum = isinstance(config.momentum, (int, float)) and config.momentum == 0
-  used = tuple(_typed_like_params(kfac_config, v)
-               for v in (vectors[:1] if no_momentum else vectors))
+  """`(A, D, b)` of `quadratic_model` in the span of `vectors`, and `L(θ)`,
+  from one linearisation of the model (a tangent pass per vector)."""
+  used = tuple(_typed_like_params(kfac_config, v) for v in vectors)
   gram, loss = grad_fn.gauss_newton_gram(params, used, *batch, with_loss=True,
                                          micro_batches=config.micro_batches)
   gram = _one_per_model(kfac_config, gram)
   a, dots, b = quadratic_model(gram, used, grads, config.weight_decay,
                                inner_product(kfac_config))
-  if no_momentum:
-    a, dots, b = jnp.pad(a, (0, 1)), jnp.pad(dots, (0, 1)), jnp.pad(b, (0, 1))
   return a, dots, b, loss
+
+
+def _model_of_direction(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
+                        params: Any, batch: tuple, direction: Any, velocity: Any,
+                        grads: Any) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """`_model_in_span` of `(Δ, v)`. With the momentum fixed at 0, `v`'s tangent
+  pass is skipped: its row and column of `A` and `D` and its `b` are zeros."""
+  if not config.momentum_zero:
+    return _model_in_span(config, kfac_config, grad_fn, params, batch,
+                          (direction, velocity), grads)
+  a, dots, b, loss = _model_in_span(config, kfac_config, grad_fn, params, batch,
+                                    (direction,), grads)
+  return jnp.pad(a, (0, 1)), jnp.pad(dots, (0, 1)), jnp.pad(b, (0, 1)), loss
+
+
+def _fixed_coefficients(config: AdaptiveConfig, count: jax.Array, dtype: Any
+                        ) -> jax.Array:
+  """`(α, μ) = (−learning_rate, momentum)` at `count` (the damping alone adapted)."""
+  return jnp.stack([-jnp.asarray(cadence.value_at(config.learning_rate, count), dtype),
+                    jnp.asarray(cadence.value_at(config.momentum, count), dtype)])
 
 
 def check_no_kl_clip(kl_clip: Any) -> None:
@@ -352,6 +382,44 @@ def _check_call(params: Any, batch: Any) -> None:
                     f"the parameters, e.g. kfac_batch=(x, y); got {type(batch).__name__}.")
 
 
+def _coefficients(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
+                  params: Any, batch: tuple, grads: Any, direction: Any,
+                  state: AdaptiveKfacState, lam: jax.Array
+                  ) -> tuple[jax.Array, tuple[jax.Array, ...] | None]:
+  """`(α, μ)` and the model `(A, b, L(θ))` they minimise in the span of
+  `(Δ, v)`; with both fixed, no model (None) and no tangent pass."""
+  count = state.count
+  if config.coefficients_fixed:
+    return _fixed_coefficients(config, count, state.rho.dtype), None
+  a, dots, b, loss = _model_of_direction(config, kfac_config, grad_fn, params, batch,
+                                         direction, state.velocity, grads)
+  value = lambda x: None if x is None else cadence.value_at(x, count)
+  w = solve_coefficients(a + lam * dots, b, value(config.learning_rate),
+                         value(config.momentum), count == 0)
+  return w, (a, b, loss)
+
+
+def _adapted_damping(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
+                     params: Any, batch: tuple, grads: Any, update: Any, w: jax.Array,
+                     model: tuple[jax.Array, ...] | None, state: AdaptiveKfacState
+                     ) -> tuple[jax.Array, jax.Array]:
+  """`(λ', ρ)` of the Levenberg-Marquardt rule on every T-th update, the
+  state's `(λ, ρ)` between. Without `model` (the coefficients fixed) the model
+  of `d` alone is computed here, on those updates only: one tangent pass."""
+  def adapt() -> tuple[jax.Array, jax.Array]:
+    if model is None:
+      a, _, b, loss = _model_in_span(config, kfac_config, grad_fn, params, batch,
+                                     (update,), grads)
+      change = model_change(a, b, jnp.ones(1, a.dtype))
+    else:
+      a, b, loss = model
+      change = model_change(a, b, w)
+    return _damping_step(config, kfac_config, grad_fn, params, batch, loss, update,
+                         change, state.damping)
+  due = (state.count + 1) % config.damping_adaptation_interval == 0
+  return lax.cond(due, adapt, lambda: (state.damping, state.rho))
+
+
 def update_state(config: AdaptiveConfig, kfac_config: KfacConfig,
                  comm: collectives_lib.Collectives, grad_fn: Any, grads: Any,
                  state: AdaptiveKfacState, params: Any, stats: Any, batch: tuple
@@ -368,22 +436,14 @@ def update_state(config: AdaptiveConfig, kfac_config: KfacConfig,
   step_config = dataclasses.replace(kfac_config, damping=lam + wd)
   direction, kfac_state = transform.update_state(step_config, comm, grads, state.kfac,
                                                  stats)
-  a, dots, b, loss = _model_in_span(config, kfac_config, grad_fn, params, batch,
-                                    (direction, state.velocity), grads)
-  w = solve_coefficients(a + lam * dots, b,
-                         cadence.value_at(config.learning_rate, count)
-                         if config.learning_rate is not None else None,
-                         cadence.value_at(config.momentum, count)
-                         if config.momentum is not None else None, count == 0)
+  w, model = _coefficients(config, kfac_config, grad_fn, params, batch, grads, direction,
+                           state, lam)
   update = jax.tree_util.tree_map(lambda x, v: (w[0] * x + w[1] * v).astype(v.dtype),
                                   direction, state.velocity)
   damping, rho = lam, state.rho
   if config.adapt_damping:
-    due = (count + 1) % config.damping_adaptation_interval == 0
-    damping, rho = lax.cond(
-        due, lambda: _damping_step(config, kfac_config, grad_fn, params, batch, loss,
-                                   update, model_change(a, b, w), state.damping),
-        lambda: (state.damping, state.rho))
+    damping, rho = _adapted_damping(config, kfac_config, grad_fn, params, batch, grads,
+                                    update, w, model, state)
   # The state keeps its types (damping and rho are cast in `_damping_step`).
   typed = lambda x: jnp.asarray(x, state.rho.dtype)
   new_state = dataclasses.replace(
@@ -418,7 +478,8 @@ def scale_by_adaptive_kfac(
   if not hasattr(grad_fn, "gauss_newton_gram"):
     raise TypeError("adaptive K-FAC needs grad_fn=kd.value_and_grad(loss_fn) (it "
                     "computes the exact curvature products of the registered loss).")
-  check_no_kl_clip(kfac_config.kl_clip)
+  if not adaptive_config.coefficients_fixed:
+    check_no_kl_clip(kfac_config.kl_clip)
   _check_initial_damping(adaptive_config, kfac_config.damping)
 
   def init_fn(params: Any) -> AdaptiveKfacState:

@@ -2,8 +2,8 @@
 
 The non-adaptive optimizer is KAISA's: `scale_by_kfac`, weight decay, SGD with
 momentum. The adaptive one (`kfac.adaptive`) chooses the learning rate and
-momentum from the exact quadratic model, and optionally the damping. Both are
-wrapped in `skip_faulty_steps`.
+momentum from the exact quadratic model, and optionally the damping (or,
+with both fixed, the damping alone). Both are wrapped in `skip_faulty_steps`.
 """
 
 from __future__ import annotations
@@ -68,14 +68,17 @@ def _adaptive_chain(layers: registry.LayerRegistry | None, learning_rate: Any, m
                     grad_fn: Callable | None, adaptive_options: dict[str, Any]
                     ) -> optax.GradientTransformationExtraArgs:
   """The adaptive `kd.kfac` (`kfac.adaptive`): K-FAC's direction scaled by the
-  quadratic model's coefficients, no SGD after it (see `kfac`). `adaptive_options`
-  are `AdaptiveConfig`'s other fields, checked after nesterov and the KL clip."""
+  quadratic model's coefficients (or fixed ones, the damping adapted), no SGD
+  after it (see `kfac`). `adaptive_options` are `AdaptiveConfig`'s other
+  fields, checked after nesterov and the KL clip."""
   if nesterov:
     raise ValueError("nesterov applies to the SGD of the non-adaptive mode; adaptive "
                      "momentum is the model's.")
-  # Before KfacConfig, whose own message would ask for a learning rate.
-  adaptive.check_no_kl_clip(None if kl_clip is KL_CLIP else kl_clip)
-  kfac_config = KfacConfig(kl_clip=None, learning_rate=learning_rate, **options)
+  kl_clip = None if kl_clip is KL_CLIP else kl_clip
+  if learning_rate is None or momentum is None:
+    # Before KfacConfig, whose own message would ask for a learning rate.
+    adaptive.check_no_kl_clip(kl_clip)
+  kfac_config = KfacConfig(kl_clip=kl_clip, learning_rate=learning_rate, **options)
   config = adaptive.AdaptiveConfig(learning_rate=learning_rate, momentum=momentum,
                                    weight_decay=weight_decay, **adaptive_options)
   return faults.skip_faulty_steps(adaptive.scale_by_adaptive_kfac(
@@ -126,8 +129,12 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
   (`grad_fn` computes the curvature products; `update` then takes
   `kfac_batch=`, the arguments `grad_fn` received after the parameters), and
   with `adapt_damping=True` the damping follows the Levenberg-Marquardt rule.
-  There is no SGD after it; weight decay enters the objective's gradient and
-  curvature and K-FAC's damping (`λ + w`); the KL clip is off unless given.
+  `adapt_damping=True` with both numbers given adapts the damping alone:
+  `d = −ηΔ + μv` (kfac-jax's `use_adaptive_damping` by itself, with its exact
+  quadratic model). There is no SGD after it; weight decay enters the
+  objective's gradient and curvature and K-FAC's damping (`λ + w`); the KL
+  clip is off unless given (given, only with a fixed learning rate and
+  momentum).
 
   Args:
     learning_rate: `η`, a float or an optax schedule of the update count; the
@@ -187,11 +194,14 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
     grad_fn: the `kd.value_and_grad(loss_fn)` whose statistics feed this
       transform; needed in adaptive mode (exact curvature products, the
       loss for the damping's reduction ratio).
-    adapt_damping: adaptive mode only: adapt `damping` (its initial value) by
-      the Levenberg-Marquardt rule every `damping_adaptation_interval` steps,
+    adapt_damping: adapt `damping` (its initial value) by the
+      Levenberg-Marquardt rule every `damping_adaptation_interval` steps,
       moving it by `damping_adaptation_decay ** interval`, within
-      `[min_damping, max_damping]` (kfac-jax's defaults but the floor). Costs one forward
-      pass on those steps (`L(θ + d)`; `L(θ)` comes with the curvature).
+      `[min_damping, max_damping]` (kfac-jax's defaults but the floor); needs
+      `grad_fn` and selects adaptive mode. Costs one forward pass on those
+      steps (`L(θ + d)`; `L(θ)` comes with the curvature), and with both
+      `learning_rate` and `momentum` fixed one tangent pass there too (`d`'s
+      curvature), none on the other steps.
     damping_adaptation_interval: `T` of the rule above.
     damping_adaptation_decay: `ω` of the rule above, in (0, 1).
     min_damping: lower bound of the adapted damping, in the units of the mean
@@ -211,7 +221,7 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
     params, kfac_stats=stats)` takes the statistics of `kd.value_and_grad`
     (and, in adaptive mode, `kfac_batch=`).
   """
-  adaptive_mode = learning_rate is None or momentum is None
+  adaptive_mode = learning_rate is None or momentum is None or adapt_damping
   damping, inverse_update_every = _mode_defaults(adaptive_mode, damping,
                                                  inverse_update_every, stale_threshold)
   options = dict(damping=damping, factor_decay=factor_decay,
@@ -221,10 +231,9 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
                  distribution=distribution, stale_threshold=stale_threshold,
                  eigenvalue_correction=eigenvalue_correction)
   if not adaptive_mode:
-    if adapt_damping or micro_batches is not None:
-      raise ValueError(f"{'adapt_damping' if adapt_damping else 'micro_batches'} "
-                       "needs adaptive mode: learning_rate=None or momentum=None (and "
-                       "grad_fn).")
+    if micro_batches is not None:
+      raise ValueError("micro_batches needs adaptive mode: learning_rate=None, "
+                       "momentum=None or adapt_damping=True (and grad_fn).")
     return _kaisa_chain(layers, learning_rate, momentum, weight_decay, nesterov,
                         KL_CLIP.value if kl_clip is KL_CLIP else kl_clip, options)
   return _adaptive_chain(layers, learning_rate, momentum, weight_decay, nesterov,
