@@ -89,6 +89,7 @@ import _common  # benchmarks/, on sys.path when run as a script
 import _models
 
 FACTOR_EVERY, INVERSE_EVERY = 10, 100
+LAMBDA_INTERVAL = 5       # kd.kfac's damping_adaptation_interval default
 ROOTS_EVERY = 10          # Shampoo's roots and SOAP's eigenbases
 LR = 1e-2
 
@@ -428,8 +429,9 @@ def adaptive_runners(grad_fn, layers, step, params, state, x, y, grads, reps: in
   cadence, damping adapted every T = 5 steps): the chained run, one step of
   each kind from fixed states (count 1: plain, no damping step; count 4:
   plain with the damping step), the plain step with the momentum fixed at 0
-  (α alone: one tangent pass), and its two extra pieces. `step` donates
-  params and state, as the other K-FAC rows' steps."""
+  (α alone: one tangent pass), the damping alone adapted (`kd.kfac(LR, 0.9,
+  adapt_damping=True)`) at counts 1 and 4, and the two extra pieces. `step`
+  donates params and state, as the other K-FAC rows' steps."""
   p1, s1 = advance(step, params, state, x, y, 1)
   p4, s4 = advance(step, p1, s1, x, y, 3)
   alpha_tx = kd.kfac(None, 0.0, layers=layers, grad_fn=grad_fn, adapt_damping=True,
@@ -437,6 +439,14 @@ def adaptive_runners(grad_fn, layers, step, params, state, x, y, grads, reps: in
   alpha_step = jax.jit(_common.kfac_step(grad_fn, alpha_tx, adaptive=True),
                        donate_argnums=(0, 1))
   pa, sa = advance(alpha_step, params, alpha_tx.init(params), x, y, 1)
+  # The damping alone adapted: kfac_amortised's η, μ and KL clip fixed.
+  lambda_tx = kd.kfac(LR, 0.9, layers=layers, grad_fn=grad_fn, adapt_damping=True,
+                      kl_clip=1e-3, factor_update_every=FACTOR_EVERY,
+                      inverse_update_every=INVERSE_EVERY)
+  lambda_step = jax.jit(_common.kfac_step(grad_fn, lambda_tx, adaptive=True),
+                        donate_argnums=(0, 1))
+  pl1, sl1 = advance(lambda_step, params, lambda_tx.init(params), x, y, 1)
+  pl4, sl4 = advance(lambda_step, pl1, sl1, x, y, 3)
   # Two vectors as unlike as the step's Δ and v: XLA would share the tangent
   # passes of equal ones, and the parameters' own (`dW x` = the forward's `W x`).
   gram = jax.jit(lambda p, v, w, x, y: grad_fn.gauss_newton_gram(p, (v, w), x, y,
@@ -453,6 +463,14 @@ def adaptive_runners(grad_fn, layers, step, params, state, x, y, grads, reps: in
       Runner("adaptive_alpha_plain", fixed_runner(alpha_step, (pa, sa, x, y), reps,
                                                   donated=True),
              "adaptive", "momentum fixed at 0 (α alone), no factor, no eigh"),
+      Runner("adaptive_lambda_plain", fixed_runner(lambda_step, (pl1, sl1, x, y), reps,
+                                                   donated=True),
+             "adaptive", "λ alone adapted (η, μ fixed), no factor, no eigh, no damping "
+             "step"),
+      Runner("adaptive_lambda_damping", fixed_runner(lambda_step, (pl4, sl4, x, y), reps,
+                                                     donated=True),
+             "adaptive", "λ alone adapted, no factor, no eigh, damping step (d's "
+             "tangent pass and L(θ+d))"),
       Runner("gauss_newton_gram k=2", fixed_runner(gram, (p1, grads, other, x, y), reps),
              "adaptive", "the model's Gram matrix and L(θ): one linearisation, two "
              "tangent passes"),
@@ -486,6 +504,16 @@ def adaptive_cost(wall: dict, cpu: dict) -> dict:
                                        times["grad_fn.loss"]))
     out[f"amortised_{clock}"] = statistics.median(
         a / k for a, k in zip(times["kfac_adaptive"], times["kfac_amortised"]))
+    # The damping alone: its plain step over K-FAC's, its adaptation step over
+    # its plain step, and per step on average (one adaptation every T = 5).
+    plain = [(l - k) / f for l, k, f in zip(times["adaptive_lambda_plain"],
+                                            times["kfac_plain"], fb)]
+    adapting = [(d - l) / f for d, l, f in zip(times["adaptive_lambda_damping"],
+                                               times["adaptive_lambda_plain"], fb)]
+    out[f"lambda_plain_{clock}"] = statistics.median(plain)
+    out[f"lambda_damping_{clock}"] = statistics.median(adapting)
+    out[f"lambda_mean_{clock}"] = statistics.median(
+        p + a / LAMBDA_INTERVAL for p, a in zip(plain, adapting))
   return out
 
 
@@ -611,6 +639,18 @@ def markdown(results: list[dict], env: dict, args) -> str:
                 "plain adaptive step (one forward expected, every T = 5 steps); the "
                 f"amortised adaptive run costs {a['amortised_cpu']:.2f}× "
                 f"({a['amortised_wall']:.2f}×) kfac_amortised per step.", ""]
+      if "lambda_mean_cpu" in a:
+        holds = "holds" if a["lambda_mean_cpu"] <= 1.0 else "**does not hold**"
+        lines += [f"With the damping alone adapted (`kd.kfac(η, 0.9, adapt_damping=True, "
+                  f"kl_clip=1e-3)`, kfac_amortised's η and clip): a plain step costs "
+                  f"{a['lambda_plain_cpu']:.2f}× ({a['lambda_plain_wall']:.2f}×) of a "
+                  "forward+backward more than K-FAC's plain step (no model: none "
+                  f"expected), an adaptation step {a['lambda_damping_cpu']:.2f}× "
+                  f"({a['lambda_damping_wall']:.2f}×) more than its plain step (d's "
+                  "tangent pass and one forward), so "
+                  f"{a['lambda_mean_cpu']:.2f}× ({a['lambda_mean_wall']:.2f}×) per step "
+                  f"with an adaptation every {LAMBDA_INTERVAL} (target ≤ 1: {holds}).",
+                  ""]
     for key, what, base in (
         ("ekfac_cost", "EK-FAC (`eigenvalue_correction=\"ekfac\"`, the same amortised "
          "cadence)", "kfac_amortised's"),
