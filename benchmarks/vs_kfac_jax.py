@@ -659,25 +659,36 @@ def run_profile(model, cadence, steps=10) -> dict | None:
 EQ_STEPS = (1, 10)
 ADAPTIVE_STEPS = 5
 EQ_TARGET, ADAPTIVE_TARGET = 1e-10, 1e-8
-# Adaptive runs: (model, initial λ in kd's units, decompositions every k steps,
-# steps, fixed (η, μ) or None). The MLP from λ₀ = 3e-4 takes every branch of
-# the Levenberg-Marquardt rule within 5 steps (ρ < ¼, ¼ ≤ ρ ≤ ¾, ρ > ¾); from
-# the timing runs' λ the models only see ρ in or above the band. The runs at
-# kd's adaptive default cadence (eigenbases every 10 steps, the current λ
-# applied to them; kfac-jax's `use_exact_inverses` caches eigenbases likewise)
-# cross a refresh. The last three adapt the damping alone (η and μ fixed:
-# kfac-jax's `use_adaptive_damping` by itself).
+class AdaptiveRun(collections.namedtuple(
+    "AdaptiveRun", "model damping inverse_every steps fixed reject",
+    defaults=(None, None))):
+  """One float64 adaptive comparison: the model, λ₀ in kd's units, decompositions
+  every `inverse_every` steps, the steps, `fixed = (η, μ)` (the damping alone
+  adapted) or None, and `reject`: step rejection's damping factor, or None."""
+
+
+# The MLP from λ₀ = 3e-4 takes every branch of the Levenberg-Marquardt rule
+# within 5 steps (ρ < ¼, ¼ ≤ ρ ≤ ¾, ρ > ¾); from the timing runs' λ the models
+# only see ρ in or above the band. The runs at kd's adaptive default cadence
+# (eigenbases every 10 steps, the current λ applied to them; kfac-jax's
+# `use_exact_inverses` caches eigenbases likewise) cross a refresh. The `fixed`
+# runs adapt the damping alone (kfac-jax's `use_adaptive_damping` by itself);
+# the `reject` ones reject steps (`use_step_rejection`): two of the MLP's first
+# 3 steps from λ₀ = 3e-4, the CNN's 5th at η = 0.3.
 ADAPTIVE_CADENCE = 10
 FIXED = {"mlp": (LR["mlp"], MOMENTUM), "cnn": (LR["cnn"], MOMENTUM)}
-ADAPTIVE_RUNS = (("mlp", DAMPING["mlp"], 1, ADAPTIVE_STEPS, None),
-                 ("cnn", DAMPING["cnn"], 1, ADAPTIVE_STEPS, None),
-                 ("autoencoder", DAMPING["autoencoder"], 1, ADAPTIVE_STEPS, None),
-                 ("mlp", 3e-4, 1, ADAPTIVE_STEPS, None),
-                 ("mlp", DAMPING["mlp"], ADAPTIVE_CADENCE, 12, None),
-                 ("cnn", DAMPING["cnn"], ADAPTIVE_CADENCE, 12, None),
-                 ("mlp", 3e-4, 1, ADAPTIVE_STEPS, FIXED["mlp"]),
-                 ("cnn", DAMPING["cnn"], 1, ADAPTIVE_STEPS, FIXED["cnn"]),
-                 ("mlp", DAMPING["mlp"], ADAPTIVE_CADENCE, 12, FIXED["mlp"]))
+ADAPTIVE_RUNS = (
+    AdaptiveRun("mlp", DAMPING["mlp"], 1, ADAPTIVE_STEPS),
+    AdaptiveRun("cnn", DAMPING["cnn"], 1, ADAPTIVE_STEPS),
+    AdaptiveRun("autoencoder", DAMPING["autoencoder"], 1, ADAPTIVE_STEPS),
+    AdaptiveRun("mlp", 3e-4, 1, ADAPTIVE_STEPS),
+    AdaptiveRun("mlp", DAMPING["mlp"], ADAPTIVE_CADENCE, 12),
+    AdaptiveRun("cnn", DAMPING["cnn"], ADAPTIVE_CADENCE, 12),
+    AdaptiveRun("mlp", 3e-4, 1, ADAPTIVE_STEPS, FIXED["mlp"]),
+    AdaptiveRun("cnn", DAMPING["cnn"], 1, ADAPTIVE_STEPS, FIXED["cnn"]),
+    AdaptiveRun("mlp", DAMPING["mlp"], ADAPTIVE_CADENCE, 12, FIXED["mlp"]),
+    AdaptiveRun("mlp", 3e-4, 1, 8, reject=2.0),
+    AdaptiveRun("cnn", DAMPING["cnn"], 1, 8, (0.3, MOMENTUM), reject=2.0))
 # kfac-jax settings tried against the mapping (the MLP, its timing λ):
 # (name, kfac-jax initial_damping / kd's λ, precon_damping_mult, weight decay:
 # kd's weight_decay = kfac-jax's l2_reg, its loss + (w/2)|θ|²).
@@ -710,15 +721,17 @@ class KdAdaptive:
   adapted."""
 
   def __init__(self, model, params, batch0, damping, weight_decay=0.0, inverse_every=1,
-               fixed=None):
+               fixed=None, reject=None):
     grad_fn = kd.value_and_grad(kd_loss_fn(model))
     lr, momentum = fixed or (None, None)
+    rejection = {} if reject is None else dict(reject_steps=True,
+                                               reject_damping_increase_factor=reject)
     tx = kd.kfac(lr, momentum, weight_decay, layers=grad_fn.discover(params, *batch0),
                  grad_fn=grad_fn,
                  damping=damping, adapt_damping=True, damping_adaptation_interval=1,
                  damping_adaptation_decay=0.9, min_damping=1e-8,
                  inverse_update_every=inverse_every,
-                 factor_decay=FACTOR_DECAY, factor_dtype=jnp.float64)
+                 factor_decay=FACTOR_DECAY, factor_dtype=jnp.float64, **rejection)
     self.state = tx.init(params)
 
     def step(p, s, x, y):
@@ -732,7 +745,7 @@ class KdAdaptive:
     params, self.state = self._step(params, self.state, x, y)
     s = self.state
     return params, dict(learning_rate=float(s.learning_rate), momentum=float(s.momentum),
-                        damping=damping, rho=float(s.rho))
+                        damping=damping, rho=float(s.rho), rejected=int(s.rejected))
 
 
 class KjAdaptive:
@@ -743,8 +756,10 @@ class KjAdaptive:
   (`always_use_exact_qmodel_for_damping_adjustment`, as kd's)."""
 
   def __init__(self, model, params, batch0, damping, precon_damping_mult,
-               l2_reg=0.0, inverse_every=1, fixed=None):
+               l2_reg=0.0, inverse_every=1, fixed=None, reject=None):
     loss_fn = kj_loss_fn(model)
+    rejection = {} if reject is None else dict(use_step_rejection=True,
+                                               reject_damping_increase_factor=reject)
     coefficients = dict(use_adaptive_learning_rate=True, use_adaptive_momentum=True)
     if fixed:
       coefficients = dict(
@@ -758,7 +773,7 @@ class KjAdaptive:
           jnp.sum(a * a) for a in jax.tree.leaves(p))
     self.opt = kfac_jax.Optimizer(
         value_and_grad_func=jax.value_and_grad(regularised if l2_reg else loss_fn),
-        l2_reg=l2_reg, **coefficients,
+        l2_reg=l2_reg, **coefficients, **rejection,
         use_adaptive_damping=True, initial_damping=damping,
         damping_adaptation_interval=1, damping_adaptation_decay=0.9, min_damping=1e-8,
         include_damping_in_quad_change=False, precon_damping_mult=precon_damping_mult,
@@ -768,14 +783,16 @@ class KjAdaptive:
         num_burnin_steps=0, multi_device=False)
     self.rng = jax.random.PRNGKey(42)
     self.state = self.opt.init(params, self.rng, batch0)
-    self.count = 0
+    self.count = self.rejected = 0
 
   def step(self, params, x, y):
     params, self.state, stats = self.opt.step(params, self.state, self.rng, batch=(x, y),
                                               global_step_int=self.count)
     self.count += 1
-    return params, {k: float(stats[k]) for k in ("learning_rate", "momentum", "damping",
-                                                  "rho")}
+    self.rejected += int(stats.get("step_rejected", 0))
+    return params, dict({k: float(stats[k]) for k in ("learning_rate", "momentum",
+                                                      "damping", "rho")},
+                        rejected=self.rejected)
 
 
 def _rel(a, b):
@@ -784,15 +801,15 @@ def _rel(a, b):
 
 def adaptive_run(model, damping, batches, kj_damping_scale=1.0,
                  precon_damping_mult=1.0 / BATCH, weight_decay=0.0, log=True,
-                 inverse_every=1, fixed=None):
+                 inverse_every=1, fixed=None, reject=None):
   """Both adaptive optimizers from the same float64 init over `batches`: Δθ
   and both sides' (η, μ, λ, ρ) after every step (`fixed = (η, μ)`: the
-  damping alone adapted)."""
+  damping alone adapted; `reject`: step rejection with that damping factor)."""
   params0 = _f64(init_params(model, jax.random.PRNGKey(0)))
   kd_opt = KdAdaptive(model, params0, batches[0], damping, weight_decay, inverse_every,
-                      fixed)
+                      fixed, reject)
   kj_opt = KjAdaptive(model, params0, batches[0], damping * kj_damping_scale,
-                      precon_damping_mult, weight_decay, inverse_every, fixed)
+                      precon_damping_mult, weight_decay, inverse_every, fixed, reject)
   p_kd, p_kj = _copy(params0), _copy(params0)
   steps = []
   for i, (x, y) in enumerate(batches):
@@ -809,8 +826,8 @@ def adaptive_run(model, damping, batches, kj_damping_scale=1.0,
       momentum=max(abs(s["kd"]["momentum"] - s["kj"]["momentum"]) for s in steps),
       damping=max(_rel(s["kd"]["damping"], s["kj"]["damping"]) for s in steps),
       rho=max(_rel(s["kd"]["rho"], s["kj"]["rho"]) for s in steps))
-  return dict(model=model, damping=damping, inverse_every=inverse_every, fixed=fixed, steps=steps,
-              scalars_max_diff=worst)
+  return dict(model=model, damping=damping, inverse_every=inverse_every, fixed=fixed,
+              reject=reject, steps=steps, scalars_max_diff=worst)
 
 
 def nonadaptive_run(model, cadence, batches):
@@ -836,11 +853,13 @@ def equality_child(out_json: str, models: str, cadences: str) -> None:
   """In a fresh process with `jax_enable_x64`: the float64 comparisons."""
   jax.config.update("jax_enable_x64", True)
   models = [m for m in models.split(",") if m]
-  batches = _batches64(max(max(EQ_STEPS), *(n for _, _, _, n, _ in ADAPTIVE_RUNS)))
+  batches = _batches64(max(max(EQ_STEPS), *(run.steps for run in ADAPTIVE_RUNS)))
   nonadaptive = {m: [nonadaptive_run(m, c, batches[:max(EQ_STEPS)])
                      for c in cadences.split(",") if c] for m in models}
-  adaptive = [adaptive_run(m, lam, batches[:n], inverse_every=k, fixed=fixed)
-              for m, lam, k, n, fixed in ADAPTIVE_RUNS if m in models]
+  adaptive = [adaptive_run(run.model, run.damping, batches[:run.steps],
+                           inverse_every=run.inverse_every, fixed=run.fixed,
+                           reject=run.reject)
+              for run in ADAPTIVE_RUNS if run.model in models]
   mappings = []
   if "mlp" in models:
     for name, scale, mult, wd in MAPPINGS:
@@ -902,10 +921,16 @@ def equality_checks(eq) -> list[dict]:
 
 
 def _fixed_note(run) -> str:
-  """', damping alone: η 0.05, μ 0.9 fixed' for a run with fixed coefficients."""
-  if not run.get("fixed"):
-    return ""
-  return f", damping alone: η {run['fixed'][0]:g}, μ {run['fixed'][1]:g} fixed"
+  """', damping alone: η 0.05, μ 0.9 fixed' for a run with fixed coefficients,
+  ', steps rejected (λ × 2): 2' for one with step rejection."""
+  note = ""
+  if run.get("fixed"):
+    note += f", damping alone: η {run['fixed'][0]:g}, μ {run['fixed'][1]:g} fixed"
+  if run.get("reject"):
+    note += (f", steps rejected (λ × {run['reject']:g}): kd "
+             f"{run['steps'][-1]['kd']['rejected']}, kfac-jax "
+             f"{run['steps'][-1]['kj']['rejected']}")
+  return note
 
 
 def _eq_measured(eq) -> str:
@@ -951,7 +976,12 @@ def equality_markdown(eq) -> list[str]:
       "use_adaptive_damping=True, always_use_exact_qmodel_for_damping_adjustment=True` "
       "(its default for this case is the model of its own approximate curvature; kd "
       "has only the exact one) and the rest as above. The update is −ηΔ + μv on both "
-      "sides; ρ measures it.", ""]
+      "sides; ρ measures it.", "",
+      "**Step rejection** (the runs marked so): kd: `reject_steps=True, "
+      "reject_damping_increase_factor=2`; kfac-jax: `use_step_rejection=True, "
+      "reject_damping_increase_factor=2`. A step whose loss on its batch goes up is not "
+      "taken, the velocity stays and λ (after the rule) doubles; the tables' λ is the "
+      "one the step used.", ""]
   for r in eq["adaptive"]:
     every = r.get("inverse_every", 1)
     lines += [f"*{r['model']}, λ₀ = {r['damping']:g}"

@@ -276,6 +276,56 @@ def test_damping_alone_takes_the_fixed_steps_until_lambda_moves():
   assert float(_adaptive_state(got[1]).damping) == LAMBDA
 
 
+@pytest.mark.parametrize("coefficients", [(None, None), (1.0, 0.5)],
+                         ids=["adapted", "fixed"])
+def test_step_rejection_against_the_dense_model(coefficients):
+  """`reject_steps` (kfac-jax's `use_step_rejection`), from a λ₀ low enough
+  that some updates raise the objective: each step against the dense model
+  from the state before it. A rejected update changes nothing (v kept, λ
+  moved by the rule, then × 2); the others are taken as computed; both kinds
+  occur, and the state counts the rejections."""
+  eta, mu = coefficients
+  tx = _tx(learning_rate=eta, momentum=mu, damping=1e-3, adapt_damping=True,
+           damping_adaptation_interval=1, reject_steps=True,
+           reject_damping_increase_factor=2.0)
+  params = _params()
+  state, statistics, update = helpers.jitted_start(tx, GRAD_FN, params)
+  _, unravel = jax.flatten_util.ravel_pytree(params)
+  velocity, outcomes = np.zeros(_flat(params).size), []
+  for step in range(5):
+    x, y = _batch(step)
+    _, grads, stats = statistics(params, x, y, opt_state=state)
+    lam = float(_adaptive_state(state).damping)
+    g, delta = _kfac_direction(params, _adaptive_state(state), grads, stats)
+    c = _dense_ggn(params, x, y) + WD * np.eye(g.size)
+    if eta is not None:
+      d = -eta * delta + mu * velocity
+    elif not velocity.any():
+      d = -(g @ delta) / (delta @ (c + lam * np.eye(g.size)) @ delta) * delta
+    else:
+      v = np.stack([delta, velocity])
+      d = -np.linalg.solve(v @ (c + lam * np.eye(g.size)) @ v.T, v @ g) @ v
+    before = _objective(params, x, y)
+    after = _objective(jax.tree.map(jnp.add, params, unravel(d)), x, y)
+    rho = (after - before) / (0.5 * d @ c @ d + g @ d)
+    lam *= 0.9 if rho > 0.75 else (1 / 0.9 if rho < 0.25 else 1.0)
+    rejected = after > before
+    updates, state = update(grads, state, params, kfac_stats=stats, kfac_batch=(x, y))
+    want = np.zeros_like(d) if rejected else d
+    np.testing.assert_allclose(_flat(updates), want, rtol=1e-10,
+                               atol=1e-12 * np.abs(d).max(), err_msg=f"step {step}")
+    new = _adaptive_state(state)
+    np.testing.assert_allclose(float(new.damping), lam * (2.0 if rejected else 1.0),
+                               rtol=1e-12, err_msg=f"step {step}")
+    np.testing.assert_allclose(_flat(new.velocity), velocity if rejected else d,
+                               rtol=1e-10, atol=1e-12 * np.abs(d).max())
+    params, velocity = optax.apply_updates(params, updates), _flat(new.velocity)
+    outcomes.append(rejected)
+  assert any(outcomes) and not all(outcomes), outcomes
+  assert int(_adaptive_state(state).rejected) == sum(outcomes)
+  assert int(_adaptive_state(state).count) == 5
+
+
 def _products_outside_conditionals(tx) -> int:
   """The `dot_general`s of one traced `update`, not counting those inside a
   `cond`'s branches (the adaptation step's)."""
@@ -335,12 +385,13 @@ def test_faulty_batch_is_skipped():
 def test_distributed_equals_one_device(fraction, reduction, fixed):
   """COMM-OPT, MEM-OPT, HYBRID and SP-NGD fused on 8 devices equal one device
   on the global batch, over 3 steps with damping adaptation every step (and
-  HYBRID with the damping alone adapted: `fixed`)."""
+  HYBRID with the damping alone adapted and step rejection: `fixed`)."""
   mesh = helpers.data_mesh(8)
   dist = kd.Distribution(mesh, grad_worker_fraction=fraction, gradient_reduction=reduction)
   options = dict(adapt_damping=True, damping_adaptation_interval=1)
-  if fixed:
-    options.update(learning_rate=0.05, momentum=0.5)
+  if fixed:    # η such that the first step is rejected (the global loss goes up)
+    options.update(learning_rate=0.5, momentum=0.5, reject_steps=True,
+                   reject_damping_increase_factor=2.0, damping=1e-3)
   single, tx = _tx(**options), _tx(distribution=dist, **options)
   params = _params()
 
@@ -365,6 +416,7 @@ def test_distributed_equals_one_device(fraction, reduction, fixed):
   for field in ("damping", "learning_rate", "momentum", "rho"):
     np.testing.assert_allclose(float(getattr(got, field)), float(getattr(want, field)),
                                rtol=1e-8, err_msg=field)
+  assert int(got.rejected) == int(want.rejected) == (1 if fixed else 0)
 
 
 # ---------------------------------------------------------------------------

@@ -168,8 +168,9 @@ def test_adaptive_settings_that_do_not_do_what_they_say_are_refused():
   """Adaptive mode: a KL clip (defined through a fixed learning rate) is named
   as such, and with adapt_damping an initial λ outside [min_damping,
   max_damping] (the rule would move it there at once) is refused; without
-  adapt_damping the bounds do not apply. Nesterov (the fixed mode's SGD) and
-  micro-batches outside adaptive mode are refused by name."""
+  adapt_damping the bounds do not apply. Nesterov (the fixed mode's SGD),
+  micro-batches and step rejection outside adaptive mode, and a rejection's
+  damping factor without an adapted damping are refused by name."""
   adaptive = lambda **kw: kd.kfac(None, None, layers=LAYERS, grad_fn=GRAD_FN, **kw)
   with pytest.raises(ValueError, match="kl_clip is defined through a fixed learning rate"):
     adaptive(kl_clip=1e-3)
@@ -182,8 +183,16 @@ def test_adaptive_settings_that_do_not_do_what_they_say_are_refused():
   adaptive(damping=1e-3, adapt_damping=True)
   with pytest.raises(ValueError, match="nesterov applies to the SGD of the non-adaptive"):
     adaptive(nesterov=True)
-  with pytest.raises(ValueError, match="micro_batches needs adaptive mode"):
-    kd.kfac(0.1, layers=LAYERS, micro_batches=2)
+  for option in (dict(micro_batches=2), dict(reject_steps=True),
+                 dict(reject_damping_increase_factor=2.0)):
+    with pytest.raises(ValueError, match=f"{next(iter(option))} needs adaptive mode"):
+      kd.kfac(0.1, layers=LAYERS, **option)
+  with pytest.raises(ValueError, match="reject_damping_increase_factor multiplies the "
+                                       "adapted damping .* needs reject_steps=True and "
+                                       "adapt_damping=True"):
+    adaptive(reject_steps=True, reject_damping_increase_factor=2.0)
+  with pytest.raises(ValueError, match="reject_damping_increase_factor"):
+    adaptive(reject_steps=True, adapt_damping=True, reject_damping_increase_factor=0.0)
   # adapt_damping selects adaptive mode (the damping alone adapted), which needs grad_fn.
   with pytest.raises(TypeError, match="needs grad_fn=kd.value_and_grad"):
     kd.kfac(0.1, layers=LAYERS, adapt_damping=True)

@@ -28,6 +28,13 @@ on the same batch moves `λ`: × ω^T when ρ > ¾, ÷ ω^T when ρ < ¼ (ω =
 `damping_adaptation_decay`), clipped to `[min_damping, max_damping]`. The
 defaults are kfac-jax's (T = 5, ω = 0.9, λ ≥ 1e-8 with no upper bound).
 
+Step rejection (`reject_steps=True`, kfac-jax's `use_step_rejection`): every
+update whose objective on the batch goes up (`L(θ + d) > L(θ)`, or NaN) is
+rejected: the parameters and `v` stay, λ is multiplied by
+`reject_damping_increase_factor` (after the rule above, on its steps), the
+K-FAC state keeps the step's statistics. One forward pass each step (and one
+more for `L(θ)` with both coefficients fixed, which have no model then).
+
 Under a tensor-parallel `Distribution` each model shard preconditions its
 local shard (`core.tensor_parallel`) and the model's inner products sum the
 shards (replicated parameters once), so α, μ and λ are the whole model's.
@@ -81,6 +88,8 @@ class AdaptiveConfig:
   damping_lower_threshold: float = 0.25
   damping_upper_threshold: float = 0.75
   micro_batches: int = 1
+  reject_steps: bool = False
+  reject_damping_increase_factor: float = 1.0
 
   def __post_init__(self):
     batches.check(self.micro_batches, "kfac")
@@ -97,6 +106,13 @@ class AdaptiveConfig:
     if self.max_damping is not None and self.max_damping < self.min_damping:
       raise ValueError(f"max_damping ({self.max_damping}) must be >= min_damping "
                        f"({self.min_damping})")
+    settings.check_positive("reject_damping_increase_factor",
+                            self.reject_damping_increase_factor)
+    if self.reject_damping_increase_factor != 1.0 and not (self.reject_steps and
+                                                            self.adapt_damping):
+      raise ValueError("reject_damping_increase_factor multiplies the adapted damping of "
+                       "a rejected step: it needs reject_steps=True and "
+                       "adapt_damping=True.")
     if not 0 <= self.damping_lower_threshold < self.damping_upper_threshold:
       raise ValueError("need 0 <= damping_lower_threshold < damping_upper_threshold, got "
                        f"{self.damping_lower_threshold}, {self.damping_upper_threshold}")
@@ -131,7 +147,7 @@ class AdaptiveConfig:
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["kfac", "damping", "velocity", "learning_rate", "momentum", "rho",
-                 "count", "skipped"],
+                 "count", "skipped", "rejected"],
     meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class AdaptiveKfacState(states.PreconditionerState):
@@ -143,7 +159,8 @@ class AdaptiveKfacState(states.PreconditionerState):
     velocity: `v`, the previous update (parameter-shaped).
     learning_rate, momentum: the last step's `−α` and `μ` (for logging).
     rho: the last reduction ratio `ρ` (NaN until the first adaptation).
-    count: accepted updates; skipped: skipped ones.
+    count: accepted updates (rejected ones included); skipped: skipped ones.
+    rejected: updates rejected by `reject_steps` (the loss went up).
   """
 
   kfac: ScaleByKfacState
@@ -154,6 +171,7 @@ class AdaptiveKfacState(states.PreconditionerState):
   rho: jax.Array
   count: jax.Array
   skipped: jax.Array
+  rejected: jax.Array
 
   def partition_specs(self) -> AdaptiveKfacState:
     """The K-FAC state's own specs; everything else replicated."""
@@ -296,21 +314,49 @@ def _typed_like_params(kfac_config: KfacConfig, tree: Any) -> Any:
       _compat.equal_over(x, replicated[registry.path_str(path)]) for path, x in flat])
 
 
-def _damping_step(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
-                  params: Any, batch: tuple, loss: jax.Array, update: Any,
-                  change: jax.Array, damping: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(λ', ρ) after an adaptation step: one forward pass, for `L(θ + d)`
-  (`loss` = L(θ) came with the Gram matrix)."""
+def _objectives(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
+                params: Any, batch: tuple, update: Any, loss: jax.Array | None
+                ) -> tuple[jax.Array, jax.Array]:
+  """The objective `L + (w/2)|·|²` on the batch at `θ` and at `θ + d`: one
+  forward pass for `L(θ + d)`, and one for `L(θ)` unless given (`loss`, from
+  the linearisation of the model)."""
   dot = inner_product(kfac_config)
   new_params = jax.tree_util.tree_map(jnp.add, params,
                                       _typed_like_params(kfac_config, update))
+  if loss is None:
+    loss = grad_fn.loss(params, *batch, micro_batches=config.micro_batches)
   new_loss = grad_fn.loss(new_params, *batch, micro_batches=config.micro_batches)
-  rho = (_objective(config, dot, new_loss, new_params)
-         - _objective(config, dot, loss, params)) / change
-  rho = _one_per_model(kfac_config, rho)
+  return (_objective(config, dot, loss, params),
+          _objective(config, dot, new_loss, new_params))
+
+
+def _damping_step(config: AdaptiveConfig, kfac_config: KfacConfig,
+                  objectives: tuple[jax.Array, jax.Array], change: jax.Array,
+                  damping: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(λ', ρ) of an adaptation step, `ρ = (L(θ + d) − L(θ)) / M₀(d)` from the
+  `objectives` at `θ` and `θ + d` and the model's `change` M₀(d)."""
+  before, after = objectives
+  rho = _one_per_model(kfac_config, (after - before) / change)
   # In the state's dtype: a float64 model's loss is float64, its state float32.
   return (new_damping(config, damping, rho).astype(damping.dtype),
           rho.astype(damping.dtype))
+
+
+def _reject_if_worse(config: AdaptiveConfig, kfac_config: KfacConfig,
+                     objectives: tuple[jax.Array, jax.Array], update: Any,
+                     velocity: Any, damping: jax.Array) -> tuple[Any, Any, jax.Array, jax.Array]:
+  """kfac-jax's step rejection: where `L(θ + d) > L(θ)` on the batch (or is
+  NaN), `(0, v, λ·reject_damping_increase_factor, True)`: the parameters and
+  the velocity stay, the damping grows; else `(d, d, λ, False)`."""
+  before, after = objectives
+  worse = (jnp.isnan(after) | (after > before)).astype(jnp.float32)
+  rejected = _one_per_model(kfac_config, worse) > 0
+  kept = jax.tree_util.tree_map(lambda d: jnp.where(rejected, jnp.zeros_like(d), d),
+                                update)
+  new_velocity = jax.tree_util.tree_map(lambda d, v: jnp.where(rejected, v, d), update,
+                                        velocity)
+  grown = (damping * config.reject_damping_increase_factor).astype(damping.dtype)
+  return kept, new_velocity, jnp.where(rejected, grown, damping), rejected
 
 
 def _model_in_span(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
@@ -401,11 +447,13 @@ def _coefficients(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
 
 def _adapted_damping(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
                      params: Any, batch: tuple, grads: Any, update: Any, w: jax.Array,
-                     model: tuple[jax.Array, ...] | None, state: AdaptiveKfacState
+                     model: tuple[jax.Array, ...] | None, state: AdaptiveKfacState,
+                     objectives: tuple[jax.Array, jax.Array] | None
                      ) -> tuple[jax.Array, jax.Array]:
   """`(λ', ρ)` of the Levenberg-Marquardt rule on every T-th update, the
   state's `(λ, ρ)` between. Without `model` (the coefficients fixed) the model
-  of `d` alone is computed here, on those updates only: one tangent pass."""
+  of `d` alone is computed here, on those updates only: one tangent pass; the
+  `objectives` at `θ` and `θ + d` too, unless given (step rejection's)."""
   def adapt() -> tuple[jax.Array, jax.Array]:
     if model is None:
       a, _, b, loss = _model_in_span(config, kfac_config, grad_fn, params, batch,
@@ -414,8 +462,9 @@ def _adapted_damping(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: A
     else:
       a, b, loss = model
       change = model_change(a, b, w)
-    return _damping_step(config, kfac_config, grad_fn, params, batch, loss, update,
-                         change, state.damping)
+    objs = (objectives if objectives is not None else
+            _objectives(config, kfac_config, grad_fn, params, batch, update, loss))
+    return _damping_step(config, kfac_config, objs, change, state.damping)
   due = (state.count + 1) % config.damping_adaptation_interval == 0
   return lax.cond(due, adapt, lambda: (state.damping, state.rho))
 
@@ -425,7 +474,8 @@ def update_state(config: AdaptiveConfig, kfac_config: KfacConfig,
                  state: AdaptiveKfacState, params: Any, stats: Any, batch: tuple
                  ) -> tuple[Any, AdaptiveKfacState]:
   """One adaptive update: K-FAC's direction with the current λ, the model's
-  coefficients, the update, and every T steps the new λ."""
+  coefficients, the update, every T steps the new λ, and with `reject_steps`
+  no update where the objective goes up."""
   _check_call(params, batch)
   count, wd = state.count, config.weight_decay
   lam = (state.damping if config.adapt_damping else
@@ -440,26 +490,51 @@ def update_state(config: AdaptiveConfig, kfac_config: KfacConfig,
                            state, lam)
   update = jax.tree_util.tree_map(lambda x, v: (w[0] * x + w[1] * v).astype(v.dtype),
                                   direction, state.velocity)
-  damping, rho = lam, state.rho
-  if config.adapt_damping:
-    damping, rho = _adapted_damping(config, kfac_config, grad_fn, params, batch, grads,
-                                    update, w, model, state)
-  # The state keeps its types (damping and rho are cast in `_damping_step`).
-  typed = lambda x: jnp.asarray(x, state.rho.dtype)
-  new_state = dataclasses.replace(
-      state, kfac=kfac_state, damping=damping, velocity=update,
-      learning_rate=typed(-w[0]), momentum=typed(w[1]), rho=rho, count=count + 1)
-  with jax.named_scope(faults.SCOPE):
+  taken, velocity, damping, rho, rejected = _adapt_and_reject(
+      config, kfac_config, grad_fn, params, batch, grads, update, w, model, state, lam)
+  with jax.named_scope(faults.SCOPE):   # the proposed update's values, rejected or not
     ok = (kfac_state.skipped == state.kfac.skipped) & config.settings_ok(count) & (
         faults.all_finite([w, damping] + jax.tree_util.tree_leaves(update)))
     ok = faults.computed_once(faults.agree(ok, _compat.varying_axes(ok)))
-  # The K-FAC state is selected once (on a skip: the old one, keeping its own
-  # skip count); the rest of the state by `accept_or_skip`.
+  # The state keeps its types (damping and rho are cast in `_damping_step`).
+  typed = lambda x: jnp.asarray(x, state.rho.dtype)
+  new_state = dataclasses.replace(
+      state, kfac=kfac_state, damping=damping, velocity=velocity,
+      learning_rate=typed(-w[0]), momentum=typed(w[1]), rho=rho, count=count + 1,
+      rejected=state.rejected + rejected.astype(state.rejected.dtype))
+  return _accept_or_skip(ok, taken, new_state, state)
+
+
+def _adapt_and_reject(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
+                      params: Any, batch: tuple, grads: Any, update: Any, w: jax.Array,
+                      model: tuple[jax.Array, ...] | None, state: AdaptiveKfacState,
+                      lam: jax.Array) -> tuple[Any, Any, jax.Array, jax.Array, jax.Array]:
+  """`(update taken, velocity, λ', ρ, rejected)` after the proposed `update`:
+  the Levenberg-Marquardt rule on its steps, then step rejection."""
+  objectives = (_objectives(config, kfac_config, grad_fn, params, batch, update,
+                            None if model is None else model[2])
+                if config.reject_steps else None)
+  damping, rho = lam, state.rho
+  if config.adapt_damping:
+    damping, rho = _adapted_damping(config, kfac_config, grad_fn, params, batch, grads,
+                                    update, w, model, state, objectives)
+  if not config.reject_steps:
+    return update, update, damping, rho, jnp.zeros([], bool)
+  taken, velocity, damping, rejected = _reject_if_worse(
+      config, kfac_config, objectives, update, state.velocity, damping)
+  return taken, velocity, damping, rho, rejected
+
+
+def _accept_or_skip(ok: jax.Array, update: Any, new_state: AdaptiveKfacState,
+                    state: AdaptiveKfacState) -> tuple[Any, AdaptiveKfacState]:
+  """`(update, new_state)`, or on a skip zeros and `state` with the skip
+  counted. The K-FAC state is selected once (on a skip: the old one, keeping
+  its own skip count); the rest of the state by `faults.accept_or_skip`."""
   updates, out = faults.accept_or_skip(
       ok, update, dataclasses.replace(new_state, kfac=None),
       dataclasses.replace(state, kfac=None))
-  kfac_on_skip = dataclasses.replace(state.kfac, skipped=kfac_state.skipped)
-  return updates, dataclasses.replace(out, kfac=faults.select(ok, kfac_state,
+  kfac_on_skip = dataclasses.replace(state.kfac, skipped=new_state.kfac.skipped)
+  return updates, dataclasses.replace(out, kfac=faults.select(ok, new_state.kfac,
                                                                kfac_on_skip))
 
 
@@ -492,7 +567,8 @@ def scale_by_adaptive_kfac(
             lambda p: jnp.zeros(jnp.shape(p), jnp.promote_types(p.dtype, jnp.float32)),
             params),
         learning_rate=scalar(0.0), momentum=scalar(0.0), rho=scalar(jnp.nan),
-        count=jnp.zeros([], jnp.int32), skipped=jnp.zeros([], jnp.int32))
+        count=jnp.zeros([], jnp.int32), skipped=jnp.zeros([], jnp.int32),
+        rejected=jnp.zeros([], jnp.int32))
 
   def update_fn(updates: Any, state: AdaptiveKfacState, params: Any = None, *,
                 kfac_stats: Any = None, kfac_batch: tuple | None = None,

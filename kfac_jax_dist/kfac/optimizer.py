@@ -112,6 +112,7 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
          adapt_damping: bool = False, damping_adaptation_interval: int = 5,
          damping_adaptation_decay: float = 0.9, min_damping: float = 1e-3,
          max_damping: float | None = None, micro_batches: int | None = None,
+         reject_steps: bool = False, reject_damping_increase_factor: float = 1.0,
          eigenvalue_correction: Correction | None = None,
          ) -> optax.GradientTransformationExtraArgs:
   """K-FAC preconditioning followed by SGD with momentum, as in KAISA, or adaptive.
@@ -215,6 +216,13 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
       of one slice, the same numbers); None: the whole batch at once. It
       shapes the program: with `optax.inject_hyperparams`, name it in
       `static_args`.
+    reject_steps: adaptive mode only: reject an update that raises the
+      objective on its batch (kfac-jax's `use_step_rejection`): parameters
+      and momentum stay, the K-FAC statistics are kept, the state counts it in
+      `rejected`. One forward pass every step (two with both `learning_rate`
+      and `momentum` fixed).
+    reject_damping_increase_factor: the adapted damping is multiplied by this
+      on a rejected step (needs `adapt_damping`); kfac-jax's default 1.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose `update(grads, state,
@@ -231,9 +239,12 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
                  distribution=distribution, stale_threshold=stale_threshold,
                  eigenvalue_correction=eigenvalue_correction)
   if not adaptive_mode:
-    if micro_batches is not None:
-      raise ValueError("micro_batches needs adaptive mode: learning_rate=None, "
-                       "momentum=None or adapt_damping=True (and grad_fn).")
+    adaptive_only = {"micro_batches": micro_batches is not None,
+                     "reject_steps": reject_steps,
+                     "reject_damping_increase_factor": reject_damping_increase_factor != 1}
+    for name in [name for name, given in adaptive_only.items() if given][:1]:
+      raise ValueError(f"{name} needs adaptive mode: learning_rate=None, momentum=None "
+                       "or adapt_damping=True (and grad_fn).")
     return _kaisa_chain(layers, learning_rate, momentum, weight_decay, nesterov,
                         KL_CLIP.value if kl_clip is KL_CLIP else kl_clip, options)
   return _adaptive_chain(layers, learning_rate, momentum, weight_decay, nesterov,
@@ -242,4 +253,6 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
                              damping_adaptation_interval=damping_adaptation_interval,
                              damping_adaptation_decay=damping_adaptation_decay,
                              min_damping=min_damping, max_damping=max_damping,
-                             micro_batches=1 if micro_batches is None else micro_batches))
+                             micro_batches=1 if micro_batches is None else micro_batches,
+                             reject_steps=reject_steps,
+                             reject_damping_increase_factor=reject_damping_increase_factor))
