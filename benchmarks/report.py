@@ -110,6 +110,12 @@ def step_time(d: Json) -> list[str]:
                 f"{cost.get('alpha_jvp_cpu', float('nan')):.2f}× with the momentum "
                 f"fixed at 0; a damping step {cost['damping_cpu']:.2f}× a forward more (CPU "
                 "time)."]
+      if "lambda_mean_cpu" in cost:
+        lines += ["", f"The damping alone adapted (η, μ fixed): a plain step "
+                  f"{cost['lambda_plain_cpu']:.2f}× a forward+backward more than K-FAC's, "
+                  f"an adaptation step {cost['lambda_damping_cpu']:.2f}× more than its "
+                  f"plain step, {cost['lambda_mean_cpu']:.2f}× per step with one every "
+                  "T = 5 (target ≤ 1; CPU time)."]
     for key, what, base in (("ekfac_cost", "EK-FAC", "K-FAC's amortised step"),
                             ("soap_cost", "SOAP", "Shampoo's step")):
       if res.get(key):
