@@ -471,6 +471,18 @@ def test_inject_hyperparams_fixes_or_adapts():
   # in an eager step; entries near 1e-5 then differ by 1e-11 relatively)
   np.testing.assert_allclose(_flat(got[0]), _flat(want[0]), rtol=1e-12, atol=1e-14)
   assert float(_adaptive_state(got[1]).learning_rate) == pytest.approx(0.05)
+  # Jitted, with only the non-number arguments static: optax injects every numeric
+  # default too (min_damping, the rejection's factor, ...), as traced arrays that
+  # kd.kfac's checks must leave to run time.
+  minimal = optax.inject_hyperparams(kd.kfac, static_args=("layers", "grad_fn",
+                                                        "factor_dtype"))(
+      learning_rate=None, momentum=None, adapt_damping=True, reject_steps=True, **common)
+  params, (x, y) = _params(), _batch(0)
+  state = minimal.init(params)
+  _, grads, stats = GRAD_FN(params, x, y, opt_state=state)
+  updates, state = jax.jit(lambda g, s, p, t: minimal.update(
+      g, s, p, kfac_stats=t, kfac_batch=(x, y)))(grads, state, params, stats)
+  assert int(_adaptive_state(state).count) == 1 and np.isfinite(_flat(updates)).all()
 
 
 def _scanned_loss(params, x, y):

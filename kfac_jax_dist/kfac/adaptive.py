@@ -103,13 +103,15 @@ class AdaptiveConfig:
     settings.check_range("damping_adaptation_decay", self.damping_adaptation_decay, 0.0,
                          1.0, closed_low=False)
     settings.check_positive("min_damping", self.min_damping, allow_zero=True)
-    if self.max_damping is not None and self.max_damping < self.min_damping:
+    if (cadence.is_number(self.max_damping) and cadence.is_number(self.min_damping)
+        and self.max_damping < self.min_damping):
       raise ValueError(f"max_damping ({self.max_damping}) must be >= min_damping "
                        f"({self.min_damping})")
     settings.check_positive("reject_damping_increase_factor",
                             self.reject_damping_increase_factor)
-    if self.reject_damping_increase_factor != 1.0 and not (self.reject_steps and
-                                                            self.adapt_damping):
+    factor = self.reject_damping_increase_factor   # (an array: checked at run time)
+    if cadence.is_number(factor) and factor != 1 and not (self.reject_steps and
+                                                          self.adapt_damping):
       raise ValueError("reject_damping_increase_factor multiplies the adapted damping of "
                        "a rejected step: it needs reject_steps=True and "
                        "adapt_damping=True.")
@@ -126,6 +128,9 @@ class AdaptiveConfig:
     if self.momentum is not None:
       checks.append(lambda: settings.range_ok(self.momentum, count, 0.0, 1.0))
     checks.append(lambda: settings.positive_ok(self.weight_decay, count, allow_zero=True))
+    if self.reject_steps:
+      checks.append(lambda: settings.positive_ok(self.reject_damping_increase_factor,
+                                                 count))
     return settings.all_ok(checks)
 
   @property
@@ -405,13 +410,13 @@ def _check_initial_damping(config: AdaptiveConfig, damping: Any) -> None:
   """With `adapt_damping`, the initial λ (a number) lies in `[min_damping,
   max_damping]`: the Levenberg-Marquardt rule would move it there at its first
   adaptation, so a λ₀ outside is a setting that does not do what it says."""
+  lo, hi = config.min_damping, config.max_damping    # (arrays: injected, not checked)
   if not (config.adapt_damping and cadence.is_number(damping)):
     return
-  hi = config.max_damping
-  if damping < config.min_damping or (hi is not None and damping > hi):
+  if (cadence.is_number(lo) and damping < lo) or (cadence.is_number(hi) and damping > hi):
     raise ValueError(
         f"damping={damping!r} (the initial λ) is outside [min_damping, max_damping] = "
-        f"[{config.min_damping!r}, {hi!r}] of adapt_damping=True; move the bound "
+        f"[{lo!r}, {hi!r}] of adapt_damping=True; move the bound "
         "(e.g. min_damping) or the initial damping.")
 
 

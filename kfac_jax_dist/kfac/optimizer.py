@@ -239,9 +239,13 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
                  distribution=distribution, stale_threshold=stale_threshold,
                  eigenvalue_correction=eigenvalue_correction)
   if not adaptive_mode:
+    # (An array, from optax.inject_hyperparams, which injects the defaults too,
+    # cannot be told from the default: only a number is checked.)
     adaptive_only = {"micro_batches": micro_batches is not None,
                      "reject_steps": reject_steps,
-                     "reject_damping_increase_factor": reject_damping_increase_factor != 1}
+                     "reject_damping_increase_factor":
+                         cadence.is_number(reject_damping_increase_factor)
+                         and reject_damping_increase_factor != 1}
     for name in [name for name, given in adaptive_only.items() if given][:1]:
       raise ValueError(f"{name} needs adaptive mode: learning_rate=None, momentum=None "
                        "or adapt_damping=True (and grad_fn).")
