@@ -85,6 +85,19 @@ def _adaptive_chain(layers: registry.LayerRegistry | None, learning_rate: Any, m
       layers, grad_fn, kfac_config=kfac_config, adaptive_config=config))
 
 
+def _check_no_adaptive_options(micro_batches: int | None, reject_steps: bool,
+                               reject_damping_increase_factor: Any) -> None:
+  """Outside adaptive mode, its own options are refused by name. (An array,
+  from `optax.inject_hyperparams`, which injects the defaults too, cannot be
+  told from the default: only a number is checked.)"""
+  factor = reject_damping_increase_factor
+  given = {"micro_batches": micro_batches is not None, "reject_steps": reject_steps,
+           "reject_damping_increase_factor": cadence.is_number(factor) and factor != 1}
+  for name in [name for name, on in given.items() if on][:1]:
+    raise ValueError(f"{name} needs adaptive mode: learning_rate=None, momentum=None "
+                     "or adapt_damping=True (and grad_fn).")
+
+
 def _mode_defaults(adaptive_mode: bool, damping: Any, inverse_update_every: Any,
                    stale_threshold: float | None) -> tuple[Any, Any]:
   """`damping` and `inverse_update_every`, a None replaced by the mode's
@@ -128,14 +141,12 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
   `learning_rate=None` and/or `momentum=None` the update is `αΔ + μv` with the
   adapted coefficients minimising the exact quadratic model on the batch
   (`grad_fn` computes the curvature products; `update` then takes
-  `kfac_batch=`, the arguments `grad_fn` received after the parameters), and
-  with `adapt_damping=True` the damping follows the Levenberg-Marquardt rule.
-  `adapt_damping=True` with both numbers given adapts the damping alone:
-  `d = −ηΔ + μv` (kfac-jax's `use_adaptive_damping` by itself, with its exact
-  quadratic model). There is no SGD after it; weight decay enters the
-  objective's gradient and curvature and K-FAC's damping (`λ + w`); the KL
-  clip is off unless given (given, only with a fixed learning rate and
-  momentum).
+  `kfac_batch=`, the arguments `grad_fn` received after the parameters);
+  `adapt_damping=True` adapts the damping too (Levenberg-Marquardt), or alone
+  with both numbers given (`d = −ηΔ + μv`, kfac-jax's `use_adaptive_damping`
+  by itself). No SGD follows; weight decay enters the objective's gradient and
+  curvature and K-FAC's damping (`λ + w`); the KL clip is off unless given
+  (with both numbers only).
 
   Args:
     learning_rate: `η`, a float or an optax schedule of the update count; the
@@ -196,13 +207,11 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
       transform; needed in adaptive mode (exact curvature products, the
       loss for the damping's reduction ratio).
     adapt_damping: adapt `damping` (its initial value) by the
-      Levenberg-Marquardt rule every `damping_adaptation_interval` steps,
-      moving it by `damping_adaptation_decay ** interval`, within
-      `[min_damping, max_damping]` (kfac-jax's defaults but the floor); needs
-      `grad_fn` and selects adaptive mode. Costs one forward pass on those
-      steps (`L(θ + d)`; `L(θ)` comes with the curvature), and with both
-      `learning_rate` and `momentum` fixed one tangent pass there too (`d`'s
-      curvature), none on the other steps.
+      Levenberg-Marquardt rule every `damping_adaptation_interval` steps by
+      `damping_adaptation_decay ** interval`, within `[min_damping,
+      max_damping]` (kfac-jax's defaults but the floor); selects adaptive mode.
+      One forward pass on those steps (and with both numbers given, `d`'s
+      tangent pass; none on the other steps).
     damping_adaptation_interval: `T` of the rule above.
     damping_adaptation_decay: `ω` of the rule above, in (0, 1).
     min_damping: lower bound of the adapted damping, in the units of the mean
@@ -216,13 +225,11 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
       of one slice, the same numbers); None: the whole batch at once. It
       shapes the program: with `optax.inject_hyperparams`, name it in
       `static_args`.
-    reject_steps: adaptive mode only: reject an update that raises the
-      objective on its batch (kfac-jax's `use_step_rejection`): parameters
-      and momentum stay, the K-FAC statistics are kept, the state counts it in
-      `rejected`. One forward pass every step (two with both `learning_rate`
-      and `momentum` fixed).
-    reject_damping_increase_factor: the adapted damping is multiplied by this
-      on a rejected step (needs `adapt_damping`); kfac-jax's default 1.
+    reject_steps: adaptive mode only: an update that raises the objective on
+      its batch is not taken (kfac-jax's `use_step_rejection`; the state counts
+      it in `rejected`); one forward pass each step (two with both numbers given).
+    reject_damping_increase_factor: λ's factor on a rejected step (needs
+      `adapt_damping`); kfac-jax's default 1.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose `update(grads, state,
@@ -239,16 +246,7 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
                  distribution=distribution, stale_threshold=stale_threshold,
                  eigenvalue_correction=eigenvalue_correction)
   if not adaptive_mode:
-    # (An array, from optax.inject_hyperparams, which injects the defaults too,
-    # cannot be told from the default: only a number is checked.)
-    adaptive_only = {"micro_batches": micro_batches is not None,
-                     "reject_steps": reject_steps,
-                     "reject_damping_increase_factor":
-                         cadence.is_number(reject_damping_increase_factor)
-                         and reject_damping_increase_factor != 1}
-    for name in [name for name, given in adaptive_only.items() if given][:1]:
-      raise ValueError(f"{name} needs adaptive mode: learning_rate=None, momentum=None "
-                       "or adapt_damping=True (and grad_fn).")
+    _check_no_adaptive_options(micro_batches, reject_steps, reject_damping_increase_factor)
     return _kaisa_chain(layers, learning_rate, momentum, weight_decay, nesterov,
                         KL_CLIP.value if kl_clip is KL_CLIP else kl_clip, options)
   return _adaptive_chain(layers, learning_rate, momentum, weight_decay, nesterov,
