@@ -349,7 +349,8 @@ def _damping_step(config: AdaptiveConfig, kfac_config: KfacConfig,
 
 def _reject_if_worse(config: AdaptiveConfig, kfac_config: KfacConfig,
                      objectives: tuple[jax.Array, jax.Array], update: Any,
-                     velocity: Any, damping: jax.Array) -> tuple[Any, Any, jax.Array, jax.Array]:
+                     velocity: Any, damping: jax.Array
+                     ) -> tuple[Any, Any, jax.Array, jax.Array]:
   """kfac-jax's step rejection: where `L(θ + d) > L(θ)` on the batch (or is
   NaN), `(0, v, λ·reject_damping_increase_factor, True)`: the parameters and
   the velocity stay, the damping grows; else `(d, d, λ, False)`."""
