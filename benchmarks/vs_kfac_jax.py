@@ -910,7 +910,7 @@ def equality_checks(eq) -> list[dict]:
     worst = max(s["dtheta"] for s in r["steps"])
     checks.append(dict(
         check=f"float64 adaptive {r['model']} (λ₀ {r['damping']:g}, eigenbases every "
-              f"{r.get('inverse_every', 1)}{_fixed_note(r)}): Δθ after each of "
+              f"{r.get('inverse_every', 1)}{_run_note(r)}): Δθ after each of "
               f"{len(r['steps'])} steps",
         value=f"max {worst:.1e}", target=f"≤ {_sci(ADAPTIVE_TARGET)}",
         holds=worst <= ADAPTIVE_TARGET,
@@ -920,7 +920,7 @@ def equality_checks(eq) -> list[dict]:
   return checks
 
 
-def _fixed_note(run) -> str:
+def _run_note(run) -> str:
   """', damping alone: η 0.05, μ 0.9 fixed' for a run with fixed coefficients,
   ', steps rejected (λ × 2): 2' for one with step rejection."""
   note = ""
@@ -987,7 +987,7 @@ def equality_markdown(eq) -> list[str]:
     lines += [f"*{r['model']}, λ₀ = {r['damping']:g}"
               + (f", eigenbases every {every} steps (`inverse_update_every={every}`, "
                  f"kfac-jax's `inverse_update_period={every}`)" if every != 1 else "")
-              + _fixed_note(r) + "*", ""]
+              + _run_note(r) + "*", ""]
     rows = [[s["step"], f"{s['dtheta']:.1e}",
              f"{s['kd']['learning_rate']:.9g}", f"{BATCH * s['kj']['learning_rate']:.9g}",
              f"{s['kd']['momentum'] + 0.0:.9g}", f"{s['kj']['momentum'] + 0.0:.9g}",

@@ -141,7 +141,7 @@ class AdaptiveConfig:
   @property
   def momentum_zero(self) -> bool:
     """The momentum fixed at the number 0: `v`'s tangent pass is skipped."""
-    return isinstance(self.momentum, (int, float)) and self.momentum == 0
+    return cadence.is_number(self.momentum) and self.momentum == 0
 
   @property
   def damping_factor(self) -> float:
