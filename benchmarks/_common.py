@@ -60,7 +60,12 @@ import _models
 # The report writer, re-exported: the scripts' one import.
 from _report import (add_quick, argument_parser, checks_markdown,  # noqa: F401
                      env_with_xla_flags, environment, fill_defaults, fmt_bytes,
-                     header_md, md_table, stem, write_json, write_results)
+                     header_md, md_table, steady_host_allocator, stem, write_json,
+                     write_results)
+
+# Every script here times jitted steps: the memory one step frees stays in the
+# heap for the next, or glibc's page faults decide the ratios (PERF_NOTES §43).
+steady_host_allocator()
 
 FACTOR_SCOPE, DECOMP_SCOPE = "kfac_factor_update", "kfac_decomposition"
 # The fault checks (04bba86): a 4-byte psum of the statistics' verdict inside a

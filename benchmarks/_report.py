@@ -9,6 +9,7 @@ Light on purpose: nothing heavier than the standard library at import time
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import json
 import os
@@ -29,6 +30,46 @@ def host_devices(n: int) -> None:
   if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
   os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
+# glibc's mallopt parameters (malloc.h), and the thresholds tried: 1 GiB, else
+# 32 MiB (glibc before 2.35 refuses an mmap threshold over half its 64 MiB heap).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+STEADY_THRESHOLDS = (1 << 30, 32 << 20)
+DEFAULT_ALLOCATOR_ENV = "BENCH_DEFAULT_MALLOC"   # set to 1: leave glibc's defaults
+_allocator = "not set (call steady_host_allocator)"
+
+
+def steady_host_allocator() -> str:
+  """Fixes glibc malloc's mmap and trim thresholds (at 1 GiB where glibc allows),
+  so that memory freed by one jitted step stays in the heap for the next
+  (PERF_NOTES §43).
+
+  By default glibc maps every block above a *dynamic* threshold (128 KiB,
+  raised to the size of each mapped block freed, up to 32 MiB) with a fresh
+  `mmap`, unmaps it on free, and the next step faults its pages in again.
+  XLA:CPU allocates a step's temporaries per execution, so whether a step
+  pays those faults depends on the heap's history: the MLP's donated EK-FAC
+  step faulted ~7,000 pages per step (+13 ms system time), its undonated
+  one ~800, and in another process the other way round. Fixed thresholds end
+  the faults after warm-up for every method, so a timing measures the
+  program. No-op (and says why) off glibc or with BENCH_DEFAULT_MALLOC=1.
+  Returns the setting, which `environment()` records."""
+  global _allocator
+  if os.environ.get(DEFAULT_ALLOCATOR_ENV) == "1":
+    _allocator = f"glibc defaults ({DEFAULT_ALLOCATOR_ENV}=1)"
+    return _allocator
+  try:
+    mallopt = ctypes.CDLL(None).mallopt
+  except (OSError, AttributeError):
+    _allocator = "the platform's (no glibc mallopt)"
+    return _allocator
+  for threshold in STEADY_THRESHOLDS:
+    if mallopt(_M_MMAP_THRESHOLD, threshold) == 1 and mallopt(_M_TRIM_THRESHOLD, threshold) == 1:
+      _allocator = f"glibc, mmap and trim thresholds fixed at {threshold >> 20} MiB"
+      return _allocator
+  _allocator = "glibc defaults (mallopt refused the fixed thresholds)"
+  return _allocator
 
 
 def env_with_xla_flags(*flags: str) -> dict[str, str]:
@@ -99,6 +140,7 @@ def environment() -> dict[str, Any]:
       "machine": f"{platform.machine()}, {os.cpu_count()} cores",
       "xla_flags": os.environ.get("XLA_FLAGS", ""),
       "threads_env": {k: os.environ[k] for k in THREAD_VARIABLES if k in os.environ},
+      "host_allocator": _allocator,
   }
 
 

@@ -592,6 +592,9 @@ def markdown(results: list[dict], env: dict, args) -> str:
            "- Every step is jitted with `donate_argnums=(0, 1)` (params and optimizer "
            "state, as a training loop should); the rows from one fixed state run it on "
            "fresh copies of that state, made outside the timing.",
+           f"- Host allocator: {env.get('host_allocator', 'glibc defaults')} (with "
+           "glibc's dynamic mmap threshold a donated step can fault its temporaries' "
+           "pages in anew every step, by chance of the heap's history: PERF_NOTES §43).",
            f"- K-FAC: `kd.kfac(lr, ...)`, method eigen, KL clip 1e-3; amortised = "
            f"factor_update_every={FACTOR_EVERY}, inverse_update_every={INVERSE_EVERY}.",
            "- compile s = `jax.jit(step).lower(...).compile()`, trace + XLA compile.",
