@@ -1069,7 +1069,7 @@ def markdown(results, env, args, pieces, profiles, checks, eq=None) -> str:
       "",
   ]
   lines += _common.checks_markdown("Targets", checks)
-  lines += [ANALYSIS]
+  lines += [analysis(results)]
   lines += equality_markdown(eq)
   for model, rows in results.items():
     lines += [f"## {model}: {DESCRIPTIONS[model]}", ""]
@@ -1238,8 +1238,8 @@ ANALYSIS = """\
   kd builds A from im2col patches (one matrix product). Amortised cadences: kd
   skips the statistics at run time (`lax.cond` inside its one program) and its
   plain step is cheaper than kfac-jax's (10/100 rows).
-* **Where the 0.7× step target misses** (dense models: the MLP at 1/1 and, by
-  0.01 in CPU time, 10/100; the autoencoder at every cadence): the arithmetic
+* **Where the 0.7× step target misses** (the dense models' rows of the
+  Targets table: {dense_misses}): the arithmetic
   is the same on both sides and dominates. With eigh every step or every 10
   steps it is LAPACK's eigh on the same factors; on the plain steps that make
   up the 10/100 cadence it is the preconditioning (four d×d products per
@@ -1297,11 +1297,29 @@ ANALYSIS = """\
   never stores ("Not writing persistent cache entry ... because it uses host
   callbacks" in the cache's debug log): its restart compiles the step again
   and keeps most of its first-run time (the restart tables).
-* **Memory.** kd's compiled peak is 1.2-1.3× kfac-jax's at these sizes; its
+* **Memory.** kd's compiled peak is {peak_ratios} kfac-jax's at these sizes
+  (the dense models' the most: their decomposition steps build the new
+  second-order state beside the old one, which must survive until the step's
+  fault verdict, docs/performance.md 'Peak memory of a step'); its
   state is larger at 1/1 (kd keeps the running factors and the eigenbases;
   kfac-jax with period 1 caches no decomposition) and smaller when both cache
   (kfac-jax also keeps velocities and per-block caches).
 """
+
+
+def analysis(results: dict) -> str:
+  """`ANALYSIS` with the measured rows it cites: the dense models' step-time
+  misses and kd's compiled peak over kfac-jax's, per model."""
+  misses = [f"{model} {r['cadence']}" for model, rows in results.items() if model != "cnn"
+            for r in rows if not (r["ratio_wall"] <= 0.7 and r["ratio_cpu"] <= 0.7)]
+  peaks = []
+  for model, rows in results.items():
+    ratios = [r["memory"]["kd"]["program"]["peak"] / r["memory"]["kfac-jax"]["program"]["peak"]
+              for r in rows]
+    lo, hi = f"{min(ratios):.1f}", f"{max(ratios):.1f}"
+    peaks.append(f"{lo if lo == hi else f'{lo}-{hi}'}× ({model})")
+  return ANALYSIS.format(dense_misses=", ".join(misses) or "none",
+                         peak_ratios=", ".join(peaks))
 
 
 FULL = dict(rounds=4, min_block=20, compile_reps=1, models=",".join(MODELS),
