@@ -33,7 +33,7 @@ def host_devices(n: int) -> None:
 
 
 # glibc's mallopt parameters (malloc.h), and the thresholds tried: 1 GiB, else
-# 32 MiB (glibc before 2.35 refuses an mmap threshold over half its 64 MiB heap).
+# 32 MiB (older glibc refuses an mmap threshold over 32 MiB, its documented maximum).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 STEADY_THRESHOLDS = (1 << 30, 32 << 20)
 DEFAULT_ALLOCATOR_ENV = "BENCH_DEFAULT_MALLOC"   # set to 1: leave glibc's defaults
