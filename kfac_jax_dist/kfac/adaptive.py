@@ -411,9 +411,9 @@ def _check_initial_damping(config: AdaptiveConfig, damping: Any) -> None:
   """With `adapt_damping`, the initial λ (a number) lies in `[min_damping,
   max_damping]`: the Levenberg-Marquardt rule would move it there at its first
   adaptation, so a λ₀ outside is a setting that does not do what it says."""
-  lo, hi = config.min_damping, config.max_damping    # (arrays: injected, not checked)
   if not (config.adapt_damping and cadence.is_number(damping)):
     return
+  lo, hi = config.min_damping, config.max_damping    # (arrays: injected, not checked)
   if (cadence.is_number(lo) and damping < lo) or (cadence.is_number(hi) and damping > hi):
     raise ValueError(
         f"damping={damping!r} (the initial λ) is outside [min_damping, max_damping] = "

@@ -93,8 +93,9 @@ def _check_no_adaptive_options(micro_batches: int | None, reject_steps: bool,
   factor = reject_damping_increase_factor
   given = {"micro_batches": micro_batches is not None, "reject_steps": reject_steps,
            "reject_damping_increase_factor": cadence.is_number(factor) and factor != 1}
-  for name in [name for name, on in given.items() if on][:1]:
-    raise ValueError(f"{name} needs adaptive mode: learning_rate=None, momentum=None "
+  names = [name for name, on in given.items() if on]
+  if names:
+    raise ValueError(f"{names[0]} needs adaptive mode: learning_rate=None, momentum=None "
                      "or adapt_damping=True (and grad_fn).")
 
 
