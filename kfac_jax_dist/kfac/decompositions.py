@@ -74,11 +74,12 @@ def _slot_ids(at: jax.Array, table: jax.Array, slots: int) -> jax.Array:
   return jnp.where(inside, first[r_clipped] + lax.div(at - run_start, run_size), slots)
 
 
-def _chunked(length: int, body: Callable[[jax.Array, jax.Array, Any], Any], init: Any
-             ) -> Any:
+def _chunked(length: int, body: Callable[[jax.Array, jax.Array, Any], Any], init: Any,
+             run: jax.Array | bool = True) -> Any:
   """`body(start, positions, carry)` over the array in chunks of at most
   `_CHUNK` numbers (the last one shifted back to end at `length`: its first
-  numbers are visited twice), so that no temporary is array-sized."""
+  numbers are visited twice), so that no temporary is array-sized; no chunk
+  where `run` is False."""
   size = min(length, _CHUNK)
   if size == 0:
     return init
@@ -86,17 +87,18 @@ def _chunked(length: int, body: Callable[[jax.Array, jax.Array, Any], Any], init
   def step(c: jax.Array, carry: Any) -> Any:
     start = jnp.minimum(c * size, length - size)
     return body(start, start + lax.iota(jnp.int32, size), carry)
-  return lax.fori_loop(0, -(-length // size), step, init)
+  chunks = -(-length // size)
+  return lax.fori_loop(0, chunks if run is True else jnp.where(run, chunks, 0), step, init)
 
 
-def _failed_slots(x: jax.Array, table: jax.Array, slots: int, failed: jax.Array
-                  ) -> jax.Array:
+def _failed_slots(x: jax.Array, table: jax.Array, slots: int, failed: jax.Array,
+                  run: jax.Array | bool = True) -> jax.Array:
   """`failed` (`[slots + 1]` int32) with every slot of the runs `table`
   holding a non-finite number of `x` set to 1."""
   def body(start: jax.Array, at: jax.Array, failed: jax.Array) -> jax.Array:
     bad = ~jnp.isfinite(lax.dynamic_slice_in_dim(x, start, at.shape[0]))
     return failed.at[_slot_ids(at, table, slots)].max(bad.astype(jnp.int32))
-  return _chunked(x.shape[0], body, failed)
+  return _chunked(x.shape[0], body, failed, run)
 
 
 def keep_failed(new: jax.Array, previous: jax.Array, new_runs: Runs | jax.Array,
@@ -109,30 +111,29 @@ def keep_failed(new: jax.Array, previous: jax.Array, new_runs: Runs | jax.Array,
 
   One finiteness check of the two whole arrays (`faults.all_finite`: a sum
   each, where `all(isfinite(·))`'s boolean reductions were 9 kernels of the
-  CNN step's compile); only when it fails, the
-  factor-by-factor selection: loops over chunks of slot ids, so that neither
-  its program nor its memory grows with the number of batches or the
-  segment's size (per-batch checks and selects were a quarter of the
-  autoencoder's step compile: benchmarks/results/PERF_NOTES.md)."""
+  CNN step's compile); only when it fails, the factor-by-factor selection:
+  loops over chunks of slot ids, so that neither its program nor its memory
+  grows with the number of batches or the segment's size (per-batch checks
+  and selects were a quarter of the autoencoder's step compile), run zero
+  times when nothing failed. Loops, not a `lax.cond`: a conditional's output
+  is one more segment-sized buffer at a decomposition step's peak, where the
+  loops write into `new` (benchmarks/results/PERF_NOTES.md §46)."""
   axes = _compat.varying_axes(new, previous, running)
   new_table, running_table = (runs if isinstance(runs, jax.Array)
                               else jnp.asarray(run_table(runs))
                               for runs in (new_runs, running_runs))
 
-  def slot_by_slot() -> jax.Array:
-    failed = _compat.as_varying(jnp.zeros(slots + 1, jnp.int32), axes)
-    failed = _failed_slots(running, running_table, slots,
-                           _failed_slots(new, new_table, slots, failed))
-
-    def select(start: jax.Array, at: jax.Array, out: jax.Array) -> jax.Array:
-      kept = failed[_slot_ids(at, new_table, slots)] > 0
-      chunk = jnp.where(kept, lax.dynamic_slice_in_dim(previous, start, at.shape[0]),
-                        lax.dynamic_slice_in_dim(out, start, at.shape[0]))
-      return lax.dynamic_update_slice_in_dim(out, chunk, start, 0)
-    return _chunked(new.shape[0], select, _compat.as_varying(new, axes))
-
   ok = faults.all_finite((new, running))
-  return lax.cond(ok, lambda: _compat.as_varying(new, axes), slot_by_slot)
+  failed = _compat.as_varying(jnp.zeros(slots + 1, jnp.int32), axes)
+  failed = _failed_slots(running, running_table, slots,
+                         _failed_slots(new, new_table, slots, failed, ~ok), ~ok)
+
+  def select(start: jax.Array, at: jax.Array, out: jax.Array) -> jax.Array:
+    kept = failed[_slot_ids(at, new_table, slots)] > 0
+    chunk = jnp.where(kept, lax.dynamic_slice_in_dim(previous, start, at.shape[0]),
+                      lax.dynamic_slice_in_dim(out, start, at.shape[0]))
+    return lax.dynamic_update_slice_in_dim(out, chunk, start, 0)
+  return _chunked(new.shape[0], select, _compat.as_varying(new, axes), ~ok)
 
 
 BatchDecomposer = Callable[[layout_lib.Batch, jax.Array, int], list[jax.Array]]
