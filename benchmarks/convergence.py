@@ -193,10 +193,12 @@ same adaptive coefficients; the first-order methods too. Changed: Shampoo
 on the CNN's seed 1 (95 steps, 75 before) and SOAP on its seed 2 (110, 100),
 and a few of their tuning runs (on the CNN, Shampoo at lr 0.1 85 steps
 against 105, SOAP at lr 0.03 155 against 115), the learning rates chosen
-unchanged. Seconds
-moved with the machine: adaptive K-FAC's ratio on the CNN 2.36× (2.67×),
-the autoencoder 0.61× / 0.59× (0.55× / 0.55×), the LM 1.57× (1.39×, AdamW's
-step 23 ms against 32 ms then, adaptive K-FAC's 59 against 70)."""
+unchanged. Seconds moved with the machine: adaptive K-FAC's ratio on the CNN
+2.36× (2.67×), the autoencoder 0.61× / 0.59× (0.55× / 0.55×), the LM 1.57×
+(1.39×; AdamW's step 23 ms against 32 ms then, adaptive K-FAC's 59 against
+70). The history of adaptive K-FAC's defaults (λ₀ 1e-2 → 0.1,
+eigendecompositions every step → every 10, after git 9e1087a): PERF_NOTES
+§15."""
 # Written after the run (interpretation of its numbers); empty: none.
 NOTES = """\
 Notes on the run above (git 8f614d7, 2 shared cores; ratios come from
