@@ -228,11 +228,13 @@ lockstep runs, absolute seconds depend on the machine's load):
   MLPs' second and output layers unpreconditioned: 320 to more than 360
   steps; PERF_NOTES §18), nor λ₀, the factors' decay, the cadence or step
   rejection (280-340 steps; §41, §42), nor K-FAC-expand's statistics
-  (K-FAC-reduce: not reached in 400; §45). Near the target AdamW's curve
-  flattens (seed 1: 1.66 at step 360, 1.60 at 460, 1.58 at 500) and adaptive
-  K-FAC's is not monotone (1.64 at step 220, 1.68 at 240, 1.59 at 300), but
-  a looser target gives about the same ratio (medians over seeds: validation
-  1.7, 220 against 340 steps, 0.65×; 1.8, 180 against 280, 0.64×).
+  (K-FAC-reduce: not reached in 400; §45), nor the curvature estimate (the
+  Monte Carlo Fisher or EK-FAC's eigenvalues: 320 steps; §49). Near the
+  target AdamW's curve flattens (seed 1: 1.66 at step 360, 1.60 at 460, 1.58
+  at 500) and adaptive K-FAC's is not monotone (1.64 at step 220, 1.68 at
+  240, 1.59 at 300), but a looser target gives about the same ratio (medians
+  over seeds: validation 1.7, 220 against 340 steps, 0.65×; 1.8, 180 against
+  280, 0.64×).
   For scale: KAISA's own Transformer result, BERT-Large phase 2, took 0.52×
   LAMB's iterations, its ResNet-50 0.71× SGD's epochs (reference notes,
   KAISA §6.3).
