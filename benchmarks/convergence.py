@@ -214,9 +214,9 @@ lockstep runs, absolute seconds depend on the machine's load):
   CNN's whole forward + backward, so no K-FAC variant approaches Adam's
   seconds on this CPU. Its steps are the damping's descent from λ₀ = 0.1
   (PERF_NOTES §41: from λ₀ = 1e-2 with fresh eigenbases over the first 10
-  steps, 20-30 steps, still ~2× Adam's seconds). The model chose a momentum
-  outside [0, 1) in 28-32 of 80 evaluations per seed and trained stably (no
-  step skipped).
+  steps, 20-30 steps, still ~2× Adam's seconds; with factored Tikhonov
+  damping, 35 steps; §49). The model chose a momentum outside [0, 1) in
+  28-32 of 80 evaluations per seed and trained stably (no step skipped).
 * **LM**: 300 steps (0.62× AdamW's 480, as tuned K-FAC, EK-FAC and SOAP;
   ≤ 240 needed), each 2.5× AdamW's in the separate timing: fixed K-FAC at
   the same cadence costs 1.73× and the quadratic model (a linearisation of
@@ -228,13 +228,14 @@ lockstep runs, absolute seconds depend on the machine's load):
   MLPs' second and output layers unpreconditioned: 320 to more than 360
   steps; PERF_NOTES §18), nor λ₀, the factors' decay, the cadence or step
   rejection (280-340 steps; §41, §42), nor K-FAC-expand's statistics
-  (K-FAC-reduce: not reached in 400; §45), nor the curvature estimate (the
-  Monte Carlo Fisher or EK-FAC's eigenvalues: 320 steps; §49). Near the
-  target AdamW's curve flattens (seed 1: 1.66 at step 360, 1.60 at 460, 1.58
-  at 500) and adaptive K-FAC's is not monotone (1.64 at step 220, 1.68 at
-  240, 1.59 at 300), but a looser target gives about the same ratio (medians
-  over seeds: validation 1.7, 220 against 340 steps, 0.65×; 1.8, 180 against
-  280, 0.64×).
+  (K-FAC-reduce: not reached in 400; §45), nor the curvature estimate or its
+  damping (the Monte Carlo Fisher or EK-FAC's eigenvalues: 320 steps;
+  factored Tikhonov damping, `method="inverse"`: 280; §49). Near the target
+  AdamW's curve flattens (seed 1: 1.66 at step 360, 1.60 at 460, 1.58 at
+  500) and adaptive K-FAC's is not monotone (1.64 at step 220, 1.68 at 240,
+  1.59 at 300), but a looser target gives about the same ratio (medians over
+  seeds: validation 1.7, 220 against 340 steps, 0.65×; 1.8, 180 against 280,
+  0.64×).
   For scale: KAISA's own Transformer result, BERT-Large phase 2, took 0.52×
   LAMB's iterations, its ResNet-50 0.71× SGD's epochs (reference notes,
   KAISA §6.3).
