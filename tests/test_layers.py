@@ -594,7 +594,8 @@ def test_linen_dense_general_drop_in(kwargs, shape):
 
 
 @pytest.mark.parametrize("kwargs", [dict(features=3, axis=(1, -1)),
-                                    dict(features=3, batch_dims=(0,))])
+                                    dict(features=3, batch_dims=(0,)),
+                                    dict(features=3, batch_dims=0)])   # Flax takes an int
 def test_linen_dense_general_unusual_passes_through(kwargs):
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 4, 2))
   with pytest.warns(UserWarning, match="not tagged"):

@@ -159,12 +159,13 @@ def _canonical_axes(ndim: int, axes) -> tuple[int, ...]:
 def dense_general_config(axis, ndim: int, batch_dims, custom: bool) -> int | str:
   """`in_dims` for `kd.tags.dense_general`, or the reason to leave it to Flax.
 
-  Tagged: no batch (per-slice kernel) axes, and the contracted axes are the
-  last ones of the input (Flax sorts them, so their order does not matter).
+  Tagged: no batch (per-slice kernel) axes (`batch_dims`: an int or a
+  sequence, as Flax takes them), and the contracted axes are the last ones of
+  the input (Flax sorts them, so their order does not matter).
   """
   if custom:
     return "a custom dot_general, promote_dtype or output sharding"
-  if batch_dims:
+  if _canonical_axes(ndim, batch_dims):
     return "batch_dims"
   axes = _canonical_axes(ndim, axis)
   if axes != tuple(range(ndim - len(axes), ndim)):

@@ -124,7 +124,7 @@ def dense_general(module: nn.DenseGeneral, inputs, fallback: Fallback):
   custom = (module.dot_general is not None or module.dot_general_cls is not None
             or _flax_common.custom_promote(module, linen_dtypes.promote_dtype))
   in_dims = _flax_common.dense_general_config(module.axis, inputs.ndim,
-                                              tuple(module.batch_dims), custom)
+                                              module.batch_dims, custom)
   if isinstance(in_dims, str):
     return _flax_common.untagged("DenseGeneral", in_dims, where(module), fallback)
   features = ((module.features,) if isinstance(module.features, int)
