@@ -443,6 +443,32 @@ def test_low_precision_factor_traffic_warns_and_stays_close():
     _assert_same(trajectory, reference)
 
 
+def _bright_inputs():
+  """`helpers.conv_dense_problem` with inputs 100× larger (a raw-pixel scale):
+  factor entries above 65504 / 8, so that 8 devices' float16 sum overflows."""
+  loss_fn, params, x, y = helpers.conv_dense_problem()
+  return loss_fn, params, 100 * x, y
+
+
+@pytest.mark.parametrize("factor_reduction", ["reduce_scatter", "all_reduce"])
+def test_float16_factor_traffic_sends_shares_within_its_range(factor_reduction):
+  """Each device sends `x / P` in float16, not `x`: every entry of a mean
+  within float16's range reduces without overflow (the step is taken, the
+  factors equal the float32 traffic's to float16's rounding)."""
+  run = functools.partial(_distributed, 8, 1 / 8, factor_reduction, "none", steps=1,
+                          problem=_bright_inputs)
+  exact = kd.running_factors(find_states(run()[1])[0])
+  with pytest.warns(UserWarning, match="16-bit"):
+    _, opt_state, _ = run(comm_dtype=jnp.float16)
+  state, = find_states(opt_state)
+  assert (int(state.skipped), int(state.count)) == (0, 1)
+  largest = max(float(jnp.max(jnp.abs(f))) for layer in exact.values() for f in layer.values())
+  assert 65504 / 8 < largest < 65504
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-3,
+                                                       atol=1e-3 * float(jnp.max(jnp.abs(b)))),
+               kd.running_factors(state), exact)
+
+
 @pytest.mark.parametrize("num_devices,cadence", [
     pytest.param(2, (1, 1), marks=pytest.mark.slow), (8, (2, 3))])
 def test_reduce_scatter_factor_storage_is_the_cheaper(num_devices, cadence):

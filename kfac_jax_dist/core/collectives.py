@@ -177,8 +177,16 @@ class Collectives:
     return jax.lax.all_gather(x, self.dist.axis, axis_index_groups=self._within_groups(),
                               tiled=True)
 
-  def _traffic(self, x: jax.Array) -> jax.Array:
-    return x if self.dist.comm_dtype is None else x.astype(self.dist.comm_dtype)
+  def _device_mean(self, x: jax.Array, summed: Callable[[jax.Array], jax.Array]
+                   ) -> jax.Array:
+    """`summed(x) / P`, `summed` a sum over the devices. In `comm_dtype` each
+    device's share `x / P` travels, not `x`: the sum of `P` contributions
+    stays within the narrow type's range (float16's 65504 would otherwise
+    bound each entry by 65504 / P) and comes back in `x`'s dtype."""
+    if self.dist.comm_dtype is None:
+      return summed(x) / self.num_devices
+    share = (x / self.num_devices).astype(self.dist.comm_dtype)
+    return summed(share).astype(x.dtype)
 
   def reduce_factors(self, segments: jax.Array, length: int) -> jax.Array:
     """Per-device statistics laid out as the running factors, `[P·length]` →
@@ -188,16 +196,14 @@ class Collectives:
       return segments
     if self.dist.factor_reduction == "local":
       return offsets.segment_at(segments, length, self.device_index())
-    summed = jax.lax.psum_scatter(self._traffic(segments), self.dist.axis,
-                                  scatter_dimension=0, tiled=True)
-    return summed.astype(segments.dtype) / self.num_devices
+    return self._device_mean(segments, lambda x: jax.lax.psum_scatter(
+        x, self.dist.axis, scatter_dimension=0, tiled=True))
 
   def all_reduce_factors(self, flat: jax.Array) -> jax.Array:
     """KAISA's factor all-reduce: every factor, once, averaged over the devices."""
     if not self.active:
       return flat
-    return jax.lax.psum(self._traffic(flat), self.dist.axis).astype(flat.dtype) / (
-        self.num_devices)
+    return self._device_mean(flat, lambda x: jax.lax.psum(x, self.dist.axis))
 
   def gather_group(self, tree):
     """Owned slots `[c, ...]` → the owner group's slots `[m·c, ...]`."""

@@ -93,9 +93,10 @@ class Distribution:
       the bytes of SGD's all-reduce).
     symmetric_comm: store and send the factors as upper triangles (default
       True: about half the factor bytes and memory).
-    comm_dtype: dtype of the factor traffic; None: the factors' own. Below 32
-      bits it warns: 16-bit factor traffic can lose small eigenvalues
-      (decompositions stay in float32).
+    comm_dtype: dtype of the factor traffic; None: the factors' own. Each
+      device sends its share `x / P` of the mean, so the sum stays in the
+      narrow type's range. Below 32 bits it warns: 16-bit factor traffic can
+      lose small eigenvalues (decompositions stay in float32).
     model_axis: a second mesh axis over which the parameters are sharded
       (tensor parallelism; None: none), or a tuple of axes (a 3-D mesh, e.g.
       `("model", "stage")`: operator and pipeline parallelism). Each model
