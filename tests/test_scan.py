@@ -655,6 +655,84 @@ def test_shared_kernel_gets_expand_statistics(loop):
   np.testing.assert_allclose(stats["w"]["G"], want_g, rtol=1e-12)
 
 
+def _positions_oracle(inputs: list, cotangents: jax.Array, n: int):
+  """A Dense layer's statistics over every position of every run, by float64
+  brute force: `A` the mean of `[a, 1][a, 1]ᵀ` over the rows of all `inputs`
+  (`[·, D]` each), `G = n Σ_p g_p g_pᵀ` over the cotangents `[·, C]` of all
+  positions (n: the loss's examples)."""
+  a = jnp.concatenate([jnp.concatenate([h, jnp.ones((h.shape[0], 1), F64)], 1)
+                       for h in inputs])
+  g = cotangents.reshape(-1, cotangents.shape[-1])
+  return a.T @ a / a.shape[0], n * g.T @ g
+
+
+@pytest.mark.parametrize("mapped", ["time", "examples"])
+def test_shared_kernel_under_vmap_gets_expand_statistics(mapped):
+  """A kernel shared by the lanes of a `jax.vmap` (a Dense applied to each
+  time step, or a per-example model mapped over the batch) runs once per
+  lane: every lane's positions are examples of the layer, `A` their mean
+  (not `T` times it: the lanes' position counts are mapped like `A`)."""
+  T = 5
+  k = jax.random.split(jax.random.PRNGKey(8), 4)
+  params = {"w": jax.random.normal(k[0], (D, C), F64), "b": jax.random.normal(k[1], (C,), F64)}
+  x = jax.random.normal(k[2], (B, T, D), F64)
+  y = jax.random.randint(k[3], (B, T), 0, C)
+  axis = 1 if mapped == "time" else 0
+  dense = lambda p, v, eps=0.0: kd.tags.dense(v, p["w"], p["b"], name="fc") + eps
+
+  def loss_fn(p, x, y, eps=None):
+    eps = jnp.zeros(x.shape[:-1] + (C,), F64) if eps is None else eps
+    out = jax.vmap(functools.partial(dense, p), in_axes=axis, out_axes=axis)(x, eps)
+    return kd.losses.softmax_cross_entropy(out, y)
+  grad_fn = kd.value_and_grad(loss_fn)
+  _, grads, stats = jax.jit(grad_fn)(params, x, y)
+  helpers.assert_trees_equal(grads, jax.grad(loss_fn)(params, x, y))
+  cotangents = jax.grad(lambda e: loss_fn(params, x, y, e))(jnp.zeros((B, T, C), F64))
+  want_a, want_g = _positions_oracle([x.reshape(-1, D)], cotangents, B * T)
+  np.testing.assert_allclose(stats["fc"]["A"], want_a, rtol=1e-12)
+  np.testing.assert_allclose(stats["fc"]["G"], want_g, rtol=1e-12)
+
+
+def test_shared_embedding_under_vmap_counts_every_lane():
+  """Token frequencies of an embedding mapped over the time steps: every
+  lane's ids counted once, the frequencies of the whole `[B, T]` ids."""
+  T, V = 5, 7
+  table = jax.random.normal(jax.random.PRNGKey(9), (V, C), F64)
+  ids = jax.random.randint(jax.random.PRNGKey(10), (B, T), 0, V)
+  y = jax.random.randint(jax.random.PRNGKey(11), (B, T), 0, C)
+
+  def loss_fn(p, ids, y):
+    out = jax.vmap(lambda i: kd.tags.embed(i, p, name="emb"), in_axes=1, out_axes=1)(ids)
+    return kd.losses.softmax_cross_entropy(out, y)
+  _, _, stats = jax.jit(kd.value_and_grad(loss_fn))(table, ids, y)
+  np.testing.assert_allclose(stats["emb"]["A"],
+                             np.bincount(np.asarray(ids).ravel(), minlength=V) / (B * T),
+                             rtol=1e-12)
+
+
+def test_shared_kernel_runs_of_different_sizes_average_their_positions():
+  """One Dense applied to `B` positions and then to `B·T` (an encoder shared
+  by inputs of different lengths): `A` is the mean over all `B + B·T`
+  positions, not the mean of the two runs' means."""
+  T = 5
+  k = jax.random.split(jax.random.PRNGKey(12), 4)
+  params = {"w": jax.random.normal(k[0], (D, C), F64), "b": jax.random.normal(k[1], (C,), F64)}
+  x = jax.random.normal(k[2], (B, T, D), F64)
+  y = jax.random.randint(k[3], (B,), 0, C)
+
+  def loss_fn(p, x, y, eps=(0.0, 0.0)):
+    short = kd.tags.dense(x[:, 0], p["w"], p["b"], name="fc") + eps[0]
+    long = kd.tags.dense(x, p["w"], p["b"], name="fc") + eps[1]
+    return kd.losses.softmax_cross_entropy(short + jnp.tanh(long).mean(1), y)
+  _, _, stats = jax.jit(kd.value_and_grad(loss_fn))(params, x, y)
+  eps = (jnp.zeros((B, C), F64), jnp.zeros((B, T, C), F64))
+  g_short, g_long = jax.grad(lambda e: loss_fn(params, x, y, e))(eps)
+  want_a, want_g = _positions_oracle(
+      [x[:, 0], x.reshape(-1, D)], jnp.concatenate([g_short, g_long.reshape(-1, C)]), B)
+  np.testing.assert_allclose(stats["fc"]["A"], want_a, rtol=1e-12)
+  np.testing.assert_allclose(stats["fc"]["G"], want_g, rtol=1e-12)
+
+
 @pytest.mark.parametrize("cell", [nn.LSTMCell, nn.OptimizedLSTMCell])
 def test_flax_lstm_gates_get_expand_statistics(cell):
   """An LSTM (Flax's `nn.RNN` over `nn.LSTMCell`, captured by interception):

@@ -40,7 +40,7 @@ class Trace:
   seen: set = dataclasses.field(default_factory=set)
   # discover: the loss's own JAX trace, and the layers that may run more than
   # once in a pass (called twice, or inside a loop, branch or transform: the
-  # capture counts their runs, `statistics.RUNS`).
+  # capture counts their positions, `statistics.POSITIONS`).
   top: Any = None
   repeats: set = dataclasses.field(default_factory=set)
   leaf_shapes: dict = dataclasses.field(default_factory=dict)  # path -> shape

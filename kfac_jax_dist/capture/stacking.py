@@ -42,8 +42,8 @@ A layer (or block) that runs several times in one pass — a plain `lax.scan`
 closing over one unstacked kernel, a stack applied twice, a pipeline stage's
 blocks once per micro-batch, a layer called twice, nn.scan's
 `variable_broadcast="params"` — gets K-FAC-expand's statistics for weight
-sharing: every run's positions count as its examples (`A` the mean over the
-runs, `G` their sum; `statistics.RUNS`). Not supported: stack axes other
+sharing: every run's positions count as its examples (`A` the mean over all
+the runs' positions, `G` their sum; `statistics.POSITIONS`). Not supported: stack axes other
 than the leading ones (raises); NNX parameters given as a pure dict (raises:
 not a leaf).
 """

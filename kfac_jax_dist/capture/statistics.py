@@ -66,13 +66,15 @@ first `example_dims` axes; a Conv layer's image, its pixels summed).
 
 A layer that runs several times in one loss evaluation inside a compiled
 loop (a pipeline stage's blocks once per micro-batch under `lax.cond`, a
-scan's iterations sharing one kernel) has its probes' cotangents summed over
-the runs: `G`, `F` and `S`, sums over examples, are then those of all the
-runs' positions, and `A`, a mean per run, is divided by the number of runs
-(`RUNS`, a scalar probe per layer or block that each run's backward pass
-counts; only for the layers the discovery saw called twice or inside a loop,
-branch or transform): every run's positions count as examples of one layer,
-K-FAC-expand's treatment of weight sharing (Eschenhagen et al. 2023).
+scan's iterations sharing one kernel, the lanes of a `jax.vmap`) has its
+probes' cotangents summed over the runs: `G`, `F` and `S`, sums over
+examples, are then those of all the runs' positions, and `A` is the mean over
+all of them, `Σ_r N_r A_r / Σ_r N_r` with `N_r` run r's positions (rows of
+`A`): each run's backward pass adds its sum `N_r A_r` and its count `N_r` to
+the probe `POSITIONS`, a scalar per layer or block, only for the layers the
+discovery saw called twice or inside a loop, branch or transform. Every
+run's positions count as examples of one layer, K-FAC-expand's treatment of
+weight sharing (Eschenhagen et al. 2023), runs of different sizes included.
 
 Precision: every statistic is computed in `statistics_dtype` of the layer's
 inputs and output cotangents, `promote_types(dtype, float32)`: a bfloat16 or
@@ -111,15 +113,23 @@ SCALED_BY_NUM_EXAMPLES = frozenset({"G", "F", "S"})
 # EK-FAC: the corrected scaling `S` (`corrected_scaling`), computed in the
 # eigenbases the capture receives as the inputs `QA` and `QG`.
 CORRECTED, BASES = "S", ("QA", "QG")
-# How many times a layer (block) ran in the pass: `A`, a mean per run, is
-# divided by it (see the module docstring).
-RUNS = "runs"
+# How many positions a repeated layer (block) saw over its runs in the pass:
+# `A`, summed over them, is divided by it (see the module docstring).
+POSITIONS = "positions"
 
 
-def per_run_mean(a: jax.Array, runs: jax.Array) -> jax.Array:
-  """`A` summed over `runs` runs (`[*stack]`) → their mean (0 runs: as is)."""
-  runs = jnp.maximum(runs, 1).astype(a.dtype)
-  return a / runs.reshape(runs.shape + (1,) * (a.ndim - runs.ndim))
+def mean_over_positions(a: jax.Array, positions: jax.Array) -> jax.Array:
+  """`A` summed over `positions` positions (`[*stack]`) → their mean (none: as is)."""
+  positions = jnp.maximum(positions, 1).astype(a.dtype)
+  return a / positions.reshape(positions.shape + (1,) * (a.ndim - positions.ndim))
+
+
+def num_rows(x: jax.Array, example_dims: int | None) -> int:
+  """The rows of a statistic of `x` (`_flatten_positions`): its positions, or
+  with `example_dims=k` the entries of its first k axes."""
+  if example_dims is None:
+    return x.size // max(x.shape[-1], 1)
+  return math.prod(x.shape[:example_dims])
 
 
 def statistics_dtype(*arrays) -> jnp.dtype:

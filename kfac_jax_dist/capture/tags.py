@@ -110,7 +110,7 @@ def _discover(trace, kind, name, kernel, bias, site, **record) -> None:
     # The same layer again: another block of an unrolled stack, a transform's
     # second trace of its body (flax traces nn.scan's twice), or weight
     # sharing (a second application, a scan's iterations over one kernel).
-    # The capture counts every run (`statistics.RUNS`): K-FAC-expand.
+    # The capture counts every run's positions (`statistics.POSITIONS`): K-FAC-expand.
     previous = next(l for l in trace.layers if l.name == name)
     if previous == layer:
       return
@@ -232,7 +232,7 @@ def _layer_probes(trace, name: str, site) -> dict | None:
 
 
 def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=None,
-            stats_input=None, **record):
+            stats_input=None, positions=None, **record):
   """Runs `apply(x, kernel[, bias])`, recording or capturing the layer.
 
   `stats(x, ḡ, forms)` returns the statistics as a dict keyed like the probes
@@ -245,7 +245,9 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=
   `examples` read it (default `x`; see `_captured`). `examples(x, ḡ)` (Dense
   and Conv layers) returns the positions `[..., d_A − bias]`, `[..., d_G]`
   and their `example_dims`, from which EK-FAC's `S` is computed when the
-  probes bring eigenbases. `kernel` and `bias` are one block's; `site` (see
+  probes bring eigenbases. `positions(x, ḡ)` (layers with `A`) is the number
+  of rows of `A` (its mean's denominator), counted for a repeated layer
+  (`statistics.POSITIONS`). `kernel` and `bias` are one block's; `site` (see
   `stacking`) says where they live when they are not leaves of the parameters.
   """
   trace = _context.tagging()
@@ -296,11 +298,23 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=
     else:
       out = jax.vmap(block_stats)(_groups_first(xx, groups), _groups_first(gg, groups),
                                   bases)
-    if factors.RUNS in inputs:                  # this run, counted
-      out[factors.RUNS] = jnp.ones_like(inputs[factors.RUNS])
+    if factors.POSITIONS in inputs:             # this run's sum and positions
+      count = positions(xx, gg)
+      out["A"] = out["A"] * count
+      out[factors.POSITIONS] = _counted(count, inputs[factors.POSITIONS], gg)
     out.update({key: jnp.zeros_like(value) for key, value in bases.items()})
     return _scaled_inside(trace, name, out)
   return _captured(apply, cast_stats, x, params, probes, trace.compute_stats, stats_input)
+
+
+def _counted(count: int, probe: jax.Array, data: jax.Array) -> jax.Array:
+  """`count` like `probe`, computed from `data` (a run's output cotangent):
+  under `jax.vmap` it is then mapped like the run's statistics and summed
+  over the lanes with them, where a constant would count one lane only."""
+  if not data.size:
+    return jnp.full_like(probe, count)
+  first = jnp.reshape(data, (-1,))[0]
+  return jnp.where(jnp.isnan(first), count, count).astype(probe.dtype) + jnp.zeros_like(probe)
 
 
 def _groups_first(x: jax.Array, groups: int) -> jax.Array:
@@ -352,7 +366,8 @@ def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
 
   stats, examples, stats_input = _dense_statistics(bias is not None, 1, 1, example_dims)
   return _tagged("dense", name, apply, stats, x, kernel, bias, site, examples=examples,
-                 stats_input=stats_input, a_dim=kernel.shape[0] + (bias is not None),
+                 stats_input=stats_input, positions=_row_count(example_dims),
+                 a_dim=kernel.shape[0] + (bias is not None),
                  g_dim=kernel.shape[1])
 
 
@@ -370,6 +385,11 @@ def _rows(x: jax.Array, feature_dims: int, example_dims: int | None) -> jax.Arra
   width = _size(x.shape[x.ndim - feature_dims:])
   lead = x.shape[:x.ndim - feature_dims]
   return x.reshape((-1, width) if example_dims is None else lead + (width,))
+
+
+def _row_count(example_dims: int | None) -> Callable[[jax.Array, jax.Array], int]:
+  """A Dense layer's `positions(rows, ḡ)`: the rows of `A` (see `_rows`)."""
+  return lambda rows, g: factors.num_rows(rows, example_dims)
 
 
 def _dense_statistics(has_bias: bool, in_dims: int, out_dims: int,
@@ -440,7 +460,8 @@ def dense_general(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None
   stats, examples, stats_input = _dense_statistics(bias is not None, in_dims, n_out,
                                                    example_dims)
   return _tagged("dense", name, apply, stats, x, kernel, bias, site, examples=examples,
-                 stats_input=stats_input, a_dim=_size(in_shape) + (bias is not None),
+                 stats_input=stats_input, positions=_row_count(example_dims),
+                 a_dim=_size(in_shape) + (bias is not None),
                  g_dim=_size(out_shape))
 
 
@@ -537,6 +558,7 @@ def _convolution(tag: str, spatial: int, x: jax.Array, kernel: jax.Array,
 
   transposed = {"transposed_kernel": True} if transpose_kernel else {}
   return _tagged(tag, name, apply, stats, x, kernel, bias, site, examples=examples,
+                 positions=lambda x, g: factors.num_rows(g, example_dims),
                  a_dim=math.prod(shape[:-1]) + (bias is not None),
                  g_dim=shape[-1] // groups, groups=groups, **transposed)
 
@@ -646,6 +668,7 @@ def embed(ids: jax.Array, table: jax.Array, *, name: str | None = None,
             "G": factors.output_factor(g, forms["G"])}
 
   return _tagged("embed", name, apply, stats, ids, table, None, site,
+                 positions=lambda ids, g: factors.num_rows(g, None),
                  a_dim=vocab_size, g_dim=features, a_diagonal=True)
 
 

@@ -83,14 +83,14 @@ def _probes(layer: registry.TaggedLayer, forms: tuple[str, str],
   """Zero probes shaped like the layer's statistics (see `value_and_grad`),
   with the leading stack axes of a stacked layer, in the statistics' `dtype`
   (`factors.statistics_dtype`, recorded by the discovery); `repeats`: the
-  layer may run several times in a pass, and a probe counts its runs."""
+  layer may run several times in a pass, and a probe counts its positions."""
   stack = tuple(layer.stack)
   if layer.unitwise:
     return {"F": jnp.zeros(stack + (layer.g_dim, 3), dtype)}
   a_form = factors.DIAG if layer.a_diagonal else forms[0]
   return {key: jnp.zeros(stack + factors.statistic_shape(d, form), dtype)
           for key, d, form in (("A", layer.a_dim, a_form), ("G", layer.g_dim, forms[1]))
-          } | ({factors.RUNS: jnp.zeros(stack, dtype)} if repeats else {})
+          } | ({factors.POSITIONS: jnp.zeros(stack, dtype)} if repeats else {})
 
 
 def _correction_probes(layer: registry.TaggedLayer, state: Any, dtype: Any) -> dict:
@@ -453,16 +453,17 @@ def _statistics(probe_bar: dict, g_scale: Any, scaled: set[str]) -> dict:
   cotangents (`factors.SCALED_BY_NUM_EXAMPLES`, cotangents of the mean loss)
   times `g_scale` (the number of examples, divided by the loss scale
   squared) unless their layer is in `scaled` (its backward pass did it), `A`
-  the mean over a repeated layer's runs, EK-FAC's bases and the run counts
-  dropped. Each keeps its layer's dtype (`factors.statistics_dtype`)."""
+  the mean over a repeated layer's positions in all its runs, EK-FAC's bases
+  and the position counts dropped. Each keeps its layer's dtype (`factors.statistics_dtype`)."""
   stats = {name: {key: (value * g_scale).astype(value.dtype)
                   if key in factors.SCALED_BY_NUM_EXAMPLES and name not in scaled
                   else value for key, value in layer_stats.items()
-                  if key not in factors.BASES + (factors.RUNS,)}
+                  if key not in factors.BASES + (factors.POSITIONS,)}
            for name, layer_stats in probe_bar.items()}
   for name, layer_stats in probe_bar.items():
-    if factors.RUNS in layer_stats:
-      stats[name]["A"] = factors.per_run_mean(stats[name]["A"], layer_stats[factors.RUNS])
+    if factors.POSITIONS in layer_stats:
+      stats[name]["A"] = factors.mean_over_positions(stats[name]["A"],
+                                                     layer_stats[factors.POSITIONS])
   return stats
 
 
