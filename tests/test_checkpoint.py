@@ -399,3 +399,112 @@ def test_converted_run_continues(stop):
     assert_close(_factors_and_second(converted[1])[0], _factors_and_second(other[1])[0])
   one = _run((1,), params, kd.convert_state(s8, _config(1)[0].init(_params())), stop, end)
   assert_close(one[0], uninterrupted[0], "params on one device")
+
+
+# ------------------------------------------------------------------------ SOAP
+
+SOAP_PARAMS = {"w": jax.random.normal(jax.random.PRNGKey(0), (8, 16)),
+               "w2": jax.random.normal(jax.random.PRNGKey(1), (16, 3))}
+
+
+def _soap(num_devices=None):
+  """`kd.soap` on one device, or COMM-OPT on the first `num_devices`."""
+  distribution = None if num_devices is None else kd.Distribution(
+      helpers.data_mesh(num_devices), axis="data")
+  return kd.soap(1e-2, block_size=8, distribution=distribution)
+
+
+def _trained_soap_state():
+  """A SOAP state after three steps on one device (statistics, bases and
+  moments away from their initial values)."""
+  tx = _soap()
+  grads = jax.tree.map(lambda p: jnp.sin(3 * p) + 0.1, SOAP_PARAMS)
+  state, update = tx.init(SOAP_PARAMS), jax.jit(tx.update)
+  for _ in range(3):
+    _, state = update(grads, state, SOAP_PARAMS)
+  return state
+
+
+def test_soap_checkpoint_restores_and_refuses_another_layout(tmp_path):
+  """A SOAP state saved from 8-device COMM-OPT restores bit for bit into its
+  own layout and is refused, naming the device counts, by a 4-device COMM-OPT
+  template whose arrays have exactly the saved shapes and dtypes (restored,
+  its statistics would sit in other blocks' places)."""
+  mesh8, mesh4 = helpers.data_mesh(8), helpers.data_mesh(4)
+  state = kd.shard_state(kd.convert_state(_trained_soap_state(),
+                                          _soap(8).init(SOAP_PARAMS)), mesh8)
+  kd.save_checkpoint(tmp_path / "ckpt", state)
+  template8 = jax.eval_shape(_soap(8).init, SOAP_PARAMS)
+  restored = kd.restore_checkpoint(tmp_path / "ckpt", template8, mesh=mesh8)
+  assert_bitwise(restored, state, "restored")
+  template4 = jax.eval_shape(_soap(4).init, SOAP_PARAMS)
+  shapes = lambda t: [(x.shape, x.dtype) for x in jax.tree.leaves(t)]
+  assert shapes(template4) == shapes(template8)      # only the layout tells them apart
+  with pytest.raises(ValueError, match="SOAP states were saved with another layout "
+                     r"\(state 0: num_devices: saved 8, template 4.*convert_state"):
+    kd.restore_checkpoint(tmp_path / "ckpt", template4, mesh=mesh4)
+  assert kd.checkpoint_metadata(state)["soap_states"] == [
+      checkpoint_lib.shampoo_layout_metadata(kd.find_states(state, kd.ScaleBySoapState)[0]
+                                             .layout)]
+
+
+def test_soap_checkpoint_without_soap_metadata_restores(tmp_path, monkeypatch):
+  """A SOAP checkpoint saved before SOAP states were described (metadata
+  without `soap_states`) still restores into its own layout, bit for bit."""
+  mesh8 = helpers.data_mesh(8)
+  state = kd.shard_state(kd.convert_state(_trained_soap_state(),
+                                          _soap(8).init(SOAP_PARAMS)), mesh8)
+  metadata = checkpoint_lib.checkpoint_metadata
+  with monkeypatch.context() as m:
+    m.setattr(checkpoint_lib, "checkpoint_metadata", lambda tree: {
+        k: v for k, v in metadata(tree).items() if k != "soap_states"})
+    kd.save_checkpoint(tmp_path / "ckpt", state)
+  template = jax.eval_shape(_soap(8).init, SOAP_PARAMS)
+  restored = kd.restore_checkpoint(tmp_path / "ckpt", template, mesh=mesh8)
+  assert_bitwise(restored, state, "restored")
+
+
+# --------------------------------------------------------- leaves and dtypes
+
+@pytest.mark.parametrize("saved_ekfac", [False, True], ids=["kfac_into_ekfac",
+                                                             "ekfac_into_kfac"])
+def test_restore_into_another_tree_names_the_leaves(tmp_path, saved_ekfac):
+  """A K-FAC checkpoint restored into an EK-FAC template (or back) is refused
+  naming EK-FAC's correction leaves, not a leaf that sits at the same position
+  with another dtype."""
+  layers = GRAD_FN.discover(_params(), *_batch(0))
+  plain = kd.kfac(0.1, layers=layers)
+  ekfac = kd.kfac(0.1, layers=layers, eigenvalue_correction="ekfac")
+  saved, template = (ekfac, plain) if saved_ekfac else (plain, ekfac)
+  kd.save_checkpoint(tmp_path / "ckpt", saved.init(_params()))
+  correction = r"\[0\]\.correction\.scaling, \[0\]\.correction\.fresh"
+  where = (f"only in the checkpoint: {correction}; only in the template: none"
+           if saved_ekfac else
+           f"only in the checkpoint: none; only in the template: {correction}")
+  with pytest.raises(ValueError, match=f"another tree.*{where}") as info:
+    kd.restore_checkpoint(tmp_path / "ckpt", jax.eval_shape(template.init, _params()))
+  assert "saved as" not in str(info.value)
+
+
+def test_shampoo_restore_into_another_graft_names_the_leaves(tmp_path):
+  """A Shampoo checkpoint without grafting accumulators (`graft_type="sgd"`)
+  restored into an RMSprop-grafted template is refused naming the template's
+  grafting accumulators (not `skipped`, whose position they take)."""
+  kd.save_checkpoint(tmp_path / "ckpt", kd.shampoo(1e-2, block_size=4).init(_params()))
+  template = jax.eval_shape(kd.shampoo(1e-2, block_size=4, graft_type="rmsprop",
+                                       graft_beta2=0.99).init, _params())
+  with pytest.raises(ValueError, match=r"only in the checkpoint: none; only in the "
+                     r"template: \[0\]\.graft\[0\], \[0\]\.graft\[1\], \[0\]\.graft\[2\], "
+                     r"\[0\]\.graft\[3\] and 3 more\)") as info:
+    kd.restore_checkpoint(tmp_path / "ckpt", template)
+  assert "skipped" not in str(info.value)
+
+
+def test_restore_into_other_dtypes_names_the_leaf(tmp_path):
+  """With the same leaves, a leaf of another dtype is named with both dtypes."""
+  kd.save_checkpoint(tmp_path / "ckpt", {"a": jnp.zeros(3), "b": jnp.zeros(2, jnp.int32)})
+  template = {"a": jax.ShapeDtypeStruct((3,), jnp.float32),
+              "b": jax.ShapeDtypeStruct((2,), jnp.float32)}
+  with pytest.raises(ValueError, match=r"leaf \['b'\] was saved as int32, the template "
+                     "has float32"):
+    kd.restore_checkpoint(tmp_path / "ckpt", template)

@@ -14,9 +14,10 @@ same configuration, e.g. `tx.init(params)` or, without computing anything,
     opt_state = kd.restore_checkpoint("/ckpt/step_100", template, mesh=mesh)
 
 `save_checkpoint` stores, next to the arrays, a JSON description of every
-K-FAC state's layout (`checkpoint_metadata`); `restore_checkpoint` refuses a
-template whose layout differs (the arrays would have the right shapes but
-another meaning). Saved with one distribution (device count, strategy,
+K-FAC, Shampoo and SOAP state's layout (`checkpoint_metadata`) and every
+leaf's path and dtype; `restore_checkpoint` refuses a template whose layout
+differs (the arrays would have the right shapes but another meaning), or
+whose leaves or dtypes do. Saved with one distribution (device count, strategy,
 factor reduction, `symmetric_comm`) and needed with another: restore into a
 template of the *saved* configuration, then `convert_state(state,
 new_template)`.
@@ -79,6 +80,15 @@ def _is_state(x) -> bool:
   return _is_kfac(x) or _is_shampoo(x) or _is_soap(x)
 
 
+# The states with a `ShampooLayout`, by their key in the metadata: their name
+# in messages, which leaves they are, and what a checkpoint without the key
+# holds: checkpoints from before Shampoo states were described hold none ([]),
+# those from before SOAP states were described may hold some, undescribed
+# (None: not checked, restored as before).
+_BLOCK_STATES = {"shampoo_states": ("Shampoo", _is_shampoo, []),
+                 "soap_states": ("SOAP", _is_soap, None)}
+
+
 def shampoo_layout_metadata(lay) -> dict[str, Any]:
   """What the arrays of a Shampoo state with layout `lay` mean: the
   distribution, every parameter's blocks and where each statistic lives."""
@@ -112,17 +122,21 @@ def layout_metadata(lay: layout_lib.Layout) -> dict[str, Any]:
              if lay.rows_shared and lay.second_packing == layout_lib.WIDE_ROWS else {})}
 
 
+def _states_of(tree: Any, is_state: Any) -> list[Any]:
+  """The states of `tree` that `is_state` picks, in tree order."""
+  return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_state) if is_state(x)]
+
+
 def checkpoint_metadata(tree: Any) -> dict[str, Any]:
   """`layout_metadata` of every K-FAC state in `tree`, and
-  `shampoo_layout_metadata` of every Shampoo state, in tree order; and
-  `SHARED_ROWS`, `WIDE_ROWS`, `ALIGNED_GROUPS` and `FREE_GROUP_PIECES`, which
-  tell `restore_checkpoint` how K-FAC layouts pack second-order segments
-  (`Layout.second_packing`), whether HYBRID's groups were assigned together
-  and whether their factors' pieces were capped."""
-  shampoo_states = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_shampoo)
-                    if _is_shampoo(x)]
+  `shampoo_layout_metadata` of every Shampoo and every SOAP state, in tree
+  order; and `SHARED_ROWS`, `WIDE_ROWS`, `ALIGNED_GROUPS` and
+  `FREE_GROUP_PIECES`, which tell `restore_checkpoint` how K-FAC layouts pack
+  second-order segments (`Layout.second_packing`), whether HYBRID's groups
+  were assigned together and whether their factors' pieces were capped."""
   return {"kfac_states": [layout_metadata(s.layout) for s in kfac_lib.find_states(tree)],
-          "shampoo_states": [shampoo_layout_metadata(s.layout) for s in shampoo_states],
+          **{key: [shampoo_layout_metadata(s.layout) for s in _states_of(tree, is_state)]
+             for key, (_, is_state, _) in _BLOCK_STATES.items()},
           SHARED_ROWS: True, WIDE_ROWS: True, ALIGNED_GROUPS: True,
           FREE_GROUP_PIECES: True}
 
@@ -178,8 +192,9 @@ def restore_checkpoint(directory: str | os.PathLike, template: Any, *,
     The saved tree, bit for bit, with `template`'s structure and layouts.
 
   Raises:
-    ValueError: the template's K-FAC layouts are not the saved ones (another
-      device count, strategy or set of layers; see `convert_state`).
+    ValueError: the template's K-FAC, Shampoo or SOAP layouts are not the
+      saved ones (another device count, strategy or set of layers; see
+      `convert_state`), or its leaves (paths) or dtypes are not the saved ones.
   """
   ocp, checkpointer = _checkpointer()
   path = os.path.abspath(directory)
@@ -286,11 +301,39 @@ def _dtypes(tree: Any) -> list[list[str]]:
           for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
+def _few(paths: list[str], most: int = 4) -> str:
+  """`paths`, the first `most` of them named."""
+  if not paths:
+    return "none"
+  more = f" and {len(paths) - most} more" if len(paths) > most else ""
+  return ", ".join(paths[:most]) + more
+
+
+def _check_paths(saved: list[str], template: list[str]) -> None:
+  """The template's leaves are the saved ones (`keystr` paths), in order."""
+  if saved == template:
+    return
+  in_template = set(template)
+  only_saved = [p for p in saved if p not in in_template]
+  in_saved = set(saved)
+  only_template = [p for p in template if p not in in_saved]
+  what = (f"leaves only in the checkpoint: {_few(only_saved)}; only in the template: "
+          f"{_few(only_template)}" if only_saved or only_template else
+          "the same leaves in another order")
+  raise ValueError(
+      f"restore_checkpoint: the template is another tree than the checkpoint's ({what}). "
+      "Restore into a template of the saved configuration (the same optax chain and "
+      "options, e.g. eigenvalue_correction or graft_type).")
+
+
 def _check_dtypes(saved: dict, template: Any) -> None:
-  """The template's leaves have the saved dtypes (orbax would cast silently)."""
+  """The template's leaves are the saved ones (`_check_paths`) and have the
+  saved dtypes (orbax would cast silently)."""
   if "dtypes" not in saved:        # saved before dtypes were recorded
     return
-  for (path, have), (_, want) in zip(saved["dtypes"], _dtypes(template)):
+  wanted = _dtypes(template)
+  _check_paths([path for path, _ in saved["dtypes"]], [path for path, _ in wanted])
+  for (path, have), (_, want) in zip(saved["dtypes"], wanted):
     if have != want:
       raise ValueError(
           f"restore_checkpoint: leaf {path} was saved as {have}, the template has "
@@ -324,14 +367,43 @@ def _unboxed(shampoo_states: list[dict]) -> list[dict]:
           for state in shampoo_states]
 
 
+# summarised in messages rather than printed: every block's parameter and place
+_BLOCK_DETAILS = {"params": "parameters or their blocks differ",
+                  "places": "block placement differs"}
+
+
+def _block_layout_difference(have: dict, want: dict) -> str:
+  """What differs between two `shampoo_layout_metadata`s; '' where nothing."""
+  diff = [k for k in {**have, **want} if have.get(k) != want.get(k)]
+  return ", ".join([f"{k}: saved {have.get(k)!r}, template {want.get(k)!r}" for k in diff
+                    if k not in _BLOCK_DETAILS] +
+                   [_BLOCK_DETAILS[k] for k in diff if k in _BLOCK_DETAILS])
+
+
+def _check_block_layouts(kind: str, have: list[dict], want: list[dict]) -> None:
+  """The checkpoint's `kind` (Shampoo or SOAP) states, described by `have`,
+  have the layouts `want` of the template's, one by one."""
+  have, want = _unboxed(have), _unboxed(want)
+  if len(have) != len(want):
+    details = f"{len(have)} in the checkpoint, {len(want)} in the template"
+  else:
+    details = next((f"state {i}: {d}" for i, (h, w) in enumerate(zip(have, want))
+                    if (d := _block_layout_difference(h, w))), "")
+    if not details:
+      return
+  raise ValueError(
+      f"The checkpoint's {kind} states were saved with another layout ({details}; device "
+      "count, grad_worker_fraction, parameters or block options). Restore into a template "
+      "of the saved configuration, then kd.convert_state(state, new_template).")
+
+
 def _check_compatible(saved: dict, wanted: dict) -> None:
-  # checkpoints from before Shampoo states were described hold none
-  have, want = saved.get("shampoo_states", []), wanted["shampoo_states"]
-  if _unboxed(have) != _unboxed(want):
-    raise ValueError(
-        "The checkpoint's Shampoo states were saved with another layout (device count, "
-        "grad_worker_fraction, parameters or block options). Restore into a template of "
-        "the saved configuration, then kd.convert_state(state, new_template).")
+  """The template's layouts (`wanted`, its `checkpoint_metadata`) are the
+  checkpoint's (`saved`)."""
+  for key, (kind, _, missing) in _BLOCK_STATES.items():
+    have = saved.get(key, missing)
+    if have is not None:
+      _check_block_layouts(kind, have, wanted[key])
   saved_states, wanted_states = saved["kfac_states"], wanted["kfac_states"]
   if len(saved_states) != len(wanted_states):
     raise ValueError(f"The checkpoint holds {len(saved_states)} K-FAC state(s), the "
