@@ -577,3 +577,90 @@ def test_a_shared_branch_reads_each_devices_range():
         mesh=mesh, in_specs=P(), out_specs=P("data")))(full)
     want = np.stack([np.asarray(full)[s:s + size] for s in starts])
     np.testing.assert_array_equal(np.asarray(read), want)
+
+
+def _masked_problem():
+  """A float64 MLP whose loss mask keeps 2, 1, 0, 2, 2, 1, 2, 2 of each
+  device's 2 examples on 8 devices (padding: the devices' counts differ)."""
+  k = jax.random.split(jax.random.PRNGKey(0), 6)
+  params = {"l0": {"kernel": 0.5 * jax.random.normal(k[0], (5, 7), jnp.float64),
+                   "bias": 0.1 * jax.random.normal(k[1], (7,), jnp.float64)},
+            "l1": {"kernel": 0.5 * jax.random.normal(k[2], (7, 3), jnp.float64)}}
+
+  def loss_fn(p, x, y, mask):
+    h = jnp.tanh(kd.tags.dense(x, p["l0"]["kernel"], p["l0"]["bias"], name="l0"))
+    logits = kd.tags.dense(h, p["l1"]["kernel"], name="l1")
+    return kd.losses.softmax_cross_entropy(logits, y, mask=mask)
+  x = jax.random.normal(k[3], (16, 5), jnp.float64)
+  y = jax.random.randint(k[4], (16,), 0, 3)
+  mask = jnp.ones(16, jnp.float64).at[jnp.array([3, 4, 5, 11])].set(0.0)
+  return loss_fn, params, (x, y, mask)
+
+
+@pytest.mark.parametrize("fraction,reduction,adaptive", [
+    (1.0, "none", False), (1 / 8, "all_reduce", False),
+    pytest.param(1 / 2, "reduce_scatter", False, marks=pytest.mark.slow),
+    (1 / 8, "none", True)])
+def test_masked_loss_with_uneven_counts_equals_single_device(x64, fraction, reduction,
+                                                             adaptive):
+  """Devices whose masks keep different numbers of examples (one keeps none):
+  `grad_fn` returns each device's share of the global batch's loss,
+  gradients and `G`, so their mean over the devices is the global batch's,
+  and 3 steps on 8 devices equal one device's (float64)."""
+  del x64
+  loss_fn, params, batch = _masked_problem()
+  grad_fn = kd.value_and_grad(loss_fn)
+  layers = grad_fn.discover(params, *batch)
+  options = (dict(learning_rate=None, momentum=None, grad_fn=grad_fn, adapt_damping=True,
+                  damping_adaptation_interval=1) if adaptive else dict(learning_rate=0.1))
+  options.update(layers=layers, damping=0.1, factor_dtype=jnp.float64)
+  dist = kd.Distribution(helpers.data_mesh(8), grad_worker_fraction=fraction,
+                         gradient_reduction=reduction)
+  single, tx = kd.kfac(**options), kd.kfac(distribution=dist, **options)
+  extra = dict(kfac_batch=batch) if adaptive else {}
+
+  def step(params, state, *batch):
+    loss, grads, stats = grad_fn(params, *batch, opt_state=state)
+    if reduction == "none":
+      grads = jax.lax.pmean(grads, "data")
+    updates, state = tx.update(grads, state, params, kfac_stats=stats,
+                               **(dict(kfac_batch=batch) if adaptive else {}))
+    return optax.apply_updates(params, updates), state, jax.lax.pmean(loss, "data")
+  run, state = helpers.compile_step(step, tx.init(params), dist, 3, extra_out=(P(),))
+  one_params, one_state = params, single.init(params)
+  for i in range(3):
+    params, state, loss = run(params, state, *batch)
+    one_loss, grads, stats = grad_fn(one_params, *batch, opt_state=one_state)
+    updates, one_state = single.update(grads, one_state, one_params, kfac_stats=stats,
+                                       **extra)
+    one_params = optax.apply_updates(one_params, updates)
+    np.testing.assert_allclose(loss, one_loss, rtol=1e-12, err_msg=f"step {i}")
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-13,
+                                                         err_msg=f"step {i}"),
+                 params, one_params)
+
+
+def test_local_factors_keep_each_devices_own_statistics(x64):
+  """DP-KFAC: an owner's factors are its own batch's statistics, so under a
+  `factor_reduction="local"` state the capture leaves `G` unweighted by the
+  devices' numbers of examples: each device's equals one device's on its
+  slice alone."""
+  del x64
+  loss_fn, params, batch = _masked_problem()
+  grad_fn = kd.value_and_grad(loss_fn)
+  layers = grad_fn.discover(params, *batch)
+  mesh = helpers.data_mesh(8)
+  tx = kd.kfac(0.1, layers=layers, distribution=kd.Distribution(
+      mesh, factor_reduction="local"))
+  state = kd.shard_state(tx.init(params), mesh)
+  local = jax.jit(jax.shard_map(
+      lambda s, *b: grad_fn(params, *b, opt_state=s)[2], mesh=mesh,
+      in_specs=(kd.partition_specs(state),) + (P("data"),) * 3, out_specs=P("data")))
+  stats = local(state, *batch)
+  one_state = kd.kfac(0.1, layers=layers).init(params)
+  for d in range(8):
+    alone = grad_fn(params, *(b[2 * d:2 * d + 2] for b in batch), opt_state=one_state)[2]
+    for name in ("l0", "l1"):
+      got = stats[name]["G"].reshape(8, -1)[d]
+      np.testing.assert_allclose(got, alone[name]["G"], rtol=1e-12, atol=1e-15,
+                                 err_msg=f"device {d} {name}")

@@ -35,7 +35,9 @@ Inside `shard_map` both the statistics and the gradients are the device's
 local ones (of its local batch): replicated parameters are cast to varying
 before differentiation, so autodiff does not sum their gradients over the
 axis. Average them yourself (`lax.pmean`) or let `kd.Distribution`'s
-`gradient_reduction` do it.
+`gradient_reduction` do it. Where the devices' numbers of examples differ (a
+loss mask), each comes back weighted as its share of the global batch's, so
+that the plain mean is the global batch's (`_shares_of_global_batch`).
 """
 
 from __future__ import annotations
@@ -228,9 +230,17 @@ class ValueAndGrad:
                        dict(found[0].stats_dtypes), frozenset(found[0].repeats))
 
   def __call__(self, params, *args, rng=None, opt_state=None, loss_scale=None, **kwargs):
-    value, grads, stats, _ = self._evaluate(params, args, kwargs, rng, opt_state,
+    value, grads, stats, n = self._evaluate(params, args, kwargs, rng, opt_state,
                                             loss_scale)
-    return value, grads, stats
+    return self._shares(value, grads, stats, n, args, kwargs, opt_state)
+
+  def _shares(self, value, grads, stats, n, args, kwargs, opt_state) -> tuple:
+    """`_shares_of_global_batch` over the axes the batch varies over; a
+    DP-KFAC state's statistics (its owners' own) left as they are."""
+    state = _statistics_consumer(opt_state)
+    return _shares_of_global_batch(
+        value, grads, stats, n, _compat.varying_axes(args, kwargs), self.has_aux,
+        weigh_stats=not getattr(state, "local_statistics", False))
 
   def accumulate(self, params, *args, micro_batches: int, rng=None, opt_state=None,
                  loss_scale=None, **kwargs):
@@ -275,7 +285,7 @@ class ValueAndGrad:
                           ).astype(v.dtype)
                     for key, v in layer.items()} for name, layer in stats.items()}
     value = (loss / n, aux) if self.has_aux else loss / n
-    return value, grads, stats
+    return self._shares(value, grads, stats, n, args, kwargs, opt_state)
 
   def gauss_newton_gram(self, params, vectors, *args, micro_batches: int = 1,
                         with_loss: bool = False, rng=None, opt_state=None,
@@ -419,6 +429,38 @@ class ValueAndGrad:
       g_scale = n * inv * inv
     value = (loss, aux) if self.has_aux else loss
     return value, grads, _statistics(probe_bar, g_scale, traces[0].scaled), n
+
+
+def _shares_of_global_batch(value: Any, grads: Any, stats: dict, n: Any,
+                            axes: tuple[str, ...], has_aux: bool, weigh_stats: bool
+                            ) -> tuple:
+  """Inside `shard_map`, each device's loss, gradients and (`weigh_stats`)
+  `G`/`F`/`S` weighted so that their mean over the batch's `axes` is the
+  global batch's, where the devices' numbers of examples `n_d` differ (a
+  loss mask): with `N = Σ_d n_d`, `P` devices and `⌈x⌉ = max(x, 1)` (the
+  registered loss's mean divides by `⌈n⌉`),
+
+      loss, ∇:   w_d = P ⌈n_d⌉ / ⌈N⌉,
+      G, F, S:   w_d · (N / ⌈N⌉) · (⌈n_d⌉ / n_d)   (0 where n_d = 0),
+
+  e.g. `(1/P) Σ_d w_d loss_d = Σ_d n_d loss_d / ⌈N⌉`. Equal `n_d` (no mask:
+  `n` a Python number, nothing done) give weights of exactly 1. `A`, a mean
+  over every device's positions, needs none."""
+  if not axes or isinstance(n, (int, float)):
+    return value, grads, stats
+  n = _compat.as_varying(jnp.asarray(n, factors.statistics_dtype(n)), axes)
+  total, one = jax.lax.psum(n, axes), jnp.ones_like(n)
+  weight = jax.lax.psum(1, axes) * jnp.maximum(n, one) / jnp.maximum(total, one)
+  stats_weight = weight * (total / jnp.maximum(total, one)) * jnp.where(
+      n > 0, jnp.maximum(n, one) / jnp.where(n > 0, n, one), 0)
+  times = lambda w: lambda x: (x * w.astype(x.dtype)).astype(x.dtype)
+  loss, aux = value if has_aux else (value, None)
+  loss = times(weight)(loss)
+  grads = jax.tree_util.tree_map(times(weight), grads)
+  if weigh_stats:
+    stats = {name: {key: times(stats_weight)(v) if key in factors.SCALED_BY_NUM_EXAMPLES
+                    else v for key, v in layer.items()} for name, layer in stats.items()}
+  return ((loss, aux) if has_aux else loss), grads, stats
 
 
 def _check_output(out: Any, has_aux: bool) -> None:

@@ -167,6 +167,8 @@ class Layout:
   factor_storage: str = CHUNKED      # CHUNKED | OWNER (see the module docstring)
   owner_sizes: tuple[int, ...] = ()  # numbers of running factors each device owns
   second_sizes: tuple[int, ...] = () # second-order numbers each device computes
+  # DP-KFAC: each owner builds its factors from its own batch's statistics
+  local_factors: bool = False
   # (module path, kind, reason) of the layers the capture could not tag
   # (`LayerRegistry.uncaptured`): their parameters are in `passthrough`.
   uncaptured: tuple[tuple[str, str, str], ...] = ()
@@ -604,15 +606,16 @@ def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
 def rebuild(lay: Layout, **changes) -> Layout:
   """`lay` as `build` makes it with some of its options changed (an older
   checkpoint's assignment, e.g. `align_groups=False`); the fields the
-  transform sets after `build` (storage, what the capture left out, the
-  strategy's explanation, the packing) are `lay`'s."""
+  transform sets after `build` (storage, local factors, what the capture left
+  out, the strategy's explanation, the packing) are `lay`'s."""
   if not lay.built_with:
     raise ValueError("rebuild needs a layout made by layout.build")
   layers, paths, options = lay.built_with
   new = build(layers, paths, **dict(options, **changes))
   return dataclasses.replace(
-      new, factor_storage=lay.factor_storage, uncaptured=lay.uncaptured,
-      strategy_choice=lay.strategy_choice, second_packing=lay.second_packing)
+      new, factor_storage=lay.factor_storage, local_factors=lay.local_factors,
+      uncaptured=lay.uncaptured, strategy_choice=lay.strategy_choice,
+      second_packing=lay.second_packing)
 
 
 # (factor name, copy, which, dim, form, columns): one factor slice a device owns

@@ -83,6 +83,12 @@ class ScaleByKfacState(states.PreconditionerState):
         refresh=refresh, correction=jax.tree_util.tree_map(lambda _: replicated,
                                                            self.correction))
 
+  @property
+  def local_statistics(self) -> bool:
+    """DP-KFAC: each owner's factors are its own batch's statistics, so the
+    capture leaves them unweighted by the devices' numbers of examples."""
+    return self.layout.local_factors
+
   def statistic_forms(self, layer_name: str) -> tuple[str, str] | None:
     """The forms ("full", "packed" or "diag") of the statistics `A` and `G`
     the state consumes for a tagged layer; None for a layer it skips. The

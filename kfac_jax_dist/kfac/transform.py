@@ -101,8 +101,8 @@ def build_layout(config: KfacConfig, comm: collectives_lib.Collectives,
   placement.check_skip_patterns(config.skip, lay.skipped, list(layers.names()),
                                 "tagged layer")
   uncaptured = tuple((u.where, u.kind, u.reason) for u in getattr(layers, "uncaptured", ()))
-  return dataclasses.replace(lay, uncaptured=uncaptured, strategy_choice=(
-      () if dist is None else dist.explanation))
+  return dataclasses.replace(lay, uncaptured=uncaptured, local_factors=config.local_factors,
+                             strategy_choice=() if dist is None else dist.explanation)
 
 
 def init_state(config: KfacConfig, comm: collectives_lib.Collectives,
