@@ -572,6 +572,89 @@ def test_injected_good_first_order_tail_changes_nothing(name):
     np.testing.assert_allclose(a, b, rtol=2e-3, atol=1e-7)
 
 
+def _injected(name: str, options: dict, static: tuple = ()) -> optax.GradientTransformation:
+  """`optax.inject_hyperparams` of `name` with `options` (learning rate 0.1),
+  `static` named in `static_args` too."""
+  make, static_args, options = _injectable(name, dict(learning_rate=0.1) | options)
+  return optax.inject_hyperparams(make, static_args=static_args + static)(**options)
+
+
+_STATE_KINDS = {"kfac": kd.ScaleByKfacState, "adaptive": kd.ScaleByKfacState,
+                "shampoo": kd.ScaleByShampooState, "soap": kd.ScaleBySoapState}
+
+
+def _jitted_step(name: str, tx, params, state):
+  """One jitted update (`kfac_batch` in adaptive mode)."""
+  batch = _batch(0)
+  _, grads, stats = GRAD_FN(params, *batch, opt_state=state)
+  extra = dict(kfac_stats=stats) | (dict(kfac_batch=batch) if name == "adaptive" else {})
+  return jax.jit(lambda g, s, p, e: tx.update(g, s, p, **e))(grads, state, params, extra)
+
+
+def _assert_one_good_step(name: str, tx, params, state) -> None:
+  """A jitted update from `state` (at count 0) is taken."""
+  _, state = _jitted_step(name, tx, params, state)
+  (found,) = states_lib.find_states(state, _STATE_KINDS[name])
+  assert (int(found.count), int(found.skipped)) == (1, 0)
+
+
+@pytest.mark.parametrize("name,option,value", [
+    ("shampoo", "block_size", 4), ("shampoo", "merge_small_dims", 4),
+    ("shampoo", "max_preconditioner_dim", 6), ("shampoo", "exponent_override", 4.0),
+    ("soap", "block_size", 4), ("soap", "max_preconditioner_dim", 6),
+    ("kfac", "max_factor_dim", 6), ("adaptive", "micro_batches", 2)])
+def test_injected_shape_options_need_static_args_when_traced(name, option, value):
+  """A shape option passed to `optax.inject_hyperparams` arrives as an array:
+  read where it is concrete it works (Shampoo's and SOAP's at a concrete init);
+  traced (the checkpoint template `jax.eval_shape(tx.init, params)`, and K-FAC's
+  jitted update, which reads it too) it raises, naming it and `static_args`.
+  Named in `static_args`, everything works."""
+  params = _params()
+  injected = _injected(name, {option: value})
+  match = rf"{option} decides .* static_args=\('{option}',\)"
+  with pytest.raises(TypeError, match=match):
+    jax.eval_shape(injected.init, params)
+  state = injected.init(params)
+  if name in ("kfac", "adaptive"):
+    with pytest.raises(TypeError, match=match):
+      _jitted_step(name, injected, params, state)
+  else:
+    _assert_one_good_step(name, injected, params, state)
+  static = _injected(name, {option: value}, (option,))
+  state = static.init(params)
+  template = jax.eval_shape(static.init, params)
+  assert jax.tree.structure(template) == jax.tree.structure(state)
+  _assert_one_good_step(name, static, params, state)
+
+
+@pytest.mark.parametrize("name,option,dtype", [
+    ("kfac", "factor_dtype", jnp.bfloat16), ("shampoo", "statistics_dtype", jnp.float32),
+    ("soap", "statistics_dtype", jnp.bfloat16)])
+def test_injected_dtypes_need_static_args(name, option, dtype):
+  """A dtype is callable: `optax.inject_hyperparams` takes it for a schedule,
+  whose value is an array; `init` refuses it by name, pointing to
+  `static_args`, where it works."""
+  params = _params()
+  with pytest.raises(TypeError, match=rf"{option} must be a floating dtype .* got an "
+                                      rf"array: .*static_args=\('{option}',\)"):
+    _injected(name, {option: dtype}).init(params)
+  static = _injected(name, {option: dtype}, (option,))
+  _assert_one_good_step(name, static, params, static.init(params))
+
+
+def test_injected_kfac_traces_with_its_defaults():
+  """`optax.inject_hyperparams(kd.kfac)` with no shape option given: the
+  checkpoint template and jitted steps need only `layers` static (the
+  defaults of `max_factor_dim` and `factor_dtype` are None, not injected)."""
+  params = _params()
+  tx = _injected("kfac", {})
+  state = tx.init(params)
+  assert jax.tree.structure(jax.eval_shape(tx.init, params)) == jax.tree.structure(state)
+  for _ in range(2):
+    _, state = _jitted_step("kfac", tx, params, state)
+  assert _skipped(state) == [0] and int(states_lib.find_states(state)[0].count) == 2
+
+
 def _tail_transform(name: str, **options) -> optax.GradientTransformation:
   if name == "kfac":
     return kd.kfac(layers=LAYERS, **options)

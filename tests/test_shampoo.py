@@ -2,6 +2,7 @@
 against scipy's fractional matrix powers."""
 
 import dataclasses
+import inspect
 import itertools
 import re
 
@@ -476,6 +477,29 @@ def test_shampoo_alias_is_the_chain_and_trains():
   p_inj, _ = train(injected, params)
   for a, b in zip(jax.tree_util.tree_leaves(p_inj), jax.tree_util.tree_leaves(p_alias)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_injected_shampoo_traces_with_its_default_shapes():
+  """`optax.inject_hyperparams(kd.shampoo)` leaves the shape options' defaults
+  static (numeric defaults would be injected as arrays, traced under
+  `jax.eval_shape` and `jit`): the checkpoint template `jax.eval_shape(tx.init,
+  params)`, a jitted init and jitted updates need no `static_args`, and equal
+  the concrete ones."""
+  params = {"w": jnp.ones((8, 16)), "c": jnp.ones((2, 3, 5)), "b": jnp.ones(16)}
+  grads = jax.tree.map(lambda x: 0.1 * x, params)
+  for make in (kd.shampoo, kd.scale_by_shampoo):
+    args = (1e-2,) if make is kd.shampoo else ()
+    tx = optax.inject_hyperparams(make)(*args)
+    state = tx.init(params)
+    template = jax.eval_shape(tx.init, params)
+    assert jax.tree.structure(template) == jax.tree.structure(state)
+    assert jax.tree.structure(jax.jit(tx.init)(params)) == jax.tree.structure(state)
+    assert "block_size" not in state.hyperparams
+    for _ in range(2):
+      updates, state = jax.jit(tx.update)(grads, state, params)
+    assert [int(s.count) for s in kd.find_states(state, kd.ScaleByShampooState)] == [2]
+    assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))
+  assert repr(inspect.signature(kd.shampoo).parameters["block_size"].default) == "128"
 
 
 @pytest.mark.parametrize("root_method", ["eigh", pytest.param("newton", marks=pytest.mark.slow)])

@@ -80,9 +80,16 @@ def check_interval(name: str, value: Any) -> None:
 
 
 def check_floating_dtype(name: str, dtype: Any) -> None:
-  """`dtype` must be a floating dtype (None: the default)."""
+  """`dtype` must be a floating dtype (None: the default). An array is what
+  `optax.inject_hyperparams` makes of a dtype: callable, it is taken for a
+  schedule, whose value is an array of the parameters' dtype."""
   if dtype is None:
     return
+  if isinstance(dtype, (jax.Array, np.ndarray)):
+    raise TypeError(f"{name} must be a floating dtype (e.g. jnp.float32, jnp.bfloat16), "
+                    f"got an array: optax.inject_hyperparams takes a dtype (a callable) "
+                    f"for a schedule; name {name} in static_args, e.g. "
+                    f"optax.inject_hyperparams(..., static_args=({name!r},)).")
   try:
     floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
   except TypeError as e:
@@ -114,6 +121,60 @@ def check_optional_positive_int(name: str, value: Any) -> None:
     return
   if not cadence.is_number(value) or int(value) != value or value < 1:
     raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+
+
+# ------------------------------------------------- structural options
+
+class StaticDefault:
+  """The default of a structural option (one that decides the state's shapes
+  or the program), that `optax.inject_hyperparams` passes through unchanged:
+  not an int, so it is not turned into an array (traced under `jax.eval_shape`
+  or `jit`) as numeric defaults are. Reads as its value (`int()`, `==`,
+  `repr`); `concrete` unwraps it."""
+
+  def __init__(self, value: int):
+    self.value = value
+
+  def __index__(self) -> int:
+    return self.value
+
+  def __int__(self) -> int:
+    return self.value
+
+  def __eq__(self, other: Any) -> bool:
+    return other is self or other == self.value
+
+  def __hash__(self) -> int:
+    return hash(self.value)
+
+  def __repr__(self) -> str:
+    return repr(self.value)
+
+
+def concrete(value: Any) -> Any:
+  """`value` as a Python number where it is known: a `StaticDefault`'s value,
+  a concrete scalar array's item (`optax.inject_hyperparams` at a concrete
+  `init`, or an eager `update`); anything else (a tracer, a number, None, a
+  bool) unchanged."""
+  if isinstance(value, StaticDefault):
+    return value.value
+  if (isinstance(value, (jax.Array, np.ndarray)) and not isinstance(value, jax.core.Tracer)
+      and np.ndim(value) == 0):
+    return np.asarray(value).item()
+  return value
+
+
+def static(name: str, value: Any) -> Any:
+  """A structural option's value, known when tracing (`concrete`); a traced
+  array raises, naming `name` and `static_args`."""
+  value = concrete(value)
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(
+        f"{name} decides the optimizer state's shapes or program, so it must be known "
+        f"when tracing, but it is a traced array: optax.inject_hyperparams turns every "
+        f"number passed to it into an array, traced under jax.eval_shape and jit: pass "
+        f"optax.inject_hyperparams(..., static_args=({name!r},)).")
+  return value
 
 
 # ------------------------------------------------------------------ run time

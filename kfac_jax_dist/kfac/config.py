@@ -2,9 +2,12 @@
 
 `KfacConfig` is built once per `scale_by_kfac` (and, under
 `optax.inject_hyperparams`, once per update with array values: the checks of
-numbers then apply to Python numbers only). The stages of `transform`
-(factors, decompositions, preconditioning) take it as their first argument;
-nothing else carries settings.
+numbers then apply to Python numbers only). `max_factor_dim` decides the
+layout, read at init and checked against the state at every update: an array
+from `optax.inject_hyperparams` must be concrete there (traced under `jit`:
+name it in `static_args`). The stages of `transform` (factors,
+decompositions, preconditioning) take it as their first argument; nothing
+else carries settings.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ class KfacConfig:
 
   def __post_init__(self):
     object.__setattr__(self, "skip", settings.check_patterns("skip", self.skip))
+    object.__setattr__(self, "max_factor_dim",
+                       settings.static("max_factor_dim", self.max_factor_dim))
     settings.check_floating_dtype("factor_dtype", self.factor_dtype)
     if self.factor_dtype is None:
       object.__setattr__(self, "factor_dtype", jnp.float32)

@@ -1,8 +1,10 @@
 """Shampoo's settings: one frozen, validated record that every stage reads.
 
 Built once per `scale_by_shampoo` (under `optax.inject_hyperparams`, once per
-update with array values: the checks of numbers apply to Python numbers only;
-the shape options are read, concretely, at init only).
+update with array values: the checks of numbers apply to Python numbers
+only). The shape options are read at init only, as Python numbers: their
+defaults stay static, and a value passed through `optax.inject_hyperparams`
+must be concrete there or named in `static_args`.
 """
 
 from __future__ import annotations
@@ -21,13 +23,21 @@ GraftType = Literal["sgd", "adagrad", "rmsprop", "adam", "none"]
 Grafting = Literal["block", "layer"]
 GRAFT_TYPES: tuple[GraftType, ...] = ("sgd", "adagrad", "rmsprop", "adam", "none")
 GRAFTINGS: tuple[Grafting, ...] = ("block", "layer")
+# The options that decide the layout of the blocks (`shape_options`): read at
+# init, where an array from `optax.inject_hyperparams` must be concrete.
+SHAPE_OPTIONS = ("block_size", "merge_small_dims", "max_preconditioner_dim",
+                 "exponent_override")
+# Their numeric defaults (Shampoo's and SOAP's), which `optax.inject_hyperparams`
+# leaves static, so that `jax.eval_shape(tx.init, params)` needs no `static_args`.
+BLOCK_SIZE: Any = settings.StaticDefault(128)
+MAX_PRECONDITIONER_DIM: Any = settings.StaticDefault(4096)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ShampooConfig:
   """The settings of `scale_by_shampoo` (see its docstring for each)."""
 
-  block_size: int | None = 128
+  block_size: int | None = BLOCK_SIZE
   beta2: float = 1.0
   epsilon: float = 1e-6
   graft_type: GraftType = "sgd"
@@ -38,7 +48,7 @@ class ShampooConfig:
   statistics_compute_steps: cadence.ScalarOrSchedule = 1
   preconditioning_compute_steps: cadence.ScalarOrSchedule = 1
   merge_small_dims: bool | int = True
-  max_preconditioner_dim: int | None = 4096
+  max_preconditioner_dim: int | None = MAX_PRECONDITIONER_DIM
   exponent_override: float | None = None
   root_method: roots.Method = "eigh"
   ridge_epsilon: float = 1e-6
@@ -51,6 +61,8 @@ class ShampooConfig:
 
   def __post_init__(self):
     object.__setattr__(self, "skip", settings.check_patterns("skip", self.skip))
+    for name in SHAPE_OPTIONS:   # numbers where known, checked as numbers
+      object.__setattr__(self, name, settings.concrete(getattr(self, name)))
     settings.check_floating_dtype("statistics_dtype", self.statistics_dtype)
     for name, value, allowed in (("graft_type", self.graft_type, GRAFT_TYPES),
                                  ("grafting", self.grafting, GRAFTINGS),
@@ -135,16 +147,17 @@ class ShampooConfig:
             and dist.gradient_reduction == "reduce_scatter")
 
   def shape_options(self) -> dict[str, Any]:
-    """The options of `blocks.build_layout`, as Python numbers."""
-    block = None if self.block_size is None else int(self.block_size)
-    if self.merge_small_dims is True:
+    """The options of `blocks.build_layout`, as Python numbers (a traced one,
+    from `optax.inject_hyperparams` under `jax.eval_shape` or `jit`, raises)."""
+    block, merge, dim, p = (settings.static(name, getattr(self, name))
+                            for name in SHAPE_OPTIONS)
+    block = None if block is None else int(block)
+    if merge is True:
       merge = block
-    elif self.merge_small_dims is False:
+    elif merge is False:
       merge = None
     else:
-      merge = int(self.merge_small_dims)
-    dim = self.max_preconditioner_dim
-    p = self.exponent_override
+      merge = int(merge)
     return dict(block_size=block, merge_threshold=merge,
                 max_preconditioner_dim=None if dim is None else int(dim),
                 exponent_override=None if p is None else float(p))

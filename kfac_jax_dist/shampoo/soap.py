@@ -76,6 +76,7 @@ from kfac_jax_dist.shampoo import blocks
 from kfac_jax_dist.shampoo import step as step_lib
 from kfac_jax_dist.shampoo import state as state_lib
 from kfac_jax_dist.shampoo import transform as shampoo_transform
+from kfac_jax_dist.shampoo.config import BLOCK_SIZE, MAX_PRECONDITIONER_DIM
 from kfac_jax_dist.shampoo.config import ShampooConfig
 
 STATISTICS_EPSILON = 1e-30
@@ -91,9 +92,9 @@ class SoapConfig:
   eps: float = 1e-8
   shampoo_beta: float | None = None
   precondition_every: cadence.ScalarOrSchedule = 10
-  block_size: int | None = 128
+  block_size: int | None = BLOCK_SIZE
   merge_small_dims: bool | int = True
-  max_preconditioner_dim: int | None = 4096
+  max_preconditioner_dim: int | None = MAX_PRECONDITIONER_DIM
   skip: Sequence[str] = ()
   statistics_dtype: Any = None
   distribution: distribution_lib.Distribution | None = None
@@ -396,9 +397,9 @@ def scale_by_soap(
     *,
     shampoo_beta: float | None = None,
     precondition_every: cadence.ScalarOrSchedule = 10,
-    block_size: int | None = 128,
+    block_size: int | None = BLOCK_SIZE,
     merge_small_dims: bool | int = True,
-    max_preconditioner_dim: int | None = 4096,
+    max_preconditioner_dim: int | None = MAX_PRECONDITIONER_DIM,
     skip: Sequence[str] = (),
     statistics_dtype: Any = None,
     distribution: distribution_lib.Distribution | None = None,
@@ -468,9 +469,9 @@ def soap(
     *,
     shampoo_beta: float | None = None,
     precondition_every: cadence.ScalarOrSchedule = 10,
-    block_size: int | None = 128,
+    block_size: int | None = BLOCK_SIZE,
     merge_small_dims: bool | int = True,
-    max_preconditioner_dim: int | None = 4096,
+    max_preconditioner_dim: int | None = MAX_PRECONDITIONER_DIM,
     skip: Sequence[str] = (),
     statistics_dtype: Any = None,
     distribution: distribution_lib.Distribution | None = None,
@@ -480,7 +481,11 @@ def soap(
   `skip_faulty_steps(optax.chain(scale_by_soap(...),
   add_decayed_weights(weight_decay), scale_by_learning_rate(learning_rate)))`:
   the update is `−η (N + w θ)`, and a step SOAP skips changes nothing in the
-  chain. Works with `optax.inject_hyperparams`.
+  chain. Works with `optax.inject_hyperparams`; the shape options
+  (`block_size`, `merge_small_dims`, `max_preconditioner_dim`) and
+  `statistics_dtype`, when given, go in its `static_args` (their defaults stay
+  static): otherwise `init` refuses the dtype, and a shape option where it is
+  traced (`jax.eval_shape(tx.init, params)`, a jitted `init`), naming it.
 
   Args:
     learning_rate: `η` ≥ 0, a float or an optax schedule of the update count.

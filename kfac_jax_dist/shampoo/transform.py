@@ -67,6 +67,8 @@ from kfac_jax_dist.shampoo import roots
 from kfac_jax_dist.shampoo import step as step_lib
 from kfac_jax_dist.shampoo.config import GraftType
 from kfac_jax_dist.shampoo.config import Grafting
+from kfac_jax_dist.shampoo.config import BLOCK_SIZE
+from kfac_jax_dist.shampoo.config import MAX_PRECONDITIONER_DIM
 from kfac_jax_dist.shampoo.config import ShampooConfig
 from kfac_jax_dist.shampoo.state import ScaleByShampooState
 
@@ -156,7 +158,7 @@ def update_state(config: ShampooConfig, comm: collectives_lib.Collectives, updat
 
 
 def scale_by_shampoo(
-    block_size: int | None = 128,
+    block_size: int | None = BLOCK_SIZE,
     beta2: float = 1.0,
     epsilon: float = 1e-6,
     *,
@@ -168,7 +170,7 @@ def scale_by_shampoo(
     statistics_compute_steps: cadence.ScalarOrSchedule = 1,
     preconditioning_compute_steps: cadence.ScalarOrSchedule = 1,
     merge_small_dims: bool | int = True,
-    max_preconditioner_dim: int | None = 4096,
+    max_preconditioner_dim: int | None = MAX_PRECONDITIONER_DIM,
     exponent_override: float | None = None,
     root_method: roots.Method = "eigh",
     ridge_epsilon: float = 1e-6,
@@ -270,7 +272,7 @@ def shampoo(
     weight_decay: float = 0.0,
     nesterov: bool = False,
     *,
-    block_size: int | None = 128,
+    block_size: int | None = BLOCK_SIZE,
     beta2: float = 1.0,
     epsilon: float = 1e-6,
     graft_type: GraftType = "sgd",
@@ -281,7 +283,7 @@ def shampoo(
     statistics_compute_steps: cadence.ScalarOrSchedule = 1,
     preconditioning_compute_steps: cadence.ScalarOrSchedule = 1,
     merge_small_dims: bool | int = True,
-    max_preconditioner_dim: int | None = 4096,
+    max_preconditioner_dim: int | None = MAX_PRECONDITIONER_DIM,
     exponent_override: float | None = None,
     root_method: roots.Method = "eigh",
     ridge_epsilon: float = 1e-6,
@@ -299,8 +301,12 @@ def shampoo(
   weight decay is added to the grafted Shampoo step (it is not preconditioned)
   and goes through momentum, as in Anil et al.'s implementation, and a step
   that Shampoo skips (non-finite gradient, statistic or update) changes
-  nothing in the chain's state. Works with `optax.inject_hyperparams`. The
-  module docstring has the math.
+  nothing in the chain's state. Works with `optax.inject_hyperparams`; the
+  shape options (`block_size`, `merge_small_dims`, `max_preconditioner_dim`,
+  `exponent_override`) and `statistics_dtype`, when given, go in its
+  `static_args` (their defaults stay static): otherwise `init` refuses the
+  dtype, and a shape option where it is traced (`jax.eval_shape(tx.init,
+  params)`, a jitted `init`), naming it. The module docstring has the math.
 
   Args:
     learning_rate: a float ≥ 0 or an optax schedule of the update count.
