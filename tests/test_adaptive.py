@@ -485,6 +485,16 @@ def test_inject_hyperparams_fixes_or_adapts():
   assert int(_adaptive_state(state).count) == 1 and np.isfinite(_flat(updates)).all()
 
 
+def test_inject_hyperparams_with_grad_fn_not_static_names_static_args():
+  """optax takes a callable hyperparameter for a schedule and calls it with
+  the step count: `grad_fn` left out of `static_args` says so by name."""
+  layers = GRAD_FN.discover(_params(), *_batch(0))
+  tx = optax.inject_hyperparams(kd.kfac, static_args=("layers",))(
+      learning_rate=None, momentum=None, layers=layers, grad_fn=GRAD_FN)
+  with pytest.raises(TypeError, match=r"as optax calls a schedule .*static_args=\('grad_fn'"):
+    tx.init(_params())
+
+
 def _scanned_loss(params, x, y):
   """Three tanh Dense blocks, stacked leaves run by `lax.scan` (`stack_index`)."""
   blocks = params["blocks"]

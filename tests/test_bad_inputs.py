@@ -628,7 +628,7 @@ def test_injected_shape_options_need_static_args_when_traced(name, option, value
 
 
 @pytest.mark.parametrize("name,option,dtype", [
-    ("kfac", "factor_dtype", jnp.bfloat16), ("shampoo", "statistics_dtype", jnp.float32),
+    ("kfac", "factor_dtype", jnp.bfloat16), ("shampoo", "statistics_dtype", jnp.bfloat16),
     ("soap", "statistics_dtype", jnp.bfloat16)])
 def test_injected_dtypes_need_static_args(name, option, dtype):
   """A dtype is callable: `optax.inject_hyperparams` takes it for a schedule,

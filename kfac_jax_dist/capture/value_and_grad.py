@@ -230,6 +230,7 @@ class ValueAndGrad:
                        dict(found[0].stats_dtypes), frozenset(found[0].repeats))
 
   def __call__(self, params, *args, rng=None, opt_state=None, loss_scale=None, **kwargs):
+    _check_not_a_schedule(params, args, kwargs)
     value, grads, stats, n = self._evaluate(params, args, kwargs, rng, opt_state,
                                             loss_scale)
     return self._shares(value, grads, stats, n, args, kwargs, opt_state)
@@ -461,6 +462,18 @@ def _shares_of_global_batch(value: Any, grads: Any, stats: dict, n: Any,
     stats = {name: {key: times(stats_weight)(v) if key in factors.SCALED_BY_NUM_EXAMPLES
                     else v for key, v in layer.items()} for name, layer in stats.items()}
   return ((loss, aux) if has_aux else loss), grads, stats
+
+
+def _check_not_a_schedule(params: Any, args: tuple, kwargs: dict) -> None:
+  """`grad_fn(count)`: optax called it as a schedule of the step count (a
+  callable hyperparameter of `optax.inject_hyperparams`), not as the loss's
+  gradient: say so, where the loss function would fail on its arguments."""
+  if (not args and not kwargs and hasattr(params, "dtype") and jnp.ndim(params) == 0
+      and jnp.issubdtype(params.dtype, jnp.integer)):
+    raise TypeError("grad_fn was called with an integer scalar alone, as optax calls a "
+                    "schedule with the step count: with optax.inject_hyperparams, name "
+                    "grad_fn in its static_args, e.g. optax.inject_hyperparams(kd.kfac, "
+                    "static_args=('grad_fn', 'layers')).")
 
 
 def _check_output(out: Any, has_aux: bool) -> None:

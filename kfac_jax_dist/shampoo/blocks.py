@@ -376,9 +376,10 @@ def axis_statistic(blocks: jax.Array, i: int) -> jax.Array:
 
 def accumulate(old: jax.Array, batch: jax.Array, beta2: float) -> jax.Array:
   """`H ← β₂ H + w G_(i)G_(i)ᵀ` for a bucket `[n, d, d]`: `w = 1 − β₂`, or 1 for
-  `β₂ = 1` (the sum, AdaGrad-like)."""
+  `β₂ = 1` (the sum, AdaGrad-like), in `old`'s dtype (a `β₂` injected as a
+  float32 array by `optax.inject_hyperparams` does not promote bfloat16)."""
   weight = jnp.where(jnp.asarray(beta2) == 1.0, 1.0, 1.0 - jnp.asarray(beta2))
-  return beta2 * old + weight * batch.astype(old.dtype)
+  return (beta2 * old + weight * batch.astype(old.dtype)).astype(old.dtype)
 
 
 def precondition_blocks(blocks: jax.Array, axis_roots: Sequence[jax.Array]) -> jax.Array:
