@@ -305,6 +305,28 @@ def test_kl_clip_formula():
     kd.scale_by_kfac(layers=layers, kl_clip=1e-3)
 
 
+def test_kl_clip_reads_schedules_at_the_update_count():
+  """`η` and `κ` schedules are read at the update's own count (as the SGD
+  tail reads `η`), not at the next one: two updates, ν from η(k), κ(k)."""
+  rng, layers, params = _setup()
+  eta, kappa = (lambda c: 0.5 * 0.5 ** c), (lambda c: 1e-4 * 2.0 ** c)
+  plain = kd.scale_by_kfac(layers=layers, damping=0.01, factor_dtype=F64)
+  clipped = kd.scale_by_kfac(layers=layers, damping=0.01, kl_clip=kappa,
+                             learning_rate=eta, factor_dtype=F64)
+  stats, grads = _stats(rng, layers), _random_grads(rng, params)
+  p_state, c_state = plain.init(params), clipped.init(params)
+  for count in range(2):
+    v, p_state = plain.update(grads, p_state, kfac_stats=stats)
+    c, c_state = clipped.update(grads, c_state, kfac_stats=stats)
+    vg = sum(abs(float(np.sum(_grad_matrix(l, v) * _grad_matrix(l, grads))))
+             for l in layers)
+    nu = min(1.0, np.sqrt(kappa(count) / (eta(count) ** 2 * vg)))
+    assert nu < 1.0
+    for l in layers:
+      np.testing.assert_allclose(_grad_matrix(l, c), nu * _grad_matrix(l, v), rtol=1e-10,
+                                 err_msg=f"count {count}")
+
+
 def test_untagged_and_skipped_parameters_pass_through():
   rng, layers, params = _setup()
   params["extra"] = {"scale": jnp.ones((3,), F64)}

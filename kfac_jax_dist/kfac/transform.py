@@ -400,11 +400,13 @@ def corrected_states(config: KfacConfig, comm: collectives_lib.Collectives,
 
 def preconditioned_updates(config: KfacConfig, comm: collectives_lib.Collectives,
                            state: ScaleByKfacState, updates: Any,
-                           leaves: dict[str, jax.Array], gamma: jax.Array
-                           ) -> tuple[Any, jax.Array]:
+                           leaves: dict[str, jax.Array], gamma: jax.Array,
+                           count: jax.Array) -> tuple[Any, jax.Array]:
   """The updates with every tagged layer's gradient preconditioned (from the
-  refreshed `state`) and KL-clipped, untagged leaves passing through; and
-  whether they are finite (`produced_finite`)."""
+  refreshed `state`) and KL-clipped with the schedules' values at the
+  update's `count` (the refreshed state's is already the next one),
+  untagged leaves passing through; and whether they are finite
+  (`produced_finite`)."""
   lay = state.layout
   replicated = ({} if not config.model_axes else
                 tensor_parallel.replicated_axes(updates, config.distribution))
@@ -421,7 +423,7 @@ def preconditioned_updates(config: KfacConfig, comm: collectives_lib.Collectives
   out, vg = precondition.precondition(config, comm, lay, state.second_order, gamma,
                                       grad_of, kl_weight, scaling)
   leaves = dict(leaves)
-  precondition.write_back(lay, out, leaves, precondition.kl_clip(config, vg, state.count))
+  precondition.write_back(lay, out, leaves, precondition.kl_clip(config, vg, count))
   flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
   return (jax.tree_util.tree_unflatten(
       treedef, [leaves[registry.path_str(p)] for p, _ in flat]),
@@ -468,7 +470,7 @@ def update_state(config: KfacConfig, comm: collectives_lib.Collectives, updates:
   if state.correction is not None:
     applied, new_state = corrected_states(config, comm, state, new_state, stats, ok)
   new_updates, produced = preconditioned_updates(config, comm, applied, updates, leaves,
-                                                 gamma)
+                                                 gamma, state.count)
   with jax.named_scope(faults.SCOPE):
     ok = faults.computed_once(
         faults.agree(ok & stats_ok & produced, _compat.varying_axes(produced)))
