@@ -28,7 +28,9 @@ layers only (those with a refreshed factor), and only theirs are reset.
 
 Layers corrected: Dense, DenseGeneral and Conv layers whose `A` and `G` are
 full matrices; the others (diagonal factors, embeddings, unit-wise layers)
-keep K-FAC's preconditioning. With a distribution, `S` is averaged over the
+keep K-FAC's preconditioning, from the second-order state the step started
+with like the corrected ones (one array: a decomposition reaches them one
+step later than under K-FAC). With a distribution, `S` is averaged over the
 data axis (one all-reduce of gradient size on factor steps) and `s` is
 replicated. Every device projects its own examples, so it needs every
 eigenbasis: with one owner group (COMM-OPT) it has them; with several
