@@ -194,10 +194,12 @@ def test_non_finite_gradient_skips_the_step():
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(b1=1.0), "b1"), (dict(precondition_every=0), "precondition_every"),
-    (dict(shampoo_beta=0.0), "shampoo_beta"), (dict(block_size=0), "block_size")])
+    (dict(shampoo_beta=0.0), "shampoo_beta"), (dict(block_size=0), "block_size"),
+    (dict(b2=0.0), "b2=0 with shampoo_beta=None .* pass shampoo_beta")])
 def test_bad_settings_are_refused(kwargs, message):
   with pytest.raises(ValueError, match=message):
     kd.scale_by_soap(**kwargs)
+  kd.scale_by_soap(b2=0.0, shampoo_beta=0.5)      # Adam's b2 = 0 itself is allowed
 
 
 def test_precondition_every_takes_a_schedule():

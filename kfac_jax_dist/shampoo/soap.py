@@ -106,6 +106,10 @@ class SoapConfig:
     if self.shampoo_beta is not None:
       settings.check_range("shampoo_beta", self.shampoo_beta, 0.0, 1.0,
                            closed_low=False, closed_high=True)
+    elif cadence.is_number(self.b2) and self.b2 == 0:
+      raise ValueError("b2=0 with shampoo_beta=None would make the statistics' β_s "
+                       "(shampoo_beta, b2 by default) 0, outside (0, 1]: pass "
+                       "shampoo_beta explicitly.")
     settings.check_interval("precondition_every", self.precondition_every)
     _ = self.shampoo                  # Shampoo's checks of the shared options
 
@@ -414,7 +418,8 @@ def scale_by_soap(
     b2: Adam's `β₂` (second moment, rotated coordinates), in [0, 1).
     eps: Adam's `ε`, added to `√V̂`.
     shampoo_beta: `β_s` of the statistics `H ← β_s H + (1 − β_s) G_(i)G_(i)ᵀ`,
-      in (0, 1]; None: `b2`.
+      in (0, 1] (1: the sum `H ← H + G_(i)G_(i)ᵀ`, as Shampoo's `beta2=1`);
+      None: `b2` (then `b2 > 0`).
     precondition_every: recompute the eigenbases when `count % this == 0`
       (a positive int or a schedule; an eigendecomposition of every block
       statistic). The paper's 10.

@@ -341,8 +341,8 @@ def shampoo(
       ≤ `block_size`; an int: up to that; False: no merging (size-1 axes are
       dropped either way).
     max_preconditioner_dim: parameters with a merged axis longer than this get
-      the grafted diagonal update only (None: no limit). It matters only
-      without blocking: blocks are at most `block_size` long.
+      the grafted diagonal update only (None: no limit), blocked or not (the
+      merged axis is compared before blocking).
     exponent_override: `p` of every root `H^{-1/p}` (None: `2k` for an
       order-`k` block); positive, an integer with "newton".
     root_method: "eigh" (eigendecomposition, default) or "newton" (coupled
