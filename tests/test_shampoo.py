@@ -181,6 +181,19 @@ def test_merge_small_dims_and_blocks():
                                                (3, 2): 1}
 
 
+@pytest.mark.parametrize("make", [kd.scale_by_shampoo, kd.scale_by_soap])
+def test_empty_parameters_take_the_diagonal_update(make):
+  """A parameter with a zero-size axis (an empty embedding table, say) has
+  nothing to precondition: it is laid out diagonal, and its update is empty."""
+  params = {"e": jnp.zeros((0, 5)), "f": jnp.zeros((3, 0, 4)), "w": jnp.ones((3, 4))}
+  tx = make()
+  state = tx.init(params)
+  assert [plan.preconditioned for plan in state.layout.params] == [False, False, True]
+  updates, _ = tx.update(jax.tree.map(jnp.ones_like, params), state)
+  assert updates["e"].shape == (0, 5) and updates["f"].shape == (3, 0, 4)
+  assert np.isfinite(np.asarray(updates["w"])).all()
+
+
 @pytest.mark.parametrize("p", [1, 4, 6])
 @pytest.mark.parametrize("method", ["eigh", "newton"])
 def test_inverse_roots_match_scipy(method, p, x64):

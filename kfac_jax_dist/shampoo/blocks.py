@@ -9,9 +9,9 @@ Shapes (Anil et al. 2020, §5; Google's `distributed_shampoo`):
 2. Blocking: every merged axis longer than `block_size` is cut into blocks of
    `block_size` plus one smaller last block when the length is not a multiple
    (exact: no padding). Each block of order `k` has its own `k` statistics.
-3. Parameters of rank < 2, those with a merged axis longer than
-   `max_preconditioner_dim`, and those matching `skip` use the grafted
-   diagonal method only. (A rank-≥2 parameter whose merged shape has one axis
+3. Parameters of rank < 2, empty ones (a zero-size axis), those with a
+   merged axis longer than `max_preconditioner_dim`, and those matching
+   `skip` use the grafted diagonal method only. (A rank-≥2 parameter whose merged shape has one axis
    is preconditioned as an order-1 tensor: full-matrix AdaGrad, `p = 2`.)
 
 Statistics of equal dimension `d` and equal root `p` are stacked into one
@@ -183,7 +183,8 @@ def build_layout(paths_and_shapes: Sequence[tuple[str, tuple[int, ...]]], *,
   plans = []
   for path, shape in paths_and_shapes:
     merged = merge_small_dims(shape, merge_threshold)
-    diagonal = (len(shape) < 2 or not merged or any(re.search(s, path) for s in skip)
+    diagonal = (len(shape) < 2 or not merged or 0 in shape
+                or any(re.search(s, path) for s in skip)
                 or (max_preconditioner_dim is not None
                     and max(merged) > max_preconditioner_dim))
     if diagonal:
