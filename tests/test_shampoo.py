@@ -181,6 +181,13 @@ def test_merge_small_dims_and_blocks():
                                                (3, 2): 1}
 
 
+def test_zero_graft_epsilon_is_refused():
+  """`ε_graft = 0` would divide a zero gradient coordinate 0 by 0 in the
+  diagonal grafted methods, skipping every step: refused by name."""
+  with pytest.raises(ValueError, match="graft_epsilon"):
+    kd.scale_by_shampoo(graft_type="adagrad", graft_epsilon=0.0)
+
+
 @pytest.mark.parametrize("make", [kd.scale_by_shampoo, kd.scale_by_soap])
 def test_empty_parameters_take_the_diagonal_update(make):
   """A parameter with a zero-size axis (an empty embedding table, say) has

@@ -195,7 +195,8 @@ def test_non_finite_gradient_skips_the_step():
 @pytest.mark.parametrize("kwargs,message", [
     (dict(b1=1.0), "b1"), (dict(precondition_every=0), "precondition_every"),
     (dict(shampoo_beta=0.0), "shampoo_beta"), (dict(block_size=0), "block_size"),
-    (dict(b2=0.0), "b2=0 with shampoo_beta=None .* pass shampoo_beta")])
+    (dict(b2=0.0), "b2=0 with shampoo_beta=None .* pass shampoo_beta"),
+    (dict(eps=0.0), "eps")])
 def test_bad_settings_are_refused(kwargs, message):
   with pytest.raises(ValueError, match=message):
     kd.scale_by_soap(**kwargs)

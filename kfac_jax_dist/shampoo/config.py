@@ -75,7 +75,7 @@ class ShampooConfig:
       raise ValueError(f"block_size must be positive or None, got {self.block_size}")
     settings.check_positive("epsilon", self.epsilon)
     settings.check_positive("ridge_epsilon", self.ridge_epsilon, allow_zero=True)
-    settings.check_positive("graft_epsilon", self.graft_epsilon, allow_zero=True)
+    settings.check_positive("graft_epsilon", self.graft_epsilon)  # 0: 0/0 on a zero gradient
     if self.distribution is not None and not isinstance(
         self.distribution, distribution_lib.Distribution):
       raise TypeError(f"distribution must be a kd.Distribution or None, got "

@@ -102,7 +102,7 @@ class SoapConfig:
   def __post_init__(self):
     settings.check_range("b1", self.b1, 0.0, 1.0)
     settings.check_range("b2", self.b2, 0.0, 1.0)
-    settings.check_positive("eps", self.eps, allow_zero=True)
+    settings.check_positive("eps", self.eps)     # 0: 0/0 where a coordinate never moved
     if self.shampoo_beta is not None:
       settings.check_range("shampoo_beta", self.shampoo_beta, 0.0, 1.0,
                            closed_low=False, closed_high=True)
@@ -130,7 +130,7 @@ class SoapConfig:
     return settings.all_ok([
         lambda: settings.range_ok(self.b1, count, 0.0, 1.0),
         lambda: settings.range_ok(self.b2, count, 0.0, 1.0),
-        lambda: settings.positive_ok(self.eps, count, allow_zero=True),
+        lambda: settings.positive_ok(self.eps, count),
         lambda: settings.interval_ok(self.precondition_every, count)])
 
 
@@ -416,7 +416,8 @@ def scale_by_soap(
   Args:
     b1: Adam's `β₁` (first moment, original coordinates), in [0, 1).
     b2: Adam's `β₂` (second moment, rotated coordinates), in [0, 1).
-    eps: Adam's `ε`, added to `√V̂`.
+    eps: Adam's `ε` > 0, added to `√V̂` (with 0 a coordinate whose gradient
+      is still 0 divides 0 by 0, and every step is skipped).
     shampoo_beta: `β_s` of the statistics `H ← β_s H + (1 − β_s) G_(i)G_(i)ᵀ`,
       in (0, 1] (1: the sum `H ← H + G_(i)G_(i)ᵀ`, as Shampoo's `beta2=1`);
       None: `b2` (then `b2 > 0`).

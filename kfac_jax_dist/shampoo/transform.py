@@ -195,7 +195,8 @@ def scale_by_shampoo(
     grafting: "block" (one norm per block) or "layer" (one per parameter).
     graft_beta2: `β` of "rmsprop"/"adam" grafting (default: `beta2`, which
       must then be < 1).
-    graft_epsilon: `ε_graft` of the diagonal grafted methods.
+    graft_epsilon: `ε_graft` > 0 of the diagonal grafted methods (with 0 a
+      zero gradient coordinate divides 0 by 0, and every step is skipped).
     start_preconditioning_step: the grafted update alone before this count
       (an int ≥ 0 or a schedule of the count).
     statistics_compute_steps: update the statistics when `count % this == 0`
@@ -326,7 +327,8 @@ def shampoo(
       parameter).
     graft_beta2: `β` of "rmsprop" / "adam" grafting, in [0, 1); None: `beta2`,
       which must then be below 1.
-    graft_epsilon: `ε_graft` of the diagonal grafted methods.
+    graft_epsilon: `ε_graft` > 0 of the diagonal grafted methods (with 0 a
+      zero gradient coordinate divides 0 by 0, and every step is skipped).
     start_preconditioning_step: before this update count every parameter gets
       the grafted update alone; an int ≥ 0 or a schedule of the count.
     statistics_compute_steps: update the statistics when `count % this == 0`,
