@@ -136,11 +136,9 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
   weight decay is added to the preconditioned gradient and goes through
   momentum, like PyTorch SGD after KAISA's `preconditioner.step()`, and a step
   that K-FAC skips (non-finite gradient, statistic or update) changes nothing in the
-  chain's state. Works with `optax.inject_hyperparams`; the options that shape
-  the state or the program (`max_factor_dim`, `micro_batches`) and the
-  callables that are not schedules (`factor_dtype`, `grad_fn`), when given,
-  go in its `static_args` (otherwise `init`, or the first jitted `update`,
-  raises, naming the option; `grad_fn` would be called as a schedule).
+  chain's state. Works with `optax.inject_hyperparams`, with `max_factor_dim`,
+  `micro_batches`, `factor_dtype` and `grad_fn`, when given, in its
+  `static_args` (else `init` or the first jitted `update` raises, naming it).
 
   Adaptive mode (Martens & Grosse 2015, §6-7; `kfac.adaptive`): with
   `learning_rate=None` and/or `momentum=None` the update is `αΔ + μv` with the
@@ -191,13 +189,11 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
       step no longer depends on `learning_rate`.
     factor_dtype: storage dtype of the running factors (None: float32;
       `jnp.bfloat16` halves them); decompositions run in float32 at least.
-      With `optax.inject_hyperparams`, name it in `static_args`.
     skip: regular expressions searched in the layer names; matching layers
       (e.g. a vocabulary-sized output layer) pass through unpreconditioned. A
       pattern that matches no layer raises.
     max_factor_dim: factors of larger dimension are kept as their diagonal,
-      never formed as matrices; None: no limit. It shapes the state: with
-      `optax.inject_hyperparams`, name it in `static_args`.
+      never formed as matrices; None: no limit.
     distribution: a `kd.Distribution`: `update` then runs inside `shard_map`
       over its axis, with the state's specs from `kd.partition_specs`. None:
       one device.
