@@ -408,3 +408,20 @@ def narrow_second_rows(monkeypatch) -> None:
   """Second-order arrays in rows of `1.5·L₂`, as `layout.row_width` cuts an
   array past int32 numbers, so that segments lie in several rows."""
   monkeypatch.setattr(layout_lib, "row_width", lambda sizes, longest: longest * 3 // 2)
+
+
+def assert_injected_traces(tx, params, grads, state_class, static_default: str) -> None:
+  """An `optax.inject_hyperparams` transform whose shape defaults stay static
+  (`static_default` not among its hyperparameters): its checkpoint template
+  `jax.eval_shape(tx.init, params)` and jitted init have the concrete init's
+  structure, and two jitted updates count 2 with finite updates."""
+  state = tx.init(params)
+  assert jax.tree_util.tree_structure(jax.eval_shape(tx.init, params)) == \
+      jax.tree_util.tree_structure(state)
+  assert jax.tree_util.tree_structure(jax.jit(tx.init)(params)) == \
+      jax.tree_util.tree_structure(state)
+  assert static_default not in state.hyperparams
+  for _ in range(2):
+    updates, state = jax.jit(tx.update)(grads, state, params)
+  assert [int(s.count) for s in kd.find_states(state, state_class)] == [2]
+  assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree_util.tree_leaves(updates))

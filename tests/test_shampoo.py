@@ -507,18 +507,9 @@ def test_injected_shampoo_traces_with_its_default_shapes():
   the concrete ones."""
   params = {"w": jnp.ones((8, 16)), "c": jnp.ones((2, 3, 5)), "b": jnp.ones(16)}
   grads = jax.tree.map(lambda x: 0.1 * x, params)
-  for make in (kd.shampoo, kd.scale_by_shampoo):
-    args = (1e-2,) if make is kd.shampoo else ()
-    tx = optax.inject_hyperparams(make)(*args)
-    state = tx.init(params)
-    template = jax.eval_shape(tx.init, params)
-    assert jax.tree.structure(template) == jax.tree.structure(state)
-    assert jax.tree.structure(jax.jit(tx.init)(params)) == jax.tree.structure(state)
-    assert "block_size" not in state.hyperparams
-    for _ in range(2):
-      updates, state = jax.jit(tx.update)(grads, state, params)
-    assert [int(s.count) for s in kd.find_states(state, kd.ScaleByShampooState)] == [2]
-    assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))
+  for make, args in ((kd.shampoo, (1e-2,)), (kd.scale_by_shampoo, ())):
+    helpers.assert_injected_traces(optax.inject_hyperparams(make)(*args), params, grads,
+                                   kd.ScaleByShampooState, "block_size")
   assert repr(inspect.signature(kd.shampoo).parameters["block_size"].default) == "128"
 
 

@@ -222,18 +222,9 @@ def test_injected_soap_traces_with_its_default_shapes():
   static: the checkpoint template `jax.eval_shape(tx.init, params)`, a jitted
   init and jitted updates need no `static_args`."""
   params, grads = _params(), _grads(np.random.default_rng(3))
-  for make in (kd.soap, kd.scale_by_soap):
-    args = (3e-3,) if make is kd.soap else ()
-    tx = optax.inject_hyperparams(make)(*args)
-    state = tx.init(params)
-    template = jax.eval_shape(tx.init, params)
-    assert jax.tree.structure(template) == jax.tree.structure(state)
-    assert jax.tree.structure(jax.jit(tx.init)(params)) == jax.tree.structure(state)
-    assert "max_preconditioner_dim" not in state.hyperparams
-    for _ in range(2):
-      updates, state = jax.jit(tx.update)(grads, state, params)
-    assert [int(s.count) for s in kd.find_states(state, kd.ScaleBySoapState)] == [2]
-    assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))
+  for make, args in ((kd.soap, (3e-3,)), (kd.scale_by_soap, ())):
+    helpers.assert_injected_traces(optax.inject_hyperparams(make)(*args), params, grads,
+                                   kd.ScaleBySoapState, "max_preconditioner_dim")
 
 
 def test_a_donating_step_runs():
