@@ -209,6 +209,22 @@ def test_ekfac_tensor_parallel_equals_block_model(fraction):
                                  err_msg=f"shard {i} {name}")
 
 
+def test_describe_counts_every_model_shard():
+  """`kd.describe` of a tensor-parallel K-FAC state: one model shard's layers,
+  said to be kept for each of the `M` shards, and the state's bytes on all
+  `DATA · M` devices, `M` times one data group's."""
+  params, x, y = _problem()
+  grad_fn = kd.value_and_grad(tp_loss)
+  dist = _dist(1 / 2)
+  text = kd.describe(_kfac(grad_fn.discover(params, x, y, distribution=dist), dist).init(
+      params), print_table=False)
+  assert f"kept for each of the {M} model shards ({DATA * M} devices)" in text
+  per_device, on_all = (int(v.replace(",", "")) for v in re.search(
+      r"K-FAC state: ([\d,]+) bytes per device \(([\d,]+) on all (\d+) devices\)",
+      text).groups()[:2])
+  assert on_all == DATA * M * per_device
+
+
 @pytest.mark.slow     # (.ci/run runs it on the oldest jax)
 def test_convert_state_between_strategies_continues():
   """Two steps under COMM-OPT, `kd.convert_state` to MEM-OPT (each model

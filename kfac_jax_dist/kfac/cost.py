@@ -377,7 +377,7 @@ def choose(found: list[Candidate], num_devices: int, memory_budget: float | None
         f"Distribution.auto: memory_budget={memory_budget:,.0f} bytes per device is below "
         f"the smallest K-FAC state of any strategy, {least.state:,} bytes "
         f"({least.label(num_devices)}); raise it, or pass max_factor_dim= to keep the "
-        "largest factors block-diagonal.")
+        "largest factors diagonal.")
   best, runner = fits[0], (fits[1] if len(fits) > 1 else None)
   budget = ("" if memory_budget is None else
             f" under memory_budget {_mb(memory_budget)} ({len(fits)} of {len(found)} "

@@ -16,7 +16,6 @@ from kfac_jax_dist.core import states as states_lib
 from kfac_jax_dist.core import tensor_parallel
 from kfac_jax_dist.core import uneven
 from kfac_jax_dist.kfac.state import ScaleByKfacState
-from kfac_jax_dist.kfac.state import find_states
 from kfac_jax_dist.kfac import correction as correction_lib
 from kfac_jax_dist.kfac import cost
 from kfac_jax_dist.kfac import layout as layout_lib
@@ -45,7 +44,9 @@ def _bytes(state: ScaleByKfacState, place: layout_lib.FactorPlace) -> int:
           + second * state.second_order.dtype.itemsize)
 
 
-def table(state: ScaleByKfacState) -> str:
+def table(state: ScaleByKfacState, shards: int = 1) -> str:
+  """One row per tagged layer, skipped layer and parameter passed through,
+  then `_summary` (of one model shard's state, kept for `shards` of them)."""
   lay = state.layout
   rows = [("layer", "kind", "parameters", "A", "G", "owner", "bytes")]
   for plan in lay.plans:
@@ -62,7 +63,7 @@ def table(state: ScaleByKfacState) -> str:
     rows.append((name, "skipped", "-", "-", "-", "-", "0"))
   for path in lay.passthrough:
     rows.append(("-", _untagged_kind(lay, path), path, "-", "-", "-", "0"))
-  return "\n".join(_columns(rows) + [""] + _summary(state))
+  return "\n".join(_columns(rows) + [""] + _summary(state, shards))
 
 
 def _untagged_kind(lay: layout_lib.Layout, path: str) -> str:
@@ -79,14 +80,18 @@ def _uncaptured_lines(lay: layout_lib.Layout) -> list[str]:
           "unpreconditioned." for where, kind, reason in lay.uncaptured]
 
 
-def _summary(state: ScaleByKfacState) -> list[str]:
-  """The table's legend, then where the state lives, in words."""
+def _summary(state: ScaleByKfacState, shards: int = 1) -> list[str]:
+  """The table's legend, then where the state lives, in words (one model
+  shard's state, kept for `shards` of them: `tensor_parallel`)."""
   lay = state.layout
   p, m, groups = lay.num_devices, lay.group_size, lay.num_groups
   lines = ["A, G: a layer's Kronecker factors, of its inputs and of its output gradients:",
            "  d x d matrices; diag(d): kept diagonal; 2x2 x C (unit-wise): one 2x2 Fisher",
            "  per channel (scale-and-shift layers). owner: the device(s) that decompose",
            "  them. bytes: their running averages and second-order state."]
+  if shards > 1:
+    lines.append(f"One model shard's layers and state, kept for each of the {shards} "
+                 f"model shards ({p * shards} devices).")
   if p == 1:
     lines.append("1 device.")
   else:
@@ -111,7 +116,8 @@ def _summary(state: ScaleByKfacState) -> list[str]:
   if state.correction is not None:
     lines.append(_correction_line(state))
     per_device += cost.correction_state_bytes(lay, second)
-  on_all = f" ({p * per_device:,} on all {p} devices)" if p > 1 else ""
+  on_all = (f" ({p * shards * per_device:,} on all {p * shards} devices)"
+            if p * shards > 1 else "")
   lines.append(f"K-FAC state: {per_device:,} bytes per device{on_all}.")
   lines += list(lay.strategy_choice)
   lines += _uncaptured_lines(lay)
@@ -294,10 +300,9 @@ def shampoo_table(state: ScaleByShampooState | ScaleBySoapState, shards: int = 1
   return "\n".join(lines)
 
 
-def _shampoo_states(opt_state: Any) -> list[tuple[Any, int]]:
-  """Every Shampoo and SOAP state with the number of model shards it is kept
-  for (1, or `M` inside a tensor-parallel `ModelShardedState`)."""
-  kinds = (ScaleByShampooState, ScaleBySoapState)
+def _states_with_shards(opt_state: Any, kinds: tuple[type, ...]) -> list[tuple[Any, int]]:
+  """Every state of `kinds` with the number of model shards it is kept for
+  (1, or `M` inside a tensor-parallel `ModelShardedState`)."""
   node = lambda x: isinstance(x, kinds + (tensor_parallel.ModelShardedState,))
   found = []
   for x in jax.tree_util.tree_leaves(opt_state, is_leaf=node):
@@ -333,8 +338,10 @@ def describe(opt_state: Any, print_table: bool = True) -> str:
   Raises:
     ValueError: `opt_state` holds no K-FAC, Shampoo or SOAP state.
   """
-  tables = [table(s) for s in find_states(opt_state)] + [
-      shampoo_table(s, shards) for s, shards in _shampoo_states(opt_state)]
+  tables = [table(s, shards) for s, shards in _states_with_shards(
+      opt_state, (ScaleByKfacState,))] + [shampoo_table(s, shards) for s, shards in
+                                          _states_with_shards(opt_state, (
+                                              ScaleByShampooState, ScaleBySoapState))]
   if not tables:
     raise ValueError("opt_state holds no K-FAC, Shampoo or SOAP state.")
   text = "\n\n".join(tables)
