@@ -186,6 +186,8 @@ def _correction_line(state: ScaleByKfacState) -> str:
 
 def _scheme(sizes, psum: bool = True) -> str:
   scheme = uneven.plan(tuple(int(u) for u in sizes), psum)
+  if isinstance(scheme, uneven.Rechunk) and not scheme.sends:
+    return "rechunk (one all_gather of equal chunks: no owner holds more than its chunk)"
   if isinstance(scheme, uneven.Rechunk):
     return (f"rechunk ({len(scheme.sends)} ppermutes: owners hold unequal amounts, so "
             "one all_gather moves equal chunks and the ppermutes forward what the "
