@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import re
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
@@ -126,20 +127,25 @@ def check_optional_positive_int(name: str, value: Any) -> None:
 # ------------------------------------------------- structural options
 
 class StaticDefault:
-  """The default of a structural option (one that decides the state's shapes
-  or the program), that `optax.inject_hyperparams` passes through unchanged:
-  not an int, so it is not turned into an array (traced under `jax.eval_shape`
-  or `jit`) as numeric defaults are. Reads as its value (`int()`, `==`,
-  `repr`); `concrete` unwraps it."""
+  """A numeric default that `optax.inject_hyperparams` passes through
+  unchanged: not a number, so it is not turned into an array (traced under
+  `jax.eval_shape` or `jit`, and no longer recognisable as the default) as
+  numeric defaults are. For structural options (the state's shapes) and
+  defaults that depend on other options (`kd.kfac`'s KL clip). Reads as its
+  value (`int()`, `float()`, `==`; `repr` as `text`, default the value's);
+  `concrete` unwraps it."""
 
-  def __init__(self, value: int):
-    self.value = value
+  def __init__(self, value: int | float, text: str | None = None):
+    self.value, self.text = value, text
 
   def __index__(self) -> int:
-    return self.value
+    return operator.index(self.value)
 
   def __int__(self) -> int:
-    return self.value
+    return int(self.value)
+
+  def __float__(self) -> float:
+    return float(self.value)
 
   def __eq__(self, other: Any) -> bool:
     return other is self or other == self.value
@@ -148,7 +154,7 @@ class StaticDefault:
     return hash(self.value)
 
   def __repr__(self) -> str:
-    return repr(self.value)
+    return repr(self.value) if self.text is None else self.text
 
 
 def concrete(value: Any) -> Any:

@@ -20,28 +20,9 @@ from kfac_jax_dist.kfac.config import Correction, KfacConfig, Method
 from kfac_jax_dist.kfac.transform import scale_by_kfac
 
 
-class _DefaultKlClip:
-  """KAISA's κ = 1e-3 as `kd.kfac`'s default, off in adaptive mode unless a
-  value is passed. Not a float, so `optax.inject_hyperparams` passes it
-  through unchanged (a numeric default would arrive as an array, no longer
-  recognisable as the default); compares equal to 1e-3."""
-
-  value = 1e-3
-
-  def __eq__(self, other: Any) -> bool:
-    return other is self or other == self.value
-
-  def __hash__(self) -> int:
-    return hash(self.value)
-
-  def __float__(self) -> float:
-    return self.value
-
-  def __repr__(self) -> str:
-    return "1e-3"
-
-
-KL_CLIP = _DefaultKlClip()
+# KAISA's κ = 1e-3 as `kd.kfac`'s default, off in adaptive mode unless a value
+# is passed: static, so recognisable as the default under inject_hyperparams.
+KL_CLIP = settings.StaticDefault(1e-3, "1e-3")
 # kd.kfac's damping and decomposition cadence when none is given: the
 # preconditioner's own defaults (1e-3, every step), and adaptive mode's.
 DAMPING = KfacConfig.damping

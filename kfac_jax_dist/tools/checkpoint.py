@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kfac_jax_dist.core import specs
+from kfac_jax_dist.core import states as states_lib
 from kfac_jax_dist.core import tensor_parallel
 from kfac_jax_dist.capture import registry
 from kfac_jax_dist.capture import statistics as factors_lib
@@ -81,12 +82,12 @@ def _is_state(x) -> bool:
 
 
 # The states with a `ShampooLayout`, by their key in the metadata: their name
-# in messages, which leaves they are, and what a checkpoint without the key
+# in messages, their class, and what a checkpoint without the key
 # holds: checkpoints from before Shampoo states were described hold none ([]),
 # those from before SOAP states were described may hold some, undescribed
 # (None: not checked, restored as before).
-_BLOCK_STATES = {"shampoo_states": ("Shampoo", _is_shampoo, []),
-                 "soap_states": ("SOAP", _is_soap, None)}
+_BLOCK_STATES = {"shampoo_states": ("Shampoo", shampoo_state.ScaleByShampooState, []),
+                 "soap_states": ("SOAP", soap_lib.ScaleBySoapState, None)}
 
 
 def shampoo_layout_metadata(lay) -> dict[str, Any]:
@@ -122,11 +123,6 @@ def layout_metadata(lay: layout_lib.Layout) -> dict[str, Any]:
              if lay.rows_shared and lay.second_packing == layout_lib.WIDE_ROWS else {})}
 
 
-def _states_of(tree: Any, is_state: Any) -> list[Any]:
-  """The states of `tree` that `is_state` picks, in tree order."""
-  return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_state) if is_state(x)]
-
-
 def checkpoint_metadata(tree: Any) -> dict[str, Any]:
   """`layout_metadata` of every K-FAC state in `tree`, and
   `shampoo_layout_metadata` of every Shampoo and every SOAP state, in tree
@@ -135,8 +131,9 @@ def checkpoint_metadata(tree: Any) -> dict[str, Any]:
   second-order segments (`Layout.second_packing`), whether HYBRID's groups
   were assigned together and whether their factors' pieces were capped."""
   return {"kfac_states": [layout_metadata(s.layout) for s in kfac_lib.find_states(tree)],
-          **{key: [shampoo_layout_metadata(s.layout) for s in _states_of(tree, is_state)]
-             for key, (_, is_state, _) in _BLOCK_STATES.items()},
+          **{key: [shampoo_layout_metadata(s.layout)
+                   for s in states_lib.find_states(tree, kind)]
+             for key, (_, kind, _) in _BLOCK_STATES.items()},
           SHARED_ROWS: True, WIDE_ROWS: True, ALIGNED_GROUPS: True,
           FREE_GROUP_PIECES: True}
 
@@ -400,10 +397,10 @@ def _check_block_layouts(kind: str, have: list[dict], want: list[dict]) -> None:
 def _check_compatible(saved: dict, wanted: dict) -> None:
   """The template's layouts (`wanted`, its `checkpoint_metadata`) are the
   checkpoint's (`saved`)."""
-  for key, (kind, _, missing) in _BLOCK_STATES.items():
+  for key, (name, _, missing) in _BLOCK_STATES.items():
     have = saved.get(key, missing)
     if have is not None:
-      _check_block_layouts(kind, have, wanted[key])
+      _check_block_layouts(name, have, wanted[key])
   saved_states, wanted_states = saved["kfac_states"], wanted["kfac_states"]
   if len(saved_states) != len(wanted_states):
     raise ValueError(f"The checkpoint holds {len(saved_states)} K-FAC state(s), the "
