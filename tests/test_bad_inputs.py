@@ -409,6 +409,21 @@ def test_masked_out_of_range_labels_are_fine():
   np.testing.assert_allclose(float(loss), np.log(3), rtol=1e-6)
 
 
+@pytest.mark.parametrize("loss", ["squared_error", "sigmoid_cross_entropy",
+                                  "softmax_cross_entropy"])
+def test_masked_nan_targets_are_fine(loss):
+  """Padding positions (mask 0) may carry NaN float targets: the loss is the
+  kept positions' mean and its gradient is finite."""
+  logits = jnp.array([[0.3, -0.2], [1.0, 0.5], [0.1, 0.4]])
+  targets = jnp.array([[0.0, 1.0], [1.0, 0.0], [jnp.nan, jnp.nan]])
+  mask = jnp.array([1.0, 0.5, 0.0])
+  fn = getattr(kd.losses, loss)
+  value, grad = jax.value_and_grad(lambda z: fn(z, targets, mask=mask))(logits)
+  expected = fn(logits[:2], targets[:2], mask=mask[:2])
+  np.testing.assert_allclose(float(value), float(expected), rtol=1e-6)
+  assert np.all(np.isfinite(np.asarray(grad))) and not np.any(np.asarray(grad)[2])
+
+
 def test_statistics_of_another_step_skip_a_factor_step():
   """Statistics captured with the previous step's opt_state are NaN
   placeholders on a factor step that the previous state did not expect."""

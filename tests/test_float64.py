@@ -405,29 +405,67 @@ def test_scanned_linen_blocks_equal_brute_force():
     assert err <= TOL, (i, err)
 
 
-def test_accumulated_masked_statistics_equal_brute_force():
-  """`accumulate` over micro-batches with a fractional mask: the slices'
-  weights `n_i` (mask sums) are float64 too."""
+@pytest.mark.parametrize("mask_range", [(0.1, 1.0), (0.01, 0.1)], ids=["above1", "below1"])
+def test_accumulated_masked_statistics_equal_brute_force(mask_range):
+  """`grad_fn` and its `accumulate` over micro-batches with a fractional mask:
+  the loss is `Σ w l / Σ w` also where the weights sum below 1 (the whole
+  batch's and each slice's, `below1`), and the slices' weights `n_i` (mask
+  sums) are float64 too; the Gauss-Newton products divide by `Σ w` alike."""
   rng = _rng(8)
   b, d, c = 8, 4, 3
   x, labels = rng.normal(size=(b, d)), rng.integers(0, c, size=b)
-  mask = rng.uniform(0.1, 1.0, size=b)
+  mask = rng.uniform(*mask_range, size=b)
   params = {"fc": {"kernel": rng.normal(size=(d, c)), "bias": rng.normal(size=c)}}
   n = mask.sum()
-  cot = softmax_ce_cotangent(x @ params["fc"]["kernel"] + params["fc"]["bias"],
-                             labels) * len(labels) * mask[:, None] / n
+  logits = x @ params["fc"]["kernel"] + params["fc"]["bias"]
+  cot = softmax_ce_cotangent(logits, labels) * len(labels) * mask[:, None] / n
   a, g, grad = kron_factors(x, cot, n, True)
+  log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  loss = -(mask * log_p[np.arange(b), labels]).sum() / n
+  p = np.exp(log_p)
+  v = {"fc": {"kernel": rng.normal(size=(d, c)), "bias": rng.normal(size=c)}}
+  u = x @ v["fc"]["kernel"] + v["fc"]["bias"]           # J v per example
+  gram = (mask * ((p * u * u).sum(-1) - (p * u).sum(-1) ** 2)).sum() / n
 
   def loss_fn(p, x, y, m):
     return kd.losses.softmax_cross_entropy(
         kd.tags.dense(x, p["fc"]["kernel"], p["fc"]["bias"]), y, mask=m)
   grad_fn = kd.value_and_grad(loss_fn)
-  _, grads, stats = jax.jit(functools.partial(grad_fn.accumulate, micro_batches=2))(
-      as_f64(params), *as_f64((x, labels, mask)))
-  assert rel_err(stats["fc"]["A"], a) <= TOL
-  assert rel_err(stats["fc"]["G"], g) <= TOL
-  assert rel_err(np.concatenate([grads["fc"]["kernel"], grads["fc"]["bias"][None]]),
-                 grad) <= TOL
+  batch = as_f64((x, labels, mask))
+  for run in (grad_fn, functools.partial(grad_fn.accumulate, micro_batches=2)):
+    value, grads, stats = jax.jit(run)(as_f64(params), *batch)
+    assert rel_err(value, loss) <= TOL
+    assert rel_err(stats["fc"]["A"], a) <= TOL
+    assert rel_err(stats["fc"]["G"], g) <= TOL
+    assert rel_err(np.concatenate([grads["fc"]["kernel"], grads["fc"]["bias"][None]]),
+                   grad) <= TOL
+  for k in (1, 2):
+    assert rel_err(grad_fn.gauss_newton_gram(as_f64(params), (as_f64(v),), *batch,
+                                             micro_batches=k)[0, 0], gram) <= TOL
+    assert rel_err(grad_fn.loss(as_f64(params), *batch, micro_batches=k), loss) <= TOL
+
+
+def test_monte_carlo_fisher_weighs_a_masked_position_by_its_weight():
+  """`fisher="mc"` with mask weights `w`: `G = (1/n) Σ_i w_i e_i e_iᵀ` for the
+  sampled targets' gradients `e_i` (so that its expectation is the Gauss-Newton
+  matrix `(1/n) Σ w JᵀHJ`), i.e. the `w/n`-weighted sum of the `G`s of the
+  one-example masks `c·onehot(i)`, each `e_i e_iᵀ` whatever `c` (the same key
+  draws the same targets)."""
+  rng = _rng(10)
+  b, d, c = 6, 3, 4
+  x, labels = rng.normal(size=(b, d)), rng.integers(0, c, size=b)
+  params = as_f64({"fc": {"kernel": rng.normal(size=(d, c)), "bias": rng.normal(size=c)}})
+
+  def loss_fn(p, x, y, m):
+    return kd.losses.softmax_cross_entropy(
+        kd.tags.dense(x, p["fc"]["kernel"], p["fc"]["bias"]), y, mask=m)
+  grad_fn = jax.jit(kd.value_and_grad(loss_fn, fisher="mc"))
+  key = jax.random.PRNGKey(3)
+  g_of = lambda m: np.asarray(grad_fn(params, *as_f64((x, labels, m)), rng=key)[2]["fc"]["G"])
+  w = rng.uniform(0.05, 3.0, size=b)
+  singles = [g_of(np.eye(b)[i] * w[i]) for i in range(b)]
+  assert rel_err(g_of(np.eye(b)[0] * 7.0), singles[0]) <= TOL
+  assert rel_err(g_of(w), sum(wi * gi for wi, gi in zip(w, singles)) / w.sum()) <= TOL
 
 
 def _conv_dense_brute_force(seed: int = 9):

@@ -18,6 +18,8 @@ import dataclasses
 import threading
 from typing import Any, Callable, Iterator
 
+import jax.numpy as jnp
+
 _STACK = threading.local()
 DISCOVER, CAPTURE, CURVATURE = "discover", "capture", "curvature"
 
@@ -119,6 +121,12 @@ class RegisteredLoss:
   output_hessian: Callable[[Any, Any, Any], Any] | None = None
   # n as a Python number where tracing knows it (no mask: every example).
   static_num_examples: int | None = None
+
+
+def denominator(n: Any) -> Any:
+  """What a registered loss's mean over `n` examples divides by: `n` itself,
+  also for mask weights summing below 1, and 1 for an empty batch (sum 0)."""
+  return jnp.where(n > 0, n, jnp.ones_like(n))
 
 
 def one_loss(trace: Trace) -> RegisteredLoss:

@@ -56,7 +56,7 @@ def _global_mean(total: jax.Array, n: jax.Array, axes: tuple[str, ...]) -> jax.A
   (none outside `shard_map`); an empty batch gives 0, as the loss's mean does."""
   if axes:
     total, n = jax.lax.psum(_compat.as_varying((total, n), axes), axes)
-  return total / jnp.maximum(n, 1)
+  return total / _context.denominator(n)
 
 
 def _typed_like_params(params, vectors: tuple) -> tuple[Any, tuple]:

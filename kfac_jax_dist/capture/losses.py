@@ -36,11 +36,14 @@ def _at_least_f32(x: jax.Array) -> jax.Array:
 
 
 def _mean(per_example: jax.Array, mask: jax.Array | None):
+  """`(Σ w l / Σ w, Σ w)`; a masked position's loss is left out, not multiplied
+  by 0 (a NaN or ±∞ there, e.g. a padding target, must not reach the sum)."""
   if mask is None:
     return jnp.mean(per_example), jnp.asarray(per_example.size, per_example.dtype)
   mask = jnp.broadcast_to(mask, per_example.shape).astype(per_example.dtype)
   n = jnp.sum(mask)
-  return jnp.sum(per_example * mask) / jnp.maximum(n, 1.0), n
+  kept = jnp.where(mask != 0, per_example, jnp.zeros_like(per_example))
+  return jnp.sum(kept * mask) / _context.denominator(n), n
 
 
 def _poisoned(value: jax.Array, invalid: jax.Array, mask: jax.Array | None) -> jax.Array:
@@ -94,10 +97,20 @@ def _check_mask(name: str, inputs: jax.Array, mask: jax.Array | None) -> None:
                      f"{jnp.shape(inputs)} without the last axis).")
 
 
+def _kept_targets(targets: jax.Array, mask: jax.Array | None, inputs: jax.Array
+                  ) -> jax.Array:
+  """Floating `targets` with the masked positions' set to 0: a NaN target
+  there (padding) would otherwise reach the gradient as `0 · NaN`."""
+  if mask is None or not jnp.issubdtype(targets.dtype, jnp.floating):
+    return targets
+  kept = jnp.broadcast_to(mask, jnp.shape(inputs)[:-1]) != 0
+  return jnp.where(kept[..., None], targets, jnp.zeros_like(targets))
+
+
 def _register(name: str, loss_of_targets, targets, sample, mask, inputs,
               output_hessian, invalid: jax.Array | None = None):
   _check_mask(name, inputs, mask)
-  per_example = loss_of_targets(targets)
+  per_example = loss_of_targets(_kept_targets(jnp.asarray(targets), mask, inputs))
   value, n = _mean(per_example, mask)
   if invalid is not None:
     value = _poisoned(value, invalid, mask)
@@ -112,8 +125,15 @@ def _register(name: str, loss_of_targets, targets, sample, mask, inputs,
         "nn.remat or nnx.remat, not the loss).")
   if trace is not None:
     def sampled_loss(rng: jax.Array) -> jax.Array:
-      drawn = jax.lax.stop_gradient(sample(rng))
-      return _mean(loss_of_targets(drawn), mask)[0]
+      """`Σ √w l(ŷ) / n` on drawn targets `ŷ`: its per-example cotangents
+      `√w ∂l/n` make `G = (1/n) Σ w ∂l ∂lᵀ`, whose expectation is the Gauss-
+      Newton matrix `(1/n) Σ w JᵀHJ` of the weighted mean (w itself would count
+      each weight twice)."""
+      per_draw = loss_of_targets(jax.lax.stop_gradient(sample(rng)))
+      if mask is None:
+        return jnp.mean(per_draw)
+      weights = jnp.broadcast_to(mask, per_draw.shape).astype(per_draw.dtype)
+      return jnp.sum(jnp.sqrt(weights) * per_draw) / _context.denominator(n)
     trace.losses.append(_context.RegisteredLoss(
         name, value, n, sampled_loss, inputs=inputs, mask=mask,
         output_hessian=output_hessian,

@@ -281,11 +281,12 @@ class ValueAndGrad:
                                    jax.eval_shape(one, 0)[:4])
     zeros = _compat.as_varying(zeros, _compat.varying_axes(params, args, kwargs))
     (loss, grads, stats, n), aux = jax.lax.scan(body, zeros, jnp.arange(k))
-    grads = jax.tree_util.tree_map(lambda g: (g / n).astype(g.dtype), grads)
-    stats = {name: {key: (v / n if key in factors.SCALED_BY_NUM_EXAMPLES else v / k
+    total = _context.denominator(n)
+    grads = jax.tree_util.tree_map(lambda g: (g / total).astype(g.dtype), grads)
+    stats = {name: {key: (v / total if key in factors.SCALED_BY_NUM_EXAMPLES else v / k
                           ).astype(v.dtype)
                     for key, v in layer.items()} for name, layer in stats.items()}
-    value = (loss / n, aux) if self.has_aux else loss / n
+    value = (loss / total, aux) if self.has_aux else loss / total
     return self._shares(value, grads, stats, n, args, kwargs, opt_state)
 
   def gauss_newton_gram(self, params, vectors, *args, micro_batches: int = 1,
@@ -438,29 +439,25 @@ def _shares_of_global_batch(value: Any, grads: Any, stats: dict, n: Any,
   """Inside `shard_map`, each device's loss, gradients and (`weigh_stats`)
   `G`/`F`/`S` weighted so that their mean over the batch's `axes` is the
   global batch's, where the devices' numbers of examples `n_d` differ (a
-  loss mask): with `N = Σ_d n_d`, `P` devices and `⌈x⌉ = max(x, 1)` (the
-  registered loss's mean divides by `⌈n⌉`),
+  loss mask): with `N = Σ_d n_d` and `P` devices, each is weighted by
 
-      loss, ∇:   w_d = P ⌈n_d⌉ / ⌈N⌉,
-      G, F, S:   w_d · (N / ⌈N⌉) · (⌈n_d⌉ / n_d)   (0 where n_d = 0),
+      w_d = P n_d / N       (the loss's mean divides by n_d, 1 when n_d = 0),
 
-  e.g. `(1/P) Σ_d w_d loss_d = Σ_d n_d loss_d / ⌈N⌉`. Equal `n_d` (no mask:
-  `n` a Python number, nothing done) give weights of exactly 1. `A`, a mean
-  over every device's positions, needs none."""
+  e.g. `(1/P) Σ_d w_d loss_d = Σ_d n_d loss_d / N`, and `G = n Σ ĝ ĝᵀ` with
+  `ĝ = w g / n` by the same. Equal `n_d` (no mask: `n` a Python number,
+  nothing done) give weights of exactly 1. `A`, a mean over every device's
+  positions, needs none."""
   if not axes or isinstance(n, (int, float)):
     return value, grads, stats
   n = _compat.as_varying(jnp.asarray(n, factors.statistics_dtype(n)), axes)
-  total, one = jax.lax.psum(n, axes), jnp.ones_like(n)
-  weight = jax.lax.psum(1, axes) * jnp.maximum(n, one) / jnp.maximum(total, one)
-  stats_weight = weight * (total / jnp.maximum(total, one)) * jnp.where(
-      n > 0, jnp.maximum(n, one) / jnp.where(n > 0, n, one), 0)
-  times = lambda w: lambda x: (x * w.astype(x.dtype)).astype(x.dtype)
+  weight = jax.lax.psum(1, axes) * n / _context.denominator(jax.lax.psum(n, axes))
+  times = lambda x: (x * weight.astype(x.dtype)).astype(x.dtype)
   loss, aux = value if has_aux else (value, None)
-  loss = times(weight)(loss)
-  grads = jax.tree_util.tree_map(times(weight), grads)
+  loss = times(loss)
+  grads = jax.tree_util.tree_map(times, grads)
   if weigh_stats:
-    stats = {name: {key: times(stats_weight)(v) if key in factors.SCALED_BY_NUM_EXAMPLES
-                    else v for key, v in layer.items()} for name, layer in stats.items()}
+    stats = {name: {key: times(v) if key in factors.SCALED_BY_NUM_EXAMPLES else v
+                    for key, v in layer.items()} for name, layer in stats.items()}
   return ((loss, aux) if has_aux else loss), grads, stats
 
 
