@@ -228,6 +228,39 @@ def test_adaptive_mode_needs_the_batch_and_grad_fn():
     _tx(momentum=0.9, kl_clip=1e-3)
 
 
+def test_batch_arguments_by_keyword():
+  """A loss mask `grad_fn` received by keyword reaches the quadratic model
+  through `kfac_batch_kwargs`: the same steps (adapted λ every step) as with
+  the mask positional; a misspelt `kfac_*` keyword is refused by name."""
+  def masked_loss(params, x, y, mask=None):
+    return kd.losses.softmax_cross_entropy(_logits(params, x), y, mask=mask)
+  grad_fn = kd.value_and_grad(masked_loss)
+  mask = jnp.asarray(np.arange(BATCH) % 3 != 0, jnp.float64)
+  params = _params()
+  runs = []
+  for by_keyword in (False, True):
+    tx = kd.kfac(None, None, layers=grad_fn.discover(params, *_batch(0), mask),
+                 grad_fn=grad_fn, damping=LAMBDA, factor_dtype=jnp.float64,
+                 adapt_damping=True, damping_adaptation_interval=1)
+    p, state = params, tx.init(params)
+    for i in range(2):
+      x, y = _batch(i)
+      args, kwargs = ((x, y), {"mask": mask}) if by_keyword else ((x, y, mask), {})
+      _, grads, stats = grad_fn(p, *args, opt_state=state, **kwargs)
+      updates, state = tx.update(grads, state, p, kfac_stats=stats, kfac_batch=args,
+                                 kfac_batch_kwargs=kwargs or None)
+      p = optax.apply_updates(p, updates)
+    runs.append((p, kd.adapted_values(state)))
+  np.testing.assert_allclose(_flat(runs[1][0]), _flat(runs[0][0]), rtol=1e-12)
+  for name, value in runs[0][1].items():
+    np.testing.assert_allclose(float(runs[1][1][name]), float(value), rtol=1e-12,
+                               err_msg=name)
+  with pytest.raises(TypeError, match="kfac_kwargs: the K-FAC keywords of update are"):
+    tx.update(grads, state, p, kfac_stats=stats, kfac_batch=args, kfac_kwargs=kwargs)
+  with pytest.raises(TypeError, match="kfac_batch_kwargs must be the dict"):
+    tx.update(grads, state, p, kfac_stats=stats, kfac_batch=args, kfac_batch_kwargs=[mask])
+
+
 def _objective(params, x, y):
   """`L(θ) + (w/2)|θ|²` on the batch, in float64."""
   return float(loss_fn(params, x, y)) + 0.5 * WD * float(_flat(params) @ _flat(params))

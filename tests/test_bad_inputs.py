@@ -657,6 +657,29 @@ def test_injected_dtypes_need_static_args(name, option, dtype):
   _assert_one_good_step(name, static, params, static.init(params))
 
 
+def test_cadences_choose_a_distributed_storage_while_tracing():
+  """With several devices the cadences at count 0 choose the factors'
+  storage: a schedule is evaluated there also under `jax.eval_shape` (the
+  checkpoint template); a number `optax.inject_hyperparams` injected is traced
+  there and raises, naming it and `static_args`, where it works."""
+  params = _params()
+  dist = kd.Distribution(helpers.data_mesh(), grad_worker_fraction=1 / 8)
+  scheduled = kd.kfac(0.1, layers=LAYERS, distribution=dist,
+                      factor_update_every=optax.constant_schedule(10))
+  assert (jax.tree.structure(jax.eval_shape(scheduled.init, params))
+          == jax.tree.structure(scheduled.init(params)))
+  options = dict(learning_rate=0.1, layers=LAYERS, distribution=dist,
+                 factor_update_every=10, inverse_update_every=100)
+  injected = optax.inject_hyperparams(kd.kfac, static_args=("layers", "distribution"))
+  with pytest.raises(TypeError, match=r"factor_update_every decides .* "
+                                      r"static_args=\('factor_update_every',\)"):
+    jax.eval_shape(injected(**options).init, params)
+  static = optax.inject_hyperparams(kd.kfac, static_args=(
+      "layers", "distribution", "factor_update_every", "inverse_update_every"))(**options)
+  assert (jax.tree.structure(jax.eval_shape(static.init, params))
+          == jax.tree.structure(static.init(params)))
+
+
 def test_injected_kfac_traces_with_its_defaults():
   """`optax.inject_hyperparams(kd.kfac)` with no shape option given: the
   checkpoint template and jitted steps need only `layers` static (the

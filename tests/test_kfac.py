@@ -347,6 +347,25 @@ def test_untagged_and_skipped_parameters_pass_through():
     kd.scale_by_kfac(layers=layers, skip=("nothing",)).init(params)
 
 
+def test_a_partition_without_the_skipped_layers_parameters():
+  """K-FAC on part of the model (an `optax.multi_transform` / `masked`
+  partition): a skipped layer's parameters may be absent from the tree, and
+  the other layers' updates are those of the whole tree; a layer not skipped
+  must be there, and the error says how to leave it out."""
+  rng, layers, params = _setup()
+  tx = kd.scale_by_kfac(layers=layers, skip=("^l1$",), factor_dtype=F64)
+  without = lambda tree: {k: v for k, v in tree.items() if k != "l1"}
+  grads, stats = _random_grads(rng, params), _stats(rng, layers)
+  whole, _ = tx.update(grads, tx.init(params), kfac_stats=stats)
+  part, _ = tx.update(without(grads), tx.init(without(params)), kfac_stats=stats)
+  for name in ("l0", "l2"):
+    for key in whole[name]:
+      np.testing.assert_array_equal(part[name][key], whole[name][key])
+  with pytest.raises(ValueError, match=r"parameter 'l1/kernel' is not in the tree given "
+                                       r"to init .*skip="):
+    kd.scale_by_kfac(layers=layers, factor_dtype=F64).init(without(params))
+
+
 def test_clear_errors():
   rng, layers, params = _setup()
   with pytest.raises(ValueError, match="layers="):

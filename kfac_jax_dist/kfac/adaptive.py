@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +71,14 @@ from kfac_jax_dist.kfac.config import KfacConfig
 from kfac_jax_dist.kfac.state import ScaleByKfacState
 
 _HI = lax.Precision.HIGHEST
+
+
+class Batch(NamedTuple):
+  """The arguments `grad_fn` received after the parameters: `kfac_batch`
+  (positional) and `kfac_batch_kwargs` (by keyword, e.g. a loss mask)."""
+
+  args: tuple
+  kwargs: dict
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -320,7 +328,7 @@ def _typed_like_params(kfac_config: KfacConfig, tree: Any) -> Any:
 
 
 def _objectives(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
-                params: Any, batch: tuple, update: Any, loss: jax.Array | None
+                params: Any, batch: Batch, update: Any, loss: jax.Array | None
                 ) -> tuple[jax.Array, jax.Array]:
   """The objective `L + (w/2)|·|²` on the batch at `θ` and at `θ + d`: one
   forward pass for `L(θ + d)`, and one for `L(θ)` unless given (`loss`, from
@@ -329,8 +337,10 @@ def _objectives(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
   new_params = jax.tree_util.tree_map(jnp.add, params,
                                       _typed_like_params(kfac_config, update))
   if loss is None:
-    loss = grad_fn.loss(params, *batch, micro_batches=config.micro_batches)
-  new_loss = grad_fn.loss(new_params, *batch, micro_batches=config.micro_batches)
+    loss = grad_fn.loss(params, *batch.args, micro_batches=config.micro_batches,
+                        **batch.kwargs)
+  new_loss = grad_fn.loss(new_params, *batch.args, micro_batches=config.micro_batches,
+                          **batch.kwargs)
   return (_objective(config, dot, loss, params),
           _objective(config, dot, new_loss, new_params))
 
@@ -366,13 +376,14 @@ def _reject_if_worse(config: AdaptiveConfig, kfac_config: KfacConfig,
 
 
 def _model_in_span(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
-                   params: Any, batch: tuple, vectors: tuple[Any, ...], grads: Any
+                   params: Any, batch: Batch, vectors: tuple[Any, ...], grads: Any
                    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """`(A, D, b)` of `quadratic_model` in the span of `vectors`, and `L(θ)`,
   from one linearisation of the model (a tangent pass per vector)."""
   used = tuple(_typed_like_params(kfac_config, v) for v in vectors)
-  gram, loss = grad_fn.gauss_newton_gram(params, used, *batch, with_loss=True,
-                                         micro_batches=config.micro_batches)
+  gram, loss = grad_fn.gauss_newton_gram(params, used, *batch.args, with_loss=True,
+                                         micro_batches=config.micro_batches,
+                                         **batch.kwargs)
   gram = _one_per_model(kfac_config, gram)
   a, dots, b = quadratic_model(gram, used, grads, config.weight_decay,
                                inner_product(kfac_config))
@@ -380,7 +391,7 @@ def _model_in_span(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any
 
 
 def _model_of_direction(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
-                        params: Any, batch: tuple, direction: Any, velocity: Any,
+                        params: Any, batch: Batch, direction: Any, velocity: Any,
                         grads: Any) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """`_model_in_span` of `(Δ, v)`. With the momentum fixed at 0, `v`'s tangent
   pass is skipped: its row and column of `A` and `D` and its `b` are zeros."""
@@ -421,9 +432,10 @@ def _check_initial_damping(config: AdaptiveConfig, damping: Any) -> None:
         "(e.g. min_damping) or the initial damping.")
 
 
-def _check_call(params: Any, batch: Any) -> None:
-  """`update` got the parameters and `kfac_batch`, a tuple (a list) of the
-  arguments `grad_fn` received after the parameters."""
+def _checked_batch(params: Any, batch: Any, batch_kwargs: Any) -> Batch:
+  """The `Batch` of `update`'s `kfac_batch`, a tuple (a list) of the positional
+  arguments `grad_fn` received after the parameters, and `kfac_batch_kwargs`,
+  a dict of its keyword arguments (None: none)."""
   if params is None or batch is None:
     raise ValueError("adaptive K-FAC needs the parameters and the batch: call "
                      "tx.update(grads, opt_state, params, kfac_stats=stats, "
@@ -432,10 +444,15 @@ def _check_call(params: Any, batch: Any) -> None:
   if not isinstance(batch, (tuple, list)):
     raise TypeError("kfac_batch must be the tuple of arguments grad_fn received after "
                     f"the parameters, e.g. kfac_batch=(x, y); got {type(batch).__name__}.")
+  if not isinstance(batch_kwargs, (dict, type(None))):
+    raise TypeError("kfac_batch_kwargs must be the dict of keyword arguments grad_fn "
+                    "received (e.g. kfac_batch_kwargs={'mask': mask}); got "
+                    f"{type(batch_kwargs).__name__}.")
+  return Batch(tuple(batch), dict(batch_kwargs or {}))
 
 
 def _coefficients(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
-                  params: Any, batch: tuple, grads: Any, direction: Any,
+                  params: Any, batch: Batch, grads: Any, direction: Any,
                   state: AdaptiveKfacState, lam: jax.Array
                   ) -> tuple[jax.Array, tuple[jax.Array, ...] | None]:
   """`(α, μ)` and the model `(A, b, L(θ))` they minimise in the span of
@@ -452,7 +469,7 @@ def _coefficients(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
 
 
 def _adapted_damping(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
-                     params: Any, batch: tuple, grads: Any, update: Any, w: jax.Array,
+                     params: Any, batch: Batch, grads: Any, update: Any, w: jax.Array,
                      model: tuple[jax.Array, ...] | None, state: AdaptiveKfacState,
                      objectives: tuple[jax.Array, jax.Array] | None
                      ) -> tuple[jax.Array, jax.Array]:
@@ -477,12 +494,11 @@ def _adapted_damping(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: A
 
 def update_state(config: AdaptiveConfig, kfac_config: KfacConfig,
                  comm: collectives_lib.Collectives, grad_fn: Any, grads: Any,
-                 state: AdaptiveKfacState, params: Any, stats: Any, batch: tuple
+                 state: AdaptiveKfacState, params: Any, stats: Any, batch: Batch
                  ) -> tuple[Any, AdaptiveKfacState]:
   """One adaptive update: K-FAC's direction with the current λ, the model's
   coefficients, the update, every T steps the new λ, and with `reject_steps`
   no update where the objective goes up."""
-  _check_call(params, batch)
   count, wd = state.count, config.weight_decay
   lam = (state.damping if config.adapt_damping else
          jnp.asarray(cadence.value_at(kfac_config.damping, count), state.damping.dtype))
@@ -512,7 +528,7 @@ def update_state(config: AdaptiveConfig, kfac_config: KfacConfig,
 
 
 def _adapt_and_reject(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
-                      params: Any, batch: tuple, grads: Any, update: Any, w: jax.Array,
+                      params: Any, batch: Batch, grads: Any, update: Any, w: jax.Array,
                       model: tuple[jax.Array, ...] | None, state: AdaptiveKfacState,
                       lam: jax.Array) -> tuple[Any, Any, jax.Array, jax.Array, jax.Array]:
   """`(update taken, velocity, λ', ρ, rejected)` after the proposed `update`:
@@ -552,8 +568,9 @@ def scale_by_adaptive_kfac(
     adaptive_config: AdaptiveConfig,
 ) -> optax.GradientTransformationExtraArgs:
   """K-FAC whose learning rate, momentum and damping come from the exact
-  quadratic model (module docstring); `update` takes `kfac_stats=` and
-  `kfac_batch=`, and returns the whole update `d` (no SGD after it)."""
+  quadratic model (module docstring); `update` takes `kfac_stats=`,
+  `kfac_batch=` (and `kfac_batch_kwargs=`), and returns the whole update `d`
+  (no SGD after it)."""
   registry.check_layers(layers)
   comm = collectives_lib.Collectives(kfac_config.distribution)
   if not hasattr(grad_fn, "gauss_newton_gram"):
@@ -578,11 +595,13 @@ def scale_by_adaptive_kfac(
 
   def update_fn(updates: Any, state: AdaptiveKfacState, params: Any = None, *,
                 kfac_stats: Any = None, kfac_batch: tuple | None = None,
+                kfac_batch_kwargs: dict | None = None,
                 **extra_args: Any) -> tuple[Any, AdaptiveKfacState]:
-    del extra_args
+    transform.check_extra_args(extra_args, "kfac")
     states.check_kind(state, AdaptiveKfacState, "kfac")
     return update_state(adaptive_config, kfac_config, comm, grad_fn, updates, state,
-                        params, kfac_stats, kfac_batch)
+                        params, kfac_stats,
+                        _checked_batch(params, kfac_batch, kfac_batch_kwargs))
 
   return tensor_parallel.for_model_shards(
       optax.GradientTransformationExtraArgs(init_fn, update_fn), kfac_config.distribution,

@@ -43,7 +43,7 @@ from jax import lax
 
 from kfac_jax_dist import _compat
 from kfac_jax_dist.capture import registry
-from kfac_jax_dist.core import cadence, faults, placement, states, tensor_parallel
+from kfac_jax_dist.core import cadence, faults, placement, settings, states, tensor_parallel
 from kfac_jax_dist.core import collectives as collectives_lib
 from kfac_jax_dist.core import distribution as distribution_lib
 from kfac_jax_dist.kfac import (
@@ -62,10 +62,14 @@ from kfac_jax_dist.kfac.state import owner_rows, second_order_rows
 
 # ------------------------------------------------------------------------ init
 
-def _check_params(layers: registry.LayerRegistry, leaves: dict[str, Any]) -> None:
-  """Every tagged layer's parameters are in the tree given to init, with the
-  shapes the layer was discovered with."""
+def _check_params(layers: registry.LayerRegistry, leaves: dict[str, Any],
+                  skipped: Sequence[str]) -> None:
+  """Every tagged layer's parameters, but the `skipped` layers' (which K-FAC
+  never reads), are in the tree given to init, with the shapes the layer was
+  discovered with."""
   for layer in layers:
+    if layer.name in skipped:
+      continue
     for path, shape in ((layer.kernel_path, layer.kernel_shape),
                         (layer.bias_path, layer.bias_block_shape)):
       if path is None:
@@ -73,10 +77,20 @@ def _check_params(layers: registry.LayerRegistry, leaves: dict[str, Any]) -> Non
       shape = layer.leaf_shape(shape)     # stacked: [L, *block shape]
       if path not in leaves:
         raise ValueError(f"Tagged layer '{layer.name}': parameter '{path}' is not in "
-                         "the tree given to init.")
+                         "the tree given to init (a tree other than the loss "
+                         "function's, or an optax.masked / multi_transform partition "
+                         "without it? Leave such a layer out with skip=).")
       if tuple(jnp.shape(leaves[path])) != tuple(shape):
         raise ValueError(f"Tagged layer '{layer.name}': parameter '{path}' has shape "
                          f"{jnp.shape(leaves[path])}, expected {shape}.")
+
+
+def _initial_cadence(config: KfacConfig, name: str) -> int:
+  """The cadence `name` at count 0 (a schedule evaluated then, also while
+  tracing), which chooses the storage; an injected (traced) number raises."""
+  with jax.ensure_compile_time_eval():
+    value = cadence.value_at(getattr(config, name), jnp.zeros([], jnp.int32))
+  return int(settings.static(name, value))
 
 
 def build_layout(config: KfacConfig, comm: collectives_lib.Collectives,
@@ -94,10 +108,9 @@ def build_layout(config: KfacConfig, comm: collectives_lib.Collectives,
       replicate_layers=(not config.local_factors
                         and config.gradient_reduction != "reduce_scatter"))
   if lay.factor_storage == layout_lib.CHUNKED and lay.num_devices > 1:
-    zero = jnp.zeros([], jnp.int32)     # schedules: judged at count 0
     lay = dataclasses.replace(lay, factor_storage=layout_lib.cheaper_storage(
-        lay, int(cadence.value_at(config.factor_update_every, zero)),
-        int(cadence.value_at(config.inverse_update_every, zero))))
+        lay, _initial_cadence(config, "factor_update_every"),
+        _initial_cadence(config, "inverse_update_every")))
   placement.check_skip_patterns(config.skip, lay.skipped, list(layers.names()),
                                 "tagged layer")
   uncaptured = tuple((u.where, u.kind, u.reason) for u in getattr(layers, "uncaptured", ()))
@@ -119,8 +132,8 @@ def init_state(config: KfacConfig, comm: collectives_lib.Collectives,
         "layers=kd.value_and_grad(loss_fn).discover(params, batch).")
   placement.check_floating_params("scale_by_kfac", params)
   leaves = registry.leaves_by_path(params)
-  _check_params(layers, leaves)
   lay = build_layout(config, comm, layers, list(leaves))
+  _check_params(layers, leaves, lay.skipped)
   layout_lib.check_addressable(lay)
   xp = jnp if _compat.traced(params) else np
   running, second = initial_arrays(config, lay, xp)
@@ -479,6 +492,20 @@ def update_state(config: KfacConfig, comm: collectives_lib.Collectives, updates:
 
 # ------------------------------------------------------------------- transforms
 
+# What the K-FAC transforms' `update` takes by keyword beside optax's (the
+# batch's are adaptive mode's; a fixed-coefficient chain ignores them).
+EXTRA_ARGS = ("kfac_stats", "kfac_batch", "kfac_batch_kwargs")
+
+
+def check_extra_args(extra_args: dict, caller: str) -> None:
+  """A `kfac_*` keyword of `update` that no K-FAC transform takes (a typo)
+  would otherwise be dropped silently, like any other chain's extra argument."""
+  unknown = sorted(k for k in extra_args if k.startswith("kfac_") and k not in EXTRA_ARGS)
+  if unknown:
+    raise TypeError(f"{caller}.update got {', '.join(unknown)}: the K-FAC keywords of "
+                    f"update are {', '.join(EXTRA_ARGS)}.")
+
+
 def scale_by_kfac(
     layers: registry.LayerRegistry | None = None,
     *,
@@ -562,7 +589,8 @@ def scale_by_kfac(
   def update_fn(updates: Any, state: ScaleByKfacState, params: Any = None, *,
                 kfac_stats: factors.Stats | None = None, **extra_args: Any
                 ) -> tuple[Any, ScaleByKfacState]:
-    del params, extra_args
+    del params
+    check_extra_args(extra_args, "scale_by_kfac")
     states.check_kind(state, ScaleByKfacState, "scale_by_kfac")
     return update_state(config, comm, updates, state, kfac_stats)
 
