@@ -483,7 +483,7 @@ def test_micro_batches_equal_the_whole_batch():
     np.testing.assert_allclose(float(getattr(_adaptive_state(micro[1]), field)),
                                float(getattr(_adaptive_state(whole[1]), field)),
                                rtol=1e-10, err_msg=field)
-  with pytest.raises(ValueError, match="micro_batches needs adaptive mode"):
+  with pytest.raises(ValueError, match="micro_batches=2 needs adaptive mode"):
     kd.kfac(0.1, 0.9, grad_fn=GRAD_FN, micro_batches=2)
   with pytest.raises(ValueError, match="micro_batches must be a positive integer"):
     _tx(micro_batches=0)

@@ -104,10 +104,21 @@ def _assert_skipped_unchanged(tx, batch, params=None, state=None, steps_before=1
     ("inverse_update_every", 2.5, "inverse_update_every must be a positive integer"),
     ("factor_decay", 1.5, r"factor_decay must be in \[0, 1\)"),
     ("max_factor_dim", 0, "max_factor_dim must be a positive integer or None"),
+    ("max_factor_dim", np.int64(0), "max_factor_dim must be a positive integer or None"),
+    ("factor_update_every", np.int64(0), "factor_update_every must be a positive integer"),
+    ("factor_update_every", float("inf"), "factor_update_every must be a positive integer"),
+    ("inverse_update_every", float("nan"), "inverse_update_every must be a positive integer"),
+    ("factor_decay", np.float64(1.5), r"factor_decay must be in \[0, 1\)"),
     ("stale_threshold", -0.1, "stale_threshold must be finite and ≥ 0"),
+    ("factor_decay", True, TypeError), ("factor_decay", "0.9", TypeError),
+    ("factor_decay", None, TypeError),
 ])
 def test_kfac_settings_are_validated(option, value, match):
-  with pytest.raises(ValueError, match=match):
+  """Numbers out of range (NumPy's too) raise a ValueError; a bool, a string or
+  None where a number belongs a TypeError (True would run as 1.0)."""
+  error, match = (match, "must be a number, an array or a schedule") if (
+      match is TypeError) else (ValueError, match)
+  with pytest.raises(error, match=f"{option} {match}" if error is TypeError else match):
     _kfac(**{option: value})
 
 
@@ -136,6 +147,8 @@ _TAIL_CASES = [
     ("weight_decay", float("inf"), "weight_decay must be finite and ≥ 0"),
     ("momentum", 1.0, r"momentum must be in \[0, 1\)"),
     ("momentum", -0.5, r"momentum must be in \[0, 1\)"),
+    ("momentum", True, "momentum must be a number, an array or a schedule"),
+    ("momentum", "0.9", "momentum must be a number, an array or a schedule"),
 ]
 
 
@@ -147,7 +160,7 @@ def test_the_first_order_tail_is_validated(name, option, value, match):
   rate or decay is refused at construction, not left to a silently wrong run."""
   options = {option: value}
   learning_rate = options.pop("learning_rate", 0.1)
-  with pytest.raises(ValueError, match=match):
+  with pytest.raises((ValueError, TypeError), match=match):
     _OPTIMIZERS[name](learning_rate, **options)
 
 
@@ -184,8 +197,11 @@ def test_adaptive_settings_that_do_not_do_what_they_say_are_refused():
   with pytest.raises(ValueError, match="nesterov applies to the SGD of the non-adaptive"):
     adaptive(nesterov=True)
   for option in (dict(micro_batches=2), dict(reject_steps=True),
-                 dict(reject_damping_increase_factor=2.0)):
-    with pytest.raises(ValueError, match=f"{next(iter(option))} needs adaptive mode"):
+                 dict(reject_damping_increase_factor=2.0), dict(min_damping=1e-4),
+                 dict(max_damping=1.0), dict(damping_adaptation_interval=1),
+                 dict(damping_adaptation_decay=0.5)):
+    (name, value), = option.items()
+    with pytest.raises(ValueError, match=f"{name}={value!r} needs adaptive mode"):
       kd.kfac(0.1, layers=LAYERS, **option)
   with pytest.raises(ValueError, match="reject_damping_increase_factor multiplies the "
                                        "adapted damping .* needs reject_steps=True and "
@@ -287,6 +303,9 @@ def test_distribution_is_validated():
     kd.Distribution(mesh, comm_dtype=jnp.int8)
   with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
     kd.Distribution("data")
+  for fraction in ("0.5", float("nan"), None):
+    with pytest.raises(TypeError, match="grad_worker_fraction must be a finite number"):
+      kd.Distribution(mesh, grad_worker_fraction=fraction)
 
 
 @pytest.mark.parametrize("option,value,error,match", [
@@ -298,11 +317,27 @@ def test_distribution_is_validated():
     ("newton_max_iterations", 0, ValueError, "newton_max_iterations must be a positive"),
     ("root_failure_threshold", 0.0, ValueError, "root_failure_threshold must be finite"),
     ("statistics_compute_steps", 0, ValueError, "statistics_compute_steps must be a pos"),
+    ("statistics_compute_steps", float("inf"), ValueError, "statistics_compute_steps mu"),
     ("skip", "w", TypeError, "skip must be a sequence"),
+    ("beta2", "0.9", TypeError, "beta2 must be a number, an array or a schedule"),
+    ("beta2", 0.0, ValueError, r"beta2 must be in \(0, 1\]"),
+    ("graft_beta2", True, TypeError, "graft_beta2 must be a number, an array or a sch"),
+    ("block_size", 2.5, ValueError, "block_size must be a positive integer or None"),
+    ("block_size", float("inf"), ValueError, "block_size must be a positive integer"),
+    ("max_preconditioner_dim", 0, ValueError, "max_preconditioner_dim must be a posit"),
+    ("max_preconditioner_dim", 4.5, ValueError, "max_preconditioner_dim must be a pos"),
+    ("merge_small_dims", -1, ValueError, "merge_small_dims must be True, False or a p"),
+    ("exponent_override", float("nan"), ValueError, "exponent_override must be finite"),
+    ("exponent_override", float("inf"), ValueError, "exponent_override must be finite"),
+    ("start_preconditioning_step", 2.5, ValueError, "start_preconditioning_step must "),
+    ("start_preconditioning_step", float("nan"), ValueError, "start_preconditioning_st"),
 ])
 def test_shampoo_settings_are_validated(option, value, error, match):
+  """Refused at construction, where they would silently change the method (a
+  `max_preconditioner_dim` of 0 made every parameter diagonal, a `block_size`
+  of 2.5 was read as 2, `True` a β of 1) or fail later without naming them."""
   with pytest.raises(error, match=match):
-    kd.shampoo(0.1, **{option: value})
+    kd.shampoo(0.1, graft_type="adam", **{option: value})
 
 
 def test_integer_parameters_are_refused_at_init():
@@ -422,6 +457,23 @@ def test_masked_nan_targets_are_fine(loss):
   expected = fn(logits[:2], targets[:2], mask=mask[:2])
   np.testing.assert_allclose(float(value), float(expected), rtol=1e-6)
   assert np.all(np.isfinite(np.asarray(grad))) and not np.any(np.asarray(grad)[2])
+
+
+def test_an_all_masked_batch_accumulates_to_zero():
+  """A batch whose every position is masked (a padding-only shard): its loss
+  and gradients are 0 whole or accumulated over micro-batches (`accumulate`
+  divided by the masks' sum, 0, gave NaN: a skipped step on every device)."""
+  x, y = _batch(0)
+  mask = jnp.zeros((BATCH,))
+  def masked_loss(params, x, y, mask):
+    h = jnp.tanh(kd.tags.dense(x, params["l0"]["kernel"], params["l0"]["bias"], name="l0"))
+    return kd.losses.softmax_cross_entropy(kd.tags.dense(h, params["out"]["kernel"],
+                                                         name="out"), y, mask=mask)
+  grad_fn = kd.value_and_grad(masked_loss)
+  for loss, grads, _ in (grad_fn(_params(), x, y, mask),
+                         grad_fn.accumulate(_params(), x, y, mask, micro_batches=2)):
+    assert float(loss) == 0.0
+    assert not any(np.any(np.asarray(g)) for g in jax.tree.leaves(grads))
 
 
 def test_statistics_of_another_step_skip_a_factor_step():

@@ -23,6 +23,7 @@ from typing import Any, Callable, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 ScalarOrSchedule = Union[float, int, Callable[[jax.Array], Any]]
 
@@ -33,8 +34,9 @@ def value_at(value: ScalarOrSchedule, count: jax.Array) -> Any:
 
 
 def is_number(value: Any) -> bool:
-  """A Python int or float (not a bool, an array or a schedule)."""
-  return isinstance(value, (int, float)) and not isinstance(value, bool)
+  """A Python or NumPy int or float (not a bool, an array or a schedule)."""
+  return (isinstance(value, (int, float, np.integer, np.floating))
+          and not isinstance(value, bool))
 
 
 def due(every: ScalarOrSchedule, count: jax.Array) -> jax.Array:

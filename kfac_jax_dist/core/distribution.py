@@ -40,7 +40,7 @@ from typing import Any, Callable, Literal
 import jax
 import jax.numpy as jnp
 
-from kfac_jax_dist.core import settings
+from kfac_jax_dist.core import cadence, settings
 from kfac_jax_dist.core import tensor_parallel
 
 # `Distribution.auto`'s chooser: the K-FAC stage registers its cost model
@@ -160,6 +160,10 @@ class Distribution:
     if self.gradient_reduction not in GRADIENT_REDUCTIONS:
       raise ValueError(f"gradient_reduction must be one of {GRADIENT_REDUCTIONS}, got "
                        f"{self.gradient_reduction!r}")
+    if not (cadence.is_number(self.grad_worker_fraction)
+            and math.isfinite(self.grad_worker_fraction)):
+      raise TypeError(f"grad_worker_fraction must be a finite number (m/P, e.g. 1/"
+                      f"{self.num_devices} or 1.0), got {self.grad_worker_fraction!r}")
     workers = self.grad_worker_fraction * self.num_devices
     if (not 0 < self.grad_worker_fraction <= 1 or abs(workers - round(workers)) > 1e-6
         or self.num_devices % round(workers)):

@@ -29,14 +29,20 @@ def _number(value: Any) -> float | None:
   return float(value) if cadence.is_number(value) else None
 
 
+def _check_number_or_later(name: str, value: Any) -> None:
+  """Not a number: an array or a schedule, checked at run time; anything else
+  (a bool, a string, None) raises."""
+  if not (callable(value) or hasattr(value, "dtype")):
+    raise TypeError(f"{name} must be a number, an array or a schedule (a callable of "
+                    f"the update count), got {value!r}")
+
+
 def check_positive(name: str, value: Any, *, allow_zero: bool = False) -> None:
   """A number must be finite and > 0 (≥ 0 with `allow_zero`); arrays and
   schedules are checked at run time (`positive_ok`)."""
   x = _number(value)
   if x is None:
-    if not (callable(value) or hasattr(value, "dtype")):
-      raise TypeError(f"{name} must be a number, an array or a schedule (a callable of "
-                      f"the update count), got {value!r}")
+    _check_number_or_later(name, value)
     return
   if not math.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
     bound = "≥ 0" if allow_zero else "> 0"
@@ -48,6 +54,7 @@ def check_range(name: str, value: Any, low: float, high: float, *,
   """A number must lie in the interval; arrays are checked at run time."""
   x = _number(value)
   if x is None:
+    _check_number_or_later(name, value)
     return
   above = x >= low if closed_low else x > low
   below = x <= high if closed_high else x < high
@@ -71,12 +78,18 @@ def check_first_order_tail(learning_rate: Any, momentum: Any = None,
   check_positive("weight_decay", weight_decay, allow_zero=True)
 
 
+def positive_int(value: Any) -> bool:
+  """Whether `value` is a number that is a positive integer (NaN and ±∞ are not)."""
+  return (cadence.is_number(value) and math.isfinite(value) and int(value) == value
+          and value >= 1)
+
+
 def check_interval(name: str, value: Any) -> None:
   """An interval: a positive int, or a schedule of the update count (its
   values are checked at run time)."""
-  if callable(value) or hasattr(value, "dtype"):
+  if not cadence.is_number(value) and (callable(value) or hasattr(value, "dtype")):
     return
-  if not cadence.is_number(value) or int(value) != value or value < 1:
+  if not positive_int(value):
     raise ValueError(f"{name} must be a positive integer or a schedule, got {value!r}")
 
 
@@ -118,9 +131,9 @@ def check_patterns(name: str, patterns: Any) -> tuple[str, ...]:
 
 def check_optional_positive_int(name: str, value: Any) -> None:
   """A positive int or None (an array, from `optax.inject_hyperparams`, passes)."""
-  if value is None or hasattr(value, "dtype"):
+  if value is None or (hasattr(value, "dtype") and not cadence.is_number(value)):
     return
-  if not cadence.is_number(value) or int(value) != value or value < 1:
+  if not positive_int(value):
     raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
 
 
@@ -160,12 +173,13 @@ class StaticDefault:
 def concrete(value: Any) -> Any:
   """`value` as a Python number where it is known: a `StaticDefault`'s value,
   a concrete scalar array's item (`optax.inject_hyperparams` at a concrete
-  `init`, or an eager `update`); anything else (a tracer, a number, None, a
-  bool) unchanged."""
+  `init`, or an eager `update`), a NumPy scalar's; anything else (a tracer, a
+  number, None, a bool) unchanged."""
   if isinstance(value, StaticDefault):
     return value.value
-  if (isinstance(value, (jax.Array, np.ndarray)) and not isinstance(value, jax.core.Tracer)
-      and np.ndim(value) == 0):
+  if isinstance(value, np.generic) or (
+      isinstance(value, (jax.Array, np.ndarray))
+      and not isinstance(value, jax.core.Tracer) and np.ndim(value) == 0):
     return np.asarray(value).item()
   return value
 

@@ -8,6 +8,7 @@ with both fixed, the damping alone). Both are wrapped in `skip_faulty_steps`.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Sequence
 
 import optax
@@ -66,18 +67,23 @@ def _adaptive_chain(layers: registry.LayerRegistry | None, learning_rate: Any, m
       layers, grad_fn, kfac_config=kfac_config, adaptive_config=config))
 
 
-def _check_no_adaptive_options(micro_batches: int | None, reject_steps: bool,
-                               reject_damping_increase_factor: Any) -> None:
-  """Outside adaptive mode, its own options are refused by name. (An array,
-  from `optax.inject_hyperparams`, which injects the defaults too, cannot be
-  told from the default: only a number is checked.)"""
-  factor = reject_damping_increase_factor
-  given = {"micro_batches": micro_batches is not None, "reject_steps": reject_steps,
-           "reject_damping_increase_factor": cadence.is_number(factor) and factor != 1}
-  names = [name for name, on in given.items() if on]
-  if names:
-    raise ValueError(f"{names[0]} needs adaptive mode: learning_rate=None, momentum=None "
-                     "or adapt_damping=True (and grad_fn).")
+# `kd.kfac`'s options that only adaptive mode reads.
+ADAPTIVE_ONLY = ("micro_batches", "reject_steps", "reject_damping_increase_factor",
+                 "damping_adaptation_interval", "damping_adaptation_decay",
+                 "min_damping", "max_damping")
+
+
+def _check_no_adaptive_options(arguments: dict[str, Any]) -> None:
+  """Outside adaptive mode, its own options (of `kd.kfac`'s `arguments`)
+  other than their defaults are refused by name: they would do nothing. (An
+  array, from `optax.inject_hyperparams`, which injects the defaults too,
+  cannot be told from the default: it is not checked.)"""
+  defaults = inspect.signature(kfac).parameters
+  for name in ADAPTIVE_ONLY:
+    value = arguments[name]
+    if not hasattr(value, "dtype") and value != defaults[name].default:
+      raise ValueError(f"{name}={value!r} needs adaptive mode: learning_rate=None, "
+                       "momentum=None or adapt_damping=True (and grad_fn).")
 
 
 def _mode_defaults(adaptive_mode: bool, damping: Any, inverse_update_every: Any,
@@ -231,7 +237,7 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
                  distribution=distribution, stale_threshold=stale_threshold,
                  eigenvalue_correction=eigenvalue_correction)
   if not adaptive_mode:
-    _check_no_adaptive_options(micro_batches, reject_steps, reject_damping_increase_factor)
+    _check_no_adaptive_options(locals())
     return _kaisa_chain(layers, learning_rate, momentum, weight_decay, nesterov,
                         KL_CLIP.value if kl_clip is KL_CLIP else kl_clip, options)
   return _adaptive_chain(layers, learning_rate, momentum, weight_decay, nesterov,

@@ -69,10 +69,8 @@ class ShampooConfig:
                                  ("root_method", self.root_method, roots.METHODS)):
       if value not in allowed:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-    if cadence.is_number(self.beta2) and not 0.0 < self.beta2 <= 1.0:
-      raise ValueError(f"beta2 must be in (0, 1], got {self.beta2}")
-    if cadence.is_number(self.block_size) and self.block_size < 1:
-      raise ValueError(f"block_size must be positive or None, got {self.block_size}")
+    settings.check_range("beta2", self.beta2, 0.0, 1.0, closed_low=False, closed_high=True)
+    self._check_shape_options()
     settings.check_positive("epsilon", self.epsilon)
     settings.check_positive("ridge_epsilon", self.ridge_epsilon, allow_zero=True)
     settings.check_positive("graft_epsilon", self.graft_epsilon)  # 0: 0/0 on a zero gradient
@@ -98,25 +96,38 @@ class ShampooConfig:
       checks.append(lambda: settings.range_ok(self.graft_moment, count, 0.0, 1.0))
     return settings.all_ok(checks)
 
+  def _check_shape_options(self) -> None:
+    """Numbers only (an injected array is read at init, `shape_options`)."""
+    for name in ("block_size", "max_preconditioner_dim"):
+      settings.check_optional_positive_int(name, getattr(self, name))
+    merge = self.merge_small_dims
+    if not (isinstance(merge, bool) or settings.positive_int(merge)
+            or (hasattr(merge, "dtype") and not cadence.is_number(merge))):
+      raise ValueError(f"merge_small_dims must be True, False or a positive integer (the "
+                       f"merged dimensions' largest size), got {merge!r}")
+    if self.exponent_override is not None:
+      settings.check_positive("exponent_override", self.exponent_override)
+
   def _check_cadence(self) -> None:
     for name in ("statistics_compute_steps", "preconditioning_compute_steps"):
       settings.check_interval(name, getattr(self, name))
     start = self.start_preconditioning_step
-    if cadence.is_number(start) and start < 0:
-      raise ValueError("start_preconditioning_step must be >= 0")
+    if cadence.is_number(start) and not (start == 0 or settings.positive_int(start)):
+      raise ValueError(f"start_preconditioning_step must be an integer >= 0 or a "
+                       f"schedule, got {start!r}")
 
   def _check_roots(self) -> None:
     settings.check_optional_positive_int("newton_max_iterations", self.newton_max_iterations)
     settings.check_positive("newton_tolerance", self.newton_tolerance, allow_zero=True)
     settings.check_positive("root_failure_threshold", self.root_failure_threshold)
     p = self.exponent_override
-    if cadence.is_number(p) and p <= 0:
-      raise ValueError(f"exponent_override must be positive, got {p}")
     if self.root_method == "newton" and cadence.is_number(p) and int(p) != p:
       raise ValueError("root_method='newton' needs an integer exponent_override")
 
   def _check_grafting(self) -> None:
     beta = self.graft_moment
+    if self.graft_beta2 is not None:
+      settings.check_range("graft_beta2", self.graft_beta2, 0.0, 1.0, closed_high=True)
     if (self.graft_type in ("rmsprop", "adam") and cadence.is_number(beta)
         and not 0.0 <= beta < 1.0):
       raise ValueError(f"graft_type={self.graft_type!r} needs a moving average: pass "
