@@ -470,6 +470,24 @@ def _run_steps(tx, params, steps: int, grads_of=None, update_kwargs=None):
   return params, state
 
 
+def test_rejection_keeps_the_damping_within_its_bounds():
+  """A rejected step multiplies λ by `reject_damping_increase_factor`, clipped
+  to `[min_damping, max_damping]` as the rule's moves are (between the rule's
+  steps λ grew to 13× `max_damping`); a factor below 1, which would shrink λ
+  after a step the model got wrong, and a damping schedule, of which
+  `adapt_damping` would read count 0 only, are refused."""
+  options = dict(adapt_damping=True, reject_steps=True, reject_damping_increase_factor=3.0,
+                 damping=1e-3, max_damping=2e-3, damping_adaptation_interval=5)
+  _, state = _run_steps(_tx(learning_rate=20.0, momentum=0.5, **options), _params(), 4)
+  state = _adaptive_state(state)
+  assert int(state.rejected) >= 2
+  np.testing.assert_allclose(float(state.damping), 2e-3, rtol=1e-12)
+  with pytest.raises(ValueError, match="reject_damping_increase_factor must be >= 1"):
+    _tx(**dict(options, reject_damping_increase_factor=0.5))
+  with pytest.raises(TypeError, match="damping is the initial λ .* not a schedule"):
+    _tx(**dict(options, damping=optax.constant_schedule(1e-3)))
+
+
 def test_micro_batches_equal_the_whole_batch():
   """`grad_fn.accumulate` with `kd.kfac(micro_batches=4)`: the model's products
   and losses over 4 slices give the whole batch's steps."""

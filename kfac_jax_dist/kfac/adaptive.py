@@ -31,7 +31,8 @@ defaults are kfac-jax's (T = 5, ω = 0.9, λ ≥ 1e-8 with no upper bound).
 Step rejection (`reject_steps=True`, kfac-jax's `use_step_rejection`): every
 update whose objective on the batch goes up (`L(θ + d) > L(θ)`, or NaN) is
 rejected: the parameters and `v` stay, λ is multiplied by
-`reject_damping_increase_factor` (after the rule above, on its steps), the
+`reject_damping_increase_factor` ≥ 1 (after the rule above, on its steps;
+clipped to `[min_damping, max_damping]` too), the
 K-FAC state keeps the step's statistics. One forward pass each step (and one
 more for `L(θ)` with both coefficients fixed, which have no model then).
 
@@ -53,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -115,9 +117,11 @@ class AdaptiveConfig:
         and self.max_damping < self.min_damping):
       raise ValueError(f"max_damping ({self.max_damping}) must be >= min_damping "
                        f"({self.min_damping})")
-    settings.check_positive("reject_damping_increase_factor",
-                            self.reject_damping_increase_factor)
     factor = self.reject_damping_increase_factor   # (an array: checked at run time)
+    settings.check_positive("reject_damping_increase_factor", factor)
+    if cadence.is_number(factor) and factor < 1:
+      raise ValueError(f"reject_damping_increase_factor must be >= 1 (a rejected step's "
+                       f"model was too optimistic: λ grows), got {factor!r}")
     if cadence.is_number(factor) and factor != 1 and not (self.reject_steps and
                                                           self.adapt_damping):
       raise ValueError("reject_damping_increase_factor multiplies the adapted damping of "
@@ -137,8 +141,8 @@ class AdaptiveConfig:
       checks.append(lambda: settings.range_ok(self.momentum, count, 0.0, 1.0))
     checks.append(lambda: settings.positive_ok(self.weight_decay, count, allow_zero=True))
     if self.reject_steps:
-      checks.append(lambda: settings.positive_ok(self.reject_damping_increase_factor,
-                                                 count))
+      checks.append(lambda: settings.range_ok(self.reject_damping_increase_factor,
+                                              count, 1.0, math.inf))
     return settings.all_ok(checks)
 
   @property
@@ -371,7 +375,8 @@ def _reject_if_worse(config: AdaptiveConfig, kfac_config: KfacConfig,
                                 update)
   new_velocity = jax.tree_util.tree_map(lambda d, v: jnp.where(rejected, v, d), update,
                                         velocity)
-  grown = (damping * config.reject_damping_increase_factor).astype(damping.dtype)
+  grown = jnp.clip(damping * config.reject_damping_increase_factor, config.min_damping,
+                   config.max_damping).astype(damping.dtype)
   return kept, new_velocity, jnp.where(rejected, grown, damping), rejected
 
 
@@ -421,7 +426,11 @@ def check_no_kl_clip(kl_clip: Any) -> None:
 def _check_initial_damping(config: AdaptiveConfig, damping: Any) -> None:
   """With `adapt_damping`, the initial λ (a number) lies in `[min_damping,
   max_damping]`: the Levenberg-Marquardt rule would move it there at its first
-  adaptation, so a λ₀ outside is a setting that does not do what it says."""
+  adaptation, so a λ₀ outside is a setting that does not do what it says; a
+  schedule, read only at count 0, likewise."""
+  if config.adapt_damping and callable(damping) and not hasattr(damping, "dtype"):
+    raise TypeError("damping is the initial λ of adapt_damping=True, which the "
+                    "Levenberg-Marquardt rule then moves: pass a number, not a schedule.")
   if not (config.adapt_damping and cadence.is_number(damping)):
     return
   lo, hi = config.min_damping, config.max_damping    # (arrays: injected, not checked)

@@ -219,8 +219,9 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
     reject_steps: adaptive mode only: an update that raises the objective on
       its batch is not taken (kfac-jax's `use_step_rejection`; the state counts
       it in `rejected`); one forward pass each step (two with both numbers given).
-    reject_damping_increase_factor: λ's factor on a rejected step (needs
-      `adapt_damping`); kfac-jax's default 1.
+    reject_damping_increase_factor: λ's factor on a rejected step, ≥ 1, the
+      result kept within the damping bounds (needs `adapt_damping`);
+      kfac-jax's default 1.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose `update(grads, state,
