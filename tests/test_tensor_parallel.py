@@ -531,6 +531,22 @@ def test_misconfigured_tensor_parallel_is_rejected():
     _kfac(global_layers, dist).init(params)
 
 
+def test_bad_param_specs_entry_is_named_by_its_path():
+  """A misfit `param_specs` entry is reported at its parameter's path (it was
+  `param_specs['?']`)."""
+  mesh = _mesh()
+  specs = dict(PARAM_SPECS, row={"kernel": P("data", None)})
+  with pytest.raises(ValueError, match=r"param_specs\['row/kernel'\] = .*over 'data'"):
+    kd.Distribution(mesh, model_axis="model", param_specs=specs)
+  specs = dict(PARAM_SPECS, col={"kernel": P("model", "model"), "bias": P()})
+  with pytest.raises(ValueError, match=r"param_specs\['col/kernel'\] .*several dim"):
+    kd.Distribution(mesh, model_axis="model", param_specs=specs)
+  specs = dict(PARAM_SPECS, norm={"scale": P(), "offset": "model"})
+  with pytest.raises(ValueError, match=r"param_specs\['norm/offset'\] is 'model', not a "
+                                       "PartitionSpec"):
+    kd.Distribution(mesh, model_axis="model", param_specs=specs)
+
+
 def test_kfac_rejects_shardings_it_cannot_precondition():
   """A row-parallel layer whose tag adds the bias (every shard would add it
   before the psum), a conv kernel sharded on a spatial axis, and a grouped

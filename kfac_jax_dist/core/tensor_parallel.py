@@ -84,11 +84,12 @@ def check_distribution(dist) -> None:
   if dist.param_specs is None:
     raise ValueError("Distribution: model_axis needs param_specs=, the PartitionSpec "
                      "of every parameter (a pytree like the parameters, or a prefix).")
-  for spec in jax.tree_util.tree_leaves(dist.param_specs, is_leaf=_is_spec):
+  for path, spec in jax.tree_util.tree_flatten_with_path(dist.param_specs,
+                                                         is_leaf=_is_spec)[0]:
     if not _is_spec(spec):
-      raise ValueError(f"Distribution: param_specs holds {spec!r}, not a "
-                       "PartitionSpec.")
-    _sharded_dims(spec, axes, "?")
+      raise ValueError(f"Distribution: param_specs['{registry.path_str(path)}'] is "
+                       f"{spec!r}, not a PartitionSpec.")
+    _sharded_dims(spec, axes, registry.path_str(path))
 
 
 def _describe_axes(axes: tuple[str, ...]) -> str:
