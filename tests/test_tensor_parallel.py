@@ -501,6 +501,23 @@ def test_init_sharded_builds_the_model_sharded_states():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_model_shard_checks_its_index():
+  """`kd.model_shard`'s index: a shard number in `[0, M)` or one position per
+  model axis; another is refused naming it (they were IndexError / numpy's
+  errors, and -1 read the last shard)."""
+  params, x, y = _problem()
+  dist = _dist()
+  layers = kd.value_and_grad(tp_loss).discover(params, x, y, distribution=dist)
+  state = _kfac(layers, dist).init(params)
+  helpers.assert_trees_equal(kd.model_shard(state, (3,)), kd.model_shard(state, 3))
+  for index in (M, -1, (M,), (0, 0), ()):
+    with pytest.raises(ValueError, match=rf"kd.model_shard: index={re.escape(repr(index))} "
+                                         rf"for {M} model shards \('model': {M}\)"):
+      kd.model_shard(state, index)
+  with pytest.raises(TypeError, match="kd.model_shard: index=1.0 .*an int or a tuple"):
+    kd.model_shard(state, 1.0)
+
+
 def test_misconfigured_tensor_parallel_is_rejected():
   mesh = _mesh()
   with pytest.raises(ValueError, match="'tensor' is not an axis"):
