@@ -518,6 +518,21 @@ def test_model_shard_checks_its_index():
     kd.model_shard(state, 1.0)
 
 
+def test_init_sharded_refuses_a_mesh_the_state_is_not_laid_out_for():
+  """As `kd.shard_state` does (it built the state for the Distribution's
+  devices and sharded it over the given mesh's)."""
+  params, x, y = _problem()
+  dist = _dist()
+  layers = kd.value_and_grad(tp_loss).discover(params, x, y, distribution=dist)
+  tx = _kfac(layers, dist)
+  other = helpers.mesh((1, M), ("data", "model"))
+  for place in (lambda: kd.shard_state(tx.init(params), other),
+                lambda: kd.init_sharded(tx.init, params, other)):
+    with pytest.raises(ValueError, match=f"laid out for {DATA} devices of axis 'data', "
+                                         "the mesh has"):
+      place()
+
+
 def test_misconfigured_tensor_parallel_is_rejected():
   mesh = _mesh()
   with pytest.raises(ValueError, match="'tensor' is not an axis"):
