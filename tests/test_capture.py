@@ -34,6 +34,7 @@ from flax import nnx
 from jax import lax
 
 import kfac_jax_dist as kd
+from kfac_jax_dist.flax import common as flax_common
 from helpers import (assert_factor_close, assert_trees_equal, capture, ce_per_example,
                      check_mc_estimate, f64, mc_draws, randn, upper)
 from helpers import param_shapes as _shapes, randomized as _randomized
@@ -1073,6 +1074,35 @@ def test_conv1d_conv3d_drop_in_and_interception(kwargs):
   assert layer.kernel_shape == flax_vars["params"]["kernel"].shape
   for got, want in zip(plain(flax_vars, x, y), tagged(flax_vars, x, y)):
     assert_trees_equal(got, want)
+
+
+@pytest.mark.parametrize("padding", ["same", "valid", "Same"])
+def test_conv_lowercase_same_valid_padding_is_captured_as_uppercase(padding):
+  """lax reads "same" / "valid" in any case (Flax passes them on), so a Conv
+  so padded is captured, with the statistics of "SAME" / "VALID"; Flax's
+  own CAUSAL / CIRCULAR / REFLECT are read as written (lax refuses another
+  case), and stay Flax's."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 4, 2), jnp.float64)
+  y = jnp.array([0, 1])
+  flax_vars = _randomized(nn.Conv(3, (3, 2), param_dtype=jnp.float64).init(
+      jax.random.PRNGKey(1), x))
+
+  def captured(cls, pad):
+    module = cls(3, (3, 2), strides=(2, 1), padding=pad, param_dtype=jnp.float64)
+    grad_fn = kd.value_and_grad(lambda p, x, y: kd.losses.softmax_cross_entropy(
+        module.apply(p, x).mean(axis=(1, 2)), y),
+                                 capture="flax" if cls is nn.Conv else "tags")
+    layer, = grad_fn.discover(flax_vars, x, y)
+    return layer, grad_fn(flax_vars, x, y)[2][layer.name]
+  for cls in (nn.Conv, kd.linen.Conv):
+    (layer, stats), (want_layer, want) = captured(cls, padding), captured(
+        cls, padding.upper())
+    assert layer == want_layer
+    assert_trees_equal(stats, want)
+  config = flax_common.conv_config((3, 3), 1, padding, 1, 1, 1, None)
+  assert config.padding == padding.upper()
+  for other in ("causal", "circular", "reflect", "same_lower"):
+    assert flax_common.conv_config((3,), 1, other, 1, 1, 1, None) == f"{other} padding"
 
 
 @pytest.mark.parametrize("kwargs", [   # five of the nine by default (CI time)

@@ -448,6 +448,21 @@ def test_soap_checkpoint_restores_and_refuses_another_layout(tmp_path):
                                              .layout)]
 
 
+def test_soap_update_errors_name_soap():
+  """A SOAP state given another tree, or laid out for another distribution
+  (restored into the wrong template, say), is refused naming SOAP, not the
+  Shampoo code it shares (the errors said scale_by_shampoo / This Shampoo)."""
+  state = _trained_soap_state()
+  grads = jax.tree.map(jnp.ones_like, SOAP_PARAMS)
+  with pytest.raises(ValueError, match="^scale_by_soap: the updates do not have the "
+                                       "structure of the params given to init"):
+    _soap().update({"w": grads["w"]}, state, {"w": SOAP_PARAMS["w"]})
+  other = kd.convert_state(state, _soap(8).init(SOAP_PARAMS))
+  with pytest.raises(ValueError, match="^This SOAP state was laid out for another "
+                                       "distribution: devices 8"):
+    _soap().update(grads, other, SOAP_PARAMS)
+
+
 def test_soap_checkpoint_without_soap_metadata_restores(tmp_path, monkeypatch):
   """A SOAP checkpoint saved before SOAP states were described (metadata
   without `soap_states`) still restores into its own layout, bit for bit."""

@@ -464,6 +464,27 @@ def test_chains_with_optax_transforms():
                                 jax.tree.leaves(state.inner_state)[0])
 
 
+def test_readers_find_the_kfac_state_in_an_optax_state():
+  """`kd.running_factors` / `kd.second_order_parts` take an optax state holding
+  one K-FAC state (`kd.kfac`'s chain, `inject_hyperparams`') as that state;
+  none or two are refused, pointing to `kd.find_states`."""
+  rng, layers, params = _setup()
+  stats = _stats(rng, layers)
+  for tx in (kd.kfac(0.1, layers=layers),
+             optax.inject_hyperparams(kd.kfac)(learning_rate=0.1, layers=layers)):
+    _, state = tx.update(_random_grads(rng, params), tx.init(params), params,
+                         kfac_stats=stats)
+    inner, = kd.find_states(state)
+    for read in (kd.running_factors, kd.second_order_parts):
+      helpers.assert_trees_equal(read(state), read(inner))
+  two = (inner, inner)
+  for read in (kd.running_factors, kd.second_order_parts):
+    for bad, count in ((two, 2), (optax.sgd(0.1).init(params), 0)):
+      with pytest.raises(TypeError, match=rf"kd.{read.__name__}: .*holding {count}. "
+                                          r"Pick one with kd.find_states"):
+        read(bad)
+
+
 def test_factor_dtype_storage():
   rng, layers, params = _setup()
   tx = kd.scale_by_kfac(layers=layers, factor_dtype=jnp.bfloat16)

@@ -382,6 +382,26 @@ def test_dense_general_errors():
                           example_dims=3)
 
 
+@pytest.mark.parametrize("bias", [(1,), (4, 3), (5,)])
+def test_dense_and_conv_tags_refuse_a_bias_of_another_shape(bias):
+  # A bias that broadcasts ((1,), (4, 3)) passed and failed at the update.
+  with pytest.raises(ValueError, match=r"kd.tags.dense: bias shape .*expected \(3,\)"):
+    kd.tags.dense(jnp.ones((4, 6)), jnp.ones((6, 3)), jnp.zeros(bias))
+  conv_bias = bias[:-1] + (4,) if len(bias) > 1 else bias
+  for spatial, tag in kd.tags.CONVOLUTIONS.items():
+    x, kernel = jnp.ones((2,) + (5,) * spatial + (3,)), jnp.ones((3,) * spatial + (3, 4))
+    with pytest.raises(ValueError, match=rf"kd.tags.{tag.__name__}: bias shape"):
+      tag(x, kernel, jnp.zeros(conv_bias))
+
+
+@pytest.mark.parametrize("argument", ["strides", "dilation", "input_dilation"])
+@pytest.mark.parametrize("value", [(0, 1), (1, -1), 0, (1, 1, 1)])
+def test_conv_tags_refuse_non_positive_strides_and_dilations(argument, value):
+  # strides=(0, 1) gave "Cannot lower jaxpr with verifier errors".
+  with pytest.raises(ValueError, match=rf"kd.tags.conv2d: {argument}=.*positive"):
+    kd.tags.conv2d(jnp.ones((2, 5, 5, 3)), jnp.ones((3, 3, 3, 4)), **{argument: value})
+
+
 # ---------------------------------------------------------------------------
 # 3. Scale-and-shift: SP-NGD's unit-wise Fisher.
 # ---------------------------------------------------------------------------

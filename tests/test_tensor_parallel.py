@@ -501,6 +501,38 @@ def test_init_sharded_builds_the_model_sharded_states():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_model_shard_checks_its_index():
+  """`kd.model_shard`'s index: a shard number in `[0, M)` or one position per
+  model axis; another is refused naming it (they were IndexError / numpy's
+  errors, and -1 read the last shard)."""
+  params, x, y = _problem()
+  dist = _dist()
+  layers = kd.value_and_grad(tp_loss).discover(params, x, y, distribution=dist)
+  state = _kfac(layers, dist).init(params)
+  helpers.assert_trees_equal(kd.model_shard(state, (3,)), kd.model_shard(state, 3))
+  for index in (M, -1, (M,), (0, 0), ()):
+    with pytest.raises(ValueError, match=rf"kd.model_shard: index={re.escape(repr(index))} "
+                                         rf"for {M} model shards \('model': {M}\)"):
+      kd.model_shard(state, index)
+  with pytest.raises(TypeError, match="kd.model_shard: index=1.0 .*an int or a tuple"):
+    kd.model_shard(state, 1.0)
+
+
+def test_init_sharded_refuses_a_mesh_the_state_is_not_laid_out_for():
+  """As `kd.shard_state` does (it built the state for the Distribution's
+  devices and sharded it over the given mesh's)."""
+  params, x, y = _problem()
+  dist = _dist()
+  layers = kd.value_and_grad(tp_loss).discover(params, x, y, distribution=dist)
+  tx = _kfac(layers, dist)
+  other = helpers.mesh((1, M), ("data", "model"))
+  for place in (lambda: kd.shard_state(tx.init(params), other),
+                lambda: kd.init_sharded(tx.init, params, other)):
+    with pytest.raises(ValueError, match=f"laid out for {DATA} devices of axis 'data', "
+                                         "the mesh has"):
+      place()
+
+
 def test_misconfigured_tensor_parallel_is_rejected():
   mesh = _mesh()
   with pytest.raises(ValueError, match="'tensor' is not an axis"):
@@ -529,6 +561,22 @@ def test_misconfigured_tensor_parallel_is_rejected():
   global_layers = kd.value_and_grad(tp_loss).discover(params, x, y)
   with pytest.raises(ValueError, match="discover the layers with"):
     _kfac(global_layers, dist).init(params)
+
+
+def test_bad_param_specs_entry_is_named_by_its_path():
+  """A misfit `param_specs` entry is reported at its parameter's path (it was
+  `param_specs['?']`)."""
+  mesh = _mesh()
+  specs = dict(PARAM_SPECS, row={"kernel": P("data", None)})
+  with pytest.raises(ValueError, match=r"param_specs\['row/kernel'\] = .*over 'data'"):
+    kd.Distribution(mesh, model_axis="model", param_specs=specs)
+  specs = dict(PARAM_SPECS, col={"kernel": P("model", "model"), "bias": P()})
+  with pytest.raises(ValueError, match=r"param_specs\['col/kernel'\] .*several dim"):
+    kd.Distribution(mesh, model_axis="model", param_specs=specs)
+  specs = dict(PARAM_SPECS, norm={"scale": P(), "offset": "model"})
+  with pytest.raises(ValueError, match=r"param_specs\['norm/offset'\] is 'model', not a "
+                                       "PartitionSpec"):
+    kd.Distribution(mesh, model_axis="model", param_specs=specs)
 
 
 def test_kfac_rejects_shardings_it_cannot_precondition():

@@ -42,6 +42,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from kfac_jax_dist import _compat
@@ -355,6 +356,7 @@ def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
   if x.shape[-1] != kernel.shape[0]:
     raise ValueError(f"kd.tags.dense: input features {x.shape[-1]} do not match "
                      f"kernel {kernel.shape}")
+  _check_bias("dense", bias, kernel.shape[1:])
   _check_example_dims("dense", example_dims, x.ndim - 1, x.shape)
 
   def apply(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None
@@ -409,6 +411,13 @@ def _dense_statistics(has_bias: bool, in_dims: int, out_dims: int,
   return stats, examples, lambda x: _rows(x, in_dims, example_dims)
 
 
+def _check_bias(tag: str, bias: jax.Array | None, expected: tuple[int, ...]) -> None:
+  """Refuses a bias whose shape is not the layer's output features `expected`."""
+  if bias is not None and tuple(bias.shape) != tuple(expected):
+    raise ValueError(f"kd.tags.{tag}: bias shape {tuple(bias.shape)}, expected "
+                     f"{tuple(expected)}")
+
+
 def _check_example_dims(tag: str, example_dims, num_leading: int, shape) -> None:
   if example_dims is not None and not 0 <= example_dims <= num_leading:
     raise ValueError(f"kd.tags.{tag}: example_dims={example_dims} for an input of "
@@ -444,9 +453,7 @@ def dense_general(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None
   if x.ndim < in_dims or x.shape[x.ndim - in_dims:] != in_shape:
     raise ValueError(f"kd.tags.dense_general: the last {in_dims} axes of the input "
                      f"{x.shape} do not match the kernel {kernel.shape}")
-  if bias is not None and bias.shape != out_shape:
-    raise ValueError(f"kd.tags.dense_general: bias shape {bias.shape}, expected "
-                     f"{out_shape}")
+  _check_bias("dense_general", bias, out_shape)
   _check_example_dims("dense_general", example_dims, x.ndim - in_dims, x.shape)
   n_out = len(out_shape)
 
@@ -476,9 +483,14 @@ def _conv_padding(tag: str, padding, spatial: int):
   return tuple((int(lo), int(hi)) for lo, hi in padding)
 
 
-def _spatial(value, spatial: int) -> tuple[int, ...]:
-  """Strides or dilations: one int for every spatial axis, or one per axis."""
-  return (int(value),) * spatial if isinstance(value, int) else tuple(value)
+def _spatial(tag: str, argument: str, value, spatial: int) -> tuple[int, ...]:
+  """Strides or dilations: one int for every spatial axis, or one per axis,
+  each positive."""
+  values = (value,) * spatial if np.ndim(value) == 0 else tuple(value)
+  if len(values) != spatial or any(int(v) < 1 for v in values):
+    raise ValueError(f"kd.tags.{tag}: {argument}={value!r} must be a positive integer "
+                     f"or {spatial} positive integers (one per spatial axis)")
+  return tuple(int(v) for v in values)
 
 
 _CONV_LAYOUTS = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC"),
@@ -522,9 +534,11 @@ def _convolution(tag: str, spatial: int, x: jax.Array, kernel: jax.Array,
   groups = int(feature_group_count)
   layout = _CONV_LAYOUTS[spatial]
   shape = _applied_shape(tag, spatial, x, kernel, groups, transpose_kernel)
+  _check_bias(tag, bias, shape[-1:])
   _check_example_dims(tag, example_dims, spatial + 1, x.shape)
-  strides, dilation = _spatial(strides, spatial), _spatial(dilation, spatial)
-  input_dilation = _spatial(input_dilation, spatial)
+  strides = _spatial(tag, "strides", strides, spatial)
+  dilation = _spatial(tag, "dilation", dilation, spatial)
+  input_dilation = _spatial(tag, "input_dilation", input_dilation, spatial)
   padding = _conv_padding(tag, padding, spatial)
 
   def apply(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None

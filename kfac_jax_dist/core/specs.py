@@ -91,8 +91,10 @@ def init_sharded(init_fn: Callable[[Any], Any], params: Any, mesh: jax.sharding.
   `out_shardings`) in which each device builds its own shard (K-FAC's and
   Shampoo's identities elementwise, `core.initial`). No host holds the
   global state, as `shard_state(tx.init(params), mesh)` does; with several
-  processes each builds only its devices' shards."""
+  processes each builds only its devices' shards. The mesh must be the one
+  the state's distributed states are laid out for (as for `shard_state`)."""
   shapes = jax.eval_shape(init_fn, params)
+  check_mesh(shapes, mesh, "init_sharded")
   shardings = jax.tree_util.tree_map(
       lambda s: jax.sharding.NamedSharding(mesh, s), partition_specs(shapes),
       is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))

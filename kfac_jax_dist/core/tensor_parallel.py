@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 from typing import Any
 
 import jax
@@ -84,11 +85,12 @@ def check_distribution(dist) -> None:
   if dist.param_specs is None:
     raise ValueError("Distribution: model_axis needs param_specs=, the PartitionSpec "
                      "of every parameter (a pytree like the parameters, or a prefix).")
-  for spec in jax.tree_util.tree_leaves(dist.param_specs, is_leaf=_is_spec):
+  for path, spec in jax.tree_util.tree_flatten_with_path(dist.param_specs,
+                                                         is_leaf=_is_spec)[0]:
     if not _is_spec(spec):
-      raise ValueError(f"Distribution: param_specs holds {spec!r}, not a "
-                       "PartitionSpec.")
-    _sharded_dims(spec, axes, "?")
+      raise ValueError(f"Distribution: param_specs['{registry.path_str(path)}'] is "
+                       f"{spec!r}, not a PartitionSpec.")
+    _sharded_dims(spec, axes, registry.path_str(path))
 
 
 def _describe_axes(axes: tuple[str, ...]) -> str:
@@ -257,14 +259,33 @@ def model_shard(tree: Any, index: int | tuple[int, ...]) -> Any:
     if not isinstance(node, ModelShardedState):
       return node
     sizes = node.sharding.sizes
-    flat = (int(np.ravel_multi_index(tuple(index), sizes))
-            if isinstance(index, tuple) else index)
+    flat = _shard_number(index, node.sharding.axes, sizes)
     return jax.tree_util.tree_map(
         lambda x: x if jnp.ndim(x) == 0 else jnp.split(jnp.asarray(x),
                                                         math.prod(sizes))[flat],
         node.inner)
   return jax.tree_util.tree_map(one, tree,
                                 is_leaf=lambda x: isinstance(x, ModelShardedState))
+
+
+def _shard_number(index: Any, axes: tuple[str, ...], sizes: tuple[int, ...]) -> int:
+  """`model_shard`'s `index` as the shard's row-major number, checked against
+  the model axes `axes` of `sizes` devices."""
+  where = (f"kd.model_shard: index={index!r} for {math.prod(sizes)} model shards "
+           f"({', '.join(f'{a!r}: {n}' for a, n in zip(axes, sizes))})")
+  position = tuple(index) if isinstance(index, (tuple, list)) else None
+  try:
+    numbers = [operator.index(i) for i in ((index,) if position is None else position)]
+  except TypeError:
+    raise TypeError(f"{where}: an int or a tuple of ints, one per model axis") from None
+  if position is None:
+    if not 0 <= numbers[0] < math.prod(sizes):
+      raise ValueError(f"{where}: a shard number must be in [0, {math.prod(sizes)})")
+    return numbers[0]
+  if len(numbers) != len(sizes) or not all(0 <= i < n for i, n in zip(numbers, sizes)):
+    raise ValueError(f"{where}: a position has {len(sizes)} entries (one per model "
+                     "axis), each in [0, that axis's size)")
+  return int(np.ravel_multi_index(tuple(numbers), sizes))
 
 
 def stack_shards(shards: list[Any]) -> Any:

@@ -51,7 +51,9 @@ def conv_config(kernel_size, strides, padding, input_dilation, kernel_dilation,
                 feature_group_count, mask, extra_reason: str | None = None):
   """The `ConvConfig` of a Flax `Conv`, or a reason string. `CAUSAL` padding
   (1-D) becomes Flax's explicit `(dilation·(k − 1), 0)`; `CIRCULAR` and
-  `REFLECT` pad the input as Flax does (`edge`), then VALID."""
+  `REFLECT` pad the input as Flax does (`edge`), then VALID. Flax reads those
+  three names as written (in another case they reach lax, which refuses
+  them), and lax reads "same" / "valid" in any case, as SAME / VALID."""
   kernel_size = _pair(kernel_size, 1)
   spatial = len(kernel_size)
   if spatial not in (1, 2, 3):
@@ -61,7 +63,7 @@ def conv_config(kernel_size, strides, padding, input_dilation, kernel_dilation,
   if extra_reason:
     return extra_reason
   dilation = _pair(kernel_dilation, spatial)
-  if spatial == 1 and isinstance(padding, str) and padding.upper() == "CAUSAL":
+  if spatial == 1 and isinstance(padding, str) and padding == "CAUSAL":
     padding = (((kernel_size[0] - 1) * dilation[0], 0),)
   padding, edge = canonicalize_padding(padding, spatial), None
   if padding in ("CIRCULAR", "REFLECT"):
@@ -69,8 +71,10 @@ def conv_config(kernel_size, strides, padding, input_dilation, kernel_dilation,
     edge = ({"CIRCULAR": "wrap", "REFLECT": "reflect"}[padding],
             tuple(((w - 1) // 2, w // 2) for w in window))
     padding = "VALID"
-  if isinstance(padding, str) and padding not in ("SAME", "VALID"):
-    return f"{padding} padding"
+  if isinstance(padding, str):
+    if padding.upper() not in ("SAME", "VALID"):
+      return f"{padding} padding"
+    padding = padding.upper()
   return ConvConfig(spatial, _pair(strides, spatial), padding, dilation,
                     _pair(input_dilation, spatial), edge, int(feature_group_count))
 

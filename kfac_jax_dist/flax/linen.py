@@ -322,9 +322,11 @@ class Conv(nn.Conv):
 
 
 class ConvTranspose(nn.ConvTranspose):
-  """`flax.linen.ConvTranspose` (`transpose_kernel=False`, SAME or VALID
-  padding), tagged as the convolution it computes: `kd.tags.conv1d` /
-  `conv2d` / `conv3d` of the input dilated by the strides."""
+  """`flax.linen.ConvTranspose` (SAME, VALID or explicit padding; a
+  `transpose_kernel=True` kernel too), tagged as the convolution it
+  computes: `kd.tags.conv1d` / `conv2d` / `conv3d` of the input dilated by
+  the strides (with the tag's `transpose_kernel`). CIRCULAR padding and a
+  masked kernel run Flax's own code, untagged, with a warning."""
 
   kfac_example_dims: int | None = None
 

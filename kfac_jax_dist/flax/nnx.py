@@ -360,9 +360,11 @@ class Conv(_ExampleDims, nnx.Conv):
 
 
 class ConvTranspose(_ExampleDims, nnx.ConvTranspose):
-  """`flax.nnx.ConvTranspose` (`transpose_kernel=False`, SAME or VALID
-  padding), tagged as the convolution it computes: `kd.tags.conv1d` /
-  `conv2d` / `conv3d` of the input dilated by the strides."""
+  """`flax.nnx.ConvTranspose` (SAME, VALID or explicit padding; a
+  `transpose_kernel=True` kernel too), tagged as the convolution it
+  computes: `kd.tags.conv1d` / `conv2d` / `conv3d` of the input dilated by
+  the strides (with the tag's `transpose_kernel`). CIRCULAR padding and a
+  masked kernel run Flax's own code, untagged, with a warning."""
 
   def __call__(self, inputs):
     return conv_transpose(self, inputs, functools.partial(super().__call__, inputs))

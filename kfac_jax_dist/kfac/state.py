@@ -187,10 +187,25 @@ def _on_host(x: Any) -> tuple[Any, Any]:
   return np.asarray(x), back
 
 
-def running_factors(state: ScaleByKfacState) -> dict[str, dict[str, jax.Array]]:
+def _one_state(state: Any, caller: str) -> ScaleByKfacState:
+  """`state` itself, or the one K-FAC state in an optax state tree (`kd.kfac`'s
+  chain state, `optax.inject_hyperparams`'...)."""
+  if isinstance(state, ScaleByKfacState):
+    return state
+  found = states.find_states(state, ScaleByKfacState)
+  if len(found) != 1:
+    raise TypeError(
+        f"kd.{caller}: state must be a kd.ScaleByKfacState or an optax state holding "
+        f"exactly one; got a {type(state).__name__} holding {len(found)}. Pick one "
+        "with kd.find_states(opt_state).")
+  return found[0]
+
+
+def running_factors(state: Any) -> dict[str, dict[str, jax.Array]]:
   """`{layer: {"A": A, "G": G}}` (`{"F": F}`, `[C, 3]`, for a unit-wise layer)
   of a global (not per-device) state; diagonal factors come back as their
-  diagonal."""
+  diagonal. `state`: a `ScaleByKfacState`, or an optax state holding one."""
+  state = _one_state(state, "running_factors")
   lay, (running, back) = state.layout, _on_host(state.factors)
   out = {}
   for plan in lay.plans:
@@ -211,12 +226,12 @@ def running_factors(state: ScaleByKfacState) -> dict[str, dict[str, jax.Array]]:
   return back(out)
 
 
-def second_order_parts(state: ScaleByKfacState
-                       ) -> dict[str, dict[str, tuple[Any, Any]]]:
+def second_order_parts(state: Any) -> dict[str, dict[str, tuple[Any, Any]]]:
   """`{layer: {"A": (matrix, vector), "G": ...}}` of a global (not per-device)
   state: eigenbasis and eigenvalues ("eigen") or damped inverse ("inverse"),
   `None` where a factor has no such part (diagonal and unit-wise factors keep
-  only a vector, `[d]` or `[d, 3]`)."""
+  only a vector, `[d]` or `[d, 3]`). `state` as for `running_factors`."""
+  state = _one_state(state, "second_order_parts")
   lay, (second, back) = state.layout, _on_host(state.second_order)
   out = {}
   for plan in lay.plans:

@@ -100,21 +100,24 @@ def init_state(config: ShampooConfig, comm: collectives_lib.Collectives, params:
 
 
 def check_placement(config: ShampooConfig, comm: collectives_lib.Collectives,
-                    state: ScaleByShampooState, updates: Any) -> None:
+                    state: ScaleByShampooState, updates: Any,
+                    transform: str = "scale_by_shampoo") -> None:
   """The state is this transform's, `update` runs where its distribution says,
-  and the updates have the structure of the params given to init."""
+  and the updates have the structure of the params given to init (the errors
+  name `transform`: "scale_by_shampoo", or SOAP's "scale_by_soap")."""
   lay, dist = state.layout, config.distribution
+  name = "SOAP" if transform == "scale_by_soap" else "Shampoo"
   want = (1, 1, None) if dist is None else (comm.num_devices, comm.group_size, dist.axis)
-  placement.check_layout("Shampoo", (lay.num_devices, lay.group_size, lay.axis), want,
+  placement.check_layout(name, (lay.num_devices, lay.group_size, lay.axis), want,
                          ("devices", "gradient workers per block", "axis"))
   if dist is not None:
-    placement.check_axis("Shampoo", dist)
-    placement.check_gradients_averaged("scale_by_shampoo", dist, updates)
+    placement.check_axis(name, dist)
+    placement.check_gradients_averaged(transform, dist, updates)
   flat = jax.tree_util.tree_flatten_with_path(updates)[0]
   got = [(registry.path_str(p), tuple(jnp.shape(x))) for p, x in flat]
   if got != [(q.path, q.shape) for q in lay.params]:
     raise ValueError(
-        "scale_by_shampoo: the updates do not have the structure of the params "
+        f"{transform}: the updates do not have the structure of the params "
         f"given to init (got {got}, expected {[(q.path, q.shape) for q in lay.params]}).")
 
 
