@@ -123,10 +123,8 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
   weight decay is added to the preconditioned gradient and goes through
   momentum, like PyTorch SGD after KAISA's `preconditioner.step()`, and a step
   that K-FAC skips (non-finite gradient, statistic or update) changes nothing in the
-  chain's state. Works with `optax.inject_hyperparams`, with `max_factor_dim`,
-  `micro_batches`, `factor_dtype` and `grad_fn`, when given (and the two
-  cadences with a multi-device distribution), in its `static_args` (else
-  `init` or the first jitted `update` raises, naming it).
+  chain's state. Works with `optax.inject_hyperparams` (the options that shape
+  the state or program in its `static_args`, else a clear error: docs/api.md).
 
   Adaptive mode (Martens & Grosse 2015, §6-7; `kfac.adaptive`): with
   `learning_rate=None` and/or `momentum=None` the update is `αΔ + μv` with the
