@@ -459,6 +459,18 @@ def test_masked_nan_targets_are_fine(loss):
   assert np.all(np.isfinite(np.asarray(grad))) and not np.any(np.asarray(grad)[2])
 
 
+def test_targets_outside_their_range_make_the_loss_nan():
+  """A sigmoid label outside [0, 1] or a negative entry of a target
+  distribution makes the loss unbounded below: NaN (a skipped step), as an
+  out-of-range integer label; masked positions may carry them."""
+  logits = jnp.array([[0.3, -0.2], [1.0, 0.5]])
+  for fn, bad in ((kd.losses.sigmoid_cross_entropy, jnp.array([[0.0, 1.0], [3.0, 0.0]])),
+                  (kd.losses.sigmoid_cross_entropy, jnp.array([[0.0, 1.0], [0.5, -1.0]])),
+                  (kd.losses.softmax_cross_entropy, jnp.array([[0.5, 0.5], [1.5, -0.5]]))):
+    assert np.isnan(float(fn(logits, bad)))
+    assert np.isfinite(float(fn(logits, bad, mask=jnp.array([1.0, 0.0]))))
+
+
 def test_an_all_masked_batch_accumulates_to_zero():
   """A batch whose every position is masked (a padding-only shard): its loss
   and gradients are 0 whole or accumulated over micro-batches (`accumulate`

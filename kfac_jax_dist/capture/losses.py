@@ -19,7 +19,10 @@ Exactly one loss must be registered per evaluation of the loss function.
 
 Integer labels outside `[0, classes)` (at a position the mask keeps) make the
 loss and every gradient NaN, so the step is skipped (`core.faults`) instead of
-training on the clamped or zero-filled values an out-of-range gather gives.
+training on the clamped or zero-filled values an out-of-range gather gives;
+so do a negative target distribution's entry and a sigmoid label outside
+`[0, 1]`, which make the loss unbounded below. (Target distributions are not
+checked to sum to 1: the Gauss-Newton products assume they do.)
 """
 
 from __future__ import annotations
@@ -164,7 +167,8 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array,
                  logits.shape[:-1] if integer else logits.shape,
                  f"integer classes of shape {logits.shape[:-1]} or floating target "
                  f"distributions of shape {logits.shape}")
-  invalid = (labels < 0) | (labels >= classes) if integer else None
+  invalid = ((labels < 0) | (labels >= classes) if integer
+             else jnp.any(labels < 0, axis=-1))     # a negative weight: unbounded below
   return _register("softmax_cross_entropy", loss_of, labels, sample, mask, logits,
                    _softmax_hessian, invalid)
 
@@ -176,6 +180,7 @@ def sigmoid_cross_entropy(logits: jax.Array, labels: jax.Array,
   _check_targets("sigmoid_cross_entropy", logits, labels, jnp.shape(logits),
                  f"labels of shape {jnp.shape(logits)}")
   logits32 = _at_least_f32(logits)
+  labels = jnp.asarray(labels)
 
   def loss_of(targets: jax.Array) -> jax.Array:
     targets = targets.astype(logits32.dtype)
@@ -187,8 +192,9 @@ def sigmoid_cross_entropy(logits: jax.Array, labels: jax.Array,
     probs = jax.nn.sigmoid(jax.lax.stop_gradient(logits32))
     return jax.random.bernoulli(rng, probs).astype(probs.dtype)
 
+  outside = jnp.any((labels < 0) | (labels > 1), axis=-1)   # unbounded below
   return _register("sigmoid_cross_entropy", loss_of, labels, sample, mask, logits,
-                   _sigmoid_hessian)
+                   _sigmoid_hessian, outside)
 
 
 def squared_error(predictions: jax.Array, targets: jax.Array,
