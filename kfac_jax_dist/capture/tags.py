@@ -63,9 +63,11 @@ _NOT_A_LEAF = (
     "loop over stacked weights, pass the stacked leaf and stack_index=; a plain "
     "JAX tag cannot follow a slice made by a transform. Inside jax.checkpoint "
     "(jax.remat) of a function that takes the parameters as arguments, use "
-    "kd.remat instead. A kernel gathered inside shard_map (parameters sharded over "
-    "the data axis, FSDP) is not supported there: shard them under jax.jit without "
-    "shard_map (docs/distributed.md), or over a tensor-parallel model_axis.")
+    "kd.remat instead. A nested jax.jit that takes the parameters as arguments: "
+    "close it over them, or drop it (the step's own jit compiles it). A kernel "
+    "gathered inside shard_map (parameters sharded over the data axis, FSDP) is "
+    "not supported there: shard them under jax.jit without shard_map "
+    "(docs/distributed.md), or over a tensor-parallel model_axis.")
 
 
 def _layer_name(trace: _context.Trace, name: str | None, kernel,
