@@ -291,6 +291,8 @@ def main():
   base.add_argument("--skip-baselines", action="store_true",
                     help="train K-FAC only (for tuning)")
   args = parser.parse_args()
+  if args.steps < 1:
+    parser.error(f"--steps {args.steps}: at least 1")
   if args.skip_fixed_kfac and args.skip_baselines and not args.adaptive:
     parser.error("nothing to train: --skip-fixed-kfac and --skip-baselines without "
                  "--adaptive")

@@ -368,6 +368,8 @@ def main():
   dist.add_argument("--strategy", nargs="+", choices=list(STRATEGIES), default=["comm"],
                     help="K-FAC strategies to train with --devices > 1 (one run each)")
   args = parser.parse_args()
+  if args.steps < 1:
+    parser.error(f"--steps {args.steps}: at least 1")
   if args.devices < 1 or args.batch_size % args.devices:
     parser.error(f"--batch-size {args.batch_size} is not a multiple of --devices "
                  f"{args.devices}")

@@ -551,6 +551,10 @@ def parse_args(argv=None):
                    f"each optionally with the suffix {ADAPTIVE}")
   if args.process_id is not None and args.coordinator is None:
     parser.error("--process-id needs --coordinator host:port")
+  if args.steps < 1:
+    parser.error(f"--steps {args.steps}: at least 1")
+  if args.memory_budget is not None and "auto" not in args.strategy:
+    parser.error("--memory-budget applies to --strategy auto only")
   return args
 
 

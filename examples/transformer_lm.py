@@ -408,7 +408,9 @@ def main():
   base.add_argument("--skip-baselines", action="store_true",
                     help="train K-FAC only (for tuning)")
   args = parser.parse_args()
-  if args.batch_size % args.devices:
+  if args.steps < 1:
+    parser.error(f"--steps {args.steps}: at least 1")
+  if args.devices < 1 or args.batch_size % args.devices:
     parser.error(f"--batch-size {args.batch_size} is not a multiple of --devices "
                  f"{args.devices}")
   if args.width % args.heads:
