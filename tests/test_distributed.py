@@ -644,23 +644,30 @@ def test_local_factors_keep_each_devices_own_statistics(x64):
   """DP-KFAC: an owner's factors are its own batch's statistics, so under a
   `factor_reduction="local"` state the capture leaves `G` unweighted by the
   devices' numbers of examples: each device's equals one device's on its
-  slice alone."""
+  slice alone. EK-FAC's `S`, averaged over the devices as the whole batch's,
+  is weighted: its mean is one device's on the whole batch (the first step's
+  eigenbases, identities, are the same)."""
   del x64
   loss_fn, params, batch = _masked_problem()
   grad_fn = kd.value_and_grad(loss_fn)
   layers = grad_fn.discover(params, *batch)
   mesh = helpers.data_mesh(8)
-  tx = kd.kfac(0.1, layers=layers, distribution=kd.Distribution(
-      mesh, factor_reduction="local"))
+  options = dict(layers=layers, eigenvalue_correction="ekfac", factor_dtype=jnp.float64)
+  tx = kd.kfac(0.1, distribution=kd.Distribution(mesh, factor_reduction="local"),
+               **options)
   state = kd.shard_state(tx.init(params), mesh)
   local = jax.jit(jax.shard_map(
       lambda s, *b: grad_fn(params, *b, opt_state=s)[2], mesh=mesh,
       in_specs=(kd.partition_specs(state),) + (P("data"),) * 3, out_specs=P("data")))
   stats = local(state, *batch)
-  one_state = kd.kfac(0.1, layers=layers).init(params)
-  for d in range(8):
-    alone = grad_fn(params, *(b[2 * d:2 * d + 2] for b in batch), opt_state=one_state)[2]
-    for name in ("l0", "l1"):
+  one_state = kd.kfac(0.1, **options).init(params)
+  whole = grad_fn(params, *batch, opt_state=one_state)[2]
+  for name in ("l0", "l1"):
+    for d in range(8):
+      alone = grad_fn(params, *(b[2 * d:2 * d + 2] for b in batch), opt_state=one_state)[2]
       got = stats[name]["G"].reshape(8, -1)[d]
       np.testing.assert_allclose(got, alone[name]["G"], rtol=1e-12, atol=1e-15,
                                  err_msg=f"device {d} {name}")
+    scaling = stats[name]["S"].reshape((8,) + whole[name]["S"].shape).mean(0)
+    np.testing.assert_allclose(scaling, whole[name]["S"], rtol=1e-12, atol=1e-15,
+                               err_msg=f"S {name}")

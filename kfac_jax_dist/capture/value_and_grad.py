@@ -237,11 +237,12 @@ class ValueAndGrad:
 
   def _shares(self, value, grads, stats, n, args, kwargs, opt_state) -> tuple:
     """`_shares_of_global_batch` over the axes the batch varies over; a
-    DP-KFAC state's statistics (its owners' own) left as they are."""
-    state = _statistics_consumer(opt_state)
+    DP-KFAC state's factor statistics (its owners' own) left as they are, but
+    EK-FAC's `S` (averaged over the devices as the whole batch's) weighted."""
+    local = getattr(_statistics_consumer(opt_state), "local_statistics", False)
     return _shares_of_global_batch(
         value, grads, stats, n, _compat.varying_axes(args, kwargs), self.has_aux,
-        weigh_stats=not getattr(state, "local_statistics", False))
+        weighed=frozenset({factors.CORRECTED}) if local else factors.SCALED_BY_NUM_EXAMPLES)
 
   def accumulate(self, params, *args, micro_batches: int, rng=None, opt_state=None,
                  loss_scale=None, **kwargs):
@@ -434,10 +435,10 @@ class ValueAndGrad:
 
 
 def _shares_of_global_batch(value: Any, grads: Any, stats: dict, n: Any,
-                            axes: tuple[str, ...], has_aux: bool, weigh_stats: bool
-                            ) -> tuple:
-  """Inside `shard_map`, each device's loss, gradients and (`weigh_stats`)
-  `G`/`F`/`S` weighted so that their mean over the batch's `axes` is the
+                            axes: tuple[str, ...], has_aux: bool,
+                            weighed: frozenset[str]) -> tuple:
+  """Inside `shard_map`, each device's loss, gradients and the statistics
+  named in `weighed` (of `G`/`F`/`S`) weighted so that their mean over the batch's `axes` is the
   global batch's, where the devices' numbers of examples `n_d` differ (a
   loss mask): with `N = Σ_d n_d` and `P` devices, each is weighted by
 
@@ -455,9 +456,8 @@ def _shares_of_global_batch(value: Any, grads: Any, stats: dict, n: Any,
   loss, aux = value if has_aux else (value, None)
   loss = times(loss)
   grads = jax.tree_util.tree_map(times, grads)
-  if weigh_stats:
-    stats = {name: {key: times(v) if key in factors.SCALED_BY_NUM_EXAMPLES else v
-                    for key, v in layer.items()} for name, layer in stats.items()}
+  stats = {name: {key: times(v) if key in weighed else v for key, v in layer.items()}
+           for name, layer in stats.items()}
   return ((loss, aux) if has_aux else loss), grads, stats
 
 
