@@ -347,6 +347,21 @@ def test_untagged_and_skipped_parameters_pass_through():
     kd.scale_by_kfac(layers=layers, skip=("nothing",)).init(params)
 
 
+@pytest.mark.parametrize("options", [{}, dict(stale_threshold=0.1),
+                                     dict(stale_threshold=0.1, method="inverse")])
+def test_every_layer_skipped_passes_the_gradients_through(options):
+  """With every tagged layer skipped there is nothing to precondition (with
+  stale statistics, nothing to refresh): the updates are the gradients."""
+  rng, layers, params = _setup()
+  tx = kd.scale_by_kfac(layers=layers, skip=("^l",), factor_dtype=F64, **options)
+  state = tx.init(params)
+  grads = _random_grads(rng, params)
+  for _ in range(2):
+    updates, state = tx.update(grads, state, kfac_stats=_stats(rng, layers))
+    jax.tree.map(np.testing.assert_array_equal, updates, grads)
+  assert int(state.count) == 2 and int(state.skipped) == 0
+
+
 def test_a_partition_without_the_skipped_layers_parameters():
   """K-FAC on part of the model (an `optax.multi_transform` / `masked`
   partition): a skipped layer's parameters may be absent from the tree, and

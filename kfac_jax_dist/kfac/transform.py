@@ -288,8 +288,12 @@ def _refreshed_stale_state(config: KfacConfig, comm: collectives_lib.Collectives
                            ok: jax.Array, gamma: jax.Array
                            ) -> tuple[ScaleByKfacState, jax.Array]:
   """`refreshed_state` with stale statistics (`stale_threshold`): each factor
-  refreshed and decomposed on its own schedule (`stale_update`)."""
+  refreshed and decomposed on its own schedule (`stale_update`). With no
+  layer preconditioned (all skipped) there is nothing to refresh."""
   count, true = state.count, jnp.asarray(True)
+  if not state.layout.plans:
+    return dataclasses.replace(state, count=count + 1,
+                               update_factors=jnp.zeros([], bool)), true
 
   def refreshed() -> tuple:
     with jax.named_scope("kfac_factor_update"):
