@@ -227,6 +227,12 @@ def test_api_md_examples_run(tmp_path):
   _run("\n".join(blocks), devices=8, TMPDIR=str(tmp_path))
 
 
+def test_concepts_md_examples_run():
+  """concepts.md's python blocks, in order, in one fresh interpreter (8 CPU
+  devices, as its SP-NGD example's mesh assumes), as docs/index.md says."""
+  _run("\n".join(_python_blocks((ROOT / "docs" / "concepts.md").read_text())), devices=8)
+
+
 # ---------------------------------------------------------------------------
 # help(): every argument described.
 # ---------------------------------------------------------------------------
