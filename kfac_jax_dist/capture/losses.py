@@ -39,14 +39,13 @@ def _at_least_f32(x: jax.Array) -> jax.Array:
 
 
 def _mean(per_example: jax.Array, mask: jax.Array | None):
-  """`(Σ w l / Σ w, Σ w)`; a masked position's loss is left out, not multiplied
-  by 0 (a NaN or ±∞ there, e.g. a padding target, must not reach the sum)."""
+  """`(Σ w l / Σ w, Σ w)` (a masked position's targets are 0 by then:
+  `_kept_targets`)."""
   if mask is None:
     return jnp.mean(per_example), jnp.asarray(per_example.size, per_example.dtype)
   mask = jnp.broadcast_to(mask, per_example.shape).astype(per_example.dtype)
   n = jnp.sum(mask)
-  kept = jnp.where(mask != 0, per_example, jnp.zeros_like(per_example))
-  return jnp.sum(kept * mask) / _context.denominator(n), n
+  return jnp.sum(per_example * mask) / _context.denominator(n), n
 
 
 def _poisoned(value: jax.Array, invalid: jax.Array, mask: jax.Array | None) -> jax.Array:

@@ -240,9 +240,10 @@ class ValueAndGrad:
     DP-KFAC state's factor statistics (its owners' own) left as they are, but
     EK-FAC's `S` (averaged over the devices as the whole batch's) weighted."""
     local = getattr(_statistics_consumer(opt_state), "local_statistics", False)
-    return _shares_of_global_batch(
-        value, grads, stats, n, _compat.varying_axes(args, kwargs), self.has_aux,
-        weighed=frozenset({factors.CORRECTED}) if local else factors.SCALED_BY_NUM_EXAMPLES)
+    weighed = frozenset({factors.CORRECTED}) if local else factors.SCALED_BY_NUM_EXAMPLES
+    return _shares_of_global_batch(value, grads, stats, n,
+                                   _compat.varying_axes(args, kwargs), self.has_aux,
+                                   weighed)
 
   def accumulate(self, params, *args, micro_batches: int, rng=None, opt_state=None,
                  loss_scale=None, **kwargs):
@@ -438,8 +439,8 @@ def _shares_of_global_batch(value: Any, grads: Any, stats: dict, n: Any,
                             axes: tuple[str, ...], has_aux: bool,
                             weighed: frozenset[str]) -> tuple:
   """Inside `shard_map`, each device's loss, gradients and the statistics
-  named in `weighed` (of `G`/`F`/`S`) weighted so that their mean over the batch's `axes` is the
-  global batch's, where the devices' numbers of examples `n_d` differ (a
+  named in `weighed` (of `G`/`F`/`S`) weighted so that their mean over the
+  batch's `axes` is the global batch's, where the devices' numbers of examples `n_d` differ (a
   loss mask): with `N = Σ_d n_d` and `P` devices, each is weighted by
 
       w_d = P n_d / N       (the loss's mean divides by n_d, 1 when n_d = 0),

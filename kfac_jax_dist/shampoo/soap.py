@@ -375,7 +375,7 @@ def update_state(config: SoapConfig, comm: collectives_lib.Collectives, updates:
   (`soap_step`), then the fault verdict and one
   select (as Shampoo's `update_state`)."""
   shampoo, lay, count = config.shampoo, state.layout, state.count
-  shampoo_transform.check_placement(shampoo, comm, state, updates, "scale_by_soap")
+  shampoo_transform.check_placement(shampoo, comm, state, updates, "SOAP")
   leaves, treedef = jax.tree_util.tree_flatten(updates)
   dtype = state.statistics[0].dtype if state.statistics else jnp.float32
   grads = shampoo_transform.averaged_gradients(shampoo, comm, lay, leaves)

@@ -100,13 +100,13 @@ def init_state(config: ShampooConfig, comm: collectives_lib.Collectives, params:
 
 
 def check_placement(config: ShampooConfig, comm: collectives_lib.Collectives,
-                    state: ScaleByShampooState, updates: Any,
-                    transform: str = "scale_by_shampoo") -> None:
+                    state: ScaleByShampooState, updates: Any, name: str = "Shampoo"
+                    ) -> None:
   """The state is this transform's, `update` runs where its distribution says,
   and the updates have the structure of the params given to init (the errors
-  name `transform`: "scale_by_shampoo", or SOAP's "scale_by_soap")."""
+  name the method, "Shampoo" or "SOAP", and its transform `scale_by_<name>`)."""
   lay, dist = state.layout, config.distribution
-  name = "SOAP" if transform == "scale_by_soap" else "Shampoo"
+  transform = f"scale_by_{name.lower()}"
   want = (1, 1, None) if dist is None else (comm.num_devices, comm.group_size, dist.axis)
   placement.check_layout(name, (lay.num_devices, lay.group_size, lay.axis), want,
                          ("devices", "gradient workers per block", "axis"))
