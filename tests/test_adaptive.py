@@ -470,6 +470,25 @@ def _run_steps(tx, params, steps: int, grads_of=None, update_kwargs=None):
   return params, state
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_updates_come_in_the_parameters_dtypes(dtype):
+  """Low-precision parameters get updates of their own dtypes, as from every
+  other transform (they came in float32, the velocity's), and an update that
+  overflows float16 (α fixed at 1e6; bfloat16 has float32's range) skips the
+  step, where it went out finite in float32 and `apply_updates` made the
+  parameters inf."""
+  params = jax.tree.map(lambda v: v.astype(dtype), _params())
+  for lr, skipped in ((None, 0), (1e6, int(dtype == jnp.float16))):
+    tx = _tx(learning_rate=lr, adapt_damping=lr is not None)
+    state = tx.init(params)
+    x, y = _batch(0)
+    _, grads, stats = GRAD_FN(params, x, y, opt_state=state)
+    updates, state = tx.update(grads, state, params, kfac_stats=stats, kfac_batch=(x, y))
+    assert all(u.dtype == dtype for u in jax.tree.leaves(updates))
+    assert int(_adaptive_state(state).skipped) == skipped
+    assert all(np.isfinite(np.asarray(u, np.float32)).all() for u in jax.tree.leaves(updates))
+
+
 def test_rejection_keeps_the_damping_within_its_bounds():
   """A rejected step multiplies λ by `reject_damping_increase_factor`, clipped
   to `[min_damping, max_damping]` as the rule's moves are (between the rule's

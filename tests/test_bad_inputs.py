@@ -95,6 +95,7 @@ def _assert_skipped_unchanged(tx, batch, params=None, state=None, steps_before=1
     ("damping", 0.0, "damping must be finite and > 0"),
     ("damping", float("nan"), "damping must be finite and > 0"),
     ("damping", -1e-3, "damping must be finite and > 0"),
+    ("damping", 1e-50, "below the smallest normal float32 number"),   # rounds to 0
     ("kl_clip", 0.0, "kl_clip must be finite and > 0"),
     ("kl_clip", -1.0, "kl_clip must be finite and > 0"),
     ("kl_clip", float("nan"), "kl_clip must be finite and > 0"),
@@ -568,6 +569,23 @@ def test_update_overflowing_a_narrow_parameter_dtype_skips_the_step():
   updates, new_state = tx.update(small, state, params, kfac_stats=stats)
   assert int(new_state.skipped) == 0 and int(new_state.count) == 1
   assert np.all(np.isfinite(np.asarray(updates["l"]["kernel"], np.float32)))
+
+
+def test_accumulated_gradients_keep_the_parameters_dtypes():
+  """`grad_fn.accumulate` sums in float32 and returns the gradients in the
+  parameters' dtypes, as `grad_fn` does (a bfloat16 model got float32
+  gradients, hence float32 updates that skipped float16's overflow check)."""
+  def loss(p, x, y):
+    return kd.losses.softmax_cross_entropy(kd.tags.dense(x, p["w"], name="l"), y)
+  grad_fn = kd.value_and_grad(loss)
+  x = jax.random.normal(jax.random.PRNGKey(0), (8, 3)).astype(jnp.bfloat16)
+  y = jnp.arange(8) % 2
+  params = {"w": jnp.ones((3, 2), jnp.bfloat16)}
+  _, whole, _ = grad_fn(params, x, y)
+  _, accumulated, _ = grad_fn.accumulate(params, x, y, micro_batches=4)
+  assert whole["w"].dtype == accumulated["w"].dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(accumulated["w"], np.float32),
+                             np.asarray(whole["w"], np.float32), rtol=2e-2, atol=1e-3)
 
 
 def test_injected_hyperparameters_are_checked_at_run_time():

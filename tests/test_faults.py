@@ -76,16 +76,16 @@ def assert_bitwise(a, b, what=""):
     assert _bits(x) == _bits(y), f"{what}: leaf {i} differs"
 
 
-def _without_skipped(tree):
-  """`tree` with every K-FAC state's `skipped` counter zeroed (for comparisons)."""
+def _without_skipped(tree, kind=kd.ScaleByKfacState):
+  """`tree` with every K-FAC (or `kind`) state's `skipped` counter zeroed (for
+  comparisons)."""
   return jax.tree_util.tree_map(
       lambda s: dataclasses.replace(s, skipped=jnp.zeros_like(s.skipped))
-      if isinstance(s, kd.ScaleByKfacState) else s,
-      tree, is_leaf=lambda s: isinstance(s, kd.ScaleByKfacState))
+      if isinstance(s, kind) else s, tree, is_leaf=lambda s: isinstance(s, kind))
 
 
-def _skipped(opt_state):
-  return [int(s.skipped) for s in find_states(opt_state)]
+def _skipped(opt_state, kind=kd.ScaleByKfacState):
+  return [int(s.skipped) for s in kd.find_states(opt_state, kind)]
 
 
 # ---------------------------------------------------------------- one device
@@ -279,6 +279,72 @@ def test_failed_decomposition_with_stale_statistics_keeps_previous(method, kept)
   _check_kept(s, after, clean, kept)
 
 
+@pytest.mark.parametrize("layer,which", [("out", "a"), ("l0", "g")])
+def test_failed_cholesky_keeps_both_inverses_of_its_layer(layer, which):
+  """method="inverse": a running factor that is finite but indefinite (its
+  Cholesky fails, its trace does not) keeps its previous inverse, and so does
+  the other factor of its layer: both carry the layer's π (before, the other
+  got a new inverse, damped unlike the kept one). The step is taken."""
+  tx, step = _single_step(False, method="inverse", inverse_every=1, max_factor_dim=8)
+  params = _params()
+  p, s, _ = step(params, tx.init(params), *_batch(0), 0.0, 0.0)
+  _, clean, _ = step(p, s, *_batch(1), 0.0, 0.0)
+  _, after, updates = step(p, _poison_factor(s, layer, which, -1e6), *_batch(1), 0.0, 0.0)
+  assert _skipped(after) == [0] and int(find_states(after)[0].count) == 2
+  assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))
+  _check_kept(s, after, clean, {(layer, "A"), (layer, "G")})
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"method": "inverse"}, {"stale_threshold": 0.1},
+    {"eigenvalue_correction": "ekfac"}], ids=["eigen", "inverse", "stale", "ekfac"])
+def test_running_factor_past_float16_range_skips_the_step(options):
+  """`factor_dtype=float16`: statistics finite in float32 whose running
+  average passes float16's 65504 skip the step, state unchanged (before, the
+  factor was stored as inf, the step taken, and every later decomposition
+  failed for good); the next ordinary batch trains."""
+  tx = kd.scale_by_kfac(_layers(), damping=1e-2, factor_dtype=jnp.float16, **options)
+  update = jax.jit(lambda g, s, p, st: tx.update(g, s, p, kfac_stats=st))
+  params = _params()
+  state = tx.init(params)
+  x, y = _batch(0)
+  _, grads, stats = GRAD_FN(params, 300.0 * x, y, opt_state=state)
+  biggest = max(float(jnp.max(jnp.abs(v))) for v in jax.tree.leaves(stats))
+  assert 65504 < biggest < np.inf
+  updates, after = update(grads, state, params, stats)
+  assert _skipped(after) == [1]
+  assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
+  assert_bitwise(_without_skipped(after), _without_skipped(state), "skipped step")
+  _, grads, stats = GRAD_FN(params, x, y, opt_state=after)
+  _, after = update(grads, after, params, stats)
+  kstate, = find_states(after)
+  assert _skipped(after) == [1] and int(kstate.count) == 1
+  assert np.isfinite(np.asarray(kstate.factors, np.float32)).all()
+
+
+@pytest.mark.parametrize("preconditioner", ["kfac", "shampoo"])
+def test_a_tail_overflowing_float16_updates_skips_the_step(preconditioner):
+  """`skip_faulty_steps`: finite preconditioned updates that a later link of
+  the chain pushes past float16's range (a momentum trace or weight decay
+  in the parameters' dtype; here a scale) skip the step for the whole chain,
+  counted in the preconditioner's state (before, the inf updates went out)."""
+  inner, kind = ((kd.scale_by_kfac(_layers(), damping=1e-2), kd.ScaleByKfacState)
+                 if preconditioner == "kfac" else
+                 (kd.scale_by_shampoo(block_size=8), kd.ScaleByShampooState))
+  tx = kd.skip_faulty_steps(optax.chain(inner, optax.trace(0.9), optax.scale(1e6)))
+  params = jax.tree.map(lambda v: v.astype(jnp.float16), _params())
+  state = tx.init(params)
+  _, grads, stats = GRAD_FN(params, *_batch(0), opt_state=state)
+  extra = {"kfac_stats": stats} if preconditioner == "kfac" else {}
+  updates, after = jax.jit(lambda g, s, p: tx.update(g, s, p, **extra))(grads, state,
+                                                                       params)
+  assert all(u.dtype == jnp.float16 and not np.any(np.asarray(u))
+             for u in jax.tree.leaves(updates))
+  assert _skipped(after, kind) == [1]
+  assert_bitwise(_without_skipped(after, kind), _without_skipped(state, kind),
+                 "skipped step")
+
+
 @pytest.mark.parametrize("chunk", [1 << 16, 7, 3], ids=["one-chunk", "chunks-of-7", "chunks-of-3"])
 @pytest.mark.parametrize("seed", range(6))
 def test_keep_failed_selects_exactly_the_failed_factors(seed, chunk, monkeypatch):
@@ -332,12 +398,12 @@ def test_keep_failed_selects_exactly_the_failed_factors(seed, chunk, monkeypatch
 # ------------------------------------------------------------- eight devices
 
 @functools.lru_cache(maxsize=None)
-def _distributed_step(fraction, gradient_reduction):
+def _distributed_step(fraction, gradient_reduction, method="eigen"):
   mesh = helpers.data_mesh(8)
   dist = kd.Distribution(mesh, grad_worker_fraction=fraction,
                          gradient_reduction=gradient_reduction)
   tx = kd.kfac(0.1, layers=_layers(), damping=1e-2, factor_update_every=1,
-               inverse_update_every=2, distribution=dist)
+               inverse_update_every=2, distribution=dist, method=method)
   state = kd.shard_state(tx.init(_params()), mesh)
   specs = kd.partition_specs(state)
 
@@ -432,6 +498,29 @@ def test_failed_decomposition_on_its_owner_keeps_previous(monkeypatch, fraction,
       assert _skipped(after) == [0]
       assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))
       _check_kept(s, after, clean, {(plan.layer.name, which.upper())})
+
+
+@pytest.mark.parametrize("fraction,gradient_reduction", [
+    pytest.param(1 / 4, "reduce_scatter", id="HYBRID"),
+    pytest.param(1.0, "all_reduce", id="COMM-OPT", marks=pytest.mark.slow)])
+def test_failed_cholesky_keeps_its_layers_inverses_on_other_owners(fraction,
+                                                                   gradient_reduction):
+  """method="inverse", a layer's A and G decomposed on different devices: an
+  indefinite running A (its Cholesky fails) keeps the previous inverses of
+  both, on their owners (the devices' failures are gathered)."""
+  _, mesh, state0, step = _distributed_step(fraction, gradient_reduction, "inverse")
+  params = _params()
+  p, s, _ = step(params, state0, *_batch(0), -1, -1)
+  p, s, _ = step(p, s, *_batch(1), -1, -1)           # count 2 is an inverse step
+  _, clean, _ = step(p, s, *_batch(2), -1, -1)
+  split = [plan.layer.name for plan in find_states(s)[0].layout.plans
+           if plan.a is not None and plan.a.owner != plan.g.owner]
+  assert split
+  bad = kd.shard_state(_poison_factor(s, split[0], "a", -1e6), mesh)
+  _, after, updates = step(p, bad, *_batch(2), -1, -1)
+  assert _skipped(after) == [0]
+  assert all(np.isfinite(np.asarray(u)).all() for u in jax.tree.leaves(updates))
+  _check_kept(s, after, clean, {(split[0], "A"), (split[0], "G")})
 
 
 # ------------------------------------------------------------ clear errors

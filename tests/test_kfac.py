@@ -305,6 +305,24 @@ def test_kl_clip_formula():
     kd.scale_by_kfac(layers=layers, kl_clip=1e-3)
 
 
+def test_float32_damping_and_clip_factors_where_their_operands_overflow():
+  """π and ν in float32 where an intermediate passes its range but the value
+  does not: π² = (tr A/d)/(tr G/d) = 1.6e40 gives π = 1.3e20 (it came out inf,
+  the layer's inverses 0 and its update 0, accepted), and η²·Σ|⟨V,∇⟩| = 1e39
+  gives ν = 1e-21 (it came out 0). Against the float64 formulas."""
+  from kfac_jax_dist.kfac import config as config_lib
+  from kfac_jax_dist.kfac import linalg, precondition
+  f32 = lambda v: jnp.asarray(v, jnp.float32)
+  d_a, d_g = linalg.pi_adjusted_damping(f32(7.9e5), f32(4.85e-35), f32(1e-2))
+  pi = np.sqrt(7.9e5 / 4.85e-35)
+  np.testing.assert_allclose([float(d_a), float(d_g)], [pi * 0.1, 0.1 / pi], rtol=1e-5)
+  zero_g = linalg.pi_adjusted_damping(f32(5.0), f32(0.0), f32(1e-2))  # G = 0: floored
+  assert all(np.isfinite(float(v)) and float(v) > 0 for v in zero_g)
+  config = config_lib.KfacConfig(kl_clip=1e-5, learning_rate=10.0)
+  nu = precondition.kl_clip(config, f32(1e37), jnp.zeros([], jnp.int32))
+  np.testing.assert_allclose(float(nu), np.sqrt(1e-5 / (100.0 * 1e37)), rtol=1e-5)
+
+
 def test_kl_clip_reads_schedules_at_the_update_count():
   """`η` and `κ` schedules are read at the update's own count (as the SGD
   tail reads `η`), not at the next one: two updates, ν from η(k), κ(k)."""

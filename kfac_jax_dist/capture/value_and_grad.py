@@ -284,7 +284,9 @@ class ValueAndGrad:
     zeros = _compat.as_varying(zeros, _compat.varying_axes(params, args, kwargs))
     (loss, grads, stats, n), aux = jax.lax.scan(body, zeros, jnp.arange(k))
     total = _context.denominator(n)
-    grads = jax.tree_util.tree_map(lambda g: (g / total).astype(g.dtype), grads)
+    # Summed in float32 at least; returned in the parameters' dtypes, as `grad_fn`'s.
+    grads = jax.tree_util.tree_map(lambda g, p: (g / total).astype(jnp.result_type(p)),
+                                   grads, params)
     stats = {name: {key: (v / total if key in factors.SCALED_BY_NUM_EXAMPLES else v / k
                           ).astype(v.dtype)
                     for key, v in layer.items()} for name, layer in stats.items()}

@@ -163,6 +163,19 @@ def poison_unless(run_time: settings.RunTimeChecks
   return [optax.GradientTransformation(init_fn, update_fn)]
 
 
+def _narrow_leaves_finite(updates: Any) -> jax.Array | None:
+  """Whether the leaves of a smaller range than float32 (float16) are finite,
+  agreed by the devices their values vary over (None: no such leaf). The
+  preconditioners check what they produce; a tail after them may still
+  overflow such a leaf."""
+  wide = jnp.finfo(jnp.float32).max
+  narrow = [u for u in jax.tree_util.tree_leaves(updates)
+            if jnp.issubdtype(u.dtype, jnp.floating) and jnp.finfo(u.dtype).max < wide]
+  if not narrow:
+    return None
+  return agree(all_finite(narrow), _compat.varying_axes(*narrow))
+
+
 def skip_faulty_steps(inner: optax.GradientTransformation
                       ) -> optax.GradientTransformationExtraArgs:
   """Makes a step that a preconditioner skips a no-op for the whole of `inner`.
@@ -173,7 +186,9 @@ def skip_faulty_steps(inner: optax.GradientTransformation
   in `inner` is the previous one, so momentum, schedules' counts and the like
   neither decay nor advance (zeros alone would still decay a momentum trace
   and move the parameters). The preconditioner states count the skip in their
-  `skipped` field. Stateless: the state is `inner`'s own.
+  `skipped` field. A step whose final updates overflow a float16 leaf (e.g. a
+  momentum trace kept in the parameters' dtype) is skipped too. Stateless: the
+  state is `inner`'s own.
   """
   inner = optax.with_extra_args_support(inner)
   is_state = lambda x: isinstance(x, states_lib.PreconditionerState)
@@ -190,11 +205,18 @@ def skip_faulty_steps(inner: optax.GradientTransformation
       raise ValueError("skip_faulty_steps wraps a transform with no scale_by_kfac "
                        "or scale_by_shampoo.")
     skipped = jnp.any(jnp.stack([n.skipped != o.skipped for o, n in zip(old, new)]))
+    finite = _narrow_leaves_finite(new_updates)
+    overflown = None if finite is None else ~finite & ~skipped
+    if overflown is not None:
+      skipped = skipped | overflown
 
     def keep(before: Any, after: Any) -> Any:
-      if is_state(after):       # already unchanged but for its `skipped` count
+      if not is_state(after):
+        return pick(skipped, before, after)
+      if overflown is None:     # already unchanged but for its `skipped` count
         return after
-      return pick(skipped, before, after)
+      return select(overflown, dataclasses.replace(before, skipped=before.skipped + 1),
+                    after)
     kept = jax.tree_util.tree_map(keep, state, new_state, is_leaf=is_state)
     return zeros_unless(~skipped, new_updates), kept
 

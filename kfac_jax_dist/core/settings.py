@@ -49,6 +49,17 @@ def check_positive(name: str, value: Any, *, allow_zero: bool = False) -> None:
     raise ValueError(f"{name} must be finite and {bound}, got {value!r}")
 
 
+def check_normal(name: str, value: Any, dtype: Any) -> None:
+  """A positive number must stay positive in `dtype` (not round to 0 or a
+  subnormal there): at least its smallest normal number."""
+  x, dtype = _number(value), jnp.dtype(jax.dtypes.canonicalize_dtype(dtype))
+  tiny = float(jnp.finfo(dtype).tiny)
+  if x is not None and 0 < x < tiny:
+    raise ValueError(f"{name}={value!r} is below the smallest normal {dtype.name} "
+                     f"number ({tiny:.3g}), the dtype it is applied in: it would "
+                     "round to 0.")
+
+
 def check_range(name: str, value: Any, low: float, high: float, *,
                 closed_low: bool = True, closed_high: bool = False) -> None:
   """A number must lie in the interval; arrays are checked at run time."""

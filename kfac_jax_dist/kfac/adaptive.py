@@ -509,6 +509,7 @@ def update_state(config: AdaptiveConfig, kfac_config: KfacConfig,
   coefficients, the update, every T steps the new λ, and with `reject_steps`
   no update where the objective goes up."""
   count, wd = state.count, config.weight_decay
+  dtypes = jax.tree_util.tree_map(lambda g: g.dtype, grads)   # the updates' (velocity: f32+)
   lam = (state.damping if config.adapt_damping else
          jnp.asarray(cadence.value_at(kfac_config.damping, count), state.damping.dtype))
   if not (isinstance(wd, (int, float)) and wd == 0):
@@ -523,9 +524,12 @@ def update_state(config: AdaptiveConfig, kfac_config: KfacConfig,
                                   direction, state.velocity)
   taken, velocity, damping, rho, rejected = _adapt_and_reject(
       config, kfac_config, grad_fn, params, batch, grads, update, w, model, state, lam)
-  with jax.named_scope(faults.SCOPE):   # the proposed update's values, rejected or not
+  cast = lambda tree: jax.tree_util.tree_map(lambda x, t: x.astype(t), tree, dtypes)
+  # The proposed update's values, rejected or not, in the updates' dtypes (a
+  # float16 may overflow there).
+  with jax.named_scope(faults.SCOPE):
     ok = (kfac_state.skipped == state.kfac.skipped) & config.settings_ok(count) & (
-        faults.all_finite([w, damping] + jax.tree_util.tree_leaves(update)))
+        faults.all_finite([w, damping] + jax.tree_util.tree_leaves(cast(update))))
     ok = faults.computed_once(faults.agree(ok, _compat.varying_axes(ok)))
   # The state keeps its types (damping and rho are cast in `_damping_step`).
   typed = lambda x: jnp.asarray(x, state.rho.dtype)
@@ -533,7 +537,7 @@ def update_state(config: AdaptiveConfig, kfac_config: KfacConfig,
       state, kfac=kfac_state, damping=damping, velocity=velocity,
       learning_rate=typed(-w[0]), momentum=typed(w[1]), rho=rho, count=count + 1,
       rejected=state.rejected + rejected.astype(state.rejected.dtype))
-  return _accept_or_skip(ok, taken, new_state, state)
+  return _accept_or_skip(ok, cast(taken), new_state, state)
 
 
 def _adapt_and_reject(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,

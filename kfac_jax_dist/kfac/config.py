@@ -57,6 +57,7 @@ class KfacConfig:
     if self.method not in METHODS:
       raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
     settings.check_positive("damping", self.damping)
+    settings.check_normal("damping", self.damping, self.compute_dtype)
     settings.check_range("factor_decay", self.factor_decay, 0.0, 1.0)
     for name in ("factor_update_every", "inverse_update_every"):
       settings.check_interval(name, getattr(self, name))

@@ -8,7 +8,8 @@ couples a layer's two factors. Each device decomposes the factors it owns
 then the owner group gathers its members' segments (`distribute_second`).
 
 A factor whose running value or decomposition is not finite keeps its
-previous second-order state, slot by slot (`keep_failed`; a decomposition
+previous second-order state, slot by slot (`keep_failed`; with method
+"inverse" its layer's other factor too: `paired_failures`; a decomposition
 failure is not a step fault: see `core.faults`).
 """
 
@@ -102,12 +103,13 @@ def _failed_slots(x: jax.Array, table: jax.Array, slots: int, failed: jax.Array,
 
 
 def keep_failed(new: jax.Array, previous: jax.Array, new_runs: Runs | jax.Array,
-                running: jax.Array, running_runs: Runs | jax.Array, slots: int
-                ) -> jax.Array:
+                running: jax.Array, running_runs: Runs | jax.Array, slots: int,
+                couple: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
   """`new`, except that each of the `slots` factors whose running value (in
   `running`) or new second-order numbers are not finite keeps its `previous`
   numbers (the runs, or their `run_table`s, say where each factor's numbers
-  lie in each array).
+  lie in each array). `couple` (`[slots + 1]` failure flags → those to keep)
+  adds the factors that must be kept with a failed one (`paired_failures`).
 
   One finiteness check of the two whole arrays (`faults.all_finite`: a sum
   each, where `all(isfinite(·))`'s boolean reductions were 9 kernels of the
@@ -127,6 +129,9 @@ def keep_failed(new: jax.Array, previous: jax.Array, new_runs: Runs | jax.Array,
   failed = _compat.as_varying(jnp.zeros(slots + 1, jnp.int32), axes)
   failed = _failed_slots(running, running_table, slots,
                          _failed_slots(new, new_table, slots, failed, ~ok), ~ok)
+  if couple is not None:
+    failed = couple(failed)
+    ok = ~jnp.any(failed > 0)
 
   def select(start: jax.Array, at: jax.Array, out: jax.Array) -> jax.Array:
     kept = failed[_slot_ids(at, new_table, slots)] > 0
@@ -357,6 +362,34 @@ def pi_damping(config: KfacConfig, comm: collectives_lib.Collectives,
   return damping.at[np.asarray(targets)].set(values.reshape(-1)[np.asarray(sources)])
 
 
+def paired_failures(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
+                    slots: int) -> Callable[[jax.Array], jax.Array]:
+  """Method "inverse": `[slots + 1]` failure flags of this device's factors →
+  those of every factor whose layer has a failed factor (both inverses carry
+  the layer's π: a new `G⁻¹` beside a kept `A⁻¹` would apply neither the old
+  nor the new damping). The devices' flags are gathered (A and G may have
+  different owners) and each layer's maximum is sent to all its factors'
+  copies, as `pi_damping` sends the damping."""
+  entries = [(k, q.owner * layout.max_factors + q.index)
+             for k, plan in enumerate(p for p in layout.plans if not p.layer.unitwise)
+             for piece in plan.pieces for place in (piece.a, piece.g)
+             for q in (place,) + place.copies]
+  if not entries:
+    return lambda failed: failed
+  layers, targets = (np.asarray(column, np.int32) for column in zip(*entries))
+
+  def couple(failed: jax.Array) -> jax.Array:
+    own = collectives_lib.pad_to([failed[:slots]], layout.max_factors, jnp.int32)
+    everyone = comm.all_gather_owned(own)
+    layer_failed = jax.ops.segment_max(everyone[targets], layers,
+                                       num_segments=int(layers.max()) + 1)
+    coupled = jnp.zeros_like(everyone).at[targets].max(layer_failed[layers])
+    mine = lax.dynamic_slice_in_dim(coupled, comm.device_index() * layout.max_factors,
+                                    layout.max_factors)
+    return failed.at[:slots].max(mine[:slots])
+  return couple
+
+
 def owned_factors(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
                   running: jax.Array) -> Callable[[int], jax.Array]:
   """`device -> its owned running factors, tight` (replicas after its home
@@ -441,7 +474,8 @@ def decompose(config: KfacConfig, comm: collectives_lib.Collectives,
     return new, collectives_lib.pad_to([owned], width, owned.dtype)
   new, owned = comm.per_device(branch, layout.decomposition_branches)
   new_runs, running_runs, slots = _slot_tables(comm, layout, runs)
-  local = keep_failed(new, previous, new_runs, owned, running_runs, slots)
+  couple = None if damping is None else paired_failures(comm, layout, slots)
+  local = keep_failed(new, previous, new_runs, owned, running_runs, slots, couple)
   return distribute_second(comm, layout, local)
 
 

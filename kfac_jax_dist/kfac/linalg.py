@@ -54,9 +54,11 @@ def mean_traces(factors: jax.Array) -> jax.Array:
 def pi_adjusted_damping(trace_a: jax.Array, trace_g: jax.Array, damping
                         ) -> tuple[jax.Array, jax.Array]:
   """`(π√γ, √γ/π)` with `π² = (tr A/d_A)/(tr G/d_G)`, from the mean traces
-  (floored at the smallest normal number of their dtype)."""
+  (floored at the smallest normal number of their dtype). The roots are
+  taken before the quotient, which may overflow where π does not (a G of
+  zeros: its trace floored at 1e-38 in float32)."""
   tiny = jnp.finfo(jnp.result_type(trace_a, trace_g)).tiny
-  pi = jnp.sqrt(jnp.maximum(trace_a, tiny) / jnp.maximum(trace_g, tiny))
+  pi = jnp.sqrt(jnp.maximum(trace_a, tiny)) / jnp.sqrt(jnp.maximum(trace_g, tiny))
   root = jnp.sqrt(damping)
   return pi * root, root / pi
 

@@ -423,4 +423,5 @@ def kl_clip(config: KfacConfig, vg: jax.Array, count: jax.Array) -> jax.Array | 
   dtype = config.compute_dtype
   eta = jnp.asarray(cadence.value_at(config.learning_rate, count), dtype)
   kappa = jnp.asarray(cadence.value_at(config.kl_clip, count), dtype)
-  return jnp.where(vg > 0, jnp.minimum(1.0, jnp.sqrt(kappa / (eta ** 2 * vg))), 1.0)
+  # √κ / (η √vg): η²·vg may overflow where ν does not
+  return jnp.where(vg > 0, jnp.minimum(1.0, jnp.sqrt(kappa) / (eta * jnp.sqrt(vg))), 1.0)

@@ -283,6 +283,20 @@ def consumed_verdict(comm: collectives_lib.Collectives, state: ScaleByKfacState,
   return _agreed_finite(comm, [batch] + _corrected_statistics(state, stats))
 
 
+def stored_verdict(config: KfacConfig, comm: collectives_lib.Collectives, old: jax.Array,
+                   new: jax.Array) -> jax.Array:
+  """Whether the `new` running values (factors, EK-FAC's scaling) are finite
+  as stored, where the `old` ones were, agreed by the devices: a storage
+  dtype of a smaller range than the compute dtype (float16's 65504) may
+  overflow in the cast where the statistics were finite. True (no check)
+  for the others."""
+  if jnp.finfo(new.dtype).max >= jnp.finfo(config.compute_dtype).max:
+    return jnp.asarray(True)
+  with jax.named_scope(faults.SCOPE):
+    ok = faults.all_finite([new]) | ~faults.all_finite([old])
+    return faults.agree(ok, comm.varying) if comm.active else ok
+
+
 def _refreshed_stale_state(config: KfacConfig, comm: collectives_lib.Collectives,
                            state: ScaleByKfacState, stats: factors.Stats | None,
                            ok: jax.Array, gamma: jax.Array
@@ -300,10 +314,10 @@ def _refreshed_stale_state(config: KfacConfig, comm: collectives_lib.Collectives
       running, refresh, due = stale_update.refresh_due_factors(config, comm, state, stats)
       # (the psum of the devices' verdicts on factor steps only; without
       # one, no conditional: on a GPU each is a host round trip)
-      stats_ok = (lax.cond(state.update_factors,
-                           lambda: statistics_verdict(comm, state, stats), lambda: true)
-                  if comm.active else
-                  statistics_verdict(comm, state, stats) | ~state.update_factors)
+      verdict = lambda: (statistics_verdict(comm, state, stats)
+                         & stored_verdict(config, comm, state.factors, running))
+      stats_ok = (lax.cond(state.update_factors, verdict, lambda: true)
+                  if comm.active else verdict() | ~state.update_factors)
     with jax.named_scope("kfac_decomposition"):
       second = stale_update.decompose_due_factors(config, comm, state, running, due,
                                                   gamma)
@@ -338,7 +352,8 @@ def refreshed_state(config: KfacConfig, comm: collectives_lib.Collectives,
 
   def updated_factors() -> tuple:
     running, weight, batch = factors.update_running_factors(config, comm, state, stats)
-    return running, weight, consumed_verdict(comm, state, stats, batch)
+    return running, weight, (consumed_verdict(comm, state, stats, batch)
+                             & stored_verdict(config, comm, state.factors, running))
 
   def refreshed() -> tuple:
     running, weight, stats_ok = state.factors, state.factor_weight, true
@@ -384,19 +399,22 @@ def _corrected_layers_refreshed(state: ScaleByKfacState) -> jax.Array:
 def corrected_states(config: KfacConfig, comm: collectives_lib.Collectives,
                      state: ScaleByKfacState, new_state: ScaleByKfacState,
                      stats: factors.Stats | None, ok: jax.Array
-                     ) -> tuple[ScaleByKfacState, ScaleByKfacState]:
+                     ) -> tuple[ScaleByKfacState, ScaleByKfacState, jax.Array]:
   """EK-FAC (`correction`): (the state this step preconditions with: the
   eigenbases it started with and the scaling measured in them on a factor
   step; the state after the step: on a decomposition step, the new eigenbases
   and their `v_A v_Gᵀ`, fresh; with stale statistics, of the layers with a
-  refreshed factor only)."""
-  lay, measured = state.layout, state.correction
+  refreshed factor only; `stored_verdict` of the measured scaling)."""
+  lay, measured, true = state.layout, state.correction, jnp.asarray(True)
+  scaling_ok = true
   if stats is not None:
+
+    def measure() -> tuple[correction_lib.CorrectionState, jax.Array]:
+      new = correction_lib.updated(config, comm, lay, state.correction, stats)
+      return new, stored_verdict(config, comm, state.correction.scaling, new.scaling)
     with jax.named_scope("kfac_factor_update"):
-      measured = lax.cond(
-          state.update_factors & ok,
-          lambda: correction_lib.updated(config, comm, lay, state.correction, stats),
-          lambda: state.correction)
+      measured, scaling_ok = lax.cond(state.update_factors & ok, measure,
+                                      lambda: (state.correction, true))
   changed = None
   if config.stale_threshold is None:
     decomposed = cadence.due(config.inverse_update_every, state.count) & ok
@@ -412,7 +430,7 @@ def corrected_states(config: KfacConfig, comm: collectives_lib.Collectives,
     after = lax.cond(decomposed, reset, lambda: measured)
   return (dataclasses.replace(new_state, second_order=state.second_order,
                               correction=measured),
-          dataclasses.replace(new_state, correction=after))
+          dataclasses.replace(new_state, correction=after), scaling_ok)
 
 
 def preconditioned_updates(config: KfacConfig, comm: collectives_lib.Collectives,
@@ -485,7 +503,9 @@ def update_state(config: KfacConfig, comm: collectives_lib.Collectives, updates:
   new_state, stats_ok = refreshed_state(config, comm, state, stats, ok, gamma)
   applied = new_state
   if state.correction is not None:
-    applied, new_state = corrected_states(config, comm, state, new_state, stats, ok)
+    applied, new_state, scaling_ok = corrected_states(config, comm, state, new_state,
+                                                      stats, ok)
+    stats_ok = stats_ok & scaling_ok
   new_updates, produced = preconditioned_updates(config, comm, applied, updates, leaves,
                                                  gamma, state.count)
   with jax.named_scope(faults.SCOPE):
