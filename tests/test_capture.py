@@ -364,6 +364,11 @@ def test_dense_reduce_over_sequence(per_sequence, use_bias):
   assert not np.allclose(f64(expand["l1"]["A"]), bf["l1"]["A"])   # a real difference
   with pytest.raises(ValueError, match="example_dims"):
     kd.tags.dense(x, params["l1"]["kernel"], example_dims=3)
+  for bad in (1.5, "1", True):        # named, where slicing or `<=` failed
+    with pytest.raises(TypeError, match="kd.tags.dense: example_dims must be None or an int"):
+      kd.tags.dense(x, params["l1"]["kernel"], example_dims=bad)
+  with pytest.raises(TypeError, match="kd.tags.scale_and_shift: example_dims must be"):
+    kd.tags.scale_and_shift(x, jnp.ones(x.shape[-1]), example_dims=1.0)
 
 
 @pytest.mark.parametrize("use_bias", [True, False])

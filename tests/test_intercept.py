@@ -271,7 +271,7 @@ class _Unsupported(nn.Module):
 @pytest.mark.filterwarnings("ignore:kfac_jax_dist. Conv with masked",
                             "ignore:kfac_jax_dist. ConvTranspose with CIRCULAR",
                             "ignore:kfac_jax_dist. Einsum with the equation",
-                            "ignore:kfac_jax_dist. Conv with a custom or unshared")
+                            "ignore:kfac_jax_dist. Conv with a custom convolution")
 def test_uncaptured_layers_are_reported_and_pass_through():
   x = jax.random.normal(jax.random.PRNGKey(0), (4, 5, 5, 2), F64)
   y = jax.random.randint(jax.random.PRNGKey(1), (4,), 0, 10)
@@ -286,7 +286,7 @@ def test_uncaptured_layers_are_reported_and_pass_through():
   assert reported["up"][0] == "ConvTranspose"
   assert reported["masked"] == ("Conv", "masked kernel")
   assert reported["mix"][0] == "Einsum" and "not its first" in reported["mix"][1]
-  assert reported["local"] == ("Conv", "a custom or unshared convolution")
+  assert reported["local"] == ("Conv", "a custom convolution or promote_dtype, or unshared weights")
   # their gradients are jax's; the K-FAC state passes them through and says so
   _, grads, _ = jax.jit(grad_fn)(params, x, y)
   want = jax.jit(jax.grad(lambda p: kd.losses.softmax_cross_entropy(
@@ -295,6 +295,57 @@ def test_uncaptured_layers_are_reported_and_pass_through():
   state = kd.kfac(0.1, layers=layers).init(params)
   table = kd.describe(state, print_table=False)
   assert "uncaptured" in table and "ConvTranspose" in table and "up/kernel" in table
+
+
+def _doubled_kernel(*args, dtype=None, inexact=True):
+  """A user's linen `promote_dtype` (here: the kernel doubled)."""
+  del dtype, inexact
+  out = [None if a is None else jnp.asarray(a, F64) for a in args]
+  return (out[0], 2.0 * out[1], *out[2:])
+
+
+@pytest.mark.skipif("promote_dtype" not in nn.Dense.__dataclass_fields__,
+                    reason="this flax's layers have no promote_dtype")
+def test_a_custom_promote_dtype_runs_flaxs_own_layer():
+  """linen Dense / Conv and NNX Linear / Conv with a `promote_dtype` of the
+  user's run Flax's own code, untagged with a warning, as the other layers
+  with one do (the tagged path ignored it: another model's outputs, loss and
+  statistics, also under `capture="flax"`)."""
+  nnx_promote = lambda args, dtype=None: _doubled_kernel(*args)
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 5, 3), F64)
+  for kind, plain, tagged in (
+      ("Dense", nn.Dense(4, promote_dtype=_doubled_kernel),
+       kd.linen.Dense(4, promote_dtype=_doubled_kernel)),
+      ("Conv", nn.Conv(4, (3, 3), promote_dtype=_doubled_kernel),
+       kd.linen.Conv(4, (3, 3), promote_dtype=_doubled_kernel))):
+    variables = plain.init(jax.random.PRNGKey(1), x)
+    with pytest.warns(UserWarning, match=f"{kind} with .*promote_dtype.* not tagged"):
+      got = tagged.apply(variables, x)
+    helpers.assert_trees_equal(got, plain.apply(variables, x))
+    model = nn.Sequential([plain, nn.Dense(2, param_dtype=F64)])   # one layer tagged
+    params = model.init(jax.random.PRNGKey(1), x)["params"]
+    loss = lambda p, x: kd.losses.squared_error(model.apply({"params": p}, x),
+                                                jnp.zeros(x.shape[:-1] + (2,)))
+    with pytest.warns(UserWarning, match="promote_dtype"):
+      value, _, _ = kd.value_and_grad(loss, capture="flax")(params, x)
+    np.testing.assert_allclose(value, loss(params, x))
+  for kind, cls, args in (("Linear", kd.nnx.Linear, (3, 4)),
+                          ("Conv", kd.nnx.Conv, (3, 4, (3, 3)))):
+    plain_cls = getattr(nnx, kind)
+    plain = plain_cls(*args, promote_dtype=nnx_promote, param_dtype=F64, rngs=nnx.Rngs(0))
+    tagged = cls(*args, promote_dtype=nnx_promote, param_dtype=F64, rngs=nnx.Rngs(0))
+    with pytest.warns(UserWarning, match=f"{kind} with .*promote_dtype.* not tagged"):
+      got = tagged(x)
+    helpers.assert_trees_equal(got, plain(x))
+
+
+def test_nnx_rms_norm_takes_its_mask_positionally():
+  """`kd.nnx.RMSNorm(x, mask)`, as `nnx.RMSNorm` takes it (it was keyword-only)."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 6), F64)
+  mask = jnp.arange(6)[None, None, :] < 4
+  plain = nnx.RMSNorm(6, param_dtype=F64, rngs=nnx.Rngs(0))
+  tagged = kd.nnx.RMSNorm(6, param_dtype=F64, rngs=nnx.Rngs(0))
+  helpers.assert_trees_equal(tagged(x, mask), plain(x, mask))
 
 
 # ---------------------------------------------------------------------------

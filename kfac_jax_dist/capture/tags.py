@@ -421,6 +421,10 @@ def _check_bias(tag: str, bias: jax.Array | None, expected: tuple[int, ...]) -> 
 
 
 def _check_example_dims(tag: str, example_dims, num_leading: int, shape) -> None:
+  if example_dims is not None and not (
+      isinstance(example_dims, (int, np.integer)) and not isinstance(example_dims, bool)):
+    raise TypeError(f"kd.tags.{tag}: example_dims must be None or an int (the leading "
+                    f"axes that index examples), got {example_dims!r}")
   if example_dims is not None and not 0 <= example_dims <= num_leading:
     raise ValueError(f"kd.tags.{tag}: example_dims={example_dims} for an input of "
                      f"shape {shape}: at most its {num_leading} leading (non-feature) "
@@ -718,9 +722,7 @@ def scale_and_shift(x: jax.Array, scale: jax.Array, offset: jax.Array | None = N
   if offset is not None and offset.shape != scale.shape:
     raise ValueError(f"kd.tags.scale_and_shift: offset shape {offset.shape}, expected "
                      f"{scale.shape}")
-  if example_dims is not None and not 0 <= example_dims < x.ndim:
-    raise ValueError(f"kd.tags.scale_and_shift: example_dims={example_dims} for an "
-                     f"input of shape {x.shape}")
+  _check_example_dims("scale_and_shift", example_dims, x.ndim - 1, x.shape)
   has_offset = offset is not None
 
   def apply(x: jax.Array, scale: jax.Array, offset: jax.Array | None = None

@@ -63,8 +63,10 @@ def _example_dims(module: nn.Module, default: int | None = None) -> int | None:
 
 def dense(module: nn.Dense, inputs, fallback: Fallback):
   """`nn.Dense.__call__`, tagged with `kd.tags.dense`."""
-  if module.dot_general is not None or module.dot_general_cls is not None:
-    return _flax_common.untagged("Dense", "a custom dot_general", where(module), fallback)
+  if (module.dot_general is not None or module.dot_general_cls is not None
+      or _flax_common.custom_promote(module, linen_dtypes.promote_dtype)):
+    return _flax_common.untagged("Dense", "a custom dot_general or promote_dtype",
+                                 where(module), fallback)
   kernel = module.param("kernel", module.kernel_init,
                         (jnp.shape(inputs)[-1], module.features), module.param_dtype)
   bias = (module.param("bias", module.bias_init, (module.features,), module.param_dtype)
@@ -99,11 +101,12 @@ def conv(module: nn.Conv, inputs, fallback: Fallback):
   """`nn.Conv.__call__` (1-D, 2-D or 3-D), tagged with `kd.tags.conv1d` /
   `conv2d` / `conv3d`."""
   custom = (module.conv_general_dilated is not None
-            or module.conv_general_dilated_cls is not None or not module.shared_weights)
+            or module.conv_general_dilated_cls is not None or not module.shared_weights
+            or _flax_common.custom_promote(module, linen_dtypes.promote_dtype))
   config = _flax_common.conv_config(
       module.kernel_size, module.strides, module.padding, module.input_dilation,
       module.kernel_dilation, module.feature_group_count, module.mask,
-      "a custom or unshared convolution" if custom else None)
+      "a custom convolution or promote_dtype, or unshared weights" if custom else None)
   if isinstance(config, str):
     return _flax_common.untagged("Conv", config, where(module), fallback)
   return _conv_tagged(module, inputs, config)

@@ -112,9 +112,10 @@ class _ExampleDims:
 def linear(module: nnx.Linear, inputs, out_sharding, fallback: Fallback):
   """`nnx.Linear.__call__`, tagged with `kd.tags.dense`."""
   if (module.dot_general is not lax.dot_general or out_sharding is not None
-      or getattr(module, "preferred_element_type", None) is not None):
-    return _untagged("Linear", "a custom dot_general or output sharding", module,
-                     "kernel", fallback)
+      or getattr(module, "preferred_element_type", None) is not None
+      or _flax_common.custom_promote(module, nnx_dtypes.promote_dtype)):
+    return _untagged("Linear", "a custom dot_general, promote_dtype or output sharding",
+                     module, "kernel", fallback)
   kernel, bias, site = stacking.nnx_site(module.kernel, module.bias)
   return tags.dense(inputs, kernel, bias, dtype=module.dtype, precision=module.precision,
                     example_dims=_example_dims(module), _site=site)
@@ -141,11 +142,12 @@ def conv(module: nnx.Conv, inputs, out_sharding, fallback: Fallback):
   `conv2d` / `conv3d`."""
   custom = (module.conv_general_dilated is not lax.conv_general_dilated
             or out_sharding is not None
-            or getattr(module, "preferred_element_type", None) is not None)
+            or getattr(module, "preferred_element_type", None) is not None
+            or _flax_common.custom_promote(module, nnx_dtypes.promote_dtype))
   config = _flax_common.conv_config(
       module.kernel_size, module.strides, module.padding, module.input_dilation,
       module.kernel_dilation, module.feature_group_count, module.mask,
-      "a custom convolution or output sharding" if custom else None)
+      "a custom convolution, promote_dtype or output sharding" if custom else None)
   if isinstance(config, str):
     return _untagged("Conv", config, module, "kernel", fallback)
   return _conv_tagged(module, inputs, config)
@@ -410,7 +412,7 @@ class RMSNorm(_ExampleDims, nnx.RMSNorm):
   """`flax.nnx.RMSNorm` whose scale is tagged with `kd.tags.scale_and_shift`
   (no bias; tokens are examples unless `kfac_example_dims` says otherwise)."""
 
-  def __call__(self, x, *, mask=None):
+  def __call__(self, x, mask=None):       # positional, as NNX's own
     return rms_norm(self, x, mask, functools.partial(super().__call__, x, mask=mask))
 
 
