@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import subprocess
+import sys
 import time
 
 import jax
@@ -146,3 +148,55 @@ def test_checkpoint_of_two_processes_continues_on_one(runs):
   got, want = multihost.flatten(params), multihost.flatten(want)
   for key in want:
     np.testing.assert_allclose(got[key], want[key], rtol=2e-4, atol=2e-5, err_msg=key)
+
+
+_RESTORE_WORKER = """
+import sys
+import jax
+import numpy as np
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(sys.argv[2], num_processes=2, process_id=int(sys.argv[1]),
+                           initialization_timeout=60)
+import jax.numpy as jnp
+import kfac_jax_dist as kd
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+replicated = NamedSharding(Mesh(np.asarray(jax.devices()), ("data",)), P())
+params = {"w": jnp.arange(6.0).reshape(3, 2)}
+layers = kd.LayerRegistry((kd.TaggedLayer(name="l", kind="dense", kernel_path="w",
+                                          bias_path=None, kernel_shape=(3, 2),
+                                          a_dim=3, g_dim=2),))
+tx = kd.kfac(0.1, layers=layers)
+tree = jax.device_put({"params": params, "opt_state": tx.init(params)}, replicated)
+kd.save_checkpoint(sys.argv[3], tree, force=True)
+template = jax.eval_shape(lambda: {"params": params, "opt_state": tx.init(params)})
+restored = kd.restore_checkpoint(sys.argv[3], template)          # no mesh=
+w = restored["params"]["w"]
+print("restored", float(np.asarray(w.addressable_data(0)).sum()),
+      len(w.sharding.device_set), flush=True)
+"""
+
+
+def test_restore_without_a_mesh_on_two_processes(tmp_path):
+  """`kd.restore_checkpoint(directory, jax.eval_shape(...))` (api.md's form,
+  no `mesh=`) with two processes: the leaves without a sharding are restored
+  replicated on every device, so each process holds them (process 1 failed
+  inside orbax and process 0 then hung: the default was process 0's first
+  device)."""
+  reason = _gloo_missing()
+  if reason:
+    pytest.skip(reason)
+  coordinator = f"127.0.0.1:{multihost.free_port()}"
+  env = multihost.cpu_env(DEVICES_PER_PROCESS)
+  env["PYTHONPATH"] = str(ROOT)
+  procs = [subprocess.Popen([sys.executable, "-c", _RESTORE_WORKER, str(i), coordinator,
+                             str(tmp_path / "ckpt")], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  try:
+    outputs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for p, output in zip(procs, outputs):
+    assert p.returncode == 0, output[-3000:]
+    assert f"restored 15.0 {NUM_DEVICES}" in output, output[-3000:]

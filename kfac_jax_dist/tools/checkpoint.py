@@ -159,8 +159,13 @@ def save_checkpoint(directory: str | os.PathLike, tree: Any, *, force: bool = Fa
 
 def _abstract(template: Any, mesh: jax.sharding.Mesh | None) -> Any:
   """`ShapeDtypeStruct`s with shardings: `kd.partition_specs` on `mesh`, else
-  the template's own (one device where it has none)."""
-  default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  the template's own (where it has none: one device; with several processes,
+  replicated on all devices, so that every process holds it)."""
+  if jax.process_count() > 1:
+    everywhere = jax.sharding.Mesh(np.asarray(jax.devices()), ("devices",))
+    default = jax.sharding.NamedSharding(everywhere, jax.sharding.PartitionSpec())
+  else:
+    default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
   def leaf(spec: Any, x: Any) -> Any:
     if mesh is not None:
@@ -183,7 +188,8 @@ def restore_checkpoint(directory: str | os.PathLike, template: Any, *,
       params)` of the same transform); its values are not used.
     mesh: place the result with `kd.partition_specs(template)` on this mesh
       (K-FAC factors sharded as `update` inside `shard_map` expects, the rest
-      replicated). None: with the template's own shardings.
+      replicated). None: with the template's own shardings (where a leaf
+      has none: one device; with several processes, replicated on all).
 
   Returns:
     The saved tree, bit for bit, with `template`'s structure and layouts.
