@@ -523,3 +523,14 @@ def test_restore_into_other_dtypes_names_the_leaf(tmp_path):
   with pytest.raises(ValueError, match=r"leaf \['b'\] was saved as int32, the template "
                      "has float32"):
     kd.restore_checkpoint(tmp_path / "ckpt", template)
+
+
+def test_restore_into_other_shapes_names_the_leaf(tmp_path):
+  """A leaf of another shape (a parameter, outside any optimizer state) is
+  named with both shapes (orbax's own error named no leaf)."""
+  kd.save_checkpoint(tmp_path / "ckpt", {"a": jnp.zeros(3), "w": jnp.zeros((4, 2))})
+  template = {"a": jax.ShapeDtypeStruct((3,), jnp.float32),
+              "w": jax.ShapeDtypeStruct((4, 3), jnp.float32)}
+  with pytest.raises(ValueError, match=r"leaf \['w'\] was saved with shape \(4, 2\), "
+                     r"the template has \(4, 3\)"):
+    kd.restore_checkpoint(tmp_path / "ckpt", template)

@@ -15,9 +15,9 @@ same configuration, e.g. `tx.init(params)` or, without computing anything,
 
 `save_checkpoint` stores, next to the arrays, a JSON description of every
 K-FAC, Shampoo and SOAP state's layout (`checkpoint_metadata`) and every
-leaf's path and dtype; `restore_checkpoint` refuses a template whose layout
-differs (the arrays would have the right shapes but another meaning), or
-whose leaves or dtypes do. Saved with one distribution (device count, strategy,
+leaf's path, dtype and shape; `restore_checkpoint` refuses a template whose
+layout differs (the arrays would have the right shapes but another meaning),
+or whose leaves, dtypes or shapes do. Saved with one distribution (device count, strategy,
 factor reduction, `symmetric_comm`) and needed with another: restore into a
 template of the *saved* configuration, then `convert_state(state,
 new_template)`.
@@ -153,7 +153,8 @@ def save_checkpoint(directory: str | os.PathLike, tree: Any, *, force: bool = Fa
       os.path.abspath(directory),
       ocp.args.Composite(**{_STATE: ocp.args.StandardSave(tree),
                             _META: ocp.args.JsonSave(dict(checkpoint_metadata(tree),
-                                                          dtypes=_dtypes(tree)))}),
+                                                          dtypes=_dtypes(tree),
+                                                          shapes=_shapes(tree)))}),
       force=force)
 
 
@@ -197,7 +198,8 @@ def restore_checkpoint(directory: str | os.PathLike, template: Any, *,
   Raises:
     ValueError: the template's K-FAC, Shampoo or SOAP layouts are not the
       saved ones (another device count, strategy or set of layers; see
-      `convert_state`), or its leaves (paths) or dtypes are not the saved ones.
+      `convert_state`), or its leaves (paths), dtypes or shapes are not the
+      saved ones.
   """
   ocp, checkpointer = _checkpointer()
   path = os.path.abspath(directory)
@@ -304,6 +306,12 @@ def _dtypes(tree: Any) -> list[list[str]]:
           for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
+def _shapes(tree: Any) -> list[list]:
+  """`[path, shape]` of every array leaf (saved, and compared at restore)."""
+  return [[jax.tree_util.keystr(path), list(jnp.shape(x))]
+          for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
 def _few(paths: list[str], most: int = 4) -> str:
   """`paths`, the first `most` of them named."""
   if not paths:
@@ -331,7 +339,8 @@ def _check_paths(saved: list[str], template: list[str]) -> None:
 
 def _check_dtypes(saved: dict, template: Any) -> None:
   """The template's leaves are the saved ones (`_check_paths`) and have the
-  saved dtypes (orbax would cast silently)."""
+  saved dtypes (orbax would cast silently) and shapes (orbax's error names
+  no leaf)."""
   if "dtypes" not in saved:        # saved before dtypes were recorded
     return
   wanted = _dtypes(template)
@@ -342,6 +351,12 @@ def _check_dtypes(saved: dict, template: Any) -> None:
           f"restore_checkpoint: leaf {path} was saved as {have}, the template has "
           f"{want}. Restore into a template of the saved dtypes (e.g. the same "
           "factor_dtype / statistics_dtype), then cast if you mean to.")
+  for (path, have), (_, want) in zip(saved.get("shapes", ()), _shapes(template)):
+    if have != want:           # (checkpoints saved before shapes were recorded: orbax's)
+      raise ValueError(
+          f"restore_checkpoint: leaf {path} was saved with shape {tuple(have)}, the "
+          f"template has {tuple(want)}. Restore into a template of the saved "
+          "configuration (the same model and optimizer).")
 
 
 def _check_mesh(template: Any, mesh: jax.sharding.Mesh | None) -> None:
