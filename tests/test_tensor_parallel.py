@@ -579,6 +579,26 @@ def test_bad_param_specs_entry_is_named_by_its_path():
     kd.Distribution(mesh, model_axis="model", param_specs=specs)
 
 
+def test_discover_checks_the_parameters_against_param_specs():
+  """`grad_fn.discover(..., distribution=)`, the first call that sees the
+  parameters, names the misfit as `init` does (it raised shard_map's errors
+  about a function the user never wrote)."""
+  params, x, y = _problem()
+  grad_fn = kd.value_and_grad(tp_loss)
+  odd = dict(params, col={"kernel": jnp.zeros((D_IN, 6)), "bias": jnp.zeros(6)},
+             row={"kernel": jnp.zeros((6, D_OUT))})
+  for p, specs, match in (
+      (odd, PARAM_SPECS, r"Parameter 'col/bias' of shape \(6,\): dimension 0 \(6\) is "
+                         f"not divisible by the {M} devices of model axis 'model'"),
+      (params, {"col": PARAM_SPECS["col"], "row": PARAM_SPECS["row"]},
+       "Distribution.param_specs must be a pytree like the parameters"),
+      (params, dict(PARAM_SPECS, rbias=P(None, "model")),
+       r"param_specs\['rbias'\] = .* has more entries than the parameter has dimensions")):
+    dist = kd.Distribution(_mesh(), model_axis="model", param_specs=specs)
+    with pytest.raises(ValueError, match=match):
+      grad_fn.discover(p, x, y, distribution=dist)
+
+
 def test_kfac_rejects_shardings_it_cannot_precondition():
   """A row-parallel layer whose tag adds the bias (every shard would add it
   before the psum), a conv kernel sharded on a spatial axis, and a grouped

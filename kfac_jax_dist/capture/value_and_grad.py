@@ -171,6 +171,7 @@ class ValueAndGrad:
     axes)."""
     if distribution is None or not distribution.model_axes:
       return self._discover(params, *args, **kwargs).layers
+    distribution.check_params(params)     # its errors, not shard_map's
     found = []
 
     def local(p: Any, a: tuple, k: dict) -> Any:

@@ -201,3 +201,9 @@ class Distribution:
   def model_size(self) -> int:
     """Model shards: devices of the tensor-parallel axes (1 without any)."""
     return math.prod(int(self.mesh.shape[a]) for a in self.model_axes)
+
+  def check_params(self, params: Any) -> None:
+    """Raises a ValueError naming the parameter where `param_specs` does not
+    fit `params` (structure, rank, axes, divisibility), as `init` does."""
+    if self.model_axes:
+      tensor_parallel.ModelSharding.of(params, self)

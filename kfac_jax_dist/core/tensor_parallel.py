@@ -113,7 +113,7 @@ def _sharded_dims(spec: PartitionSpec, axes: tuple[str, ...], path: str
         raise ValueError(
             f"param_specs['{path}'] = {spec} shards over {name!r}: parameters may be "
             f"sharded over the tensor-parallel {_describe_axes(axes)} only (the data "
-            "axis holds replicas).")
+            "axis holds replicas; another mesh axis is not the Distribution's).")
       if name in found:
         raise ValueError(f"param_specs['{path}'] = {spec} shards several dimensions "
                          f"over {name!r}; at most one may be.")
