@@ -69,7 +69,9 @@ def state_bytes_per_device(state, p: int) -> int:
 OPTIONS = {"plain": {}, "ekfac": {"eigenvalue_correction": "ekfac"},
            "stale": {"stale_threshold": 0.1},
            "stale_ekfac": {"stale_threshold": 0.1, "eigenvalue_correction": "ekfac"},
-           "bf16_factors": {"factor_dtype": jnp.bfloat16}}
+           "bf16_factors": {"factor_dtype": jnp.bfloat16},
+           "inverse": {"method": "inverse"}, "stale_inverse": {"stale_threshold": 0.1,
+                                                               "method": "inverse"}}
 
 
 def cadence(options):
@@ -168,6 +170,12 @@ def test_auto_state_bytes_and_errors():
     kd.Distribution.auto(mesh, "data", layers, memory_budget=smallest - 1)
   with pytest.raises(ValueError, match="inverse_update_every must be a positive int"):
     kd.Distribution.auto(mesh, "data", layers, inverse_update_every=0)
+  for budget in ("1e9", float("nan"), True, -1.0):    # a raw comparison error, or "below"
+    with pytest.raises(ValueError, match="memory_budget must be None or a positive number"):
+      kd.Distribution.auto(mesh, "data", layers, memory_budget=budget)
+  numpy_cadence = kd.Distribution.auto(mesh, "data", layers,      # as kd.kfac takes it
+                                       factor_update_every=np.int64(10))
+  assert numpy_cadence == kd.Distribution.auto(mesh, "data", layers)
   with pytest.raises(TypeError, match="layers must be grad_fn.discover"):
     kd.Distribution.auto(mesh, "data", params)
   with pytest.raises(TypeError, match="unknown argument.*storage.*stale_threshold"):
@@ -268,21 +276,25 @@ def test_cost_model_equals_the_compiled_hlo(m, fr, gr):
         kind, measured, model)
 
 
-# Two of the nine cases by default (CI time: each compiles an 8-device step):
-# both EK-FAC terms and stale statistics' under COMM-OPT, EK-FAC's under HYBRID.
+# Three of the fifteen cases by default (CI time: each compiles an 8-device
+# step): both EK-FAC terms and stale statistics' under COMM-OPT, EK-FAC's under
+# HYBRID, the inverses' gathers under MEM-OPT.
 OPTION_CASES_BY_DEFAULT = [(1, "reduce_scatter", "reduce_scatter", "stale_ekfac"),
-                           (4, "all_reduce", "none", "ekfac")]
+                           (4, "all_reduce", "none", "ekfac"),
+                           (8, "reduce_scatter", "none", "inverse")]
 
 
 @pytest.mark.parametrize("m, fr, gr, option", helpers.slow_unless(
     [(*strategy, option) for strategy in (
         (1, "reduce_scatter", "reduce_scatter"), (4, "all_reduce", "none"),
-        (8, "reduce_scatter", "none")) for option in ("ekfac", "stale", "stale_ekfac")],
+        (8, "reduce_scatter", "none"))
+     for option in ("ekfac", "stale", "stale_ekfac", "inverse", "stale_inverse")],
     OPTION_CASES_BY_DEFAULT))
 def test_cost_model_of_options_equals_the_compiled_hlo(m, fr, gr, option):
   """EK-FAC's `S` all-reduce and eigenbases gather, stale statistics' refresh
-  decisions and per-factor all-reduces: `cost.kfac_step_bytes` against the
-  compiled 8-device step. The parser counts a loop's body once; with stale
+  decisions and per-factor all-reduces, method="inverse"'s gathers of the
+  traces and failure flags: `cost.kfac_step_bytes` against the compiled
+  8-device step. The parser counts a loop's body once; with stale
   statistics each refreshed factor's all-reduce sits in its layer's loop
   over due blocks (one block each here), so the whole program (the parser's
   "inverse" total, a step where every factor is due) is every term of the

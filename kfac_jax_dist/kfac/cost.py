@@ -38,6 +38,8 @@ bfloat16 `comm_dtype`), so there the saving shows only on accelerators.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Any, Callable, Sequence
 
 import jax
@@ -218,6 +220,19 @@ def _correction_terms(config: config_lib.KfacConfig, lay: layout_lib.Layout
   return scaling, uneven_terms(lay.read_sizes, "EK-FAC eigenbases AG", True, second)
 
 
+def _inverse_terms(config: config_lib.KfacConfig, lay: layout_lib.Layout
+                   ) -> list[tuple[str, float]]:
+  """method="inverse", decomposition steps: every device's factor traces (for
+  π) and failure flags (a layer's two inverses are kept together), each
+  `[max_factors]`, all-gathered (`decompositions.pi_damping`,
+  `paired_failures`)."""
+  if config.method != "inverse":
+    return []
+  each = _itemsize(config.compute_dtype) + 4
+  return [("π traces + failure flags AG (P-1)·F", (lay.num_devices - 1)
+           * lay.max_factors * each)]
+
+
 def _stale_step_bytes(config: config_lib.KfacConfig, lay: layout_lib.Layout,
                       plain: Terms, traffic: int) -> StepBytes:
   """Stale statistics' steps (see `kfac_step_bytes`)."""
@@ -229,7 +244,8 @@ def _stale_step_bytes(config: config_lib.KfacConfig, lay: layout_lib.Layout,
                [("refreshed factors' all-reduces 2(P-1)/P·T", 2 * r * total * traffic)])
   scaling, bases = _correction_terms(config, lay)
   any_refresh = ([_fault_check(p)] + scaling
-                 + second_order_terms(lay, _itemsize(config.compute_dtype)) + bases)
+                 + second_order_terms(lay, _itemsize(config.compute_dtype)) + bases
+                 + _inverse_terms(config, lay))
   return StepBytes(plain + (decisions,), tuple(refreshed), tuple(any_refresh))
 
 
@@ -248,6 +264,8 @@ def kfac_step_bytes(config: config_lib.KfacConfig, lay: layout_lib.Layout) -> St
     the mean steps between a factor's refreshes); a step that refreshes any
     factor (the "inverse" terms) runs the fault check's psum, EK-FAC's, and
     sends the second-order state as a decomposition step does.
+  * method="inverse": the factors' traces and failure flags gathered on
+    decomposition steps (`_inverse_terms`).
   """
   dist = config.distribution
   if dist is None or lay.num_devices == 1:
@@ -260,7 +278,8 @@ def kfac_step_bytes(config: config_lib.KfacConfig, lay: layout_lib.Layout) -> St
   if config.stale_threshold is not None:
     return _stale_step_bytes(config, lay, base.plain, traffic)
   scaling, bases = _correction_terms(config, lay)
-  return StepBytes(base.plain, base.factor + tuple(scaling), base.inverse + tuple(bases))
+  return StepBytes(base.plain, base.factor + tuple(scaling),
+                   base.inverse + tuple(bases) + tuple(_inverse_terms(config, lay)))
 
 
 def stale_state_bytes(lay: layout_lib.Layout, factor_bytes: int, second_bytes: int
@@ -395,15 +414,22 @@ DISTRIBUTION_OPTIONS = ("symmetric_comm", "comm_dtype")
 
 
 def _check_auto_arguments(layers: Any, factor_update_every: Any,
-                          inverse_update_every: Any, options: dict) -> None:
+                          inverse_update_every: Any, memory_budget: Any,
+                          options: dict) -> None:
   if not isinstance(layers, registry.LayerRegistry):
     raise TypeError("Distribution.auto: layers must be grad_fn.discover(params, ...)'s "
                     f"LayerRegistry, got {type(layers).__name__}")
   for name, every in (("factor_update_every", factor_update_every),
                       ("inverse_update_every", inverse_update_every)):
-    if not isinstance(every, int) or every < 1:
+    if not (isinstance(every, numbers.Integral) and not isinstance(every, bool)
+            and every >= 1):
       raise ValueError(f"Distribution.auto: {name} must be a positive int (the "
                        f"cadence the choice amortises over), got {every!r}")
+  if memory_budget is not None and not (
+      isinstance(memory_budget, numbers.Real) and not isinstance(memory_budget, bool)
+      and math.isfinite(memory_budget) and memory_budget > 0):
+    raise ValueError("Distribution.auto: memory_budget must be None or a positive "
+                     f"number of bytes per device, got {memory_budget!r}")
   unknown = set(options) - set(KFAC_OPTIONS) - set(DISTRIBUTION_OPTIONS)
   if unknown:
     raise TypeError(f"Distribution.auto: unknown argument(s) {sorted(unknown)}; the "
@@ -424,7 +450,10 @@ def auto_distribution(mesh: jax.sharding.Mesh, axis: str,
                       **options: Any) -> distribution_lib.Distribution:
   """`kd.Distribution.auto` (see there): each candidate's config and layout
   are the ones `scale_by_kfac` builds for it at init."""
-  _check_auto_arguments(layers, factor_update_every, inverse_update_every, options)
+  _check_auto_arguments(layers, factor_update_every, inverse_update_every, memory_budget,
+                        options)
+  factor_update_every, inverse_update_every = int(factor_update_every), int(
+      inverse_update_every)
   base = distribution_lib.Distribution(
       mesh, axis, **{k: v for k, v in options.items() if k in DISTRIBUTION_OPTIONS})
   kfac_options = {k: v for k, v in options.items() if k in KFAC_OPTIONS}
