@@ -208,6 +208,13 @@ def test_adaptive_settings_that_do_not_do_what_they_say_are_refused():
                                        "adapted damping .* needs reject_steps=True and "
                                        "adapt_damping=True"):
     adaptive(reject_steps=True, reject_damping_increase_factor=2.0)
+  for option in (dict(damping_adaptation_interval=3), dict(damping_adaptation_decay=0.5),
+                 dict(min_damping=1e-4), dict(max_damping=1.0)):     # (they did nothing)
+    (name, value), = option.items()
+    with pytest.raises(ValueError, match=f"{name}={value!r} sets the damping's "
+                                         "adaptation: it needs adapt_damping=True"):
+      adaptive(**option)
+    adaptive(adapt_damping=True, **option)
   with pytest.raises(ValueError, match="reject_damping_increase_factor"):
     adaptive(reject_steps=True, adapt_damping=True, reject_damping_increase_factor=0.0)
   # adapt_damping selects adaptive mode (the damping alone adapted), which needs grad_fn.

@@ -50,8 +50,9 @@ def _kfac_options(rng: random.Random) -> tuple[dict, bool]:
     options["eigenvalue_correction"] = "ekfac"
   adaptive = rng.random() < 0.3
   if adaptive:
-    options.update(kl_clip=None, adapt_damping=rng.choice([False, True]),
-                   damping_adaptation_interval=1)
+    options.update(kl_clip=None, adapt_damping=rng.choice([False, True]))
+    if options["adapt_damping"]:     # (the rule's settings need it)
+      options.update(damping_adaptation_interval=1)
   else:
     momentum = rng.choice([0.0, 0.9])
     options.update(momentum=momentum, nesterov=momentum > 0 and rng.random() < 0.5)

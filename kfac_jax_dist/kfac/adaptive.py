@@ -83,6 +83,11 @@ class Batch(NamedTuple):
   kwargs: dict
 
 
+# The Levenberg-Marquardt rule's settings (read with `adapt_damping` only).
+DAMPING_RULE = ("damping_adaptation_interval", "damping_adaptation_decay", "min_damping",
+                "max_damping", "damping_lower_threshold", "damping_upper_threshold")
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class AdaptiveConfig:
   """The adaptive settings (see the module docstring); None: adapted."""
@@ -130,6 +135,19 @@ class AdaptiveConfig:
     if not 0 <= self.damping_lower_threshold < self.damping_upper_threshold:
       raise ValueError("need 0 <= damping_lower_threshold < damping_upper_threshold, got "
                        f"{self.damping_lower_threshold}, {self.damping_upper_threshold}")
+    if not self.adapt_damping:
+      self._check_no_damping_rule()
+
+  def _check_no_damping_rule(self) -> None:
+    """Without `adapt_damping`, the Levenberg-Marquardt rule's settings do
+    nothing: one other than its default is refused by name (an array, from
+    `optax.inject_hyperparams`, cannot be told from the default)."""
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if (field.name in DAMPING_RULE and not hasattr(value, "dtype")
+          and value != field.default):
+        raise ValueError(f"{field.name}={value!r} sets the damping's adaptation: it "
+                         "needs adapt_damping=True.")
 
   def settings_ok(self, count: jax.Array) -> jax.Array:
     """The run-time check of the values only the step knows (arrays from
