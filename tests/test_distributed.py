@@ -671,3 +671,29 @@ def test_local_factors_keep_each_devices_own_statistics(x64):
     scaling = stats[name]["S"].reshape((8,) + whole[name]["S"].shape).mean(0)
     np.testing.assert_allclose(scaling, whole[name]["S"], rtol=1e-12, atol=1e-15,
                                err_msg=f"S {name}")
+
+
+def test_monte_carlo_targets_are_drawn_per_data_shard():
+  """`fisher="mc"` inside `shard_map` with one key for every device: each data
+  shard draws its own targets (the key folded with its index over the axes the
+  batch varies over), as one device draws each example of the global batch
+  its own; devices given the same (replicated) batch draw the same ones.
+  (Every device drew the same: identical local batches gave identical `G`,
+  whose noise then did not fall with the device count.)"""
+  def loss_fn(params, x, y):
+    return kd.losses.softmax_cross_entropy(kd.tags.dense(x, params["w"], name="out"), y)
+  grad_fn = kd.value_and_grad(loss_fn, fisher="mc")
+  x = jax.random.normal(jax.random.PRNGKey(0), (4, 3))
+  y = jnp.arange(4) % 5
+  params = {"w": jax.random.normal(jax.random.PRNGKey(1), (3, 5))}
+  mesh = helpers.data_mesh(8)
+
+  def local_g(xs, ys):
+    _, _, stats = grad_fn(params, xs, ys, rng=jax.random.PRNGKey(5))
+    return stats["out"]["G"][None]
+  for batch_spec, distinct in ((P("data"), True), (P(), False)):
+    tiled = (jnp.tile(x, (8, 1)), jnp.tile(y, 8)) if distinct else (x, y)
+    g = np.asarray(jax.jit(jax.shard_map(local_g, mesh=mesh, in_specs=(batch_spec,) * 2,
+                                         out_specs=P("data")))(*tiled))
+    differ = [not np.array_equal(g[0], g[d]) for d in range(1, 8)]
+    assert all(differ) if distinct else not any(differ), differ

@@ -354,6 +354,8 @@ class ValueAndGrad:
     per layer or for the whole pass (`skip_statistics`)."""
     if self.fisher == "mc" and rng is None:
       raise ValueError('fisher="mc" samples targets from the model: pass rng=.')
+    if self.fisher == "mc":
+      rng = _per_data_shard(rng, (args, kwargs))
     if isinstance(loss_scale, (int, float)) and not (
         math.isfinite(loss_scale) and loss_scale > 0):   # an array of 0: a faulty step
       raise ValueError(f"loss_scale must be finite and > 0, got {loss_scale!r}")
@@ -487,6 +489,21 @@ def _check_output(out: Any, has_aux: bool) -> None:
   if jnp.shape(loss) != ():
     raise TypeError("The loss function must return a scalar (the registered mean loss, "
                     f"plus any regularisation), got shape {jnp.shape(loss)}.")
+
+
+def _per_data_shard(rng: jax.Array, batch: Any) -> jax.Array:
+  """`rng` folded with this device's index over the mesh axes the `batch`
+  varies over inside `shard_map` (its data shards): each shard draws its own
+  targets, as one device does for every example of the global batch, while
+  the devices holding the same examples (a tensor-parallel axis) draw the
+  same ones. Outside `shard_map` (or without varying types), `rng` itself."""
+  axes = _compat.varying_axes(batch)
+  if not axes:
+    return rng
+  index = jnp.zeros([], jnp.int32)
+  for axis in axes:
+    index = index * jax.lax.axis_size(axis) + jax.lax.axis_index(axis)
+  return jax.random.fold_in(rng, index)
 
 
 def _all_probes(discovered: "_Discovered", state: Any) -> dict:
