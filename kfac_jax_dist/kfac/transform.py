@@ -283,14 +283,19 @@ def consumed_verdict(comm: collectives_lib.Collectives, state: ScaleByKfacState,
   return _agreed_finite(comm, [batch] + _corrected_statistics(state, stats))
 
 
+def may_overflow(config: KfacConfig, stored: Any) -> bool:
+  """Whether the storage dtype `stored` has a smaller range than the compute
+  dtype (float16's 65504): its cast may overflow where the statistics were
+  finite."""
+  return jnp.finfo(stored).max < jnp.finfo(config.compute_dtype).max
+
+
 def stored_verdict(config: KfacConfig, comm: collectives_lib.Collectives, old: jax.Array,
                    new: jax.Array) -> jax.Array:
   """Whether the `new` running values (factors, EK-FAC's scaling) are finite
-  as stored, where the `old` ones were, agreed by the devices: a storage
-  dtype of a smaller range than the compute dtype (float16's 65504) may
-  overflow in the cast where the statistics were finite. True (no check)
-  for the others."""
-  if jnp.finfo(new.dtype).max >= jnp.finfo(config.compute_dtype).max:
+  as stored, where the `old` ones were, agreed by the devices (True, no
+  check, where the storage cannot overflow: `may_overflow`)."""
+  if not may_overflow(config, new.dtype):
     return jnp.asarray(True)
   with jax.named_scope(faults.SCOPE):
     ok = faults.all_finite([new]) | ~faults.all_finite([old])
@@ -405,16 +410,19 @@ def corrected_states(config: KfacConfig, comm: collectives_lib.Collectives,
   step; the state after the step: on a decomposition step, the new eigenbases
   and their `v_A v_Gᵀ`, fresh; with stale statistics, of the layers with a
   refreshed factor only; `stored_verdict` of the measured scaling)."""
-  lay, measured, true = state.layout, state.correction, jnp.asarray(True)
-  scaling_ok = true
+  lay, measured, scaling_ok = state.layout, state.correction, jnp.asarray(True)
   if stats is not None:
-
-    def measure() -> tuple[correction_lib.CorrectionState, jax.Array]:
-      new = correction_lib.updated(config, comm, lay, state.correction, stats)
-      return new, stored_verdict(config, comm, state.correction.scaling, new.scaling)
+    measure = lambda: correction_lib.updated(config, comm, lay, state.correction, stats)
     with jax.named_scope("kfac_factor_update"):
-      measured, scaling_ok = lax.cond(state.update_factors & ok, measure,
-                                      lambda: (state.correction, true))
+      if not may_overflow(config, state.correction.scaling.dtype):
+        measured = lax.cond(state.update_factors & ok, measure, lambda: state.correction)
+      else:                             # and whether its cast stayed finite
+
+        def checked() -> tuple[correction_lib.CorrectionState, jax.Array]:
+          new = measure()
+          return new, stored_verdict(config, comm, state.correction.scaling, new.scaling)
+        measured, scaling_ok = lax.cond(state.update_factors & ok, checked,
+                                        lambda: (state.correction, jnp.asarray(True)))
   changed = None
   if config.stale_threshold is None:
     decomposed = cadence.due(config.inverse_update_every, state.count) & ok
