@@ -527,7 +527,7 @@ def update_state(config: AdaptiveConfig, kfac_config: KfacConfig,
   coefficients, the update, every T steps the new λ, and with `reject_steps`
   no update where the objective goes up."""
   count, wd = state.count, config.weight_decay
-  dtypes = jax.tree_util.tree_map(lambda g: g.dtype, grads)   # the updates' (velocity: f32+)
+  dtypes = jax.tree_util.tree_map(lambda g: g.dtype, grads)   # the updates' (the velocity's: f32+)
   lam = (state.damping if config.adapt_damping else
          jnp.asarray(cadence.value_at(kfac_config.damping, count), state.damping.dtype))
   if not (isinstance(wd, (int, float)) and wd == 0):

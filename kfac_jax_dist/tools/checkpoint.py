@@ -17,10 +17,10 @@ same configuration, e.g. `tx.init(params)` or, without computing anything,
 K-FAC, Shampoo and SOAP state's layout (`checkpoint_metadata`) and every
 leaf's path, dtype and shape; `restore_checkpoint` refuses a template whose
 layout differs (the arrays would have the right shapes but another meaning),
-or whose leaves, dtypes or shapes do. Saved with one distribution (device count, strategy,
-factor reduction, `symmetric_comm`) and needed with another: restore into a
-template of the *saved* configuration, then `convert_state(state,
-new_template)`.
+or whose leaves, dtypes or shapes do. Saved with one distribution (device
+count, strategy, factor reduction, `symmetric_comm`) and needed with another:
+restore into a template of the *saved* configuration, then
+`convert_state(state, new_template)`.
 
 Any pytree works (an optax state, or `{"params": ..., "opt_state": ...}`).
 Arrays must be addressable from this process for `convert_state` (one host);
