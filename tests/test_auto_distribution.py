@@ -258,9 +258,11 @@ QUICK = [(4, "reduce_scatter", "reduce_scatter"), (8, "reduce_scatter", "none")]
 
 
 def untagged_bytes(params, layers) -> float:
-  """The untagged parameters' all-reduce (left out of the cost model)."""
+  """The untagged parameters' all-reduce (left out of the cost model); a
+  stacked or grouped layer's blocks each count."""
   n_all = sum(v.size for v in jax.tree_util.tree_leaves(params))
-  return 2 * 7 / 8 * (n_all - sum(l.a_dim * l.g_dim for l in layers)) * F32
+  tagged = sum(l.a_dim * l.g_dim * int(np.prod(l.stack)) for l in layers)
+  return 2 * 7 / 8 * (n_all - tagged) * F32
 
 
 @pytest.mark.parametrize("m, fr, gr", helpers.slow_unless(CANDIDATES, QUICK))
