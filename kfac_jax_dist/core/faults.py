@@ -163,14 +163,20 @@ def poison_unless(run_time: settings.RunTimeChecks
   return [optax.GradientTransformation(init_fn, update_fn)]
 
 
+def narrower(dtype: Any, than: Any) -> bool:
+  """Whether floating `dtype` has a smaller range than `than` (float16 than
+  float32: a cast into it may overflow where the value was finite)."""
+  return (jnp.issubdtype(dtype, jnp.floating)
+          and jnp.finfo(dtype).max < jnp.finfo(than).max)
+
+
 def _narrow_leaves_finite(updates: Any) -> jax.Array | None:
   """Whether the leaves of a smaller range than float32 (float16) are finite,
   agreed by the devices their values vary over (None: no such leaf). The
   preconditioners check what they produce; a tail after them may still
   overflow such a leaf."""
-  wide = jnp.finfo(jnp.float32).max
   narrow = [u for u in jax.tree_util.tree_leaves(updates)
-            if jnp.issubdtype(u.dtype, jnp.floating) and jnp.finfo(u.dtype).max < wide]
+            if narrower(u.dtype, jnp.float32)]
   if not narrow:
     return None
   return agree(all_finite(narrow), _compat.varying_axes(*narrow))

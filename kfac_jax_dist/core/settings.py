@@ -89,6 +89,13 @@ def check_first_order_tail(learning_rate: Any, momentum: Any = None,
   check_positive("weight_decay", weight_decay, allow_zero=True)
 
 
+def differs_from_default(value: Any, default: Any) -> bool:
+  """Whether an option was given another value than its `default` (an array,
+  from `optax.inject_hyperparams`, which injects the defaults too, cannot be
+  told from the default: False)."""
+  return not hasattr(value, "dtype") and value != default
+
+
 def positive_int(value: Any) -> bool:
   """Whether `value` is a number that is a positive integer (NaN and ±∞ are not)."""
   return (cadence.is_number(value) and math.isfinite(value) and int(value) == value

@@ -140,12 +140,10 @@ class AdaptiveConfig:
 
   def _check_no_damping_rule(self) -> None:
     """Without `adapt_damping`, the Levenberg-Marquardt rule's settings do
-    nothing: one other than its default is refused by name (an array, from
-    `optax.inject_hyperparams`, cannot be told from the default)."""
+    nothing: one other than its default is refused by name."""
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
-      if (field.name in DAMPING_RULE and not hasattr(value, "dtype")
-          and value != field.default):
+      if field.name in DAMPING_RULE and settings.differs_from_default(value, field.default):
         raise ValueError(f"{field.name}={value!r} sets the damping's adaptation: it "
                          "needs adapt_damping=True.")
 
@@ -527,7 +525,7 @@ def update_state(config: AdaptiveConfig, kfac_config: KfacConfig,
   coefficients, the update, every T steps the new λ, and with `reject_steps`
   no update where the objective goes up."""
   count, wd = state.count, config.weight_decay
-  dtypes = jax.tree_util.tree_map(lambda g: g.dtype, grads)   # the updates' (the velocity's: f32+)
+  dtypes = jax.tree_util.tree_map(lambda g: g.dtype, grads)   # the updates' (v: f32+)
   lam = (state.damping if config.adapt_damping else
          jnp.asarray(cadence.value_at(kfac_config.damping, count), state.damping.dtype))
   if not (isinstance(wd, (int, float)) and wd == 0):

@@ -343,23 +343,38 @@ def pi_damping(config: KfacConfig, comm: collectives_lib.Collectives,
       comm.per_device(lambda d: _traces_segment(config, layout, d, owned_of(d)),
                       layout.decomposition_branches))
   damping = jnp.ones(layout.num_devices * layout.max_factors, dtype)
-  plans = [plan for plan in layout.plans if not plan.layer.unitwise]
+  plans = _paired_plans(layout)
   if not plans:
     return damping
-  slot = lambda q: q.owner * layout.max_factors + q.index
-  trace_a, trace_g = (traces[np.asarray([slot(getattr(p, w)) for p in plans])]
+  trace_a, trace_g = (traces[np.asarray([_slot(layout, getattr(p, w)) for p in plans])]
                       for w in ("a", "g"))
   d_a, d_g = linalg.pi_adjusted_damping(trace_a, trace_g, gamma)
   finite = jnp.isfinite(trace_a) & jnp.isfinite(trace_g)
   values = jnp.where(finite, jnp.concatenate([d_a, d_g]).reshape(2, -1), jnp.nan)
-  targets, sources = [], []        # every copy of a replicated factor gets its value
-  for k, plan in enumerate(plans):
-    for piece in plan.pieces:
-      for row, place in enumerate((piece.a, piece.g)):
-        for q in (place,) + place.copies:
-          targets.append(slot(q))
-          sources.append(row * len(plans) + k)
-  return damping.at[np.asarray(targets)].set(values.reshape(-1)[np.asarray(sources)])
+  layers, rows, targets = _factor_copies(layout)   # every copy gets its factor's value
+  return damping.at[targets].set(values.reshape(-1)[rows * len(plans) + layers])
+
+
+def _paired_plans(layout: layout_lib.Layout) -> list[layout_lib.LayerPlan]:
+  """The layers with an A and a G (not unit-wise)."""
+  return [plan for plan in layout.plans if not plan.layer.unitwise]
+
+
+def _slot(layout: layout_lib.Layout, place: layout_lib.FactorPlace) -> int:
+  """A factor's slot in a `[P·max_factors]` vector by (owner, index)."""
+  return place.owner * layout.max_factors + place.index
+
+
+def _factor_copies(layout: layout_lib.Layout) -> tuple[np.ndarray, ...]:
+  """`(layer, row, slot)` of every copy of every factor of `_paired_plans`
+  (each piece's, each replica's): its layer's number there, 0 for A and 1
+  for G, and its `_slot`."""
+  entries = [(k, row, _slot(layout, q)) for k, plan in enumerate(_paired_plans(layout))
+             for piece in plan.pieces for row, place in enumerate((piece.a, piece.g))
+             for q in (place,) + place.copies]
+  if not entries:
+    return (np.zeros(0, np.int32),) * 3
+  return tuple(np.asarray(column, np.int32) for column in zip(*entries))
 
 
 def paired_failures(comm: collectives_lib.Collectives, layout: layout_lib.Layout,
@@ -370,19 +385,15 @@ def paired_failures(comm: collectives_lib.Collectives, layout: layout_lib.Layout
   nor the new damping). The devices' flags are gathered (A and G may have
   different owners) and each layer's maximum is sent to all its factors'
   copies, as `pi_damping` sends the damping."""
-  entries = [(k, q.owner * layout.max_factors + q.index)
-             for k, plan in enumerate(p for p in layout.plans if not p.layer.unitwise)
-             for piece in plan.pieces for place in (piece.a, piece.g)
-             for q in (place,) + place.copies]
-  if not entries:
+  layers, _, targets = _factor_copies(layout)
+  if not layers.size:
     return lambda failed: failed
-  layers, targets = (np.asarray(column, np.int32) for column in zip(*entries))
 
   def couple(failed: jax.Array) -> jax.Array:
     own = collectives_lib.pad_to([failed[:slots]], layout.max_factors, jnp.int32)
     everyone = comm.all_gather_owned(own)
     layer_failed = jax.ops.segment_max(everyone[targets], layers,
-                                       num_segments=int(layers.max()) + 1)
+                                       num_segments=len(_paired_plans(layout)))
     coupled = jnp.zeros_like(everyone).at[targets].max(layer_failed[layers])
     mine = lax.dynamic_slice_in_dim(coupled, comm.device_index() * layout.max_factors,
                                     layout.max_factors)

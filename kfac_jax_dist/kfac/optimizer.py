@@ -75,13 +75,11 @@ ADAPTIVE_ONLY = ("micro_batches", "reject_steps", "reject_damping_increase_facto
 
 def _check_no_adaptive_options(arguments: dict[str, Any]) -> None:
   """Outside adaptive mode, its own options (of `kd.kfac`'s `arguments`)
-  other than their defaults are refused by name: they would do nothing. (An
-  array, from `optax.inject_hyperparams`, which injects the defaults too,
-  cannot be told from the default: it is not checked.)"""
+  other than their defaults are refused by name: they would do nothing."""
   defaults = inspect.signature(kfac).parameters
   for name in ADAPTIVE_ONLY:
     value = arguments[name]
-    if not hasattr(value, "dtype") and value != defaults[name].default:
+    if settings.differs_from_default(value, defaults[name].default):
       raise ValueError(f"{name}={value!r} needs adaptive mode: learning_rate=None, "
                        "momentum=None or adapt_damping=True (and grad_fn).")
 

@@ -283,19 +283,13 @@ def consumed_verdict(comm: collectives_lib.Collectives, state: ScaleByKfacState,
   return _agreed_finite(comm, [batch] + _corrected_statistics(state, stats))
 
 
-def may_overflow(config: KfacConfig, stored: Any) -> bool:
-  """Whether the storage dtype `stored` has a smaller range than the compute
-  dtype (float16's 65504): its cast may overflow where the statistics were
-  finite."""
-  return jnp.finfo(stored).max < jnp.finfo(config.compute_dtype).max
-
-
 def stored_verdict(config: KfacConfig, comm: collectives_lib.Collectives, old: jax.Array,
                    new: jax.Array) -> jax.Array:
   """Whether the `new` running values (factors, EK-FAC's scaling) are finite
   as stored, where the `old` ones were, agreed by the devices (True, no
-  check, where the storage cannot overflow: `may_overflow`)."""
-  if not may_overflow(config, new.dtype):
+  check, where the storage dtype is not `faults.narrower` than the compute
+  dtype: its cast cannot overflow where the statistics were finite)."""
+  if not faults.narrower(new.dtype, config.compute_dtype):
     return jnp.asarray(True)
   with jax.named_scope(faults.SCOPE):
     ok = faults.all_finite([new]) | ~faults.all_finite([old])
@@ -414,7 +408,7 @@ def corrected_states(config: KfacConfig, comm: collectives_lib.Collectives,
   if stats is not None:
     measure = lambda: correction_lib.updated(config, comm, lay, state.correction, stats)
     with jax.named_scope("kfac_factor_update"):
-      if not may_overflow(config, state.correction.scaling.dtype):
+      if not faults.narrower(state.correction.scaling.dtype, config.compute_dtype):
         measured = lax.cond(state.update_factors & ok, measure, lambda: state.correction)
       else:                             # and whether its cast stayed finite
 
@@ -483,10 +477,8 @@ def produced_finite(config: KfacConfig, lay: layout_lib.Layout,
   layer (their updates are their gradients), and tagged leaves of a dtype of
   smaller range than `compute_dtype` (the cast of a finite `V` may
   overflow), are checked one by one."""
-  narrow = jnp.finfo(config.compute_dtype).max
   rest = [x for path, x in leaves.items()
-          if path not in lay.tagged_paths or (jnp.issubdtype(x.dtype, jnp.floating)
-                                    and jnp.finfo(x.dtype).max < narrow)]
+          if path not in lay.tagged_paths or faults.narrower(x.dtype, config.compute_dtype)]
   return jnp.isfinite(vg) & faults.all_finite(rest)
 
 

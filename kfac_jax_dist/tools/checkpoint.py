@@ -33,7 +33,7 @@ import dataclasses
 import json
 import os
 import re
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -300,16 +300,18 @@ def _check_readable(path: str) -> None:
                        f"damaged ({e}); restore an earlier checkpoint.") from e
 
 
-def _dtypes(tree: Any) -> list[list[str]]:
-  """`[path, dtype]` of every array leaf (saved, and compared at restore)."""
-  return [[jax.tree_util.keystr(path), str(jnp.result_type(x))]
+def _by_path(tree: Any, fact: Callable[[Any], Any]) -> list[list]:
+  """`[path, fact(leaf)]` of every array leaf (saved, and compared at restore)."""
+  return [[jax.tree_util.keystr(path), fact(x)]
           for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _dtypes(tree: Any) -> list[list]:
+  return _by_path(tree, lambda x: str(jnp.result_type(x)))
 
 
 def _shapes(tree: Any) -> list[list]:
-  """`[path, shape]` of every array leaf (saved, and compared at restore)."""
-  return [[jax.tree_util.keystr(path), list(jnp.shape(x))]
-          for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  return _by_path(tree, lambda x: list(jnp.shape(x)))
 
 
 def _few(paths: list[str], most: int = 4) -> str:
