@@ -235,6 +235,22 @@ def mc_draws(grad_fn, params, *args):
   return jax.jit(jax.vmap(lambda r: grad_fn(params, *args, rng=r)))(keys)
 
 
+def unstacked(tree: dict, stack_axes: dict) -> dict:
+  """A flat dict of leaves with each stacked leaf (`stack_axes[name]` leading
+  stack axes) replaced by its layers, `"name/0"`, `"name/1"`, …: the unrolled
+  model's parameters (or gradients, or updates)."""
+  out = {}
+  for name, x in tree.items():
+    n = stack_axes.get(name, 0)
+    if not n:
+      out[name] = x
+      continue
+    shape = tuple(np.shape(x))
+    layers = np.asarray(x).reshape((-1,) + shape[n:])
+    out.update({f"{name}/{i}": layer for i, layer in enumerate(layers)})
+  return out
+
+
 def param_shapes(tree):
   """`{path: shape}` (plain data, comparable across flax versions)."""
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]

@@ -921,6 +921,113 @@ def test_describe_counts_one_model_shard():
     assert per_device == held
 
 
+# ------------------------------------------------------------- stacked layers
+
+# "s": 3 layers of (6, 10); "n": nested scans, 2 x 2 layers of (3, 4, 5); "sb": a
+# stacked bias (each layer's diagonal); "w2": not stacked
+STACKED = {"s": (3, 6, 10), "n": (2, 2, 3, 4, 5), "sb": (3, 10), "w2": (6, 10)}
+STACK_AXES = {"s": 1, "n": 2, "sb": 1}
+STACKED_PATTERNS = {"^s$": 1, "^n$": 2, "^sb$": 1}
+
+
+def _unstacked_shapes(shapes, stack_axes):
+  return {k: np.shape(v) for k, v in helpers.unstacked(
+      {k: np.zeros(s) for k, s in shapes.items()}, stack_axes).items()}
+
+
+def _assert_unrolled(got, want, stack_axes, step):
+  got = helpers.unstacked({k: np.asarray(v) for k, v in got.items()}, stack_axes)
+  assert sorted(got) == sorted(want)
+  for name in want:
+    np.testing.assert_allclose(got[name], want[name], rtol=1e-9, atol=1e-12,
+                               err_msg=f"step {step}, {name}")
+
+
+@pytest.mark.parametrize("options", [
+    dict(block_size=4, graft_type="adagrad"),
+    dict(block_size=4, merge_small_dims=True, graft_type="rmsprop", graft_beta2=0.9,
+         grafting="layer", beta2=0.9),
+    dict(block_size=None, graft_type="adam", graft_beta2=0.9, grafting="layer")],
+    ids=["block-adagrad", "merged-layer-rmsprop", "unblocked-layer-adam"])
+def test_stacked_layers_are_preconditioned_as_unrolled(options, x64):
+  """`stacked=`: each layer of a stacked parameter (one or two leading stack
+  axes) gets its own blocks, statistics, roots and block or layer grafting:
+  the numpy oracle run on the unrolled layers, step by step; a stacked bias
+  gets each layer's diagonal update."""
+  tx = kd.scale_by_shampoo(start_preconditioning_step=0, stacked=STACKED_PATTERNS,
+                           **options)
+  oracle_options = {k: v for k, v in options.items() if k != "merge_small_dims"}
+  oracle = NumpyShampoo(_unstacked_shapes(STACKED, STACK_AXES), start=0,
+                        merge=options.get("merge_small_dims", False), **oracle_options)
+  state, rng = tx.init(_params(STACKED)), np.random.default_rng(3)
+  update = jax.jit(tx.update)
+  for step in range(3):
+    grads = _grads(rng, STACKED)
+    got, state = update(grads, state)
+    _assert_unrolled(got, oracle.step(helpers.unstacked(grads, STACK_AXES)), STACK_AXES,
+                     step)
+  stacks = {plan.path: (plan.stack, plan.preconditioned) for plan in state.layout.params}
+  assert stacks == {"s": (3, True), "n": (4, True), "sb": (0, False), "w2": (0, True)}
+  text = kd.describe(state, print_table=False)
+  assert "3 layers x (6, 10)" in text and "4 layers x (3, 4, 5)" in text
+
+
+@pytest.mark.parametrize("fraction,reduction,graft_type,grafting", [
+    (1 / 8, "reduce_scatter", "sgd", "layer"),     # SP-NGD: layer norms sent by layer
+    (1 / 4, "all_reduce", "adagrad", "layer"),     # HYBRID
+    (1 / 2, "none", "adagrad", "block")])          # HYBRID, m = 4
+def test_sharded_stacked_layers_equal_the_unrolled_oracle(fraction, reduction, graft_type,
+                                                         grafting, x64):
+  """On 8 devices, the owner groups' blocks of stacked parameters (dealt
+  layer by layer) give the numpy oracle's unrolled updates, step by step,
+  with the cadence of `CADENCE`."""
+  mesh = _mesh()
+  options = dict(CADENCE, graft_type=graft_type, grafting=grafting, graft_beta2=0.9)
+  dist = kd.Distribution(mesh, grad_worker_fraction=fraction, gradient_reduction=reduction)
+  tx = kd.scale_by_shampoo(distribution=dist, stacked=STACKED_PATTERNS, **options)
+  oracle = NumpyShampoo(
+      _unstacked_shapes(STACKED, STACK_AXES), block_size=4, graft_type=graft_type,
+      grafting=grafting, graft_beta2=0.9, start=2, stat_every=2, precond_every=3)
+  rng = np.random.default_rng(5)
+  local = [{k: jnp.asarray(rng.normal(size=(8,) + s)) for k, s in STACKED.items()}
+           for _ in range(6)]
+  runs = _sharded_steps(tx, tx.init(_params(STACKED)), mesh, local, reduction)
+  for step, (g, (got, _)) in enumerate(zip(local, runs)):
+    want = oracle.step(helpers.unstacked(jax.tree.map(lambda x: x.mean(0), g), STACK_AXES))
+    _assert_unrolled(got, want, STACK_AXES, step)
+
+
+def test_stacked_checkpoint_restores_and_refuses_the_unstacked_layout(tmp_path):
+  """A checkpoint records which parameters are stacked: it restores into the
+  same `stacked=` and refuses a template without it."""
+  params = _params({"s": (2, 4, 4)}, np.float32)
+  stacked = kd.shampoo(0.1, merge_small_dims=False, stacked=["s"])
+  state = stacked.init(params)
+  _, state = stacked.update(_grads(np.random.default_rng(0), {"s": (2, 4, 4)}, np.float32),
+                            state, params)
+  kd.save_checkpoint(tmp_path / "ckpt", state)
+  restored = kd.restore_checkpoint(tmp_path / "ckpt", stacked.init(params))
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(ValueError, match="Shampoo states were saved with another layout"):
+    kd.restore_checkpoint(tmp_path / "ckpt",
+                          kd.shampoo(0.1, merge_small_dims=False).init(params))
+
+
+@pytest.mark.parametrize("stacked,error,message", [
+    ("s", TypeError, "stacked must be a sequence of regular expressions"),
+    ({"^s$": 0}, ValueError, "positive number of leading stack axes, got 0"),
+    ({"^s$": True}, ValueError, "positive number of leading stack axes, got True"),
+    (["^s$", "layers/"], ValueError, "stacked pattern 'layers/' matches no parameter"),
+    ({"^sb$": 3}, ValueError, "'sb' has shape \\(3, 10\\), fewer axes than its 3 stack"),
+    ({"s": 1, "^s$": 2}, ValueError, "give it \\[1, 2\\] stack axes")])
+def test_stacked_mistakes_are_named(stacked, error, message):
+  with pytest.raises(error, match=message):
+    kd.shampoo(0.1, stacked=stacked).init(_params(STACKED, np.float32))
+  with pytest.raises(error, match=message):
+    kd.soap(0.1, stacked=stacked).init(_params(STACKED, np.float32))
+
+
 @pytest.mark.parametrize("index", [[2, 3, 4], [0, 5, 6, 9], [1, 3, 5, 7, 9, 11, 12, 13],
                                    list(range(0, 30, 3))])
 def test_take_is_indexing(index):

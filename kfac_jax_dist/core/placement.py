@@ -77,10 +77,10 @@ def check_floating_params(name: str, params: Any) -> None:
 
 
 def check_skip_patterns(patterns: Sequence[str], names: Sequence[str],
-                        all_names: Sequence[str], what: str) -> None:
-  """Every `skip` pattern matches one of `names` (those it excluded);
-  `all_names` are listed in the error."""
+                        all_names: Sequence[str], what: str, option: str = "skip") -> None:
+  """Every pattern of the option (`skip`, `stacked`) matches one of `names`
+  (for `skip`, those it excluded); `all_names` are listed in the error."""
   for pattern in patterns:
     if not any(re.search(pattern, n) for n in names):
-      raise ValueError(f"skip pattern {pattern!r} matches no {what} "
+      raise ValueError(f"{option} pattern {pattern!r} matches no {what} "
                        f"({what}s: {list(all_names)}).")

@@ -56,6 +56,10 @@ class Region:
     buckets: for each axis, the bucket holding the statistics of its blocks.
     slots: for each axis, the slot of the region's first block in that bucket
       (the region's `num_blocks` blocks follow contiguously).
+    stack: a stacked parameter's stack length `S` (0: not stacked). The
+      fields above then describe one layer of the stack, the merged
+      parameter is `[S, …]`, and its blocks are numbered layer-major: block
+      `b` belongs to layer `b // prod(grid)`.
   """
 
   index: tuple[int, ...]
@@ -64,10 +68,16 @@ class Region:
   block: tuple[int, ...]
   buckets: tuple[int, ...]
   slots: tuple[int, ...]
+  stack: int = 0
 
   @property
   def num_blocks(self) -> int:
-    return math.prod(self.grid)
+    return max(self.stack, 1) * math.prod(self.grid)
+
+  @property
+  def lead(self) -> tuple[int, ...]:
+    """The merged parameter's leading stack axis `(S,)`, or `()`."""
+    return (self.stack,) if self.stack else ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +88,14 @@ class ParamPlan:
     path: the parameter's path ("layer/kernel").
     shape: its shape.
     merged: the shape after `merge_small_dims`; None for a parameter that gets
-      the grafted diagonal update only.
+      the grafted diagonal update only. A stacked parameter's is `(S, …)`:
+      its stack axes as one, then one layer's merged shape.
     segments: for each merged axis, the number of segments (1 or 2).
     regions: the regions of equal blocks, in row-major segment order.
     exponent: `p` of the roots `H^{-1/p}`.
+    stack: the stack length `S` of a parameter whose leading axes are a
+      stack of layers (`stacked=`), each layer preconditioned as its own
+      parameter; 0: not stacked.
   """
 
   path: str
@@ -90,10 +104,16 @@ class ParamPlan:
   segments: tuple[int, ...] = ()
   regions: tuple[Region, ...] = ()
   exponent: float = 0
+  stack: int = 0
 
   @property
   def preconditioned(self) -> bool:
     return self.merged is not None
+
+  @property
+  def layers(self) -> int:
+    """The layers whose blocks are preconditioned apart: the stack's `S`, or 1."""
+    return max(self.stack, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,17 +193,36 @@ def _axis_segments(n: int, block_size: int | None) -> list[tuple[int, int, int]]
   return segments
 
 
+def stack_axes(path: str, shape: Sequence[int], stacked: Sequence[tuple[str, int]]) -> int:
+  """How many leading axes of the parameter at `path` are stack axes: those of
+  the `stacked` patterns (`(pattern, axes)`, `re.search`) that match it."""
+  found = sorted({n for pattern, n in stacked if re.search(pattern, path)})
+  if len(found) > 1:
+    raise ValueError(f"stacked: the patterns that match {path!r} give it {found} stack "
+                     "axes; give each parameter one number.")
+  n = found[0] if found else 0
+  if n > len(shape):
+    raise ValueError(f"stacked: {path!r} has shape {tuple(shape)}, fewer axes than its "
+                     f"{n} stack axes.")
+  return n
+
+
 def build_layout(paths_and_shapes: Sequence[tuple[str, tuple[int, ...]]], *,
                  block_size: int | None, merge_threshold: int | None,
                  max_preconditioner_dim: int | None, exponent_override: float | None,
-                 skip: Sequence[str] = ()) -> ShampooLayout:
-  """The static layout of the statistics of parameters with these paths and shapes."""
+                 skip: Sequence[str] = (), stacked: Sequence[tuple[str, int]] = ()
+                 ) -> ShampooLayout:
+  """The static layout of the statistics of parameters with these paths and
+  shapes. A stacked parameter's layers (its shape past the stack axes) are
+  each merged, cut and preconditioned as a parameter of their own."""
   bucket_index: dict[tuple[int, float], int] = {}
   sizes: list[int] = []
   plans = []
   for path, shape in paths_and_shapes:
-    merged = merge_small_dims(shape, merge_threshold)
-    diagonal = (len(shape) < 2 or not merged or 0 in shape
+    n = stack_axes(path, shape, stacked)
+    layer, stack = tuple(shape[n:]), (math.prod(shape[:n]) if n else 0)
+    merged = merge_small_dims(layer, merge_threshold)
+    diagonal = (len(layer) < 2 or not merged or 0 in shape
                 or any(re.search(s, path) for s in skip)
                 or (max_preconditioner_dim is not None
                     and max(merged) > max_preconditioner_dim))
@@ -194,13 +233,12 @@ def build_layout(paths_and_shapes: Sequence[tuple[str, tuple[int, ...]]], *,
     if exponent_override:
       p = (int(exponent_override) if float(exponent_override).is_integer()
            else float(exponent_override))
-    per_axis = [_axis_segments(n, block_size) for n in merged]
+    per_axis = [_axis_segments(d, block_size) for d in merged]
     regions = []
     for index in itertools.product(*(range(len(s)) for s in per_axis)):
       segs = [per_axis[a][i] for a, i in enumerate(index)]
       grid = tuple(s[1] for s in segs)
       block = tuple(s[2] for s in segs)
-      n = math.prod(grid)
       buckets, slots = [], []
       for d in block:
         j = bucket_index.setdefault((d, p), len(bucket_index))
@@ -208,11 +246,11 @@ def build_layout(paths_and_shapes: Sequence[tuple[str, tuple[int, ...]]], *,
           sizes.append(0)
         buckets.append(j)
         slots.append(sizes[j])
-        sizes[j] += n
+        sizes[j] += max(stack, 1) * math.prod(grid)
       regions.append(Region(tuple(index), tuple(s[0] for s in segs), grid, block,
-                            tuple(buckets), tuple(slots)))
-    plans.append(ParamPlan(path, tuple(shape), merged,
-                           tuple(len(s) for s in per_axis), tuple(regions), p))
+                            tuple(buckets), tuple(slots), stack))
+    plans.append(ParamPlan(path, tuple(shape), ((stack,) if n else ()) + merged,
+                           tuple(len(s) for s in per_axis), tuple(regions), p, stack))
   buckets = [None] * len(bucket_index)
   for key, j in bucket_index.items():
     buckets[j] = key
@@ -332,34 +370,41 @@ def take(x: jax.Array, index: Sequence[int]) -> jax.Array:
 # ----------------------------------------------------------------- block math
 
 def region_slice(x: jax.Array, region: Region) -> jax.Array:
+  """The region of a merged parameter (of every layer of a stacked one)."""
   stop = tuple(s + g * b for s, g, b in zip(region.start, region.grid, region.block))
-  return lax.slice(x, region.start, stop)
+  return lax.slice(x, (0,) * len(region.lead) + region.start, region.lead + stop)
 
 
 def to_blocks(x: jax.Array, region: Region) -> jax.Array:
-  """Region `(g₀b₀, …)` → blocks `[n, b₀, …]`, blocks numbered row-major."""
-  k = len(region.grid)
-  split = x.reshape(tuple(itertools.chain(*zip(region.grid, region.block))))
-  order = tuple(range(0, 2 * k, 2)) + tuple(range(1, 2 * k, 2))
+  """Region `([S,] g₀b₀, …)` → blocks `[n, b₀, …]`, blocks numbered row-major
+  (layer-major for a stack: `n = S·Πgᵢ`)."""
+  k, lead = len(region.grid), len(region.lead)
+  split = x.reshape(region.lead + tuple(itertools.chain(*zip(region.grid, region.block))))
+  order = (tuple(range(lead)) + tuple(range(lead, lead + 2 * k, 2))
+           + tuple(range(lead + 1, lead + 2 * k, 2)))
   return split.transpose(order).reshape((region.num_blocks,) + region.block)
 
 
 def from_blocks(blocks: jax.Array, region: Region) -> jax.Array:
-  k = len(region.grid)
-  split = blocks.reshape(region.grid + region.block)
-  order = tuple(itertools.chain(*((a, a + k) for a in range(k))))
+  """Blocks `[n, b₀, …]` → the region `([S,] g₀b₀, …)` (`to_blocks` undone)."""
+  k, lead = len(region.grid), len(region.lead)
+  split = blocks.reshape(region.lead + region.grid + region.block)
+  order = tuple(range(lead)) + tuple(
+      itertools.chain(*((lead + a, lead + a + k) for a in range(k))))
   return split.transpose(order).reshape(
-      tuple(g * b for g, b in zip(region.grid, region.block)))
+      region.lead + tuple(g * b for g, b in zip(region.grid, region.block)))
 
 
-def assemble(pieces: dict[tuple[int, ...], jax.Array], segments: tuple[int, ...]):
+def assemble(pieces: dict[tuple[int, ...], jax.Array], plan: ParamPlan) -> jax.Array:
   """Concatenates the regions back into the merged parameter."""
+  lead, segments = int(plan.stack > 0), plan.segments
+
   def build(prefix: tuple[int, ...]) -> jax.Array:
     axis = len(prefix)
     if axis == len(segments):
       return pieces[prefix]
     parts = [build(prefix + (i,)) for i in range(segments[axis])]
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=axis)
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=lead + axis)
   return build(())
 
 

@@ -10,7 +10,7 @@ must be concrete there or named in `static_args`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 import jax
 
@@ -31,6 +31,21 @@ SHAPE_OPTIONS = ("block_size", "merge_small_dims", "max_preconditioner_dim",
 # leaves static, so that `jax.eval_shape(tx.init, params)` needs no `static_args`.
 BLOCK_SIZE: Any = settings.StaticDefault(128)
 MAX_PRECONDITIONER_DIM: Any = settings.StaticDefault(4096)
+
+
+def stack_patterns(stacked: Any) -> tuple[tuple[str, int], ...]:
+  """`stacked` as `(pattern, stack axes)` pairs: a sequence of regular
+  expressions (one leading stack axis each) or a mapping of them to their
+  number of leading stack axes (nested scans: 2)."""
+  if isinstance(stacked, Mapping):
+    pairs = tuple(stacked.items())
+    settings.check_patterns("stacked", [p for p, _ in pairs])
+    for pattern, n in pairs:
+      if isinstance(n, bool) or not settings.positive_int(n):
+        raise ValueError(f"stacked: {pattern!r} must map to a positive number of leading "
+                         f"stack axes, got {n!r}")
+    return tuple((p, int(n)) for p, n in pairs)
+  return tuple((p, 1) for p in settings.check_patterns("stacked", stacked))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -58,9 +73,11 @@ class ShampooConfig:
   skip: Sequence[str] = ()
   statistics_dtype: Any = None
   distribution: distribution_lib.Distribution | None = None
+  stacked: Sequence[str] | Mapping[str, int] = ()
 
   def __post_init__(self):
     object.__setattr__(self, "skip", settings.check_patterns("skip", self.skip))
+    object.__setattr__(self, "stacked", stack_patterns(self.stacked))
     for name in SHAPE_OPTIONS:   # numbers where known, checked as numbers
       object.__setattr__(self, name, settings.concrete(getattr(self, name)))
     settings.check_floating_dtype("statistics_dtype", self.statistics_dtype)

@@ -53,7 +53,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +98,7 @@ class SoapConfig:
   skip: Sequence[str] = ()
   statistics_dtype: Any = None
   distribution: distribution_lib.Distribution | None = None
+  stacked: Sequence[str] | Mapping[str, int] = ()
 
   def __post_init__(self):
     settings.check_range("b1", self.b1, 0.0, 1.0)
@@ -123,7 +124,8 @@ class SoapConfig:
         preconditioning_compute_steps=self.precondition_every,
         merge_small_dims=self.merge_small_dims,
         max_preconditioner_dim=self.max_preconditioner_dim, skip=self.skip,
-        statistics_dtype=self.statistics_dtype, distribution=self.distribution)
+        statistics_dtype=self.statistics_dtype, distribution=self.distribution,
+        stacked=self.stacked)
 
   def settings_ok(self, count: jax.Array) -> jax.Array:
     """The run-time check of the values only the step knows."""
@@ -238,7 +240,7 @@ def param_moments(state: ScaleBySoapState) -> tuple[list[np.ndarray], list[np.nd
           start, n = tables.starts[g][(q, r)], math.prod(region.block)
           x[list(bs)] = rows[g][start:start + len(bs) * n].reshape((len(bs),) + region.block)
         pieces[region.index] = blocks.from_blocks(jnp.asarray(x), region)
-      out[q] = np.asarray(blocks.assemble(pieces, plan.segments)).reshape(plan.shape)
+      out[q] = np.asarray(blocks.assemble(pieces, plan)).reshape(plan.shape)
   return mu, nu
 
 
@@ -407,6 +409,7 @@ def scale_by_soap(
     skip: Sequence[str] = (),
     statistics_dtype: Any = None,
     distribution: distribution_lib.Distribution | None = None,
+    stacked: Sequence[str] | Mapping[str, int] = (),
 ) -> optax.GradientTransformationExtraArgs:
   """Replaces each gradient by SOAP's direction: Adam in Shampoo's eigenbasis.
 
@@ -439,6 +442,9 @@ def scale_by_soap(
       keeps its blocks' statistics, eigenbases and moments (MEM-OPT,
       HYBRID-OPT), as Shampoo's; with `model_axis` each model shard runs
       SOAP on its local shards. None: one device.
+    stacked: parameter path patterns whose leading axis stacks layers (or a
+      mapping of them to their number of stack axes): each layer gets its
+      own statistics and eigenbases, as unrolled (Shampoo's `stacked`).
 
   Returns:
     An optax `GradientTransformationExtraArgs` (extra arguments of `update`
@@ -448,7 +454,8 @@ def scale_by_soap(
                       precondition_every=precondition_every, block_size=block_size,
                       merge_small_dims=merge_small_dims,
                       max_preconditioner_dim=max_preconditioner_dim, skip=skip,
-                      statistics_dtype=statistics_dtype, distribution=distribution)
+                      statistics_dtype=statistics_dtype, distribution=distribution,
+                      stacked=stacked)
   comm = collectives_lib.Collectives(distribution)
 
   def init_fn(params: Any) -> ScaleBySoapState:
@@ -481,6 +488,7 @@ def soap(
     skip: Sequence[str] = (),
     statistics_dtype: Any = None,
     distribution: distribution_lib.Distribution | None = None,
+    stacked: Sequence[str] | Mapping[str, int] = (),
 ) -> optax.GradientTransformationExtraArgs:
   """SOAP (Vyas et al. 2024) with decoupled weight decay, like `optax.adamw`.
 
@@ -508,6 +516,8 @@ def soap(
     statistics_dtype: dtype of the statistics and eigenbases.
     distribution: a `kd.Distribution` (see `scale_by_soap`); None: one
       device.
+    stacked: parameter path patterns whose layers stack on the leading axis
+      (see `scale_by_soap`).
 
   Returns:
     An `optax.GradientTransformationExtraArgs`.
@@ -520,6 +530,7 @@ def soap(
                     precondition_every=precondition_every, block_size=block_size,
                     merge_small_dims=merge_small_dims,
                     max_preconditioner_dim=max_preconditioner_dim, skip=skip,
-                    statistics_dtype=statistics_dtype, distribution=distribution),
+                    statistics_dtype=statistics_dtype, distribution=distribution,
+                    stacked=stacked),
       optax.add_decayed_weights(weight_decay),
       optax.scale_by_learning_rate(learning_rate)))

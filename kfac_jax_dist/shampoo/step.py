@@ -224,7 +224,7 @@ class ShampooStep:
     """Group `g`'s directions, flat, in its gradient buffer's order (then the
     layer norms' sums, see `layer_norms`)."""
     config, pieces = self.config, []
-    sums = [jnp.zeros([], self.dtype)] * len(self.lay.params)
+    sums = [jnp.zeros([plan.layers], self.dtype) for plan in self.lay.params]
     for (q, r), bs in self.tables.blocks[g].items():
       region, x = self.lay.params[q].regions[r], self.blocks_of(g, q, r)
       if not shampoo:                  # before start: D = G ("sgd", "none")
@@ -238,18 +238,33 @@ class ShampooStep:
         if config.grafting == "block":
           out = grafting.graft_blocks(out, target)
         elif self.layer_norms:
-          sums[q] = sums[q] + jnp.sum(jnp.square(target))
+          sums[q] = sums[q] + self.layer_sums(q, r, bs, target)
       pieces.append(out.reshape(-1))
     if self.layer_norms:
-      pieces.append(jnp.stack(sums))
+      pieces.append(jnp.concatenate(sums))
     return collectives_lib.concat_flat(pieces, self.dtype)
+
+  def layer_sums(self, q: int, r: int, bs: Sequence[int], x: jax.Array) -> jax.Array:
+    """`Σ‖x_b‖²` over blocks `bs` of region r, by layer of parameter q's stack
+    (`[1]` unstacked)."""
+    plan = self.lay.params[q]
+    if not plan.stack:
+      return jnp.sum(jnp.square(x))[None]
+    per_layer = math.prod(plan.regions[r].grid)
+    return jax.ops.segment_sum(jnp.square(grafting.norms(x)),
+                               np.array([b // per_layer for b in bs]), plan.layers)
+
+  @functools.cached_property
+  def layer_offsets(self) -> tuple[int, ...]:
+    """Where each parameter's layer sums start after a group's directions."""
+    return tuple(np.cumsum([0] + [plan.layers for plan in self.lay.params]).tolist())
 
   def assembled(self, buffers: uneven.Gathered, q: int) -> jax.Array:
     """Parameter q's merged direction from the groups' buffers."""
     plan, pieces = self.lay.params[q], {}
     for r, region in enumerate(plan.regions):
       pieces[region.index] = blocks.from_blocks(self.region_blocks(buffers, q, r), region)
-    return blocks.assemble(pieces, plan.segments)
+    return blocks.assemble(pieces, plan)
 
   def region_blocks(self, buffers: uneven.Gathered, q: int, r: int) -> jax.Array:
     """Region r of parameter q's direction blocks `[n, b₀, …]`, in block order.
@@ -269,11 +284,25 @@ class ShampooStep:
           mode="promise_in_bounds", unique_indices=True)
     return x.reshape((region.num_blocks,) + region.block)
 
+  def layer_grafted(self, buffers: uneven.Gathered, q: int, x: jax.Array) -> jax.Array:
+    """Parameter q's merged direction `x` scaled to the grafted update's norm,
+    layer by layer of a stack (`‖D‖/‖G̃‖` per layer)."""
+    layers = self.lay.params[q].layers
+    if self.layer_norms:
+      start = self.layer_offsets[q]
+      target = jnp.sqrt(sum(buffers.read(g, self.tables.totals[g] + start, layers)
+                            for g in range(self.lay.num_groups)))
+    else:
+      target = grafting.norms(self.diag[q].astype(self.dtype).reshape(layers, -1))
+    rows = x.reshape(layers, -1)
+    return (rows * grafting.graft_scale(target, grafting.norms(rows))[:, None]
+            ).reshape(x.shape)
+
   def gathered(self, roots: jax.Array, shampoo: bool, pre: Sequence[int]
                ) -> list[jax.Array]:
     """Every preconditioned parameter's direction (Shampoo's, or before the
     start step the grafted one), on every device."""
-    sizes = [t + (len(self.lay.params) if self.layer_norms else 0)
+    sizes = [t + (self.layer_offsets[-1] if self.layer_norms else 0)
              for t in self.tables.totals]
     buffers = routing.gather_from_groups(
         self.comm, lambda g: self.group_directions(g, roots, shampoo), sizes, self.dtype)
@@ -281,12 +310,7 @@ class ShampooStep:
     for q in pre:
       x = self.assembled(buffers, q)
       if shampoo and self.config.graft_type != "none" and self.config.grafting == "layer":
-        if self.layer_norms:
-          target = jnp.sqrt(sum(buffers.read(g, self.tables.totals[g] + q, 1)[0]
-                                for g in range(self.lay.num_groups)))
-        else:
-          target = jnp.linalg.norm(self.diag[q].astype(self.dtype).ravel())
-        x = x * grafting.graft_scale(target, jnp.linalg.norm(x.ravel()))
+        x = self.layer_grafted(buffers, q, x)
       out.append(x.reshape(self.lay.params[q].shape))
     # as varying as the grafted branch (under a reduce-scatter: invariant)
     return _compat.as_varying(out, () if self.config.reduce_scatter else

@@ -42,7 +42,7 @@ Newton error exceeds `root_failure_threshold`) keeps its previous root.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -81,10 +81,13 @@ def init_state(config: ShampooConfig, comm: collectives_lib.Collectives, params:
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   paths = [registry.path_str(p) for p, _ in flat]
   lay = blocks.build_layout([(p, tuple(jnp.shape(x))) for p, (_, x) in zip(paths, flat)],
-                            skip=config.skip, **config.shape_options())
+                            skip=config.skip, stacked=config.stacked,
+                            **config.shape_options())
   lay = blocks.shard_layout(lay, comm.num_devices, comm.group_size,
                             None if config.distribution is None else config.distribution.axis)
   placement.check_skip_patterns(config.skip, paths, paths, "parameter")
+  placement.check_skip_patterns([p for p, _ in config.stacked], paths, paths, "parameter",
+                                option="stacked")
   offsets.check_sizes({"Shampoo statistics hold": lay.segment}, (
       f"on {lay.num_devices} device(s), spread them over more devices, or precondition "
       "fewer axes (max_preconditioner_dim=, skip=)."))
@@ -183,6 +186,7 @@ def scale_by_shampoo(
     skip: Sequence[str] = (),
     statistics_dtype: Any = None,
     distribution: distribution_lib.Distribution | None = None,
+    stacked: Sequence[str] | Mapping[str, int] = (),
 ) -> optax.GradientTransformationExtraArgs:
   """Replaces each gradient by its blocked, grafted Shampoo direction.
 
@@ -224,6 +228,11 @@ def scale_by_shampoo(
     skip: regular expressions; parameters whose path ("layer/kernel") matches
       one get the grafted diagonal update only. A pattern that matches no
       parameter raises at `init`.
+    stacked: regular expressions of parameters whose leading axis stacks
+      layers (`nn.scan`, `nnx.scan`, a `lax.scan` over blocks), or a mapping
+      of them to their number of leading stack axes: each layer is
+      preconditioned (and layer-grafted) as a parameter of its own, as
+      unrolled. A pattern that matches no parameter raises at `init`.
     statistics_dtype: dtype of the statistics and roots (default float32, or
       float64 if a parameter is float64).
     distribution: a `kd.Distribution`: the work is spread over its axis (call
@@ -252,7 +261,8 @@ def scale_by_shampoo(
       exponent_override=exponent_override, root_method=root_method,
       ridge_epsilon=ridge_epsilon, newton_max_iterations=newton_max_iterations,
       newton_tolerance=newton_tolerance, root_failure_threshold=root_failure_threshold,
-      skip=skip, statistics_dtype=statistics_dtype, distribution=distribution)
+      skip=skip, statistics_dtype=statistics_dtype, distribution=distribution,
+      stacked=stacked)
   comm = collectives_lib.Collectives(distribution)
 
   def init_fn(params: Any) -> ScaleByShampooState:
@@ -297,6 +307,7 @@ def shampoo(
     skip: Sequence[str] = (),
     statistics_dtype: Any = None,
     distribution: distribution_lib.Distribution | None = None,
+    stacked: Sequence[str] | Mapping[str, int] = (),
 ) -> optax.GradientTransformationExtraArgs:
   """Shampoo followed by SGD with momentum (Anil et al. 2020, §4).
 
@@ -361,6 +372,9 @@ def shampoo(
     skip: regular expressions searched in parameter paths ("layer/kernel");
       matching parameters get the grafted diagonal update only. A pattern that
       matches no parameter raises.
+    stacked: regular expressions of parameters whose leading axis stacks
+      layers (`nn.scan`, `nnx.scan`), or a mapping of them to their number of
+      leading stack axes: each layer is preconditioned as if unrolled.
     statistics_dtype: dtype of the statistics and roots (None: float32, or
       float64 if a parameter is float64).
     distribution: a `kd.Distribution`: `update` runs inside `shard_map` over
@@ -391,6 +405,6 @@ def shampoo(
           ridge_epsilon=ridge_epsilon, newton_max_iterations=newton_max_iterations,
           newton_tolerance=newton_tolerance,
           root_failure_threshold=root_failure_threshold, skip=skip,
-          statistics_dtype=statistics_dtype, distribution=distribution),
+          statistics_dtype=statistics_dtype, distribution=distribution, stacked=stacked),
       optax.add_decayed_weights(weight_decay),
       optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)))

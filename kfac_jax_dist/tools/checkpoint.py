@@ -96,8 +96,10 @@ def shampoo_layout_metadata(lay) -> dict[str, Any]:
   return {"num_devices": lay.num_devices, "group_size": lay.group_size, "axis": lay.axis,
           "segment": lay.segment, "buckets": [[d, p] for d, p in lay.buckets],
           "sizes": list(lay.sizes),
+          # a stacked parameter's stack length after its merged shape (only
+          # there: checkpoints from before `stacked=` match as they were)
           "params": [[plan.path, list(plan.shape), plan.merged and list(plan.merged)]
-                     for plan in lay.params],
+                     + ([plan.stack] if plan.stack else []) for plan in lay.params],
           "places": [[list(x) for x in bucket] for bucket in lay.places]}
 
 

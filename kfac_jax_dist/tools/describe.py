@@ -221,6 +221,13 @@ def _columns(rows: list[tuple[str, ...]]) -> list[str]:
   return lines
 
 
+def _merged(plan: blocks_lib.ParamPlan) -> str:
+  """The merged shape; a stack's `S layers x (…)`, one layer's."""
+  if plan.stack:
+    return f"{plan.stack} layers x {tuple(plan.merged[1:])}"
+  return str(tuple(plan.merged))
+
+
 def _blocks(plan: blocks_lib.ParamPlan) -> str:
   """`n x (b₀, b₁)` per region shape: the blocks a parameter is cut into."""
   counts: dict[tuple[int, ...], int] = {}
@@ -282,7 +289,7 @@ def shampoo_table(state: ScaleByShampooState | ScaleBySoapState, shards: int = 1
       continue
     groups = sorted({g for region in (lay.block_groups[i] if lay.block_groups else ())
                      for g in region})
-    rows.append((plan.path, str(tuple(plan.shape)), str(tuple(plan.merged)), _blocks(plan),
+    rows.append((plan.path, str(tuple(plan.shape)), _merged(plan), _blocks(plan),
                  "eigh" if soap else f"H^(-1/{plan.exponent:g})",
                  ",".join(map(str, groups)) or "-",
                  f"{itemsize * _block_numbers(plan, soap) + diagonal:,}"))
