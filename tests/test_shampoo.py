@@ -997,6 +997,45 @@ def test_sharded_stacked_layers_equal_the_unrolled_oracle(fraction, reduction, g
     _assert_unrolled(got, want, STACK_AXES, step)
 
 
+def test_flax_scan_trains_as_the_unrolled_model(x64):
+  """A linen `nn.scan` over 3 Dense blocks with `stacked=["blocks/"]` takes the
+  unrolled model's Shampoo steps (the same weights, layer by layer)."""
+  import flax.linen as nn
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+      return jnp.tanh(nn.Dense(6)(h)), None
+
+  class Scanned(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      blocks = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                       length=3)
+      return blocks(name="blocks")(x, None)[0]
+
+  def unrolled_apply(p, x):
+    for i in range(3):
+      x = jnp.tanh(x @ p[f"{i}/kernel"] + p[f"{i}/bias"])
+    return x
+  x = jax.random.normal(jax.random.PRNGKey(0), (16, 6))
+  stacked = Scanned().init(jax.random.PRNGKey(1), x)["params"]
+  layers = lambda tree: {f"{i}/{k}": v[i] for k, v in
+                         tree["blocks"]["Dense_0"].items() for i in range(3)}
+  unrolled = layers(stacked)
+  loss = lambda y: jnp.sum(jnp.sin(y))
+  tx = kd.shampoo(0.1, block_size=4, graft_type="adagrad", stacked=["blocks/"])
+  tx_unrolled = kd.shampoo(0.1, block_size=4, graft_type="adagrad")
+  s, su = tx.init(stacked), tx_unrolled.init(unrolled)
+  for _ in range(3):
+    g = jax.grad(lambda p: loss(Scanned().apply({"params": p}, x)))(stacked)
+    gu = jax.grad(lambda p: loss(unrolled_apply(p, x)))(unrolled)
+    u, s = tx.update(g, s, stacked)
+    uu, su = tx_unrolled.update(gu, su, unrolled)
+    helpers.assert_trees_equal(layers(u), uu, rtol=1e-10)
+    stacked, unrolled = optax.apply_updates(stacked, u), optax.apply_updates(unrolled, uu)
+
+
 def test_stacked_checkpoint_restores_and_refuses_the_unstacked_layout(tmp_path):
   """A checkpoint records which parameters are stacked: it restores into the
   same `stacked=` and refuses a template without it."""
