@@ -134,11 +134,37 @@ def test_auto_is_the_exhaustive_minimum_on_large_model_shapes(model, option):
     assert "runner-up" in text and cost._mb(want[0][1]) in text
 
 
+def described_bytes(opt_state) -> int:
+  """The K-FAC state's bytes per device that `kd.describe` reports."""
+  return int(re.search(r"K-FAC state: ([\d,]+) bytes per device", kd.describe(
+      opt_state, print_table=False)).group(1).replace(",", ""))
+
+
+def held_on_device0(state) -> int:
+  """The bytes of every leaf of a (placed) state that device 0 holds."""
+  device0 = jax.devices()[0]
+  return sum(shard.data.nbytes for leaf in jax.tree_util.tree_leaves(state)
+             for shard in leaf.addressable_shards if shard.device == device0)
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_describe_counts_every_leaf_of_the_state_on_one_device(option):
+  """On one device `kd.describe`'s bytes are the sum of the state's leaves'
+  nbytes: the arrays and the scalar counters (count, factor_weight,
+  update_factors, skipped, and stale statistics' and EK-FAC's)."""
+  loss_fn, params, x, y = helpers.conv_dense_problem()
+  layers = kd.value_and_grad(loss_fn).discover(params, x, y)
+  state = kd.scale_by_kfac(layers, **OPTIONS[option]).init(params)
+  assert described_bytes(state) == sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(
+      state))
+
+
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_state_bytes_of_every_option_equal_the_state_init_builds(option):
   """`cost.kfac_state_bytes` equals the abstract state's bytes per device for
-  every strategy (`init`'s own arrays and partition specs), and `kd.describe`
-  reports the same number; EK-FAC under MEM-OPT holds every owner's
+  every strategy (`init`'s own arrays and partition specs, the scalar
+  counters aside), and `kd.describe` reports the bytes of every leaf that
+  device 0 holds once the state is placed; EK-FAC under MEM-OPT holds every owner's
   eigenbases on every device, more than COMM-OPT's state."""
   loss_fn, params, x, y = helpers.conv_dense_problem()
   layers = kd.value_and_grad(loss_fn).discover(params, x, y)
@@ -153,9 +179,7 @@ def test_state_bytes_of_every_option_equal_the_state_init_builds(option):
                              **options).init(params)
     found[m, fr, gr] = state_bytes_per_device(state, 8)
     assert cost.kfac_state_bytes(config, state.layout) == found[m, fr, gr], (m, fr, gr)
-    described = re.search(r"K-FAC state: ([\d,]+) bytes per device",
-                          kd.describe(state, print_table=False)).group(1)
-    assert int(described.replace(",", "")) == found[m, fr, gr]
+    assert described_bytes(state) == held_on_device0(kd.shard_state(state, mesh))
   mem, comm = found[1, "reduce_scatter", "none"], found[8, "reduce_scatter", "none"]
   assert (mem > comm) == ("eigenvalue_correction" in options)
 

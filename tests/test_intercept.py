@@ -255,12 +255,13 @@ def test_scanned_plain_model_equals_unrolled():
 
 
 _MASK = jnp.ones((3, 3, 4, 4)).at[1, 1].set(0.0)   # a masked kernel: not tagged
+_UP_MASK = jnp.ones((3, 3, 2, 4)).at[0, 2].set(0.0)
 
 
 class _Unsupported(nn.Module):
   @nn.compact
   def __call__(self, x):
-    x = nn.ConvTranspose(4, (3, 3), padding="CIRCULAR", param_dtype=F64, name="up")(x)
+    x = nn.ConvTranspose(4, (3, 3), mask=_UP_MASK, param_dtype=F64, name="up")(x)
     x = nn.Conv(4, (3, 3), mask=_MASK, param_dtype=F64, name="masked")(x)
     x = nn.Conv(4, (3, 3), param_dtype=F64, name="plain")(x)
     x = nn.Einsum((4, 4), "...c,dc->...d", param_dtype=F64, name="mix")(x)
@@ -269,7 +270,7 @@ class _Unsupported(nn.Module):
 
 
 @pytest.mark.filterwarnings("ignore:kfac_jax_dist. Conv with masked",
-                            "ignore:kfac_jax_dist. ConvTranspose with CIRCULAR",
+                            "ignore:kfac_jax_dist. ConvTranspose with masked",
                             "ignore:kfac_jax_dist. Einsum with the equation",
                             "ignore:kfac_jax_dist. Conv with a custom convolution")
 def test_uncaptured_layers_are_reported_and_pass_through():
@@ -283,7 +284,7 @@ def test_uncaptured_layers_are_reported_and_pass_through():
     layers = grad_fn.discover(params, x, y)
   assert layers.names() == ("plain", "Dense_0")
   reported = {u.where: (u.kind, u.reason) for u in layers.uncaptured}
-  assert reported["up"][0] == "ConvTranspose"
+  assert reported["up"] == ("ConvTranspose", "masked kernel")
   assert reported["masked"] == ("Conv", "masked kernel")
   assert reported["mix"][0] == "Einsum" and "not its first" in reported["mix"][1]
   assert reported["local"] == ("Conv", "a custom convolution or promote_dtype, or unshared weights")
@@ -477,8 +478,8 @@ def test_nnx_distributed_intercepted_equals_tagged_model(name, fraction):
 
 class _NnxUnsupported(nnx.Module):
   def __init__(self, rngs):
-    self.up = nnx.ConvTranspose(2, 4, (3, 3), padding="CIRCULAR", param_dtype=F64,
-                                rngs=rngs)
+    self.up = nnx.ConvTranspose(2, 4, (3, 3), preferred_element_type=F64,
+                                param_dtype=F64, rngs=rngs)
     self.custom = nnx.Conv(4, 4, (3, 3), param_dtype=F64, rngs=rngs,
                            conv_general_dilated=lambda *a, **k: lax.conv_general_dilated(*a, **k))
     self.plain = nnx.Conv(4, 4, (3, 3), param_dtype=F64, rngs=rngs)
@@ -491,7 +492,7 @@ class _NnxUnsupported(nnx.Module):
 
 
 @pytest.mark.filterwarnings("ignore:kfac_jax_dist. Conv with a custom",
-                            "ignore:kfac_jax_dist. ConvTranspose with CIRCULAR",
+                            "ignore:kfac_jax_dist. ConvTranspose with a custom",
                             "ignore:kfac_jax_dist. Einsum with the equation")
 def test_nnx_uncaptured_layers_are_reported():
   model = _NnxUnsupported(nnx.Rngs(0))

@@ -539,6 +539,79 @@ def test_stack_axis_must_be_leading():
     kd.value_and_grad(loss_fn).discover(params, x, y)
 
 
+class _LinenSquareScan(nn.Module):
+  """nn.scan over D blocks of Dense(D) (no bias), stacked along `axis`: the
+  kernel leaf is [D, D, D] whichever the axis."""
+  axis: int
+
+  @nn.compact
+  def __call__(self, x):
+    blocks = nn.scan(_SquareBlock, variable_axes={"params": self.axis},
+                     split_rngs={"params": True}, length=D)
+    x, _ = blocks(name="blocks")(x, None)
+    return kd.linen.Dense(C, param_dtype=F64)(x)
+
+
+class _SquareBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    return jnp.tanh(kd.linen.Dense(D, use_bias=False, param_dtype=F64)(x)), None
+
+
+class _NnxSquareEnsemble(nnx.Module):
+  """D Linear(D, D) members made and run with nnx.vmap over `axis`."""
+
+  def __init__(self, axis, rngs):
+    self.axis = axis
+
+    @nnx.split_rngs(splits=D)
+    @nnx.vmap(in_axes=(0,), out_axes=axis)
+    def create(rngs):
+      return kd.nnx.Linear(D, D, use_bias=False, param_dtype=F64, rngs=rngs)
+    self.members = create(rngs)
+    self.out = kd.nnx.Linear(D, C, param_dtype=F64, rngs=rngs)
+
+  def __call__(self, x):
+    run = nnx.vmap(lambda member, x: jnp.tanh(member(x)), in_axes=(self.axis, None))
+    return self.out(run(self.members, x).sum(0))
+
+
+def _square_stack(api: str, axis: int):
+  """(loss_fn, params) of a stack of D blocks whose kernels are [D, D]."""
+  if api == "linen":
+    model = _LinenSquareScan(axis)
+    params = model.init(jax.random.PRNGKey(2), _batch()[0])["params"]
+    return lambda p, x, y: kd.losses.softmax_cross_entropy(
+        model.apply({"params": p}, x), y), params
+  graphdef, params = nnx.split(_NnxSquareEnsemble(axis, nnx.Rngs(0)), nnx.Param)
+  return lambda p, x, y: kd.losses.softmax_cross_entropy(
+      nnx.merge(graphdef, p)(x), y), params
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_a_stack_axis_that_shapes_cannot_tell_raises_naming_the_layer(api):
+  """A stack along axis 1 of length D over [D, D] kernels: the leaf is
+  [D, D, D], which discovery reads as a leading stack. The capture raises,
+  naming the layer and asking for a leading stack axis (flax and JAX failed
+  to slice the probes with their own messages); along axis 0 it runs."""
+  x, y = _batch()
+  loss_fn, params = _square_stack(api, 1)
+  name = "blocks/Dense_0" if api == "linen" else "members"
+  kernel = (params["blocks"]["Dense_0"]["kernel"] if api == "linen"
+            else params["members"]["kernel"].get_value())
+  assert kernel.shape == (D, D, D)
+  grad_fn = kd.value_and_grad(loss_fn)
+  layer = next(l for l in grad_fn.discover(params, x, y) if l.name == name)
+  assert layer.stack == (D,)                    # mistaken: the shapes allow it
+  with pytest.raises(ValueError, match=f"Stacked layer '{name}': the model slices its "
+                     r"parameters .* along an axis other than the leading 1.*Keep the "
+                     "stack axis leading"):
+    jax.jit(grad_fn)(params, x, y)
+  loss_fn, params = _square_stack(api, 0)
+  _, _, stats = jax.jit(kd.value_and_grad(loss_fn))(params, x, y)
+  assert stats[name]["A"].shape == (D, D, D)
+
+
 def test_linen_scan_with_broadcast_params_gets_expand_statistics():
   """nn.scan with `variable_broadcast="params"`: one block's weights shared by
   the L iterations. Its Dense layer's statistics are K-FAC-expand's over the

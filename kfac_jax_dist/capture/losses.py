@@ -21,8 +21,10 @@ Integer labels outside `[0, classes)` (at a position the mask keeps) make the
 loss and every gradient NaN, so the step is skipped (`core.faults`) instead of
 training on the clamped or zero-filled values an out-of-range gather gives;
 so do a negative target distribution's entry and a sigmoid label outside
-`[0, 1]`, which make the loss unbounded below. (Target distributions are not
-checked to sum to 1: the Gauss-Newton products assume they do.)
+`[0, 1]`, which make the loss unbounded below, and a target distribution whose
+sum is off 1 by more than `√ε` of its dtype: the softmax Hessian above, the
+Monte Carlo Fisher's and the Gauss-Newton products' curvature, would describe
+another loss (`_off_simplex`).
 """
 
 from __future__ import annotations
@@ -143,6 +145,18 @@ def _register(name: str, loss_of_targets, targets, sample, mask, inputs,
   return value
 
 
+def _off_simplex(targets: jax.Array) -> jax.Array:
+  """Per example: a target distribution with a negative entry (the loss is
+  unbounded below) or whose sum `Σt` is off 1 by more than `√ε` of its dtype
+  (float32 at least for the sum). The cross-entropy's Hessian in the logits is
+  `(Σt)(diag(p) − p pᵀ)`: the Gauss-Newton products, and the Fisher they
+  estimate, take `Σt = 1`. `√ε` (3.5e-4 for float32, 0.088 for bfloat16)
+  admits each entry's rounding (`ε/2` of the sum) and a long sum's."""
+  tolerance = float(jnp.finfo(targets.dtype).eps) ** 0.5
+  total = jnp.sum(_at_least_f32(targets), axis=-1)
+  return jnp.any(targets < 0, axis=-1) | (jnp.abs(total - 1) > tolerance)
+
+
 def softmax_cross_entropy(logits: jax.Array, labels: jax.Array,
                           mask: jax.Array | None = None) -> jax.Array:
   """Mean of `-log softmax(logits)[label]`; `labels` are integer classes of shape
@@ -166,8 +180,7 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array,
                  logits.shape[:-1] if integer else logits.shape,
                  f"integer classes of shape {logits.shape[:-1]} or floating target "
                  f"distributions of shape {logits.shape}")
-  invalid = ((labels < 0) | (labels >= classes) if integer
-             else jnp.any(labels < 0, axis=-1))     # a negative weight: unbounded below
+  invalid = (labels < 0) | (labels >= classes) if integer else _off_simplex(labels)
   return _register("softmax_cross_entropy", loss_of, labels, sample, mask, logits,
                    _softmax_hessian, invalid)
 

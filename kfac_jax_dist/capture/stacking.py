@@ -44,8 +44,10 @@ blocks once per micro-batch, a layer called twice, nn.scan's
 `variable_broadcast="params"` — gets K-FAC-expand's statistics for weight
 sharing: every run's positions count as its examples (`A` the mean over all
 the runs' positions, `G` their sum; `statistics.POSITIONS`). Not supported: stack axes other
-than the leading ones (raises); NNX parameters given as a pure dict (raises:
-not a leaf).
+than the leading ones (raises: at discovery where the shapes show it, else at
+the first capture, where the probes fail to slice like the parameters:
+`ValueAndGrad._check_stack_axes`); NNX parameters given as a pure dict
+(raises: not a leaf).
 """
 
 from __future__ import annotations

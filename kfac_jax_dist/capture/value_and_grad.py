@@ -384,6 +384,41 @@ class ValueAndGrad:
                                           branch(False))
     return value, grads, stats, (static_n[0] if static_n else n)
 
+  def _check_stack_axes(self, discovered: "_Discovered", params, args, kwargs,
+                        error: Exception) -> None:
+    """After a failed capture, raises for the first stacked linen / NNX layer
+    whose parameters the model slices along an axis other than the leading
+    ones. Discovery takes a leaf's leading axes for the stack (`[d, L, d]`
+    with `L = d` passes as `L` leading); the probes, stacked along them, then
+    fail to slice like the parameters. The test, exact: the loss run with only
+    a `[*stack]` entry carried for that layer, which flax / NNX slice along
+    the leading axes or fail to slice."""
+    for layer in discovered.layers:
+      if not layer.stack or layer.name not in discovered.carriers:
+        continue
+      carried = {layer.name: (discovered.carriers[layer.name], jnp.zeros(layer.stack))}
+      if not self._runs_carrying(carried, params, args, kwargs):
+        raise ValueError(
+            f"Stacked layer '{layer.name}': the model slices its parameters "
+            f"('{layer.kernel_path}') along an axis other than the leading "
+            f"{len(layer.stack)}, which discovery took for the stack {layer.stack} "
+            "(a stack's length equal to a feature dimension). Keep the stack axis "
+            "leading: nn.scan / nn.vmap with variable_axes={'params': 0}, nnx.vmap / "
+            "nnx.scan over axis 0.") from error
+
+  def _runs_carrying(self, carried: dict, params, args, kwargs) -> bool:
+    """Whether the loss runs (abstractly) with `carried` in its parameter tree
+    (`stacking.prepare`'s)."""
+    def run(p: Any) -> Any:
+      trace = _new_trace(_context.DISCOVER, p, top=_compat.current_trace())
+      with _context.active(trace):
+        return self.fun(stacking.prepare(p, carried), *args, **kwargs)
+    try:
+      jax.eval_shape(run, params)
+    except Exception:    # pylint: disable=broad-except
+      return False
+    return True
+
   def _capture(self, discovered: "_Discovered", params, args, kwargs, rng, state,
                loss_scale, compute_stats) -> tuple:
     """(value, grads, stats, n) with the statistics where `compute_stats` (a
@@ -415,7 +450,11 @@ class ValueAndGrad:
       return (loss, sampled), (aux, registered.num_examples)
 
     traces: list[_context.Trace] = []
-    (loss, sampled), vjp, (aux, n) = jax.vjp(evaluate, params, probes, has_aux=True)
+    try:
+      (loss, sampled), vjp, (aux, n) = jax.vjp(evaluate, params, probes, has_aux=True)
+    except Exception as error:    # flax's or JAX's, slicing a stacked layer's probes
+      self._check_stack_axes(discovered, params, args, kwargs, error)
+      raise
     # A scale known when tracing is applied by the tags' backward passes,
     # traced by the calls of `vjp` below (`tags._scaled_inside`).
     if loss_scale is None:

@@ -91,12 +91,37 @@ def _transpose_pads(window: int, stride: int, padding: str) -> tuple[int, int]:
   return before, total - before
 
 
-def conv_transpose_config(module, default_promote):
+def _circular_transpose_pads(window: int, stride: int, size: int, flipped: bool
+                             ) -> tuple[tuple[int, int], tuple[int, int]]:
+  """Flax's CIRCULAR `ConvTranspose` of one axis (`size` input entries) as a
+  VALID convolution: `(wrap, zeros)`, the input's entries wrapped around
+  before it is dilated by the stride, and the zeros padded after.
+
+  Flax pads lax's VALID output `y` (`L` entries) by `(lo, hi)` to whole
+  periods of `P = size·stride` and sums the periods. Entry `i` is then
+  `Σ_t k_t z_{i + t − c}`, `z` the dilated input repeated with period `P`
+  (zeros between the entries, `s − 1` after the last) and
+  `c = (lo + window − 1) mod P`: the window `[−c, P − c + window − 2]` of `z`.
+  Wrapping `⌊c/s⌋` entries before and enough after, the zeros left over on
+  either side (fewer than `s`) are dilation zeros of `z`: exact."""
+  low, high = _transpose_pads(window, stride, "VALID")
+  period = size * stride
+  extra = -((size - 1) * stride + 1 + low + high - window + 1 - period) % (2 * period)
+  lo = extra // 2 if flipped else (extra + 1) // 2
+  c = (lo + low) % period
+  last = period - c + window - 2           # the window's last index of z
+  wrap = (c // stride, last // stride - size + 1)   # both >= 0 (c <= window + s - 2)
+  return wrap, (c % stride, last - (size + wrap[1] - 1) * stride)
+
+
+def conv_transpose_config(module, default_promote, input_shape: tuple[int, ...]):
   """A linen or NNX `ConvTranspose` (`lax.conv_transpose`) as the convolution
   it computes: a `ConvConfig` with unit strides, the input dilated by the
   strides and lax's padding (with `transpose_kernel=True`, the kernel flipped
-  and swapped: `kd.tags.conv2d`'s `transpose_kernel`); or a reason string
-  (`default_promote`: the API's own `promote_dtype`)."""
+  and swapped: `kd.tags.conv2d`'s `transpose_kernel`); CIRCULAR padding wraps
+  the input first (`_circular_transpose_pads`); or a reason string
+  (`default_promote`: the API's own `promote_dtype`; `input_shape`: the
+  input's, `[..., *spatial, C]`)."""
   kernel_size = _pair(module.kernel_size, 1)
   spatial = len(kernel_size)
   if spatial not in (1, 2, 3):
@@ -107,17 +132,22 @@ def conv_transpose_config(module, default_promote):
       or custom_promote(module, default_promote)):
     return "a custom promote_dtype or preferred_element_type"
   padding = canonicalize_padding(module.padding, spatial)
-  if isinstance(padding, str) and padding not in ("SAME", "VALID"):
+  if isinstance(padding, str) and padding not in ("SAME", "VALID", "CIRCULAR"):
     return f"{padding} padding"
   if not isinstance(padding, str) and not _explicit_transpose_pads_as_given():
     return "explicit padding (this jax's use_consistent_padding default)"
   strides, dilation = _pair(module.strides, spatial), _pair(module.kernel_dilation, spatial)
-  if isinstance(padding, str):
-    pads = tuple(_transpose_pads((k - 1) * d + 1, s, padding)
-                 for k, s, d in zip(kernel_size, strides, dilation))
+  windows = [(k - 1) * d + 1 for k, d in zip(kernel_size, dilation)]
+  edge = None
+  if padding == "CIRCULAR":
+    wraps, pads = zip(*(_circular_transpose_pads(w, s, n, bool(module.transpose_kernel))
+                        for w, s, n in zip(windows, strides, input_shape[-spatial - 1:-1])))
+    edge = ("wrap", wraps)
+  elif isinstance(padding, str):
+    pads = tuple(_transpose_pads(w, s, padding) for w, s in zip(windows, strides))
   else:
     pads = tuple((int(lo), int(hi)) for lo, hi in padding)
-  return ConvConfig(spatial, (1,) * spatial, pads, dilation, strides,
+  return ConvConfig(spatial, (1,) * spatial, tuple(pads), dilation, strides, edge,
                     transpose_kernel=bool(module.transpose_kernel))
 
 

@@ -115,7 +115,8 @@ def conv(module: nn.Conv, inputs, fallback: Fallback):
 def conv_transpose(module: nn.ConvTranspose, inputs, fallback: Fallback):
   """`nn.ConvTranspose.__call__`, tagged as the convolution of the input
   dilated by the strides that it computes (`common.conv_transpose_config`)."""
-  config = _flax_common.conv_transpose_config(module, linen_dtypes.promote_dtype)
+  config = _flax_common.conv_transpose_config(module, linen_dtypes.promote_dtype,
+                                                 jnp.shape(inputs))
   if isinstance(config, str):
     return _flax_common.untagged("ConvTranspose", config, where(module), fallback)
   return _conv_tagged(module, inputs, config)
@@ -325,11 +326,12 @@ class Conv(nn.Conv):
 
 
 class ConvTranspose(nn.ConvTranspose):
-  """`flax.linen.ConvTranspose` (SAME, VALID or explicit padding; a
-  `transpose_kernel=True` kernel too), tagged as the convolution it
-  computes: `kd.tags.conv1d` / `conv2d` / `conv3d` of the input dilated by
-  the strides (with the tag's `transpose_kernel`). CIRCULAR padding and a
-  masked kernel run Flax's own code, untagged, with a warning."""
+  """`flax.linen.ConvTranspose` (SAME, VALID, CIRCULAR or explicit padding;
+  a `transpose_kernel=True` kernel too), tagged as the convolution it
+  computes: `kd.tags.conv1d` / `conv2d` / `conv3d` of the input (CIRCULAR:
+  wrapped around first) dilated by the strides (with the tag's
+  `transpose_kernel`). A masked kernel runs Flax's own code, untagged, with
+  a warning."""
 
   kfac_example_dims: int | None = None
 

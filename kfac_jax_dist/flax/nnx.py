@@ -156,7 +156,8 @@ def conv(module: nnx.Conv, inputs, out_sharding, fallback: Fallback):
 def conv_transpose(module: nnx.ConvTranspose, inputs, fallback: Fallback):
   """`nnx.ConvTranspose.__call__`, tagged as the convolution of the input
   dilated by the strides that it computes (`common.conv_transpose_config`)."""
-  config = _flax_common.conv_transpose_config(module, nnx_dtypes.promote_dtype)
+  config = _flax_common.conv_transpose_config(module, nnx_dtypes.promote_dtype,
+                                                 jnp.shape(inputs))
   if isinstance(config, str):
     return _untagged("ConvTranspose", config, module, "kernel", fallback)
   return _conv_tagged(module, inputs, config)
@@ -362,11 +363,12 @@ class Conv(_ExampleDims, nnx.Conv):
 
 
 class ConvTranspose(_ExampleDims, nnx.ConvTranspose):
-  """`flax.nnx.ConvTranspose` (SAME, VALID or explicit padding; a
-  `transpose_kernel=True` kernel too), tagged as the convolution it
-  computes: `kd.tags.conv1d` / `conv2d` / `conv3d` of the input dilated by
-  the strides (with the tag's `transpose_kernel`). CIRCULAR padding and a
-  masked kernel run Flax's own code, untagged, with a warning."""
+  """`flax.nnx.ConvTranspose` (SAME, VALID, CIRCULAR or explicit padding;
+  a `transpose_kernel=True` kernel too), tagged as the convolution it
+  computes: `kd.tags.conv1d` / `conv2d` / `conv3d` of the input (CIRCULAR:
+  wrapped around first) dilated by the strides (with the tag's
+  `transpose_kernel`). A masked kernel runs Flax's own code, untagged, with
+  a warning."""
 
   def __call__(self, inputs):
     return conv_transpose(self, inputs, functools.partial(super().__call__, inputs))

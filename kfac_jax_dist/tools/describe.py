@@ -17,7 +17,6 @@ from kfac_jax_dist.core import tensor_parallel
 from kfac_jax_dist.core import uneven
 from kfac_jax_dist.kfac.state import ScaleByKfacState
 from kfac_jax_dist.kfac import correction as correction_lib
-from kfac_jax_dist.kfac import cost
 from kfac_jax_dist.kfac import layout as layout_lib
 from kfac_jax_dist.shampoo import blocks as blocks_lib
 from kfac_jax_dist.shampoo.soap import ScaleBySoapState
@@ -108,14 +107,11 @@ def _summary(state: ScaleByKfacState, shards: int = 1) -> list[str]:
   what = "eigenbases and eigenvalues" if lay.method == "eigen" else "damped inverses"
   lines.append(f"Second-order state ({what}): {lay.second_array:,} numbers per "
                f"device{_segments(lay)}.")
-  stored, second = state.factors.dtype.itemsize, state.second_order.dtype.itemsize
-  per_device = cost.state_bytes(lay, stored, second)
   if state.refresh is not None:
     lines.append(_stale_line(state))
-    per_device += cost.stale_state_bytes(lay, stored, second)
   if state.correction is not None:
     lines.append(_correction_line(state))
-    per_device += cost.correction_state_bytes(lay, second)
+  per_device = _per_device_bytes(state, shards)
   on_all = (f" ({p * shards * per_device:,} on all {p * shards} devices)"
             if p * shards > 1 else "")
   lines.append(f"K-FAC state: {per_device:,} bytes per device{on_all}.")
