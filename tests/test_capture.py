@@ -759,6 +759,38 @@ def test_mc_fisher_softmax():
     check_mc_estimate(stats[name]["G"], exact[name], f"G of {name}")
 
 
+def test_mc_fisher_soft_targets_weigh_by_their_sums():
+  """Softmax targets summing to `s_i` (0 for a padding row, 1.2, 0.5, ...):
+  the loss's Hessian is `s_i (diag(p_i) − p_i p_iᵀ)`, so the Monte Carlo `G`
+  estimates the Fisher with example `i` weighted by `s_i` (enumerated over the
+  classes), and the loss is the plain mean of `−Σ t log p`."""
+  kp, kx, ky = jax.random.split(jax.random.PRNGKey(8), 3)
+  params = mlp_params(kp, (3, 4, 3), (True, True))
+  x = randn(kx, (5, 3))
+  sums = jnp.array([1.0, 0.0, 1.2, 0.5, 2.0])
+  y = jax.random.dirichlet(ky, jnp.ones(3), (5,)) * sums[:, None]
+  model = lambda l, p, x: mlp(l, p, x)
+
+  def loss_fn(p, x, y):
+    return kd.losses.softmax_cross_entropy(model(Tagged(), p, x), y)
+
+  loss, _, stats = mc_draws(kd.value_and_grad(loss_fn, fisher="mc"), params, x, y)
+  logits = model(Ref(), params, x)
+  np.testing.assert_allclose(
+      f64(loss)[0], -np.mean(np.sum(f64(y) * f64(jax.nn.log_softmax(logits)), -1)),
+      rtol=1e-6)
+  probs = jax.nn.softmax(logits)
+  classes = [jnp.full((5,), c) for c in range(3)]
+  exact = enumerated_fisher(model, params, x, ce_per_example, classes,
+                            [probs[:, c] * sums for c in range(3)])
+  p = f64(probs)
+  np.testing.assert_allclose(
+      exact["l2"], sum(float(s) * (np.diag(q) - np.outer(q, q)) for s, q in zip(sums, p)) / 5,
+      atol=1e-12)
+  for name in ("l1", "l2"):
+    check_mc_estimate(stats[name]["G"], exact[name], f"G of {name}")
+
+
 def test_mc_fisher_sigmoid():
   kp, kx, ky = jax.random.split(jax.random.PRNGKey(6), 3)
   params = mlp_params(kp, (3, 4, 3), (True, True))

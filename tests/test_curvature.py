@@ -168,6 +168,8 @@ def _identity_h(z: np.ndarray) -> np.ndarray:
 LOSSES = {   # name: (kd loss, hessian, masked)
     "softmax": (kd.losses.softmax_cross_entropy, _softmax_h, False),
     "softmax_masked": (kd.losses.softmax_cross_entropy, _softmax_h, True),
+    # target distributions summing to 0 (padding), 1, 1.2, 0.5, ...: H = (Σt)(diag p − ppᵀ)
+    "softmax_soft": (kd.losses.softmax_cross_entropy, _softmax_h, True),
     "sigmoid": (kd.losses.sigmoid_cross_entropy, _sigmoid_h, False),
     "squared_error": (kd.losses.squared_error, _identity_h, False),
 }
@@ -175,6 +177,10 @@ LOSSES = {   # name: (kd loss, hessian, masked)
 
 def _targets(loss: str, example_shape: tuple[int, ...]):
   key = jax.random.PRNGKey(3)
+  if loss == "softmax_soft":
+    t = jax.random.dirichlet(key, jnp.ones(CLASSES, F64), example_shape)
+    sums = jnp.array([0.0, 1.0, 1.2, 0.5, 2.0, 1.0], F64)
+    return t * jnp.resize(sums, example_shape)[..., None]
   if loss.startswith("softmax"):
     return jax.random.randint(key, example_shape, 0, CLASSES)
   if loss == "sigmoid":
@@ -204,18 +210,22 @@ def problem(model: str, loss: str):
   flat, unravel = ravel_pytree(params)
   keys = jax.random.split(jax.random.PRNGKey(5), 2)
   vectors = tuple(unravel(jax.random.normal(k, flat.shape, F64)) for k in keys)
+  scale = np.sum(np.asarray(y), -1) if loss == "softmax_soft" else 1.0
   return loss_fn, params, (x, y, mask), vectors, _brute_gram(
-      apply, params, x, mask, hessian, vectors)
+      apply, params, x, mask, hessian, vectors, scale)
 
 
-def _brute_gram(apply, params, x, mask, hessian, vectors) -> np.ndarray:
+def _brute_gram(apply, params, x, mask, hessian, vectors, scale=1.0) -> np.ndarray:
+  """`V C Vᵀ`, `C = Σ_x w_x s_x J_xᵀ H_x J_x / Σ_x w_x` (`s_x`: the Hessian's
+  scale, a soft target's sum)."""
   flat, unravel = ravel_pytree(params)
   z = np.asarray(apply(params, x), np.float64)
   rows = lambda f: apply(unravel(f), x).reshape(-1, z.shape[-1])
   jac = np.asarray(jax.jit(jax.jacfwd(rows))(flat), np.float64)     # [N, C, P]
   z = z.reshape(-1, z.shape[-1])
   w = np.asarray(mask, np.float64).reshape(-1)
-  curvature = np.einsum("n,ncp,ncd,ndq->pq", w, jac, hessian(z), jac) / w.sum()
+  s = np.broadcast_to(np.asarray(scale, np.float64), np.shape(mask)).reshape(-1)
+  curvature = np.einsum("n,ncp,ncd,ndq->pq", w * s, jac, hessian(z), jac) / w.sum()
   v = np.stack([np.asarray(ravel_pytree(u)[0], np.float64) for u in vectors])
   return v @ curvature @ v.T
 
@@ -224,7 +234,7 @@ CASES = [(m, l) for m in MODELS for l in LOSSES]
 # By default every loss on the MLP and each other model with one loss (the
 # products are the model's jvp and the loss's output Hessian, independent
 # parts); the whole product with --slow.
-CASES_BY_DEFAULT = [("mlp_tags", l) for l in LOSSES] + [
+CASES_BY_DEFAULT = [("mlp_tags", l) for l in LOSSES] + [("scan_linen", "softmax_soft"),
     ("cnn_linen", "softmax"), ("cnn_linen", "squared_error"),
     ("scan_linen", "softmax_masked"), ("scan_nnx", "sigmoid")]
 

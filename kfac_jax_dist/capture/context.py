@@ -115,7 +115,9 @@ class RegisteredLoss:
   num_examples: Any                   # n, the denominator of the mean
   sampled_loss: Callable[[Any], Any]  # rng -> mean loss on sampled targets
   inputs: Any = None                  # the loss's input (logits / predictions)
-  mask: Any = None                    # the loss's mask argument (None: none)
+  # w_x per example: the mask times the output Hessian's scale (a target
+  # distribution's sum Σt); None: 1 for every example
+  weights: Any = None
   # (inputs, u, w) -> uᵀ H w per example (the last axis contracted), H the
   # Hessian of the per-example loss in its input, in closed form.
   output_hessian: Callable[[Any, Any, Any], Any] | None = None

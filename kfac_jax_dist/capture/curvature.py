@@ -93,15 +93,15 @@ def _local_gram(fun: Callable, has_aux: bool, params, vectors: tuple, args: tupl
     out, registered = _run(fun, p, args, kwargs)
     hessians.append(registered.output_hessian)     # a static function
     value = out[0] if has_aux else out
-    return registered.inputs, (registered.mask, registered.num_examples, value)
+    return registered.inputs, (registered.weights, registered.num_examples, value)
 
-  z, linear, (mask, n, value) = jax.linearize(inputs_of, params, has_aux=True)
+  z, linear, (weights, n, value) = jax.linearize(inputs_of, params, has_aux=True)
   output_hessian = hessians[0]
   dtype = jnp.promote_types(z.dtype, jnp.float32)
   z = z.astype(dtype)
   us = [linear(v).astype(dtype) for v in vectors]
-  weights = (jnp.ones(z.shape[:-1], dtype) if mask is None
-             else jnp.broadcast_to(mask, z.shape[:-1]).astype(dtype))
+  weights = (jnp.ones(z.shape[:-1], dtype) if weights is None
+             else jnp.broadcast_to(weights, z.shape[:-1]).astype(dtype))
   k = len(us)
   entries = {(i, j): jnp.sum(weights * output_hessian(z, us[i], us[j]))
              for i in range(k) for j in range(i, k)}

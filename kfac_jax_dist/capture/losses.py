@@ -10,10 +10,12 @@ axis but the last, weighted by `mask`) exactly as an ordinary loss would. Inside
   Carlo Fisher (`fisher="mc"`) uses: categorical for softmax, Bernoulli for
   sigmoid, a unit-variance Gaussian for the squared error (Martens & Grosse,
   2015, §5);
-* its input, its mask and its output Hessian `H` per example in closed form,
-  which the exact Gauss-Newton products (`capture.curvature`) use: softmax
-  `diag(p) − p pᵀ` (targets summing to one), sigmoid `diag(p(1−p))`, squared
-  error `I`, all independent of the targets.
+* its input, each example's curvature weight `w` (its mask weight, times a
+  target distribution's sum `Σt` for the softmax) and its output Hessian `H`
+  per example in closed form, which the exact Gauss-Newton products
+  (`capture.curvature`) use: softmax `diag(p) − p pᵀ` (times `w`'s `Σt`),
+  sigmoid `diag(p(1−p))`, squared error `I`, otherwise independent of the
+  targets.
 
 Exactly one loss must be registered per evaluation of the loss function.
 
@@ -21,10 +23,10 @@ Integer labels outside `[0, classes)` (at a position the mask keeps) make the
 loss and every gradient NaN, so the step is skipped (`core.faults`) instead of
 training on the clamped or zero-filled values an out-of-range gather gives;
 so do a negative target distribution's entry and a sigmoid label outside
-`[0, 1]`, which make the loss unbounded below, and a target distribution whose
-sum is off 1 by more than `√ε` of its dtype: the softmax Hessian above, the
-Monte Carlo Fisher's and the Gauss-Newton products' curvature, would describe
-another loss (`_off_simplex`).
+`[0, 1]`, which make the loss unbounded below. Target distributions need not
+sum to 1: the cross-entropy's Hessian in the logits is `(Σt)(diag(p) − p pᵀ)`,
+so each example's curvature is weighted by its `Σt` (a zero row, padding,
+has none), in the Gauss-Newton products and the Monte Carlo Fisher alike.
 """
 
 from __future__ import annotations
@@ -111,11 +113,25 @@ def _kept_targets(targets: jax.Array, mask: jax.Array | None, inputs: jax.Array
   return jnp.where(kept[..., None], targets, jnp.zeros_like(targets))
 
 
+def _curvature_weights(mask: jax.Array | None, scale: jax.Array | None,
+                       shape: tuple[int, ...], dtype) -> jax.Array | None:
+  """`w_x`, the weight of each example's curvature: its mask weight times the
+  output Hessian's scale (None for both: 1 everywhere)."""
+  parts = [jnp.broadcast_to(x, shape).astype(dtype) for x in (mask, scale) if x is not None]
+  return None if not parts else parts[0] if len(parts) == 1 else parts[0] * parts[1]
+
+
 def _register(name: str, loss_of_targets, targets, sample, mask, inputs,
-              output_hessian, invalid: jax.Array | None = None):
+              output_hessian, invalid: jax.Array | None = None,
+              hessian_scale: jax.Array | None = None):
+  """Registers the loss (`hessian_scale`: per example, the factor the output
+  Hessian `H(z)` takes with these targets, e.g. a target distribution's sum)."""
   _check_mask(name, inputs, mask)
-  per_example = loss_of_targets(_kept_targets(jnp.asarray(targets), mask, inputs))
+  kept = _kept_targets(jnp.asarray(targets), mask, inputs)
+  per_example = loss_of_targets(kept)
   value, n = _mean(per_example, mask)
+  weights = _curvature_weights(mask, None if hessian_scale is None else hessian_scale(kept),
+                               per_example.shape, per_example.dtype)
   if invalid is not None:
     value = _poisoned(value, invalid, mask)
   trace = _context.current()
@@ -134,27 +150,15 @@ def _register(name: str, loss_of_targets, targets, sample, mask, inputs,
       Newton matrix `(1/n) Σ w JᵀHJ` of the weighted mean (w itself would count
       each weight twice)."""
       per_draw = loss_of_targets(jax.lax.stop_gradient(sample(rng)))
-      if mask is None:
+      if weights is None:
         return jnp.mean(per_draw)
-      weights = jnp.broadcast_to(mask, per_draw.shape).astype(per_draw.dtype)
-      return jnp.sum(jnp.sqrt(weights) * per_draw) / _context.denominator(n)
+      root = jnp.sqrt(jax.lax.stop_gradient(weights)).astype(per_draw.dtype)
+      return jnp.sum(root * per_draw) / _context.denominator(n)
     trace.losses.append(_context.RegisteredLoss(
-        name, value, n, sampled_loss, inputs=inputs, mask=mask,
+        name, value, n, sampled_loss, inputs=inputs, weights=weights,
         output_hessian=output_hessian,
         static_num_examples=per_example.size if mask is None else None))
   return value
-
-
-def _off_simplex(targets: jax.Array) -> jax.Array:
-  """Per example: a target distribution with a negative entry (the loss is
-  unbounded below) or whose sum `Σt` is off 1 by more than `√ε` of its dtype
-  (float32 at least for the sum). The cross-entropy's Hessian in the logits is
-  `(Σt)(diag(p) − p pᵀ)`: the Gauss-Newton products, and the Fisher they
-  estimate, take `Σt = 1`. `√ε` (3.5e-4 for float32, 0.088 for bfloat16)
-  admits each entry's rounding (`ε/2` of the sum) and a long sum's."""
-  tolerance = float(jnp.finfo(targets.dtype).eps) ** 0.5
-  total = jnp.sum(_at_least_f32(targets), axis=-1)
-  return jnp.any(targets < 0, axis=-1) | (jnp.abs(total - 1) > tolerance)
 
 
 def softmax_cross_entropy(logits: jax.Array, labels: jax.Array,
@@ -180,9 +184,13 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array,
                  logits.shape[:-1] if integer else logits.shape,
                  f"integer classes of shape {logits.shape[:-1]} or floating target "
                  f"distributions of shape {logits.shape}")
-  invalid = (labels < 0) | (labels >= classes) if integer else _off_simplex(labels)
+  if integer:
+    invalid, scale = (labels < 0) | (labels >= classes), None
+  else:     # a negative weight: unbounded below; the Hessian is (Σt)(diag(p) − p pᵀ)
+    invalid = jnp.any(labels < 0, axis=-1)
+    scale = lambda kept: jnp.sum(_at_least_f32(kept), axis=-1)
   return _register("softmax_cross_entropy", loss_of, labels, sample, mask, logits,
-                   _softmax_hessian, invalid)
+                   _softmax_hessian, invalid, scale)
 
 
 def sigmoid_cross_entropy(logits: jax.Array, labels: jax.Array,
