@@ -377,3 +377,4 @@ def test_checkpoint_and_convert_keep_the_running_weights(tmp_path):
                                 np.asarray(state.marked_weight))
   back = kd.convert_state(moved, one.init(params))
   helpers.assert_trees_equal(back, state, rtol=0)
+  assert "2 layers may sit out a pass" in kd.describe(state, print_table=False)
