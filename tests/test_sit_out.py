@@ -150,6 +150,22 @@ def test_discovery_marks_the_layers_that_may_sit_out():
   assert marked == {"cond", "switch", "while"}, marked
 
 
+def test_layers_that_always_run_change_nothing():
+  """A model without such layers (a scan repeats its layer, but runs it)
+  returns no positions and its state has no running weights of its own: its
+  state, checkpoints and compiled step are those of before."""
+  def loss(p, x, y):
+    h, _ = lax.scan(lambda h, _: (jnp.tanh(kd.tags.dense(h, p["w"])), None), x, None,
+                    length=2)
+    return kd.losses.squared_error(h, y)
+  params, x = {"w": jnp.eye(3)}, jnp.ones((2, 3))
+  grad_fn = kd.value_and_grad(loss)
+  tx = kd.scale_by_kfac(layers=grad_fn.discover(params, x, x))
+  state = tx.init(params)
+  assert state.marked_weight is None
+  assert set(grad_fn(params, x, x, opt_state=state)[2]["w"]) == {"A", "G"}
+
+
 def test_one_device_head_that_sits_out_keeps_its_factors():
   """Head b sits out steps 0 and 3: its factors are the running average of
   steps 1-2 only (identity until it first runs), head a's of steps 0 and 3,
