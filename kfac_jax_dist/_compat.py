@@ -118,3 +118,32 @@ def inside_another_trace(top: object) -> bool:
   taken earlier); False where this JAX does not say."""
   now = current_trace()
   return now is not top and now is current_trace()
+
+
+# The transforms whose body may not run in a pass: a branch of `lax.cond` /
+# `lax.switch`, a `lax.while_loop`'s body. What JAX records as `traced_for` of
+# the trace. A `lax.fori_loop`'s body is recorded alike whether its bounds are
+# static (a scan: it runs) or traced, and is not counted.
+MAY_NOT_RUN = frozenset({"cond", "switch", "while_body"})
+
+
+def may_not_run(top: object) -> bool:
+  """Whether the trace being built lies inside a transform whose body may not
+  run (`MAY_NOT_RUN`) between it and `top` (a `current_trace()` taken
+  earlier), read from the chain of traces JAX builds; where this JAX does not
+  say (no chain to `top`, a trace without a record of what it traces for):
+  whether it is inside any other trace at all, which includes them."""
+  now = current_trace()
+  if now is top:
+    return False
+  seen = 0
+  while now is not None and now is not top and seen < 10_000:
+    kind = type(now).__name__
+    info = getattr(getattr(now, "frame", None), "debug_info", None)
+    purpose = getattr(info, "traced_for", None)
+    if purpose is None and kind != "BatchTrace":      # unknown: assume it may not run
+      return True
+    if purpose in MAY_NOT_RUN:
+      return True
+    now, seen = getattr(now, "parent_trace", None), seen + 1
+  return now is not top

@@ -102,6 +102,9 @@ class TaggedLayer:
   `feature_group_count` (its blocks are the groups, the last stack axis).
   `transposed_kernel`: the kernel leaf is the applied kernel flipped over
   its window, channel axes swapped (see the module docstring).
+  `may_sit_out`: every application runs inside a `lax.cond` / `lax.switch`
+  branch or a `lax.while_loop` body (`_compat.MAY_NOT_RUN`), so a pass may give it no position
+  (the optimizer then leaves its factors as they are; see `kfac.factors`).
   """
 
   name: str
@@ -118,6 +121,7 @@ class TaggedLayer:
   stack_name: str | None = None
   groups: int = 1
   transposed_kernel: bool = False
+  may_sit_out: bool = False
 
   @property
   def has_bias(self) -> bool:

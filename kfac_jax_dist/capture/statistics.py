@@ -75,6 +75,10 @@ the probe `POSITIONS`, a scalar per layer or block, only for the layers the
 discovery saw called twice or inside a loop, branch or transform. Every
 run's positions count as examples of one layer, K-FAC-expand's treatment of
 weight sharing (Eschenhagen et al. 2023), runs of different sizes included.
+A layer that may sit out a pass (`TaggedLayer.may_sit_out`: every run inside
+a `lax.cond` / `lax.switch` branch or a `lax.while_loop` body) keeps its count
+among its statistics (`POSITIONS`, 0 where it did not run), by which the
+optimizer tells whether it ran and weighs its `A` over the devices.
 
 Precision: every statistic is computed in `statistics_dtype` of the layer's
 inputs and output cotangents, `promote_types(dtype, float32)`: a bfloat16 or

@@ -36,6 +36,7 @@ indexes several leading stack axes. `kd.linen` / `kd.nnx` layers inside
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, Callable, Sequence
@@ -106,7 +107,8 @@ def _discover(trace, kind, name, kernel, bias, site, **record) -> None:
     bias_shape = None if bias is None else (bias_shape[-1] // groups,)
   layer = registry.TaggedLayer(
       name=name, kind=kind, kernel_path=kernel_path, bias_path=bias_path,
-      kernel_shape=kernel_shape, bias_shape=bias_shape, stack=stack, **record)
+      kernel_shape=kernel_shape, bias_shape=bias_shape, stack=stack,
+      may_sit_out=_compat.may_not_run(trace.top), **record)
   if name in trace.seen or _compat.current_trace() is not trace.top:
     trace.repeats.add(name)
   if name in trace.seen:
@@ -114,8 +116,11 @@ def _discover(trace, kind, name, kernel, bias, site, **record) -> None:
     # second trace of its body (flax traces nn.scan's twice), or weight
     # sharing (a second application, a scan's iterations over one kernel).
     # The capture counts every run's positions (`statistics.POSITIONS`): K-FAC-expand.
-    previous = next(l for l in trace.layers if l.name == name)
-    if previous == layer:
+    # It may sit out a pass only if every application may.
+    at, previous = next((i, l) for i, l in enumerate(trace.layers) if l.name == name)
+    if previous == dataclasses.replace(layer, may_sit_out=previous.may_sit_out):
+      trace.layers[at] = dataclasses.replace(
+          previous, may_sit_out=previous.may_sit_out and layer.may_sit_out)
       return
     raise ValueError(
         f"Tagged layer '{name}' ran twice in one loss evaluation as different "

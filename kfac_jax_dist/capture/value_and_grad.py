@@ -270,9 +270,7 @@ class ValueAndGrad:
           loss_scale)
       loss, aux = value if self.has_aux else (value, None)
       n = jnp.asarray(n, factors.statistics_dtype(n))   # float64 weights in float64
-      weighted = {name: {key: ((v * n).astype(v.dtype)
-                               if key in factors.SCALED_BY_NUM_EXAMPLES else v)
-                         for key, v in layer.items()} for name, layer in stats.items()}
+      weighted = {name: _summable(layer, n) for name, layer in stats.items()}
       return loss * n, jax.tree_util.tree_map(lambda g: g * n, grads), weighted, n, aux
 
     def body(carry: tuple, i: jax.Array) -> tuple:
@@ -288,9 +286,7 @@ class ValueAndGrad:
     # Summed in float32 at least; returned in the parameters' dtypes, as `grad_fn`'s.
     grads = jax.tree_util.tree_map(lambda g, p: (g / total).astype(jnp.result_type(p)),
                                    grads, params)
-    stats = {name: {key: (v / total if key in factors.SCALED_BY_NUM_EXAMPLES else v / k
-                          ).astype(v.dtype)
-                    for key, v in layer.items()} for name, layer in stats.items()}
+    stats = {name: _summed_means(layer, total, k) for name, layer in stats.items()}
     value = (loss / total, aux) if self.has_aux else loss / total
     return self._shares(value, grads, stats, n, args, kwargs, opt_state)
 
@@ -476,7 +472,34 @@ class ValueAndGrad:
                                      grads)
       g_scale = n * inv * inv
     value = (loss, aux) if self.has_aux else loss
-    return value, grads, _statistics(probe_bar, g_scale, traces[0].scaled), n
+    counted = frozenset(layer.name for layer in discovered.layers if layer.may_sit_out)
+    return value, grads, _statistics(probe_bar, g_scale, traces[0].scaled, counted), n
+
+
+def _summable(layer: dict, n: Any) -> dict:
+  """One slice's statistics of a layer as terms of `accumulate`'s sums:
+  those over examples times the slice's `n`, a counted layer's `A` (with
+  `POSITIONS`: one that may sit out a pass) times its positions."""
+  out = {key: ((v * n).astype(v.dtype) if key in factors.SCALED_BY_NUM_EXAMPLES else v)
+         for key, v in layer.items()}
+  if factors.POSITIONS in layer:
+    count = layer[factors.POSITIONS]
+    out["A"] = (layer["A"] * count.reshape(count.shape + (1,) * (layer["A"].ndim
+                                                                 - count.ndim))
+                ).astype(layer["A"].dtype)
+  return out
+
+
+def _summed_means(layer: dict, total: Any, k: int) -> dict:
+  """`_summable`'s sums over `k` slices back to the whole batch's: over
+  examples divided by their `total`, a counted `A` by its positions, any
+  other `A` by `k`; the positions stay summed."""
+  out = {key: (v / total if key in factors.SCALED_BY_NUM_EXAMPLES
+               else v if key == factors.POSITIONS else v / k).astype(v.dtype)
+         for key, v in layer.items()}
+  if factors.POSITIONS in layer:
+    out["A"] = factors.mean_over_positions(layer["A"], layer[factors.POSITIONS])
+  return out
 
 
 def _shares_of_global_batch(value: Any, grads: Any, stats: dict, n: Any,
@@ -555,22 +578,27 @@ def _all_probes(discovered: "_Discovered", state: Any) -> dict:
              else state.statistic_forms(layer.blocks()[0].name))
     if forms is not None:           # None: skipped, no statistics
       dtype = discovered.stats_dtypes.get(layer.name, jnp.float32)
-      probes[layer.name] = _probes(layer, forms, dtype, layer.name in discovered.repeats
+      counts = layer.name in discovered.repeats or layer.may_sit_out
+      probes[layer.name] = _probes(layer, forms, dtype, counts
                                    ) | _correction_probes(layer, state, dtype)
   return probes
 
 
-def _statistics(probe_bar: dict, g_scale: Any, scaled: set[str]) -> dict:
+def _statistics(probe_bar: dict, g_scale: Any, scaled: set[str],
+                counted: frozenset[str] = frozenset()) -> dict:
   """The statistics from the probes' cotangents: those built from output
   cotangents (`factors.SCALED_BY_NUM_EXAMPLES`, cotangents of the mean loss)
   times `g_scale` (the number of examples, divided by the loss scale
   squared) unless their layer is in `scaled` (its backward pass did it), `A`
   the mean over a repeated layer's positions in all its runs, EK-FAC's bases
-  and the position counts dropped. Each keeps its layer's dtype (`factors.statistics_dtype`)."""
+  dropped, and the position counts too except those of the layers in
+  `counted` (that may sit out the pass: the optimizer weighs their `A` by
+  them). Each keeps its layer's dtype (`factors.statistics_dtype`)."""
+  dropped = lambda name: factors.BASES + (() if name in counted else (factors.POSITIONS,))
   stats = {name: {key: (value * g_scale).astype(value.dtype)
                   if key in factors.SCALED_BY_NUM_EXAMPLES and name not in scaled
                   else value for key, value in layer_stats.items()
-                  if key not in factors.BASES + (factors.POSITIONS,)}
+                  if key not in dropped(name)}
            for name, layer_stats in probe_bar.items()}
   for name, layer_stats in probe_bar.items():
     if factors.POSITIONS in layer_stats:
@@ -602,7 +630,10 @@ def value_and_grad(fun: Callable, has_aux: bool = False, fisher: str = "empirica
   * embed: `{"A": A, "G": G}` with `A` always the diagonal `[V]` (token
     frequencies) and `G` as above;
   * scale_and_shift (LayerNorm / BatchNorm): `{"F": F}`, `[C, 3]`, SP-NGD's
-    unit-wise Fisher `(γγ, γβ, ββ)` per channel.
+    unit-wise Fisher `(γγ, γβ, ββ)` per channel;
+  * a layer that may sit out a pass (`TaggedLayer.may_sit_out`: inside a
+    `lax.cond` / `lax.switch` branch): also `"positions"`, the number of
+    positions it saw (0: it did not run), `[*stack]`.
 
   A stacked layer (scanned blocks: `kd.linen` / `kd.nnx` layers inside
   `nn.scan` / `nnx.scan` / `nnx.vmap`, or `kd.tags.*(..., stack_index=)`; see

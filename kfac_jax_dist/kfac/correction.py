@@ -229,16 +229,21 @@ def batch_scaling(config: KfacConfig, comm: collectives_lib.Collectives,
 
 
 def updated(config: KfacConfig, comm: collectives_lib.Collectives,
-            lay: layout_lib.Layout, state: CorrectionState, stats: Any
-            ) -> CorrectionState:
+            lay: layout_lib.Layout, state: CorrectionState, stats: Any,
+            ran: jax.Array | None = None) -> CorrectionState:
   """The running scaling after a factor step: the batch's `S` in layers with
-  fresh eigenbases, its `factor_decay` running average in the others."""
+  fresh eigenbases, its `factor_decay` running average in the others; where
+  `ran` (`[C]`, None: every layer) says a layer did not run in the pass, its
+  scaling as it was."""
   batch = batch_scaling(config, comm, lay, stats)
   decay = jnp.asarray(config.factor_decay, batch.dtype)
   scaling = jnp.where(per_number(lay, state.fresh), batch,
                       decay * state.scaling + (1 - decay) * batch)
-  return CorrectionState(scaling.astype(state.scaling.dtype),
-                         jnp.zeros_like(state.fresh), state.bases)
+  fresh = jnp.zeros_like(state.fresh)
+  if ran is not None:
+    scaling = jnp.where(per_number(lay, ran), scaling, state.scaling)
+    fresh = state.fresh & ~ran
+  return CorrectionState(scaling.astype(state.scaling.dtype), fresh, state.bases)
 
 
 def scaling_reader(lay: layout_lib.Layout, state: CorrectionState

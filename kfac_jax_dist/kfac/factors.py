@@ -10,17 +10,32 @@ so the first update gives exactly the first batch's statistics. `F_batch` is
 the average over the devices of their local statistics (a reduce-scatter into
 tight chunks, or KAISA's all-reduce of every factor), or, for DP-KFAC, the
 owner's own local statistics.
+
+A layer that may sit out a pass (`TaggedLayer.may_sit_out`: run in a
+`lax.cond` / `lax.switch` branch or a `lax.while_loop` body) has a running weight of its
+own, `w_l` (`ScaleByKfacState.marked_weight`), and its statistics come with
+this device's positions `N_d` (`statistics.POSITIONS`). With `N = Σ_d N_d`
+(one psum of the counts), its `A_d` is weighted `N_d / mean_d N_d` before the
+devices' mean, which is then `Σ_d N_d A_d / N`, the mean over every position
+the layer saw (`G`, a sum over positions divided by the loss's examples, needs
+no weight). A layer with `N > 0` ran: `w_l' = decay·w_l + (1 − decay)` and
+`F' = F + β (F_batch − F)`, `β = (1 − decay) / w_l'` (the running average
+above); one that did not keeps `F` and `w_l` (`β = 0`). DP-KFAC's owners
+average their own batches: there each device keeps its own `w_l` and asks
+whether the layer ran on its own batch (`N_d > 0`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kfac_jax_dist.capture import statistics
 from kfac_jax_dist.core import collectives as collectives_lib
+from kfac_jax_dist.core import offsets
 from kfac_jax_dist.kfac import layout as layout_lib
 from kfac_jax_dist.kfac import packing
 from kfac_jax_dist.kfac.config import KfacConfig
@@ -60,9 +75,10 @@ def check_stats(layout: layout_lib.Layout, stats: Stats | None, update_flag: Any
     if name not in stats:
       raise ValueError(f"kfac_stats has no statistics for tagged layer '{name}' "
                        f"(it has {sorted(stats)}).")
-    for which, _ in plan.places:
-      if which.upper() not in stats[name]:
-        raise ValueError(f"kfac_stats['{name}'] has no statistic {which.upper()!r} "
+    keys = [which.upper() for which, _ in plan.places]
+    for key in keys + ([statistics.POSITIONS] if plan.layer.may_sit_out else []):
+      if key not in stats[name]:
+        raise ValueError(f"kfac_stats['{name}'] has no statistic {key!r} "
                          f"(it has {sorted(stats[name])}).")
   return True
 
@@ -207,16 +223,135 @@ def batch_factors(config: KfacConfig, comm: collectives_lib.Collectives,
                              layout.factor_shard)
 
 
+def marked_plans(layout: layout_lib.Layout) -> np.ndarray:
+  """Indices in `layout.plans` of the layers that may sit out a pass (the
+  order of `ScaleByKfacState.marked_weight`)."""
+  return np.asarray([k for k, plan in enumerate(layout.plans) if plan.layer.may_sit_out],
+                    np.int32)
+
+
+class Positions(NamedTuple):
+  """The positions of the layers that may sit out a pass, in one step."""
+
+  local: dict[str, jax.Array]    # stats name -> this device's `N_d`, `[*stack]`
+  total: dict[str, jax.Array]    # stats name -> `N = Σ_d N_d` (one psum), or `N_d`
+  pooled: bool                   # `total` sums several devices' counts
+
+  def ran(self, layout: layout_lib.Layout) -> jax.Array:
+    """`[len(layout.plans)]`: whether each layer (block) had a position on
+    any device (True for the layers that cannot sit out)."""
+    flags = jnp.ones([len(layout.plans)], bool)
+    for name, (plans, blocks) in _blocks_of(layout).items():
+      if name in self.total:
+        flags = flags.at[plans].set(self.total[name].reshape(-1)[blocks] > 0)
+    return flags
+
+
+def _blocks_of(layout: layout_lib.Layout) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+  """Stats name -> (indices in `layout.plans`, their blocks' numbers in the
+  stacked statistic) of each layer's plans."""
+  found: dict[str, list[tuple[int, int]]] = {}
+  for k, plan in enumerate(layout.plans):
+    found.setdefault(plan.layer.stats_name, []).append((k, plan.layer.block_number or 0))
+  return {name: tuple(np.asarray(v, np.int32) for v in zip(*pairs))
+          for name, pairs in found.items()}
+
+
+def positions(comm: collectives_lib.Collectives, layout: layout_lib.Layout, stats: Stats,
+              pooled: bool | None = None) -> Positions:
+  """`Positions` of the statistics: summed over the devices (one psum over
+  the factors' axis) where `pooled` (default: unless DP-KFAC's owners keep
+  their own batches' factors)."""
+  names = sorted({p.layer.stats_name for p in layout.plans if p.layer.may_sit_out})
+  local = {name: stats[name][statistics.POSITIONS] for name in names}
+  pooled = not layout.local_factors if pooled is None else pooled
+  if comm.active and pooled:
+    return Positions(local, jax.lax.psum(local, layout.axis), True)
+  return Positions(local, local, False)
+
+
+def weighted_by_positions(comm: collectives_lib.Collectives, counts: Positions,
+                          stats: Stats) -> Stats:
+  """`stats` with the `A` of each layer that may sit out weighted by `N_d /
+  mean_d N_d` (0 where `N = 0`), so that the devices' mean of it is `Σ_d N_d
+  A_d / N`; unpooled counts (one device, DP-KFAC) leave them as given."""
+  if not counts.pooled or not counts.local:
+    return stats
+  out = dict(stats)
+  for name, local in counts.local.items():
+    total, a = counts.total[name], stats[name]["A"]
+    weight = jnp.where(total > 0, comm.num_devices * local / jnp.where(total > 0, total, 1),
+                       0)
+    weight = weight.reshape(weight.shape + (1,) * (a.ndim - weight.ndim))
+    out[name] = {**stats[name], "A": (a * weight.astype(a.dtype)).astype(a.dtype)}
+  return out
+
+
+def _own_part(config: KfacConfig, comm: collectives_lib.Collectives,
+              layout: layout_lib.Layout, values: Stats) -> jax.Array:
+  """This device's part of `values` laid out as the running factors, where
+  `batch_factors` places the batch's, with no communication: `values` the
+  same on every device, or (DP-KFAC, each owner's part its own) each
+  device's own."""
+  if config.factor_reduction == "all_reduce":
+    return owner_copies(config, comm, layout, joined_runs(packed_runs(config, layout,
+                                                                      values)))
+  segments = stats_segments(layout, values, config.compute_dtype)
+  if not comm.active:
+    return segments
+  return offsets.segment_at(segments, layout.factor_shard, comm.device_index())
+
+
+def _per_number(config: KfacConfig, comm: collectives_lib.Collectives,
+                layout: layout_lib.Layout, stats: Stats, per_plan: jax.Array
+                ) -> jax.Array:
+  """`per_plan` (`[len(layout.plans)]`) repeated over each layer's stored
+  factor numbers, this device's part (`_own_part` of statistics filled with
+  it)."""
+  filled = {}
+  for name, (plans, blocks) in _blocks_of(layout).items():
+    first = layout.plans[plans[0]]
+    values = jnp.zeros([int(np.prod(first.layer.stack, dtype=np.int64))], per_plan.dtype)
+    values = values.at[blocks].set(per_plan[plans]).reshape(tuple(first.layer.stack))
+    filled[name] = {key: jnp.broadcast_to(
+        values.reshape(values.shape + (1,) * (stats[name][key].ndim - values.ndim)),
+        stats[name][key].shape) for key in (w.upper() for w, _ in first.places)}
+  return _own_part(config, comm, layout, filled)
+
+
 def update_running_factors(config: KfacConfig, comm: collectives_lib.Collectives,
                            state: ScaleByKfacState, stats: Stats
-                           ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """The new running factors (this device's part), total weight `w'`, and the
-  batch's factors that were mixed in (this device's part: what the step
+                           ) -> tuple[jax.Array, tuple, jax.Array]:
+  """The new running factors (this device's part), total weights `(w',
+  w_l')` (`w_l'`: of the layers that may sit out a pass, None without), and
+  the batch's factors that were mixed in (this device's part: what the step
   consumes of the statistics, reduced over the data axis)."""
+  if state.marked_weight is not None:
+    return _update_marked(config, comm, state, stats)
   batch = batch_factors(config, comm, state.layout, stats)
   w = state.factor_weight
   decay = jnp.asarray(config.factor_decay, w.dtype)   # an injected array may be wider
   new_w = decay * w + (1.0 - decay)
   mixed = (decay * w * state.factors.astype(config.compute_dtype)
            + (1.0 - decay) * batch.astype(config.compute_dtype)) / new_w
-  return mixed.astype(config.factor_dtype), new_w, batch
+  return mixed.astype(config.factor_dtype), (new_w, None), batch
+
+
+def _update_marked(config: KfacConfig, comm: collectives_lib.Collectives,
+                   state: ScaleByKfacState, stats: Stats
+                   ) -> tuple[jax.Array, tuple, jax.Array]:
+  """`update_running_factors` of a layout with layers that may sit out a
+  pass (see the module docstring): `F + β (F_batch − F)`, `β` per layer."""
+  layout, w, marked = state.layout, state.factor_weight, marked_plans(state.layout)
+  counts = positions(comm, layout, stats)
+  ran = counts.ran(layout)[marked]
+  batch = batch_factors(config, comm, layout, weighted_by_positions(comm, counts, stats))
+  decay = jnp.asarray(config.factor_decay, w.dtype)   # an injected array may be wider
+  new_w = decay * w + (1.0 - decay)
+  mine = jnp.where(ran, decay * state.marked_weight + (1.0 - decay), state.marked_weight)
+  beta = jnp.full([len(layout.plans)], (1.0 - decay) / new_w, w.dtype)
+  beta = beta.at[marked].set(jnp.where(ran, (1.0 - decay) / mine, 0.0))
+  old = state.factors.astype(config.compute_dtype)
+  coefficient = _per_number(config, comm, layout, stats, beta.astype(old.dtype))
+  mixed = old + coefficient * (batch.astype(old.dtype) - old)
+  return mixed.astype(config.factor_dtype), (new_w, mine), batch

@@ -126,6 +126,12 @@ def refresh_due_factors(config: KfacConfig, comm: collectives_lib.Collectives,
   layout, r, count = state.layout, state.refresh, state.count
   decay = jnp.asarray(config.factor_decay, r.weight.dtype)
   due = r.next_step <= count                  # the same on every device
+  if any(plan.layer.may_sit_out for plan in layout.plans):
+    # a layer that did not run stays due; one that ran on some devices only
+    # is averaged over every position it saw (`factors.weighted_by_positions`)
+    counts = factors.positions(comm, layout, stats)
+    due = due & counts.ran(layout)[_layer_of(layout)]
+    stats = factors.weighted_by_positions(comm, counts, stats)
   weight = jnp.where(due, decay * r.weight + (1.0 - decay), r.weight)
   batch = _due_statistics(config, comm, layout, stats, due)
   running, before, bits = _owner_update(config, comm, state, batch, due, weight)

@@ -30,7 +30,7 @@ from kfac_jax_dist.kfac import stale as stale_lib
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["count", "factor_weight", "update_factors", "factors", "second_order",
-                 "skipped", "refresh", "correction"],
+                 "skipped", "refresh", "correction", "marked_weight"],
     meta_fields=["layout"])
 @dataclasses.dataclass(frozen=True)
 class ScaleByKfacState(states.PreconditionerState):
@@ -53,6 +53,12 @@ class ScaleByKfacState(states.PreconditionerState):
     refresh: per-factor refresh schedule with stale statistics (`stale`),
       else None.
     correction: EK-FAC's running scaling (`correction`), else None.
+    marked_weight: `[M]`, the total weight `w_l` of the running averages of
+      the layers that may sit out a pass (`TaggedLayer.may_sit_out`, in
+      layout order: `factors.marked_plans`), which a pass where they do not
+      run leaves as it is (DP-KFAC: each device's own, `[P·M]`, sharded);
+      None when there is none (or with stale statistics, whose weights are
+      per factor already).
   """
 
   count: jax.Array
@@ -64,6 +70,7 @@ class ScaleByKfacState(states.PreconditionerState):
   layout: layout_lib.Layout
   refresh: stale_lib.RefreshState | None = None
   correction: correction_lib.CorrectionState | None = None
+  marked_weight: jax.Array | None = None
 
   def partition_specs(self) -> ScaleByKfacState:
     """Running factors sharded over the distribution's axis (each device holds
@@ -81,7 +88,9 @@ class ScaleByKfacState(states.PreconditionerState):
         skipped=replicated, factors=sharded,
         second_order=replicated if self.layout.num_groups == 1 else sharded,
         refresh=refresh, correction=jax.tree_util.tree_map(lambda _: replicated,
-                                                           self.correction))
+                                                           self.correction),
+        marked_weight=None if self.marked_weight is None else (
+            sharded if self.layout.local_factors else replicated))
 
   @property
   def local_statistics(self) -> bool:

@@ -144,8 +144,33 @@ def init_state(config: KfacConfig, comm: collectives_lib.Collectives,
       refresh=None if config.stale_threshold is None else stale.init(
           lay, running, config.compute_dtype, xp),
       correction=None if config.eigenvalue_correction is None else initial_correction(
-          lay, second, xp))
+          lay, second, xp),
+      marked_weight=initial_marked_weight(config, lay, xp))
   return state if xp is jnp else jax.tree_util.tree_map(jnp.asarray, state)
+
+
+def initial_marked_weight(config: KfacConfig, lay: layout_lib.Layout, xp: Any
+                          ) -> Any:
+  """`ScaleByKfacState.marked_weight` at count 0 (zeros; DP-KFAC's, one per
+  device and layer, `[P·M]`), None where no layer may sit out a pass or stale
+  statistics keep a weight per factor anyway. Stale statistics' one refresh
+  schedule cannot follow DP-KFAC's owners, each of whom sees whether a layer
+  ran on its own batch only: refused."""
+  marked = [plan.layer.name for plan in lay.plans if plan.layer.may_sit_out]
+  if not marked:
+    return None
+  if config.stale_threshold is not None and config.local_factors:
+    raise ValueError(
+        "stale_threshold with kd.Distribution(factor_reduction='local') (DP-KFAC) and "
+        "layers that may not run in a pass (inside a lax.cond / lax.switch branch or a "
+        f"lax.while_loop body: {marked[:4]}{'...' if len(marked) > 4 else ''}) is not "
+        "supported: one refresh schedule cannot follow whether each owner's own batch "
+        "ran them. Use factor_reduction='all_reduce' or 'reduce_scatter', or skip= "
+        "these layers.")
+  if config.stale_threshold is not None:
+    return None
+  devices = lay.num_devices if config.local_factors else 1
+  return xp.zeros([devices * len(marked)], config.compute_dtype)
 
 
 def initial_arrays(config: KfacConfig, lay: layout_lib.Layout, xp: Any
@@ -349,18 +374,20 @@ def refreshed_state(config: KfacConfig, comm: collectives_lib.Collectives,
   unbranched = (cadence.always(config.inverse_update_every) or
                 (stats is not None and cadence.always(config.factor_update_every)))
 
+  weights = (state.factor_weight, state.marked_weight)
+
   def updated_factors() -> tuple:
     running, weight, batch = factors.update_running_factors(config, comm, state, stats)
     return running, weight, (consumed_verdict(comm, state, stats, batch)
                              & stored_verdict(config, comm, state.factors, running))
 
   def refreshed() -> tuple:
-    running, weight, stats_ok = state.factors, state.factor_weight, true
+    running, weight, stats_ok = state.factors, weights, true
     if stats is not None:
       with jax.named_scope("kfac_factor_update"):
         running, weight, stats_ok = cadence.cond_unless_always(
             config.factor_update_every, update_now, updated_factors,
-            lambda: (state.factors, state.factor_weight, true))
+            lambda: (state.factors, weights, true))
     with jax.named_scope("kfac_decomposition"):
       second = cadence.cond_unless_always(
           config.inverse_update_every, decompose_now,
@@ -370,7 +397,7 @@ def refreshed_state(config: KfacConfig, comm: collectives_lib.Collectives,
     return running, weight, second, stats_ok
 
   def unchanged() -> tuple:
-    return state.factors, state.factor_weight, state.second_order, true
+    return state.factors, weights, state.second_order, true
 
   # Off CPU one conditional around both refreshes: a plain step (the most
   # frequent) runs one, one host round trip on a GPU (see `kd.value_and_grad`).
@@ -382,7 +409,8 @@ def refreshed_state(config: KfacConfig, comm: collectives_lib.Collectives,
       refreshed() if unbranched or comm.on_cpu
       else lax.cond(update_now | decompose_now, refreshed, unchanged))
   return dataclasses.replace(
-      state, count=count + 1, factor_weight=weight, factors=running, second_order=second,
+      state, count=count + 1, factor_weight=weight[0], marked_weight=weight[1],
+      factors=running, second_order=second,
       update_factors=cadence.due(config.factor_update_every, count + 1)), stats_ok
 
 
@@ -393,6 +421,17 @@ def _corrected_layers_refreshed(state: ScaleByKfacState) -> jax.Array:
                           if correction_lib.is_corrected(plan)], np.int32)
   due = state.refresh.next_step <= state.count
   return stale_update.layers_due(state.layout, due)[corrected]
+
+
+def _corrected_layers_ran(comm: collectives_lib.Collectives, lay: layout_lib.Layout,
+                         stats: factors.Stats) -> jax.Array | None:
+  """`[C]`, whether each EK-FAC-corrected layer ran in the pass (positions on
+  any device); None where every layer runs in every pass."""
+  if not any(plan.layer.may_sit_out for plan in lay.plans):
+    return None
+  corrected = np.asarray([k for k, plan in enumerate(lay.plans)
+                          if correction_lib.is_corrected(plan)], np.int32)
+  return factors.positions(comm, lay, stats, pooled=True).ran(lay)[corrected]
 
 
 def corrected_states(config: KfacConfig, comm: collectives_lib.Collectives,
@@ -406,7 +445,8 @@ def corrected_states(config: KfacConfig, comm: collectives_lib.Collectives,
   refreshed factor only; `stored_verdict` of the measured scaling)."""
   lay, measured, scaling_ok = state.layout, state.correction, jnp.asarray(True)
   if stats is not None:
-    measure = lambda: correction_lib.updated(config, comm, lay, state.correction, stats)
+    measure = lambda: correction_lib.updated(config, comm, lay, state.correction, stats,
+                                             _corrected_layers_ran(comm, lay, stats))
     with jax.named_scope("kfac_factor_update"):
       if not faults.narrower(state.correction.scaling.dtype, config.compute_dtype):
         measured = lax.cond(state.update_factors & ok, measure, lambda: state.correction)
@@ -422,6 +462,9 @@ def corrected_states(config: KfacConfig, comm: collectives_lib.Collectives,
     decomposed = cadence.due(config.inverse_update_every, state.count) & ok
   else:
     changed = _corrected_layers_refreshed(state) & ok
+    ran = None if stats is None else _corrected_layers_ran(comm, lay, stats)
+    if ran is not None:         # a due layer that did not run was not refreshed
+      changed = changed & ran
     decomposed = jnp.any(changed)
 
   def reset() -> correction_lib.CorrectionState:

@@ -490,7 +490,35 @@ def _convert_kfac(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfacState
       factors=jnp.asarray(factors),
       second_order=jnp.asarray(kfac_lib.global_second_order(lay, segments, np)),
       skipped=jnp.asarray(old.skipped, new.skipped.dtype), layout=lay,
-      refresh=_convert_refresh(old, new), correction=_convert_correction(old, new, segments))
+      refresh=_convert_refresh(old, new), correction=_convert_correction(old, new, segments),
+      marked_weight=_convert_marked_weight(old, new))
+
+
+def _convert_marked_weight(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfacState
+                           ) -> jax.Array | None:
+  """The running weights of the layers that may sit out a pass, layer by
+  layer (None without such layers); DP-KFAC's per device, each layer's read
+  from its owner's and written to every device's (only its owner's is used)."""
+  if (old.marked_weight is None) != (new.marked_weight is None):
+    raise ValueError("convert_state: only one of the two K-FAC states has running weights "
+                     "of layers that may sit out a pass (marked_weight); build the "
+                     "template from the same layers and stale_threshold.")
+  if new.marked_weight is None:
+    return None
+  have = _marked_weights(old)
+  names = [plan.layer.name for plan in new.layout.plans if plan.layer.may_sit_out]
+  rows = new.marked_weight.shape[0] // max(len(names), 1)
+  return jnp.asarray(np.tile(np.asarray([have[name] for name in names]), rows),
+                     new.marked_weight.dtype)
+
+
+def _marked_weights(state: kfac_lib.ScaleByKfacState) -> dict[str, Any]:
+  """Layer name -> its running weight (DP-KFAC's: its owner's)."""
+  lay = state.layout
+  plans = [plan for plan in lay.plans if plan.layer.may_sit_out]
+  weights = np.asarray(state.marked_weight).reshape(-1, len(plans))
+  return {plan.layer.name: weights[plan.places[0][1].owner if lay.local_factors else 0, k]
+          for k, plan in enumerate(plans)}
 
 
 def _running_like(old: kfac_lib.ScaleByKfacState, flat: np.ndarray,

@@ -111,6 +111,8 @@ def _summary(state: ScaleByKfacState, shards: int = 1) -> list[str]:
     lines.append(_stale_line(state))
   if state.correction is not None:
     lines.append(_correction_line(state))
+  if state.marked_weight is not None:
+    lines.append(_marked_line(state))
   per_device = _per_device_bytes(state, shards)
   on_all = (f" ({p * shards * per_device:,} on all {p * shards} devices)"
             if p * shards > 1 else "")
@@ -138,6 +140,15 @@ def _segments(lay: layout_lib.Layout) -> str:
   rows = "" if lay.second_rows == 1 else f" in {lay.second_rows} rows of {lay.second_row:,}"
   return (f" (the segments of its group's {m} owners{rows}: "
           f"{lay.second_array / max(used, 1):.2f}x the {used:,} they use)")
+
+
+def _marked_line(state: ScaleByKfacState) -> str:
+  """The layers that may sit out a pass, which keep running weights of their own."""
+  names = [plan.layer.name for plan in state.layout.plans if plan.layer.may_sit_out]
+  shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+  return (f"{len(names)} layer{'s' * (len(names) > 1)} may sit out a pass (inside a "
+          f"lax.cond / lax.switch branch or a lax.while_loop body: {shown}): each "
+          "averages only the passes it ran in, with a running weight of its own.")
 
 
 def _stale_line(state: ScaleByKfacState) -> str:
