@@ -141,6 +141,27 @@ def conv_dense_problem():
   return classifier_problem(ConvDenseNet(), (32, 8, 8, 2))
 
 
+class BranchHeads(nn.Module):
+  """`ConvDenseNet`'s layers up to its scale, then one of two Dense heads
+  chosen by the sign of the batch's mean feature (`nn.cond`, per device
+  inside `shard_map`): the heads may sit out a pass (`may_sit_out`)."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(kd.linen.Conv(4, (3, 3))(x))
+    x = nn.relu(kd.linen.Conv(8, (3, 3), strides=2)(x))
+    x = nn.tanh(kd.linen.Dense(16)(x.reshape(x.shape[0], -1)))
+    x = x * self.param("scale", nn.initializers.ones, (16,))
+    heads = (kd.linen.Dense(10), kd.linen.Dense(10))
+    return nn.cond(jnp.mean(x) > 0, lambda _, h: heads[0](h), lambda _, h: heads[1](h),
+                   self, x)
+
+
+def branch_heads_problem():
+  """`BranchHeads` on a random batch of 32 8x8x2 images (`classifier_problem`)."""
+  return classifier_problem(BranchHeads(), (32, 8, 8, 2))
+
+
 # ---------------------------------------------------------------------------
 # float64 oracles of the capture tests.
 # ---------------------------------------------------------------------------

@@ -14,7 +14,9 @@ in and an all-gather of N out (P−1)/P·N, a ppermute N), in `bytes_per_number`
   the gradients, reduced, through the updates it produces alike);
 * factor steps: the statistics to their owners: reduce-scatter of the tight
   chunks (P−1)·C or of the owner segments (P−1)·L, or KAISA's all-reduce of
-  every factor 2(P−1)/P·T (DP-KFAC: nothing); the fault check's int32;
+  every factor 2(P−1)/P·T (DP-KFAC: nothing); the fault check's int32; with
+  layers that may sit out a pass, the psum of their positions, 2(P−1)/P·Σ
+  their blocks (not under DP-KFAC, whose owners count their own batches);
 * inverse (decomposition) steps: chunked storage gathers the chunks, (P−1)·C;
   COMM-OPT sends every owner's second-order segment to every device (the
   uneven all-gather of `Layout.second_sizes`), HYBRID's within each group
@@ -26,7 +28,9 @@ the model `benchmarks/comm_volume.py` checks against the compiled HLO.
 
 State per device: the running factors (`C` or `L` numbers) and the
 second-order state (`Layout.second_array`: a group's devices each hold the
-whole group's segments one after another; with one group, every owner's).
+whole group's segments one after another; with one group, every owner's);
+`kfac_state_bytes` adds the running weights of the layers that may sit out a
+pass.
 
 `kfac_step_bytes` and `kfac_state_bytes` price a whole `KfacConfig`: its
 dtypes, and stale statistics' and EK-FAC's own state and collectives (see
@@ -146,6 +150,26 @@ def _fault_check(p: int) -> tuple[str, float]:
   return ("fault-check psum (statistics)", 2 * (p - 1) / p * 4)
 
 
+def _positions_numbers(lay: layout_lib.Layout) -> int:
+  """The positions counted for the layers that may sit out a pass: one per
+  block (`[*stack]` per layer's statistics, `factors.positions`)."""
+  stacks = {plan.layer.stats_name: plan.layer.stack for plan in lay.plans
+            if plan.layer.may_sit_out}
+  return sum(math.prod(stack) for stack in stacks.values())
+
+
+def _positions_psum(lay: layout_lib.Layout, bytes_per_number: int = 4
+                    ) -> list[tuple[str, float]]:
+  """`factors.positions`' psum of the counts of the layers that may sit out a
+  pass, 2(P−1)/P·Σ their blocks, in the statistics' dtype (float32 for a
+  float32 or 16-bit model; XLA may send the layers' counts as one all-reduce
+  or several, the same bytes); none without such layers."""
+  n, p = _positions_numbers(lay), lay.num_devices
+  if not n or p == 1:
+    return []
+  return [(f"positions psum 2(P-1)/P·{n}", 2 * (p - 1) / p * n * bytes_per_number)]
+
+
 def step_bytes(lay: layout_lib.Layout, factor_reduction: str, gradient_reduction: str,
                bytes_per_number: int = 4, *, factor_traffic_bytes: int | None = None,
                factor_bytes: int | None = None, second_bytes: int | None = None
@@ -154,7 +178,9 @@ def step_bytes(lay: layout_lib.Layout, factor_reduction: str, gradient_reduction
   docstring), per device; one device: none. Numbers are `bytes_per_number`
   bytes, except the statistics on their way to the owners
   (`factor_traffic_bytes`: `comm_dtype`'s), the running factors' chunks
-  (`factor_bytes`) and the second-order state (`second_bytes`)."""
+  (`factor_bytes`) and the second-order state (`second_bytes`). Layers
+  that may sit out a pass add the psum of their positions on factor steps
+  (the running factors' own: none under DP-KFAC)."""
   p, m, g = lay.num_devices, lay.group_size, lay.num_groups
   if p == 1:
     return StepBytes((), (), ())
@@ -163,7 +189,8 @@ def step_bytes(lay: layout_lib.Layout, factor_reduction: str, gradient_reduction
                              for b in (factor_traffic_bytes, factor_bytes, second_bytes))
   r = (p - 1) / p
   total = _stored_numbers(lay)
-  factor, inverse = [_fault_check(p)], []
+  factor = [_fault_check(p)] + ([] if lay.local_factors else _positions_psum(lay, n))
+  inverse = []
   chunked = lay.factor_storage == layout_lib.CHUNKED
   if factor_reduction == "reduce_scatter":
     factor.append((f"factor RS (P-1)·{'C' if chunked else 'L'}",
@@ -209,12 +236,14 @@ def _corrected_numbers(lay: layout_lib.Layout) -> int:
 
 def _correction_terms(config: config_lib.KfacConfig, lay: layout_lib.Layout
                       ) -> tuple[list, list]:
-  """EK-FAC's collectives: (on factor steps, on decomposition steps)."""
+  """EK-FAC's collectives: (on factor steps, on decomposition steps); with
+  layers that may sit out a pass, its own psum of their positions (whether
+  each ran on any device, under DP-KFAC too) on factor steps."""
   if config.eigenvalue_correction is None:
     return [], []
   p, second = lay.num_devices, _itemsize(config.compute_dtype)
   scaling = [("EK-FAC S all-reduce 2(P-1)/P·Σ d_A·d_G",
-              2 * (p - 1) / p * _corrected_numbers(lay) * second)]
+              2 * (p - 1) / p * _corrected_numbers(lay) * second)] + _positions_psum(lay)
   if lay.num_groups == 1:
     return scaling, []
   return scaling, uneven_terms(lay.read_sizes, "EK-FAC eigenbases AG", True, second)
@@ -235,7 +264,9 @@ def _inverse_terms(config: config_lib.KfacConfig, lay: layout_lib.Layout
 
 def _stale_step_bytes(config: config_lib.KfacConfig, lay: layout_lib.Layout,
                       plain: Terms, traffic: int) -> StepBytes:
-  """Stale statistics' steps (see `kfac_step_bytes`)."""
+  """Stale statistics' steps (see `kfac_step_bytes`); the positions' psum of
+  the layers that may sit out a pass runs on every step (with EK-FAC's own,
+  the same counts, XLA sends one)."""
   p, r = lay.num_devices, (lay.num_devices - 1) / lay.num_devices
   decisions = ("refresh decisions psum 2(P-1)/P·8F",
                2 * r * 8 * len(stale_lib.factor_order(lay)))
@@ -246,7 +277,8 @@ def _stale_step_bytes(config: config_lib.KfacConfig, lay: layout_lib.Layout,
   any_refresh = ([_fault_check(p)] + scaling
                  + second_order_terms(lay, _itemsize(config.compute_dtype)) + bases
                  + _inverse_terms(config, lay))
-  return StepBytes(plain + (decisions,), tuple(refreshed), tuple(any_refresh))
+  return StepBytes(plain + (decisions, *_positions_psum(lay)), tuple(refreshed),
+                   tuple(any_refresh))
 
 
 def kfac_step_bytes(config: config_lib.KfacConfig, lay: layout_lib.Layout) -> StepBytes:
@@ -254,12 +286,14 @@ def kfac_step_bytes(config: config_lib.KfacConfig, lay: layout_lib.Layout) -> St
   `comm_dtype` (else `factor_dtype`), the second-order state in the compute
   dtype, and the options add their own collectives:
 
-  * EK-FAC: the batch's `S` averaged over the devices, 2(P−1)/P·Σ d_A·d_G, on
-    factor steps; with several owner groups, every device's second-order
+  * EK-FAC: the batch's `S` averaged over the devices, 2(P−1)/P·Σ d_A·d_G (and
+    the positions' psum of the layers that may sit out a pass), on factor
+    steps; with several owner groups, every device's second-order
     segment all-gathered on decomposition steps, (P−1)·L₂
     (`correction.gather_owners`).
   * stale statistics (SP-NGD §4.3): every step, the refresh decisions' psum
-    (an int32 pair per factor); a refreshed factor is all-reduced on its own,
+    (an int32 pair per factor) and, with layers that may sit out a pass, of
+    their positions; a refreshed factor is all-reduced on its own,
     2(P−1)/P·its size (the "factor" terms: every factor once, amortised over
     the mean steps between a factor's refreshes); a step that refreshes any
     factor (the "inverse" terms) runs the fault check's psum, EK-FAC's, and
@@ -300,14 +334,24 @@ def correction_state_bytes(lay: layout_lib.Layout, second_bytes: int) -> int:
           + len(correction_lib.corrected_plans(lay)))
 
 
+def marked_state_bytes(lay: layout_lib.Layout, second_bytes: int) -> int:
+  """The running weights `w_l` of the layers (blocks) that may sit out a
+  pass (`ScaleByKfacState.marked_weight`: `[M]` replicated, or DP-KFAC's
+  `[P·M]` sharded, M per device either way)."""
+  return sum(plan.layer.may_sit_out for plan in lay.plans) * second_bytes
+
+
 def kfac_state_bytes(config: config_lib.KfacConfig, lay: layout_lib.Layout) -> int:
   """The K-FAC state per device of the step `config` describes: `state_bytes`
   in its dtypes, with `stale_state_bytes` and `correction_state_bytes` where
-  those options are on."""
+  those options are on, and `marked_state_bytes` where layers may sit out a
+  pass (stale statistics keep a weight per factor anyway: none there)."""
   stored, second = _itemsize(config.factor_dtype), _itemsize(config.compute_dtype)
   total = state_bytes(lay, stored, second)
   if config.stale_threshold is not None:
     total += stale_state_bytes(lay, stored, second)
+  else:
+    total += marked_state_bytes(lay, second)
   if config.eigenvalue_correction is not None:
     total += correction_state_bytes(lay, second)
   return total
