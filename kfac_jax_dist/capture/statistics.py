@@ -122,10 +122,15 @@ CORRECTED, BASES = "S", ("QA", "QG")
 POSITIONS = "positions"
 
 
+def per_block(values: jax.Array, statistic: jax.Array) -> jax.Array:
+  """`values` of each block (`[*stack]`, a layer's positions, say) shaped to
+  broadcast against the blocks' `statistic` (`[*stack, ...]`)."""
+  return values.reshape(values.shape + (1,) * (statistic.ndim - values.ndim))
+
+
 def mean_over_positions(a: jax.Array, positions: jax.Array) -> jax.Array:
   """`A` summed over `positions` positions (`[*stack]`) → their mean (none: as is)."""
-  positions = jnp.maximum(positions, 1).astype(a.dtype)
-  return a / positions.reshape(positions.shape + (1,) * (a.ndim - positions.ndim))
+  return a / per_block(jnp.maximum(positions, 1).astype(a.dtype), a)
 
 
 def num_rows(x: jax.Array, example_dims: int | None) -> int:

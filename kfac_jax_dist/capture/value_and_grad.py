@@ -483,10 +483,8 @@ def _summable(layer: dict, n: Any) -> dict:
   out = {key: ((v * n).astype(v.dtype) if key in factors.SCALED_BY_NUM_EXAMPLES else v)
          for key, v in layer.items()}
   if factors.POSITIONS in layer:
-    count = layer[factors.POSITIONS]
-    out["A"] = (layer["A"] * count.reshape(count.shape + (1,) * (layer["A"].ndim
-                                                                 - count.ndim))
-                ).astype(layer["A"].dtype)
+    a = layer["A"]
+    out["A"] = (a * factors.per_block(layer[factors.POSITIONS], a)).astype(a.dtype)
   return out
 
 

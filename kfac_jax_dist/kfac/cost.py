@@ -153,8 +153,8 @@ def _fault_check(p: int) -> tuple[str, float]:
 def _positions_numbers(lay: layout_lib.Layout) -> int:
   """The positions counted for the layers that may sit out a pass: one per
   block (`[*stack]` per layer's statistics, `factors.positions`)."""
-  stacks = {plan.layer.stats_name: plan.layer.stack for plan in lay.plans
-            if plan.layer.may_sit_out}
+  stacks = {plan.layer.stats_name: plan.layer.stack
+            for plan in layout_lib.sit_out_plans(lay)}
   return sum(math.prod(stack) for stack in stacks.values())
 
 
@@ -338,7 +338,7 @@ def marked_state_bytes(lay: layout_lib.Layout, second_bytes: int) -> int:
   """The running weights `w_l` of the layers (blocks) that may sit out a
   pass (`ScaleByKfacState.marked_weight`: `[M]` replicated, or DP-KFAC's
   `[P·M]` sharded, M per device either way)."""
-  return sum(plan.layer.may_sit_out for plan in lay.plans) * second_bytes
+  return len(layout_lib.sit_out_plans(lay)) * second_bytes
 
 
 def kfac_state_bytes(config: config_lib.KfacConfig, lay: layout_lib.Layout) -> int:

@@ -262,7 +262,7 @@ def positions(comm: collectives_lib.Collectives, layout: layout_lib.Layout, stat
   """`Positions` of the statistics: summed over the devices (one psum over
   the factors' axis) where `pooled` (default: unless DP-KFAC's owners keep
   their own batches' factors)."""
-  names = sorted({p.layer.stats_name for p in layout.plans if p.layer.may_sit_out})
+  names = sorted({p.layer.stats_name for p in layout_lib.sit_out_plans(layout)})
   local = {name: stats[name][statistics.POSITIONS] for name in names}
   pooled = not layout.local_factors if pooled is None else pooled
   if comm.active and pooled:
@@ -282,8 +282,8 @@ def weighted_by_positions(comm: collectives_lib.Collectives, counts: Positions,
     total, a = counts.total[name], stats[name]["A"]
     weight = jnp.where(total > 0, comm.num_devices * local / jnp.where(total > 0, total, 1),
                        0)
-    weight = weight.reshape(weight.shape + (1,) * (a.ndim - weight.ndim))
-    out[name] = {**stats[name], "A": (a * weight.astype(a.dtype)).astype(a.dtype)}
+    weight = statistics.per_block(weight.astype(a.dtype), a)
+    out[name] = {**stats[name], "A": (a * weight).astype(a.dtype)}
   return out
 
 
@@ -313,9 +313,9 @@ def _per_number(config: KfacConfig, comm: collectives_lib.Collectives,
     first = layout.plans[plans[0]]
     values = jnp.zeros([int(np.prod(first.layer.stack, dtype=np.int64))], per_plan.dtype)
     values = values.at[blocks].set(per_plan[plans]).reshape(tuple(first.layer.stack))
-    filled[name] = {key: jnp.broadcast_to(
-        values.reshape(values.shape + (1,) * (stats[name][key].ndim - values.ndim)),
-        stats[name][key].shape) for key in (w.upper() for w, _ in first.places)}
+    filled[name] = {key: jnp.broadcast_to(statistics.per_block(values, stats[name][key]),
+                                          stats[name][key].shape)
+                    for key in (w.upper() for w, _ in first.places)}
   return _own_part(config, comm, layout, filled)
 
 

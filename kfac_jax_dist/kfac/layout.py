@@ -979,6 +979,12 @@ def gradient_offsets(lay: Layout) -> tuple[dict[tuple[str, int], int], list[int]
   return offsets, sizes, -(-max(sizes) // m) * m
 
 
+def sit_out_plans(lay: Layout) -> list[LayerPlan]:
+  """The plans of the layers (blocks) that may sit out a pass
+  (`TaggedLayer.may_sit_out`), in layout order: `ScaleByKfacState.marked_weight`'s."""
+  return [plan for plan in lay.plans if plan.layer.may_sit_out]
+
+
 def flat_sizes(lay: Layout) -> dict[str, int]:
   """One device's flat state arrays indexed with int32 offsets, words →
   numbers: its running factors (`C` or `L`) and second-order segment (`L₂`;

@@ -156,7 +156,7 @@ def initial_marked_weight(config: KfacConfig, lay: layout_lib.Layout, xp: Any
   statistics keep a weight per factor anyway. Stale statistics' one refresh
   schedule cannot follow DP-KFAC's owners, each of whom sees whether a layer
   ran on its own batch only: refused."""
-  marked = [plan.layer.name for plan in lay.plans if plan.layer.may_sit_out]
+  marked = [plan.layer.name for plan in layout_lib.sit_out_plans(lay)]
   if not marked:
     return None
   if config.stale_threshold is not None and config.local_factors:
@@ -427,7 +427,7 @@ def _corrected_layers_ran(comm: collectives_lib.Collectives, lay: layout_lib.Lay
                          stats: factors.Stats) -> jax.Array | None:
   """`[C]`, whether each EK-FAC-corrected layer ran in the pass (positions on
   any device); None where every layer runs in every pass."""
-  if not any(plan.layer.may_sit_out for plan in lay.plans):
+  if not layout_lib.sit_out_plans(lay):
     return None
   corrected = np.asarray([k for k, plan in enumerate(lay.plans)
                           if correction_lib.is_corrected(plan)], np.int32)

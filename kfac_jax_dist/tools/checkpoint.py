@@ -494,19 +494,26 @@ def _convert_kfac(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfacState
       marked_weight=_convert_marked_weight(old, new))
 
 
+def _check_both_or_neither(old: Any, new: Any, what: str, same: str) -> None:
+  """`convert_state` moves an optional part of the state (`what`) only
+  between two states that both have it, or neither."""
+  if (old is None) != (new is None):
+    raise ValueError(f"convert_state: only one of the two K-FAC states has {what}; "
+                     f"build the template with the same {same}.")
+
+
 def _convert_marked_weight(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfacState
                            ) -> jax.Array | None:
   """The running weights of the layers that may sit out a pass, layer by
   layer (None without such layers); DP-KFAC's per device, each layer's read
   from its owner's and written to every device's (only its owner's is used)."""
-  if (old.marked_weight is None) != (new.marked_weight is None):
-    raise ValueError("convert_state: only one of the two K-FAC states has running weights "
-                     "of layers that may sit out a pass (marked_weight); build the "
-                     "template from the same layers and stale_threshold.")
+  _check_both_or_neither(old.marked_weight, new.marked_weight,
+                         "running weights of layers that may sit out a pass (marked_weight)",
+                         "layers and stale_threshold")
   if new.marked_weight is None:
     return None
   have = _marked_weights(old)
-  names = [plan.layer.name for plan in new.layout.plans if plan.layer.may_sit_out]
+  names = [plan.layer.name for plan in layout_lib.sit_out_plans(new.layout)]
   rows = new.marked_weight.shape[0] // max(len(names), 1)
   return jnp.asarray(np.tile(np.asarray([have[name] for name in names]), rows),
                      new.marked_weight.dtype)
@@ -515,7 +522,7 @@ def _convert_marked_weight(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleBy
 def _marked_weights(state: kfac_lib.ScaleByKfacState) -> dict[str, Any]:
   """Layer name -> its running weight (DP-KFAC's: its owner's)."""
   lay = state.layout
-  plans = [plan for plan in lay.plans if plan.layer.may_sit_out]
+  plans = layout_lib.sit_out_plans(lay)
   weights = np.asarray(state.marked_weight).reshape(-1, len(plans))
   return {plan.layer.name: weights[plan.places[0][1].owner if lay.local_factors else 0, k]
           for k, plan in enumerate(plans)}
@@ -535,9 +542,7 @@ def _convert_refresh(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfacSt
   """Stale statistics' schedule, factor by factor (None without them): the
   per-factor vectors by `(layer, factor)`, `X₋₂` as the running factors. A
   factor split into column pieces takes its first piece's."""
-  if (old.refresh is None) != (new.refresh is None):
-    raise ValueError("convert_state: only one of the two K-FAC states has "
-                     "stale_threshold; build the template with the same stale_threshold.")
+  _check_both_or_neither(old.refresh, new.refresh, "stale_threshold", "stale_threshold")
   if new.refresh is None:
     return None
   r = old.refresh
@@ -563,10 +568,8 @@ def _convert_correction(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfa
   correction); with several owner groups in `new`, the gathered eigenbases:
   every device's own second-order segment (`segments`), in the rows of
   `Layout.owner_slots`."""
-  if (old.correction is None) != (new.correction is None):
-    raise ValueError("convert_state: only one of the two K-FAC states has "
-                     'eigenvalue_correction="ekfac"; build the template with the same '
-                     "eigenvalue_correction.")
+  _check_both_or_neither(old.correction, new.correction, 'eigenvalue_correction="ekfac"',
+                         "eigenvalue_correction")
   if new.correction is None:
     return None
   scaling = correction_lib.layer_scaling(old.layout, old.correction)

@@ -144,7 +144,7 @@ def _segments(lay: layout_lib.Layout) -> str:
 
 def _marked_line(state: ScaleByKfacState) -> str:
   """The layers that may sit out a pass, which keep running weights of their own."""
-  names = [plan.layer.name for plan in state.layout.plans if plan.layer.may_sit_out]
+  names = [plan.layer.name for plan in layout_lib.sit_out_plans(state.layout)]
   shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
   return (f"{len(names)} layer{'s' * (len(names) > 1)} may sit out a pass (inside a "
           f"lax.cond / lax.switch branch or a lax.while_loop body: {shown}): each "
