@@ -123,7 +123,9 @@ def inside_another_trace(top: object) -> bool:
 # The transforms whose body may not run in a pass: a branch of `lax.cond` /
 # `lax.switch`, a `lax.while_loop`'s body. What JAX records as `traced_for` of
 # the trace. A `lax.fori_loop`'s body is recorded alike whether its bounds are
-# static (a scan: it runs) or traced, and is not counted.
+# static (a scan: it runs) or traced (a while loop), and is not counted: JAX
+# refuses to differentiate a while loop in reverse mode, so a trained layer
+# in one can only sit under a user's custom VJP.
 MAY_NOT_RUN = frozenset({"cond", "switch", "while_body"})
 
 
