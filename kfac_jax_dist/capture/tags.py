@@ -173,9 +173,13 @@ def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag,
     # A step that computes no statistics returns NaN placeholders: consumed by
     # mistake on a factor step (statistics taken with another step's
     # opt_state), they make the step faulty instead of averaging in zeros.
+    # Built inside the branch that returns them: eagerly (outside jit), with
+    # `jax_debug_nans` on, a NaN made on every step would trip it.
     axes = _compat.varying_axes(x, cotangent, probes)
-    placeholders = _compat.as_varying(jax.tree_util.tree_map(
-        lambda p: jnp.full_like(p, jnp.nan), probes), axes)
+
+    def placeholders() -> Any:
+      return _compat.as_varying(jax.tree_util.tree_map(
+          lambda p: jnp.full_like(p, jnp.nan), probes), axes)
 
     def computed() -> Any:
       # In the probes' dtype (the statistics', see the module docstring).
@@ -183,9 +187,9 @@ def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag,
                                       stats(x_stats, cotangent, probes), probes)
       return _compat.as_varying(values, axes)
     if static_flag is not None:             # the caller branched around the pass
-      probe_bar = computed() if static_flag else placeholders
+      probe_bar = computed() if static_flag else placeholders()
     else:
-      probe_bar = lax.cond(flag, computed, lambda: placeholders)
+      probe_bar = lax.cond(flag, computed, placeholders)
     return x_bar, tuple(params_bar), probe_bar, None
 
   layer.defvjp(fwd, bwd)

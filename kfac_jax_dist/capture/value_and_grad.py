@@ -204,7 +204,7 @@ class ValueAndGrad:
         out = self.fun(stacking.prepare(p), *a, **k)
       _context.one_loss(trace)
       _check_output(out, self.has_aux)
-      found.append(trace)
+      found.append(_Discovered.of(trace))    # what it found, not its tracers
       return out
 
     arrays = [x for x, d in zip(flat, dynamic) if d]
@@ -219,16 +219,13 @@ class ValueAndGrad:
           raise
         bound.append(name)
         found.clear()
-    layers = tuple(found[0].layers)
-    uncaptured = tuple(registry.UncapturedLayer(where, kind, reason)
-                       for where, (kind, reason) in found[0].uncaptured.items())
-    if not layers:
-      left = "".join(f"; uncaptured: {u.where} ({u.kind}: {u.reason})" for u in uncaptured)
+    if not found[0].layers:
+      left = "".join(f"; uncaptured: {u.where} ({u.kind}: {u.reason})"
+                     for u in found[0].layers.uncaptured)
       raise ValueError("The loss function ran no tagged layer (kd.tags / kd.linen / "
                        "kd.nnx, or a supported Flax layer with capture=\"flax\"); K-FAC "
                        f"has nothing to precondition{left}.")
-    return _Discovered(registry.LayerRegistry(layers, uncaptured), dict(found[0].carriers),
-                       dict(found[0].stats_dtypes), frozenset(found[0].repeats))
+    return found[0]
 
   def __call__(self, params, *args, rng=None, opt_state=None, loss_scale=None, **kwargs):
     _check_not_a_schedule(params, args, kwargs)
@@ -611,6 +608,15 @@ class _Discovered:
   carriers: dict          # stacked linen / NNX layer name -> stacking carrier
   stats_dtypes: dict      # layer name -> the dtype of its statistics
   repeats: frozenset      # layers that may run several times in a pass
+
+  @classmethod
+  def of(cls, trace: _context.Trace) -> "_Discovered":
+    """What a discovery `trace` found: static records only, none of the
+    trace's tracers (the loss's, the parameters' ids), which would outlive it."""
+    uncaptured = tuple(registry.UncapturedLayer(where, kind, reason)
+                       for where, (kind, reason) in trace.uncaptured.items())
+    return cls(registry.LayerRegistry(tuple(trace.layers), uncaptured),
+               dict(trace.carriers), dict(trace.stats_dtypes), frozenset(trace.repeats))
 
 
 def value_and_grad(fun: Callable, has_aux: bool = False, fisher: str = "empirical",

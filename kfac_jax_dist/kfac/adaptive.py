@@ -191,7 +191,8 @@ class AdaptiveKfacState(states.PreconditionerState):
     damping: `λ`, the damping of the preconditioner and of the quadratic model.
     velocity: `v`, the previous update (parameter-shaped).
     learning_rate, momentum: the last step's `−α` and `μ` (for logging).
-    rho: the last reduction ratio `ρ` (NaN until the first adaptation).
+    rho: the last reduction ratio `ρ` (0 until the first adaptation: a finite
+      start, so that `jax_debug_nans` passes the state).
     count: accepted updates (rejected ones included); skipped: skipped ones.
     rejected: updates rejected by `reject_steps` (the loss went up).
   """
@@ -220,7 +221,7 @@ ADAPTED = ("learning_rate", "momentum", "damping", "rho")
 def adapted_values(opt_state: Any) -> dict[str, jax.Array]:
   """`{"learning_rate": η = −α, "momentum": μ, "damping": λ, "rho": ρ}` of the
   first adaptive K-FAC state inside an optax state (the last step's values;
-  ρ is NaN until the first damping adaptation), for logging. Under a
+  ρ is 0 until the first damping adaptation), for logging. Under a
   tensor-parallel `Distribution`, pass `kd.model_shard(opt_state, 0)`."""
   found = states.find_states(opt_state, AdaptiveKfacState)
   if not found:
@@ -288,6 +289,11 @@ def solve_coefficients(a_damped: jax.Array, b: jax.Array, learning_rate: Any,
   (`α = −learning_rate`; on the first step, or with `v = 0`, `μ = 0`); at
   least one of them adapted (`_fixed_coefficients` else)."""
   alone = first | (a_damped[1, 1] == 0)
+  # Where μ is not solved for, the solves read `v`'s row as the identity's:
+  # a singular system would make NaNs that the selects drop, but that
+  # `jax_debug_nans` reports outside jit.
+  a_damped = jnp.where(alone & (jnp.arange(2)[:, None] + jnp.arange(2) > 0),
+                       jnp.eye(2, dtype=a_damped.dtype), a_damped)
   if learning_rate is None and momentum is None:
     alpha_only = -b[0] / a_damped[0, 0]
     both = -linalg.one_matrix_per_call(jnp.linalg.solve)(a_damped, b)
@@ -618,7 +624,7 @@ def scale_by_adaptive_kfac(
         velocity=jax.tree_util.tree_map(
             lambda p: jnp.zeros(jnp.shape(p), jnp.promote_types(p.dtype, jnp.float32)),
             params),
-        learning_rate=scalar(0.0), momentum=scalar(0.0), rho=scalar(jnp.nan),
+        learning_rate=scalar(0.0), momentum=scalar(0.0), rho=scalar(0.0),
         count=jnp.zeros([], jnp.int32), skipped=jnp.zeros([], jnp.int32),
         rejected=jnp.zeros([], jnp.int32))
 

@@ -1,0 +1,91 @@
+"""JAX's debugging modes on healthy runs: `jax.checking_leaks` (no tracer of
+the library's outlives its trace) and `jax.debug_nans` (no NaN made on
+purpose where JAX checks: inside jit, the outputs; outside jit, every
+operation). A user turns these on to find their own model's fault; the
+optimizer must not trip them on a step that has none.
+
+Known and documented (troubleshooting.md): outside jit, the NaN placeholders
+returned as the statistics of a step that computes none trip `debug_nans`.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kfac_jax_dist as kd
+
+
+class _Mlp(nn.Module):
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return kd.linen.Dense(3)(jnp.tanh(kd.linen.Dense(5)(x)))
+
+
+def _problem() -> tuple:
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 4)), jnp.float32)
+  y = jnp.asarray([0, 1, 2, 0, 1, 2, 0, 1])
+  model = _Mlp()
+  params = model.init(jax.random.PRNGKey(0), x)
+  grad_fn = kd.value_and_grad(
+      lambda p, x, y: kd.losses.softmax_cross_entropy(model.apply(p, x), y))
+  return grad_fn, params, x, y
+
+
+OPTIONS = {
+    "kfac": dict(learning_rate=0.1),
+    "ekfac": dict(learning_rate=0.1, eigenvalue_correction="ekfac"),
+    "adaptive": dict(learning_rate=None, momentum=None),
+    "adaptive_damping": dict(learning_rate=None, momentum=None, adapt_damping=True,
+                             damping_adaptation_interval=2),
+    "momentum_adapted": dict(learning_rate=0.1, momentum=None),
+}
+
+
+def _steps(name: str, jitted: bool, steps: int = 3) -> None:
+  grad_fn, params, x, y = _problem()
+  tx = kd.kfac(layers=grad_fn.discover(params, x, y), grad_fn=grad_fn, **OPTIONS[name])
+  state = tx.init(params)
+
+  def step(params, state):
+    _, grads, stats = grad_fn(params, x, y, opt_state=state)
+    updates, state = tx.update(grads, state, params, kfac_stats=stats, kfac_batch=(x, y))
+    return jax.tree.map(jnp.add, params, updates), state
+  step = jax.jit(step) if jitted else step
+  for _ in range(steps):
+    params, state = step(params, state)
+  assert int(kd.find_states(state)[0].skipped) == 0
+
+
+@pytest.mark.parametrize("name", ["kfac", "adaptive"])
+def test_no_tracer_outlives_its_trace(name):
+  """Discovery kept its whole trace (the registered loss's tracers) in a
+  list the traced function closed over: every discovery and every jitted
+  step reported a leaked `DynamicJaxprTrace`."""
+  with jax.checking_leaks():
+    _steps(name, jitted=True, steps=1)
+
+
+EAGER = ("kfac", "adaptive", "momentum_adapted")
+
+
+@pytest.mark.parametrize("name, jitted", [(n, True) for n in OPTIONS]
+                         + [(n, False) for n in EAGER],
+                         ids=[f"{n}-jit" for n in OPTIONS] + [f"{n}-eager" for n in EAGER])
+def test_healthy_steps_make_no_nan(name, jitted):
+  """Before: the capture built its NaN placeholders on every step, also
+  where the statistics are computed (eager); adaptive K-FAC's state held
+  ρ = NaN until its first damping adaptation (jit: every step without
+  one), and its first step solved a singular 2 × 2 system whose NaNs a
+  select dropped (eager)."""
+  with jax.debug_nans(True):
+    _steps(name, jitted)
+
+
+def test_first_rho_is_zero():
+  """ρ before any damping adaptation: 0 (`kd.adapted_values`)."""
+  grad_fn, params, x, y = _problem()
+  tx = kd.kfac(None, None, layers=grad_fn.discover(params, x, y), grad_fn=grad_fn)
+  assert float(kd.adapted_values(tx.init(params))["rho"]) == 0.0
