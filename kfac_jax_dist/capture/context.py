@@ -55,6 +55,13 @@ class Trace:
   # or interception left to Flax (their parameters pass through unpreconditioned).
   uncaptured: dict = dataclasses.field(default_factory=dict)
 
+  def forget_values(self) -> None:
+    """Drops what holds tracers (the registered losses, the probes, the
+    flag, the loss's JAX trace) once the forward pass no longer needs them:
+    the tags' backward passes keep this trace, and JAX may keep them (cached
+    jaxprs) past the trace they were made in (`jax.checking_leaks`)."""
+    self.losses, self.probes, self.compute_stats, self.top = [], {}, None, None
+
   def path_of(self, leaf) -> str | None:
     return None if leaf is None else self.leaf_paths.get(id(leaf))
 

@@ -284,6 +284,7 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=
 
   if factors.BASES[0] in probes and examples is None:
     raise ValueError(f"Tagged layer '{name}' ({kind}) has no EK-FAC statistic.")
+  has_bias = bias is not None     # (the backward pass closes over no tracer)
 
   def block_stats(xx: jax.Array, gg: jax.Array, bases: dict) -> dict:
     """One block's statistics; with eigenbases `bases`, also EK-FAC's `S`."""
@@ -293,7 +294,7 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=
     if bases:
       ex, eg, example_dims = examples(xx, gg)
       out[factors.CORRECTED] = factors.corrected_scaling(
-          ex, eg, bias is not None, *(bases[key] for key in factors.BASES), example_dims)
+          ex, eg, has_bias, *(bases[key] for key in factors.BASES), example_dims)
     return out
 
   def cast_stats(xx: jax.Array, gg: jax.Array, inputs: dict) -> dict:
@@ -555,6 +556,7 @@ def _convolution(tag: str, spatial: int, x: jax.Array, kernel: jax.Array,
   dilation = _spatial(tag, "dilation", dilation, spatial)
   input_dilation = _spatial(tag, "input_dilation", input_dilation, spatial)
   padding = _conv_padding(tag, padding, spatial)
+  has_bias = bias is not None    # (the backward pass closes over no tracer)
 
   def apply(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None
             ) -> jax.Array:
@@ -575,9 +577,8 @@ def _convolution(tag: str, spatial: int, x: jax.Array, kernel: jax.Array,
   def stats(x: jax.Array, g: jax.Array, forms: tuple[str, str]) -> dict:
     # A gathered patch gets its bias's 1 in the gather (`conv_patches`); a
     # 1x1 kernel's patches are the input itself, which a 1 would copy.
-    homogeneous = bias is not None and math.prod(shape[:-2]) != 1
-    return {"A": factors.input_factor(patches(x, homogeneous),
-                                      bias is not None and not homogeneous,
+    homogeneous = has_bias and math.prod(shape[:-2]) != 1
+    return {"A": factors.input_factor(patches(x, homogeneous), has_bias and not homogeneous,
                                       forms["A"], example_dims),
             "G": factors.output_factor(g, forms["G"], example_dims)}
 
@@ -588,7 +589,7 @@ def _convolution(tag: str, spatial: int, x: jax.Array, kernel: jax.Array,
   transposed = {"transposed_kernel": True} if transpose_kernel else {}
   return _tagged(tag, name, apply, stats, x, kernel, bias, site, examples=examples,
                  positions=lambda x, g: factors.num_rows(g, example_dims),
-                 a_dim=math.prod(shape[:-1]) + (bias is not None),
+                 a_dim=math.prod(shape[:-1]) + has_bias,
                  g_dim=shape[-1] // groups, groups=groups, **transposed)
 
 

@@ -440,6 +440,11 @@ class ValueAndGrad:
       loss, aux = out if self.has_aux else (out, None)
       registered = _context.one_loss(trace)
       sampled = registered.sampled_loss(rng) if self.fisher == "mc" else None
+      # A scale known when tracing is applied by the tags' backward passes,
+      # traced by the calls of `vjp` below (`tags._scaled_inside`).
+      if loss_scale is None:
+        trace.statistics_scale = registered.static_num_examples
+      trace.forget_values()
       return (loss, sampled), (aux, registered.num_examples)
 
     traces: list[_context.Trace] = []
@@ -448,10 +453,6 @@ class ValueAndGrad:
     except Exception as error:    # flax's or JAX's, slicing a stacked layer's probes
       self._check_stack_axes(discovered, params, args, kwargs, error)
       raise
-    # A scale known when tracing is applied by the tags' backward passes,
-    # traced by the calls of `vjp` below (`tags._scaled_inside`).
-    if loss_scale is None:
-      traces[0].statistics_scale = _context.one_loss(traces[0]).static_num_examples
     # Loss scaling: the backward pass starts from `loss_scale` instead of 1, so
     # low-precision cotangents stay representable; gradients are divided by
     # it, and `G`/`F` (quadratic in the cotangents) by its square.
