@@ -1048,6 +1048,25 @@ def test_statistics_of_every_step_without_conditional(skip):
   check_against_brute_force(captured[1][2], bf)
 
 
+def test_bordered_input_factor_fuses_into_its_packing():
+  """A Dense layer's `A = [[S, m], [mᵀ, 1]]` (its bias folded in) is selected
+  number by number, so that on XLA:CPU the `[S, m]` block and its scaling fuse
+  into the packing gather: no `[d, d + 1]` array in the compiled capture (at
+  128 wide, joined by concatenates, it was a kernel of its own, its scaling two
+  more)."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("XLA:CPU's fusion")
+  kp, kx, ky = jax.random.split(jax.random.PRNGKey(13), 3)
+  params = mlp_params(kp, (128, 128, 5), (True, True))
+  x, y = randn(kx, (16, 128)), jax.random.randint(ky, (16,), 0, 5)
+  loss_fn = lambda p, x, y: kd.losses.softmax_cross_entropy(mlp(Tagged(), p, x), y)
+  grad_fn = kd.value_and_grad(loss_fn)
+  state = kd.scale_by_kfac(layers=grad_fn.discover(params, x, y)).init(params)
+  text = jax.jit(lambda p, s: grad_fn(p, x, y, opt_state=s)).lower(
+      params, state).compile().as_text()
+  assert "[128,129]" not in text[text.index("\nENTRY "):]
+
+
 def test_unknown_skip_statistics_raises():
   with pytest.raises(ValueError, match="skip_statistics must be one of"):
     kd.value_and_grad(lambda p: p, skip_statistics="never")
