@@ -195,11 +195,13 @@ def _bordered(second: jax.Array, mean: jax.Array) -> jax.Array:
   the selects fuse into the packing gather after them (PERF_NOTES §50). `[m, 1]`
   is built once as a vector and read as both the column and the row: XLA:CPU
   built the mean once for each shape it was read in (PERF_NOTES §24)."""
-  d = second.shape[0]
-  row, col = (lax.broadcasted_iota(jnp.int32, (d + 1, d + 1), k) for k in (0, 1))
+  d, shape = second.shape[0], (second.shape[0] + 1,) * 2
+  row, col = (lax.broadcasted_iota(jnp.int32, shape, k) for k in (0, 1))
   border = jnp.concatenate([mean, jnp.ones((1,), mean.dtype)])
-  return jnp.where((row < d) & (col < d), jnp.pad(second, ((0, 1), (0, 1))),
-                   jnp.where(col == d, border[:, None], border[None, :]))
+  inner = lax.pad(second, jnp.zeros((), second.dtype), ((0, 1, 0), (0, 1, 0)))
+  edge = lax.select(col == d, lax.broadcast_in_dim(border, shape, (0,)),
+                    lax.broadcast_in_dim(border, shape, (1,)))
+  return lax.select(lax.max(row, col) < d, inner, edge)
 
 
 def output_factor(g: jax.Array, form: str = FULL,

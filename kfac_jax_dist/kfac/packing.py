@@ -70,7 +70,7 @@ def unpack_batch(segment: jax.Array, batch: layout_lib.Batch, packed: bool) -> j
   block = segment[batch.offset:batch.offset + batch.count * size].reshape(batch.count, size)
   if batch.form in (factors.DIAG, factors.UNIT):
     return block
-  if packed and batch.count <= linalg.UNROLLED_MAX_SLOTS:
+  if packed and 1 < batch.count <= linalg.UNROLLED_MAX_SLOTS:
     # Slot by slot where a CPU decomposes them one call each, written out
     # (`core.linalg.batched`): each slot's gather then fuses into its call's
     # input copy, where one gather of the batch was one more kernel.
