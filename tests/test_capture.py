@@ -1024,6 +1024,49 @@ def test_plain_step_conditionals_do_not_grow_with_layers(skip):
     assert counts[1] - counts[0] == 3, counts
 
 
+@pytest.mark.parametrize("skip", ["layer", "pass"])
+def test_statistics_of_every_step_without_conditional(skip):
+  """A factor update every step (no stale statistics): the update consumes the
+  statistics unconditionally, so the capture computes them with no conditional
+  (on CPU, two kernels per layer fewer), and they are those of a factor step
+  under the conditional (factor_update_every=2 at count 0), bit for bit."""
+  kp, kx, ky = jax.random.split(jax.random.PRNGKey(12), 3)
+  params = mlp_params(kp, (3, 4, 5), (True, False))
+  x, y = randn(kx, (6, 3)), jax.random.randint(ky, (6,), 0, 5)
+  loss_fn = lambda p, x, y: kd.losses.softmax_cross_entropy(mlp(Tagged(), p, x), y)
+  grad_fn = kd.value_and_grad(loss_fn, skip_statistics=skip)
+  layers = grad_fn.discover(params, x, y)
+  captured = {}
+  for every in (1, 2):
+    state = kd.scale_by_kfac(layers=layers, factor_update_every=every).init(params)
+    call = jax.jit(lambda p, s: grad_fn(p, x, y, opt_state=s))
+    assert (" conditional(" in call.lower(params, state).compile().as_text()) == (every > 1)
+    captured[every] = call(params, state)
+  assert_trees_equal(captured[1], captured[2])
+  _, bf = brute_force(lambda l, p, x: mlp(l, p, x), params, x,
+                      lambda out: ce_per_example(out, y))
+  check_against_brute_force(captured[1][2], bf)
+
+
+def test_bordered_input_factor_fuses_into_its_packing():
+  """A Dense layer's `A = [[S, m], [mᵀ, 1]]` (its bias folded in) is selected
+  number by number, so that on XLA:CPU the `[S, m]` block and its scaling fuse
+  into the packing gather: no `[d, d + 1]` array in the compiled capture (at
+  128 wide, joined by concatenates, it was a kernel of its own, its scaling two
+  more)."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("XLA:CPU's fusion")
+  kp, kx, ky = jax.random.split(jax.random.PRNGKey(13), 3)
+  params = mlp_params(kp, (128, 128, 5), (True, True))
+  x, y = randn(kx, (16, 128)), jax.random.randint(ky, (16,), 0, 5)
+  loss_fn = lambda p, x, y: kd.losses.softmax_cross_entropy(mlp(Tagged(), p, x), y)
+  grad_fn = kd.value_and_grad(loss_fn)
+  state = kd.scale_by_kfac(layers=grad_fn.discover(params, x, y)).init(params)
+  text = jax.jit(lambda p, s: grad_fn(p, x, y, opt_state=s)).lower(
+      params, state).compile().as_text()
+  assert "[128,129]" not in text[text.index("\nENTRY "):]
+
+
 def test_unknown_skip_statistics_raises():
   with pytest.raises(ValueError, match="skip_statistics must be one of"):
     kd.value_and_grad(lambda p: p, skip_statistics="never")

@@ -1,5 +1,7 @@
 """The K-FAC transform against float64 oracles: preconditioning, averages, cadence."""
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -543,6 +545,27 @@ def test_cpu_decompositions_are_unbatched():
            if "lapack_" in line and "custom_call" in line]
   assert len(calls) >= 2
   assert all('num_batch_dims = "0"' in line for line in calls), calls
+
+
+def test_cpu_decomposition_inputs_unpacked_slot_by_slot():
+  """Packed factors decomposed one LAPACK call per slot (CPU, batches of up to
+  `UNROLLED_MAX_SLOTS`) are unpacked slot by slot: each call's input copy is
+  a fusion holding the slot's own gather, with no gather of the whole batch
+  before it (one kernel more per batch)."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("LAPACK custom calls exist on the CPU backend only")
+  rng, layers, params = _setup(dims=((4, 3, True), (4, 3, True)))     # batches of 2 slots
+  tx = kd.scale_by_kfac(layers=layers)
+  text = jax.jit(lambda g, s, st: tx.update(g, s, kfac_stats=st)).lower(
+      _random_grads(rng, params), tx.init(params), _stats(rng, layers)).compile().as_text()
+  lines = dict(re.findall(r"^\s*(?:ROOT )?%?([\w.-]+) = ([^\n]*)", text, re.M))
+  bodies = dict(re.findall(r"^%?([\w.-]+) [^\n]*\{\n(.*?)^\}", text, re.M | re.S))
+  inputs = [re.search(r"custom-call\(%?([\w.-]+)", line).group(1)
+            for line in lines.values() if "syevd" in line and "custom-call(" in line]
+  assert len(inputs) == 4, inputs
+  for name in inputs:
+    called = re.search(r"calls=%?([\w.-]+)", lines[name])
+    assert called and " gather(" in bodies[called.group(1)], (name, lines[name])
 
 
 @pytest.mark.parametrize("d, one_at_a_time", [(129, False), (257, True)])

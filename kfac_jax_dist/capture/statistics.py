@@ -185,13 +185,23 @@ def input_factor(a: jax.Array, has_bias: bool, form: str = FULL,
   second = jnp.matmul(a.T, a, precision=lax.Precision.HIGHEST) / num_positions
   if not has_bias:
     return second
-  # The last row `[E xᵀ, 1]` is joined as a vector: XLA:CPU built the mean
-  # once more, as a separate kernel, for each shape it was read in (a
-  # `[d, 1]` column and a `[1, d]` row: PERF_NOTES §24).
-  mean = jnp.mean(a, axis=0)
-  last_row = jnp.concatenate([mean, jnp.ones((1,), a.dtype)])
-  return jnp.concatenate([jnp.concatenate([second, mean[:, None]], axis=1),
-                          last_row[None]])
+  return _bordered(second, jnp.mean(a, axis=0))
+
+
+def _bordered(second: jax.Array, mean: jax.Array) -> jax.Array:
+  """`[[S, m], [mᵀ, 1]]`, each number selected from `S` or `[m, 1]` by its
+  position. Joined by concatenates, the `[S, m]` block was a kernel of its own
+  on XLA:CPU (128 and 256 wide), and `S`'s and `m`'s scaling two more, where
+  the selects fuse into the packing gather after them (PERF_NOTES §50). `[m, 1]`
+  is built once as a vector and read as both the column and the row: XLA:CPU
+  built the mean once for each shape it was read in (PERF_NOTES §24)."""
+  d, shape = second.shape[0], (second.shape[0] + 1,) * 2
+  row, col = (lax.broadcasted_iota(jnp.int32, shape, k) for k in (0, 1))
+  border = jnp.concatenate([mean, jnp.ones((1,), mean.dtype)])
+  inner = lax.pad(second, jnp.zeros((), second.dtype), ((0, 1, 0), (0, 1, 0)))
+  edge = lax.select(col == d, lax.broadcast_in_dim(border, shape, (0,)),
+                    lax.broadcast_in_dim(border, shape, (1,)))
+  return lax.select(lax.max(row, col) < d, inner, edge)
 
 
 def output_factor(g: jax.Array, form: str = FULL,

@@ -16,7 +16,9 @@ Given `opt_state`, the statistics are skipped at run time unless the K-FAC
 state's `update_factors` is set (the returned statistics are then NaN
 placeholders: consumed on a factor step, e.g. when captured with another
 step's `opt_state`, they make the step faulty and it is skipped), and diagonal
-factors are computed as diagonals. Where the skip happens is
+factors are computed as diagonals. A state that consumes them at every step
+(`statistics_every_step`: factors updated every step, no stale statistics)
+gets them with no conditional. Where the skip happens otherwise is
 `skip_statistics`:
 
 * "layer": one `lax.cond` per tagged layer in the backward pass, around its
@@ -356,7 +358,7 @@ class ValueAndGrad:
     state = _statistics_consumer(opt_state)
     run = functools.partial(self._capture, discovered, params, args, kwargs, rng, state,
                             loss_scale)
-    if state is None:
+    if state is None or getattr(state, "statistics_every_step", False):
       return run(True)
     skip = self.skip_statistics
     if skip == "auto":

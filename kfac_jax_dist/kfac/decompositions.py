@@ -67,12 +67,10 @@ def _slot_ids(at: jax.Array, table: jax.Array, slots: int) -> jax.Array:
   expands: PERF_NOTES §10)."""
   if not table.shape[0]:
     return jnp.full(at.shape, slots, jnp.int32)
-  start, end, size, first = (table[:, i] for i in range(4))
-  r = jnp.sum((at[:, None] >= start).astype(jnp.int32), axis=1) - 1
-  r_clipped = jnp.maximum(r, 0)
-  run_start, run_size = start[r_clipped], size[r_clipped]
-  inside = (r >= 0) & (at < end[r_clipped])
-  return jnp.where(inside, first[r_clipped] + lax.div(at - run_start, run_size), slots)
+  r = jnp.sum((at[:, None] >= table[:, 0]).astype(jnp.int32), axis=1) - 1
+  run = table[jnp.maximum(r, 0)]      # its row, by one gather (not one per column)
+  inside = (r >= 0) & (at < run[:, 1])
+  return jnp.where(inside, run[:, 3] + lax.div(at - run[:, 0], run[:, 2]), slots)
 
 
 def _chunked(length: int, body: Callable[[jax.Array, jax.Array, Any], Any], init: Any,

@@ -169,6 +169,10 @@ class Layout:
   second_sizes: tuple[int, ...] = () # second-order numbers each device computes
   # DP-KFAC: each owner builds its factors from its own batch's statistics
   local_factors: bool = False
+  # the update consumes the statistics at every step, unconditionally (a
+  # factor update every 1, no stale statistics): the capture then computes
+  # them with no conditional either (`ScaleByKfacState.statistics_every_step`)
+  statistics_every_step: bool = False
   # (module path, kind, reason) of the layers the capture could not tag
   # (`LayerRegistry.uncaptured`): their parameters are in `passthrough`.
   uncaptured: tuple[tuple[str, str, str], ...] = ()
@@ -606,15 +610,15 @@ def build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
 def rebuild(lay: Layout, **changes) -> Layout:
   """`lay` as `build` makes it with some of its options changed (an older
   checkpoint's assignment, e.g. `align_groups=False`); the fields the
-  transform sets after `build` (storage, local factors, what the capture left
-  out, the strategy's explanation, the packing) are `lay`'s."""
+  transform sets after `build` (storage, local factors, the statistics'
+  cadence, what the capture left out, the strategy's explanation, the packing) are `lay`'s."""
   if not lay.built_with:
     raise ValueError("rebuild needs a layout made by layout.build")
   layers, paths, options = lay.built_with
   new = build(layers, paths, **dict(options, **changes))
   return dataclasses.replace(
       new, factor_storage=lay.factor_storage, local_factors=lay.local_factors,
-      uncaptured=lay.uncaptured, strategy_choice=lay.strategy_choice,
+      statistics_every_step=lay.statistics_every_step, uncaptured=lay.uncaptured, strategy_choice=lay.strategy_choice,
       second_packing=lay.second_packing)
 
 

@@ -27,6 +27,7 @@ from kfac_jax_dist.capture import statistics as factors
 from kfac_jax_dist.capture import triangles
 from kfac_jax_dist.core import collectives
 from kfac_jax_dist.core import initial
+from kfac_jax_dist.core import linalg
 from kfac_jax_dist.core import offsets
 from kfac_jax_dist.kfac import layout as layout_lib
 
@@ -69,6 +70,11 @@ def unpack_batch(segment: jax.Array, batch: layout_lib.Batch, packed: bool) -> j
   block = segment[batch.offset:batch.offset + batch.count * size].reshape(batch.count, size)
   if batch.form in (factors.DIAG, factors.UNIT):
     return block
+  if packed and 1 < batch.count <= linalg.UNROLLED_MAX_SLOTS:
+    # Slot by slot where a CPU decomposes them one call each, written out
+    # (`core.linalg.batched`): each slot's gather then fuses into its call's
+    # input copy, where one gather of the batch was one more kernel.
+    return jnp.stack([triangles.unpack_upper(row, batch.dim) for row in block])
   if packed:
     return triangles.unpack_upper(block, batch.dim)
   return block.reshape(batch.count, batch.dim, batch.dim)

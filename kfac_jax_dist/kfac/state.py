@@ -93,6 +93,13 @@ class ScaleByKfacState(states.PreconditionerState):
             sharded if self.layout.local_factors else replicated))
 
   @property
+  def statistics_every_step(self) -> bool:
+    """Whether every update consumes the statistics, with no conditional
+    (`update_factors` always True): the capture then computes them with none
+    either, where it otherwise branches on `update_factors` per layer."""
+    return self.layout.statistics_every_step
+
+  @property
   def local_statistics(self) -> bool:
     """DP-KFAC: each owner's factors are its own batch's statistics, so the
     capture leaves them unweighted by the devices' numbers of examples."""

@@ -115,7 +115,15 @@ def build_layout(config: KfacConfig, comm: collectives_lib.Collectives,
                                 "tagged layer")
   uncaptured = tuple((u.where, u.kind, u.reason) for u in getattr(layers, "uncaptured", ()))
   return dataclasses.replace(lay, uncaptured=uncaptured, local_factors=config.local_factors,
+                             statistics_every_step=_statistics_every_step(config),
                              strategy_choice=() if dist is None else dist.explanation)
+
+
+def _statistics_every_step(config: KfacConfig) -> bool:
+  """Whether `refreshed_state` consumes the statistics at every step with no
+  conditional (a factor update every 1, without stale statistics, whose
+  schedule is per factor): `update_factors` is then True at every step."""
+  return config.stale_threshold is None and cadence.always(config.factor_update_every)
 
 
 def init_state(config: KfacConfig, comm: collectives_lib.Collectives,
