@@ -611,15 +611,16 @@ def rebuild(lay: Layout, **changes) -> Layout:
   """`lay` as `build` makes it with some of its options changed (an older
   checkpoint's assignment, e.g. `align_groups=False`); the fields the
   transform sets after `build` (storage, local factors, the statistics'
-  cadence, what the capture left out, the strategy's explanation, the packing) are `lay`'s."""
+  cadence, what the capture left out, the strategy's explanation, the
+  packing) are `lay`'s."""
   if not lay.built_with:
     raise ValueError("rebuild needs a layout made by layout.build")
   layers, paths, options = lay.built_with
   new = build(layers, paths, **dict(options, **changes))
   return dataclasses.replace(
       new, factor_storage=lay.factor_storage, local_factors=lay.local_factors,
-      statistics_every_step=lay.statistics_every_step, uncaptured=lay.uncaptured, strategy_choice=lay.strategy_choice,
-      second_packing=lay.second_packing)
+      statistics_every_step=lay.statistics_every_step, uncaptured=lay.uncaptured,
+      strategy_choice=lay.strategy_choice, second_packing=lay.second_packing)
 
 
 # (factor name, copy, which, dim, form, columns): one factor slice a device owns
