@@ -68,7 +68,7 @@ def _slot_ids(at: jax.Array, table: jax.Array, slots: int) -> jax.Array:
   if not table.shape[0]:
     return jnp.full(at.shape, slots, jnp.int32)
   start, end, size, first = (table[:, i] for i in range(4))
-  r = jnp.sum((at[:, None] >= start).astype(jnp.int32), axis=1) - 1
+  r = jnp.sum((at[:, None] >= start[None, :]).astype(jnp.int32), axis=1) - 1
   r_clipped = jnp.maximum(r, 0)
   run_start, run_size = start[r_clipped], size[r_clipped]
   inside = (r >= 0) & (at < end[r_clipped])
