@@ -342,7 +342,7 @@ def corrected_scaling(x: jax.Array, g: jax.Array, has_bias: bool, basis_a: jax.A
   hi = lax.Precision.HIGHEST
   xq = jnp.matmul(x, basis_a[:x.shape[-1]].astype(dtype), precision=hi)
   if has_bias:
-    xq = xq + basis_a[-1].astype(dtype)
+    xq = xq + basis_a[-1].astype(dtype)[None, None]
   gq = jnp.matmul(g, basis_g.astype(dtype), precision=hi)
   if x.shape[1] == 1:
     return jnp.matmul(jnp.square(xq[:, 0]).T, jnp.square(gq[:, 0]), precision=hi)

@@ -59,6 +59,17 @@ def _promote(dtype, *arrays):
   return tuple(None if a is None else jnp.asarray(a, dtype) for a in arrays)
 
 
+def _trailing(v: jax.Array, ndim: int) -> jax.Array:
+  """`v` with leading unit axes up to rank `ndim`: an explicit broadcast over the
+  trailing axes (the layers run under `jax_numpy_rank_promotion="raise"`)."""
+  return v.reshape((1,) * (ndim - v.ndim) + v.shape)
+
+
+def _add_bias(y: jax.Array, bias: jax.Array | None) -> jax.Array:
+  """`y + bias`, `bias` over the trailing axes of `y`."""
+  return y if bias is None else y + _trailing(bias, y.ndim)
+
+
 _NOT_A_LEAF = (
     "Pass the parameter itself (cast it with the tag's dtype= argument). Inside a "
     "loop over stacked weights, pass the stacked leaf and stack_index=; a plain "
@@ -376,7 +387,7 @@ def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
     x, kernel, bias = _promote(dtype, x, kernel, bias)
     y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
                         precision=precision)
-    return y if bias is None else y + bias
+    return _add_bias(y, bias)
 
   stats, examples, stats_input = _dense_statistics(bias is not None, 1, 1, example_dims)
   return _tagged("dense", name, apply, stats, x, kernel, bias, site, examples=examples,
@@ -478,7 +489,7 @@ def dense_general(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None
     x, kernel, bias = _promote(dtype, x, kernel, bias)
     contract = (tuple(range(x.ndim - in_dims, x.ndim)), tuple(range(in_dims)))
     y = lax.dot_general(x, kernel, (contract, ((), ())), precision=precision)
-    return y if bias is None else y + bias
+    return _add_bias(y, bias)
 
   stats, examples, stats_input = _dense_statistics(bias is not None, in_dims, n_out,
                                                    example_dims)
@@ -566,7 +577,7 @@ def _convolution(tag: str, spatial: int, x: jax.Array, kernel: jax.Array,
         window_strides=strides, padding=padding, lhs_dilation=input_dilation,
         rhs_dilation=dilation, dimension_numbers=layout, feature_group_count=groups,
         precision=precision)
-    return y if bias is None else y + bias
+    return _add_bias(y, bias)
 
   def patches(x: jax.Array, homogeneous: bool = False) -> jax.Array:
     if any(d != 1 for d in input_dilation):
@@ -738,8 +749,7 @@ def scale_and_shift(x: jax.Array, scale: jax.Array, offset: jax.Array | None = N
   def apply(x: jax.Array, scale: jax.Array, offset: jax.Array | None = None
             ) -> jax.Array:
     x, scale, offset = _promote(dtype, x, scale, offset)
-    y = x * scale
-    return y if offset is None else y + offset
+    return _add_bias(x * _trailing(scale, x.ndim), offset)
 
   def stats(x: jax.Array, g: jax.Array, forms: tuple[str, str]) -> dict:
     del forms

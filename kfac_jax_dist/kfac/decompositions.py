@@ -67,7 +67,7 @@ def _slot_ids(at: jax.Array, table: jax.Array, slots: int) -> jax.Array:
   expands: PERF_NOTES §10)."""
   if not table.shape[0]:
     return jnp.full(at.shape, slots, jnp.int32)
-  r = jnp.sum((at[:, None] >= table[:, 0]).astype(jnp.int32), axis=1) - 1
+  r = jnp.sum((at[:, None] >= table[None, :, 0]).astype(jnp.int32), axis=1) - 1
   run = table[jnp.maximum(r, 0)]      # its row, by one gather (not one per column)
   inside = (r >= 0) & (at < run[:, 1])
   return jnp.where(inside, run[:, 3] + lax.div(at - run[:, 0], run[:, 2]), slots)

@@ -38,7 +38,7 @@ def damped_inverse(factors: jax.Array, damping: jax.Array) -> jax.Array:
   if factors.ndim == 2:
     return 1.0 / (factors + damping[:, None])
   eye = jnp.eye(factors.shape[-1], dtype=factors.dtype)
-  damped = 0.5 * (factors + jnp.swapaxes(factors, -1, -2)) + damping[:, None, None] * eye
+  damped = 0.5 * (factors + jnp.swapaxes(factors, -1, -2)) + damping[:, None, None] * eye[None]
   return batched(lambda f, eye: jax.scipy.linalg.cho_solve((jnp.linalg.cholesky(f), True),
                                                           eye), damped, eye)
 

@@ -100,7 +100,7 @@ def relative_changes(x: jax.Array, y: jax.Array, form: str, dim: int, packed: bo
                      ) -> jax.Array:
   """`‖X − Y‖_F / ‖Y‖_F` of each row of `[n, size]` stored numbers of factors
   of one form and dimension (inf where Y = 0)."""
-  w = _squared_weights(form, dim, packed, x.dtype)
+  w = _squared_weights(form, dim, packed, x.dtype)[None]                # [1, size]
   num = jnp.sum(w * jnp.square(x - y), axis=-1)
   den = jnp.sum(w * jnp.square(y), axis=-1)
   return jnp.where(den > 0, jnp.sqrt(num / jnp.where(den > 0, den, 1.0)), jnp.inf)
