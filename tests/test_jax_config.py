@@ -1,7 +1,8 @@
-"""The library under JAX's strictest global setting that codebases turn on,
-`jax_numpy_rank_promotion="raise"` (every broadcast written out): the
-drop-in layers compute what Flax's own do, and one step of K-FAC (eigen,
-inverse, EK-FAC, stale statistics, adaptive), Shampoo and SOAP what it computes by default."""
+"""The library under JAX's strictest global settings that codebases turn on,
+`jax_numpy_rank_promotion="raise"` (every broadcast written out) and
+`jax_numpy_dtype_promotion="strict"`: the drop-in layers compute what Flax's
+own do, and one step of K-FAC (eigen, inverse, EK-FAC, stale statistics,
+adaptive), Shampoo and SOAP what it computes by default."""
 
 from __future__ import annotations
 
@@ -70,9 +71,14 @@ def _step(name: str):
   return step(params, state)
 
 
+_SETTINGS = {"rank_raise": lambda: jax.numpy_rank_promotion("raise"),
+             "dtype_strict": lambda: jax.numpy_dtype_promotion("strict")}
+
+
+@pytest.mark.parametrize("setting", list(_SETTINGS))
 @pytest.mark.parametrize("name", list(_OPTIMIZERS))
-def test_a_step_under_rank_promotion_raise(name):
-  with jax.numpy_rank_promotion("raise"):
+def test_a_step_under_a_strict_setting(name, setting):
+  with _SETTINGS[setting]():
     strict = _step(name)
   jax.tree.map(np.testing.assert_array_equal, strict, _step(name))
 
