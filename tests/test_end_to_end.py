@@ -46,10 +46,14 @@ def _data():
   return x, y
 
 
+def _kfac(layers):
+  return kd.kfac(0.2, layers=layers, damping=1e-2, factor_update_every=2,
+                 inverse_update_every=3)
+
+
 def _train(loss_fn, params, x, y, steps=5, jit=True):
   grad_fn = kd.value_and_grad(loss_fn)
-  tx = kd.kfac(0.2, layers=grad_fn.discover(params, x, y), damping=1e-2,
-               factor_update_every=2, inverse_update_every=3)
+  tx = _kfac(grad_fn.discover(params, x, y))
   state = tx.init(params)
 
   def step(params, state):
@@ -115,8 +119,7 @@ def test_jit_equals_eager_and_state_is_stable():
   np.testing.assert_allclose(lj, le, rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), pj, pe)
   grad_fn = kd.value_and_grad(loss_fn)
-  tx = kd.kfac(0.2, layers=grad_fn.discover(variables, x, y))
-  s0 = tx.init(variables)
+  s0 = _kfac(grad_fn.discover(variables, x, y)).init(variables)   # the same transform's
   assert jax.tree.structure(s0) == jax.tree.structure(sj)
   assert (jax.tree.map(lambda a: (a.shape, a.dtype), s0)
           == jax.tree.map(lambda a: (a.shape, a.dtype), sj))
