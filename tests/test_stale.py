@@ -462,3 +462,24 @@ def test_stale_misconfiguration_errors():
   layers = kd.LayerRegistry((_layer(),))
   with pytest.raises(ValueError, match="factor_update_every"):
     kd.scale_by_kfac(layers=layers, stale_threshold=0.1, factor_update_every=2)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["square", "packed"])
+def test_relative_change_of_one_factor_is_a_number(packed):
+  """`stale.relative_changes` of one factor's stored numbers (`[size]`, as
+  benchmarks/stale_statistics reads them) is a number, `‖X − Y‖_F / ‖Y‖_F` of
+  the symmetric matrices; of `[n, size]` rows, one per row."""
+  from kfac_jax_dist.capture import statistics, triangles
+  rng = np.random.default_rng(0)
+  mats = [m + m.T for m in rng.normal(size=(3, 4, 4))]
+  stored = lambda m: (triangles.pack_upper(jnp.asarray(m, jnp.float32)) if packed
+                      else jnp.asarray(m, jnp.float32).reshape(-1))
+  one = stale.relative_changes(stored(mats[0]), stored(mats[1]), statistics.FULL, 4, packed)
+  assert one.shape == ()
+  np.testing.assert_allclose(one, np.linalg.norm(mats[0] - mats[1]) / np.linalg.norm(mats[1]),
+                             rtol=1e-5)
+  rows = stale.relative_changes(jnp.stack([stored(mats[0]), stored(mats[2])]),
+                                jnp.stack([stored(mats[1]), stored(mats[1])]),
+                                statistics.FULL, 4, packed)
+  np.testing.assert_allclose(rows, [np.linalg.norm(m - mats[1]) / np.linalg.norm(mats[1])
+                                    for m in (mats[0], mats[2])], rtol=1e-5)

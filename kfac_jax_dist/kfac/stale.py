@@ -99,8 +99,9 @@ def _squared_weights(form: str, dim: int, packed: bool, dtype) -> jax.Array:
 def relative_changes(x: jax.Array, y: jax.Array, form: str, dim: int, packed: bool
                      ) -> jax.Array:
   """`‖X − Y‖_F / ‖Y‖_F` of each row of `[n, size]` stored numbers of factors
-  of one form and dimension (inf where Y = 0)."""
-  w = _squared_weights(form, dim, packed, x.dtype)[None]                # [1, size]
+  of one form and dimension, or of one factor's `[size]` (inf where Y = 0)."""
+  w = _squared_weights(form, dim, packed, x.dtype)
+  w = w.reshape((1,) * (x.ndim - 1) + w.shape)        # over the rows (or one factor's)
   num = jnp.sum(w * jnp.square(x - y), axis=-1)
   den = jnp.sum(w * jnp.square(y), axis=-1)
   return jnp.where(den > 0, jnp.sqrt(num / jnp.where(den > 0, den, 1.0)), jnp.inf)
