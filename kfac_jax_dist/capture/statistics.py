@@ -122,6 +122,13 @@ CORRECTED, BASES = "S", ("QA", "QG")
 POSITIONS = "positions"
 
 
+def with_leading_units(v: jax.Array, ndim: int) -> jax.Array:
+  """`v` with leading unit axes up to rank `ndim`: an explicit broadcast over
+  the trailing axes of a rank-`ndim` array (the library runs under
+  `jax_numpy_rank_promotion="raise"`)."""
+  return v.reshape((1,) * (ndim - v.ndim) + v.shape)
+
+
 def per_block(values: jax.Array, statistic: jax.Array) -> jax.Array:
   """`values` of each block (`[*stack]`, a layer's positions, say) shaped to
   broadcast against the blocks' `statistic` (`[*stack, ...]`)."""

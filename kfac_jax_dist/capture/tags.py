@@ -59,15 +59,9 @@ def _promote(dtype, *arrays):
   return tuple(None if a is None else jnp.asarray(a, dtype) for a in arrays)
 
 
-def _trailing(v: jax.Array, ndim: int) -> jax.Array:
-  """`v` with leading unit axes up to rank `ndim`: an explicit broadcast over the
-  trailing axes (the layers run under `jax_numpy_rank_promotion="raise"`)."""
-  return v.reshape((1,) * (ndim - v.ndim) + v.shape)
-
-
 def _add_bias(y: jax.Array, bias: jax.Array | None) -> jax.Array:
   """`y + bias`, `bias` over the trailing axes of `y`."""
-  return y if bias is None else y + _trailing(bias, y.ndim)
+  return y if bias is None else y + factors.with_leading_units(bias, y.ndim)
 
 
 _NOT_A_LEAF = (
@@ -749,7 +743,7 @@ def scale_and_shift(x: jax.Array, scale: jax.Array, offset: jax.Array | None = N
   def apply(x: jax.Array, scale: jax.Array, offset: jax.Array | None = None
             ) -> jax.Array:
     x, scale, offset = _promote(dtype, x, scale, offset)
-    return _add_bias(x * _trailing(scale, x.ndim), offset)
+    return _add_bias(x * factors.with_leading_units(scale, x.ndim), offset)
 
   def stats(x: jax.Array, g: jax.Array, forms: tuple[str, str]) -> dict:
     del forms

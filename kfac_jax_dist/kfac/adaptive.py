@@ -292,8 +292,8 @@ def solve_coefficients(a_damped: jax.Array, b: jax.Array, learning_rate: Any,
   # Where μ is not solved for, the solves read `v`'s row as the identity's:
   # a singular system would make NaNs that the selects drop, but that
   # `jax_debug_nans` reports outside jit.
-  a_damped = jnp.where(alone & (jnp.arange(2)[:, None] + jnp.arange(2)[None, :] > 0),
-                       jnp.eye(2, dtype=a_damped.dtype), a_damped)
+  solved_alone = jnp.asarray([[True, False], [False, False]])      # α's entry
+  a_damped = jnp.where(alone & ~solved_alone, jnp.eye(2, dtype=a_damped.dtype), a_damped)
   if learning_rate is None and momentum is None:
     alpha_only = -b[0] / a_damped[0, 0]
     both = -linalg.one_matrix_per_call(jnp.linalg.solve)(a_damped, b)

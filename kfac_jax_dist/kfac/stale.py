@@ -100,8 +100,7 @@ def relative_changes(x: jax.Array, y: jax.Array, form: str, dim: int, packed: bo
                      ) -> jax.Array:
   """`‖X − Y‖_F / ‖Y‖_F` of each row of `[n, size]` stored numbers of factors
   of one form and dimension, or of one factor's `[size]` (inf where Y = 0)."""
-  w = _squared_weights(form, dim, packed, x.dtype)
-  w = w.reshape((1,) * (x.ndim - 1) + w.shape)        # over the rows (or one factor's)
+  w = factors_lib.with_leading_units(_squared_weights(form, dim, packed, x.dtype), x.ndim)
   num = jnp.sum(w * jnp.square(x - y), axis=-1)
   den = jnp.sum(w * jnp.square(y), axis=-1)
   return jnp.where(den > 0, jnp.sqrt(num / jnp.where(den > 0, den, 1.0)), jnp.inf)
