@@ -71,20 +71,29 @@ def agree(ok: jax.Array, axes: tuple[str, ...]) -> jax.Array:
   return lax.psum(failures, axes) == 0
 
 
-def computed_once(flag: jax.Array) -> jax.Array:
-  """`flag`, computed once. XLA fuses (duplicates) a chain of cheap scalar ops
+def computed_once(flag: jax.Array, if_true: Any = True, if_false: Any = False
+                  ) -> jax.Array:
+  """`where(flag, if_true, if_false)` for a scalar `flag`, computed once (the
+  default: `flag` itself). XLA fuses (duplicates) a chain of cheap scalar ops
   into each consumer; the verdict (an `and` of one check per gradient and
   statistic) has tens of consumers (the cadence conds, the update and state
-  selects), so its chain would be copied into each. On CPU a `lax.cond`
-  (not fused: its result is one value; 8% fewer HLO instructions than a
-  barrier on the step_time CNN); elsewhere an optimization barrier, since a
-  GPU conditional is a host round trip (see `kd.value_and_grad`)."""
-  axes = _compat.varying_axes(flag)
+  selects), and the KL clip's `ν` (a sum over every layer) one per layer,
+  so the chain would be copied into each: O(L²) instructions for L layers.
+  On CPU a `lax.cond` (not fused: its result is one value; 8% fewer HLO
+  instructions than a barrier on the step_time CNN); elsewhere an
+  optimization barrier, since a GPU conditional is a host round trip (see
+  `kd.value_and_grad`)."""
+  if_true = jnp.asarray(if_true)
+  if_false = jnp.asarray(if_false, if_true.dtype)
+  axes = _compat.varying_axes(flag, if_true, if_false)
 
   def on_cpu(f: jax.Array) -> jax.Array:
-    return lax.cond(f, lambda: _compat.as_varying(jnp.asarray(True), axes),
-                    lambda: _compat.as_varying(jnp.asarray(False), axes))
-  return lax.platform_dependent(flag, cpu=on_cpu, default=lax.optimization_barrier)
+    return lax.cond(f, lambda: _compat.as_varying(if_true, axes),
+                    lambda: _compat.as_varying(if_false, axes))
+
+  def elsewhere(f: jax.Array) -> jax.Array:
+    return lax.optimization_barrier(jnp.where(f, if_true, if_false))
+  return lax.platform_dependent(flag, cpu=on_cpu, default=elsewhere)
 
 
 def pick(flag: jax.Array, if_true: jax.Array, if_false: jax.Array) -> jax.Array:

@@ -25,6 +25,7 @@ from jax import lax
 from kfac_jax_dist.capture import registry
 from kfac_jax_dist.core import cadence
 from kfac_jax_dist.core import collectives as collectives_lib
+from kfac_jax_dist.core import faults
 from kfac_jax_dist.core import routing
 from kfac_jax_dist.core import uneven
 from kfac_jax_dist.kfac import layout as layout_lib
@@ -424,4 +425,5 @@ def kl_clip(config: KfacConfig, vg: jax.Array, count: jax.Array) -> jax.Array | 
   eta = jnp.asarray(cadence.value_at(config.learning_rate, count), dtype)
   kappa = jnp.asarray(cadence.value_at(config.kl_clip, count), dtype)
   # √κ / (η √vg): η²·vg may overflow where ν does not
-  return jnp.where(vg > 0, jnp.minimum(1.0, jnp.sqrt(kappa) / (eta * jnp.sqrt(vg))), 1.0)
+  nu = jnp.minimum(1.0, jnp.sqrt(kappa) / (eta * jnp.sqrt(vg)))
+  return faults.computed_once(vg > 0, nu, jnp.ones_like(nu))   # one ν for every layer
