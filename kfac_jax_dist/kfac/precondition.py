@@ -341,11 +341,11 @@ def precondition(config: KfacConfig, comm: collectives_lib.Collectives,
   preconditioned together (`precondition_runs`: the step_time LM's eight
   attention projections in one batch of four products instead of 32
   products, 16 slices and 8 divisions, each a kernel launch on a GPU). On CPU
-  only the blocks of a stacked layer are: XLA:CPU compiles identical kernels
-  once, so separate layers of one shape cost it little one at a time, and a
-  batch's slices made each layer's update kernel distinct (the LM's step: 270
-  → 274 kernels, +8 % IR), where a stack's blocks are slices of one leaf
-  either way (a scan of 8 Dense blocks: 170 → 143 kernels). Chosen when
+  only the blocks of a stacked layer are: batched, separate layers of one
+  shape compiled slower there (the LM's step: 270 → 274 kernels, +8 % IR; a
+  12-block unscanned GPT 11.1 s against 8.7 s, PERF_NOTES §51), where a
+  stack's blocks are slices of one leaf either way (a scan of 8 Dense
+  blocks: 170 → 143 kernels). Chosen when
   tracing (`Collectives.on_cpu`) unless `BATCH_RUNS` says; the numbers are the
   same up to the order of the KL sum."""
   runs = {None: "stacks" if comm.on_cpu else "all", True: "all", False: "none"}[BATCH_RUNS]

@@ -306,9 +306,10 @@ def _group_adam(config: SoapConfig, step: step_lib.ShampooStep, g: int, bases: j
   """Group `g`'s (directions, `M'`, `V`), flat in its gradient buffer's order,
   from its blocks' moments `mu`, `nu` (this device's `[T]`), rotated with the
   eigenbases the step started with; `M'` carried into the new ones `bases`
-  on a refresh."""
+  on a refresh (one conditional for the group's regions: on a GPU each
+  conditional is a host round trip)."""
   tables, dtype = step.tables, mu.dtype
-  pieces: tuple[list, list, list] = ([], [], [])
+  directions, moments, seconds, rebases = [], [], [], []
   for (q, r), bs in tables.blocks[g].items():
     region = step.lay.params[q].regions[r]
     axis_bases = lambda roots, region=region, bs=bs: [
@@ -326,11 +327,14 @@ def _group_adam(config: SoapConfig, step: step_lib.ShampooStep, g: int, bases: j
       """`M'` into the new eigenbases (read only on a refresh)."""
       return blocks.precondition_blocks(blocks.precondition_blocks(m, back(old)),
                                         axis_bases(bases))
-    m = lax.cond(due, rebase, lambda m=m: m)
-    for out, y in zip(pieces, (blocks.precondition_blocks(d, back(old)), m, v)):
-      out.append(y.reshape(-1))
-  flat = lambda ys: collectives_lib.concat_flat(ys, dtype)
-  return flat(pieces[0]), flat(pieces[1]), flat(pieces[2])
+    directions.append(blocks.precondition_blocks(d, back(old)).reshape(-1))
+    moments.append(m)
+    seconds.append(v.reshape(-1))
+    rebases.append(rebase)
+  rotated = (lax.cond(due, lambda: [rebase() for rebase in rebases], lambda: moments)
+             if rebases else [])
+  flat = lambda ys: collectives_lib.concat_flat([y.reshape(-1) for y in ys], dtype)
+  return flat(directions), flat(rotated), flat(seconds)
 
 
 def soap_step(config: SoapConfig, comm: collectives_lib.Collectives,
