@@ -1,6 +1,10 @@
-"""Small shims over jax versions (0.8 → newest) for shard_map's varying axes."""
+"""Small shims over jax versions (0.8 → newest): shard_map's varying axes,
+and running on `Explicit` mesh axes (`on_auto_axes`)."""
 
 from __future__ import annotations
+
+import functools
+from typing import Any, Callable
 
 import jax
 from jax.extend import core as _jex_core
@@ -149,3 +153,93 @@ def may_not_run(top: object) -> bool:
       return True
     now, seen = getattr(now, "parent_trace", None), seen + 1
   return now is not top
+
+
+# Explicit mesh axes (`jax.make_mesh`'s default on jax 0.10.2 and 0.12): an
+# array's type then carries its sharding, and the library's reshapes and
+# contractions of a sharded batch or FSDP-sharded parameters are refused by
+# JAX's sharding rules ("ambiguous how the output should be sharded", "reshape
+# is not supported"), its constants (on no mesh) mixed with arrays on the mesh
+# too. Its entry points run such calls with those axes `Auto`, as a jit over
+# unannotated arrays: XLA's partitioner lays out the body.
+
+def explicit_mesh(tree) -> Any:
+  """The mesh of the first array leaf of `tree` whose type lies on a mesh
+  with `Explicit` axes, sharded over them or not (None if there is none: no
+  mesh, `Auto` axes, or inside `shard_map`, where the axes are `Manual`).
+  Replicated arrays count too: JAX refuses to mix them with the library's
+  constants, which lie on no mesh (outside `jax.set_mesh`)."""
+  for leaf in jax.tree_util.tree_leaves(tree):
+    if not isinstance(leaf, jax.Array):
+      continue
+    mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
+    if mesh is not None and _explicit_axes(mesh):
+      return mesh
+  return None
+
+
+def _explicit_axes(mesh) -> tuple[str, ...]:
+  return tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+               if kind == jax.sharding.AxisType.Explicit)
+
+
+def sharding_as_given(tree, mesh) -> Any:
+  """Each leaf's own partition spec (an array's type's) on `mesh`, else
+  replicated: for a result of `on_auto_axes` shaped like an input."""
+  def one(x: Any) -> jax.sharding.NamedSharding:
+    spec = jax.typeof(x).sharding.spec if isinstance(x, jax.Array) else None
+    return jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec() if spec is None else spec)
+  return jax.tree_util.tree_map(one, tree)
+
+
+def replicated(mesh) -> jax.sharding.NamedSharding:
+  """`P()` on `mesh`: every device the whole array."""
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def on_auto_axes(fun: Callable, args: tuple, kwargs: dict,
+                 out_shardings: Callable[[Any], Any]) -> Any:
+  """`fun(*args, **kwargs)`; where an array of them is sharded over `Explicit`
+  mesh axes, run with the mesh's explicit axes `Auto`
+  (`jax.sharding.auto_axes`) and the results resharded to
+  `out_shardings(mesh)` (a pytree prefix of them: `NamedSharding`s); else
+  exactly `fun(*args, **kwargs)`. Leaves that are not `jax.Array`s (flags,
+  modules, numpy arrays) pass through as they are. JAX's errors there about
+  `Auto` axes carry `AUTO_AXES_NOTE`."""
+  mesh = explicit_mesh((args, kwargs))
+  if mesh is None:
+    return fun(*args, **kwargs)
+  flat, treedef = jax.tree_util.tree_flatten((args, kwargs))
+  is_array = [isinstance(x, jax.Array) for x in flat]
+
+  def on_arrays(*arrays: jax.Array) -> Any:
+    given = iter(arrays)
+    a, k = treedef.unflatten([next(given) if d else x for x, d in zip(flat, is_array)])
+    return fun(*a, **k)
+  try:
+    return jax.sharding.auto_axes(on_arrays, axes=_explicit_axes(mesh),
+                                  out_sharding=out_shardings(mesh))(
+        *[x for x, d in zip(flat, is_array) if d])
+  except Exception as error:    # pylint: disable=broad-except
+    if "Auto" in str(error):      # JAX's, about the axes' type
+      error.add_note(AUTO_AXES_NOTE)
+    raise
+
+
+AUTO_AXES_NOTE = (
+    "kfac_jax_dist runs the loss function and the optimizer with the mesh's Explicit "
+    "axes Auto (jax.sharding.auto_axes): explicit-sharding annotations inside the "
+    "loss (reshard to a sharding naming a mesh axis or to a NamedSharding, "
+    "out_sharding=) are refused there; see docs/distributed.md, 'Explicit mesh axes'.")
+
+
+def updates_on_auto_axes(update_fn: Callable) -> Callable:
+  """An optax `update_fn(updates, state, params=None, **extra)` run by
+  `on_auto_axes`: the updates laid out as the incoming ones, the state's
+  leaves as they came in."""
+  @functools.wraps(update_fn)
+  def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> tuple:
+    return on_auto_axes(update_fn, (updates, state, params), extra, lambda mesh: (
+        sharding_as_given(updates, mesh), sharding_as_given(state, mesh)))
+  return update

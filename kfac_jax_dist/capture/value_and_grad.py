@@ -40,6 +40,11 @@ axis. Average them yourself (`lax.pmean`) or let `kd.Distribution`'s
 `gradient_reduction` do it. Where the devices' numbers of examples differ (a
 loss mask), each comes back weighted as its share of the global batch's, so
 that the plain mean is the global batch's (`_shares_of_global_batch`).
+
+Outside `shard_map`, on arrays lying on a mesh with `Explicit` axes
+(`jax.make_mesh`'s default on jax 0.10.2 and 0.12), each entry point runs
+with those axes `Auto` (`_compat.on_auto_axes`): the loss and statistics come
+back replicated, the gradients laid out as the parameters.
 """
 
 from __future__ import annotations
@@ -185,9 +190,14 @@ class ValueAndGrad:
       raise ValueError("discover(distribution=...) traces the batch inside shard_map: "
                        "pass array arguments only (bind the others with "
                        "functools.partial).")
+    mesh = distribution.mesh
+    is_spec = lambda s: isinstance(s, jax.sharding.PartitionSpec)
+    # Placed as the in_specs say: on `Explicit` mesh axes shard_map checks them.
+    placed = jax.tree_util.tree_map(lambda s, sub: _placed(sub, mesh, s),
+                                    distribution.param_specs, params, is_leaf=is_spec)
     jax.eval_shape(jax.shard_map(
-        local, mesh=distribution.mesh, in_specs=(distribution.param_specs, spec, spec),
-        out_specs=spec), params, args, kwargs)
+        local, mesh=mesh, in_specs=(distribution.param_specs, spec, spec),
+        out_specs=spec), placed, _placed(args, mesh, spec), _placed(kwargs, mesh, spec))
     return found[0]
 
   def _discover(self, params, *args, **kwargs) -> "_Discovered":
@@ -230,6 +240,13 @@ class ValueAndGrad:
     return found[0]
 
   def __call__(self, params, *args, rng=None, opt_state=None, loss_scale=None, **kwargs):
+    return _compat.on_auto_axes(
+        self._value_and_grad, (params, *args),
+        dict(rng=rng, opt_state=opt_state, loss_scale=loss_scale, **kwargs),
+        _value_grads_stats(params))
+
+  def _value_and_grad(self, params, *args, rng=None, opt_state=None, loss_scale=None,
+                      **kwargs):
     _check_not_a_schedule(params, args, kwargs)
     value, grads, stats, n = self._evaluate(params, args, kwargs, rng, opt_state,
                                             loss_scale)
@@ -258,6 +275,13 @@ class ValueAndGrad:
     over positions (masked ones included), is their plain mean. `aux` comes
     back stacked over the slices. Call the optimizer once with the results.
     """
+    return _compat.on_auto_axes(
+        self._accumulate, (params, *args),
+        dict(micro_batches=micro_batches, rng=rng, opt_state=opt_state,
+             loss_scale=loss_scale, **kwargs), _value_grads_stats(params))
+
+  def _accumulate(self, params, *args, micro_batches: int, rng=None, opt_state=None,
+                  loss_scale=None, **kwargs):
     k = batches.check(micro_batches, "accumulate")
     sliced = batches.split(args, k, "accumulate")
     rngs = None if rng is None else jax.random.split(rng, k)
@@ -325,8 +349,9 @@ class ValueAndGrad:
     See `capture.curvature`.
     """
     del rng, opt_state, loss_scale
-    gram, loss = curvature.gram_matrix(self.fun, self.has_aux, params, vectors, args,
-                                       kwargs, micro_batches)
+    gram, loss = _compat.on_auto_axes(
+        curvature.gram_matrix, (self.fun, self.has_aux, params, vectors, args, kwargs,
+                                micro_batches), {}, _compat.replicated)
     return (gram, loss) if with_loss else gram
 
   def loss(self, params, *args, micro_batches: int = 1, rng=None, opt_state=None,
@@ -340,8 +365,9 @@ class ValueAndGrad:
     arguments, one at a time. `rng`, `opt_state` and `loss_scale` are
     accepted and ignored."""
     del rng, opt_state, loss_scale
-    return curvature.mean_loss(self.fun, self.has_aux, params, args, kwargs,
-                               micro_batches)
+    return _compat.on_auto_axes(
+        curvature.mean_loss, (self.fun, self.has_aux, params, args, kwargs,
+                              micro_batches), {}, _compat.replicated)
 
   def _evaluate(self, params, args, kwargs, rng, opt_state, loss_scale):
     """(value, grads, stats, n) of one batch; see `value_and_grad`. With a
@@ -474,6 +500,22 @@ class ValueAndGrad:
     value = (loss, aux) if self.has_aux else loss
     counted = frozenset(layer.name for layer in discovered.layers if layer.may_sit_out)
     return value, grads, _statistics(probe_bar, g_scale, traces[0].scaled, counted), n
+
+
+def _placed(tree: Any, mesh: Any, spec: jax.sharding.PartitionSpec) -> Any:
+  """`tree`'s leaves as `jax.ShapeDtypeStruct`s laid out on `mesh` as `spec`."""
+  sharding = jax.sharding.NamedSharding(mesh, spec)
+  return jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding),
+      tree)
+
+
+def _value_grads_stats(params: Any) -> Callable[[Any], tuple]:
+  """Where `grad_fn` runs on `Explicit` mesh axes (`_compat.on_auto_axes`):
+  the loss (and aux) and the statistics replicated, the gradients laid out
+  as their parameters."""
+  return lambda mesh: (_compat.replicated(mesh), _compat.sharding_as_given(params, mesh),
+                       _compat.replicated(mesh))
 
 
 def _summable(layer: dict, n: Any) -> dict:

@@ -208,6 +208,7 @@ def skip_faulty_steps(inner: optax.GradientTransformation
   inner = optax.with_extra_args_support(inner)
   is_state = lambda x: isinstance(x, states_lib.PreconditionerState)
 
+  @_compat.updates_on_auto_axes
   def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any
                 ) -> tuple[Any, Any]:
     token = _ZEROED_BY_WRAPPER.set(True)

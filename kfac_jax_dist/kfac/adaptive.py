@@ -628,6 +628,7 @@ def scale_by_adaptive_kfac(
         count=jnp.zeros([], jnp.int32), skipped=jnp.zeros([], jnp.int32),
         rejected=jnp.zeros([], jnp.int32))
 
+  @_compat.updates_on_auto_axes
   def update_fn(updates: Any, state: AdaptiveKfacState, params: Any = None, *,
                 kfac_stats: Any = None, kfac_batch: tuple | None = None,
                 kfac_batch_kwargs: dict | None = None,

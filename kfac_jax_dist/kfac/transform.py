@@ -661,6 +661,7 @@ def scale_by_kfac(
   def init_fn(params: Any) -> ScaleByKfacState:
     return init_state(config, comm, layers, params)
 
+  @_compat.updates_on_auto_axes
   def update_fn(updates: Any, state: ScaleByKfacState, params: Any = None, *,
                 kfac_stats: factors.Stats | None = None, **extra_args: Any
                 ) -> tuple[Any, ScaleByKfacState]:

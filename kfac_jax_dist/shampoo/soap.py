@@ -465,6 +465,7 @@ def scale_by_soap(
   def init_fn(params: Any) -> ScaleBySoapState:
     return init_state(config, comm, params)
 
+  @_compat.updates_on_auto_axes
   def update_fn(updates: Any, state: ScaleBySoapState, params: Any = None,
                 **extra_args: Any) -> tuple[Any, ScaleBySoapState]:
     del params, extra_args

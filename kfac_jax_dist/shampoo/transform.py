@@ -268,6 +268,7 @@ def scale_by_shampoo(
   def init_fn(params: Any) -> ScaleByShampooState:
     return init_state(config, comm, params)
 
+  @_compat.updates_on_auto_axes
   def update_fn(updates: Any, state: ScaleByShampooState, params: Any = None,
                 **extra_args: Any) -> tuple[Any, ScaleByShampooState]:
     del params, extra_args
