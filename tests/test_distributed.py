@@ -17,6 +17,7 @@ import helpers
 from kfac_jax_dist.core import offsets
 from kfac_jax_dist.core import uneven
 from kfac_jax_dist.kfac import layout as layout_lib
+from kfac_jax_dist.kfac.adaptive import AdaptiveKfacState
 from kfac_jax_dist.kfac.state import find_states
 
 STEPS = 7            # counts 0..6: inverse at 0, 3, 6; factor-only at 2, 4; plain 1, 5
@@ -511,6 +512,21 @@ def test_jit_on_explicit_mesh_axes_equals_single_device(x64, name, params_layout
           lambda _: layout, trajectory[-1]))
   _assert_same(trajectory, reference,
                **EXPLICIT_TOLERANCE.get(name, dict(rtol=1e-9, atol=1e-12)))
+
+
+def test_adaptive_velocity_is_laid_out_as_the_parameters():
+  """Adaptive K-FAC's velocity (zeros like the parameters, in float32 at
+  least) lies as the FSDP-sharded parameters do, as optax's momentum does,
+  not replicated."""
+  mesh = _explicit_mesh()
+  loss_fn, params, x, y = helpers.conv_dense_problem()
+  grad_fn = kd.value_and_grad(loss_fn)
+  layout = jax.tree.map(functools.partial(_fsdp_sharding, mesh), params)
+  state = _optimizer("adaptive", grad_fn, grad_fn.discover(params, x, y)).init(
+      jax.device_put(params, layout))
+  velocity = find_states(state, AdaptiveKfacState)[0].velocity
+  assert all(v.sharding.is_equivalent_to(s, v.ndim) and v.dtype == jnp.float32
+             for v, s in zip(jax.tree.leaves(velocity), jax.tree.leaves(layout)))
 
 
 def test_tensor_parallel_discovery_on_explicit_mesh_axes():

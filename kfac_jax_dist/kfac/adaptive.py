@@ -622,7 +622,7 @@ def scale_by_adaptive_kfac(
     return AdaptiveKfacState(
         kfac=inner, damping=scalar(cadence.value_at(kfac_config.damping, 0)),
         velocity=jax.tree_util.tree_map(
-            lambda p: jnp.zeros(jnp.shape(p), jnp.promote_types(p.dtype, jnp.float32)),
+            lambda p: jnp.zeros_like(p, jnp.promote_types(p.dtype, jnp.float32)),
             params),
         learning_rate=scalar(0.0), momentum=scalar(0.0), rho=scalar(0.0),
         count=jnp.zeros([], jnp.int32), skipped=jnp.zeros([], jnp.int32),
