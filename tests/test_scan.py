@@ -1068,6 +1068,19 @@ def _instructions(compiled_text: str) -> int:
   return sum(1 for line in compiled_text.splitlines() if " = " in line)
 
 
+def _step_instructions(loss_fn, params, x, y, **options) -> int:
+  """`_instructions` of the jitted K-FAC step (η 0.1, λ 1e-3, `options`)."""
+  grad_fn = kd.value_and_grad(loss_fn)
+  tx = kd.kfac(learning_rate=0.1, damping=1e-3, layers=grad_fn.discover(params, x, y),
+               **options)
+
+  def step(p, s):
+    _, grads, stats = grad_fn(p, x, y, opt_state=s)
+    updates, s = tx.update(grads, s, p, kfac_stats=stats)
+    return optax.apply_updates(p, updates), s
+  return _instructions(jax.jit(step).lower(params, tx.init(params)).compile().as_text())
+
+
 @pytest.mark.parametrize("method", ["eigen", "inverse"])
 def test_stacked_step_program_does_not_grow_with_blocks(method):
   """The compiled K-FAC step of `L` scanned blocks (a Dense with bias, a
@@ -1094,16 +1107,7 @@ def test_stacked_step_program_does_not_grow_with_blocks(method):
               "norm": {"scale": jnp.ones((blocks, D), F64),
                        "bias": jnp.zeros((blocks, D), F64)},
               "out": {"kernel": jax.random.normal(keys[2], (D, C), F64)}}
-    grad_fn = kd.value_and_grad(loss_fn)
-    tx = kd.kfac(learning_rate=0.1, damping=1e-3, method=method,
-                 layers=grad_fn.discover(params, x, y))
-
-    def step(p, s):
-      _, grads, stats = grad_fn(p, x, y, opt_state=s)
-      updates, s = tx.update(grads, s, p, kfac_stats=stats)
-      return optax.apply_updates(p, updates), s
-    counts.append(_instructions(
-        jax.jit(step).lower(params, tx.init(params)).compile().as_text()))
+    counts.append(_step_instructions(loss_fn, params, x, y, method=method))
   assert abs(counts[1] - counts[0]) <= 0.02 * counts[0], counts
 
 
@@ -1125,15 +1129,7 @@ def test_unscanned_step_program_grows_linearly_with_layers():
       for q in p[:-1]:
         x = jnp.tanh(kd.tags.dense(x, q["w"], q["b"]))
       return kd.losses.softmax_cross_entropy(kd.tags.dense(x, p[-1]["w"]), y)
-    grad_fn = kd.value_and_grad(loss_fn)
-    tx = kd.kfac(learning_rate=0.1, damping=1e-3, layers=grad_fn.discover(params, x, y))
-
-    def step(p, s):
-      _, grads, stats = grad_fn(p, x, y, opt_state=s)
-      updates, s = tx.update(grads, s, p, kfac_stats=stats)
-      return optax.apply_updates(p, updates), s
-    counts.append(_instructions(
-        jax.jit(step).lower(params, tx.init(params)).compile().as_text()))
+    counts.append(_step_instructions(loss_fn, params, x, y))
   first, second = counts[1] - counts[0], counts[2] - counts[1]
   assert abs(second - first) <= 0.05 * first, counts
 
