@@ -464,7 +464,7 @@ def _train(name, steps, mesh=None, params_layout="replicated"):
     if params_layout == "fsdp":
       layout = jax.tree.map(functools.partial(_fsdp_sharding, mesh), params)
       params = jax.device_put(params, layout)
-      state = tx.init(params)        # jitted: under jax.set_mesh, and jax >= 0.10
+      state = tx.init(params)        # eagerly: jitted, it needs jax.set_mesh (and jax >= 0.10)
       gathered = lambda p, x, y: loss_fn(jax.tree.map(
           lambda a: jax.sharding.reshard(a, replicated), p), x, y)
     else:
