@@ -327,9 +327,9 @@ def _group_adam(config: SoapConfig, step: step_lib.ShampooStep, g: int, bases: j
       """`M'` into the new eigenbases (read only on a refresh)."""
       return blocks.precondition_blocks(blocks.precondition_blocks(m, back(old)),
                                         axis_bases(bases))
-    directions.append(blocks.precondition_blocks(d, back(old)).reshape(-1))
+    directions.append(blocks.precondition_blocks(d, back(old)))
     moments.append(m)
-    seconds.append(v.reshape(-1))
+    seconds.append(v)
     rebases.append(rebase)
   rotated = (lax.cond(due, lambda: [rebase() for rebase in rebases], lambda: moments)
              if rebases else [])
