@@ -22,6 +22,7 @@ import functools
 import inspect
 import itertools
 import math
+import typing
 import warnings
 
 import flax.linen as nn
@@ -1596,3 +1597,47 @@ def test_a_plain_tag_is_named_by_its_kernels_parent_path():
     return kd.losses.softmax_cross_entropy(kd.tags.dense(h, p["c"]["kernel"]), y)
   layers = kd.value_and_grad(loss).discover(params, jnp.ones((5, 3)), jnp.zeros(5, int))
   assert [layer.name for layer in layers.layers] == ["a/b", "c"]
+
+
+class _ValuePair(typing.NamedTuple):     # fields named like boxes' attributes
+  value: jax.Array
+  raw_value: jax.Array
+
+
+class _PlainPair(typing.NamedTuple):
+  first: jax.Array
+  second: jax.Array
+
+
+@pytest.mark.parametrize("method", ["kfac", "shampoo"])
+def test_a_container_whose_fields_are_called_like_box_attributes_keeps_them_apart(method):
+  """A NamedTuple with fields `value` and `raw_value` is not a box: its two
+  leaves keep their own names and get their own updates, the updates of the
+  same tree with other field names (before, K-FAC gave both the update of
+  one)."""
+  rng = np.random.default_rng(0)
+  x, y = jnp.asarray(rng.normal(size=(16, 3))), jnp.asarray(rng.integers(0, 4, 16))
+  kernel = jnp.asarray(rng.normal(size=(3, 4)))
+
+  def run(pair):
+    params = {"dense": {"kernel": kernel}, "extra": pair(jnp.ones(4), 2 * jnp.ones(4))}
+
+    def loss_fn(p, x, y):
+      first, second = p["extra"]
+      return kd.losses.softmax_cross_entropy(
+          kd.tags.dense(x, p["dense"]["kernel"]) * first + second, y)
+    grad_fn = kd.value_and_grad(loss_fn)
+    tx = (kd.kfac(0.1, damping=1e-2, momentum=0.0, layers=grad_fn.discover(params, x, y))
+          if method == "kfac" else kd.shampoo(0.1))
+    state = tx.init(params)
+    for _ in range(2):
+      _, grads, stats = grad_fn(params, x, y, opt_state=state)
+      updates, state = tx.update(grads, state, params, kfac_stats=stats)
+      params = optax.apply_updates(params, updates)
+    return updates, params
+  got, want = run(_ValuePair), run(_PlainPair)
+  assert_trees_equal(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want))
+  assert not np.allclose(got[0]["extra"].value, got[0]["extra"].raw_value)
+  assert kd.capture.registry.path_strs(
+      [p for p, _ in jax.tree_util.tree_flatten_with_path(got[1])[0]]) == [
+          "dense/kernel", "extra/value", "extra/raw_value"]

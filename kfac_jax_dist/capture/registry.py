@@ -72,11 +72,35 @@ def path_str(path: Path) -> str:
   parameter's (an NNX Variable's array, a linen `Partitioned`'s) without its
   box's attribute key, as the bare array's: the Variables' `nnx.State` that
   `tx.init` sees and the pure arrays that `nnx.Optimizer.update` hands
-  `tx.update` name the same leaves."""
-  if (len(path) > 1 and isinstance(path[-1], jax.tree_util.GetAttrKey)
-      and path[-1].name in BOX_ATTRIBUTES):
+  `tx.update` name the same leaves. For one leaf known to be a box's; a
+  tree's leaves are named by `path_strs`."""
+  if _ends_in_box_key(path):
     path = path[:-1]
   return "/".join(_key_name(k) for k in path)
+
+
+def _ends_in_box_key(path: Path) -> bool:
+  return (len(path) > 1 and isinstance(path[-1], jax.tree_util.GetAttrKey)
+          and path[-1].name in BOX_ATTRIBUTES)
+
+
+def path_strs(paths: list[Path]) -> list[str]:
+  """The names of a tree's leaves: `path_str`, except that a box's attribute
+  key is dropped only where the node holds that one leaf. A container of
+  several leaves whose fields happen to be called `value` and `raw_value` (a
+  NamedTuple, a dataclass) keeps the field names, so its leaves stay apart."""
+  below: dict[Path, int] = {}
+  for path in paths:
+    for k in range(len(path)):
+      below[path[:k]] = below.get(path[:k], 0) + 1
+  return ["/".join(_key_name(k) for k in (
+      p[:-1] if _ends_in_box_key(p) and below[p[:-1]] == 1 else p)) for p in paths]
+
+
+def named_leaves(tree: Any) -> list[tuple[str, Any]]:
+  """`[(name, leaf)]` of a parameter (or gradient) tree, named by `path_strs`."""
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return list(zip(path_strs([p for p, _ in flat]), [x for _, x in flat]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,6 +288,5 @@ def check_layers(layers: Any) -> None:
 
 
 def leaves_by_path(tree: Any) -> dict[str, Any]:
-  """`{path_str: leaf}` of a parameter (or gradient) tree."""
-  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {path_str(path): leaf for path, leaf in flat}
+  """`{name: leaf}` of a parameter (or gradient) tree (`named_leaves`)."""
+  return dict(named_leaves(tree))

@@ -80,10 +80,10 @@ def register_capture(name: str, wrap: Callable[[Callable], Callable]) -> None:
 def _new_trace(mode: str, params, **fields) -> _context.Trace:
   """A trace whose leaf tables describe `params` (as given, before
   `stacking.prepare`, which keeps the leaves themselves)."""
-  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  named = registry.named_leaves(params)
   return _context.Trace(
-      mode=mode, leaf_paths={id(leaf): registry.path_str(path) for path, leaf in flat},
-      leaf_shapes={registry.path_str(path): tuple(jnp.shape(leaf)) for path, leaf in flat},
+      mode=mode, leaf_paths={id(leaf): name for name, leaf in named},
+      leaf_shapes={name: tuple(jnp.shape(leaf)) for name, leaf in named},
       **fields)
 
 

@@ -131,9 +131,9 @@ def _leaf_specs(tree: Any, dist) -> list[tuple[str, Any, PartitionSpec]]:
   except (ValueError, TypeError) as e:
     raise ValueError("Distribution.param_specs must be a pytree like the parameters "
                      f"(or a prefix of it): {e}") from e
-  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  return [(registry.path_str(path), x, spec)
-          for (path, x), spec in zip(flat, treedef.flatten_up_to(specs))]
+  treedef = jax.tree_util.tree_structure(tree)
+  return [(path, x, spec)
+          for (path, x), spec in zip(registry.named_leaves(tree), treedef.flatten_up_to(specs))]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -254,10 +254,9 @@ def inner_product(kfac_config: KfacConfig) -> Dot:
 
   def dot(a: Any, b: Any) -> jax.Array:
     replicated = tensor_parallel.replicated_axes(a, dist)
-    flat, _ = jax.tree_util.tree_flatten_with_path(a)
     local = jnp.zeros([])
-    for (path, x), y in zip(flat, jax.tree_util.tree_leaves(b)):
-      over = replicated[registry.path_str(path)]
+    for (path, x), y in zip(registry.named_leaves(a), jax.tree_util.tree_leaves(b)):
+      over = replicated[path]
       local = local + jnp.where(tensor_parallel.on_shard_zero(over), tree_vdot(x, y),
                                 0.0)
     return lax.psum(_compat.as_varying(local, axes), axes)
@@ -348,9 +347,8 @@ def _typed_like_params(kfac_config: KfacConfig, tree: Any) -> Any:
   if not kfac_config.model_axes:
     return tree
   replicated = tensor_parallel.replicated_axes(tree, kfac_config.distribution)
-  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  return jax.tree_util.tree_unflatten(treedef, [
-      _compat.equal_over(x, replicated[registry.path_str(path)]) for path, x in flat])
+  return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree), [
+      _compat.equal_over(x, replicated[path]) for path, x in registry.named_leaves(tree)])
 
 
 def _objectives(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,

@@ -512,9 +512,9 @@ def preconditioned_updates(config: KfacConfig, comm: collectives_lib.Collectives
                                       grad_of, kl_weight, scaling)
   leaves = dict(leaves)
   precondition.write_back(lay, out, leaves, precondition.kl_clip(config, vg, count))
-  flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
   return (jax.tree_util.tree_unflatten(
-      treedef, [leaves[registry.path_str(p)] for p, _ in flat]),
+      jax.tree_util.tree_structure(updates),
+      [leaves[p] for p, _ in registry.named_leaves(updates)]),
           produced_finite(config, lay, leaves, vg))
 
 

@@ -78,9 +78,9 @@ def init_state(config: ShampooConfig, comm: collectives_lib.Collectives, params:
   """The state at count 0 (built in numpy for concrete params: one transfer
   per array; jnp when traced)."""
   placement.check_floating_params("scale_by_shampoo", params)
-  flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  paths = [registry.path_str(p) for p, _ in flat]
-  lay = blocks.build_layout([(p, tuple(jnp.shape(x))) for p, (_, x) in zip(paths, flat)],
+  flat = registry.named_leaves(params)
+  paths = [p for p, _ in flat]
+  lay = blocks.build_layout([(p, tuple(jnp.shape(x))) for p, x in flat],
                             skip=config.skip, stacked=config.stacked,
                             **config.shape_options())
   lay = blocks.shard_layout(lay, comm.num_devices, comm.group_size,
@@ -116,8 +116,7 @@ def check_placement(config: ShampooConfig, comm: collectives_lib.Collectives,
   if dist is not None:
     placement.check_axis(name, dist)
     placement.check_gradients_averaged(transform, dist, updates)
-  flat = jax.tree_util.tree_flatten_with_path(updates)[0]
-  got = [(registry.path_str(p), tuple(jnp.shape(x))) for p, x in flat]
+  got = [(p, tuple(jnp.shape(x))) for p, x in registry.named_leaves(updates)]
   if got != [(q.path, q.shape) for q in lay.params]:
     raise ValueError(
         f"{transform}: the updates do not have the structure of the params "
