@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -1050,3 +1051,46 @@ def test_checkpoint_records_dtypes(saved):
   with open(os.path.join(path, "kfac_layout", "metadata"), encoding="utf-8") as f:
     meta = json.load(f)
   assert ["float32"] == sorted({d for _, d in meta["dtypes"]} - {"int32", "bool"})
+
+
+def _wide_head(width: int):
+  """A Dense 6 → `width` head (abstract parameters) and its layers: `G` is
+  `width × width`."""
+  def wide_loss(p, x, y):
+    return kd.losses.softmax_cross_entropy(kd.tags.dense(x, p["head"], name="head"), y)
+  params = {"head": jax.ShapeDtypeStruct((6, width), jnp.float32)}
+  x, y = jax.ShapeDtypeStruct((BATCH, 6), jnp.float32), jax.ShapeDtypeStruct((BATCH,), jnp.int32)
+  return params, kd.value_and_grad(wide_loss).discover(params, x, y)
+
+
+def test_a_full_factor_wider_than_packed_triangles_allow_is_refused_at_init():
+  """A full 32000-wide factor (a vocabulary-sized head) is refused by `init`,
+  naming the layer and `max_factor_dim=`, before any array is built (before,
+  `init` built 6 GB and the first traced step refused it); kept diagonal it
+  is fine, and a full factor wider than 16384 warns once."""
+  params, layers = _wide_head(32000)
+  with pytest.raises(ValueError, match=r"layer 'head' has a full 32000×32000 factor G.*"
+                                       r"up to 30000 wide.*max_factor_dim="):
+    kd.kfac(1e-2, layers=layers).init(params)
+  state = jax.eval_shape(kd.kfac(1e-2, layers=layers, max_factor_dim=4096).init, params)
+  assert sum(x.size for x in jax.tree_util.tree_leaves(state)) < 10 ** 6
+  params, layers = _wide_head(16385)
+  with pytest.warns(UserWarning, match=r"wider than 16384: 'head' G 16385×16385"):
+    jax.eval_shape(kd.kfac(1e-2, layers=layers).init, params)
+
+
+def test_full_statistics_of_diagonal_factors_warn():
+  """Statistics formed without `opt_state=` are full `d × d` matrices even
+  for a factor the state keeps diagonal (gigabytes for a vocabulary-sized
+  head): `update` warns, naming the factor; with `opt_state=` it is quiet."""
+  params, x_y = _params(), _batch()
+  tx = kd.kfac(1e-2, layers=LAYERS, max_factor_dim=5)
+  state = tx.init(params)
+  _, grads, stats = GRAD_FN(params, *x_y)
+  with pytest.warns(UserWarning, match=r"keeps diagonal: 'l0' A \(7×7\), 'l0' G \(8×8\), "
+                                       r"'out' A \(8×8\)\. Pass opt_state= to grad_fn"):
+    tx.update(grads, state, params, kfac_stats=stats)
+  _, grads, stats = GRAD_FN(params, *x_y, opt_state=state)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    tx.update(grads, state, params, kfac_stats=stats)

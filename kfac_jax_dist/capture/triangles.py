@@ -19,6 +19,10 @@ from jax import lax
 # indices are computed in its own loop (PERF_NOTES §7). Larger ones are
 # computed in the program.
 CONSTANT_INDICES = 2 ** 19
+# The widest packed factor: `row_starts(i, d)` of every row in int32 (`i·d`
+# below 2^31 with room for `packed_rows`' corrections). `kfac.layout` refuses
+# wider full factors at `init`.
+MAX_PACKED_DIM = 30000
 
 
 def packed_size(d):
@@ -54,8 +58,8 @@ def _traced_upper_positions(d: int) -> jax.Array:
   (row `i` by `packed_rows`), computed in the program from an iota: as
   constants, the positions of a 6401-wide factor would be 82 MB of the
   program itself."""
-  if d > 30000:
-    raise ValueError(f"packed factors support dimensions up to 30000 (int32 "
+  if d > MAX_PACKED_DIM:
+    raise ValueError(f"packed factors support dimensions up to {MAX_PACKED_DIM} (int32 "
                      f"indices), got {d}: set max_factor_dim")
   k = lax.iota(jnp.int32, packed_size(d))
   i = packed_rows(k, d)

@@ -27,6 +27,7 @@ whether the layer ran on its own batch (`N_d > 0`).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -80,7 +81,25 @@ def check_stats(layout: layout_lib.Layout, stats: Stats | None, update_flag: Any
       if key not in stats[name]:
         raise ValueError(f"kfac_stats['{name}'] has no statistic {key!r} "
                          f"(it has {sorted(stats[name])}).")
+  _warn_full_of_diagonal(layout, stats)
   return True
+
+
+def _warn_full_of_diagonal(layout: layout_lib.Layout, stats: Stats) -> None:
+  """One warning naming the factors kept diagonal whose statistics came as
+  full `d × d` matrices: the capture, not given `opt_state=`, formed `d²`
+  numbers (a vocabulary-sized output's: gigabytes) of which the update
+  reads the `d` on the diagonal."""
+  full = sorted({f"'{plan.layer.stats_name}' {which.upper()} ({place.dim}×{place.dim})"
+                 for plan in layout.plans for which, place in plan.places
+                 if place.form == statistics.DIAG
+                 and jnp.ndim(stats[plan.layer.stats_name][which.upper()])
+                 == len(plan.layer.stack) + 2})
+  if full:
+    warnings.warn(
+        f"kfac_jax_dist: kfac_stats has full statistics of factors the K-FAC state keeps "
+        f"diagonal: {', '.join(full)}. Pass opt_state= to grad_fn so that the capture "
+        "forms only their diagonals.", stacklevel=4)
 
 
 def _checked_shape(stat: jax.Array, place: layout_lib.FactorPlace, name: str,

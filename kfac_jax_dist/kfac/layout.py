@@ -65,6 +65,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import warnings
 from typing import Any, Callable, NamedTuple, Sequence
 
 from kfac_jax_dist.capture import registry
@@ -1009,6 +1010,35 @@ def check_addressable(lay: Layout) -> None:
       f"on {lay.num_devices} device(s) in {lay.num_groups} owner group(s), spread them "
       "over more devices (more devices, or a smaller grad_worker_fraction), keep the "
       "largest factors diagonal (max_factor_dim=) or leave their layers out (skip=)."))
+
+
+# A full factor wider than this is worth a warning at `init`: its copies are
+# over a GiB each in float32 and its decomposition `O(d³)` (a vocabulary-sized
+# output layer, usually, that `max_factor_dim=` would keep diagonal).
+LARGE_FACTOR_DIM = 16384
+
+
+def check_factor_dims(lay: Layout) -> None:
+  """Every full factor fits the packed triangles' int32 arithmetic
+  (`triangles.MAX_PACKED_DIM`), or an error naming the layer; one warning
+  lists the full factors wider than `LARGE_FACTOR_DIM`."""
+  full = [(plan.layer.name, which.upper(), place.dim) for plan in lay.plans
+          for which, place in plan.places if place.form == factors.FULL]
+  for name, which, dim in full:
+    if lay.packed and dim > triangles.MAX_PACKED_DIM:
+      raise ValueError(
+          f"scale_by_kfac: layer '{name}' has a full {dim}×{dim} factor {which}; full "
+          f"factors are stored as upper triangles with int32 indices, up to "
+          f"{triangles.MAX_PACKED_DIM} wide. Keep it diagonal (max_factor_dim=, e.g. "
+          "4096) or leave the layer out (skip=).")
+  large = [f"'{name}' {which} {dim}×{dim}" for name, which, dim in full
+           if dim > LARGE_FACTOR_DIM]
+  if large:
+    warnings.warn(
+        f"kfac_jax_dist: full Kronecker factors wider than {LARGE_FACTOR_DIM}: "
+        f"{', '.join(large)}; each one's eigenbasis or inverse is over 1 GiB in float32 "
+        "and its decomposition O(d³). A vocabulary-sized layer usually wants max_factor_dim= (e.g. 4096: "
+        "diagonal beyond) or skip=.", stacklevel=3)
 
 
 def cheaper_storage(lay: Layout, factor_every: int, inverse_every: int) -> str:

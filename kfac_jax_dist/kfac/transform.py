@@ -142,6 +142,7 @@ def init_state(config: KfacConfig, comm: collectives_lib.Collectives,
   leaves = registry.leaves_by_path(params)
   lay = build_layout(config, comm, layers, list(leaves))
   _check_params(layers, leaves, lay.skipped)
+  layout_lib.check_factor_dims(lay)
   layout_lib.check_addressable(lay)
   xp = jnp if _compat.traced(params) else np
   running, second = initial_arrays(config, lay, xp)
