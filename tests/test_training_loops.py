@@ -220,6 +220,59 @@ def test_a_donating_step_equals_the_plain_one(kind, x64):
   helpers.assert_trees_equal((p, s), (pd, sd), rtol=1e-10)
 
 
+_COMPILES = [0]
+
+
+def _count_compiles(event: str, duration: float, **kwargs) -> None:
+  del duration, kwargs
+  if event == "/jax/core/compile/backend_compile_duration":
+    _COMPILES[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+
+
+@pytest.mark.parametrize("kind", ["kfac", "kfac inverse", "shampoo", "soap"])
+def test_an_eager_loop_compiles_nothing_after_its_first_steps(kind, x64):
+  """A training loop without `jax.jit` (a notebook, a debugging session):
+  after the first steps (K-FAC's cadence 2/3: factor, decomposition and plain
+  steps all seen), steps compile no program (before, every K-FAC step
+  compiled 8: each tagged layer's statistics conditional in `grad_fn` and
+  five in `update`, fresh closures each call, 0.7 s a step and JAX's caches
+  growing by 16 MB), and the eager steps equal the jitted ones in float64
+  (the factors too: float32 factors round the two programs' statistics,
+  equal to 1e-17, apart by 1e-7), SOAP's aside."""
+  del x64
+  loss_fn, params, tokens, mask = _problem(jnp.float64, jnp.float64)
+  grad_fn = kd.value_and_grad(loss_fn)
+  if kind in ("shampoo", "soap"):
+    tx = (kd.shampoo(0.1, preconditioning_compute_steps=3, statistics_dtype=jnp.float64)
+          if kind == "shampoo" else
+          kd.soap(0.01, precondition_every=3, statistics_dtype=jnp.float64))
+  else:
+    tx = kd.kfac(0.1, layers=grad_fn.discover(params, tokens, mask), factor_update_every=2,
+                 inverse_update_every=3, method="inverse" if kind == "kfac inverse" else "eigen",
+                 factor_dtype=jnp.float64)
+
+  def step(params, state, tokens, mask):
+    _, grads, stats = grad_fn(params, tokens, mask, opt_state=state)
+    extra = {} if kind in ("shampoo", "soap") else {"kfac_stats": stats}
+    updates, state = tx.update(grads, state, params, **extra)
+    return optax.apply_updates(params, updates), state
+  p, s, jp, js, jitted = params, tx.init(params), params, tx.init(params), jax.jit(step)
+  for i in range(10):
+    batch = jnp.roll(tokens, i, axis=0)
+    before = _COMPILES[0]
+    p, s = step(p, s, batch, mask)
+    if i >= 6:
+      assert _COMPILES[0] == before, f"step {i} compiled {_COMPILES[0] - before} programs"
+    jp, js = jitted(jp, js, batch, mask)
+  if kind != "soap":    # rank-deficient eigenbases: see the next test's docstring
+    helpers.assert_trees_equal(p, jp, rtol=1e-9)
+    # Shampoo's roots amplify rounding, as in the next test.
+    helpers.assert_trees_equal(s, js, rtol=1e-6 if kind == "shampoo" else 1e-9)
+
+
 @pytest.mark.parametrize("kind", ["kfac", "adaptive", "shampoo"])
 def test_steps_in_a_scan_equal_the_jitted_loop(kind, x64):
   """Several training steps per call, `lax.scan` over a stack of batches

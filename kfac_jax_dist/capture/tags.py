@@ -194,7 +194,7 @@ def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag,
     if static_flag is not None:             # the caller branched around the pass
       probe_bar = computed() if static_flag else placeholders()
     else:
-      probe_bar = lax.cond(flag, computed, placeholders)
+      probe_bar = _compat.cond(flag, computed, placeholders)
     return x_bar, tuple(params_bar), probe_bar, None
 
   layer.defvjp(fwd, bwd)

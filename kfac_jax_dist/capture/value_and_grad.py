@@ -401,7 +401,7 @@ class ValueAndGrad:
           n = None
         return value, grads, stats, n
       return capture
-    value, grads, stats, n = jax.lax.cond(state.update_factors, branch(True),
+    value, grads, stats, n = _compat.cond(state.update_factors, branch(True),
                                           branch(False))
     return value, grads, stats, (static_n[0] if static_n else n)
 

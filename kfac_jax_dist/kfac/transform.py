@@ -662,7 +662,6 @@ def scale_by_kfac(
   def init_fn(params: Any) -> ScaleByKfacState:
     return init_state(config, comm, layers, params)
 
-  @_compat.updates_on_auto_axes
   def update_fn(updates: Any, state: ScaleByKfacState, params: Any = None, *,
                 kfac_stats: factors.Stats | None = None, **extra_args: Any
                 ) -> tuple[Any, ScaleByKfacState]:
@@ -670,6 +669,8 @@ def scale_by_kfac(
     check_extra_args(extra_args, "scale_by_kfac")
     states.check_kind(state, ScaleByKfacState, "scale_by_kfac")
     return update_state(config, comm, updates, state, kfac_stats)
+  update_fn = _compat.updates_on_auto_axes(_compat.compiled_when_eager(
+      update_fn, config, needs=("kfac_stats",)))
 
   return tensor_parallel.for_model_shards(
       optax.GradientTransformationExtraArgs(init_fn, update_fn), distribution,

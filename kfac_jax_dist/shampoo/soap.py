@@ -465,12 +465,12 @@ def scale_by_soap(
   def init_fn(params: Any) -> ScaleBySoapState:
     return init_state(config, comm, params)
 
-  @_compat.updates_on_auto_axes
   def update_fn(updates: Any, state: ScaleBySoapState, params: Any = None,
                 **extra_args: Any) -> tuple[Any, ScaleBySoapState]:
     del params, extra_args
     states.check_kind(state, ScaleBySoapState, "scale_by_soap")
     return update_state(config, comm, updates, state)
+  update_fn = _compat.updates_on_auto_axes(_compat.compiled_when_eager(update_fn, config))
 
   # Tensor-parallel: every model shard runs SOAP on its local shard (as Shampoo).
   return tensor_parallel.for_model_shards(

@@ -267,12 +267,12 @@ def scale_by_shampoo(
   def init_fn(params: Any) -> ScaleByShampooState:
     return init_state(config, comm, params)
 
-  @_compat.updates_on_auto_axes
   def update_fn(updates: Any, state: ScaleByShampooState, params: Any = None,
                 **extra_args: Any) -> tuple[Any, ScaleByShampooState]:
     del params, extra_args
     states.check_kind(state, ScaleByShampooState, "scale_by_shampoo")
     return update_state(config, comm, updates, state)
+  update_fn = _compat.updates_on_auto_axes(_compat.compiled_when_eager(update_fn, config))
 
   # Tensor-parallel: every model shard preconditions its local shard (3D-Shampoo).
   return tensor_parallel.for_model_shards(
