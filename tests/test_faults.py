@@ -568,7 +568,9 @@ def test_statistics_may_be_omitted_on_a_known_non_factor_step():
   _, grads, stats = GRAD_FN(params, *_batch(1), opt_state=state)   # zeros: not computed
   with_stats = tx.update(grads, state, kfac_stats=stats)
   without = tx.update(grads, state)
-  assert_bitwise(with_stats, without)
+  # Eagerly, with statistics the update runs compiled, without them op by op
+  # (only the concrete state says they are not needed): equal to float32 rounding.
+  helpers.assert_trees_equal(with_stats, without, rtol=2e-5)
 
 
 def test_distribution_errors():

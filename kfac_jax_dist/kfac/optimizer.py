@@ -177,8 +177,7 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
       (e.g. a vocabulary-sized output layer) pass through unpreconditioned. A
       pattern that matches no layer raises.
     max_factor_dim: factors of larger dimension are kept as their diagonal,
-      never formed as matrices; None: no limit, but `init` refuses a full
-      factor wider than 30000 (int32 triangle indices) and warns past 16384.
+      never formed as matrices; None: all full (`init` refuses past 30000).
     distribution: a `kd.Distribution`: `update` then runs inside `shard_map`
       over its axis, with the state's specs from `kd.partition_specs`. None:
       one device.
