@@ -257,8 +257,9 @@ def compiled_when_eager(update_fn: Callable, config: Any, needs: tuple[str, ...]
   growing by MBs. Under the user's jit, with a keyword of `needs` omitted or
   None (K-FAC's statistics, on a step known from its concrete state to update
   no factor), or with a hyperparameter of the dataclass `config` an array
-  (`optax.inject_hyperparams` builds a new transform each step), it is
-  `update_fn` itself."""
+  (`optax.inject_hyperparams` builds a new transform, with every number an
+  array, each step: compiled, it would compile each step), it is `update_fn`
+  itself."""
   jitted = jax.jit(update_fn)
   injected = any(isinstance(getattr(config, field.name), jax.Array)
                  for field in dataclasses.fields(config))
