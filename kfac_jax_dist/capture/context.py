@@ -148,5 +148,7 @@ def one_loss(trace: Trace) -> RegisteredLoss:
   if len(trace.losses) > 1:
     names = [l.name for l in trace.losses]
     raise ValueError(f"The loss function registered {len(names)} losses ({names}); "
-                     "K-FAC needs exactly one.")
+                     "K-FAC needs exactly one: register the main loss and compute the "
+                     "others with plain jnp, leaving layers only they reach out with "
+                     "skip= (docs/concepts.md, 'Terms besides the registered loss').")
   return trace.losses[0]
