@@ -148,6 +148,100 @@ def test_levenberg_marquardt_rule(rho, factor):
   assert 5e-3 <= float(clipped) <= 1e-2
 
 
+def _model_minimum(a, b, w):
+  """`½ wᵀAw + bᵀw`, numpy float64."""
+  a, b, w = (np.asarray(v, np.float64) for v in (a, b, w))
+  return 0.5 * w @ a @ w + b @ w
+
+
+def test_degenerate_models_give_finite_coefficients():
+  """The 2 × 2 model's degenerate cases give finite minimisers, where the
+  solve gave NaN and the step was skipped: `Δ = 0` (a zero gradient) gives
+  `(0, 0)`; `v ∥ Δ` (a singular system) `α` alone, which reaches the model's
+  minimum over the span (checked against a fine grid of the line); a regular
+  system equals numpy's solve."""
+  solve = lambda a, b, lr=None, mu=None: np.asarray(adaptive.solve_coefficients(
+      jnp.asarray(a), jnp.asarray(b), lr, mu, jnp.asarray(False)))
+  zero = np.zeros((2, 2))
+  zero[1, 1] = 2.0
+  for lr, mu in ((None, None), (None, 0.5), (0.1, None)):
+    got = solve(zero, np.zeros(2), lr, mu)
+    assert np.all(np.isfinite(got)), (lr, mu, got)
+    assert got[0] == (-0.1 if lr else 0.0), (lr, mu, got)
+  u = np.asarray([1.0, -2.5])            # v = -2.5 Δ: every matrix of the span is rank 1
+  a, b = 3.0 * np.outer(u, u) + 0.2 * np.outer(u, u), 0.7 * u
+  got = solve(a, b)
+  assert np.all(np.isfinite(got)) and got[1] == 0.0
+  line = np.linspace(-2, 2, 400001)
+  best = min(_model_minimum(a, b, [t, 0.0]) for t in line)
+  assert _model_minimum(a, b, got) <= best + 1e-12
+  regular = np.asarray([[2.0, 0.3], [0.3, 1.0]])
+  np.testing.assert_allclose(solve(regular, b), -np.linalg.solve(regular, b), rtol=1e-12)
+
+
+def test_one_dimensional_problem_converges_without_skips():
+  """A one-parameter least-squares fit (`t = 3x`): from the second step the
+  new direction and the previous update are parallel, which made every step
+  skipped with `w` stuck at 2.954; now it converges, no step skipped."""
+  def loss(p, x, t):
+    return kd.losses.squared_error(kd.tags.dense(x, p["w"]["kernel"], name="w"), t)
+  x = jax.random.normal(jax.random.PRNGKey(2), (8, 1), jnp.float64)
+  t, params = 3.0 * x, {"w": {"kernel": jnp.zeros((1, 1), jnp.float64)}}
+  grad_fn = kd.value_and_grad(loss)
+  tx = kd.kfac(None, None, layers=grad_fn.discover(params, x, t), grad_fn=grad_fn,
+               adapt_damping=True, inverse_update_every=1)
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state):
+    _, grads, stats = grad_fn(params, x, t, opt_state=state)
+    updates, state = tx.update(grads, state, params, kfac_stats=stats, kfac_batch=(x, t))
+    return optax.apply_updates(params, updates), state
+  for _ in range(8):
+    params, state = step(params, state)
+  assert abs(float(params["w"]["kernel"][0, 0]) - 3.0) < 1e-4
+  assert int(_adaptive_state(state).skipped) == 0 and int(_adaptive_state(state).count) == 8
+
+
+@pytest.mark.parametrize("learning_rate,momentum", [(None, None), (0.1, 0.9)])
+def test_all_masked_batches_leave_the_damping_alone(learning_rate, momentum):
+  """A batch whose every example is masked (padding) has a zero gradient and
+  a zero step, `M₀(d) = 0`: ρ = 0/0 said nothing, but counted as a bad fit
+  and raised λ at every adaptation (0.1 → 19.4 over 50 such batches, 2e17
+  over 400, stored ρ NaN), and the zero gradient made the solve NaN and the
+  step skipped. Now λ and ρ stay, no step is skipped, and a real batch after
+  them moves the parameters."""
+  def loss(p, x, y, mask):
+    return kd.losses.softmax_cross_entropy(
+        kd.tags.dense(jnp.tanh(kd.tags.dense(x, p["l0"]["kernel"], p["l0"]["bias"],
+                                             name="l0")), p["out"]["kernel"], name="out"),
+        y, mask=mask)
+  params = {"l0": _params()["l0"], "out": _params()["out"]}
+  x, y = _batch(0)
+  grad_fn = kd.value_and_grad(loss)
+  none, every = jnp.zeros(BATCH), jnp.ones(BATCH)
+  tx = kd.kfac(learning_rate, momentum, layers=grad_fn.discover(params, x, y, every),
+               grad_fn=grad_fn, adapt_damping=True, damping_adaptation_interval=1,
+               damping=0.1)
+
+  @jax.jit
+  def step(params, state, mask):
+    _, grads, stats = grad_fn(params, x, y, mask, opt_state=state)
+    updates, state = tx.update(grads, state, params, kfac_stats=stats,
+                               kfac_batch=(x, y, mask))
+    return optax.apply_updates(params, updates), state
+  state = tx.init(params)
+  for _ in range(10):
+    params, state = step(params, state, none)
+  inner = _adaptive_state(state)
+  assert float(inner.damping) == pytest.approx(0.1) and np.isfinite(float(inner.rho))
+  assert int(inner.skipped) == 0 and int(inner.count) == 10
+  after, state = step(params, state, every)
+  moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), after, params)
+  assert all(0 < m < np.inf for m in jax.tree.leaves(moved)), moved
+  assert int(_adaptive_state(state).skipped) == 0
+
+
 def test_damping_adapts_from_the_reduction_ratio():
   """With adaptation every step, λ moves by ω or 1/ω as ρ says, and ρ equals
   (L(θ+d) − L(θ)) / M₀(d) computed here from the dense model."""
@@ -407,6 +501,22 @@ def test_faulty_batch_is_skipped():
   updates, new = tx.update(grads, state, params, kfac_stats=stats, kfac_batch=(bad, y))
   assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
   assert int(_adaptive_state(new).skipped) == 1 and int(_adaptive_state(new).count) == 0
+
+
+def test_a_step_skipped_by_the_adaptive_model_counts_in_the_kfac_state():
+  """A step that K-FAC's direction passes but the quadratic model fails (here
+  a NaN in the batch the model is evaluated on) is skipped and counted in the
+  K-FAC state's `skipped` too, the counter the docs point to (before, only the
+  adaptive state's counted it, and a stalled run looked healthy)."""
+  tx, params = _tx(), _params()
+  state = tx.init(params)
+  x, y = _batch(0)
+  _, grads, stats = GRAD_FN(params, x, y, opt_state=state)
+  updates, new = tx.update(grads, state, params, kfac_stats=stats,
+                           kfac_batch=(x.at[0, 0].set(jnp.nan), y))
+  assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
+  assert int(_adaptive_state(new).skipped) == 1
+  assert int(kd.find_states(new)[0].skipped) == 1     # the ScaleByKfacState
 
 
 @pytest.mark.parametrize("fraction,reduction,fixed", [

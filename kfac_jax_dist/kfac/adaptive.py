@@ -282,27 +282,39 @@ def quadratic_model(gram: jax.Array, vectors: tuple[Any, Any], grads: Any,
   return gram + weight_decay * dots, dots, b
 
 
+# Both coefficients solved for only where `det(A_damped) > _SINGULAR·ε·a₀₀a₁₁`:
+# `Δ` and `v` collinear (in the model's metric) to rounding make the 2 × 2
+# system singular, and `α` alone is then its minimiser.
+_SINGULAR = 100.0
+
+
 def solve_coefficients(a_damped: jax.Array, b: jax.Array, learning_rate: Any,
                        momentum: Any, first: jax.Array) -> jax.Array:
   """`(α, μ)` minimising `½ wᵀ A_damped w + bᵀw` with the fixed one fixed
   (`α = −learning_rate`; on the first step, or with `v = 0`, `μ = 0`); at
-  least one of them adapted (`_fixed_coefficients` else)."""
-  alone = first | (a_damped[1, 1] == 0)
-  # Where μ is not solved for, the solves read `v`'s row as the identity's:
-  # a singular system would make NaNs that the selects drop, but that
-  # `jax_debug_nans` reports outside jit.
-  solved_alone = jnp.asarray([[True, False], [False, False]])      # α's entry
-  a_damped = jnp.where(alone & ~solved_alone, jnp.eye(2, dtype=a_damped.dtype), a_damped)
+  least one of them adapted (`_fixed_coefficients` else). Degenerate models
+  give finite coefficients, not a skipped step: `Δ = 0` (a zero gradient)
+  `α = 0`; both adapted with `v ∥ Δ`, `α` alone. A NaN in the model stays one
+  (the step is skipped)."""
+  a00, a01, a11 = a_damped[0, 0], a_damped[0, 1], a_damped[1, 1]
+  moving, no_velocity = a00 != 0, first | (a11 == 0)
+  det = a00 * a11 - a01 * a01
+  eps = jnp.finfo(a_damped.dtype).eps
+  alone = no_velocity | (det <= _SINGULAR * eps * a00 * a11)
+  # The solves read a dropped entry as 1: a singular system would make NaNs
+  # that the selects drop, but that `jax_debug_nans` reports outside jit.
+  safe00, safe11 = jnp.where(moving, a00, 1), jnp.where(no_velocity, 1, a11)
   if learning_rate is None and momentum is None:
-    alpha_only = -b[0] / a_damped[0, 0]
-    both = -linalg.one_matrix_per_call(jnp.linalg.solve)(a_damped, b)
+    alpha_only = jnp.where(moving, -b[0] / safe00, 0.0)
+    safe = jnp.where(alone, jnp.diag(jnp.stack([safe00, jnp.ones_like(a00)])), a_damped)
+    both = -linalg.one_matrix_per_call(jnp.linalg.solve)(safe, b)
     return jnp.where(alone, jnp.stack([alpha_only, 0.0]), both)
   if learning_rate is not None:              # μ alone
     alpha = -jnp.asarray(learning_rate, b.dtype)
-    mu = -(b[1] + a_damped[0, 1] * alpha) / a_damped[1, 1]
-    return jnp.stack([alpha, jnp.where(alone, 0.0, mu)])
-  mu = jnp.where(alone, 0.0, jnp.asarray(momentum, b.dtype))
-  alpha = -(b[0] + a_damped[0, 1] * mu) / a_damped[0, 0]
+    mu = -(b[1] + a01 * alpha) / safe11
+    return jnp.stack([alpha, jnp.where(no_velocity, 0.0, mu)])
+  mu = jnp.where(no_velocity, 0.0, jnp.asarray(momentum, b.dtype))
+  alpha = jnp.where(moving, -(b[0] + a01 * mu) / safe00, 0.0)
   return jnp.stack([alpha, mu])
 
 
@@ -371,14 +383,19 @@ def _objectives(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
 
 def _damping_step(config: AdaptiveConfig, kfac_config: KfacConfig,
                   objectives: tuple[jax.Array, jax.Array], change: jax.Array,
-                  damping: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(λ', ρ) of an adaptation step, `ρ = (L(θ + d) − L(θ)) / M₀(d)` from the
-  `objectives` at `θ` and `θ + d` and the model's `change` M₀(d)."""
+                  damping: jax.Array, rho: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(λ', ρ') of an adaptation step, `ρ' = (L(θ + d) − L(θ)) / M₀(d)` from the
+  `objectives` at `θ` and `θ + d` and the model's `change` M₀(d). A zero step
+  (`M₀(d) = 0`: a zero gradient, an all-masked batch) says nothing of the
+  model's fit: λ and ρ stay (before, 0/0 counted as a bad fit and raised λ
+  at every adaptation, without bound by default)."""
   before, after = objectives
-  rho = _one_per_model(kfac_config, (after - before) / change)
+  defined = change != 0
+  ratio = _one_per_model(kfac_config, (after - before) / jnp.where(defined, change, 1))
   # In the state's dtype: a float64 model's loss is float64, its state float32.
-  return (new_damping(config, damping, rho).astype(damping.dtype),
-          rho.astype(damping.dtype))
+  return (jnp.where(defined, new_damping(config, damping, ratio), damping).astype(
+              damping.dtype),
+          jnp.where(defined, ratio, rho).astype(damping.dtype))
 
 
 def _reject_if_worse(config: AdaptiveConfig, kfac_config: KfacConfig,
@@ -516,7 +533,7 @@ def _adapted_damping(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: A
       change = model_change(a, b, w)
     objs = (objectives if objectives is not None else
             _objectives(config, kfac_config, grad_fn, params, batch, update, loss))
-    return _damping_step(config, kfac_config, objs, change, state.damping)
+    return _damping_step(config, kfac_config, objs, change, state.damping, state.rho)
   due = (state.count + 1) % config.damping_adaptation_interval == 0
   return lax.cond(due, adapt, lambda: (state.damping, state.rho))
 
@@ -583,12 +600,13 @@ def _adapt_and_reject(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: 
 def _accept_or_skip(ok: jax.Array, update: Any, new_state: AdaptiveKfacState,
                     state: AdaptiveKfacState) -> tuple[Any, AdaptiveKfacState]:
   """`(update, new_state)`, or on a skip zeros and `state` with the skip
-  counted. The K-FAC state is selected once (on a skip: the old one, keeping
-  its own skip count); the rest of the state by `faults.accept_or_skip`."""
+  counted. The K-FAC state is selected once (on a skip: the old one, its
+  `skipped` counting the step whether K-FAC's direction or the adaptive
+  model failed); the rest of the state by `faults.accept_or_skip`."""
   updates, out = faults.accept_or_skip(
       ok, update, dataclasses.replace(new_state, kfac=None),
       dataclasses.replace(state, kfac=None))
-  kfac_on_skip = dataclasses.replace(state.kfac, skipped=new_state.kfac.skipped)
+  kfac_on_skip = dataclasses.replace(state.kfac, skipped=state.kfac.skipped + 1)
   return updates, dataclasses.replace(out, kfac=faults.select(ok, new_state.kfac,
                                                                kfac_on_skip))
 
