@@ -241,10 +241,9 @@ def cond(pred: Any, true_fun: Callable, false_fun: Callable) -> Any:
   """`lax.cond(pred, true_fun, false_fun)`; with a concrete `pred` (an eager
   call) the taken branch alone, op by op: an eager `lax.cond` of closures made
   anew on each call compiles a new program on every call."""
-  leaves = jax.tree_util.tree_leaves(pred)       # an NNX Variable holds its array
-  if len(leaves) != 1 or isinstance(leaves[0], jax.core.Tracer):
+  if isinstance(pred, jax.core.Tracer):
     return jax.lax.cond(pred, true_fun, false_fun)
-  return true_fun() if bool(leaves[0]) else false_fun()
+  return true_fun() if bool(pred) else false_fun()
 
 
 def compiled_when_eager(update_fn: Callable, config: Any, needs: tuple[str, ...] = ()

@@ -389,8 +389,11 @@ class ValueAndGrad:
     skip = self.skip_statistics
     if skip == "auto":
       skip = "layer" if jax.default_backend() == "cpu" else "pass"
+    # An array, not the Variable that holds it in an `nnx.Optimizer`'s state
+    # (newer jax refuses to abstract such an object implicitly).
+    update_factors = jnp.asarray(state.update_factors)
     if skip == "layer":
-      return run(state.update_factors)
+      return run(update_factors)
     static_n = []          # a Python number of examples stays one
 
     def branch(flag: bool) -> Callable:
@@ -401,7 +404,7 @@ class ValueAndGrad:
           n = None
         return value, grads, stats, n
       return capture
-    value, grads, stats, n = _compat.cond(state.update_factors, branch(True),
+    value, grads, stats, n = _compat.cond(update_factors, branch(True),
                                           branch(False))
     return value, grads, stats, (static_n[0] if static_n else n)
 
