@@ -47,10 +47,13 @@ def as_varying(tree, axes: tuple[str, ...]):
 
 def all_gather_invariant(x, axis_name: str, *, tiled: bool = True):
   """`all_gather` over a whole mesh axis, typed as invariant over it (every
-  device holds the same result), so it may leave `shard_map` with spec P()."""
+  device holds the same result), so it may leave `shard_map` with spec P().
+  `x` is cast varying first where it is not: jax 0.12.1 refuses an invariant
+  input (a one-device mesh's, whose values nothing made varying)."""
   if hasattr(jax.lax, "all_gather_invariant"):                 # jax 0.8 - 0.9
     return jax.lax.all_gather_invariant(x, axis_name, tiled=tiled)
-  return jax.lax.all_gather(x, axis_name, tiled=tiled, to="invarying")
+  return jax.lax.all_gather(as_varying(x, (axis_name,)), axis_name, tiled=tiled,
+                            to="invarying")
 
 
 def traced(tree) -> bool:

@@ -200,7 +200,8 @@ def test_one_dimensional_problem_converges_without_skips():
   for _ in range(8):
     params, state = step(params, state)
   assert abs(float(params["w"]["kernel"][0, 0]) - 3.0) < 1e-4
-  assert int(_adaptive_state(state).skipped) == 0 and int(_adaptive_state(state).count) == 8
+  inner = _adaptive_state(state)
+  assert int(inner.skipped) == 0 and int(inner.count) == 8
 
 
 @pytest.mark.parametrize("learning_rate,momentum", [(None, None), (0.1, 0.9)])

@@ -305,6 +305,15 @@ QUICK = [(4, "reduce_scatter", "reduce_scatter", "cnn_mlp"),
 EXAMPLES_PSUM = 2 * 7 / 8 * F32
 
 
+def examples_psum(text: str) -> float:
+  """`EXAMPLES_PSUM` where the compiled step sends it: jaxlib 0.12.1's XLA
+  folds the psum of a count known when compiling (no mask) into a product."""
+  found, _ = C.collectives(text, 8)
+  sent = any(c.kind == "all-reduce" and c.step == "every" and c.payload == F32
+             and c.op_name == "jit(step)/shard_map/psum_invariant" for c in found)
+  return EXAMPLES_PSUM if sent else 0.0
+
+
 def untagged_bytes(params, layers) -> float:
   """The untagged parameters' all-reduce (left out of the cost model); a
   stacked or grouped layer's blocks each count."""
@@ -321,11 +330,11 @@ def test_cost_model_equals_the_compiled_hlo(m, fr, gr, problem):
   loss_fn, params, x, y = PROBLEMS[problem]()
   layers = kd.value_and_grad(loss_fn).discover(params, x, y)
   mesh = mesh8()
-  measured, state, _, _ = hlo_bytes(loss_fn, params, x, y, layers, mesh, m, fr, gr)
+  measured, state, _, text = hlo_bytes(loss_fn, params, x, y, layers, mesh, m, fr, gr)
   model = cost.step_bytes(C.kfac_state(state).layout, fr, gr)
-  untagged = untagged_bytes(params, layers)
+  untagged = untagged_bytes(params, layers) + examples_psum(text)
   for kind in ("plain", "factor", "inverse"):
-    assert abs(measured[kind] - (model.total(kind) + untagged + EXAMPLES_PSUM)) < 1, (
+    assert abs(measured[kind] - (model.total(kind) + untagged)) < 1, (
         kind, measured, model)
 
 
@@ -364,10 +373,10 @@ def test_cost_model_of_options_equals_the_compiled_hlo(m, fr, gr, option, proble
   measured, state, config, text = hlo_bytes(loss_fn, params, x, y, layers, mesh8(), m, fr,
                                             gr, options)
   model = cost.kfac_step_bytes(config, C.kfac_state(state).layout)
-  untagged = untagged_bytes(params, layers)
+  untagged = untagged_bytes(params, layers) + examples_psum(text)
   for kind in ("plain", "inverse") if "stale_threshold" in options else (
       "plain", "factor", "inverse"):
-    assert abs(measured[kind] - (model.total(kind) + untagged + EXAMPLES_PSUM)) < 1, (
+    assert abs(measured[kind] - (model.total(kind) + untagged)) < 1, (
         kind, measured, model)
   if "stale_threshold" in options:
     loops = stale_statistics.factor_collectives(text)["factor_scope_loops"]

@@ -1059,7 +1059,8 @@ def _wide_head(width: int):
   def wide_loss(p, x, y):
     return kd.losses.softmax_cross_entropy(kd.tags.dense(x, p["head"], name="head"), y)
   params = {"head": jax.ShapeDtypeStruct((6, width), jnp.float32)}
-  x, y = jax.ShapeDtypeStruct((BATCH, 6), jnp.float32), jax.ShapeDtypeStruct((BATCH,), jnp.int32)
+  x = jax.ShapeDtypeStruct((BATCH, 6), jnp.float32)
+  y = jax.ShapeDtypeStruct((BATCH,), jnp.int32)
   return params, kd.value_and_grad(wide_loss).discover(params, x, y)
 
 

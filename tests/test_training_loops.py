@@ -250,9 +250,9 @@ def test_an_eager_loop_compiles_nothing_after_its_first_steps(kind, x64):
           if kind == "shampoo" else
           kd.soap(0.01, precondition_every=3, statistics_dtype=jnp.float64))
   else:
+    method = "inverse" if kind == "kfac inverse" else "eigen"
     tx = kd.kfac(0.1, layers=grad_fn.discover(params, tokens, mask), factor_update_every=2,
-                 inverse_update_every=3, method="inverse" if kind == "kfac inverse" else "eigen",
-                 factor_dtype=jnp.float64)
+                 inverse_update_every=3, method=method, factor_dtype=jnp.float64)
 
   def step(params, state, tokens, mask):
     _, grads, stats = grad_fn(params, tokens, mask, opt_state=state)

@@ -131,9 +131,8 @@ def _leaf_specs(tree: Any, dist) -> list[tuple[str, Any, PartitionSpec]]:
   except (ValueError, TypeError) as e:
     raise ValueError("Distribution.param_specs must be a pytree like the parameters "
                      f"(or a prefix of it): {e}") from e
-  treedef = jax.tree_util.tree_structure(tree)
-  return [(path, x, spec)
-          for (path, x), spec in zip(registry.named_leaves(tree), treedef.flatten_up_to(specs))]
+  leaf_specs = jax.tree_util.tree_structure(tree).flatten_up_to(specs)
+  return [(name, x, spec) for (name, x), spec in zip(registry.named_leaves(tree), leaf_specs)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -255,8 +255,8 @@ def inner_product(kfac_config: KfacConfig) -> Dot:
   def dot(a: Any, b: Any) -> jax.Array:
     replicated = tensor_parallel.replicated_axes(a, dist)
     local = jnp.zeros([])
-    for (path, x), y in zip(registry.named_leaves(a), jax.tree_util.tree_leaves(b)):
-      over = replicated[path]
+    for (name, x), y in zip(registry.named_leaves(a), jax.tree_util.tree_leaves(b)):
+      over = replicated[name]
       local = local + jnp.where(tensor_parallel.on_shard_zero(over), tree_vdot(x, y),
                                 0.0)
     return lax.psum(_compat.as_varying(local, axes), axes)
@@ -360,7 +360,7 @@ def _typed_like_params(kfac_config: KfacConfig, tree: Any) -> Any:
     return tree
   replicated = tensor_parallel.replicated_axes(tree, kfac_config.distribution)
   return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree), [
-      _compat.equal_over(x, replicated[path]) for path, x in registry.named_leaves(tree)])
+      _compat.equal_over(x, replicated[name]) for name, x in registry.named_leaves(tree)])
 
 
 def _objectives(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,

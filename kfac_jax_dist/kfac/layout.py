@@ -1037,8 +1037,8 @@ def check_factor_dims(lay: Layout) -> None:
     warnings.warn(
         f"kfac_jax_dist: full Kronecker factors wider than {LARGE_FACTOR_DIM}: "
         f"{', '.join(large)}; each one's eigenbasis or inverse is over 1 GiB in float32 "
-        "and its decomposition O(d³). A vocabulary-sized layer usually wants max_factor_dim= (e.g. 4096: "
-        "diagonal beyond) or skip=.", stacklevel=3)
+        "and its decomposition O(d³). A vocabulary-sized layer usually wants "
+        "max_factor_dim= (e.g. 4096: diagonal beyond) or skip=.", stacklevel=3)
 
 
 def cheaper_storage(lay: Layout, factor_every: int, inverse_every: int) -> str:

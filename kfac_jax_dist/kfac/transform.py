@@ -515,7 +515,7 @@ def preconditioned_updates(config: KfacConfig, comm: collectives_lib.Collectives
   precondition.write_back(lay, out, leaves, precondition.kl_clip(config, vg, count))
   return (jax.tree_util.tree_unflatten(
       jax.tree_util.tree_structure(updates),
-      [leaves[p] for p, _ in registry.named_leaves(updates)]),
+      [leaves[name] for name, _ in registry.named_leaves(updates)]),
           produced_finite(config, lay, leaves, vg))
 
 
