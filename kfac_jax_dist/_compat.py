@@ -276,6 +276,14 @@ def compiled_when_eager(update_fn: Callable, config: Any, needs: tuple[str, ...]
   return update
 
 
+def transform_update(update_fn: Callable, config: Any, needs: tuple[str, ...] = ()
+                     ) -> Callable:
+  """A preconditioner's optax `update_fn` as its transform exposes it:
+  compiled once when called eagerly (`compiled_when_eager`), run with
+  `Explicit` mesh axes `Auto` (`updates_on_auto_axes`)."""
+  return updates_on_auto_axes(compiled_when_eager(update_fn, config, needs))
+
+
 def updates_on_auto_axes(update_fn: Callable) -> Callable:
   """An optax `update_fn(updates, state, params=None, **extra)` run by
   `on_auto_axes`: the updates laid out as the incoming ones, the state's

@@ -669,8 +669,7 @@ def scale_by_kfac(
     check_extra_args(extra_args, "scale_by_kfac")
     states.check_kind(state, ScaleByKfacState, "scale_by_kfac")
     return update_state(config, comm, updates, state, kfac_stats)
-  update_fn = _compat.updates_on_auto_axes(_compat.compiled_when_eager(
-      update_fn, config, needs=("kfac_stats",)))
+  update_fn = _compat.transform_update(update_fn, config, needs=("kfac_stats",))
 
   return tensor_parallel.for_model_shards(
       optax.GradientTransformationExtraArgs(init_fn, update_fn), distribution,

@@ -470,7 +470,7 @@ def scale_by_soap(
     del params, extra_args
     states.check_kind(state, ScaleBySoapState, "scale_by_soap")
     return update_state(config, comm, updates, state)
-  update_fn = _compat.updates_on_auto_axes(_compat.compiled_when_eager(update_fn, config))
+  update_fn = _compat.transform_update(update_fn, config)
 
   # Tensor-parallel: every model shard runs SOAP on its local shard (as Shampoo).
   return tensor_parallel.for_model_shards(

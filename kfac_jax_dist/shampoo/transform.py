@@ -272,7 +272,7 @@ def scale_by_shampoo(
     del params, extra_args
     states.check_kind(state, ScaleByShampooState, "scale_by_shampoo")
     return update_state(config, comm, updates, state)
-  update_fn = _compat.updates_on_auto_axes(_compat.compiled_when_eager(update_fn, config))
+  update_fn = _compat.transform_update(update_fn, config)
 
   # Tensor-parallel: every model shard preconditions its local shard (3D-Shampoo).
   return tensor_parallel.for_model_shards(
