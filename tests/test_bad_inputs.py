@@ -297,6 +297,20 @@ def test_masks_and_loss_scales_are_checked():
       GRAD_FN(_params(), *_batch(), loss_scale=scale)
 
 
+
+def test_masked_mean_averages_over_its_mask():
+  """`kd.losses.masked_mean`: `Σ m·v / Σ m` against numpy (a `[B, 1]` mask
+  broadcast over positions, fractional weights), 0 for an all-zero mask, and
+  a mask that does not broadcast named with both shapes."""
+  values = np.arange(12.0).reshape(4, 3) - 4.0
+  mask = np.array([[1.0], [0.0], [0.5], [2.0]])
+  np.testing.assert_allclose(kd.losses.masked_mean(values, mask),
+                             np.sum(values * mask) / (3 * np.sum(mask)), rtol=1e-6)
+  assert float(kd.losses.masked_mean(values, np.zeros(3))) == 0.0
+  with pytest.raises(ValueError, match=r"masked_mean: mask of shape \(4,\) does not "
+                                       r"broadcast to the values' shape \(4, 3\)"):
+    kd.losses.masked_mean(values, np.ones(4))
+
 def test_the_loss_function_returns_a_scalar():
   """A non-scalar loss, or `has_aux=True` without `(loss, aux)`, as
   `jax.value_and_grad` refuses them."""

@@ -796,6 +796,83 @@ def test_masked_loss_with_uneven_counts_equals_single_device(x64, fraction, redu
                  params, one_params)
 
 
+def _loss_with_other_terms(term: str):
+  """`_masked_problem`'s loss plus a term besides the registered loss."""
+  loss_fn, params, batch = _masked_problem()
+
+  def with_term(p, x, y, mask):
+    logits = kd.tags.dense(jnp.tanh(kd.tags.dense(x, p["l0"]["kernel"], p["l0"]["bias"],
+                                                  name="l0")), p["l1"]["kernel"], name="l1")
+    squares = jax.nn.logsumexp(logits, axis=-1) ** 2          # a z-loss's
+    other = {"l2": lambda: 1e-2 * sum(jnp.sum(w ** 2) for w in jax.tree.leaves(p)),
+             "every_position": lambda: 0.1 * jnp.mean(squares),
+             "masked_mean": lambda: 0.1 * kd.losses.masked_mean(squares, 1.0 - mask)}
+    return kd.losses.softmax_cross_entropy(logits, y, mask=mask) + other[term]()
+  del loss_fn
+  return with_term, params, batch
+
+
+@pytest.mark.parametrize("term", ["l2", "every_position", "masked_mean"])
+@pytest.mark.parametrize("devices,slices", [(8, 1), (4, 2), (1, 4)])
+def test_terms_besides_the_registered_loss_are_the_global_batchs(x64, term, devices,
+                                                                 slices):
+  """With masks keeping different numbers of examples on the devices (or
+  `accumulate`'s slices), only the registered loss (and `kd.losses.masked_mean`'s
+  terms, masked their own way) is weighted as its share of the global batch:
+  the mean over devices of the loss and gradients equals `jax.value_and_grad`
+  of the whole batch (float64) for a penalty, a mean over every position and
+  a masked mean, as do `grad_fn.loss` and `gauss_newton_gram`'s loss. (The
+  whole loss was weighted: a mean over every position came out 1% off.)"""
+  del x64
+  loss_fn, params, batch = _loss_with_other_terms(term)
+  grad_fn = kd.value_and_grad(loss_fn)
+  want_loss, want_grads = jax.value_and_grad(loss_fn)(params, *batch)
+  vector = (jax.tree.map(jnp.ones_like, params),)
+
+  def local(p, *b):
+    if slices == 1:
+      loss, grads, _ = grad_fn(p, *b)
+    else:
+      loss, grads, _ = grad_fn.accumulate(p, *b, micro_batches=slices)
+    _, gram_loss = grad_fn.gauss_newton_gram(p, vector, *b, micro_batches=slices,
+                                             with_loss=True)
+    plain = grad_fn.loss(p, *b, micro_batches=slices)
+    mean = lambda x: jax.lax.pmean(x, "data") if devices > 1 else x
+    return mean(loss), mean(grads), gram_loss, plain
+  if devices > 1:
+    local = jax.shard_map(local, mesh=helpers.data_mesh(devices),
+                          in_specs=(P(),) + (P("data"),) * 3, out_specs=P())
+  loss, grads, gram_loss, plain = jax.jit(local)(params, *batch)
+  for got in (loss, gram_loss, plain):
+    np.testing.assert_allclose(got, want_loss, rtol=1e-12)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-14),
+               grads, want_grads)
+
+
+def test_a_hand_written_masked_mean_is_the_mean_of_the_devices_means(x64):
+  """A term averaged over masked positions by hand is not weighted: its mean
+  over the devices is the plain mean of their local means, as in data-parallel
+  training without K-FAC (docs/concepts.md); `kd.losses.masked_mean` makes it
+  the global batch's."""
+  del x64
+  loss_fn, params, batch = _masked_problem()
+
+  def extra(p, x, mask):
+    return jnp.sum(mask * jnp.sum((x @ p["l0"]["kernel"]) ** 2, -1)
+                   ) / jnp.maximum(jnp.sum(mask), 1.0)
+
+  def with_extra(p, x, y, mask):
+    return loss_fn(p, x, y, mask) + extra(p, x, 1.0 - mask)
+  grad_fn = kd.value_and_grad(with_extra)
+  local = jax.jit(jax.shard_map(lambda p, *b: jax.lax.pmean(grad_fn(p, *b)[0], "data"),
+                                mesh=helpers.data_mesh(8),
+                                in_specs=(P(),) + (P("data"),) * 3, out_specs=P()))
+  x, y, mask = batch
+  means = [extra(params, x[2 * d:2 * d + 2], 1.0 - mask[2 * d:2 * d + 2]) for d in range(8)]
+  np.testing.assert_allclose(local(params, *batch),
+                             loss_fn(params, *batch) + np.mean(means), rtol=1e-12)
+
+
 def test_local_factors_keep_each_devices_own_statistics(x64):
   """DP-KFAC: an owner's factors are its own batch's statistics, so under a
   `factor_reduction="local"` state the capture leaves `G` unweighted by the

@@ -54,13 +54,22 @@ class Trace:
   # discover: module path -> (layer kind, reason) of the layers a Flax wrapper
   # or interception left to Flax (their parameters pass through unpreconditioned).
   uncaptured: dict = dataclasses.field(default_factory=dict)
+  # capture, curvature: (n, i) -> the weight of the i-th mean over masked
+  # examples (the registered loss's, `kd.losses.masked_mean`'s), its share of
+  # the global batch's (`shares`), None: none; the examples of each such mean
+  # in the order they ran; the weight the registered loss applied (None: none).
+  loss_weight: Callable[[Any, int], Any] | None = None
+  counts: list = dataclasses.field(default_factory=list)
+  applied_weight: Any = None
 
   def forget_values(self) -> None:
     """Drops what holds tracers (the registered losses, the probes, the
-    flag, the loss's JAX trace) once the forward pass no longer needs them:
-    the tags' backward passes keep this trace, and JAX may keep them (cached
-    jaxprs) past the trace they were made in (`jax.checking_leaks`)."""
+    flag, the applied weight, the loss's JAX trace) once the forward pass no
+    longer needs them: the tags' backward passes keep this trace, and JAX may
+    keep them (cached jaxprs) past the trace they were made in
+    (`jax.checking_leaks`)."""
     self.losses, self.probes, self.compute_stats, self.top = [], {}, None, None
+    self.counts, self.applied_weight = [], None
 
   def path_of(self, leaf) -> str | None:
     return None if leaf is None else self.leaf_paths.get(id(leaf))
@@ -118,7 +127,7 @@ class RegisteredLoss:
   its input and output Hessian (the exact curvature products)."""
 
   name: str
-  value: Any                          # mean loss on the true targets
+  value: Any                          # mean loss on the true targets (`weighted`)
   num_examples: Any                   # n, the denominator of the mean
   sampled_loss: Callable[[Any], Any]  # rng -> mean loss on sampled targets
   inputs: Any = None                  # the loss's input (logits / predictions)
@@ -136,6 +145,34 @@ def denominator(n: Any) -> Any:
   """What a registered loss's mean over `n` examples divides by: `n` itself,
   also for mask weights summing below 1, and 1 for an empty batch (sum 0)."""
   return jnp.where(n > 0, n, jnp.ones_like(n))
+
+
+def weighted(value: Any, n: Any, registered: bool = False) -> Any:
+  """A mean `value` over `n` masked examples as the active trace weighs it
+  (`Trace.loss_weight`; the registered loss's weight recorded in
+  `applied_weight`), else as it is; its `n` recorded in `Trace.counts`."""
+  trace = current()
+  if trace is None:
+    return value
+  trace.counts.append(n)
+  if trace.loss_weight is None:
+    return value
+  weight = trace.loss_weight(n, len(trace.counts) - 1)
+  if registered:
+    trace.applied_weight = weight
+  return value * weight.astype(value.dtype)
+
+
+def run_plain(fun: Callable, params, args: tuple, kwargs: dict,
+              loss_weight: Callable[[Any, int], Any] | None = None
+              ) -> tuple[Any, Trace]:
+  """`fun(params, *args, **kwargs)` in a curvature trace (the tags plain
+  layers) whose masked means are weighted by `loss_weight`, and the trace."""
+  trace = Trace(mode=CURVATURE, leaf_paths={}, loss_weight=loss_weight)
+  with active(trace):
+    out = fun(params, *args, **kwargs)
+  one_loss(trace)
+  return out, trace
 
 
 def one_loss(trace: Trace) -> RegisteredLoss:

@@ -26,8 +26,9 @@ parameter-shaped vectors `v_i`:
 
 Inside `shard_map` the local batches' sums are added over the mesh axes the
 batch varies over: `G = psum(Σ_x w_x u_iᵀ H u_j) / psum(n)`, the matrix of the
-global batch, typed invariant over those axes. `mean_loss` does the same
-with the loss (`psum(n_d · loss_d) / psum(n_d)`).
+global batch, typed invariant over those axes. `mean_loss` returns the global
+batch's loss as `grad_fn` does: each local batch's registered loss weighted
+by its share of the global batch's (`shares`), the plain mean of the losses.
 """
 
 from __future__ import annotations
@@ -38,17 +39,8 @@ import jax
 import jax.numpy as jnp
 
 from kfac_jax_dist import _compat
-from kfac_jax_dist.capture import batches
+from kfac_jax_dist.capture import batches, shares
 from kfac_jax_dist.capture import context as _context
-
-
-def _run(fun: Callable, params, args: tuple, kwargs: dict
-         ) -> tuple[Any, _context.RegisteredLoss]:
-  """`fun(params, *args, **kwargs)` in a curvature trace, and its registered loss."""
-  trace = _context.Trace(mode=_context.CURVATURE, leaf_paths={})
-  with _context.active(trace):
-    out = fun(params, *args, **kwargs)
-  return out, _context.one_loss(trace)
 
 
 def _global_mean(total: jax.Array, n: jax.Array, axes: tuple[str, ...]) -> jax.Array:
@@ -84,13 +76,16 @@ def _typed_like_params(params, vectors: tuple) -> tuple[Any, tuple]:
 
 
 def _local_gram(fun: Callable, has_aux: bool, params, vectors: tuple, args: tuple,
-                kwargs: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
+                kwargs: dict, loss_weight: shares.LossWeight | None = None
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """`(Σ_x w_x u_iᵀ H_x u_j, loss, n)` over this call's batch, `u_i = J v_i`;
-  the loss is the value `fun` returns, from the same forward pass."""
+  the loss is the value `fun` returns (its registered loss weighted by
+  `loss_weight`), from the same forward pass."""
   hessians = []
 
   def inputs_of(p: Any) -> tuple:
-    out, registered = _run(fun, p, args, kwargs)
+    out, trace = _context.run_plain(fun, p, args, kwargs, loss_weight)
+    registered = _context.one_loss(trace)
     hessians.append(registered.output_hessian)     # a static function
     value = out[0] if has_aux else out
     return registered.inputs, (registered.weights, registered.num_examples, value)
@@ -125,36 +120,32 @@ def gram_matrix(fun: Callable, has_aux: bool, params, vectors: Sequence, args: t
   if not axes and k == 1:                  # the loss exactly as `fun` returns it
     gram, value, n = _local_gram(fun, has_aux, params, vectors, args, kwargs)
     return _global_mean(gram, n, axes), value
+  weight = shares.loss_weight(fun, params, args, kwargs, k, "gauss_newton_gram")
 
-  def weighted(ops: tuple, a: tuple) -> tuple[jax.Array, jax.Array, jax.Array]:
-    gram, value, n = _local_gram(fun, has_aux, *ops, a, kwargs)
-    return gram, value * n.astype(jnp.result_type(value)), n
+  def one(ops: tuple, a: tuple) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return _local_gram(fun, has_aux, *ops, a, kwargs, weight)
 
-  gram, total, n = batches.summed(weighted, (params, vectors), args, k,
-                                  "gauss_newton_gram",
+  gram, total, n = batches.summed(one, (params, vectors), args, k, "gauss_newton_gram",
                                   _compat.varying_axes(params, vectors, args, kwargs))
-  return (_global_mean(gram, n, axes),
-          _global_mean(total, n.astype(jnp.result_type(total)), axes))
+  return _global_mean(gram, n, axes), shares.mean_of_shares(total, k, axes)
 
 
 def mean_loss(fun: Callable, has_aux: bool, params, args: tuple, kwargs: dict,
               micro_batches: int = 1) -> jax.Array:
   """The loss `fun(params, *args, **kwargs)` returns (without its aux): a
   forward pass; inside `shard_map` (or over `micro_batches` slices of `args`)
-  the whole batch's: the losses weighted by their registered losses' numbers
-  of examples."""
+  the whole batch's: the plain mean of the local losses, their registered
+  losses weighted as shares of the global batch's (`shares`)."""
   k = batches.check(micro_batches, "loss")
   axes = _compat.varying_axes(args, kwargs)
+  weight = shares.loss_weight(fun, params, args, kwargs, k, "loss")
 
-  def weighted(p: Any, a: tuple) -> tuple[jax.Array, jax.Array]:
-    out, registered = _run(fun, p, a, kwargs)
-    value = out[0] if has_aux else out
-    n = jnp.asarray(registered.num_examples, jnp.result_type(value))
-    return value * n, n
+  def one(p: Any, a: tuple) -> jax.Array:
+    out, _ = _context.run_plain(fun, p, a, kwargs, weight)
+    return out[0] if has_aux else out
 
   if not axes and k == 1:              # the loss exactly as `fun` returns it
-    out, _ = _run(fun, params, args, kwargs)
-    return out[0] if has_aux else out
-  total, n = batches.summed(weighted, params, args, k, "loss",
-                            _compat.varying_axes(params, args, kwargs))
-  return _global_mean(total, n, axes)
+    return one(params, args)
+  total = batches.summed(one, params, args, k, "loss",
+                         _compat.varying_axes(params, args, kwargs))
+  return shares.mean_of_shares(total, k, axes)

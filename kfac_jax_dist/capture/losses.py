@@ -134,6 +134,8 @@ def _register(name: str, loss_of_targets, targets, sample, mask, inputs,
                                per_example.shape, per_example.dtype)
   if invalid is not None:
     value = _poisoned(value, invalid, mask)
+  if mask is not None:     # n differs between devices or slices: weighed as a share
+    value = _context.weighted(value, n, registered=True)
   trace = _context.current()
   if trace is not None and trace.mode == _context.DISCOVER and (
       _compat.inside_another_trace(trace.top)):
@@ -235,3 +237,22 @@ def squared_error(predictions: jax.Array, targets: jax.Array,
 
   return _register("squared_error", loss_of, targets, sample, mask, predictions,
                    _squared_error_hessian)
+
+
+def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
+  """`Σ mask·values / Σ mask` over every axis (0 for an all-zero mask): a term
+  of the loss besides the registered one averaged over masked positions, e.g.
+  a z-loss over the real tokens. Not registered (no curvature); inside
+  `kd.value_and_grad`, in `shard_map` or `accumulate`'s slices, weighted as
+  the registered loss is, by its share of the global batch's (`shares`), so
+  that it comes out the global batch's mean: a hand-written masked mean comes
+  out the plain mean of the local batches' means."""
+  values = jnp.asarray(values)
+  try:
+    mask = jnp.broadcast_to(mask, jnp.shape(values))
+  except ValueError:
+    raise ValueError(f"kd.losses.masked_mean: mask of shape {jnp.shape(mask)} does "
+                     f"not broadcast to the values' shape {jnp.shape(values)}.") from None
+  mask = mask.astype(jnp.promote_types(values.dtype, jnp.float32))
+  n = jnp.sum(mask)
+  return _context.weighted(jnp.sum(values * mask) / _context.denominator(n), n)

@@ -38,8 +38,9 @@ local ones (of its local batch): replicated parameters are cast to varying
 before differentiation, so autodiff does not sum their gradients over the
 axis. Average them yourself (`lax.pmean`) or let `kd.Distribution`'s
 `gradient_reduction` do it. Where the devices' numbers of examples differ (a
-loss mask), each comes back weighted as its share of the global batch's, so
-that the plain mean is the global batch's (`_shares_of_global_batch`).
+loss mask), the registered loss is weighted as the device's share of the
+global batch's, so that the plain means of the loss and gradients are the
+global batch's, its other terms included (`shares`).
 
 Outside `shard_map`, on arrays lying on a mesh with `Explicit` axes
 (`jax.make_mesh`'s default on jax 0.10.2 and 0.12), each entry point runs
@@ -59,7 +60,7 @@ import jax
 import jax.numpy as jnp
 
 from kfac_jax_dist import _compat
-from kfac_jax_dist.capture import batches, curvature, registry, stacking
+from kfac_jax_dist.capture import batches, curvature, registry, shares, stacking
 from kfac_jax_dist.capture import context as _context
 from kfac_jax_dist.capture import statistics as factors
 
@@ -248,18 +249,18 @@ class ValueAndGrad:
   def _value_and_grad(self, params, *args, rng=None, opt_state=None, loss_scale=None,
                       **kwargs):
     _check_not_a_schedule(params, args, kwargs)
-    value, grads, stats, n = self._evaluate(params, args, kwargs, rng, opt_state,
-                                            loss_scale)
-    return self._shares(value, grads, stats, n, args, kwargs, opt_state)
+    weight = shares.loss_weight(self.fun, params, args, kwargs, 1, "grad_fn")
+    value, grads, stats, _, weight = self._evaluate(params, args, kwargs, rng,
+                                                    opt_state, loss_scale, weight)
+    return value, grads, self._shares(stats, weight, args, kwargs, opt_state)
 
-  def _shares(self, value, grads, stats, n, args, kwargs, opt_state) -> tuple:
-    """`_shares_of_global_batch` over the axes the batch varies over; a
+  def _shares(self, stats, weight, args, kwargs, opt_state) -> dict:
+    """`shares.weigh_statistics` over the axes the batch varies over; a
     DP-KFAC state's factor statistics (its owners' own) left as they are, but
     EK-FAC's `S` (averaged over the devices as the whole batch's) weighted."""
     local = getattr(_statistics_consumer(opt_state), "local_statistics", False)
     weighed = frozenset({factors.CORRECTED}) if local else factors.SCALED_BY_NUM_EXAMPLES
-    return _shares_of_global_batch(value, grads, stats, n,
-                                   _compat.varying_axes(args, kwargs), self.has_aux,
+    return shares.weigh_statistics(stats, weight, _compat.varying_axes(args, kwargs),
                                    weighed)
 
   def accumulate(self, params, *args, micro_batches: int, rng=None, opt_state=None,
@@ -270,10 +271,15 @@ class ValueAndGrad:
     Every positional argument after `params` is split along its leading axis
     (keyword arguments are passed whole). The results equal those of the whole
     batch: with `n_i` the examples of slice i (its registered loss's
-    denominator, e.g. a mask's sum) and `N = Σ n_i`, the loss, the gradients
-    and `G`/`F` are the `n_i/N`-weighted sums of the slices', and `A`, a mean
-    over positions (masked ones included), is their plain mean. `aux` comes
-    back stacked over the slices. Call the optimizer once with the results.
+    denominator, e.g. a mask's sum) and `N = Σ n_i`, each slice's registered
+    loss is weighted by its share `k·n_i/N` (`shares`: with a mask, `N` is
+    counted first, by a pass that `jit` compiles down to the masks' sums), so
+    that the loss and the gradients are the plain means of the slices', every
+    other term of the loss included; `G`/`F` are the `n_i/N`-weighted sums of
+    the slices', and `A`, a mean over positions (masked ones included), is
+    their plain mean. `aux` comes back stacked over the slices (a registered
+    loss's value in it weighted as above: its mean over the slices is the
+    whole batch's). Call the optimizer once with the results.
     """
     return _compat.on_auto_axes(
         self._accumulate, (params, *args),
@@ -285,33 +291,37 @@ class ValueAndGrad:
     k = batches.check(micro_batches, "accumulate")
     sliced = batches.split(args, k, "accumulate")
     rngs = None if rng is None else jax.random.split(rng, k)
+    weight = shares.loss_weight(self.fun, params, args, kwargs, k, "accumulate")
 
     def one(i: jax.Array) -> tuple:
       micro = jax.tree_util.tree_map(lambda x: x[i], sliced)
-      value, grads, stats, n = self._evaluate(
+      value, grads, stats, n, share = self._evaluate(
           params, micro, kwargs, None if rngs is None else rngs[i], opt_state,
-          loss_scale)
+          loss_scale, weight)
       loss, aux = value if self.has_aux else (value, None)
       n = jnp.asarray(n, factors.statistics_dtype(n))   # float64 weights in float64
       weighted = {name: _summable(layer, n) for name, layer in stats.items()}
-      return loss * n, jax.tree_util.tree_map(lambda g: g * n, grads), weighted, n, aux
+      return loss, grads, weighted, n, share, aux
 
     def body(carry: tuple, i: jax.Array) -> tuple:
       out = one(i)
-      return jax.tree_util.tree_map(jnp.add, carry, out[:4]), out[4]
+      return jax.tree_util.tree_map(jnp.add, carry, out[:5]), out[5]
 
     # Sums start at zero, typed varying like the local results in shard_map.
     zeros = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype),
-                                   jax.eval_shape(one, 0)[:4])
+                                   jax.eval_shape(one, 0)[:5])
     zeros = _compat.as_varying(zeros, _compat.varying_axes(params, args, kwargs))
-    (loss, grads, stats, n), aux = jax.lax.scan(body, zeros, jnp.arange(k))
-    total = _context.denominator(n)
+    (loss, grads, stats, n, share), aux = jax.lax.scan(body, zeros, jnp.arange(k))
+    # The slices' losses and gradients are weighted shares: their plain means.
     # Summed in float32 at least; returned in the parameters' dtypes, as `grad_fn`'s.
-    grads = jax.tree_util.tree_map(lambda g, p: (g / total).astype(jnp.result_type(p)),
+    grads = jax.tree_util.tree_map(lambda g, p: (g / k).astype(jnp.result_type(p)),
                                    grads, params)
+    total = _context.denominator(n)
     stats = {name: _summed_means(layer, total, k) for name, layer in stats.items()}
-    value = (loss / total, aux) if self.has_aux else loss / total
-    return self._shares(value, grads, stats, n, args, kwargs, opt_state)
+    value = (loss / k, aux) if self.has_aux else loss / k
+    # The device's share of the global batch: the mean of its slices' shares.
+    share = None if share is None else share / k
+    return value, grads, self._shares(stats, share, args, kwargs, opt_state)
 
   def gauss_newton_gram(self, params, vectors, *args, micro_batches: int = 1,
                         with_loss: bool = False, rng=None, opt_state=None,
@@ -369,10 +379,13 @@ class ValueAndGrad:
         curvature.mean_loss, (self.fun, self.has_aux, params, args, kwargs,
                               micro_batches), {}, _compat.replicated)
 
-  def _evaluate(self, params, args, kwargs, rng, opt_state, loss_scale):
-    """(value, grads, stats, n) of one batch; see `value_and_grad`. With a
-    K-FAC state, statistics only where its `update_factors` is set: skipped
-    per layer or for the whole pass (`skip_statistics`)."""
+  def _evaluate(self, params, args, kwargs, rng, opt_state, loss_scale,
+                loss_weight: shares.LossWeight | None):
+    """(value, grads, stats, n, weight) of one batch, its registered loss
+    weighted by `loss_weight` (`shares`; `weight` the weight it took, None
+    for none); see `value_and_grad`. With a K-FAC state,
+    statistics only where its `update_factors` is set: skipped per layer or
+    for the whole pass (`skip_statistics`)."""
     if self.fisher == "mc" and rng is None:
       raise ValueError('fisher="mc" samples targets from the model: pass rng=.')
     if self.fisher == "mc":
@@ -383,7 +396,7 @@ class ValueAndGrad:
     discovered = self._discover(params, *args, **kwargs)
     state = _statistics_consumer(opt_state)
     run = functools.partial(self._capture, discovered, params, args, kwargs, rng, state,
-                            loss_scale)
+                            loss_scale, loss_weight)
     if state is None or getattr(state, "statistics_every_step", False):
       return run(True)
     skip = self.skip_statistics
@@ -398,15 +411,15 @@ class ValueAndGrad:
 
     def branch(flag: bool) -> Callable:
       def capture() -> tuple:
-        value, grads, stats, n = run(flag)
+        value, grads, stats, n, weight = run(flag)
         if isinstance(n, (int, float)):
           static_n.append(n)
           n = None
-        return value, grads, stats, n
+        return value, grads, stats, n, weight
       return capture
-    value, grads, stats, n = _compat.cond(update_factors, branch(True),
-                                          branch(False))
-    return value, grads, stats, (static_n[0] if static_n else n)
+    value, grads, stats, n, weight = _compat.cond(update_factors, branch(True),
+                                                  branch(False))
+    return value, grads, stats, (static_n[0] if static_n else n), weight
 
   def _check_stack_axes(self, discovered: "_Discovered", params, args, kwargs,
                         error: Exception) -> None:
@@ -444,9 +457,11 @@ class ValueAndGrad:
     return True
 
   def _capture(self, discovered: "_Discovered", params, args, kwargs, rng, state,
-               loss_scale, compute_stats) -> tuple:
-    """(value, grads, stats, n) with the statistics where `compute_stats` (a
-    Python bool, or a traced one that each tag's backward pass reads)."""
+               loss_scale, loss_weight, compute_stats) -> tuple:
+    """(value, grads, stats, n, weight) with the statistics where
+    `compute_stats` (a Python bool, or a traced one that each tag's backward
+    pass reads); the statistics are the unweighted loss's whatever the
+    `weight` its registered loss took (`loss_weight`; None: none)."""
     carriers = discovered.carriers
     probes = _all_probes(discovered, state)
     # Inside shard_map the statistics vary with the local batch: so must the
@@ -464,7 +479,8 @@ class ValueAndGrad:
       carried = {n: (carriers[n], v) for n, v in probes.items() if n in carriers}
       trace = _new_trace(_context.CAPTURE, p, compute_stats=compute_stats,
                          probes={n: v for n, v in probes.items() if n not in carried},
-                         carriers={n: carriers[n] for n in carried})
+                         carriers={n: carriers[n] for n in carried},
+                         loss_weight=loss_weight)
       traces.append(trace)
       with _context.active(trace):
         out = self.fun(stacking.prepare(p, carried), *args, **kwargs)
@@ -475,12 +491,14 @@ class ValueAndGrad:
       # traced by the calls of `vjp` below (`tags._scaled_inside`).
       if loss_scale is None:
         trace.statistics_scale = registered.static_num_examples
+      weight = trace.applied_weight
       trace.forget_values()
-      return (loss, sampled), (aux, registered.num_examples)
+      return (loss, sampled), (aux, registered.num_examples, weight)
 
     traces: list[_context.Trace] = []
     try:
-      (loss, sampled), vjp, (aux, n) = jax.vjp(evaluate, params, probes, has_aux=True)
+      (loss, sampled), vjp, (aux, n, weight) = jax.vjp(evaluate, params, probes,
+                                                       has_aux=True)
     except Exception as error:    # flax's or JAX's, slicing a stacked layer's probes
       self._check_stack_axes(discovered, params, args, kwargs, error)
       raise
@@ -494,15 +512,17 @@ class ValueAndGrad:
     else:
       grads, _ = vjp((seed, jnp.zeros_like(sampled)))
       _, probe_bar = vjp((jnp.zeros_like(loss), seed.astype(sampled.dtype)))
-    g_scale = n
+    # The true targets' cotangents carry the loss's weight; the samples' do not.
+    g_scale = shares.unweighted_scale(n, weight if self.fisher == "empirical" else None)
     if loss_scale is not None:
       inv = 1.0 / jnp.asarray(loss_scale, factors.statistics_dtype(loss))
       grads = jax.tree_util.tree_map(lambda g: (g * inv.astype(g.dtype)).astype(g.dtype),
                                      grads)
-      g_scale = n * inv * inv
+      g_scale = g_scale * inv * inv
     value = (loss, aux) if self.has_aux else loss
     counted = frozenset(layer.name for layer in discovered.layers if layer.may_sit_out)
-    return value, grads, _statistics(probe_bar, g_scale, traces[0].scaled, counted), n
+    stats = _statistics(probe_bar, g_scale, traces[0].scaled, counted)
+    return value, grads, stats, n, weight
 
 
 def _placed(tree: Any, mesh: Any, spec: jax.sharding.PartitionSpec) -> Any:
@@ -543,33 +563,6 @@ def _summed_means(layer: dict, total: Any, k: int) -> dict:
   if factors.POSITIONS in layer:
     out["A"] = factors.mean_over_positions(layer["A"], layer[factors.POSITIONS])
   return out
-
-
-def _shares_of_global_batch(value: Any, grads: Any, stats: dict, n: Any,
-                            axes: tuple[str, ...], has_aux: bool,
-                            weighed: frozenset[str]) -> tuple:
-  """Inside `shard_map`, each device's loss, gradients and the statistics
-  named in `weighed` (of `G`/`F`/`S`) weighted so that their mean over the
-  batch's `axes` is the global batch's, where the devices' numbers of examples `n_d` differ (a
-  loss mask): with `N = Σ_d n_d` and `P` devices, each is weighted by
-
-      w_d = P n_d / N       (the loss's mean divides by n_d, 1 when n_d = 0),
-
-  e.g. `(1/P) Σ_d w_d loss_d = Σ_d n_d loss_d / N`, and `G = n Σ ĝ ĝᵀ` with
-  `ĝ = w g / n` by the same. Equal `n_d` (no mask: `n` a Python number,
-  nothing done) give weights of exactly 1. `A`, a mean over every device's
-  positions, needs none."""
-  if not axes or isinstance(n, (int, float)):
-    return value, grads, stats
-  n = _compat.as_varying(jnp.asarray(n, factors.statistics_dtype(n)), axes)
-  weight = jax.lax.psum(1, axes) * n / _context.denominator(jax.lax.psum(n, axes))
-  times = lambda x: (x * weight.astype(x.dtype)).astype(x.dtype)
-  loss, aux = value if has_aux else (value, None)
-  loss = times(loss)
-  grads = jax.tree_util.tree_map(times, grads)
-  stats = {name: {key: times(v) if key in weighed else v for key, v in layer.items()}
-           for name, layer in stats.items()}
-  return ((loss, aux) if has_aux else loss), grads, stats
 
 
 def _check_not_a_schedule(params: Any, args: tuple, kwargs: dict) -> None:
