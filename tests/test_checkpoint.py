@@ -189,8 +189,9 @@ def test_checkpoint_of_an_older_packing_restores(tmp_path, monkeypatch, fraction
   lay = find_states(state)[0].layout
   assert lay.second_rows == 1 and lay.second_array < lay.group_size * lay.second_segment
   keys = {checkpoint.WIDE_ROWS, checkpoint.SHARED_ROWS, checkpoint.ALIGNED_GROUPS,
-          checkpoint.FREE_GROUP_PIECES}
-  dropped = {checkpoint.WIDE_ROWS, checkpoint.ALIGNED_GROUPS, checkpoint.FREE_GROUP_PIECES} | (
+          checkpoint.FREE_GROUP_PIECES, checkpoint.FEWER_LAYER_PIECES}
+  dropped = {checkpoint.WIDE_ROWS, checkpoint.ALIGNED_GROUPS, checkpoint.FREE_GROUP_PIECES,
+             checkpoint.FEWER_LAYER_PIECES} | (
       {checkpoint.SHARED_ROWS} if saved == "padded" else set())
   old = kd.convert_state(state, checkpoint._saved_layouts(
       state, {k: True for k in keys - dropped}))
@@ -236,22 +237,39 @@ def test_hybrid_checkpoint_before_groups_split_factors_restores(tmp_path, monkey
     monkeypatch.setattr(layout, "REPLICA_BUDGET", 1.0)
     monkeypatch.setattr(layout, "MIN_EXTRA_COPIES", 0)
   _config.cache_clear()          # the transforms are built under this budget
+  kept = {checkpoint.SHARED_ROWS: True, checkpoint.WIDE_ROWS: True}
+  if before == "group_pieces_uncapped":
+    kept[checkpoint.ALIGNED_GROUPS] = True
   try:
-    _restore_older_hybrid_checkpoint(tmp_path, monkeypatch, checkpoint, before)
+    _restore_older_checkpoint(tmp_path, monkeypatch, checkpoint, (8, 1 / 2), kept,
+                              _split_in_a_group)
   finally:
     monkeypatch.undo()
     _config.cache_clear()
 
 
-def _restore_older_hybrid_checkpoint(tmp_path, monkeypatch, checkpoint, before):
-  config = (8, 1 / 2)
+def test_mem_opt_checkpoint_before_layers_took_fewer_owners_restores(tmp_path,
+                                                                      monkeypatch):
+  """8-device MEM-OPT, whose layers today take fewer owners than their size
+  needs (`layout.build(fewer_layer_pieces=True)`: split over as many, a device
+  would decompose two layers, so every layer stayed whole): a checkpoint
+  saved before (metadata without `FEWER_LAYER_PIECES`) restores into today's
+  template, moved by `convert_state`, bit for bit the state it was saved
+  from, and the run resumes on the uninterrupted trajectory."""
+  from kfac_jax_dist.tools import checkpoint  # pylint: disable=import-outside-toplevel
+  kept = {key: True for key in (checkpoint.SHARED_ROWS, checkpoint.WIDE_ROWS,
+                                checkpoint.ALIGNED_GROUPS, checkpoint.FREE_GROUP_PIECES)}
+  _restore_older_checkpoint(tmp_path, monkeypatch, checkpoint, (8, 1 / 8), kept,
+                            lambda lay: any(plan.copies for plan in lay.plans))
+
+
+def _restore_older_checkpoint(tmp_path, monkeypatch, checkpoint, config, kept, split):
+  """A state of `config` whose layout is `split` today, saved in the layout of
+  a checkpoint whose metadata has only `kept`, restores and resumes."""
   params, state = _run(config, _params(), _init(*config), 0, 3)
-  assert _split_in_a_group(find_states(state)[0].layout)
-  kept = {checkpoint.SHARED_ROWS: True, checkpoint.WIDE_ROWS: True}
-  if before == "group_pieces_uncapped":
-    kept[checkpoint.ALIGNED_GROUPS] = True
+  assert split(find_states(state)[0].layout)
   old = kd.convert_state(state, checkpoint._saved_layouts(state, kept))
-  assert not _split_in_a_group(find_states(old)[0].layout)
+  assert not split(find_states(old)[0].layout)
   metadata = checkpoint.checkpoint_metadata
   with monkeypatch.context() as m:
     m.setattr(checkpoint, "checkpoint_metadata", lambda tree: {

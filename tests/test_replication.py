@@ -294,6 +294,41 @@ def test_owner_assignment_of_many_equal_items_is_the_brute_force_rule(seed):
                                                                         cost, size)]
 
 
+
+@pytest.mark.parametrize("widths,pieces", [((784, 512, 10), {"l0": 7}),
+                                           ((784, 1024, 1024, 10), {"l0": 3, "l1": 3})])
+def test_a_dominant_layer_leaves_owners_for_the_others(widths, pieces):
+  """MEM-OPT on 8 devices, an MLP whose first layer holds 7.9 devices'
+  shares: split over all 8, one device would also hold the second layer and
+  decompose twice the largest layer, so the split was refused and the first
+  layer kept one owner (its gradient gather then an all-reduce of the whole
+  gradient: 2× SGD's bytes a step). With fewer pieces it takes 7 owners, the
+  other layer the 8th: near-equal row ranges, every device within 1.55
+  shares and decomposing at most the largest layer. The assignment before
+  (`fewer_layer_pieces=False`, older checkpoints') keeps it whole."""
+  from kfac_jax_dist.kfac import layout  # pylint: disable=import-outside-toplevel
+  layers = kd.LayerRegistry(tuple(
+      kd.TaggedLayer(name=f"l{i}", kind="dense", kernel_path=f"l{i}/kernel",
+                     bias_path=f"l{i}/bias", kernel_shape=(a, g), a_dim=a + 1, g_dim=g)
+      for i, (a, g) in enumerate(itertools.pairwise(widths))))
+  paths = [f"l{i}/{leaf}" for i in range(len(layers)) for leaf in ("kernel", "bias")]
+  lay = layout.build(layers, paths, num_devices=8)
+  numbers = [0.0] * 8
+  decomposed = [0.0] * 8
+  for plan in lay.plans:
+    layer = plan.layer
+    assert len(plan.pieces) == pieces.get(layer.name, 1), lay.plans
+    rows = [piece.rows or (0, layer.a_dim) for piece in plan.pieces]
+    assert rows[0][0] == 0 and rows[-1][1] == layer.a_dim
+    assert all(r[1] == q[0] for r, q in itertools.pairwise(rows))
+    for piece, (lo, hi) in zip(plan.pieces, rows):
+      numbers[piece.group] += (hi - lo) * layer.g_dim
+      decomposed[piece.group] += layer.a_dim ** 3 + layer.g_dim ** 3
+  assert max(numbers) <= 1.55 * sum(l.a_dim * l.g_dim for l in layers) / 8
+  assert max(decomposed) == max(l.a_dim ** 3 + l.g_dim ** 3 for l in layers)
+  before = layout.rebuild(lay, fewer_layer_pieces=False)
+  assert all(len(plan.pieces) == 1 for plan in before.plans)
+
 def test_group_ranks_fill_one_slot_table():
   """`owners.align_ranks` on constructed groups of four ranks (bins of
   `(item, units)` pieces; size = item[1], cost = item[2]): group A's one

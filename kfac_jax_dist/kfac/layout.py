@@ -648,7 +648,8 @@ def _group_pieces_free(num_groups: int, group_size: int, align_groups: bool,
 def _assign_owners(kept: list, max_factor_dim: int | None, num_devices: int,
                    group_size: int, method: str, replicate_factors: bool,
                    replicate_layers: bool, max_parts: int | None,
-                   align_groups: bool = True, cap_group_pieces: bool = False
+                   align_groups: bool = True, cap_group_pieces: bool = False,
+                   fewer_layer_pieces: bool = True
                    ) -> tuple[dict[str, list], list[list[Owned]]]:
   """Layers to owner groups, then each group's factors to its devices
   (`_assign_in_groups`). Both balance the decomposition cost d³ and the
@@ -667,7 +668,7 @@ def _assign_owners(kept: list, max_factor_dim: int | None, num_devices: int,
   group_bins = owners.assign(kept, num_groups, layer_cost,
                              lambda l: l.a_dim * l.g_dim if num_groups > 1 else 0.0,
                              lambda l: l.a_dim if split_layers and not l.unitwise else 0,
-                             max_parts=max_parts)
+                             max_parts=max_parts, fewer_parts=fewer_layer_pieces)
   pieces: dict[str, list] = {}
   for g, members in enumerate(group_bins):
     for layer, rows in members:
@@ -837,7 +838,8 @@ def _build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
            method: str = "eigen", packed: bool = True,
            factor_storage: str = CHUNKED, replicate_factors: bool = True,
            replicate_layers: bool = True, max_parts: int | None = None,
-           align_groups: bool = True, cap_group_pieces: bool = False) -> Layout:
+           align_groups: bool = True, cap_group_pieces: bool = False,
+           fewer_layer_pieces: bool = True) -> Layout:
   """Assigns layers to owner groups, factors to devices, and packs segments.
 
   A stacked layer becomes one plan per block (`TaggedLayer.blocks`), each with
@@ -848,7 +850,9 @@ def _build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
   False) and layers (several groups) are split over several owners (at most
   `max_parts`; HYBRID's factors within a group up to its size, unless
   `cap_group_pieces`) unless `replicate_factors` / `replicate_layers` is
-  False (see the module docstring).
+  False (see the module docstring); a layer in fewer pieces where as many as
+  its size needs would put a second decomposition on a device
+  (`fewer_layer_pieces`; False: the assignment of older checkpoints).
   """
   patterns = [re.compile(p) for p in skip]
   kept, skipped = [], []
@@ -859,7 +863,7 @@ def _build(layers: registry.LayerRegistry, param_paths: Sequence[str], *,
       kept.extend(layer.blocks())
   pieces, owned = _assign_owners(kept, max_factor_dim, num_devices, group_size, method,
                                  replicate_factors, replicate_layers, max_parts,
-                                 align_groups, cap_group_pieces)
+                                 align_groups, cap_group_pieces, fewer_layer_pieces)
   pack = _pack(owned, packed, method, {layer.name: layer for layer in kept})
   plans = _layer_plans(kept, pieces, pack.places)
   covered = {p for plan in plans for p in (plan.layer.kernel_path, plan.layer.bias_path)}

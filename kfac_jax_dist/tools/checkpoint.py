@@ -58,11 +58,13 @@ _STATE, _META = "state", "kfac_layout"
 # whose HYBRID groups are assigned together (oversized factors split within a
 # group, every group's devices in one slot table: `layout._assign_in_groups`),
 # and of those whose HYBRID pieces within a group escape the copies' cap
-# (`layout._group_pieces_free`)
+# (`layout._group_pieces_free`), and of those whose oversized layers may take
+# fewer owners than their size needs (`layout.build(fewer_layer_pieces=)`)
 SHARED_ROWS = "second_order_rows_shared"
 WIDE_ROWS = "second_order_rows_wide"
 ALIGNED_GROUPS = "owner_groups_aligned"
 FREE_GROUP_PIECES = "group_pieces_uncapped"
+FEWER_LAYER_PIECES = "layer_pieces_fewer"
 
 
 def _is_kfac(x) -> bool:
@@ -128,16 +130,18 @@ def layout_metadata(lay: layout_lib.Layout) -> dict[str, Any]:
 def checkpoint_metadata(tree: Any) -> dict[str, Any]:
   """`layout_metadata` of every K-FAC state in `tree`, and
   `shampoo_layout_metadata` of every Shampoo and every SOAP state, in tree
-  order; and `SHARED_ROWS`, `WIDE_ROWS`, `ALIGNED_GROUPS` and
-  `FREE_GROUP_PIECES`, which tell `restore_checkpoint` how K-FAC layouts pack
-  second-order segments (`Layout.second_packing`), whether HYBRID's groups
-  were assigned together and whether their factors' pieces were capped."""
+  order; and `SHARED_ROWS`, `WIDE_ROWS`, `ALIGNED_GROUPS`,
+  `FREE_GROUP_PIECES` and `FEWER_LAYER_PIECES`, which tell
+  `restore_checkpoint` how K-FAC layouts pack second-order segments
+  (`Layout.second_packing`), whether HYBRID's groups were assigned together,
+  whether their factors' pieces were capped and whether an oversized layer
+  could take fewer owners."""
   return {"kfac_states": [layout_metadata(s.layout) for s in kfac_lib.find_states(tree)],
           **{key: [shampoo_layout_metadata(s.layout)
                    for s in states_lib.find_states(tree, kind)]
              for key, (_, kind, _) in _BLOCK_STATES.items()},
           SHARED_ROWS: True, WIDE_ROWS: True, ALIGNED_GROUPS: True,
-          FREE_GROUP_PIECES: True}
+          FREE_GROUP_PIECES: True, FEWER_LAYER_PIECES: True}
 
 
 def _checkpointer():
@@ -229,19 +233,22 @@ def _saved_layouts(template: Any, meta: dict) -> Any:
   EK-FAC's gathered eigenbases `[P·L₂]`), and HYBRID's assignment before its
   groups were assigned together (`layout.rebuild(align_groups=False)`, in
   the saved factor storage) or before a factor's pieces within a group were
-  uncapped (`cap_group_pieces=True`); `template` itself where no layout
-  differs."""
-  if meta.get(FREE_GROUP_PIECES):
+  uncapped (`cap_group_pieces=True`), and the assignment of layers to owner
+  groups before an oversized layer could take fewer owners
+  (`fewer_layer_pieces=False`); `template` itself where no layout differs."""
+  if meta.get(FEWER_LAYER_PIECES):
     return template
-  assignment_then = (dict(cap_group_pieces=True) if meta.get(ALIGNED_GROUPS) else
-                     dict(align_groups=False))
+  groups_then = ({} if meta.get(FREE_GROUP_PIECES) else
+                 dict(cap_group_pieces=True) if meta.get(ALIGNED_GROUPS) else
+                 dict(align_groups=False))
   packing_then = (layout_lib.WIDE_ROWS if meta.get(WIDE_ROWS) else
                   layout_lib.SEGMENT_ROWS if meta.get(SHARED_ROWS) else layout_lib.PADDED_ROWS)
   saved_layouts = iter(meta.get("kfac_states", []))
 
   def layout_then(lay: layout_lib.Layout, saved: dict) -> layout_lib.Layout:
-    if lay.num_groups > 1 and lay.group_size > 1 and lay.built_with:
-      lay = layout_lib.rebuild(lay, **assignment_then)
+    if lay.num_groups > 1 and lay.built_with:
+      lay = layout_lib.rebuild(lay, fewer_layer_pieces=False,
+                               **(groups_then if lay.group_size > 1 else {}))
       lay = dataclasses.replace(lay, factor_storage=saved.get("factor_storage",
                                                               lay.factor_storage))
     return dataclasses.replace(lay, second_packing=packing_then)
