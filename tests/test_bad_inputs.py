@@ -300,8 +300,9 @@ def test_masks_and_loss_scales_are_checked():
 
 def test_masked_mean_averages_over_its_mask():
   """`kd.losses.masked_mean`: `Σ m·v / Σ m` against numpy (a `[B, 1]` mask
-  broadcast over positions, fractional weights), 0 for an all-zero mask, and
-  a mask that does not broadcast named with both shapes."""
+  broadcast over positions, fractional weights), 0 for an all-zero mask, a
+  mask that does not broadcast named with both shapes, and a call inside a
+  scan of the loss function refused (its share could not be counted)."""
   values = np.arange(12.0).reshape(4, 3) - 4.0
   mask = np.array([[1.0], [0.0], [0.5], [2.0]])
   np.testing.assert_allclose(kd.losses.masked_mean(values, mask),
@@ -310,6 +311,16 @@ def test_masked_mean_averages_over_its_mask():
   with pytest.raises(ValueError, match=r"masked_mean: mask of shape \(4,\) does not "
                                        r"broadcast to the values' shape \(4, 3\)"):
     kd.losses.masked_mean(values, np.ones(4))
+
+  def scanned(params, x, y):
+    def body(h, _):
+      h = jnp.tanh(kd.tags.dense(h, params["l0"]["kernel"], name="l0"))
+      return h, kd.losses.masked_mean(h ** 2, jnp.ones(h.shape))
+    h, squares = jax.lax.scan(body, x, None, length=2)
+    return kd.losses.softmax_cross_entropy(h, y) + jnp.sum(squares)
+  params = {"l0": {"kernel": jnp.eye(4)}}
+  with pytest.raises(ValueError, match="masked_mean ran inside a JAX transform"):
+    kd.value_and_grad(scanned)(params, jnp.ones((3, 4)), jnp.zeros(3, jnp.int32))
 
 def test_the_loss_function_returns_a_scalar():
   """A non-scalar loss, or `has_aux=True` without `(loss, aux)`, as

@@ -255,4 +255,13 @@ def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
                      f"not broadcast to the values' shape {jnp.shape(values)}.") from None
   mask = mask.astype(jnp.promote_types(values.dtype, jnp.float32))
   n = jnp.sum(mask)
+  trace = _context.current()
+  if trace is not None and trace.mode == _context.DISCOVER and (
+      _compat.inside_another_trace(trace.top)):
+    raise ValueError(
+        "kd.losses.masked_mean ran inside a JAX transform within the loss function "
+        "(lax.scan, nn.scan, jax.checkpoint, vmap, cond, ...), where its share of "
+        "the global batch cannot be counted: return the values and mask out of the "
+        "transform and average them at the loss function's top level, or average "
+        "them with plain jnp there (the local batch's mean).")
   return _context.weighted(jnp.sum(values * mask) / _context.denominator(n), n)
