@@ -383,9 +383,9 @@ class ValueAndGrad:
                 loss_weight: shares.LossWeight | None):
     """(value, grads, stats, n, weight) of one batch, its registered loss
     weighted by `loss_weight` (`shares`; `weight` the weight it took, None
-    for none); see `value_and_grad`. With a K-FAC state,
-    statistics only where its `update_factors` is set: skipped per layer or
-    for the whole pass (`skip_statistics`)."""
+    for none); see `value_and_grad`. With a K-FAC state, statistics only
+    where its `update_factors` is set: skipped per layer or for the whole
+    pass (`skip_statistics`)."""
     if self.fisher == "mc" and rng is None:
       raise ValueError('fisher="mc" samples targets from the model: pass rng=.')
     if self.fisher == "mc":
