@@ -10,10 +10,12 @@ value by its share
 
 inside the loss function (`context.weighted`), so that the plain mean of the
 whole losses the function returns, `(1/m) Σ (w·ℓ + r)`, is the global
-batch's `Σ n·ℓ / N + (1/m) Σ r` for every other term `r` alike: a
-batch-independent penalty (L2), a mean over every position (a z-loss, a
-load-balancing loss), a term masked like the registered loss. Gradients
-follow from the loss. The statistics quadratic in the output cotangents
+batch's `Σ n·ℓ / N + (1/m) Σ r` for the other terms `r`: exact for a
+batch-independent penalty (L2) and a mean over every position (a z-loss, a
+load-balancing loss); a term masked its own way is exact written with
+`kd.losses.masked_mean`, weighted by its own share the same way (a masked
+mean written by hand is the mean of the local means). Gradients follow from
+the loss. The statistics quadratic in the output cotangents
 (`G`, `F`, EK-FAC's `S`), which carry `w²`, are computed unweighted and
 weighted by `w` where a strategy averages them (`weigh_statistics`).
 
@@ -76,9 +78,10 @@ def total_examples(fun: Callable, params: Any, args: tuple, kwargs: dict, k: int
 
 def loss_weight(fun: Callable, params: Any, args: tuple, kwargs: dict, k: int,
                 caller: str) -> LossWeight | None:
-  """The weight of the registered loss of each of the `k` slices of `args`
-  on this device (see the module docstring); None for one slice outside
-  `shard_map`, or several without a mask (weights of 1)."""
+  """The weights of the masked means (the registered loss's,
+  `kd.losses.masked_mean`'s) of each of the `k` slices of `args` on this
+  device (see the module docstring); None for one slice outside `shard_map`,
+  or several without a masked mean (weights of 1)."""
   axes = _compat.varying_axes(args, kwargs)
   if k == 1:
     return _weight(axes, 1, None) if axes else None
