@@ -319,8 +319,11 @@ def test_masked_mean_averages_over_its_mask():
     h, squares = jax.lax.scan(body, x, None, length=2)
     return kd.losses.softmax_cross_entropy(h, y) + jnp.sum(squares)
   params = {"l0": {"kernel": jnp.eye(4)}}
-  with pytest.raises(ValueError, match="masked_mean ran inside a JAX transform"):
-    kd.value_and_grad(scanned)(params, jnp.ones((3, 4)), jnp.zeros(3, jnp.int32))
+  batch = jnp.ones((4, 4)), jnp.zeros(4, jnp.int32)
+  for call in (kd.value_and_grad(scanned), kd.value_and_grad(scanned).loss,
+               functools.partial(kd.value_and_grad(scanned).loss, micro_batches=2)):
+    with pytest.raises(ValueError, match="masked_mean ran inside a JAX transform"):
+      call(params, *batch)
 
 def test_the_loss_function_returns_a_scalar():
   """A non-scalar loss, or `has_aux=True` without `(loss, aux)`, as

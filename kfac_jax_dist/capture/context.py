@@ -20,6 +20,8 @@ from typing import Any, Callable, Iterator
 
 import jax.numpy as jnp
 
+from kfac_jax_dist import _compat
+
 _STACK = threading.local()
 DISCOVER, CAPTURE, CURVATURE = "discover", "capture", "curvature"
 
@@ -40,9 +42,9 @@ class Trace:
   scaled: set = dataclasses.field(default_factory=set)
   losses: list = dataclasses.field(default_factory=list)      # registered losses
   seen: set = dataclasses.field(default_factory=set)
-  # discover: the loss's own JAX trace, and the layers that may run more than
-  # once in a pass (called twice, or inside a loop, branch or transform: the
-  # capture counts their positions, `statistics.POSITIONS`).
+  # discover, curvature: the loss's own JAX trace; discover: the layers that
+  # may run more than once in a pass (called twice, or inside a loop, branch
+  # or transform: the capture counts their positions, `statistics.POSITIONS`).
   top: Any = None
   repeats: set = dataclasses.field(default_factory=set)
   leaf_shapes: dict = dataclasses.field(default_factory=dict)  # path -> shape
@@ -168,7 +170,8 @@ def run_plain(fun: Callable, params, args: tuple, kwargs: dict,
               ) -> tuple[Any, Trace]:
   """`fun(params, *args, **kwargs)` in a curvature trace (the tags plain
   layers) whose masked means are weighted by `loss_weight`, and the trace."""
-  trace = Trace(mode=CURVATURE, leaf_paths={}, loss_weight=loss_weight)
+  trace = Trace(mode=CURVATURE, leaf_paths={}, loss_weight=loss_weight,
+                top=_compat.current_trace())
   with active(trace):
     out = fun(params, *args, **kwargs)
   one_loss(trace)

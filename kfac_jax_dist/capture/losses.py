@@ -256,7 +256,7 @@ def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
   mask = mask.astype(jnp.promote_types(values.dtype, jnp.float32))
   n = jnp.sum(mask)
   trace = _context.current()
-  if trace is not None and trace.mode == _context.DISCOVER and (
+  if trace is not None and trace.top is not None and (
       _compat.inside_another_trace(trace.top)):
     raise ValueError(
         "kd.losses.masked_mean ran inside a JAX transform within the loss function "
