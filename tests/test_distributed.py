@@ -797,8 +797,8 @@ def test_masked_loss_with_uneven_counts_equals_single_device(x64, fraction, redu
 
 
 def _loss_with_other_terms(term: str):
-  """`_masked_problem`'s loss plus a term besides the registered loss."""
-  loss_fn, params, batch = _masked_problem()
+  """`_masked_problem`'s model and loss plus a term besides the registered loss."""
+  _, params, batch = _masked_problem()
 
   def with_term(p, x, y, mask):
     logits = kd.tags.dense(jnp.tanh(kd.tags.dense(x, p["l0"]["kernel"], p["l0"]["bias"],
@@ -808,7 +808,6 @@ def _loss_with_other_terms(term: str):
              "every_position": lambda: 0.1 * jnp.mean(squares),
              "masked_mean": lambda: 0.1 * kd.losses.masked_mean(squares, 1.0 - mask)}
     return kd.losses.softmax_cross_entropy(logits, y, mask=mask) + other[term]()
-  del loss_fn
   return with_term, params, batch
 
 
