@@ -294,13 +294,12 @@ def test_owner_assignment_of_many_equal_items_is_the_brute_force_rule(seed):
                                                                         cost, size)]
 
 
-
 @pytest.mark.parametrize("widths,pieces", [((784, 512, 10), {"l0": 7}),
                                            ((784, 1024, 1024, 10), {"l0": 3, "l1": 3})])
 def test_a_dominant_layer_leaves_owners_for_the_others(widths, pieces):
   """MEM-OPT on 8 devices, an MLP whose first layer holds 7.9 devices'
   shares: split over all 8, one device would also hold the second layer and
-  decompose twice the largest layer, so the split was refused and the first
+  decompose 1.22× the largest layer, so the split was refused and the first
   layer kept one owner (its gradient gather then an all-reduce of the whole
   gradient: 2× SGD's bytes a step). With fewer pieces it takes 7 owners, the
   other layer the 8th: near-equal row ranges, every device within 1.55
