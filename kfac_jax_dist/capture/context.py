@@ -63,15 +63,17 @@ class Trace:
   loss_weight: Callable[[Any, int], Any] | None = None
   counts: list = dataclasses.field(default_factory=list)
   applied_weight: Any = None
+  # discover, capture: the row masks entered (`tags.row_mask`), innermost last.
+  row_masks: list = dataclasses.field(default_factory=list)
 
   def forget_values(self) -> None:
     """Drops what holds tracers (the registered losses, the probes, the
-    flag, the applied weight, the loss's JAX trace) once the forward pass no
+    flag, the applied weight, the loss's JAX trace, the row masks) once the forward pass no
     longer needs them: the tags' backward passes keep this trace, and JAX may
     keep them (cached jaxprs) past the trace they were made in
     (`jax.checking_leaks`)."""
     self.losses, self.probes, self.compute_stats, self.top = [], {}, None, None
-    self.counts, self.applied_weight = [], None
+    self.counts, self.applied_weight, self.row_masks = [], None, []
 
   def path_of(self, leaf) -> str | None:
     return None if leaf is None else self.leaf_paths.get(id(leaf))

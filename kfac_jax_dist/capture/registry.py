@@ -129,6 +129,9 @@ class TaggedLayer:
   `may_sit_out`: every application runs inside a `lax.cond` / `lax.switch`
   branch or a `lax.while_loop` body (`_compat.MAY_NOT_RUN`), so a pass may give it no position
   (the optimizer then leaves its factors as they are; see `kfac.factors`).
+  `row_masked`: an application runs under a row mask (`tags.row_mask`) that
+  leaves rows out of its `A`, so its devices (and passes) may see different
+  numbers of positions, none included. Either makes it `counted`.
   """
 
   name: str
@@ -146,10 +149,18 @@ class TaggedLayer:
   groups: int = 1
   transposed_kernel: bool = False
   may_sit_out: bool = False
+  row_masked: bool = False
 
   @property
   def has_bias(self) -> bool:
     return self.bias_path is not None
+
+  @property
+  def counted(self) -> bool:
+    """Whether its statistics carry the positions its `A` averages over
+    (`statistics.POSITIONS`), by which the optimizer weighs `A` over the
+    devices and tells whether it ran: `may_sit_out` or `row_masked`."""
+    return self.may_sit_out or self.row_masked
 
   @property
   def bias_block_shape(self) -> tuple[int, ...]:

@@ -174,29 +174,49 @@ def _flatten_positions(x: jax.Array, example_dims: int | None = None,
   return reduce(jnp.reshape(x, (num_examples, -1, x.shape[-1])), axis=1)
 
 
+def row_weights(mask: jax.Array, positions: tuple[int, ...],
+                example_dims: int | None) -> jax.Array:
+  """The rows of a statistic over `positions` (`_flatten_positions`) kept by
+  `mask` (a boolean prefix of `positions`, broadcast over the rest), `[N]`
+  (`[U]`: the entries of the first `example_dims` axes, which `mask` may
+  not outnumber), 1 kept, 0 left out."""
+  rows = tuple(positions if example_dims is None else positions[:example_dims])
+  wide = mask.reshape(mask.shape + (1,) * (len(rows) - mask.ndim))
+  return jnp.broadcast_to(wide, rows).reshape(-1)
+
+
 def input_factor(a: jax.Array, has_bias: bool, form: str = FULL,
-                 example_dims: int | None = None) -> jax.Array:
+                 example_dims: int | None = None,
+                 weights: jax.Array | None = None) -> jax.Array:
   """`A = (1/N) Σ_p a_p a_pᵀ` over all leading positions, bias folded in.
 
   `example_dims=k`: the rows are the per-example means `ā_u` over the
-  positions inside each entry of the first k axes (K-FAC-reduce)."""
+  positions inside each entry of the first k axes (K-FAC-reduce).
+  `weights` (`row_weights`, 0 or 1 per row): `(1/N) Σ_p w_p a_p a_pᵀ`, the
+  kept rows' sum (the capture divides it by their count)."""
   a = _flatten_positions(a, example_dims, jnp.mean)
   num_positions = a.shape[0]
+  corner = jnp.ones((1,), a.dtype)     # the homogeneous coordinate's mean
+  if weights is not None:
+    w = weights.astype(a.dtype)
+    a = a * w[:, None]
+    corner = jnp.mean(w, keepdims=True)
   # The homogeneous coordinate is added to the product, not to `a`: with
   # `a = [x, 1]`, `A = [[E x xᵀ, E x], [E xᵀ, 1]]`. Concatenating a column of
   # ones to `x` would copy the whole `[N, d]` input just to feed the matmul
   # (a conv's gathered patches come with their ones instead: `conv_patches`).
   if form == DIAG:
     diag = jnp.sum(a * a, axis=0) / num_positions
-    return jnp.concatenate([diag, jnp.ones((1,), a.dtype)]) if has_bias else diag
+    return jnp.concatenate([diag, corner]) if has_bias else diag
   second = jnp.matmul(a.T, a, precision=lax.Precision.HIGHEST) / num_positions
   if not has_bias:
     return second
-  return _bordered(second, jnp.mean(a, axis=0))
+  return _bordered(second, jnp.mean(a, axis=0), corner)
 
 
-def _bordered(second: jax.Array, mean: jax.Array) -> jax.Array:
-  """`[[S, m], [mᵀ, 1]]`, each number selected from `S` or `[m, 1]` by its
+def _bordered(second: jax.Array, mean: jax.Array, corner: jax.Array) -> jax.Array:
+  """`[[S, m], [mᵀ, c]]` (`c` the `[1]` `corner`, 1 without a row mask),
+  each number selected from `S` or `[m, c]` by its
   position. Joined by concatenates, the `[S, m]` block was a kernel of its own
   on XLA:CPU (128 and 256 wide), and `S`'s and `m`'s scaling two more, where
   the selects fuse into the packing gather after them (PERF_NOTES §50). `[m, 1]`
@@ -204,7 +224,7 @@ def _bordered(second: jax.Array, mean: jax.Array) -> jax.Array:
   built the mean once for each shape it was read in (PERF_NOTES §24)."""
   d, shape = second.shape[0], (second.shape[0] + 1,) * 2
   row, col = (lax.broadcasted_iota(jnp.int32, shape, k) for k in (0, 1))
-  border = jnp.concatenate([mean, jnp.ones((1,), mean.dtype)])
+  border = jnp.concatenate([mean, corner.astype(mean.dtype)])
   inner = lax.pad(second, jnp.zeros((), second.dtype), ((0, 1, 0), (0, 1, 0)))
   edge = lax.select(col == d, lax.broadcast_in_dim(border, shape, (0,)),
                     lax.broadcast_in_dim(border, shape, (1,)))
@@ -275,16 +295,19 @@ def _with_ones(x: jax.Array) -> jax.Array:
   return jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), x.dtype)], axis=-1)
 
 
-def token_frequencies(ids: jax.Array, vocab_size: int, dtype=jnp.float32) -> jax.Array:
+def token_frequencies(ids: jax.Array, vocab_size: int, dtype=jnp.float32,
+                      weights: jax.Array | None = None) -> jax.Array:
   """`A_v = (1/N)·#{p : ids_p = v}`: the diagonal of `E[onehot onehotᵀ]`, `[V]`.
 
   A scatter-add of ones, never an `[N, V]` one-hot. Ids are indexed like
   `jnp.take` (negative ids wrap); out-of-range ids count nowhere. `dtype`:
-  the statistics' (the output cotangents'), float32 at least.
+  the statistics' (the output cotangents'), float32 at least. `weights`
+  (`row_weights`): only the kept positions count (still divided by `N`).
   """
   ids = jnp.reshape(ids, (-1,))
-  counts = jnp.zeros((vocab_size,), jnp.promote_types(dtype, jnp.float32)).at[ids].add(
-      1.0, mode="drop")
+  dtype = jnp.promote_types(dtype, jnp.float32)
+  ones = 1.0 if weights is None else weights.astype(dtype)
+  counts = jnp.zeros((vocab_size,), dtype).at[ids].add(ones, mode="drop")
   return counts / max(ids.shape[0], 1)
 
 

@@ -14,6 +14,9 @@ are plain functions. Inside it they
   a traced flag skips the statistics (`lax.cond`) on steps that update no
   factor.
 
+`row_mask(mask)` around the model leaves padded rows out of the statistics
+of the tags run inside it (see its docstring).
+
 The statistics are computed in `factors.statistics_dtype` of the layer's
 input and output (`promote_types(dtype, float32)`: float32 for a bfloat16
 layer, float64 for a float64 one): discovery records it per layer
@@ -36,10 +39,11 @@ indexes several leading stack axes. `kd.linen` / `kd.nnx` layers inside
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -123,9 +127,11 @@ def _discover(trace, kind, name, kernel, bias, site, **record) -> None:
     # The capture counts every run's positions (`statistics.POSITIONS`): K-FAC-expand.
     # It may sit out a pass only if every application may.
     at, previous = next((i, l) for i, l in enumerate(trace.layers) if l.name == name)
-    if previous == dataclasses.replace(layer, may_sit_out=previous.may_sit_out):
+    if previous == dataclasses.replace(layer, may_sit_out=previous.may_sit_out,
+                                       row_masked=previous.row_masked):
       trace.layers[at] = dataclasses.replace(
-          previous, may_sit_out=previous.may_sit_out and layer.may_sit_out)
+          previous, may_sit_out=previous.may_sit_out and layer.may_sit_out,
+          row_masked=previous.row_masked or layer.row_masked)
       return
     raise ValueError(
         f"Tagged layer '{name}' ran twice in one loss evaluation as different "
@@ -139,10 +145,11 @@ def _discover(trace, kind, name, kernel, bias, site, **record) -> None:
 
 
 def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag,
-              stats_input: Callable | None = None):
+              stats_input: Callable | None = None, mask: jax.Array | None = None):
   """`apply(x, *params)` whose backward pass also returns `stats(x̃, ḡ,
-  probes)`, a pytree like `probes` (`x` may be integer: embedding ids), with
-  `x̃ = stats_input(x)` (default `x`) taken outside the conditional.
+  probes, mask)`, a pytree like `probes` (`x` may be integer: embedding ids), with
+  `x̃ = stats_input(x)` (default `x`) taken outside the conditional; `mask`
+  the layer's row mask (`row_mask`), a boolean array or None.
   `flag` says whether to compute them: a traced bool (a `lax.cond` here) or a
   Python one (`skip_statistics="pass"`: the caller branched around the pass).
 
@@ -156,15 +163,15 @@ def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag,
     flag = None
 
   @jax.custom_vjp
-  def layer(x: jax.Array, params: tuple, probes: Any, flag: Any) -> jax.Array:
-    del probes, flag
+  def layer(x: jax.Array, params: tuple, probes: Any, flag: Any, mask: Any) -> jax.Array:
+    del probes, flag, mask
     return apply(x, *params)
 
-  def fwd(x: jax.Array, params: tuple, probes: Any, flag: Any) -> tuple:
-    return apply(x, *params), (x, params, probes, flag)
+  def fwd(x: jax.Array, params: tuple, probes: Any, flag: Any, mask: Any) -> tuple:
+    return apply(x, *params), (x, params, probes, flag, mask)
 
   def bwd(residuals: tuple, cotangent: jax.Array) -> tuple:
-    x, params, probes, flag = residuals
+    x, params, probes, flag, mask = residuals
     x_stats = x if stats_input is None else stats_input(x)
     if jnp.issubdtype(x.dtype, jnp.integer):     # ids: no cotangent (float0)
       _, vjp = jax.vjp(lambda *p: apply(x, *p), *params)
@@ -189,16 +196,16 @@ def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag,
     def computed() -> Any:
       # In the probes' dtype (the statistics', see the module docstring).
       values = jax.tree_util.tree_map(lambda s, p: s.astype(p.dtype),
-                                      stats(x_stats, cotangent, probes), probes)
+                                      stats(x_stats, cotangent, probes, mask), probes)
       return _compat.as_varying(values, axes)
     if static_flag is not None:             # the caller branched around the pass
       probe_bar = computed() if static_flag else placeholders()
     else:
       probe_bar = _compat.cond(flag, computed, placeholders)
-    return x_bar, tuple(params_bar), probe_bar, None
+    return x_bar, tuple(params_bar), probe_bar, None, None
 
   layer.defvjp(fwd, bwd)
-  return layer(x, params, probes, flag)
+  return layer(x, params, probes, flag, mask)
 
 
 def _scaled_inside(trace: _context.Trace, name: str, out: dict) -> dict:
@@ -249,10 +256,11 @@ def _layer_probes(trace, name: str, site) -> dict | None:
 
 
 def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=None,
-            stats_input=None, positions=None, **record):
+            stats_input=None, positions=None, out_dims: int = 1, example_dims=None,
+            **record):
   """Runs `apply(x, kernel[, bias])`, recording or capturing the layer.
 
-  `stats(x, ḡ, forms)` returns the statistics as a dict keyed like the probes
+  `stats(x, ḡ, forms, mask)` returns the statistics as a dict keyed like the probes
   that the capture made for this layer (`{"A", "G"}` or `{"F"}`), where
   `forms[key]` says whether the probe is a full matrix or a diagonal (a
   PACKED probe's statistic is computed full and packed here, inside the
@@ -266,14 +274,21 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=
   of rows of `A` (its mean's denominator), counted for a repeated layer
   (`statistics.POSITIONS`). `kernel` and `bias` are one block's; `site` (see
   `stacking`) says where they live when they are not leaves of the parameters.
+  Under a row mask (`row_mask`, matched to the output's leading axes but its
+  last `out_dims`), `stats` gets it as `mask` for `A`'s rows, `ḡ` comes with
+  the left-out rows zeroed, and a layer with `A` counts the kept rows as its
+  positions (`TaggedLayer.row_masked`); `example_dims` is the layer's.
   """
   trace = _context.tagging()
   params = (kernel,) if bias is None else (kernel, bias)
   if trace is None:
     return apply(x, *params)
   name = _layer_name(trace, name, kernel, site)
+  mask = _row_mask_of(trace, name, kind, apply, x, params, out_dims,
+                      example_dims if positions is not None else None)
   if trace.mode == _context.DISCOVER:
-    _discover(trace, kind, name, kernel, bias, site, **record)
+    _discover(trace, kind, name, kernel, bias, site,
+              row_masked=mask is not None and positions is not None, **record)
     y = apply(x, *params)
     trace.stats_dtypes[name] = factors.statistics_dtype(x, y)
     return y
@@ -291,9 +306,10 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=
     raise ValueError(f"Tagged layer '{name}' ({kind}) has no EK-FAC statistic.")
   has_bias = bias is not None     # (the backward pass closes over no tracer)
 
-  def block_stats(xx: jax.Array, gg: jax.Array, bases: dict) -> dict:
+  def block_stats(xx: jax.Array, gg: jax.Array, bases: dict,
+                  mask: jax.Array | None) -> dict:
     """One block's statistics; with eigenbases `bases`, also EK-FAC's `S`."""
-    out = stats(xx, gg, forms)
+    out = stats(xx, gg, forms, mask)
     for key in packed:                          # inside the conditional
       out[key] = triangles.pack_upper(out[key])
     if bases:
@@ -302,27 +318,118 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=
           ex, eg, has_bias, *(bases[key] for key in factors.BASES), example_dims)
     return out
 
-  def cast_stats(xx: jax.Array, gg: jax.Array, inputs: dict) -> dict:
+  def cast_stats(xx: jax.Array, gg: jax.Array, inputs: dict,
+                 mask: jax.Array | None) -> dict:
     """`block_stats` of the input (ids stay integers) and the output
     cotangent, both cast to the statistics' dtype (a grouped convolution's:
-    of each group's channels, mapped over the groups); with eigenbases among
-    the probes `inputs`, zeros for them."""
+    of each group's channels, mapped over the groups), the rows a `mask`
+    leaves out zeroed in the cotangent; with eigenbases among the probes
+    `inputs`, zeros for them."""
     if not jnp.issubdtype(xx.dtype, jnp.integer):
       xx = xx.astype(dtype)
     gg = gg.astype(dtype)
+    if mask is not None:
+      gg = gg * mask.reshape(mask.shape + (1,) * (gg.ndim - mask.ndim)).astype(dtype)
     bases = {key: inputs[key] for key in factors.BASES if key in inputs}
     if groups == 1:
-      out = block_stats(xx, gg, bases)
+      out = block_stats(xx, gg, bases, mask)
     else:
-      out = jax.vmap(block_stats)(_groups_first(xx, groups), _groups_first(gg, groups),
-                                  bases)
+      out = jax.vmap(lambda x_, g_, b_: block_stats(x_, g_, b_, mask))(
+          _groups_first(xx, groups), _groups_first(gg, groups), bases)
     if factors.POSITIONS in inputs:             # this run's sum and positions
       count = positions(xx, gg)
       out["A"] = out["A"] * count
-      out[factors.POSITIONS] = _counted(count, inputs[factors.POSITIONS], gg)
+      kept = count if mask is None else (
+          jnp.sum(mask, dtype=dtype) * (count // max(mask.size, 1)))
+      out[factors.POSITIONS] = _counted(kept, inputs[factors.POSITIONS], gg)
     out.update({key: jnp.zeros_like(value) for key, value in bases.items()})
     return _scaled_inside(trace, name, out)
-  return _captured(apply, cast_stats, x, params, probes, trace.compute_stats, stats_input)
+  return _captured(apply, cast_stats, x, params, probes, trace.compute_stats, stats_input,
+                   mask)
+
+
+@dataclasses.dataclass(eq=False)
+class _RowMask:
+  """An active `row_mask`: its booleans, and whether a tag took it."""
+  mask: jax.Array
+  used: bool = False
+
+
+@contextlib.contextmanager
+def row_mask(mask: jax.Array) -> Iterator[None]:
+  """Inside the loss function: the tagged layers run in this block leave the
+  rows where `mask` is False (0) out of their curvature statistics.
+
+  Padding (sequences padded to one length, examples padded to a fixed batch,
+  a mixture of experts' empty capacity slots) otherwise counts as examples:
+  `A` averages every row a layer multiplies. Under the mask a layer's
+  `A = Σ_kept a aᵀ / #kept` (its bias coordinate's 1 included), the left-out
+  rows add nothing to `G`, `F` or EK-FAC's `S`, and the mean is over the
+  kept rows of the whole global batch: inside `shard_map` and over
+  `accumulate`'s slices the devices' (slices') `A` are weighted by their
+  kept rows, and a pass that keeps none leaves the layer's factors as they
+  are. The loss and the gradients stay the loss function's: mask the loss
+  as well (`kd.losses.*(..., mask=)`).
+
+  A tagged layer takes the innermost mask whose shape is the leading axes
+  of its output positions (`[B]` per example, `[B, T]` per token for a
+  Dense layer on `[B, T, d]`; a convolution's output pixels, an
+  embedding's ids); a layer whose positions the shape does not begin (a
+  head on pooled `[B, d]` under a `[B, T]` mask) is not masked. A mask that
+  no tagged layer takes is an error, as is a mask over the positions inside
+  K-FAC-reduce's examples (`example_dims=k`: at most `k` axes). Outside
+  `kd.value_and_grad` it does nothing.
+  """
+  mask = jnp.asarray(mask)
+  if mask.ndim == 0:
+    raise ValueError("kd.tags.row_mask: the mask needs the leading axes of the rows it "
+                     "masks ([B] per example, [B, T] per token), got a scalar.")
+  if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.number)):
+    raise TypeError(f"kd.tags.row_mask: the mask must be boolean or numeric (nonzero: "
+                    f"kept), got {mask.dtype}.")
+  trace = _context.tagging()
+  if trace is None:
+    yield
+    return
+  entry = _RowMask(mask if mask.dtype == jnp.bool_ else mask != 0)
+  trace.row_masks.append(entry)
+  try:
+    yield
+  finally:
+    trace.row_masks.pop()
+  if trace.mode == _context.DISCOVER and not entry.used:
+    raise ValueError(
+        f"kd.tags.row_mask of shape {tuple(mask.shape)} masked no tagged layer: its "
+        "shape must be the leading axes of a tagged layer's output positions inside "
+        "the block ([B] or [B, T] for a Dense layer on [B, T, d]; [B] for a "
+        "convolution's images).")
+
+
+def _row_mask_of(trace: _context.Trace, name: str, kind: str, apply: Callable, x,
+                 params: tuple, out_dims: int, example_dims: int | None
+                 ) -> jax.Array | None:
+  """The innermost active `row_mask` whose shape begins the layer's
+  positions (the leading axes of `apply`'s output but its last `out_dims`),
+  marked used; None. `example_dims`: a layer with `A` reducing the
+  positions of each example first (a mask over them is refused)."""
+  if not trace.row_masks:
+    return None
+  spec = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
+  out = jax.eval_shape(apply, spec(x), *map(spec, params)).shape
+  positions = tuple(out[:len(out) - out_dims])
+  for entry in reversed(trace.row_masks):
+    shape = tuple(entry.mask.shape)
+    if positions[:len(shape)] != shape:
+      continue
+    if example_dims is not None and len(shape) > example_dims:
+      raise ValueError(
+          f"kd.tags.row_mask of shape {shape} on tagged layer '{name}' ({kind}, "
+          f"example_dims={example_dims}): it masks positions inside the examples whose "
+          f"inputs K-FAC-reduce averages. Give it the shape of the first {example_dims} "
+          f"axes {positions[:example_dims]}, or use example_dims=None.")
+    entry.used = True
+    return entry.mask
+  return None
 
 
 def _counted(count: int, probe: jax.Array, data: jax.Array) -> jax.Array:
@@ -386,7 +493,7 @@ def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
   stats, examples, stats_input = _dense_statistics(bias is not None, 1, 1, example_dims)
   return _tagged("dense", name, apply, stats, x, kernel, bias, site, examples=examples,
                  stats_input=stats_input, positions=_row_count(example_dims),
-                 a_dim=kernel.shape[0] + (bias is not None),
+                 example_dims=example_dims, a_dim=kernel.shape[0] + (bias is not None),
                  g_dim=kernel.shape[1])
 
 
@@ -417,8 +524,11 @@ def _dense_statistics(has_bias: bool, in_dims: int, out_dims: int,
   input axes and last `out_dims` output axes are features (see `_tagged`):
   `A`, `G` of the inputs and output cotangents as rows (`_rows`; the input's
   rows taken before the statistics' conditional, see `_captured`)."""
-  def stats(rows: jax.Array, g: jax.Array, forms: tuple[str, str]) -> dict:
-    return {"A": factors.input_factor(rows, has_bias, forms["A"], example_dims),
+  def stats(rows: jax.Array, g: jax.Array, forms: tuple[str, str],
+            mask: jax.Array | None = None) -> dict:
+    weights = None if mask is None else factors.row_weights(
+        mask, g.shape[:g.ndim - out_dims], example_dims)
+    return {"A": factors.input_factor(rows, has_bias, forms["A"], example_dims, weights),
             "G": factors.output_factor(_rows(g, out_dims, example_dims), forms["G"],
                                        example_dims)}
 
@@ -489,7 +599,7 @@ def dense_general(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None
                                                    example_dims)
   return _tagged("dense", name, apply, stats, x, kernel, bias, site, examples=examples,
                  stats_input=stats_input, positions=_row_count(example_dims),
-                 a_dim=_size(in_shape) + (bias is not None),
+                 out_dims=n_out, example_dims=example_dims, a_dim=_size(in_shape) + (bias is not None),
                  g_dim=_size(out_shape))
 
 
@@ -579,12 +689,15 @@ def _convolution(tag: str, spatial: int, x: jax.Array, kernel: jax.Array,
           (0, 0, d - 1) for d in input_dilation) + ((0, 0, 0),))
     return factors.conv_patches(x, shape, strides, padding, dilation, homogeneous)
 
-  def stats(x: jax.Array, g: jax.Array, forms: tuple[str, str]) -> dict:
+  def stats(x: jax.Array, g: jax.Array, forms: tuple[str, str],
+            mask: jax.Array | None = None) -> dict:
     # A gathered patch gets its bias's 1 in the gather (`conv_patches`); a
     # 1x1 kernel's patches are the input itself, which a 1 would copy.
     homogeneous = has_bias and math.prod(shape[:-2]) != 1
+    weights = None if mask is None else factors.row_weights(mask, g.shape[:-1],
+                                                            example_dims)
     return {"A": factors.input_factor(patches(x, homogeneous), has_bias and not homogeneous,
-                                      forms["A"], example_dims),
+                                      forms["A"], example_dims, weights),
             "G": factors.output_factor(g, forms["G"], example_dims)}
 
   def examples(x: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array, int]:
@@ -594,7 +707,7 @@ def _convolution(tag: str, spatial: int, x: jax.Array, kernel: jax.Array,
   transposed = {"transposed_kernel": True} if transpose_kernel else {}
   return _tagged(tag, name, apply, stats, x, kernel, bias, site, examples=examples,
                  positions=lambda x, g: factors.num_rows(g, example_dims),
-                 a_dim=math.prod(shape[:-1]) + has_bias,
+                 example_dims=example_dims, a_dim=math.prod(shape[:-1]) + has_bias,
                  g_dim=shape[-1] // groups, groups=groups, **transposed)
 
 
@@ -698,8 +811,10 @@ def embed(ids: jax.Array, table: jax.Array, *, name: str | None = None,
     (table,) = _promote(dtype, table)
     return jnp.take(table, ids, axis=0)
 
-  def stats(ids: jax.Array, g: jax.Array, forms: tuple[str, str]) -> dict:
-    return {"A": factors.token_frequencies(ids, vocab_size, g.dtype),
+  def stats(ids: jax.Array, g: jax.Array, forms: tuple[str, str],
+            mask: jax.Array | None = None) -> dict:
+    weights = None if mask is None else factors.row_weights(mask, ids.shape, None)
+    return {"A": factors.token_frequencies(ids, vocab_size, g.dtype, weights),
             "G": factors.output_factor(g, forms["G"])}
 
   return _tagged("embed", name, apply, stats, ids, table, None, site,
@@ -745,8 +860,9 @@ def scale_and_shift(x: jax.Array, scale: jax.Array, offset: jax.Array | None = N
     x, scale, offset = _promote(dtype, x, scale, offset)
     return _add_bias(x * factors.with_leading_units(scale, x.ndim), offset)
 
-  def stats(x: jax.Array, g: jax.Array, forms: tuple[str, str]) -> dict:
-    del forms
+  def stats(x: jax.Array, g: jax.Array, forms: tuple[str, str],
+            mask: jax.Array | None = None) -> dict:
+    del forms, mask                 # (the cotangent comes masked)
     return {"F": factors.unitwise_fisher(x, g, has_offset, example_dims)}
 
   return _tagged("scale_and_shift", name, apply, stats, x, scale, offset, site,

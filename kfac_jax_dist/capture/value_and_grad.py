@@ -520,7 +520,7 @@ class ValueAndGrad:
                                      grads)
       g_scale = g_scale * inv * inv
     value = (loss, aux) if self.has_aux else loss
-    counted = frozenset(layer.name for layer in discovered.layers if layer.may_sit_out)
+    counted = frozenset(layer.name for layer in discovered.layers if layer.counted)
     stats = _statistics(probe_bar, g_scale, traces[0].scaled, counted)
     return value, grads, stats, n, weight
 
@@ -614,7 +614,7 @@ def _all_probes(discovered: "_Discovered", state: Any) -> dict:
              else state.statistic_forms(layer.blocks()[0].name))
     if forms is not None:           # None: skipped, no statistics
       dtype = discovered.stats_dtypes.get(layer.name, jnp.float32)
-      counts = layer.name in discovered.repeats or layer.may_sit_out
+      counts = layer.name in discovered.repeats or layer.counted
       probes[layer.name] = _probes(layer, forms, dtype, counts
                                    ) | _correction_probes(layer, state, dtype)
   return probes
@@ -677,8 +677,9 @@ def value_and_grad(fun: Callable, has_aux: bool = False, fisher: str = "empirica
   * scale_and_shift (LayerNorm / BatchNorm): `{"F": F}`, `[C, 3]`, SP-NGD's
     unit-wise Fisher `(γγ, γβ, ββ)` per channel;
   * a layer that may sit out a pass (`TaggedLayer.may_sit_out`: inside a
-    `lax.cond` / `lax.switch` branch): also `"positions"`, the number of
-    positions it saw (0: it did not run), `[*stack]`.
+    `lax.cond` / `lax.switch` branch) or runs under a row mask
+    (`kd.tags.row_mask`): also `"positions"`, the number of positions it saw
+    (the rows its mask kept; 0: none), `[*stack]`.
 
   A stacked layer (scanned blocks: `kd.linen` / `kd.nnx` layers inside
   `nn.scan` / `nnx.scan` / `nnx.vmap`, or `kd.tags.*(..., stack_index=)`; see

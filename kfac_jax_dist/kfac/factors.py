@@ -12,7 +12,8 @@ tight chunks, or KAISA's all-reduce of every factor), or, for DP-KFAC, the
 owner's own local statistics.
 
 A layer that may sit out a pass (`TaggedLayer.may_sit_out`: run in a
-`lax.cond` / `lax.switch` branch or a `lax.while_loop` body) has a running weight of its
+`lax.cond` / `lax.switch` branch or a `lax.while_loop` body), or whose rows a
+mask leaves out of `A` (`row_masked`, `tags.row_mask`), has a running weight of its
 own, `w_l` (`ScaleByKfacState.marked_weight`), and its statistics come with
 this device's positions `N_d` (`statistics.POSITIONS`). With `N = Σ_d N_d`
 (one psum of the counts), its `A_d` is weighted `N_d / mean_d N_d` before the
@@ -77,7 +78,7 @@ def check_stats(layout: layout_lib.Layout, stats: Stats | None, update_flag: Any
       raise ValueError(f"kfac_stats has no statistics for tagged layer '{name}' "
                        f"(it has {sorted(stats)}).")
     keys = [which.upper() for which, _ in plan.places]
-    for key in keys + ([statistics.POSITIONS] if plan.layer.may_sit_out else []):
+    for key in keys + ([statistics.POSITIONS] if plan.layer.counted else []):
       if key not in stats[name]:
         raise ValueError(f"kfac_stats['{name}'] has no statistic {key!r} "
                          f"(it has {sorted(stats[name])}).")
@@ -243,9 +244,9 @@ def batch_factors(config: KfacConfig, comm: collectives_lib.Collectives,
 
 
 def marked_plans(layout: layout_lib.Layout) -> np.ndarray:
-  """Indices in `layout.plans` of the layers that may sit out a pass (the
-  order of `ScaleByKfacState.marked_weight`)."""
-  return np.asarray([k for k, plan in enumerate(layout.plans) if plan.layer.may_sit_out],
+  """Indices in `layout.plans` of the layers that count their positions
+  (`TaggedLayer.counted`; the order of `ScaleByKfacState.marked_weight`)."""
+  return np.asarray([k for k, plan in enumerate(layout.plans) if plan.layer.counted],
                     np.int32)
 
 

@@ -990,9 +990,10 @@ def gradient_offsets(lay: Layout) -> tuple[dict[tuple[str, int], int], list[int]
 
 
 def sit_out_plans(lay: Layout) -> list[LayerPlan]:
-  """The plans of the layers (blocks) that may sit out a pass
-  (`TaggedLayer.may_sit_out`), in layout order: `ScaleByKfacState.marked_weight`'s."""
-  return [plan for plan in lay.plans if plan.layer.may_sit_out]
+  """The plans of the layers (blocks) that may sit out a pass or run under a
+  row mask (`TaggedLayer.counted`), in layout order:
+  `ScaleByKfacState.marked_weight`'s."""
+  return [plan for plan in lay.plans if plan.layer.counted]
 
 
 def flat_sizes(lay: Layout) -> dict[str, int]:

@@ -54,9 +54,9 @@ class ScaleByKfacState(states.PreconditionerState):
       else None.
     correction: EK-FAC's running scaling (`correction`), else None.
     marked_weight: `[M]`, the total weight `w_l` of the running averages of
-      the layers that may sit out a pass (`TaggedLayer.may_sit_out`, in
-      layout order: `layout.sit_out_plans`), which a pass where they do not
-      run leaves as it is (DP-KFAC: each device's own, `[P·M]`, sharded);
+      the layers that may sit out a pass or run under a row mask
+      (`TaggedLayer.counted`, in layout order: `layout.sit_out_plans`), which
+      a pass that gives them no position leaves as it is (DP-KFAC: each device's own, `[P·M]`, sharded);
       None when there is none (or with stale statistics, whose weights are
       per factor already).
   """

@@ -143,12 +143,21 @@ def _segments(lay: layout_lib.Layout) -> str:
 
 
 def _marked_line(state: ScaleByKfacState) -> str:
-  """The layers that may sit out a pass, which keep running weights of their own."""
-  names = [plan.layer.name for plan in layout_lib.sit_out_plans(state.layout)]
-  shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-  return (f"{len(names)} layer{'s' * (len(names) > 1)} may sit out a pass (inside a "
-          f"lax.cond / lax.switch branch or a lax.while_loop body: {shown}): each "
-          "averages only the passes it ran in, with a running weight of its own.")
+  """The layers that may sit out a pass or run under a row mask, which keep
+  running weights of their own."""
+  plans = layout_lib.sit_out_plans(state.layout)
+  parts = []
+  for what, names in (
+      ("may sit out a pass (inside a lax.cond / lax.switch branch or a lax.while_loop "
+       "body", [p.layer.name for p in plans if p.layer.may_sit_out]),
+      ("run under a row mask (kd.tags.row_mask", [p.layer.name for p in plans
+                                                   if not p.layer.may_sit_out])):
+    if names:
+      shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6
+                                      else "")
+      parts.append(f"{len(names)} layer{'s' * (len(names) > 1)} {what}: {shown})")
+  return ("; ".join(parts) + ": each averages only the positions it saw, with a running "
+          "weight of its own.")
 
 
 def _stale_line(state: ScaleByKfacState) -> str:

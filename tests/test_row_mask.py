@@ -1,0 +1,336 @@
+"""Row masks (`kd.tags.row_mask`): padded rows left out of the curvature.
+
+Sequences padded to one length, examples padded to a fixed batch: without a
+mask every row a layer multiplies is an example of its `A`. Under the mask a
+layer's `A` is the mean over the kept rows of the whole global batch and the
+left-out rows add nothing to `G`, `F` (or EK-FAC's `S`). Oracles: float64
+numpy constructions of every layer kind's statistics from the kept rows (a
+layer's output cotangents from zero perturbations added to its output, in a
+tag-free copy of the model), and the single-device run of the whole batch
+for the distributed and micro-batched ones.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import optax
+import pytest
+
+import kfac_jax_dist as kd
+
+import helpers
+
+pytestmark = pytest.mark.usefixtures("x64_module")
+
+B, T, V, D, H, C = 4, 6, 9, 3, 4, 3
+DAMPING = 1e-2
+
+
+def _params(seed: int = 0) -> dict:
+  rng = np.random.default_rng(seed)
+  w = lambda *shape: jnp.asarray(rng.normal(size=shape) / np.sqrt(shape[0]))
+  return {"emb": {"table": w(V, D)},
+          "d1": {"kernel": w(D, H), "bias": w(H)},
+          "conv": {"kernel": w(3, H, H) / np.sqrt(3), "bias": w(H)},
+          "ln": {"scale": 1 + w(H), "offset": w(H)},
+          "dg": {"kernel": w(H, 2, 2), "bias": w(2, 2)},
+          "out": {"kernel": w(4, C), "bias": w(C)},
+          "head": {"kernel": w(H, C), "bias": w(C)}}
+
+
+def _model(p: dict, ids: jax.Array, mask: jax.Array, eps: dict | None = None) -> jax.Array:
+  """Token logits `[B, T, C]`: embedding, dense, a 1-D convolution over the
+  tokens (so a padded token's input reaches real tokens), scale-and-shift, a
+  two-axis dense_general, the output layer, plus a head on the masked mean
+  of the tokens (`[B, H]` rows, which a `[B, T]` mask does not mask).
+  `eps`: zero perturbations added to each layer's output (the oracle's
+  cotangents), tag-free; None: the tagged model."""
+  tagged = eps is None
+  e = (lambda name: 0.0) if tagged else eps.__getitem__
+  h = (kd.tags.embed(ids, p["emb"]["table"]) if tagged
+       else jnp.take(p["emb"]["table"], ids, axis=0)) + e("emb")
+  dense = kd.tags.dense if tagged else (lambda x, k, b: x @ k + b)
+  h = jnp.tanh(dense(h, p["d1"]["kernel"], p["d1"]["bias"]) + e("d1"))
+  if tagged:
+    s = kd.tags.conv1d(h, p["conv"]["kernel"], p["conv"]["bias"], padding="SAME")
+  else:
+    s = jax.lax.conv_general_dilated(h, p["conv"]["kernel"], (1,), "SAME",
+                                     dimension_numbers=("NWC", "WIO", "NWC"))
+    s = s + p["conv"]["bias"]
+  h = jnp.tanh(s + e("conv"))
+  h = ((kd.tags.scale_and_shift(h, p["ln"]["scale"], p["ln"]["offset"]) if tagged
+        else h * p["ln"]["scale"] + p["ln"]["offset"]) + e("ln"))
+  if tagged:
+    z = kd.tags.dense_general(h, p["dg"]["kernel"], p["dg"]["bias"])
+  else:
+    z = jnp.einsum("bth,hij->btij", h, p["dg"]["kernel"]) + p["dg"]["bias"]
+  z = jnp.tanh(z + e("dg")).reshape(z.shape[:2] + (4,))
+  logits = dense(z, p["out"]["kernel"], p["out"]["bias"]) + e("out")
+  weights = mask.astype(h.dtype)[..., None]
+  pooled = jnp.sum(h * weights, axis=1) / jnp.maximum(jnp.sum(weights, axis=1), 1)
+  head = dense(pooled, p["head"]["kernel"], p["head"]["bias"]) + e("head")
+  return logits + head[:, None, :]
+
+
+def _loss(p: dict, ids: jax.Array, y: jax.Array, mask: jax.Array) -> jax.Array:
+  with kd.tags.row_mask(mask):
+    logits = _model(p, ids, mask)
+  return kd.losses.softmax_cross_entropy(logits, y, mask=mask)
+
+
+def _batch(seed: int, batch: int = B) -> tuple:
+  rng = np.random.default_rng(50 + seed)
+  ids = jnp.asarray(rng.integers(0, V, size=(batch, T)))
+  y = jnp.asarray(rng.integers(0, C, size=(batch, T)))
+  lengths = rng.integers(1, T + 1, size=batch)
+  mask = jnp.asarray(np.arange(T)[None, :] < lengths[:, None])   # right-padded
+  return ids, y, mask
+
+
+def _with_one(rows: np.ndarray) -> np.ndarray:
+  return np.concatenate([rows, np.ones((rows.shape[0], 1))], axis=1)
+
+
+def _oracle(p: dict, ids, y, mask) -> dict:
+  """Every layer's statistics from the kept rows, in float64: `A` the mean
+  of `a aᵀ` over them (a `[B, H]` head over every sequence), `G = (1/n) Σ g
+  gᵀ` over them, `g` the per-example gradient `n ∂L/∂s` of the layer's
+  output `s`, and the unit-wise `F` of the scale-and-shift layer."""
+  ids, y, m = np.asarray(ids), np.asarray(y), np.asarray(mask)
+  n = m.sum()
+
+  def loss(eps):
+    logits = _model(p, ids, jnp.asarray(m), eps)
+    logp = jax.nn.log_softmax(logits)
+    picked = jnp.take_along_axis(logp, jnp.asarray(y)[..., None], axis=-1)[..., 0]
+    return -jnp.sum(picked * m) / n
+
+  names = ("emb", "d1", "conv", "ln", "dg", "out", "head")
+  shapes = {"emb": (B, T, D), "d1": (B, T, H), "conv": (B, T, H), "ln": (B, T, H),
+            "dg": (B, T, 2, 2), "out": (B, T, C), "head": (B, C)}
+  zeros = {k: jnp.zeros(shapes[k]) for k in names}
+  g = {k: np.asarray(v) * n for k, v in jax.grad(loss)(zeros).items()}
+
+  # The layers' inputs, recomputed tag-free.
+  x_emb = np.take(np.asarray(p["emb"]["table"]), ids, axis=0)
+  h1 = np.tanh(x_emb @ np.asarray(p["d1"]["kernel"]) + np.asarray(p["d1"]["bias"]))
+  padded = np.pad(h1, ((0, 0), (1, 1), (0, 0)))
+  patches = np.stack([padded[:, t:t + 3].reshape(B, -1) for t in range(T)], axis=1)
+  s = patches @ np.asarray(p["conv"]["kernel"]).reshape(-1, H) + np.asarray(p["conv"]["bias"])
+  h2 = np.tanh(s)
+  h3 = h2 * np.asarray(p["ln"]["scale"]) + np.asarray(p["ln"]["offset"])
+  z = np.tanh(np.einsum("bth,hij->btij", h3, np.asarray(p["dg"]["kernel"]))
+              + np.asarray(p["dg"]["bias"])).reshape(B, T, 4)
+  w = m[..., None]
+  pooled = (h3 * w).sum(1) / np.maximum(w.sum(1), 1)
+
+  def kept(a):
+    return a[m].reshape(n, -1)
+
+  def dense(a_rows, g_rows):
+    a = _with_one(a_rows)
+    return {"A": a.T @ a / a.shape[0], "G": g_rows.T @ g_rows / n}
+
+  freq = np.bincount(ids[m], minlength=V) / n
+  ge = kept(g["emb"])
+  gl = kept(g["ln"])
+  ug, ub = kept(h2) * gl, gl
+  return {"emb": {"A": freq, "G": ge.T @ ge / n},
+          "d1": dense(kept(x_emb), kept(g["d1"])),
+          "conv": dense(kept(patches), kept(g["conv"])),
+          "ln": {"F": np.stack([(ug * ug).sum(0), (ug * ub).sum(0), (ub * ub).sum(0)],
+                               axis=1) / n},
+          "dg": dense(kept(h3), kept(g["dg"])),
+          "out": dense(kept(z), kept(g["out"])),
+          "head": dense(pooled, g["head"])}
+
+
+def test_every_layer_kind_leaves_the_masked_rows_out():
+  """Embedding, dense, 1-D convolution, scale-and-shift, dense_general and a
+  pooled head: the statistics under a `[B, T]` mask of right-padded
+  sequences equal the kept rows' (the head's rows, sequences, all kept),
+  and the loss and gradients are those of the masked loss alone."""
+  params, (ids, y, mask) = _params(), _batch(0)
+  grad_fn = kd.value_and_grad(_loss)
+  layers = {layer.name: layer for layer in grad_fn.discover(params, ids, y, mask).layers}
+  assert {name for name, l in layers.items() if l.row_masked} == {
+      "emb", "d1", "conv", "dg", "out"}      # not the head; ln has no A
+  loss, grads, stats = jax.jit(grad_fn)(params, ids, y, mask)
+  want = _oracle(params, ids, y, mask)
+  for name, layer in want.items():
+    for key, value in layer.items():
+      np.testing.assert_allclose(stats[name][key], value, rtol=1e-12, atol=1e-14,
+                                 err_msg=f"{name} {key}")
+  plain = lambda p: kd.losses.softmax_cross_entropy(_model(p, ids, mask), y, mask=mask)
+  want_loss, want_grads = jax.value_and_grad(plain)(params)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-13)
+  helpers.assert_trees_equal(grads, want_grads, rtol=1e-12)
+  assert int(stats["d1"]["positions"]) == int(np.asarray(mask).sum())
+
+
+def _kfac(grad_fn, params, batch, **kwargs):
+  return kd.kfac(0.1, damping=DAMPING, layers=grad_fn.discover(params, *batch),
+                 factor_dtype=jnp.float64, **kwargs)
+
+
+def _single_device_run(batches, micro_batches: int = 1, learn: bool = True, **kwargs):
+  params, grad_fn = _params(), kd.value_and_grad(_loss)
+  tx = _kfac(grad_fn, params, batches[0], **kwargs)
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, *batch):
+    if micro_batches == 1:
+      _, grads, stats = grad_fn(params, *batch, opt_state=state)
+    else:
+      _, grads, stats = grad_fn.accumulate(params, *batch, micro_batches=micro_batches,
+                                           opt_state=state)
+    updates, state = tx.update(grads, state, params, kfac_stats=stats)
+    return optax.apply_updates(params, updates) if learn else params, state
+  for batch in batches:
+    params, state = step(params, state, *batch)
+  return params, state
+
+
+def _uneven_batches(steps: int = 2) -> list:
+  """Global batches of 16 sequences whose device shards (2 each on 8
+  devices) keep different numbers of tokens, one shard nothing at all."""
+  out = []
+  for t in range(steps):
+    ids, y, mask = _batch(t, 16)
+    mask = np.asarray(mask).copy()
+    mask[2 * (t + 1):2 * (t + 2)] = False          # one device's whole shard
+    out.append((ids, y, jnp.asarray(mask)))
+  return out
+
+
+@pytest.mark.parametrize("fraction, factor_reduction, options", [
+    (1.0, "reduce_scatter", {}),                                    # COMM-OPT
+    (1 / 8, "all_reduce", {}),                                      # MEM-OPT
+    (1 / 4, "reduce_scatter", {}),                                  # HYBRID
+    (1.0, "reduce_scatter", {"eigenvalue_correction": "ekfac"}),
+    (1 / 8, "reduce_scatter", {"stale_threshold": 0.1})])
+def test_eight_devices_with_uneven_masks_equal_one_device(fraction, factor_reduction,
+                                                          options):
+  """Devices keeping different numbers of rows (one none): each layer's `A`
+  is the mean over every kept row of the global batch, as one device's run
+  of the whole batch, over two steps (parameters and running factors); with
+  EK-FAC's scaling and stale statistics too."""
+  batches = _uneven_batches()
+  want_params, want_state = _single_device_run(batches, **options)
+  params, grad_fn = _params(), kd.value_and_grad(_loss)
+  mesh = helpers.data_mesh(8)
+  dist = kd.Distribution(mesh, axis="data", grad_worker_fraction=fraction,
+                         factor_reduction=factor_reduction, gradient_reduction="all_reduce")
+  tx = _kfac(grad_fn, params, batches[0], distribution=dist, **options)
+  state = kd.shard_state(tx.init(params), mesh)
+  specs = kd.partition_specs(state)
+
+  def step(params, state, *batch):
+    _, grads, stats = grad_fn(params, *batch, opt_state=state)
+    updates, state = tx.update(grads, state, params, kfac_stats=stats)
+    return optax.apply_updates(params, updates), state
+  step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs) + (P("data"),) * 3,
+                               out_specs=(P(), specs)))
+  for batch in batches:
+    params, state = step(params, state, *batch)
+  helpers.assert_trees_equal(params, want_params, rtol=1e-10)
+  got = kd.running_factors(state)
+  for name, factors in kd.running_factors(want_state).items():
+    for key, value in factors.items():
+      np.testing.assert_allclose(got[name][key], value, rtol=1e-10, atol=1e-13,
+                                 err_msg=f"{name} {key}")
+
+
+def test_micro_batches_with_uneven_masks_equal_the_whole_batch():
+  """`accumulate` over 4 slices keeping different numbers of rows (one
+  none) gives the whole batch's statistics and steps."""
+  batches = _uneven_batches()
+  want_params, _ = _single_device_run(batches)
+  params, _ = _single_device_run(batches, micro_batches=8)
+  helpers.assert_trees_equal(params, want_params, rtol=1e-10)
+  grad_fn = kd.value_and_grad(_loss)
+  _, _, whole = jax.jit(grad_fn)(_params(), *batches[0])
+  _, _, sliced = jax.jit(lambda p, *b: grad_fn.accumulate(p, *b, micro_batches=8))(
+      _params(), *batches[0])
+  helpers.assert_trees_equal(sliced, whole, rtol=1e-11)
+
+
+def test_a_pass_that_keeps_no_row_leaves_the_factors():
+  """An all-padding batch: the masked layers keep their running factors
+  and running weights (a later batch is averaged in as the second pass's),
+  the pooled head takes the batch. Parameters held fixed."""
+  first = _batch(0)
+  ids, y, mask = _batch(1)
+  empty = (ids, y, jnp.zeros_like(mask))
+  factors = lambda batches: kd.running_factors(_single_device_run(batches, learn=False)[1])
+  got, had = factors([first, empty]), factors([first])
+  for name in ("emb", "d1", "conv", "dg", "out"):
+    helpers.assert_trees_equal(got[name], had[name], rtol=0)
+  assert not np.allclose(got["head"]["A"], had["head"]["A"])
+  third, second = factors([first, empty, first]), factors([first, first])
+  for name in ("emb", "d1", "conv", "dg", "out"):
+    helpers.assert_trees_equal(third[name], second[name], rtol=1e-12)
+  described = kd.describe(_single_device_run([first], learn=False)[1], print_table=False)
+  assert "5 layers run under a row mask (kd.tags.row_mask: emb, d1, conv, dg, out)" in described
+
+
+def test_a_mask_no_layer_takes_is_refused():
+  params, (ids, y, mask) = _params(), _batch(0)
+
+  def transposed(p, ids, y, mask):
+    with kd.tags.row_mask(mask.T):
+      logits = _model(p, ids, mask)
+    return kd.losses.softmax_cross_entropy(logits, y, mask=mask)
+  with pytest.raises(ValueError, match=r"row_mask of shape \(6, 4\) masked no tagged layer"):
+    kd.value_and_grad(transposed).discover(params, ids, y, mask)
+  with pytest.raises(ValueError, match="got a scalar"):
+    with kd.tags.row_mask(True):
+      pass
+
+
+def test_a_mask_inside_k_fac_reduce_examples_is_refused():
+  """A `[B, T]` mask on a layer reducing each sequence first
+  (`example_dims=1`) would average padding into its inputs: refused, naming
+  the layer; a `[B]` mask over its examples is taken."""
+  rng = np.random.default_rng(3)
+  kernel, x = jnp.asarray(rng.normal(size=(D, C))), jnp.asarray(rng.normal(size=(B, T, D)))
+  y = jnp.asarray(rng.integers(0, C, size=(B,)))
+
+  def loss(kernel, x, y, mask):
+    with kd.tags.row_mask(mask):
+      h = kd.tags.dense(x, kernel, name="pool", example_dims=1)
+    return kd.losses.softmax_cross_entropy(h.mean(1), y)
+  grad_fn = kd.value_and_grad(loss)
+  with pytest.raises(ValueError, match=r"tagged layer 'pool' \(dense, example_dims=1\)"):
+    grad_fn.discover(kernel, x, y, jnp.ones((B, T), bool))
+  keep = jnp.asarray([True, False, True, True])
+  _, _, stats = jax.jit(grad_fn)(kernel, x, y, keep)
+  means = np.asarray(x).mean(1)[np.asarray(keep)]
+  np.testing.assert_allclose(stats["pool"]["A"], means.T @ means / 3, rtol=1e-12)
+
+
+def test_flax_layers_under_a_mask_of_padded_examples():
+  """`kd.linen` layers (a CNN) under a `[B]` mask of padded images: the
+  statistics equal those of the batch without the padded images."""
+  model = helpers.ConvDenseNet()
+  x, labels = helpers.image_batch((6, 8, 8, 3))
+  params = model.init(jax.random.PRNGKey(0), x)
+  keep = jnp.asarray([True, True, False, True, False, True])
+
+  def masked(p, x, labels, keep):
+    with kd.tags.row_mask(keep):
+      logits = model.apply(p, x)
+    return kd.losses.softmax_cross_entropy(logits, labels, mask=keep)
+
+  def plain(p, x, labels):
+    return kd.losses.softmax_cross_entropy(model.apply(p, x), labels)
+  _, grads, stats = jax.jit(kd.value_and_grad(masked))(params, x, labels, keep)
+  index = np.flatnonzero(np.asarray(keep))
+  _, want_grads, want = jax.jit(kd.value_and_grad(plain))(params, x[index], labels[index])
+  helpers.assert_trees_equal(grads, want_grads, rtol=1e-11)
+  for name, layer in want.items():
+    for key, value in layer.items():
+      np.testing.assert_allclose(stats[name][key], value, rtol=1e-11, atol=1e-14,
+                                 err_msg=f"{name} {key}")
