@@ -334,3 +334,47 @@ def test_flax_layers_under_a_mask_of_padded_examples():
     for key, value in layer.items():
       np.testing.assert_allclose(stats[name][key], value, rtol=1e-11, atol=1e-14,
                                  err_msg=f"{name} {key}")
+
+
+def test_a_state_from_before_the_mask_converts(tmp_path):
+  """A run that adds `row_mask` later: its checkpoint restores into the old
+  template and `convert_state` moves it into the masked one, each masked
+  layer's running weight the old state's (every pass ran it): the state a
+  masked run keeping every row would have; and back."""
+  params, batch = _params(), _batch(0)
+
+  def unmasked(p, ids, y, mask):
+    return kd.losses.softmax_cross_entropy(_model(p, ids, mask), y, mask=mask)
+
+  def trained(loss, mask):
+    grad_fn = kd.value_and_grad(loss)
+    tx = kd.scale_by_kfac(layers=grad_fn.discover(params, *batch), factor_dtype=jnp.float64)
+
+    @jax.jit
+    def step(state, ids, y, mask):
+      _, grads, stats = grad_fn(params, ids, y, mask, opt_state=state)
+      return tx.update(grads, state, params, kfac_stats=stats)[1]
+    state = tx.init(params)
+    for t in range(2):
+      ids, y, _ = _batch(t)
+      state = step(state, ids, y, mask)
+    return tx, state
+  every = jnp.ones((B, T), bool)
+  old_tx, old = trained(unmasked, every)
+  new_tx, want = trained(_loss, every)
+  kd.save_checkpoint(tmp_path / "ckpt", {"opt_state": old})
+  restored = kd.restore_checkpoint(tmp_path / "ckpt",
+                                   {"opt_state": jax.eval_shape(old_tx.init, params)})
+  moved = kd.convert_state(restored["opt_state"], new_tx.init(params))
+  np.testing.assert_array_equal(moved.marked_weight, np.full(5, float(old.factor_weight)))
+  back = kd.convert_state(want, old_tx.init(params))
+  assert back.marked_weight is None
+  # the eigenbases from factors equal to rounding (the masked path sums A
+  # over its kept rows, then divides): equal to 1e-10
+  for got, desired in ((moved, want), (back, old)):
+    helpers.assert_trees_equal(kd.running_factors(got), kd.running_factors(desired),
+                               rtol=1e-12)
+    helpers.assert_trees_equal((got.factor_weight, got.marked_weight, got.count),
+                               (desired.factor_weight, desired.marked_weight,
+                                desired.count), rtol=1e-12)
+    np.testing.assert_allclose(got.second_order, desired.second_order, atol=1e-10)

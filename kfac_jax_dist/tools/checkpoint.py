@@ -511,19 +511,20 @@ def _check_both_or_neither(old: Any, new: Any, what: str, same: str) -> None:
 
 def _convert_marked_weight(old: kfac_lib.ScaleByKfacState, new: kfac_lib.ScaleByKfacState
                            ) -> jax.Array | None:
-  """The running weights of the layers that may sit out a pass, layer by
-  layer (None without such layers); DP-KFAC's per device, each layer's read
-  from its owner's and written to every device's (only its owner's is used)."""
-  _check_both_or_neither(old.marked_weight, new.marked_weight,
-                         "running weights of layers that may sit out a pass (marked_weight)",
-                         "layers and stale_threshold")
+  """The running weights of the layers that may sit out a pass or run under
+  a row mask (`TaggedLayer.counted`), layer by layer (None without such
+  layers); DP-KFAC's per device, each layer's read from its owner's and
+  written to every device's (only its owner's is used). A layer the old
+  state did not count (a row mask added since) took every pass: its weight
+  is the old state's `factor_weight`."""
   if new.marked_weight is None:
     return None
-  have = _marked_weights(old)
+  have = {} if old.marked_weight is None else _marked_weights(old)
+  every_pass = np.asarray(old.factor_weight)
   names = [plan.layer.name for plan in layout_lib.sit_out_plans(new.layout)]
   rows = new.marked_weight.shape[0] // max(len(names), 1)
-  return jnp.asarray(np.tile(np.asarray([have[name] for name in names]), rows),
-                     new.marked_weight.dtype)
+  weights = [have.get(name, every_pass) for name in names]
+  return jnp.asarray(np.tile(np.asarray(weights), rows), new.marked_weight.dtype)
 
 
 def _marked_weights(state: kfac_lib.ScaleByKfacState) -> dict[str, Any]:
