@@ -130,6 +130,18 @@ def inside_another_trace(top: object) -> bool:
   return now is not top and now is current_trace()
 
 
+def vmapped_since(top: object) -> bool:
+  """Whether a `jax.vmap` (a batching trace) lies between the trace being
+  built and `top` (a `current_trace()` taken earlier): inside it the arrays
+  have lost their mapped axis. False where this JAX does not say."""
+  now, seen = current_trace(), 0
+  while now is not None and now is not top and seen < 10_000:
+    if type(now).__name__ == "BatchTrace":
+      return True
+    now, seen = getattr(now, "parent_trace", None), seen + 1
+  return False
+
+
 # The transforms whose body may not run in a pass: a branch of `lax.cond` /
 # `lax.switch`, a `lax.while_loop`'s body. What JAX records as `traced_for` of
 # the trace. A `lax.fori_loop`'s body is recorded alike whether its bounds are

@@ -155,7 +155,7 @@ def test_every_layer_kind_leaves_the_masked_rows_out():
   grad_fn = kd.value_and_grad(_loss)
   layers = {layer.name: layer for layer in grad_fn.discover(params, ids, y, mask).layers}
   assert {name for name, l in layers.items() if l.row_masked} == {
-      "emb", "d1", "conv", "dg", "out"}      # not the head; ln has no A
+      "emb", "d1", "conv", "ln", "dg", "out"}      # not the head
   loss, grads, stats = jax.jit(grad_fn)(params, ids, y, mask)
   want = _oracle(params, ids, y, mask)
   for name, layer in want.items():
@@ -259,21 +259,23 @@ def test_micro_batches_with_uneven_masks_equal_the_whole_batch():
 
 def test_a_pass_that_keeps_no_row_leaves_the_factors():
   """An all-padding batch: the masked layers keep their running factors
-  and running weights (a later batch is averaged in as the second pass's),
-  the pooled head takes the batch. Parameters held fixed."""
+  (the scale-and-shift layer's `F` too) and running weights (a later batch
+  is averaged in as the second pass's), the pooled head takes the batch.
+  Parameters held fixed."""
   first = _batch(0)
   ids, y, mask = _batch(1)
   empty = (ids, y, jnp.zeros_like(mask))
   factors = lambda batches: kd.running_factors(_single_device_run(batches, learn=False)[1])
   got, had = factors([first, empty]), factors([first])
-  for name in ("emb", "d1", "conv", "dg", "out"):
+  for name in ("emb", "d1", "conv", "ln", "dg", "out"):
     helpers.assert_trees_equal(got[name], had[name], rtol=0)
   assert not np.allclose(got["head"]["A"], had["head"]["A"])
   third, second = factors([first, empty, first]), factors([first, first])
-  for name in ("emb", "d1", "conv", "dg", "out"):
+  for name in ("emb", "d1", "conv", "ln", "dg", "out"):
     helpers.assert_trees_equal(third[name], second[name], rtol=1e-12)
   described = kd.describe(_single_device_run([first], learn=False)[1], print_table=False)
-  assert "5 layers run under a row mask (kd.tags.row_mask: emb, d1, conv, dg, out)" in described
+  assert ("6 layers run under a row mask (kd.tags.row_mask: emb, d1, conv, ln, dg, out)"
+          in described)
 
 
 def test_a_mask_no_layer_takes_is_refused():
@@ -285,8 +287,15 @@ def test_a_mask_no_layer_takes_is_refused():
     return kd.losses.softmax_cross_entropy(logits, y, mask=mask)
   with pytest.raises(ValueError, match=r"row_mask of shape \(6, 4\) masked no tagged layer"):
     kd.value_and_grad(transposed).discover(params, ids, y, mask)
-  with pytest.raises(ValueError, match="got a scalar"):
-    with kd.tags.row_mask(True):
+
+  def unnamed(p, ids, y, mask):
+    with kd.tags.row_mask(mask, layers=["encoder"]):
+      logits = _model(p, ids, mask)
+    return kd.losses.softmax_cross_entropy(logits, y, mask=mask)
+  with pytest.raises(ValueError, match=r"for layers \['encoder'\] masked no tagged layer"):
+    kd.value_and_grad(unnamed).discover(params, ids, y, mask)
+  with pytest.raises(TypeError, match="sequence of regular expressions"):
+    with kd.tags.row_mask(mask, layers="encoder"):
       pass
 
 
@@ -366,7 +375,7 @@ def test_a_state_from_before_the_mask_converts(tmp_path):
   restored = kd.restore_checkpoint(tmp_path / "ckpt",
                                    {"opt_state": jax.eval_shape(old_tx.init, params)})
   moved = kd.convert_state(restored["opt_state"], new_tx.init(params))
-  np.testing.assert_array_equal(moved.marked_weight, np.full(5, float(old.factor_weight)))
+  np.testing.assert_array_equal(moved.marked_weight, np.full(6, float(old.factor_weight)))
   back = kd.convert_state(want, old_tx.init(params))
   assert back.marked_weight is None
   # the eigenbases from factors equal to rounding (the masked path sums A
@@ -378,3 +387,104 @@ def test_a_state_from_before_the_mask_converts(tmp_path):
                                (desired.factor_weight, desired.marked_weight,
                                 desired.count), rtol=1e-12)
     np.testing.assert_allclose(got.second_order, desired.second_order, atol=1e-10)
+
+
+def test_statistics_counted_otherwise_than_the_state_are_refused():
+  """A mask passed on some calls only: the state built from a discovery
+  without it, the statistics of a call with it (which count the kept rows,
+  to be weighted over the devices) are refused, not averaged as if unmasked;
+  and the reverse."""
+  params, (ids, y, mask) = _params(), _batch(0)
+
+  def optional(p, ids, y, mask=None):
+    if mask is None:
+      return kd.losses.softmax_cross_entropy(_model(p, ids, jnp.ones_like(y, bool)), y)
+    return _loss(p, ids, y, mask)
+  grad_fn = kd.value_and_grad(optional)
+  for built_with, stepped_with in (((ids, y), (ids, y, mask)), ((ids, y, mask), (ids, y))):
+    tx = kd.scale_by_kfac(layers=grad_fn.discover(params, *built_with))
+    state = tx.init(params)
+    _, grads, stats = grad_fn(params, *stepped_with, opt_state=state)
+    refused = r"kfac_stats\['emb'\] (does not )?counts? the layer's"
+    with pytest.raises(ValueError, match=refused):
+      tx.update(grads, state, params, kfac_stats=stats)
+
+
+def _per_example(p: dict, ids: jax.Array) -> jax.Array:
+  """One sequence's token logits `[T, C]` (written per example, vmapped)."""
+  h = jnp.tanh(kd.tags.dense(kd.tags.embed(ids, p["emb"]["table"]), p["d1"]["kernel"],
+                             p["d1"]["bias"]))
+  return kd.tags.dense(h, p["head"]["kernel"], p["head"]["bias"])
+
+
+def test_a_mask_outside_a_vmap_is_refused_inside_taken():
+  """A model written per example under `jax.vmap`: a `[B]` mask of padded
+  examples entered outside the vmap has the shape of the tags' `[T]`
+  positions there (B = T), so it is refused; entered inside, one scalar per
+  example, it leaves the padded examples out (the unpadded batch's
+  statistics)."""
+  params = _params()
+  rng = np.random.default_rng(4)
+  ids = jnp.asarray(rng.integers(0, V, size=(T, T)))         # B = T
+  y = jnp.asarray(rng.integers(0, C, size=(T, T)))
+  keep = jnp.asarray([True, False, True, True, False, True])
+
+  def outside(p, ids, y, keep):
+    with kd.tags.row_mask(keep):
+      logits = jax.vmap(_per_example, in_axes=(None, 0))(p, ids)
+    return kd.losses.softmax_cross_entropy(logits, y, mask=keep[:, None])
+
+  def inside(p, ids, y, keep):
+    def one(ids, kept):
+      with kd.tags.row_mask(kept):
+        return _per_example(p, ids)
+    logits = jax.vmap(one)(ids, keep)
+    return kd.losses.softmax_cross_entropy(logits, y, mask=keep[:, None])
+
+  def unpadded(p, ids, y):
+    return kd.losses.softmax_cross_entropy(jax.vmap(_per_example, in_axes=(None, 0))(p, ids),
+                                           y)
+  with pytest.raises(ValueError, match=r"entered outside a jax.vmap .* tagged layer 'emb'"):
+    kd.value_and_grad(outside).discover(params, ids, y, keep)
+  _, grads, stats = jax.jit(kd.value_and_grad(inside))(params, ids, y, keep)
+  index = np.flatnonzero(np.asarray(keep))
+  _, want_grads, want = jax.jit(kd.value_and_grad(unpadded))(params, ids[index], y[index])
+  helpers.assert_trees_equal(grads, want_grads, rtol=1e-12)
+  for name, layer in want.items():
+    for key, value in layer.items():
+      np.testing.assert_allclose(stats[name][key], value, rtol=1e-12, atol=1e-15,
+                                 err_msg=f"{name} {key}")
+
+
+def test_layers_give_an_encoder_its_own_mask():
+  """An encoder and a decoder over sequences of equal length (S = T): each
+  mask names its layers (`layers=`), so the decoder's padding does not mask
+  the encoder's rows; each layer's `A` is its own kept rows'."""
+  rng = np.random.default_rng(5)
+  w = lambda *shape: jnp.asarray(rng.normal(size=shape) / np.sqrt(shape[0]))
+  params = {"encoder": {"kernel": w(D, H), "bias": w(H)},
+            "decoder_in": {"kernel": w(D, H), "bias": w(H)},
+            "decoder_out": {"kernel": w(H, C), "bias": w(C)}}
+  src, tgt = (jnp.asarray(rng.normal(size=(B, T, D))) for _ in range(2))
+  y = jnp.asarray(rng.integers(0, C, size=(B, T)))
+  src_keep = np.arange(T)[None] < np.asarray([6, 2, 4, 5])[:, None]
+  tgt_keep = np.arange(T)[None] < np.asarray([3, 6, 1, 4])[:, None]
+
+  def loss(p, src, tgt, y, src_keep, tgt_keep):
+    layer = lambda x, name: kd.tags.dense(x, p[name]["kernel"], p[name]["bias"])
+    with kd.tags.row_mask(src_keep, layers=["^encoder"]), \
+         kd.tags.row_mask(tgt_keep, layers=["^decoder"]):
+      memory = jnp.tanh(layer(src, "encoder"))
+      context = jnp.sum(memory * src_keep[..., None], axis=1, keepdims=True)
+      logits = layer(jnp.tanh(layer(tgt, "decoder_in") + context), "decoder_out")
+    return kd.losses.softmax_cross_entropy(logits, y, mask=tgt_keep)
+  _, _, stats = jax.jit(kd.value_and_grad(loss))(params, src, tgt, y, jnp.asarray(src_keep),
+                                                 jnp.asarray(tgt_keep))
+  p = jax.tree.map(np.asarray, params)
+  memory = np.tanh(np.asarray(src) @ p["encoder"]["kernel"] + p["encoder"]["bias"])
+  context = (memory * src_keep[..., None]).sum(1, keepdims=True)
+  h = np.tanh(np.asarray(tgt) @ p["decoder_in"]["kernel"] + p["decoder_in"]["bias"] + context)
+  for name, rows in (("encoder", np.asarray(src)[src_keep]),
+                     ("decoder_in", np.asarray(tgt)[tgt_keep]), ("decoder_out", h[tgt_keep])):
+    a = _with_one(rows)
+    np.testing.assert_allclose(stats[name]["A"], a.T @ a / len(a), rtol=1e-12, err_msg=name)

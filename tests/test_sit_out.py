@@ -374,3 +374,47 @@ def test_checkpoint_and_convert_keep_the_running_weights(tmp_path):
   back = kd.convert_state(moved, one.init(params))
   helpers.assert_trees_equal(back, state, rtol=0)
   assert "2 layers may sit out a pass" in kd.describe(state, print_table=False)
+
+
+def test_a_scale_and_shift_layer_that_sits_out_keeps_its_fisher():
+  """A LayerNorm's scale-and-shift inside a `lax.cond` branch (a block run
+  on some steps only) counts its positions like the Dense layers (it was
+  refused: its statistics had no "positions"): a pass without it leaves its
+  `F` and running weight as they were, and the next pass it runs in is
+  averaged in as its second."""
+  rng = np.random.default_rng(0)
+  params = {"s": _params()["s"], "ln": {"scale": jnp.asarray(1 + rng.normal(size=D_H) / 4),
+                                         "offset": jnp.asarray(rng.normal(size=D_H) / 4)},
+            "a": _params()["a"]}
+
+  def loss(p, x, y, run):
+    h = jnp.tanh(kd.tags.dense(x, p["s"]["kernel"], p["s"]["bias"]))
+    h = lax.cond(run[0], lambda h: kd.tags.scale_and_shift(h, p["ln"]["scale"],
+                                                           p["ln"]["offset"]),
+                 lambda h: h, h)
+    return kd.losses.squared_error(kd.tags.dense(h, p["a"]["kernel"], p["a"]["bias"]), y)
+  grad_fn = kd.value_and_grad(loss)
+  x, y = _batch(0, 8)
+  layers = grad_fn.discover(params, x, y, jnp.asarray([True]))
+  assert [l.name for l in layers if l.may_sit_out] == ["ln"]
+  tx = kd.scale_by_kfac(layers=layers, factor_dtype=jnp.float64, factor_decay=DECAY)
+
+  @jax.jit
+  def step(state, run):
+    _, grads, stats = grad_fn(params, x, y, run, opt_state=state)
+    return tx.update(grads, state, params, kfac_stats=stats)[1], stats
+
+  def fisher(runs):
+    state = tx.init(params)
+    for run in runs:
+      state, stats = step(state, jnp.asarray([run]))
+    return np.asarray(kd.running_factors(state)["ln"]["F"]), state, stats
+  first, _, stats = fisher([True])
+  np.testing.assert_allclose(first, stats["ln"]["F"], rtol=1e-13)
+  assert float(stats["ln"]["positions"]) == 8
+  kept, state, stats = fisher([True, False])
+  np.testing.assert_array_equal(kept, first)
+  assert float(stats["ln"]["positions"]) == 0
+  assert np.asarray(state.marked_weight).tolist() == pytest.approx([1 - DECAY])
+  np.testing.assert_allclose(fisher([True, False, True])[0], fisher([True, True])[0],
+                             rtol=1e-13)

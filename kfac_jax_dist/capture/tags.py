@@ -43,6 +43,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import re
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
@@ -270,25 +271,26 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=
   `examples` read it (default `x`; see `_captured`). `examples(x, ḡ)` (Dense
   and Conv layers) returns the positions `[..., d_A − bias]`, `[..., d_G]`
   and their `example_dims`, from which EK-FAC's `S` is computed when the
-  probes bring eigenbases. `positions(x, ḡ)` (layers with `A`) is the number
-  of rows of `A` (its mean's denominator), counted for a repeated layer
-  (`statistics.POSITIONS`). `kernel` and `bias` are one block's; `site` (see
-  `stacking`) says where they live when they are not leaves of the parameters.
+  probes bring eigenbases. `positions(x, ḡ)` is the number of rows of `A`
+  (its mean's denominator; a unit-wise layer's positions), counted for a
+  repeated layer or one that may sit out a pass (`statistics.POSITIONS`).
+  `kernel` and `bias` are one block's; `site` (see `stacking`) says where
+  they live when they are not leaves of the parameters.
   Under a row mask (`row_mask`, matched to the output's leading axes but its
   last `out_dims`), `stats` gets it as `mask` for `A`'s rows, `ḡ` comes with
-  the left-out rows zeroed, and a layer with `A` counts the kept rows as its
-  positions (`TaggedLayer.row_masked`); `example_dims` is the layer's.
+  the left-out rows zeroed, and the layer counts the kept rows as its
+  positions (`TaggedLayer.row_masked`; a unit-wise layer's count says only
+  whether it saw any); `example_dims` is a layer with `A`'s.
   """
   trace = _context.tagging()
   params = (kernel,) if bias is None else (kernel, bias)
   if trace is None:
     return apply(x, *params)
   name = _layer_name(trace, name, kernel, site)
-  mask = _row_mask_of(trace, name, kind, apply, x, params, out_dims,
-                      example_dims if positions is not None else None)
+  mask = _row_mask_of(trace, name, kind, apply, x, params, out_dims, example_dims)
   if trace.mode == _context.DISCOVER:
-    _discover(trace, kind, name, kernel, bias, site,
-              row_masked=mask is not None and positions is not None, **record)
+    _discover(trace, kind, name, kernel, bias, site, row_masked=mask is not None,
+              **record)
     y = apply(x, *params)
     trace.stats_dtypes[name] = factors.statistics_dtype(x, y)
     return y
@@ -338,7 +340,8 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=
           _groups_first(xx, groups), _groups_first(gg, groups), bases)
     if factors.POSITIONS in inputs:             # this run's sum and positions
       count = positions(xx, gg)
-      out["A"] = out["A"] * count
+      if "A" in out:
+        out["A"] = out["A"] * count
       kept = count if mask is None else (
           jnp.sum(mask, dtype=dtype) * (count // max(mask.size, 1)))
       out[factors.POSITIONS] = _counted(kept, inputs[factors.POSITIONS], gg)
@@ -350,13 +353,16 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=
 
 @dataclasses.dataclass(eq=False)
 class _RowMask:
-  """An active `row_mask`: its booleans, and whether a tag took it."""
+  """An active `row_mask`: its booleans, the layers it is for (patterns; none:
+  every layer), the JAX trace it was entered in, and whether a tag took it."""
   mask: jax.Array
+  patterns: tuple
+  top: object
   used: bool = False
 
 
 @contextlib.contextmanager
-def row_mask(mask: jax.Array) -> Iterator[None]:
+def row_mask(mask: jax.Array, layers: Sequence[str] = ()) -> Iterator[None]:
   """Inside the loss function: the tagged layers run in this block leave the
   rows where `mask` is False (0) out of their curvature statistics.
 
@@ -374,24 +380,32 @@ def row_mask(mask: jax.Array) -> Iterator[None]:
   A tagged layer takes the innermost mask whose shape is the leading axes
   of its output positions (`[B]` per example, `[B, T]` per token for a
   Dense layer on `[B, T, d]`; a convolution's output pixels, an
-  embedding's ids); a layer whose positions the shape does not begin (a
-  head on pooled `[B, d]` under a `[B, T]` mask) is not masked. A mask that
-  no tagged layer takes is an error, as is a mask over the positions inside
-  K-FAC-reduce's examples (`example_dims=k`: at most `k` axes). Outside
-  `kd.value_and_grad` it does nothing.
+  embedding's ids; a scalar: every position) and whose `layers` (regular
+  expressions searched in the layer's name, e.g. `["encoder"]`; empty:
+  every layer) name it; a layer whose positions the shape does not begin
+  (a head on pooled `[B, d]` under a `[B, T]` mask) is not masked. Inside a
+  `jax.vmap` (`nn.vmap`, `nnx.vmap`) entered after the mask the arrays have
+  lost their mapped axis: enter the mask inside the mapped function (a
+  scalar per example for a model written per example). Errors: a mask that
+  no tagged layer takes, one whose shape a layer inside such a vmap would
+  take, and one over the positions inside K-FAC-reduce's examples
+  (`example_dims=k`: at most `k` axes). Outside `kd.value_and_grad` it does
+  nothing.
   """
   mask = jnp.asarray(mask)
-  if mask.ndim == 0:
-    raise ValueError("kd.tags.row_mask: the mask needs the leading axes of the rows it "
-                     "masks ([B] per example, [B, T] per token), got a scalar.")
   if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.number)):
     raise TypeError(f"kd.tags.row_mask: the mask must be boolean or numeric (nonzero: "
                     f"kept), got {mask.dtype}.")
+  if isinstance(layers, str) or not all(isinstance(p, str) for p in layers):
+    raise TypeError(f"kd.tags.row_mask: layers must be a sequence of regular expressions "
+                    f"(e.g. [\"encoder\"], or () for every layer), got {layers!r}")
+  patterns = tuple(re.compile(p) for p in layers)
   trace = _context.tagging()
   if trace is None:
     yield
     return
-  entry = _RowMask(mask if mask.dtype == jnp.bool_ else mask != 0)
+  entry = _RowMask(mask if mask.dtype == jnp.bool_ else mask != 0, patterns,
+                   _compat.current_trace())
   trace.row_masks.append(entry)
   try:
     yield
@@ -399,19 +413,20 @@ def row_mask(mask: jax.Array) -> Iterator[None]:
     trace.row_masks.pop()
   if trace.mode == _context.DISCOVER and not entry.used:
     raise ValueError(
-        f"kd.tags.row_mask of shape {tuple(mask.shape)} masked no tagged layer: its "
-        "shape must be the leading axes of a tagged layer's output positions inside "
+        f"kd.tags.row_mask of shape {tuple(mask.shape)}"
+        + (f" for layers {list(layers)}" if layers else "") + " masked no tagged layer: "
+        "its shape must be the leading axes of a tagged layer's output positions inside "
         "the block ([B] or [B, T] for a Dense layer on [B, T, d]; [B] for a "
-        "convolution's images).")
+        "convolution's images), in the same jax.vmap as the with-statement.")
 
 
 def _row_mask_of(trace: _context.Trace, name: str, kind: str, apply: Callable, x,
                  params: tuple, out_dims: int, example_dims: int | None
                  ) -> jax.Array | None:
-  """The innermost active `row_mask` whose shape begins the layer's
-  positions (the leading axes of `apply`'s output but its last `out_dims`),
-  marked used; None. `example_dims`: a layer with `A` reducing the
-  positions of each example first (a mask over them is refused)."""
+  """The innermost active `row_mask` for layer `name` whose shape begins
+  the layer's positions (the leading axes of `apply`'s output but its last
+  `out_dims`), marked used; None. `example_dims`: a layer with `A` reducing
+  the positions of each example first (a mask over them is refused)."""
   if not trace.row_masks:
     return None
   spec = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
@@ -419,8 +434,17 @@ def _row_mask_of(trace: _context.Trace, name: str, kind: str, apply: Callable, x
   positions = tuple(out[:len(out) - out_dims])
   for entry in reversed(trace.row_masks):
     shape = tuple(entry.mask.shape)
-    if positions[:len(shape)] != shape:
+    if (positions[:len(shape)] != shape
+        or entry.patterns and not any(p.search(name) for p in entry.patterns)):
       continue
+    if _compat.vmapped_since(entry.top):
+      raise ValueError(
+          f"kd.tags.row_mask of shape {shape}, entered outside a jax.vmap (nn.vmap, "
+          f"nnx.vmap), fits the positions {positions} of tagged layer '{name}' ({kind}) "
+          "inside it, where the arrays have lost the mapped axis: whether it masks the "
+          "right rows cannot be told. Enter the mask inside the mapped function (a "
+          "scalar per example for a model written per example), or give it layers= "
+          "that leave this layer out.")
     if example_dims is not None and len(shape) > example_dims:
       raise ValueError(
           f"kd.tags.row_mask of shape {shape} on tagged layer '{name}' ({kind}, "
@@ -599,7 +623,8 @@ def dense_general(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None
                                                    example_dims)
   return _tagged("dense", name, apply, stats, x, kernel, bias, site, examples=examples,
                  stats_input=stats_input, positions=_row_count(example_dims),
-                 out_dims=n_out, example_dims=example_dims, a_dim=_size(in_shape) + (bias is not None),
+                 out_dims=n_out, example_dims=example_dims,
+                 a_dim=_size(in_shape) + (bias is not None),
                  g_dim=_size(out_shape))
 
 
@@ -866,6 +891,7 @@ def scale_and_shift(x: jax.Array, scale: jax.Array, offset: jax.Array | None = N
     return {"F": factors.unitwise_fisher(x, g, has_offset, example_dims)}
 
   return _tagged("scale_and_shift", name, apply, stats, x, scale, offset, site,
+                 positions=lambda x, g: factors.num_rows(g, None),
                  a_dim=1 + has_offset, g_dim=scale.shape[0])
 
 

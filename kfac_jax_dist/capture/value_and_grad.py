@@ -95,12 +95,13 @@ def _probes(layer: registry.TaggedLayer, forms: tuple[str, str],
   (`factors.statistics_dtype`, recorded by the discovery); `repeats`: the
   layer may run several times in a pass, and a probe counts its positions."""
   stack = tuple(layer.stack)
+  counted = {factors.POSITIONS: jnp.zeros(stack, dtype)} if repeats else {}
   if layer.unitwise:
-    return {"F": jnp.zeros(stack + (layer.g_dim, 3), dtype)}
+    return {"F": jnp.zeros(stack + (layer.g_dim, 3), dtype)} | counted
   a_form = factors.DIAG if layer.a_diagonal else forms[0]
   return {key: jnp.zeros(stack + factors.statistic_shape(d, form), dtype)
           for key, d, form in (("A", layer.a_dim, a_form), ("G", layer.g_dim, forms[1]))
-          } | ({factors.POSITIONS: jnp.zeros(stack, dtype)} if repeats else {})
+          } | counted
 
 
 def _correction_probes(layer: registry.TaggedLayer, state: Any, dtype: Any) -> dict:
@@ -547,7 +548,7 @@ def _summable(layer: dict, n: Any) -> dict:
   `POSITIONS`: one that may sit out a pass) times its positions."""
   out = {key: ((v * n).astype(v.dtype) if key in factors.SCALED_BY_NUM_EXAMPLES else v)
          for key, v in layer.items()}
-  if factors.POSITIONS in layer:
+  if factors.POSITIONS in layer and "A" in layer:
     a = layer["A"]
     out["A"] = (a * factors.per_block(layer[factors.POSITIONS], a)).astype(a.dtype)
   return out
@@ -560,7 +561,7 @@ def _summed_means(layer: dict, total: Any, k: int) -> dict:
   out = {key: (v / total if key in factors.SCALED_BY_NUM_EXAMPLES
                else v if key == factors.POSITIONS else v / k).astype(v.dtype)
          for key, v in layer.items()}
-  if factors.POSITIONS in layer:
+  if factors.POSITIONS in layer and "A" in layer:
     out["A"] = factors.mean_over_positions(layer["A"], layer[factors.POSITIONS])
   return out
 
@@ -637,7 +638,7 @@ def _statistics(probe_bar: dict, g_scale: Any, scaled: set[str],
                   if key not in dropped(name)}
            for name, layer_stats in probe_bar.items()}
   for name, layer_stats in probe_bar.items():
-    if factors.POSITIONS in layer_stats:
+    if factors.POSITIONS in layer_stats and "A" in layer_stats:
       stats[name]["A"] = factors.mean_over_positions(stats[name]["A"],
                                                      layer_stats[factors.POSITIONS])
   return stats

@@ -78,12 +78,28 @@ def check_stats(layout: layout_lib.Layout, stats: Stats | None, update_flag: Any
       raise ValueError(f"kfac_stats has no statistics for tagged layer '{name}' "
                        f"(it has {sorted(stats)}).")
     keys = [which.upper() for which, _ in plan.places]
-    for key in keys + ([statistics.POSITIONS] if plan.layer.counted else []):
+    for key in keys:
       if key not in stats[name]:
         raise ValueError(f"kfac_stats['{name}'] has no statistic {key!r} "
                          f"(it has {sorted(stats[name])}).")
+    if (statistics.POSITIONS in stats[name]) != plan.layer.counted:
+      _refuse_other_counting(name, plan.layer.counted)
   _warn_full_of_diagonal(layout, stats)
   return True
+
+
+def _refuse_other_counting(name: str, counted: bool) -> None:
+  """Statistics that count a layer's positions where the state's layer does
+  not (or the reverse): the capture saw it under a row mask or in a branch
+  the discovery did not, and its `A` would be averaged the other way."""
+  seen, state = ("does not count", "counts") if counted else ("counts", "does not count")
+  raise ValueError(
+      f"kfac_stats['{name}'] {seen} the layer's positions, but the K-FAC state's layer "
+      f"{state} them: the capture saw it run under kd.tags.row_mask (or inside a "
+      "lax.cond / lax.switch branch) where the discovery the state was built from did "
+      "not, or the reverse (a mask passed on some calls only). Build the transform with "
+      "layers=grad_fn.discover(params, *batch) of the batch the steps receive, mask "
+      "included.")
 
 
 def _warn_full_of_diagonal(layout: layout_lib.Layout, stats: Stats) -> None:
@@ -299,6 +315,8 @@ def weighted_by_positions(comm: collectives_lib.Collectives, counts: Positions,
     return stats
   out = dict(stats)
   for name, local in counts.local.items():
+    if "A" not in stats[name]:          # a unit-wise layer: F needs no weight
+      continue
     total, a = counts.total[name], stats[name]["A"]
     weight = jnp.where(total > 0, comm.num_devices * local / jnp.where(total > 0, total, 1),
                        0)

@@ -171,11 +171,11 @@ def initial_marked_weight(config: KfacConfig, lay: layout_lib.Layout, xp: Any
   if config.stale_threshold is not None and config.local_factors:
     raise ValueError(
         "stale_threshold with kd.Distribution(factor_reduction='local') (DP-KFAC) and "
-        "layers that may not run in a pass (inside a lax.cond / lax.switch branch or a "
-        f"lax.while_loop body: {marked[:4]}{'...' if len(marked) > 4 else ''}) is not "
-        "supported: one refresh schedule cannot follow whether each owner's own batch "
-        "ran them. Use factor_reduction='all_reduce' or 'reduce_scatter', or skip= "
-        "these layers.")
+        "layers that may see no position in a pass (inside a lax.cond / lax.switch "
+        "branch or a lax.while_loop body, or under kd.tags.row_mask: "
+        f"{marked[:4]}{'...' if len(marked) > 4 else ''}) is not supported: one refresh "
+        "schedule cannot follow whether each owner's own batch gave them any. Use "
+        "factor_reduction='all_reduce' or 'reduce_scatter', or skip= these layers.")
   if config.stale_threshold is not None:
     return None
   devices = lay.num_devices if config.local_factors else 1
