@@ -244,7 +244,7 @@ def test_eight_devices_with_uneven_masks_equal_one_device(fraction, factor_reduc
 
 
 def test_micro_batches_with_uneven_masks_equal_the_whole_batch():
-  """`accumulate` over 4 slices keeping different numbers of rows (one
+  """`accumulate` over 8 slices keeping different numbers of rows (one
   none) gives the whole batch's statistics and steps."""
   batches = _uneven_batches()
   want_params, _ = _single_device_run(batches)
@@ -279,6 +279,8 @@ def test_a_pass_that_keeps_no_row_leaves_the_factors():
 
 
 def test_a_mask_no_layer_takes_is_refused():
+  """A transposed mask, `layers=` that name no layer, a bare string for
+  `layers`: clear errors at discovery (at entry for the string)."""
   params, (ids, y, mask) = _params(), _batch(0)
 
   def transposed(p, ids, y, mask):
