@@ -47,7 +47,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any
+import re
+from typing import Any, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -101,6 +102,22 @@ def named_leaves(tree: Any) -> list[tuple[str, Any]]:
   """`[(name, leaf)]` of a parameter (or gradient) tree, named by `path_strs`."""
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
   return list(zip(path_strs([p for p, _ in flat]), [x for _, x in flat]))
+
+
+def check_patterns(name: str, patterns: Any, empty: str = "none") -> tuple[str, ...]:
+  """A sequence of regular expressions naming layers (a bare string would be
+  read as its characters; None is not "none": that is `()`, which means
+  `empty`): `skip=`, Shampoo's `stacked=`, `kd.tags.row_mask`'s `layers=`."""
+  if (isinstance(patterns, str) or not isinstance(patterns, Iterable)
+      or not all(isinstance(p, str) for p in patterns)):
+    raise TypeError(f"{name} must be a sequence of regular expressions (e.g. "
+                    f"[\"head\"], or () for {empty}), got {patterns!r}")
+  for pattern in patterns:
+    try:
+      re.compile(pattern)
+    except re.error as error:
+      raise ValueError(f"{name}: {pattern!r} is not a regular expression ({error}).") from None
+  return tuple(patterns)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -396,10 +396,8 @@ def row_mask(mask: jax.Array, layers: Sequence[str] = ()) -> Iterator[None]:
   if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.number)):
     raise TypeError(f"kd.tags.row_mask: the mask must be boolean or numeric (nonzero: "
                     f"kept), got {mask.dtype}.")
-  if isinstance(layers, str) or not all(isinstance(p, str) for p in layers):
-    raise TypeError(f"kd.tags.row_mask: layers must be a sequence of regular expressions "
-                    f"(e.g. [\"encoder\"], or () for every layer), got {layers!r}")
-  patterns = tuple(re.compile(p) for p in layers)
+  patterns = tuple(map(re.compile, registry.check_patterns(
+      "kd.tags.row_mask: layers", layers, empty="every layer")))
   trace = _context.tagging()
   if trace is None:
     yield

@@ -15,13 +15,13 @@ from __future__ import annotations
 import functools
 import math
 import operator
-import re
-from typing import Any, Callable, Iterable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kfac_jax_dist.capture.registry import check_patterns  # noqa: F401  (shared with tags)
 from kfac_jax_dist.core import cadence
 
 
@@ -130,21 +130,6 @@ def check_floating_dtype(name: str, dtype: Any) -> None:
   if not floating:
     raise TypeError(f"{name} must be a floating dtype (e.g. jnp.float32, jnp.bfloat16), "
                     f"got {jnp.dtype(dtype).name}")
-
-
-def check_patterns(name: str, patterns: Any) -> tuple[str, ...]:
-  """A sequence of regular expressions (a bare string would be read as its
-  characters; None is not "none": that is `()`)."""
-  if (isinstance(patterns, str) or not isinstance(patterns, Iterable)
-      or not all(isinstance(p, str) for p in patterns)):
-    raise TypeError(f"{name} must be a sequence of regular expressions (e.g. "
-                    f"[\"head\"], or () for none), got {patterns!r}")
-  for pattern in patterns:
-    try:
-      re.compile(pattern)
-    except re.error as error:
-      raise ValueError(f"{name}: {pattern!r} is not a regular expression ({error}).") from None
-  return tuple(patterns)
 
 
 def check_optional_positive_int(name: str, value: Any) -> None:
