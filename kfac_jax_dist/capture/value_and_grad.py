@@ -92,8 +92,9 @@ def _probes(layer: registry.TaggedLayer, forms: tuple[str, str],
             dtype: Any = jnp.float32, repeats: bool = False) -> dict:
   """Zero probes shaped like the layer's statistics (see `value_and_grad`),
   with the leading stack axes of a stacked layer, in the statistics' `dtype`
-  (`factors.statistics_dtype`, recorded by the discovery); `repeats`: the
-  layer may run several times in a pass, and a probe counts its positions."""
+  (`factors.statistics_dtype`, recorded by the discovery); `repeats`: a
+  probe counts the layer's positions (it may run several times in a pass, or
+  sit out one, or run under a row mask)."""
   stack = tuple(layer.stack)
   counted = {factors.POSITIONS: jnp.zeros(stack, dtype)} if repeats else {}
   if layer.unitwise:
@@ -615,7 +616,8 @@ def _all_probes(discovered: "_Discovered", state: Any) -> dict:
              else state.statistic_forms(layer.blocks()[0].name))
     if forms is not None:           # None: skipped, no statistics
       dtype = discovered.stats_dtypes.get(layer.name, jnp.float32)
-      counts = layer.name in discovered.repeats or layer.counted
+      # a repeated layer's count divides its `A`: a unit-wise one has none
+      counts = layer.counted or (layer.name in discovered.repeats and not layer.unitwise)
       probes[layer.name] = _probes(layer, forms, dtype, counts
                                    ) | _correction_probes(layer, state, dtype)
   return probes
