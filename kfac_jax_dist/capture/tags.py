@@ -297,58 +297,73 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=
   probes = _layer_probes(trace, name, site)
   if probes is None:        # not preconditioned (skipped by the optimizer)
     return apply(x, *params)
-  groups = record.get("groups", 1)
-  forms = _forms(probes if groups == 1 else jax.tree_util.tree_map(lambda p: p[0], probes),
-                 record)
-  packed = [key for key, form in forms.items() if form == factors.PACKED]
-  forms = {key: factors.FULL if key in packed else form for key, form in forms.items()}
-  dtype = jnp.result_type(*probes.values())
-
   if factors.BASES[0] in probes and examples is None:
     raise ValueError(f"Tagged layer '{name}' ({kind}) has no EK-FAC statistic.")
-  has_bias = bias is not None     # (the backward pass closes over no tracer)
+  layer_stats = _LayerStatistics(trace, name, stats, examples, positions, probes,
+                                 groups=record.get("groups", 1), record=record,
+                                 has_bias=bias is not None)
+  return _captured(apply, layer_stats, x, params, probes, trace.compute_stats, stats_input,
+                   mask)
 
-  def block_stats(xx: jax.Array, gg: jax.Array, bases: dict,
-                  mask: jax.Array | None) -> dict:
-    """One block's statistics; with eigenbases `bases`, also EK-FAC's `S`."""
-    out = stats(xx, gg, forms, mask)
-    for key in packed:                          # inside the conditional
+
+class _LayerStatistics:
+  """One tagged layer's statistics in the capture's backward pass
+  (`_captured`'s `stats`): the tag's `stats` of the input and the output
+  cotangent in the probes' dtype and forms, EK-FAC's `S` where the probes
+  bring eigenbases, the positions counted where the probes ask for them, and
+  the capture's scale (`_scaled_inside`)."""
+
+  def __init__(self, trace: _context.Trace, name: str, stats: Callable,
+               examples: Callable | None, positions: Callable | None, probes: dict, *,
+               groups: int, record: dict, has_bias: bool):
+    forms = _forms(probes if groups == 1 else
+                   jax.tree_util.tree_map(lambda p: p[0], probes), record)
+    self.packed = [key for key, form in forms.items() if form == factors.PACKED]
+    self.forms = {key: factors.FULL if key in self.packed else form
+                  for key, form in forms.items()}
+    self.dtype = jnp.result_type(*probes.values())
+    self.trace, self.name, self.groups, self.has_bias = trace, name, groups, has_bias
+    self.stats, self.examples, self.positions = stats, examples, positions
+
+  def block(self, xx: jax.Array, gg: jax.Array, bases: dict, mask: jax.Array | None
+            ) -> dict:
+    """One block's statistics (PACKED ones packed inside the conditional);
+    with eigenbases `bases`, also EK-FAC's `S`."""
+    out = self.stats(xx, gg, self.forms, mask)
+    for key in self.packed:
       out[key] = triangles.pack_upper(out[key])
     if bases:
-      ex, eg, example_dims = examples(xx, gg)
+      ex, eg, example_dims = self.examples(xx, gg)
       out[factors.CORRECTED] = factors.corrected_scaling(
-          ex, eg, has_bias, *(bases[key] for key in factors.BASES), example_dims)
+          ex, eg, self.has_bias, *(bases[key] for key in factors.BASES), example_dims)
     return out
 
-  def cast_stats(xx: jax.Array, gg: jax.Array, inputs: dict,
-                 mask: jax.Array | None) -> dict:
-    """`block_stats` of the input (ids stay integers) and the output
-    cotangent, both cast to the statistics' dtype (a grouped convolution's:
-    of each group's channels, mapped over the groups), the rows a `mask`
-    leaves out zeroed in the cotangent; with eigenbases among the probes
-    `inputs`, zeros for them."""
+  def __call__(self, xx: jax.Array, gg: jax.Array, inputs: dict, mask: jax.Array | None
+               ) -> dict:
+    """`block` of the input (ids stay integers) and the output cotangent, both
+    cast to the statistics' dtype (a grouped convolution's: of each group's
+    channels, mapped over the groups), the rows a `mask` leaves out zeroed in
+    the cotangent; with eigenbases among the probes `inputs`, zeros for them."""
     if not jnp.issubdtype(xx.dtype, jnp.integer):
-      xx = xx.astype(dtype)
-    gg = gg.astype(dtype)
+      xx = xx.astype(self.dtype)
+    gg = gg.astype(self.dtype)
     if mask is not None:
-      gg = gg * mask.reshape(mask.shape + (1,) * (gg.ndim - mask.ndim)).astype(dtype)
+      gg = gg * mask.reshape(mask.shape + (1,) * (gg.ndim - mask.ndim)).astype(self.dtype)
     bases = {key: inputs[key] for key in factors.BASES if key in inputs}
-    if groups == 1:
-      out = block_stats(xx, gg, bases, mask)
+    if self.groups == 1:
+      out = self.block(xx, gg, bases, mask)
     else:
-      out = jax.vmap(lambda x_, g_, b_: block_stats(x_, g_, b_, mask))(
-          _groups_first(xx, groups), _groups_first(gg, groups), bases)
+      out = jax.vmap(lambda x_, g_, b_: self.block(x_, g_, b_, mask))(
+          _groups_first(xx, self.groups), _groups_first(gg, self.groups), bases)
     if factors.POSITIONS in inputs:             # this run's sum and positions
-      count = positions(xx, gg)
+      count = self.positions(xx, gg)
       if "A" in out:
         out["A"] = out["A"] * count
       kept = count if mask is None else (
-          jnp.sum(mask, dtype=dtype) * (count // max(mask.size, 1)))
+          jnp.sum(mask, dtype=self.dtype) * (count // max(mask.size, 1)))
       out[factors.POSITIONS] = _counted(kept, inputs[factors.POSITIONS], gg)
     out.update({key: jnp.zeros_like(value) for key, value in bases.items()})
-    return _scaled_inside(trace, name, out)
-  return _captured(apply, cast_stats, x, params, probes, trace.compute_stats, stats_input,
-                   mask)
+    return _scaled_inside(self.trace, self.name, out)
 
 
 @dataclasses.dataclass(eq=False)
