@@ -142,6 +142,33 @@ def vmapped_since(top: object) -> bool:
   return False
 
 
+# What `derivative_since` names: a derivative taken inside the loss.
+REVERSE = "reverse-mode (jax.grad / jax.vjp / jax.linearize)"
+FORWARD = "forward-mode (jax.jvp)"
+CUSTOM = "a custom derivative rule (jax.custom_vjp / jax.custom_jvp / nn.custom_vjp)"
+_CUSTOM_RULES = frozenset({"custom_vjp fun", "custom_jvp fun"})
+
+
+def derivative_since(top: object) -> str | None:
+  """The innermost derivative the function being traced is under, taken
+  after `top` (a `current_trace()` taken earlier): `REVERSE` (a linearize
+  trace), `FORWARD` (a JVP trace), `CUSTOM` (the function of a custom
+  derivative rule, whose own rule replaces its derivative); None for none, or
+  where this JAX does not say."""
+  now, seen = current_trace(), 0
+  while now is not None and now is not top and seen < 10_000:
+    kind = type(now).__name__
+    info = getattr(getattr(now, "frame", None), "debug_info", None)
+    if kind == "LinearizeTrace":
+      return REVERSE
+    if kind == "JVPTrace":
+      return FORWARD
+    if getattr(info, "traced_for", None) in _CUSTOM_RULES:
+      return CUSTOM
+    now, seen = getattr(now, "parent_trace", None), seen + 1
+  return None
+
+
 # The transforms whose body may not run in a pass: a branch of `lax.cond` /
 # `lax.switch`, a `lax.while_loop`'s body. What JAX records as `traced_for` of
 # the trace. A `lax.fori_loop`'s body is recorded alike whether its bounds are

@@ -149,6 +149,11 @@ class TaggedLayer:
   `row_masked`: an application runs under a row mask (`tags.row_mask`) that
   leaves rows out of its `A`, so its devices (and passes) may see different
   numbers of positions, none included. Either makes it `counted`.
+  `under_derivative`: every application lies under a derivative the loss
+  function takes itself (`_compat.derivative_since`: a force field's `-∇E`, a
+  PINN's residual, a user's `jax.custom_vjp`), where the capture never sees the
+  loss's backward pass through the layer: no statistics (K-FAC refuses such a
+  layer unless skipped).
   """
 
   name: str
@@ -167,6 +172,7 @@ class TaggedLayer:
   transposed_kernel: bool = False
   may_sit_out: bool = False
   row_masked: bool = False
+  under_derivative: str | None = None
 
   @property
   def has_bias(self) -> bool:

@@ -81,6 +81,21 @@ _NOT_A_LEAF = (
     "(docs/distributed.md), or over a tensor-parallel model_axis.")
 
 
+def _not_a_leaf_hint(trace: _context.Trace) -> str:
+  """How to pass the parameters themselves (`_NOT_A_LEAF`), or why they
+  cannot be: the tag runs under a derivative the loss function takes itself,
+  with respect to them."""
+  derivative = None if trace.top is None else _compat.derivative_since(trace.top)
+  if derivative is None:
+    return _NOT_A_LEAF
+  return (f"The tag runs under a derivative that the loss function takes itself "
+          f"({derivative}): with respect to the parameters (a gradient penalty's "
+          "jax.grad, a jax.custom_vjp taking them as arguments), a plain JAX tag sees "
+          "new values there, not the parameters' leaves. Apply the model there without "
+          "tags (an untagged copy), or capture a Flax model with capture='flax', which "
+          "follows its parameters into such derivatives.")
+
+
 def _layer_name(trace: _context.Trace, name: str | None, kernel,
                 site: stacking.Site | None) -> str:
   if name is not None:
@@ -89,7 +104,7 @@ def _layer_name(trace: _context.Trace, name: str | None, kernel,
   if path is None:
     raise ValueError(
         "A tagged layer without a name uses a kernel that is not a leaf of the "
-        "parameters given to kd.value_and_grad. " + _NOT_A_LEAF)
+        "parameters given to kd.value_and_grad. " + _not_a_leaf_hint(trace))
   return stacking.owner_path(path) or path     # (box keys: not in paths)
 
 
@@ -102,7 +117,7 @@ def _discover(trace, kind, name, kernel, bias, site, **record) -> None:
     raise ValueError(
         f"Tagged layer '{name}': its kernel is not a leaf of the parameters given "
         "to kd.value_and_grad, so K-FAC cannot tell which gradient to precondition. "
-        + _NOT_A_LEAF)
+        + _not_a_leaf_hint(trace))
   if bias is not None and bias_path is None:
     raise ValueError(
         f"Tagged layer '{name}': its bias is not a leaf of the parameters given to "
@@ -118,7 +133,8 @@ def _discover(trace, kind, name, kernel, bias, site, **record) -> None:
   layer = registry.TaggedLayer(
       name=name, kind=kind, kernel_path=kernel_path, bias_path=bias_path,
       kernel_shape=kernel_shape, bias_shape=bias_shape, stack=stack,
-      may_sit_out=_compat.may_not_run(trace.top), **record)
+      may_sit_out=_compat.may_not_run(trace.top),
+      under_derivative=_derivative_over(trace, name), **record)
   if name in trace.seen or _compat.current_trace() is not trace.top:
     trace.repeats.add(name)
   if name in trace.seen:
@@ -126,13 +142,16 @@ def _discover(trace, kind, name, kernel, bias, site, **record) -> None:
     # second trace of its body (flax traces nn.scan's twice), or weight
     # sharing (a second application, a scan's iterations over one kernel).
     # The capture counts every run's positions (`statistics.POSITIONS`): K-FAC-expand.
-    # It may sit out a pass only if every application may.
+    # It may sit out a pass (or be hidden by derivatives) only if every
+    # application may (is).
     at, previous = next((i, l) for i, l in enumerate(trace.layers) if l.name == name)
     if previous == dataclasses.replace(layer, may_sit_out=previous.may_sit_out,
-                                       row_masked=previous.row_masked):
+                                       row_masked=previous.row_masked,
+                                       under_derivative=previous.under_derivative):
       trace.layers[at] = dataclasses.replace(
           previous, may_sit_out=previous.may_sit_out and layer.may_sit_out,
-          row_masked=previous.row_masked or layer.row_masked)
+          row_masked=previous.row_masked or layer.row_masked,
+          under_derivative=layer.under_derivative and previous.under_derivative)
       return
     raise ValueError(
         f"Tagged layer '{name}' ran twice in one loss evaluation as different "
@@ -143,6 +162,24 @@ def _discover(trace, kind, name, kernel, bias, site, **record) -> None:
   if site is not None and site.carrier is not None and stack:
     trace.carriers[name] = site.carrier
   trace.layers.append(layer)
+
+
+def _derivative_over(trace: _context.Trace, name: str) -> str | None:
+  """The derivative the loss function takes itself over this application of
+  layer `name` (`_compat.derivative_since`), None for none. Forward mode
+  raises: JAX cannot differentiate the capture's custom-VJP tags in reverse
+  mode after it."""
+  derivative = _compat.derivative_since(trace.top)
+  if derivative == _compat.FORWARD:
+    raise ValueError(
+        f"Tagged layer '{name}' runs under a forward-mode derivative that the loss "
+        "function takes itself (jax.jvp, jax.jacfwd). "
+        "The capture's tags are custom-VJP functions, which JAX cannot differentiate in "
+        "reverse mode after forward mode (it would fail with \"Differentiation rule for "
+        "'custom_lin' not implemented\"). Take that derivative in reverse mode "
+        "(jax.vjp, jax.grad, jax.jacrev), or compute it with an untagged copy of the "
+        "model.")
+  return derivative
 
 
 def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag,

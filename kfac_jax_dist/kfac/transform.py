@@ -85,6 +85,25 @@ def _check_params(layers: registry.LayerRegistry, leaves: dict[str, Any],
                          f"{jnp.shape(leaves[path])}, expected {shape}.")
 
 
+def _check_captured(layers: registry.LayerRegistry, skipped: Sequence[str]) -> None:
+  """No preconditioned layer runs only under a derivative the loss function
+  takes itself (`TaggedLayer.under_derivative`): the capture would give it
+  no statistics, and its factors would stay the identity."""
+  hidden = [layer for layer in layers
+            if layer.under_derivative and layer.name not in skipped]
+  if hidden:
+    names = [layer.name for layer in hidden]
+    raise ValueError(
+        f"Tagged layers {names} run only under a derivative that the loss function "
+        f"takes itself ({hidden[0].under_derivative}; e.g. a force field's -∇E, a "
+        "PINN's residual, a block under nn.custom_vjp). K-FAC's statistics of a layer "
+        "come from the loss's own backward pass through it, which that derivative "
+        "hides from the capture: their factors would never change. Leave them out "
+        f"with skip={[f'^{re.escape(n)}$' for n in names]} (they then take the plain "
+        "gradient), or precondition such a model with kd.shampoo or kd.soap, which "
+        "read only the gradients.")
+
+
 def _initial_cadence(config: KfacConfig, name: str) -> int:
   """The cadence `name` at count 0 (a schedule evaluated then, also while
   tracing), which chooses the storage; an injected (traced) number raises."""
@@ -142,6 +161,7 @@ def init_state(config: KfacConfig, comm: collectives_lib.Collectives,
   leaves = registry.leaves_by_path(params)
   lay = build_layout(config, comm, layers, list(leaves))
   _check_params(layers, leaves, lay.skipped)
+  _check_captured(layers, lay.skipped)
   layout_lib.check_factor_dims(lay)
   layout_lib.check_addressable(lay)
   xp = jnp if _compat.traced(params) else np
