@@ -278,6 +278,30 @@ def test_fixed_learning_rate_adapts_momentum_only():
   assert float(new.momentum) != 0.0
 
 
+def test_a_learning_rate_schedule_from_zero_takes_zero_steps_not_skips():
+  """A warm-up's first value 0 (optax's warm-up schedules start there): α = 0
+  and, on the first step, μ = 0, so the update is zero and the step counts (a
+  skipped step kept the count, read 0 again, and skipped forever); the next
+  steps take the schedule's rate. The damping stays over the zero step."""
+  schedule = lambda count: 0.05 * jnp.minimum(count, 2) / 2
+  tx, params = _tx(learning_rate=schedule, adapt_damping=True,
+                   damping_adaptation_interval=1), _params()
+  state, statistics, update = helpers.jitted_start(tx, GRAD_FN, params)
+  for step in range(3):
+    x, y = _batch(step)
+    _, grads, stats = statistics(params, x, y, opt_state=state)
+    updates, state = update(grads, state, params, kfac_stats=stats, kfac_batch=(x, y))
+    moved = max(float(jnp.max(jnp.abs(u))) for u in jax.tree.leaves(updates))
+    assert (moved == 0.0) == (step == 0)
+    params = optax.apply_updates(params, updates)
+    new = _adaptive_state(state)
+    assert int(find_states(state, ScaleByKfacState)[0].skipped) == 0
+    np.testing.assert_allclose(float(new.learning_rate), float(schedule(step)), rtol=1e-12)
+    if step == 0:
+      assert float(new.damping) == LAMBDA
+  assert int(new.count) == 3
+
+
 def _second_order_per_step(tx, steps):
   """The K-FAC state's eigenbases and eigenvalues after each of `steps` updates."""
   params, seen = _params(), []

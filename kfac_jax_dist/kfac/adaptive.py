@@ -109,7 +109,7 @@ class AdaptiveConfig:
   def __post_init__(self):
     batches.check(self.micro_batches, "kfac")
     if self.learning_rate is not None:
-      settings.check_positive("learning_rate", self.learning_rate)
+      settings.check_positive("learning_rate", self.learning_rate, allow_zero=True)
     if self.momentum is not None:
       settings.check_range("momentum", self.momentum, 0.0, 1.0)
     settings.check_positive("weight_decay", self.weight_decay, allow_zero=True)
@@ -152,7 +152,9 @@ class AdaptiveConfig:
     `optax.inject_hyperparams`, schedules' values at `count`)."""
     checks = []
     if self.learning_rate is not None:
-      checks.append(lambda: settings.positive_ok(self.learning_rate, count))
+      # 0: a warm-up's first value, a decay's last (a zero step, as plain K-FAC's)
+      checks.append(lambda: settings.positive_ok(self.learning_rate, count,
+                                                 allow_zero=True))
     if self.momentum is not None:
       checks.append(lambda: settings.range_ok(self.momentum, count, 0.0, 1.0))
     checks.append(lambda: settings.positive_ok(self.weight_decay, count, allow_zero=True))
