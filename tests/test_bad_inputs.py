@@ -118,7 +118,7 @@ def _assert_skipped_unchanged(tx, batch, params=None, state=None, steps_before=1
 def test_kfac_settings_are_validated(option, value, match):
   """Numbers out of range (NumPy's too) raise a ValueError; a bool, a string or
   None where a number belongs a TypeError (True would run as 1.0)."""
-  error, match = (match, "must be a number, an array or a schedule") if (
+  error, match = (match, "must be a number") if (
       match is TypeError) else (ValueError, match)
   with pytest.raises(error, match=f"{option} {match}" if error is TypeError else match):
     _kfac(**{option: value})
@@ -356,9 +356,9 @@ def test_distribution_is_validated():
     ("statistics_compute_steps", 0, ValueError, "statistics_compute_steps must be a pos"),
     ("statistics_compute_steps", float("inf"), ValueError, "statistics_compute_steps mu"),
     ("skip", "w", TypeError, "skip must be a sequence"),
-    ("beta2", "0.9", TypeError, "beta2 must be a number, an array or a schedule"),
+    ("beta2", "0.9", TypeError, "beta2 must be a number or an array"),
     ("beta2", 0.0, ValueError, r"beta2 must be in \(0, 1\]"),
-    ("graft_beta2", True, TypeError, "graft_beta2 must be a number, an array or a sch"),
+    ("graft_beta2", True, TypeError, "graft_beta2 must be a number or an array"),
     ("block_size", 2.5, ValueError, "block_size must be a positive integer or None"),
     ("block_size", float("inf"), ValueError, "block_size must be a positive integer"),
     ("max_preconditioner_dim", 0, ValueError, "max_preconditioner_dim must be a posit"),
@@ -375,6 +375,36 @@ def test_shampoo_settings_are_validated(option, value, error, match):
   of 2.5 was read as 2, `True` a β of 1) or fail later without naming them."""
   with pytest.raises(error, match=match):
     kd.shampoo(0.1, graft_type="adam", **{option: value})
+
+
+_MAKERS = {
+    "kfac": lambda **kw: _kfac(**kw),
+    "adaptive": lambda **kw: kd.kfac(None, None, layers=LAYERS, grad_fn=GRAD_FN,
+                                     adapt_damping=True, **kw),
+    "shampoo": lambda **kw: kd.shampoo(0.1, **{"graft_type": "adam", "graft_beta2": 0.9,
+                                               **kw}),
+    "soap": lambda **kw: kd.soap(0.1, **kw),
+}
+
+
+@pytest.mark.parametrize("maker,option,value", [
+    ("kfac", "factor_decay", 0.9), ("kfac", "stale_threshold", 0.1),
+    ("adaptive", "min_damping", 1e-3), ("adaptive", "max_damping", 1.0),
+    ("adaptive", "damping_adaptation_decay", 0.9),
+    ("shampoo", "beta2", 0.9), ("shampoo", "epsilon", 1e-6),
+    ("shampoo", "ridge_epsilon", 1e-6), ("shampoo", "graft_beta2", 0.9),
+    ("shampoo", "graft_epsilon", 1e-8),
+    ("soap", "b1", 0.9), ("soap", "b2", 0.9), ("soap", "eps", 1e-8),
+    ("soap", "shampoo_beta", 0.9),
+])
+def test_a_schedule_is_refused_by_name_where_the_option_takes_none(maker, option, value):
+  """These options are numbers (an injected array passes): a schedule was
+  accepted at construction, then failed at init or at the first update with
+  jnp's TypeError of a function where a number belongs, naming nothing."""
+  with pytest.raises(TypeError, match=f"{option} must be a number or an array "
+                                      r"\(it takes no schedule\)"):
+    _MAKERS[maker](**{option: lambda count: value})
+  _MAKERS[maker](**{option: jnp.asarray(value)})       # injected: checked at run time
 
 
 def test_integer_parameters_are_refused_at_init():

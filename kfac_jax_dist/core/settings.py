@@ -29,20 +29,28 @@ def _number(value: Any) -> float | None:
   return float(value) if cadence.is_number(value) else None
 
 
-def _check_number_or_later(name: str, value: Any) -> None:
-  """Not a number: an array or a schedule, checked at run time; anything else
-  (a bool, a string, None) raises."""
-  if not (callable(value) or hasattr(value, "dtype")):
+def _check_number_or_later(name: str, value: Any, schedule: bool = True) -> None:
+  """Not a number: an array (`optax.inject_hyperparams`) or, where the option
+  takes one (`schedule`), a schedule, checked at run time; anything else (a
+  bool, a string, None; a schedule where none is taken) raises."""
+  if hasattr(value, "dtype"):
+    return
+  if not schedule:
+    raise TypeError(f"{name} must be a number or an array (it takes no schedule), got "
+                    f"{value!r}")
+  if not callable(value):
     raise TypeError(f"{name} must be a number, an array or a schedule (a callable of "
                     f"the update count), got {value!r}")
 
 
-def check_positive(name: str, value: Any, *, allow_zero: bool = False) -> None:
+def check_positive(name: str, value: Any, *, allow_zero: bool = False,
+                   schedule: bool = True) -> None:
   """A number must be finite and > 0 (≥ 0 with `allow_zero`); arrays and
-  schedules are checked at run time (`positive_ok`)."""
+  schedules (where the option takes one) are checked at run time
+  (`positive_ok`)."""
   x = _number(value)
   if x is None:
-    _check_number_or_later(name, value)
+    _check_number_or_later(name, value, schedule)
     return
   if not math.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
     bound = "≥ 0" if allow_zero else "> 0"
@@ -61,11 +69,13 @@ def check_normal(name: str, value: Any, dtype: Any) -> None:
 
 
 def check_range(name: str, value: Any, low: float, high: float, *,
-                closed_low: bool = True, closed_high: bool = False) -> None:
-  """A number must lie in the interval; arrays are checked at run time."""
+                closed_low: bool = True, closed_high: bool = False,
+                schedule: bool = True) -> None:
+  """A number must lie in the interval; arrays (and schedules, where the
+  option takes one) are checked at run time."""
   x = _number(value)
   if x is None:
-    _check_number_or_later(name, value)
+    _check_number_or_later(name, value, schedule)
     return
   above = x >= low if closed_low else x > low
   below = x <= high if closed_high else x < high

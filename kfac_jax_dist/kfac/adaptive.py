@@ -116,14 +116,18 @@ class AdaptiveConfig:
     settings.check_interval("damping_adaptation_interval",
                             self.damping_adaptation_interval)
     settings.check_range("damping_adaptation_decay", self.damping_adaptation_decay, 0.0,
-                         1.0, closed_low=False)
-    settings.check_positive("min_damping", self.min_damping, allow_zero=True)
+                         1.0, closed_low=False, schedule=False)
+    settings.check_positive("min_damping", self.min_damping, allow_zero=True,
+                            schedule=False)
+    if self.max_damping is not None:
+      settings.check_positive("max_damping", self.max_damping, allow_zero=True,
+                              schedule=False)
     if (cadence.is_number(self.max_damping) and cadence.is_number(self.min_damping)
         and self.max_damping < self.min_damping):
       raise ValueError(f"max_damping ({self.max_damping}) must be >= min_damping "
                        f"({self.min_damping})")
     factor = self.reject_damping_increase_factor   # (an array: checked at run time)
-    settings.check_positive("reject_damping_increase_factor", factor)
+    settings.check_positive("reject_damping_increase_factor", factor, schedule=False)
     if cadence.is_number(factor) and factor < 1:
       raise ValueError(f"reject_damping_increase_factor must be >= 1 (a rejected step's "
                        f"model was too optimistic: λ grows), got {factor!r}")

@@ -58,7 +58,7 @@ class KfacConfig:
       raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
     settings.check_positive("damping", self.damping)
     settings.check_normal("damping", self.damping, self.compute_dtype)
-    settings.check_range("factor_decay", self.factor_decay, 0.0, 1.0)
+    settings.check_range("factor_decay", self.factor_decay, 0.0, 1.0, schedule=False)
     for name in ("factor_update_every", "inverse_update_every"):
       settings.check_interval(name, getattr(self, name))
     if self.kl_clip is not None:
@@ -73,7 +73,8 @@ class KfacConfig:
       raise TypeError(f"distribution must be a kd.Distribution or None, got "
                       f"{type(self.distribution).__name__}")
     if self.stale_threshold is not None:
-      settings.check_positive("stale_threshold", self.stale_threshold, allow_zero=True)
+      settings.check_positive("stale_threshold", self.stale_threshold, allow_zero=True,
+                              schedule=False)
       self._check_stale()
     if self.eigenvalue_correction is not None:
       self._check_correction()

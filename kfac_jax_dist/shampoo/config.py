@@ -86,11 +86,14 @@ class ShampooConfig:
                                  ("root_method", self.root_method, roots.METHODS)):
       if value not in allowed:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-    settings.check_range("beta2", self.beta2, 0.0, 1.0, closed_low=False, closed_high=True)
+    settings.check_range("beta2", self.beta2, 0.0, 1.0, closed_low=False, closed_high=True,
+                         schedule=False)
     self._check_shape_options()
-    settings.check_positive("epsilon", self.epsilon)
-    settings.check_positive("ridge_epsilon", self.ridge_epsilon, allow_zero=True)
-    settings.check_positive("graft_epsilon", self.graft_epsilon)  # 0: 0/0 on a zero gradient
+    settings.check_positive("epsilon", self.epsilon, schedule=False)
+    settings.check_positive("ridge_epsilon", self.ridge_epsilon, allow_zero=True,
+                            schedule=False)
+    # graft_epsilon 0: 0/0 on a zero gradient
+    settings.check_positive("graft_epsilon", self.graft_epsilon, schedule=False)
     if self.distribution is not None and not isinstance(
         self.distribution, distribution_lib.Distribution):
       raise TypeError(f"distribution must be a kd.Distribution or None, got "
@@ -123,7 +126,8 @@ class ShampooConfig:
       raise ValueError(f"merge_small_dims must be True, False or a positive integer (the "
                        f"merged dimensions' largest size), got {merge!r}")
     if self.exponent_override is not None:
-      settings.check_positive("exponent_override", self.exponent_override)
+      settings.check_positive("exponent_override", self.exponent_override,
+                              schedule=False)
 
   def _check_cadence(self) -> None:
     for name in ("statistics_compute_steps", "preconditioning_compute_steps"):
@@ -135,8 +139,10 @@ class ShampooConfig:
 
   def _check_roots(self) -> None:
     settings.check_optional_positive_int("newton_max_iterations", self.newton_max_iterations)
-    settings.check_positive("newton_tolerance", self.newton_tolerance, allow_zero=True)
-    settings.check_positive("root_failure_threshold", self.root_failure_threshold)
+    settings.check_positive("newton_tolerance", self.newton_tolerance, allow_zero=True,
+                            schedule=False)
+    settings.check_positive("root_failure_threshold", self.root_failure_threshold,
+                            schedule=False)
     p = self.exponent_override
     if self.root_method == "newton" and cadence.is_number(p) and int(p) != p:
       raise ValueError("root_method='newton' needs an integer exponent_override")
@@ -144,7 +150,8 @@ class ShampooConfig:
   def _check_grafting(self) -> None:
     beta = self.graft_moment
     if self.graft_beta2 is not None:
-      settings.check_range("graft_beta2", self.graft_beta2, 0.0, 1.0, closed_high=True)
+      settings.check_range("graft_beta2", self.graft_beta2, 0.0, 1.0, closed_high=True,
+                           schedule=False)
     if (self.graft_type in ("rmsprop", "adam") and cadence.is_number(beta)
         and not 0.0 <= beta < 1.0):
       raise ValueError(f"graft_type={self.graft_type!r} needs a moving average: pass "

@@ -101,12 +101,13 @@ class SoapConfig:
   stacked: Sequence[str] | Mapping[str, int] = ()
 
   def __post_init__(self):
-    settings.check_range("b1", self.b1, 0.0, 1.0)
-    settings.check_range("b2", self.b2, 0.0, 1.0)
-    settings.check_positive("eps", self.eps)     # 0: 0/0 where a coordinate never moved
+    settings.check_range("b1", self.b1, 0.0, 1.0, schedule=False)
+    settings.check_range("b2", self.b2, 0.0, 1.0, schedule=False)
+    # eps 0: 0/0 where a coordinate never moved
+    settings.check_positive("eps", self.eps, schedule=False)
     if self.shampoo_beta is not None:
       settings.check_range("shampoo_beta", self.shampoo_beta, 0.0, 1.0,
-                           closed_low=False, closed_high=True)
+                           closed_low=False, closed_high=True, schedule=False)
     elif cadence.is_number(self.b2) and self.b2 == 0:
       raise ValueError("b2=0 with shampoo_beta=None would make the statistics' β_s "
                        "(shampoo_beta, b2 by default) 0, outside (0, 1]: pass "
