@@ -22,7 +22,9 @@ learning-rate, momentum and damping schedules. kd: `kd.kfac(B·η, momentum,
 damping=B·γ, factor_decay=0.95, kl_clip=None, method="eigen")`: kfac-jax's
 Fisher is this library's divided by the batch size B (DESIGN.md,
 "Conventions"), so its (η, γ) are (B·η, B·γ) here; both apply momentum to the
-update (`δ ← −η·v + μ·δ`), both update the curvature when `step % period == 0`
+update (`δ ← −η·v + μ·δ`, with the constant η here: under a schedule kfac-jax
+scales the new direction alone, optax's SGD the velocity, docs/conventions.md),
+both update the curvature when `step % period == 0`
 and the eigendecompositions when `step % inverse period == 0`. The script
 checks that the two compute the same steps: ‖θ_kd − θ_kfac-jax‖ / ‖θ_kfac-jax‖
 after 1 and 10 steps from the same initialisation and batches (float32
