@@ -433,6 +433,21 @@ def test_layers_of_another_model_are_refused():
     tx.update(grads, tx.init(params), params, kfac_stats=stats)
 
 
+def test_layers_of_another_model_are_refused_with_opt_state_too():
+  """The statistics skip layers the state skips: a layer it does not know at
+  all (a head added since the transform was built) was left out of them as
+  if skipped, and passed through unpreconditioned without a word."""
+  grad_fn = kd.value_and_grad(other_loss_fn)
+  params = _params(other=True)
+  state = _kfac().init(params)
+  with pytest.raises(ValueError, match="ran tagged layer 'mid', which the K-FAC state "
+                                       "passed as opt_state does not know"):
+    grad_fn(params, *_batch(), opt_state=state)
+  skipping = kd.kfac(0.1, layers=grad_fn.discover(params, *_batch()), skip=["^mid$"])
+  _, _, stats = grad_fn(params, *_batch(), opt_state=skipping.init(params))
+  assert "mid" not in stats
+
+
 @pytest.mark.parametrize("made_by,match", [
     (dict(method="inverse"), "method 'inverse' \\(transform: 'eigen'\\)"),
     (dict(skip=["out"]), "skipped layers \\['out'\\]"),

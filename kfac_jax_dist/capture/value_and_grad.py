@@ -614,7 +614,9 @@ def _all_probes(discovered: "_Discovered", state: Any) -> dict:
   for layer in discovered.layers:
     forms = ((factors.FULL, factors.FULL) if state is None
              else state.statistic_forms(layer.blocks()[0].name))
-    if forms is not None:           # None: skipped, no statistics
+    if forms is None:               # skipped: no statistics
+      state.check_skipped(layer.name)
+    else:
       dtype = discovered.stats_dtypes.get(layer.name, jnp.float32)
       # a repeated layer's count divides its `A`: a unit-wise one has none
       counts = layer.counted or (layer.name in discovered.repeats and not layer.unitwise)

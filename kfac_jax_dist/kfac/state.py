@@ -117,6 +117,23 @@ class ScaleByKfacState(states.PreconditionerState):
                            else form)
     return packed(plan.a_form), packed(plan.g_form)
 
+  def check_skipped(self, layer_name: str) -> None:
+    """A tagged layer (a stacked one by its own name) that the state does not
+    precondition must be one it skips: one it does not know (`layers=` of
+    another model, a head added since) raises, where the capture would leave
+    it out and it would pass through unpreconditioned without a word."""
+    if layer_name in self.layout.skipped:
+      return
+    known = sorted({plan.layer.stats_name for plan in self.layout.plans}
+                   | set(self.layout.skipped))
+    raise ValueError(
+        f"The loss function ran tagged layer '{layer_name}', which the K-FAC state "
+        f"passed as opt_state does not know (it was laid out for {known}): a layer "
+        "added since the transform was built, or layers= of another model. Build the "
+        "transform with layers=grad_fn.discover(params, *batch) of this model (and a "
+        "new state: kd.convert_state does not add layers), or exclude the layer with "
+        "skip=.")
+
   def correction_bases(self, layer_name: str) -> tuple[jax.Array, jax.Array] | None:
     """EK-FAC: the eigenbases `(Q_A, Q_G)` in which the capture measures the
     layer's `S`; None without the correction or for a layer it leaves alone."""
