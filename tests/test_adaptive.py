@@ -302,6 +302,22 @@ def test_a_learning_rate_schedule_from_zero_takes_zero_steps_not_skips():
   assert int(new.count) == 3
 
 
+def test_a_state_saved_under_other_damping_bounds_takes_the_new_ones_at_once():
+  """Resumed with a higher `min_damping`, the saved λ below it is clipped on
+  the next step, not only at the next adaptation: the step equals that of a
+  fresh state at the new bound."""
+  params, (x, y) = _params(), _batch(0)
+  saved = _tx(adapt_damping=True, damping=LAMBDA, min_damping=1e-3).init(params)
+  resumed = _tx(adapt_damping=True, damping=5 * LAMBDA, min_damping=5 * LAMBDA)
+  _, grads, stats = GRAD_FN(params, x, y, opt_state=saved)
+  step = jax.jit(resumed.update)
+  updates, state = step(grads, saved, params, kfac_stats=stats, kfac_batch=(x, y))
+  fresh, _ = step(grads, resumed.init(params), params, kfac_stats=stats, kfac_batch=(x, y))
+  assert float(_adaptive_state(state).damping) == 5 * LAMBDA
+  for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(fresh)):
+    np.testing.assert_array_equal(a, b)
+
+
 def _second_order_per_step(tx, steps):
   """The K-FAC state's eigenbases and eigenvalues after each of `steps` updates."""
   params, seen = _params(), []

@@ -523,10 +523,10 @@ def _coefficients(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
 def _adapted_damping(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: Any,
                      params: Any, batch: Batch, grads: Any, update: Any, w: jax.Array,
                      model: tuple[jax.Array, ...] | None, state: AdaptiveKfacState,
-                     objectives: tuple[jax.Array, jax.Array] | None
+                     objectives: tuple[jax.Array, jax.Array] | None, lam: jax.Array
                      ) -> tuple[jax.Array, jax.Array]:
-  """`(λ', ρ)` of the Levenberg-Marquardt rule on every T-th update, the
-  state's `(λ, ρ)` between. Without `model` (the coefficients fixed) the model
+  """`(λ', ρ)` of the Levenberg-Marquardt rule on every T-th update from the
+  current `λ`, `(λ, ρ)` between. Without `model` (the coefficients fixed) the model
   of `d` alone is computed here, on those updates only: one tangent pass; the
   `objectives` at `θ` and `θ + d` too, unless given (step rejection's)."""
   def adapt() -> tuple[jax.Array, jax.Array]:
@@ -539,9 +539,9 @@ def _adapted_damping(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: A
       change = model_change(a, b, w)
     objs = (objectives if objectives is not None else
             _objectives(config, kfac_config, grad_fn, params, batch, update, loss))
-    return _damping_step(config, kfac_config, objs, change, state.damping, state.rho)
+    return _damping_step(config, kfac_config, objs, change, lam, state.rho)
   due = (state.count + 1) % config.damping_adaptation_interval == 0
-  return lax.cond(due, adapt, lambda: (state.damping, state.rho))
+  return lax.cond(due, adapt, lambda: (lam, state.rho))
 
 
 def update_state(config: AdaptiveConfig, kfac_config: KfacConfig,
@@ -553,8 +553,10 @@ def update_state(config: AdaptiveConfig, kfac_config: KfacConfig,
   no update where the objective goes up."""
   count, wd = state.count, config.weight_decay
   dtypes = jax.tree_util.tree_map(lambda g: g.dtype, grads)   # the updates' (v: f32+)
-  lam = (state.damping if config.adapt_damping else
-         jnp.asarray(cadence.value_at(kfac_config.damping, count), state.damping.dtype))
+  # Adapted: within the bounds of this transform (a state saved under others).
+  lam = (jnp.clip(state.damping, config.min_damping, config.max_damping)
+         if config.adapt_damping else cadence.value_at(kfac_config.damping, count))
+  lam = jnp.asarray(lam, state.damping.dtype)
   if not (isinstance(wd, (int, float)) and wd == 0):
     grads = jax.tree_util.tree_map(lambda g, p: g + wd * p, grads, params)
   # The objective's curvature is the loss's plus wI: K-FAC's damping takes w.
@@ -595,7 +597,7 @@ def _adapt_and_reject(config: AdaptiveConfig, kfac_config: KfacConfig, grad_fn: 
   damping, rho = lam, state.rho
   if config.adapt_damping:
     damping, rho = _adapted_damping(config, kfac_config, grad_fn, params, batch, grads,
-                                    update, w, model, state, objectives)
+                                    update, w, model, state, objectives, lam)
   if not config.reject_steps:
     return update, update, damping, rho, jnp.zeros([], bool)
   taken, velocity, damping, rejected = _reject_if_worse(
