@@ -286,8 +286,24 @@ def _restore_older_checkpoint(tmp_path, monkeypatch, checkpoint, config, kept, s
   # Today's checkpoints say that groups split factors: the same old state
   # saved with today's metadata is refused, naming the placement.
   kd.save_checkpoint(tmp_path / "today", old)
-  with pytest.raises(ValueError, match="factor placement differs"):
+  with pytest.raises(ValueError, match="factors are placed on other owners"):
     kd.restore_checkpoint(tmp_path / "today", template)
+
+
+def test_restore_names_the_layers_that_changed(tmp_path):
+  """A template of another set of layers (a layer skipped, a layer wider) is
+  refused naming them, and says that convert_state does not change layers
+  (it had said "factor placement differs" and pointed to convert_state)."""
+  kd.save_checkpoint(tmp_path / "ckpt", _init(1))
+  layers = GRAD_FN.discover(_params(), *_batch(0))
+  skipped = jax.eval_shape(kd.kfac(0.1, layers=layers, skip=["^l1$"]).init, _params())
+  with pytest.raises(ValueError, match=r"layers only in the checkpoint: \['l1'\].*"
+                                       r"not between sets of layers"):
+    kd.restore_checkpoint(tmp_path / "ckpt", skipped)
+  diagonal = jax.eval_shape(kd.kfac(0.1, layers=layers, max_factor_dim=6).init, _params())
+  with pytest.raises(ValueError, match=r"layers whose factors' form or size differ: "
+                                       r"\['l0', 'l1'\]"):
+    kd.restore_checkpoint(tmp_path / "ckpt", diagonal)
 
 
 def test_restore_refuses_another_layout(tmp_path):

@@ -443,11 +443,31 @@ def _check_compatible(saved: dict, wanted: dict) -> None:
       details = ", ".join(f"{k}: saved {have.get(k)!r}, template {want[k]!r}"
                           for k in diff if k != "factors")
       if "factors" in diff:
-        details += (", " if details else "") + "factor placement differs"
+        details += (", " if details else "") + _factor_difference(have["factors"],
+                                                                  want["factors"])
       raise ValueError(
           f"K-FAC state {i} of the checkpoint was saved with another layout ({details}). "
-          "Restore into a template of the saved configuration (the same layers and "
-          "Distribution), then kd.convert_state(state, new_template).")
+          "Restore into a template of the saved configuration (the same layers, "
+          "Distribution, skip=, max_factor_dim and cadences: the storage follows "
+          "them), then kd.convert_state(state, new_template), which moves a state "
+          "between distributions and storages, not between sets of layers or their "
+          "factors' shapes: a changed model starts K-FAC's state anew (tx.init).")
+
+
+def _factor_difference(saved: list, wanted: list) -> str:
+  """Which layers' factors differ between two layouts' metadata (`factors`:
+  one entry per factor place, `[layer, which, form, dim, owner, ...]`)."""
+  shapes = lambda entries: {(e[0], e[1]): tuple(e[2:4]) for e in entries}
+  have, want = shapes(saved), shapes(wanted)
+  names = lambda keys: sorted({name for name, _ in keys})
+  only_saved, only_template = (names(have.keys() - want.keys()),
+                               names(want.keys() - have.keys()))
+  reshaped = names(k for k in have.keys() & want.keys() if have[k] != want[k])
+  parts = [f"{what}: {found}" for what, found in (
+      ("layers only in the checkpoint", only_saved),
+      ("layers only in the template", only_template),
+      ("layers whose factors' form or size differ", reshaped)) if found]
+  return "; ".join(parts) or "the factors are placed on other owners"
 
 
 # ------------------------------------------------------------------ conversion
