@@ -130,16 +130,24 @@ def inside_another_trace(top: object) -> bool:
   return now is not top and now is current_trace()
 
 
+def _traces_since(top: object) -> tuple[list[tuple[str, Any]], bool]:
+  """The traces between the one being built (first) and `top` (a
+  `current_trace()` taken earlier, excluded), each as (its type's name, what
+  JAX records it traced for), and whether the chain reached `top` (not where
+  this JAX keeps no chain, or a trace of its own starts one: a custom rule's)."""
+  now, seen, chain = current_trace(), 0, []
+  while now is not None and now is not top and seen < 10_000:
+    info = getattr(getattr(now, "frame", None), "debug_info", None)
+    chain.append((type(now).__name__, getattr(info, "traced_for", None)))
+    now, seen = getattr(now, "parent_trace", None), seen + 1
+  return chain, now is top
+
+
 def vmapped_since(top: object) -> bool:
   """Whether a `jax.vmap` (a batching trace) lies between the trace being
   built and `top` (a `current_trace()` taken earlier): inside it the arrays
   have lost their mapped axis. False where this JAX does not say."""
-  now, seen = current_trace(), 0
-  while now is not None and now is not top and seen < 10_000:
-    if type(now).__name__ == "BatchTrace":
-      return True
-    now, seen = getattr(now, "parent_trace", None), seen + 1
-  return False
+  return any(kind == "BatchTrace" for kind, _ in _traces_since(top)[0])
 
 
 # What `derivative_since` names: a derivative taken inside the loss.
@@ -155,17 +163,13 @@ def derivative_since(top: object) -> str | None:
   trace), `FORWARD` (a JVP trace), `CUSTOM` (the function of a custom
   derivative rule, whose own rule replaces its derivative); None for none, or
   where this JAX does not say."""
-  now, seen = current_trace(), 0
-  while now is not None and now is not top and seen < 10_000:
-    kind = type(now).__name__
-    info = getattr(getattr(now, "frame", None), "debug_info", None)
+  for kind, purpose in _traces_since(top)[0]:
     if kind == "LinearizeTrace":
       return REVERSE
     if kind == "JVPTrace":
       return FORWARD
-    if getattr(info, "traced_for", None) in _CUSTOM_RULES:
+    if purpose in _CUSTOM_RULES:
       return CUSTOM
-    now, seen = getattr(now, "parent_trace", None), seen + 1
   return None
 
 
@@ -174,7 +178,8 @@ def derivative_since(top: object) -> str | None:
 # the trace. A `lax.fori_loop`'s body is recorded alike whether its bounds are
 # static (a scan: it runs) or traced (a while loop), and is not counted: JAX
 # refuses to differentiate a while loop in reverse mode, so a trained layer
-# in one can only sit under a user's custom VJP.
+# can sit in one only under a user's custom VJP, where the capture cannot see
+# it (`derivative_since`: refused).
 MAY_NOT_RUN = frozenset({"cond", "switch", "while_body"})
 
 
@@ -184,20 +189,13 @@ def may_not_run(top: object) -> bool:
   earlier), read from the chain of traces JAX builds; where this JAX does not
   say (no chain to `top`, a trace without a record of what it traces for):
   whether it is inside any other trace at all, which includes them."""
-  now = current_trace()
-  if now is top:
-    return False
-  seen = 0
-  while now is not None and now is not top and seen < 10_000:
-    kind = type(now).__name__
-    info = getattr(getattr(now, "frame", None), "debug_info", None)
-    purpose = getattr(info, "traced_for", None)
+  chain, reached = _traces_since(top)
+  for kind, purpose in chain:
     if purpose is None and kind != "BatchTrace":      # unknown: assume it may not run
       return True
     if purpose in MAY_NOT_RUN:
       return True
-    now, seen = getattr(now, "parent_trace", None), seen + 1
-  return now is not top
+  return not reached
 
 
 # Explicit mesh axes (`jax.make_mesh`'s default on jax 0.10.2 and 0.12): an
