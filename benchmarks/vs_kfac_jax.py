@@ -232,24 +232,28 @@ def plain_loss(model, logits, t):
   return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, t))
 
 
-def kd_loss_fn(model):
+def kd_loss_fn(model, weight: float = 1.0):
+  """kd's loss: `weight` times the registered loss (kfac-jax's loss weight)."""
   def loss_fn(p, x, y):
     logits, t = apply(model, p, x, True), targets_of(model, x, y)
     if model == "autoencoder":
-      return kd.losses.sigmoid_cross_entropy(logits, t)
-    return kd.losses.softmax_cross_entropy(logits, t)
+      loss = kd.losses.sigmoid_cross_entropy(logits, t)
+    else:
+      loss = kd.losses.softmax_cross_entropy(logits, t)
+    return loss if weight == 1.0 else weight * loss
   return loss_fn
 
 
-def kj_loss_fn(model):
+def kj_loss_fn(model, weight: float = 1.0):
+  """kfac-jax's loss: registered with `weight`, which the returned loss carries."""
   def loss_fn(p, batch):
     x, y = batch
     logits, t = apply(model, p, x, False), targets_of(model, x, y)
     if model == "autoencoder":
-      kfac_jax.register_sigmoid_cross_entropy_loss(logits, t)
+      kfac_jax.register_sigmoid_cross_entropy_loss(logits, t, weight=weight)
     else:
-      kfac_jax.register_softmax_cross_entropy_loss(logits, t)
-    return plain_loss(model, logits, t)
+      kfac_jax.register_softmax_cross_entropy_loss(logits, t, weight=weight)
+    return weight * plain_loss(model, logits, t)
   return loss_fn
 
 
@@ -662,11 +666,12 @@ EQ_STEPS = (1, 10)
 ADAPTIVE_STEPS = 5
 EQ_TARGET, ADAPTIVE_TARGET = 1e-10, 1e-8
 class AdaptiveRun(collections.namedtuple(
-    "AdaptiveRun", "model damping inverse_every steps fixed reject",
-    defaults=(None, None))):
+    "AdaptiveRun", "model damping inverse_every steps fixed reject weight",
+    defaults=(None, None, 1.0))):
   """One float64 adaptive comparison: the model, λ₀ in kd's units, decompositions
   every `inverse_every` steps, the steps, `fixed = (η, μ)` (the damping alone
-  adapted) or None, and `reject`: step rejection's damping factor, or None."""
+  adapted) or None, `reject`: step rejection's damping factor, or None, and
+  the loss's `weight` (kfac-jax's registration weight; kd's loss times it)."""
 
 
 # The MLP from λ₀ = 3e-4 takes every branch of the Levenberg-Marquardt rule
@@ -676,7 +681,8 @@ class AdaptiveRun(collections.namedtuple(
 # `use_exact_inverses` caches eigenbases likewise) cross a refresh. The `fixed`
 # runs adapt the damping alone (kfac-jax's `use_adaptive_damping` by itself);
 # the `reject` ones reject steps (`use_step_rejection`): two of the MLP's first
-# 3 steps from λ₀ = 3e-4, the CNN's 5th at η = 0.3.
+# 3 steps from λ₀ = 3e-4, the CNN's 5th at η = 0.3. The `weight` run registers
+# kfac-jax's loss with a weight, ported as kd's loss times it.
 ADAPTIVE_CADENCE = 10
 FIXED = {"mlp": (LR["mlp"], MOMENTUM), "cnn": (LR["cnn"], MOMENTUM)}
 ADAPTIVE_RUNS = (
@@ -690,7 +696,8 @@ ADAPTIVE_RUNS = (
     AdaptiveRun("cnn", DAMPING["cnn"], 1, ADAPTIVE_STEPS, FIXED["cnn"]),
     AdaptiveRun("mlp", DAMPING["mlp"], ADAPTIVE_CADENCE, 12, FIXED["mlp"]),
     AdaptiveRun("mlp", 3e-4, 1, 8, reject=2.0),
-    AdaptiveRun("cnn", DAMPING["cnn"], 1, 8, (0.3, MOMENTUM), reject=2.0))
+    AdaptiveRun("cnn", DAMPING["cnn"], 1, 8, (0.3, MOMENTUM), reject=2.0),
+    AdaptiveRun("mlp", DAMPING["mlp"], 1, ADAPTIVE_STEPS, weight=0.25))
 # kfac-jax settings tried against the mapping (the MLP, its timing λ):
 # (name, kfac-jax initial_damping / kd's λ, precon_damping_mult, weight decay:
 # kd's weight_decay = kfac-jax's l2_reg, its loss + (w/2)|θ|²).
@@ -723,8 +730,8 @@ class KdAdaptive:
   adapted."""
 
   def __init__(self, model, params, batch0, damping, weight_decay=0.0, inverse_every=1,
-               fixed=None, reject=None):
-    grad_fn = kd.value_and_grad(kd_loss_fn(model))
+               fixed=None, reject=None, weight=1.0):
+    grad_fn = kd.value_and_grad(kd_loss_fn(model, weight))
     lr, momentum = fixed or (None, None)
     rejection = {} if reject is None else dict(reject_steps=True,
                                                reject_damping_increase_factor=reject)
@@ -758,8 +765,8 @@ class KjAdaptive:
   (`always_use_exact_qmodel_for_damping_adjustment`, as kd's)."""
 
   def __init__(self, model, params, batch0, damping, precon_damping_mult,
-               l2_reg=0.0, inverse_every=1, fixed=None, reject=None):
-    loss_fn = kj_loss_fn(model)
+               l2_reg=0.0, inverse_every=1, fixed=None, reject=None, weight=1.0):
+    loss_fn = kj_loss_fn(model, weight)
     rejection = {} if reject is None else dict(use_step_rejection=True,
                                                reject_damping_increase_factor=reject)
     coefficients = dict(use_adaptive_learning_rate=True, use_adaptive_momentum=True)
@@ -803,15 +810,17 @@ def _rel(a, b):
 
 def adaptive_run(model, damping, batches, kj_damping_scale=1.0,
                  precon_damping_mult=1.0 / BATCH, weight_decay=0.0, log=True,
-                 inverse_every=1, fixed=None, reject=None):
+                 inverse_every=1, fixed=None, reject=None, weight=1.0):
   """Both adaptive optimizers from the same float64 init over `batches`: Δθ
   and both sides' (η, μ, λ, ρ) after every step (`fixed = (η, μ)`: the
-  damping alone adapted; `reject`: step rejection with that damping factor)."""
+  damping alone adapted; `reject`: step rejection with that damping factor;
+  `weight`: the loss's, see `AdaptiveRun`)."""
   params0 = _f64(init_params(model, jax.random.PRNGKey(0)))
   kd_opt = KdAdaptive(model, params0, batches[0], damping, weight_decay, inverse_every,
-                      fixed, reject)
+                      fixed, reject, weight)
   kj_opt = KjAdaptive(model, params0, batches[0], damping * kj_damping_scale,
-                      precon_damping_mult, weight_decay, inverse_every, fixed, reject)
+                      precon_damping_mult, weight_decay, inverse_every, fixed, reject,
+                      weight)
   p_kd, p_kj = _copy(params0), _copy(params0)
   steps = []
   for i, (x, y) in enumerate(batches):
@@ -829,7 +838,7 @@ def adaptive_run(model, damping, batches, kj_damping_scale=1.0,
       damping=max(_rel(s["kd"]["damping"], s["kj"]["damping"]) for s in steps),
       rho=max(_rel(s["kd"]["rho"], s["kj"]["rho"]) for s in steps))
   return dict(model=model, damping=damping, inverse_every=inverse_every, fixed=fixed,
-              reject=reject, steps=steps, scalars_max_diff=worst)
+              reject=reject, weight=weight, steps=steps, scalars_max_diff=worst)
 
 
 def nonadaptive_run(model, cadence, batches):
@@ -860,7 +869,7 @@ def equality_child(out_json: str, models: str, cadences: str) -> None:
                      for c in cadences.split(",") if c] for m in models}
   adaptive = [adaptive_run(run.model, run.damping, batches[:run.steps],
                            inverse_every=run.inverse_every, fixed=run.fixed,
-                           reject=run.reject)
+                           reject=run.reject, weight=run.weight)
               for run in ADAPTIVE_RUNS if run.model in models]
   mappings = []
   if "mlp" in models:
@@ -924,10 +933,13 @@ def equality_checks(eq) -> list[dict]:
 
 def _run_note(run) -> str:
   """', damping alone: η 0.05, μ 0.9 fixed' for a run with fixed coefficients,
-  ', steps rejected (λ × 2): 2' for one with step rejection."""
+  ', loss weight 0.25 (...)' for a weighted loss, ', steps rejected (λ × 2): 2'
+  for one with step rejection."""
   note = ""
   if run.get("fixed"):
     note += f", damping alone: η {run['fixed'][0]:g}, μ {run['fixed'][1]:g} fixed"
+  if run.get("weight", 1.0) != 1.0:
+    note += f", loss weight {run['weight']:g} (kd: the loss times it)"
   if run.get("reject"):
     note += (f", steps rejected (λ × {run['reject']:g}): kd "
              f"{run['steps'][-1]['kd']['rejected']}, kfac-jax "

@@ -55,13 +55,13 @@ def _batch(i):
 GRAD_FN = kd.value_and_grad(loss_fn)
 
 
-def _tx(**options):
-  layers = GRAD_FN.discover(_params(), *_batch(0))
+def _tx(grad_fn=GRAD_FN, **options):
+  layers = grad_fn.discover(_params(), *_batch(0))
   # Decompositions every step: the brute force decomposes the current factors.
   options = dict(dict(damping=LAMBDA, weight_decay=WD, factor_dtype=jnp.float64,
                       inverse_update_every=1), **options)
   return kd.kfac(options.pop("learning_rate", None), options.pop("momentum", None),
-                 layers=layers, grad_fn=GRAD_FN, **options)
+                 layers=layers, grad_fn=grad_fn, **options)
 
 
 def _flat(tree):
@@ -110,15 +110,30 @@ def test_first_two_updates_solve_the_quadratic_model(momentum, options):
   update, both against the dense solve (≤ 1e-10). With the momentum fixed at
   0 (one tangent pass), α alone on every step. The model takes any K-FAC
   direction Δ: π-damped inverses and EK-FAC's as well."""
-  tx, params = _tx(momentum=momentum, **options), _params()
-  state, statistics, update = helpers.jitted_start(tx, GRAD_FN, params)
+  _check_first_two_updates(GRAD_FN, 1.0, momentum, options)
+
+
+def test_a_multiple_of_the_registered_loss_scales_the_model():
+  """A loss function returning `a · L` (kfac-jax's loss weight `a`, ported):
+  the model's curvature is `a·C`, the Gauss-Newton matrix of what the
+  optimiser minimises, not the registered loss's `C`."""
+  weight = 2.5
+  grad_fn = kd.value_and_grad(lambda p, x, y: weight * loss_fn(p, x, y))
+  _check_first_two_updates(grad_fn, weight, None, {})
+
+
+def _check_first_two_updates(grad_fn, weight: float, momentum, options: dict) -> None:
+  """The first two updates of `grad_fn`'s loss, `weight` times `loss_fn`'s,
+  against the dense solve of the model with `weight · C`."""
+  tx, params = _tx(grad_fn, momentum=momentum, **options), _params()
+  state, statistics, update = helpers.jitted_start(tx, grad_fn, params)
   velocity = None
   for step in range(2):
     x, y = _batch(step)
     _, grads, stats = statistics(params, x, y, opt_state=state)
     inner = _adaptive_state(state)
     g, delta = _kfac_direction(params, inner, grads, stats, **options)
-    c = _dense_ggn(params, x, y) + (WD + LAMBDA) * np.eye(g.size)
+    c = weight * _dense_ggn(params, x, y) + (WD + LAMBDA) * np.eye(g.size)
     if velocity is None or momentum == 0.0:
       alpha = -(g @ delta) / (delta @ c @ delta)
       want = alpha * delta

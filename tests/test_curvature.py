@@ -385,3 +385,35 @@ def test_sharded_step_with_aux_and_an_extra_term():
   assert gram.shape == (3, 3)
   assert_close(gram[1:, 1:], expected)
   assert_close(loss_value, penalised(params, *batch)[0])
+
+
+@pytest.mark.parametrize("where", ["one_device", "micro_batches", "sharded"])
+def test_gram_is_that_of_the_loss_the_function_returns(where):
+  """`a · L + R(θ)` (a loss weight `a`, a penalty): `a` times the registered
+  loss's matrix, on one device, over micro-batches and as the global batch's on
+  8 devices (masked: shares weigh each device's loss)."""
+  loss_fn, params, batch, vectors, expected = problem("mlp_tags", "softmax_masked")
+  weight = 2.5
+
+  def weighted(p: dict, *batch: jax.Array) -> jax.Array:
+    return weight * loss_fn(p, *batch) + 1e-2 * jnp.sum(p["h"]["kernel"] ** 2)
+
+  grad_fn = kd.value_and_grad(weighted)
+  if where == "sharded":
+    gram = jax.jit(jax.shard_map(
+        grad_fn.gauss_newton_gram, mesh=helpers.data_mesh(8),
+        in_specs=(P(), P()) + (P("data"),) * len(batch), out_specs=P()))(
+            params, vectors, *batch)
+  else:
+    gram = jax.jit(functools.partial(grad_fn.gauss_newton_gram, micro_batches=(
+        4 if where == "micro_batches" else 1)))(params, vectors, *batch)
+  assert_close(gram, weight * expected)
+
+
+def test_gram_of_a_function_of_the_registered_loss():
+  """`log L`: its Gauss-Newton matrix `(1/L) C` (the outer function's
+  derivative at the loss times the registered loss's matrix)."""
+  loss_fn, params, batch, vectors, expected = problem("mlp_tags", "squared_error")
+  grad_fn = kd.value_and_grad(lambda p, *batch: jnp.log(loss_fn(p, *batch)))
+  gram = jax.jit(grad_fn.gauss_newton_gram)(params, vectors, *batch)
+  assert_close(gram, expected / helpers.f64(loss_fn(params, *batch)))

@@ -65,6 +65,10 @@ class Trace:
   applied_weight: Any = None
   # discover, capture: the row masks entered (`tags.row_mask`), innermost last.
   row_masks: list = dataclasses.field(default_factory=list)
+  # curvature: a zero scalar the registered loss adds to its value, so that the
+  # derivative of the loss function's value in it is the registered loss's
+  # coefficient there (`curvature`); None: none.
+  loss_offset: Any = None
 
   def forget_values(self) -> None:
     """Drops what holds tracers (the registered losses, the probes, the
@@ -168,12 +172,13 @@ def weighted(value: Any, n: Any, registered: bool = False) -> Any:
 
 
 def run_plain(fun: Callable, params, args: tuple, kwargs: dict,
-              loss_weight: Callable[[Any, int], Any] | None = None
-              ) -> tuple[Any, Trace]:
+              loss_weight: Callable[[Any, int], Any] | None = None,
+              loss_offset: Any = None) -> tuple[Any, Trace]:
   """`fun(params, *args, **kwargs)` in a curvature trace (the tags plain
-  layers) whose masked means are weighted by `loss_weight`, and the trace."""
+  layers) whose masked means are weighted by `loss_weight`, the registered
+  loss's value plus `loss_offset` (a zero scalar; None: none), and the trace."""
   trace = Trace(mode=CURVATURE, leaf_paths={}, loss_weight=loss_weight,
-                top=_compat.current_trace())
+                top=_compat.current_trace(), loss_offset=loss_offset)
   with active(trace):
     out = fun(params, *args, **kwargs)
   one_loss(trace)

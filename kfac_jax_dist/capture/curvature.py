@@ -3,17 +3,19 @@
 For a loss function whose registered loss (`kd.losses`) receives `z(θ)`
 (logits / predictions, one row per example x) and averages its per-example
 values over `n` examples (the mask's sum, as the loss's own mean does), the
-Gauss-Newton matrix of the mean loss is
+Gauss-Newton matrix of the loss the function returns is
 
-    C = (1/n) Σ_x w_x J_xᵀ H_x J_x,
+    C = (c/n) Σ_x w_x J_xᵀ H_x J_x,
 
 `J_x = ∂z_x/∂θ`, `w_x` the example's mask weight (1 without a mask), and `H_x`
 the Hessian of the per-example loss in `z_x` (see `losses`): softmax
 cross-entropy `diag(p) − p pᵀ` (the Fisher), sigmoid cross-entropy
-`diag(p(1 − p))`, squared error `I`. It is the exact curvature of the loss
-(whatever `fisher=` the capture uses for its statistics) and positive
-semi-definite. `gram_matrix` returns `G[i, j] = v_iᵀ C v_j` for a few
-parameter-shaped vectors `v_i`:
+`diag(p(1 − p))`, squared error `I`, and `c` the derivative of the returned
+value in the registered loss (1 where the function returns it plus terms of
+the parameters, `a` for `a · loss`: kfac-jax's loss weight). It is the exact
+curvature of the loss (whatever `fisher=` the capture uses for its
+statistics), positive semi-definite for `c ≥ 0`. `gram_matrix` returns
+`G[i, j] = v_iᵀ C v_j` for a few parameter-shaped vectors `v_i`:
 
 * one forward linearisation: `jax.linearize` of `θ → z` (the loss function run
   in a *curvature* trace, where the registered loss records its input and the
@@ -22,10 +24,12 @@ parameter-shaped vectors `v_i`:
   `u_i = J v_i` (one tangent pass per vector, sharing the primal: k separate
   `jax.jvp` calls would each recompute it unless XLA merged them);
 * the quadratic forms `u_iᵀ H u_j` per example in closed form (no dense `H`,
-  no backward pass), in `promote_types(dtype of z, float32)`.
+  no backward pass), in `promote_types(dtype of z, float32)`;
+* `c` as the tangent of a zero added to the registered loss's value: a `jax.jvp`
+  around the whole, whose tangent only the few operations after the loss carry.
 
 Inside `shard_map` the local batches' sums are added over the mesh axes the
-batch varies over: `G = psum(Σ_x w_x u_iᵀ H u_j) / psum(n)`, the matrix of the
+batch varies over: `G = psum(c Σ_x w_x u_iᵀ H u_j) / psum(n)`, the matrix of the
 global batch, typed invariant over those axes. `mean_loss` returns the global
 batch's loss as `grad_fn` does: each local batch's registered loss weighted
 by its share of the global batch's (`shares`), the plain mean of the losses.
@@ -78,31 +82,42 @@ def _typed_like_params(params, vectors: tuple) -> tuple[Any, tuple]:
 def _local_gram(fun: Callable, has_aux: bool, params, vectors: tuple, args: tuple,
                 kwargs: dict, loss_weight: shares.LossWeight | None = None
                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """`(Σ_x w_x u_iᵀ H_x u_j, loss, n)` over this call's batch, `u_i = J v_i`;
-  the loss is the value `fun` returns (its registered loss weighted by
-  `loss_weight`), from the same forward pass."""
-  hessians = []
+  """`(c Σ_x w_x u_iᵀ H_x u_j, loss, n)` over this call's batch, `u_i = J v_i`
+  and `c` the loss's derivative in its registered loss; the loss is the value
+  `fun` returns (its registered loss weighted by `loss_weight`), from the same
+  forward pass."""
 
-  def inputs_of(p: Any) -> tuple:
-    out, trace = _context.run_plain(fun, p, args, kwargs, loss_weight)
-    registered = _context.one_loss(trace)
-    hessians.append(registered.output_hessian)     # a static function
-    value = out[0] if has_aux else out
-    return registered.inputs, (registered.weights, registered.num_examples, value)
+  def gram_at(offset: jax.Array) -> tuple:
+    """The loss with `offset` added to its registered loss, and the
+    unscaled Gram matrix of that pass."""
+    hessians = []
 
-  z, linear, (weights, n, value) = jax.linearize(inputs_of, params, has_aux=True)
-  output_hessian = hessians[0]
-  dtype = jnp.promote_types(z.dtype, jnp.float32)
-  z = z.astype(dtype)
-  us = [linear(v).astype(dtype) for v in vectors]
-  weights = (jnp.ones(z.shape[:-1], dtype) if weights is None
-             else jnp.broadcast_to(weights, z.shape[:-1]).astype(dtype))
-  k = len(us)
-  entries = {(i, j): jnp.sum(weights * output_hessian(z, us[i], us[j]))
-             for i in range(k) for j in range(i, k)}
-  gram = jnp.stack([jnp.stack([entries[min(i, j), max(i, j)] for j in range(k)])
-                    for i in range(k)])
-  return gram, value, jnp.asarray(n, dtype)
+    def inputs_of(p: Any) -> tuple:
+      out, trace = _context.run_plain(fun, p, args, kwargs, loss_weight, offset)
+      registered = _context.one_loss(trace)
+      hessians.append(registered.output_hessian)     # a static function
+      value = out[0] if has_aux else out
+      return registered.inputs, (registered.weights, registered.num_examples, value)
+
+    z, linear, (weights, n, value) = jax.linearize(inputs_of, params, has_aux=True)
+    dtype = jnp.promote_types(z.dtype, jnp.float32)
+    z = z.astype(dtype)
+    us = [linear(v).astype(dtype) for v in vectors]
+    weights = (jnp.ones(z.shape[:-1], dtype) if weights is None
+               else jnp.broadcast_to(weights, z.shape[:-1]).astype(dtype))
+    entries = {(i, j): jnp.sum(weights * hessians[0](z, us[i], us[j]))
+               for i in range(len(us)) for j in range(i, len(us))}
+    gram = jnp.stack([jnp.stack([entries[min(i, j), max(i, j)] for j in range(len(us))])
+                      for i in range(len(us))])
+    return value, (gram, jnp.asarray(n, dtype))
+
+  # c: the tangent of a zero added to the registered loss, which only the few
+  # operations after the loss carry (1 where `fun` returns the registered loss
+  # plus terms of the parameters; `a` for `a · loss`).
+  zero = jnp.zeros([], jnp.float32)
+  value, coefficient, (gram, n) = jax.jvp(gram_at, (zero,), (jnp.ones_like(zero),),
+                                          has_aux=True)
+  return gram * coefficient.astype(gram.dtype), value, n
 
 
 def gram_matrix(fun: Callable, has_aux: bool, params, vectors: Sequence, args: tuple,

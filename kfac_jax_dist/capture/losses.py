@@ -137,6 +137,8 @@ def _register(name: str, loss_of_targets, targets, sample, mask, inputs,
   if mask is not None:     # n differs between devices or slices: weighed as a share
     value = _context.weighted(value, n, registered=True)
   trace = _context.current()
+  if trace is not None and trace.loss_offset is not None:
+    value = value + jnp.asarray(trace.loss_offset, value.dtype)
   if trace is not None and trace.mode == _context.DISCOVER and (
       _compat.inside_another_trace(trace.top)):
     raise ValueError(

@@ -330,15 +330,17 @@ class ValueAndGrad:
                         loss_scale=None, **kwargs) -> Any:
     """`[k, k]` matrix `G[i, j] = v_iᵀ C v_j` for the `k` parameter-shaped
     pytrees in `vectors` (a tuple), C the exact Gauss-Newton matrix of the
-    mean registered loss of `fun(params, *args, **kwargs)`:
+    loss `fun(params, *args, **kwargs)` returns:
 
-        C = (1/n) Σ_x w_x J_xᵀ H_x J_x,
+        C = (c/n) Σ_x w_x J_xᵀ H_x J_x,
 
     `J_x` the Jacobian of example x's row of the registered loss's input
     (logits / predictions) in the parameters, `H_x` the loss's Hessian in that
     row (softmax cross-entropy `diag(p) − p pᵀ`, equal to the Fisher; sigmoid
     cross-entropy `diag(p(1 − p))`; squared error `I`), `w_x` the loss's mask
-    (1 without) and `n = Σ w_x` (the loss's denominator). The same for either
+    (1 without), `n = Σ w_x` (the loss's denominator) and `c` the derivative
+    of the returned loss in the registered loss (1 for the registered loss
+    plus terms of the parameters, `a` for `a · loss`). The same for either
     `fisher=`: the exact curvature, not the capture's statistics; `rng`,
     `opt_state` and `loss_scale` are accepted and ignored.
 
