@@ -130,6 +130,14 @@ def inside_another_trace(top: object) -> bool:
   return now is not top and now is current_trace()
 
 
+def traced_by(value: Any, trace: object) -> bool:
+  """Whether `value` is a tracer of `trace` (a `current_trace()` taken
+  earlier); True where this JAX does not say (a tracer without its trace)."""
+  if not isinstance(value, jax.core.Tracer):
+    return False
+  return getattr(value, "_trace", trace) is trace
+
+
 def _traces_since(top: object) -> tuple[list[tuple[str, Any]], bool]:
   """The traces between the one being built (first) and `top` (a
   `current_trace()` taken earlier, excluded), each as (its type's name, what
@@ -162,8 +170,13 @@ def derivative_since(top: object) -> str | None:
   after `top` (a `current_trace()` taken earlier): `REVERSE` (a linearize
   trace), `FORWARD` (a JVP trace), `CUSTOM` (the function of a custom
   derivative rule, whose own rule replaces its derivative); None for none, or
-  where this JAX does not say."""
-  for kind, purpose in _traces_since(top)[0]:
+  where this JAX does not say. A chain that holds a derivative's trace but
+  starts afresh before reaching `top` is a custom rule's function, which JAX
+  traces apart from the derivative around it (discovery's `jax.vjp`)."""
+  chain, reached = _traces_since(top)
+  if not reached and any(kind in ("LinearizeTrace", "JVPTrace") for kind, _ in chain):
+    return CUSTOM
+  for kind, purpose in chain:
     if kind == "LinearizeTrace":
       return REVERSE
     if kind == "JVPTrace":

@@ -214,13 +214,18 @@ class ValueAndGrad:
       arrays = iter(arrays)
       a, k = jax.tree_util.tree_unflatten(
           treedef, [next(arrays) if d else x for x, d in zip(flat, dynamic)])
-      trace = _new_trace(_context.DISCOVER, p, top=_compat.current_trace())
-      with _context.active(trace):
-        out = self.fun(stacking.prepare(p), *a, **k)
-      _context.one_loss(trace)
-      _check_output(out, self.has_aux)
-      found.append(_Discovered.of(trace))    # what it found, not its tracers
-      return out
+
+      def run(p: Any) -> Any:
+        # Under a derivative in the parameters, as the capture runs the loss:
+        # the values that depend on them are its tracers (`tags.not_a_parameter`).
+        trace = _new_trace(_context.DISCOVER, p, top=_compat.current_trace())
+        with _context.active(trace):
+          out = self.fun(stacking.prepare(p), *a, **k)
+        _context.one_loss(trace)
+        _check_output(out, self.has_aux)
+        found.append(_Discovered.of(trace))    # what it found, not its tracers
+        return out
+      return jax.vjp(run, p)[0]
 
     arrays = [x for x, d in zip(flat, dynamic) if d]
     bound: list[str] = []
@@ -481,7 +486,8 @@ class ValueAndGrad:
       # Stacked linen / NNX layers get their probes through the parameter tree
       # (sliced per block by flax / NNX); the others by name.
       carried = {n: (carriers[n], v) for n, v in probes.items() if n in carriers}
-      trace = _new_trace(_context.CAPTURE, p, compute_stats=compute_stats,
+      trace = _new_trace(_context.CAPTURE, p, top=_compat.current_trace(),
+                         compute_stats=compute_stats,
                          probes={n: v for n, v in probes.items() if n not in carried},
                          carriers={n: carriers[n] for n in carried},
                          loss_weight=loss_weight)
