@@ -165,3 +165,46 @@ def test_plain_tags_on_frozen_kernels_run_untagged_and_cast_ones_still_raise():
 
   with pytest.raises(ValueError, match="not a leaf of the parameters"):
     kd.value_and_grad(cast_loss).discover({"w": w}, s, a)
+
+
+def test_nnx_lora_is_two_dense_layers_over_a_frozen_base():
+  """`nnx.LoRALinear` under capture="flax", only its `LoRAParam`s trained
+  (`nnx.split(model, nnx.LoRAParam, ...)`): `A` (inputs → rank) and `B` (rank →
+  outputs) are two dense layers, named by their leaves, with the factors of
+  `x A` and `(x A) B`; the frozen base kernel runs untagged."""
+  s, a, _, _ = _batch()
+  rank = 2
+
+  class Net(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+      self.l1 = nnx.LoRALinear(D_IN, HIDDEN, lora_rank=rank, rngs=rngs,
+                               param_dtype=jnp.float64)
+      self.head = nnx.Linear(HIDDEN, ACTIONS, rngs=rngs, param_dtype=jnp.float64)
+
+    def __call__(self, x):
+      return self.head(jnp.tanh(self.l1(x)))
+
+  net = Net(nnx.Rngs(0))
+  net.l1.lora.lora_b[...] = jax.random.normal(jax.random.PRNGKey(6), (rank, HIDDEN),
+                                              jnp.float64)
+  graphdef, lora, rest = nnx.split(net, nnx.LoRAParam, ...)
+  grad_fn = kd.value_and_grad(lambda t, f, x, y: kd.losses.softmax_cross_entropy(
+      nnx.merge(graphdef, t, f)(x), y), capture="flax")
+  assert grad_fn.discover(lora, rest, s, a).names() == ("l1/lora/lora_a", "l1/lora/lora_b")
+  _, _, stats = jax.jit(grad_fn)(lora, rest, s, a)
+
+  l1, head = net.l1, net.head
+  def loss_of(extra: tuple) -> tuple:
+    hidden = s @ l1.lora.lora_a[...] + extra[0]
+    low_rank = hidden @ l1.lora.lora_b[...] + extra[1]
+    out = head(jnp.tanh(s @ l1.kernel[...] + l1.bias[...] + low_rank))
+    return jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(out), a[:, None], 1)), hidden
+
+  zeros = (jnp.zeros((B, rank)), jnp.zeros((B, HIDDEN)))
+  hidden = np.asarray(loss_of(zeros)[1])
+  grads = [np.asarray(g) for g in jax.grad(lambda e: loss_of(e)[0])(zeros)]
+  for name, x, g in (("l1/lora/lora_a", np.asarray(s), grads[0]),
+                     ("l1/lora/lora_b", hidden, grads[1])):
+    np.testing.assert_allclose(stats[name]["A"], x.T @ x / B, rtol=1e-12, err_msg=name)
+    np.testing.assert_allclose(stats[name]["G"], B * g.T @ g, rtol=1e-12,
+                               atol=1e-14 * np.abs(B * g.T @ g).max(), err_msg=name)

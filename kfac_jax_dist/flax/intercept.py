@@ -121,6 +121,8 @@ def _nnx_handlers() -> dict[type, Handler]:
           nnx.ConvTranspose: lambda module, fallback, inputs: nnx_layers.conv_transpose(
               module, inputs, fallback),
           nnx.LinearGeneral: projection(nnx_layers.linear_general),
+          nnx.LoRA: lambda module, fallback, x, **kwargs: nnx_layers.lora(
+              module, x, kwargs, fallback),
           nnx.Einsum: lambda module, fallback, inputs, einsum_str=None, out_sharding=None: (
               nnx_layers.einsum(module, inputs, einsum_str, out_sharding, fallback)),
           nnx.Embed: projection(nnx_layers.embed),

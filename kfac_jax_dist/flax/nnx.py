@@ -180,6 +180,32 @@ def linear_general(module: nnx.LinearGeneral, inputs, out_sharding, fallback: Fa
                             example_dims=_example_dims(module), _site=site)
 
 
+def _leaf_name(kernel, site: stacking.Site | None) -> str | None:
+  """The kernel's own leaf path as its layer's name (two kernels of one
+  module would share the module's path), None outside a capture."""
+  trace = _context.tagging()
+  if trace is None:
+    return None
+  return site.kernel_path if site is not None else trace.path_of(kernel)
+
+
+def lora(module: nnx.LoRA, inputs, kwargs: dict, fallback: Fallback):
+  """`nnx.LoRA.__call__`, `x A B` (plus its base module's output), as two
+  tagged dense layers without bias, `A` (inputs → rank) and `B` (rank →
+  outputs), each named by its leaf (`…/lora_a`, `…/lora_b`)."""
+  if _flax_common.custom_promote(module, nnx_dtypes.promote_dtype):
+    return _untagged("LoRA", "a custom promote_dtype", module, "lora_a", fallback)
+  a, _, site_a = stacking.nnx_site(module.lora_a, None)
+  b, _, site_b = stacking.nnx_site(module.lora_b, None)
+  dtype = jnp.result_type(inputs, a, b) if module.dtype is None else module.dtype
+  inputs = jnp.asarray(inputs, dtype)
+  hidden = tags.dense(inputs, a, dtype=dtype, name=_leaf_name(a, site_a), _site=site_a)
+  out = tags.dense(hidden, b, dtype=dtype, name=_leaf_name(b, site_b), _site=site_b)
+  if module.base_module is not None:
+    out = out + module.base_module(inputs, **kwargs)
+  return out
+
+
 def einsum(module: nnx.Einsum, inputs, einsum_str, out_sharding, fallback: Fallback):
   """`nnx.Einsum.__call__`, tagged with `kd.tags.dense_general` where its
   equation is a Dense layer's (as `kd.linen.Einsum`) and its bias, if any,
