@@ -64,8 +64,8 @@ def _kfac(**options):
   return kd.kfac(0.1, layers=LAYERS, **options)
 
 
-def _step(tx, params, state, batch):
-  _, grads, stats = GRAD_FN(params, *batch, opt_state=state)
+def _step(tx, params, state, batch, grad_fn=GRAD_FN):
+  _, grads, stats = grad_fn(params, *batch, opt_state=state)
   updates, state = tx.update(grads, state, params, kfac_stats=stats)
   return optax.apply_updates(params, updates), state
 
@@ -74,14 +74,15 @@ def _skipped(state):
   return [int(s.skipped) for s in states_lib.find_states(state)]
 
 
-def _assert_skipped_unchanged(tx, batch, params=None, state=None, steps_before=1):
+def _assert_skipped_unchanged(tx, batch, params=None, state=None, steps_before=1,
+                              grad_fn=GRAD_FN):
   """One good step, then `batch`: skipped, parameters and state unchanged but
   the counter."""
   params = _params() if params is None else params
   state = tx.init(params) if state is None else state
   for i in range(steps_before):
-    params, state = _step(tx, params, state, _batch(i))
-  new_params, new_state = _step(tx, params, state, batch)
+    params, state = _step(tx, params, state, _batch(i), grad_fn)
+  new_params, new_state = _step(tx, params, state, batch, grad_fn)
   assert _skipped(new_state) == [s + 1 for s in _skipped(state)]
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(new_params)):
     np.testing.assert_array_equal(a, b)
@@ -516,6 +517,27 @@ def test_out_of_range_labels_skip_the_step():
   assert np.isnan(float(loss))
   _assert_skipped_unchanged(_kfac(), (x, bad))
   _assert_skipped_unchanged(_kfac(), (x, -jnp.ones((BATCH,), jnp.int32)))
+
+
+def test_negative_or_nan_mask_weights_skip_the_step():
+  """A mask is the examples' weights: a negative one (an advantage-weighted
+  policy-gradient loss written as a mask) would make the curvature negative
+  definite, a NaN one the loss; both poison the loss, and the step is skipped
+  with the state unchanged."""
+  logits = jnp.zeros((4, 3))
+  labels = jnp.array([0, 1, 2, 1])
+  for weights in ([1.0, -0.5, 1.0, 1.0], [1.0, jnp.nan, 1.0, 0.0]):
+    assert np.isnan(float(kd.losses.softmax_cross_entropy(logits, labels,
+                                                          mask=jnp.array(weights))))
+  assert np.isfinite(float(kd.losses.softmax_cross_entropy(
+      logits, labels, mask=jnp.array([1.0, 0.0, 0.5, 2.0]))))
+  def weighted_loss(params, x, y, weights=None):
+    h = jnp.tanh(kd.tags.dense(x, params["l0"]["kernel"], params["l0"]["bias"], name="l0"))
+    return kd.losses.softmax_cross_entropy(kd.tags.dense(h, params["out"]["kernel"],
+                                                         name="out"), y, mask=weights)
+  x, y = _batch(3)
+  signed = jnp.where(jnp.arange(BATCH) % 2 == 0, 1.0, -1.0)
+  _assert_skipped_unchanged(_kfac(), (x, y, signed), grad_fn=kd.value_and_grad(weighted_loss))
 
 
 def test_masked_out_of_range_labels_are_fine():

@@ -132,6 +132,9 @@ def _register(name: str, loss_of_targets, targets, sample, mask, inputs,
   value, n = _mean(per_example, mask)
   weights = _curvature_weights(mask, None if hessian_scale is None else hessian_scale(kept),
                                per_example.shape, per_example.dtype)
+  if mask is not None:      # weights: a negative (signed advantages) or NaN one poisons
+    negative = ~(jnp.broadcast_to(jnp.asarray(mask), per_example.shape) >= 0)
+    invalid = negative if invalid is None else invalid | negative
   if invalid is not None:
     value = _poisoned(value, invalid, mask)
   if mask is not None:     # n differs between devices or slices: weighed as a share
