@@ -166,9 +166,10 @@ def _discover(trace, kind, name, kernel, bias, site, **record) -> None:
       return
     raise ValueError(
         f"Tagged layer '{name}' ran twice in one loss evaluation as different "
-        f"layers ({previous.kind} with kernel {previous.kernel_shape}, then {kind} "
-        f"with kernel {layer.kernel_shape}): a shared layer must be applied the same "
-        "way each time; give each application its own parameters and name.")
+        f"layers ({previous.kind} with kernel '{previous.kernel_path}' "
+        f"{previous.kernel_shape}, then {kind} with kernel '{layer.kernel_path}' "
+        f"{layer.kernel_shape}): a shared layer must be applied the same way each "
+        "time; give each application its own parameters and name.")
   trace.seen.add(name)
   if site is not None and site.carrier is not None and stack:
     trace.carriers[name] = site.carrier
