@@ -929,3 +929,21 @@ def test_monte_carlo_targets_are_drawn_per_data_shard():
                                          out_specs=P("data")))(*tiled))
     differ = [not np.array_equal(g[0], g[d]) for d in range(1, 8)]
     assert all(differ) if distinct else not any(differ), differ
+
+
+@pytest.mark.parametrize("factor_every", [10, optax.constant_schedule(10)],
+                         ids=["number", "schedule"])
+def test_distributed_init_makes_no_host_transfers(factor_every):
+  """Under `jax.transfer_guard("disallow")` (set by users who hunt per-step
+  transfers), the abstract and the sharded init of a chunked K-FAC state run:
+  the cadence that chooses its storage made a device array from the host."""
+  mesh = helpers.data_mesh(8)
+  loss_fn, params, x, y = helpers.funnel_problem()
+  grad_fn = kd.value_and_grad(loss_fn)
+  tx = kd.kfac(0.1, layers=grad_fn.discover(params, x, y), factor_update_every=factor_every,
+               inverse_update_every=100,
+               distribution=kd.Distribution(mesh, grad_worker_fraction=1 / 8))
+  params = jax.device_put(params, jax.sharding.NamedSharding(mesh, P()))
+  with jax.transfer_guard("disallow"):
+    jax.eval_shape(tx.init, params)
+    kd.init_sharded(tx.init, params, mesh)

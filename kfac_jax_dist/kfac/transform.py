@@ -106,9 +106,12 @@ def _check_captured(layers: registry.LayerRegistry, skipped: Sequence[str]) -> N
 
 def _initial_cadence(config: KfacConfig, name: str) -> int:
   """The cadence `name` at count 0 (a schedule evaluated then, also while
-  tracing), which chooses the storage; an injected (traced) number raises."""
-  with jax.ensure_compile_time_eval():
-    value = cadence.value_at(getattr(config, name), jnp.zeros([], jnp.int32))
+  tracing), which chooses the storage; an injected (traced) number raises.
+  A number makes no array (no transfer, under `jax.transfer_guard` too)."""
+  value = getattr(config, name)
+  if callable(value):
+    with jax.ensure_compile_time_eval(), jax.transfer_guard("allow"):
+      value = value(jnp.zeros([], jnp.int32))
   return int(settings.static(name, value))
 
 
