@@ -65,6 +65,10 @@ class Trace:
   applied_weight: Any = None
   # discover, capture: the row masks entered (`tags.row_mask`), innermost last.
   row_masks: list = dataclasses.field(default_factory=list)
+  # discover, capture: whether the loss runs under a derivative in the
+  # parameters, whose tracers are then the values that depend on them
+  # (`independent_of_parameters`).
+  differentiated: bool = False
   # curvature: a zero scalar the registered loss adds to its value, so that the
   # derivative of the loss function's value in it is the registered loss's
   # coefficient there (`curvature`); None: none.
@@ -96,6 +100,29 @@ class Trace:
     finally:
       for key in added:
         self.leaf_paths.pop(key, None)
+
+
+class DependenceUnknown(Exception):
+  """A discovery run under no derivative met a kernel at the loss's top level
+  that is no parameter leaf: only a run under one tells whether it depends
+  on the parameters (`kd.value_and_grad` discovers once more that way)."""
+
+
+def independent_of_parameters(trace: Trace, kernel: Any) -> bool:
+  """Whether a layer at the loss's top level (in no transform of its own)
+  uses a kernel that does not depend on the parameters: a value made outside
+  the loss (a constant, or a tracer of a transformation around it), or, under
+  a derivative in the parameters (`Trace.differentiated`), any value that is
+  no tracer of it (another argument of the loss, a `stop_gradient`). Such a
+  layer (a frozen backbone, a target network) has no gradient of its own and
+  runs untagged."""
+  if trace.path_of(kernel) is not None or _compat.current_trace() is not trace.top:
+    return False
+  if not _compat.traced_by(kernel, trace.top):
+    return True
+  if not trace.differentiated:
+    raise DependenceUnknown
+  return False
 
 
 def current() -> Trace | None:

@@ -59,7 +59,6 @@ from typing import Any
 import jax
 from flax import nnx
 
-from kfac_jax_dist import _compat
 from kfac_jax_dist.capture import context as _context
 from kfac_jax_dist.capture import registry
 
@@ -176,12 +175,11 @@ def linen_site(module, kernel, bias, kernel_name: str, bias_name: str | None):
   """The Site of a `kd.linen` layer whose kernel is not a leaf of the loss's
   parameters (inside a lifted transform, or cast), or None: also for one at
   the loss's top level whose kernel does not depend on the parameters (a
-  frozen or another model's layer: `tags.not_a_parameter`), whatever leaf its
-  module path ends like."""
+  frozen or another model's layer: `context.independent_of_parameters`),
+  whatever leaf its module path ends like."""
   trace = _context.tagging()
-  if (trace is None or trace.path_of(kernel) is not None or (
-      _compat.current_trace() is trace.top
-      and not _compat.traced_by(kernel, trace.top))):
+  if (trace is None or trace.path_of(kernel) is not None
+      or _context.independent_of_parameters(trace, kernel)):
     return None
   scope = tuple(str(p) for p in module.scope.path)
   what = "/".join(scope) or type(module).__name__

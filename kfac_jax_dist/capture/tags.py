@@ -96,17 +96,6 @@ def _not_a_leaf_hint(trace: _context.Trace) -> str:
           "follows its parameters into such derivatives.")
 
 
-def not_a_parameter(trace: _context.Trace, kernel) -> bool:
-  """Whether a layer at the loss's top level (in no transform of its own)
-  uses a kernel that does not depend on the parameters: discovery and capture
-  run the loss under a derivative in them, whose tracers are exactly the
-  values that do. Such a kernel is another argument of the loss or closed
-  over (a frozen backbone, a target network), or under `stop_gradient`: the
-  layer has no gradient of its own and runs untagged."""
-  return (trace.path_of(kernel) is None and _compat.current_trace() is trace.top
-          and not _compat.traced_by(kernel, trace.top))
-
-
 def _layer_name(trace: _context.Trace, name: str | None, kernel,
                 site: stacking.Site | None) -> str:
   if name is not None:
@@ -333,7 +322,8 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=
   """
   trace = _context.tagging()
   params = (kernel,) if bias is None else (kernel, bias)
-  if trace is None or (site is None and not_a_parameter(trace, kernel)):
+  if trace is None or (
+      site is None and _context.independent_of_parameters(trace, kernel)):
     return apply(x, *params)
   name = _layer_name(trace, name, kernel, site)
   mask = _row_mask_of(trace, name, kind, apply, x, params, out_dims, example_dims)

@@ -210,35 +210,30 @@ class ValueAndGrad:
     flat, treedef = jax.tree_util.tree_flatten((args, kwargs))
     dynamic = [hasattr(x, "shape") and hasattr(x, "dtype") for x in flat]
 
-    def traced(p: Any, arrays: list) -> Any:
+    def traced(p: Any, arrays: list, differentiated: bool) -> Any:
       arrays = iter(arrays)
       a, k = jax.tree_util.tree_unflatten(
           treedef, [next(arrays) if d else x for x, d in zip(flat, dynamic)])
 
       def run(p: Any) -> Any:
-        # Under a derivative in the parameters, as the capture runs the loss:
-        # the values that depend on them are its tracers (`tags.not_a_parameter`).
-        trace = _new_trace(_context.DISCOVER, p, top=_compat.current_trace())
+        trace = _new_trace(_context.DISCOVER, p, top=_compat.current_trace(),
+                           differentiated=differentiated)
         with _context.active(trace):
           out = self.fun(stacking.prepare(p), *a, **k)
         _context.one_loss(trace)
         _check_output(out, self.has_aux)
         found.append(_Discovered.of(trace))    # what it found, not its tracers
         return out
-      return jax.vjp(run, p)[0]
+      return jax.vjp(run, p)[0] if differentiated else run(p)
 
     arrays = [x for x, d in zip(flat, dynamic) if d]
-    bound: list[str] = []
-    while True:
-      try:
-        jax.eval_shape(_binding_axes(traced, bound), params, arrays)
-        break
-      except NameError as error:       # a collective over a mesh axis (e.g. synced BN)
-        name = _unbound_axis(error)
-        if name is None or name in bound:
-          raise
-        bound.append(name)
-        found.clear()
+    try:
+      _eval_binding_axes(functools.partial(traced, differentiated=False), params, arrays)
+    except _context.DependenceUnknown:
+      # Once more under a derivative in the parameters, as the capture runs the
+      # loss: the values that depend on them are its tracers.
+      found.clear()
+      _eval_binding_axes(functools.partial(traced, differentiated=True), params, arrays)
     if not found[0].layers:
       left = "".join(f"; uncaptured: {u.where} ({u.kind}: {u.reason})"
                      for u in found[0].layers.uncaptured)
@@ -487,7 +482,7 @@ class ValueAndGrad:
       # (sliced per block by flax / NNX); the others by name.
       carried = {n: (carriers[n], v) for n, v in probes.items() if n in carriers}
       trace = _new_trace(_context.CAPTURE, p, top=_compat.current_trace(),
-                         compute_stats=compute_stats,
+                         differentiated=True, compute_stats=compute_stats,
                          probes={n: v for n, v in probes.items() if n not in carried},
                          carriers={n: carriers[n] for n in carried},
                          loss_weight=loss_weight)
@@ -533,6 +528,21 @@ class ValueAndGrad:
     counted = frozenset(layer.name for layer in discovered.layers if layer.counted)
     stats = _statistics(probe_bar, g_scale, traces[0].scaled, counted)
     return value, grads, stats, n, weight
+
+
+def _eval_binding_axes(fun: Callable, *args: Any) -> None:
+  """`jax.eval_shape(fun, *args)`, binding the mesh axes that its collectives
+  name (e.g. synced BatchNorm's) as they turn up unbound."""
+  bound: list[str] = []
+  while True:
+    try:
+      jax.eval_shape(_binding_axes(fun, bound), *args)
+      return
+    except NameError as error:
+      name = _unbound_axis(error)
+      if name is None or name in bound:
+        raise
+      bound.append(name)
 
 
 def _placed(tree: Any, mesh: Any, spec: jax.sharding.PartitionSpec) -> Any:
