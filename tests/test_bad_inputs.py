@@ -563,6 +563,45 @@ def test_masked_nan_targets_are_fine(loss):
   assert np.all(np.isfinite(np.asarray(grad))) and not np.any(np.asarray(grad)[2])
 
 
+@pytest.mark.parametrize("padded", ["columns", "rows_and_columns"])
+def test_masked_rows_may_hold_infinite_logits(padded):
+  """A padded contrastive batch: padding's similarities set to -inf (its rows'
+  labels then have a -inf logit, or whole rows are -inf). The masked loss, its
+  gradient, the curvature products and the sampled loss are the unpadded
+  batch's: 0 · inf made them NaN (adaptive K-FAC then skipped every step)."""
+  real, padded_size = 4, 6
+  z = jax.random.normal(jax.random.PRNGKey(0), (padded_size, 3))
+  labels, mask = jnp.arange(padded_size), (jnp.arange(padded_size) < real) * 1.0
+
+  def logits_of(p, x):
+    sim = kd.tags.dense(x, p["w"], name="w") @ x.T
+    sim = jnp.where(jnp.arange(padded_size)[None, :] < real, sim, -jnp.inf)
+    if padded == "rows_and_columns":
+      sim = jnp.where(jnp.arange(padded_size)[:, None] < real, sim, -jnp.inf)
+    return sim
+
+  def masked(p, x, y):
+    return kd.losses.softmax_cross_entropy(logits_of(p, x), y, mask=mask)
+
+  def unpadded(p, x, y):
+    return kd.losses.softmax_cross_entropy(logits_of(p, x)[:real, :real], y[:real])
+
+  params = {"w": jnp.eye(3)}
+  vectors = ({"w": jnp.ones((3, 3))},)
+  for fn in (kd.value_and_grad(masked), kd.value_and_grad(masked, fisher="mc")):
+    loss, grads, _ = fn(params, z, labels, rng=jax.random.PRNGKey(1))
+    want_loss, want_grads = jax.value_and_grad(unpadded)(params, z, labels)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    np.testing.assert_allclose(grads["w"], want_grads["w"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(
+        fn.gauss_newton_gram(params, vectors, z, labels),
+        kd.value_and_grad(unpadded).gauss_newton_gram(params, vectors, z, labels),
+        rtol=1e-5)
+  _, _, stats = kd.value_and_grad(masked, fisher="mc")(params, z, labels,
+                                                       rng=jax.random.PRNGKey(1))
+  assert all(np.all(np.isfinite(np.asarray(s))) for s in jax.tree.leaves(stats))
+
+
 def test_targets_outside_their_range_make_the_loss_nan():
   """A sigmoid label outside [0, 1] or a negative entry of a target
   distribution makes the loss unbounded below: NaN (a skipped step), as an

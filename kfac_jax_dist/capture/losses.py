@@ -103,6 +103,17 @@ def _check_mask(name: str, inputs: jax.Array, mask: jax.Array | None) -> None:
                      f"{jnp.shape(inputs)} without the last axis).")
 
 
+def _kept_inputs(name: str, inputs: jax.Array, mask: jax.Array | None) -> jax.Array:
+  """`inputs` with the masked rows' set to 0: padding's logits may be `-inf`
+  (a padded contrastive batch), whose loss `inf` would reach the mean as
+  `0 · inf` and the curvature's products as NaN; their cotangents are 0."""
+  _check_mask(name, inputs, mask)
+  if mask is None:
+    return inputs
+  kept = jnp.broadcast_to(mask, jnp.shape(inputs)[:-1]) != 0
+  return jnp.where(kept[..., None], inputs, jnp.zeros_like(inputs))
+
+
 def _kept_targets(targets: jax.Array, mask: jax.Array | None, inputs: jax.Array
                   ) -> jax.Array:
   """Floating `targets` with the masked positions' set to 0: a NaN target
@@ -172,6 +183,7 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array,
                           mask: jax.Array | None = None) -> jax.Array:
   """Mean of `-log softmax(logits)[label]`; `labels` are integer classes of shape
   `logits.shape[:-1]` or target distributions of shape `logits.shape`."""
+  logits = _kept_inputs("softmax_cross_entropy", logits, mask)
   logits32 = _at_least_f32(logits)
   log_probs = jax.nn.log_softmax(logits32, axis=-1)
   classes = logits.shape[-1]
@@ -206,6 +218,7 @@ def sigmoid_cross_entropy(logits: jax.Array, labels: jax.Array,
   (independent Bernoulli outputs); `labels` in [0, 1], shaped like `logits`."""
   _check_targets("sigmoid_cross_entropy", logits, labels, jnp.shape(logits),
                  f"labels of shape {jnp.shape(logits)}")
+  logits = _kept_inputs("sigmoid_cross_entropy", logits, mask)
   logits32 = _at_least_f32(logits)
   labels = jnp.asarray(labels)
 
@@ -231,6 +244,7 @@ def squared_error(predictions: jax.Array, targets: jax.Array,
   `targets` shaped like `predictions`."""
   _check_targets("squared_error", predictions, targets, jnp.shape(predictions),
                  f"targets of shape {jnp.shape(predictions)}")
+  predictions = _kept_inputs("squared_error", predictions, mask)
   predictions32 = _at_least_f32(predictions)
 
   def loss_of(t: jax.Array) -> jax.Array:
