@@ -224,5 +224,7 @@ def one_loss(trace: Trace) -> RegisteredLoss:
     raise ValueError(f"The loss function registered {len(names)} losses ({names}); "
                      "K-FAC needs exactly one: register the main loss and compute the "
                      "others with plain jnp, leaving layers only they reach out with "
-                     "skip= (docs/concepts.md, 'Terms besides the registered loss').")
+                     "skip=; losses of one kind (a symmetric contrastive loss) are one "
+                     "loss over their rows concatenated (docs/concepts.md, 'Terms "
+                     "besides the registered loss').")
   return trace.losses[0]
