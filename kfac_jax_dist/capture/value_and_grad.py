@@ -234,13 +234,14 @@ class ValueAndGrad:
       # loss: the values that depend on them are its tracers.
       found.clear()
       _eval_binding_axes(functools.partial(traced, differentiated=True), params, arrays)
-    if not found[0].layers:
+    discovered = found[-1]          # (the run that completed)
+    if not discovered.layers:
       left = "".join(f"; uncaptured: {u.where} ({u.kind}: {u.reason})"
-                     for u in found[0].layers.uncaptured)
+                     for u in discovered.layers.uncaptured)
       raise ValueError("The loss function ran no tagged layer (kd.tags / kd.linen / "
                        "kd.nnx, or a supported Flax layer with capture=\"flax\"); K-FAC "
                        f"has nothing to precondition{left}.")
-    return found[0]
+    return discovered
 
   def __call__(self, params, *args, rng=None, opt_state=None, loss_scale=None, **kwargs):
     return _compat.on_auto_axes(
