@@ -300,8 +300,9 @@ def test_steps_in_a_scan_equal_the_jitted_loop(kind, x64):
   assert int(states_lib.find_states(s)[0].count) == 12
   # Shampoo's inverse fourth roots of rank-deficient statistics (ridge 1e-6)
   # amplify the two programs' rounding (2e-16 in the statistics) to 1e-11 of
-  # the roots' scale, which an element-wise tolerance sees on their small entries.
-  helpers.assert_trees_equal(p_scan, p, rtol=1e-10)
+  # the roots' scale, which an element-wise tolerance sees on their small entries
+  # (and the parameters' small entries: 2e-12 on one of 3e-3, parameters ~0.5).
+  helpers.assert_trees_equal(p_scan, p, rtol=1e-9 if kind == "shampoo" else 1e-10)
   helpers.assert_trees_equal(s_scan, s, rtol=1e-6 if kind == "shampoo" else 1e-10)
 
 
