@@ -103,15 +103,21 @@ def _check_mask(name: str, inputs: jax.Array, mask: jax.Array | None) -> None:
                      f"{jnp.shape(inputs)} without the last axis).")
 
 
+def _zeroed_where_masked(rows: jax.Array, mask: jax.Array, examples: tuple) -> jax.Array:
+  """`rows` (`[*examples, k]`) with the rows that `mask` leaves out set to 0."""
+  kept = jnp.broadcast_to(mask, examples) != 0
+  return jnp.where(kept[..., None], rows, jnp.zeros_like(rows))
+
+
 def _kept_inputs(name: str, inputs: jax.Array, mask: jax.Array | None) -> jax.Array:
-  """`inputs` with the masked rows' set to 0: padding's logits may be `-inf`
-  (a padded contrastive batch), whose loss `inf` would reach the mean as
-  `0 · inf` and the curvature's products as NaN; their cotangents are 0."""
+  """`inputs`, the mask checked, with the masked rows' set to 0: padding's
+  logits may be `-inf` (a padded contrastive batch), whose loss `inf` would
+  reach the mean as `0 · inf` and the curvature's products as NaN; their
+  cotangents are 0."""
   _check_mask(name, inputs, mask)
   if mask is None:
     return inputs
-  kept = jnp.broadcast_to(mask, jnp.shape(inputs)[:-1]) != 0
-  return jnp.where(kept[..., None], inputs, jnp.zeros_like(inputs))
+  return _zeroed_where_masked(inputs, mask, jnp.shape(inputs)[:-1])
 
 
 def _kept_targets(targets: jax.Array, mask: jax.Array | None, inputs: jax.Array
@@ -120,8 +126,7 @@ def _kept_targets(targets: jax.Array, mask: jax.Array | None, inputs: jax.Array
   there (padding) would otherwise reach the gradient as `0 · NaN`."""
   if mask is None or not jnp.issubdtype(targets.dtype, jnp.floating):
     return targets
-  kept = jnp.broadcast_to(mask, jnp.shape(inputs)[:-1]) != 0
-  return jnp.where(kept[..., None], targets, jnp.zeros_like(targets))
+  return _zeroed_where_masked(targets, mask, jnp.shape(inputs)[:-1])
 
 
 def _curvature_weights(mask: jax.Array | None, scale: jax.Array | None,
@@ -136,8 +141,8 @@ def _register(name: str, loss_of_targets, targets, sample, mask, inputs,
               output_hessian, invalid: jax.Array | None = None,
               hessian_scale: jax.Array | None = None):
   """Registers the loss (`hessian_scale`: per example, the factor the output
-  Hessian `H(z)` takes with these targets, e.g. a target distribution's sum)."""
-  _check_mask(name, inputs, mask)
+  Hessian `H(z)` takes with these targets, e.g. a target distribution's sum;
+  `inputs` are `_kept_inputs`', the mask checked there)."""
   kept = _kept_targets(jnp.asarray(targets), mask, inputs)
   per_example = loss_of_targets(kept)
   value, n = _mean(per_example, mask)
