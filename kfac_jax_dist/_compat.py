@@ -160,7 +160,7 @@ def vmapped_since(top: object) -> bool:
 
 # What `derivative_since` names: a derivative taken inside the loss.
 REVERSE = "reverse-mode (jax.grad / jax.vjp / jax.linearize)"
-FORWARD = "forward-mode (jax.jvp)"
+FORWARD = "forward-mode (jax.jvp / jax.jacfwd / jax.experimental.jet)"
 CUSTOM = "a custom derivative rule (jax.custom_vjp / jax.custom_jvp / nn.custom_vjp)"
 _CUSTOM_RULES = frozenset({"custom_vjp fun", "custom_jvp fun"})
 
@@ -168,18 +168,19 @@ _CUSTOM_RULES = frozenset({"custom_vjp fun", "custom_jvp fun"})
 def derivative_since(top: object) -> str | None:
   """The innermost derivative the function being traced is under, taken
   after `top` (a `current_trace()` taken earlier): `REVERSE` (a linearize
-  trace), `FORWARD` (a JVP trace), `CUSTOM` (the function of a custom
+  trace), `FORWARD` (a JVP trace, or Taylor mode's jet), `CUSTOM` (the function of a custom
   derivative rule, whose own rule replaces its derivative); None for none, or
   where this JAX does not say. A chain that holds a derivative's trace but
   starts afresh before reaching `top` is a custom rule's function, which JAX
   traces apart from the derivative around it (discovery's `jax.vjp`)."""
   chain, reached = _traces_since(top)
-  if not reached and any(kind in ("LinearizeTrace", "JVPTrace") for kind, _ in chain):
+  if not reached and any(kind in ("LinearizeTrace", "JVPTrace", "JetTrace")
+                         for kind, _ in chain):
     return CUSTOM
   for kind, purpose in chain:
     if kind == "LinearizeTrace":
       return REVERSE
-    if kind == "JVPTrace":
+    if kind in ("JVPTrace", "JetTrace"):         # jax.jvp; jax.experimental.jet
       return FORWARD
     if purpose in _CUSTOM_RULES:
       return CUSTOM

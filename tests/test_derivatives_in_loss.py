@@ -2,7 +2,8 @@
 force field's −∇E, a PINN's residual, a gradient penalty, a custom VJP):
 the capture sees a layer's statistics only through the loss's own backward
 pass, so a layer that runs nowhere else is refused by name, not left with
-identity factors; forward mode is refused at discovery."""
+identity factors; one that also runs outside it is warned of; under forward
+mode the capture runs the layers untagged."""
 
 from __future__ import annotations
 
@@ -93,8 +94,9 @@ def _unpacked(packed, d):
 
 def test_a_layer_also_applied_outside_keeps_the_losss_statistics():
   """An input-gradient penalty reruns the model inside `jax.grad`: the layers
-  also run outside it, are not refused, and their statistics are the
-  cross-entropy's alone (the penalty's pass is not captured)."""
+  also run outside it, are not refused (a warning names them), and their
+  statistics are the cross-entropy's alone (the penalty's pass is not
+  captured)."""
   def logits(p, x):
     h = jnp.tanh(kd.tags.dense(x, p["l0"]["w"], p["l0"]["b"], name="l0"))
     return kd.tags.dense(h, p["out"], name="out")
@@ -110,7 +112,11 @@ def test_a_layer_also_applied_outside_keeps_the_losss_statistics():
   params = dict(_params(), out=jax.random.normal(jax.random.PRNGKey(5), (6, 3), jnp.float64))
   x, y = _batch()[0], jnp.arange(B) % 3
   grad_fn = kd.value_and_grad(penalised)
-  assert all(layer.under_derivative is None for layer in grad_fn.discover(params, x, y))
+  layers = grad_fn.discover(params, x, y)
+  assert {l.name: (l.under_derivative, l.also_under_derivative) for l in layers} == {
+      "l0": (None, _compat.REVERSE), "out": (None, _compat.REVERSE)}
+  with pytest.warns(UserWarning, match=r"\['l0', 'out'\] also run under a derivative"):
+    kd.kfac(0.1, 0.9, layers=layers).init(params)
   _, _, stats = grad_fn(params, x, y)
   _, _, reference = kd.value_and_grad(plain)(params, x, y)
   for a, b in zip(jax.tree.leaves(stats), jax.tree.leaves(reference)):
@@ -154,16 +160,68 @@ def test_a_block_under_a_custom_vjp_is_refused():
   kd.kfac(0.1, 0.9, layers=layers, skip=("inner",)).init(params)
 
 
-def test_forward_mode_in_the_loss_is_refused_at_discovery():
-  """`jax.jvp` of the tagged model (a Jacobian penalty): the capture failed
-  with JAX's "Differentiation rule for 'custom_lin' not implemented"."""
-  def loss(p, x, target):
-    _, tangent = jax.jvp(lambda xx: _energy(p, xx), (x,), (jnp.ones_like(x),))
-    pred = kd.tags.dense(x, p["head"]["w"], p["head"]["b"], name="head")
-    return kd.losses.squared_error(pred, target) + 0.1 * jnp.sum(tangent ** 2)
-  with pytest.raises(ValueError, match="Tagged layer 'l0' runs under a forward-mode "
-                                       "derivative.*jax.vjp, jax.grad"):
-    kd.value_and_grad(loss).discover(_params(), *_batch())
+def _forward_loss(derivative: str, outside: bool):
+  """A penalty on a forward-mode derivative of the tagged energy in `x` (a
+  Jacobian-vector product, or Taylor mode's second-order coefficient, a
+  forward Laplacian's), plus the head; with `outside`, the energy is also a
+  term of the regression (its layers also run outside the derivative)."""
+  from jax.experimental import jet       # pylint: disable=import-outside-toplevel
+
+  def loss(p, x, target, tagged=True):
+    energy = lambda xx: _energy(p, xx, tagged)
+    if derivative == "jvp":
+      _, term = jax.jvp(energy, (x,), (jnp.ones_like(x),))
+    else:
+      term = jet.jet(energy, (x,), ((jnp.ones_like(x), jnp.zeros_like(x)),))[1][1]
+    pred = (kd.tags.dense(x, p["head"]["w"], p["head"]["b"], name="head") if tagged
+            else x @ p["head"]["w"] + p["head"]["b"])
+    if outside:
+      pred = pred + energy(x)[:, None]
+    if not tagged:
+      return 0.5 * jnp.mean(jnp.sum((pred - target) ** 2, -1)) + 0.1 * jnp.sum(term ** 2)
+    return kd.losses.squared_error(pred, target) + 0.1 * jnp.sum(term ** 2)
+  return loss
+
+
+@pytest.mark.parametrize("derivative", ["jvp", "jet"])
+def test_forward_mode_in_the_loss_runs_its_layers_untagged(derivative):
+  """`jax.jvp` or `jax.experimental.jet` of the tagged model inside the loss
+  (a Jacobian penalty, a forward Laplacian): there the capture runs the
+  layers untagged (before: refused at discovery, since JAX cannot
+  differentiate the tags' custom VJPs in forward mode, nor in reverse after
+  it). Layers only under it are refused by name at `tx.init` as under a
+  reverse-mode derivative; skipped, the step's gradients are `jax.grad`'s.
+  Also run outside, they are warned of, and their statistics are the outside
+  pass's: `A` the float64 brute force over `[x, 1]`, the gradients exact."""
+  params, (x, target) = _params(), _batch()
+  grad_fn = kd.value_and_grad(_forward_loss(derivative, outside=False))
+  layers = grad_fn.discover(params, x, target)
+  assert {l.name: l.under_derivative for l in layers} == {
+      "l0": _compat.FORWARD, "l1": _compat.FORWARD, "head": None}
+  with pytest.raises(ValueError, match=r"\['l0', 'l1'\] run only under a derivative.*"
+                                       r"forward-mode"):
+    kd.kfac(0.1, 0.9, layers=layers).init(params)
+  state = kd.kfac(0.1, 0.9, layers=layers, skip=("^l0$", "^l1$")).init(params)
+  _, grads, stats = grad_fn(params, x, target, opt_state=state)
+  want = jax.grad(_forward_loss(derivative, outside=False))(params, x, target, False)
+  for got, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-14)
+  assert set(stats) == {"head"}
+
+  grad_fn = kd.value_and_grad(_forward_loss(derivative, outside=True))
+  layers = grad_fn.discover(params, x, target)
+  assert {l.name: l.also_under_derivative for l in layers} == {
+      "l0": _compat.FORWARD, "l1": _compat.FORWARD, "head": None}
+  with pytest.warns(UserWarning, match=r"\['l0', 'l1'\] also run under a derivative"):
+    kd.kfac(0.1, 0.9, layers=layers).init(params)
+  _, grads, stats = grad_fn(params, x, target)
+  want = jax.grad(_forward_loss(derivative, outside=True))(params, x, target, False)
+  for got, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-14)
+  rows = np.concatenate([np.asarray(x), np.ones((B, 1))], axis=1)
+  a = np.asarray(stats["l0"]["A"])
+  np.testing.assert_allclose(a if a.ndim == 2 else _unpacked(a, D + 1), rows.T @ rows / B,
+                             rtol=1e-12)
 
 
 def test_a_gradient_with_respect_to_the_parameters_names_the_cause():
@@ -176,3 +234,46 @@ def test_a_gradient_with_respect_to_the_parameters_names_the_cause():
   with pytest.raises(ValueError, match="runs under a derivative that the loss function "
                                        "takes itself.*untagged copy"):
     kd.value_and_grad(loss).discover(_params(), *_batch())
+
+
+def test_a_forward_pass_shared_with_a_penalty_is_warned_of_and_rerun_counts():
+  """An R1 penalty sharing the critic's pass on the real rows through
+  `jax.vjp`, the value going to the registered loss: those rows give no
+  statistics (the derivative's trace takes the tags' backward pass), so
+  `tx.init` warns (before: silently, `A` the fake rows' alone, 0.46 off); the
+  remedy the warning gives, a pass outside the derivative for the loss, gives
+  the float64 brute force of `A` over every row."""
+  x_real, x_fake = _batch()[0], _batch()[0][::-1] + 1.0
+
+  def critic(p, x):
+    return _energy(p, x)[:, None]
+
+  def labelled(real, fake):
+    logits = jnp.concatenate([real, fake])
+    return logits, jnp.concatenate([jnp.ones_like(real), jnp.zeros_like(fake)])
+
+  def shared(p, xr, xf):
+    real, vjp = jax.vjp(lambda xx: critic(p, xx), xr)
+    penalty = jnp.mean(jnp.sum(vjp(jnp.ones_like(real))[0] ** 2, axis=-1))
+    return kd.losses.sigmoid_cross_entropy(*labelled(real, critic(p, xf))) + penalty
+
+  def rerun(p, xr, xf):
+    penalty = jnp.mean(jnp.sum(jax.grad(lambda xx: critic(p, xx).sum())(xr) ** 2, axis=-1))
+    return (kd.losses.sigmoid_cross_entropy(*labelled(critic(p, xr), critic(p, xf)))
+            + penalty)
+
+  params = _params()
+  del params["head"]
+  layers = kd.value_and_grad(shared).discover(params, x_real, x_fake)
+  assert {l.name: l.also_under_derivative for l in layers} == {
+      "l0": _compat.REVERSE, "l1": _compat.REVERSE}
+  with pytest.warns(UserWarning, match=r"rows are missing from A and G"):
+    kd.kfac(0.1, 0.9, layers=layers).init(params)
+  _, grads, stats = kd.value_and_grad(rerun)(params, x_real, x_fake)
+  rows = np.concatenate([np.concatenate([x_real, x_fake]), np.ones((2 * B, 1))], axis=1)
+  a = np.asarray(stats["l0"]["A"])
+  np.testing.assert_allclose(a if a.ndim == 2 else _unpacked(a, D + 1),
+                             rows.T @ rows / (2 * B), rtol=1e-12)
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(jax.grad(shared)(
+      params, x_real, x_fake))):
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)

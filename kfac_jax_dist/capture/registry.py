@@ -153,7 +153,11 @@ class TaggedLayer:
   function takes itself (`_compat.derivative_since`: a force field's `-∇E`, a
   PINN's residual, a user's `jax.custom_vjp`), where the capture never sees the
   loss's backward pass through the layer: no statistics (K-FAC refuses such a
-  layer unless skipped).
+  layer unless skipped). `also_under_derivative`: some applications lie under
+  one, the others outside (a PINN's residual and boundary term, a gradient
+  penalty, MAML's inner step, a forward pass shared with a penalty through
+  `jax.vjp`): its statistics are those of the applications outside (K-FAC
+  warns).
   """
 
   name: str
@@ -173,6 +177,7 @@ class TaggedLayer:
   may_sit_out: bool = False
   row_masked: bool = False
   under_derivative: str | None = None
+  also_under_derivative: str | None = None
 
   @property
   def has_bias(self) -> bool:

@@ -134,7 +134,7 @@ def _discover(trace, kind, name, kernel, bias, site, **record) -> None:
       name=name, kind=kind, kernel_path=kernel_path, bias_path=bias_path,
       kernel_shape=kernel_shape, bias_shape=bias_shape, stack=stack,
       may_sit_out=_compat.may_not_run(trace.top),
-      under_derivative=_derivative_over(trace, name), **record)
+      under_derivative=_derivative_over(trace), **record)
   if name in trace.seen or _compat.current_trace() is not trace.top:
     trace.repeats.add(name)
   if name in trace.seen:
@@ -145,13 +145,16 @@ def _discover(trace, kind, name, kernel, bias, site, **record) -> None:
     # It may sit out a pass (or be hidden by derivatives) only if every
     # application may (is).
     at, previous = next((i, l) for i, l in enumerate(trace.layers) if l.name == name)
-    if previous == dataclasses.replace(layer, may_sit_out=previous.may_sit_out,
-                                       row_masked=previous.row_masked,
-                                       under_derivative=previous.under_derivative):
+    if previous == dataclasses.replace(
+        layer, may_sit_out=previous.may_sit_out, row_masked=previous.row_masked,
+        under_derivative=previous.under_derivative,
+        also_under_derivative=previous.also_under_derivative):
+      hidden = layer.under_derivative and previous.under_derivative
       trace.layers[at] = dataclasses.replace(
           previous, may_sit_out=previous.may_sit_out and layer.may_sit_out,
-          row_masked=previous.row_masked or layer.row_masked,
-          under_derivative=layer.under_derivative and previous.under_derivative)
+          row_masked=previous.row_masked or layer.row_masked, under_derivative=hidden,
+          also_under_derivative=previous.also_under_derivative or (
+              None if hidden else layer.under_derivative or previous.under_derivative))
       return
     raise ValueError(
         f"Tagged layer '{name}' ran twice in one loss evaluation as different "
@@ -165,22 +168,12 @@ def _discover(trace, kind, name, kernel, bias, site, **record) -> None:
   trace.layers.append(layer)
 
 
-def _derivative_over(trace: _context.Trace, name: str) -> str | None:
+def _derivative_over(trace: _context.Trace) -> str | None:
   """The derivative the loss function takes itself over this application of
-  layer `name` (`_compat.derivative_since`), None for none. Forward mode
-  raises: JAX cannot differentiate the capture's custom-VJP tags in reverse
-  mode after it."""
-  derivative = _compat.derivative_since(trace.top)
-  if derivative == _compat.FORWARD:
-    raise ValueError(
-        f"Tagged layer '{name}' runs under a forward-mode derivative that the loss "
-        "function takes itself (jax.jvp, jax.jacfwd). "
-        "The capture's tags are custom-VJP functions, which JAX cannot differentiate in "
-        "reverse mode after forward mode (it would fail with \"Differentiation rule for "
-        "'custom_lin' not implemented\"). Take that derivative in reverse mode "
-        "(jax.vjp, jax.grad, jax.jacrev), or compute it with an untagged copy of the "
-        "model.")
-  return derivative
+  a layer (`_compat.derivative_since`), None for none. Under forward mode the
+  capture runs the layer untagged (`_tagged`): JAX cannot differentiate the
+  tags' custom VJPs in forward mode, nor in reverse mode after it."""
+  return None if trace.top is None else _compat.derivative_since(trace.top)
 
 
 def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag,
@@ -334,7 +327,10 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=
     trace.stats_dtypes[name] = factors.statistics_dtype(x, y)
     return y
   probes = _layer_probes(trace, name, site)
-  if probes is None:        # not preconditioned (skipped by the optimizer)
+  if probes is None or _derivative_over(trace) == _compat.FORWARD:
+    # Not preconditioned (skipped by the optimizer), or under a forward-mode
+    # derivative the loss takes itself: that application gives no statistics
+    # (discovery told the optimizer: `TaggedLayer.under_derivative`).
     return apply(x, *params)
   if factors.BASES[0] in probes and examples is None:
     raise ValueError(f"Tagged layer '{name}' ({kind}) has no EK-FAC statistic.")

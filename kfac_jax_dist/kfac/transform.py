@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import warnings
 from typing import Any, Sequence
 
 import jax
@@ -88,7 +89,8 @@ def _check_params(layers: registry.LayerRegistry, leaves: dict[str, Any],
 def _check_captured(layers: registry.LayerRegistry, skipped: Sequence[str]) -> None:
   """No preconditioned layer runs only under a derivative the loss function
   takes itself (`TaggedLayer.under_derivative`): the capture would give it
-  no statistics, and its factors would stay the identity."""
+  no statistics, and its factors would stay the identity. One that also runs
+  outside one (`also_under_derivative`) gets a warning."""
   hidden = [layer for layer in layers
             if layer.under_derivative and layer.name not in skipped]
   if hidden:
@@ -101,7 +103,22 @@ def _check_captured(layers: registry.LayerRegistry, skipped: Sequence[str]) -> N
         "hides from the capture: their factors would never change. Leave them out "
         f"with skip={[f'^{re.escape(n)}$' for n in names]} (they then take the plain "
         "gradient), or precondition such a model with kd.shampoo or kd.soap, which "
-        "read only the gradients.")
+        "read only the gradients. Where the registered loss's own inputs come out of "
+        "that derivative (jax.vjp or jax.value_and_grad of the model, its value "
+        "shared with a gradient penalty), compute them outside it instead (run the "
+        "model once more).")
+  partly = [layer.name for layer in layers
+            if layer.also_under_derivative and layer.name not in skipped]
+  if partly:
+    warnings.warn(
+        f"kfac_jax_dist: tagged layers {partly} also run under a derivative that the "
+        "loss function takes itself (a PINN's residual, a gradient penalty, MAML's "
+        "inner step): K-FAC's statistics of them are those of their applications "
+        "outside it (the curvature of the terms inside is left out). If the "
+        "registered loss's inputs come out of that derivative (the value of jax.vjp or "
+        "jax.value_and_grad of the model, shared with a gradient penalty), their rows "
+        "are missing from A and G: compute them with a pass outside it. See "
+        "docs/concepts.md, \"Derivatives inside the loss\".", stacklevel=4)
 
 
 def _initial_cadence(config: KfacConfig, name: str) -> int:
