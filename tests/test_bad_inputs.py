@@ -279,9 +279,11 @@ def test_targets_of_another_shape_are_refused(loss, match):
 
 
 def test_masks_and_loss_scales_are_checked():
-  """A mask that does not broadcast to the examples is named with both shapes
-  (a `[B, 1]` mask against `[B]` examples would not mean what it says); a
-  Python loss scale ≤ 0 is refused (an array of 0 makes the step faulty)."""
+  """A mask that does not have the examples' axes is named with both shapes
+  (a `[B, 1]` mask against `[B]` examples would not mean what it says, nor a
+  per-image `[B]` weight of `[B, H, W]` pixels, which broadcasting matched to
+  the columns where `W = B`); a Python loss scale ≤ 0 is refused (an array of
+  0 makes the step faulty)."""
   def masked(mask):
     def fn(params, x, y):
       h = jnp.tanh(kd.tags.dense(x, params["l0"]["kernel"], params["l0"]["bias"], name="l0"))
@@ -289,8 +291,8 @@ def test_masks_and_loss_scales_are_checked():
       return kd.losses.softmax_cross_entropy(logits, y, mask=mask)
     return kd.value_and_grad(fn)
   for mask in (jnp.ones(BATCH // 2), jnp.ones((BATCH, 1))):
-    with pytest.raises(ValueError, match=r"mask of shape .* does not broadcast to the "
-                                         r"examples' shape \(16,\)"):
+    with pytest.raises(ValueError, match=r"mask of shape .* for examples of shape "
+                                         r"\(16,\)"):
       masked(mask)(_params(), *_batch())
   masked(jnp.ones(BATCH))(_params(), *_batch())
   for scale in (0.0, -2.0, float("inf")):
@@ -302,16 +304,17 @@ def test_masks_and_loss_scales_are_checked():
 def test_masked_mean_averages_over_its_mask():
   """`kd.losses.masked_mean`: `Σ m·v / Σ m` against numpy (a `[B, 1]` mask
   broadcast over positions, fractional weights), 0 for an all-zero mask, a
-  mask that does not broadcast named with both shapes, and a call inside a
+  mask without the values' axes named with both shapes, and a call inside a
   scan of the loss function refused (its share could not be counted)."""
   values = np.arange(12.0).reshape(4, 3) - 4.0
   mask = np.array([[1.0], [0.0], [0.5], [2.0]])
   np.testing.assert_allclose(kd.losses.masked_mean(values, mask),
                              np.sum(values * mask) / (3 * np.sum(mask)), rtol=1e-6)
-  assert float(kd.losses.masked_mean(values, np.zeros(3))) == 0.0
-  with pytest.raises(ValueError, match=r"masked_mean: mask of shape \(4,\) does not "
-                                       r"broadcast to the values' shape \(4, 3\)"):
-    kd.losses.masked_mean(values, np.ones(4))
+  assert float(kd.losses.masked_mean(values, np.zeros((1, 3)))) == 0.0
+  for mask in (np.ones(4), np.ones(3)):
+    with pytest.raises(ValueError, match=r"masked_mean: mask of shape \(\d,\) for "
+                                         r"values of shape \(4, 3\)"):
+      kd.losses.masked_mean(values, mask)
 
   def scanned(params, x, y):
     def body(h, _):
@@ -320,6 +323,12 @@ def test_masked_mean_averages_over_its_mask():
     h, squares = jax.lax.scan(body, x, None, length=2)
     return kd.losses.softmax_cross_entropy(h, y) + jnp.sum(squares)
   params = {"l0": {"kernel": jnp.eye(4)}}
+  images = jnp.ones((4, 3, 4, 2))
+  with pytest.raises(ValueError, match=r"squared_error: mask of shape \(4,\) for "
+                                       r"examples of shape \(4, 3, 4\).*mask\[:, None, "
+                                       r"None\]"):
+    kd.losses.squared_error(images, images, mask=jnp.ones(4))
+  kd.losses.squared_error(images, images, mask=jnp.ones((4, 1, 1)))
   batch = jnp.ones((4, 4)), jnp.zeros(4, jnp.int32)
   for call in (kd.value_and_grad(scanned), kd.value_and_grad(scanned).loss,
                functools.partial(kd.value_and_grad(scanned).loss, micro_batches=2)):

@@ -90,17 +90,29 @@ def _check_targets(name: str, inputs: jax.Array, targets: jax.Array,
                      f"inputs of shape {jnp.shape(inputs)}; expected {allowed}.")
 
 
+def _mask_shape_error(shape: tuple, target: tuple) -> str | None:
+  """Why a mask of `shape` cannot weigh values of shape `target` (None: it
+  can): a scalar, or one axis per axis of `target`, each of its size or 1. A mask
+  of fewer axes would be matched from the right: a per-image `[B]` weight of
+  `[B, H, W]` pixels weighed the columns where `W = B`."""
+  if not shape or (len(shape) == len(target)
+                   and all(m in (1, t) for m, t in zip(shape, target))):
+    return None
+  hint = ""
+  if 0 < len(shape) < len(target) and shape == target[:len(shape)]:
+    index = ", ".join([":"] * len(shape) + ["None"] * (len(target) - len(shape)))
+    hint = f" (a weight per leading axis: mask[{index}])"
+  return f"give it one axis per axis of {target}, each of that size or 1{hint}"
+
+
 def _check_mask(name: str, inputs: jax.Array, mask: jax.Array | None) -> None:
-  """`mask` must broadcast to the examples' shape `inputs.shape[:-1]`."""
+  """`mask` must weigh the examples, `inputs.shape[:-1]` (`_mask_shape_error`)."""
   examples = tuple(jnp.shape(inputs)[:-1])
-  try:
-    broadcast = mask is None or jnp.broadcast_shapes(jnp.shape(mask), examples) == examples
-  except ValueError:
-    broadcast = False
-  if not broadcast:
-    raise ValueError(f"kd.losses.{name}: mask of shape {jnp.shape(mask)} does not "
-                     f"broadcast to the examples' shape {examples} (the inputs' "
-                     f"{jnp.shape(inputs)} without the last axis).")
+  why = None if mask is None else _mask_shape_error(tuple(jnp.shape(mask)), examples)
+  if why:
+    raise ValueError(f"kd.losses.{name}: mask of shape {jnp.shape(mask)} for examples "
+                     f"of shape {examples} (the inputs' {jnp.shape(inputs)} without "
+                     f"the last axis): {why}.")
 
 
 def _zeroed_where_masked(rows: jax.Array, mask: jax.Array, examples: tuple) -> jax.Array:
@@ -272,11 +284,11 @@ def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
   that it comes out the global batch's mean: a hand-written masked mean comes
   out the plain mean of the local batches' means."""
   values = jnp.asarray(values)
-  try:
-    mask = jnp.broadcast_to(mask, jnp.shape(values))
-  except ValueError:
-    raise ValueError(f"kd.losses.masked_mean: mask of shape {jnp.shape(mask)} does "
-                     f"not broadcast to the values' shape {jnp.shape(values)}.") from None
+  why = _mask_shape_error(tuple(jnp.shape(mask)), tuple(jnp.shape(values)))
+  if why:
+    raise ValueError(f"kd.losses.masked_mean: mask of shape {jnp.shape(mask)} for "
+                     f"values of shape {jnp.shape(values)}: {why}.")
+  mask = jnp.broadcast_to(mask, jnp.shape(values))
   mask = mask.astype(jnp.promote_types(values.dtype, jnp.float32))
   n = jnp.sum(mask)
   trace = _context.current()
