@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import warnings
 
 import jax
@@ -278,6 +279,32 @@ def test_targets_of_another_shape_are_refused(loss, match):
     kd.value_and_grad(fn)(_params(), *_batch())
 
 
+def test_a_loss_parameter_named_like_grad_fns_own_keywords_is_not_shadowed():
+  """A diffusion-style loss taking `rng`: `grad_fn(..., rng=key)` took the key
+  as the Monte Carlo Fisher's and ran the loss with its default (every step
+  the same noise, silently); now each call that would shadow it raises, and
+  the key passed positionally reaches the loss (its value `jax.value_and_grad`'s)."""
+  def noisy(params, x, y, rng=None):
+    x = x if rng is None else x + jax.random.normal(rng, x.shape)
+    return loss_fn(params, x, y)
+  grad_fn, key = kd.value_and_grad(noisy), jax.random.PRNGKey(3)
+  calls = {"": grad_fn, ".accumulate": functools.partial(grad_fn.accumulate,
+                                                         micro_batches=2),
+           ".loss": grad_fn.loss,
+           ".gauss_newton_gram": lambda p, *b, **k: grad_fn.gauss_newton_gram(
+               p, (p,), *b, **k)}
+  for call, fn in calls.items():
+    with pytest.raises(ValueError, match=rf"grad_fn{re.escape(call)}\(\.\.\., rng=\.\.\.\): "
+                                         r"rng= is kd.value_and_grad's own keyword.*"
+                                         r"parameter 'rng'"):
+      fn(_params(), *_batch(), rng=key)
+  value, _, _ = grad_fn(_params(), *_batch(), key)
+  want, _ = jax.value_and_grad(noisy)(_params(), *_batch(), rng=key)
+  np.testing.assert_allclose(value, want, rtol=1e-6)
+  assert abs(float(value) - float(noisy(_params(), *_batch()))) > 1e-3
+  kd.value_and_grad(loss_fn)(_params(), *_batch(), rng=key)     # no such parameter: fine
+
+
 def test_masks_and_loss_scales_are_checked():
   """A mask that does not have the examples' axes is named with both shapes
   (a `[B, 1]` mask against `[B]` examples would not mean what it says, nor a
@@ -295,6 +322,12 @@ def test_masks_and_loss_scales_are_checked():
                                          r"\(16,\)"):
       masked(mask)(_params(), *_batch())
   masked(jnp.ones(BATCH))(_params(), *_batch())
+  images = jnp.ones((4, 3, 4, 2))
+  with pytest.raises(ValueError, match=r"squared_error: mask of shape \(4,\) for "
+                                       r"examples of shape \(4, 3, 4\).*mask\[:, None, "
+                                       r"None\]"):
+    kd.losses.squared_error(images, images, mask=jnp.ones(4))
+  kd.losses.squared_error(images, images, mask=jnp.ones((4, 1, 1)))
   for scale in (0.0, -2.0, float("inf")):
     with pytest.raises(ValueError, match="loss_scale must be finite and > 0"):
       GRAD_FN(_params(), *_batch(), loss_scale=scale)
@@ -323,12 +356,6 @@ def test_masked_mean_averages_over_its_mask():
     h, squares = jax.lax.scan(body, x, None, length=2)
     return kd.losses.softmax_cross_entropy(h, y) + jnp.sum(squares)
   params = {"l0": {"kernel": jnp.eye(4)}}
-  images = jnp.ones((4, 3, 4, 2))
-  with pytest.raises(ValueError, match=r"squared_error: mask of shape \(4,\) for "
-                                       r"examples of shape \(4, 3, 4\).*mask\[:, None, "
-                                       r"None\]"):
-    kd.losses.squared_error(images, images, mask=jnp.ones(4))
-  kd.losses.squared_error(images, images, mask=jnp.ones((4, 1, 1)))
   batch = jnp.ones((4, 4)), jnp.zeros(4, jnp.int32)
   for call in (kd.value_and_grad(scanned), kd.value_and_grad(scanned).loss,
                functools.partial(kd.value_and_grad(scanned).loss, micro_batches=2)):

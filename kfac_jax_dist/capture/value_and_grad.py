@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import re
 from typing import Any, Callable, Sequence
@@ -146,6 +147,24 @@ def _binding_axes(fun: Callable, axis_names: Sequence[str]) -> Callable:
   return fun
 
 
+# The keyword arguments of `ValueAndGrad`'s calls that are its own, not the
+# loss function's (what each is for, for the error of `_check_own_keywords`).
+OWN_KEYWORDS = {"rng": "the Monte Carlo Fisher's key",
+                "opt_state": "the optimizer state the statistics are shaped for",
+                "loss_scale": "the mixed-precision loss scale"}
+
+
+def _keyword_parameters(fun: Callable) -> frozenset[str]:
+  """The names of `fun`'s parameters that a keyword argument would bind
+  (none where its signature cannot be read)."""
+  try:
+    parameters = inspect.signature(fun).parameters.values()
+  except (TypeError, ValueError):
+    return frozenset()
+  return frozenset(p.name for p in parameters
+                   if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
 class ValueAndGrad:
   """Callable returned by `kd.value_and_grad`; see there."""
 
@@ -161,7 +180,20 @@ class ValueAndGrad:
     self.fun = fun if wrap is None else wrap(fun)
     self.has_aux, self.fisher, self.capture = has_aux, fisher, capture
     self.skip_statistics = skip_statistics
+    self._shadowed = _keyword_parameters(fun) & set(OWN_KEYWORDS)
     functools.update_wrapper(self, fun)
+
+  def _check_own_keywords(self, call: str, **given: Any) -> None:
+    """A keyword that is this object's own (`OWN_KEYWORDS`) but also names a
+    parameter of the loss function would never reach it: refused (a
+    diffusion loss's `rng=key` trained on the noise of its default)."""
+    for name in sorted(self._shadowed):
+      if given.get(name) is not None:
+        raise ValueError(
+            f"grad_fn{call}(..., {name}=...): {name}= is kd.value_and_grad's own "
+            f"keyword ({OWN_KEYWORDS[name]}), and the loss function's parameter "
+            f"'{name}' would not receive it. Pass the loss function's {name} "
+            f"positionally, or rename that parameter (e.g. key).")
 
   def discover(self, params, *args, distribution=None, **kwargs
                ) -> registry.LayerRegistry:
@@ -244,6 +276,7 @@ class ValueAndGrad:
     return discovered
 
   def __call__(self, params, *args, rng=None, opt_state=None, loss_scale=None, **kwargs):
+    self._check_own_keywords("", rng=rng, opt_state=opt_state, loss_scale=loss_scale)
     return _compat.on_auto_axes(
         self._value_and_grad, (params, *args),
         dict(rng=rng, opt_state=opt_state, loss_scale=loss_scale, **kwargs),
@@ -284,6 +317,8 @@ class ValueAndGrad:
     loss's value in it weighted as above: its mean over the slices is the
     whole batch's). Call the optimizer once with the results.
     """
+    self._check_own_keywords(".accumulate", rng=rng, opt_state=opt_state,
+                             loss_scale=loss_scale)
     return _compat.on_auto_axes(
         self._accumulate, (params, *args),
         dict(micro_batches=micro_batches, rng=rng, opt_state=opt_state,
@@ -363,6 +398,8 @@ class ValueAndGrad:
     returns `(gram, loss)`, the loss (as `loss`) from the same forward pass.
     See `capture.curvature`.
     """
+    self._check_own_keywords(".gauss_newton_gram", rng=rng, opt_state=opt_state,
+                             loss_scale=loss_scale)
     del rng, opt_state, loss_scale
     gram, loss = _compat.on_auto_axes(
         curvature.gram_matrix, (self.fun, self.has_aux, params, vectors, args, kwargs,
@@ -379,6 +416,7 @@ class ValueAndGrad:
     with `micro_batches=k` the same over `k` slices of the positional batch
     arguments, one at a time. `rng`, `opt_state` and `loss_scale` are
     accepted and ignored."""
+    self._check_own_keywords(".loss", rng=rng, opt_state=opt_state, loss_scale=loss_scale)
     del rng, opt_state, loss_scale
     return _compat.on_auto_axes(
         curvature.mean_loss, (self.fun, self.has_aux, params, args, kwargs,
