@@ -10,6 +10,8 @@ from explicit per-example inputs and output gradients, and the damped
 Kronecker preconditioner solved densely, all in float64.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -295,26 +297,32 @@ def test_eight_devices_taking_different_branches(fraction, factor_reduction):
   _distributed_run(fraction, factor_reduction, routes)
 
 
-def test_dp_kfac_owners_average_the_steps_their_batch_ran():
-  """DP-KFAC: each owner's factors are the running average of its own
-  batch's statistics over the steps its own batch ran the layer."""
-  params, devices = _params(), np.arange(8)
+def _dp_kfac(grad_fn, params: dict, *batch) -> tuple:
+  """DP-KFAC on 8 devices (an owner per layer, its own batch's factors): the
+  sharded state and the jitted step `(state, *batch) -> state`."""
   mesh = helpers.data_mesh(8)
-  grad_fn = kd.value_and_grad(_loss)
-  x, y = _batch(0, 32)
-  tx = kd.scale_by_kfac(layers=grad_fn.discover(params, x, y, jnp.ones(8, bool)),
-                        damping=GAMMA, factor_decay=DECAY, factor_dtype=jnp.float64,
+  tx = kd.scale_by_kfac(layers=grad_fn.discover(params, *batch), damping=GAMMA,
+                        factor_decay=DECAY, factor_dtype=jnp.float64,
                         distribution=kd.Distribution(mesh, factor_reduction="local",
                                                      grad_worker_fraction=1 / 8,
                                                      gradient_reduction="all_reduce"))
   state = kd.shard_state(tx.init(params), mesh)
   specs = kd.partition_specs(state)
 
-  def step(state, x, y, route):
-    _, grads, stats = grad_fn(params, x, y, route, opt_state=state)
+  def step(state, *batch):
+    _, grads, stats = grad_fn(params, *batch, opt_state=state)
     return tx.update(grads, state, params, kfac_stats=stats)[1]
-  step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs,) + (P("data"),) * 3,
-                               out_specs=specs))
+  return state, jax.jit(jax.shard_map(step, mesh=mesh,
+                                      in_specs=(specs,) + (P("data"),) * len(batch),
+                                      out_specs=specs))
+
+
+def test_dp_kfac_owners_average_the_steps_their_batch_ran():
+  """DP-KFAC: each owner's factors are the running average of its own
+  batch's statistics over the steps its own batch ran the layer."""
+  params, devices = _params(), np.arange(8)
+  x, y = _batch(0, 32)
+  state, step = _dp_kfac(kd.value_and_grad(_loss), params, x, y, jnp.ones(8, bool))
   oracles = [_Oracle() for _ in devices]
   for t, route in enumerate([devices % 3 == 0, np.ones(8, bool), devices < 2]):
     x, y = _batch(t, 32)
@@ -418,3 +426,135 @@ def test_a_scale_and_shift_layer_that_sits_out_keeps_its_fisher():
   assert np.asarray(state.marked_weight).tolist() == pytest.approx([1 - DECAY])
   np.testing.assert_allclose(fisher([True, False, True])[0], fisher([True, True])[0],
                              rtol=1e-13)
+
+
+def _task_loss(task: str):
+  """Both heads run on the shared layer's output; the loss uses head `task`'s
+  (a multi-task model trained by alternating losses that share one state):
+  JAX never runs the other head's backward pass, whose statistics are zero
+  and marked `"unreached"`."""
+  def loss(p, x, y, mask=None):
+    h = jnp.tanh(kd.tags.dense(x, p["s"]["kernel"], p["s"]["bias"]))
+    out = {head: kd.tags.dense(h, p[head]["kernel"], p[head]["bias"]) for head in "ab"}
+    return kd.losses.squared_error(out[task], y, mask=mask)
+  return loss
+
+
+def _task_steps(tx, grad_fns: dict, params: dict) -> dict:
+  """Task -> the jitted K-FAC step `(state, x, y) -> (updates, state)` of
+  that task's loss (parameters held fixed)."""
+  def step(grad_fn, state, x, y):
+    _, grads, stats = grad_fn(params, x, y, opt_state=state)
+    return tx.update(grads, state, params, kfac_stats=stats)
+  return {task: jax.jit(functools.partial(step, grad_fn))
+          for task, grad_fn in grad_fns.items()}
+
+
+class _SharedWeightOracle(_Oracle):
+  """`_Oracle` with one running weight for every layer (the state's `w`):
+  a layer without statistics keeps its factors, and its next batch is mixed
+  in with `β = (1 − decay) / w'` (layers that cannot sit out a pass)."""
+
+  def step(self, batch: dict) -> dict:
+    shared = self.weight["s"]                  # `s` runs at every step
+    self.weight = {name: shared for name in self.weight}
+    updates = super().step(batch)
+    self.weight = {name: DECAY * shared + 1 - DECAY for name in self.weight}
+    return updates
+
+
+TASKS = "abbaab"
+
+
+@pytest.mark.parametrize("options", [{}, {"stale_threshold": 0.0}], ids=["plain", "stale"])
+def test_a_head_another_loss_trains_keeps_its_factors(options):
+  """Alternating losses through heads a and b: the head a step's loss does
+  not use is unreached and keeps its factors (before: zeros mixed in, A's
+  bias entry 0.47 after 6 steps at decay 0.9, where each batch's is 1), its
+  update 0. Its next batch comes in with the state's weight; with stale
+  statistics (every factor due each step) with the factor's own."""
+  params = _params()
+  grad_fns = {task: kd.value_and_grad(_task_loss(task)) for task in "ab"}
+  x, y = _batch(0, 8)
+  tx = kd.scale_by_kfac(layers=grad_fns["a"].discover(params, x, y),
+                        damping=GAMMA, factor_decay=DECAY, factor_dtype=jnp.float64,
+                        **options)
+  steps = _task_steps(tx, grad_fns, params)
+  state = tx.init(params)
+  oracle = _Oracle() if options else _SharedWeightOracle()
+  for t, task in enumerate(TASKS):
+    x, y = _batch(t, 8)
+    updates, state = steps[task](state, x, y)
+    want = oracle.step(_oracle_batch(params, x, y, np.full(8, task == "a")))
+    _check(state, updates, oracle, want, f"step {t}")
+
+
+def test_eight_devices_alternating_losses_equal_one():
+  """The same on 8 devices (COMM-OPT, HYBRID): the mark is known when
+  tracing, the same on every device."""
+  params, n, mesh = _params(), 32, helpers.data_mesh(8)
+  for fraction in (1.0, 1 / 4):
+    dist = kd.Distribution(mesh, axis="data", grad_worker_fraction=fraction,
+                           gradient_reduction="all_reduce")
+    grad_fns = {task: kd.value_and_grad(_task_loss(task)) for task in "ab"}
+    x, y = _batch(0, n)
+    tx = kd.scale_by_kfac(layers=grad_fns["a"].discover(params, x, y), damping=GAMMA,
+                          factor_decay=DECAY, factor_dtype=jnp.float64, distribution=dist)
+    state = kd.shard_state(tx.init(params), mesh)
+    specs = kd.partition_specs(state)
+
+    def step(state, x, y, grad_fn):
+      _, grads, stats = grad_fn(params, x, y, opt_state=state)
+      return tx.update(grads, state, params, kfac_stats=stats)
+    steps = {task: jax.jit(jax.shard_map(
+        lambda s, x, y, g=grad_fn: step(s, x, y, g), mesh=mesh,
+        in_specs=(specs, P("data"), P("data")), out_specs=(P(), specs)))
+             for task, grad_fn in grad_fns.items()}
+    oracle = _SharedWeightOracle()
+    for t, task in enumerate(TASKS[:4]):
+      x, y = _batch(t, n)
+      updates, state = steps[task](state, x, y)
+      want = oracle.step(_oracle_batch(params, x, y, np.full(n, task == "a")))
+      _check(state, updates, oracle, want, f"fraction {fraction} step {t}")
+
+
+def test_dp_kfac_owner_without_examples_keeps_its_factors():
+  """DP-KFAC: at step 2 device 0's rows are all masked out of the loss, so
+  its statistics have `G = 0` (no example of the loss there): the factors it
+  owns stay as step 1 left them (before: `G = 0` mixed in, its layers' steps
+  grew tenfold), while the others' take their batch."""
+  params, n = _params(), 32
+  x, y = _batch(0, n)
+  mask = jnp.ones(n)
+  state, step = _dp_kfac(kd.value_and_grad(_task_loss("a")), params, x, y, mask)
+  first = step(state, x, y, mask)
+  x, y = _batch(1, n)
+  second = step(first, x, y, mask.at[:4].set(0.0))
+  before, after = kd.running_factors(first), kd.running_factors(second)
+  owners = {(plan.layer.name, which): place.owner
+            for plan in first.layout.plans for which, place in plan.places}
+  assert 0 in owners.values() and len(set(owners.values())) > 1
+  for (name, which), owner in owners.items():
+    same = np.array_equal(before[name][which.upper()], after[name][which.upper()])
+    assert same == (owner == 0 or name == "b"), (name, which, owner)
+
+
+def test_ekfac_scaling_of_an_unreached_head_is_kept():
+  """EK-FAC with alternating losses: the scaling of the head a step's loss
+  does not use stays as it was (before: its zero `S` averaged in), the
+  other head's changes."""
+  params = _params()
+  grad_fns = {task: kd.value_and_grad(_task_loss(task)) for task in "ab"}
+  x, y = _batch(0, 8)
+  tx = kd.scale_by_kfac(layers=grad_fns["a"].discover(params, x, y), damping=GAMMA,
+                        factor_decay=DECAY, factor_dtype=jnp.float64,
+                        eigenvalue_correction="ekfac", inverse_update_every=10)
+  steps = _task_steps(tx, grad_fns, params)
+  state = tx.init(params)
+  for t, task in enumerate(TASKS):
+    before = state
+    _, state = steps[task](state, *_batch(t, 8))
+    other = "b" if task == "a" else "a"
+    np.testing.assert_array_equal(_scaling(state, other), _scaling(before, other))
+    if t:
+      assert not np.array_equal(_scaling(state, task), _scaling(before, task)), t

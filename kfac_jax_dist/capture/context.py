@@ -73,6 +73,9 @@ class Trace:
   # derivative of the loss function's value in it is the registered loss's
   # coefficient there (`curvature`); None: none.
   loss_offset: Any = None
+  # capture: the layers whose backward pass JAX traced (the others' statistics
+  # are zeros: the loss does not use their outputs, `statistics.UNREACHED`).
+  reached: set = dataclasses.field(default_factory=set)
 
   def forget_values(self) -> None:
     """Drops what holds tracers (the registered losses, the probes, the

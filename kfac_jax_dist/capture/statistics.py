@@ -120,6 +120,10 @@ CORRECTED, BASES = "S", ("QA", "QG")
 # How many positions a repeated layer (block) saw over its runs in the pass:
 # `A`, summed over them, is divided by it (see the module docstring).
 POSITIONS = "positions"
+# The statistics of a layer that the loss's backward pass did not reach (its
+# output unused by the loss: JAX never ran its backward pass, every statistic
+# is zero) hold this key too, an int32 0; the optimizer keeps its factors.
+UNREACHED = "unreached"
 
 
 def with_leading_units(v: jax.Array, ndim: int) -> jax.Array:

@@ -177,11 +177,13 @@ def _derivative_over(trace: _context.Trace) -> str | None:
 
 
 def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag,
-              stats_input: Callable | None = None, mask: jax.Array | None = None):
+              stats_input: Callable | None = None, mask: jax.Array | None = None,
+              reached: Callable[[], None] = lambda: None):
   """`apply(x, *params)` whose backward pass also returns `stats(x̃, ḡ,
   probes, mask)`, a pytree like `probes` (`x` may be integer: embedding ids), with
   `x̃ = stats_input(x)` (default `x`) taken outside the conditional; `mask`
-  the layer's row mask (`row_mask`), a boolean array or None.
+  the layer's row mask (`row_mask`), a boolean array or None; `reached()` is
+  called when JAX traces the backward pass (where the loss uses the output).
   `flag` says whether to compute them: a traced bool (a `lax.cond` here) or a
   Python one (`skip_statistics="pass"`: the caller branched around the pass).
 
@@ -204,6 +206,7 @@ def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag,
 
   def bwd(residuals: tuple, cotangent: jax.Array) -> tuple:
     x, params, probes, flag, mask = residuals
+    reached()
     x_stats = x if stats_input is None else stats_input(x)
     if jnp.issubdtype(x.dtype, jnp.integer):     # ids: no cotangent (float0)
       _, vjp = jax.vjp(lambda *p: apply(x, *p), *params)
@@ -338,7 +341,7 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=
                                  groups=record.get("groups", 1), record=record,
                                  has_bias=bias is not None)
   return _captured(apply, layer_stats, x, params, probes, trace.compute_stats, stats_input,
-                   mask)
+                   mask, lambda: trace.reached.add(name))
 
 
 class _LayerStatistics:

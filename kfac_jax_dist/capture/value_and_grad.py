@@ -566,6 +566,8 @@ class ValueAndGrad:
     value = (loss, aux) if self.has_aux else loss
     counted = frozenset(layer.name for layer in discovered.layers if layer.counted)
     stats = _statistics(probe_bar, g_scale, traces[0].scaled, counted)
+    for name in set(stats) - traces[0].reached:        # the loss does not use its output
+      stats[name][factors.UNREACHED] = jnp.zeros([], jnp.int32)
     return value, grads, stats, n, weight
 
 

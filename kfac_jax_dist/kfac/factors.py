@@ -11,6 +11,16 @@ the average over the devices of their local statistics (a reduce-scatter into
 tight chunks, or KAISA's all-reduce of every factor), or, for DP-KFAC, the
 owner's own local statistics.
 
+A layer that the loss's backward pass did not reach keeps its factors (`β =
+0` below): its output unused by the loss (a multi-task model's other head,
+trained by another loss that shares the state), JAX never ran its backward
+pass, and the capture marks its statistics, all zero, `UNREACHED` (known when
+tracing: no cost to the others). So does a DP-KFAC owner whose own batch had
+no example of the loss (`G = 0` on its device: `_own_examples`). It shares
+the running weight `w`: its next batch is mixed in with `β = (1 − decay) /
+w'`, not with the larger one of its own average (the same after a few dozen
+steps, as `w → 1`).
+
 A layer that may sit out a pass (`TaggedLayer.may_sit_out`: run in a
 `lax.cond` / `lax.switch` branch or a `lax.while_loop` body), or whose rows a
 mask leaves out of `A` (`row_masked`, `tags.row_mask`), has a running weight of its
@@ -20,7 +30,7 @@ this device's positions `N_d` (`statistics.POSITIONS`). With `N = Σ_d N_d`
 devices' mean, which is then `Σ_d N_d A_d / N`, the mean over every position
 the layer saw (`G`, a sum over positions divided by the loss's examples, needs
 no weight). A layer with `N > 0` ran: `w_l' = decay·w_l + (1 − decay)` and
-`F' = F + β (F_batch − F)`, `β = (1 − decay) / w_l'` (the running average
+`F' = (1 − β) F + β F_batch`, `β = (1 − decay) / w_l'` (the running average
 above); one that did not keeps `F` and `w_l` (`β = 0`). DP-KFAC's owners
 average their own batches: there each device keeps its own `w_l` and asks
 whether the layer ran on its own batch (`N_d > 0`).
@@ -340,21 +350,58 @@ def _own_part(config: KfacConfig, comm: collectives_lib.Collectives,
   return offsets.segment_at(segments, layout.factor_shard, comm.device_index())
 
 
+def _stored_shape(place: layout_lib.FactorPlace, packed: bool) -> tuple[int, ...]:
+  """One block's statistic in the form the running factors store it (a full
+  factor of a `packed` layout as its upper triangle: nothing left to pack)."""
+  if place.form == statistics.UNIT:
+    return (place.dim, 3)
+  form = statistics.PACKED if packed and place.form == statistics.FULL else place.form
+  return statistics.statistic_shape(place.dim, form)
+
+
 def _per_number(config: KfacConfig, comm: collectives_lib.Collectives,
-                layout: layout_lib.Layout, stats: Stats, per_plan: jax.Array
-                ) -> jax.Array:
+                layout: layout_lib.Layout, per_plan: jax.Array) -> jax.Array:
   """`per_plan` (`[len(layout.plans)]`) repeated over each layer's stored
   factor numbers, this device's part (`_own_part` of statistics filled with
-  it)."""
+  it, in their stored forms)."""
   filled = {}
   for name, (plans, blocks) in _blocks_of(layout).items():
     first = layout.plans[plans[0]]
-    values = jnp.zeros([int(np.prod(first.layer.stack, dtype=np.int64))], per_plan.dtype)
-    values = values.at[blocks].set(per_plan[plans]).reshape(tuple(first.layer.stack))
-    filled[name] = {key: jnp.broadcast_to(statistics.per_block(values, stats[name][key]),
-                                          stats[name][key].shape)
-                    for key in (w.upper() for w, _ in first.places)}
+    stack = tuple(first.layer.stack)
+    values = jnp.zeros([int(np.prod(stack, dtype=np.int64))], per_plan.dtype)
+    values = values.at[blocks].set(per_plan[plans]).reshape(stack)
+    filled[name] = {}
+    for which, place in first.places:
+      shape = stack + _stored_shape(place, layout.packed)
+      filled[name][which.upper()] = jnp.broadcast_to(
+          values.reshape(stack + (1,) * (len(shape) - len(stack))), shape)
   return _own_part(config, comm, layout, filled)
+
+
+def reached(layout: layout_lib.Layout, stats: Stats) -> np.ndarray:
+  """`[len(layout.plans)]`, known when tracing: False for the layers whose
+  statistics say that the loss's backward pass did not reach them
+  (`statistics.UNREACHED`: the loss does not use their outputs)."""
+  return np.asarray([statistics.UNREACHED not in stats[plan.layer.stats_name]
+                     for plan in layout.plans])
+
+
+def _own_examples(layout: layout_lib.Layout, stats: Stats) -> jax.Array:
+  """DP-KFAC: `[len(layout.plans)]`, whether this device's statistic of
+  output cotangents, `G` (a unit-wise layer's `F`), has a nonzero entry on
+  its diagonal: where no example of the loss was on the device it is 0 and
+  the owner keeps its factors. (Not read elsewhere: one more read of every
+  statistic cost the CNN step's program 80 instructions.)"""
+  flags = []
+  for plan in layout.plans:
+    which, place = ("g", plan.g) if plan.g is not None else ("f", plan.f)
+    stat = layer_statistic(stats, plan, which, layout.packed)
+    if place.form == statistics.FULL:
+      d = place.dim
+      stat = (jnp.diagonal(stat) if stat.ndim == 2 else
+              stat[np.asarray([i * d - i * (i - 1) // 2 for i in range(d)])])
+    flags.append(jnp.any(stat != 0))
+  return jnp.stack(flags)
 
 
 def update_running_factors(config: KfacConfig, comm: collectives_lib.Collectives,
@@ -364,9 +411,11 @@ def update_running_factors(config: KfacConfig, comm: collectives_lib.Collectives
   w_l')` (`w_l'`: of the layers that may sit out a pass, None without), and
   the batch's factors that were mixed in (this device's part: what the step
   consumes of the statistics, reduced over the data axis)."""
-  if state.marked_weight is not None:
-    return _update_marked(config, comm, state, stats)
-  batch = batch_factors(config, comm, state.layout, stats)
+  layout = state.layout
+  if (state.marked_weight is not None or layout.local_factors
+      or not reached(layout, stats).all()):
+    return _update_per_layer(config, comm, state, stats)
+  batch = batch_factors(config, comm, layout, stats)
   w = state.factor_weight
   decay = jnp.asarray(config.factor_decay, w.dtype)   # an injected array may be wider
   new_w = decay * w + (1.0 - decay)
@@ -375,21 +424,28 @@ def update_running_factors(config: KfacConfig, comm: collectives_lib.Collectives
   return mixed.astype(config.factor_dtype), (new_w, None), batch
 
 
-def _update_marked(config: KfacConfig, comm: collectives_lib.Collectives,
-                   state: ScaleByKfacState, stats: Stats
-                   ) -> tuple[jax.Array, tuple, jax.Array]:
-  """`update_running_factors` of a layout with layers that may sit out a
-  pass (see the module docstring): `F + β (F_batch − F)`, `β` per layer."""
+def _update_per_layer(config: KfacConfig, comm: collectives_lib.Collectives,
+                      state: ScaleByKfacState, stats: Stats
+                      ) -> tuple[jax.Array, tuple, jax.Array]:
+  """`update_running_factors` of a layout with layers that may not run or
+  not reach the loss in a pass (see the module docstring): `F' = (1 − β) F +
+  β F_batch`, `β` per layer, 0 for one that did not."""
   layout, w, marked = state.layout, state.factor_weight, marked_plans(state.layout)
+  ran = jnp.asarray(reached(layout, stats))
+  if layout.local_factors:
+    ran = ran & _own_examples(layout, stats)
   counts = positions(comm, layout, stats)
-  ran = counts.ran(layout)[marked]
+  if counts.local:
+    ran = ran & counts.ran(layout)
   batch = batch_factors(config, comm, layout, weighted_by_positions(comm, counts, stats))
   decay = jnp.asarray(config.factor_decay, w.dtype)   # an injected array may be wider
   new_w = decay * w + (1.0 - decay)
-  mine = jnp.where(ran, decay * state.marked_weight + (1.0 - decay), state.marked_weight)
-  beta = jnp.full([len(layout.plans)], (1.0 - decay) / new_w, w.dtype)
-  beta = beta.at[marked].set(jnp.where(ran, (1.0 - decay) / mine, 0.0))
+  beta = jnp.where(ran, (1.0 - decay) / new_w, 0.0).astype(w.dtype)
+  mine = state.marked_weight
+  if mine is not None:
+    mine = jnp.where(ran[marked], decay * mine + (1.0 - decay), mine)
+    beta = beta.at[marked].set(jnp.where(ran[marked], (1.0 - decay) / mine, 0.0))
   old = state.factors.astype(config.compute_dtype)
-  coefficient = _per_number(config, comm, layout, stats, beta.astype(old.dtype))
-  mixed = old + coefficient * (batch.astype(old.dtype) - old)
+  coefficient = _per_number(config, comm, layout, beta.astype(old.dtype))
+  mixed = (1.0 - coefficient) * old + coefficient * batch.astype(old.dtype)
   return mixed.astype(config.factor_dtype), (new_w, mine), batch

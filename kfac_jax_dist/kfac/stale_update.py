@@ -126,6 +126,7 @@ def refresh_due_factors(config: KfacConfig, comm: collectives_lib.Collectives,
   layout, r, count = state.layout, state.refresh, state.count
   decay = jnp.asarray(config.factor_decay, r.weight.dtype)
   due = r.next_step <= count                  # the same on every device
+  due = due & factors.reached(layout, stats)[_layer_of(layout)]   # unreached stays due
   if layout_lib.sit_out_plans(layout):
     # a layer that did not run stays due; one that ran on some devices only
     # is averaged over every position it saw (`factors.weighted_by_positions`)

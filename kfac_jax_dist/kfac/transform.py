@@ -474,13 +474,15 @@ def _corrected_layers_refreshed(state: ScaleByKfacState) -> jax.Array:
 
 def _corrected_layers_ran(comm: collectives_lib.Collectives, lay: layout_lib.Layout,
                          stats: factors.Stats) -> jax.Array | None:
-  """`[C]`, whether each EK-FAC-corrected layer ran in the pass (positions on
-  any device); None where every layer runs in every pass."""
-  if not layout_lib.sit_out_plans(lay):
-    return None
+  """`[C]`, whether each EK-FAC-corrected layer ran in the pass (the loss's
+  backward pass reached it, `factors.reached`, and, if it may sit out one,
+  positions on any device); None where every layer ran."""
   corrected = np.asarray([k for k, plan in enumerate(lay.plans)
                           if correction_lib.is_corrected(plan)], np.int32)
-  return factors.positions(comm, lay, stats, pooled=True).ran(lay)[corrected]
+  reached = factors.reached(lay, stats)[corrected]
+  if not layout_lib.sit_out_plans(lay):
+    return None if reached.all() else jnp.asarray(reached)
+  return factors.positions(comm, lay, stats, pooled=True).ran(lay)[corrected] & reached
 
 
 def corrected_states(config: KfacConfig, comm: collectives_lib.Collectives,
