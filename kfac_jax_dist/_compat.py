@@ -151,6 +151,25 @@ def _traces_since(top: object) -> tuple[list[tuple[str, Any]], bool]:
   return chain, now is top
 
 
+def untyped_device_axes() -> tuple[str, ...]:
+  """The axis names bound around the trace being built by a `jax.pmap` or a
+  `shard_map(check_vma=False)` (not a vmap's), where values carry no type
+  saying whether they vary over them: () inside a typed `shard_map`, outside
+  any, or where this JAX does not say."""
+  try:
+    from jax._src import config, core  # pylint: disable=import-outside-toplevel
+    if config._check_vma.value:  # pylint: disable=protected-access
+      return ()
+    names = set(core.get_axis_env().axis_sizes)
+  except (ImportError, AttributeError):
+    return ()
+  now, seen = current_trace(), 0
+  while now is not None and seen < 10_000:           # a vmap's named axis
+    names.discard(getattr(getattr(now, "axis_data", None), "name", None))
+    now, seen = getattr(now, "parent_trace", None), seen + 1
+  return tuple(sorted(n for n in names if isinstance(n, str)))
+
+
 def vmapped_since(top: object) -> bool:
   """Whether a `jax.vmap` (a batching trace) lies between the trace being
   built and `top` (a `current_trace()` taken earlier): inside it the arrays

@@ -12,6 +12,7 @@ nothing (a typo would otherwise silently precondition the layer).
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Sequence
 
 from typing import Any
@@ -62,6 +63,33 @@ def check_gradients_averaged(name: str, dist: Distribution, grads: Any) -> None:
         "caller averaged them. Average them first (grads = jax.lax.pmean(grads, "
         f"{dist.axis!r})), or let update do it: kd.Distribution(..., "
         "gradient_reduction=\"all_reduce\") (or \"reduce_scatter\", SP-NGD).")
+
+
+def check_statistics_undistributed(name: str, stats: Any) -> None:
+  """Without a `Distribution` the statistics are used as given, so each
+  device's factors are those of the statistics it holds. Inside `shard_map`
+  they must not vary over a mesh axis (each device's own: its factors would
+  differ from the others'); inside `jax.pmap` or `shard_map(check_vma=False)`
+  JAX does not say, so a data-parallel loop that averages only the gradients
+  is warned of."""
+  axes = _compat.varying_axes(stats)
+  if axes:
+    raise ValueError(
+        f"{name}: kfac_stats vary over mesh axes {axes} (each device's own, from its "
+        "local batch), but the transform has no distribution: each device would "
+        "precondition with factors of its own batch, and the devices' parameters would "
+        "drift apart. Pass distribution=kd.Distribution(mesh, ...) (K-FAC's "
+        f"distributed layouts), or average them first: jax.lax.pmean(stats, {axes}).")
+  untyped = _compat.untyped_device_axes()
+  if untyped:
+    warnings.warn(
+        f"kfac_jax_dist: {name} updates inside jax.pmap or shard_map(check_vma=False) "
+        f"(axes {untyped}) without a distribution: each device preconditions with "
+        "factors of the statistics it is given. In a data-parallel loop that averages "
+        "the gradients, average the statistics too (stats = jax.lax.pmean(stats, "
+        "axis): exact where every device has as many examples and no mask), or use "
+        "shard_map with distribution=kd.Distribution(mesh); for independent runs per "
+        "device (seeds), nothing is needed.", stacklevel=5)
 
 
 def check_floating_params(name: str, params: Any) -> None:
