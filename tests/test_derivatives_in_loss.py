@@ -236,6 +236,20 @@ def test_a_gradient_with_respect_to_the_parameters_names_the_cause():
     kd.value_and_grad(loss).discover(_params(), *_batch())
 
 
+def test_a_plain_tag_on_maml_adapted_weights_names_the_cause():
+  """MAML's query pass at `p − α∇L_support` (the inner step untagged): the
+  kernel is computed from the parameters, which the error now says (before,
+  it listed dtype=, stack_index=, remat, jit and FSDP only)."""
+  def loss(p, x, target):
+    inner = jax.grad(lambda q: jnp.mean((x @ q["head"]["w"] - target) ** 2))(p)
+    adapted = jax.tree.map(lambda w, g: w - 0.1 * g, p, inner)
+    pred = kd.tags.dense(x, adapted["head"]["w"], adapted["head"]["b"], name="head")
+    return kd.losses.squared_error(pred, target)
+  with pytest.raises(ValueError, match=r"not a leaf.*computed from the parameters "
+                                       r"\(MAML's adapted weights.*capture='flax'"):
+    kd.value_and_grad(loss).discover(_params(), *_batch())
+
+
 def test_a_forward_pass_shared_with_a_penalty_is_warned_of_and_rerun_counts():
   """An R1 penalty sharing the critic's pass on the real rows through
   `jax.vjp`, the value going to the registered loss: those rows give no

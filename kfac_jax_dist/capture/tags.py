@@ -78,7 +78,10 @@ _NOT_A_LEAF = (
     "close it over them, or drop it (the step's own jit compiles it). A kernel "
     "gathered inside shard_map (parameters sharded over the data axis, FSDP) is "
     "not supported there: shard them under jax.jit without shard_map "
-    "(docs/distributed.md), or over a tensor-parallel model_axis.")
+    "(docs/distributed.md), or over a tensor-parallel model_axis. A kernel computed "
+    "from the parameters (MAML's adapted weights p - a*grad, a weight average) is no "
+    "parameter either: apply that pass untagged, or capture a Flax model with "
+    "capture='flax', which follows the parameters into it.")
 
 
 def _not_a_leaf_hint(trace: _context.Trace) -> str:
