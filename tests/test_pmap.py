@@ -93,3 +93,20 @@ def test_pmap_warns_and_averaged_statistics_equal_the_whole_batch():
   for device in range(DEVICES):
     helpers.assert_trees_equal(jax.tree.map(lambda a: a[device], replicated), single,
                                rtol=1e-11)
+
+
+def test_monte_carlo_targets_are_drawn_per_device_under_pmap():
+  """`fisher="mc"` with one key for every device (the same rows on each, to
+  see it): each device draws the targets of `fold_in(key, its index)`, as a
+  shard does inside `shard_map` (before: every device drew the same ones,
+  their `G`s equal)."""
+  params, x, y = _problem()
+  grad_fn, key = kd.value_and_grad(_loss, fisher="mc"), jax.random.PRNGKey(5)
+  rows = (jnp.stack([x[:PER_DEVICE]] * DEVICES), jnp.stack([y[:PER_DEVICE]] * DEVICES))
+  stats = jax.pmap(lambda x, y: grad_fn(params, x, y, rng=key)[2], axis_name="i")(*rows)
+  for device in range(DEVICES):
+    want = grad_fn(params, x[:PER_DEVICE], y[:PER_DEVICE],
+                   rng=jax.random.fold_in(key, device))[2]
+    helpers.assert_trees_equal(jax.tree.map(lambda s: s[device], stats), want,
+                               rtol=1e-10)
+  assert not np.allclose(stats["l1"]["G"][0], stats["l1"]["G"][1])

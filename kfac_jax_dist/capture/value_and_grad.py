@@ -655,8 +655,10 @@ def _per_data_shard(rng: jax.Array, batch: Any) -> jax.Array:
   varies over inside `shard_map` (its data shards): each shard draws its own
   targets, as one device does for every example of the global batch, while
   the devices holding the same examples (a tensor-parallel axis) draw the
-  same ones. Outside `shard_map` (or without varying types), `rng` itself."""
-  axes = _compat.varying_axes(batch)
+  same ones. Inside `jax.pmap` or `shard_map(check_vma=False)`, where JAX types
+  nothing, over the axes bound there (`_compat.untyped_device_axes`). Outside
+  both, `rng` itself."""
+  axes = _compat.varying_axes(batch) or _compat.untyped_device_axes()
   if not axes:
     return rng
   index = jnp.zeros([], jnp.int32)
