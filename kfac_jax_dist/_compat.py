@@ -143,12 +143,22 @@ def _traces_since(top: object) -> tuple[list[tuple[str, Any]], bool]:
   `current_trace()` taken earlier, excluded), each as (its type's name, what
   JAX records it traced for), and whether the chain reached `top` (not where
   this JAX keeps no chain, or a trace of its own starts one: a custom rule's)."""
-  now, seen, chain = current_trace(), 0, []
-  while now is not None and now is not top and seen < 10_000:
+  chain = []
+  for now in _enclosing_traces():
+    if now is top:
+      return chain, True
     info = getattr(getattr(now, "frame", None), "debug_info", None)
     chain.append((type(now).__name__, getattr(info, "traced_for", None)))
+  return chain, top is None
+
+
+def _enclosing_traces():
+  """The trace being built, then each one it was built inside (at most
+  10 000: JAX's chain has no cycles, the bound only guards against one)."""
+  now, seen = current_trace(), 0
+  while now is not None and seen < 10_000:
+    yield now
     now, seen = getattr(now, "parent_trace", None), seen + 1
-  return chain, now is top
 
 
 def untyped_device_axes() -> tuple[str, ...]:
@@ -163,10 +173,8 @@ def untyped_device_axes() -> tuple[str, ...]:
     names = set(core.get_axis_env().axis_sizes)
   except (ImportError, AttributeError):
     return ()
-  now, seen = current_trace(), 0
-  while now is not None and seen < 10_000:           # a vmap's named axis
+  for now in _enclosing_traces():                    # a vmap's named axis
     names.discard(getattr(getattr(now, "axis_data", None), "name", None))
-    now, seen = getattr(now, "parent_trace", None), seen + 1
   return tuple(sorted(n for n in names if isinstance(n, str)))
 
 

@@ -88,7 +88,7 @@ def _not_a_leaf_hint(trace: _context.Trace) -> str:
   """How to pass the parameters themselves (`_NOT_A_LEAF`), or why they
   cannot be: the tag runs under a derivative the loss function takes itself,
   with respect to them."""
-  derivative = None if trace.top is None else _compat.derivative_since(trace.top)
+  derivative = _derivative_over(trace)
   if derivative is None:
     return _NOT_A_LEAF
   return (f"The tag runs under a derivative that the loss function takes itself "

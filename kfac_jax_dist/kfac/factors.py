@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfac_jax_dist.capture import statistics
+from kfac_jax_dist.capture import statistics, triangles
 from kfac_jax_dist.core import collectives as collectives_lib
 from kfac_jax_dist.core import offsets
 from kfac_jax_dist.kfac import layout as layout_lib
@@ -350,31 +350,20 @@ def _own_part(config: KfacConfig, comm: collectives_lib.Collectives,
   return offsets.segment_at(segments, layout.factor_shard, comm.device_index())
 
 
-def _stored_shape(place: layout_lib.FactorPlace, packed: bool) -> tuple[int, ...]:
-  """One block's statistic in the form the running factors store it (a full
-  factor of a `packed` layout as its upper triangle: nothing left to pack)."""
-  if place.form == statistics.UNIT:
-    return (place.dim, 3)
-  form = statistics.PACKED if packed and place.form == statistics.FULL else place.form
-  return statistics.statistic_shape(place.dim, form)
-
-
 def _per_number(config: KfacConfig, comm: collectives_lib.Collectives,
-                layout: layout_lib.Layout, per_plan: jax.Array) -> jax.Array:
+                layout: layout_lib.Layout, stats: Stats, per_plan: jax.Array
+                ) -> jax.Array:
   """`per_plan` (`[len(layout.plans)]`) repeated over each layer's stored
   factor numbers, this device's part (`_own_part` of statistics filled with
-  it, in their stored forms)."""
+  it)."""
   filled = {}
   for name, (plans, blocks) in _blocks_of(layout).items():
     first = layout.plans[plans[0]]
-    stack = tuple(first.layer.stack)
-    values = jnp.zeros([int(np.prod(stack, dtype=np.int64))], per_plan.dtype)
-    values = values.at[blocks].set(per_plan[plans]).reshape(stack)
-    filled[name] = {}
-    for which, place in first.places:
-      shape = stack + _stored_shape(place, layout.packed)
-      filled[name][which.upper()] = jnp.broadcast_to(
-          values.reshape(stack + (1,) * (len(shape) - len(stack))), shape)
+    values = jnp.zeros([int(np.prod(first.layer.stack, dtype=np.int64))], per_plan.dtype)
+    values = values.at[blocks].set(per_plan[plans]).reshape(tuple(first.layer.stack))
+    filled[name] = {key: jnp.broadcast_to(statistics.per_block(values, stats[name][key]),
+                                          stats[name][key].shape)
+                    for key in (w.upper() for w, _ in first.places)}
   return _own_part(config, comm, layout, filled)
 
 
@@ -396,10 +385,9 @@ def _own_examples(layout: layout_lib.Layout, stats: Stats) -> jax.Array:
   for plan in layout.plans:
     which, place = ("g", plan.g) if plan.g is not None else ("f", plan.f)
     stat = layer_statistic(stats, plan, which, layout.packed)
-    if place.form == statistics.FULL:
-      d = place.dim
+    if place.form == statistics.FULL:        # the diagonal: sums of squares
       stat = (jnp.diagonal(stat) if stat.ndim == 2 else
-              stat[np.asarray([i * d - i * (i - 1) // 2 for i in range(d)])])
+              stat[triangles.row_starts(np.arange(place.dim), place.dim)])
     flags.append(jnp.any(stat != 0))
   return jnp.stack(flags)
 
@@ -446,6 +434,6 @@ def _update_per_layer(config: KfacConfig, comm: collectives_lib.Collectives,
     mine = jnp.where(ran[marked], decay * mine + (1.0 - decay), mine)
     beta = beta.at[marked].set(jnp.where(ran[marked], (1.0 - decay) / mine, 0.0))
   old = state.factors.astype(config.compute_dtype)
-  coefficient = _per_number(config, comm, layout, beta.astype(old.dtype))
+  coefficient = _per_number(config, comm, layout, stats, beta.astype(old.dtype))
   mixed = (1.0 - coefficient) * old + coefficient * batch.astype(old.dtype)
   return mixed.astype(config.factor_dtype), (new_w, mine), batch
