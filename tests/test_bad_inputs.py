@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import numpy as np
+from flax import linen as nn
 import optax
 import pytest
 
@@ -450,6 +451,45 @@ def test_integer_parameters_are_refused_at_init():
     _kfac().init(params)
   with pytest.raises(TypeError, match=r"parameter '\['step'\]' has dtype int32"):
     kd.shampoo(0.1).init(params)
+
+
+def test_complex_parameters_are_refused_at_init():
+  """Their curvature is Hermitian: real statistics (`xᵀx`, `g gᵀ`) of complex
+  numbers make indefinite factors, and a run diverged silently."""
+  params = dict(_params(), phase=jnp.ones((3,), jnp.complex64))
+  for tx in (_kfac(), kd.shampoo(0.1), kd.soap(0.1)):
+    with pytest.raises(TypeError, match=r"parameter '\['phase'\]' has dtype complex64; "
+                                        "complex parameters are not supported"):
+      tx.init(params)
+
+
+@pytest.mark.parametrize("complex_part", ["input", "kernel", "flax"])
+def test_complex_layers_are_refused_at_discovery(complex_part):
+  """A real kernel fed complex inputs (an FFT front end), or a complex kernel:
+  refused naming the layer, where their factors would be indefinite."""
+  x, y = _batch()
+  if complex_part == "flax":
+    model = nn.Dense(CLASSES, param_dtype=jnp.complex64)
+    params = model.init(jax.random.PRNGKey(0), x)
+    loss = lambda p, x, y: kd.losses.softmax_cross_entropy(jnp.abs(model.apply(p, x)), y)
+    grad_fn = kd.value_and_grad(loss, capture="flax")
+  else:
+    params = _params()
+    if complex_part == "kernel":
+      params["out"]["kernel"] = params["out"]["kernel"].astype(jnp.complex64)
+    x = x * (1 + 1j) if complex_part == "input" else x
+
+    def loss(p, x, y):
+      h = kd.tags.dense(x, p["l0"]["kernel"], p["l0"]["bias"], name="l0")
+      if complex_part == "input":
+        h = jnp.abs(h)
+      out = kd.tags.dense(jnp.tanh(h), p["out"]["kernel"], name="out")
+      return kd.losses.softmax_cross_entropy(jnp.abs(out), y)
+    grad_fn = kd.value_and_grad(loss)
+  layer = {"input": "l0", "kernel": "out", "flax": "params"}[complex_part]
+  with pytest.raises(TypeError, match=f"Tagged layer '{layer}': complex input or "
+                                      "output .*complex layers are not supported"):
+    grad_fn.discover(params, x, y)
 
 
 @pytest.mark.parametrize("micro_batches", [0, -2, 1.5, True])

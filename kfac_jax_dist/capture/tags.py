@@ -171,6 +171,20 @@ def _discover(trace, kind, name, kernel, bias, site, **record) -> None:
   trace.layers.append(layer)
 
 
+def _real_statistics_dtype(name: str, x, y) -> jnp.dtype:
+  """The layer's `statistics_dtype`, refused for complex inputs or outputs:
+  their curvature is Hermitian (`E[x xᴴ]`), the statistics here are real
+  products (`xᵀx`) and would make indefinite factors."""
+  dtype = factors.statistics_dtype(x, y)
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    raise TypeError(
+        f"Tagged layer '{name}': complex input or output ({jnp.result_type(x)} -> "
+        f"{jnp.result_type(y)}); complex layers are not supported (their curvature "
+        "is Hermitian: every statistic here is a real one's). Feed it real inputs "
+        "([re, im] as features) and keep complex numbers after the tagged layers.")
+  return dtype
+
+
 def _derivative_over(trace: _context.Trace) -> str | None:
   """The derivative the loss function takes itself over this application of
   a layer (`_compat.derivative_since`), None for none. Under forward mode the
@@ -330,7 +344,7 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=
     _discover(trace, kind, name, kernel, bias, site, row_masked=mask is not None,
               **record)
     y = apply(x, *params)
-    trace.stats_dtypes[name] = factors.statistics_dtype(x, y)
+    trace.stats_dtypes[name] = _real_statistics_dtype(name, x, y)
     return y
   probes = _layer_probes(trace, name, site)
   if probes is None or _derivative_over(trace) == _compat.FORWARD:

@@ -93,15 +93,23 @@ def check_statistics_undistributed(name: str, stats: Any) -> None:
 
 
 def check_floating_params(name: str, params: Any) -> None:
-  """Every parameter leaf is floating: an integer one has `float0` gradients,
-  which no update can be added to."""
+  """Every parameter leaf is real floating: an integer one has `float0`
+  gradients, which no update can be added to; a complex one would need
+  Hermitian statistics (conjugated products), which nothing here forms."""
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     dtype = getattr(leaf, "dtype", None)
-    if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact):
+    if dtype is None or jnp.issubdtype(dtype, jnp.floating):
+      continue
+    where = f"{name}: parameter '{jax.tree_util.keystr(path)}' has dtype {dtype}; "
+    if jnp.issubdtype(dtype, jnp.complexfloating):
       raise TypeError(
-          f"{name}: parameter '{jax.tree_util.keystr(path)}' has dtype {dtype}; only "
-          "floating parameters can be trained (an integer one has float0 gradients). "
-          "Keep integer state (step counters, token ids) out of the parameter tree.")
+          where + "complex parameters are not supported (their curvature is "
+          "Hermitian: every statistic here is a real one's). Train the real and "
+          "imaginary parts as two real parameters (w = w_re + 1j * w_im).")
+    raise TypeError(
+        where + "only floating parameters can be trained (an integer one has float0 "
+        "gradients). Keep integer state (step counters, token ids) out of the "
+        "parameter tree.")
 
 
 def check_skip_patterns(patterns: Sequence[str], names: Sequence[str],
