@@ -1641,3 +1641,35 @@ def test_a_container_whose_fields_are_called_like_box_attributes_keeps_them_apar
   assert kd.capture.registry.path_strs(
       [p for p, _ in jax.tree_util.tree_flatten_with_path(got[1])[0]]) == [
           "dense/kernel", "extra/value", "extra/raw_value"]
+
+
+def test_a_layer_with_an_empty_kernel_runs_untagged():
+  """A feature group configured to width 0 (a `(0, d)` kernel): no curvature
+  to capture, so the layer runs untagged (its bias then updated as any
+  untagged parameter); the reshapes of its rows divided by zero before, in
+  the gradient itself. A K-FAC step equals the one of the same model with
+  the bias added by hand."""
+  k = jax.random.split(jax.random.PRNGKey(0), 4)
+  x, t = jax.random.normal(k[0], (32, 4)), jax.random.normal(k[1], (32, 3))
+  params = {"w": 0.3 * jax.random.normal(k[2], (4, 3)), "b": jnp.zeros(3),
+            "e": jnp.zeros((0, 3)), "eb": 0.1 * jax.random.normal(k[3], (3,))}
+
+  def with_empty(p, x, t):
+    y = kd.tags.dense(x, p["w"], p["b"], name="d")
+    return kd.losses.squared_error(
+        y + kd.tags.dense(x[:, :0], p["e"], p["eb"], name="empty"), t)
+
+  def by_hand(p, x, t):
+    return kd.losses.squared_error(kd.tags.dense(x, p["w"], p["b"], name="d") + p["eb"], t)
+
+  steps = []
+  for loss in (with_empty, by_hand):
+    grad_fn = kd.value_and_grad(loss)
+    layers = grad_fn.discover(params, x, t)
+    assert [layer.name for layer in layers] == ["d"]
+    tx = kd.kfac(0.1, damping=1e-2, layers=layers)
+    state = tx.init(params)
+    _, grads, stats = grad_fn(params, x, t, opt_state=state)
+    steps.append(tx.update(grads, state, params, kfac_stats=stats)[0])
+  assert steps[0]["e"].shape == (0, 3)
+  assert_trees_equal(steps[0], steps[1], rtol=0)
