@@ -221,7 +221,9 @@ def one_loss(trace: Trace) -> RegisteredLoss:
     raise ValueError(
         "The loss function registered no loss: compute it with kd.losses."
         "softmax_cross_entropy, sigmoid_cross_entropy or squared_error so that K-FAC "
-        "knows the number of examples and the predictive distribution.")
+        "knows the number of examples and the predictive distribution (a loss none "
+        "fits, a flow's or an energy model's: docs/concepts.md, 'Terms besides the "
+        "registered loss').")
   if len(trace.losses) > 1:
     names = [l.name for l in trace.losses]
     raise ValueError(f"The loss function registered {len(names)} losses ({names}); "
