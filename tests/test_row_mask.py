@@ -10,6 +10,8 @@ tag-free copy of the model), and the single-device run of the whole batch
 for the distributed and micro-batched ones.
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -490,3 +492,81 @@ def test_layers_give_an_encoder_its_own_mask():
                      ("decoder_in", np.asarray(tgt)[tgt_keep]), ("decoder_out", h[tgt_keep])):
     a = _with_one(rows)
     np.testing.assert_allclose(stats[name]["A"], a.T @ a / len(a), rtol=1e-12, err_msg=name)
+
+
+def _encoder_decoder():
+  """A shared embedding, an encoder layer, a decoder's query and its
+  cross-attention's key and value on the encoder's memory (rows: source
+  positions), and the output layer; sources of `S` tokens, targets of `T`."""
+  rng = np.random.default_rng(6)
+  w = lambda *shape: jnp.asarray(rng.normal(size=shape) / np.sqrt(shape[0]))
+  params = {"emb": {"table": w(V, D)}, "encoder": {"kernel": w(D, H), "bias": w(H)},
+            "decoder": {"query": {"kernel": w(D, H), "bias": w(H)},
+                        "cross": {"key": {"kernel": w(H, H), "bias": w(H)},
+                                  "value": {"kernel": w(H, H), "bias": w(H)}},
+                        "out": {"kernel": w(H, C), "bias": w(C)}}}
+
+  def encode(p, src):
+    return jnp.tanh(kd.tags.dense(kd.tags.embed(src, p["emb"]["table"]),
+                                  p["encoder"]["kernel"], p["encoder"]["bias"]))
+
+  def decode(p, tgt, memory, src_keep):
+    d = p["decoder"]
+    layer = lambda x, q: kd.tags.dense(x, q["kernel"], q["bias"])
+    q = layer(kd.tags.embed(tgt, p["emb"]["table"]), d["query"])
+    k, v = layer(memory, d["cross"]["key"]), layer(memory, d["cross"]["value"])
+    scores = jnp.where(src_keep[:, None, :], jnp.einsum("bth,bsh->bts", q, k), -1e9)
+    return layer(jnp.einsum("bts,bsh->bth", jax.nn.softmax(scores), v), d["out"])
+  return params, encode, decode
+
+
+@pytest.mark.parametrize("source_length", [T, T + 2])
+def test_cross_attention_and_a_shared_embedding_take_their_own_sequences_masks(
+    source_length):
+  """An encoder-decoder (docs/concepts.md, 'Which mask'): each pass under its
+  own sequence's mask, the cross-attention's keys and values (in the decoder,
+  on the encoder's positions) named in the source's. Every `A` is the mean
+  over its own sequence's kept rows, the shared embedding's over both
+  sequences' kept tokens. The same masks entered by where layers sit leave
+  the keys and values unmasked where the lengths differ: warned about."""
+  params, encode, decode = _encoder_decoder()
+  rng = np.random.default_rng(7)
+  src = jnp.asarray(rng.integers(0, V, size=(B, source_length)))
+  tgt, y = (jnp.asarray(rng.integers(0, k, size=(B, T))) for k in (V, C))
+  src_keep = np.arange(source_length)[None] < np.asarray([6, 2, 4, 5])[:, None]
+  tgt_keep = np.arange(T)[None] < np.asarray([3, 6, 1, 4])[:, None]
+  cross = r"cross/(key|value)$"
+
+  def loss(p, src, tgt, y, src_keep, tgt_keep):
+    with kd.tags.row_mask(src_keep):
+      memory = encode(p, src)
+    with kd.tags.row_mask(src_keep, layers=[cross]), \
+         kd.tags.row_mask(tgt_keep, layers=[f"^(?!.*{cross})"]):
+      logits = decode(p, tgt, memory, src_keep)
+    return kd.losses.softmax_cross_entropy(logits, y, mask=tgt_keep)
+  batch = (src, tgt, y, jnp.asarray(src_keep), jnp.asarray(tgt_keep))
+  _, _, stats = jax.jit(kd.value_and_grad(loss))(params, *batch)
+  p = jax.tree.map(np.asarray, params)
+  dense = lambda x, q: x @ q["kernel"] + q["bias"]
+  x_src, x_tgt = p["emb"]["table"][np.asarray(src)], p["emb"]["table"][np.asarray(tgt)]
+  memory = np.tanh(dense(x_src, p["encoder"]))
+  for name, rows in (("encoder", x_src[src_keep]), ("decoder/query", x_tgt[tgt_keep]),
+                     ("decoder/cross/key", memory[src_keep]),
+                     ("decoder/cross/value", memory[src_keep])):
+    a = _with_one(rows)
+    np.testing.assert_allclose(stats[name]["A"], a.T @ a / len(a), rtol=1e-12, err_msg=name)
+  ids = np.concatenate([np.asarray(src)[src_keep], np.asarray(tgt)[tgt_keep]])
+  np.testing.assert_allclose(stats["emb"]["A"], np.bincount(ids, minlength=V) / len(ids),
+                             rtol=1e-12)
+
+  def by_place(p, src, tgt, y, src_keep, tgt_keep):
+    with kd.tags.row_mask(src_keep, layers=["^encoder"]), \
+         kd.tags.row_mask(tgt_keep, layers=["^decoder"]):
+      logits = decode(p, tgt, encode(p, src), src_keep)
+    return kd.losses.softmax_cross_entropy(logits, y, mask=tgt_keep)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    kd.value_and_grad(by_place).discover(params, *batch)
+  warned = [str(w.message) for w in caught if "names it but does not fit" in str(w.message)]
+  assert len(warned) == (2 if source_length != T else 0), warned
+  assert all("'decoder/cross/" in message for message in warned)

@@ -44,6 +44,7 @@ import dataclasses
 import functools
 import math
 import re
+import warnings
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
@@ -453,7 +454,10 @@ def row_mask(mask: jax.Array, layers: Sequence[str] = ()) -> Iterator[None]:
   embedding's ids; a scalar: every position) and whose `layers` (regular
   expressions searched in the layer's name, e.g. `["encoder"]`; empty:
   every layer) name it; a layer whose positions the shape does not begin
-  (a head on pooled `[B, d]` under a `[B, T]` mask) is not masked. Inside a
+  (a head on pooled `[B, d]` under a `[B, T]` mask) is not masked. Names
+  say where a layer sits, not whose rows it multiplies: a decoder's
+  cross-attention keys and values, on the encoder's positions, need the
+  encoder's mask by name (warned where only its shape tells). Inside a
   `jax.vmap` (`nn.vmap`, `nnx.vmap`) entered after the mask the arrays have
   lost their mapped axis: enter the mask inside the mapped function (a
   scalar per example for a model written per example). Errors: a mask that
@@ -521,7 +525,28 @@ def _row_mask_of(trace: _context.Trace, name: str, kind: str, apply: Callable, x
           f"axes {positions[:example_dims]}, or use example_dims=None.")
     entry.used = True
     return entry.mask
+  if trace.mode == _context.DISCOVER:
+    _check_named_mask_fits(trace.row_masks, name, positions)
   return None
+
+
+def _check_named_mask_fits(entries: Sequence[_RowMask], name: str,
+                           positions: tuple) -> None:
+  """Warn where a mask names layer `name` but does not fit its positions
+  while another mask, for other layers, does: the layer's rows are another
+  sequence's (a decoder's cross-attention keys and values run on the
+  encoder's positions), taken unmasked."""
+  fits = lambda e: positions[:e.mask.ndim] == tuple(e.mask.shape)
+  named = [e for e in entries if any(p.search(name) for p in e.patterns)]
+  others = [e for e in entries if fits(e)]
+  if named and others and not any(map(fits, named)):
+    warnings.warn(
+        f"Tagged layer '{name}' (positions {positions}): kd.tags.row_mask of shape "
+        f"{tuple(named[-1].mask.shape)} names it but does not fit its positions, and "
+        f"the mask of shape {tuple(others[-1].mask.shape)} that fits them is for other "
+        "layers, so its rows are taken unmasked. A decoder's cross-attention keys and "
+        "values run on the encoder's positions: give them the encoder's mask by name "
+        "(docs/concepts.md, 'Padding: row masks').", stacklevel=6)
 
 
 def _counted(count: int, probe: jax.Array, data: jax.Array) -> jax.Array:
