@@ -33,7 +33,7 @@ restored when the loss returns. The
 user's classes are untouched (a subclass that does not replace `__call__` is
 captured through its base). While a capture runs in one thread, another
 thread tracing NNX layers would run the tagged computations too (outside a
-capture they are the ordinary layers: same values).
+capture they are the ordinary layers: the same values, to rounding).
 """
 
 from __future__ import annotations

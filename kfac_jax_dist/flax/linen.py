@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from flax.linen import dtypes as linen_dtypes
 
 from kfac_jax_dist.flax import common as _flax_common
+from kfac_jax_dist.capture import context as _context
 from kfac_jax_dist.capture import stacking
 from kfac_jax_dist.capture import tags
 
@@ -209,12 +210,14 @@ def _norm_reason(module: nn.Module, ndim: int, feature_axes) -> str | None:
 
 def _normalisation(kind: str, module: nn.Module, x, feature_axes, fallback: Fallback
                    ) -> Any:
-  """None when the normalisation is tagged, else Flax's own result (an
-  unsupported configuration, reported; or nothing to precondition)."""
+  """None when the normalisation is tagged, else Flax's own result (outside
+  a capture, bit for bit what `nn.LayerNorm` gives: the tagged path applies
+  the scale after normalising, Flax with the inverse deviation, a rounding
+  apart; an unsupported configuration, reported; or nothing to precondition)."""
   reason = _norm_reason(module, jnp.ndim(x), feature_axes)
   if reason is not None:
     return _flax_common.untagged(kind, reason, where(module), fallback)
-  if not module.use_scale:
+  if not module.use_scale or _context.tagging() is None:
     return fallback()
   return None
 

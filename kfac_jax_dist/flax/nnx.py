@@ -243,18 +243,22 @@ def embed(module: nnx.Embed, inputs, out_sharding, fallback: Fallback):
   return tags.embed(inputs, table, dtype=module.dtype, _site=site)
 
 
-def _normalisation(kind: str, module: nnx.Module, x, feature_axes, fallback: Fallback
-                   ) -> Any:
-  """None when the normalisation is tagged, else NNX's own result (an
-  unsupported configuration, reported; or nothing to precondition)."""
+def _normalisation(kind: str, module: nnx.Module, x, feature_axes, fallback: Fallback,
+                   unsupported: str | None = None) -> Any:
+  """None when the normalisation is tagged, else NNX's own result (outside
+  a capture, bit for bit `nnx.LayerNorm`'s: see `linen._normalisation`; an
+  unsupported configuration, reported, `unsupported` the caller's reason;
+  or nothing to precondition)."""
   if not module.use_scale:
     if getattr(module, "use_bias", False):
       return _untagged(kind, "use_scale=False", module, "bias", fallback)
     return fallback()
-  reason = _flax_common.norm_config(
+  reason = unsupported or _flax_common.norm_config(
       jnp.ndim(x), feature_axes,
       custom=_flax_common.custom_promote(module, nnx_dtypes.promote_dtype))
-  return None if reason is None else _untagged(kind, reason, module, "scale", fallback)
+  if reason is not None:
+    return _untagged(kind, reason, module, "scale", fallback)
+  return fallback() if _context.tagging() is None else None
 
 
 def _promoted(module: nnx.Module, x) -> tuple[jax.Array, Any]:
@@ -341,15 +345,14 @@ def group_norm(module: nnx.GroupNorm, x, mask, fallback: Fallback):
   default. Other reduction axes run NNX's own code (it repeats the groups'
   statistics along axis 1, the channels only where that is the last one
   left)."""
-  out = _normalisation("GroupNorm", module, x, module.feature_axis, fallback)
-  if out is not None:
-    return out
   axes = _flax_common.group_reduction_axes(jnp.ndim(x), module.reduction_axes)
   if axes is None:
     return fallback()                          # NNX's own error
-  if axes[:-1] != tuple(range(1, jnp.ndim(x) - 1)):
-    return _untagged("GroupNorm", "reduction axes other than all of an example's",
-                     module, "scale", fallback)
+  out = _normalisation("GroupNorm", module, x, module.feature_axis, fallback,
+                       None if axes[:-1] == tuple(range(1, jnp.ndim(x) - 1))
+                       else "reduction axes other than all of an example's")
+  if out is not None:
+    return out
   x, dtype = _promoted(module, x)
   x_hat = _flax_common.group_normalized(module, x, module.num_groups, axes, mask)
   return _scale_and_shift(module, x_hat, dtype, default_dims=1)
