@@ -130,6 +130,30 @@ def test_five_steps_equal_the_numpy_reference(case):
   assert int(state.count) == 6 and int(state.skipped) == 0
 
 
+def test_bucket_arrays_read_soaps_statistics_and_eigenbases():
+  """`shampoo.state.bucket_arrays` reads a SOAP state as a Shampoo one:
+  every block's statistic of the NumPy reference, per bucket of its size,
+  and orthonormal eigenbases of the statistics they were taken from."""
+  from kfac_jax_dist.shampoo import state as shampoo_state
+  shapes = {k: SHAPES[k] for k in ("w", "cube")}
+  tx = kd.scale_by_soap(B1, B2, EPS, precondition_every=EVERY, block_size=4,
+                        merge_small_dims=False)
+  oracle, rng = NumpySoap(shapes, 4, EVERY), np.random.default_rng(1)
+  state, update = tx.init(_params(shapes)), jax.jit(tx.update)
+  for _ in range(3):              # bases refreshed at count 2, statistics since
+    grads = _grads(rng, shapes)
+    _, state = update(grads, state)
+    oracle.step(grads)
+  stats, bases = shampoo_state.bucket_arrays(state)
+  got = np.concatenate(stats)
+  want = np.stack([h for hs in oracle.stats.values() for h in hs])
+  assert got.shape == want.shape
+  for h in want:
+    assert np.abs(got - h).max(axis=(1, 2)).min() <= 1e-12 * np.abs(h).max()
+  for q in np.concatenate(bases):
+    np.testing.assert_allclose(q.T @ q, np.eye(len(q)), atol=1e-12)
+
+
 def test_soap_is_adamw_in_the_eigenbasis():
   """`kd.soap` = scale_by_soap, decoupled weight decay, −learning rate: after
   its first update (statistics only: zero direction, the weight decay alone)

@@ -143,14 +143,15 @@ def _identity_rows(lay: ShampooLayout, runs_of: Sequence[Sequence[initial.Run]],
   return initial.build(runs, len(devices), lay.segment, jnp.float32, per_device).reshape(-1)
 
 
-def bucket_arrays(state: ScaleByShampooState) -> tuple[tuple[np.ndarray, ...],
-                                                         tuple[np.ndarray, ...]]:
-  """`(statistics, roots)` of a (global) state as per-bucket `[n, d, d]` host
+def bucket_arrays(state: Any) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
+  """`(statistics, roots)` of a (global) Shampoo state, `(statistics,
+  eigenbases)` of a SOAP one (laid out alike), as per-bucket `[n, d, d]` host
   arrays, whatever its distribution: the inverse of `placed_arrays`."""
   lay = state.layout
   m, length = lay.group_size, lay.segment
+  second = state.roots if isinstance(state, ScaleByShampooState) else state.bases
   stats = np.asarray(state.statistics[0]).reshape(lay.num_devices, length)
-  roots = np.asarray(state.roots[0]).reshape(-1, m * length)   # one row per copy
+  roots = np.asarray(second[0]).reshape(-1, m * length)   # one row per copy
   out_stats, out_roots = [], []
   for j, (d, _) in enumerate(lay.buckets):
     s, r = [], []

@@ -628,10 +628,7 @@ def _convert_soap(old, new):
   """A SOAP state with the template's layout: statistics and eigenbases as
   Shampoo's statistics and roots, the moments parameter by parameter."""
   _check_same_blocks(old.layout, new.layout)
-  as_shampoo = lambda x: shampoo_state.ScaleByShampooState(
-      count=x.count, statistics=x.statistics, roots=x.bases, graft=(), skipped=x.skipped,
-      layout=x.layout)
-  stats, bases = shampoo_state.bucket_arrays(as_shampoo(old))
+  stats, bases = shampoo_state.bucket_arrays(old)
   stats, bases = (tuple([x]) for x in shampoo_state.placed_arrays(new.layout, stats, bases))
   cast = lambda xs, like: tuple(jnp.asarray(x, y.dtype) for x, y in zip(xs, like))
   out = soap_lib.with_moments(new, *soap_lib.param_moments(old))
