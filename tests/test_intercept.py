@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import types
+import warnings
 
 import flax.linen as nn
 import jax
@@ -23,6 +24,7 @@ import pytest
 from flax import nnx
 
 import kfac_jax_dist as kd
+from kfac_jax_dist.capture import registry
 
 import helpers
 from helpers import compile_step
@@ -563,3 +565,101 @@ def test_nnx_scanned_plain_model_equals_tagged():
   helpers.assert_trees_equal(got, want)
   helpers.assert_trees_equal(_train(got_fn, params, (x, y)),
                              _train(want_fn, params, (x, y)))
+
+
+class _StandardizedDense(nn.Dense):
+  """A weight-standardised Dense layer (BiT's StdConv, as big_vision writes
+  it): its `param` returns the kernel standardised per output unit."""
+
+  def param(self, name, *args, **kwargs):
+    p = super().param(name, *args, **kwargs)
+    return (p - p.mean(0)) / p.std(0) if name == "kernel" else p
+
+
+class _TransposedDense(nn.Dense):
+  """A Dense layer storing its kernel in PyTorch's `[out, in]` layout."""
+
+  def param(self, name, init, shape, *args):
+    if name != "kernel":
+      return super().param(name, init, shape, *args)
+    return super().param(name, lambda k, s, *a: init(k, s[::-1], *a).T, shape[::-1],
+                         *args).T
+
+
+def test_a_kernel_stored_transposed_is_refused_naming_the_cause():
+  x, y = jax.random.normal(jax.random.PRNGKey(0), (8, 5)), jnp.arange(8) % 3
+  model = _TransposedDense(3)
+  params = model.init(jax.random.PRNGKey(1), x)["params"]
+  loss = lambda p, x, y: kd.losses.softmax_cross_entropy(model.apply({"params": p}, x), y)
+  with pytest.raises(ValueError, match=r"\(3, 5\), which does not end with the shape "
+                                       r"\(5, 3\).*transposed or reshaped"):
+    kd.value_and_grad(loss, capture="flax").discover(params, x, y)
+
+
+@pytest.mark.parametrize("first", ["weight_norm", "standardized", "plain", "cast"])
+def test_a_kernel_computed_from_its_parameter_is_warned_about(first):
+  """A layer applying a kernel computed from its parameter (nn.WeightNorm, a
+  `param` override) is followed to that parameter, whose gradient its
+  factors then precondition without the map's Jacobian: warned about at
+  discovery, naming the layer; its name leaves it out with `skip=`. A cast of
+  the parameters (mixed precision) is followed silently."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (8, 5))
+  y = jnp.arange(8) % 3
+  layer = {"weight_norm": lambda: nn.WeightNorm(nn.Dense(6)),
+           "standardized": lambda: _StandardizedDense(6)}.get(first, lambda: nn.Dense(6))
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(3, name="head")(jnp.tanh(layer()(x)))
+  params = Model().init(jax.random.PRNGKey(1), x)["params"]
+
+  def loss(p, x, y):
+    if first == "cast":
+      p = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p)
+    return kd.losses.softmax_cross_entropy(Model().apply({"params": p}, x), y)
+  grad_fn = kd.value_and_grad(loss, capture="flax")
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    layers = grad_fn.discover(params, x, y)
+  warned = [str(w.message) for w in caught if "kernel computed from" in str(w.message)]
+  if first in ("plain", "cast"):
+    assert not warned
+    return
+  name = next(l.name for l in layers if l.name != "head")
+  assert len(warned) == 1 and f"layer '{name}'" in warned[0], warned
+  tx = kd.kfac(0.1, layers=layers, skip=[f"^{name}$"])
+  state = tx.init(params)
+  _, grads, stats = grad_fn(params, x, y, opt_state=state)
+  updates, _ = tx.update(grads, state, params, kfac_stats=stats)
+  skipped = next(l for l in layers if l.name == name).kernel_path
+  leaf = lambda tree: registry.leaves_by_path(tree)[skipped]
+  np.testing.assert_allclose(leaf(updates), -0.1 * leaf(grads), rtol=1e-6)
+
+
+class _MergedLoraDense(nn.Dense):
+  """A Dense layer applying `kernel + a b` (LoRA merged into the kernel)."""
+
+  def param(self, name, *args, **kwargs):
+    p = super().param(name, *args, **kwargs)
+    if name != "kernel":
+      return p
+    a = super().param("lora_a", nn.initializers.normal(0.3), (p.shape[0], 2))
+    return p + a @ super().param("lora_b", nn.initializers.normal(0.3), (2, p.shape[1]))
+
+
+def test_a_kernel_of_parameters_passed_apart_is_refused_naming_the_layer():
+  """Adapters trained, the base kernel frozen in another argument: the kernel
+  depends on the parameters but is none of their leaves: refused naming the
+  Flax layer (the plain tags' error pointed to capture='flax', in use)."""
+  x, y = jax.random.normal(jax.random.PRNGKey(0), (8, 5)), jnp.arange(8) % 3
+  model = _MergedLoraDense(3, use_bias=False)
+  params = model.init(jax.random.PRNGKey(1), x)["params"]
+  adapters = {k: params[k] for k in ("lora_a", "lora_b")}
+
+  def loss(adapters, base, x, y):
+    logits = model.apply({"params": {**adapters, "kernel": base}}, x)
+    return kd.losses.softmax_cross_entropy(logits, y)
+  with pytest.raises(ValueError, match="Flax layer '_MergedLoraDense': its kernel .* "
+                                       "merged LoRA kernel"):
+    kd.value_and_grad(loss, capture="flax").discover(adapters, params["kernel"], x, y)

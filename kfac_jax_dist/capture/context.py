@@ -48,6 +48,7 @@ class Trace:
   top: Any = None
   repeats: set = dataclasses.field(default_factory=set)
   leaf_shapes: dict = dataclasses.field(default_factory=dict)  # path -> shape
+  leaf_dtypes: dict = dataclasses.field(default_factory=dict)  # path -> dtype
   # Stacked layers (see `stacking`): discover: name -> how the capture hands
   # them their probes; capture: the names whose probes come that way.
   carriers: dict = dataclasses.field(default_factory=dict)

@@ -53,12 +53,15 @@ the first capture, where the probes fail to slice like the parameters:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
+from kfac_jax_dist import _compat
 from kfac_jax_dist.capture import context as _context
 from kfac_jax_dist.capture import registry
 
@@ -120,8 +123,31 @@ def stack_of(name: str, path: str, leaf_shape, block_shape) -> tuple[int, ...]:
         f"Tagged layer '{name}': parameter '{path}' has shape {leaf_shape}, which "
         f"does not end with the shape {block_shape} the layer uses. Stacked layers "
         "must stack their parameters along leading axes (nn.scan / nn.vmap with "
-        "variable_axes={'params': 0}, nnx.vmap / nnx.scan with axis 0).")
+        "variable_axes={'params': 0}, nnx.vmap / nnx.scan with axis 0); a kernel "
+        "computed from the parameter (transposed or reshaped from another layout, "
+        "reparameterised) cannot be tagged: store it in the layer's layout, or leave "
+        "the layer to a plain, untagged one.")
   return leaf_shape[:k]
+
+
+def _check_followed(trace, what: str, kernel_path: str, kernel) -> None:
+  """Warn, at discovery, where a kernel at the loss's own trace level is not
+  its leaf `kernel_path` but has its dtype: computed from it (a weight or
+  spectral norm, a standardisation, a transpose, MAML's adapted weights),
+  not cast or sliced by a transform. The layer's factors, the applied
+  kernel's, then precondition the leaf's gradient: right only where the map
+  is close to the identity (its Jacobian is not applied)."""
+  if (trace.mode != _context.DISCOVER or _compat.current_trace() is not trace.top
+      or jnp.result_type(kernel) != trace.leaf_dtypes.get(kernel_path)):
+    return
+  warnings.warn(
+      f"kfac_jax_dist: layer '{what}' applies a kernel computed from parameter "
+      f"'{kernel_path}' (not the leaf itself, nor a cast of it: a weight or spectral "
+      "norm, a standardisation, a transpose, MAML's adapted weights). K-FAC "
+      "preconditions the parameter's gradient with the factors of the kernel "
+      "applied, which ignores the map's Jacobian: close to right for a map near the "
+      "identity (an inner-loop step), wrong in scale for a normalisation. Pass "
+      f"skip=[...] naming '{what}' to leave it unpreconditioned.", stacklevel=2)
 
 
 def _site(trace, what, kernel_path, bias_path, kernel, bias, **fields) -> Site:
@@ -184,13 +210,19 @@ def linen_site(module, kernel, bias, kernel_name: str, bias_name: str | None):
   scope = tuple(str(p) for p in module.scope.path)
   what = "/".join(scope) or type(module).__name__
   kernel_path = _by_suffix(trace, scope + (kernel_name,), kernel.shape, what)
-  if kernel_path is None:
-    return None
-  bias_path = None
-  if bias is not None:
-    bias_path = _by_suffix(trace, scope + (bias_name,), bias.shape, what)
-    if bias_path is None:
-      return None
+  bias_path = None if bias is None else _by_suffix(trace, scope + (bias_name,),
+                                                   bias.shape, what)
+  if kernel_path is None or (bias is not None and bias_path is None):
+    raise ValueError(
+        f"Flax layer '{what}': its {kernel_name} (or {bias_name}) depends on the "
+        "parameters given to kd.value_and_grad but is none of their leaves, nor "
+        "computed from one at its own module path (a merged LoRA kernel whose base "
+        "is passed in another argument), so K-FAC cannot tell which gradient to "
+        "precondition. Pass the parameters it is computed from in the first "
+        "argument (the layer is then followed to its own leaf; skip= its name to "
+        "leave it unpreconditioned), or apply it to parameters it does not depend "
+        "on.")
+  _check_followed(trace, what, kernel_path, kernel)
   parts = kernel_path.split("/")
   probes = (module.get_variable("params", PROBE_KEY)
             if module.has_variable("params", PROBE_KEY) else None)
@@ -235,6 +267,7 @@ def nnx_site(kernel_var, bias_var):
       bias is not None and bias_path not in trace.leaf_shapes):
     return kernel, bias, None
   what = "/".join(kernel_path.split("/")[:-1]) or kernel_path
+  _check_followed(trace, what, kernel_path, kernel)
   return kernel, bias, _site(trace, what, kernel_path, bias_path, kernel, bias,
                              probes=probes, carrier=(NNX, kernel_path))
 

@@ -82,7 +82,8 @@ _NOT_A_LEAF = (
     "(docs/distributed.md), or over a tensor-parallel model_axis. A kernel computed "
     "from the parameters (MAML's adapted weights p - a*grad, a weight average) is no "
     "parameter either: apply that pass untagged, or capture a Flax model with "
-    "capture='flax', which follows the parameters into it.")
+    "capture='flax', which follows the parameters into it (and warns: the factors "
+    "of the kernel applied then precondition the parameter's gradient).")
 
 
 def _not_a_leaf_hint(trace: _context.Trace) -> str:

@@ -86,7 +86,7 @@ def _new_trace(mode: str, params, **fields) -> _context.Trace:
   return _context.Trace(
       mode=mode, leaf_paths={id(leaf): name for name, leaf in named},
       leaf_shapes={name: tuple(jnp.shape(leaf)) for name, leaf in named},
-      **fields)
+      leaf_dtypes={name: jnp.result_type(leaf) for name, leaf in named}, **fields)
 
 
 def _probes(layer: registry.TaggedLayer, forms: tuple[str, str],
