@@ -36,7 +36,8 @@ def split(args: tuple, k: int, caller: str) -> tuple:
     if jnp.ndim(x) == 0 or jnp.shape(x)[0] % k:
       raise ValueError(f"{caller}(micro_batches={k}): every positional batch "
                        f"argument needs a leading axis divisible by {k}; got shape "
-                       f"{jnp.shape(x)}.")
+                       f"{jnp.shape(x)}. Pass arguments that are no batch (a PRNG "
+                       "key, a flag, a scalar) as keywords: they are passed whole.")
   return jax.tree_util.tree_map(
       lambda x: jnp.reshape(x, (k, x.shape[0] // k) + x.shape[1:]), args)
 

@@ -192,8 +192,9 @@ class ValueAndGrad:
         raise ValueError(
             f"grad_fn{call}(..., {name}=...): {name}= is kd.value_and_grad's own "
             f"keyword ({OWN_KEYWORDS[name]}), and the loss function's parameter "
-            f"'{name}' would not receive it. Pass the loss function's {name} "
-            f"positionally, or rename that parameter (e.g. key).")
+            f"'{name}' would not receive it. Rename that parameter (e.g. key), or "
+            f"pass the loss function's {name} positionally (not to accumulate or "
+            "micro_batches=, which split every positional argument).")
 
   def discover(self, params, *args, distribution=None, **kwargs
                ) -> registry.LayerRegistry:
