@@ -8,8 +8,11 @@ updates:
 
 where `every` is an int or an optax-style schedule of `count` (so an interval
 may grow during training). Shampoo's roots additionally wait for a start step
-`s` and are also refreshed at `s` itself (Anil et al. 2020, §5; Google's
-`distributed_shampoo`):
+`s` and are also refreshed at `s` itself, so that the first preconditioned step
+has roots of its own statistics (Anil et al. 2020, §5; Google's
+`distributed_shampoo` computes roots at every multiple of its interval from
+step 0 whatever the start, and its first preconditioned step uses the last
+multiple's):
 
     due_from(s, every, count) = count ≥ s(count) and (due(every, count) or count = s(count)).
 
