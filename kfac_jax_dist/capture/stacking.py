@@ -213,8 +213,9 @@ def linen_site(module, kernel, bias, kernel_name: str, bias_name: str | None):
   bias_path = None if bias is None else _by_suffix(trace, scope + (bias_name,),
                                                    bias.shape, what)
   if kernel_path is None or (bias is not None and bias_path is None):
+    missing = kernel_name if kernel_path is None else bias_name
     raise ValueError(
-        f"Flax layer '{what}': its {kernel_name} (or {bias_name}) depends on the "
+        f"Flax layer '{what}': its {missing} depends on the "
         "parameters given to kd.value_and_grad but is none of their leaves, nor "
         "computed from one at its own module path (a merged LoRA kernel whose base "
         "is passed in another argument), so K-FAC cannot tell which gradient to "
