@@ -32,6 +32,7 @@ has none), in the Gauss-Newton products and the Monte Carlo Fisher alike.
 from __future__ import annotations
 
 import jax
+from jax.typing import ArrayLike
 import jax.numpy as jnp
 
 from kfac_jax_dist import _compat
@@ -196,8 +197,8 @@ def _register(name: str, loss_of_targets, targets, sample, mask, inputs,
   return value
 
 
-def softmax_cross_entropy(logits: jax.Array, labels: jax.Array,
-                          mask: jax.Array | None = None) -> jax.Array:
+def softmax_cross_entropy(logits: ArrayLike, labels: ArrayLike,
+                          mask: ArrayLike | None = None) -> jax.Array:
   """Mean of `-log softmax(logits)[label]`; `labels` are integer classes of shape
   `logits.shape[:-1]` or target distributions of shape `logits.shape`."""
   logits = _kept_inputs("softmax_cross_entropy", logits, mask)
@@ -229,8 +230,8 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array,
                    _softmax_hessian, invalid, scale)
 
 
-def sigmoid_cross_entropy(logits: jax.Array, labels: jax.Array,
-                          mask: jax.Array | None = None) -> jax.Array:
+def sigmoid_cross_entropy(logits: ArrayLike, labels: ArrayLike,
+                          mask: ArrayLike | None = None) -> jax.Array:
   """Mean over examples of the binary cross-entropies summed over the last axis
   (independent Bernoulli outputs); `labels` in [0, 1], shaped like `logits`."""
   _check_targets("sigmoid_cross_entropy", logits, labels, jnp.shape(logits),
@@ -254,8 +255,8 @@ def sigmoid_cross_entropy(logits: jax.Array, labels: jax.Array,
                    _sigmoid_hessian, outside)
 
 
-def squared_error(predictions: jax.Array, targets: jax.Array,
-                  mask: jax.Array | None = None) -> jax.Array:
+def squared_error(predictions: ArrayLike, targets: ArrayLike,
+                  mask: ArrayLike | None = None) -> jax.Array:
   """Mean over examples of `½ Σ (prediction − target)²` over the last axis: the
   negative log-likelihood of a unit-variance Gaussian, up to a constant;
   `targets` shaped like `predictions`."""
@@ -275,7 +276,7 @@ def squared_error(predictions: jax.Array, targets: jax.Array,
                    _squared_error_hessian)
 
 
-def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
+def masked_mean(values: ArrayLike, mask: ArrayLike) -> jax.Array:
   """`Σ mask·values / Σ mask` over every axis (0 for an all-zero mask): a term
   of the loss besides the registered one averaged over masked positions, e.g.
   a z-loss over the real tokens. Not registered (no curvature); inside

@@ -48,6 +48,7 @@ import warnings
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
+from jax.typing import ArrayLike
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -434,7 +435,7 @@ class _RowMask:
 
 
 @contextlib.contextmanager
-def row_mask(mask: jax.Array, layers: Sequence[str] = ()) -> Iterator[None]:
+def row_mask(mask: ArrayLike, layers: Sequence[str] = ()) -> Iterator[None]:
   """Inside the loss function: the tagged layers run in this block leave the
   rows where `mask` is False (0) out of their curvature statistics.
 
@@ -577,7 +578,7 @@ def _block_of(kernel, bias, stack_index, site):
   return stacking.index_site(kernel, bias, stack_index)
 
 
-def dense(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
+def dense(x: ArrayLike, kernel: ArrayLike, bias: ArrayLike | None = None, *,
           name: str | None = None, dtype: Any = None, precision=None,
           example_dims: int | None = None, stack_index=None,
           _site=None) -> jax.Array:
@@ -674,7 +675,7 @@ def _check_example_dims(tag: str, example_dims, num_leading: int, shape) -> None
                      "axes can index examples")
 
 
-def dense_general(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
+def dense_general(x: ArrayLike, kernel: ArrayLike, bias: ArrayLike | None = None, *,
                   in_dims: int = 1, name: str | None = None, dtype: Any = None,
                   precision=None, example_dims: int | None = None, stack_index=None,
                   _site=None) -> jax.Array:
@@ -830,7 +831,7 @@ def _convolution(tag: str, spatial: int, x: jax.Array, kernel: jax.Array,
                  g_dim=shape[-1] // groups, groups=groups, **transposed)
 
 
-def conv2d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
+def conv2d(x: ArrayLike, kernel: ArrayLike, bias: ArrayLike | None = None, *,
            name: str | None = None, strides: Sequence[int] = (1, 1),
            padding: str | Sequence[tuple[int, int]] = "SAME",
            dilation: Sequence[int] = (1, 1), input_dilation: Sequence[int] = (1, 1),
@@ -861,7 +862,7 @@ def conv2d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
                       example_dims, site, transpose_kernel)
 
 
-def conv1d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
+def conv1d(x: ArrayLike, kernel: ArrayLike, bias: ArrayLike | None = None, *,
            name: str | None = None, strides: int | Sequence[int] = (1,),
            padding: str | Sequence[tuple[int, int]] = "SAME",
            dilation: int | Sequence[int] = (1,), input_dilation: int | Sequence[int] = (1,),
@@ -882,7 +883,7 @@ def conv1d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
                       example_dims, site, transpose_kernel)
 
 
-def conv3d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
+def conv3d(x: ArrayLike, kernel: ArrayLike, bias: ArrayLike | None = None, *,
            name: str | None = None, strides: int | Sequence[int] = (1, 1, 1),
            padding: str | Sequence[tuple[int, int]] = "SAME",
            dilation: int | Sequence[int] = (1, 1, 1),
@@ -906,7 +907,7 @@ def conv3d(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
 CONVOLUTIONS = {1: conv1d, 2: conv2d, 3: conv3d}   # the tag of each spatial rank
 
 
-def embed(ids: jax.Array, table: jax.Array, *, name: str | None = None,
+def embed(ids: ArrayLike, table: ArrayLike, *, name: str | None = None,
           dtype: Any = None, stack_index=None, _site=None) -> jax.Array:
   """Embedding lookup `table[ids]` (`jnp.take` along axis 0, like Flax's Embed).
 
@@ -941,7 +942,7 @@ def embed(ids: jax.Array, table: jax.Array, *, name: str | None = None,
                  a_dim=vocab_size, g_dim=features, a_diagonal=True)
 
 
-def scale_and_shift(x: jax.Array, scale: jax.Array, offset: jax.Array | None = None, *,
+def scale_and_shift(x: ArrayLike, scale: ArrayLike, offset: ArrayLike | None = None, *,
                     name: str | None = None, dtype: Any = None,
                     example_dims: int | None = None, stack_index=None,
                     _site=None) -> jax.Array:

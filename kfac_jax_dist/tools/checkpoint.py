@@ -145,7 +145,11 @@ def checkpoint_metadata(tree: Any) -> dict[str, Any]:
 
 
 def _checkpointer():
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  try:
+    import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  except ImportError as error:
+    raise ImportError("kd.save_checkpoint / kd.restore_checkpoint need orbax-checkpoint: "
+                      "pip install 'kfac_jax_dist[checkpoint]'.") from error
   return ocp, ocp.Checkpointer(ocp.CompositeCheckpointHandler())
 
 
