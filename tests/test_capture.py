@@ -760,6 +760,48 @@ def test_mc_fisher_softmax():
     check_mc_estimate(stats[name]["G"], exact[name], f"G of {name}")
 
 
+@pytest.mark.parametrize("returned, coefficient", [
+    (lambda l: 3.0 * l, lambda l: 3.0),             # kfac-jax's loss weight 3
+    (lambda l: l / 4.0 + 0.5, lambda l: 0.25),      # a micro-batch's share plus a constant
+    (jnp.log, lambda l: 1.0 / l)],                  # the log of the loss
+    ids=["weight", "share", "log"])
+def test_mc_fisher_is_the_returned_losss(returned, coefficient):
+  """The loss function returns `f(L)` of its registered loss `L`: the
+  Gauss-Newton matrix of what the optimiser minimises is `f'(L)` times L's,
+  and so is what the Monte Carlo `G` estimates (enumerated over the classes),
+  as kfac-jax's sampled estimators take its loss weight. The samples'
+  cotangents do not carry `f'(L)` (G was L's whatever the coefficient: a
+  fixed step scaled with it, against 1/f'(L) under the empirical Fisher).
+  The empirical `G`, from the true targets' cotangents, is `f'(L)²` times L's
+  (kfac-jax's `fisher_empirical` too)."""
+  kp, kx, ky = jax.random.split(jax.random.PRNGKey(5), 3)
+  params = mlp_params(kp, (3, 4, 3), (True, True))
+  x, y = randn(kx, (5, 3)), jax.random.randint(ky, (5,), 0, 3)
+  model = lambda l, p, x: mlp(l, p, x)
+  loss_fn = lambda p, x, y: returned(kd.losses.softmax_cross_entropy(model(Tagged(), p, x), y))
+  plain = lambda p, x, y: kd.losses.softmax_cross_entropy(model(Tagged(), p, x), y)
+
+  loss_value, _, stats = mc_draws(kd.value_and_grad(loss_fn, fisher="mc"), params, x, y)
+  c = coefficient(float(f64(kd.value_and_grad(plain)(params, x, y)[0])))
+  probs = jax.nn.softmax(model(Ref(), params, x))
+  exact = enumerated_fisher(model, params, x, ce_per_example,
+                            [jnp.full((5,), k) for k in range(3)],
+                            [probs[:, k] for k in range(3)])
+  for name in ("l1", "l2"):
+    check_mc_estimate(stats[name]["G"], c * exact[name], f"G of {name}")
+  # The same draws with a loss scale (the seed of the backward pass).
+  key = jax.random.PRNGKey(7)
+  _, _, one = kd.value_and_grad(plain, fisher="mc")(params, x, y, rng=key)
+  _, _, scaled = kd.value_and_grad(loss_fn, fisher="mc")(params, x, y, rng=key,
+                                                         loss_scale=128.0)
+  _, _, emp_one = capture(plain)(params, x, y)
+  _, _, emp = capture(loss_fn)(params, x, y)
+  for name in ("l1", "l2"):
+    np.testing.assert_allclose(f64(scaled[name]["G"]), c * f64(one[name]["G"]), rtol=1e-5)
+    np.testing.assert_allclose(f64(emp[name]["G"]), c * c * f64(emp_one[name]["G"]),
+                               rtol=1e-5)
+
+
 def test_mc_fisher_soft_targets_weigh_by_their_sums():
   """Softmax targets summing to `s_i` (0 for a padding row, 1.2, 0.5, ...):
   the loss's Hessian is `s_i (diag(p_i) − p_i p_iᵀ)`, so the Monte Carlo `G`

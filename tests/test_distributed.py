@@ -931,6 +931,30 @@ def test_monte_carlo_targets_are_drawn_per_data_shard():
     assert all(differ) if distinct else not any(differ), differ
 
 
+def test_monte_carlo_g_takes_the_local_losss_coefficient():
+  """Inside `shard_map`, the Monte Carlo `G` of `3 · loss` is 3 times the
+  loss's on each device, each the single-device `G` of its slice with its
+  folded key: the coefficient is the local loss's, not summed over the
+  devices (the zero added to the registered loss varies with the batch)."""
+  loss = lambda p, x, y: kd.losses.softmax_cross_entropy(kd.tags.dense(x, p["w"], name="out"), y)
+  x = jax.random.normal(jax.random.PRNGKey(0), (32, 3))
+  y = jnp.arange(32) % 5
+  params = {"w": jax.random.normal(jax.random.PRNGKey(1), (3, 5))}
+
+  def local_g(weight):
+    grad_fn = kd.value_and_grad(lambda p, x, y: weight * loss(p, x, y), fisher="mc")
+    return lambda xs, ys: grad_fn(params, xs, ys, rng=jax.random.PRNGKey(5))[2]["out"]["G"][None]
+  mesh = helpers.data_mesh(8)
+  g1, g3 = (np.asarray(jax.jit(jax.shard_map(local_g(w), mesh=mesh, in_specs=(P("data"),) * 2,
+                                              out_specs=P("data")))(x, y)) for w in (1.0, 3.0))
+  for d in range(8):
+    alone = kd.value_and_grad(loss, fisher="mc")(
+        params, x[4 * d:4 * d + 4], y[4 * d:4 * d + 4],
+        rng=jax.random.fold_in(jax.random.PRNGKey(5), d))[2]["out"]["G"]
+    np.testing.assert_allclose(g1[d], alone, rtol=1e-5, err_msg=f"device {d}")
+    np.testing.assert_allclose(g3[d], 3.0 * alone, rtol=1e-5, err_msg=f"device {d}")
+
+
 @pytest.mark.parametrize("factor_every", [10, optax.constant_schedule(10)],
                          ids=["number", "schedule"])
 def test_distributed_init_makes_no_host_transfers(factor_every):

@@ -519,8 +519,12 @@ class ValueAndGrad:
     # axis (the batch is replicated there too) keeps autodiff's sum over it.
     probes = _compat.as_varying(probes, _compat.varying_axes(params, args, kwargs))
     params = _compat.as_varying(params, _compat.varying_axes(args, kwargs))
+    # Under "mc", a zero added to the registered loss: its cotangent is `c`, the
+    # returned value's derivative in the registered loss (`a` for `a · loss`).
+    offset = None if self.fisher == "empirical" else _compat.as_varying(
+        jnp.zeros([], jnp.float32), _compat.varying_axes(args, kwargs))
 
-    def evaluate(p: Any, probes: dict) -> tuple:
+    def evaluate(p: Any, probes: dict, offset: jax.Array | None) -> tuple:
       # Stacked linen / NNX layers get their probes through the parameter tree
       # (sliced per block by flax / NNX); the others by name.
       carried = {n: (carriers[n], v) for n, v in probes.items() if n in carriers}
@@ -528,7 +532,7 @@ class ValueAndGrad:
                          differentiated=True, compute_stats=compute_stats,
                          probes={n: v for n, v in probes.items() if n not in carried},
                          carriers={n: carriers[n] for n in carried},
-                         loss_weight=loss_weight)
+                         loss_weight=loss_weight, loss_offset=offset)
       traces.append(trace)
       with _context.active(trace):
         out = self.fun(stacking.prepare(p, carried), *args, **kwargs)
@@ -545,7 +549,7 @@ class ValueAndGrad:
 
     traces: list[_context.Trace] = []
     try:
-      (loss, sampled), vjp, (aux, n, weight) = jax.vjp(evaluate, params, probes,
+      (loss, sampled), vjp, (aux, n, weight) = jax.vjp(evaluate, params, probes, offset,
                                                        has_aux=True)
     except Exception as error:    # flax's or JAX's, slicing a stacked layer's probes
       self._check_stack_axes(discovered, params, args, kwargs, error)
@@ -555,13 +559,17 @@ class ValueAndGrad:
     # it, and `G`/`F` (quadratic in the cotangents) by its square.
     seed = jnp.ones_like(loss) if loss_scale is None else jnp.asarray(
         loss_scale, loss.dtype) * jnp.ones_like(loss)
+    # The true targets' cotangents carry the loss's weight and the returned
+    # value's coefficient `c` (the empirical Fisher of `c · loss`: `c²` times
+    # the loss's); the samples' carry neither, so they are scaled by `|c|`,
+    # as the Gauss-Newton matrix of `c · loss` is (kfac-jax's loss weight).
     if self.fisher == "empirical":
-      grads, probe_bar = vjp((seed, None))
+      grads, probe_bar, _ = vjp((seed, None))
+      g_scale, coefficient = shares.unweighted_scale(n, weight), None
     else:
-      grads, _ = vjp((seed, jnp.zeros_like(sampled)))
-      _, probe_bar = vjp((jnp.zeros_like(loss), seed.astype(sampled.dtype)))
-    # The true targets' cotangents carry the loss's weight; the samples' do not.
-    g_scale = shares.unweighted_scale(n, weight if self.fisher == "empirical" else None)
+      grads, _, c = vjp((seed, jnp.zeros_like(sampled)))
+      _, probe_bar, _ = vjp((jnp.zeros_like(loss), seed.astype(sampled.dtype)))
+      g_scale, coefficient = shares.unweighted_scale(n, None), jnp.abs(c / seed.astype(c.dtype))
     if loss_scale is not None:
       inv = 1.0 / jnp.asarray(loss_scale, factors.statistics_dtype(loss))
       grads = jax.tree_util.tree_map(lambda g: (g * inv.astype(g.dtype)).astype(g.dtype),
@@ -569,7 +577,7 @@ class ValueAndGrad:
       g_scale = g_scale * inv * inv
     value = (loss, aux) if self.has_aux else loss
     counted = frozenset(layer.name for layer in discovered.layers if layer.counted)
-    stats = _statistics(probe_bar, g_scale, traces[0].scaled, counted)
+    stats = _statistics(probe_bar, g_scale, traces[0].scaled, counted, coefficient)
     for name in set(stats) - traces[0].reached:        # the loss does not use its output
       stats[name][factors.UNREACHED] = jnp.zeros([], jnp.int32)
     return value, grads, stats, n, weight
@@ -691,20 +699,24 @@ def _all_probes(discovered: "_Discovered", state: Any) -> dict:
 
 
 def _statistics(probe_bar: dict, g_scale: Any, scaled: set[str],
-                counted: frozenset[str] = frozenset()) -> dict:
+                counted: frozenset[str] = frozenset(), coefficient: Any = None) -> dict:
   """The statistics from the probes' cotangents: those built from output
   cotangents (`factors.SCALED_BY_NUM_EXAMPLES`, cotangents of the mean loss)
   times `g_scale` (the number of examples, divided by the loss scale
-  squared) unless their layer is in `scaled` (its backward pass did it), `A`
-  the mean over a repeated layer's positions in all its runs, EK-FAC's bases
-  dropped, and the position counts too except those of the layers in
-  `counted` (that may sit out the pass: the optimizer weighs their `A` by
-  them). Each keeps its layer's dtype (`factors.statistics_dtype`)."""
+  squared) unless their layer is in `scaled` (its backward pass did it), and
+  times `coefficient` in every layer (None: 1), `A` the mean over a repeated
+  layer's positions in all its runs, EK-FAC's bases dropped, and the
+  position counts too except those of the layers in `counted` (that may sit
+  out the pass: the optimizer weighs their `A` by them). Each keeps its
+  layer's dtype (`factors.statistics_dtype`)."""
   dropped = lambda name: factors.BASES + (() if name in counted else (factors.POSITIONS,))
-  stats = {name: {key: (value * g_scale).astype(value.dtype)
-                  if key in factors.SCALED_BY_NUM_EXAMPLES and name not in scaled
-                  else value for key, value in layer_stats.items()
-                  if key not in dropped(name)}
+  def scaled_by(name: str, value: jax.Array) -> jax.Array:
+    for scale in (None if name in scaled else g_scale, coefficient):
+      value = value if scale is None else (value * scale).astype(value.dtype)
+    return value
+  stats = {name: {key: scaled_by(name, value)
+                  if key in factors.SCALED_BY_NUM_EXAMPLES else value
+                  for key, value in layer_stats.items() if key not in dropped(name)}
            for name, layer_stats in probe_bar.items()}
   for name, layer_stats in probe_bar.items():
     if factors.POSITIONS in layer_stats and "A" in layer_stats:
