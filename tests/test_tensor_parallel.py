@@ -635,7 +635,7 @@ def test_kfac_rejects_shardings_it_cannot_precondition():
                                 (grouped, grouped_params, grouped_specs, xc,
                                  "'grouped' is a grouped convolution"),
                                 (transposed, transposed_params, transposed_specs, xc,
-                                 "'transposed' is a convolution with a transposed kernel")):
+                                 "'transposed' is a layer with a transposed kernel")):
     dist = kd.Distribution(mesh, model_axis="model", param_specs=s)
     layers = kd.value_and_grad(loss).discover(p, xx, y, distribution=dist)
     with pytest.raises(ValueError, match=match):

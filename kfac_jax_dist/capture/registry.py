@@ -36,11 +36,12 @@ blocks lie in the leaves differs, inside the kernel's last axis
 (`leaf_blocks`, `blocks_leaf`).
 
 A *transposed kernel* (`transposed_kernel=True`: Flax's `ConvTranspose` with
-`transpose_kernel=True`, PyTorch's convention) is stored `(*window, out, in)`
-and applied flipped over its window with the two channel axes swapped
-(`lax.conv_transpose`): `kernel_shape` is that applied kernel's `(*window,
-in, out)`, whose rows the factors describe, and `leaf_blocks` / `blocks_leaf`
-flip and swap between it and the leaf.
+`transpose_kernel=True`, PyTorch's convention; a dense layer's `(out, in)`
+weight, PyTorch's and Equinox's `Linear`, whose window is empty) is stored
+`(*window, out, in)` and applied flipped over its window with the two channel
+axes swapped (`lax.conv_transpose`): `kernel_shape` is that applied kernel's
+`(*window, in, out)`, whose rows the factors describe, and `leaf_blocks` /
+`blocks_leaf` flip and swap between it and the leaf.
 """
 
 from __future__ import annotations
@@ -102,6 +103,19 @@ def named_leaves(tree: Any) -> list[tuple[str, Any]]:
   """`[(name, leaf)]` of a parameter (or gradient) tree, named by `path_strs`."""
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
   return list(zip(path_strs([p for p, _ in flat]), [x for _, x in flat]))
+
+
+def check_array_leaves(name: str, params: Any) -> None:
+  """Every parameter leaf is an array (or a number): a model object's other
+  leaves (an Equinox module's activation functions, a config) are refused by
+  path, with how to split them off."""
+  for leaf_name, leaf in named_leaves(params):
+    if not (hasattr(leaf, "dtype") or isinstance(leaf, (int, float, complex))):
+      raise TypeError(
+          f"{name}: parameter leaf '{leaf_name}' is a {type(leaf).__name__}, not an "
+          "array; pass the parameters as a pytree of arrays and the rest of the model "
+          "apart (Equinox: params, static = eqx.partition(model, eqx.is_inexact_array), "
+          "rebuilt in the loss with eqx.combine(params, static); Flax NNX: nnx.split).")
 
 
 def check_patterns(name: str, patterns: Any, empty: str = "none") -> tuple[str, ...]:

@@ -581,8 +581,11 @@ def _block_of(kernel, bias, stack_index, site):
 def dense(x: ArrayLike, kernel: ArrayLike, bias: ArrayLike | None = None, *,
           name: str | None = None, dtype: Any = None, precision=None,
           example_dims: int | None = None, stack_index=None,
-          _site=None) -> jax.Array:
-  """`x @ kernel + bias` over the last axis of `x`; kernel layout `(in, out)`.
+          transpose_kernel: bool = False, _site=None) -> jax.Array:
+  """`x @ kernel + bias` over the last axis of `x`; kernel layout `(in, out)`,
+  or `(out, in)` with `transpose_kernel=True` (PyTorch's and Equinox's
+  `Linear` weight, applied as `x @ kernelᵀ`; the factors are the applied
+  kernel's, see `registry`).
 
   `example_dims=None` (default): any leading axes of `x` (`[B, d]`, `[B, T,
   d]`, ...) are positions, each an example of `A = E[a aᵀ]` and `G` (tokens
@@ -594,26 +597,33 @@ def dense(x: ArrayLike, kernel: ArrayLike, bias: ArrayLike | None = None, *,
   the tag applies block `kernel[stack_index]` (see the module docstring).
   """
   kernel, bias, site = _block_of(kernel, bias, stack_index, _site)
+  layout = "(out, in)" if transpose_kernel else "(in, out)"
   if kernel.ndim != 2:
-    raise ValueError(f"kd.tags.dense expects a 2-D (in, out) kernel, got {kernel.shape}")
-  if x.shape[-1] != kernel.shape[0]:
-    raise ValueError(f"kd.tags.dense: input features {x.shape[-1]} do not match "
-                     f"kernel {kernel.shape}")
-  _check_bias("dense", bias, kernel.shape[1:])
+    raise ValueError(f"kd.tags.dense expects a 2-D {layout} kernel, got {kernel.shape}")
+  d_in, d_out = kernel.shape[::-1] if transpose_kernel else kernel.shape
+  if x.shape[-1] != d_in:
+    raise ValueError(
+        f"kd.tags.dense: input features {x.shape[-1]} do not match kernel {kernel.shape} "
+        f"in the layout {layout}"
+        + ("" if transpose_kernel or x.shape[-1] != kernel.shape[1] else
+           " (an (out, in) weight, PyTorch's or Equinox's: transpose_kernel=True)"))
+  _check_bias("dense", bias, (d_out,))
   _check_example_dims("dense", example_dims, x.ndim - 1, x.shape)
+  contracted = 1 if transpose_kernel else 0
 
   def apply(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None
             ) -> jax.Array:
     x, kernel, bias = _promote(dtype, x, kernel, bias)
-    y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
+    y = lax.dot_general(x, kernel, (((x.ndim - 1,), (contracted,)), ((), ())),
                         precision=precision)
     return _add_bias(y, bias)
 
   stats, examples, stats_input = _dense_statistics(bias is not None, 1, 1, example_dims)
+  transposed = {"transposed_kernel": True} if transpose_kernel else {}
   return _tagged("dense", name, apply, stats, x, kernel, bias, site, examples=examples,
                  stats_input=stats_input, positions=_row_count(example_dims),
-                 example_dims=example_dims, a_dim=kernel.shape[0] + (bias is not None),
-                 g_dim=kernel.shape[1])
+                 example_dims=example_dims, a_dim=d_in + (bias is not None),
+                 g_dim=d_out, **transposed)
 
 
 def _size(shape) -> int:

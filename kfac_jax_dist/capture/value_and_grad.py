@@ -240,6 +240,7 @@ class ValueAndGrad:
     return found[0]
 
   def _discover(self, params, *args, **kwargs) -> "_Discovered":
+    registry.check_array_leaves("kd.value_and_grad", params)
     found = []
     # Array-like arguments (arrays, tracers, ShapeDtypeStructs) are traced
     # abstractly; anything else (flags, modules) is passed through as is.

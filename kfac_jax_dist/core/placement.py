@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kfac_jax_dist import _compat
+from kfac_jax_dist.capture import registry
 from kfac_jax_dist.core.distribution import Distribution
 
 
@@ -93,14 +94,16 @@ def check_statistics_undistributed(name: str, stats: Any) -> None:
 
 
 def check_floating_params(name: str, params: Any) -> None:
-  """Every parameter leaf is real floating: an integer one has `float0`
+  """Every parameter leaf is an array (`registry.check_array_leaves`) and
+  real floating: an integer one has `float0`
   gradients, which no update can be added to; a complex one would need
   Hermitian statistics (conjugated products), which nothing here forms."""
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+  registry.check_array_leaves(name, params)
+  for leaf_name, leaf in registry.named_leaves(params):
     dtype = getattr(leaf, "dtype", None)
     if dtype is None or jnp.issubdtype(dtype, jnp.floating):
       continue
-    where = f"{name}: parameter '{jax.tree_util.keystr(path)}' has dtype {dtype}; "
+    where = f"{name}: parameter '{leaf_name}' has dtype {dtype}; "
     if jnp.issubdtype(dtype, jnp.complexfloating):
       raise TypeError(
           where + "complex parameters are not supported (their curvature is "

@@ -446,7 +446,7 @@ def check_kfac_layers(layers, sharding: ModelSharding) -> None:
     i = sharding.paths.index(layer.kernel_path)
     kind = (f"a grouped convolution (feature_group_count={layer.groups})"
             if layer.groups > 1 else
-            "a convolution with a transposed kernel" if layer.transposed_kernel else None)
+            "a layer with a transposed kernel" if layer.transposed_kernel else None)
     if kind and any(dim is not None for dim in sharding.dims[i]):
       raise ValueError(
           f"Tagged layer '{layer.name}' is {kind} whose kernel is sharded over a model "
