@@ -239,6 +239,14 @@ def may_not_run(top: object) -> bool:
   return not reached
 
 
+def runs_in_branch(top: object) -> bool:
+  """Whether the trace being built is known to lie inside a transform whose
+  body may not run (`MAY_NOT_RUN`) between it and `top`: `may_not_run`
+  without its guesses where JAX does not say."""
+  chain, reached = _traces_since(top)
+  return reached and any(purpose in MAY_NOT_RUN for _, purpose in chain)
+
+
 # Explicit mesh axes (`jax.make_mesh`'s default on jax 0.10.2 and 0.12): an
 # array's type then carries its sharding, and the library's reshapes and
 # contractions of a sharded batch or FSDP-sharded parameters are refused by

@@ -663,6 +663,12 @@ def test_one_name_for_different_layers_raises():
   with pytest.raises(ValueError, match="ran twice in one loss evaluation as different"):
     kd.value_and_grad(loss_fn).discover(params, x, y)
 
+  def bias_once(p, x, y):    # one kernel, the bias only the first time: what differs
+    h = kd.tags.dense(x, p["w"], p["b"], name="layer")
+    return kd.losses.softmax_cross_entropy(kd.tags.dense(h, p["w"], name="layer") @ p["v"], y)
+  with pytest.raises(ValueError, match="differ in bias_path 'b' then None"):
+    kd.value_and_grad(bias_once).discover({**params, "b": jnp.zeros(D, F64)}, x, y)
+
 
 def test_plain_scan_over_slices_needs_stack_index():
   x, y = _batch()

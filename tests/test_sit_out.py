@@ -211,6 +211,57 @@ def test_accumulated_micro_batches_weigh_a_by_positions():
                                  atol=1e-14, err_msg=f"{name} {key}")
 
 
+@pytest.mark.parametrize("where", ["accumulate", "shard_map"])
+def test_a_shared_layer_run_again_in_a_branch_weighs_a_by_positions(where):
+  """A shared layer applied once always and once more inside `lax.cond` (a
+  layer-dropped or halting shared block): its number of positions differs
+  between micro-batches or devices (2 or 4 here), and its `A` is the mean
+  over every position it saw, `Σ_s N_s A_s / Σ_s N_s` (float64 brute force
+  over the positions that ran), as where both runs are in branches. (It was
+  the plain mean of the slices' `A_s`, 0.1 off.)"""
+  with jax.enable_x64(True):
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    p = {"w": jax.random.normal(k[0], (4, 4)) / 2, "b": jnp.full((4,), 0.1),
+         "h": jax.random.normal(k[1], (4, 3))}
+    signs = jnp.repeat(jnp.array([1.0, -1.0] * 4), 2)[:, None]   # slices alternate
+    x = jax.random.normal(k[2], (16, 4)) + 3.0 * signs
+    y = jax.random.randint(k[3], (16,), 0, 3)
+
+    def loss(p, x, y):
+      h = jnp.tanh(kd.tags.dense(x, p["w"], p["b"], name="fc"))
+      h = lax.cond(x.sum() > 0, lambda h: jnp.tanh(kd.tags.dense(h, p["w"], p["b"],
+                                                                 name="fc")),
+                   lambda h: h, h)
+      return kd.losses.softmax_cross_entropy(h @ p["h"], y)
+    grad_fn = kd.value_and_grad(loss)
+    assert [layer.partly_sits_out for layer in grad_fn.discover(p, x, y)] == [True]
+    if where == "accumulate":
+      stats = jax.jit(lambda p, x, y: grad_fn.accumulate(p, x, y, micro_batches=8))(p, x, y)[2]
+      got = stats["fc"]["A"]
+    else:                # one step's running A (the first batch's) under COMM-OPT
+      mesh = helpers.data_mesh(8)
+      tx = kd.scale_by_kfac(layers=grad_fn.discover(p, x, y), damping=GAMMA,
+                            factor_dtype=jnp.float64, distribution=kd.Distribution(
+                                mesh, gradient_reduction="all_reduce"))
+      state = kd.shard_state(tx.init(p), mesh)
+      specs = kd.partition_specs(state)
+
+      def step(state, x, y):
+        _, grads, stats = grad_fn(p, x, y, opt_state=state)
+        return tx.update(grads, state, p, kfac_stats=stats)[1]
+      state = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, P("data"), P("data")),
+                                    out_specs=specs))(state, x, y)
+      got = kd.running_factors(state)["fc"]["A"]
+    rows = []
+    for s in range(8):
+      xs = helpers.f64(x[2 * s:2 * s + 2])
+      runs = [xs] + ([np.tanh(xs @ helpers.f64(p["w"]) + helpers.f64(p["b"]))]
+                     if xs.sum() > 0 else [])
+      rows += [np.concatenate([r, np.ones((len(r), 1))], 1) for r in runs]
+    rows = np.concatenate(rows)
+    np.testing.assert_allclose(helpers.f64(got), rows.T @ rows / len(rows), rtol=1e-10)
+
+
 def _scaling(state, name: str) -> np.ndarray:
   """EK-FAC's running scaling `s` of a layer, `[d_A, d_G]`."""
   for plan, offset in correction_lib.corrected_plans(state.layout):

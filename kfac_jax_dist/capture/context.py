@@ -70,10 +70,15 @@ class Trace:
   # parameters, whose tracers are then the values that depend on them
   # (`independent_of_parameters`).
   differentiated: bool = False
-  # curvature: a zero scalar the registered loss adds to its value, so that the
-  # derivative of the loss function's value in it is the registered loss's
-  # coefficient there (`curvature`); None: none.
+  # curvature, capture under fisher="mc": a zero scalar the registered loss
+  # adds to its value, so that the derivative of the loss function's value in
+  # it is the registered loss's coefficient there; None: none.
   loss_offset: Any = None
+  # discover: the layers with an application known to run in a branch or loop
+  # body (`_compat.runs_in_branch`), and those with one known to run outside
+  # any (`tags._discover`: both make its positions vary).
+  branched: set = dataclasses.field(default_factory=set)
+  unbranched: set = dataclasses.field(default_factory=set)
   # capture: the layers whose backward pass JAX traced (the others' statistics
   # are zeros: the loss does not use their outputs, `statistics.UNREACHED`).
   reached: set = dataclasses.field(default_factory=set)

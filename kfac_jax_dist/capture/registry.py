@@ -162,7 +162,10 @@ class TaggedLayer:
   (the optimizer then leaves its factors as they are; see `kfac.factors`).
   `row_masked`: an application runs under a row mask (`tags.row_mask`) that
   leaves rows out of its `A`, so its devices (and passes) may see different
-  numbers of positions, none included. Either makes it `counted`.
+  numbers of positions, none included. `partly_sits_out`: some applications
+  run inside such a branch or body, others outside (a shared block that a
+  layer drop or a halting loop runs again), so the number of its positions
+  varies, never to none. Any of the three makes it `counted`.
   `under_derivative`: every application lies under a derivative the loss
   function takes itself (`_compat.derivative_since`: a force field's `-∇E`, a
   PINN's residual, a user's `jax.custom_vjp`), where the capture never sees the
@@ -190,6 +193,7 @@ class TaggedLayer:
   transposed_kernel: bool = False
   may_sit_out: bool = False
   row_masked: bool = False
+  partly_sits_out: bool = False
   under_derivative: str | None = None
   also_under_derivative: str | None = None
 
@@ -201,8 +205,9 @@ class TaggedLayer:
   def counted(self) -> bool:
     """Whether its statistics carry the positions its `A` averages over
     (`statistics.POSITIONS`), by which the optimizer weighs `A` over the
-    devices and tells whether it ran: `may_sit_out` or `row_masked`."""
-    return self.may_sit_out or self.row_masked
+    devices and tells whether it ran: `may_sit_out`, `row_masked` or
+    `partly_sits_out`."""
+    return self.may_sit_out or self.row_masked or self.partly_sits_out
 
   @property
   def bias_block_shape(self) -> tuple[int, ...]:

@@ -78,7 +78,8 @@ weight sharing (Eschenhagen et al. 2023), runs of different sizes included.
 A layer that may sit out a pass (`TaggedLayer.may_sit_out`: every run inside
 a `lax.cond` / `lax.switch` branch or a `lax.while_loop` body) keeps its count
 among its statistics (`POSITIONS`, 0 where it did not run), by which the
-optimizer tells whether it ran and weighs its `A` over the devices.
+optimizer tells whether it ran and weighs its `A` over the devices; so does
+one only some of whose runs are there (`TaggedLayer.partly_sits_out`).
 
 Precision: every statistic is computed in `statistics_dtype` of the layer's
 inputs and output cotangents, `promote_types(dtype, float32)`: a bfloat16 or

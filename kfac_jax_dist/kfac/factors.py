@@ -22,8 +22,9 @@ w'`, not with the larger one of its own average (the same after a few dozen
 steps, as `w → 1`).
 
 A layer that may sit out a pass (`TaggedLayer.may_sit_out`: run in a
-`lax.cond` / `lax.switch` branch or a `lax.while_loop` body), or whose rows a
-mask leaves out of `A` (`row_masked`, `tags.row_mask`), has a running weight of its
+`lax.cond` / `lax.switch` branch or a `lax.while_loop` body; `partly_sits_out`:
+some of its applications), or whose rows a mask leaves out of `A`
+(`row_masked`, `tags.row_mask`), has a running weight of its
 own, `w_l` (`ScaleByKfacState.marked_weight`), and its statistics come with
 this device's positions `N_d` (`statistics.POSITIONS`). With `N = Σ_d N_d`
 (one psum of the counts), its `A_d` is weighted `N_d / mean_d N_d` before the
