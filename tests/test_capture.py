@@ -1685,6 +1685,70 @@ def test_a_container_whose_fields_are_called_like_box_attributes_keeps_them_apar
           "dense/kernel", "extra/value", "extra/raw_value"]
 
 
+_EMPTY_OUTPUTS = {      # a layer's contribution with no positions, added to `h` [B, 3]
+    "dense": lambda p, x: kd.tags.dense(jnp.zeros((x.shape[0], 0, 4)), p["k"], p["b"],
+                                        name="empty").sum((1, 2))[:, None],
+    "dense_reduce": lambda p, x: kd.tags.dense(jnp.zeros((x.shape[0], 0, 4)), p["k"], p["b"],
+                                               name="empty", example_dims=1).sum((1, 2))[:, None],
+    "conv_valid": lambda p, x: kd.tags.conv2d(   # a 3x3 VALID window on a 2x2 image
+        jnp.ones((x.shape[0], 2, 2, 4)) * x[:, :1, None, None], p["c"], name="empty",
+        padding="VALID").sum((1, 2)),
+    "scale_and_shift": lambda p, x: kd.tags.scale_and_shift(
+        jnp.zeros((x.shape[0], 0, 4)), p["s"], name="empty").sum((1, 2))[:, None],
+    "embed": lambda p, x: kd.tags.embed(jnp.zeros((x.shape[0], 0), jnp.int32), p["k"],
+                                        name="empty").sum((1, 2))[:, None],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_EMPTY_OUTPUTS))
+def test_a_layer_with_no_positions_keeps_its_factors(kind):
+  """A tagged layer whose output is empty (`[B, 0, d]` rows: zero register
+  tokens; a VALID window larger than its input) has no statistics: it counts
+  as not reached, its factors are kept, and the step is the same model's
+  without it (its `A` was 0/0 = NaN, which skipped every step, or the
+  capture crashed reshaping the empty patches)."""
+  k = jax.random.split(jax.random.PRNGKey(0), 3)
+  x, t = jax.random.normal(k[0], (16, 4)), jax.random.normal(k[1], (16, 3))
+  params = {"w": 0.3 * jax.random.normal(k[2], (4, 3)), "b0": jnp.zeros(3),
+            "k": jnp.ones((4, 4)), "b": jnp.ones(4), "c": jnp.ones((3, 3, 4, 1)),
+            "s": jnp.ones(4)}
+
+  def with_empty(p, x, t):
+    h = kd.tags.dense(x, p["w"], p["b0"], name="d")
+    return kd.losses.squared_error(h + _EMPTY_OUTPUTS[kind](p, x), t)
+
+  def without(p, x, t):
+    return kd.losses.squared_error(kd.tags.dense(x, p["w"], p["b0"], name="d"), t)
+
+  steps = []
+  for loss in (with_empty, without):
+    grad_fn = kd.value_and_grad(loss)
+    tx = kd.kfac(0.1, damping=1e-2, layers=grad_fn.discover(params, x, t))
+    state = tx.init(params)
+    for _ in range(2):
+      _, grads, stats = jax.jit(grad_fn)(params, x, t, opt_state=state)
+      updates, new_state = jax.jit(tx.update)(grads, state, params, kfac_stats=stats)
+      if loss is with_empty:
+        assert kd.capture.statistics.UNREACHED in stats["empty"]
+        assert_trees_equal(kd.running_factors(new_state)["empty"],
+                           kd.running_factors(state)["empty"], rtol=0)
+      state = new_state
+    assert int(kd.find_states(state)[0].skipped) == 0
+    steps.append(updates)
+  assert_trees_equal(steps[0]["w"], steps[1]["w"], rtol=1e-6)
+  assert_trees_equal(steps[0]["b0"], steps[1]["b0"], rtol=1e-6)
+
+
+def test_token_frequencies_count_past_float32s_integers():
+  """An embedding's `A` counts each id exactly past 2²⁴ copies on one device
+  (long padded contexts): float32 ones stopped counting there (2²⁴ + 2²⁰
+  padding ids gave A = 0.94, not 1 − 1/N)."""
+  n = 2 ** 24 + 2 ** 20
+  ids = jnp.zeros((n,), jnp.int32).at[-1].set(3)
+  a = kd.capture.statistics.token_frequencies(ids, 5)
+  np.testing.assert_allclose(np.asarray(a), [(n - 1) / n, 0, 0, 1 / n, 0], rtol=1e-7)
+
+
 def test_a_layer_with_an_empty_kernel_runs_untagged():
   """A feature group configured to width 0 (a `(0, d)` kernel): no curvature
   to capture, so the layer runs untagged (its bias then updated as any

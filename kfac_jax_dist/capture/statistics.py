@@ -307,13 +307,14 @@ def token_frequencies(ids: jax.Array, vocab_size: int, dtype=jnp.float32,
   A scatter-add of ones, never an `[N, V]` one-hot. Ids are indexed like
   `jnp.take` (negative ids wrap); out-of-range ids count nowhere. `dtype`:
   the statistics' (the output cotangents'), float32 at least. `weights`
-  (`row_weights`): only the kept positions count (still divided by `N`).
+  (`row_weights`, 0 or 1): only the kept positions count (still divided by
+  `N`). Counted in int32 (float32 stops counting at 2²⁴ copies of one id).
   """
   ids = jnp.reshape(ids, (-1,))
   dtype = jnp.promote_types(dtype, jnp.float32)
-  ones = 1.0 if weights is None else weights.astype(dtype)
-  counts = jnp.zeros((vocab_size,), dtype).at[ids].add(ones, mode="drop")
-  return counts / max(ids.shape[0], 1)
+  ones = 1 if weights is None else weights.astype(jnp.int32)
+  counts = jnp.zeros((vocab_size,), jnp.int32).at[ids].add(ones, mode="drop")
+  return counts.astype(dtype) / max(ids.shape[0], 1)
 
 
 def unitwise_fisher(x: jax.Array, g: jax.Array, has_offset: bool = True,

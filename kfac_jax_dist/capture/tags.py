@@ -215,7 +215,8 @@ def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag,
   probes, mask)`, a pytree like `probes` (`x` may be integer: embedding ids), with
   `x̃ = stats_input(x)` (default `x`) taken outside the conditional; `mask`
   the layer's row mask (`row_mask`), a boolean array or None; `reached()` is
-  called when JAX traces the backward pass (where the loss uses the output).
+  called when JAX traces the backward pass (where the loss uses the output)
+  of a non-empty output.
   `flag` says whether to compute them: a traced bool (a `lax.cond` here) or a
   Python one (`skip_statistics="pass"`: the caller branched around the pass).
 
@@ -238,7 +239,12 @@ def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag,
 
   def bwd(residuals: tuple, cotangent: jax.Array) -> tuple:
     x, params, probes, flag, mask = residuals
-    reached()
+    # An empty output (no rows: `[B, 0, d]`, a VALID window larger than the
+    # input) has no statistics: the layer counts as not reached (its factors
+    # are kept), not as a batch of none (`A = 0/0`).
+    empty = math.prod(jnp.shape(cotangent)) == 0
+    if not empty:
+      reached()
     x_stats = x if stats_input is None else stats_input(x)
     if jnp.issubdtype(x.dtype, jnp.integer):     # ids: no cotangent (float0)
       _, vjp = jax.vjp(lambda *p: apply(x, *p), *params)
@@ -265,7 +271,9 @@ def _captured(apply: Callable, stats: Callable, x, params: tuple, probes, flag,
       values = jax.tree_util.tree_map(lambda s, p: s.astype(p.dtype),
                                       stats(x_stats, cotangent, probes, mask), probes)
       return _compat.as_varying(values, axes)
-    if static_flag is not None:             # the caller branched around the pass
+    if empty:
+      probe_bar = _compat.as_varying(jax.tree_util.tree_map(jnp.zeros_like, probes), axes)
+    elif static_flag is not None:             # the caller branched around the pass
       probe_bar = computed() if static_flag else placeholders()
     else:
       probe_bar = _compat.cond(flag, computed, placeholders)
