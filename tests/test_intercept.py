@@ -648,18 +648,80 @@ class _MergedLoraDense(nn.Dense):
     return p + a @ super().param("lora_b", nn.initializers.normal(0.3), (2, p.shape[1]))
 
 
-def test_a_kernel_of_parameters_passed_apart_is_refused_naming_the_layer():
+def test_a_kernel_of_parameters_passed_apart_runs_untagged_and_reported():
   """Adapters trained, the base kernel frozen in another argument: the kernel
-  depends on the parameters but is none of their leaves: refused naming the
-  Flax layer (the plain tags' error pointed to capture='flax', in use)."""
+  depends on the parameters but is none of their leaves. The layer runs
+  Flax's code untagged, warned and reported as uncaptured (it was refused),
+  and the adapters pass through K-FAC unpreconditioned: the chain's SGD."""
   x, y = jax.random.normal(jax.random.PRNGKey(0), (8, 5)), jnp.arange(8) % 3
   model = _MergedLoraDense(3, use_bias=False)
   params = model.init(jax.random.PRNGKey(1), x)["params"]
   adapters = {k: params[k] for k in ("lora_a", "lora_b")}
+  adapters["skip"] = 0.1 * jax.random.normal(jax.random.PRNGKey(2), (5, 3))
 
   def loss(adapters, base, x, y):
-    logits = model.apply({"params": {**adapters, "kernel": base}}, x)
-    return kd.losses.softmax_cross_entropy(logits, y)
-  with pytest.raises(ValueError, match="Flax layer '_MergedLoraDense': its kernel .* "
-                                       "merged LoRA kernel"):
-    kd.value_and_grad(loss, capture="flax").discover(adapters, params["kernel"], x, y)
+    lora = {k: adapters[k] for k in ("lora_a", "lora_b")}
+    logits = model.apply({"params": {**lora, "kernel": base}}, x)
+    return kd.losses.softmax_cross_entropy(logits + kd.tags.dense(x, adapters["skip"]), y)
+  grad_fn = kd.value_and_grad(loss, capture="flax")
+  with pytest.warns(UserWarning, match="Flax layer '_MergedLoraDense' is not tagged: its "
+                                       "kernel computed from parameters"):
+    layers = grad_fn.discover(adapters, params["kernel"], x, y)
+  assert layers.names() == ("skip",)
+  assert [u.where for u in layers.uncaptured] == ["_MergedLoraDense"]
+  tx = kd.kfac(0.1, momentum=0.0, layers=layers)
+  state = tx.init(adapters)
+  with pytest.warns(UserWarning, match="is not tagged"):
+    _, grads, stats = grad_fn(adapters, params["kernel"], x, y, opt_state=state)
+  updates, _ = tx.update(grads, state, adapters, kfac_stats=stats)
+  for name in ("lora_a", "lora_b"):
+    np.testing.assert_allclose(updates[name], -0.1 * grads[name], rtol=1e-6)
+
+
+class _TiedByApply(nn.Module):
+  """An LM whose head applies a Dense module to the embedding's transpose, as
+  Hugging Face's Flax models tie it (`lm_head.apply({"params": {"kernel":
+  wte.T}}, h)`), or (`attend`) with `Embed.attend`: the same function."""
+  attend: bool = False
+
+  def setup(self):
+    self.wte = nn.Embed(20, 6, param_dtype=F64)
+    self.mix = nn.Dense(6, param_dtype=F64)
+    self.lm_head = nn.Dense(20, use_bias=False, param_dtype=F64)
+
+  def __call__(self, ids):
+    h = jnp.tanh(self.mix(self.wte(ids)))
+    if self.attend:
+      return self.wte.attend(h)
+    return self.lm_head.apply({"params": {"kernel": self.wte.variables["params"]
+                                          ["embedding"].T}}, h)
+
+
+def test_a_tied_head_applied_by_another_module_is_the_attend_form():
+  """Hugging Face's tied heads (GPT-2, BERT-MLM, T5, ... with
+  `tie_word_embeddings`) made discovery raise: the head now runs untagged,
+  reported, and three K-FAC steps equal those of the `Embed.attend` form of
+  the same model (the table preconditioned by its lookup's factors)."""
+  ids = jax.random.randint(jax.random.PRNGKey(0), (4, 6), 0, 20)
+  params = _TiedByApply().init(jax.random.PRNGKey(1), ids)["params"]
+  runs = []
+  for attend in (False, True):
+    model = _TiedByApply(attend)
+    grad_fn = kd.value_and_grad(lambda p, ids: kd.losses.softmax_cross_entropy(
+        model.apply({"params": p}, ids), ids), capture="flax")
+    with warnings.catch_warnings(record=True) as warned:
+      warnings.simplefilter("always")
+      layers = grad_fn.discover(params, ids)
+    assert layers.names() == ("wte", "mix")
+    assert [u.where for u in layers.uncaptured] == ([] if attend else ["Dense"])
+    assert any("is not tagged" in str(w.message) for w in warned) != attend
+    tx = kd.kfac(0.1, layers=layers, factor_dtype=F64)
+    state, p = tx.init(params), params
+    for _ in range(3):
+      with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, grads, stats = grad_fn(p, ids, opt_state=state)
+      updates, state = tx.update(grads, state, p, kfac_stats=stats)
+      p = optax.apply_updates(p, updates)
+    runs.append(p)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10), *runs)

@@ -90,6 +90,11 @@ class Site:
   carrier: tuple[str, str] | None = None
 
 
+# A Flax layer whose kernel depends on the parameters through other leaves
+# than its own (`linen_site`): it runs untagged, reported as uncaptured.
+UNTAGGED = Site(kernel_path=None, bias_path=None, stack=())
+
+
 @jax.tree_util.register_pytree_node_class
 class Probed:
   """An NNX kernel value carrying its layer's probes through `nnx.scan` /
@@ -202,27 +207,35 @@ def linen_site(module, kernel, bias, kernel_name: str, bias_name: str | None):
   parameters (inside a lifted transform, or cast), or None: also for one at
   the loss's top level whose kernel does not depend on the parameters (a
   frozen or another model's layer: `context.independent_of_parameters`),
-  whatever leaf its module path ends like."""
+  whatever leaf its module path ends like. `UNTAGGED` (warned, reported as
+  uncaptured) where no leaf at its module path holds it: a tied weight
+  applied by another module, a kernel merged from parameters passed apart."""
   trace = _context.tagging()
   if (trace is None or trace.path_of(kernel) is not None
       or _context.independent_of_parameters(trace, kernel)):
     return None
   scope = tuple(str(p) for p in module.scope.path)
   what = "/".join(scope) or type(module).__name__
-  kernel_path = _by_suffix(trace, scope + (kernel_name,), kernel.shape, what)
-  bias_path = None if bias is None else _by_suffix(trace, scope + (bias_name,),
-                                                   bias.shape, what)
+  # A module applied on its own (no path: the loss's model, or a tied head
+  # `lm_head.apply(...)`) owns only top-level leaves, not every one ending so.
+  own = lambda name, leaf: (
+      _by_suffix(trace, scope + (name,), leaf.shape, what) if scope else next(
+          (p for p in (name, f"params/{name}") if p in trace.leaf_shapes), None))
+  kernel_path = own(kernel_name, kernel)
+  bias_path = None if bias is None else own(bias_name, bias)
   if kernel_path is None or (bias is not None and bias_path is None):
     missing = kernel_name if kernel_path is None else bias_name
-    raise ValueError(
-        f"Flax layer '{what}': its {missing} depends on the "
-        "parameters given to kd.value_and_grad but is none of their leaves, nor "
-        "computed from one at its own module path (a merged LoRA kernel whose base "
-        "is passed in another argument), so K-FAC cannot tell which gradient to "
-        "precondition. Pass the parameters it is computed from in the first "
-        "argument (the layer is then followed to its own leaf; skip= its name to "
-        "leave it unpreconditioned), or apply it to parameters it does not depend "
-        "on.")
+    reason = (f"its {missing} computed from parameters that are not its own leaves (a "
+              "tied weight: lm_head.apply({'params': {'kernel': embedding.T}}, h); a "
+              "merged LoRA kernel whose base is passed apart)")
+    warnings.warn(
+        f"kfac_jax_dist: Flax layer '{what}' is not tagged: {reason}. The gradients "
+        "of those parameters are preconditioned by their own layers (a tied table by "
+        "its lookup's factors) or pass through unpreconditioned; pass the parameters "
+        "it is computed from in the first argument to follow it to its own leaf.",
+        stacklevel=4)
+    _context.record_uncaptured(what, type(module).__name__, reason)
+    return UNTAGGED
   _check_followed(trace, what, kernel_path, kernel)
   parts = kernel_path.split("/")
   probes = (module.get_variable("params", PROBE_KEY)

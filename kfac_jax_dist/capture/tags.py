@@ -358,7 +358,7 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=
   """
   trace = _context.tagging()
   params = (kernel,) if bias is None else (kernel, bias)
-  if trace is None or kernel.size == 0 or (
+  if trace is None or kernel.size == 0 or site is stacking.UNTAGGED or (
       site is None and _context.independent_of_parameters(trace, kernel)):
     return apply(x, *params)      # (an empty kernel: no curvature to capture)
   name = _layer_name(trace, name, kernel, site)
