@@ -282,8 +282,12 @@ def test_uncaptured_layers_are_reported_and_pass_through():
   params = model.init(jax.random.PRNGKey(2), x)["params"]
   grad_fn = kd.value_and_grad(lambda p, x, y: kd.losses.softmax_cross_entropy(
       model.apply({"params": p}, x), y), capture="flax")
-  with pytest.warns(UserWarning, match="Conv with masked.*not tagged"):
+  with pytest.warns(UserWarning) as warned:
     layers = grad_fn.discover(params, x, y)
+  messages = {str(w.message) for w in warned}      # each naming its module: none merged
+  for where, kind in (("up", "ConvTranspose"), ("masked", "Conv"), ("mix", "Einsum")):
+    assert any(m.startswith(f"kfac_jax_dist: {kind} with ") and f"not tagged (at '{where}')"
+               in m for m in messages), (where, messages)
   assert layers.names() == ("plain", "Dense_0")
   reported = {u.where: (u.kind, u.reason) for u in layers.uncaptured}
   assert reported["up"] == ("ConvTranspose", "masked kernel")

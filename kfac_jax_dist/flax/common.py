@@ -164,8 +164,8 @@ def _explicit_transpose_pads_as_given() -> bool:
 def untagged(layer: str, reason: str, where: str, fallback: Callable[[], Any]) -> Any:
   """A layer K-FAC cannot capture: warns, records it for `discover` as
   uncaptured (`where`: its module path) and runs Flax's own code (`fallback`)."""
-  warnings.warn(f"kfac_jax_dist: {layer} with {reason} is not tagged; its parameters "
-                "pass through K-FAC unpreconditioned.", stacklevel=3)
+  warnings.warn(f"kfac_jax_dist: {layer} with {reason} is not tagged (at '{where}'); its "
+                "parameters pass through K-FAC unpreconditioned.", stacklevel=3)
   _context.record_uncaptured(where, layer, reason)
   return fallback()
 
@@ -245,9 +245,9 @@ def einsum_dense_config(equation, x_ndim: int, kernel_ndim: int, custom: bool
   if not contracted or not features or set(out) != set(batch + features):
     return f"the equation {equation!r}, not a Dense layer's"
   if (xs, ks, out) != (batch + contracted, contracted + features, batch + features):
-    return (f"the equation {equation!r}: the input's contracted axes are not its last "
-            "ones, the kernel's not its first, or the output not its other axes then "
-            "the kernel's")
+    return (f"the equation {equation!r} (the input's contracted axes are not its last "
+            "ones, the kernel's not its first, or the output is not the input's other "
+            "axes then the kernel's)")
   return len(contracted)
 
 
