@@ -140,7 +140,7 @@ def _check_five_steps(loss_fn, params, x, y, layers, update, state):
   with the eigenbases the step started with and the scaling of the rule in
   `kfac.correction` (the batch's brute-force `S` on fresh eigenbases, else its
   running average; `v_A v_Gᵀ` after a decomposition), and the state keeps that
-  scaling."""
+  scaling, as `kd.second_order_parts` reads it."""
   scaling = {layer.name: np.ones((layer.a_dim, layer.g_dim)) for layer in layers}
   fresh = True
   for step in range(5):
@@ -162,7 +162,8 @@ def _check_five_steps(loss_fn, params, x, y, layers, update, state):
       parts = kd.second_order_parts(new_state)
       scaling = {n: np.outer(p["A"][1], p["G"][1]) for n, p in parts.items()}
     fresh = step % 2 == 0
-    kept = correction_lib.layer_scaling(new_state.layout, new_state.correction)
+    # The public reader (`second_order_parts`' "S") of the kept scaling.
+    kept = {n: p["S"] for n, p in kd.second_order_parts(new_state).items()}
     for n, s in scaling.items():
       np.testing.assert_allclose(np.asarray(kept[n]), s, rtol=1e-10, atol=1e-14)
     state = new_state

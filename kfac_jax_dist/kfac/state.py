@@ -259,11 +259,13 @@ def running_factors(state: Any) -> dict[str, dict[str, jax.Array]]:
   return back(out)
 
 
-def second_order_parts(state: Any) -> dict[str, dict[str, tuple[Any, Any]]]:
+def second_order_parts(state: Any) -> dict[str, dict[str, Any]]:
   """`{layer: {"A": (matrix, vector), "G": ...}}` of a global (not per-device)
   state: eigenbasis and eigenvalues ("eigen") or damped inverse ("inverse"),
   `None` where a factor has no such part (diagonal and unit-wise factors keep
-  only a vector, `[d]` or `[d, 3]`). `state` as for `running_factors`."""
+  only a vector, `[d]` or `[d, 3]`); with EK-FAC, also `"S"`, a corrected
+  layer's scaling `s` `[d_A, d_G]` in those eigenbases (George et al. 2018).
+  `state` as for `running_factors`."""
   state = _one_state(state, "second_order_parts")
   lay, (second, back) = state.layout, _on_host(state.second_order)
   out = {}
@@ -272,4 +274,9 @@ def second_order_parts(state: Any) -> dict[str, dict[str, tuple[Any, Any]]]:
     for which, place in plan.places:
       out[plan.layer.name][which.upper()] = packing.read_parts(
           second, lambda q: second_order_base(lay, q.owner), place)
+  if state.correction is not None:
+    scaling = _on_host(state.correction.scaling)[0]
+    for name, s in correction_lib.layer_scaling(
+        lay, dataclasses.replace(state.correction, scaling=scaling)).items():
+      out[name]["S"] = s
   return back(out)
