@@ -148,42 +148,49 @@ def _discover(trace, kind, name, kernel, bias, site, **record) -> None:
   elif not layer.may_sit_out:
     trace.unbranched.add(name)
   if name in trace.seen:
-    # The same layer again: another block of an unrolled stack, a transform's
-    # second trace of its body (flax traces nn.scan's twice), or weight
-    # sharing (a second application, a scan's iterations over one kernel).
-    # The capture counts every run's positions (`statistics.POSITIONS`): K-FAC-expand.
-    # It may sit out a pass (or be hidden by derivatives) only if every
-    # application may (is); where some are known to run in a branch and
-    # others outside any, its positions vary (flax's first trace of an
-    # nn.scan body, of no known purpose, is neither).
-    at, previous = next((i, l) for i, l in enumerate(trace.layers) if l.name == name)
-    if previous == dataclasses.replace(
-        layer, may_sit_out=previous.may_sit_out, row_masked=previous.row_masked,
-        partly_sits_out=previous.partly_sits_out,
-        under_derivative=previous.under_derivative,
-        also_under_derivative=previous.also_under_derivative):
-      hidden = layer.under_derivative and previous.under_derivative
-      trace.layers[at] = dataclasses.replace(
-          previous, may_sit_out=previous.may_sit_out and layer.may_sit_out,
-          partly_sits_out=name in trace.branched and name in trace.unbranched,
-          row_masked=previous.row_masked or layer.row_masked, under_derivative=hidden,
-          also_under_derivative=previous.also_under_derivative or (
-              None if hidden else layer.under_derivative or previous.under_derivative))
-      return
-    differ = ", ".join(
-        f"{field.name} {getattr(previous, field.name)!r} then {getattr(layer, field.name)!r}"
-        for field in dataclasses.fields(layer)
-        if getattr(previous, field.name) != getattr(layer, field.name))
-    raise ValueError(
-        f"Tagged layer '{name}' ran twice in one loss evaluation as different "
-        f"layers ({previous.kind} with kernel '{previous.kernel_path}' "
-        f"{previous.kernel_shape}, then {kind} with kernel '{layer.kernel_path}' "
-        f"{layer.kernel_shape}; they differ in {differ}): a shared layer must be applied "
-        "the same way each time; give each application its own parameters and name.")
+    _merge_application(trace, layer)
+    return
   trace.seen.add(name)
   if site is not None and site.carrier is not None and stack:
     trace.carriers[name] = site.carrier
   trace.layers.append(layer)
+
+
+def _merge_application(trace: _context.Trace, layer: registry.TaggedLayer) -> None:
+  """Merges another application of the discovered `layer` into its record: another
+  block of an unrolled stack, a transform's second trace of its body (flax traces
+  nn.scan's twice), or weight sharing (a second application, a scan's iterations
+  over one kernel). The capture counts every run's positions
+  (`statistics.POSITIONS`): K-FAC-expand. It may sit out a pass (or be hidden by
+  derivatives) only if every application may (is); where some are known to run
+  in a branch and others outside any, its positions vary (flax's first trace of
+  an nn.scan body, of no known purpose, is neither). Two different layers under
+  one name raise, naming what differs."""
+  name = layer.name
+  at, previous = next((i, l) for i, l in enumerate(trace.layers) if l.name == name)
+  if previous == dataclasses.replace(
+      layer, may_sit_out=previous.may_sit_out, row_masked=previous.row_masked,
+      partly_sits_out=previous.partly_sits_out,
+      under_derivative=previous.under_derivative,
+      also_under_derivative=previous.also_under_derivative):
+    hidden = layer.under_derivative and previous.under_derivative
+    trace.layers[at] = dataclasses.replace(
+        previous, may_sit_out=previous.may_sit_out and layer.may_sit_out,
+        partly_sits_out=name in trace.branched and name in trace.unbranched,
+        row_masked=previous.row_masked or layer.row_masked, under_derivative=hidden,
+        also_under_derivative=previous.also_under_derivative or (
+            None if hidden else layer.under_derivative or previous.under_derivative))
+    return
+  differ = ", ".join(
+      f"{field.name} {getattr(previous, field.name)!r} then {getattr(layer, field.name)!r}"
+      for field in dataclasses.fields(layer)
+      if getattr(previous, field.name) != getattr(layer, field.name))
+  raise ValueError(
+      f"Tagged layer '{name}' ran twice in one loss evaluation as different "
+      f"layers ({previous.kind} with kernel '{previous.kernel_path}' "
+      f"{previous.kernel_shape}, then {layer.kind} with kernel '{layer.kernel_path}' "
+      f"{layer.kernel_shape}; they differ in {differ}): a shared layer must be applied "
+      "the same way each time; give each application its own parameters and name.")
 
 
 def _real_statistics_dtype(name: str, x, y) -> jnp.dtype:

@@ -555,15 +555,30 @@ class ValueAndGrad:
     except Exception as error:    # flax's or JAX's, slicing a stacked layer's probes
       self._check_stack_axes(discovered, params, args, kwargs, error)
       raise
-    # Loss scaling: the backward pass starts from `loss_scale` instead of 1, so
-    # low-precision cotangents stay representable; gradients are divided by
-    # it, and `G`/`F` (quadratic in the cotangents) by its square.
+    grads, probe_bar, g_scale, coefficient = self._backward(vjp, loss, sampled, n, weight,
+                                                            loss_scale)
+    value = (loss, aux) if self.has_aux else loss
+    counted = frozenset(layer.name for layer in discovered.layers if layer.counted)
+    stats = _statistics(probe_bar, g_scale, traces[0].scaled, counted, coefficient)
+    for name in set(stats) - traces[0].reached:        # the loss does not use its output
+      stats[name][factors.UNREACHED] = jnp.zeros([], jnp.int32)
+    return value, grads, stats, n, weight
+
+  def _backward(self, vjp: Callable, loss: jax.Array, sampled: jax.Array | None, n: Any,
+                weight: Any, loss_scale: Any) -> tuple:
+    """`(grads, probes' cotangents, g_scale, coefficient)` of the capture's
+    `vjp`: the gradients of the returned loss and the statistics from the
+    true targets' cotangents ("empirical"), which carry the loss's `weight`
+    and the returned value's coefficient `c` in the registered loss (the
+    empirical Fisher of `c · loss`: `c²` times the loss's), or from the
+    samples' ("mc"), which carry neither: scaled by `|c|` (the cotangent of
+    the zero added to the registered loss), as the Gauss-Newton matrix of
+    `c · loss` is (kfac-jax's loss weight). Loss scaling: the backward pass
+    starts from `loss_scale` instead of 1, so low-precision cotangents stay
+    representable; gradients are divided by it, `G`/`F` (quadratic in the
+    cotangents) by its square."""
     seed = jnp.ones_like(loss) if loss_scale is None else jnp.asarray(
         loss_scale, loss.dtype) * jnp.ones_like(loss)
-    # The true targets' cotangents carry the loss's weight and the returned
-    # value's coefficient `c` (the empirical Fisher of `c · loss`: `c²` times
-    # the loss's); the samples' carry neither, so they are scaled by `|c|`,
-    # as the Gauss-Newton matrix of `c · loss` is (kfac-jax's loss weight).
     if self.fisher == "empirical":
       grads, probe_bar, _ = vjp((seed, None))
       g_scale, coefficient = shares.unweighted_scale(n, weight), None
@@ -576,12 +591,7 @@ class ValueAndGrad:
       grads = jax.tree_util.tree_map(lambda g: (g * inv.astype(g.dtype)).astype(g.dtype),
                                      grads)
       g_scale = g_scale * inv * inv
-    value = (loss, aux) if self.has_aux else loss
-    counted = frozenset(layer.name for layer in discovered.layers if layer.counted)
-    stats = _statistics(probe_bar, g_scale, traces[0].scaled, counted, coefficient)
-    for name in set(stats) - traces[0].reached:        # the loss does not use its output
-      stats[name][factors.UNREACHED] = jnp.zeros([], jnp.int32)
-    return value, grads, stats, n, weight
+    return grads, probe_bar, g_scale, coefficient
 
 
 def _eval_binding_axes(fun: Callable, *args: Any) -> None:
