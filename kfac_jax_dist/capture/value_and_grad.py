@@ -55,7 +55,7 @@ import functools
 import inspect
 import math
 import re
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -64,9 +64,6 @@ from kfac_jax_dist import _compat
 from kfac_jax_dist.capture import batches, curvature, registry, shares, stacking
 from kfac_jax_dist.capture import context as _context
 from kfac_jax_dist.capture import statistics as factors
-
-if TYPE_CHECKING:
-  from kfac_jax_dist.core.distribution import Distribution
 
 FISHERS = ("empirical", "mc")
 SKIPS = ("auto", "layer", "pass")
@@ -199,7 +196,7 @@ class ValueAndGrad:
             f"pass the loss function's {name} positionally (not to accumulate or "
             "micro_batches=, which split every positional argument).")
 
-  def discover(self, params: Any, *args: Any, distribution: Distribution | None = None,
+  def discover(self, params: Any, *args: Any, distribution: Any = None,
                **kwargs: Any) -> registry.LayerRegistry:
     """The tagged layers of `fun(params, *args, **kwargs)` (an abstract trace;
     parameters and batch may be `jax.ShapeDtypeStruct`s).
