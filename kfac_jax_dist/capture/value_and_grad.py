@@ -518,9 +518,11 @@ class ValueAndGrad:
     probes = _compat.as_varying(probes, _compat.varying_axes(params, args, kwargs))
     params = _compat.as_varying(params, _compat.varying_axes(args, kwargs))
     # Under "mc", a zero added to the registered loss: its cotangent is `c`, the
-    # returned value's derivative in the registered loss (`a` for `a · loss`).
+    # returned value's derivative in the registered loss (`a` for `a · loss`),
+    # in float64 where enabled (a float64 model's statistics stay exact).
     offset = None if self.fisher == "empirical" else _compat.as_varying(
-        jnp.zeros([], jnp.float32), _compat.varying_axes(args, kwargs))
+        jnp.zeros([], jax.dtypes.canonicalize_dtype(jnp.float64)),
+        _compat.varying_axes(args, kwargs))
 
     def evaluate(p: Any, probes: dict, offset: jax.Array | None) -> tuple:
       # Stacked linen / NNX layers get their probes through the parameter tree

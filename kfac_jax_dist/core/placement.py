@@ -94,10 +94,10 @@ def check_statistics_undistributed(name: str, stats: Any) -> None:
 
 
 def check_floating_params(name: str, params: Any) -> None:
-  """Every parameter leaf is an array (`registry.check_array_leaves`) and
-  real floating: an integer one has `float0`
-  gradients, which no update can be added to; a complex one would need
-  Hermitian statistics (conjugated products), which nothing here forms."""
+  """Every parameter leaf is an array (`registry.check_array_leaves`) and real
+  floating: an integer one has `float0` gradients, which no update can be
+  added to; a complex one would need Hermitian statistics (conjugated
+  products), which nothing here forms."""
   registry.check_array_leaves(name, params)
   for leaf_name, leaf in registry.named_leaves(params):
     dtype = getattr(leaf, "dtype", None)
