@@ -85,12 +85,13 @@ class Trace:
 
   def forget_values(self) -> None:
     """Drops what holds tracers (the registered losses, the probes, the
-    flag, the applied weight, the loss's JAX trace, the row masks) once the forward pass no
-    longer needs them: the tags' backward passes keep this trace, and JAX may
-    keep them (cached jaxprs) past the trace they were made in
-    (`jax.checking_leaks`)."""
+    flag, the applied weight, the loss's JAX trace, the row masks, the loss's
+    offset) once the forward pass no longer needs them: the tags' backward
+    passes keep this trace, and JAX may keep them (cached jaxprs) past the
+    trace they were made in (`jax.checking_leaks`)."""
     self.losses, self.probes, self.compute_stats, self.top = [], {}, None, None
     self.counts, self.applied_weight, self.row_masks = [], None, []
+    self.loss_offset = None
 
   def path_of(self, leaf) -> str | None:
     return None if leaf is None else self.leaf_paths.get(id(leaf))
