@@ -679,22 +679,41 @@ def test_linen_einsum_drop_in(kernel, equation, call, shape):
 
 
 @pytest.mark.parametrize("equation,x_ndim,kernel_ndim,want", [
-    ("...d,df->...f", 3, 2, 1), ("btnh,nhd->btd", 4, 3, 2), ("x...d,df->x...f", 4, 2, 1),
-    ("btd,ndh->btnh", 3, 3, "not its first"), ("bd,df->fb", 2, 2, "not its first"),
+    ("...d,df->...f", 3, 2, (1, None, None, None)),
+    ("btnh,nhd->btd", 4, 3, (2, None, None, None)),
+    ("x...d,df->x...f", 4, 2, (1, None, None, None)),
+    ("btd,ndh->btnh", 3, 3, (1, None, (1, 0, 2), None)),            # Gemma's q
+    ("btd,sndh->sbtnh", 3, 4, (1, None, (2, 0, 1, 3), (2, 0, 1, 3, 4))),  # Gemma's kv
+    ("bd,df->fb", 2, 2, (1, None, None, (1, 0))),
+    ("dbt,fd->tfb", 3, 2, (1, (1, 2, 0), (1, 0), (1, 2, 0))),
     ("bd,bdf->bf", 2, 3, "not a Dense"), ("...d,df->f", 3, 2, "not a Dense"),
+    ("bd,dfg->bf", 2, 3, "not a Dense"),
     ("bdd,df->bf", 3, 2, "repeated"), ("...d,...df->...f", 3, 3, "ellipsis"),
     ("ab,bc", 2, 2, ""), ("bd,df->bf", 2, 3, ""),
 ])
 def test_einsum_equations_read_as_dense_layers(equation, x_ndim, kernel_ndim, want):
-  """A Dense layer's equation gives `in_dims`; another a reason; one that
-  jnp.einsum refuses "" (Flax's code raises)."""
+  """A Dense layer's equation gives its `EinsumLayout` (`in_dims`, then the
+  input's, kernel's and output's transpositions to and from the tag's order,
+  None where none is needed); another a reason; one that jnp.einsum refuses
+  "" (Flax's code raises)."""
   got = flax_common.einsum_dense_config(equation, x_ndim, kernel_ndim, custom=False)
-  assert got == want if isinstance(want, int) or not want else want in got
+  assert got == want if isinstance(want, tuple) or not want else want in got
   assert "custom" in flax_common.einsum_dense_config(equation, x_ndim, kernel_ndim, True)
 
 
-@pytest.mark.parametrize("equation,kernel", [("btd,ndh->btnh", (2, 4, 3)),
-                                             ("bd,bdf->bf", (2, 3, 5)),
+@pytest.mark.parametrize("equation,x_shape,kernel", [
+    ("btd,ndh->btnh", (2, 3, 4), (2, 4, 3)), ("btd,sndh->sbtnh", (2, 3, 4), (2, 2, 4, 3)),
+    ("dbt,fd->tfb", (4, 2, 3), (5, 4))])
+def test_linen_einsum_permuted_drop_in(equation, x_shape, kernel):
+  """Equations whose axes the tag reorders: the same variables and outputs
+  as Flax's (the bias: the output's features in its order)."""
+  x = jax.random.normal(jax.random.PRNGKey(0), x_shape)
+  for use_bias in (True, False):
+    _linen_pair(kd.linen.Einsum, nn.Einsum,
+                dict(shape=kernel, einsum_str=equation, use_bias=use_bias), x)
+
+
+@pytest.mark.parametrize("equation,kernel", [("bd,bdf->bf", (2, 3, 5)),
                                              ("btd,df->bf", (4, 3))])
 def test_linen_einsum_other_equations_pass_through(equation, kernel):
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 4)[:len(equation.split(",")[0])])
@@ -836,8 +855,12 @@ def test_nnx_einsum_drop_in():
   with pytest.warns(UserWarning, match="Einsum with a bias of shape.*not tagged"):
     _nnx_check(kd.nnx.Einsum, nnx.Einsum, ("...d,df->...f", (4, 5), (1, 5)), {}, x,
                tagged=False)
+  # Gemma's equations (the tag reorders the axes): bias of the output's features.
+  _nnx_check(kd.nnx.Einsum, nnx.Einsum, ("btd,ndh->btnh", (2, 4, 3), (2, 3)), {}, x)
+  _nnx_check(kd.nnx.Einsum, nnx.Einsum, ("btd,sndh->sbtnh", (2, 2, 4, 3), (2, 2, 3)),
+             {}, x)
   with pytest.warns(UserWarning, match="Einsum with the equation.*not tagged"):
-    _nnx_check(kd.nnx.Einsum, nnx.Einsum, ("btd,ndh->btnh", (2, 4, 3)), {}, x,
+    _nnx_check(kd.nnx.Einsum, nnx.Einsum, ("bd,bdf->bf", (2, 4, 5)), {}, x[:, 0],
                tagged=False)
 
 

@@ -42,6 +42,12 @@ weight, PyTorch's and Equinox's `Linear`, whose window is empty) is stored
 axes swapped (`lax.conv_transpose`): `kernel_shape` is that applied kernel's
 `(*window, in, out)`, whose rows the factors describe, and `leaf_blocks` /
 `blocks_leaf` flip and swap between it and the leaf.
+
+A *permuted kernel* (`kernel_axes`: an einsum Dense layer whose kernel holds
+its contracted axes elsewhere than first, Gemma's `BTD,NDH->BTNH`) is applied
+as `jnp.transpose(leaf, kernel_axes)`, `(*in, *out)`: `kernel_shape` is that
+applied kernel's, and `leaf_blocks` / `blocks_leaf` transpose between it and
+the leaf.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from typing import Any, Iterable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Path = tuple  # a tuple of jax.tree_util keys
 
@@ -157,6 +164,8 @@ class TaggedLayer:
   `feature_group_count` (its blocks are the groups, the last stack axis).
   `transposed_kernel`: the kernel leaf is the applied kernel flipped over
   its window, channel axes swapped (see the module docstring).
+  `kernel_axes`: the applied kernel is `jnp.transpose(leaf block,
+  kernel_axes)` (a permuted kernel; `None`: the leaf's own order).
   `may_sit_out`: every application runs inside a `lax.cond` / `lax.switch`
   branch or a `lax.while_loop` body (`_compat.MAY_NOT_RUN`), so a pass may give it no position
   (the optimizer then leaves its factors as they are; see `kfac.factors`).
@@ -191,6 +200,7 @@ class TaggedLayer:
   stack_name: str | None = None
   groups: int = 1
   transposed_kernel: bool = False
+  kernel_axes: tuple[int, ...] | None = None
   may_sit_out: bool = False
   row_masked: bool = False
   partly_sits_out: bool = False
@@ -245,28 +255,49 @@ class TaggedLayer:
     """Whether leaves of `block_shape` are a transposed kernel's."""
     return self.transposed_kernel and tuple(block_shape) == tuple(self.kernel_shape)
 
+  def _permutes(self, block_shape: tuple[int, ...]) -> bool:
+    """Whether leaves of `block_shape` are a permuted kernel's."""
+    return self.kernel_axes is not None and tuple(block_shape) == tuple(self.kernel_shape)
+
+  def _stacked_axes(self, inverse: bool) -> tuple[int, ...]:
+    """`kernel_axes` (or its inverse) on a leaf with the stack axes first."""
+    axes = tuple(np.argsort(self.kernel_axes)) if inverse else self.kernel_axes
+    k = len(self.stack)
+    return tuple(range(k)) + tuple(k + int(a) for a in axes)
+
+  def applied_axis(self, leaf_axis: int) -> int:
+    """The axis of the applied kernel (`kernel_shape`) that is `leaf_axis` of
+    one block's kernel leaf: itself unless the kernel is permuted."""
+    return leaf_axis if self.kernel_axes is None else self.kernel_axes.index(leaf_axis)
+
   def leaf_shape(self, block_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape of a parameter leaf whose blocks are `block_shape` (the
     kernel's `kernel_shape` or the bias's): `[*stack, *block_shape]`; a
     grouped convolution's groups (the last stack axis) side by side in the
-    last axis; a transposed kernel's channel axes swapped."""
+    last axis; a transposed kernel's channel axes swapped; a permuted
+    kernel's axes in the leaf's order."""
     if self.groups > 1:
       return (tuple(self.stack[:-1]) + tuple(block_shape[:-1])
               + (self.groups * block_shape[-1],))
     if self._transposes(block_shape):
       block_shape = channels_swapped(block_shape)
+    if self._permutes(block_shape):
+      block_shape = tuple(block_shape[i] for i in np.argsort(self.kernel_axes))
     return tuple(self.stack) + tuple(block_shape)
 
   def leaf_blocks(self, leaf: jax.Array, block_shape: tuple[int, ...]) -> jax.Array:
     """`[blocks, *block_shape]`: every block of a parameter leaf (the
     stacked layer's blocks, a grouped convolution's groups; a single layer's
-    leaf with a leading axis of one; a transposed kernel as applied)."""
+    leaf with a leading axis of one; a transposed or permuted kernel as
+    applied)."""
     if self.groups > 1:            # [*outer, ..., n, c] → [*outer, n, ..., c]
       grouped = leaf.reshape(leaf.shape[:-1] + (self.groups, block_shape[-1]))
       grouped = jnp.moveaxis(grouped, -2, len(self.stack) - 1)
       return grouped.reshape((-1,) + tuple(block_shape))
     if self._transposes(block_shape):
       leaf = flip_swap(leaf, len(self.kernel_shape) - 2)
+    if self._permutes(block_shape):
+      leaf = jnp.transpose(leaf, self._stacked_axes(inverse=False))
     return leaf.reshape((-1,) + tuple(block_shape))
 
   def blocks_leaf(self, blocks: jax.Array, block_shape: tuple[int, ...]) -> jax.Array:
@@ -279,6 +310,9 @@ class TaggedLayer:
     if self._transposes(block_shape):
       return flip_swap(blocks.reshape(tuple(self.stack) + tuple(block_shape)),
                        len(self.kernel_shape) - 2)
+    if self._permutes(block_shape):
+      return jnp.transpose(blocks.reshape(tuple(self.stack) + tuple(block_shape)),
+                           self._stacked_axes(inverse=True))
     return blocks.reshape(self.leaf_shape(block_shape))
 
   @property

@@ -131,6 +131,8 @@ def _discover(trace, kind, name, kernel, bias, site, **record) -> None:
   kernel_shape, bias_shape = tuple(kernel.shape), None if bias is None else tuple(bias.shape)
   if record.get("transposed_kernel"):       # the applied kernel's (see `registry`)
     kernel_shape = registry.channels_swapped(kernel_shape)
+  if record.get("kernel_axes"):
+    kernel_shape = tuple(kernel_shape[i] for i in record["kernel_axes"])
   groups = record.get("groups", 1)
   if groups > 1:              # one group's blocks (see `registry`)
     stack = tuple(stack) + (groups,)
@@ -715,7 +717,7 @@ def _check_example_dims(tag: str, example_dims, num_leading: int, shape) -> None
 def dense_general(x: ArrayLike, kernel: ArrayLike, bias: ArrayLike | None = None, *,
                   in_dims: int = 1, name: str | None = None, dtype: Any = None,
                   precision=None, example_dims: int | None = None, stack_index=None,
-                  _site=None) -> jax.Array:
+                  kernel_axes: Sequence[int] | None = None, _site=None) -> jax.Array:
   """A Dense layer over several input and/or output axes.
 
   The last `in_dims` axes of `x` are contracted with the first `in_dims` axes
@@ -723,23 +725,28 @@ def dense_general(x: ArrayLike, kernel: ArrayLike, bias: ArrayLike | None = None
   has their shape. E.g. attention projections: `x [B, T, d]` with a kernel
   `[d, heads, head_dim]` (`in_dims=1`) gives `[B, T, heads, head_dim]`; `x [B,
   T, heads, head_dim]` with a kernel `[heads, head_dim, d]` (`in_dims=2`)
-  gives `[B, T, d]`.
+  gives `[B, T, d]`. `kernel_axes`: a kernel stored in another order (Gemma's
+  `[heads, d, head_dim]`) is applied as `jnp.transpose(kernel, kernel_axes)`
+  (here `(1, 0, 2)`), whose layout is the one above.
 
   K-FAC sees the flattened Dense layer: `a_dim = Π in_shape (+1 with a bias)`,
   `g_dim = Π out_shape`, and `A`, `G` are Dense's on the flattened inputs and
-  output cotangents (the kernel's row-major reshape to `(a_dim - has_bias,
-  g_dim)` is the Dense kernel). It is recorded with kind "dense".
+  output cotangents (the applied kernel's row-major reshape to `(a_dim -
+  has_bias, g_dim)` is the Dense kernel). It is recorded with kind "dense".
   `stack_index`: `kernel` (and `bias`) are stacked leaves `[*stack, ...]` and
   the tag applies block `kernel[stack_index]` (see the module docstring).
   """
   kernel, bias, site = _block_of(kernel, bias, stack_index, _site)
+  axes = _kernel_axes(kernel.ndim, kernel_axes)
+  shape = tuple(kernel.shape[i] for i in axes) if axes else tuple(kernel.shape)
   if not 1 <= in_dims < kernel.ndim:
     raise ValueError(f"kd.tags.dense_general: in_dims={in_dims} for a kernel of shape "
                      f"{kernel.shape} (needs at least one output axis)")
-  in_shape, out_shape = kernel.shape[:in_dims], kernel.shape[in_dims:]
+  in_shape, out_shape = shape[:in_dims], shape[in_dims:]
   if x.ndim < in_dims or x.shape[x.ndim - in_dims:] != in_shape:
     raise ValueError(f"kd.tags.dense_general: the last {in_dims} axes of the input "
-                     f"{x.shape} do not match the kernel {kernel.shape}")
+                     f"{x.shape} do not match the kernel {shape}"
+                     + (f" (the stored {kernel.shape} as kernel_axes={axes})" if axes else ""))
   _check_bias("dense_general", bias, out_shape)
   _check_example_dims("dense_general", example_dims, x.ndim - in_dims, x.shape)
   n_out = len(out_shape)
@@ -747,17 +754,31 @@ def dense_general(x: ArrayLike, kernel: ArrayLike, bias: ArrayLike | None = None
   def apply(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None
             ) -> jax.Array:
     x, kernel, bias = _promote(dtype, x, kernel, bias)
+    kernel = kernel if axes is None else jnp.transpose(kernel, axes)
     contract = (tuple(range(x.ndim - in_dims, x.ndim)), tuple(range(in_dims)))
     y = lax.dot_general(x, kernel, (contract, ((), ())), precision=precision)
     return _add_bias(y, bias)
 
   stats, examples, stats_input = _dense_statistics(bias is not None, in_dims, n_out,
                                                    example_dims)
+  permuted = {"kernel_axes": axes} if axes else {}
   return _tagged("dense", name, apply, stats, x, kernel, bias, site, examples=examples,
                  stats_input=stats_input, positions=_row_count(example_dims),
                  out_dims=n_out, example_dims=example_dims,
                  a_dim=_size(in_shape) + (bias is not None),
-                 g_dim=_size(out_shape))
+                 g_dim=_size(out_shape), **permuted)
+
+
+def _kernel_axes(ndim: int, kernel_axes: Sequence[int] | None) -> tuple[int, ...] | None:
+  """`kernel_axes` checked as a permutation of a kernel's `ndim` axes; `None`
+  for the kernel's own order."""
+  if kernel_axes is None:
+    return None
+  axes = tuple(int(a) for a in kernel_axes)
+  if sorted(axes) != list(range(ndim)):
+    raise ValueError(f"kd.tags.dense_general: kernel_axes={tuple(kernel_axes)} must be a "
+                     f"permutation of the kernel's {ndim} axes, 0..{ndim - 1}")
+  return None if axes == tuple(range(ndim)) else axes
 
 
 def _conv_padding(tag: str, padding, spatial: int):

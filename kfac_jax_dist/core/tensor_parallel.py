@@ -459,12 +459,13 @@ def check_kfac_layers(layers, sharding: ModelSharding) -> None:
           "grad_fn.discover(params, *batch, distribution=dist).")
     for axis, dim in zip(sharding.axes, sharding.dims[i]):
       if dim is not None and dim >= len(layer.stack):
-        _check_kernel_dim(layer, axis, dim - len(layer.stack))
+        _check_kernel_dim(layer, axis, layer.applied_axis(dim - len(layer.stack)))
 
 
 def _check_kernel_dim(layer, axis: str, dim: int) -> None:
-  """Kernel dimension `dim` of `layer` is sharded over `axis`: it must be an
-  input or output channel axis, and an input one only without a tagged bias."""
+  """Kernel dimension `dim` of `layer` (of the kernel it applies, `kernel_shape`)
+  is sharded over `axis`: it must be an input or output channel axis, and an
+  input one only without a tagged bias."""
   shape = layer.kernel_shape
   if layer.kind in registry.CONV_KINDS and dim < len(shape) - 2:
     raise ValueError(

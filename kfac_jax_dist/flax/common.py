@@ -217,13 +217,42 @@ def _expand_ellipsis(term: str, ndim: int, fill: str) -> str | None:
   return term.replace("...", fill[:extra])
 
 
+class EinsumLayout(NamedTuple):
+  """How a Flax `Einsum` whose equation is a Dense layer's runs as
+  `kd.tags.dense_general`: the input transposed by `input_axes` (its other
+  axes, then the contracted ones), the kernel by `kernel_axes` (the contracted
+  axes in the input's order, then the output's features in the output's
+  order), `in_dims` of them contracted, and the tag's output (the input's
+  other axes, then the features) transposed by `output_axes`. An axis order
+  that is already the tag's is `None`."""
+
+  in_dims: int
+  input_axes: tuple[int, ...] | None
+  kernel_axes: tuple[int, ...] | None
+  output_axes: tuple[int, ...] | None
+
+  def run(self, inputs, tag: Callable[..., Any]):
+    """`tag(input, kernel_axes=...)`'s output, in the equation's order."""
+    x = inputs if self.input_axes is None else jnp.transpose(inputs, self.input_axes)
+    y = tag(x, kernel_axes=self.kernel_axes)
+    return y if self.output_axes is None else jnp.transpose(y, self.output_axes)
+
+
+def _order(term: str, letters: str) -> tuple[int, ...] | None:
+  """The axes of `term` in the order `letters` names them; None where that is
+  `term`'s own order."""
+  axes = tuple(term.index(c) for c in letters)
+  return None if axes == tuple(range(len(term))) else axes
+
+
 def einsum_dense_config(equation, x_ndim: int, kernel_ndim: int, custom: bool
-                        ) -> int | str:
-  """`in_dims` for `kd.tags.dense_general` where a Flax `Einsum`'s equation is
-  a Dense layer's, `BC,CF->BF` up to the letters (`B` the input's other axes,
-  `C` the contracted ones, last in the input and first in the kernel, in the
-  same order, `F` the kernel's output axes); else the reason to leave it to
-  Flax, or "" for an equation that jnp.einsum refuses (Flax's code raises)."""
+                        ) -> EinsumLayout | str:
+  """The `EinsumLayout` of a Flax `Einsum` whose equation is a Dense layer's:
+  every input axis either contracted with the kernel or kept in the output,
+  every kernel axis contracted or an output feature, in any order (`BC,CF->BF`
+  up to letters and axis order: Gemma's `BTD,NDH->BTNH` and
+  `BTD,SNDH->SBTNH`); else the reason to leave it to Flax, or "" for an
+  equation that jnp.einsum refuses (Flax's code raises)."""
   if custom:
     return "a custom einsum, promote_dtype or preferred_element_type"
   if not isinstance(equation, str) or equation.count(",") != 1 or "->" not in equation:
@@ -241,14 +270,13 @@ def einsum_dense_config(equation, x_ndim: int, kernel_ndim: int, custom: bool
     return "an index repeated within an operand"
   contracted = "".join(c for c in xs if c in ks)
   batch = "".join(c for c in xs if c not in ks)
-  features = "".join(c for c in ks if c not in xs)
-  if not contracted or not features or set(out) != set(batch + features):
+  features = "".join(c for c in out if c in ks)
+  if (not contracted or not features or set(out) != set(batch + features)
+      or set(ks) != set(contracted + features) or set(contracted) & set(out)):
     return f"the equation {equation!r}, not a Dense layer's"
-  if (xs, ks, out) != (batch + contracted, contracted + features, batch + features):
-    return (f"the equation {equation!r} (the input's contracted axes are not its last "
-            "ones, the kernel's not its first, or the output is not the input's other "
-            "axes then the kernel's)")
-  return len(contracted)
+  return EinsumLayout(len(contracted), _order(xs, batch + contracted),
+                      _order(ks, contracted + features),
+                      _order(batch + features, out))
 
 
 def norm_config(ndim: int, feature_axes, custom: bool) -> str | None:

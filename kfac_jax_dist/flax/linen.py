@@ -148,29 +148,30 @@ def dense_general(module: nn.DenseGeneral, inputs, fallback: Fallback):
 
 def einsum(module: nn.Einsum, inputs, einsum_str, fallback: Fallback):
   """`nn.Einsum.__call__`, tagged with `kd.tags.dense_general` where its
-  equation is a Dense layer's (`BC,CF->BF` up to the letters: the input's
-  contracted axes last, the kernel's first, the output the input's other
-  axes then the kernel's; `_flax_common.einsum_dense_config`)."""
+  equation is a Dense layer's (every input axis contracted with the kernel or
+  kept, every kernel axis contracted or an output feature, in any order;
+  `_flax_common.einsum_dense_config`). Its bias is Flax's: the features in
+  the output's order."""
   if einsum_str is not None and module.einsum_str is not None:
     return fallback()                          # Flax's own error
   custom = (getattr(module, "preferred_element_type", None) is not None
             or _flax_common.custom_promote(module, linen_dtypes.promote_dtype))
-  in_dims = _flax_common.einsum_dense_config(
+  layout = _flax_common.einsum_dense_config(
       module.einsum_str if einsum_str is None else einsum_str, jnp.ndim(inputs),
       len(module.shape), custom)
-  if in_dims == "":
+  if layout == "":
     return fallback()                          # Flax's own error
-  if isinstance(in_dims, str):
-    return _flax_common.untagged("Einsum", in_dims, where(module), fallback)
+  if isinstance(layout, str):
+    return _flax_common.untagged("Einsum", layout, where(module), fallback)
   shape = tuple(module.shape)
   kernel = module.param("kernel", module.kernel_init, shape, module.param_dtype)
-  bias = (module.param("bias", module.bias_init, shape[in_dims:], module.param_dtype)
-          if module.use_bias else None)
-  return tags.dense_general(inputs, kernel, bias, in_dims=in_dims, dtype=module.dtype,
-                            precision=module.precision,
-                            example_dims=_example_dims(module),
-                            _site=stacking.linen_site(module, kernel, bias, "kernel",
-                                                      "bias"))
+  applied = [shape[i] for i in (layout.kernel_axes or range(len(shape)))]
+  bias = (module.param("bias", module.bias_init, applied[layout.in_dims:],
+                       module.param_dtype) if module.use_bias else None)
+  return layout.run(inputs, functools.partial(
+      tags.dense_general, kernel=kernel, bias=bias, in_dims=layout.in_dims,
+      dtype=module.dtype, precision=module.precision, example_dims=_example_dims(module),
+      _site=stacking.linen_site(module, kernel, bias, "kernel", "bias")))
 
 
 def embed(module: nn.Embed, inputs, fallback: Fallback):
@@ -356,8 +357,8 @@ class DenseGeneral(nn.DenseGeneral):
 
 class Einsum(nn.Einsum):
   """`flax.linen.Einsum`, tagged with `kd.tags.dense_general` where its
-  equation is a Dense layer's (`BC,CF->BF` up to the letters; other
-  equations run Flax's code, untagged, with a warning)."""
+  equation is a Dense layer's (`BC,CF->BF` up to the letters and the order
+  of the axes; other equations run Flax's code, untagged, with a warning)."""
 
   kfac_example_dims: int | None = None
 

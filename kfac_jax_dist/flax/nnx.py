@@ -209,24 +209,25 @@ def lora(module: nnx.LoRA, inputs, kwargs: dict, fallback: Fallback):
 def einsum(module: nnx.Einsum, inputs, einsum_str, out_sharding, fallback: Fallback):
   """`nnx.Einsum.__call__`, tagged with `kd.tags.dense_general` where its
   equation is a Dense layer's (as `kd.linen.Einsum`) and its bias, if any,
-  has the kernel's output shape."""
+  has the kernel's output features, in the output's order."""
   custom = (module.einsum_op is not jnp.einsum or out_sharding is not None
             or getattr(module, "preferred_element_type", None) is not None
             or _flax_common.custom_promote(module, nnx_dtypes.promote_dtype))
   kernel, bias, site = stacking.nnx_site(module.kernel, module.bias)
-  in_dims = _flax_common.einsum_dense_config(
+  layout = _flax_common.einsum_dense_config(
       module.einsum_str if einsum_str is None else einsum_str, jnp.ndim(inputs),
       kernel.ndim, custom)
-  if in_dims == "":
+  if layout == "":
     return fallback()                          # NNX's own error
-  if not isinstance(in_dims, str) and bias is not None and (
-      bias.shape != kernel.shape[in_dims:]):
-    in_dims = f"a bias of shape {bias.shape}, not the kernel's output axes"
-  if isinstance(in_dims, str):
-    return _untagged("Einsum", in_dims, module, "kernel", fallback)
-  return tags.dense_general(inputs, kernel, bias, in_dims=in_dims, dtype=module.dtype,
-                            precision=module.precision,
-                            example_dims=_example_dims(module), _site=site)
+  if not isinstance(layout, str) and bias is not None and bias.shape != tuple(
+      kernel.shape[i] for i in (layout.kernel_axes or range(kernel.ndim)))[layout.in_dims:]:
+    layout = f"a bias of shape {bias.shape}, not the kernel's output features"
+  if isinstance(layout, str):
+    return _untagged("Einsum", layout, module, "kernel", fallback)
+  return layout.run(inputs, functools.partial(
+      tags.dense_general, kernel=kernel, bias=bias, in_dims=layout.in_dims,
+      dtype=module.dtype, precision=module.precision, example_dims=_example_dims(module),
+      _site=site))
 
 
 def embed(module: nnx.Embed, inputs, out_sharding, fallback: Fallback):
