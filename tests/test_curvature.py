@@ -165,6 +165,23 @@ def _identity_h(z: np.ndarray) -> np.ndarray:
   return np.broadcast_to(np.eye(z.shape[-1]), (z.shape[0],) + (z.shape[-1],) * 2)
 
 
+def _gaussian_h(z: np.ndarray) -> np.ndarray:
+  """`gaussian_nll(μ = z₀, σ² = softplus(z₁))`'s Fisher in `z`: `diag(1/σ²,
+  σ'(z₁)²/(2σ⁴), 0)` (the third output unused)."""
+  var = np.log1p(np.exp(z[:, 1]))
+  slope = 1.0 / (1.0 + np.exp(-z[:, 1]))
+  diagonal = np.stack([1 / var, slope ** 2 / (2 * var ** 2), 0 * var], -1)
+  return np.stack([np.diag(d) for d in diagonal])
+
+
+def _poisson_h(z: np.ndarray) -> np.ndarray:
+  return np.stack([np.diag(np.exp(r)) for r in z])
+
+
+def _gaussian_nll(z, y, mask=None):
+  return kd.losses.gaussian_nll(z[..., :1], jax.nn.softplus(z[..., 1:2]), y, mask=mask)
+
+
 LOSSES = {   # name: (kd loss, hessian, masked)
     "softmax": (kd.losses.softmax_cross_entropy, _softmax_h, False),
     "softmax_masked": (kd.losses.softmax_cross_entropy, _softmax_h, True),
@@ -172,6 +189,8 @@ LOSSES = {   # name: (kd loss, hessian, masked)
     "softmax_soft": (kd.losses.softmax_cross_entropy, _softmax_h, True),
     "sigmoid": (kd.losses.sigmoid_cross_entropy, _sigmoid_h, False),
     "squared_error": (kd.losses.squared_error, _identity_h, False),
+    "gaussian_masked": (_gaussian_nll, _gaussian_h, True),
+    "poisson": (kd.losses.poisson_nll, _poisson_h, False),
 }
 
 
@@ -185,6 +204,10 @@ def _targets(loss: str, example_shape: tuple[int, ...]):
     return jax.random.randint(key, example_shape, 0, CLASSES)
   if loss == "sigmoid":
     return jax.random.uniform(key, example_shape + (CLASSES,), F64)
+  if loss == "poisson":
+    return jax.random.poisson(key, 2.0, example_shape + (CLASSES,)).astype(F64)
+  if loss.startswith("gaussian"):
+    return helpers.randn(key, example_shape + (1,))
   return helpers.randn(key, example_shape + (CLASSES,))
 
 
@@ -417,3 +440,42 @@ def test_gram_of_a_function_of_the_registered_loss():
   grad_fn = kd.value_and_grad(lambda p, *batch: jnp.log(loss_fn(p, *batch)))
   gram = jax.jit(grad_fn.gauss_newton_gram)(params, vectors, *batch)
   assert_close(gram, expected / helpers.f64(loss_fn(params, *batch)))
+
+
+def test_distillation_recipe_is_the_written_losss():
+  """Hard labels and a teacher's soft targets at temperature T, `α·CE(s, y) +
+  (1−α)·T²·CE(s/T, q)`, as one registered loss over both terms' rows weighted
+  by `mask` (docs/concepts.md, "Soft targets"): its value is the written
+  loss's and its Gauss-Newton matrix the written loss's, `α H(s) + (1−α)
+  H(s/T)` per example (`T²` times the `1/T²` of the scaled logits)."""
+  apply, params, x = MODELS["mlp_tags"]()
+  alpha, temp = 0.3, 4.0
+  shape = jax.eval_shape(apply, params, x).shape[:-1]
+  y = jax.random.randint(jax.random.PRNGKey(3), shape, 0, CLASSES)
+  q = jax.nn.softmax(helpers.randn(jax.random.PRNGKey(6), shape + (CLASSES,)) / temp)
+
+  def loss_fn(p, x, y, q):
+    s = apply(p, x)
+    weights = jnp.concatenate([jnp.full(shape, alpha), jnp.full(shape, (1 - alpha) * temp ** 2)])
+    return (alpha + (1 - alpha) * temp ** 2) * kd.losses.softmax_cross_entropy(
+        jnp.concatenate([s, s / temp]),
+        jnp.concatenate([jax.nn.one_hot(y, CLASSES, dtype=F64), q]), mask=weights)
+
+  def written(p):
+    s = apply(p, x)
+    hard = -jnp.take_along_axis(jax.nn.log_softmax(s), y[..., None], -1)
+    soft = -jnp.sum(q * jax.nn.log_softmax(s / temp), -1)
+    return alpha * jnp.mean(hard) + (1 - alpha) * temp ** 2 * jnp.mean(soft)
+  flat, unravel = ravel_pytree(params)
+  vectors = tuple(unravel(jax.random.normal(k, flat.shape, F64))
+                  for k in jax.random.split(jax.random.PRNGKey(5), 2))
+  expected = _brute_gram(
+      apply, params, x, jnp.ones(shape, F64),
+      lambda z: alpha * _softmax_h(z) + (1 - alpha) * _softmax_h(z / temp), vectors)
+  grad_fn = kd.value_and_grad(loss_fn)
+  gram, loss = jax.jit(functools.partial(grad_fn.gauss_newton_gram, with_loss=True))(
+      params, vectors, x, y, q)
+  assert_close(gram, expected)
+  assert_close(loss, written(params), 1e-14)
+  assert_close(jax.jit(grad_fn)(params, x, y, q)[1]["out"]["kernel"],
+               jax.grad(written)(params)["out"]["kernel"], 1e-13)

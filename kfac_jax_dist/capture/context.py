@@ -227,16 +227,21 @@ def one_loss(trace: Trace) -> RegisteredLoss:
   if not trace.losses:
     raise ValueError(
         "The loss function registered no loss: compute it with kd.losses."
-        "softmax_cross_entropy, sigmoid_cross_entropy or squared_error so that K-FAC "
-        "knows the number of examples and the predictive distribution (a loss none "
-        "fits, a flow's or an energy model's: docs/concepts.md, 'Terms besides the "
-        "registered loss').")
+        "softmax_cross_entropy, sigmoid_cross_entropy, squared_error, gaussian_nll or "
+        "poisson_nll so that K-FAC knows the number of examples and the predictive "
+        "distribution (a KL to soft targets is softmax_cross_entropy on them; a loss "
+        "none fits, a flow's or an energy model's: docs/concepts.md, 'Terms besides "
+        "the registered loss').")
   if len(trace.losses) > 1:
     names = [l.name for l in trace.losses]
     raise ValueError(f"The loss function registered {len(names)} losses ({names}); "
-                     "K-FAC needs exactly one: register the main loss and compute the "
-                     "others with plain jnp, leaving layers only they reach out with "
-                     "skip=; losses of one kind (a symmetric contrastive loss) are one "
-                     "loss over their rows concatenated (docs/concepts.md, 'Terms "
-                     "besides the registered loss').")
+                     "K-FAC needs exactly one. Cross-entropies on the same logits "
+                     "(mixup, label smoothing, distillation at T = 1) are one on their "
+                     "mixed targets; losses of one kind on different inputs (a "
+                     "symmetric contrastive loss, hard labels beside a distillation "
+                     "term at temperature T) are one over their rows concatenated, "
+                     "weighted with mask= (docs/concepts.md, 'Soft targets'). An "
+                     "auxiliary loss computed with plain jnp adds its gradient but no "
+                     "curvature: leave layers only it reaches out with skip= "
+                     "(docs/concepts.md, 'Terms besides the registered loss').")
   return trace.losses[0]

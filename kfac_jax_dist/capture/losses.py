@@ -8,14 +8,18 @@ axis but the last, weighted by `mask`) exactly as an ordinary loss would. Inside
   output cotangents `ĝ = g / n` into per-example gradients for `G`;
 * how to draw targets from the model's predictive distribution, which the Monte
   Carlo Fisher (`fisher="mc"`) uses: categorical for softmax, Bernoulli for
-  sigmoid, a unit-variance Gaussian for the squared error (Martens & Grosse,
+  sigmoid, a unit-variance Gaussian for the squared error, `N(μ, σ²)` for the
+  Gaussian with a predicted variance, Poisson for counts (Martens & Grosse,
   2015, §5);
 * its input, each example's curvature weight `w` (its mask weight, times a
   target distribution's sum `Σt` for the softmax) and its output Hessian `H`
   per example in closed form, which the exact Gauss-Newton products
   (`capture.curvature`) use: softmax `diag(p) − p pᵀ` (times `w`'s `Σt`),
-  sigmoid `diag(p(1−p))`, squared error `I`, otherwise independent of the
-  targets.
+  sigmoid `diag(p(1−p))`, squared error `I`, Poisson `diag(exp η)`,
+  otherwise independent of the targets; for the Gaussian with a predicted
+  variance, whose Hessian depends on the targets, its expectation over them,
+  the Fisher `diag(1/σ², 1/(2σ⁴))` in `(μ, σ²)` (Martens 2014, §9.2: the
+  generalised Gauss-Newton matrix of a non-canonical link).
 
 Exactly one loss must be registered per evaluation of the loss function.
 
@@ -81,6 +85,19 @@ def _squared_error_hessian(predictions: jax.Array, u: jax.Array, w: jax.Array
   return jnp.sum(u * w, axis=-1)
 
 
+def _gaussian_fisher(inputs: jax.Array, u: jax.Array, w: jax.Array) -> jax.Array:
+  """`uᵀ diag(1/σ², 1/(2σ⁴)) w` per example, `inputs` `[..., 2d]` the means
+  then the variances: the Fisher of `N(μ, σ²)` in `(μ, σ²)`."""
+  precision = 1 / inputs[..., inputs.shape[-1] // 2:]
+  return jnp.sum(jnp.concatenate([precision, 0.5 * precision ** 2], axis=-1) * u * w,
+                 axis=-1)
+
+
+def _poisson_hessian(log_rates: jax.Array, u: jax.Array, w: jax.Array) -> jax.Array:
+  """`uᵀ diag(exp η) w` per example, `η` the log-rates."""
+  return jnp.sum(jnp.exp(log_rates) * u * w, axis=-1)
+
+
 def _check_targets(name: str, inputs: jax.Array, targets: jax.Array,
                    expected: tuple[int, ...], allowed: str) -> None:
   """`targets` must have the `expected` shape (broadcasting, e.g. `[B]`
@@ -106,20 +123,36 @@ def _mask_shape_error(shape: tuple, target: tuple) -> str | None:
   return f"give it one axis per axis of {target}, each of that size or 1{hint}"
 
 
+def _check_examples(name: str, inputs: jax.Array) -> None:
+  """Refuses `[B]` inputs of a loss whose outputs are the last axis: they are
+  one example of `B` outputs (a squeezed `[B, 1]` would silently make the mean
+  a sum, `n = 1`, and `G` `B` times larger)."""
+  if jnp.ndim(inputs) < 2:
+    raise ValueError(
+        f"kd.losses.{name}: inputs of shape {jnp.shape(inputs)}; the last axis holds "
+        "each example's outputs, so give B examples of one output as [B, 1] "
+        "(x[:, None], and the targets likewise).")
+
+
 def _check_mask(name: str, inputs: jax.Array, mask: jax.Array | None) -> None:
   """`mask` must weigh the examples, `inputs.shape[:-1]` (`_mask_shape_error`)."""
   examples = tuple(jnp.shape(inputs)[:-1])
   why = None if mask is None else _mask_shape_error(tuple(jnp.shape(mask)), examples)
+  if why and tuple(jnp.shape(mask)) == tuple(jnp.shape(inputs)):
+    why += (" (a weight per output, e.g. missing targets: make each output an example, "
+            "inputs[..., None] and targets[..., None], with this mask)")
   if why:
     raise ValueError(f"kd.losses.{name}: mask of shape {jnp.shape(mask)} for examples "
                      f"of shape {examples} (the inputs' {jnp.shape(inputs)} without "
                      f"the last axis): {why}.")
 
 
-def _zeroed_where_masked(rows: jax.Array, mask: jax.Array, examples: tuple) -> jax.Array:
-  """`rows` (`[*examples, k]`) with the rows that `mask` leaves out set to 0."""
+def _zeroed_where_masked(rows: jax.Array, mask: jax.Array, examples: tuple,
+                         fill: float = 0.0) -> jax.Array:
+  """`rows` (`[*examples, k]`) with the rows that `mask` leaves out set to
+  `fill` (0)."""
   kept = jnp.broadcast_to(mask, examples) != 0
-  return jnp.where(kept[..., None], rows, jnp.zeros_like(rows))
+  return jnp.where(kept[..., None], rows, jnp.full_like(rows, fill))
 
 
 def _kept_inputs(name: str, inputs: jax.Array, mask: jax.Array | None) -> jax.Array:
@@ -234,6 +267,7 @@ def sigmoid_cross_entropy(logits: ArrayLike, labels: ArrayLike,
                           mask: ArrayLike | None = None) -> jax.Array:
   """Mean over examples of the binary cross-entropies summed over the last axis
   (independent Bernoulli outputs); `labels` in [0, 1], shaped like `logits`."""
+  _check_examples("sigmoid_cross_entropy", logits)
   _check_targets("sigmoid_cross_entropy", logits, labels, jnp.shape(logits),
                  f"labels of shape {jnp.shape(logits)}")
   logits = _kept_inputs("sigmoid_cross_entropy", logits, mask)
@@ -260,6 +294,7 @@ def squared_error(predictions: ArrayLike, targets: ArrayLike,
   """Mean over examples of `½ Σ (prediction − target)²` over the last axis: the
   negative log-likelihood of a unit-variance Gaussian, up to a constant;
   `targets` shaped like `predictions`."""
+  _check_examples("squared_error", predictions)
   _check_targets("squared_error", predictions, targets, jnp.shape(predictions),
                  f"targets of shape {jnp.shape(predictions)}")
   predictions = _kept_inputs("squared_error", predictions, mask)
@@ -274,6 +309,66 @@ def squared_error(predictions: ArrayLike, targets: ArrayLike,
 
   return _register("squared_error", loss_of, targets, sample, mask, predictions,
                    _squared_error_hessian)
+
+
+def gaussian_nll(means: ArrayLike, variances: ArrayLike, targets: ArrayLike,
+                 mask: ArrayLike | None = None) -> jax.Array:
+  """Mean over examples of `½ Σ (log σ² + (t − μ)²/σ²)` over the last axis:
+  the negative log-likelihood of a Gaussian whose mean `μ` and variance `σ²`
+  the model predicts (e.g. `σ² = exp(s)` or `softplus(s)`), up to `½ log 2π`
+  per output; `variances` and `targets` shaped like `means`. Registered on
+  `(μ, σ²)` with the Fisher `diag(1/σ², 1/(2σ⁴))` (kfac-jax's
+  `NormalMeanVarianceNegativeLogProbLoss`); a variance ≤ 0 at a kept example
+  makes the loss NaN (a skipped step)."""
+  name = "gaussian_nll"
+  _check_examples(name, means)
+  for what, value in (("variances", variances), ("targets", targets)):
+    _check_targets(name, means, value, jnp.shape(means), f"{what} of shape "
+                   f"{jnp.shape(means)}, as the means")
+  means = _kept_inputs(name, means, mask)
+  variances = jnp.asarray(variances)
+  if mask is not None:                  # (a masked row's variance 0: log 0)
+    variances = _zeroed_where_masked(variances, mask, jnp.shape(means)[:-1], fill=1.0)
+  dtype = jnp.result_type(means, variances)
+  inputs = jnp.concatenate([means.astype(dtype), variances.astype(dtype)], axis=-1)
+  inputs32 = _at_least_f32(inputs)
+  mu, var = jnp.split(inputs32, 2, axis=-1)
+
+  def loss_of(t: jax.Array) -> jax.Array:
+    return 0.5 * jnp.sum(jnp.log(var) + jnp.square(t.astype(mu.dtype) - mu) / var, axis=-1)
+
+  def sample(rng: jax.Array) -> jax.Array:
+    m, v = jax.lax.stop_gradient((mu, var))
+    return m + jnp.sqrt(v) * jax.random.normal(rng, m.shape, m.dtype)
+
+  return _register(name, loss_of, targets, sample, mask, inputs, _gaussian_fisher,
+                   jnp.any(~(var > 0), axis=-1))
+
+
+def poisson_nll(log_rates: ArrayLike, counts: ArrayLike,
+                mask: ArrayLike | None = None) -> jax.Array:
+  """Mean over examples of `Σ (exp(η) − t η)` over the last axis: the negative
+  log-likelihood of independent Poisson counts `t` with rates `exp(η)`, up to
+  `log t!`; `counts` shaped like `log_rates`. Its Hessian in `η`, the Fisher,
+  is `diag(exp η)`; a negative count at a kept example makes the loss NaN (a
+  skipped step)."""
+  name = "poisson_nll"
+  _check_examples(name, log_rates)
+  _check_targets(name, log_rates, counts, jnp.shape(log_rates),
+                 f"counts of shape {jnp.shape(log_rates)}")
+  log_rates = _kept_inputs(name, log_rates, mask)
+  eta = _at_least_f32(log_rates)
+  counts = jnp.asarray(counts)
+
+  def loss_of(t: jax.Array) -> jax.Array:
+    return jnp.sum(jnp.exp(eta) - t.astype(eta.dtype) * eta, axis=-1)
+
+  def sample(rng: jax.Array) -> jax.Array:
+    rates = jnp.exp(jax.lax.stop_gradient(eta))
+    return jax.random.poisson(rng, rates, rates.shape).astype(rates.dtype)
+
+  return _register(name, loss_of, counts, sample, mask, log_rates, _poisson_hessian,
+                   jnp.any(counts < 0, axis=-1))
 
 
 def masked_mean(values: ArrayLike, mask: ArrayLike) -> jax.Array:
