@@ -237,6 +237,38 @@ def test_tied_embedding_gets_its_lookups_statistics_and_whole_gradient(model):
   check_stats(stats, {"emb": embed_stats(ids, vocab, g["emb"], ids.size)}, {"emb": name})
 
 
+def test_embed_out_of_range_zero():
+  """`out_of_range="zero"`: ids outside `[0, V)`, negative ones too (not
+  wrapped), look up zero rows and count in no row of `A`, while every position
+  counts in `A`'s denominator and in `G` (their output cotangents); "nan"
+  (default) is `jnp.take`'s."""
+  table = randn(jax.random.PRNGKey(0), (4, 3))
+  w = randn(jax.random.PRNGKey(1), (3, 2))
+  ids = jnp.array([[0, -1, 2], [4, 2, 7]])
+  y = jnp.array([[0, 1, 1], [0, 1, 0]])
+
+  def loss_fn(p, ids, y, mode="zero"):
+    h = kd.tags.embed(ids, p["table"], out_of_range=mode)
+    return kd.losses.softmax_cross_entropy(kd.tags.dense(h, p["w"]), y)
+  params = {"table": table, "w": w}
+  _, grads, stats = capture(loss_fn)(params, ids, y)
+  np.testing.assert_allclose(f64(stats["table"]["A"]), np.array([1, 0, 2, 0]) / 6)
+  kept = (ids >= 0) & (ids < 4)
+  rows = jnp.where(kept[..., None], table[jnp.clip(ids, 0, 3)], 0.0)
+  np.testing.assert_array_equal(kd.tags.embed(ids, table, out_of_range="zero"), rows)
+  g = jax.vmap(jax.vmap(jax.grad(
+      lambda h, t: kd.losses.softmax_cross_entropy(h[None] @ w, t[None]))))(rows, y)
+  np.testing.assert_allclose(f64(stats["table"]["G"]),
+                             f64(g).reshape(-1, 3).T @ f64(g).reshape(-1, 3) / 6,
+                             rtol=1e-5, atol=1e-7)
+  want = jax.grad(lambda p: kd.losses.softmax_cross_entropy(rows @ p["w"], y))(params)
+  np.testing.assert_allclose(grads["w"], want["w"], rtol=1e-6)
+  assert np.isnan(np.asarray(kd.tags.embed(ids, table))[1, 0]).all()
+  np.testing.assert_array_equal(kd.tags.embed(ids, table)[0, 1], table[-1])
+  with pytest.raises(ValueError, match="out_of_range='clip'"):
+    kd.tags.embed(ids, table, out_of_range="clip")
+
+
 def test_embed_errors_and_broadcast():
   with pytest.raises(ValueError, match="integers"):
     kd.tags.embed(jnp.ones((2,)), jnp.ones((3, 2)))

@@ -966,7 +966,8 @@ CONVOLUTIONS = {1: conv1d, 2: conv2d, 3: conv3d}   # the tag of each spatial ran
 
 
 def embed(ids: ArrayLike, table: ArrayLike, *, name: str | None = None,
-          dtype: Any = None, stack_index=None, _site=None) -> jax.Array:
+          dtype: Any = None, stack_index=None, out_of_range: str = "nan",
+          _site=None) -> jax.Array:
   """Embedding lookup `table[ids]` (`jnp.take` along axis 0, like Flax's Embed).
 
   K-FAC sees a Dense layer without bias on one-hot inputs: the table `[V, d]`
@@ -974,6 +975,13 @@ def embed(ids: ArrayLike, table: ArrayLike, *, name: str | None = None,
   returned as the vector `[V]` (never `V × V`; recorded `a_diagonal=True`),
   and `G` is Dense's from the output cotangents. Every position of `ids` (any
   shape) is an example, as for Dense.
+  `out_of_range`: "nan" (default, as `jnp.take`: an id outside `[0, V)`, a
+  negative one wrapping as in NumPy, looks up NaN, which skips the step); "zero":
+  such an id (negative ones too) looks up a zero row and counts in no row of
+  `A`, while its position still counts in `G` and in `A`'s denominator: a
+  vocabulary-parallel shard of a table split by rows over a model axis, looking
+  up `ids − its first row` and summed over that axis (Megatron's), then has the
+  whole table's factors restricted to its rows.
   `stack_index`: `table` is a stacked leaf `[*stack, ...]` and
   the tag applies block `table[stack_index]` (see the module docstring).
   """
@@ -983,16 +991,25 @@ def embed(ids: ArrayLike, table: ArrayLike, *, name: str | None = None,
                      f"{table.shape}")
   if not jnp.issubdtype(jnp.result_type(ids), jnp.integer):
     raise ValueError(f"kd.tags.embed: ids must be integers, got {jnp.result_type(ids)}")
+  if out_of_range not in ("nan", "zero"):
+    raise ValueError(f"kd.tags.embed: out_of_range={out_of_range!r}; expected 'nan' or "
+                     "'zero'")
   vocab_size, features = table.shape
+  zero = out_of_range == "zero"
+
+  def in_table(ids: jax.Array) -> jax.Array:
+    """`ids`, where "zero" mode leaves them out, replaced by `V` (no row)."""
+    return jnp.where((ids >= 0) & (ids < vocab_size), ids, vocab_size) if zero else ids
 
   def apply(ids: jax.Array, table: jax.Array) -> jax.Array:
     (table,) = _promote(dtype, table)
-    return jnp.take(table, ids, axis=0)
+    return jnp.take(table, in_table(ids), axis=0, mode="fill",
+                    fill_value=0 if zero else None)
 
   def stats(ids: jax.Array, g: jax.Array, forms: tuple[str, str],
             mask: jax.Array | None = None) -> dict:
     weights = None if mask is None else factors.row_weights(mask, ids.shape, None)
-    return {"A": factors.token_frequencies(ids, vocab_size, g.dtype, weights),
+    return {"A": factors.token_frequencies(in_table(ids), vocab_size, g.dtype, weights),
             "G": factors.output_factor(g, forms["G"])}
 
   return _tagged("embed", name, apply, stats, ids, table, None, site,
