@@ -269,6 +269,18 @@ def test_embed_out_of_range_zero():
     kd.tags.embed(ids, table, out_of_range="clip")
 
 
+def test_conv_tag_padding_errors_name_the_recipe():
+  """A padding name that only Flax's layers know (CAUSAL, CIRCULAR, REFLECT)
+  is refused by the tags with how to pad first; another unknown one plainly."""
+  x, kernel = jnp.ones((2, 8, 3)), jnp.ones((3, 3, 4))
+  with pytest.raises(ValueError, match=r"'CAUSAL': pad the input first.*jnp.pad"):
+    kd.tags.conv1d(x, kernel, padding="CAUSAL")
+  with pytest.raises(ValueError, match=r"'CIRCULAR': pad the input first"):
+    kd.tags.conv2d(jnp.ones((2, 8, 8, 3)), jnp.ones((3, 3, 3, 4)), padding="CIRCULAR")
+  with pytest.raises(ValueError, match=r"explicit padding, got 'FULL'$"):
+    kd.tags.conv1d(x, kernel, padding="FULL")
+
+
 def test_embed_errors_and_broadcast():
   with pytest.raises(ValueError, match="integers"):
     kd.tags.embed(jnp.ones((2,)), jnp.ones((3, 2)))

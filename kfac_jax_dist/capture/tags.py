@@ -784,8 +784,12 @@ def _kernel_axes(ndim: int, kernel_axes: Sequence[int] | None) -> tuple[int, ...
 def _conv_padding(tag: str, padding, spatial: int):
   if isinstance(padding, str):
     if padding.upper() not in ("SAME", "VALID"):
-      raise ValueError(f"kd.tags.{tag} supports SAME, VALID or explicit padding, "
-                       f"got {padding!r}")
+      raise ValueError(
+          f"kd.tags.{tag} supports SAME, VALID or explicit padding, got {padding!r}"
+          + (": pad the input first (CAUSAL: explicit ((dilation·(k − 1), 0),); "
+             "CIRCULAR / REFLECT: jnp.pad(x, ..., mode='wrap' / 'reflect') then VALID), "
+             "as kd.linen.Conv does" if padding.upper() in ("CAUSAL", "CIRCULAR", "REFLECT")
+             else ""))
     return padding.upper()
   if isinstance(padding, int):
     return ((padding, padding),) * spatial
