@@ -155,22 +155,51 @@ def test_shape_errors_name_the_fix():
   must have the outputs' shape; a per-output mask names the reshape that makes
   each output an example."""
   x = jnp.ones((4,))
-  for call in (lambda: kd.losses.squared_error(x, x),
-               lambda: kd.losses.sigmoid_cross_entropy(x, x),
-               lambda: kd.losses.gaussian_nll(x, x, x),
-               lambda: kd.losses.poisson_nll(x, x)):
+  calls = (lambda x: kd.losses.squared_error(x, x),
+           lambda x: kd.losses.sigmoid_cross_entropy(x, 0 * x),
+           lambda x: kd.losses.gaussian_nll(x, x, x),
+           lambda x: kd.losses.poisson_nll(x, x))
+  for call in calls:
+    grad_fn = kd.value_and_grad(lambda p, x: call(kd.tags.dense(x, p)[:, 0]))
     with pytest.raises(ValueError, match=r"give B examples of one output as \[B, 1\]"):
-      call()
+      grad_fn(jnp.ones((3, 1)), jnp.ones((4, 3)))
+    # Outside kd.value_and_grad, a loss is a loss: one example's, or per
+    # example under jax.vmap (an evaluation, DP-SGD's per-example gradients).
+    np.testing.assert_allclose(jax.vmap(call)(jnp.ones((4, 2))),
+                               jnp.full(4, float(call(jnp.ones(2)))))
   y = jnp.ones((4, 2))
-  with pytest.raises(ValueError, match="variances of shape"):
+  with pytest.raises(ValueError, match=r"gaussian_nll: variances of shape \(4, 1\).*"
+                                       r"expected variances of shape \(4, 2\)"):
     kd.losses.gaussian_nll(y, jnp.ones((4, 1)), y)
-  with pytest.raises(ValueError, match="counts of shape"):
+  with pytest.raises(ValueError, match=r"poisson_nll: counts of shape \(4,\)"):
     kd.losses.poisson_nll(y, jnp.ones((4,)))
   with pytest.raises(ValueError, match=r"a weight per output.*inputs\[\.\.\., None\]"):
     kd.losses.squared_error(y, y, mask=jnp.ones((4, 2)))
   # The recipe it names: each output an example, the missing ones masked.
   assert float(kd.losses.squared_error(y[..., None], 0 * y[..., None],
                                        mask=jnp.array([[1.0, 0.0]] * 4))) == 0.5
+
+
+@pytest.mark.parametrize("x64", [False, True], ids=["float32", "float64"])
+def test_poisson_monte_carlo_fisher_at_large_rates(x64):
+  """Rates up to e²³ (past int32's 2³¹ counts): the Monte Carlo `G` of a
+  layer whose output is the log-rates still estimates the Fisher `diag(e^η)`
+  (jax's Poisson sampler saturates there and loses its variance to rounding
+  from λ ≈ 1e6: `G` came out up to 1e10 times too large)."""
+  with jax.enable_x64(x64):
+    eta = jnp.array([2.0, 8.0, 14.0, 23.0])
+    params = {"w": jnp.zeros((2, 4)), "b": eta}
+    x = jnp.zeros((B, 2))
+
+    def loss_fn(p, x, t):
+      z = kd.tags.dense(x, p["w"], p["b"], name="head")
+      return kd.losses.poisson_nll(z, t)
+    counts = jnp.round(jnp.broadcast_to(jnp.exp(eta), (B, 4)))
+    _, _, draws = helpers.mc_draws(kd.value_and_grad(loss_fn, fisher="mc"), params, x,
+                                   counts)
+    g = np.asarray(draws["head"]["G"], np.float64) / np.sqrt(
+        np.outer(np.exp(eta), np.exp(eta)))         # each rate's scale out
+    helpers.check_mc_estimate(g, np.eye(4), "G / e^η")
 
 
 def test_kfac_trains_a_heteroscedastic_regression():

@@ -10,8 +10,10 @@ Gauss-Newton matrix of the loss the function returns is
 `J_x = ∂z_x/∂θ`, `w_x` the example's mask weight (1 without a mask), and `H_x`
 the Hessian of the per-example loss in `z_x` (see `losses`): softmax
 cross-entropy `diag(p) − p pᵀ` (the Fisher), sigmoid cross-entropy
-`diag(p(1 − p))`, squared error `I`, and `c` the derivative of the returned
-value in the registered loss (1 where the function returns it plus terms of
+`diag(p(1 − p))`, squared error `I`, Poisson `diag(e^η)` (a Gaussian with a
+predicted variance: the Hessian's expectation over the targets, its Fisher
+`diag(1/σ², 1/(2σ⁴))`), and `c` the derivative of the returned value in the
+registered loss (1 where the function returns it plus terms of
 the parameters, `a` for `a · loss`: kfac-jax's loss weight). It is the exact
 curvature of the loss (whatever `fisher=` the capture uses for its
 statistics), positive semi-definite for `c ≥ 0`. `gram_matrix` returns

@@ -99,12 +99,14 @@ def _poisson_hessian(log_rates: jax.Array, u: jax.Array, w: jax.Array) -> jax.Ar
 
 
 def _check_targets(name: str, inputs: jax.Array, targets: jax.Array,
-                   expected: tuple[int, ...], allowed: str) -> None:
-  """`targets` must have the `expected` shape (broadcasting, e.g. `[B]`
-  targets against `[B, 1]` predictions, would silently pair every example with
-  every target); `allowed` says what may be passed."""
+                   expected: tuple[int, ...], allowed: str, what: str = "targets"
+                   ) -> None:
+  """`targets` (the argument `what`) must have the `expected` shape
+  (broadcasting, e.g. `[B]` targets against `[B, 1]` predictions, would
+  silently pair every example with every target); `allowed` says what may be
+  passed."""
   if jnp.shape(targets) != tuple(expected):
-    raise ValueError(f"kd.losses.{name}: targets of shape {jnp.shape(targets)} for "
+    raise ValueError(f"kd.losses.{name}: {what} of shape {jnp.shape(targets)} for "
                      f"inputs of shape {jnp.shape(inputs)}; expected {allowed}.")
 
 
@@ -124,14 +126,17 @@ def _mask_shape_error(shape: tuple, target: tuple) -> str | None:
 
 
 def _check_examples(name: str, inputs: jax.Array) -> None:
-  """Refuses `[B]` inputs of a loss whose outputs are the last axis: they are
-  one example of `B` outputs (a squeezed `[B, 1]` would silently make the mean
-  a sum, `n = 1`, and `G` `B` times larger)."""
-  if jnp.ndim(inputs) < 2:
+  """Inside `kd.value_and_grad`, refuses `[B]` inputs of a loss whose outputs
+  are the last axis: they are one example of `B` outputs (a squeezed `[B, 1]`
+  would silently make the mean a sum, `n = 1`, and `G` `B` times larger).
+  Elsewhere (evaluation, a per-example loss under `jax.vmap`) the value is
+  what it always is."""
+  if jnp.ndim(inputs) < 2 and _context.current() is not None:
     raise ValueError(
         f"kd.losses.{name}: inputs of shape {jnp.shape(inputs)}; the last axis holds "
         "each example's outputs, so give B examples of one output as [B, 1] "
-        "(x[:, None], and the targets likewise).")
+        "(x[:, None], and the targets likewise), one example of several outputs as "
+        "[1, O] (x[None]).")
 
 
 def _check_mask(name: str, inputs: jax.Array, mask: jax.Array | None) -> None:
@@ -324,7 +329,7 @@ def gaussian_nll(means: ArrayLike, variances: ArrayLike, targets: ArrayLike,
   _check_examples(name, means)
   for what, value in (("variances", variances), ("targets", targets)):
     _check_targets(name, means, value, jnp.shape(means), f"{what} of shape "
-                   f"{jnp.shape(means)}, as the means")
+                   f"{jnp.shape(means)}, as the means", what)
   means = _kept_inputs(name, means, mask)
   variances = jnp.asarray(variances)
   if mask is not None:                  # (a masked row's variance 0: log 0)
@@ -345,6 +350,11 @@ def gaussian_nll(means: ArrayLike, variances: ArrayLike, targets: ArrayLike,
                    jnp.any(~(var > 0), axis=-1))
 
 
+# The rate above which the Monte Carlo Fisher draws a Poisson count's normal
+# approximation (its mean and variance exact; skewness 1/√λ ≤ 0.03).
+_POISSON_NORMAL_ABOVE = 1e3
+
+
 def poisson_nll(log_rates: ArrayLike, counts: ArrayLike,
                 mask: ArrayLike | None = None) -> jax.Array:
   """Mean over examples of `Σ (exp(η) − t η)` over the last axis: the negative
@@ -355,7 +365,7 @@ def poisson_nll(log_rates: ArrayLike, counts: ArrayLike,
   name = "poisson_nll"
   _check_examples(name, log_rates)
   _check_targets(name, log_rates, counts, jnp.shape(log_rates),
-                 f"counts of shape {jnp.shape(log_rates)}")
+                 f"counts of shape {jnp.shape(log_rates)}", "counts")
   log_rates = _kept_inputs(name, log_rates, mask)
   eta = _at_least_f32(log_rates)
   counts = jnp.asarray(counts)
@@ -364,8 +374,16 @@ def poisson_nll(log_rates: ArrayLike, counts: ArrayLike,
     return jnp.sum(jnp.exp(eta) - t.astype(eta.dtype) * eta, axis=-1)
 
   def sample(rng: jax.Array) -> jax.Array:
+    """Poisson counts; above `_POISSON_NORMAL_ABOVE` their normal
+    approximation `λ + √λ·ε`, whose variance is λ too (jax's sampler draws
+    int32 counts, saturating at 2³¹, and loses its variance to rounding from
+    λ ≈ 1e6: `G` came out up to 1e10 times too large)."""
     rates = jnp.exp(jax.lax.stop_gradient(eta))
-    return jax.random.poisson(rng, rates, rates.shape).astype(rates.dtype)
+    small, large = jax.random.split(rng)
+    large_rates = rates > _POISSON_NORMAL_ABOVE
+    counts = jax.random.poisson(small, jnp.where(large_rates, 1.0, rates), rates.shape)
+    normal = rates + jnp.sqrt(rates) * jax.random.normal(large, rates.shape, rates.dtype)
+    return jnp.where(large_rates, normal, counts.astype(rates.dtype))
 
   return _register(name, loss_of, counts, sample, mask, log_rates, _poisson_hessian,
                    jnp.any(counts < 0, axis=-1))

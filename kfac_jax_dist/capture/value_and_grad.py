@@ -375,7 +375,9 @@ class ValueAndGrad:
     `J_x` the Jacobian of example x's row of the registered loss's input
     (logits / predictions) in the parameters, `H_x` the loss's Hessian in that
     row (softmax cross-entropy `diag(p) − p pᵀ`, equal to the Fisher; sigmoid
-    cross-entropy `diag(p(1 − p))`; squared error `I`), `w_x` the loss's mask
+    cross-entropy `diag(p(1 − p))`; squared error `I`; Poisson `diag(e^η)`;
+    for `gaussian_nll` its expectation over the targets, the Fisher
+    `diag(1/σ², 1/(2σ⁴))`), `w_x` the loss's mask
     (1 without), `n = Σ w_x` (the loss's denominator) and `c` the derivative
     of the returned loss in the registered loss (1 for the registered loss
     plus terms of the parameters, `a` for `a · loss`). The same for either
