@@ -147,6 +147,14 @@ class Distribution:
     if not isinstance(self.mesh, jax.sharding.Mesh):
       raise TypeError(f"Distribution: mesh must be a jax.sharding.Mesh (e.g. "
                       f"jax.make_mesh((8,), ('data',))), got {type(self.mesh).__name__}")
+    if isinstance(self.axis, (tuple, list)) and all(a in self.mesh.axis_names
+                                                    for a in self.axis):
+      raise ValueError(
+          f"Distribution: axis={tuple(self.axis)!r} names several mesh axes; it takes "
+          "one, the axis the optimizer state is spread over. For a batch split over "
+          "several (sequence / context parallelism) give the data axis and average "
+          "the gradients and kfac_stats over the others in the step (docs/"
+          "distributed.md, 'Several batch axes').")
     if self.axis not in self.mesh.axis_names:
       raise ValueError(f"Distribution: axis {self.axis!r} is not an axis of the mesh "
                        f"{dict(self.mesh.shape)}.")

@@ -66,6 +66,33 @@ def check_gradients_averaged(name: str, dist: Distribution, grads: Any) -> None:
         "gradient_reduction=\"all_reduce\") (or \"reduce_scatter\", SP-NGD).")
 
 
+def check_statistics_reduced(name: str, dist: Distribution, stats: Any) -> None:
+  """With a `Distribution` the statistics may vary over its axis (each device's
+  local batch: the layout averages them) and its model axes (a sharded layer's
+  local factors). Over another mesh axis that the batch is also split over
+  (sequence / context parallelism) each device's factors would be those of its
+  own part of the batch: refused inside a typed `shard_map`, warned of where
+  JAX does not say (`shard_map(check_vma=False)`)."""
+  known = (dist.axis, *dist.model_axes)
+  other = tuple(a for a in _compat.varying_axes(stats) if a not in known)
+  fix = (f"average them over those axes first, as the gradients: stats = "
+         f"jax.lax.pmean(stats, {other or '<the other batch axes>'}) (docs/"
+         "distributed.md, 'Several batch axes')")
+  if other:
+    raise ValueError(
+        f"{name}: kfac_stats vary over mesh axes {other}, which are neither the "
+        f"Distribution's axis {dist.axis!r} nor a model axis: each device there holds "
+        f"factors of its own part of the batch. {fix[0].upper()}{fix[1:]}.")
+  untyped = tuple(a for a in _compat.untyped_device_axes() if a not in known)
+  if untyped:
+    warnings.warn(
+        f"kfac_jax_dist: {name} updates inside shard_map(check_vma=False) over axes "
+        f"{untyped} besides the Distribution's {known}, where JAX does not say whether "
+        "the statistics vary: where the batch is split over them too (sequence "
+        f"parallelism), " + fix.replace("<the other batch axes>", str(untyped)) + ".",
+        stacklevel=5)
+
+
 def check_statistics_undistributed(name: str, stats: Any) -> None:
   """Without a `Distribution` the statistics are used as given, so each
   device's factors are those of the statistics it holds. Inside `shard_map`

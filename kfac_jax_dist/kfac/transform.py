@@ -591,6 +591,8 @@ def update_state(config: KfacConfig, comm: collectives_lib.Collectives, updates:
   precondition.check_updates(lay, leaves)
   if config.distribution is not None:
     placement.check_gradients_averaged("scale_by_kfac", config.distribution, updates)
+    if stats is not None:
+      placement.check_statistics_reduced("scale_by_kfac", config.distribution, stats)
   elif stats is not None:
     placement.check_statistics_undistributed("scale_by_kfac", stats)
   gamma = jnp.asarray(cadence.value_at(config.damping, state.count), config.compute_dtype)
