@@ -908,6 +908,17 @@ def test_nnx_einsum_drop_in():
                tagged=False)
 
 
+def test_nnx_einsum_with_an_output_sharding_says_so():
+  """An `nnx.Einsum` called with `out_sharding` (Gemma's sharding configs) is
+  left to NNX with that reason, not a custom einsum's."""
+  from kfac_jax_dist.flax import nnx as nnx_layers     # pylint: disable=import-outside-toplevel
+  module = nnx.Einsum("btd,dnh->btnh", (4, 2, 3), rngs=nnx.Rngs(0))
+  with pytest.warns(UserWarning, match="Einsum with an output sharding .out_sharding. "
+                                       "is not tagged"):
+    assert nnx_layers.einsum(module, jnp.ones((2, 3, 4)), None, object(),
+                             lambda: "NNX's own") == "NNX's own"
+
+
 def test_nnx_group_and_instance_norm_drop_in():
   x = 1.0 + jax.random.normal(jax.random.PRNGKey(0), (4, 3, 2, 4))
   _nnx_check(kd.nnx.GroupNorm, nnx.GroupNorm, (4,), dict(num_groups=2), x)

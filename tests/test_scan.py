@@ -1330,3 +1330,60 @@ def test_statistics_spans_past_int32_equal_the_flat_buffer(monkeypatch, blocks, 
   monkeypatch.setattr(packing, "_INT32_MAX", flat.shape[0] - 1)
   np.testing.assert_array_equal(segments(True), flat)
   np.testing.assert_array_equal(segments(False), flat)
+
+
+class _ShapeReadingBlock(nnx.Module):
+  """A block whose code reads its layer's kernel outside the layer (Gemma's
+  attention reads its heads from its kernels' shapes); `read="T"` reads
+  more than the shape."""
+
+  def __init__(self, read: str, rngs: nnx.Rngs):
+    self.read = read
+    self.lin = nnx.Linear(4, 4, rngs=rngs)
+
+  def __call__(self, x):
+    scale = 1.0
+    if self.read == "shape":
+      scale = self.lin.kernel.shape[-1] / 4
+    elif self.read == "T":
+      scale = 1.0 + 0.0 * jnp.sum(self.lin.kernel.value.T)
+    return jnp.tanh(self.lin(x)) * scale
+
+
+class _ShapeReadingStack(nnx.Module):
+  def __init__(self, read: str, rngs: nnx.Rngs):
+    @nnx.split_rngs(splits=3)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs: nnx.Rngs) -> _ShapeReadingBlock:
+      return _ShapeReadingBlock(read, rngs)
+    self.blocks = create(rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def body(x, block):
+      return block(x)
+    return body(x, self.blocks)
+
+
+def test_scanned_nnx_model_may_read_its_kernels_shape():
+  """A scanned NNX model that reads a stacked layer's kernel shape outside
+  the layer is captured (its statistics those of the model that does not,
+  the same numbers); one that reads more of it gets an error saying so, not
+  the stack axis's."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (8, 4))
+  y = jnp.arange(8) % 4
+
+  def captured(read: str):
+    graph, state = nnx.split(_ShapeReadingStack(read, nnx.Rngs(0)))
+    fn = lambda s, x, y: kd.losses.softmax_cross_entropy(nnx.merge(graph, s)(x), y)
+    return kd.value_and_grad(fn, capture="flax"), state
+  grad_fn, state = captured("shape")
+  assert [(l.name, l.stack) for l in grad_fn.discover(state, x, y)] == [("blocks/lin", (3,))]
+  got = jax.jit(grad_fn)(state, x, y)
+  plain_fn, plain_state = captured("none")
+  want = jax.jit(plain_fn)(plain_state, x, y)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-7)
+  grad_fn, state = captured("T")
+  with pytest.raises(ValueError, match="kernel outside the layer.*only its shape"):
+    grad_fn(state, x, y)

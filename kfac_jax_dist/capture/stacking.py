@@ -98,10 +98,17 @@ UNTAGGED = Site(kernel_path=None, bias_path=None, stack=())
 @jax.tree_util.register_pytree_node_class
 class Probed:
   """An NNX kernel value carrying its layer's probes through `nnx.scan` /
-  `nnx.vmap` (only inside `kd.value_and_grad`'s capture)."""
+  `nnx.vmap` (only inside `kd.value_and_grad`'s capture). A model may read
+  its `shape`, `dtype`, `ndim` and `size` outside the layer (Gemma's
+  attention reads its heads from its kernels' shapes), as the array's."""
 
   def __init__(self, array, probes):
     self.array, self.probes = array, probes
+
+  shape = property(lambda self: self.array.shape)
+  dtype = property(lambda self: self.array.dtype)
+  ndim = property(lambda self: self.array.ndim)
+  size = property(lambda self: self.array.size)
 
   def tree_flatten(self):
     return (self.array, self.probes), None

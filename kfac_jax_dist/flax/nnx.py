@@ -210,7 +210,7 @@ def einsum(module: nnx.Einsum, inputs, einsum_str, out_sharding, fallback: Fallb
   """`nnx.Einsum.__call__`, tagged with `kd.tags.dense_general` where its
   equation is a Dense layer's (as `kd.linen.Einsum`) and its bias, if any,
   has the kernel's output features, in the output's order."""
-  custom = (module.einsum_op is not jnp.einsum or out_sharding is not None
+  custom = (module.einsum_op is not jnp.einsum
             or getattr(module, "preferred_element_type", None) is not None
             or _flax_common.custom_promote(module, nnx_dtypes.promote_dtype))
   kernel, bias, site = stacking.nnx_site(module.kernel, module.bias)
@@ -219,6 +219,8 @@ def einsum(module: nnx.Einsum, inputs, einsum_str, out_sharding, fallback: Fallb
       kernel.ndim, custom)
   if layout == "":
     return fallback()                          # NNX's own error
+  if out_sharding is not None and not isinstance(layout, str):
+    layout = "an output sharding (out_sharding)"
   if not isinstance(layout, str) and bias is not None and bias.shape != tuple(
       kernel.shape[i] for i in (layout.kernel_axes or range(kernel.ndim)))[layout.in_dims:]:
     layout = f"a bias of shape {bias.shape}, not the kernel's output features"
