@@ -279,3 +279,33 @@ def test_tensor_parallel_reads_a_permuted_kernels_axes():
         tx.init(params)
     else:
       tx.init(params)
+
+
+def test_tags_einsum_is_the_flax_einsums_layer():
+  """`kd.tags.einsum` with Gemma's equations on a model's own parameters (as
+  google-deepmind/gemma's `layers.Einsum`, `jnp.einsum` on its `w`) is the
+  intercepted Flax network's layer: the same statistics and gradients; an
+  equation that is no Dense layer's is refused."""
+  with jax.enable_x64(True):
+    params, batch = _params(), _batch()
+
+    def loss(p, x, y):
+      q = kd.tags.einsum("BTD,NDH->BTNH", x, p["q"]["kernel"], name="q")
+      k, v = kd.tags.einsum("BTD,SNDH->SBTNH", x, p["kv"]["kernel"], p["kv"]["bias"],
+                            name="kv")
+      probs = jax.nn.softmax(jnp.einsum("BTNH,BSNH->BNTS", q, k), axis=-1)
+      out = kd.tags.einsum("BTNH,NHD->BTD", jnp.einsum("BNTS,BSNH->BTNH", probs, v),
+                           p["o"]["kernel"], p["o"]["bias"], name="o")
+      logits = kd.tags.dense(jnp.tanh(out).mean(1), p["head"]["kernel"],
+                             p["head"]["bias"], name="head")
+      return kd.losses.softmax_cross_entropy(logits, y)
+    layers = kd.value_and_grad(loss).discover(params, *batch)
+    assert [l.kernel_axes for l in layers] == [Q_AXES, KV_AXES, None, None]
+    got = jax.jit(kd.value_and_grad(loss))(params, *batch)
+    want = jax.jit(kd.value_and_grad(_loss(True), capture="flax"))(params, *batch)
+    helpers.assert_trees_equal(got, want, rtol=1e-10)
+  with pytest.raises(ValueError, match="kd.tags.einsum: the equation 'bd,bdf->bf', not a "
+                                       "Dense layer's"):
+    kd.tags.einsum("bd,bdf->bf", jnp.ones((2, 3)), jnp.ones((2, 3, 4)))
+  with pytest.raises(ValueError, match="does not fit the input"):
+    kd.tags.einsum("bd,df->bf", jnp.ones((2, 3)), jnp.ones((2, 3, 4)))

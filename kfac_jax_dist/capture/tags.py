@@ -1,6 +1,6 @@
 """Tag functions: layers whose curvature K-FAC captures.
 
-`dense`, `dense_general`, `conv2d`, `embed` and `scale_and_shift` compute the
+`dense`, `dense_general`, `einsum`, `conv2d`, `embed` and `scale_and_shift` compute the
 layer exactly like their Flax counterparts. Outside `kd.value_and_grad` they
 are plain functions. Inside it they
 
@@ -55,6 +55,7 @@ from jax import lax
 
 from kfac_jax_dist import _compat
 from kfac_jax_dist.capture import context as _context
+from kfac_jax_dist.capture import einsum as _einsum
 from kfac_jax_dist.capture import registry, stacking
 from kfac_jax_dist.capture import statistics as factors
 from kfac_jax_dist.capture import triangles
@@ -767,6 +768,32 @@ def dense_general(x: ArrayLike, kernel: ArrayLike, bias: ArrayLike | None = None
                  out_dims=n_out, example_dims=example_dims,
                  a_dim=_size(in_shape) + (bias is not None),
                  g_dim=_size(out_shape), **permuted)
+
+
+def einsum(equation: str, x: ArrayLike, kernel: ArrayLike, bias: ArrayLike | None = None,
+           *, name: str | None = None, dtype: Any = None, precision=None,
+           example_dims: int | None = None, stack_index=None) -> jax.Array:
+  """`jnp.einsum(equation, x, kernel)` (plus `bias`) for an equation that is a
+  Dense layer's in any axis order: every input axis contracted with the
+  kernel or kept in the output, every kernel axis contracted or an output
+  feature (Gemma's `BTD,NDH->BTNH`, `BTD,SNDH->SBTNH`, `BTNH,NHD->BTD`). Runs
+  `dense_general` on the input and kernel transposed to its order
+  (`kernel_axes`), the output transposed back. `bias`: the output's features
+  in the output's order (Flax's `Einsum`'s). Another equation is refused
+  (compute it with `jnp.einsum`, untagged). `example_dims`, `stack_index` as
+  for `dense`."""
+  x, kernel = jnp.asarray(x), jnp.asarray(kernel)
+  stack_dims = 0 if stack_index is None else (
+      len(stack_index) if isinstance(stack_index, tuple) else 1)
+  layout = _einsum.dense_layout(equation, x.ndim, kernel.ndim - stack_dims)
+  if isinstance(layout, str):
+    why = layout or f"{equation!r} does not fit the input {x.shape} and kernel {kernel.shape}"
+    raise ValueError(f"kd.tags.einsum: {why}; only a Dense layer's equation is tagged "
+                     "(compute another with jnp.einsum).")
+  return layout.run(x, functools.partial(
+      dense_general, kernel=kernel, bias=bias, in_dims=layout.in_dims, name=name,
+      dtype=dtype, precision=precision, example_dims=example_dims,
+      stack_index=stack_index))
 
 
 def _kernel_axes(ndim: int, kernel_axes: Sequence[int] | None) -> tuple[int, ...] | None:
