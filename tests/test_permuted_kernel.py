@@ -185,6 +185,8 @@ def test_kernel_axes_errors():
   x = jnp.ones((2, 4))
   with pytest.raises(ValueError, match=r"kernel_axes=\(0, 0, 1\) must be a permutation"):
     kd.tags.dense_general(x, jnp.ones((2, 4, 3)), kernel_axes=(0, 0, 1))
+  with pytest.raises(ValueError, match=r"kernel_axes=\(1.5, 0, 2\) must be .* integers"):
+    kd.tags.dense_general(x, jnp.ones((2, 4, 3)), kernel_axes=(1.5, 0, 2))
   with pytest.raises(ValueError, match=r"do not match the kernel \(2, 4, 3\) "
                                        r"\(the stored \(4, 2, 3\) as kernel_axes"):
     kd.tags.dense_general(x, jnp.ones((4, 2, 3)), kernel_axes=(1, 0, 2))
@@ -304,8 +306,17 @@ def test_tags_einsum_is_the_flax_einsums_layer():
     got = jax.jit(kd.value_and_grad(loss))(params, *batch)
     want = jax.jit(kd.value_and_grad(_loss(True), capture="flax"))(params, *batch)
     helpers.assert_trees_equal(got, want, rtol=1e-10)
+
+    def unnamed(p, x, y):       # named by their kernels' paths, run eagerly
+      q = kd.tags.einsum("BTD,NDH->BTNH", x, p["q"]["kernel"])
+      logits = jnp.tanh(q).mean((1, 3)) @ jnp.ones((N, CLASSES))
+      return kd.losses.softmax_cross_entropy(logits, y)
+    _, grads, stats = kd.value_and_grad(unnamed)(params, *batch)
+    assert set(stats) == {"q"} and grads["q"]["kernel"].shape == (N, D, H)
   with pytest.raises(ValueError, match="kd.tags.einsum: the equation 'bd,bdf->bf', not a "
                                        "Dense layer's"):
     kd.tags.einsum("bd,bdf->bf", jnp.ones((2, 3)), jnp.ones((2, 3, 4)))
-  with pytest.raises(ValueError, match="does not fit the input"):
+  with pytest.raises(ValueError, match="no explicit two-operand equation .* that fits"):
     kd.tags.einsum("bd,df->bf", jnp.ones((2, 3)), jnp.ones((2, 3, 4)))
+  with pytest.raises(ValueError, match=r"one block of it: stack_index=0"):
+    kd.tags.einsum("bd,df->bf", jnp.ones((2, 3)), jnp.ones((3, 4)), stack_index=0)

@@ -1344,7 +1344,7 @@ class _ShapeReadingBlock(nnx.Module):
   def __call__(self, x):
     scale = 1.0
     if self.read == "shape":
-      scale = self.lin.kernel.shape[-1] / 4
+      scale = self.lin.kernel.shape[-1] / 4 * len(self.lin.kernel[...]) / 4
     elif self.read == "T":
       scale = 1.0 + 0.0 * jnp.sum(self.lin.kernel.value.T)
     return jnp.tanh(self.lin(x)) * scale
@@ -1366,8 +1366,8 @@ class _ShapeReadingStack(nnx.Module):
 
 
 def test_scanned_nnx_model_may_read_its_kernels_shape():
-  """A scanned NNX model that reads a stacked layer's kernel shape outside
-  the layer is captured (its statistics those of the model that does not,
+  """A scanned NNX model that reads a stacked layer's kernel shape (`.shape`,
+  `len`, Flax's `variable[...]`) outside the layer is captured (its statistics those of the model that does not,
   the same numbers); one that reads more of it gets an error saying so, not
   the stack axis's."""
   x = jax.random.normal(jax.random.PRNGKey(0), (8, 4))

@@ -95,6 +95,8 @@ def test_statistics_left_varying_over_another_axis_are_refused():
   with pytest.raises(ValueError, match=r"axis=\('data', 'seq'\) names several mesh axes"
                                        r".*Several batch axes"):
     kd.Distribution(mesh, axis=("data", "seq"))
+  with pytest.raises(ValueError, match=r"axis takes a mesh axis name, a str: axis='data'"):
+    kd.Distribution(mesh, axis=("data",))
 
 
 def test_untyped_shard_map_is_warned_of():

@@ -99,8 +99,9 @@ UNTAGGED = Site(kernel_path=None, bias_path=None, stack=())
 class Probed:
   """An NNX kernel value carrying its layer's probes through `nnx.scan` /
   `nnx.vmap` (only inside `kd.value_and_grad`'s capture). A model may read
-  its `shape`, `dtype`, `ndim` and `size` outside the layer (Gemma's
-  attention reads its heads from its kernels' shapes), as the array's."""
+  its `shape`, `dtype`, `ndim`, `size`, `len` and `[...]` outside the layer
+  (Gemma's attention reads its heads from its kernels' shapes), as the
+  array's."""
 
   def __init__(self, array, probes):
     self.array, self.probes = array, probes
@@ -109,6 +110,12 @@ class Probed:
   dtype = property(lambda self: self.array.dtype)
   ndim = property(lambda self: self.array.ndim)
   size = property(lambda self: self.array.size)
+
+  def __getitem__(self, index):     # `variable[...]`, Flax's read of a value
+    return self.array[index]
+
+  def __len__(self) -> int:
+    return len(self.array)
 
   def tree_flatten(self):
     return (self.array, self.probes), None

@@ -43,6 +43,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import operator
 import re
 import warnings
 from typing import Any, Callable, Iterator, Sequence
@@ -782,12 +783,15 @@ def einsum(equation: str, x: ArrayLike, kernel: ArrayLike, bias: ArrayLike | Non
   in the output's order (Flax's `Einsum`'s). Another equation is refused
   (compute it with `jnp.einsum`, untagged). `example_dims`, `stack_index` as
   for `dense`."""
-  x, kernel = jnp.asarray(x), jnp.asarray(kernel)
+  # (the kernel as given: the capture knows its parameter leaves by identity)
   stack_dims = 0 if stack_index is None else (
       len(stack_index) if isinstance(stack_index, tuple) else 1)
-  layout = _einsum.dense_layout(equation, x.ndim, kernel.ndim - stack_dims)
+  layout = _einsum.dense_layout(equation, jnp.ndim(x), jnp.ndim(kernel) - stack_dims)
   if isinstance(layout, str):
-    why = layout or f"{equation!r} does not fit the input {x.shape} and kernel {kernel.shape}"
+    why = layout or (
+        f"{equation!r} is no explicit two-operand equation ('x,kernel->out') that fits "
+        f"the input {jnp.shape(x)} and the kernel {jnp.shape(kernel)}"
+        + (f" (one block of it: stack_index={stack_index!r})" if stack_dims else ""))
     raise ValueError(f"kd.tags.einsum: {why}; only a Dense layer's equation is tagged "
                      "(compute another with jnp.einsum).")
   return layout.run(x, functools.partial(
@@ -801,10 +805,13 @@ def _kernel_axes(ndim: int, kernel_axes: Sequence[int] | None) -> tuple[int, ...
   for the kernel's own order."""
   if kernel_axes is None:
     return None
-  axes = tuple(int(a) for a in kernel_axes)
+  try:
+    axes = tuple(operator.index(a) for a in kernel_axes)
+  except TypeError:
+    axes = ()
   if sorted(axes) != list(range(ndim)):
-    raise ValueError(f"kd.tags.dense_general: kernel_axes={tuple(kernel_axes)} must be a "
-                     f"permutation of the kernel's {ndim} axes, 0..{ndim - 1}")
+    raise ValueError(f"kd.tags.dense_general: kernel_axes={kernel_axes!r} must be a "
+                     f"permutation of the kernel's {ndim} axes, integers 0..{ndim - 1}")
   return None if axes == tuple(range(ndim)) else axes
 
 

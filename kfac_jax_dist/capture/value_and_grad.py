@@ -477,11 +477,11 @@ class ValueAndGrad:
     fail to slice like the parameters. The test, exact: the loss run with only
     a `[*stack]` entry carried for that layer, which flax / NNX slice along
     the leading axes or fail to slice."""
-    if isinstance(error, AttributeError) and "'Probed'" in str(error):
+    if isinstance(error, (AttributeError, TypeError)) and "'Probed'" in str(error):
       raise ValueError(
           f"The model uses a stacked NNX layer's kernel outside the layer ({error}): "
           "inside kd.value_and_grad's capture it carries the layer's probes through "
-          "nnx.scan / nnx.vmap, so only its shape, dtype, ndim and size can be read "
+          "nnx.scan / nnx.vmap, so only its shape, dtype, ndim, size, len and [...] can be read "
           "there. Compute the rest from the layer's output, or pass it as an argument "
           "of the model.") from error
     for layer in discovered.layers:

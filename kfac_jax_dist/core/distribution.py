@@ -147,6 +147,9 @@ class Distribution:
     if not isinstance(self.mesh, jax.sharding.Mesh):
       raise TypeError(f"Distribution: mesh must be a jax.sharding.Mesh (e.g. "
                       f"jax.make_mesh((8,), ('data',))), got {type(self.mesh).__name__}")
+    if isinstance(self.axis, (tuple, list)) and len(self.axis) == 1:
+      raise ValueError(f"Distribution: axis takes a mesh axis name, a str: "
+                       f"axis={self.axis[0]!r}, not {tuple(self.axis)!r}.")
     if isinstance(self.axis, (tuple, list)) and all(a in self.mesh.axis_names
                                                     for a in self.axis):
       raise ValueError(
