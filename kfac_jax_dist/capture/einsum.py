@@ -34,6 +34,12 @@ class EinsumLayout(NamedTuple):
   kernel_axes: tuple[int, ...] | None
   output_axes: tuple[int, ...] | None
 
+  def features(self, kernel_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The output features' shape, in the output's order: the bias's (Flax's
+    `Einsum`'s), of a kernel stored as `kernel_shape`."""
+    axes = self.kernel_axes or range(len(kernel_shape))
+    return tuple(kernel_shape[i] for i in axes)[self.in_dims:]
+
   def run(self, inputs, tag: Callable[..., Any]):
     """`tag(input, kernel_axes=...)`'s output, in the equation's order."""
     x = inputs if self.input_axes is None else jnp.transpose(inputs, self.input_axes)

@@ -165,8 +165,7 @@ def einsum(module: nn.Einsum, inputs, einsum_str, fallback: Fallback):
     return _flax_common.untagged("Einsum", layout, where(module), fallback)
   shape = tuple(module.shape)
   kernel = module.param("kernel", module.kernel_init, shape, module.param_dtype)
-  applied = [shape[i] for i in (layout.kernel_axes or range(len(shape)))]
-  bias = (module.param("bias", module.bias_init, applied[layout.in_dims:],
+  bias = (module.param("bias", module.bias_init, layout.features(shape),
                        module.param_dtype) if module.use_bias else None)
   return layout.run(inputs, functools.partial(
       tags.dense_general, kernel=kernel, bias=bias, in_dims=layout.in_dims,

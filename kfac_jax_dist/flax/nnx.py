@@ -221,8 +221,8 @@ def einsum(module: nnx.Einsum, inputs, einsum_str, out_sharding, fallback: Fallb
     return fallback()                          # NNX's own error
   if out_sharding is not None and not isinstance(layout, str):
     layout = "an output sharding (out_sharding)"
-  if not isinstance(layout, str) and bias is not None and bias.shape != tuple(
-      kernel.shape[i] for i in (layout.kernel_axes or range(kernel.ndim)))[layout.in_dims:]:
+  if not isinstance(layout, str) and bias is not None and (
+      tuple(bias.shape) != layout.features(tuple(kernel.shape))):
     layout = f"a bias of shape {bias.shape}, not the kernel's output features"
   if isinstance(layout, str):
     return _untagged("Einsum", layout, module, "kernel", fallback)
