@@ -44,10 +44,12 @@ axes swapped (`lax.conv_transpose`): `kernel_shape` is that applied kernel's
 `blocks_leaf` flip and swap between it and the leaf.
 
 A *permuted kernel* (`kernel_axes`: an einsum Dense layer whose kernel holds
-its contracted axes elsewhere than first, Gemma's `BTD,NDH->BTNH`) is applied
-as `jnp.transpose(leaf, kernel_axes)`, `(*in, *out)`: `kernel_shape` is that
-applied kernel's, and `leaf_blocks` / `blocks_leaf` transpose between it and
-the leaf.
+its contracted axes elsewhere than first, Gemma's `BTD,NDH->BTNH`; PyTorch's
+and Equinox's convolution weights `(out, in, *window)`) is applied as
+`jnp.transpose(leaf, kernel_axes)`, `(*in, *out)` / `(*window, in, out)`
+(then flipped and swapped if it is also transposed; a grouped convolution's
+groups then split its last axis): `kernel_shape` is that applied kernel's,
+and `leaf_blocks` / `blocks_leaf` transpose between it and the leaf.
 """
 
 from __future__ import annotations
@@ -251,18 +253,19 @@ class TaggedLayer:
       number = number * size + index
     return number
 
-  def _transposes(self, block_shape: tuple[int, ...]) -> bool:
-    """Whether leaves of `block_shape` are a transposed kernel's."""
-    return self.transposed_kernel and tuple(block_shape) == tuple(self.kernel_shape)
+  def _is_kernel(self, block_shape: tuple[int, ...]) -> bool:
+    """Whether leaves of `block_shape` are the kernel's (not the bias's)."""
+    return tuple(block_shape) == tuple(self.kernel_shape)
 
-  def _permutes(self, block_shape: tuple[int, ...]) -> bool:
-    """Whether leaves of `block_shape` are a permuted kernel's."""
-    return self.kernel_axes is not None and tuple(block_shape) == tuple(self.kernel_shape)
+  def _leaf_stack(self) -> int:
+    """The stack axes a kernel leaf holds first (a grouped convolution's
+    groups, the last stack axis, lie in its last axis instead)."""
+    return len(self.stack) - (self.groups > 1)
 
   def _stacked_axes(self, inverse: bool) -> tuple[int, ...]:
     """`kernel_axes` (or its inverse) on a leaf with the stack axes first."""
     axes = tuple(np.argsort(self.kernel_axes)) if inverse else self.kernel_axes
-    k = len(self.stack)
+    k = self._leaf_stack()
     return tuple(range(k)) + tuple(k + int(a) for a in axes)
 
   def applied_axis(self, leaf_axis: int) -> int:
@@ -276,44 +279,41 @@ class TaggedLayer:
     grouped convolution's groups (the last stack axis) side by side in the
     last axis; a transposed kernel's channel axes swapped; a permuted
     kernel's axes in the leaf's order."""
+    shape, kernel = tuple(block_shape), self._is_kernel(block_shape)
     if self.groups > 1:
-      return (tuple(self.stack[:-1]) + tuple(block_shape[:-1])
-              + (self.groups * block_shape[-1],))
-    if self._transposes(block_shape):
-      block_shape = channels_swapped(block_shape)
-    if self._permutes(block_shape):
-      block_shape = tuple(block_shape[i] for i in np.argsort(self.kernel_axes))
-    return tuple(self.stack) + tuple(block_shape)
+      shape = shape[:-1] + (self.groups * shape[-1],)
+    if kernel and self.transposed_kernel:
+      shape = channels_swapped(shape)
+    if kernel and self.kernel_axes is not None:
+      shape = tuple(shape[i] for i in np.argsort(self.kernel_axes))
+    return tuple(self.stack[:self._leaf_stack()]) + shape
 
   def leaf_blocks(self, leaf: jax.Array, block_shape: tuple[int, ...]) -> jax.Array:
     """`[blocks, *block_shape]`: every block of a parameter leaf (the
     stacked layer's blocks, a grouped convolution's groups; a single layer's
     leaf with a leading axis of one; a transposed or permuted kernel as
     applied)."""
+    if self._is_kernel(block_shape) and self.kernel_axes is not None:
+      leaf = jnp.transpose(leaf, self._stacked_axes(inverse=False))
+    if self._is_kernel(block_shape) and self.transposed_kernel:
+      leaf = flip_swap(leaf, len(self.kernel_shape) - 2)
     if self.groups > 1:            # [*outer, ..., n, c] → [*outer, n, ..., c]
       grouped = leaf.reshape(leaf.shape[:-1] + (self.groups, block_shape[-1]))
-      grouped = jnp.moveaxis(grouped, -2, len(self.stack) - 1)
-      return grouped.reshape((-1,) + tuple(block_shape))
-    if self._transposes(block_shape):
-      leaf = flip_swap(leaf, len(self.kernel_shape) - 2)
-    if self._permutes(block_shape):
-      leaf = jnp.transpose(leaf, self._stacked_axes(inverse=False))
+      leaf = jnp.moveaxis(grouped, -2, len(self.stack) - 1)
     return leaf.reshape((-1,) + tuple(block_shape))
 
   def blocks_leaf(self, blocks: jax.Array, block_shape: tuple[int, ...]) -> jax.Array:
     """The parameter leaf of `blocks` (`[blocks, *block_shape]`, or its
     numbers in that order): the inverse of `leaf_blocks`."""
+    leaf = blocks.reshape(tuple(self.stack) + tuple(block_shape))
     if self.groups > 1:
-      grouped = blocks.reshape(tuple(self.stack) + tuple(block_shape))
-      grouped = jnp.moveaxis(grouped, len(self.stack) - 1, -2)
-      return grouped.reshape(self.leaf_shape(block_shape))
-    if self._transposes(block_shape):
-      return flip_swap(blocks.reshape(tuple(self.stack) + tuple(block_shape)),
-                       len(self.kernel_shape) - 2)
-    if self._permutes(block_shape):
-      return jnp.transpose(blocks.reshape(tuple(self.stack) + tuple(block_shape)),
-                           self._stacked_axes(inverse=True))
-    return blocks.reshape(self.leaf_shape(block_shape))
+      leaf = jnp.moveaxis(leaf, len(self.stack) - 1, -2)
+      leaf = leaf.reshape(leaf.shape[:-2] + (self.groups * block_shape[-1],))
+    if self._is_kernel(block_shape) and self.transposed_kernel:
+      leaf = flip_swap(leaf, len(self.kernel_shape) - 2)
+    if self._is_kernel(block_shape) and self.kernel_axes is not None:
+      leaf = jnp.transpose(leaf, self._stacked_axes(inverse=True))
+    return leaf.reshape(self.leaf_shape(block_shape))
 
   @property
   def unitwise(self) -> bool:

@@ -131,10 +131,10 @@ def _discover(trace, kind, name, kernel, bias, site, **record) -> None:
         f"Tagged layer '{name}': its bias is not a leaf of the parameters given to "
         "kd.value_and_grad.")
   kernel_shape, bias_shape = tuple(kernel.shape), None if bias is None else tuple(bias.shape)
-  if record.get("transposed_kernel"):       # the applied kernel's (see `registry`)
-    kernel_shape = registry.channels_swapped(kernel_shape)
-  if record.get("kernel_axes"):
+  if record.get("kernel_axes"):             # the applied kernel's (see `registry`)
     kernel_shape = tuple(kernel_shape[i] for i in record["kernel_axes"])
+  if record.get("transposed_kernel"):
+    kernel_shape = registry.channels_swapped(kernel_shape)
   groups = record.get("groups", 1)
   if groups > 1:              # one group's blocks (see `registry`)
     stack = tuple(stack) + (groups,)
@@ -739,7 +739,7 @@ def dense_general(x: ArrayLike, kernel: ArrayLike, bias: ArrayLike | None = None
   the tag applies block `kernel[stack_index]` (see the module docstring).
   """
   kernel, bias, site = _block_of(kernel, bias, stack_index, _site)
-  axes = _kernel_axes(kernel.ndim, kernel_axes)
+  axes = _kernel_axes("dense_general", kernel.ndim, kernel_axes)
   shape = tuple(kernel.shape[i] for i in axes) if axes else tuple(kernel.shape)
   if not 1 <= in_dims < kernel.ndim:
     raise ValueError(f"kd.tags.dense_general: in_dims={in_dims} for a kernel of shape "
@@ -800,7 +800,8 @@ def einsum(equation: str, x: ArrayLike, kernel: ArrayLike, bias: ArrayLike | Non
       stack_index=stack_index))
 
 
-def _kernel_axes(ndim: int, kernel_axes: Sequence[int] | None) -> tuple[int, ...] | None:
+def _kernel_axes(tag: str, ndim: int, kernel_axes: Sequence[int] | None
+                 ) -> tuple[int, ...] | None:
   """`kernel_axes` checked as a permutation of a kernel's `ndim` axes; `None`
   for the kernel's own order."""
   if kernel_axes is None:
@@ -810,7 +811,7 @@ def _kernel_axes(ndim: int, kernel_axes: Sequence[int] | None) -> tuple[int, ...
   except TypeError:
     axes = ()
   if sorted(axes) != list(range(ndim)):
-    raise ValueError(f"kd.tags.dense_general: kernel_axes={kernel_axes!r} must be a "
+    raise ValueError(f"kd.tags.{tag}: kernel_axes={kernel_axes!r} must be a "
                      f"permutation of the kernel's {ndim} axes, integers 0..{ndim - 1}")
   return None if axes == tuple(range(ndim)) else axes
 
@@ -844,10 +845,17 @@ _CONV_LAYOUTS = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC"),
                  3: ("NDHWC", "DHWIO", "NDHWC")}
 
 
+def _pytorch_axes(spatial: int) -> tuple[int, ...]:
+  """`kernel_axes` of an `(out, in, *window)` kernel (PyTorch's, Equinox's)."""
+  return tuple(range(2, spatial + 2)) + (1, 0)
+
+
 def _applied_shape(tag: str, spatial: int, x: jax.Array, kernel: jax.Array, groups: int,
-                   transpose_kernel: bool) -> tuple[int, ...]:
+                   transpose_kernel: bool, axes: tuple[int, ...] | None,
+                   channels_first: bool) -> tuple[int, ...]:
   """The shape of the kernel a convolution applies (`(*window, in / groups,
-  out)`), after checking that the input and the kernel fit it."""
+  out)`), after checking that the input (channels last by now) and the
+  kernel (stored, its `axes` the `kernel_axes`) fit it."""
   layout = _CONV_LAYOUTS[spatial]
   if x.ndim != spatial + 2 or kernel.ndim != spatial + 2:
     raise ValueError(f"kd.tags.{tag} expects {layout[0]} inputs and {layout[1]} "
@@ -855,21 +863,50 @@ def _applied_shape(tag: str, spatial: int, x: jax.Array, kernel: jax.Array, grou
   if transpose_kernel and groups != 1:
     raise ValueError(f"kd.tags.{tag}: transpose_kernel=True with feature_group_count="
                      f"{groups}; a transposed kernel has one group.")
-  shape = registry.channels_swapped(kernel.shape) if transpose_kernel else kernel.shape
+  shape = kernel.shape if axes is None else tuple(kernel.shape[i] for i in axes)
+  shape = registry.channels_swapped(shape) if transpose_kernel else shape
   if groups < 1 or shape[-1] % groups:
     raise ValueError(f"kd.tags.{tag}: feature_group_count={groups} must be "
                      f"a positive divisor of the kernel's output channels {shape[-1]}")
   if x.shape[-1] != shape[-2] * groups:
-    raise ValueError(f"kd.tags.{tag}: input channels {x.shape[-1]} do not match "
-                     f"kernel {kernel.shape} with feature_group_count={groups}"
-                     + " and transpose_kernel=True" * transpose_kernel)
+    channels = x.shape[-1] if channels_first else x.shape[1]
+    pytorch = (axes is None and not transpose_kernel
+               and channels == kernel.shape[1] * groups)
+    hint = (f" (an (out, in, *window) kernel on channels-first inputs, PyTorch's and "
+            f"Equinox's: kernel_axes={_pytorch_axes(spatial)}"
+            + ("" if channels_first else ", channels_first=True") + ")") if pytorch else ""
+    raise ValueError(
+        f"kd.tags.{tag}: input channels {x.shape[-1]} do not match kernel "
+        f"{tuple(shape)} with feature_group_count={groups}"
+        + " and transpose_kernel=True" * transpose_kernel
+        + (f" (the stored {kernel.shape} as kernel_axes={axes})" if axes else "") + hint)
   return tuple(shape)
 
 
-def _convolution(tag: str, spatial: int, x: jax.Array, kernel: jax.Array,
-                 bias: jax.Array | None, name, strides, padding, dilation,
-                 input_dilation, feature_group_count: int, dtype, precision,
-                 example_dims, site, transpose_kernel: bool = False) -> jax.Array:
+def _channels_first(tag: str, spatial: int, x: ArrayLike,
+                    convolve: Callable[[jax.Array], jax.Array]) -> jax.Array:
+  """`convolve` (channels last) on a channels-first `x` (`[N, C, *spatial]`),
+  its output moved back to channels first: the same factors."""
+  x = jnp.asarray(x)
+  if x.ndim != spatial + 2:
+    raise ValueError(f"kd.tags.{tag} with channels_first=True expects "
+                     f"[N, C, {spatial}-D spatial] inputs, got {x.shape}")
+  return jnp.moveaxis(convolve(jnp.moveaxis(x, 1, -1)), -1, 1)
+
+
+def _convolution(tag: str, spatial: int, x: ArrayLike, *args: Any,
+                 channels_first: bool) -> jax.Array:
+  """`_channels_last` (`args` its arguments after `x`), on a
+  channels-first `x` (`[N, C, *spatial]`) through `_channels_first`."""
+  convolve = lambda x: _channels_last(tag, spatial, x, *args, channels_first)
+  return _channels_first(tag, spatial, x, convolve) if channels_first else convolve(x)
+
+
+def _channels_last(tag: str, spatial: int, x: jax.Array, kernel: jax.Array,
+                   bias: jax.Array | None, name, strides, padding, dilation,
+                   input_dilation, feature_group_count: int, dtype, precision,
+                   example_dims, site, transpose_kernel: bool,
+                   kernel_axes: Sequence[int] | None, moved: bool) -> jax.Array:
   """`conv1d` / `conv2d` / `conv3d`: channels-last input `[N, *spatial, C]`,
   Flax's kernel `(*window, in, out)`; `A` from the im2col patches
   (`factors.conv_patches`) of the input, with `input_dilation − 1` zeros
@@ -877,10 +914,14 @@ def _convolution(tag: str, spatial: int, x: jax.Array, kernel: jax.Array,
   output cotangents. A grouped convolution (`feature_group_count = n`: kernel
   `(*window, in / n, out)`) is `n` blocks, each group's channels a
   convolution of its own (see `registry`). `transpose_kernel`: the kernel is
-  stored `(*window, out, in)` and applied flipped (`registry.flip_swap`)."""
+  stored `(*window, out, in)` and applied flipped (`registry.flip_swap`).
+  `kernel_axes`: the kernel is stored in another order, applied as
+  `jnp.transpose(kernel, kernel_axes)` (before a transposed kernel's flip).
+  `moved`: `x` was given channels first (for the errors' hints)."""
   groups = int(feature_group_count)
   layout = _CONV_LAYOUTS[spatial]
-  shape = _applied_shape(tag, spatial, x, kernel, groups, transpose_kernel)
+  axes = _kernel_axes(tag, kernel.ndim, kernel_axes)
+  shape = _applied_shape(tag, spatial, x, kernel, groups, transpose_kernel, axes, moved)
   _check_bias(tag, bias, shape[-1:])
   _check_example_dims(tag, example_dims, spatial + 1, x.shape)
   strides = _spatial(tag, "strides", strides, spatial)
@@ -892,6 +933,7 @@ def _convolution(tag: str, spatial: int, x: jax.Array, kernel: jax.Array,
   def apply(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None
             ) -> jax.Array:
     x, kernel, bias = _promote(dtype, x, kernel, bias)
+    kernel = kernel if axes is None else jnp.transpose(kernel, axes)
     y = lax.conv_general_dilated(
         x, registry.flip_swap(kernel, spatial) if transpose_kernel else kernel,
         window_strides=strides, padding=padding, lhs_dilation=input_dilation,
@@ -921,10 +963,11 @@ def _convolution(tag: str, spatial: int, x: jax.Array, kernel: jax.Array,
     return patches(x), g, 1 if example_dims is None else example_dims
 
   transposed = {"transposed_kernel": True} if transpose_kernel else {}
+  permuted = {"kernel_axes": axes} if axes else {}
   return _tagged(tag, name, apply, stats, x, kernel, bias, site, examples=examples,
                  positions=lambda x, g: factors.num_rows(g, example_dims),
                  example_dims=example_dims, a_dim=math.prod(shape[:-1]) + has_bias,
-                 g_dim=shape[-1] // groups, groups=groups, **transposed)
+                 g_dim=shape[-1] // groups, groups=groups, **transposed, **permuted)
 
 
 def conv2d(x: ArrayLike, kernel: ArrayLike, bias: ArrayLike | None = None, *,
@@ -933,6 +976,7 @@ def conv2d(x: ArrayLike, kernel: ArrayLike, bias: ArrayLike | None = None, *,
            dilation: Sequence[int] = (1, 1), input_dilation: Sequence[int] = (1, 1),
            feature_group_count: int = 1, dtype: Any = None, precision=None,
            example_dims: int | None = None, stack_index=None, transpose_kernel: bool = False,
+           kernel_axes: Sequence[int] | None = None, channels_first: bool = False,
            _site=None) -> jax.Array:
   """2-D convolution, NHWC input and Flax's HWIO kernel `(kh, kw, in, out)`.
 
@@ -951,11 +995,18 @@ def conv2d(x: ArrayLike, kernel: ArrayLike, bias: ArrayLike | None = None, *,
   flipped over its window, channel axes swapped, as `lax.conv_transpose`'s
   `transpose_kernel=True` (PyTorch's transposed-convolution weights); the
   factors are the applied kernel's.
+  `kernel_axes`: a kernel stored in another order is applied as
+  `jnp.transpose(kernel, kernel_axes)` (before a transposed kernel's flip);
+  `channels_first=True`: `x` and the output are NCHW. PyTorch's and
+  Equinox's `Conv2d` weight `(out, in / n, kh, kw)` on NCHW images:
+  `kernel_axes=(2, 3, 1, 0), channels_first=True` (the leaf keeps its
+  layout; the factors are the applied kernel's).
   """
   kernel, bias, site = _block_of(kernel, bias, stack_index, _site)
   return _convolution("conv2d", 2, x, kernel, bias, name, strides, padding, dilation,
                       input_dilation, feature_group_count, dtype, precision,
-                      example_dims, site, transpose_kernel)
+                      example_dims, site, transpose_kernel, kernel_axes,
+                      channels_first=channels_first)
 
 
 def conv1d(x: ArrayLike, kernel: ArrayLike, bias: ArrayLike | None = None, *,
@@ -964,6 +1015,7 @@ def conv1d(x: ArrayLike, kernel: ArrayLike, bias: ArrayLike | None = None, *,
            dilation: int | Sequence[int] = (1,), input_dilation: int | Sequence[int] = (1,),
            feature_group_count: int = 1, dtype: Any = None, precision=None,
            example_dims: int | None = None, stack_index=None, transpose_kernel: bool = False,
+           kernel_axes: Sequence[int] | None = None, channels_first: bool = False,
            _site=None) -> jax.Array:
   """1-D convolution, NWC input `[N, L, C]` and Flax's WIO kernel `(k, in,
   out)` (sequences: audio, text, time series).
@@ -971,12 +1023,15 @@ def conv1d(x: ArrayLike, kernel: ArrayLike, bias: ArrayLike | None = None, *,
   As `conv2d` along one axis: `A` from the `[k·in(+1)]` patches of every
   output position, `G` from the output cotangents there; every position is
   an example unless `example_dims=1` (one example per sequence).
-  `stack_index` and `transpose_kernel` as for `conv2d`.
+  `stack_index`, `transpose_kernel`, `kernel_axes` and `channels_first` as
+  for `conv2d` (PyTorch's `(out, in, k)` on `[N, C, L]`: `kernel_axes=(2, 1,
+  0), channels_first=True`).
   """
   kernel, bias, site = _block_of(kernel, bias, stack_index, _site)
   return _convolution("conv1d", 1, x, kernel, bias, name, strides, padding, dilation,
                       input_dilation, feature_group_count, dtype, precision,
-                      example_dims, site, transpose_kernel)
+                      example_dims, site, transpose_kernel, kernel_axes,
+                      channels_first=channels_first)
 
 
 def conv3d(x: ArrayLike, kernel: ArrayLike, bias: ArrayLike | None = None, *,
@@ -985,19 +1040,24 @@ def conv3d(x: ArrayLike, kernel: ArrayLike, bias: ArrayLike | None = None, *,
            dilation: int | Sequence[int] = (1, 1, 1),
            input_dilation: int | Sequence[int] = (1, 1, 1), feature_group_count: int = 1,
            dtype: Any = None, precision=None, example_dims: int | None = None,
-           stack_index=None, transpose_kernel: bool = False, _site=None) -> jax.Array:
+           stack_index=None, transpose_kernel: bool = False,
+           kernel_axes: Sequence[int] | None = None, channels_first: bool = False,
+           _site=None) -> jax.Array:
   """3-D convolution, NDHWC input `[N, D, H, W, C]` and Flax's DHWIO kernel
   `(kd, kh, kw, in, out)` (video, volumes).
 
   As `conv2d` over three axes: `A` from the `[kd·kh·kw·in(+1)]` patches of
   every output voxel, `G` from the output cotangents there; every voxel is
   an example unless `example_dims=1` (one example per volume).
-  `stack_index` and `transpose_kernel` as for `conv2d`.
+  `stack_index`, `transpose_kernel`, `kernel_axes` and `channels_first` as
+  for `conv2d` (PyTorch's `(out, in, kd, kh, kw)` on NCDHW: `kernel_axes=(2,
+  3, 4, 1, 0), channels_first=True`).
   """
   kernel, bias, site = _block_of(kernel, bias, stack_index, _site)
   return _convolution("conv3d", 3, x, kernel, bias, name, strides, padding, dilation,
                       input_dilation, feature_group_count, dtype, precision,
-                      example_dims, site, transpose_kernel)
+                      example_dims, site, transpose_kernel, kernel_axes,
+                      channels_first=channels_first)
 
 
 CONVOLUTIONS = {1: conv1d, 2: conv2d, 3: conv3d}   # the tag of each spatial rank
