@@ -730,7 +730,8 @@ def test_linen_einsum_drop_in(kernel, equation, call, shape):
     ("btd,sndh->sbtnh", 3, 4, (1, None, (2, 0, 1, 3), (2, 0, 1, 3, 4))),  # Gemma's kv
     ("bd,df->fb", 2, 2, (1, None, None, (1, 0))),
     ("dbt,fd->tfb", 3, 2, (1, (1, 2, 0), (1, 0), (1, 2, 0))),
-    ("bd,bdf->bf", 2, 3, "not a Dense"), ("...d,df->f", 3, 2, "not a Dense"),
+    ("bd,bdf->bf", 2, 3, "stack_index"), ("ecd,edf->ecf", 3, 3, "kernel axis 'e'"),
+    ("...d,df->f", 3, 2, "not a Dense"),
     ("bd,dfg->bf", 2, 3, "not a Dense"),
     ("bdd,df->bf", 3, 2, "repeated"), ("...d,...df->...f", 3, 3, "ellipsis"),
     ("ab,bc", 2, 2, ""), ("bd,df->bf", 2, 3, ""),

@@ -313,9 +313,12 @@ def test_tags_einsum_is_the_flax_einsums_layer():
       return kd.losses.softmax_cross_entropy(logits, y)
     _, grads, stats = kd.value_and_grad(unnamed)(params, *batch)
     assert set(stats) == {"q"} and grads["q"]["kernel"].shape == (N, D, H)
-  with pytest.raises(ValueError, match="kd.tags.einsum: the equation 'bd,bdf->bf', not a "
+  with pytest.raises(ValueError, match="kd.tags.einsum: the equation 'bd,dfg->bf', not a "
                                        "Dense layer's"):
-    kd.tags.einsum("bd,bdf->bf", jnp.ones((2, 3)), jnp.ones((2, 3, 4)))
+    kd.tags.einsum("bd,dfg->bf", jnp.ones((2, 3)), jnp.ones((3, 4, 5)))
+  with pytest.raises(ValueError, match=r"the equation 'ecd,edf->ecf', whose kernel axis 'e' is "
+                                       r"also an input axis .* kd.tags.dense\(..., stack_index=i\)"):
+    kd.tags.einsum("ecd,edf->ecf", jnp.ones((4, 3, 6)), jnp.ones((4, 6, 8)))
   with pytest.raises(ValueError, match="no explicit two-operand equation .* that fits"):
     kd.tags.einsum("bd,df->bf", jnp.ones((2, 3)), jnp.ones((2, 3, 4)))
   with pytest.raises(ValueError, match=r"one block of it: stack_index=0"):

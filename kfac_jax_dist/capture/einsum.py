@@ -76,8 +76,16 @@ def dense_layout(equation, x_ndim: int, kernel_ndim: int) -> EinsumLayout | str:
   contracted = "".join(c for c in xs if c in ks)
   batch = "".join(c for c in xs if c not in ks)
   features = "".join(c for c in out if c in ks)
+  stacked = "".join(c for c in contracted if c in out)
+  if (stacked and features and len(stacked) < len(contracted)
+      and set(ks) == set(contracted + features)):    # a Dense layer per index of `stacked`
+    return (f"the equation {equation!r}, whose kernel axis {stacked!r} is also an input "
+            "axis kept in the output (a batched matmul: a stack of Dense layers such as a "
+            "mixture's experts; apply each block with kd.tags.dense(..., stack_index=i), in "
+            "a loop or under jax.vmap over that axis: docs/concepts.md, 'Mixture of "
+            "experts')")
   if (not contracted or not features or set(out) != set(batch + features)
-      or set(ks) != set(contracted + features) or set(contracted) & set(out)):
+      or set(ks) != set(contracted + features) or stacked):
     return f"the equation {equation!r}, not a Dense layer's"
   return EinsumLayout(len(contracted), _order(xs, batch + contracted),
                       _order(ks, contracted + features),
