@@ -185,6 +185,20 @@ def vmapped_since(top: object) -> bool:
   return any(kind == "BatchTrace" for kind, _ in _traces_since(top)[0])
 
 
+# The transforms that run their body once per slice of their inputs: what JAX
+# records as `traced_for` of a loop body (flax's `nn.scan` / `nn.RNN` run
+# `lax.scan`).
+LOOPS = frozenset({"scan", "fori_loop", "while_body"})
+
+
+def looped_since(top: object) -> bool:
+  """Whether a loop body (`LOOPS`: `lax.scan`, `nn.scan`, `nn.RNN`, a
+  `fori_loop`) lies between the trace being built and `top` (a
+  `current_trace()` taken earlier): inside it the arrays have lost the axis
+  it runs over. False where this JAX does not say."""
+  return any(purpose in LOOPS for _, purpose in _traces_since(top)[0])
+
+
 # What `derivative_since` names: a derivative taken inside the loss.
 REVERSE = "reverse-mode (jax.grad / jax.vjp / jax.linearize)"
 FORWARD = "forward-mode (jax.jvp / jax.jacfwd / jax.experimental.jet)"

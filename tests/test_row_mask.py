@@ -570,3 +570,140 @@ def test_cross_attention_and_a_shared_embedding_take_their_own_sequences_masks(
   warned = [str(w.message) for w in caught if "names it but does not fit" in str(w.message)]
   assert len(warned) == (2 if source_length != T else 0), warned
   assert all("'decoder/cross/" in message for message in warned)
+
+
+def test_mask_outside_a_recurrent_loop():
+  """A `[B, T]` mask around a Flax `nn.RNN` (its cells run in a `lax.scan`
+  over T, one `[B]` slice each; JAX does not say what a loop runs over) or
+  around a cell stepped by a Python loop over T is warned about at
+  discovery, naming the loop: the cells' steps are taken unmasked; `layers=`
+  may leave the cells out. The recipe: `nn.scan` over a cell that takes
+  `(x_t, mask_t)` and enters `mask_t`: the input gate's `A` is the mean over
+  the kept steps' inputs, the padding's out (float64 brute force)."""
+  import flax.linen as nn
+  batch, steps, width, hidden, classes = 6, 5, 4, 3, 3
+  with jax.enable_x64(True):
+    x = jax.random.normal(jax.random.PRNGKey(3), (batch, steps, width), jnp.float64)
+    y = jax.random.randint(jax.random.PRNGKey(4), (batch, steps), 0, classes)
+    lengths = jnp.array([5, 2, 3, 1, 4, 5])
+    mask = jnp.arange(steps)[None] < lengths[:, None]
+
+    class RNN(nn.Module):
+      @nn.compact
+      def __call__(self, x, lengths):
+        out = nn.RNN(nn.LSTMCell(hidden, param_dtype=jnp.float64, name="cell"))(
+            x, seq_lengths=lengths)
+        return nn.Dense(classes, param_dtype=jnp.float64, name="head")(out)
+
+    def loss(p, x, y, layers=()):
+      with kd.tags.row_mask(mask, layers=layers):
+        logits = RNN().apply({"params": p}, x, lengths)
+      return kd.losses.softmax_cross_entropy(logits, y, mask=mask)
+    params = RNN().init(jax.random.PRNGKey(0), x, lengths)["params"]
+    warned = r"row_mask of shape \(6, 5\), entered outside a loop .* tagged layer 'cell/i.'"
+    with pytest.warns(UserWarning, match=warned + r" .* positions \(6,\) but for one axis"):
+      kd.value_and_grad(loss, capture="flax").discover(params, x, y)
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      layers = kd.value_and_grad(loss, capture="flax").discover(params, x, y, layers=["head"])
+    assert {l.name: l.row_masked for l in layers}["head"]
+
+    def unrolled(p, x, y):               # the cell stepped in Python, T times
+      cell = nn.LSTMCell(hidden, param_dtype=jnp.float64)
+      carry, outs = cell.initialize_carry(jax.random.PRNGKey(0), x[:, 0].shape), []
+      with kd.tags.row_mask(mask):
+        for t in range(steps):
+          carry, out = cell.apply({"params": p["cell"]}, carry, x[:, t])
+          outs.append(out)
+        logits = kd.tags.dense(jnp.stack(outs, 1), p["head"]["kernel"], name="head")
+      return kd.losses.softmax_cross_entropy(logits, y, mask=mask)
+    with pytest.warns(UserWarning, match=r"row_mask of shape \(6, 5\), entered outside a "
+                                         r"loop .* a Python loop"):
+      kd.value_and_grad(unrolled, capture="flax").discover(params, x, y)
+
+    class MaskedCell(nn.Module):
+      @nn.compact
+      def __call__(self, carry, inputs):
+        x_t, mask_t = inputs
+        with kd.tags.row_mask(mask_t):
+          return nn.LSTMCell(hidden, param_dtype=jnp.float64, name="cell")(carry, x_t)
+
+    class ScannedRNN(nn.Module):
+      @nn.compact
+      def __call__(self, x, mask):
+        carry = nn.LSTMCell(hidden, param_dtype=jnp.float64, parent=None).initialize_carry(
+            jax.random.PRNGKey(0), x[:, 0].shape)
+        scan = nn.scan(MaskedCell, variable_broadcast="params",
+                       split_rngs={"params": False}, in_axes=1, out_axes=1)
+        _, out = scan(name="rnn")(carry, (x, mask))
+        with kd.tags.row_mask(mask):
+          return nn.Dense(classes, param_dtype=jnp.float64, name="head")(out)
+
+    def scanned_loss(p, x, y):
+      logits = ScannedRNN().apply({"params": p}, x, mask)
+      return kd.losses.softmax_cross_entropy(logits, y, mask=mask)
+    params = ScannedRNN().init(jax.random.PRNGKey(0), x, mask)["params"]
+    grad_fn = kd.value_and_grad(scanned_loss, capture="flax")
+    assert all(l.row_masked for l in grad_fn.discover(params, x, y))
+    _, _, stats = jax.jit(grad_fn)(params, x, y)
+    kept = np.asarray(x)[np.asarray(mask)]                 # the input gate's rows, no bias
+    np.testing.assert_allclose(helpers.f64(stats["rnn/cell/ii"]["A"]),
+                               kept.T @ kept / len(kept), rtol=1e-12)
+
+
+def test_mask_outside_a_loop_over_stacked_blocks():
+  """A `[B, T]` mask around blocks scanned over depth (`nn.scan`, stacked
+  parameters): the blocks' token layers take it, a per-example layer inside
+  (DiT's conditioning on `[B, d]`) is not masked and not refused: the loop
+  runs over the blocks, not over an axis of the batch."""
+  import flax.linen as nn
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, h, cond):
+      scale = nn.Dense(h.shape[-1], name="condition")(cond)        # [B, d]: per example
+      return h + nn.Dense(h.shape[-1], name="mlp")(h) * scale[:, None], None
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x, cond):
+      blocks = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                       in_axes=nn.broadcast, length=3)
+      h, _ = blocks(name="blocks")(x, cond)
+      return nn.Dense(2, name="head")(h)
+
+  x, cond = jnp.ones((4, 5, 6)), jnp.ones((4, 6))
+  mask = jnp.arange(5)[None] < jnp.array([5, 2, 3, 1])[:, None]
+  params = Model().init(jax.random.PRNGKey(0), x, cond)["params"]
+
+  def loss(p, x, y):
+    with kd.tags.row_mask(mask):
+      logits = Model().apply({"params": p}, x, cond)
+    return kd.losses.softmax_cross_entropy(logits, y, mask=mask)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    layers = kd.value_and_grad(loss, capture="flax").discover(params, x,
+                                                              jnp.zeros((4, 5), int))
+  assert {l.name: l.row_masked for l in layers} == {
+      "blocks/condition": False, "blocks/mlp": True, "head": True}
+
+
+def test_example_mask_around_a_loop_is_not_warned():
+  """A `[B]` mask of padded examples around a `lax.scan` (a sampler's steps)
+  whose body runs a layer on `[B, d]` rows (masked) and one on a `[1, d]`
+  time embedding (not masked): no warning, one axis of a 1-D mask is no
+  loop's."""
+  params = {"step": jnp.ones((4, 4)), "time": jnp.ones((3, 4))}
+  keep = jnp.array([True, True, False, True, False])
+
+  def loss(p, x, y):
+    def body(h, t):
+      emb = kd.tags.dense(jnp.ones((1, 3)) * t, p["time"], name="time")
+      return jnp.tanh(kd.tags.dense(h, p["step"], name="step") + emb), None
+    with kd.tags.row_mask(keep):
+      h, _ = jax.lax.scan(body, x, jnp.arange(3.0))
+    return kd.losses.softmax_cross_entropy(h, y, mask=keep)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    layers = kd.value_and_grad(loss).discover(params, jnp.ones((5, 4)), jnp.zeros(5, int))
+  assert {l.name: l.row_masked for l in layers} == {"time": False, "step": True}

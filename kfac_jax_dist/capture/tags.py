@@ -373,7 +373,8 @@ def _tagged(kind: str, name, apply, stats, x, kernel, bias, site=None, examples=
       site is None and _context.independent_of_parameters(trace, kernel)):
     return apply(x, *params)      # (an empty kernel: no curvature to capture)
   name = _layer_name(trace, name, kernel, site)
-  mask = _row_mask_of(trace, name, kind, apply, x, params, out_dims, example_dims)
+  mask = _row_mask_of(trace, name, kind, apply, x, params, out_dims, example_dims,
+                      stacked=site is not None and bool(site.stack))
   if trace.mode == _context.DISCOVER:
     _discover(trace, kind, name, kernel, bias, site, row_masked=mask is not None,
               **record)
@@ -458,11 +459,13 @@ class _LayerStatistics:
 @dataclasses.dataclass(eq=False)
 class _RowMask:
   """An active `row_mask`: its booleans, the layers it is for (patterns; none:
-  every layer), the JAX trace it was entered in, and whether a tag took it."""
+  every layer), the JAX trace it was entered in, whether a tag took it, and
+  how often each layer it did not fit ran in its block (`_warn_mask_outside_loop`)."""
   mask: jax.Array
   patterns: tuple
   top: object
   used: bool = False
+  unfitted_runs: dict = dataclasses.field(default_factory=dict)
 
 
 @contextlib.contextmanager
@@ -493,9 +496,12 @@ def row_mask(mask: ArrayLike, layers: Sequence[str] = ()) -> Iterator[None]:
   encoder's mask by name (warned where only its shape tells). Inside a
   `jax.vmap` (`nn.vmap`, `nnx.vmap`) entered after the mask the arrays have
   lost their mapped axis: enter the mask inside the mapped function (a
-  scalar per example for a model written per example). Errors: a mask that
-  no tagged layer takes, one whose shape a layer inside such a vmap would
-  take, and one over the positions inside K-FAC-reduce's examples
+  scalar per example for a model written per example); inside a loop over
+  an axis of the mask (a recurrent cell's time steps under `lax.scan` or
+  `nn.RNN`) enter each step's slice inside the body (warned where a layer
+  in a loop entered after a mask would take it but for one axis). Errors: a
+  mask that no tagged layer takes, one whose shape a layer inside such a
+  vmap would take, and one over the positions inside K-FAC-reduce's examples
   (`example_dims=k`: at most `k` axes). Outside `kd.value_and_grad` it does
   nothing.
   """
@@ -526,12 +532,14 @@ def row_mask(mask: ArrayLike, layers: Sequence[str] = ()) -> Iterator[None]:
 
 
 def _row_mask_of(trace: _context.Trace, name: str, kind: str, apply: Callable, x,
-                 params: tuple, out_dims: int, example_dims: int | None
-                 ) -> jax.Array | None:
+                 params: tuple, out_dims: int, example_dims: int | None,
+                 stacked: bool) -> jax.Array | None:
   """The innermost active `row_mask` for layer `name` whose shape begins
   the layer's positions (the leading axes of `apply`'s output but its last
   `out_dims`), marked used; None. `example_dims`: a layer with `A` reducing
-  the positions of each example first (a mask over them is refused)."""
+  the positions of each example first (a mask over them is refused).
+  `stacked`: one block of a stacked layer (a loop over it runs over blocks,
+  not over an axis of the batch)."""
   if not trace.row_masks:
     return None
   spec = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
@@ -558,9 +566,42 @@ def _row_mask_of(trace: _context.Trace, name: str, kind: str, apply: Callable, x
           f"axes {positions[:example_dims]}, or use example_dims=None.")
     entry.used = True
     return entry.mask
+  if trace.mode == _context.DISCOVER and not stacked:
+    _warn_mask_outside_loop(trace.row_masks, name, kind, positions)
   if trace.mode == _context.DISCOVER:
     _check_named_mask_fits(trace.row_masks, name, positions)
   return None
+
+
+def _warn_mask_outside_loop(entries: Sequence[_RowMask], name: str, kind: str,
+                            positions: tuple) -> None:
+  """Warn where a mask of two or more axes does not fit layer `name`'s
+  positions but would without one of its axes, and the layer, unstacked (its
+  kernel shared by the iterations), runs in a loop entered after the mask (a
+  `lax.scan`, `nn.RNN`) or has run in its block as many times as that axis
+  is long (a Python loop): if the loop runs over that axis (a recurrent
+  cell's time steps) each iteration's rows are one slice of it, taken
+  unmasked. (JAX does not say what its loop runs over, refinement steps on
+  pooled rows look the same: this warns and does not refuse.)"""
+  for entry in reversed(entries):
+    shape = tuple(entry.mask.shape)
+    if entry.patterns and not any(p.search(name) for p in entry.patterns):
+      continue
+    runs = entry.unfitted_runs[name] = entry.unfitted_runs.get(name, 0) + 1
+    sliced = [i for i in range(len(shape)) if len(shape) > 1
+              and positions[:len(shape) - 1] == shape[:i] + shape[i + 1:]]
+    if not any(_compat.looped_since(entry.top) or runs == shape[i] for i in sliced):
+      continue
+    warnings.warn(
+        f"kd.tags.row_mask of shape {shape}, entered outside a loop (lax.scan, nn.scan, "
+        f"nn.RNN, a Python loop) that tagged layer '{name}' ({kind}) runs in, would fit "
+        f"its positions {positions} but for one axis: if the loop runs over that axis (a "
+        "recurrent cell's time steps), each step's rows are taken unmasked. Enter the "
+        "step's mask inside the loop's body (mask[:, t] for step t; for a Flax RNN, "
+        "nn.scan over a cell that takes (x_t, mask_t)); if it runs over something else, "
+        "give the mask layers= that leave this layer out (docs/concepts.md, 'Padding: "
+        "row masks').", stacklevel=6)
+    return
 
 
 def _check_named_mask_fits(entries: Sequence[_RowMask], name: str,
