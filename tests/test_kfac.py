@@ -399,6 +399,23 @@ def test_a_partition_without_the_skipped_layers_parameters():
   with pytest.raises(ValueError, match=r"parameter 'l1/kernel' is not in the tree given "
                                        r"to init .*skip="):
     kd.scale_by_kfac(layers=layers, factor_dtype=F64).init(without(params))
+  kernels_only = {k: {"kernel": v["kernel"]} for k, v in params.items()}
+  assert any(layer.has_bias for layer in layers)
+  with pytest.raises(ValueError, match=r"its kernel '.*/kernel' is in the tree given to "
+                                       r"init, its bias '.*/bias' is not.* label them with "
+                                       r"their kernels"):
+    kd.scale_by_kfac(layers=layers).init(kernels_only)
+
+
+def test_tree_map_params_refused():
+  """optax.tree_map_params runs init on a placeholder: every transform of
+  the library refuses it, naming what to use instead."""
+  _, layers, params = _setup()
+  for name, tx in (("scale_by_kfac", kd.kfac(0.1, layers=layers)),
+                   ("scale_by_shampoo", kd.shampoo(0.1)), ("scale_by_soap", kd.soap(0.1))):
+    with pytest.raises(TypeError, match=f"{name}: optax.tree_map_params is not supported"
+                                        r".*kd.partition_specs"):
+      optax.tree_map_params(tx, lambda p: p, tx.init(params))
 
 
 def test_clear_errors():

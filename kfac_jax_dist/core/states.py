@@ -45,3 +45,16 @@ def check_kind(state: Any, kind: type[PreconditionerState], transform: str) -> N
     raise TypeError(f"{transform}.update got a {type(state).__name__} as its state; "
                     f"it takes the {kind.__name__} that its own init returned (is "
                     "this another optimizer's opt_state?).")
+
+
+def check_params(params: Any, transform: str) -> None:
+  """A clear error where `transform`'s init gets optax's `tree_map_params`
+  placeholder instead of the parameters: the state holds arrays laid out by
+  layers and blocks (packed factors, eigenbases), no copy of the parameter
+  tree that the placeholder could stand for."""
+  if type(params).__name__ == "_ParamsPlaceholder":
+    raise TypeError(
+        f"{transform}: optax.tree_map_params is not supported: the state's arrays are "
+        "laid out by layers and blocks (packed factors, eigenbases, roots), not shaped "
+        "like the parameters. Map the state with jax.tree.map, or take its shardings "
+        "from kd.partition_specs(state).")

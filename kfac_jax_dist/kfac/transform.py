@@ -76,6 +76,14 @@ def _check_params(layers: registry.LayerRegistry, leaves: dict[str, Any],
       if path is None:
         continue
       shape = layer.leaf_shape(shape)     # stacked: [L, *block shape]
+      if path not in leaves and path == layer.bias_path and layer.kernel_path in leaves:
+        raise ValueError(
+            f"Tagged layer '{layer.name}': its kernel '{layer.kernel_path}' is in the tree "
+            f"given to init, its bias '{path}' is not. K-FAC preconditions a layer's kernel "
+            "and bias together (one A ⊗ G, the bias a row of the kernel): give both to "
+            "this transform (an optax.multi_transform / masked label that sends biases "
+            "elsewhere must label them with their kernels), or leave the layer out with "
+            "skip=.")
       if path not in leaves:
         raise ValueError(f"Tagged layer '{layer.name}': parameter '{path}' is not in "
                          "the tree given to init (a tree other than the loss "
@@ -706,6 +714,7 @@ def scale_by_kfac(
   comm = collectives_lib.Collectives(distribution)
 
   def init_fn(params: Any) -> ScaleByKfacState:
+    states.check_params(params, "scale_by_kfac")
     return init_state(config, comm, layers, params)
 
   def update_fn(updates: Any, state: ScaleByKfacState, params: Any = None, *,

@@ -464,6 +464,7 @@ def scale_by_soap(
   comm = collectives_lib.Collectives(distribution)
 
   def init_fn(params: Any) -> ScaleBySoapState:
+    states.check_params(params, "scale_by_soap")
     return init_state(config, comm, params)
 
   def update_fn(updates: Any, state: ScaleBySoapState, params: Any = None,

@@ -265,6 +265,7 @@ def scale_by_shampoo(
   comm = collectives_lib.Collectives(distribution)
 
   def init_fn(params: Any) -> ScaleByShampooState:
+    states.check_params(params, "scale_by_shampoo")
     return init_state(config, comm, params)
 
   def update_fn(updates: Any, state: ScaleByShampooState, params: Any = None,
