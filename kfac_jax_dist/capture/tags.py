@@ -1159,7 +1159,7 @@ def embed(ids: ArrayLike, table: ArrayLike, *, name: str | None = None,
 def scale_and_shift(x: ArrayLike, scale: ArrayLike, offset: ArrayLike | None = None, *,
                     name: str | None = None, dtype: Any = None,
                     example_dims: int | None = None, stack_index=None,
-                    _site=None) -> jax.Array:
+                    _site=None, _params_dtype: Any = None) -> jax.Array:
   """`x * scale + offset` over the last axis (`x` already normalised: the
   learnable part of LayerNorm / BatchNorm).
 
@@ -1178,6 +1178,8 @@ def scale_and_shift(x: ArrayLike, scale: ArrayLike, offset: ArrayLike | None = N
   are then zero. A layer with an offset but no scale has no tag.
   `stack_index`: `scale` (and `offset`) are stacked leaves `[*stack, ...]` and
   the tag applies block `scale[stack_index]` (see the module docstring).
+  `_params_dtype`: `scale` and `offset` rounded to it first (NNX's norms
+  promote their parameters to the layer's `dtype`, then compute in `x`'s).
   """
   scale, offset, site = _block_of(scale, offset, stack_index, _site)
   if scale.ndim != 1 or x.shape[-1:] != scale.shape:
@@ -1191,6 +1193,8 @@ def scale_and_shift(x: ArrayLike, scale: ArrayLike, offset: ArrayLike | None = N
 
   def apply(x: jax.Array, scale: jax.Array, offset: jax.Array | None = None
             ) -> jax.Array:
+    if _params_dtype is not None:
+      scale, offset = (None if a is None else a.astype(_params_dtype) for a in (scale, offset))
     x, scale, offset = _promote(dtype, x, scale, offset)
     return _add_bias(x * factors.with_leading_units(scale, x.ndim), offset)
 

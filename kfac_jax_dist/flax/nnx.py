@@ -264,12 +264,20 @@ def _normalisation(kind: str, module: nnx.Module, x, feature_axes, fallback: Fal
   return fallback() if _context.tagging() is None else None
 
 
+def _promotes(module: nnx.Module) -> bool:
+  """Whether the NNX norm casts its input and parameters to its `dtype`
+  before computing (its `promote_dtype`: flax 0.12.8 and 0.12.12 checked);
+  flax 0.12.0's computes in their own dtypes and casts only the result."""
+  return hasattr(module, "promote_dtype")
+
+
 def _promoted(module: nnx.Module, x) -> tuple[jax.Array, Any]:
-  """`(x, dtype)`: `x` in the dtype of the normalisation's result (NNX's
-  promotion of the input, scale and bias)."""
+  """`(x, dtype)`: `x` as the normalisation computes with it (in the dtype
+  of its result where NNX promotes the input, scale and bias) and that
+  dtype."""
   scale, bias, _ = stacking.nnx_site(module.scale, getattr(module, "bias", None))
   dtype = nnx_dtypes.canonicalize_dtype(x, scale, bias, dtype=module.dtype)
-  return jnp.asarray(x, dtype), dtype
+  return jnp.asarray(x, dtype if _promotes(module) else None), dtype
 
 
 def _normalised(module: nnx.Module, x, mask, use_mean: bool):
@@ -283,10 +291,12 @@ def _normalised(module: nnx.Module, x, mask, use_mean: bool):
 
 
 def _scale_and_shift(module: nnx.Module, x_hat, dtype, default_dims: int | None = None):
-  """The module's scale (and bias, if it has one) applied to `x̂`, tagged."""
+  """The module's scale (and bias, if it has one) applied to `x̂`, tagged,
+  both rounded to `dtype` first where NNX's promotion does (`_promotes`)."""
   scale, bias, site = stacking.nnx_site(module.scale, getattr(module, "bias", None))
   y = tags.scale_and_shift(x_hat, scale, bias,
-                           example_dims=_example_dims(module, default_dims), _site=site)
+                           example_dims=_example_dims(module, default_dims), _site=site,
+                           _params_dtype=dtype if _promotes(module) else None)
   return jnp.asarray(y, dtype)
 
 
@@ -321,10 +331,11 @@ def batch_norm(module: nnx.BatchNorm, x, use_running_average, mask, fallback: Fa
   running_mean, running_var = _raw(module.mean), _raw(module.var)
   dtype = nnx_dtypes.canonicalize_dtype(x, running_mean, running_var, scale, bias,
                                         dtype=module.dtype)
-  x = jnp.asarray(x, dtype)
+  computed = dtype if _promotes(module) else None
+  x = jnp.asarray(x, computed)
   reduction_axes = tuple(range(x.ndim - 1))
   if use_running_average:
-    mean, var = jnp.asarray(running_mean, dtype), jnp.asarray(running_var, dtype)
+    mean, var = jnp.asarray(running_mean, computed), jnp.asarray(running_var, computed)
   else:
     mean, var = _flax_common.moments(x, reduction_axes, module.dtype, module.axis_name,
                                      module.axis_index_groups, module.use_fast_variance,
