@@ -232,3 +232,24 @@ def test_layout_errors():
   want = jax.lax.conv_general_dilated(x, kernel, (1, 1), "SAME",
                                       dimension_numbers=("NCHW", "OIHW", "NCHW"))
   np.testing.assert_allclose(y, want, rtol=1e-6)
+
+
+def test_torch_layout_kernel_sharded_on_a_spatial_axis():
+  """A PyTorch-layout kernel sharded over a model axis on its window (stored
+  axis 2, `kh`) is refused, the error naming the stored axis as well."""
+  from jax.sharding import PartitionSpec as P
+  mesh = helpers.mesh((2, 4), ("data", "model"))
+  params = {"conv": {"kernel": jnp.ones((8, 3, 4, 4)), "bias": jnp.zeros(8)},
+            "head": jnp.ones((8, 5))}
+  specs = {"conv": {"kernel": P(None, None, "model"), "bias": P()}, "head": P()}
+
+  def loss(p, x, y):
+    h = kd.tags.conv2d(x, p["conv"]["kernel"], p["conv"]["bias"], name="conv",
+                       kernel_axes=TORCH_2D, channels_first=True, padding="VALID")
+    return kd.losses.softmax_cross_entropy(kd.tags.dense(h.mean((2, 3)), p["head"]), y)
+  dist = kd.Distribution(mesh, axis="data", model_axis="model", param_specs=specs)
+  layers = kd.value_and_grad(loss).discover(params, jnp.ones((4, 3, 6, 6)),
+                                            jnp.zeros(4, int), distribution=dist)
+  with pytest.raises(ValueError, match=r"sharded over 'model' on spatial axis 0 \(the stored "
+                                       r"\(8, 3, 1, 4\)'s axis 2, kernel_axes=\(2, 3, 1, 0\)\)"):
+    kd.kfac(0.1, layers=layers, distribution=dist).init(params)

@@ -468,9 +468,12 @@ def _check_kernel_dim(layer, axis: str, dim: int) -> None:
   input one only without a tagged bias."""
   shape = layer.kernel_shape
   if layer.kind in registry.CONV_KINDS and dim < len(shape) - 2:
+    stored = ("" if layer.kernel_axes is None else
+              f" (the stored {layer.leaf_shape(shape)[len(layer.stack):]}'s axis "
+              f"{layer.kernel_axes[dim]}, kernel_axes={layer.kernel_axes})")
     raise ValueError(
         f"Tagged layer '{layer.name}': its kernel {shape} (local) is sharded over "
-        f"{axis!r} on spatial axis {dim}; K-FAC needs the input or output "
+        f"{axis!r} on spatial axis {dim}{stored}; K-FAC needs the input or output "
         "channels sharded (row- or column-parallel).")
   if layer.kind == "dense" or layer.kind in registry.CONV_KINDS:
     rows = layer.a_dim - layer.has_bias
