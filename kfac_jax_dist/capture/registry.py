@@ -293,9 +293,10 @@ class TaggedLayer:
     stacked layer's blocks, a grouped convolution's groups; a single layer's
     leaf with a leading axis of one; a transposed or permuted kernel as
     applied)."""
-    if self._is_kernel(block_shape) and self.kernel_axes is not None:
+    kernel = self._is_kernel(block_shape)
+    if kernel and self.kernel_axes is not None:
       leaf = jnp.transpose(leaf, self._stacked_axes(inverse=False))
-    if self._is_kernel(block_shape) and self.transposed_kernel:
+    if kernel and self.transposed_kernel:
       leaf = flip_swap(leaf, len(self.kernel_shape) - 2)
     if self.groups > 1:            # [*outer, ..., n, c] → [*outer, n, ..., c]
       grouped = leaf.reshape(leaf.shape[:-1] + (self.groups, block_shape[-1]))
@@ -309,9 +310,10 @@ class TaggedLayer:
     if self.groups > 1:
       leaf = jnp.moveaxis(leaf, len(self.stack) - 1, -2)
       leaf = leaf.reshape(leaf.shape[:-2] + (self.groups * block_shape[-1],))
-    if self._is_kernel(block_shape) and self.transposed_kernel:
+    kernel = self._is_kernel(block_shape)
+    if kernel and self.transposed_kernel:
       leaf = flip_swap(leaf, len(self.kernel_shape) - 2)
-    if self._is_kernel(block_shape) and self.kernel_axes is not None:
+    if kernel and self.kernel_axes is not None:
       leaf = jnp.transpose(leaf, self._stacked_axes(inverse=True))
     return leaf.reshape(self.leaf_shape(block_shape))
 

@@ -789,7 +789,7 @@ def dense_general(x: ArrayLike, kernel: ArrayLike, bias: ArrayLike | None = None
   if x.ndim < in_dims or x.shape[x.ndim - in_dims:] != in_shape:
     raise ValueError(f"kd.tags.dense_general: the last {in_dims} axes of the input "
                      f"{x.shape} do not match the kernel {shape}"
-                     + (f" (the stored {kernel.shape} as kernel_axes={axes})" if axes else ""))
+                     + _stored_as(kernel, axes))
   _check_bias("dense_general", bias, out_shape)
   _check_example_dims("dense_general", example_dims, x.ndim - in_dims, x.shape)
   n_out = len(out_shape)
@@ -857,6 +857,11 @@ def _kernel_axes(tag: str, ndim: int, kernel_axes: Sequence[int] | None
   return None if axes == tuple(range(ndim)) else axes
 
 
+def _stored_as(kernel: jax.Array, axes: tuple[int, ...] | None) -> str:
+  """An error's note on a permuted kernel: its stored shape and `kernel_axes`."""
+  return f" (the stored {kernel.shape} as kernel_axes={axes})" if axes else ""
+
+
 def _conv_padding(tag: str, padding, spatial: int):
   if isinstance(padding, str):
     if padding.upper() not in ("SAME", "VALID"):
@@ -920,7 +925,7 @@ def _applied_shape(tag: str, spatial: int, x: jax.Array, kernel: jax.Array, grou
         f"kd.tags.{tag}: input channels {x.shape[-1]} do not match kernel "
         f"{tuple(shape)} with feature_group_count={groups}"
         + " and transpose_kernel=True" * transpose_kernel
-        + (f" (the stored {kernel.shape} as kernel_axes={axes})" if axes else "") + hint)
+        + _stored_as(kernel, axes) + hint)
   return tuple(shape)
 
 
