@@ -1,5 +1,6 @@
 """The K-FAC transform against float64 oracles: preconditioning, averages, cadence."""
 
+import functools
 import re
 
 import chex
@@ -514,6 +515,26 @@ def test_chains_with_optax_transforms():
   updates, new_state = tx.update(bad, state, params, kfac_stats=stats)
   np.testing.assert_array_equal(jax.tree.leaves(new_state.inner_state)[0],
                                 jax.tree.leaves(state.inner_state)[0])
+
+
+def test_zero_momentum_keeps_no_trace():
+  """`momentum=0` (a number) keeps no parameter-sized momentum trace in
+  `kd.kfac`'s or `kd.shampoo`'s state; the updates are those of the trace with
+  decay 0 that an array momentum keeps (optax's `sgd`)."""
+  rng, layers, params = _setup()
+  stats = _stats(rng, layers)
+  grads = [_random_grads(rng, params) for _ in range(3)]
+  for make, extra in ((functools.partial(kd.kfac, layers=layers), dict(kfac_stats=stats)),
+                      (functools.partial(kd.shampoo, start_preconditioning_step=1), {})):
+    txs = (make(0.1, momentum=0), make(0.1, momentum=jnp.asarray(0.0, F64)))
+    states = [tx.init(params) for tx in txs]
+    traces = [[s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(
+        x, optax.TraceState)) if isinstance(s, optax.TraceState)] for state in states]
+    assert (len(traces[0]), len(traces[1])) == (0, 1)
+    for g in grads:
+      (u_plain, states[0]), (u_traced, states[1]) = (
+          tx.update(g, state, params, **extra) for tx, state in zip(txs, states))
+      helpers.assert_trees_equal(u_plain, u_traced)
 
 
 def test_readers_find_the_kfac_state_in_an_optax_state():

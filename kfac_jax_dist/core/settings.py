@@ -20,6 +20,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from kfac_jax_dist.capture.registry import check_patterns  # noqa: F401  (shared with tags)
 from kfac_jax_dist.core import cadence
@@ -97,6 +98,17 @@ def check_first_order_tail(learning_rate: Any, momentum: Any = None,
   if momentum is not None:
     check_range("momentum", momentum, 0.0, 1.0)
   check_positive("weight_decay", weight_decay, allow_zero=True)
+
+
+def first_order_tail(learning_rate: Any, momentum: Any, weight_decay: Any,
+                     nesterov: bool) -> tuple[optax.GradientTransformation, ...]:
+  """The optax steps after a preconditioner: `add_decayed_weights(weight_decay)`,
+  then `sgd(learning_rate, momentum, nesterov)`. A momentum of the number 0
+  keeps no trace (optax's own would keep a parameter-sized buffer of zeros)."""
+  if cadence.is_number(momentum) and momentum == 0:
+    momentum = None
+  return (optax.add_decayed_weights(weight_decay),
+          optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov))
 
 
 def differs_from_default(value: Any, default: Any) -> bool:

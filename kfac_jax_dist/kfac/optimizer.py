@@ -41,8 +41,7 @@ def _kaisa_chain(layers: registry.LayerRegistry | None, learning_rate: Any, mome
       # The learning rate is scale_by_kfac's to check (KfacConfig.settings_ok).
       *faults.poison_unless(settings.first_order_tail_checks(None, momentum, weight_decay)),
       scale_by_kfac(layers, kl_clip=kl_clip, learning_rate=learning_rate, **options),
-      optax.add_decayed_weights(weight_decay),
-      optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)))
+      *settings.first_order_tail(learning_rate, momentum, weight_decay, nesterov)))
 
 
 def _adaptive_chain(layers: registry.LayerRegistry | None, learning_rate: Any, momentum: Any,
@@ -139,8 +138,8 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
     learning_rate: `η`, a float or an optax schedule of the update count; the
       KL clip uses it too. None: adapted (needs `grad_fn`).
     momentum: heavy-ball momentum of the SGD step, in [0, 1). KAISA's 0.9;
-      where the KL clip binds on a small problem, 0 often works better. None:
-      adapted (needs `grad_fn`).
+      where the KL clip binds on a small problem, 0 often works better (the
+      number 0 keeps no momentum trace). None: adapted (needs `grad_fn`).
     weight_decay: coefficient added to the preconditioned gradient times the
       parameters (`optax.add_decayed_weights`), ≥ 0.
     nesterov: Nesterov momentum instead of heavy ball.

@@ -326,7 +326,8 @@ def shampoo(
 
   Args:
     learning_rate: a float ≥ 0 or an optax schedule of the update count.
-    momentum: heavy-ball momentum of the SGD step, in [0, 1) (None or 0: none).
+    momentum: heavy-ball momentum of the SGD step, in [0, 1) (None or the number 0:
+      none, and no trace kept).
     weight_decay: coefficient added to the Shampoo step times the parameters
       (`optax.add_decayed_weights`), ≥ 0; 0: none.
     nesterov: Nesterov momentum instead of heavy ball.
@@ -407,5 +408,4 @@ def shampoo(
           newton_tolerance=newton_tolerance,
           root_failure_threshold=root_failure_threshold, skip=skip,
           statistics_dtype=statistics_dtype, distribution=distribution, stacked=stacked),
-      optax.add_decayed_weights(weight_decay),
-      optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)))
+      *settings.first_order_tail(learning_rate, momentum, weight_decay, nesterov)))
