@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -159,6 +159,18 @@ def _enclosing_traces():
   while now is not None and seen < 10_000:
     yield now
     now, seen = getattr(now, "parent_trace", None), seen + 1
+
+
+def in_mesh_order(axes: Sequence[str]) -> tuple[str, ...]:
+  """`axes` in the order of the mesh being traced over (`shard_map`'s, by
+  `jax.sharding.get_abstract_mesh`), those it does not name (a `pmap`'s)
+  after them, by name."""
+  try:
+    names = tuple(jax.sharding.get_abstract_mesh().axis_names)
+  except (AttributeError, RuntimeError):
+    names = ()
+  rank = {name: i for i, name in enumerate(names)}
+  return tuple(sorted(axes, key=lambda axis: (rank.get(axis, len(rank)), axis)))
 
 
 def untyped_device_axes() -> tuple[str, ...]:

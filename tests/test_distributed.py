@@ -955,6 +955,28 @@ def test_monte_carlo_g_takes_the_local_losss_coefficient():
     np.testing.assert_allclose(g3[d], 3.0 * alone, rtol=1e-5, err_msg=f"device {d}")
 
 
+def test_monte_carlo_keys_follow_the_mesh_order_not_the_axis_names():
+  """On a `(2, 4)` mesh whose axes are not in alphabetical order
+  (`("outer", "inner")`), the batch split over both, the device at `(i, j)`
+  holds rows block `4i + j` and draws with `fold_in(key, 4i + j)`: the
+  one-device Monte Carlo `G` of its rows with that key (by name, device
+  `(i, j)` drew `fold_in(key, 2j + i)`)."""
+  loss = lambda p, x, y: kd.losses.softmax_cross_entropy(kd.tags.dense(x, p["w"], name="out"), y)
+  x = jax.random.normal(jax.random.PRNGKey(0), (32, 3))
+  y = jnp.arange(32) % 5
+  params = {"w": jax.random.normal(jax.random.PRNGKey(1), (3, 5))}
+  grad_fn = kd.value_and_grad(loss, fisher="mc")
+  mesh = helpers.mesh((2, 4), ("outer", "inner"))
+  both = P(("outer", "inner"))
+  g = np.asarray(jax.jit(jax.shard_map(
+      lambda xs, ys: grad_fn(params, xs, ys, rng=jax.random.PRNGKey(5))[2]["out"]["G"][None],
+      mesh=mesh, in_specs=(both, both), out_specs=both))(x, y))
+  for d in range(8):
+    alone = grad_fn(params, x[4 * d:4 * d + 4], y[4 * d:4 * d + 4],
+                    rng=jax.random.fold_in(jax.random.PRNGKey(5), d))[2]["out"]["G"]
+    np.testing.assert_allclose(g[d], alone, rtol=1e-5, err_msg=f"device {d}")
+
+
 @pytest.mark.parametrize("factor_every", [10, optax.constant_schedule(10)],
                          ids=["number", "schedule"])
 def test_distributed_init_makes_no_host_transfers(factor_every):

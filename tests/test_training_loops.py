@@ -70,6 +70,57 @@ def test_accumulated_micro_batches_equal_one_batch(fisher):
     grad_fn.accumulate(params, tokens, mask, micro_batches=3)
 
 
+def _dropout_mlp(key_shape=()):
+  """A float64 two-layer tagged MLP whose hidden units drop out, and its loss
+  two ways: the masks drawn from a keyword `key` (`jax.random.bernoulli` over
+  the rows it gets), or given as a positional batch argument."""
+  rng = np.random.default_rng(0)
+  params = {"w1": jnp.asarray(rng.normal(size=(5, 7))),
+            "w2": jnp.asarray(rng.normal(size=(7, 3)))}
+  x = jnp.asarray(rng.normal(size=(16, 5)))
+  y = jnp.asarray(rng.integers(0, 3, size=16))
+
+  def with_masks(p, x, y, masks):
+    h = jnp.tanh(kd.tags.dense(x, p["w1"], name="l1")) * masks
+    return kd.losses.softmax_cross_entropy(kd.tags.dense(h, p["w2"], name="l2"), y)
+
+  def with_key(p, x, y, *, key):
+    first = key if not key_shape else key[(0,) * len(key_shape)]
+    return with_masks(p, x, y, jax.random.bernoulli(first, 0.5, (x.shape[0], 7)) * 2.0)
+  return params, x, y, with_masks, with_key
+
+
+@pytest.mark.parametrize("key_shape", [(), (2,)])
+def test_micro_batches_fold_a_typed_keyword_key_with_the_slice(x64, key_shape):
+  """`accumulate`, `loss` and `gauss_newton_gram` over k slices give a typed
+  key among the keyword arguments to slice i as `fold_in(key, i)`: the
+  results equal the whole batch's with each slice's dropout masks drawn so
+  (passed whole, every slice drew the first's masks). A raw key warns."""
+  del x64
+  params, x, y, with_masks, with_key = _dropout_mlp(key_shape)
+  key = jax.random.split(jax.random.key(4), key_shape) if key_shape else jax.random.key(4)
+  k = 4
+  first = lambda kk: kk if not key_shape else kk[(0,) * len(key_shape)]
+  masks = jnp.concatenate([
+      jax.random.bernoulli(first(jax.vmap(lambda j: jax.random.fold_in(j, i))(
+          jnp.reshape(key, (-1,))).reshape(jnp.shape(key))), 0.5, (16 // k, 7)) * 2.0
+      for i in range(k)])
+  whole_fn, key_fn = kd.value_and_grad(with_masks), kd.value_and_grad(with_key)
+  helpers.assert_trees_equal(key_fn.accumulate(params, x, y, micro_batches=k, key=key),
+                             whole_fn(params, x, y, masks))
+  np.testing.assert_allclose(key_fn.loss(params, x, y, micro_batches=k, key=key),
+                             whole_fn.loss(params, x, y, masks), rtol=1e-13)
+  vectors = (jax.tree.map(jnp.ones_like, params),)
+  np.testing.assert_allclose(
+      key_fn.gauss_newton_gram(params, vectors, x, y, micro_batches=k, key=key),
+      whole_fn.gauss_newton_gram(params, vectors, x, y, masks), rtol=1e-12)
+  if not key_shape:
+    with pytest.warns(UserWarning, match=r"accumulate\(micro_batches=4\): a keyword "
+                                         r"argument looks like a raw PRNG key"):
+      key_fn.accumulate(params, x, y, micro_batches=k,
+                        key=jax.random.PRNGKey(4))
+
+
 def test_accumulation_inside_shard_map_equals_global_batch():
   loss_fn, params, tokens, _ = _problem()
   mask = jnp.ones((16, 4))

@@ -3,16 +3,21 @@
 Gradient accumulation (`ValueAndGrad.accumulate`) and the exact curvature
 products (`gauss_newton_gram`, `loss`) split every positional batch argument
 along its leading axis into `k` equal slices and run one slice at a time
-(`lax.scan`), so only one slice's activations are live.
+(`lax.scan`), so only one slice's activations are live. Keyword arguments go
+to every slice whole, but for typed PRNG keys (`jax.random.key`): slice `i`
+gets `fold_in(key, i)`, so that each slice draws its own dropout masks, as
+the whole batch's rows do, not the first slice's again.
 """
 
 from __future__ import annotations
 
 import operator
+import warnings
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kfac_jax_dist import _compat
 
@@ -42,20 +47,62 @@ def split(args: tuple, k: int, caller: str) -> tuple:
       lambda x: jnp.reshape(x, (k, x.shape[0] // k) + x.shape[1:]), args)
 
 
-def summed(fn: Callable[[Any, tuple], Any], operands: Any, args: tuple, k: int,
-           caller: str, axes: tuple[str, ...] = ()) -> Any:
-  """`Σ_i fn(operands, slice_i of args)` over `k` micro-batches
-  (`fn(operands, args)` for k = 1), one slice at a time; `fn` returns a
-  pytree of arrays. `operands` (e.g. the parameters) enter the loop as its
-  arguments, not closed over (Flax NNX refuses values of an outer trace).
-  Inside `shard_map`, `axes` are the mesh axes the results vary over (the
-  sums start as zeros typed varying over them)."""
+def _is_typed_key(x: Any) -> bool:
+  return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _looks_like_raw_key(x: Any) -> bool:
+  """A uint32 array of shape (2,) or (4,): `jax.random.PRNGKey`'s (threefry,
+  rbg) raw key, which JAX cannot tell from data."""
+  return hasattr(x, "dtype") and x.dtype == np.uint32 and jnp.shape(x) in ((2,), (4,))
+
+
+def _keyword_leaves(kwargs: dict) -> Any:
+  """`kwargs`' leaves through dicts, lists and tuples only (a Flax NNX
+  `Rngs` or other object stays whole)."""
+  return jax.tree_util.tree_leaves(
+      kwargs, is_leaf=lambda x: not isinstance(x, (dict, list, tuple)))
+
+
+def check_keywords(kwargs: dict, k: int, caller: str) -> None:
+  """Warns, for `k` > 1 slices, of keyword arguments that look like raw PRNG
+  keys: passed whole, they give every slice the first slice's random draws."""
+  if k > 1 and any(map(_looks_like_raw_key, _keyword_leaves(kwargs))):
+    warnings.warn(
+        f"{caller}(micro_batches={k}): a keyword argument looks like a raw PRNG key "
+        "(uint32 of shape (2,) or (4,), jax.random.PRNGKey): keyword arguments go to "
+        "every slice whole, so each slice would draw the same dropout masks. Pass a "
+        "typed key (jax.random.key), which slice i gets as jax.random.fold_in(key, i).",
+        stacklevel=2)
+
+
+def keywords_of_slice(kwargs: dict, i: jax.Array) -> dict:
+  """The keyword arguments of slice `i`: every typed PRNG key folded with
+  `i` (`jax.random.fold_in`, per key of a key array), the rest whole."""
+  def of_slice(x: Any) -> Any:
+    if not _is_typed_key(x):
+      return x
+    folded = jax.vmap(lambda key: jax.random.fold_in(key, i))(jnp.reshape(x, (-1,)))
+    return jnp.reshape(folded, jnp.shape(x))
+  return jax.tree_util.tree_map(
+      of_slice, kwargs, is_leaf=lambda x: not isinstance(x, (dict, list, tuple)))
+
+
+def summed(fn: Callable[[Any, tuple, dict], Any], operands: Any, args: tuple,
+           kwargs: dict, k: int, caller: str, axes: tuple[str, ...] = ()) -> Any:
+  """`Σ_i fn(operands, slice_i of args, kwargs of slice i)` over `k`
+  micro-batches (`fn(operands, args, kwargs)` for k = 1), one slice at a
+  time; `fn` returns a pytree of arrays. `operands` (e.g. the parameters)
+  enter the loop as its arguments, not closed over (Flax NNX refuses values
+  of an outer trace). Inside `shard_map`, `axes` are the mesh axes the
+  results vary over (the sums start as zeros typed varying over them)."""
   if k == 1:
-    return fn(operands, args)
+    return fn(operands, args, kwargs)
   sliced = split(args, k, caller)
 
   def one(ops: Any, i: jax.Array) -> Any:
-    return fn(ops, jax.tree_util.tree_map(lambda x: x[i], sliced))
+    return fn(ops, jax.tree_util.tree_map(lambda x: x[i], sliced),
+              keywords_of_slice(kwargs, i))
 
   def body(carry: tuple, i: jax.Array) -> tuple[tuple, None]:
     total, ops = carry

@@ -137,12 +137,14 @@ def gram_matrix(fun: Callable, has_aux: bool, params, vectors: Sequence, args: t
   if not axes and k == 1:                  # the loss exactly as `fun` returns it
     gram, value, n = _local_gram(fun, has_aux, params, vectors, args, kwargs)
     return _global_mean(gram, n, axes), value
+  batches.check_keywords(kwargs, k, "gauss_newton_gram")
   weight = shares.loss_weight(fun, params, args, kwargs, k, "gauss_newton_gram")
 
-  def one(ops: tuple, a: tuple) -> tuple[jax.Array, jax.Array, jax.Array]:
-    return _local_gram(fun, has_aux, *ops, a, kwargs, weight)
+  def one(ops: tuple, a: tuple, kw: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return _local_gram(fun, has_aux, *ops, a, kw, weight)
 
-  gram, total, n = batches.summed(one, (params, vectors), args, k, "gauss_newton_gram",
+  gram, total, n = batches.summed(one, (params, vectors), args, kwargs, k,
+                                  "gauss_newton_gram",
                                   _compat.varying_axes(params, vectors, args, kwargs))
   return _global_mean(gram, n, axes), shares.mean_of_shares(total, k, axes)
 
@@ -155,14 +157,15 @@ def mean_loss(fun: Callable, has_aux: bool, params, args: tuple, kwargs: dict,
   losses weighted as shares of the global batch's (`shares`)."""
   k = batches.check(micro_batches, "loss")
   axes = _compat.varying_axes(args, kwargs)
+  batches.check_keywords(kwargs, k, "loss")
   weight = shares.loss_weight(fun, params, args, kwargs, k, "loss")
 
-  def one(p: Any, a: tuple) -> jax.Array:
-    out, _ = _context.run_plain(fun, p, a, kwargs, weight)
+  def one(p: Any, a: tuple, kw: dict) -> jax.Array:
+    out, _ = _context.run_plain(fun, p, a, kw, weight)
     return out[0] if has_aux else out
 
   if not axes and k == 1:              # the loss exactly as `fun` returns it
-    return one(params, args)
-  total = batches.summed(one, params, args, k, "loss",
+    return one(params, args, kwargs)
+  total = batches.summed(one, params, args, kwargs, k, "loss",
                          _compat.varying_axes(params, args, kwargs))
   return shares.mean_of_shares(total, k, axes)

@@ -63,15 +63,15 @@ def total_examples(fun: Callable, params: Any, args: tuple, kwargs: dict, k: int
   """`[N_i]`: the examples of each masked mean of the loss (the registered
   loss's, `kd.losses.masked_mean`'s, in the order they run) summed over the
   `k` slices of `args` and over `axes`; None where there is none."""
-  def counts(p: Any, a: tuple) -> jax.Array:
-    _, trace = _context.run_plain(fun, p, a, kwargs)
+  def counts(p: Any, a: tuple, kw: dict) -> jax.Array:
+    _, trace = _context.run_plain(fun, p, a, kw)
     dtype = functools.reduce(jnp.promote_types, map(_count_dtype, trace.counts))
     return jnp.stack([jnp.asarray(n, dtype) for n in trace.counts])
 
   if not jax.eval_shape(lambda p, a: _context.run_plain(fun, p, a, kwargs)[1].counts,
                         params, args):
     return None
-  n = batches.summed(counts, params, args, k, caller,
+  n = batches.summed(counts, params, args, kwargs, k, caller,
                      _compat.varying_axes(params, args, kwargs))
   return jax.lax.psum(n, axes) if axes else n
 

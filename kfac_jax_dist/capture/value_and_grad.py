@@ -330,13 +330,15 @@ class ValueAndGrad:
                   loss_scale=None, **kwargs):
     k = batches.check(micro_batches, "accumulate")
     sliced = batches.split(args, k, "accumulate")
+    batches.check_keywords(kwargs, k, "accumulate")
     rngs = None if rng is None else jax.random.split(rng, k)
     weight = shares.loss_weight(self.fun, params, args, kwargs, k, "accumulate")
 
     def one(i: jax.Array) -> tuple:
       micro = jax.tree_util.tree_map(lambda x: x[i], sliced)
       value, grads, stats, n, share = self._evaluate(
-          params, micro, kwargs, None if rngs is None else rngs[i], opt_state,
+          params, micro, batches.keywords_of_slice(kwargs, i),
+          None if rngs is None else rngs[i], opt_state,
           loss_scale, weight)
       loss, aux = value if self.has_aux else (value, None)
       n = jnp.asarray(n, factors.statistics_dtype(n))   # float64 weights in float64
@@ -683,7 +685,8 @@ def _check_output(out: Any, has_aux: bool) -> None:
 
 def _per_data_shard(rng: jax.Array, batch: Any) -> jax.Array:
   """`rng` folded with this device's index over the mesh axes the `batch`
-  varies over inside `shard_map` (its data shards): each shard draws its own
+  varies over inside `shard_map` (its data shards; row-major in the mesh's
+  order of those axes, so not changed by renaming them): each shard draws its own
   targets, as one device does for every example of the global batch, while
   the devices holding the same examples (a tensor-parallel axis) draw the
   same ones. Inside `jax.pmap` or `shard_map(check_vma=False)`, where JAX types
@@ -693,7 +696,7 @@ def _per_data_shard(rng: jax.Array, batch: Any) -> jax.Array:
   if not axes:
     return rng
   index = jnp.zeros([], jnp.int32)
-  for axis in axes:
+  for axis in _compat.in_mesh_order(axes):
     index = index * jax.lax.axis_size(axis) + jax.lax.axis_index(axis)
   return jax.random.fold_in(rng, index)
 
