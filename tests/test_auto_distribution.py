@@ -73,6 +73,8 @@ OPTIONS = {"plain": {}, "ekfac": {"eigenvalue_correction": "ekfac"},
            "stale": {"stale_threshold": 0.1},
            "stale_ekfac": {"stale_threshold": 0.1, "eigenvalue_correction": "ekfac"},
            "bf16_factors": {"factor_dtype": jnp.bfloat16},
+           "bf16_ekfac": {"factor_dtype": jnp.bfloat16, "eigenvalue_correction": "ekfac"},
+           "bf16_stale": {"factor_dtype": jnp.bfloat16, "stale_threshold": 0.1},
            "inverse": {"method": "inverse"}, "stale_inverse": {"stale_threshold": 0.1,
                                                                "method": "inverse"}}
 
@@ -275,6 +277,23 @@ def test_state_past_int32_offsets_is_refused_and_auto_leaves_it_out(monkeypatch)
     kd.Distribution.auto(mesh, "data", layers)
 
 
+def test_auto_refuses_a_factor_too_wide_for_any_strategy(monkeypatch):
+  """A full factor wider than the packed triangles' int32 indices allow is
+  refused by `init` under every strategy: `Distribution.auto` raises the
+  same error (it priced and chose one, which `init` then refused)."""
+  from kfac_jax_dist.capture import triangles  # pylint: disable=import-outside-toplevel
+  loss_fn, params, x, y = helpers.funnel_problem()
+  layers = kd.value_and_grad(loss_fn).discover(params, x, y)
+  lay = jax.eval_shape(kd.scale_by_kfac(layers=layers).init, params).layout
+  widest = max(place.dim for plan in lay.plans for _, place in plan.places)
+  monkeypatch.setattr(triangles, "MAX_PACKED_DIM", widest - 1)
+  refusal = rf"full {widest}×{widest} factor .* int32 indices, up to {widest - 1} wide"
+  with pytest.raises(ValueError, match=refusal):
+    kd.Distribution.auto(mesh8(), "data", layers)
+  with pytest.raises(ValueError, match=refusal):
+    jax.eval_shape(kd.scale_by_kfac(layers=layers).init, params)
+
+
 def hlo_bytes(loss_fn, params, x, y, layers, mesh, m, fr, gr, options=None) -> dict:
   options = options or {}
   config = strategy_config(mesh, m, fr, gr, options)
@@ -346,7 +365,8 @@ OPTION_CASES_BY_DEFAULT = [(1, "reduce_scatter", "reduce_scatter", "stale_ekfac"
                            (4, "all_reduce", "none", "ekfac", "cnn_mlp"),
                            (8, "reduce_scatter", "none", "inverse", "cnn_mlp"),
                            (1, "reduce_scatter", "reduce_scatter", "stale_ekfac",
-                            "branch_heads")]
+                            "branch_heads"),
+                           (4, "all_reduce", "none", "bf16_factors", "cnn_mlp")]
 
 
 @pytest.mark.parametrize("m, fr, gr, option, problem", helpers.slow_unless(
@@ -354,11 +374,18 @@ OPTION_CASES_BY_DEFAULT = [(1, "reduce_scatter", "reduce_scatter", "stale_ekfac"
         (1, "reduce_scatter", "reduce_scatter"), (4, "all_reduce", "none"),
         (8, "reduce_scatter", "none"))
      for option in ("ekfac", "stale", "stale_ekfac", "inverse", "stale_inverse")]
-    + [(*DP_KFAC, "ekfac", "branch_heads")], OPTION_CASES_BY_DEFAULT))
+    + [(*DP_KFAC, "ekfac", "branch_heads")]
+    # 16-bit factors' own collectives (the chunks' all-gather, 1/P-sharded
+    # storage) are asked for in bfloat16 but compiled in float32 by XLA:CPU:
+    # where their statistics are averaged in the compute dtype, all-reduced.
+    + [(4, "all_reduce", "none", option, "cnn_mlp")
+       for option in ("bf16_factors", "bf16_ekfac", "bf16_stale")],
+    OPTION_CASES_BY_DEFAULT))
 def test_cost_model_of_options_equals_the_compiled_hlo(m, fr, gr, option, problem):
   """EK-FAC's `S` all-reduce and eigenbases gather, stale statistics' refresh
   decisions and per-factor all-reduces, method="inverse"'s gathers of the
-  traces and failure flags, and with heads that may sit out a pass the psums
+  traces and failure flags, bfloat16 factors' statistics (averaged in float32,
+  the compute dtype, before they are stored in 16 bits), and with heads that may sit out a pass the psums
   of their positions (stale statistics' every step, EK-FAC's on factor steps,
   under DP-KFAC too): `cost.kfac_step_bytes` against the compiled
   8-device step, to the byte. The parser counts a loop's body once; with stale

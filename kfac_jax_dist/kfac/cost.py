@@ -52,6 +52,7 @@ import jax.numpy as jnp
 from kfac_jax_dist.capture import registry
 from kfac_jax_dist.core import collectives as collectives_lib
 from kfac_jax_dist.core import distribution as distribution_lib
+from kfac_jax_dist.core import faults
 from kfac_jax_dist.core import uneven
 from kfac_jax_dist.kfac import config as config_lib
 from kfac_jax_dist.kfac import correction as correction_lib
@@ -148,6 +149,15 @@ def _stored_numbers(lay: layout_lib.Layout) -> int:
 def _fault_check(p: int) -> tuple[str, float]:
   """The psum of the devices' int32 verdicts on the statistics."""
   return ("fault-check psum (statistics)", 2 * (p - 1) / p * 4)
+
+
+def _stored_checks(config: config_lib.KfacConfig, p: int) -> list[tuple[str, float]]:
+  """`stored_verdict`'s int32 psum where the running factors are stored
+  narrower than the compute dtype (a 16-bit `factor_dtype`): whether they
+  stayed finite as stored (EK-FAC's scaling is kept in the compute dtype)."""
+  if not faults.narrower(config.factor_dtype, config.compute_dtype):
+    return []
+  return [("fault-check psum (factors as stored)", 2 * (p - 1) / p * 4)]
 
 
 def _positions_numbers(lay: layout_lib.Layout) -> int:
@@ -274,7 +284,7 @@ def _stale_step_bytes(config: config_lib.KfacConfig, lay: layout_lib.Layout,
   refreshed = ([] if config.factor_reduction == "local" else
                [("refreshed factors' all-reduces 2(P-1)/P·T", 2 * r * total * traffic)])
   scaling, bases = _correction_terms(config, lay)
-  any_refresh = ([_fault_check(p)] + scaling
+  any_refresh = ([_fault_check(p)] + _stored_checks(config, p) + scaling
                  + second_order_terms(lay, _itemsize(config.compute_dtype)) + bases
                  + _inverse_terms(config, lay))
   return StepBytes(plain + (decisions, *_positions_psum(lay)), tuple(refreshed),
@@ -283,8 +293,9 @@ def _stale_step_bytes(config: config_lib.KfacConfig, lay: layout_lib.Layout,
 
 def kfac_step_bytes(config: config_lib.KfacConfig, lay: layout_lib.Layout) -> StepBytes:
   """`step_bytes` of the step `config` describes: the statistics travel in
-  `comm_dtype` (else `factor_dtype`), the second-order state in the compute
-  dtype, and the options add their own collectives:
+  `comm_dtype` (else the compute dtype, float32 at least: they are averaged
+  in it before being stored in `factor_dtype`), the second-order state in the
+  compute dtype, and the options add their own collectives:
 
   * EK-FAC: the batch's `S` averaged over the devices, 2(P−1)/P·Σ d_A·d_G (and
     the positions' psum of the layers that may sit out a pass), on factor
@@ -305,13 +316,14 @@ def kfac_step_bytes(config: config_lib.KfacConfig, lay: layout_lib.Layout) -> St
   if dist is None or lay.num_devices == 1:
     return StepBytes((), (), ())
   stored = _itemsize(config.factor_dtype)
-  traffic = stored if dist.comm_dtype is None else _itemsize(dist.comm_dtype)
+  traffic = _itemsize(config.compute_dtype if dist.comm_dtype is None else dist.comm_dtype)
   base = step_bytes(lay, dist.factor_reduction, dist.gradient_reduction,
                     factor_traffic_bytes=traffic, factor_bytes=stored,
                     second_bytes=_itemsize(config.compute_dtype))
   if config.stale_threshold is not None:
     return _stale_step_bytes(config, lay, base.plain, traffic)
   scaling, bases = _correction_terms(config, lay)
+  scaling += _stored_checks(config, lay.num_devices)
   return StepBytes(base.plain, base.factor + tuple(scaling),
                    base.inverse + tuple(bases) + tuple(_inverse_terms(config, lay)))
 
@@ -518,6 +530,7 @@ def auto_distribution(mesh: jax.sharding.Mesh, axis: str,
     return config, transform.build_layout(config, collectives_lib.Collectives(dist),
                                           layers, layer_paths(layers))
 
+  layout_lib.check_packable(setup_of(p, "reduce_scatter", "none")[1])
   # with stale statistics both reductions all-reduce each refreshed factor
   found = candidates(setup_of, p, factor_update_every, inverse_update_every,
                      ("reduce_scatter",) if stale else ("reduce_scatter", "all_reduce"))

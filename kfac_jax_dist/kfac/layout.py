@@ -1023,20 +1023,30 @@ def check_addressable(lay: Layout) -> None:
 LARGE_FACTOR_DIM = 16384
 
 
-def check_factor_dims(lay: Layout) -> None:
-  """Every full factor fits the packed triangles' int32 arithmetic
-  (`triangles.MAX_PACKED_DIM`), or an error naming the layer; one warning
-  lists the full factors wider than `LARGE_FACTOR_DIM`."""
-  full = [(plan.layer.name, which.upper(), place.dim) for plan in lay.plans
+def _full_factors(lay: Layout) -> list[tuple[str, str, int]]:
+  """(layer, "A" or "G", width) of every full factor."""
+  return [(plan.layer.name, which.upper(), place.dim) for plan in lay.plans
           for which, place in plan.places if place.form == factors.FULL]
-  for name, which, dim in full:
+
+
+def check_packable(lay: Layout) -> None:
+  """Every full factor fits the packed triangles' int32 arithmetic
+  (`triangles.MAX_PACKED_DIM`), or an error naming the layer (whatever the
+  strategy: `Distribution.auto` asks before it prices any)."""
+  for name, which, dim in _full_factors(lay):
     if lay.packed and dim > triangles.MAX_PACKED_DIM:
       raise ValueError(
           f"scale_by_kfac: layer '{name}' has a full {dim}×{dim} factor {which}; full "
           f"factors are stored as upper triangles with int32 indices, up to "
           f"{triangles.MAX_PACKED_DIM} wide. Keep it diagonal (max_factor_dim=, e.g. "
           "4096) or leave the layer out (skip=).")
-  large = [f"'{name}' {which} {dim}×{dim}" for name, which, dim in full
+
+
+def check_factor_dims(lay: Layout) -> None:
+  """`check_packable`; one warning lists the full factors wider than
+  `LARGE_FACTOR_DIM`."""
+  check_packable(lay)
+  large = [f"'{name}' {which} {dim}×{dim}" for name, which, dim in _full_factors(lay)
            if dim > LARGE_FACTOR_DIM]
   if large:
     warnings.warn(
