@@ -216,6 +216,28 @@ def test_non_finite_gradient_skips_the_step():
   assert sum(not np.array_equal(a, b) for a, b in zip(old, new)) == 1   # `skipped` only
 
 
+def test_float16_statistics_keep_adams_moments_in_float32():
+  """`statistics_dtype=float16` holds the statistics and eigenbases in float16
+  and the blocks' Adam moments in float32 (in float16, `eps=1e-8` is 0: a
+  zero rotated gradient, of an unused layer or a dead unit, made 0/0 and
+  skipped every step). Five steps with a layer whose gradient is zero step
+  every time, within float16's precision of the float32 statistics' run."""
+  rng = np.random.default_rng(0)
+  params = {"used": jnp.zeros((8, 8)), "unused": jnp.zeros((8, 8))}
+  grads = [{"used": jnp.asarray(rng.standard_normal((8, 8)), jnp.float32),
+            "unused": jnp.zeros((8, 8))} for _ in range(5)]
+  runs = {}
+  for dtype in (jnp.float32, jnp.float16):
+    tx = kd.scale_by_soap(statistics_dtype=dtype, merge_small_dims=False)
+    state, update = tx.init(params), jax.jit(tx.update)
+    for g in grads:
+      updates, state = update(g, state)
+    assert (state.block_mu[0].dtype, state.statistics[0].dtype) == (jnp.float32, dtype)
+    assert (int(state.count), int(state.skipped)) == (5, 0)
+    runs[dtype] = updates["used"]
+  np.testing.assert_allclose(runs[jnp.float16], runs[jnp.float32], rtol=0.05, atol=0.02)
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(b1=1.0), "b1"), (dict(precondition_every=0), "precondition_every"),
     (dict(shampoo_beta=0.0), "shampoo_beta"), (dict(block_size=0), "block_size"),

@@ -24,8 +24,9 @@ happen when `count % precondition_every == 0`.
 The state keeps `M` rotated too (`M' = M ×₁ Q₁ᵀ ⋯`, updated with `G'`, and
 carried into new eigenbases on a refresh, `M' ← M' ×₁ (Q₁,newᵀ Q₁) ⋯`): the
 same `M`, one rotation per step fewer than rotating it every step. `V` keeps
-its entries across a refresh (`eigh` orders the eigenvectors by eigenvalue on
-every refresh). The statistics start at `STATISTICS_EPSILON · I` (the
+its slots across a refresh (`eigh` orders the eigenvectors by eigenvalue on
+every refresh; the authors' code permutes `V` to follow each direction, which
+differs where the eigenvalues' order changes: docs/shampoo.md). The statistics start at `STATISTICS_EPSILON · I` (the
 paper's start at zero; the tiny ridge keeps the first ones definite). A
 decomposition that fails (a non-finite eigenbasis) keeps the previous basis.
 
@@ -158,7 +159,7 @@ class ScaleBySoapState(states.PreconditionerState):
       or produced update.
     layout: Shampoo's static layout of the blocks and statistics.
     block_mu, block_nu: `M` and `V` of every preconditioned block, in each
-      block's rotated coordinates, in one flat array each: device `i` holds
+      block's rotated coordinates (float32 at least), in one flat array each: device `i` holds
       its group's blocks (in the group's gradient buffer order,
       `step.GroupTables`; `T` the largest group's numbers), `[T]` replicated
       with one owner group, `[P·T]` sharded with several.
@@ -290,7 +291,8 @@ def init_state(config: SoapConfig, comm: collectives_lib.Collectives, params: An
   def block_zeros() -> tuple[jax.Array, ...]:
     total = max(max(step_lib.GroupTables.of(lay).totals), 1)
     copies = 1 if lay.roots_replicated else lay.num_devices
-    return (jnp.zeros(copies * total, shampoo.statistics[0].dtype),)
+    return (jnp.zeros(copies * total,
+                      jnp.promote_types(shampoo.statistics[0].dtype, jnp.float32)),)
   return ScaleBySoapState(count=shampoo.count, statistics=shampoo.statistics,
                           bases=shampoo.roots, mu=zeros(), nu=zeros(),
                           skipped=shampoo.skipped, layout=lay, block_mu=block_zeros(),
@@ -361,8 +363,9 @@ def soap_step(config: SoapConfig, comm: collectives_lib.Collectives,
   def make(g: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     d, m, v = _group_adam(config, step, g, bases, state.block_mu[0], state.block_nu[0],
                           due)
-    return tuple(collectives_lib.pad_to([x], n, dtype)
-                 for x, n in ((d, width), (m, total), (v, total)))
+    moments = state.block_mu[0].dtype           # float32 at least
+    return tuple(collectives_lib.pad_to([x], n, t)
+                 for x, n, t in ((d, width, dtype), (m, total, moments), (v, total, moments)))
   directions, block_mu, block_nu = routing.per_group(comm, make)
   buffers = routing.gather_made(comm, directions, step.tables.totals)
   out, mu, nu, k = [], list(state.mu), list(state.nu), 0

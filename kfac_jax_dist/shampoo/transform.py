@@ -211,8 +211,9 @@ def scale_by_shampoo(
     preconditioning_compute_steps: recompute the roots when `count % this == 0`
       (a positive int or a schedule). The default 1 computes every root every step,
       the costliest setting: Anil et al. refresh every 10-100 steps.
-    merge_small_dims: True: merge axes up to `block_size`; an int: up to that;
-      False: no merging (size-1 axes are dropped either way).
+    merge_small_dims: True: merge axes up to `block_size` (none with
+      `block_size=None`); an int: up to that; False: no merging (size-1 axes
+      are dropped either way).
     max_preconditioner_dim: parameters with a longer merged axis get the
       grafted diagonal update only (None: no limit).
     exponent_override: `p` of every root `H^{-1/p}` (default `2k`); positive,
