@@ -365,11 +365,15 @@ def test_masked_mean_averages_over_its_mask():
 
 def test_the_loss_function_returns_a_scalar():
   """A non-scalar loss, or `has_aux=True` without `(loss, aux)`, as
-  `jax.value_and_grad` refuses them."""
+  `jax.value_and_grad` refuses them; `(loss, aux)` without `has_aux=True`
+  names it (the shape check met a tuple)."""
   with pytest.raises(TypeError, match=r"must return a scalar .*got shape \(2,\)"):
     kd.value_and_grad(lambda p, x, y: loss_fn(p, x, y) * jnp.ones(2))(_params(), *_batch())
   with pytest.raises(TypeError, match=r"has_aux=True\): the loss function must return a pair"):
     kd.value_and_grad(loss_fn, has_aux=True)(_params(), *_batch())
+  with pytest.raises(TypeError, match=r"returned a tuple of 2, not a scalar: for \(loss, "
+                                      r"aux\), pass value_and_grad\(..., has_aux=True\)"):
+    kd.value_and_grad(lambda p, x, y: (loss_fn(p, x, y), {"n": 1}))(_params(), *_batch())
 
 
 def test_distribution_is_validated():
@@ -515,6 +519,24 @@ def test_complex_layers_are_refused_at_discovery(complex_part):
 def test_accumulate_needs_a_positive_number_of_micro_batches(micro_batches):
   with pytest.raises(ValueError, match="micro_batches must be a positive integer"):
     GRAD_FN.accumulate(_params(), *_batch(), micro_batches=micro_batches)
+
+
+def test_micro_batches_refuse_positional_arguments_of_other_leading_axes():
+  """Class weights passed positionally (`[classes]`, not `[batch]`) would be
+  cut into slices of their own: refused, naming the shapes; passed as a
+  keyword they go whole, and the result is the whole batch's."""
+  def weighted(p, x, y, class_weights):
+    h = jnp.tanh(kd.tags.dense(x, p["l0"]["kernel"], p["l0"]["bias"], name="l0"))
+    logits = kd.tags.dense(h, p["out"]["kernel"], name="out")
+    return kd.losses.softmax_cross_entropy(logits, y, mask=class_weights[y])
+  grad_fn, weights = kd.value_and_grad(weighted), jnp.arange(1.0, CLASSES + 1.0)
+  for call in (grad_fn.accumulate, grad_fn.loss):
+    with pytest.raises(ValueError, match=rf"have different leading axes, shapes "
+                                         rf"\[\({BATCH}, 6\), \({BATCH},\), \({CLASSES},\)\]"):
+      call(_params(), *_batch(), weights, micro_batches=2)
+  whole = grad_fn(_params(), *_batch(), class_weights=weights)
+  sliced = grad_fn.accumulate(_params(), *_batch(), micro_batches=2, class_weights=weights)
+  helpers.assert_trees_equal(sliced, whole, rtol=1e-5)
 
 
 # ------------------------------------------------------------ refused at update
@@ -1099,14 +1121,19 @@ def test_momentum_schedules_are_refused():
 
 
 def test_schedule_values_are_checked_at_run_time():
-  """An interval schedule that returns 0, or a damping schedule that returns a
-  negative number, skips the steps where it does."""
+  """An interval schedule that returns 0 or a fraction, or a damping schedule
+  that returns a negative number, skips the steps where it does."""
   tx = _kfac(inverse_update_every=lambda count: jnp.where(count == 1, 0, 1))
   params, state = _step(tx, _params(), tx.init(_params()), _batch(0))
   params, state = _step(tx, params, state, _batch(1))
   assert _skipped(state) == [1]
   tx = _kfac(damping=lambda count: jnp.where(count >= 1, -1.0, 1e-3))
   _assert_skipped_unchanged(tx, _batch(2))
+  # a fractional interval (truncated, 2.5 would run every 2 steps) too
+  tx = _kfac(factor_update_every=lambda count: jnp.where(count == 1, 2.5, 1.0))
+  params, state = _step(tx, _params(), tx.init(_params()), _batch(0))
+  params, state = _step(tx, params, state, _batch(1))
+  assert _skipped(state) == [1]
 
 
 @pytest.mark.parametrize("check", [

@@ -36,13 +36,21 @@ def check(micro_batches: Any, caller: str) -> int:
 
 def split(args: tuple, k: int, caller: str) -> tuple:
   """Every leaf of `args` reshaped `[B, ...] → [k, B/k, ...]`; a leaf whose
-  leading axis `k` does not divide raises, naming `caller`."""
-  for x in jax.tree_util.tree_leaves(args):
+  leading axis `k` does not divide, or leaves of different leading axes (one
+  is no batch: class weights, say), raise, naming `caller`."""
+  leaves = jax.tree_util.tree_leaves(args)
+  for x in leaves:
     if jnp.ndim(x) == 0 or jnp.shape(x)[0] % k:
       raise ValueError(f"{caller}(micro_batches={k}): every positional batch "
                        f"argument needs a leading axis divisible by {k}; got shape "
                        f"{jnp.shape(x)}. Pass arguments that are no batch (a PRNG "
                        "key, a flag, a scalar) as keywords: they are passed whole.")
+  shapes = list(dict.fromkeys(jnp.shape(x) for x in leaves))      # in argument order
+  if len({shape[0] for shape in shapes}) > 1:
+    raise ValueError(f"{caller}(micro_batches={k}): the positional batch arguments "
+                     f"have different leading axes, shapes {shapes}: each would be cut "
+                     "into its own slices. Pass arguments that are no batch (class "
+                     "weights, a table) as keywords: they are passed whole.")
   return jax.tree_util.tree_map(
       lambda x: jnp.reshape(x, (k, x.shape[0] // k) + x.shape[1:]), args)
 

@@ -677,6 +677,9 @@ def _check_output(out: Any, has_aux: bool) -> None:
   if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
     raise TypeError("value_and_grad(..., has_aux=True): the loss function must return "
                     f"a pair (loss, aux), got {type(out).__name__}.")
+  if not has_aux and isinstance(out, (tuple, list)):
+    raise TypeError(f"The loss function returned a {type(out).__name__} of {len(out)}, not "
+                    "a scalar: for (loss, aux), pass value_and_grad(..., has_aux=True).")
   loss = out[0] if has_aux else out
   if jnp.shape(loss) != ():
     raise TypeError("The loss function must return a scalar (the registered mean loss, "

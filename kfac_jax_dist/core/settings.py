@@ -259,8 +259,11 @@ def range_ok(value: Any, count: jax.Array, low: float, high: float,
 
 
 def interval_ok(value: Any, count: jax.Array) -> Verdict:
+  """An interval's value at `count` is a whole number ≥ 1 (a schedule's 2.5
+  would run every 2 steps: truncated)."""
   x = _value(value, count)
-  return _xnp(x).all(x >= 1)
+  xnp = _xnp(x)
+  return xnp.all((x >= 1) & (xnp.floor(x) == x))
 
 
 class RunTimeChecks(NamedTuple):
