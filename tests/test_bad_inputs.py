@@ -539,6 +539,21 @@ def test_micro_batches_refuse_positional_arguments_of_other_leading_axes():
   helpers.assert_trees_equal(sliced, whole, rtol=1e-5)
 
 
+def test_two_kfac_states_in_opt_state():
+  """Two K-FAC transforms in one chain: over the same layers (which would
+  precondition the gradient twice) refused naming them; over disjoint ones
+  (`skip=`), the capture asks which one to serve."""
+  layers = GRAD_FN.discover(_params(), *_batch())
+  twice = optax.chain(kd.scale_by_kfac(layers), kd.scale_by_kfac(layers), optax.sgd(0.1))
+  with pytest.raises(ValueError, match=r"2 K-FAC states that precondition the same layers "
+                                       r"\(l0, out\)"):
+    GRAD_FN(_params(), *_batch(), opt_state=twice.init(_params()))
+  apart = optax.chain(kd.scale_by_kfac(layers, skip=("out",)),
+                      kd.scale_by_kfac(layers, skip=("l0",)), optax.sgd(0.1))
+  with pytest.raises(ValueError, match=r"several K-FAC states; pass the one to use"):
+    GRAD_FN(_params(), *_batch(), opt_state=apart.init(_params()))
+
+
 # ------------------------------------------------------------ refused at update
 
 def test_layers_of_another_model_are_refused():

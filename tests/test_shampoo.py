@@ -457,6 +457,22 @@ def test_jit_equals_eager():
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("make", [kd.shampoo, kd.soap], ids=["shampoo", "soap"])
+def test_a_state_of_another_configuration_is_refused(make):
+  """`update` given the state of a transform with other blocks (block size,
+  skip, max_preconditioner_dim, Shampoo's exponent_override) refuses it: it ran the
+  state's blocks silently (as K-FAC refuses another configuration's state)."""
+  params = {"fc1": {"w": jnp.ones((8, 16)), "b": jnp.zeros(16)}, "fc2": {"w": jnp.ones((16, 3))}}
+  grads = jax.tree.map(jnp.ones_like, params)
+  tx = make(0.1, block_size=8)
+  tx.update(grads, tx.init(params), params)
+  others = [dict(block_size=4), dict(skip=("fc2",)), dict(max_preconditioner_dim=8)]
+  for other in others + ([dict(exponent_override=2)] if make is kd.shampoo else []):
+    with pytest.raises(ValueError, match=r"the state was built by a transform of another "
+                                         r"configuration: its blocks differ"):
+      tx.update(grads, make(0.1, **{"block_size": 8, **other}).init(params), params)
+
+
 def test_shampoo_alias_is_the_chain_and_trains():
   rng = np.random.default_rng(6)
   x = rng.normal(size=(64, 6)).astype(np.float32)

@@ -122,11 +122,19 @@ def _correction_probes(layer: registry.TaggedLayer, state: Any, dtype: Any) -> d
 def _statistics_consumer(opt_state: Any) -> Any:
   """The optimizer state in `opt_state` that consumes the statistics, or None:
   K-FAC's, found by what it offers (`statistic_forms`, `update_factors`), so
-  that the capture, upstream of the optimizers, imports none of them."""
+  that the capture, upstream of the optimizers, imports none of them. Two
+  that precondition one layer (a chain preconditioning twice) are refused."""
   consumes = lambda x: hasattr(x, "statistic_forms") and hasattr(x, "update_factors")
   found = [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=consumes)
            if consumes(x)] if opt_state is not None else []
   if len(found) > 1:
+    shared = set.intersection(*({plan.layer.name for plan in x.layout.plans} for x in found))
+    if shared:
+      raise ValueError(
+          f"opt_state holds {len(found)} K-FAC states that precondition the same layers "
+          f"({', '.join(sorted(shared))}): each of the chain's K-FAC transforms would "
+          "precondition their gradients again. Keep one K-FAC transform per layer (skip= "
+          "its layers in the others).")
     raise ValueError("opt_state holds several K-FAC states; pass the one to use.")
   return found[0] if found else None
 

@@ -69,8 +69,19 @@ from kfac_jax_dist.shampoo.config import GraftType
 from kfac_jax_dist.shampoo.config import Grafting
 from kfac_jax_dist.shampoo.config import BLOCK_SIZE
 from kfac_jax_dist.shampoo.config import MAX_PRECONDITIONER_DIM
+from kfac_jax_dist.shampoo.config import SHAPE_OPTIONS
 from kfac_jax_dist.shampoo.config import ShampooConfig
 from kfac_jax_dist.shampoo.state import ScaleByShampooState
+
+
+def configured_layout(config: ShampooConfig, comm: collectives_lib.Collectives,
+                      paths_and_shapes: list[tuple[str, tuple[int, ...]]]
+                      ) -> blocks.ShampooLayout:
+  """The placed layout `config` builds for parameters of these paths and shapes."""
+  lay = blocks.build_layout(paths_and_shapes, skip=config.skip, stacked=config.stacked,
+                            **config.shape_options())
+  return blocks.shard_layout(lay, comm.num_devices, comm.group_size,
+                             None if config.distribution is None else config.distribution.axis)
 
 
 def init_state(config: ShampooConfig, comm: collectives_lib.Collectives, params: Any
@@ -80,11 +91,7 @@ def init_state(config: ShampooConfig, comm: collectives_lib.Collectives, params:
   placement.check_floating_params("scale_by_shampoo", params)
   flat = registry.named_leaves(params)
   paths = [p for p, _ in flat]
-  lay = blocks.build_layout([(p, tuple(jnp.shape(x))) for p, x in flat],
-                            skip=config.skip, stacked=config.stacked,
-                            **config.shape_options())
-  lay = blocks.shard_layout(lay, comm.num_devices, comm.group_size,
-                            None if config.distribution is None else config.distribution.axis)
+  lay = configured_layout(config, comm, [(p, tuple(jnp.shape(x))) for p, x in flat])
   placement.check_skip_patterns(config.skip, paths, paths, "parameter")
   placement.check_skip_patterns([p for p, _ in config.stacked], paths, paths, "parameter",
                                 option="stacked")
@@ -121,6 +128,14 @@ def check_placement(config: ShampooConfig, comm: collectives_lib.Collectives,
     raise ValueError(
         f"{transform}: the updates do not have the structure of the params "
         f"given to init (got {got}, expected {[(q.path, q.shape) for q in lay.params]}).")
+  traced = any(isinstance(settings.concrete(getattr(config, name)), jax.core.Tracer)
+               for name in SHAPE_OPTIONS)         # inject_hyperparams: init read them
+  if not traced and lay != configured_layout(config, comm, got):
+    raise ValueError(
+        f"{transform}: the state was built by a transform of another configuration: its "
+        "blocks differ from those this one builds (block_size, merge_small_dims, "
+        "max_preconditioner_dim, exponent_override, skip or stacked). Pass the state of "
+        "this transform's init, or restore a checkpoint with the settings that wrote it.")
 
 
 def averaged_gradients(config: ShampooConfig, comm: collectives_lib.Collectives,
