@@ -460,7 +460,8 @@ def test_jit_equals_eager():
 @pytest.mark.parametrize("make", [kd.shampoo, kd.soap], ids=["shampoo", "soap"])
 def test_a_state_of_another_configuration_is_refused(make):
   """`update` given the state of a transform with other blocks (block size,
-  skip, max_preconditioner_dim, Shampoo's exponent_override) refuses it: it ran the
+  skip, max_preconditioner_dim, Shampoo's exponent_override and graft type)
+  refuses it: it ran the
   state's blocks silently (as K-FAC refuses another configuration's state)."""
   params = {"fc1": {"w": jnp.ones((8, 16)), "b": jnp.zeros(16)}, "fc2": {"w": jnp.ones((16, 3))}}
   grads = jax.tree.map(jnp.ones_like, params)
@@ -471,6 +472,10 @@ def test_a_state_of_another_configuration_is_refused(make):
     with pytest.raises(ValueError, match=r"the state was built by a transform of another "
                                          r"configuration: its blocks differ"):
       tx.update(grads, make(0.1, **{"block_size": 8, **other}).init(params), params)
+  if make is kd.shampoo:
+    with pytest.raises(ValueError, match=r"another configuration: its grafting accumulators "
+                                         r"do not fit graft_type='sgd'"):
+      tx.update(grads, make(0.1, block_size=8, graft_type="adagrad").init(params), params)
 
 
 def test_shampoo_alias_is_the_chain_and_trains():

@@ -131,11 +131,20 @@ def check_placement(config: ShampooConfig, comm: collectives_lib.Collectives,
   traced = any(isinstance(settings.concrete(getattr(config, name)), jax.core.Tracer)
                for name in SHAPE_OPTIONS)         # inject_hyperparams: init read them
   if not traced and lay != configured_layout(config, comm, got):
-    raise ValueError(
-        f"{transform}: the state was built by a transform of another configuration: its "
-        "blocks differ from those this one builds (block_size, merge_small_dims, "
-        "max_preconditioner_dim, exponent_override, skip or stacked). Pass the state of "
-        "this transform's init, or restore a checkpoint with the settings that wrote it.")
+    _refuse_another_configuration(transform, "its blocks differ from those this one builds "
+                                  "(block_size, merge_small_dims, max_preconditioner_dim, "
+                                  "exponent_override, skip or stacked)")
+  graft = getattr(state, "graft", None)              # (SOAP's state has none)
+  if graft is not None and bool(graft) != config.accumulates:
+    _refuse_another_configuration(transform, "its grafting accumulators do not fit "
+                                  f"graft_type={config.graft_type!r}")
+
+
+def _refuse_another_configuration(transform: str, why: str) -> None:
+  raise ValueError(
+      f"{transform}: the state was built by a transform of another configuration: {why}. "
+      "Pass the state of this transform's init, or restore a checkpoint with the "
+      "settings that wrote it.")
 
 
 def averaged_gradients(config: ShampooConfig, comm: collectives_lib.Collectives,
