@@ -460,9 +460,9 @@ def test_jit_equals_eager():
 @pytest.mark.parametrize("make", [kd.shampoo, kd.soap], ids=["shampoo", "soap"])
 def test_a_state_of_another_configuration_is_refused(make):
   """`update` given the state of a transform with other blocks (block size,
-  skip, max_preconditioner_dim, Shampoo's exponent_override and graft type)
-  refuses it: it ran the
-  state's blocks silently (as K-FAC refuses another configuration's state)."""
+  skip, max_preconditioner_dim, Shampoo's exponent_override) or another graft
+  type refuses it: it ran the state's blocks silently (as K-FAC refuses
+  another configuration's state)."""
   params = {"fc1": {"w": jnp.ones((8, 16)), "b": jnp.zeros(16)}, "fc2": {"w": jnp.ones((16, 3))}}
   grads = jax.tree.map(jnp.ones_like, params)
   tx = make(0.1, block_size=8)
