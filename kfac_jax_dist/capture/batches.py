@@ -36,8 +36,9 @@ def check(micro_batches: Any, caller: str) -> int:
 
 def split(args: tuple, k: int, caller: str) -> tuple:
   """Every leaf of `args` reshaped `[B, ...] → [k, B/k, ...]`; a leaf whose
-  leading axis `k` does not divide, or leaves of different leading axes (one
-  is no batch: class weights, say), raise, naming `caller`."""
+  leading axis `k` does not divide, or leaves of different leading axes other
+  than `k` itself (one entry per slice; else one is no batch: class weights,
+  say), raise, naming `caller`."""
   leaves = jax.tree_util.tree_leaves(args)
   for x in leaves:
     if jnp.ndim(x) == 0 or jnp.shape(x)[0] % k:
@@ -46,7 +47,7 @@ def split(args: tuple, k: int, caller: str) -> tuple:
                        f"{jnp.shape(x)}. Pass arguments that are no batch (a PRNG "
                        "key, a flag, a scalar) as keywords: they are passed whole.")
   shapes = list(dict.fromkeys(jnp.shape(x) for x in leaves))      # in argument order
-  if len({shape[0] for shape in shapes}) > 1:
+  if len({shape[0] for shape in shapes} - {k}) > 1:     # (k: one entry per slice)
     raise ValueError(f"{caller}(micro_batches={k}): the positional batch arguments "
                      f"have different leading axes, shapes {shapes}: each would be cut "
                      "into its own slices. Pass arguments that are no batch (class "

@@ -175,9 +175,8 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
     skip: regular expressions searched in the layer names; matching layers
       (e.g. a vocabulary-sized output layer) pass through unpreconditioned. A
       pattern that matches no layer raises.
-    max_factor_dim: factors of larger dimension are kept as their diagonal
-      (with `opt_state=` given to the capture, never formed as matrices);
-      None: all full (`init` refuses past 30000).
+    max_factor_dim: factors of larger dimension are kept diagonal (never formed
+      as matrices, given `opt_state=`); None: all full (refused past 30000).
     distribution: a `kd.Distribution`: `update` then runs inside `shard_map`
       over its axis, with the state's specs from `kd.partition_specs`. None:
       one device.
