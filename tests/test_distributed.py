@@ -493,9 +493,10 @@ def _single_device_run(name):
   return _train(name, EXPLICIT_STEPS[name])[0]
 
 
-@pytest.mark.parametrize("name, params_layout", [
+@pytest.mark.parametrize("name, params_layout", helpers.slow_unless([
     ("kfac", "replicated"), ("kfac", "fsdp"), ("accumulate", "fsdp"),
-    ("adaptive", "fsdp"), ("shampoo", "fsdp"), ("soap", "replicated")])
+    ("adaptive", "fsdp"), ("shampoo", "fsdp"), ("soap", "replicated")],
+    [("kfac", "fsdp"), ("accumulate", "fsdp"), ("adaptive", "fsdp"), ("soap", "replicated")]))
 def test_jit_on_explicit_mesh_axes_equals_single_device(x64, name, params_layout):
   """`test_jit_on_a_sharded_batch_equals_single_device` on a mesh with
   `Explicit` axes (`jax.make_mesh`'s default on jax 0.10.2 and 0.12), no ambient

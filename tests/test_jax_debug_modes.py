@@ -16,6 +16,8 @@ import pytest
 
 import kfac_jax_dist as kd
 
+import helpers
+
 
 class _Mlp(nn.Module):
 
@@ -76,8 +78,10 @@ class _Broad(nn.Module):
     return kd.linen.Dense(3)(h)
 
 
-@pytest.mark.parametrize("name, fisher", [("kfac", "mc"), ("ekfac", "empirical"),
-                                          ("adaptive_damping", "empirical")])
+# One mode by default (CI time: each case runs several steps with leak checks).
+@pytest.mark.parametrize("name, fisher", helpers.slow_unless(
+    [("kfac", "mc"), ("ekfac", "empirical"), ("adaptive_damping", "empirical")],
+    [("kfac", "mc")]))
 def test_no_tracer_outlives_its_trace(name, fisher):
   """Discovery kept its whole trace (the registered loss's tracers) in a
   list the traced function closed over, and the tags' backward passes kept
