@@ -240,9 +240,14 @@ def softmax_cross_entropy(logits: ArrayLike, labels: ArrayLike,
   """Mean of `-log softmax(logits)[label]`; `labels` are integer classes of shape
   `logits.shape[:-1]` or target distributions of shape `logits.shape`."""
   logits = _kept_inputs("softmax_cross_entropy", logits, mask)
+  classes = logits.shape[-1]
+  if classes == 1:
+    raise ValueError(
+        f"kd.losses.softmax_cross_entropy: logits of shape {logits.shape}, one class: "
+        "its softmax is 1 whatever the logit (loss 0, gradients 0). For one binary "
+        "output use kd.losses.sigmoid_cross_entropy.")
   logits32 = _at_least_f32(logits)
   log_probs = jax.nn.log_softmax(logits32, axis=-1)
-  classes = logits.shape[-1]
 
   def loss_of(targets: jax.Array) -> jax.Array:
     if jnp.issubdtype(targets.dtype, jnp.integer):
