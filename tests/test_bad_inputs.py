@@ -271,11 +271,14 @@ def test_kfac_batch_must_be_a_tuple():
      r"squared_error: targets of shape \(16,\) for inputs of shape \(16, 1\)"),
     (lambda o, y: kd.losses.softmax_cross_entropy(o[:, :1], y * 0),     # (loss 0, silently)
      r"softmax_cross_entropy: logits of shape \(16, 1\), one class: .*sigmoid_cross_entropy"),
+    (lambda o, y: kd.losses.softmax_cross_entropy(o[:0], y[:0]),       # (NaN, momentum moved)
+     r"softmax_cross_entropy: inputs of shape \(0, 4\), no examples \(an empty batch"),
 ])
 def test_targets_of_another_shape_are_refused(loss, match):
   """Targets that only broadcast against the model's outputs (`[B]` against
-  `[B, 1]` pairs every example with every target), and a softmax over one
-  class (its loss and gradients 0), are named at the first call."""
+  `[B, 1]` pairs every example with every target), a softmax over one
+  class (its loss and gradients 0) and an empty batch (a NaN loss) are named
+  at the first call."""
   def fn(params, x, y):
     h = jnp.tanh(kd.tags.dense(x, params["l0"]["kernel"], params["l0"]["bias"], name="l0"))
     return loss(kd.tags.dense(h, params["out"]["kernel"], name="out"), y)

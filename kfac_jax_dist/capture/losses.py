@@ -207,6 +207,12 @@ def _register(name: str, loss_of_targets, targets, sample, mask, inputs,
   if mask is not None:     # n differs between devices or slices: weighed as a share
     value = _context.weighted(value, n, registered=True)
   trace = _context.current()
+  if trace is not None and per_example.size == 0:
+    raise ValueError(
+        f"kd.losses.{name}: inputs of shape {jnp.shape(inputs)}, no examples (an empty "
+        "batch: a data loader's last one, an empty shard): the mean loss is NaN and the "
+        "step would still move the parameters by its momentum. Leave such a batch out "
+        "(drop the remainder) or pad it with masked rows.")
   if trace is not None and trace.loss_offset is not None:
     value = value + jnp.asarray(trace.loss_offset, value.dtype)
   if trace is not None and trace.mode == _context.DISCOVER and (
