@@ -401,7 +401,8 @@ def updates_on_auto_axes(update_fn: Callable) -> Callable:
   `on_auto_axes`: the updates laid out as the incoming ones, the state's
   leaves as they came in."""
   @functools.wraps(update_fn)
-  def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> tuple:
-    return on_auto_axes(update_fn, (updates, state, params), extra, lambda mesh: (
+  def update(updates: Any, state: Any, params: Any = None, *more: Any, **extra: Any
+             ) -> tuple:                 # (`more`: for update_fn's own error)
+    return on_auto_axes(update_fn, (updates, state, params, *more), extra, lambda mesh: (
         sharding_as_given(updates, mesh), sharding_as_given(state, mesh)))
   return update

@@ -560,6 +560,23 @@ def test_two_kfac_states_in_opt_state():
     GRAD_FN(_params(), *_batch(), opt_state=apart.init(_params()))
 
 
+def test_update_arguments_out_of_place_are_named():
+  """`update(grads, params, state)` (swapped), another optimizer's state, or
+  the statistics passed positionally: named, not optax's chain error or
+  Python's count of positional arguments."""
+  params, batch = _params(), _batch()
+  _, grads, stats = GRAD_FN(params, *batch)
+  for tx, extra in ((_kfac(), dict(kfac_stats=stats)), (kd.shampoo(0.1), {})):
+    state = tx.init(params)
+    for wrong in (params, optax.adam(1e-3).init(params)):
+      with pytest.raises(TypeError, match=r"update: the state \((dict|tuple)\) holds no "
+                                          r"K-FAC, Shampoo or SOAP state"):
+        tx.update(grads, wrong, params, **extra)
+  with pytest.raises(TypeError, match=r"update takes \(updates, state, params\) "
+                                      r"positionally, got 1 more: .*kfac_stats="):
+    _kfac().update(grads, _kfac().init(params), params, stats)
+
+
 # ------------------------------------------------------------ refused at update
 
 def test_layers_of_another_model_are_refused():

@@ -191,6 +191,21 @@ def _narrow_leaves_finite(updates: Any) -> jax.Array | None:
   return agree(all_finite(narrow), _compat.varying_axes(*narrow))
 
 
+def _check_update_arguments(state: Any, more: tuple) -> None:
+  """`update(updates, state, params)`: more positional arguments (the
+  statistics, which go by keyword), or a state holding no preconditioner's
+  (another optimizer's, the arguments swapped), raise naming what to pass."""
+  if more:
+    raise TypeError(f"update takes (updates, state, params) positionally, got {len(more)} "
+                    "more: K-FAC's statistics and batch go by keyword (kfac_stats=, "
+                    "kfac_batch=).")
+  if not states_lib.find_states(state):
+    raise TypeError(f"update: the state ({type(state).__name__}) holds no K-FAC, Shampoo "
+                    "or SOAP state: pass the state this transform's init returned, as "
+                    "update(updates, state, params) (skip_faulty_steps wraps transforms "
+                    "that hold one).")
+
+
 def skip_faulty_steps(inner: optax.GradientTransformation
                       ) -> optax.GradientTransformationExtraArgs:
   """Makes a step that a preconditioner skips a no-op for the whole of `inner`.
@@ -209,17 +224,15 @@ def skip_faulty_steps(inner: optax.GradientTransformation
   is_state = lambda x: isinstance(x, states_lib.PreconditionerState)
 
   @_compat.updates_on_auto_axes
-  def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any
-                ) -> tuple[Any, Any]:
+  def update_fn(updates: Any, state: Any, params: Any = None, *more: Any,
+                **extra_args: Any) -> tuple[Any, Any]:
+    _check_update_arguments(state, more)
     token = _ZEROED_BY_WRAPPER.set(True)
     try:
       new_updates, new_state = inner.update(updates, state, params, **extra_args)
     finally:
       _ZEROED_BY_WRAPPER.reset(token)
     old, new = states_lib.find_states(state), states_lib.find_states(new_state)
-    if not new:
-      raise ValueError("skip_faulty_steps wraps a transform with no scale_by_kfac "
-                       "or scale_by_shampoo.")
     skipped = jnp.any(jnp.stack([n.skipped != o.skipped for o, n in zip(old, new)]))
     finite = _narrow_leaves_finite(new_updates)
     overflown = None if finite is None else ~finite & ~skipped
