@@ -265,6 +265,9 @@ def test_kfac_batch_must_be_a_tuple():
      r"softmax_cross_entropy: targets of shape \(8,\) .*integer classes of shape \(16,\)"),
     (lambda o, y: kd.losses.softmax_cross_entropy(o, y.astype(jnp.float32)),
      r"target distributions of shape \(16, 4\)"),
+    (lambda o, y: kd.losses.softmax_cross_entropy(o, jax.nn.one_hot(y, CLASSES, dtype=int)),
+     r"targets of shape \(16, 4\) .*\(integer one-hot rows: pass them as floats, or "
+     r"their argmax\)"),
     (lambda o, y: kd.losses.sigmoid_cross_entropy(o, jax.nn.one_hot(y, CLASSES)[:, :1]),
      r"sigmoid_cross_entropy: targets of shape \(16, 1\) .*labels of shape \(16, 4\)"),
     (lambda o, y: kd.losses.squared_error(o[:, :1], y.astype(jnp.float32)),

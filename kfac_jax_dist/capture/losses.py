@@ -266,10 +266,13 @@ def softmax_cross_entropy(logits: ArrayLike, labels: ArrayLike,
 
   labels = jnp.asarray(labels)
   integer = jnp.issubdtype(labels.dtype, jnp.integer)
+  one_hot = integer and labels.shape == logits.shape
   _check_targets("softmax_cross_entropy", logits, labels,
                  logits.shape[:-1] if integer else logits.shape,
                  f"integer classes of shape {logits.shape[:-1]} or floating target "
-                 f"distributions of shape {logits.shape}")
+                 f"distributions of shape {logits.shape}" + (
+                     " (integer one-hot rows: pass them as floats, or their argmax)"
+                     if one_hot else ""))
   if integer:
     invalid, scale = (labels < 0) | (labels >= classes), None
   else:     # a negative weight: unbounded below; the Hessian is (Σt)(diag(p) − p pᵀ)
