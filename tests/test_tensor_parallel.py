@@ -628,7 +628,7 @@ def test_kfac_rejects_shardings_it_cannot_precondition():
   def transposed(p, x, y):    # a transposed kernel (*window, out, in), column-parallel
     z = kd.tags.conv2d(x, p["transposed"]["kernel"], transpose_kernel=True)
     return kd.losses.softmax_cross_entropy(z.mean((1, 2)), y)
-  transposed_params = {"transposed": {"kernel": jnp.zeros((3, 3, M, 2))}}
+  transposed_params = {"transposed": {"kernel": jnp.zeros((3, 3, 2 * M, 2))}}
   transposed_specs = {"transposed": {"kernel": P(None, None, "model", None)}}
   for loss, p, s, xx, match in ((row_with_bias, params, specs, x, "add the bias after"),
                                 (conv, conv_params, conv_specs, xc, "spatial axis"),
