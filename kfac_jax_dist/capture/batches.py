@@ -66,17 +66,17 @@ def _looks_like_raw_key(x: Any) -> bool:
   return hasattr(x, "dtype") and x.dtype == np.uint32 and jnp.shape(x) in ((2,), (4,))
 
 
-def _keyword_leaves(kwargs: dict) -> Any:
-  """`kwargs`' leaves through dicts, lists and tuples only (a Flax NNX
-  `Rngs` or other object stays whole)."""
-  return jax.tree_util.tree_leaves(
-      kwargs, is_leaf=lambda x: not isinstance(x, (dict, list, tuple)))
+def _keyword_leaf(x: Any) -> bool:
+  """Keyword arguments are walked through dicts, lists and tuples only (a
+  Flax NNX `Rngs` or other object stays whole)."""
+  return not isinstance(x, (dict, list, tuple))
 
 
 def check_keywords(kwargs: dict, k: int, caller: str) -> None:
   """Warns, for `k` > 1 slices, of keyword arguments that look like raw PRNG
   keys: passed whole, they give every slice the first slice's random draws."""
-  if k > 1 and any(map(_looks_like_raw_key, _keyword_leaves(kwargs))):
+  leaves = jax.tree_util.tree_leaves(kwargs, is_leaf=_keyword_leaf)
+  if k > 1 and any(map(_looks_like_raw_key, leaves)):
     warnings.warn(
         f"{caller}(micro_batches={k}): a keyword argument looks like a raw PRNG key "
         "(uint32 of shape (2,) or (4,), jax.random.PRNGKey): keyword arguments go to "
@@ -93,8 +93,7 @@ def keywords_of_slice(kwargs: dict, i: jax.Array) -> dict:
       return x
     folded = jax.vmap(lambda key: jax.random.fold_in(key, i))(jnp.reshape(x, (-1,)))
     return jnp.reshape(folded, jnp.shape(x))
-  return jax.tree_util.tree_map(
-      of_slice, kwargs, is_leaf=lambda x: not isinstance(x, (dict, list, tuple)))
+  return jax.tree_util.tree_map(of_slice, kwargs, is_leaf=_keyword_leaf)
 
 
 def summed(fn: Callable[[Any, tuple, dict], Any], operands: Any, args: tuple,
