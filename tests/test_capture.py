@@ -973,18 +973,6 @@ def test_loss_inside_a_transform_of_the_loss_function_raises(transform):
     kd.value_and_grad(loss_fn).discover(params, x, y)
 
 
-def test_two_registered_losses_raise():
-  params, x, y = _small_problem()
-
-  def loss_fn(p, x, y):
-    logits = mlp(Tagged(), p, x)
-    return (kd.losses.softmax_cross_entropy(logits, y)
-            + kd.losses.squared_error(logits, jnp.zeros_like(logits)))
-
-  with pytest.raises(ValueError, match="registered 2 losses"):
-    kd.value_and_grad(loss_fn)(params, x, y)
-
-
 def test_unknown_fisher_raises():
   with pytest.raises(ValueError, match="fisher"):
     kd.value_and_grad(lambda p: p, fisher="exact")

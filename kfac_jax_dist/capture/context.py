@@ -70,9 +70,11 @@ class Trace:
   # parameters, whose tracers are then the values that depend on them
   # (`independent_of_parameters`).
   differentiated: bool = False
-  # curvature, capture under fisher="mc": a zero scalar the registered loss
-  # adds to its value, so that the derivative of the loss function's value in
-  # it is the registered loss's coefficient there; None: none.
+  # curvature, capture under fisher="mc" or with several registered losses:
+  # zeros the registered losses add to their values (a scalar: the one loss;
+  # a vector: one per loss, in the order they run), so that the derivative
+  # of the loss function's value in each is that loss's coefficient there;
+  # None: none.
   loss_offset: Any = None
   # discover: the layers with an application known to run in a branch or loop
   # body (`_compat.runs_in_branch`), and those with one known to run outside
@@ -184,6 +186,31 @@ class RegisteredLoss:
   output_hessian: Callable[[Any, Any, Any], Any] | None = None
   # n as a Python number where tracing knows it (no mask: every example).
   static_num_examples: int | None = None
+  # the mean before the share weight and the offset (`weighted`), and that
+  # weight (None: none): a statistics pass over several losses seeds each.
+  unweighted: Any = None
+  share: Any = None
+
+
+def offset_of(trace: Trace) -> Any:
+  """The zero the next registered loss adds to its value (`Trace.loss_offset`;
+  None: none); a constant zero past the offsets given (the caller, which
+  sized them before it knew how many losses run, then counts them)."""
+  offset = trace.loss_offset
+  if offset is None or jnp.ndim(offset) == 0:
+    return offset
+  if len(trace.losses) >= offset.shape[0]:
+    return jnp.zeros([], offset.dtype)
+  return offset[len(trace.losses)]
+
+
+class LossCountChanged(Exception):
+  """The loss function registered `count` losses, not the number of offsets
+  it was given: the caller traces it again with `count`."""
+
+  def __init__(self, count: int):
+    super().__init__(count)
+    self.count = count
 
 
 def denominator(n: Any) -> Any:
@@ -213,17 +240,20 @@ def run_plain(fun: Callable, params, args: tuple, kwargs: dict,
               loss_offset: Any = None) -> tuple[Any, Trace]:
   """`fun(params, *args, **kwargs)` in a curvature trace (the tags plain
   layers) whose masked means are weighted by `loss_weight`, the registered
-  loss's value plus `loss_offset` (a zero scalar; None: none), and the trace."""
+  losses' values plus `loss_offset` (zeros: see `Trace`; None: none), and the
+  trace."""
   trace = Trace(mode=CURVATURE, leaf_paths={}, loss_weight=loss_weight,
                 top=_compat.current_trace(), loss_offset=loss_offset)
   with active(trace):
     out = fun(params, *args, **kwargs)
-  one_loss(trace)
+  registered(trace)
   return out, trace
 
 
-def one_loss(trace: Trace) -> RegisteredLoss:
-  """The one loss registered during `trace` (an error for none or several)."""
+def registered(trace: Trace) -> list[RegisteredLoss]:
+  """The losses registered during `trace`, in the order they ran (an error
+  for none). Several (a multi-task model's heads, a policy and a value head)
+  add their curvatures, each times the returned value's derivative in it."""
   if not trace.losses:
     raise ValueError(
         "The loss function registered no loss: compute it with kd.losses."
@@ -232,16 +262,4 @@ def one_loss(trace: Trace) -> RegisteredLoss:
         "distribution (a KL to soft targets is softmax_cross_entropy on them; a loss "
         "none fits, a flow's or an energy model's: docs/concepts.md, 'Terms besides "
         "the registered loss').")
-  if len(trace.losses) > 1:
-    names = [l.name for l in trace.losses]
-    raise ValueError(f"The loss function registered {len(names)} losses ({names}); "
-                     "K-FAC needs exactly one. Cross-entropies on the same logits "
-                     "(mixup, label smoothing, distillation at T = 1) are one on their "
-                     "mixed targets; losses of one kind on different inputs (a "
-                     "symmetric contrastive loss, hard labels beside a distillation "
-                     "term at temperature T) are one over their rows concatenated, "
-                     "weighted with mask= (docs/concepts.md, 'Soft targets'). An "
-                     "auxiliary loss computed with plain jnp adds its gradient but no "
-                     "curvature: leave layers only it reaches out with skip= "
-                     "(docs/concepts.md, 'Terms besides the registered loss').")
-  return trace.losses[0]
+  return list(trace.losses)

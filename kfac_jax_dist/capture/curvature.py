@@ -14,9 +14,12 @@ cross-entropy `diag(p) − p pᵀ` (the Fisher), sigmoid cross-entropy
 predicted variance: the Hessian's expectation over the targets, its Fisher
 `diag(1/σ², 1/(2σ⁴))`), and `c` the derivative of the returned value in the
 registered loss (1 where the function returns it plus terms of
-the parameters, `a` for `a · loss`: kfac-jax's loss weight). It is the exact
-curvature of the loss (whatever `fisher=` the capture uses for its
-statistics), positive semi-definite for `c ≥ 0`. `gram_matrix` returns
+the parameters, `a` for `a · loss`: kfac-jax's loss weight). A loss function
+that registers several losses `l` (a multi-task model's heads) has the sum
+of theirs, `C = Σ_l (c_l/n_l) Σ_x w_lx J_lxᵀ H_lx J_lx` (kfac-jax's sum over
+its registered losses). It is the exact curvature of the loss (whatever
+`fisher=` the capture uses for its statistics), positive semi-definite for
+`c ≥ 0`. `gram_matrix` returns
 `G[i, j] = v_iᵀ C v_j` for a few parameter-shaped vectors `v_i`:
 
 * one forward linearisation: `jax.linearize` of `θ → z` (the loss function run
@@ -27,11 +30,12 @@ statistics), positive semi-definite for `c ≥ 0`. `gram_matrix` returns
   `jax.jvp` calls would each recompute it unless XLA merged them);
 * the quadratic forms `u_iᵀ H u_j` per example in closed form (no dense `H`,
   no backward pass), in `promote_types(dtype of z, float32)`;
-* `c` as the tangent of a zero added to the registered loss's value: a `jax.jvp`
-  around the whole, whose tangent only the few operations after the loss carry.
+* each `c_l` as the tangent of a zero added to that registered loss's value:
+  forward mode around the whole (`jax.jacfwd`, one tangent per loss), which
+  only the few operations after the losses carry.
 
 Inside `shard_map` the local batches' sums are added over the mesh axes the
-batch varies over: `G = psum(c Σ_x w_x u_iᵀ H u_j) / psum(n)`, the matrix of the
+batch varies over: `G = Σ_l psum(c_l Σ_x w_x u_iᵀ H u_j) / psum(n_l)`, the matrix of the
 global batch, typed invariant over those axes. `mean_loss` returns the global
 batch's loss as `grad_fn` does: each local batch's registered loss weighted
 by its share of the global batch's (`shares`), the plain mean of the losses.
@@ -50,11 +54,13 @@ from kfac_jax_dist.capture import context as _context
 
 
 def _global_mean(total: jax.Array, n: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-  """`total / n` of the global batch: both summed over the batch's mesh `axes`
+  """`Σ_l total_l / n_l` of the global batch over the registered losses `l`
+  (`total` `[K, ...]`, `n` `[K]`), each summed over the batch's mesh `axes`
   (none outside `shard_map`); an empty batch gives 0, as the loss's mean does."""
   if axes:
     total, n = jax.lax.psum(_compat.as_varying((total, n), axes), axes)
-  return total / _context.denominator(n)
+  n = _context.denominator(n).reshape(n.shape + (1,) * (total.ndim - n.ndim))
+  return jnp.sum(total / n, axis=0)
 
 
 def _typed_like_params(params, vectors: tuple) -> tuple[Any, tuple]:
@@ -81,67 +87,92 @@ def _typed_like_params(params, vectors: tuple) -> tuple[Any, tuple]:
           tuple(jax.tree_util.tree_unflatten(treedef, v) for v in new_vectors))
 
 
-def _local_gram(fun: Callable, has_aux: bool, params, vectors: tuple, args: tuple,
-                kwargs: dict, loss_weight: shares.LossWeight | None = None
-                ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """`(c Σ_x w_x u_iᵀ H_x u_j, loss, n)` over this call's batch, `u_i = J v_i`
-  and `c` the loss's derivative in its registered loss; the loss is the value
-  `fun` returns (its registered loss weighted by `loss_weight`), from the same
-  forward pass."""
+def _loss_gram(hessian: Callable, z: jax.Array, weights: Any, us: list) -> jax.Array:
+  """`[k, k]` matrix `Σ_x w_x u_iᵀ H_x u_j` of one registered loss (input `z`,
+  output Hessian products `hessian`, curvature weights `weights`), the
+  tangents `u_i` of its input, in `promote_types(dtype of z, float32)`."""
+  dtype = jnp.promote_types(z.dtype, jnp.float32)
+  z, us = z.astype(dtype), [u.astype(dtype) for u in us]
+  weights = (jnp.ones(z.shape[:-1], dtype) if weights is None
+             else jnp.broadcast_to(weights, z.shape[:-1]).astype(dtype))
+  entries = {(i, j): jnp.sum(weights * hessian(z, us[i], us[j]))
+             for i in range(len(us)) for j in range(i, len(us))}
+  return jnp.stack([jnp.stack([entries[min(i, j), max(i, j)] for j in range(len(us))])
+                    for i in range(len(us))])
 
-  def gram_at(offset: jax.Array) -> tuple:
-    """The loss with `offset` added to its registered loss, and the
-    unscaled Gram matrix of that pass."""
+
+def _local_gram(fun: Callable, has_aux: bool, params, vectors: tuple, args: tuple,
+                kwargs: dict, loss_weight: shares.LossWeight | None = None,
+                num_losses: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`([K, k, k] c_l Σ_x w_x u_iᵀ H_x u_j, loss, [K] n_l)` over this call's
+  batch for each of the `K = num_losses` registered losses `l`, `u_i = J_l
+  v_i` and `c_l` the loss's derivative in that registered loss; the loss is
+  the value `fun` returns (its registered losses weighted by `loss_weight`),
+  from the same forward pass. `context.LossCountChanged` where `fun`
+  registers another number of losses."""
+
+  def gram_at(offsets: jax.Array) -> tuple:
+    """The loss with `offsets` added to its registered losses, and the
+    unscaled Gram matrices of that pass."""
     hessians = []
 
     def inputs_of(p: Any) -> tuple:
-      out, trace = _context.run_plain(fun, p, args, kwargs, loss_weight, offset)
-      registered = _context.one_loss(trace)
-      hessians.append(registered.output_hessian)     # a static function
+      out, trace = _context.run_plain(fun, p, args, kwargs, loss_weight, offsets)
+      losses = _context.registered(trace)
+      if len(losses) != num_losses:
+        raise _context.LossCountChanged(len(losses))
+      hessians.extend(loss.output_hessian for loss in losses)   # static functions
       value = out[0] if has_aux else out
-      return registered.inputs, (registered.weights, registered.num_examples, value)
+      return ([loss.inputs for loss in losses],
+              ([loss.weights for loss in losses], [loss.num_examples for loss in losses],
+               value))
 
-    z, linear, (weights, n, value) = jax.linearize(inputs_of, params, has_aux=True)
-    dtype = jnp.promote_types(z.dtype, jnp.float32)
-    z = z.astype(dtype)
-    us = [linear(v).astype(dtype) for v in vectors]
-    weights = (jnp.ones(z.shape[:-1], dtype) if weights is None
-               else jnp.broadcast_to(weights, z.shape[:-1]).astype(dtype))
-    entries = {(i, j): jnp.sum(weights * hessians[0](z, us[i], us[j]))
-               for i in range(len(us)) for j in range(i, len(us))}
-    gram = jnp.stack([jnp.stack([entries[min(i, j), max(i, j)] for j in range(len(us))])
-                      for i in range(len(us))])
-    return value, (gram, jnp.asarray(n, dtype))
+    zs, linear, (weights, ns, value) = jax.linearize(inputs_of, params, has_aux=True)
+    us = [linear(v) for v in vectors]
+    grams = jnp.stack([_loss_gram(hessians[l], zs[l], weights[l], [u[l] for u in us])
+                       for l in range(num_losses)])
+    return value, (value, grams, jnp.stack([jnp.asarray(n, grams.dtype) for n in ns]))
 
-  # c: the tangent of a zero added to the registered loss, which only the few
-  # operations after the loss carry (1 where `fun` returns the registered loss
-  # plus terms of the parameters; `a` for `a · loss`).
-  zero = jnp.zeros([], jnp.float32)
-  value, coefficient, (gram, n) = jax.jvp(gram_at, (zero,), (jnp.ones_like(zero),),
-                                          has_aux=True)
-  return gram * coefficient.astype(gram.dtype), value, n
+  # c_l: the derivative in a zero added to registered loss l, which only the
+  # few operations after the losses carry (1 where `fun` returns the registered
+  # loss plus terms of the parameters; `a` for `a · loss`): forward mode, one
+  # tangent per loss.
+  coefficients, (value, grams, n) = jax.jacfwd(gram_at, has_aux=True)(
+      jnp.zeros([num_losses], jax.dtypes.canonicalize_dtype(jnp.float64)))
+  return grams * coefficients.astype(grams.dtype)[:, None, None], value, n
 
 
 def gram_matrix(fun: Callable, has_aux: bool, params, vectors: Sequence, args: tuple,
                 kwargs: dict, micro_batches: int = 1) -> tuple[jax.Array, jax.Array]:
   """`([k, k] matrix v_iᵀ C v_j, loss)` for the `k` parameter-shaped `vectors`
-  (see the module docstring) and the loss of the same forward pass;
-  `fun(params, *args, **kwargs)` registers one loss. With `micro_batches`,
-  the sums run over that many slices of `args`, one at a time."""
+  (see the module docstring) and the loss of the same forward pass. With
+  `micro_batches`, the sums run over that many slices of `args`, one at a
+  time. Traced for one registered loss first, again for as many as `fun`
+  registers where that differs."""
   vectors = tuple(vectors)
   if not vectors:
     raise ValueError("gauss_newton_gram needs at least one vector.")
   k = batches.check(micro_batches, "gauss_newton_gram")
-  axes = _compat.varying_axes(args, kwargs)
   params, vectors = _typed_like_params(params, vectors)
+  try:
+    return _gram_matrix(fun, has_aux, params, vectors, args, kwargs, k, 1)
+  except _context.LossCountChanged as changed:
+    return _gram_matrix(fun, has_aux, params, vectors, args, kwargs, k, changed.count)
+
+
+def _gram_matrix(fun: Callable, has_aux: bool, params, vectors: tuple, args: tuple,
+                 kwargs: dict, k: int, num_losses: int) -> tuple[jax.Array, jax.Array]:
+  """`gram_matrix` for a `fun` registering `num_losses` losses."""
+  axes = _compat.varying_axes(args, kwargs)
   if not axes and k == 1:                  # the loss exactly as `fun` returns it
-    gram, value, n = _local_gram(fun, has_aux, params, vectors, args, kwargs)
+    gram, value, n = _local_gram(fun, has_aux, params, vectors, args, kwargs,
+                                 num_losses=num_losses)
     return _global_mean(gram, n, axes), value
   batches.check_keywords(kwargs, k, "gauss_newton_gram")
   weight = shares.loss_weight(fun, params, args, kwargs, k, "gauss_newton_gram")
 
   def one(ops: tuple, a: tuple, kw: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
-    return _local_gram(fun, has_aux, *ops, a, kw, weight)
+    return _local_gram(fun, has_aux, *ops, a, kw, weight, num_losses)
 
   gram, total, n = batches.summed(one, (params, vectors), args, kwargs, k,
                                   "gauss_newton_gram",

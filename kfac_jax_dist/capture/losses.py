@@ -21,7 +21,9 @@ axis but the last, weighted by `mask`) exactly as an ordinary loss would. Inside
   the Fisher `diag(1/σ², 1/(2σ⁴))` in `(μ, σ²)` (Martens 2014, §9.2: the
   generalised Gauss-Newton matrix of a non-canonical link).
 
-Exactly one loss must be registered per evaluation of the loss function.
+A loss function may register several (a multi-task model's heads, a policy
+and a value head): their curvatures add up, each times the derivative of the
+value the function returns in that loss (`capture.curvature`).
 
 Integer labels outside `[0, classes)` (at a position the mask keeps) make the
 loss and every gradient NaN, so the step is skipped (`core.faults`) instead of
@@ -204,9 +206,11 @@ def _register(name: str, loss_of_targets, targets, sample, mask, inputs,
     invalid = negative if invalid is None else invalid | negative
   if invalid is not None:
     value = _poisoned(value, invalid, mask)
+  trace = _context.current()
+  unweighted, share = value, None
   if mask is not None:     # n differs between devices or slices: weighed as a share
     value = _context.weighted(value, n, registered=True)
-  trace = _context.current()
+    share = None if trace is None else trace.applied_weight
   if trace is not None and per_example.size == 0:
     raise ValueError(
         f"kd.losses.{name}: inputs of shape {jnp.shape(inputs)}, no examples (an empty "
@@ -214,7 +218,7 @@ def _register(name: str, loss_of_targets, targets, sample, mask, inputs,
         "step would still move the parameters by its momentum. Leave such a batch out "
         "(drop the remainder) or pad it with masked rows.")
   if trace is not None and trace.loss_offset is not None:
-    value = value + jnp.asarray(trace.loss_offset, value.dtype)
+    value = value + jnp.asarray(_context.offset_of(trace), value.dtype)
   if trace is not None and trace.mode == _context.DISCOVER and (
       _compat.inside_another_trace(trace.top)):
     raise ValueError(
@@ -237,7 +241,8 @@ def _register(name: str, loss_of_targets, targets, sample, mask, inputs,
     trace.losses.append(_context.RegisteredLoss(
         name, value, n, sampled_loss, inputs=inputs, weights=weights,
         output_hessian=output_hessian,
-        static_num_examples=per_example.size if mask is None else None))
+        static_num_examples=per_example.size if mask is None else None,
+        unweighted=unweighted, share=share))
   return value
 
 

@@ -12,6 +12,12 @@ Fisher estimates (Martens & Grosse, 2015):
 * "mc": `G` from the gradients of the loss on targets drawn from the model's
   predictive distribution (one more backward pass over the same forward).
 
+Several registered losses (one per head) add their curvatures, each times the
+returned value's derivative in it: each loss seeds the statistics' backward
+pass with its own weight (`_backward_per_loss`), one more pass under
+"empirical" unless every loss averages over the same number of examples
+unmasked.
+
 Given `opt_state`, the statistics are skipped at run time unless the K-FAC
 state's `update_factors` is set (the returned statistics are then NaN
 placeholders: consumed on a factor step, e.g. when captured with another
@@ -262,7 +268,7 @@ class ValueAndGrad:
                            differentiated=differentiated)
         with _context.active(trace):
           out = self.fun(stacking.prepare(p), *a, **k)
-        _context.one_loss(trace)
+        _context.registered(trace)
         _check_output(out, self.has_aux)
         found.append(_Discovered.of(trace))    # what it found, not its tracers
         return out
@@ -538,10 +544,14 @@ class ValueAndGrad:
     params = _compat.as_varying(params, _compat.varying_axes(args, kwargs))
     # Under "mc", a zero added to the registered loss: its cotangent is `c`, the
     # returned value's derivative in the registered loss (`a` for `a · loss`),
-    # in float64 where enabled (a float64 model's statistics stay exact).
-    offset = None if self.fisher == "empirical" else _compat.as_varying(
-        jnp.zeros([], jax.dtypes.canonicalize_dtype(jnp.float64)),
+    # in float64 where enabled (a float64 model's statistics stay exact). One
+    # per loss where several seed the statistics' pass each.
+    per_loss = discovered.seeds_each_loss(self.fisher)
+    offset = None if self.fisher == "empirical" and not per_loss else _compat.as_varying(
+        jnp.zeros([len(discovered.loss_examples)] if per_loss else [],
+                  jax.dtypes.canonicalize_dtype(jnp.float64)),
         _compat.varying_axes(args, kwargs))
+    local = getattr(state, "local_statistics", False)
 
     def evaluate(p: Any, probes: dict, offset: jax.Array | None) -> tuple:
       # Stacked linen / NNX layers get their probes through the parameter tree
@@ -556,15 +566,19 @@ class ValueAndGrad:
       with _context.active(trace):
         out = self.fun(stacking.prepare(p, carried), *args, **kwargs)
       loss, aux = out if self.has_aux else (out, None)
-      registered = _context.one_loss(trace)
-      sampled = registered.sampled_loss(rng) if self.fisher == "mc" else None
+      losses = _context.registered(trace)
+      if per_loss:
+        values, seeds = _per_loss_seeds(losses, self.fisher, rng, local)
+        trace.forget_values()
+        return (loss, values), (aux, seeds, None)
+      sampled = losses[0].sampled_loss(rng) if self.fisher == "mc" else None
       # A scale known when tracing is applied by the tags' backward passes,
       # traced by the calls of `vjp` below (`tags._scaled_inside`).
       if loss_scale is None:
-        trace.statistics_scale = registered.static_num_examples
+        trace.statistics_scale = losses[0].static_num_examples
       weight = trace.applied_weight
       trace.forget_values()
-      return (loss, sampled), (aux, registered.num_examples, weight)
+      return (loss, sampled), (aux, losses[0].num_examples, weight)
 
     traces: list[_context.Trace] = []
     try:
@@ -573,8 +587,13 @@ class ValueAndGrad:
     except Exception as error:    # flax's or JAX's, slicing a stacked layer's probes
       self._check_stack_axes(discovered, params, args, kwargs, error)
       raise
-    grads, probe_bar, g_scale, coefficient = self._backward(vjp, loss, sampled, n, weight,
-                                                            loss_scale)
+    if per_loss:        # `n` the seeds: the statistics are the batch's as they are
+      grads, probe_bar, g_scale = self._backward_per_loss(vjp, loss, sampled, n, loss_scale,
+                                                          compute_stats)
+      coefficient, n = None, 1
+    else:
+      grads, probe_bar, g_scale, coefficient = self._backward(vjp, loss, sampled, n, weight,
+                                                              loss_scale)
     value = (loss, aux) if self.has_aux else loss
     counted = frozenset(layer.name for layer in discovered.layers if layer.counted)
     stats = _statistics(probe_bar, g_scale, traces[0].scaled, counted, coefficient)
@@ -595,8 +614,7 @@ class ValueAndGrad:
     starts from `loss_scale` instead of 1, so low-precision cotangents stay
     representable; gradients are divided by it, `G`/`F` (quadratic in the
     cotangents) by its square."""
-    seed = jnp.ones_like(loss) if loss_scale is None else jnp.asarray(
-        loss_scale, loss.dtype) * jnp.ones_like(loss)
+    seed = _seed(loss, loss_scale)
     if self.fisher == "empirical":
       grads, probe_bar, _ = vjp((seed, None))
       g_scale, coefficient = shares.unweighted_scale(n, weight), None
@@ -604,12 +622,78 @@ class ValueAndGrad:
       grads, _, c = vjp((seed, jnp.zeros_like(sampled)))
       _, probe_bar, _ = vjp((jnp.zeros_like(loss), seed.astype(sampled.dtype)))
       g_scale, coefficient = shares.unweighted_scale(n, None), jnp.abs(c / seed.astype(c.dtype))
-    if loss_scale is not None:
-      inv = 1.0 / jnp.asarray(loss_scale, factors.statistics_dtype(loss))
-      grads = jax.tree_util.tree_map(lambda g: (g * inv.astype(g.dtype)).astype(g.dtype),
-                                     grads)
-      g_scale = g_scale * inv * inv
+    grads, g_scale = _unscaled(grads, g_scale, loss, loss_scale)
     return grads, probe_bar, g_scale, coefficient
+
+  def _backward_per_loss(self, vjp: Callable, loss: jax.Array, values: jax.Array,
+                         seeds: jax.Array, loss_scale: Any, compute_stats: Any) -> tuple:
+    """`(grads, probes' cotangents, g_scale)` where several registered losses
+    `l` (`_per_loss_seeds`: `values` their means on the true or the drawn
+    targets, `seeds` `n_l w_l`) make the statistics: a second backward pass
+    seeded with `s_l` on each `values[l]`, `c_l` the returned value's
+    derivative in loss `l` (the cotangent of the zero it added), so that
+    `G = Σ_rows ĝ ĝᵀ` is `Σ_l c_l² n_l w_l` times loss `l`'s empirical one
+    (`s_l = c_l √(n_l w_l)`, cross terms between the losses kept, as one
+    loss's between its examples) or, for drawn targets (`s_l = √(|c_l| n_l
+    w_l)`, cross terms zero in expectation), an estimate of `Σ_l |c_l| w_l`
+    times its Gauss-Newton matrix: each loss as `_backward` makes it alone,
+    weighted by its share `w_l` of the global batch (`shares`). A step that
+    computes no statistics (`compute_stats` False) takes the first pass's
+    placeholders."""
+    seed = _seed(loss, loss_scale)
+    grads, placeholders, c = vjp((seed, jnp.zeros_like(values)))
+    if compute_stats is False:
+      probe_bar = placeholders
+    else:
+      c = c / seed.astype(c.dtype)
+      s = (c * jnp.sqrt(seeds) if self.fisher == "empirical"
+           else jnp.sqrt(jnp.abs(c) * seeds))
+      _, probe_bar, _ = vjp((jnp.zeros_like(loss), (seed.astype(s.dtype) * s
+                                                     ).astype(values.dtype)))
+    grads, g_scale = _unscaled(grads, None, loss, loss_scale)
+    return grads, probe_bar, g_scale
+
+
+def _seed(loss: jax.Array, loss_scale: Any) -> jax.Array:
+  """What the backward pass starts from: 1, or the `loss_scale` (so that
+  low-precision cotangents stay representable)."""
+  return jnp.ones_like(loss) if loss_scale is None else jnp.asarray(
+      loss_scale, loss.dtype) * jnp.ones_like(loss)
+
+
+def _unscaled(grads: Any, g_scale: Any, loss: jax.Array, loss_scale: Any) -> tuple:
+  """`(grads, g_scale)` of a backward pass seeded with `loss_scale`: the
+  gradients divided by it, the statistics' scale (quadratic in the
+  cotangents; None: 1) by its square."""
+  if loss_scale is None:
+    return grads, g_scale
+  inv = 1.0 / jnp.asarray(loss_scale, factors.statistics_dtype(loss))
+  grads = jax.tree_util.tree_map(lambda g: (g * inv.astype(g.dtype)).astype(g.dtype), grads)
+  return grads, (inv * inv if g_scale is None else g_scale * inv * inv)
+
+
+def _per_loss_seeds(losses: list, fisher: str, rng: Any, local: bool
+                    ) -> tuple[jax.Array, jax.Array]:
+  """`([K] values, [K] n_l w_l)` of several registered losses for
+  `_backward_per_loss`: each loss's mean on the true targets (before its
+  share weight) or on targets drawn with its own key, its examples `n_l` and
+  share `w_l` (1 without one). DP-KFAC's `local` statistics (each device's
+  own, unweighted) have no place for a share: refused where one is."""
+  shared = [loss.name for loss in losses if loss.share is not None]
+  if local and shared:
+    raise ValueError(
+        f"Several registered losses, {shared} masked: DP-KFAC's local statistics "
+        "(each device's own factors) cannot weigh each loss by its share of the global "
+        "batch's examples. Use another strategy, or masks of one number of examples on "
+        "every device and micro-batch.")
+  keys = None if fisher == "empirical" else jax.random.split(rng, len(losses))
+  values = [loss.unweighted if keys is None else loss.sampled_loss(keys[i])
+            for i, loss in enumerate(losses)]
+  dtype = jnp.result_type(*values)
+  seeds = [jnp.asarray(loss.num_examples, jnp.promote_types(dtype, jnp.float32))
+           * (1 if loss.share is None else loss.share) for loss in losses]
+  return (jnp.stack([v.astype(dtype) for v in values]),
+          jnp.stack([jax.lax.stop_gradient(x) for x in seeds]))
 
 
 def _eval_binding_axes(fun: Callable, *args: Any) -> None:
@@ -764,6 +848,9 @@ class _Discovered:
   carriers: dict          # stacked linen / NNX layer name -> stacking carrier
   stats_dtypes: dict      # layer name -> the dtype of its statistics
   repeats: frozenset      # layers that may run several times in a pass
+  # each registered loss's number of examples where tracing knows it (no
+  # mask), else None, in the order they run
+  loss_examples: tuple = (None,)
 
   @classmethod
   def of(cls, trace: _context.Trace) -> "_Discovered":
@@ -772,7 +859,17 @@ class _Discovered:
     uncaptured = tuple(registry.UncapturedLayer(where, kind, reason)
                        for where, (kind, reason) in trace.uncaptured.items())
     return cls(registry.LayerRegistry(tuple(trace.layers), uncaptured),
-               dict(trace.carriers), dict(trace.stats_dtypes), frozenset(trace.repeats))
+               dict(trace.carriers), dict(trace.stats_dtypes), frozenset(trace.repeats),
+               tuple(loss.static_num_examples for loss in trace.losses))
+
+  def seeds_each_loss(self, fisher: str) -> bool:
+    """Whether several registered losses need `_backward_per_loss`: always
+    under "mc"; under "empirical" unless every one averages over the same
+    number of examples, known when tracing (then the returned loss's own
+    cotangents are already those of the per-example loss, `_backward`)."""
+    first = self.loss_examples[0]
+    return len(self.loss_examples) > 1 and (fisher == "mc" or first is None or any(
+        n != first for n in self.loss_examples))
 
 
 def value_and_grad(fun: Callable, has_aux: bool = False, fisher: str = "empirical",
@@ -810,7 +907,9 @@ def value_and_grad(fun: Callable, has_aux: bool = False, fisher: str = "empirica
   `1/S²`); check them for non-finite values as with any loss scaling (the
   optimizer skips such steps). `grad_fn.accumulate(params, *batch,
   micro_batches=k, ...)` computes the same results over `k` slices of the
-  batch, one at a time (gradient accumulation; see `ValueAndGrad.accumulate`). `fun` must compute its loss with one `kd.losses` function.
+  batch, one at a time (gradient accumulation; see `ValueAndGrad.accumulate`). `fun`
+  must compute its loss with `kd.losses` functions: one, or several (a
+  multi-task model's heads: their curvatures add up, `_backward_per_loss`).
   `grad_fn.discover(params, *args, **kwargs)` returns the tagged layers, which
   `kd.scale_by_kfac(layers=...)` needs to lay out its state.
 
