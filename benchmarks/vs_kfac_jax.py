@@ -91,7 +91,10 @@ initialisation and the timing runs' first batches:
   MLP from λ₀ = 3e-4 (every branch of the Levenberg-Marquardt rule); and at
   kd's adaptive default cadence, eigenbases every 10 steps
   (`inverse_update_every=10` / `inverse_update_period=10`: both apply the
-  current λ to the cached eigenbases), the MLP and the CNN over 12 steps;
+  current λ to the cached eigenbases), the MLP and the CNN over 12 steps; and
+  a model with two registered losses on one trunk (`heads`: a softmax
+  cross-entropy plus 0.5 × a squared error, kfac-jax's categorical and
+  unit-variance normal registrations, weight 0.5), 5 steps;
 * the damping mapping: the MLP's adaptive run with kfac-jax's damping mapped
   three ways, of which only the one above takes kd's steps. kfac-jax's
   `fisher_empirical` factors are kd's / B while its exact quadratic model's
@@ -179,7 +182,7 @@ BATCH, FACTOR_DECAY, MOMENTUM = 128, 0.95, 0.9
 # In kd's units (kfac-jax gets LR / BATCH and DAMPING / BATCH).
 # Chosen so that every cadence trains stably for 300+ steps (no KL clip here).
 LR = {"mlp": 0.05, "cnn": 0.02, "autoencoder": 0.01}
-DAMPING = {"mlp": 0.1, "cnn": 0.1, "autoencoder": 0.3}
+DAMPING = {"mlp": 0.1, "cnn": 0.1, "autoencoder": 0.3, "heads": 0.1}
 CADENCES = {"1/1": (1, 1), "1/10": (1, 10), "10/100": (10, 100)}
 MODELS = ("mlp", "cnn", "autoencoder")
 DESCRIPTIONS = {
@@ -188,7 +191,12 @@ DESCRIPTIONS = {
            "cross-entropy (examples/digits.py)",
     "autoencoder": "autoencoder 64-256-128-32-128-256-64, ReLU (linear code), "
                    "sigmoid cross-entropy on the pixels",
+    "heads": "MLP 64-128, ReLU, two heads: softmax cross-entropy over the 10 classes plus "
+             "0.5 × squared error of the 8 row means (two registered losses; adaptive "
+             "equality only)",
 }
+# Models of the float64 adaptive comparison alone (no timing runs).
+EQUALITY_ONLY_MODELS = ("heads",)
 
 
 # -------------------------------------------------------------------- models
@@ -207,11 +215,20 @@ def init_params(model: str, key):
     k = jax.random.split(key, 4)
     return {"c0": _models.conv_init(k[0], 1, 16), "c1": _models.conv_init(k[1], 16, 32),
             "d0": _models.dense_init(k[2], 512, 64), "d1": _models.dense_init(k[3], 64, 10)}
+  if model == "heads":
+    k = jax.random.split(key, 3)
+    return {"d0": _models.dense_init(k[0], 64, 128), "classes": _models.dense_init(k[1], 128, 10),
+            "rows": _models.dense_init(k[2], 128, 8)}
   raise ValueError(model)
 
 
 def apply(model: str, p, x, tagged: bool):
-  """Logits. `tagged`: kd's tag functions (same numbers as the plain ops)."""
+  """Logits (the heads model: class logits and row-mean predictions).
+  `tagged`: kd's tag functions (same numbers as the plain ops)."""
+  if model == "heads":
+    h = jax.nn.relu(_models.dense(x.reshape(x.shape[0], -1), p["d0"], tagged, "d0"))
+    return (_models.dense(h, p["classes"], tagged, "classes"),
+            _models.dense(h, p["rows"], tagged, "rows"))
   if model == "cnn":
     h = jax.nn.relu(_models.conv(x, p["c0"], 1, tagged, "c0"))
     h = jax.nn.relu(_models.conv(h, p["c1"], 2, tagged, "c1"))
@@ -223,10 +240,18 @@ def apply(model: str, p, x, tagged: bool):
 
 
 def targets_of(model, x, y):
+  if model == "heads":                     # the classes and each image row's mean
+    return y, x.reshape(x.shape[0], 8, 8).mean(axis=-1)
   return x.reshape(x.shape[0], -1) if model == "autoencoder" else y
 
 
+ROWS_WEIGHT = 0.5     # the heads model's weight of its squared error
+
+
 def plain_loss(model, logits, t):
+  if model == "heads":
+    squared = 0.5 * jnp.mean(jnp.sum((logits[1] - t[1]) ** 2, axis=-1))
+    return plain_loss("mlp", logits[0], t[0]) + ROWS_WEIGHT * squared
   if model == "autoencoder":
     return jnp.mean(jnp.sum(optax.sigmoid_binary_cross_entropy(logits, t), axis=-1))
   return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, t))
@@ -236,7 +261,10 @@ def kd_loss_fn(model, weight: float = 1.0):
   """kd's loss: `weight` times the registered loss (kfac-jax's loss weight)."""
   def loss_fn(p, x, y):
     logits, t = apply(model, p, x, True), targets_of(model, x, y)
-    if model == "autoencoder":
+    if model == "heads":
+      loss = (kd.losses.softmax_cross_entropy(logits[0], t[0])
+              + ROWS_WEIGHT * kd.losses.squared_error(logits[1], t[1]))
+    elif model == "autoencoder":
       loss = kd.losses.sigmoid_cross_entropy(logits, t)
     else:
       loss = kd.losses.softmax_cross_entropy(logits, t)
@@ -249,7 +277,11 @@ def kj_loss_fn(model, weight: float = 1.0):
   def loss_fn(p, batch):
     x, y = batch
     logits, t = apply(model, p, x, False), targets_of(model, x, y)
-    if model == "autoencoder":
+    if model == "heads":      # N(μ, 1): ½|t − μ|² per example, as kd's squared error
+      kfac_jax.register_softmax_cross_entropy_loss(logits[0], t[0], weight=weight)
+      kfac_jax.register_normal_predictive_distribution(
+          logits[1], t[1], variance=1.0, weight=weight * ROWS_WEIGHT)
+    elif model == "autoencoder":
       kfac_jax.register_sigmoid_cross_entropy_loss(logits, t, weight=weight)
     else:
       kfac_jax.register_softmax_cross_entropy_loss(logits, t, weight=weight)
@@ -682,7 +714,9 @@ class AdaptiveRun(collections.namedtuple(
 # runs adapt the damping alone (kfac-jax's `use_adaptive_damping` by itself);
 # the `reject` ones reject steps (`use_step_rejection`): two of the MLP's first
 # 3 steps from λ₀ = 3e-4, the CNN's 5th at η = 0.3. The `weight` run registers
-# kfac-jax's loss with a weight, ported as kd's loss times it.
+# kfac-jax's loss with a weight, ported as kd's loss times it. The `heads` run
+# registers two losses (a softmax cross-entropy and a unit-variance Gaussian's
+# squared error on one trunk), whose curvatures both libraries add.
 ADAPTIVE_CADENCE = 10
 FIXED = {"mlp": (LR["mlp"], MOMENTUM), "cnn": (LR["cnn"], MOMENTUM)}
 ADAPTIVE_RUNS = (
@@ -697,7 +731,8 @@ ADAPTIVE_RUNS = (
     AdaptiveRun("mlp", DAMPING["mlp"], ADAPTIVE_CADENCE, 12, FIXED["mlp"]),
     AdaptiveRun("mlp", 3e-4, 1, 8, reject=2.0),
     AdaptiveRun("cnn", DAMPING["cnn"], 1, 8, (0.3, MOMENTUM), reject=2.0),
-    AdaptiveRun("mlp", DAMPING["mlp"], 1, ADAPTIVE_STEPS, weight=0.25))
+    AdaptiveRun("mlp", DAMPING["mlp"], 1, ADAPTIVE_STEPS, weight=0.25),
+    AdaptiveRun("heads", DAMPING["heads"], 1, ADAPTIVE_STEPS))
 # kfac-jax settings tried against the mapping (the MLP, its timing λ):
 # (name, kfac-jax initial_damping / kd's λ, precon_damping_mult, weight decay:
 # kd's weight_decay = kfac-jax's l2_reg, its loss + (w/2)|θ|²).
@@ -866,7 +901,8 @@ def equality_child(out_json: str, models: str, cadences: str) -> None:
   models = [m for m in models.split(",") if m]
   batches = _batches64(max(max(EQ_STEPS), *(run.steps for run in ADAPTIVE_RUNS)))
   nonadaptive = {m: [nonadaptive_run(m, c, batches[:max(EQ_STEPS)])
-                     for c in cadences.split(",") if c] for m in models}
+                     for c in cadences.split(",") if c]
+                 for m in models if m not in EQUALITY_ONLY_MODELS}
   adaptive = [adaptive_run(run.model, run.damping, batches[:run.steps],
                            inverse_every=run.inverse_every, fixed=run.fixed,
                            reject=run.reject, weight=run.weight)
@@ -1342,7 +1378,8 @@ def analysis(results: dict) -> str:
 
 FULL = dict(rounds=4, min_block=20, compile_reps=1, models=",".join(MODELS),
             cadences=",".join(CADENCES), no_profile=False,
-            equality_models=",".join(MODELS), equality_cadences=",".join(CADENCES))
+            equality_models=",".join(MODELS + EQUALITY_ONLY_MODELS),
+            equality_cadences=",".join(CADENCES))
 QUICK = dict(rounds=2, min_block=10, compile_reps=1, models="mlp", cadences="1/10",
              no_profile=True, equality_models="mlp", equality_cadences="1/1")
 
