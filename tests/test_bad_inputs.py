@@ -1177,12 +1177,33 @@ def test_schedule_values_are_checked_at_run_time():
   assert _skipped(state) == [1]
 
 
+@pytest.mark.parametrize("make, name", [
+    (lambda: kd.kfac(lambda count: jnp.array([0.1, 0.2]), layers=LAYERS), "learning_rate"),
+    (lambda: kd.kfac(lambda count: jnp.array([0.1]), layers=LAYERS), "learning_rate"),
+    (lambda: kd.kfac(jnp.array([0.1, 0.2]), layers=LAYERS), "learning_rate"),
+    (lambda: kd.kfac(0.1, layers=LAYERS, damping=lambda count: jnp.ones(2)), "damping"),
+    (lambda: kd.shampoo(0.1, epsilon=jnp.ones(3)), "epsilon"),
+    (lambda: kd.soap(0.1, precondition_every=lambda count: jnp.array([5, 10])),
+     "precondition_every")])
+def test_hyperparameters_of_another_shape_are_named(make, name):
+  """A learning rate (or any hyperparameter) of shape (2,), an array or a
+  schedule's value, broadcast against each update: a (3, 2) kernel's columns
+  took different steps, silently (and shape (1,) turns a scalar parameter
+  into a vector). Refused, naming the argument, when constructed or traced."""
+  params, batch = _params(), _batch()
+  with pytest.raises(ValueError, match=f"{name} must be one number"):
+    tx = make()
+    state = tx.init(params)
+    _, grads, stats = GRAD_FN(params, *batch, opt_state=state)
+    tx.update(grads, state, params, **({"kfac_stats": stats} if stats else {}))
+
+
 @pytest.mark.parametrize("check", [
-    lambda v, c: settings.positive_ok(v, c),
-    lambda v, c: settings.positive_ok(v, c, allow_zero=True),
-    lambda v, c: settings.range_ok(v, c, 0.0, 1.0),
-    lambda v, c: settings.range_ok(v, c, 0.0, 1.0, closed_low=False, closed_high=True),
-    lambda v, c: settings.interval_ok(v, c)])
+    lambda v, c: settings.positive_ok("x", v, c),
+    lambda v, c: settings.positive_ok("x", v, c, allow_zero=True),
+    lambda v, c: settings.range_ok("x", v, c, 0.0, 1.0),
+    lambda v, c: settings.range_ok("x", v, c, 0.0, 1.0, closed_low=False, closed_high=True),
+    lambda v, c: settings.interval_ok("x", v, c)])
 def test_python_numbers_verdicts_are_the_traced_ones(check):
   """A Python number's run-time verdict is folded while tracing (no
   equations) and equals the verdict of the same value as a traced float32

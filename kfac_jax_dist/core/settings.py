@@ -35,6 +35,7 @@ def _check_number_or_later(name: str, value: Any, schedule: bool = True) -> None
   takes one (`schedule`), a schedule, checked at run time; anything else (a
   bool, a string, None; a schedule where none is taken) raises."""
   if hasattr(value, "dtype"):
+    _check_scalar(name, value)
     return
   if not schedule:
     raise TypeError(f"{name} must be a number or an array (it takes no schedule), got "
@@ -42,6 +43,16 @@ def _check_number_or_later(name: str, value: Any, schedule: bool = True) -> None
   if not callable(value):
     raise TypeError(f"{name} must be a number, an array or a schedule (a callable of "
                     f"the update count), got {value!r}")
+
+
+def _check_scalar(name: str, value: Any, schedule: bool = False) -> None:
+  """A hyperparameter is one number: an array of another shape (or a schedule
+  returning one) would scale each entry it broadcasts against differently,
+  silently, or change a parameter's shape."""
+  if jnp.ndim(value) != 0:
+    what = "its schedule returned" if schedule else "got"
+    raise ValueError(f"{name} must be one number (a scalar): {what} a value of shape "
+                     f"{jnp.shape(value)}.")
 
 
 def check_positive(name: str, value: Any, *, allow_zero: bool = False,
@@ -227,8 +238,9 @@ def static(name: str, value: Any) -> Any:
 Verdict = jax.Array | np.bool_     # a Python number's verdict is known when tracing
 
 
-def _value(value: Any, count: jax.Array) -> jax.Array | np.ndarray:
-  """The value at `count`; a Python number as the NumPy array of the dtype
+def _value(name: str, value: Any, count: jax.Array) -> jax.Array | np.ndarray:
+  """The value of hyperparameter `name` at `count` (one number, else an
+  error); a Python number as the NumPy array of the dtype
   `jnp.asarray` would give it (float32 unless x64), so that its verdict is
   computed exactly as a traced one would be, but while tracing (no equations).
   A number beyond that dtype's range is its infinity, as `jnp.asarray` gives
@@ -236,32 +248,35 @@ def _value(value: Any, count: jax.Array) -> jax.Array | np.ndarray:
   if cadence.is_number(value):
     with np.errstate(over="ignore"):
       return np.asarray(value, jax.dtypes.canonicalize_dtype(np.asarray(value).dtype))
-  return jnp.asarray(cadence.value_at(value, count))
+  x = jnp.asarray(cadence.value_at(value, count))
+  _check_scalar(name, x, callable(value))
+  return x
 
 
 def _xnp(x: Any) -> Any:
   return np if isinstance(x, np.ndarray) else jnp
 
 
-def positive_ok(value: Any, count: jax.Array, allow_zero: bool = False) -> Verdict:
-  x = _value(value, count)
+def positive_ok(name: str, value: Any, count: jax.Array, allow_zero: bool = False
+                ) -> Verdict:
+  x = _value(name, value, count)
   xnp = _xnp(x)
   return xnp.all(xnp.isfinite(x) & ((x >= 0) if allow_zero else (x > 0)))
 
 
-def range_ok(value: Any, count: jax.Array, low: float, high: float,
+def range_ok(name: str, value: Any, count: jax.Array, low: float, high: float,
              closed_low: bool = True, closed_high: bool = False) -> Verdict:
-  x = _value(value, count)
+  x = _value(name, value, count)
   above = (x >= low) if closed_low else (x > low)
   below = (x <= high) if closed_high else (x < high)
   xnp = _xnp(x)
   return xnp.all(xnp.isfinite(x) & above & below)
 
 
-def interval_ok(value: Any, count: jax.Array) -> Verdict:
+def interval_ok(name: str, value: Any, count: jax.Array) -> Verdict:
   """An interval's value at `count` is a whole number ≥ 1 (a schedule's 2.5
   would run every 2 steps: truncated)."""
-  x = _value(value, count)
+  x = _value(name, value, count)
   xnp = _xnp(x)
   return xnp.all((x >= 1) & (xnp.floor(x) == x))
 
@@ -281,9 +296,9 @@ def first_order_tail_checks(learning_rate: Any, momentum: Any = None,
   hyperparameter as one) and schedules (their value at the count, as optax's
   own count evaluates them: a cosine decay to a negative floor, a linear one
   past zero)."""
-  named = ((learning_rate, lambda v, c: positive_ok(v, c, allow_zero=True)),
-           (momentum, lambda v, c: range_ok(v, c, 0.0, 1.0)),
-           (weight_decay, lambda v, c: positive_ok(v, c, allow_zero=True)))
+  named = ((learning_rate, functools.partial(positive_ok, "learning_rate", allow_zero=True)),
+           (momentum, functools.partial(range_ok, "momentum", low=0.0, high=1.0)),
+           (weight_decay, functools.partial(positive_ok, "weight_decay", allow_zero=True)))
   run_time = [(value, check) for value, check in named
               if hasattr(value, "dtype") or callable(value)]
   return RunTimeChecks(

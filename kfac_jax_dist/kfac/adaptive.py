@@ -157,13 +157,15 @@ class AdaptiveConfig:
     checks = []
     if self.learning_rate is not None:
       # 0: a warm-up's first value, a decay's last (a zero step, as plain K-FAC's)
-      checks.append(lambda: settings.positive_ok(self.learning_rate, count,
-                                                 allow_zero=True))
+      checks.append(lambda: settings.positive_ok("learning_rate", self.learning_rate,
+                                                 count, allow_zero=True))
     if self.momentum is not None:
-      checks.append(lambda: settings.range_ok(self.momentum, count, 0.0, 1.0))
-    checks.append(lambda: settings.positive_ok(self.weight_decay, count, allow_zero=True))
+      checks.append(lambda: settings.range_ok("momentum", self.momentum, count, 0.0, 1.0))
+    checks.append(lambda: settings.positive_ok("weight_decay", self.weight_decay, count,
+                                               allow_zero=True))
     if self.reject_steps:
-      checks.append(lambda: settings.range_ok(self.reject_damping_increase_factor,
+      checks.append(lambda: settings.range_ok("reject_damping_increase_factor",
+                                              self.reject_damping_increase_factor,
                                               count, 1.0, math.inf))
     return settings.all_ok(checks)
 

@@ -82,14 +82,17 @@ class KfacConfig:
   def settings_ok(self, count: jax.Array) -> jax.Array:
     """The run-time check of the values only the step knows (arrays from
     `optax.inject_hyperparams`, schedules' values at `count`)."""
-    checks = [lambda: settings.positive_ok(self.damping, count),
-              lambda: settings.range_ok(self.factor_decay, count, 0.0, 1.0),
-              lambda: settings.interval_ok(self.factor_update_every, count),
-              lambda: settings.interval_ok(self.inverse_update_every, count)]
+    checks = [lambda: settings.positive_ok("damping", self.damping, count),
+              lambda: settings.range_ok("factor_decay", self.factor_decay, count, 0.0, 1.0),
+              lambda: settings.interval_ok("factor_update_every", self.factor_update_every,
+                                           count),
+              lambda: settings.interval_ok("inverse_update_every", self.inverse_update_every,
+                                           count)]
     if self.kl_clip is not None:
-      checks.append(lambda: settings.positive_ok(self.kl_clip, count))
+      checks.append(lambda: settings.positive_ok("kl_clip", self.kl_clip, count))
     if self.learning_rate is not None:
-      checks.append(lambda: settings.positive_ok(self.learning_rate, count, allow_zero=True))
+      checks.append(lambda: settings.positive_ok("learning_rate", self.learning_rate, count,
+                                                 allow_zero=True))
     return settings.all_ok(checks)
 
   def _check_stale(self) -> None:

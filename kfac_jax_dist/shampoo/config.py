@@ -105,15 +105,20 @@ class ShampooConfig:
   def settings_ok(self, count: jax.Array) -> jax.Array:
     """The run-time check of the values only the step knows (arrays from
     `optax.inject_hyperparams`, schedules' values at `count`)."""
-    checks = [lambda: settings.range_ok(self.beta2, count, 0.0, 1.0, closed_low=False,
-                                        closed_high=True),
-              lambda: settings.positive_ok(self.epsilon, count),
-              lambda: settings.interval_ok(self.statistics_compute_steps, count),
-              lambda: settings.interval_ok(self.preconditioning_compute_steps, count),
-              lambda: settings.positive_ok(self.start_preconditioning_step, count,
+    checks = [lambda: settings.range_ok("beta2", self.beta2, count, 0.0, 1.0,
+                                        closed_low=False, closed_high=True),
+              lambda: settings.positive_ok("epsilon", self.epsilon, count),
+              lambda: settings.interval_ok("statistics_compute_steps",
+                                           self.statistics_compute_steps, count),
+              lambda: settings.interval_ok("preconditioning_compute_steps",
+                                           self.preconditioning_compute_steps, count),
+              lambda: settings.positive_ok("start_preconditioning_step",
+                                           self.start_preconditioning_step, count,
                                            allow_zero=True)]
     if self.graft_type in ("rmsprop", "adam"):
-      checks.append(lambda: settings.range_ok(self.graft_moment, count, 0.0, 1.0))
+      checks.append(lambda: settings.range_ok(
+          "beta2" if self.graft_beta2 is None else "graft_beta2", self.graft_moment, count,
+          0.0, 1.0))
     return settings.all_ok(checks)
 
   def _check_shape_options(self) -> None:

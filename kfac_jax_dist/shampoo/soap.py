@@ -132,10 +132,10 @@ class SoapConfig:
   def settings_ok(self, count: jax.Array) -> jax.Array:
     """The run-time check of the values only the step knows."""
     return settings.all_ok([
-        lambda: settings.range_ok(self.b1, count, 0.0, 1.0),
-        lambda: settings.range_ok(self.b2, count, 0.0, 1.0),
-        lambda: settings.positive_ok(self.eps, count),
-        lambda: settings.interval_ok(self.precondition_every, count)])
+        lambda: settings.range_ok("b1", self.b1, count, 0.0, 1.0),
+        lambda: settings.range_ok("b2", self.b2, count, 0.0, 1.0),
+        lambda: settings.positive_ok("eps", self.eps, count),
+        lambda: settings.interval_ok("precondition_every", self.precondition_every, count)])
 
 
 @functools.partial(
@@ -386,6 +386,8 @@ def update_state(config: SoapConfig, comm: collectives_lib.Collectives, updates:
   select (as Shampoo's `update_state`)."""
   shampoo, lay, count = config.shampoo, state.layout, state.count
   shampoo_transform.check_placement(shampoo, comm, state, updates, "SOAP")
+  with jax.named_scope(faults.SCOPE):    # first: a non-scalar schedule is named
+    settings_ok = config.settings_ok(count)
   leaves, treedef = jax.tree_util.tree_flatten(updates)
   dtype = state.statistics[0].dtype if state.statistics else jnp.float32
   grads = shampoo_transform.averaged_gradients(shampoo, comm, lay, leaves)
@@ -396,7 +398,7 @@ def update_state(config: SoapConfig, comm: collectives_lib.Collectives, updates:
   new_updates = treedef.unflatten([d.astype(x.dtype) for d, x in zip(directions, leaves)])
   with jax.named_scope(faults.SCOPE):
     ok = faults.all_finite(list(grads) + list(stats) + jax.tree_util.tree_leaves(
-        new_updates)) & config.settings_ok(count)
+        new_updates)) & settings_ok
     ok = faults.computed_once(faults.agree(ok, _compat.varying_axes(ok)))
   new_state = dataclasses.replace(
       state, count=count + 1, statistics=stats, bases=bases, mu=mu, nu=nu,

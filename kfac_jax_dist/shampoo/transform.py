@@ -163,6 +163,8 @@ def update_state(config: ShampooConfig, comm: collectives_lib.Collectives, updat
                  state: ScaleByShampooState) -> tuple[Any, ScaleByShampooState]:
   """One Shampoo update: the stages of the module docstring."""
   check_placement(config, comm, state, updates)
+  with jax.named_scope(faults.SCOPE):    # first: a non-scalar schedule is named
+    settings_ok = config.settings_ok(state.count)
   lay = state.layout
   leaves, treedef = jax.tree_util.tree_flatten(updates)
   dtype = state.statistics[0].dtype if state.statistics else jnp.float32
@@ -179,7 +181,7 @@ def update_state(config: ShampooConfig, comm: collectives_lib.Collectives, updat
   new_updates = treedef.unflatten([v.astype(x.dtype) for v, x in zip(diag, grads)])
   with jax.named_scope(faults.SCOPE):
     ok = faults.all_finite(list(grads) + list(stats) + jax.tree_util.tree_leaves(
-        new_updates)) & config.settings_ok(state.count)
+        new_updates)) & settings_ok
     ok = faults.computed_once(faults.agree(ok, _compat.varying_axes(ok)))
   new_state = dataclasses.replace(state, count=state.count + 1, statistics=stats, roots=roots,
                                    graft=graft)
