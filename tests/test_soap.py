@@ -44,8 +44,9 @@ class NumpySoap:
   """Alg. 3 of the paper for each block of each parameter: the Adam step in
   the current eigenbases (`M` in the original coordinates, `V` in the rotated
   ones, bias corrections), then the statistics `L`, `R` (one per axis) and,
-  every `every` steps, their eigenvectors; the first step only measures the
-  statistics (the authors' code skips it); a 1-D parameter is plain Adam."""
+  every `every` steps, their eigenvectors with `V` permuted as the authors'
+  code does (`_refresh`); the first step only measures the statistics (the
+  authors' code skips it); a 1-D parameter is plain Adam."""
 
   def __init__(self, shapes: dict, block: int | None, every: int = EVERY):
     self.shapes, self.block, self.every, self.t = shapes, block, every, 0
@@ -78,9 +79,19 @@ class NumpySoap:
           unfolded = np.moveaxis(gb, i, 0).reshape(gb.shape[i], -1)
           self.stats[key][i] = B2 * self.stats[key][i] + (1 - B2) * unfolded @ unfolded.T
           if t % self.every == 0:
-            self.bases[key][i] = np.linalg.eigh(self.stats[key][i])[1]
+            self._refresh(name, sl, key, i)
     self.t += 1
     return out
+
+  def _refresh(self, name, sl, key, i):
+    """The authors' refresh (`get_orthogonal_matrix_QR`) with an exact
+    eigendecomposition for its power iteration: the old eigenvectors sorted
+    by their Rayleigh quotients under the new statistic, descending, `V`
+    permuted with them along axis i, then the new eigenvectors, descending."""
+    stat, old = self.stats[key][i], self.bases[key][i]
+    order = np.argsort(-np.diag(old.T @ stat @ old), kind="stable")
+    self.nu[name][sl] = np.take(self.nu[name][sl], order, axis=i)
+    self.bases[key][i] = np.linalg.eigh(stat)[1][:, ::-1]
 
   def _adam(self, name, shape, g, t):
     bc1, bc2 = 1 - B1 ** t, 1 - B2 ** t

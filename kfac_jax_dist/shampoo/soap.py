@@ -24,9 +24,10 @@ happen when `count % precondition_every == 0`.
 The state keeps `M` rotated too (`M' = M ×₁ Q₁ᵀ ⋯`, updated with `G'`, and
 carried into new eigenbases on a refresh, `M' ← M' ×₁ (Q₁,newᵀ Q₁) ⋯`): the
 same `M`, one rotation per step fewer than rotating it every step. `V` keeps
-its slots across a refresh (`eigh` orders the eigenvectors by eigenvalue on
-every refresh; the authors' code permutes `V` to follow each direction, which
-differs where the eigenvalues' order changes: docs/shampoo.md). The statistics start at `STATISTICS_EPSILON · I` (the
+its slots across a refresh, each new eigenvector put in the slot of the old
+direction it follows (`_following`: the authors' code sorts the old
+eigenvectors by their Rayleigh quotients under the new statistic and permutes
+`V` with them; the same pairing). The statistics start at `STATISTICS_EPSILON · I` (the
 paper's start at zero; the tiny ridge keeps the first ones definite). A
 decomposition that fails (a non-finite eigenbasis) keeps the previous basis.
 
@@ -187,12 +188,27 @@ class ScaleBySoapState(states.PreconditionerState):
 
 
 def checked_bases(p: float, statistics: jax.Array, previous: jax.Array) -> jax.Array:
-  """The eigenvectors of a bucket `[n, d, d]` (ascending eigenvalues), keeping
-  the previous basis of a block whose decomposition is not finite."""
+  """The eigenvectors of a bucket `[n, d, d]`, each in the column of the
+  previous basis's direction it follows (`_following`), keeping the previous
+  basis of a block whose decomposition is not finite."""
   del p
   vectors, _ = linalg.eigh(statistics)
+  vectors = _following(vectors, statistics, previous)
   ok = faults.finite_rows(vectors)
   return jnp.where(ok[:, None, None], vectors.astype(previous.dtype), previous)
+
+
+def _following(vectors: jax.Array, statistics: jax.Array, previous: jax.Array) -> jax.Array:
+  """`vectors` (ascending eigenvalues) reordered so that column i is the one
+  whose eigenvalue ranks as the previous column i's Rayleigh quotient
+  `q_iᵀ H q_i` under the new statistic `H`: `V`'s entry i then follows its
+  direction across a refresh, the pairing of the authors' code (which sorts
+  the old columns by those quotients and permutes `V` with them)."""
+  dtype = vectors.dtype
+  old = previous.astype(dtype)
+  rayleigh = jnp.sum(old * (statistics.astype(dtype) @ old), axis=-2)        # [n, d]
+  rank = jnp.argsort(jnp.argsort(rayleigh, axis=-1, stable=True), axis=-1, stable=True)
+  return jnp.take_along_axis(vectors, rank[:, None, :], axis=-1)
 
 
 def adam_step(config: SoapConfig, g_rot: jax.Array, mu: jax.Array, nu: jax.Array,
