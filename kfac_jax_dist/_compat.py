@@ -406,3 +406,13 @@ def updates_on_auto_axes(update_fn: Callable) -> Callable:
     return on_auto_axes(update_fn, (updates, state, params, *more), extra, lambda mesh: (
         sharding_as_given(updates, mesh), sharding_as_given(state, mesh)))
   return update
+
+
+def device_memory_limit() -> int | None:
+  """The first local device's memory in bytes, where JAX reports it (GPU,
+  TPU); None elsewhere (the CPU reports none)."""
+  try:
+    stats = jax.local_devices()[0].memory_stats()
+  except Exception:    # pylint: disable=broad-except  (a backend without the call)
+    return None
+  return (stats or {}).get("bytes_limit")

@@ -19,6 +19,7 @@ import optax
 import pytest
 
 import kfac_jax_dist as kd
+from kfac_jax_dist import _compat
 from kfac_jax_dist.core import settings
 from kfac_jax_dist.core import states as states_lib
 
@@ -1396,6 +1397,30 @@ def test_a_full_factor_wider_than_packed_triangles_allow_is_refused_at_init():
   params, layers = _wide_head(16385)
   with pytest.warns(UserWarning, match=r"wider than 16384: 'head' G 16385×16385"):
     jax.eval_shape(kd.kfac(1e-2, layers=layers).init, params)
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: kd.kfac(1e-2, layers=LAYERS), "scale_by_kfac"),
+    (lambda: kd.kfac(None, None, layers=LAYERS, grad_fn=GRAD_FN), "kd.kfac"),
+    (lambda: kd.shampoo(1e-2, block_size=4), "scale_by_shampoo"),
+    (lambda: kd.soap(1e-2, block_size=4), "scale_by_soap")])
+def test_a_state_above_half_the_device_memory_warns(monkeypatch, make, name):
+  """Where JAX reports the device's memory (GPU, TPU), a state above half of
+  it warns at `init` with its size per device (`kd.describe`'s bytes) and
+  what shrinks it, instead of the first step's out-of-memory error; below,
+  and on the CPU (no report), `init` is quiet."""
+  tx, params = make(), _params()
+  state = tx.init(params)                  # K-FAC's (inside the adaptive one), or another
+  need = states_lib.per_device_bytes((kd.find_states(state) or
+                                      states_lib.find_states(state))[0])
+  monkeypatch.setattr(_compat, "device_memory_limit", lambda: int(1.5 * need))
+  with pytest.warns(UserWarning, match=rf"{name}: its state takes .* GiB per device, 67% "
+                                       r"of the device's .*Spread it over the devices"):
+    tx.init(params)
+  monkeypatch.setattr(_compat, "device_memory_limit", lambda: 3 * need)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    tx.init(params)
 
 
 def test_full_statistics_of_diagonal_factors_warn():

@@ -643,6 +643,7 @@ def scale_by_adaptive_kfac(
 
   def init_fn(params: Any) -> AdaptiveKfacState:
     inner = transform.init_state(kfac_config, comm, layers, params)
+    states.check_device_memory(inner, "kd.kfac", transform.KFAC_REMEDIES)
     dtype = inner.factor_weight.dtype
     scalar = lambda x: jnp.asarray(x, dtype)
     return AdaptiveKfacState(

@@ -270,6 +270,13 @@ def initial_correction(lay: layout_lib.Layout, second: Any, xp: Any
 
 # ---------------------------------------------------------------------- update
 
+# What to do about a state too large for the devices (`states.check_device_memory`).
+KFAC_REMEDIES = ("Spread it over the devices (kd.Distribution(grad_worker_fraction=1/P): MEM-OPT "
+                 "keeps 1/P of the eigenbases on each), keep wide factors diagonal "
+                 "(max_factor_dim=), leave layers out (skip=) or store the running factors in "
+                 "bfloat16 (factor_dtype=jnp.bfloat16).")
+
+
 def check_settings(config: KfacConfig, lay: layout_lib.Layout) -> None:
   """The state was made by a transform of this configuration: the settings
   that shape the layout (method, skip, max_factor_dim, packed factors) agree."""
@@ -715,7 +722,9 @@ def scale_by_kfac(
 
   def init_fn(params: Any) -> ScaleByKfacState:
     states.check_params(params, "scale_by_kfac")
-    return init_state(config, comm, layers, params)
+    state = init_state(config, comm, layers, params)
+    states.check_device_memory(state, "scale_by_kfac", KFAC_REMEDIES)
+    return state
 
   def update_fn(updates: Any, state: ScaleByKfacState, params: Any = None, *,
                 kfac_stats: factors.Stats | None = None, **extra_args: Any

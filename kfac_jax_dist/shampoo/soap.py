@@ -486,7 +486,9 @@ def scale_by_soap(
 
   def init_fn(params: Any) -> ScaleBySoapState:
     states.check_params(params, "scale_by_soap")
-    return init_state(config, comm, params)
+    state = init_state(config, comm, params)
+    states.check_device_memory(state, "scale_by_soap", shampoo_transform.SHAMPOO_REMEDIES)
+    return state
 
   def update_fn(updates: Any, state: ScaleBySoapState, params: Any = None,
                 **extra_args: Any) -> tuple[Any, ScaleBySoapState]:

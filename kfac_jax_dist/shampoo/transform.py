@@ -84,6 +84,14 @@ def configured_layout(config: ShampooConfig, comm: collectives_lib.Collectives,
                              None if config.distribution is None else config.distribution.axis)
 
 
+# What to do about a state too large for the devices (`states.check_device_memory`).
+SHAMPOO_REMEDIES = ("Spread it over the devices (kd.Distribution(grad_worker_fraction=1/P): "
+                    "MEM-OPT keeps 1/P of the roots on each), take smaller blocks "
+                    "(block_size=), leave wide axes out (max_preconditioner_dim=) or "
+                    "parameters out (skip=), or keep the statistics in bfloat16 "
+                    "(statistics_dtype=jnp.bfloat16).")
+
+
 def init_state(config: ShampooConfig, comm: collectives_lib.Collectives, params: Any
                ) -> ScaleByShampooState:
   """The state at count 0 (built in numpy for concrete params: one transfer
@@ -293,7 +301,9 @@ def scale_by_shampoo(
 
   def init_fn(params: Any) -> ScaleByShampooState:
     states.check_params(params, "scale_by_shampoo")
-    return init_state(config, comm, params)
+    state = init_state(config, comm, params)
+    states.check_device_memory(state, "scale_by_shampoo", SHAMPOO_REMEDIES)
+    return state
 
   def update_fn(updates: Any, state: ScaleByShampooState, params: Any = None,
                 **extra_args: Any) -> tuple[Any, ScaleByShampooState]:

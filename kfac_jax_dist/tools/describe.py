@@ -113,7 +113,7 @@ def _summary(state: ScaleByKfacState, shards: int = 1) -> list[str]:
     lines.append(_correction_line(state))
   if state.marked_weight is not None:
     lines.append(_marked_line(state))
-  per_device = _per_device_bytes(state, shards)
+  per_device = states_lib.per_device_bytes(state, shards)
   on_all = (f" ({p * shards * per_device:,} on all {p * shards} devices)"
             if p * shards > 1 else "")
   lines.append(f"K-FAC state: {per_device:,} bytes per device{on_all}.")
@@ -273,22 +273,6 @@ def _diagonal_bytes(state: ScaleByShampooState | ScaleBySoapState, shards: int) 
   return [0 if plan.preconditioned else size(next(moments)) for plan in plans]
 
 
-def _per_device_bytes(state: states_lib.PreconditionerState, shards: int = 1) -> int:
-  """Bytes of the state's arrays on one device: a leaf specced over the axis
-  holds 1/P of its numbers there, every other leaf all of them; of a state
-  kept for `shards` model shards (`tensor_parallel`), one shard's."""
-  lay, specs = state.layout, state.partition_specs()
-  leaves = jax.tree_util.tree_leaves(state)
-  spec_leaves = jax.tree_util.tree_leaves(
-      specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-  total = 0
-  for leaf, spec in zip(leaves, spec_leaves):
-    sharded = lay.axis is not None and len(spec) > 0 and spec[0] is not None
-    tiled = shards if leaf.ndim else 1           # scalars are kept once
-    total += leaf.size * leaf.dtype.itemsize // (lay.num_devices if sharded else 1) // tiled
-  return total
-
-
 def shampoo_table(state: ScaleByShampooState | ScaleBySoapState, shards: int = 1) -> str:
   """One row per parameter: its merged shape, blocks, roots and owner
   groups (or the diagonal method it gets), then the placement in words (of
@@ -321,7 +305,7 @@ def shampoo_table(state: ScaleByShampooState | ScaleBySoapState, shards: int = 1
       f"Statistics: {lay.segment:,} numbers per device; "
       + ("eigenbases" if soap else "roots") + f": {m * lay.segment:,} per device"
       + (" (replicated: one owner group)." if lay.roots_replicated and p > 1 else "."),
-      f"{name} state{shard}: {_per_device_bytes(state, shards):,} bytes per device."]
+      f"{name} state{shard}: {states_lib.per_device_bytes(state, shards):,} bytes per device."]
   return "\n".join(lines)
 
 
