@@ -582,18 +582,19 @@ class ValueAndGrad:
 
     traces: list[_context.Trace] = []
     try:
-      (loss, sampled), vjp, (aux, n, weight) = jax.vjp(evaluate, params, probes, offset,
-                                                       has_aux=True)
+      (loss, second), vjp, (aux, counts, weight) = jax.vjp(evaluate, params, probes, offset,
+                                                           has_aux=True)
     except Exception as error:    # flax's or JAX's, slicing a stacked layer's probes
       self._check_stack_axes(discovered, params, args, kwargs, error)
       raise
-    if per_loss:        # `n` the seeds: the statistics are the batch's as they are
-      grads, probe_bar, g_scale = self._backward_per_loss(vjp, loss, sampled, n, loss_scale,
-                                                          compute_stats)
+    if per_loss:        # each loss's value and seed: the statistics are the batch's as
+      grads, probe_bar, g_scale = self._backward_per_loss(       # they are (n = 1)
+          vjp, loss, second, counts, loss_scale, compute_stats)
       coefficient, n = None, 1
-    else:
-      grads, probe_bar, g_scale, coefficient = self._backward(vjp, loss, sampled, n, weight,
-                                                              loss_scale)
+    else:               # the drawn targets' loss (or None) and the examples
+      grads, probe_bar, g_scale, coefficient = self._backward(vjp, loss, second, counts,
+                                                              weight, loss_scale)
+      n = counts
     value = (loss, aux) if self.has_aux else loss
     counted = frozenset(layer.name for layer in discovered.layers if layer.counted)
     stats = _statistics(probe_bar, g_scale, traces[0].scaled, counted, coefficient)
@@ -628,18 +629,17 @@ class ValueAndGrad:
   def _backward_per_loss(self, vjp: Callable, loss: jax.Array, values: jax.Array,
                          seeds: jax.Array, loss_scale: Any, compute_stats: Any) -> tuple:
     """`(grads, probes' cotangents, g_scale)` where several registered losses
-    `l` (`_per_loss_seeds`: `values` their means on the true or the drawn
-    targets, `seeds` `n_l w_l`) make the statistics: a second backward pass
-    seeded with `s_l` on each `values[l]`, `c_l` the returned value's
-    derivative in loss `l` (the cotangent of the zero it added), so that
-    `G = Σ_rows ĝ ĝᵀ` is `Σ_l c_l² n_l w_l` times loss `l`'s empirical one
-    (`s_l = c_l √(n_l w_l)`, cross terms between the losses kept, as one
-    loss's between its examples) or, for drawn targets (`s_l = √(|c_l| n_l
-    w_l)`, cross terms zero in expectation), an estimate of `Σ_l |c_l| w_l`
-    times its Gauss-Newton matrix: each loss as `_backward` makes it alone,
-    weighted by its share `w_l` of the global batch (`shares`). A step that
-    computes no statistics (`compute_stats` False) takes the first pass's
-    placeholders."""
+    `l` make the statistics (`_per_loss_seeds`: `values` their means on the
+    true or the drawn targets, `seeds` `n_l w_l`, `w_l` the loss's share of
+    the global batch, `shares`; 1 without one): a second backward pass seeded
+    with `s_l` on `values[l]`, `c_l` the returned value's derivative in loss
+    `l` (the cotangent of the zero it added). `G = Σ_rows ĝ ĝᵀ`, `ĝ = Σ_l s_l
+    ∂values[l]/∂o`, is then, for the true targets (`s_l = c_l √(n_l w_l)`),
+    `Σ_l c_l² w_l G_l` plus the cross terms between the losses (kept, as one
+    loss's between its examples), `G_l` loss l's alone as `_backward` makes
+    it; for drawn targets (`s_l = √(|c_l| n_l w_l)`) an estimate of `Σ_l
+    |c_l| w_l G_l` (cross terms zero in expectation). A step that computes no
+    statistics (`compute_stats` False) takes the first pass's placeholders."""
     seed = _seed(loss, loss_scale)
     grads, placeholders, c = vjp((seed, jnp.zeros_like(values)))
     if compute_stats is False:
