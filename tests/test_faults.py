@@ -197,6 +197,11 @@ def test_zero_updates_alone_would_move_momentum():
   with pytest.raises(TypeError, match=r"holds no K-FAC, Shampoo or SOAP state: .*"
                                       r"skip_faulty_steps wraps transforms that hold one"):
     kd.skip_faulty_steps(optax.sgd(0.1)).update(grads, optax.sgd(0.1).init(params))
+  # another chain's state (the bare chain's, given to kd.kfac's update): named, not
+  # optax's "The number of updates and states has to be the same in chain!"
+  with pytest.raises(TypeError, match=r"the state has 2 part\(s\) at its top level, not "
+                                      r"this transform's: another optimizer's"):
+    kd.kfac(0.1, layers=layers).update(grads, bare.init(params), params, kfac_stats=stats)
 
 
 def test_nonfinite_statistics_on_other_steps_are_not_consumed():

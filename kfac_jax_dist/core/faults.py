@@ -230,6 +230,15 @@ def skip_faulty_steps(inner: optax.GradientTransformation
     token = _ZEROED_BY_WRAPPER.set(True)
     try:
       new_updates, new_state = inner.update(updates, state, params, **extra_args)
+    except ValueError as error:
+      if "number of updates and states has to be the same in chain" not in str(error):
+        raise
+      parts = len(state) if isinstance(state, (tuple, list)) else 1
+      raise TypeError(
+          f"update: the state has {parts} part(s) at its top level, not this "
+          "transform's: another optimizer's (e.g. a hand-built optax.chain("
+          "kd.scale_by_kfac(...), optax.sgd(...))'s given to kd.kfac). Pass the state "
+          "this transform's init returned.") from error
     finally:
       _ZEROED_BY_WRAPPER.reset(token)
     old, new = states_lib.find_states(state), states_lib.find_states(new_state)
