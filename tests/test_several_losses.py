@@ -60,6 +60,11 @@ def _combine(policy, value, flags):
   return policy + 0.5 * value + jnp.log1p(flags)
 
 
+def _signed(policy, value, flags):
+  """A likelihood maximised (a GAN's minimax generator's): c = −3 for one."""
+  return policy - 3.0 * value + jnp.log1p(flags)
+
+
 def _linear(policy, value, flags):
   """A returned value whose mean over devices is the whole batch's."""
   return policy + 0.5 * value + 2.0 * flags
@@ -90,9 +95,9 @@ def _plain(outputs_or_none, params, batch, masked: bool):
   return jnp.stack([mean(l, m) for l, m in zip(per_example, masks)]), z, masks
 
 
-def _coefficients(params, batch, masked):
+def _coefficients(params, batch, masked, combine=_combine):
   values = _plain(None, params, batch, masked)[0]
-  return np.asarray(jax.grad(lambda v: _combine(*v))(values))
+  return np.asarray(jax.grad(lambda v: combine(*v))(values))
 
 
 def _hessians(z):
@@ -104,11 +109,11 @@ def _hessians(z):
           "flags": np.stack([np.diag(q * (1 - q)) for q in s])}
 
 
-def _dense_ggn(params, batch, masked):
-  """C = Σ_l c_l (1/n_l) Σ_x w_x J_lxᵀ H_lx J_lx from the full Jacobians."""
+def _dense_ggn(params, batch, masked, combine=_combine):
+  """C = Σ_l |c_l| (1/n_l) Σ_x w_x J_lxᵀ H_lx J_lx from the full Jacobians."""
   flat, unravel = jax.flatten_util.ravel_pytree(params)
   _, z, masks = _plain(None, params, batch, masked)
-  c, hessians = _coefficients(params, batch, masked), _hessians(z)
+  c, hessians = np.abs(_coefficients(params, batch, masked, combine)), _hessians(z)
   total = np.zeros((flat.size, flat.size))
   for l, name in enumerate(LAYERS[1:]):
     jac = np.asarray(jax.jacfwd(lambda f: _plain(None, unravel(f), batch, masked)[1][name]
@@ -157,20 +162,24 @@ def _mc_expected_g(params, batch, masked):
   return out
 
 
-@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
-def test_curvature_products_sum_the_losses(masked):
+@pytest.mark.parametrize("masked,combine", [(False, _combine), (True, _combine),
+                                            (True, _signed)],
+                         ids=["unmasked", "masked", "negative"])
+def test_curvature_products_sum_the_losses(masked, combine):
   """`gauss_newton_gram` is `v_iᵀ C v_j` of the summed Gauss-Newton matrix
-  (≤ 1e-12), each loss's times the returned value's derivative in it."""
+  (≤ 1e-12), each loss's times the returned value's derivative in it, or its
+  magnitude where negative (a likelihood maximised: its Fisher with that
+  weight, as the Monte Carlo factors take it)."""
   params, batch = _params(), _batch()
-  grad_fn = kd.value_and_grad(_loss_fn(masked))
+  grad_fn = kd.value_and_grad(_loss_fn(masked, combine))
   vectors = (helpers.randomized(params, 3), helpers.randomized(params, 4))
   gram, loss = jax.jit(lambda p: grad_fn.gauss_newton_gram(p, vectors, *batch,
                                                            with_loss=True))(params)
-  c = _dense_ggn(params, batch, masked)
+  c = _dense_ggn(params, batch, masked, combine)
   flat = np.stack([jax.flatten_util.ravel_pytree(v)[0] for v in vectors])
   want = flat @ c @ flat.T
   np.testing.assert_allclose(gram, want, rtol=1e-12, atol=1e-14 * np.abs(want).max())
-  np.testing.assert_allclose(loss, _combine(*_plain(None, params, batch, masked)[0]),
+  np.testing.assert_allclose(loss, combine(*_plain(None, params, batch, masked)[0]),
                              rtol=1e-13)
 
 
@@ -281,11 +290,13 @@ def test_kfac_on_eight_devices_equals_one_device(correction):
     helpers.assert_trees_equal(params, one_params, rtol=1e-10)
 
 
-def test_adaptive_first_step_solves_the_summed_model():
+@pytest.mark.parametrize("combine", [_combine, _signed], ids=["positive", "negative"])
+def test_adaptive_first_step_solves_the_summed_model(combine):
   """Adaptive K-FAC's first update `αΔ` with `α = −∇ᵀΔ / Δᵀ(C + λI)Δ`, C
-  the dense summed Gauss-Newton matrix (≤ 1e-10)."""
+  the dense summed Gauss-Newton matrix (≤ 1e-10): a descent step also where a
+  loss's coefficient is negative (with the signed C its α went uphill)."""
   params, batch, damping = _params(), _batch(), 0.05
-  grad_fn = kd.value_and_grad(_loss_fn(True))
+  grad_fn = kd.value_and_grad(_loss_fn(True, combine))
   layers = grad_fn.discover(params, *batch)
   tx = kd.kfac(None, None, layers=layers, damping=damping, grad_fn=grad_fn,
                factor_dtype=jnp.float64)
@@ -296,10 +307,11 @@ def test_adaptive_first_step_solves_the_summed_model():
   direction, _ = inner.update(grads, inner.init(params), params, kfac_stats=stats)
   flat = lambda t: jax.flatten_util.ravel_pytree(t)[0]
   g, delta = np.asarray(flat(grads)), np.asarray(flat(direction))
-  c = _dense_ggn(params, batch, True) + damping * np.eye(g.size)
+  c = _dense_ggn(params, batch, True, combine) + damping * np.eye(g.size)
   want = -(g @ delta) / (delta @ c @ delta) * delta
   np.testing.assert_allclose(flat(updates), want, rtol=1e-10,
                              atol=1e-12 * np.abs(want).max())
+  assert g @ np.asarray(flat(updates)) < 0
 
 
 @pytest.mark.parametrize("skip", ["layer", "pass"])

@@ -18,8 +18,12 @@ the parameters, `a` for `a · loss`: kfac-jax's loss weight). A loss function
 that registers several losses `l` (a multi-task model's heads) has the sum
 of theirs, `C = Σ_l (c_l/n_l) Σ_x w_lx J_lxᵀ H_lx J_lx` (kfac-jax's sum over
 its registered losses). It is the exact curvature of the loss (whatever
-`fisher=` the capture uses for its statistics), positive semi-definite for
-`c ≥ 0`. `gram_matrix` returns
+`fisher=` the capture uses for its statistics) where every `c ≥ 0`. A
+negative `c` (a likelihood maximised: a GAN's minimax generator, `L₁ − a·L₂`)
+counts as `|c|`, as the Monte Carlo factors count it: that loss's Fisher
+with weight `|c|`, so `C` stays positive semi-definite and adaptive K-FAC's
+quadratic model bounded below (with `c` itself the model's minimum along a
+descent direction is a maximum: its steps went uphill). `gram_matrix` returns
 `G[i, j] = v_iᵀ C v_j` for a few parameter-shaped vectors `v_i`:
 
 * one forward linearisation: `jax.linearize` of `θ → z` (the loss function run
@@ -139,7 +143,8 @@ def _local_gram(fun: Callable, has_aux: bool, params, vectors: tuple, args: tupl
   # tangent per loss.
   coefficients, (value, grams, n) = jax.jacfwd(gram_at, has_aux=True)(
       jnp.zeros([num_losses], jax.dtypes.canonicalize_dtype(jnp.float64)))
-  return grams * coefficients.astype(grams.dtype)[:, None, None], value, n
+  weights = jnp.abs(coefficients).astype(grams.dtype)       # |c_l|: see the module docstring
+  return grams * weights[:, None, None], value, n
 
 
 def gram_matrix(fun: Callable, has_aux: bool, params, vectors: Sequence, args: tuple,

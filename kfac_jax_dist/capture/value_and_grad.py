@@ -322,7 +322,8 @@ class ValueAndGrad:
 
     Every positional argument after `params` is split along its leading axis
     (keyword arguments are passed whole). The results equal those of the whole
-    batch: with `n_i` the examples of slice i (its registered loss's
+    batch (for a loss linear in its registered losses: a `log L` or `L₁·L₂` is
+    each slice's): with `n_i` the examples of slice i (its registered loss's
     denominator, e.g. a mask's sum) and `N = Σ n_i`, each slice's registered
     loss is weighted by its share `k·n_i/N` (`shares`: with a mask, `N` is
     counted first, by a pass that `jit` compiles down to the masks' sums), so
@@ -396,7 +397,9 @@ class ValueAndGrad:
     `diag(1/σ², 1/(2σ⁴))`), `w_x` the loss's mask
     (1 without), `n = Σ w_x` (the loss's denominator) and `c` the derivative
     of the returned loss in the registered loss (1 for the registered loss
-    plus terms of the parameters, `a` for `a · loss`). The same for either
+    plus terms of the parameters, `a` for `a · loss`; a negative one counts
+    as `|c|`; several registered losses: the sum of theirs, see
+    `capture.curvature`). The same for either
     `fisher=`: the exact curvature, not the capture's statistics; `rng`,
     `opt_state` and `loss_scale` are accepted and ignored.
 
