@@ -206,7 +206,8 @@ def _following(vectors: jax.Array, statistics: jax.Array, previous: jax.Array) -
   the old columns by those quotients and permutes `V` with them)."""
   dtype = vectors.dtype
   old = previous.astype(dtype)
-  rayleigh = jnp.sum(old * (statistics.astype(dtype) @ old), axis=-2)        # [n, d]
+  product = jnp.matmul(statistics.astype(dtype), old, precision=lax.Precision.HIGHEST)
+  rayleigh = jnp.sum(old * product, axis=-2)                                   # [n, d]
   rank = jnp.argsort(jnp.argsort(rayleigh, axis=-1, stable=True), axis=-1, stable=True)
   return jnp.take_along_axis(vectors, rank[:, None, :], axis=-1)
 
