@@ -73,6 +73,8 @@ OPTIONS = {"plain": {}, "ekfac": {"eigenvalue_correction": "ekfac"},
            "stale": {"stale_threshold": 0.1},
            "stale_ekfac": {"stale_threshold": 0.1, "eigenvalue_correction": "ekfac"},
            "bf16_factors": {"factor_dtype": jnp.bfloat16},
+           "bf16_second_ekfac": {"second_order_dtype": jnp.bfloat16,
+                                 "eigenvalue_correction": "ekfac"},
            "inverse": {"method": "inverse"}, "stale_inverse": {"stale_threshold": 0.1,
                                                                "method": "inverse"}}
 

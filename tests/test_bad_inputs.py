@@ -1423,6 +1423,22 @@ def test_a_state_above_half_the_device_memory_warns(monkeypatch, make, name):
     tx.init(params)
 
 
+def test_second_order_dtype_float16_and_another_states_are_refused():
+  """float16 cannot hold the second-order state (eigenvalues, 1/γ past
+  65504): refused, pointing to bfloat16; a state stored in another dtype
+  than the transform's (another configuration's) is named, not a
+  conditional's dtype error."""
+  with pytest.raises(ValueError, match="second_order_dtype=float16 cannot hold .*bfloat16"):
+    kd.kfac(0.1, layers=LAYERS, second_order_dtype=jnp.float16)
+  params, batch = _params(), _batch()
+  state = kd.kfac(0.1, layers=LAYERS).init(params)
+  _, grads, stats = GRAD_FN(params, *batch, opt_state=state)
+  tx = kd.kfac(0.1, layers=LAYERS, second_order_dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="stores its second-order state in float32, the "
+                                       "transform in bfloat16"):
+    tx.update(grads, state, params, kfac_stats=stats)
+
+
 def test_full_statistics_of_diagonal_factors_warn():
   """Statistics formed without `opt_state=` are full `d × d` matrices even
   for a factor the state keeps diagonal (gigabytes for a vocabulary-sized

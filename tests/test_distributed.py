@@ -351,6 +351,42 @@ def test_one_device_distribution_equals_single_device(fraction):
   _assert_same(trajectory, reference)
 
 
+@pytest.mark.parametrize("fraction, method", helpers.slow_unless(
+    [(1.0, "eigen"), (1 / 2, "eigen"), (1 / 8, "inverse")], [(1 / 2, "eigen")]))
+def test_bfloat16_second_order_state_equals_single_device(x64, fraction, method):
+  """`second_order_dtype=jnp.bfloat16`: the second-order rows, their
+  all-gathers (COMM-OPT's, HYBRID's within a group) and MEM-OPT's owners'
+  reads in bfloat16 give one device's steps (float64 factors: the same
+  numbers are rounded, 1e-12). A dense model: rounding eigenbases is not
+  invariant within a repeated eigenvalue's eigenspace (a padded convolution
+  has them), where float64's reduction orders pick other bases (6e-7 apart)."""
+  del x64
+  loss_fn, params, batch = _masked_problem()
+  grad_fn = kd.value_and_grad(loss_fn)
+  options = dict(layers=grad_fn.discover(params, *batch), damping=1e-2, method=method,
+                 factor_dtype=jnp.float64, second_order_dtype=jnp.bfloat16)
+  dist = kd.Distribution(helpers.data_mesh(8), grad_worker_fraction=fraction,
+                         gradient_reduction="all_reduce")
+  single, tx = kd.kfac(0.1, **options), kd.kfac(0.1, distribution=dist, **options)
+
+  def step_of(tx):
+    def step(params, state, *batch):
+      _, grads, stats = grad_fn(params, *batch, opt_state=state)
+      updates, state = tx.update(grads, state, params, kfac_stats=stats)
+      return optax.apply_updates(params, updates), state
+    return step
+  run, state = helpers.compile_step(step_of(tx), tx.init(params), dist, 3)
+  one, one_state = jax.jit(step_of(single)), single.init(params)
+  one_params = params
+  for i in range(3):
+    params, state = run(params, state, *batch)
+    one_params, one_state = one(one_params, one_state, *batch)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-15,
+                                                         err_msg=f"step {i}"),
+                 params, one_params)
+  assert kd.find_states(state)[0].second_order.dtype == jnp.bfloat16
+
+
 def _fsdp_sharding(mesh, leaf):
   """ZeRO-3 / FSDP's layout of one parameter: its longest axis divisible by
   the device count split over "data" (replicated if none is)."""

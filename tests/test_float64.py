@@ -534,6 +534,39 @@ def test_float32_factors_miss_the_tolerance():
   assert 1e-9 < err < 1e-4, err
 
 
+def _bf16(x) -> np.ndarray:
+  """`x` rounded to bfloat16 (nearest even), back in float64."""
+  return np.asarray(jnp.asarray(x, F64).astype(jnp.bfloat16).astype(F64))
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_bfloat16_second_order_state_is_the_brute_force_rounded(method):
+  """`second_order_dtype=jnp.bfloat16` (KAISA's 16-bit `inv_dtype`): the
+  eigenbases and eigenvalues (or the damped inverses) are decomposed in
+  float64, stored rounded to bfloat16 and read up: the update equals the
+  brute force's with exactly those numbers rounded (≤ 1e-12), products and
+  all in float64, and the rounding shows against the unrounded update."""
+  case = dense_case()
+  params, layers, grads, stats = captured(case)
+  tx = kd.scale_by_kfac(layers=layers, damping=GAMMA, method=method, factor_dtype=F64,
+                        second_order_dtype=jnp.bfloat16)
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), kfac_stats=stats)
+  assert state.second_order.dtype == jnp.bfloat16 and state.factors.dtype == F64
+  a, g, grad = case.stats["A"], case.stats["G"], case.grad
+  if method == "eigen":
+    (va, qa), (vg, qg) = np.linalg.eigh(a), np.linalg.eigh(g)
+    va, qa, vg, qg = (_bf16(x) for x in (np.maximum(va, 0), qa, np.maximum(vg, 0), qg))
+    want = qa @ ((qa.T @ grad @ qg) / (np.outer(va, vg) + GAMMA)) @ qg.T
+  else:
+    pi = np.sqrt((np.trace(a) / a.shape[0]) / (np.trace(g) / g.shape[0]))
+    inv_a = _bf16(np.linalg.inv(a + pi * np.sqrt(GAMMA) * np.eye(a.shape[0])))
+    inv_g = _bf16(np.linalg.inv(g + np.sqrt(GAMMA) / pi * np.eye(g.shape[0])))
+    want = inv_a @ grad @ inv_g
+  got = gradient_matrix(case.layer, updates)
+  assert rel_err(got, want) <= TOL, rel_err(got, want)
+  assert 1e-5 < rel_err(got, brute_update(case, method)) < 1e-1
+
+
 def _bf16_dense():
   rng = _rng(5)
   x = jnp.asarray(rng.normal(size=(16, 6)), jnp.bfloat16)

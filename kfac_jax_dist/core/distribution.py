@@ -133,7 +133,8 @@ class Distribution:
     and the runner-up are in `explanation`, and `kd.describe` prints them.
     `layers`: `grad_fn.discover(...)`; `options`: the ones you will pass
     kd.kfac that change its state or traffic (`method`, `max_factor_dim`,
-    `skip`, `factor_dtype`, `stale_threshold`, `eigenvalue_correction`) and
+    `skip`, `factor_dtype`, `second_order_dtype`, `stale_threshold`,
+    `eigenvalue_correction`) and
     this class's `symmetric_comm`, `comm_dtype` (kept in the result). With
     `stale_threshold`, `factor_update_every` is the mean number of steps
     between a factor's refreshes and `inverse_update_every` between steps that

@@ -41,6 +41,7 @@ class KfacConfig:
   kl_clip: cadence.ScalarOrSchedule | None = None
   learning_rate: cadence.ScalarOrSchedule | None = None
   factor_dtype: Any = None
+  second_order_dtype: Any = None
   skip: Sequence[str] = ()
   max_factor_dim: int | None = None
   distribution: distribution_lib.Distribution | None = None
@@ -54,6 +55,7 @@ class KfacConfig:
     settings.check_floating_dtype("factor_dtype", self.factor_dtype)
     if self.factor_dtype is None:
       object.__setattr__(self, "factor_dtype", jnp.float32)
+    self._check_second_order_dtype()
     if self.method not in METHODS:
       raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
     settings.check_positive("damping", self.damping)
@@ -95,6 +97,15 @@ class KfacConfig:
                                                  allow_zero=True))
     return settings.all_ok(checks)
 
+  def _check_second_order_dtype(self) -> None:
+    settings.check_floating_dtype("second_order_dtype", self.second_order_dtype)
+    if self.second_order_dtype is not None and jnp.dtype(
+        self.second_order_dtype) == jnp.float16:
+      raise ValueError(
+          "second_order_dtype=float16 cannot hold the second-order state: eigenvalues "
+          "of the factors and damped inverses (up to 1/damping) overflow its 65504. "
+          "Use jnp.bfloat16 (float32's range in 16 bits).")
+
   def _check_stale(self) -> None:
     every = (self.factor_update_every, self.inverse_update_every)
     if not all(isinstance(e, int) and e == 1 for e in every):
@@ -113,6 +124,14 @@ class KfacConfig:
   def compute_dtype(self) -> Any:
     """The dtype of decompositions and preconditioning: float32 at least."""
     return jnp.promote_types(self.factor_dtype, jnp.float32)
+
+  @property
+  def second_dtype(self) -> Any:
+    """The storage dtype of the second-order state (eigenbases and
+    eigenvalues, or inverses): `second_order_dtype`, else the compute dtype
+    (the products that read it run in the compute dtype)."""
+    return (self.compute_dtype if self.second_order_dtype is None
+            else jnp.dtype(self.second_order_dtype))
 
   @property
   def gradient_reduction(self) -> str:

@@ -162,11 +162,14 @@ def _corrected_runs(lay: layout_lib.Layout) -> list[list[layout_lib.LayerPlan]]:
 
 
 def kfac_scaling(lay: layout_lib.Layout, second: jax.Array) -> jax.Array:
-  """K-FAC's `v_A v_Gᵀ` of every corrected layer, as `CorrectionState.scaling`."""
-  pieces = [jnp.einsum("ki,kj->kij", _run_parts(lay, second, run, "a", "vector_offset"),
-                       _run_parts(lay, second, run, "g", "vector_offset")).ravel()
+  """K-FAC's `v_A v_Gᵀ` of every corrected layer, as `CorrectionState.scaling`:
+  in float32 at least (a 16-bit second-order state's eigenvalues are read
+  up; the scaling is a running average, which 16 bits would stall)."""
+  dtype = jnp.promote_types(second.dtype, jnp.float32)
+  part = lambda run, which: _run_parts(lay, second, run, which, "vector_offset").astype(dtype)
+  pieces = [jnp.einsum("ki,kj->kij", part(run, "a"), part(run, "g")).ravel()
             for run in _corrected_runs(lay)]
-  return jnp.concatenate(pieces) if pieces else jnp.zeros(0, second.dtype)
+  return jnp.concatenate(pieces) if pieces else jnp.zeros(0, dtype)
 
 
 def per_number(lay: layout_lib.Layout, flags: jax.Array) -> jax.Array:

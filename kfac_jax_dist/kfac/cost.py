@@ -251,12 +251,13 @@ def _correction_terms(config: config_lib.KfacConfig, lay: layout_lib.Layout
   each ran on any device, under DP-KFAC too) on factor steps."""
   if config.eigenvalue_correction is None:
     return [], []
-  p, second = lay.num_devices, _itemsize(config.compute_dtype)
+  p, compute = lay.num_devices, _itemsize(config.compute_dtype)
   scaling = [("EK-FAC S all-reduce 2(P-1)/P·Σ d_A·d_G",
-              2 * (p - 1) / p * _corrected_numbers(lay) * second)] + _positions_psum(lay)
+              2 * (p - 1) / p * _corrected_numbers(lay) * compute)] + _positions_psum(lay)
   if lay.num_groups == 1:
     return scaling, []
-  return scaling, uneven_terms(lay.read_sizes, "EK-FAC eigenbases AG", True, second)
+  return scaling, uneven_terms(lay.read_sizes, "EK-FAC eigenbases AG", True,
+                               _itemsize(config.second_dtype))
 
 
 def _inverse_terms(config: config_lib.KfacConfig, lay: layout_lib.Layout
@@ -285,7 +286,7 @@ def _stale_step_bytes(config: config_lib.KfacConfig, lay: layout_lib.Layout,
                [("refreshed factors' all-reduces 2(P-1)/P·T", 2 * r * total * traffic)])
   scaling, bases = _correction_terms(config, lay)
   any_refresh = ([_fault_check(p)] + _stored_checks(config, p) + scaling
-                 + second_order_terms(lay, _itemsize(config.compute_dtype)) + bases
+                 + second_order_terms(lay, _itemsize(config.second_dtype)) + bases
                  + _inverse_terms(config, lay))
   return StepBytes(plain + (decisions, *_positions_psum(lay)), tuple(refreshed),
                    tuple(any_refresh))
@@ -294,8 +295,9 @@ def _stale_step_bytes(config: config_lib.KfacConfig, lay: layout_lib.Layout,
 def kfac_step_bytes(config: config_lib.KfacConfig, lay: layout_lib.Layout) -> StepBytes:
   """`step_bytes` of the step `config` describes: the statistics travel in
   `comm_dtype` (else the compute dtype, float32 at least: they are averaged
-  in it before being stored in `factor_dtype`), the second-order state in the
-  compute dtype, and the options add their own collectives:
+  in it before being stored in `factor_dtype`), the second-order state in
+  `second_order_dtype` (else the compute dtype), and the options add their
+  own collectives:
 
   * EK-FAC: the batch's `S` averaged over the devices, 2(P−1)/P·Σ d_A·d_G (and
     the positions' psum of the layers that may sit out a pass), on factor
@@ -319,7 +321,7 @@ def kfac_step_bytes(config: config_lib.KfacConfig, lay: layout_lib.Layout) -> St
   traffic = _itemsize(config.compute_dtype if dist.comm_dtype is None else dist.comm_dtype)
   base = step_bytes(lay, dist.factor_reduction, dist.gradient_reduction,
                     factor_traffic_bytes=traffic, factor_bytes=stored,
-                    second_bytes=_itemsize(config.compute_dtype))
+                    second_bytes=_itemsize(config.second_dtype))
   if config.stale_threshold is not None:
     return _stale_step_bytes(config, lay, base.plain, traffic)
   scaling, bases = _correction_terms(config, lay)
@@ -337,12 +339,15 @@ def stale_state_bytes(lay: layout_lib.Layout, factor_bytes: int, second_bytes: i
           + len(stale_lib.factor_order(lay)) * (4 * 4 + second_bytes) + 4)
 
 
-def correction_state_bytes(lay: layout_lib.Layout, second_bytes: int) -> int:
-  """EK-FAC's state per device: the scaling (`Σ d_A·d_G`, replicated), one
-  flag per corrected layer and, with several owner groups, every owner's
-  second-order segment in rows (`Layout.owner_array`)."""
+def correction_state_bytes(lay: layout_lib.Layout, second_bytes: int,
+                           scaling_bytes: int | None = None) -> int:
+  """EK-FAC's state per device: the scaling (`Σ d_A·d_G`, replicated, of
+  `scaling_bytes`, float32 at least; None: `second_bytes`), one flag per
+  corrected layer and, with several owner groups, every owner's second-order
+  segment in rows (`Layout.owner_array`)."""
   gathered = lay.owner_array if lay.num_groups > 1 else 0
-  return ((_corrected_numbers(lay) + gathered) * second_bytes
+  scaling_bytes = second_bytes if scaling_bytes is None else scaling_bytes
+  return (_corrected_numbers(lay) * scaling_bytes + gathered * second_bytes
           + len(correction_lib.corrected_plans(lay)))
 
 
@@ -358,14 +363,16 @@ def kfac_state_bytes(config: config_lib.KfacConfig, lay: layout_lib.Layout) -> i
   in its dtypes, with `stale_state_bytes` and `correction_state_bytes` where
   those options are on, and `marked_state_bytes` where layers may sit out a
   pass (stale statistics keep a weight per factor anyway: none there)."""
-  stored, second = _itemsize(config.factor_dtype), _itemsize(config.compute_dtype)
+  stored, compute = _itemsize(config.factor_dtype), _itemsize(config.compute_dtype)
+  second = _itemsize(config.second_dtype)
   total = state_bytes(lay, stored, second)
   if config.stale_threshold is not None:
-    total += stale_state_bytes(lay, stored, second)
+    total += stale_state_bytes(lay, stored, compute)
   else:
-    total += marked_state_bytes(lay, second)
+    total += marked_state_bytes(lay, compute)
   if config.eigenvalue_correction is not None:
-    total += correction_state_bytes(lay, second)
+    total += correction_state_bytes(lay, second, _itemsize(
+        jnp.promote_types(config.second_dtype, jnp.float32)))
   return total
 
 
@@ -464,8 +471,8 @@ def choose(found: list[Candidate], num_devices: int, memory_budget: float | None
   return best, runner, tuple(lines)
 
 
-KFAC_OPTIONS = ("method", "max_factor_dim", "skip", "factor_dtype", "stale_threshold",
-                "eigenvalue_correction")
+KFAC_OPTIONS = ("method", "max_factor_dim", "skip", "factor_dtype", "second_order_dtype",
+                "stale_threshold", "eigenvalue_correction")
 DISTRIBUTION_OPTIONS = ("symmetric_comm", "comm_dtype")
 
 

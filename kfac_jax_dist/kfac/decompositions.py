@@ -153,7 +153,7 @@ def _new_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
   pieces, new_runs, running_runs, slots, at = [], [], [], 0, 0
   for batch in layout.batches[device]:
     running = packing.unpack_batch(owned, batch, layout.packed)
-    parts = ([running.astype(config.compute_dtype)] if batch.form == statistics.UNIT
+    parts = ([running.astype(config.second_dtype)] if batch.form == statistics.UNIT
              else decompose_batch(batch, running, at))
     size = layout_lib.storage_size(batch.dim, batch.form, layout.packed)
     running_runs.append((batch.offset, batch.count, size, slots))
@@ -163,7 +163,7 @@ def _new_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
     # A batch's parts, contiguous, in one write (one kernel).
     pieces.append(jnp.concatenate([part.reshape(-1) for part in parts]))
     slots += batch.count
-  new = collectives_lib.pad_to(pieces, layout.second_segment, config.compute_dtype)
+  new = collectives_lib.pad_to(pieces, layout.second_segment, config.second_dtype)
   return new, SlotRuns(tuple(new_runs), tuple(running_runs), slots)
 
 
@@ -173,7 +173,7 @@ def eigen_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
   """The device's new `[L₂]` segment: eigenbases and eigenvalues of its
   factors (a split factor keeps its columns); as `_new_segment`. With `due`
   (stale statistics), only the due factors' (`DueFactors.parts`)."""
-  dtype = config.compute_dtype
+  dtype = config.second_dtype
 
   def parts(batch: layout_lib.Batch, running: jax.Array, at: int) -> list[jax.Array]:
     kept = lambda x: kept_columns(comm, layout, device, batch, x).astype(dtype)
@@ -297,7 +297,7 @@ def inverse_segment(config: KfacConfig, layout: layout_lib.Layout, device: int,
   """As `eigen_segment`, with damped inverses; `damping` holds every factor's
   (a non-finite one, from a non-finite trace of either factor of the layer,
   keeps both inverses)."""
-  dtype = config.compute_dtype
+  dtype = config.second_dtype
 
   def parts(batch: layout_lib.Batch, running: jax.Array, at: int) -> list[jax.Array]:
     if shares_branch(comm, layout, device):

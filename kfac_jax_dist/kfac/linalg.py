@@ -85,8 +85,8 @@ def precondition_eigen(grad, basis_a, values_a, basis_g, values_g, damping, rows
   Without `rows`, batched: `[k, d_A, d_G]` gradients with `[k, d, d]` bases
   and `[k, d]` values (`layout.precondition_runs`)."""
   m = _rotate(grad, basis_a, basis_g, transpose=True)
-  if scaling is None:
-    scaling = values_a[..., :, None] * values_g[..., None, :]
+  if scaling is None:      # in the gradients' dtype (a 16-bit state's values read up)
+    scaling = values_a[..., :, None].astype(m.dtype) * values_g[..., None, :].astype(m.dtype)
   m = m / (scaling.astype(m.dtype) + damping)
   if rows is not None:
     if basis_a is None:

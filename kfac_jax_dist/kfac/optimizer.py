@@ -104,6 +104,7 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
          inverse_update_every: cadence.ScalarOrSchedule | None = None,
          method: Method = "eigen",
          kl_clip: cadence.ScalarOrSchedule | None = KL_CLIP, factor_dtype: Any = None,
+         second_order_dtype: Any = None,
          skip: Sequence[str] = (), max_factor_dim: int | None = None,
          distribution: distribution_lib.Distribution | None = None,
          stale_threshold: float | None = None, grad_fn: Callable | None = None,
@@ -145,33 +146,31 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
     nesterov: Nesterov momentum instead of heavy ball.
     layers: the `LayerRegistry` of `kd.value_and_grad(loss_fn).discover(params,
       *batch)`; `init` needs it: it fixes the state's layout.
-    damping: `γ` of `(A ⊗ G + γI)⁻¹`, positive; a float or a schedule of the
-      update count. With method "inverse" a new value takes effect at the next
-      inverse update. None: `DAMPING` (1e-3), or in adaptive mode
-      `ADAPTIVE_DAMPING` (0.1) as the initial λ: with eigenbases every 10
-      steps, 1e-2 diverged on the digits CNN, 0.1 trained the convergence
-      study's three tasks on every seed (docs/concepts.md, adaptive K-FAC).
+    damping: `γ` of `(A ⊗ G + γI)⁻¹`, positive; a float or a schedule (with method
+      "inverse" a new value acts at the next inverse update). None: `DAMPING` (1e-3),
+      or in adaptive mode `ADAPTIVE_DAMPING` (0.1) as the initial λ (1e-2 diverged
+      on the digits CNN: docs/concepts.md, adaptive K-FAC).
     factor_decay: weight of the *old* value in the running factor averages,
       in [0, 1) (the papers' ξ is `1 − factor_decay`).
     factor_update_every: compute the statistics and update the running factors
       (and send them, when distributed) when `count % factor_update_every ==
       0`; a positive int or a schedule. The default 1 does this every step;
       KAISA uses 10.
-    inverse_update_every: recompute the eigendecompositions ("eigen") or
-      inverses ("inverse") when `count % inverse_update_every == 0`; a
-      positive int or a schedule. None: `INVERSE_UPDATE_EVERY` (1: an
-      eigendecomposition of every factor every step, `O(d³)` per factor and
-      the most costly part of K-FAC; KAISA uses 100), or in adaptive mode
-      `ADAPTIVE_INVERSE_UPDATE_EVERY` (10; 1 with `stale_threshold`), where
-      the quadratic model sets the step's length along stale directions too.
+    inverse_update_every: recompute the eigendecompositions or inverses when
+      `count % inverse_update_every == 0`; a positive int or a schedule. None:
+      `INVERSE_UPDATE_EVERY` (1: every factor decomposed every step, `O(d³)` each,
+      K-FAC's costliest part; KAISA uses 100), or in adaptive mode
+      `ADAPTIVE_INVERSE_UPDATE_EVERY` (10; 1 with `stale_threshold`).
     method: "eigen" (exact `(A⊗G + γI)⁻¹` from eigendecompositions; four
       matrix products per layer and step) or "inverse" (π-damped Cholesky
       inverses, an approximation; two products).
     kl_clip: `κ` of KAISA's KL clip (Eq. 5.1), a float or a schedule; None
       turns it off. The default 1e-3 is KAISA's; when the clip binds, the
       step no longer depends on `learning_rate`.
-    factor_dtype: storage dtype of the running factors (None: float32;
-      `jnp.bfloat16` halves them); decompositions run in float32 at least.
+    factor_dtype, second_order_dtype: storage dtypes of the running factors
+      (None: float32) and of the eigenbases and eigenvalues or inverses (None:
+      the compute dtype; KAISA's `inv_dtype`); `jnp.bfloat16` halves either;
+      decompositions and products run in float32 at least.
     skip: regular expressions searched in the layer names; matching layers
       (e.g. a vocabulary-sized output layer) pass through unpreconditioned. A
       pattern that matches no layer raises.
@@ -229,7 +228,8 @@ def kfac(learning_rate: cadence.ScalarOrSchedule | None, momentum: float | None 
   options = dict(damping=damping, factor_decay=factor_decay,
                  factor_update_every=factor_update_every,
                  inverse_update_every=inverse_update_every, method=method,
-                 factor_dtype=factor_dtype, skip=skip, max_factor_dim=max_factor_dim,
+                 factor_dtype=factor_dtype, second_order_dtype=second_order_dtype,
+                 skip=skip, max_factor_dim=max_factor_dim,
                  distribution=distribution, stale_threshold=stale_threshold,
                  eigenvalue_correction=eigenvalue_correction)
   if not adaptive_mode:

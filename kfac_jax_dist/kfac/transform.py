@@ -236,17 +236,18 @@ def initial_arrays(config: KfacConfig, lay: layout_lib.Layout, xp: Any
   Traced, built elementwise (`packing.initial_factors`): under
   `jax.jit(tx.init, out_shardings=...)` each device builds its shard alone.
   On the host, in numpy."""
-  dtype, compute = config.factor_dtype, config.compute_dtype
+  dtype, second_dtype = config.factor_dtype, config.second_dtype
   if xp is jnp:
     return (packing.initial_factors(lay, dtype),
-            packing.initial_second_order(lay, second_order_rows(lay), lay.second_row, compute,
+            packing.initial_second_order(lay, second_order_rows(lay), lay.second_row,
+                                         second_dtype,
                                          None if lay.num_groups == 1 else lay.second_rows))
   running = packing.all_segments(
       lay, lambda plan, which: packing.stored_identity(getattr(plan, which), dtype,
                                                        lay.packed, np),
       dtype, np, stored_values=True)
   second = global_second_order(
-      lay, [packing.second_order_segment(lay, d, compute, np)
+      lay, [packing.second_order_segment(lay, d, second_dtype, np)
             for d in range(lay.num_devices)], np)
   return running, second
 
@@ -273,8 +274,8 @@ def initial_correction(lay: layout_lib.Layout, second: Any, xp: Any
 # What to do about a state too large for the devices (`states.check_device_memory`).
 KFAC_REMEDIES = ("Spread it over the devices (kd.Distribution(grad_worker_fraction=1/P): MEM-OPT "
                  "keeps 1/P of the eigenbases on each), keep wide factors diagonal "
-                 "(max_factor_dim=), leave layers out (skip=) or store the running factors in "
-                 "bfloat16 (factor_dtype=jnp.bfloat16).")
+                 "(max_factor_dim=), leave layers out (skip=) or store the running factors "
+                 "and eigenbases in bfloat16 (factor_dtype=, second_order_dtype=jnp.bfloat16).")
 
 
 def check_settings(config: KfacConfig, lay: layout_lib.Layout) -> None:
@@ -315,6 +316,12 @@ def check_placement(config: KfacConfig, state: ScaleByKfacState) -> None:
   placement.check_layout("K-FAC", have, want, ("devices", "gradient workers per layer",
                                                "axis", "factor storage"))
   check_settings(config, lay)
+  stored = jnp.dtype(state.second_order.dtype)
+  if stored != config.second_dtype:
+    raise ValueError(
+        f"This K-FAC state stores its second-order state in {stored.name}, the transform "
+        f"in {jnp.dtype(config.second_dtype).name} (second_order_dtype=, factor_dtype=): "
+        "use the state of this transform's init.")
   if dist is None:
     return
   placement.check_axis("K-FAC", dist)
@@ -654,6 +661,7 @@ def scale_by_kfac(
     kl_clip: cadence.ScalarOrSchedule | None = None,
     learning_rate: cadence.ScalarOrSchedule | None = None,
     factor_dtype: Any = None,
+    second_order_dtype: Any = None,
     skip: Sequence[str] = (),
     max_factor_dim: int | None = None,
     distribution: distribution_lib.Distribution | None = None,
@@ -680,6 +688,10 @@ def scale_by_kfac(
     learning_rate: `η` for the KL clip, a float or a schedule.
     factor_dtype: storage dtype of the running factors (default float32);
       decompositions run in float32 at least.
+    second_order_dtype: storage dtype of the eigenbases and eigenvalues (or
+      inverses), which also travel in it (KAISA's `inv_dtype`; default: the
+      compute dtype, float32 at least). `jnp.bfloat16` halves that state and
+      its all-gathers; the products that read it run in the compute dtype.
     skip: regular expressions; tagged layers whose name matches one (e.g. a
       vocabulary-sized output layer) pass through unpreconditioned. A pattern
       that matches no layer raises at `init`.
@@ -715,7 +727,8 @@ def scale_by_kfac(
   config = KfacConfig(
       damping=damping, factor_decay=factor_decay, factor_update_every=factor_update_every,
       inverse_update_every=inverse_update_every, method=method, kl_clip=kl_clip,
-      learning_rate=learning_rate, factor_dtype=factor_dtype, skip=skip,
+      learning_rate=learning_rate, factor_dtype=factor_dtype,
+      second_order_dtype=second_order_dtype, skip=skip,
       max_factor_dim=max_factor_dim, distribution=distribution,
       stale_threshold=stale_threshold, eigenvalue_correction=eigenvalue_correction)
   comm = collectives_lib.Collectives(distribution)
