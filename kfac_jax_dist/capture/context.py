@@ -60,10 +60,9 @@ class Trace:
   # capture, curvature: (n, i) -> the weight of the i-th mean over masked
   # examples (the registered loss's, `kd.losses.masked_mean`'s), its share of
   # the global batch's (`shares`), None: none; the examples of each such mean
-  # in the order they ran; the weight the registered loss applied (None: none).
+  # in the order they ran.
   loss_weight: Callable[[Any, int], Any] | None = None
   counts: list = dataclasses.field(default_factory=list)
-  applied_weight: Any = None
   # discover, capture: the row masks entered (`tags.row_mask`), innermost last.
   row_masks: list = dataclasses.field(default_factory=list)
   # discover, capture: whether the loss runs under a derivative in the
@@ -87,12 +86,12 @@ class Trace:
 
   def forget_values(self) -> None:
     """Drops what holds tracers (the registered losses, the probes, the
-    flag, the applied weight, the loss's JAX trace, the row masks, the loss's
+    flag, the counts, the loss's JAX trace, the row masks, the loss's
     offset) once the forward pass no longer needs them: the tags' backward
     passes keep this trace, and JAX may keep them (cached jaxprs) past the
     trace they were made in (`jax.checking_leaks`)."""
     self.losses, self.probes, self.compute_stats, self.top = [], {}, None, None
-    self.counts, self.applied_weight, self.row_masks = [], None, []
+    self.counts, self.row_masks = [], []
     self.loss_offset = None
 
   def path_of(self, leaf) -> str | None:
@@ -187,7 +186,8 @@ class RegisteredLoss:
   # n as a Python number where tracing knows it (no mask: every example).
   static_num_examples: int | None = None
   # the mean before the share weight and the offset (`weighted`), and that
-  # weight (None: none): a statistics pass over several losses seeds each.
+  # weight (None: none): the statistics are unweighted by it, or with several
+  # losses each seeded with it.
   unweighted: Any = None
   share: Any = None
 
@@ -219,20 +219,18 @@ def denominator(n: Any) -> Any:
   return jnp.where(n > 0, n, jnp.ones_like(n))
 
 
-def weighted(value: Any, n: Any, registered: bool = False) -> Any:
-  """A mean `value` over `n` masked examples as the active trace weighs it
-  (`Trace.loss_weight`; the registered loss's weight recorded in
-  `applied_weight`), else as it is; its `n` recorded in `Trace.counts`."""
+def weighted(value: Any, n: Any) -> tuple[Any, Any]:
+  """`(value, weight)`: a mean `value` over `n` masked examples as the active
+  trace weighs it (`Trace.loss_weight`), and that weight (None: none, the
+  value as it is); its `n` recorded in `Trace.counts`."""
   trace = current()
   if trace is None:
-    return value
+    return value, None
   trace.counts.append(n)
   if trace.loss_weight is None:
-    return value
+    return value, None
   weight = trace.loss_weight(n, len(trace.counts) - 1)
-  if registered:
-    trace.applied_weight = weight
-  return value * weight.astype(value.dtype)
+  return value * weight.astype(value.dtype), weight
 
 
 def run_plain(fun: Callable, params, args: tuple, kwargs: dict,

@@ -209,8 +209,7 @@ def _register(name: str, loss_of_targets, targets, sample, mask, inputs,
   trace = _context.current()
   unweighted, share = value, None
   if mask is not None:     # n differs between devices or slices: weighed as a share
-    value = _context.weighted(value, n, registered=True)
-    share = None if trace is None else trace.applied_weight
+    value, share = _context.weighted(value, n)
   if trace is not None and per_example.size == 0:
     raise ValueError(
         f"kd.losses.{name}: inputs of shape {jnp.shape(inputs)}, no examples (an empty "
@@ -433,4 +432,4 @@ def masked_mean(values: ArrayLike, mask: ArrayLike) -> jax.Array:
         "the global batch cannot be counted: return the values and mask out of the "
         "transform and average them at the loss function's top level, or average "
         "them with plain jnp there (the local batch's mean).")
-  return _context.weighted(jnp.sum(values * mask) / _context.denominator(n), n)
+  return _context.weighted(jnp.sum(values * mask) / _context.denominator(n), n)[0]

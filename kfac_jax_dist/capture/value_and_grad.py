@@ -579,9 +579,8 @@ class ValueAndGrad:
       # traced by the calls of `vjp` below (`tags._scaled_inside`).
       if loss_scale is None:
         trace.statistics_scale = losses[0].static_num_examples
-      weight = trace.applied_weight
       trace.forget_values()
-      return (loss, sampled), (aux, losses[0].num_examples, weight)
+      return (loss, sampled), (aux, losses[0].num_examples, losses[0].share)
 
     traces: list[_context.Trace] = []
     try:
@@ -696,7 +695,7 @@ def _per_loss_seeds(losses: list, fisher: str, rng: Any, local: bool
   seeds = [jnp.asarray(loss.num_examples, jnp.promote_types(dtype, jnp.float32))
            * (1 if loss.share is None else loss.share) for loss in losses]
   return (jnp.stack([v.astype(dtype) for v in values]),
-          jnp.stack([jax.lax.stop_gradient(x) for x in seeds]))
+          jax.lax.stop_gradient(jnp.stack(seeds)))
 
 
 def _eval_binding_axes(fun: Callable, *args: Any) -> None:
